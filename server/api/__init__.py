@@ -1,0 +1,1 @@
+"""HTTP layer: FastAPI app, task routes, OpenAI routes, ops routes."""

@@ -1,0 +1,160 @@
+"""One typed settings object for the whole server.
+
+Every field can be set by an environment variable `RWKV_<FIELD>` (upper case) and by a CLI flag
+`--<field-with-dashes>`; the CLI takes its defaults from the environment, which takes its defaults
+from the dataclass. Field docs are the attribute docstrings below (also used for `--help`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- model -------------------------------------------------------------------------------
+    model: str = ""
+    """Checkpoint: a path to an RWKV-7 .pth file or `synthetic:<preset>[:seed]` (presets tiny,
+    0.1b, 0.4b, 1.5b, 2.9b, 7.2b). Empty: `synthetic:tiny` (random weights, random outputs)."""
+    device: str = "auto"
+    """Torch device: `cpu`, `cuda`, `cuda:1`, or `auto` (cuda when available, else cpu)."""
+    dtype: str = "auto"
+    """Compute dtype: fp32, fp16, bf16, or auto (fp16 on cuda, fp32 on cpu)."""
+    state_dtype: str = "fp32"
+    """Precision of the WKV state kept per sequence: fp32 or fp16 (fp16 halves state memory)."""
+
+    # --- engine --------------------------------------------------------------------------------
+    max_batch: int = 0
+    """Slots in the state pool = most sequences decoding at once. 0: 256 on cuda, 32 on cpu."""
+    step_token_budget: int = 2048
+    """Most tokens (decode + prefill chunks) one engine step processes; bounds decode latency
+    while long prompts prefill."""
+    prefill_chunk: int = 512
+    """Longest prompt chunk a single sequence prefills in one step."""
+    max_queue: int = 4096
+    """Most sequences waiting for a slot; more submissions are refused (HTTP 429)."""
+    max_prompt_tokens: int = 65536
+    """Longest prompt accepted, in tokens (longer: HTTP 413)."""
+    default_max_tokens: int = 256
+    """max_tokens when a request gives none."""
+    cuda_graphs: bool = True
+    """Capture decode steps as CUDA graphs (one per batch bucket) on cuda."""
+    stats_interval: float = 10.0
+    """Seconds between engine stats log lines (0 disables the line)."""
+
+    # --- tasks / storage ---------------------------------------------------------------------
+    db: str = "rwkv_tasks.db"
+    """Task database: a SQLite file path, or a SQLAlchemy async URL (sqlite+aiosqlite://...,
+    postgresql+asyncpg://...)."""
+    state_cache_bytes: int = 2 * 1024**3
+    """Budget in bytes of the in-memory LRU cache of task states."""
+    db_budget_bytes: int = 20 * 1024**3
+    """Budget in bytes of the states stored in the database (oldest non-template states are
+    dropped first; their text stays)."""
+    tmp_task_ttl: float = 600.0
+    """Seconds a finished TMP_ task is kept in memory."""
+    writer_queue: int = 64
+    """Bound of the background state-writer queue (writers wait when it is full)."""
+
+    # --- HTTP --------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    api_keys: str = ""
+    """Comma-separated API keys; when set (or api_key_file is), /v1 routes need
+    `Authorization: Bearer <key>`."""
+    api_key_file: str = ""
+    """File with one API key per line (blank lines and # comments ignored)."""
+    max_body_bytes: int = 8 * 1024**2
+    """Largest request body accepted (HTTP 413 beyond)."""
+    few_shot: str = ""
+    """Path of a few-shot dialogue file prefixed to chat prompts when a request asks for it;
+    empty: the project's few_shot.txt."""
+    log_level: str = "info"
+    """Log level: debug, info, warning, error."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Settings from `RWKV_*` variables, then explicit overrides (e.g. from the CLI)."""
+        env = os.environ if env is None else env
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key = "RWKV_" + f.name.upper()
+            if key in env:
+                values[f.name] = _parse(hints[f.name], env[key], key)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "fp16" if self.resolved_device().startswith("cuda") else "fp32"
+
+    def resolved_max_batch(self) -> int:
+        if self.max_batch > 0:
+            return self.max_batch
+        return 256 if self.resolved_device().startswith("cuda") else 32
+
+    def resolved_model(self) -> str:
+        return self.model or "synthetic:tiny"
+
+    def api_key_set(self) -> frozenset[str]:
+        keys = {k.strip() for k in self.api_keys.split(",") if k.strip()}
+        if self.api_key_file:
+            with open(self.api_key_file, encoding="utf-8") as fh:
+                for line in fh:
+                    line = line.strip()
+                    if line and not line.startswith("#"):
+                        keys.add(line)
+        return frozenset(keys)
+
+
+def _parse(typ: Any, raw: str, name: str) -> Any:
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if typ is int:
+            return int(float(raw)) if "e" in raw.lower() else int(raw)
+        if typ is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {getattr(typ, '__name__', typ)}") from None
+
+
+def field_docs() -> dict[str, str]:
+    """Attribute docstrings of Settings, for --help."""
+    src = inspect.getsource(Settings)
+    tree = ast.parse(src)
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                docs[prev.target.id] = " ".join(node.value.value.split())  # type: ignore[union-attr]
+    return docs
+
+
+__all__ = ["Settings", "field_docs", "field"]
