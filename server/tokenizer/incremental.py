@@ -1,0 +1,43 @@
+"""`IncrementalDecoder`: streaming detokenizer that never splits a UTF-8 character."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+
+from .tokenizer import Tokenizer
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text, one piece per `push`.
+
+    A token can end in the middle of a multi-byte character; `push` holds back such a trailing
+    incomplete sequence (at most 3 bytes) until the bytes that complete it arrive. Bytes that can
+    no longer become valid UTF-8 are emitted at once as U+FFFD (never stalls), exactly as
+    `Tokenizer.decode` would replace them, so for any split of an id list
+    `"".join(push(part) for part in parts) + flush() == tokenizer.decode(all_ids)`.
+    Valid text never produces U+FFFD. Not thread-safe (one per stream).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        if tokenizer is None:
+            from . import get_tokenizer
+
+            tokenizer = get_tokenizer()
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Add ids; return the newly completed text (may be "")."""
+        return self._utf8.decode(self._tok.decode_bytes(ids))
+
+    def flush(self) -> str:
+        """End of stream: return held-back bytes (as U+FFFD, they are incomplete) and reset."""
+        out = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return out
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes held back waiting for the rest of a character."""
+        return self._utf8.getstate()[0]

@@ -1,0 +1,81 @@
+"""`Tokenizer`: RWKV World encode/decode over a 65536-id space."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from .trie_regex import compile_greedy
+from .vocab import DEFAULT_VOCAB, VOCAB_SIZE, load_vocab
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class Tokenizer:
+    """Greedy longest-match byte-level tokenizer (the RWKV World tokenizer).
+
+    Immutable after construction and safe to share between threads. The encoder (a compiled
+    regex, ~1 s to build) is built on first use or by `warm_up()`.
+    """
+
+    vocab_size: int = VOCAB_SIZE
+
+    def __init__(self, vocab_path: str | Path = DEFAULT_VOCAB) -> None:
+        self._bytes: list[bytes] = load_vocab(vocab_path)  # id -> bytes (b"" when no entry)
+        self._ids: dict[bytes, int] = {t: i for i, t in enumerate(self._bytes) if t}
+        self._pattern: re.Pattern[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def warm_up(self) -> "Tokenizer":
+        """Build the encoder now (otherwise the first `encode` does it)."""
+        self._matcher()
+        return self
+
+    def _matcher(self) -> re.Pattern[bytes]:
+        if self._pattern is None:
+            with self._lock:
+                if self._pattern is None:
+                    self._pattern = compile_greedy(list(self._ids))
+        return self._pattern
+
+    # --- encode -------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`'s UTF-8 bytes. Lone surrogates (not encodable) become U+FFFD."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            data = _SURROGATE.sub("\ufffd", text).encode("utf-8")
+        return self.encode_bytes(data)
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        """Token ids of arbitrary bytes (greedy longest match, left to right)."""
+        return list(map(self._ids.__getitem__, self._matcher().findall(data)))
+
+    # --- decode -------------------------------------------------------------------------------
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one id; b"" for ids without an entry (0, 65530..65535)."""
+        if not 0 <= token_id < VOCAB_SIZE:
+            raise ValueError(_range_msg(token_id))
+        return self._bytes[token_id]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The concatenated bytes of `ids`. ValueError for an id outside [0, 65536)."""
+        if not isinstance(ids, (list, tuple)):
+            ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= VOCAB_SIZE):
+            bad = next(i for i in ids if not 0 <= i < VOCAB_SIZE)
+            raise ValueError(_range_msg(bad))
+        return b"".join(map(self._bytes.__getitem__, ids))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """UTF-8 text of `ids`; byte sequences that are not valid UTF-8 become U+FFFD
+        (Python's errors="replace": one U+FFFD per maximal invalid subsequence)."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def _range_msg(token_id: object) -> str:
+    return f"token id {token_id!r} is outside the vocabulary range [0, {VOCAB_SIZE})"
