@@ -75,6 +75,10 @@ class Result:
     state: Any = None
     """Final state (a batch-1 `State` on the CPU) when it was asked for, else None."""
     error: str | None = None
+    pending_tokens: list[int] = field(default_factory=list)
+    """Tokens of prompt + token_ids NOT yet fed into `state` (normally the last generated token;
+    empty after a stop token or a prefill-only request). To continue exactly as if the sequence
+    had never stopped, submit `pending_tokens + new_prompt_tokens` with `init_state=state`."""
 
     @property
     def usage(self) -> dict[str, int]:

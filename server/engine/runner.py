@@ -1,0 +1,185 @@
+"""The runner: executes a scheduler plan on the device over a preallocated slot pool.
+
+Per step (see scheduler.py for the plan's meaning), in this order:
+1. ops: copy finished states out of their slots, move slots to keep the active prefix;
+2. admissions: reset each new slot to zeros or its starting state (pool.scatter converts
+   device/dtype), reset its penalties and sampling parameters;
+3. prefill: one `model.forward(chunks, pool, slots)` for all prompt chunks of the step;
+4. decode + sampling: one `model.decode(ids, pool.view(0, bucket))` and one sampler call over
+   the bucket (or one CUDA-graph replay of both), then ONE device->host copy of the token ids.
+States are updated in place in the pool; nothing is copied per step except moves/admissions.
+
+Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
+main stream (ordered before the slot is reused) then a pinned host copy on a side stream; the
+copy is handed back by `poll_copies()` once its event completed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server.model.state import State
+
+from .sampler import SamplerSlots
+from .scheduler import CopyOutOp, MoveOp, StepPlan
+from .sequence import Sequence
+
+
+@dataclass
+class _PendingCopy:
+    seq: Sequence
+    host: State
+    done: "torch.cuda.Event"
+    device_copy: State  # kept alive until the side-stream copy completed
+
+
+@dataclass
+class PrepareResult:
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+    """Admissions that failed (e.g. a starting state of the wrong shape)."""
+
+
+class Runner:
+    def __init__(self, model, max_batch: int, *, cuda_graphs: bool = False):
+        self.model = model
+        self.max_batch = max_batch
+        self.device = torch.device(model.device)
+        self.pool: State = model.zero_state(max_batch)
+        self.sampler = SamplerSlots(max_batch, model.shape.vocab_size, self.device)
+        self.cuda = self.device.type == "cuda"
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._h2d = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=self.cuda)  # (3, M)
+        self._copies: list[_PendingCopy] = []
+        self._ready: list[tuple[Sequence, State]] = []
+        self.graphs = None
+        if cuda_graphs and self.cuda:
+            from server.model.graphs import DecodeGraphs  # noqa: PLC0415 (CUDA only)
+
+            self.graphs = DecodeGraphs(model, self.pool, sampler=self.sampler, max_batch=max_batch)
+            self.graphs.capture()
+        self.model_time = 0.0
+        """Seconds in model.forward/decode (exact on CPU; on CUDA without graphs the decode's
+        launch time, with graphs 0: the replay and its sync count as sampling)."""
+        self.sample_time = 0.0
+        """Seconds in sampling + the device->host copy of the token ids (includes the wait)."""
+
+    # --- step phases ----------------------------------------------------------------------
+    def prepare(self, plan: StepPlan) -> PrepareResult:
+        """Ops (copy-outs, moves) then admissions."""
+        for op in plan.ops:
+            if isinstance(op, CopyOutOp):
+                self._copy_out(op.slot, op.seq)
+            elif isinstance(op, MoveOp):
+                self._move(op.pairs)
+        res = PrepareResult()
+        if plan.admits:
+            self._admit(plan, res)
+        return res
+
+    def prefill(self, plan: StepPlan) -> None:
+        if not plan.prefill:
+            return
+        t0 = time.perf_counter()
+        self.model.forward([t for _, t in plan.prefill], self.pool, slots=[s for s, _ in plan.prefill])
+        self.model_time += time.perf_counter() - t0
+
+    def decode(self, plan: StepPlan) -> list[int]:
+        """Decode every active row once, sample, and return the n_active token ids."""
+        n, b = plan.n_active, plan.bucket
+        if n == 0:
+            return []
+        t0 = time.perf_counter()
+        h = self._h2d
+        h[:, :b].zero_()
+        h[:, :n].copy_(torch.tensor([plan.decode_tokens, plan.positions, plan.commit], dtype=torch.long))
+        dev = h[:, :b].to(self.device, non_blocking=True)  # (3, b)
+        ids, pos, commit = dev[0], dev[1], dev[2].bool()
+        if self.graphs is not None:
+            tok = self.graphs.step(n, ids[:n], pos[:n], commit[:n])  # (n,)
+            t1 = t0
+        else:
+            logits = self.model.decode(ids, self.pool.view(0, b))  # (b, V) fp32
+            t1 = time.perf_counter()
+            greedy = all(s.params.temperature == 0 for s in plan.rows)
+            tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)[:n]  # (n,)
+        out = tok.tolist()  # the step's one device->host copy (and sync)
+        t2 = time.perf_counter()
+        self.model_time += t1 - t0
+        self.sample_time += t2 - t1
+        return out
+
+    # --- slots ----------------------------------------------------------------------------
+    def _move(self, pairs: list[tuple[int, int]]) -> None:
+        dst = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
+        src = torch.tensor([s for _, s in pairs], dtype=torch.long, device=self.device)
+        for t in self.pool.tensors():
+            t.index_copy_(1, dst, t.index_select(1, src))
+        self.sampler.move(pairs)
+
+    def _admit(self, plan: StepPlan, res: PrepareResult) -> None:
+        zero, ok = [], []
+        for slot, seq in plan.admits:
+            try:
+                if seq.init_state is None:
+                    zero.append(slot)
+                else:
+                    self.pool.scatter(_check_state(seq.init_state, self.pool), [slot])
+                ok.append((slot, seq))
+            except Exception as exc:  # a bad starting state fails its request only
+                res.failed.append((seq, f"could not load the starting state: {exc}"))
+                zero.append(slot)
+            seq.init_state = None
+        if zero:
+            self.pool.zero_slots(zero)
+        if ok:
+            self.sampler.reset([s for s, _ in ok], [q.params for _, q in ok], [q.seed for _, q in ok])
+
+    # --- final states -----------------------------------------------------------------------
+    def _copy_out(self, slot: int, seq: Sequence) -> None:
+        g = self.pool.gather([slot])  # device copy, ordered before the slot is reused
+        if not self.cuda:
+            self._ready.append((seq, g))
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            host = State(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in g.tensors()))
+            for h, t in zip(host.tensors(), g.tensors()):
+                h.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        self._copies.append(_PendingCopy(seq, host, done, g))
+
+    def poll_copies(self, wait: bool = False) -> list[tuple[Sequence, State]]:
+        """Final states whose copy to the CPU completed (all of them when wait=True)."""
+        ready, self._ready = self._ready, []
+        keep = []
+        for c in self._copies:
+            if wait:
+                c.done.synchronize()
+            if wait or c.done.query():
+                ready.append((c.seq, c.host))
+            else:
+                keep.append(c)
+        self._copies = keep
+        return ready
+
+    @property
+    def copies_pending(self) -> bool:
+        return bool(self._copies or self._ready)
+
+    def state_template(self) -> State:
+        """A zero batch-1 state on the CPU with the pool's dtypes (for prefill-only no-ops)."""
+        return State(*(torch.zeros_like(t[:, :1], device="cpu") for t in self.pool.tensors()))
+
+
+def _check_state(st: State, pool: State) -> State:
+    if st.batch_size != 1:
+        raise ValueError(f"a starting state must have batch 1, got {st.batch_size}")
+    for a, b in zip(st.tensors(), pool.tensors()):
+        if a.dim() != b.dim() or a.shape[0] != b.shape[0] or a.shape[2:] != b.shape[2:]:
+            raise ValueError(f"state shape {tuple(a.shape)} does not fit the model's {tuple(b.shape)}")
+    return st

@@ -1,0 +1,181 @@
+"""Batched sampling on the device: one call per step, fixed shapes (B,), no host sync inside.
+
+For row b with logits z (V,), per-slot penalty P (V,) and parameters (T, top_p, top_k,
+presence, repetition, decay, seed), at generated-token index `pos`:
+
+    z' = z - P                                         penalties (zero at the start of a request)
+    greedy (T == 0):   t = argmax z'
+    otherwise (the RWKV `sample_logits` convention: filter on the T=1 distribution, then T):
+        p = softmax(z'); sort p descending (p_(1) >= p_(2) >= ...)
+        top-p: cutoff = p_(m) with m the first rank whose cumulative sum >= top_p;
+               keep tokens with p >= cutoff (ties kept; top_p = 0 keeps only the maximum)
+        top-k: if top_k > 0 keep only the first top_k ranks
+        weights w_i = (p_i / p_(1)) ** (1 / T) on the kept tokens (computed as exp((z'_i-z'_max)/T))
+        u = uniform(seed, pos) in [0, 1) (counter-based: splitmix64(splitmix64(seed) + pos))
+        t = the kept token whose cumulative weight first exceeds u * sum(w)     (inverse CDF)
+    then, only for rows that commit a real token:
+        P *= decay;   P[t] += presence if t was not generated before in this request else repetition
+
+Penalties count only this request's generated tokens (not the prompt), like ChatRWKV/RWKV-Runner.
+(ChatRWKV subtracts `presence + count * frequency` with a decayed count, so its presence part
+never decays; here, as the engine issue specifies, the whole penalty decays: one (V,) tensor per slot.)
+The random stream depends only on (seed, pos), so a request gives the same tokens alone or in any
+batch. Defaults (types.SamplingParams) are the ChatRWKV RWKV-7 chat demo's (API_DEMO_CHAT):
+T=1.0, top_p=0.3, top_k=0, presence 0.5, repetition (frequency) 0.5, decay 0.996
+(RWKV-Runner's: T=1, top_p=0.3, presence 0, frequency 1, decay 0.996).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .types import SamplingParams
+
+_U64 = 1 << 64
+
+
+def _s64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    c %= _U64
+    return c - _U64 if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _s64(0x9E3779B97F4A7C15), _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 tensors (wrapping arithmetic)."""
+    z = x + _GOLDEN
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def uniform(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform randoms in [0, 1) (float32, 24 random bits) for (seed, pos) pairs."""
+    z = splitmix64(splitmix64(seed) + pos)  # (B,) int64
+    return _srl(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+class SamplerSlots:
+    """Per-slot sampling state on the device: parameters and penalties (move with their slot)."""
+
+    def __init__(self, slots: int, vocab: int, device: torch.device | str):
+        self.penalty = torch.zeros(slots, vocab, dtype=torch.float32, device=device)  # (S, V)
+        self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device)  # (S, V)
+        # temperature, top_p, presence, repetition, decay
+        self.fparams = torch.zeros(slots, 5, dtype=torch.float32, device=device)  # (S, 5)
+        self.iparams = torch.zeros(slots, 2, dtype=torch.long, device=device)  # (S, 2) top_k, seed
+        self.device = torch.device(device)
+
+    def reset(self, slots: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int]) -> None:
+        idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        f = [[p.temperature, p.top_p, p.presence_penalty, p.repetition_penalty, p.penalty_decay] for p in params]
+        i = [[p.top_k, _s64(s)] for p, s in zip(params, seeds)]
+        self.fparams.index_copy_(0, idx, torch.tensor(f, dtype=torch.float32).to(self.device))
+        self.iparams.index_copy_(0, idx, torch.tensor(i, dtype=torch.long).to(self.device))
+        self.penalty.index_fill_(0, idx, 0.0)
+        self.seen.index_fill_(0, idx, False)
+
+    def move(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy rows src -> dst for each (dst, src) pair (dst and src sets are disjoint)."""
+        dst = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
+        src = torch.tensor([s for _, s in pairs], dtype=torch.long, device=self.device)
+        for t in (self.penalty, self.seen, self.fparams, self.iparams):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    def sample(
+        self, logits: torch.Tensor, positions: torch.Tensor, commit: torch.Tensor, greedy_only: bool = False
+    ) -> torch.Tensor:
+        """Sample one token for each of the first B slots; update their penalties in place."""
+        B = logits.shape[0]
+        return sample(
+            logits, self.penalty[:B], self.seen[:B], self.fparams[:B], self.iparams[:B], positions, commit, greedy_only
+        )
+
+
+def sample(
+    logits: torch.Tensor,  # (B, V) fp32
+    penalty: torch.Tensor,  # (B, V) fp32, updated in place
+    seen: torch.Tensor,  # (B, V) bool, updated in place
+    fparams: torch.Tensor,  # (B, 5) temperature, top_p, presence, repetition, decay
+    iparams: torch.Tensor,  # (B, 2) top_k, seed
+    positions: torch.Tensor,  # (B,) long
+    commit: torch.Tensor,  # (B,) bool: rows whose token is real (penalties update)
+    greedy_only: bool = False,
+) -> torch.Tensor:
+    z = logits.float() - penalty  # (B, V)
+    if greedy_only:
+        tok = z.argmax(-1)  # (B,)
+    else:
+        tok = _sample_rows(z, fparams, iparams, positions)
+    _update_penalty(penalty, seen, tok, fparams, commit)
+    return tok
+
+
+def _sample_rows(z: torch.Tensor, fparams: torch.Tensor, iparams: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    B, V = z.shape
+    probs = torch.softmax(z, dim=-1)  # (B, V)
+    if z.device.type != "cpu":
+        sp, si = probs.sort(dim=-1, descending=True)  # (B, V)
+        return _pick(z, sp, si, fparams, iparams, pos)[0]
+    # CPU: a full sort of (B, V) costs ~2.5 ms per row; rank the top candidates instead and widen
+    # only for rows whose kept set may not fit (a host check, CPU only). Same result as a sort.
+    tok = torch.zeros(B, dtype=torch.long)  # (B,)
+    rows = torch.arange(B)
+    for k in CPU_CANDIDATES + (V,):
+        k = min(k, V)
+        p = probs[rows]  # (R, V)
+        sp, si = p.topk(k, dim=-1) if k < V else p.sort(dim=-1, descending=True)  # (R, k)
+        t, overflow = _pick(z[rows], sp, si, fparams[rows], iparams[rows], pos[rows])
+        tok[rows] = t
+        if k == V or not overflow.any():
+            break
+        rows = rows[overflow]
+    return tok
+
+
+CPU_CANDIDATES = (256, 4096)
+"""Candidate counts tried on CPU before a full sort (the result is the same)."""
+
+
+def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample from the sorted probabilities sp (B, K) of tokens si; also flag rows whose kept
+    set might extend beyond the K candidates (K < V)."""
+    B, K = sp.shape
+    temp, top_p = fparams[:, 0], fparams[:, 1]  # (B,)
+    top_k, seed = iparams[:, 0], iparams[:, 1]  # (B,)
+    cum = sp.cumsum(dim=-1)  # (B, K)
+    m = (cum < top_p[:, None]).sum(-1)  # (B,) rank of the top-p cutoff
+    overflow = (m >= K) & ((top_k <= 0) | (top_k > K)) & (temp > 0)  # (B,)
+    cutoff = sp.gather(1, m.clamp(max=K - 1)[:, None])  # (B, 1)
+    rank = torch.arange(K, device=z.device)[None, :]  # (1, K)
+    keep = (sp >= cutoff) & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))  # (B, K), a prefix
+    zs = z.gather(1, si)  # (B, K) sorted logits
+    t_safe = torch.where(temp > 0, temp, torch.ones_like(temp))  # (B,)
+    w = torch.exp((zs - zs[:, :1]) / t_safe[:, None]) * keep  # (B, K)
+    cdf = w.cumsum(dim=-1)  # (B, K)
+    target = uniform(seed, pos) * cdf[:, -1]  # (B,)
+    idx = torch.searchsorted(cdf, target[:, None], right=True)  # (B, 1)
+    idx = torch.minimum(idx, keep.sum(-1, keepdim=True) - 1)
+    sampled = si.gather(1, idx).squeeze(1)  # (B,)
+    return torch.where(temp > 0, sampled, z.argmax(-1)), overflow
+
+
+def _update_penalty(
+    penalty: torch.Tensor, seen: torch.Tensor, tok: torch.Tensor, fparams: torch.Tensor, commit: torch.Tensor
+) -> None:
+    presence, repetition, decay = fparams[:, 2], fparams[:, 3], fparams[:, 4]  # (B,)
+    penalty.mul_(torch.where(commit, decay, torch.ones_like(decay))[:, None])  # (B, V)
+    t = tok[:, None]  # (B, 1)
+    was_seen = seen.gather(1, t).squeeze(1)  # (B,)
+    add = torch.where(was_seen, repetition, presence) * commit  # (B,)
+    penalty.scatter_add_(1, t, add[:, None])
+    seen.scatter_(1, t, (was_seen | commit)[:, None])

@@ -1,0 +1,251 @@
+"""The scheduler: decides each engine step, applies its results. Pure Python, no torch.
+
+Slots. The runner's state pool has `max_batch` slots; running sequences always occupy the
+contiguous prefix [0, n_active). When sequences leave, the last active slots are moved into the
+holes (`MoveOp`, executed by the runner before the step's forward), so a decode step is always
+one call over the pool view [0, bucket), bucket = n_active rounded up to a power of two (capped
+at max_batch). Rows [n_active, bucket) are free slots: they decode a dummy token and their
+garbage never matters, because a slot is reset (zeros or a starting state) on admission.
+
+One step. Every active row decodes exactly one token in a single `model.decode` call:
+- a decoding sequence feeds its last sampled token;
+- a prefilling sequence feeds the LAST token of this step's prompt chunk; the rest of the chunk
+  (if any) goes through `model.forward(chunks, pool, slots)` BEFORE the decode. So all logits come
+  from the decode, and forward + sampling of a step is one fixed-shape decode call per bucket
+  (what a CUDA graph wants); the chunk logits of the forward are not used.
+Only rows marked `commit` yield a real token (decoding rows, and prefilling rows whose prompt
+ends in this step unless max_tokens == 0); the other rows' samples are ignored.
+
+Token budget. A step processes at most `budget = max(step_token_budget, max_batch)` tokens:
+one per active row first (decode), then prompt chunks (each at most `prefill_chunk` tokens per
+sequence, oldest prefilling sequence first), then new admissions (FIFO, each needs at least one
+token of budget and a free slot). A burst of short prompts is admitted and prefilled together.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .sequence import RUNNING, WAITING, Sequence
+from .types import ABORT, ERROR, LENGTH, Event, QueueFullError
+
+
+@dataclass
+class MoveOp:
+    """Copy slot src -> dst for each pair (state, penalties, sampling params); pairs are disjoint."""
+
+    pairs: list[tuple[int, int]]  # (dst, src)
+
+
+@dataclass
+class CopyOutOp:
+    """Copy this finished sequence's state out of its slot (before later ops reuse the slot)."""
+
+    slot: int
+    seq: Sequence
+
+
+@dataclass
+class StepPlan:
+    ops: list[MoveOp | CopyOutOp] = field(default_factory=list)
+    """Executed in order, before anything else of the step."""
+    admits: list[tuple[int, Sequence]] = field(default_factory=list)
+    """(slot, seq): reset the slot (zeros or seq.init_state), penalties and sampling params."""
+    prefill: list[tuple[int, list[int]]] = field(default_factory=list)
+    """(slot, tokens) for model.forward, run before the decode."""
+    rows: list[Sequence] = field(default_factory=list)
+    """Row i = slot i, for i < n_active."""
+    takes: list[int] = field(default_factory=list)
+    """Prompt tokens each row consumes this step (0 = the row feeds its pending output token)."""
+    decode_tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    """Index of the generated token each row samples (the random stream's counter)."""
+    commit: list[bool] = field(default_factory=list)
+    bucket: int = 0
+    early: list[tuple[Sequence, Event]] = field(default_factory=list)
+    """Sequences that ended at admission (prefill-only with an empty prompt: nothing to run)."""
+
+    @property
+    def n_active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_prefill_tokens(self) -> int:
+        return sum(self.takes)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens this step feeds through the model (without bucket padding)."""
+        return sum(len(t) for _, t in self.prefill) + len(self.rows)
+
+
+@dataclass
+class StepOutput:
+    events: list[tuple[Sequence, Event]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    decode_tokens: int = 0
+    """Generated tokens committed this step."""
+
+
+def bucket_for(n: int, max_batch: int) -> int:
+    """Smallest power of two >= n, capped at max_batch (0 for n == 0)."""
+    if n <= 0:
+        return 0
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max_batch)
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, step_token_budget: int, prefill_chunk: int, max_queue: int = 0):
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1")
+        self.max_batch = max_batch
+        self.budget = max(step_token_budget, max_batch)
+        self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.waiting: deque[Sequence] = deque()
+        self.slots: list[Sequence] = []  # active prefix; slots[i].slot == i
+        self._ops: list[MoveOp | CopyOutOp] = []
+
+    # --- queries --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.slots or self.waiting or self._ops)
+
+    # --- inputs ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if self.max_queue and len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queue={self.max_queue})")
+        seq.status = WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> tuple[Sequence, Event] | None:
+        """End a waiting or running sequence by request identity (its slot is freed at once)."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return seq, seq.finish(ABORT)
+        for seq in self.slots:
+            if seq.request_id == request_id:
+                ev = seq.finish(ABORT)
+                self._release([seq])
+                return seq, ev
+        return None
+
+    def fail(self, seq: Sequence, message: str) -> Event | None:
+        """Fail one sequence (the others are untouched); its slot is freed at once."""
+        if seq.finished:
+            return None
+        if seq.status == WAITING:
+            self.waiting.remove(seq)
+            return seq.finish(ERROR, message)
+        ev = seq.finish(ERROR, message)
+        self._release([seq])
+        return ev
+
+    # --- the step -------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        """The next step's plan (call apply() with its sampled tokens afterwards)."""
+        plan = StepPlan(ops=self._ops)
+        self._ops = []
+        budget = self.budget - len(self.slots)
+        for seq in self.slots:
+            take = 0
+            if seq.prefilling:
+                take = self._chunk(seq, budget + 1)
+                budget -= take - 1
+            self._add_row(plan, seq, take)
+        while self.waiting and len(self.slots) < self.max_batch and budget >= 1:
+            seq = self.waiting.popleft()
+            if not seq.prompt:  # prefill-only request with nothing to feed: done at once
+                plan.early.append((seq, seq.finish(LENGTH)))
+                continue
+            seq.status, seq.slot = RUNNING, len(self.slots)
+            self.slots.append(seq)
+            plan.admits.append((seq.slot, seq))
+            take = self._chunk(seq, budget)
+            budget -= take
+            self._add_row(plan, seq, take)
+        plan.bucket = bucket_for(len(plan.rows), self.max_batch)
+        return plan
+
+    def _chunk(self, seq: Sequence, allowed: int) -> int:
+        return max(1, min(len(seq.prompt) - seq.n_fed, self.prefill_chunk, allowed))
+
+    def _add_row(self, plan: StepPlan, seq: Sequence, take: int) -> None:
+        plan.rows.append(seq)
+        plan.takes.append(take)
+        plan.positions.append(len(seq.output_ids))
+        if take:
+            lo, hi = seq.n_fed, seq.n_fed + take
+            if take > 1:
+                plan.prefill.append((seq.slot, seq.prompt[lo : hi - 1]))
+            plan.decode_tokens.append(seq.prompt[hi - 1])
+            plan.commit.append(hi == len(seq.prompt) and seq.params.max_tokens > 0)
+        else:
+            plan.decode_tokens.append(seq.output_ids[-1])
+            plan.commit.append(True)
+
+    def apply(self, plan: StepPlan, sampled: list[int]) -> StepOutput:
+        """Record the step's sampled tokens (row i = slot i), check stops, free finished slots."""
+        out = StepOutput()
+        done: list[Sequence] = []
+        for i, seq in enumerate(plan.rows):
+            if seq.finished:  # failed or aborted while the step ran
+                continue
+            try:
+                ev = self._apply_row(seq, plan.takes[i], plan.commit[i], sampled[i], out)
+            except Exception as exc:  # one bad sequence fails alone
+                ev = seq.finish(ERROR, f"{type(exc).__name__}: {exc}")
+            if ev is not None:
+                out.events.append((seq, ev))
+                if ev.finished:
+                    done.append(seq)
+        self._release(done)
+        out.finished.extend(done)
+        return out
+
+    def _apply_row(self, seq: Sequence, take: int, commit: bool, token: int, out: StepOutput) -> Event | None:
+        seq.consume(take)
+        if take and not seq.prefilling and seq.params.max_tokens == 0:
+            return seq.finish(LENGTH)
+        if not commit:
+            return None
+        out.decode_tokens += 1
+        return seq.add_token(token)
+
+    # --- ending sequences ---------------------------------------------------------
+    def _release(self, done: Iterable[Sequence]) -> None:
+        """Free the slots of finished sequences; keep the active slots a contiguous prefix."""
+        freed = sorted(s.slot for s in done if 0 <= s.slot < len(self.slots) and self.slots[s.slot] is s)
+        if not freed:
+            return
+        for slot in freed:
+            seq = self.slots[slot]
+            if seq.return_state and seq.finish_reason != ERROR:
+                seq.state_queued = True
+                self._ops.append(CopyOutOp(slot, seq))
+        n_new = len(self.slots) - len(freed)
+        freed_set = set(freed)
+        holes = [s for s in freed if s < n_new]
+        sources = [s for s in range(n_new, len(self.slots)) if s not in freed_set]
+        pairs = list(zip(holes, reversed(sources)))  # the last active slot fills the first hole
+        for dst, src in pairs:
+            self.slots[dst] = self.slots[src]
+            self.slots[dst].slot = dst
+        for seq in done:
+            seq.slot = -1
+        del self.slots[n_new:]
+        if pairs:
+            self._ops.append(MoveOp(pairs))

@@ -1,0 +1,267 @@
+"""Engine tests on the tiny synthetic model (CPU): batching equals running alone, seeded
+sampling, stop strings, abort, state continuation, failures, async iteration, dead loop."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from server.config import Settings
+from server.engine import Engine, EngineDeadError, PromptTooLongError, QueueFullError, SamplingParams
+from server.engine import engine as engine_mod
+from server.model import State, load_model
+from server.tokenizer import get_tokenizer
+
+GREEDY = dict(temperature=0.0, presence_penalty=0.0, repetition_penalty=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("synthetic:tiny")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tokenizer()
+
+
+def make_engine(model, tok, **kw):
+    s = dict(max_batch=8, step_token_budget=48, prefill_chunk=16, stats_interval=0.0)
+    s.update(kw)
+    return Engine(model, tok, Settings(**s)).start()
+
+
+@pytest.fixture
+def engine(model, tok):
+    e = make_engine(model, tok)
+    yield e
+    e.shutdown()
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 65530) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
+
+
+def test_64_concurrent_requests_equal_running_alone(engine):
+    ps = prompts(64)
+    params = [SamplingParams(max_tokens=i % 9, **GREEDY) for i in range(64)]
+    handles = [engine.submit(p, q) for p, q in zip(ps, params)]
+    together = [h.result(120) for h in handles]
+    for r, q in zip(together, params):
+        assert r.finish_reason == "length" and r.completion_tokens == len(r.token_ids) == q.max_tokens
+    for i in range(0, 64, 5):  # alone, one after another
+        alone = engine.submit(ps[i], params[i]).result(60)
+        assert alone.token_ids == together[i].token_ids and alone.text == together[i].text
+    st = engine.stats()
+    assert st.running == 0 and st.waiting == 0 and st.generation_tokens_total >= sum(q.max_tokens for q in params)
+
+
+def test_events_add_up_to_the_result(engine):
+    h = engine.submit("Hello there", SamplingParams(max_tokens=12, **GREEDY))
+    events = list(h)
+    res = h.result(10)
+    assert "".join(e.text for e in events) == res.text
+    assert sum((e.token_ids for e in events), []) == res.token_ids
+    assert [e.n_tokens for e in events] == list(range(1, 13))
+    assert events[-1].finished and events[-1].finish_reason == "length" and not any(e.finished for e in events[:-1])
+    assert res.prompt_tokens == len(get_tokenizer().encode("Hello there"))
+    assert res.usage["total_tokens"] == res.prompt_tokens + 12
+
+
+def test_seeded_sampling_is_reproducible_alone_or_with_others(engine):
+    ps = prompts(12, seed=1)
+    params = [SamplingParams(max_tokens=6, seed=100 + i, ignore_eos=True) for i in range(12)]
+    together = [h.result(60) for h in [engine.submit(p, q) for p, q in zip(ps, params)]]
+    for i in (0, 5, 11):
+        assert engine.submit(ps[i], params[i]).result(60).token_ids == together[i].token_ids
+    other = engine.submit(ps[0], SamplingParams(max_tokens=6, seed=999, ignore_eos=True)).result(60)
+    assert other.token_ids != together[0].token_ids
+
+
+def test_stop_string_across_tokens_does_not_leak(engine, tok):
+    base = engine.submit("Once upon a time", SamplingParams(max_tokens=12, **GREEDY)).result(30)
+    pieces = [tok.decode([t]) for t in base.token_ids]
+    cut = len(pieces[0]) + len(pieces[1])  # a stop string spanning tokens 2 and 3
+    full = "".join(pieces)
+    stop = full[cut - 1 : cut + 2]
+    assume = full.find(stop)
+    h = engine.submit("Once upon a time", SamplingParams(max_tokens=12, stop=(stop,), **GREEDY))
+    events = list(h)
+    res = h.result(10)
+    assert res.finish_reason == "stop" and res.text == full[:assume] == "".join(e.text for e in events)
+    assert stop not in res.text and len(res.token_ids) < 12
+
+
+def test_abort_frees_the_slot(model, tok):
+    e = make_engine(model, tok, max_batch=1)
+    try:
+        h = e.submit([5, 6, 7], SamplingParams(max_tokens=100_000, **GREEDY), request_id="long")
+        waiting = e.submit([8], SamplingParams(max_tokens=3, **GREEDY))
+        next(iter(h))
+        assert e.abort("long") and not e.abort("nope")
+        res = h.result(10)
+        assert res.finish_reason == "abort" and res.completion_tokens >= 1
+        assert waiting.result(10).completion_tokens == 3 and e.stats().running == 0
+    finally:
+        e.shutdown()
+
+
+def test_prefill_a_then_b_equals_prefill_a_plus_b(engine):
+    a, b = prompts(2, seed=3)
+    s_a = engine.submit(a, SamplingParams(max_tokens=0), return_state=True).result(30)
+    assert s_a.pending_tokens == [] and s_a.finish_reason == "length" and s_a.state.batch_size == 1
+    s_ab = engine.submit(b, SamplingParams(max_tokens=0), init_state=s_a.state, return_state=True).result(30)
+    s_ab2 = engine.submit(a + b, SamplingParams(max_tokens=0), return_state=True).result(30)
+    for x, y in zip(s_ab.state.tensors(), s_ab2.state.tensors()):
+        assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
+    gen1 = engine.submit(b, SamplingParams(max_tokens=8, **GREEDY), init_state=s_a.state).result(30)
+    gen2 = engine.submit(a + b, SamplingParams(max_tokens=8, **GREEDY)).result(30)
+    assert gen1.token_ids == gen2.token_ids
+
+
+def test_continue_after_stop_equals_never_stopping(engine):
+    p = prompts(1, seed=4)[0]
+    first = engine.submit(p, SamplingParams(max_tokens=5, **GREEDY), return_state=True).result(30)
+    assert first.pending_tokens == first.token_ids[-1:]
+    more = engine.submit(first.pending_tokens, SamplingParams(max_tokens=5, **GREEDY), init_state=first.state)
+    more = more.result(30)
+    whole = engine.submit(p, SamplingParams(max_tokens=10, **GREEDY)).result(30)
+    assert first.token_ids + more.token_ids == whole.token_ids
+
+
+def test_a_failing_request_fails_only_itself(engine, model, monkeypatch):
+    bad_state = model.zero_state(1)
+    meta = State(*(torch.empty_like(t, device="meta") for t in bad_state.tensors()))  # cannot be copied
+    real = engine_mod._decoder
+
+    class Broken:
+        def push(self, ids):
+            raise RuntimeError("decoder broke")
+
+        def flush(self):
+            return ""
+
+    ps = prompts(6, seed=5)
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    ref = [engine.submit(p, params).result(30).token_ids for p in ps]
+    monkeypatch.setattr(engine_mod, "_decoder", lambda t: Broken())
+    broken = engine.submit(ps[0], params)
+    monkeypatch.setattr(engine_mod, "_decoder", real)
+    handles = [engine.submit(p, params) for p in ps]
+    bad = engine.submit(ps[1], params, init_state=meta)
+    assert broken.result(30).finish_reason == "error" and "decoder broke" in broken.result().error
+    assert bad.result(30).finish_reason == "error" and "starting state" in bad.result().error
+    assert [h.result(30).token_ids for h in handles] == ref
+    with pytest.raises(ValueError):
+        engine.submit(ps[0], params, init_state=model.zero_state(2))
+    assert engine.is_alive
+
+
+async def test_async_iteration_one_wakeup_per_step(engine):
+    loop = asyncio.get_running_loop()
+    calls = 0
+    real = loop.call_soon_threadsafe
+
+    def counting(*a, **kw):
+        nonlocal calls
+        calls += 1
+        return real(*a, **kw)
+
+    loop.call_soon_threadsafe = counting
+    try:
+        steps0 = engine.stats().steps
+        handles = [engine.submit(p, SamplingParams(max_tokens=10, **GREEDY)) for p in prompts(8, seed=6)]
+
+        async def consume(h):
+            return [ev async for ev in h], await h.wait()
+
+        outs = await asyncio.gather(*(consume(h) for h in handles))
+    finally:
+        loop.call_soon_threadsafe = real
+    for events, res in outs:
+        assert "".join(e.text for e in events) == res.text and events[-1].finished and res.completion_tokens == 10
+    assert 0 < calls <= engine.stats().steps - steps0 + 2  # not per token (80 tokens were generated)
+
+
+def test_max_tokens_zero_with_empty_prompt_and_abort_while_waiting(model, tok):
+    e = Engine(model, tok, Settings(max_batch=2, stats_interval=0.0))  # not started: requests wait
+    init = model.zero_state(1)
+    init.wkv.fill_(0.5)
+    h1 = e.submit([], SamplingParams(max_tokens=0), init_state=init, return_state=True)
+    h2 = e.submit([1, 2, 3], SamplingParams(max_tokens=4), request_id="w", return_state=True)
+    assert e.abort("w")
+    e.start()
+    try:
+        r1, r2 = h1.result(10), h2.result(10)
+        assert r1.finish_reason == "length" and torch.equal(r1.state.wkv, init.wkv) and r1.state.wkv is not init.wkv
+        assert r2.finish_reason == "abort" and r2.pending_tokens == [1, 2, 3] and r2.state.wkv.abs().sum() == 0
+    finally:
+        e.shutdown()
+
+
+def test_submit_errors(model, tok):
+    e = Engine(model, tok, Settings(max_batch=2, max_queue=2, max_prompt_tokens=5, stats_interval=0.0))
+    e.submit([1], SamplingParams(max_tokens=1))
+    e.submit([1], SamplingParams(max_tokens=1), request_id="x")
+    with pytest.raises(QueueFullError):
+        e.submit([1], SamplingParams(max_tokens=1))
+    with pytest.raises(PromptTooLongError):
+        e.submit(list(range(1, 10)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError):
+        e.submit([], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError):
+        e.submit([70000], SamplingParams(max_tokens=1))
+    e.start()
+    e.shutdown()
+    with pytest.raises(EngineDeadError):
+        e.submit([1], SamplingParams(max_tokens=1))
+
+
+def test_dead_loop_is_reported_not_hung(model, tok, monkeypatch):
+    e = make_engine(model, tok)
+    try:
+        assert e.submit([1, 2], SamplingParams(max_tokens=2, **GREEDY)).result(10).completion_tokens == 2
+
+        def broken(plan):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(e.runner, "decode", broken)
+        handles = [e.submit([1, 2], SamplingParams(max_tokens=50, **GREEDY)) for _ in range(4)]
+        outcomes = set()
+        for h in handles:
+            try:
+                outcomes.add(h.result(10).finish_reason)
+            except EngineDeadError:
+                outcomes.add("dead")
+        assert outcomes <= {"error", "dead"}
+        follow = None
+        for _ in range(5):
+            try:
+                follow = e.submit([3], SamplingParams(max_tokens=50, **GREEDY))
+                follow.result(10)
+            except EngineDeadError:
+                break
+        else:
+            pytest.fail("the engine never reported itself dead")
+        assert not e.is_alive
+    finally:
+        e.shutdown()
+
+
+def test_stats_are_numbers_and_logged(model, tok, caplog):
+    e = make_engine(model, tok, stats_interval=0.05)
+    try:
+        with caplog.at_level("INFO", logger="server.engine"):
+            e.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=20, **GREEDY), timeout=30)
+            st = e.stats()
+            time.sleep(0.2)
+        assert st.steps >= 20 and st.generation_tokens_total == 80 and st.prompt_tokens_total == 12
+        assert st.decode_tok_s > 0 and st.step_ms > 0 and st.slots == 8 and "overhead_ms" in st.extra
+        assert any("engine: running=" in r.getMessage() for r in caplog.records)
+    finally:
+        e.shutdown()

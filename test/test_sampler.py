@@ -1,0 +1,171 @@
+"""Sampler: the documented formula (checked against a plain-Python reference), counter-based
+randoms, penalties, batch invariance, and the CPU candidate shortcut."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import server.engine.sampler as S
+from server.engine.sampler import SamplerSlots, splitmix64, uniform
+from server.engine.types import SamplingParams
+
+M64 = (1 << 64) - 1
+
+
+def py_splitmix(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def py_uniform(seed: int, pos: int) -> float:
+    return (py_splitmix((py_splitmix(seed & M64) + pos) & M64) >> 40) / (1 << 24)
+
+
+def reference(z: list[float], p: SamplingParams, u: float) -> int:
+    """The module docstring's formula, written plainly."""
+    if p.temperature == 0:
+        return max(range(len(z)), key=lambda i: z[i])
+    zmax = max(z)
+    e = [math.exp(v - zmax) for v in z]
+    tot = sum(e)
+    probs = [v / tot for v in e]
+    order = sorted(range(len(z)), key=lambda i: -probs[i])
+    cum, m = 0.0, len(order) - 1
+    for r, i in enumerate(order):
+        cum += probs[i]
+        if cum >= p.top_p:
+            m = r
+            break
+    cutoff = probs[order[m]]
+    kept = [i for i in order if probs[i] >= cutoff]
+    if p.top_k > 0:
+        kept = kept[: p.top_k]
+    w = [math.exp((z[i] - z[kept[0]]) / p.temperature) for i in kept]
+    target, acc = u * sum(w), 0.0
+    for i, wi in zip(kept, w):
+        acc += wi
+        if acc > target:
+            return i
+    return kept[-1]
+
+
+def slots_for(params: list[SamplingParams], vocab: int, seeds=None) -> SamplerSlots:
+    s = SamplerSlots(len(params), vocab, "cpu")
+    s.reset(range(len(params)), params, seeds or [p.seed or 0 for p in params])
+    return s
+
+
+def test_splitmix_matches_python():
+    xs = [0, 1, 2, 12345678901234567, M64, 1 << 63, 0x9E3779B97F4A7C15]
+    signed = [x - (1 << 64) if x >= 1 << 63 else x for x in xs]
+    got = [v & M64 for v in splitmix64(torch.tensor(signed)).tolist()]
+    assert got == [py_splitmix(x) for x in xs]
+    seeds, pos = torch.tensor([0, 7, -3, 2**62]), torch.tensor([0, 5, 9, 1000])
+    assert uniform(seeds, pos).tolist() == [py_uniform(s, q) for s, q in zip(seeds.tolist(), pos.tolist())]
+
+
+def test_uniform_is_roughly_uniform():
+    u = uniform(torch.full((20000,), 42), torch.arange(20000))
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    hist = torch.histc(u, bins=10, min=0, max=1)
+    assert (hist - 2000).abs().max() < 200
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_matches_reference_formula(scale):
+    V, B = 50, 24
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(B, V, generator=g) * scale
+    params = [
+        SamplingParams(temperature=[0.0, 0.5, 1.0, 1.7][i % 4], top_p=[0.0, 0.3, 0.8, 1.0][(i // 4) % 4],
+                       top_k=[0, 3][i % 2], seed=1000 + i)
+        for i in range(B)
+    ]  # fmt: skip
+    s = slots_for(params, V)
+    pos = torch.arange(B) * 7
+    tok = s.sample(logits, pos, torch.ones(B, dtype=torch.bool))
+    for b in range(B):
+        u = py_uniform(params[b].seed, int(pos[b]))
+        assert tok[b].item() == reference(logits[b].tolist(), params[b], u), b
+
+
+def test_greedy_top_p_zero_and_top_k_one_pick_the_argmax():
+    V = 1000
+    logits = torch.randn(3, V)
+    no_pen = dict(presence_penalty=0, repetition_penalty=0)
+    params = [SamplingParams(temperature=0, **no_pen), SamplingParams(top_p=0.0, seed=1, **no_pen),
+              SamplingParams(top_k=1, top_p=1.0, seed=2, **no_pen)]  # fmt: skip
+    for _ in range(3):
+        s = slots_for(params, V)
+        assert s.sample(logits, torch.arange(3), torch.ones(3, dtype=torch.bool)).tolist() == logits.argmax(-1).tolist()
+
+
+def test_empirical_distribution_follows_temperature():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))[None].repeat(4000, 1)  # (N, 3)
+    for temp in (1.0, 0.5):
+        params = [SamplingParams(temperature=temp, top_p=1.0, seed=9)] * 4000
+        s = slots_for(params, 3)
+        tok = s.sample(logits, torch.arange(4000), torch.zeros(4000, dtype=torch.bool))
+        freq = torch.bincount(tok, minlength=3).float() / 4000
+        want = torch.tensor([0.5, 0.3, 0.2]) ** (1 / temp)
+        assert torch.allclose(freq, want / want.sum(), atol=0.03), (temp, freq)
+
+
+def test_same_token_alone_or_in_a_batch():
+    V = 65536
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, V, generator=g) * 2
+    params = [SamplingParams(seed=77 + i) for i in range(64)]
+    batch = slots_for(params, V).sample(logits, torch.arange(64), torch.ones(64, dtype=torch.bool))
+    for b in (0, 13, 63):
+        alone = slots_for([params[b]], V).sample(logits[b : b + 1], torch.tensor([b]), torch.ones(1, dtype=torch.bool))
+        assert alone.item() == batch[b].item()
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 8.0])
+def test_cpu_candidates_equal_full_sort(scale, monkeypatch):
+    V, B = 65536, 16
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(4)) * scale
+    params = [SamplingParams(seed=i, top_p=[0.3, 0.9, 1.0, 0.05][i % 4], top_k=[0, 0, 5000][i % 3]) for i in range(B)]
+    fast = slots_for(params, V).sample(logits, torch.arange(B), torch.ones(B, dtype=torch.bool))
+    monkeypatch.setattr(S, "CPU_CANDIDATES", ())
+    full = slots_for(params, V).sample(logits, torch.arange(B), torch.ones(B, dtype=torch.bool))
+    assert fast.tolist() == full.tolist()
+
+
+def test_penalty_formula_and_commit_mask():
+    V = 8
+    p = SamplingParams(temperature=0, presence_penalty=0.5, repetition_penalty=0.25, penalty_decay=0.9)
+    s = slots_for([p, p], V)
+    logits = torch.zeros(2, V)
+    seq = [3, 3, 5]
+    for t in seq:  # steer the greedy choice with a big logit on t (row 0 commits, row 1 does not)
+        lg = logits.clone()
+        lg[:, t] = 100.0
+        s.sample(lg, torch.zeros(2, dtype=torch.long), torch.tensor([True, False]))
+    want = [0.0] * V
+    seen = set()
+    for t in seq:
+        want = [w * 0.9 for w in want]
+        want[t] += 0.25 if t in seen else 0.5
+        seen.add(t)
+    assert torch.allclose(s.penalty[0], torch.tensor(want)) and s.penalty[1].abs().sum() == 0
+    assert s.seen[0].nonzero().flatten().tolist() == [3, 5]
+    lg = torch.zeros(2, V)
+    lg[:, 3] = 0.5  # 0.5 - penalty(3) < 0 - penalty(0): the penalty changes the greedy pick
+    assert s.sample(lg, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)).tolist() == [0, 3]
+
+
+def test_move_and_reset_rows():
+    V = 6
+    s = slots_for([SamplingParams(temperature=0.3 * i, seed=i) for i in range(4)], V)
+    s.penalty[3] = 1.0
+    s.move([(0, 3), (1, 2)])
+    assert torch.equal(s.penalty[0], torch.ones(V)) and s.iparams[0, 1] == 3 and s.iparams[1, 1] == 2
+    s.reset([0], [SamplingParams(seed=-1 & M64)], [M64])
+    assert s.penalty[0].sum() == 0 and s.iparams[0, 1] == -1
