@@ -1,0 +1,245 @@
+"""CUDA twins of server.model.ops (same names, signatures and semantics; see that module's doc).
+
+    wkv_decode(state, r, w, k, v, a, b) -> y      state (B, H, N, N) in place; r..b (B, H, N)
+    wkv_chunk(state, r, w, k, v, a, b) -> y       r..b (B, T, H, N); y (B, T, H, N)
+
+Extras (keyword-only, not in the pure-torch signature):
+    slots:   int tensor (B,) — sequence i uses state[slots[i]] (state is then the whole pool)
+    lengths: int tensor (B,) — wkv_chunk only: tokens t >= lengths[i] are skipped (state
+             untouched by them; their y values are undefined)
+Under CUDA-graph capture pass slots/lengths as device tensors (a list would need a host copy).
+
+The kernels come from `kernels.loader` (built at first use, never at import). `available()`
+says whether they can be used for a device; when they cannot (or for a layout or dtype they do
+not cover: state dtype other than fp32/fp16, head size other than the build's) the functions
+fall back to the pure-torch ops, so callers never need two code paths.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from server.model import ops
+
+IDENTITY_W = ops.IDENTITY_W
+_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_STATE_DT = (torch.float32, torch.float16)
+
+
+def _lib(device: torch.device | None, head_size: int = 64):
+    from kernels import loader  # deferred: importing this module must not build anything
+
+    return loader.load(device, head_size)
+
+
+def available(device: torch.device | str | None = None, head_size: int = 64) -> bool:
+    """True when the CUDA kernels can run on this device (builds them on the first call)."""
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    return dev.type == "cuda" and _lib(dev, head_size) is not None
+
+
+is_available = available  # the name server.model.rwkv7.select_ops calls
+
+
+def _aligned(x: torch.Tensor, outer: int) -> torch.Tensor:
+    """x with its last two dims (H, N) contiguous and 16-byte aligned rows (a copy if needed)."""
+    H, N = x.shape[-2:]
+    es = x.element_size()
+    ok = x.stride(-1) == 1 and x.stride(-2) == N and x.data_ptr() % 16 == 0
+    ok = ok and all((x.stride(d) * es) % 16 == 0 for d in range(outer))
+    if ok:
+        return x
+    y = x.contiguous()
+    return y.clone() if y.data_ptr() % 16 else y
+
+
+def _usable(state: torch.Tensor, r: torch.Tensor) -> bool:
+    if not (state.is_cuda and state.dtype in _STATE_DT and r.dtype in _DT):
+        return False
+    H, N = state.shape[1], state.shape[-1]
+    inner = state.stride(-1) == 1 and state.stride(-2) == N and state.stride(1) == N * N
+    return inner and state.data_ptr() % 16 == 0 and (state.stride(0) * state.element_size()) % 16 == 0
+
+
+def _slots_arg(slots, device) -> tuple[int, torch.Tensor | None]:
+    if slots is None:
+        return 0, None
+    s = torch.as_tensor(slots, device=device, dtype=torch.int32)
+    return s.data_ptr(), s
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{name}: CUDA kernel failed (code {rc})")
+
+
+def wkv_decode(state, r, w, k, v, a, b, *, slots=None) -> torch.Tensor:
+    """One token for B sequences; state (B, H, N, N) (or the pool, with slots) updated in place."""
+    B, H, N = r.shape
+    lib = _lib(r.device, N) if r.is_cuda else None
+    if lib is None or not _usable(state, r):
+        return _fallback(ops.wkv_decode, state, (r, w, k, v, a, b), slots)
+    acts = [_aligned(t, 1) for t in (r, w, k, v, a, b)]  # each (B, H, N)
+    rr, ww = acts[0], acts[1]
+    if len({t.stride(0) for t in acts if t is not ww}) != 1:
+        acts = [t.contiguous() for t in acts]
+        rr, ww = acts[0], acts[1]
+    y = torch.empty(B, H, N, device=r.device, dtype=r.dtype)  # (B, H, N)
+    sp, keep = _slots_arg(slots, r.device)
+    stream = torch.cuda.current_stream(r.device).cuda_stream
+    rc = lib.wkv7_decode(
+        _DT[r.dtype], _DT[state.dtype], 1, state.data_ptr(), state.stride(0), sp, B, H,
+        *[t.data_ptr() for t in acts], rr.stride(0), ww.stride(0), y.data_ptr(), y.stride(0), stream,
+    )
+    _check(rc, "wkv7_decode")
+    return y
+
+
+def wkv_chunk(state, r, w, k, v, a, b, *, slots=None, lengths=None) -> torch.Tensor:
+    """T tokens for B sequences; state updated in place; returns y (B, T, H, N) in r.dtype."""
+    B, T, H, N = r.shape
+    lib = _lib(r.device, N) if r.is_cuda else None
+    if lib is None or not _usable(state, r):
+        return _fallback(ops.wkv_chunk, state, (r, w, k, v, a, b), slots, lengths)
+    acts = [_aligned(t, 2) for t in (r, w, k, v, a, b)]  # each (B, T, H, N)
+    rr, ww = acts[0], acts[1]
+    if len({(t.stride(0), t.stride(1)) for t in acts if t is not ww}) != 1:
+        acts = [t.contiguous() for t in acts]
+        rr, ww = acts[0], acts[1]
+    y = torch.empty(B, T, H, N, device=r.device, dtype=r.dtype)  # (B, T, H, N)
+    sp, keep = _slots_arg(slots, r.device)
+    lp, keep_l = _slots_arg(lengths, r.device)
+    stream = torch.cuda.current_stream(r.device).cuda_stream
+    rc = lib.wkv7_chunk(
+        _DT[r.dtype], _DT[state.dtype], 1, state.data_ptr(), state.stride(0), sp, lp, B, T, H,
+        *[t.data_ptr() for t in acts], rr.stride(0), rr.stride(1), ww.stride(0), ww.stride(1),
+        y.data_ptr(), y.stride(0), y.stride(1), stream,
+    )
+    _check(rc, "wkv7_chunk")
+    return y
+
+
+def _fallback(fn, state, acts, slots, lengths=None) -> torch.Tensor:
+    """The pure-torch op, with slots (gather/scatter) and lengths (identity padding) applied."""
+    if lengths is not None:
+        acts = _mask_lengths(acts, lengths)
+    if slots is None:
+        return fn(state, *acts)
+    idx = torch.as_tensor(slots, device=state.device, dtype=torch.long)
+    sub = state.index_select(0, idx)  # (B, H, N, N) copy
+    y = fn(sub, *acts)
+    state.index_copy_(0, idx, sub)
+    return y
+
+
+def _mask_lengths(acts, lengths):
+    """Turn tokens t >= lengths[b] into identity steps (w = IDENTITY_W, k = b = 0)."""
+    r, w, k, v, a, b = acts
+    T = r.shape[1]
+    lens = torch.as_tensor(lengths, device=r.device).view(-1, 1, 1, 1)
+    pad = torch.arange(T, device=r.device).view(1, T, 1, 1) >= lens  # (B, T, 1, 1)
+    w = w.masked_fill(pad, IDENTITY_W)
+    k, b = k.masked_fill(pad, 0), b.masked_fill(pad, 0)
+    return r, w, k, v, a, b
+
+
+# ---- fused time-mix core for decode (kernels/wkv7_tmix.cu) -----------------------------------
+def tmix_decode_torch(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5):
+    """Pure-torch twin of tmix_decode: the model's decode time-mix between the projections and
+    the output projection. r, k, v, g: (B, C); wz, az, vz: LoRA outputs with their biases
+    (w0, a0, v0) added; lw: k_k, k_a (C,), r_k (H, N), lnx_w, lnx_b (C,). state (B, H, N, N)
+    updated in place; returns (B, C) in r.dtype (the input of the output projection)."""
+    B, C = r.shape
+    H, N = state.shape[1], state.shape[-1]
+    hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (B, C) -> (B, H, N)
+    w = torch.nn.functional.logsigmoid(wz) - 0.5  # == -softplus(-wz) - 0.5
+    a = torch.sigmoid(az)
+    kk = torch.nn.functional.normalize(hd(k * lw.k_k), dim=-1).flatten(-2)
+    k = k * (1 + (a - 1) * lw.k_a)
+    if not layer0:
+        v = torch.lerp(v, v_first, torch.sigmoid(vz))
+    y = ops.wkv_decode(state, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(kk * a))  # (B, H, N)
+    y = torch.nn.functional.group_norm(y.reshape(B, C), H, lw.lnx_w, lw.lnx_b, eps=gn_eps)
+    y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
+    return y * g
+
+
+def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5):
+    """One launch for the whole decode time-mix core (see tmix_decode_torch for the math).
+    In layer 0 vz and v_first are not read (pass None)."""
+    B, C = r.shape
+    H, N = state.shape[1], state.shape[-1]
+    lib = _lib(r.device, N) if r.is_cuda else None
+    acts = [r, k, v, wz, az, vz if vz is not None else r, v_first if v_first is not None else r, g]
+    if lib is None or not _usable(state, r) or any(t.stride() != (C, 1) or t.dtype != r.dtype for t in acts):
+        return tmix_decode_torch(state, r, k, v, wz, az, vz, v_first, g, lw, layer0, gn_eps)
+    params = [lw.k_k, lw.k_a, lw.r_k, lw.lnx_w, lw.lnx_b]
+    params = [t if t.dtype == r.dtype and t.is_contiguous() else t.to(r.dtype).contiguous() for t in params]
+    out = torch.empty(B, C, device=r.device, dtype=r.dtype)  # (B, C)
+    stream = torch.cuda.current_stream(r.device).cuda_stream
+    if B >= TMIX_SPLIT_MIN_BATCH:
+        _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream)
+        return out
+    rc = lib.wkv7_tmix_decode(
+        _DT[r.dtype], _DT[state.dtype], state.data_ptr(), state.stride(0), B, H,
+        *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
+        int(layer0), float(gn_eps), out.data_ptr(), C, stream,
+    )
+    _check(rc, "wkv7_tmix_decode")
+    return out
+
+
+TMIX_SPLIT_MIN_BATCH = int(os.environ.get("RWKV_TMIX_SPLIT", "64"))
+"""From this batch on, tmix_decode runs prep -> wkv7_decode -> post (3 launches) instead of the
+single fused kernel, whose 512-thread blocks reach only ~60% of wkv7_decode's state bandwidth."""
+
+
+def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream) -> None:
+    r, k, v, wz, az, vz, v_first, g = acts
+    k_k, k_a, r_k, lnx_w, lnx_b = params
+    dt = _DT[r.dtype]
+    buf = torch.empty(6, B, C, device=r.device, dtype=torch.float32)  # r, decay, k', v, -kk, kk*a
+    bonus = torch.empty(B, H, device=r.device, dtype=torch.float32)  # (B, H)
+    y = torch.empty(B, C, device=r.device, dtype=torch.float32)  # (B, C)
+    ptr = lambda t: t.data_ptr()  # noqa: E731
+    _check(lib.wkv7_tmix_prep(dt, B, H, *map(ptr, (r, k, v, wz, az, vz, v_first)), C,
+                              *map(ptr, (k_k, k_a, r_k)), int(layer0), ptr(buf), ptr(bonus), stream),
+           "wkv7_tmix_prep")  # fmt: skip
+    _check(lib.wkv7_decode(0, _DT[state.dtype], 0, ptr(state), state.stride(0), 0, B, H,
+                           *[ptr(buf[i]) for i in (0, 1, 2, 3, 4, 5)], C, C, ptr(y), C, stream),
+           "wkv7_decode")  # fmt: skip
+    _check(lib.wkv7_tmix_post(dt, B, H, ptr(y), ptr(buf[3]), ptr(bonus), ptr(g), C, ptr(lnx_w), ptr(lnx_b),
+                              float(gn_eps), ptr(out), C, stream),
+           "wkv7_tmix_post")  # fmt: skip
+
+
+def use_fused_decode(model) -> None:
+    """TEMPORARY HOOK (GPU helper), until server/model/rwkv7.py calls tmix_decode itself: make
+    `model.decode` run the fused time-mix core (one launch per layer instead of ~25).
+    Mirrors RWKV7._time_mix's projections as of this writing; prefill keeps the model's path."""
+    import types
+
+    import torch.nn.functional as F
+
+    orig = model._time_mix
+
+    def _time_mix(self, i, lw, x, prev, wkv, v_first, pad):
+        if x.dim() != 2:
+            return orig(i, lw, x, prev, wkv, v_first, pad)
+        C = x.shape[-1]
+        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev.to(x.dtype) - x, lw.mix.view(6, 1, C)).unbind(0)
+        r, k, v = F.linear(xr, lw.wr), F.linear(xk, lw.wk), F.linear(xv, lw.wv)  # (B, C) each
+        wz = torch.addmm(lw.w0, torch.tanh(xw @ lw.w1), lw.w2)  # LoRA weights: (in, out)
+        az = torch.addmm(lw.a0, xa @ lw.a1, lw.a2)
+        g = torch.sigmoid(xg @ lw.g1) @ lw.g2
+        vz = None if i == 0 else torch.addmm(lw.v0, xv @ lw.v1, lw.v2)
+        if i == 0:
+            v_first = v
+        y = tmix_decode(wkv, r, k, v, wz, az, vz, v_first, g, lw, layer0=i == 0)  # (B, C)
+        return F.linear(y, lw.wo), v_first
+
+    model._time_mix = types.MethodType(_time_mix, model)

@@ -1,0 +1,123 @@
+"""CUDA graphs of the decode step (model.decode + GPU sampling), one per power-of-two bucket.
+
+    graphs = DecodeGraphs(model, pool, sampler=slots_sampler, max_batch=pool.batch_size)
+    graphs.capture()                       # at start-up, while every slot is free
+    tokens = graphs.step(n, token_ids, positions, commit)   # (n,) long on the device
+
+A replay decodes rows [0, bucket) of `pool` in place (bucket = n rounded up to a power of two):
+the graph holds views of the pool's own tensors, so states are never copied in or out. Rows
+[n, bucket) feed token 0 with commit False: their slots must be free (the scheduler keeps the
+active slots a prefix), and their penalties do not change. Inputs go through static buffers;
+outputs are static tensors overwritten by the next replay (copy what you keep).
+All buckets share one memory pool and are captured largest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from server.model.state import State
+
+log = logging.getLogger(__name__)
+
+
+def bucket_for(n: int, max_batch: int) -> int:
+    """Smallest power of two >= n, capped at max_batch."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max_batch)
+
+
+class DecodeGraphs:
+    def __init__(self, model, pool: State, sampler=None, max_batch: int | None = None,
+                 greedy_only: bool = False):  # fmt: skip
+        """sampler: an engine SamplerSlots (sample(logits, positions, commit, greedy_only)),
+        or None for greedy argmax."""
+        self.model, self.pool, self.sampler = model, pool, sampler
+        self.max_batch = max_batch or pool.batch_size
+        self.greedy_only = greedy_only
+        dev = pool.device
+        self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # (M,)
+        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # (M,)
+        self.commit = torch.zeros(self.max_batch, dtype=torch.bool, device=dev)  # (M,)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, tokens)
+        self.mempool = None
+        self._warm = False
+
+    def buckets(self) -> list[int]:
+        out, b = [], 1
+        while b < self.max_batch:
+            out.append(b)
+            b *= 2
+        return out + [self.max_batch]
+
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.decode(self.tokens[:b], self.pool.view(0, b))  # (b, V) fp32
+        if self.sampler is None:
+            tok = logits.argmax(-1)  # (b,)
+        else:
+            tok = self.sampler.sample(logits, self.positions[:b], self.commit[:b], self.greedy_only)
+        return logits, tok
+
+    def _warmup(self) -> None:
+        """A few eager steps at batch 1 on a side stream (lazy library init stays out of the
+        graphs); writes only slot 0 (free at start-up) and no penalties (commit False)."""
+        s = torch.cuda.Stream(self.pool.device)
+        s.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._body(1)
+        torch.cuda.current_stream(self.pool.device).wait_stream(s)
+        torch.cuda.synchronize(self.pool.device)
+        self._warm = True
+
+    def capture(self, buckets: list[int] | None = None) -> None:
+        """Capture the given buckets (default all), largest first; call while slots are free."""
+        if not self._warm:
+            self._warmup()
+        for b in sorted(buckets or self.buckets(), reverse=True):
+            self._capture(b)
+
+    def _capture(self, b: int) -> None:
+        t0 = time.perf_counter()
+        g = torch.cuda.CUDAGraph()
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.mempool):
+            out = self._body(b)
+        self.graphs[b], self.outputs[b] = g, out
+        log.info("captured decode graph for bucket %d in %.2fs", b, time.perf_counter() - t0)
+
+    def step(self, n: int, token_ids, positions=None, commit=None) -> torch.Tensor:
+        """Decode rows [0, n): inputs (n,) (device tensors or lists); returns the sampled
+        tokens (n,) on the device (a view of a static output)."""
+        b = bucket_for(n, self.max_batch)
+        if b not in self.graphs:
+            if not self._warm:  # the warm-up writes slot 0: only at start-up
+                raise RuntimeError("DecodeGraphs.capture() must run (at start-up) before step()")
+            self._capture(b)  # a capture only records: safe while slots are in use
+        self._fill(self.tokens, b, n, token_ids, 0)
+        self._fill(self.positions, b, n, positions, 0)
+        self._fill(self.commit, b, n, commit, True)
+        self.graphs[b].replay()
+        return self.outputs[b][1][:n]
+
+    def logits(self, n: int) -> torch.Tensor:
+        """Logits (n, V) of the last step() of n rows (a view of a static output)."""
+        return self.outputs[bucket_for(n, self.max_batch)][0][:n]
+
+    @staticmethod
+    def _fill(buf: torch.Tensor, b: int, n: int, src, default) -> None:
+        pad = False if buf.dtype == torch.bool else 0
+        if src is None:
+            buf[:n].fill_(default)
+        else:
+            src = torch.as_tensor(src, dtype=buf.dtype)
+            buf[:n].copy_(src, non_blocking=True)
+        if b > n:
+            buf[n:b].fill_(pad)

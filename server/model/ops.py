@@ -1,0 +1,93 @@
+"""Pure-PyTorch WKV-7 primitives (the reference path; CUDA twins live in server.model.cuda_ops).
+
+Conventions shared with the CUDA twins (same names, same signatures, same semantics):
+
+    state: (B, H, N, N)  WKV matrix per sequence and head, state[b, h, i, j] with i = value
+                         index (row) and j = key index (column); fp32 or fp16; updated IN PLACE
+    r, w, k, v, a, b:    (B, H, N) for one step, (B, T, H, N) for a chunk; compute dtype
+                         (all six the same dtype). w is the log-log decay of the official
+                         kernels: the decay factor is exp(-exp(w)), w <= -0.5 for real tokens.
+
+One step, for every (b, h):
+
+    S <- S @ diag(exp(-exp(w))) + (S @ a) b^T + v k^T          y = S @ r
+
+(the model passes a = -kk and b = kk * a_gate, as the official kernels do). The arithmetic is
+done in fp32 whatever the input dtypes; y is returned in r.dtype.
+
+A step with w = IDENTITY_W, k = 0, b = 0 leaves the state unchanged (decay 1, nothing added):
+the model uses that to pad ragged batches, so these functions take no mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
+
+
+def _as_bhnn(state: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A contiguous fp32 (B*H, N, N) working copy or view of state; flag: copy back needed."""
+    B, H, N, _ = state.shape
+    if state.dtype == torch.float32 and state.is_contiguous():
+        return state.view(B * H, N, N), False
+    return state.reshape(B * H, N, N).float().clone(), True
+
+
+def _matvec(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """s (BH, N, N) @ x (BH, N, 1) -> (BH, N, 1). On CPU bmm with one column is ~4x slower
+    than a multiply-and-sum; on CUDA bmm avoids a (BH, N, N) temporary."""
+    if s.is_cuda:
+        return torch.bmm(s, x)
+    return torch.mul(s, x.transpose(1, 2)).sum(-1, keepdim=True)
+
+
+def _step(s: torch.Tensor, r, decay, k, v, a, b) -> torch.Tensor:
+    """One WKV step on s (BH, N, N) fp32 in place.
+
+    r, v, a: (BH, N, 1);  decay, k, b: (BH, 1, N) (all fp32).  Returns y: (BH, N, 1).
+    """
+    sa = _matvec(s, a)  # (BH, N, 1)
+    s.mul_(decay)  # decay per key column j
+    s.baddbmm_(sa, b)  # += (S a) b^T
+    s.baddbmm_(v, k)  # += v k^T
+    return _matvec(s, r)
+
+
+def wkv_decode(state: torch.Tensor, r, w, k, v, a, b) -> torch.Tensor:
+    """One token for B sequences.
+
+    state: (B, H, N, N) updated in place;  r, w, k, v, a, b: (B, H, N);  returns y: (B, H, N).
+    """
+    B, H, N = r.shape
+    s, copy_back = _as_bhnn(state)  # (BH, N, N) fp32
+    col = lambda t: t.reshape(B * H, N, 1).float()  # noqa: E731  (BH, N, 1)
+    row = lambda t: t.reshape(B * H, 1, N).float()  # noqa: E731  (BH, 1, N)
+    decay = torch.exp(-torch.exp(row(w)))  # (BH, 1, N)
+    y = _step(s, col(r), decay, row(k), col(v), col(a), row(b))  # (BH, N, 1)
+    if copy_back:
+        state.copy_(s.view(B, H, N, N))
+    return y.view(B, H, N).to(r.dtype)
+
+
+def wkv_chunk(state: torch.Tensor, r, w, k, v, a, b) -> torch.Tensor:
+    """T tokens for B sequences (padding encoded as identity steps, see the module doc).
+
+    state: (B, H, N, N) updated in place;  r, w, k, v, a, b: (B, T, H, N);
+    returns y: (B, T, H, N) in r.dtype.
+    """
+    B, T, H, N = r.shape
+    s, copy_back = _as_bhnn(state)  # (BH, N, N) fp32
+
+    def seq(t: torch.Tensor) -> torch.Tensor:  # (B, T, H, N) -> (T, BH, N) fp32, contiguous
+        return t.float().permute(1, 0, 2, 3).reshape(T, B * H, N)
+
+    decay = torch.exp(-torch.exp(seq(w))).unsqueeze(2)  # (T, BH, 1, N), all steps at once
+    rs, as_, vs = seq(r).unsqueeze(-1), seq(a).unsqueeze(-1), seq(v).unsqueeze(-1)  # (T, BH, N, 1)
+    ks, bs = seq(k).unsqueeze(2), seq(b).unsqueeze(2)  # (T, BH, 1, N)
+    y = torch.empty(T, B * H, N, 1, dtype=torch.float32, device=r.device)  # (T, BH, N, 1)
+    for t in range(T):
+        y[t] = _step(s, rs[t], decay[t], ks[t], vs[t], as_[t], bs[t])
+    if copy_back:
+        state.copy_(s.view(B, H, N, N))
+    return y.view(T, B, H, N).permute(1, 0, 2, 3).to(r.dtype)

@@ -1,0 +1,192 @@
+"""RWKV-7 forward: chunked ragged prefill and one-token batched decode, pure PyTorch.
+
+The WKV recurrence goes through `self.ops` (server.model.ops, or its CUDA twin
+server.model.cuda_ops when the model lives on CUDA and the kernels are built; see select_ops).
+Everything else is plain torch: the T-token chunk of all sequences goes through each linear
+layer as one GEMM.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from server.model import ops as torch_ops
+from server.model.checkpoint import LayerWeights, Weights
+from server.model.state import ModelShape, State
+
+OP_NAMES = ("wkv_decode", "wkv_chunk")
+
+
+def select_ops(device: torch.device, kernels: str = "auto") -> types.SimpleNamespace:
+    """The WKV primitives for `device`: each name from server.model.cuda_ops when on CUDA,
+    that module imports, its `is_available()` returns True (may build the kernels: call at
+    start-up only) and it defines the name; else the pure-torch one. kernels: auto|torch|cuda
+    (env RWKV_KERNELS overrides auto)."""
+    kernels = os.environ.get("RWKV_KERNELS", kernels) if kernels == "auto" else kernels
+    chosen = {n: getattr(torch_ops, n) for n in OP_NAMES}
+    if device.type == "cuda" and kernels in ("auto", "cuda"):
+        try:
+            from server.model import cuda_ops  # noqa: PLC0415
+
+            ok = cuda_ops.is_available()
+        except ImportError:
+            ok = False
+        if not ok and kernels == "cuda":
+            raise RuntimeError("kernels='cuda' asked but server.model.cuda_ops is not available")
+        if ok:
+            chosen.update({n: getattr(cuda_ops, n) for n in OP_NAMES if hasattr(cuda_ops, n)})
+    return types.SimpleNamespace(**chosen)
+
+
+class RWKV7:
+    def __init__(self, weights: Weights, shape: ModelShape, name: str, device, dtype: torch.dtype,
+                 state_dtype: torch.dtype = torch.float32, chunk_len: int = 256, kernels: str = "auto"):  # fmt: skip
+        self.w, self.shape, self.name = weights, shape, name
+        self.device, self.dtype, self.state_dtype = torch.device(device), dtype, state_dtype
+        self.chunk_len = chunk_len
+        self.ops = select_ops(self.device, kernels)
+
+    # ---- public API ------------------------------------------------------------------------
+    def zero_state(self, batch: int) -> State:
+        return State.zeros(self.shape, batch, self.device, self.dtype, self.state_dtype)
+
+    @torch.no_grad()
+    def forward(self, tokens: list[list[int]], state: State, slots: Sequence[int] | None = None) -> torch.Tensor:
+        """Run tokens[i] on state slot slots[i] (default i); update state in place; return the
+        logits after each sequence's last token: (B, V) fp32."""
+        B = len(tokens)
+        slots = list(range(B)) if slots is None else [int(s) for s in slots]
+        self._check_forward(tokens, state, slots)
+        lens = [len(t) for t in tokens]
+        last_x = torch.empty(B, self.shape.n_embd, device=self.device, dtype=self.dtype)  # (B, C)
+        for c0 in range(0, max(lens), self.chunk_len):
+            act = [i for i in range(B) if lens[i] > c0]
+            chunk = [tokens[i][c0 : c0 + self.chunk_len] for i in act]
+            sub_slots = [slots[i] for i in act]
+            sub, gathered = self._select(state, sub_slots)
+            x_end = self._run_chunk(chunk, sub)  # (len(act), C)
+            if gathered:
+                state.scatter(sub, sub_slots)
+            done = [j for j, i in enumerate(act) if lens[i] <= c0 + self.chunk_len]
+            if done:
+                idx = torch.tensor(done, device=self.device)
+                dst = torch.tensor([act[j] for j in done], device=self.device)
+                last_x.index_copy_(0, dst, x_end.index_select(0, idx))
+        return self._head(last_x)
+
+    @torch.no_grad()
+    def decode(self, token_ids: torch.Tensor, state: State) -> torch.Tensor:
+        """One token per slot for all B slots of `state`: token_ids (B,) long -> (B, V) fp32.
+        No Python loop over B and no host sync (CUDA-graph capturable)."""
+        if token_ids.shape != (state.batch_size,):
+            raise ValueError(f"decode: token_ids {tuple(token_ids.shape)} for a state of batch {state.batch_size}")
+        x = F.embedding(token_ids, self.w.emb)  # (B, C)
+        v_first = x  # replaced in layer 0
+        for i, lw in enumerate(self.w.layers):
+            xa = self._ln(x, lw.ln1_w, lw.ln1_b)  # (B, C)
+            dx, v_first = self._time_mix(i, lw, xa, state.att_shift[i], state.wkv[i], v_first, None)
+            state.att_shift[i].copy_(xa)
+            x = x + dx
+            xf = self._ln(x, lw.ln2_w, lw.ln2_b)
+            dx = self._channel_mix(lw, xf, state.ffn_shift[i])
+            state.ffn_shift[i].copy_(xf)
+            x = x + dx
+        return self._head(x)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _check_forward(self, tokens, state: State, slots: list[int]) -> None:
+        if not tokens:
+            raise ValueError("forward() needs at least one sequence")
+        if any(len(t) == 0 for t in tokens):
+            raise ValueError("forward() got an empty token sequence")
+        if len(slots) != len(tokens) or len(set(slots)) != len(slots):
+            raise ValueError("slots must be distinct, one per sequence")
+        if min(slots) < 0 or max(slots) >= state.batch_size:
+            raise ValueError(f"slot out of range [0, {state.batch_size})")
+        V = self.shape.vocab_size
+        if min(min(t) for t in tokens) < 0 or max(max(t) for t in tokens) >= V:
+            raise ValueError(f"token id out of range [0, {V})")  # on CUDA it would kill the context
+
+    @staticmethod
+    def _select(state: State, slots: list[int]) -> tuple[State, bool]:
+        """Views when the slots are a contiguous ascending range, else a gathered copy."""
+        s0 = slots[0]
+        if slots == list(range(s0, s0 + len(slots))):
+            return state.view(s0, s0 + len(slots)), False
+        return state.gather(slots), True
+
+    def _run_chunk(self, chunk: list[list[int]], state: State) -> torch.Tensor:
+        """Prefill one chunk (right-padded); returns the residual stream at each last token."""
+        B, T = len(chunk), max(len(t) for t in chunk)
+        lens = torch.tensor([len(t) for t in chunk], device=self.device)  # (B,)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for j, t in enumerate(chunk):
+            ids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
+        ids = ids.to(self.device)
+        pad = None
+        if any(len(t) != T for t in chunk):
+            pad = (torch.arange(T, device=self.device) >= lens[:, None]).unsqueeze(-1)  # (B, T, 1)
+        rows = torch.arange(B, device=self.device)
+        last = lens - 1  # (B,)
+        x = F.embedding(ids, self.w.emb)  # (B, T, C)
+        v_first = x
+        for i, lw in enumerate(self.w.layers):
+            xa = self._ln(x, lw.ln1_w, lw.ln1_b)  # (B, T, C)
+            prev = self._shifted(xa, state.att_shift[i])
+            dx, v_first = self._time_mix(i, lw, xa, prev, state.wkv[i], v_first, pad)
+            state.att_shift[i].copy_(xa[rows, last])
+            x = x + dx
+            xf = self._ln(x, lw.ln2_w, lw.ln2_b)
+            dx = self._channel_mix(lw, xf, self._shifted(xf, state.ffn_shift[i]))
+            state.ffn_shift[i].copy_(xf[rows, last])
+            x = x + dx
+        return x[rows, last]  # (B, C)
+
+    def _shifted(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> the previous token's input at each position (the state's for t = 0)."""
+        return torch.cat((shift.to(x.dtype).unsqueeze(1), x[:, :-1]), dim=1)
+
+    def _ln(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.shape.n_embd,), w, b)
+
+    def _time_mix(self, i: int, lw: LayerWeights, x, prev, wkv, v_first, pad):
+        """x, prev: (B, C) decode or (B, T, C) prefill; wkv: (B, H, N, N) updated in place."""
+        H, N, C = self.shape.n_head, self.shape.head_size, self.shape.n_embd
+        mix = lw.mix.view(6, *([1] * (x.dim() - 1)), C)  # (6, 1.., C)
+        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev.to(x.dtype) - x, mix).unbind(0)
+        r = F.linear(xr, lw.wr)
+        k = F.linear(xk, lw.wk)
+        v = F.linear(xv, lw.wv)
+        # log-log decay: -softplus(-z) - 0.5 == logsigmoid(z) - 0.5
+        w = F.logsigmoid(lw.w0 + torch.tanh(xw @ lw.w1) @ lw.w2) - 0.5
+        a = torch.sigmoid(lw.a0 + (xa @ lw.a1) @ lw.a2)
+        g = torch.sigmoid(xg @ lw.g1) @ lw.g2
+        kk = F.normalize((k * lw.k_k).unflatten(-1, (H, N)), dim=-1).flatten(-2)
+        k = k * torch.addcmul(lw.k_a1, a, lw.k_a)  # k * (1 + (a - 1) * k_a)
+        if i == 0:
+            v_first = v
+        else:
+            v = torch.lerp(v, v_first, torch.sigmoid(lw.v0 + (xv @ lw.v1) @ lw.v2))
+        b = kk * a
+        if pad is not None:  # padded steps become identity steps of the recurrence
+            w, k, b = w.masked_fill(pad, torch_ops.IDENTITY_W), k.masked_fill(pad, 0), b.masked_fill(pad, 0)
+        hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (..., C) -> (..., H, N)
+        wkv_fn = self.ops.wkv_decode if x.dim() == 2 else self.ops.wkv_chunk
+        y = wkv_fn(wkv, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(b))  # (..., H, N)
+        y = F.group_norm(y.reshape(-1, C), H, lw.lnx_w, lw.lnx_b, eps=64e-5).view_as(x)
+        y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
+        return F.linear(y * g, lw.wo), v_first
+
+    @staticmethod
+    def _channel_mix(lw: LayerWeights, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        xk = torch.addcmul(x, prev.to(x.dtype) - x, lw.ffn_xk)
+        return F.linear(torch.relu(F.linear(xk, lw.ffn_key)).square(), lw.ffn_value)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._ln(x, self.w.ln_out_w, self.w.ln_out_b)
+        return F.linear(x, self.w.head).float()  # (B, V)

@@ -1,0 +1,212 @@
+"""Engine-level benchmark: decode tok/s per batch (forward + GPU sampling + one D2H copy of the
+token ids per step, as the engine runner does it), prefill tok/s, peak memory; optional accuracy
+check of the fp16 WKV state against the fp32 one.
+
+    PYTHONPATH=. python test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp16,fp32
+    PYTHONPATH=. python test/bench/bench_engine.py --model synthetic:tiny --device cpu --no-graphs
+
+Prints a table and appends one JSON line per figure to test/bench/results.jsonl (--out).
+The commit comes from $COMMIT, else `git rev-parse --short HEAD`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from server.engine.sampler import SamplerSlots  # noqa: E402
+from server.engine.types import SamplingParams  # noqa: E402
+from server.model import State, load_model  # noqa: E402
+from server.model.graphs import DecodeGraphs  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def commit() -> str:
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None
+
+
+def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: bool) -> list[dict]:
+    dev, V = model.device, model.shape.vocab_size
+    M = max(batches)
+    pool = State.zeros(model.shape, M, dev, model.dtype, state_dtype)
+    sampler = SamplerSlots(M, V, dev)
+    sampler.reset(range(M), [SamplingParams()] * M, list(range(M)))
+    g = DecodeGraphs(model, pool, sampler, max_batch=M)
+    if graphs:
+        t0 = time.perf_counter()
+        g.capture(sorted(set(batches)))
+        print(f"  captured {len(g.graphs)} graphs in {time.perf_counter() - t0:.1f}s", flush=True)
+    out = []
+    for B in batches:
+        tok = torch.randint(1, V, (B,), device=dev)  # (B,)
+        commit_ = torch.ones(B, dtype=torch.bool, device=dev)
+        times = []
+        for i in range(steps + 3):
+            pos = torch.full((B,), i, dtype=torch.long, device=dev)
+            t0 = time.perf_counter()
+            if graphs:
+                new = g.step(B, tok, pos, commit_)
+            else:
+                g.tokens[:B].copy_(tok), g.positions[:B].copy_(pos), g.commit[:B].copy_(commit_)
+                new = g._body(B)[1]
+            host = new.cpu()  # the one device->host copy per step (syncs)
+            times.append(time.perf_counter() - t0)
+            tok = torch.as_tensor(host, device=dev).clamp_(min=1)  # feed back; avoid EOS id 0
+        med = statistics.median(times[3:])
+        out.append({"batch": B, "decode_tok_s": round(B / med, 1), "step_ms": round(med * 1e3, 3),
+                    "peak_mem_gb": peak_gb(dev)})  # fmt: skip
+        print(f"  decode B={B:5d}: {B / med:10.1f} tok/s  ({med * 1e3:.2f} ms/step)", flush=True)
+    del g, pool, sampler
+    return out
+
+
+def bench_prefill(model, state_dtype, cases: list[tuple[int, int]], reps: int) -> list[dict]:
+    dev, V = model.device, model.shape.vocab_size
+    out = []
+    for n, T in cases:
+        state = State.zeros(model.shape, n, dev, model.dtype, state_dtype)
+        gen = torch.Generator().manual_seed(n * T)
+        prompts = torch.randint(1, V, (n, T), generator=gen).tolist()
+        times = []
+        for _ in range(reps + 1):
+            sync(dev)
+            t0 = time.perf_counter()
+            model.forward(prompts, state)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times[1:])
+        out.append({"batch": n, "prompt": f"{n}x{T}", "prefill_tok_s": round(n * T / med, 1),
+                    "ttft_p50_ms": round(med * 1e3, 2), "peak_mem_gb": peak_gb(dev)})  # fmt: skip
+        print(f"  prefill {n}x{T}: {n * T / med:10.1f} tok/s  ({med * 1e3:.1f} ms)", flush=True)
+        del state
+    return out
+
+
+@torch.no_grad()
+def accuracy(model, steps: int, prompt_len: int = 32) -> dict:
+    """fp16 vs fp32 WKV state: teacher-forced logits along the fp32 greedy path, and how many
+    free-running greedy tokens agree."""
+    dev, V = model.device, model.shape.vocab_size
+    prompt = torch.randint(1, V, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    s32 = State.zeros(model.shape, 1, dev, model.dtype, torch.float32)
+    s16 = State.zeros(model.shape, 1, dev, model.dtype, torch.float16)
+    l32, l16 = model.forward([prompt], s32), model.forward([prompt], s16)
+    free16 = s16.clone()
+    lf = l16.clone()
+    max_abs, rel, agree, path32, path16 = 0.0, 0.0, 0, [], []
+    for _ in range(steps):
+        max_abs = max(max_abs, (l32 - l16).abs().max().item())
+        rel = max(rel, ((l32 - l16).norm() / l32.norm()).item())
+        t32 = l32.argmax(-1)  # (1,)
+        agree += int(t32.item() == l16.argmax(-1).item())
+        path32.append(t32.item())
+        t16 = lf.argmax(-1)
+        path16.append(t16.item())
+        l32, l16 = model.decode(t32, s32), model.decode(t32, s16)
+        lf = model.decode(t16, free16)
+    same = next((i for i, (a, b) in enumerate(zip(path32, path16)) if a != b), steps)
+    res = {"steps": steps, "logits_max_abs_diff": max_abs, "logits_max_rel_diff": rel,
+           "teacher_forced_argmax_agree": agree / steps, "free_greedy_identical_prefix": same,
+           "logit_std": l32.std().item()}  # fmt: skip
+    print(f"  accuracy fp16 vs fp32 state: {res}", flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="synthetic:2.9b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="fp16")
+    p.add_argument("--state-dtypes", default="fp16,fp32")
+    p.add_argument("--batches", default="1,8,64,256,512,1024")
+    p.add_argument("--prefill", default="1x4096,16x512", help="cases NxT, comma-separated ('' = none)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kernels", default="auto", help="auto|torch|cuda")
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--fused", action="store_true", help="decode through cuda_ops.tmix_decode (use_fused_decode)")
+    p.add_argument("--chunk-len", type=int, default=256, help="the model's prefill chunk length")
+    p.add_argument("--accuracy", type=int, default=0, help="steps of the fp16-vs-fp32 state check")
+    p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
+    p.add_argument("--variant", default="", help="free-text tag stored with each line")
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    t0 = time.perf_counter()
+    model = load_model(a.model, device=dev, dtype=DTYPES[a.dtype], kernels=a.kernels, chunk_len=a.chunk_len)
+    if a.fused:
+        from server.model.cuda_ops import use_fused_decode
+
+        use_fused_decode(model)
+    wkv = getattr(model.ops.wkv_decode, "__module__", "?").rsplit(".", 1)[-1]
+    print(f"loaded {a.model} on {gpu_name(dev)} in {time.perf_counter() - t0:.1f}s; wkv ops: {wkv}", flush=True)
+    base = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu_name(dev), "model": a.model,
+            "mode": "engine", "dtype": a.dtype, "wkv": wkv, "graphs": not a.no_graphs, "fused_tmix": a.fused,
+            "chunk_len": a.chunk_len}  # fmt: skip
+    if a.variant:
+        base["variant"] = a.variant
+    lines = []
+    batches = [int(b) for b in a.batches.split(",") if b]
+    cases = [tuple(int(x) for x in c.split("x")) for c in a.prefill.split(",") if c]
+    for sd in a.state_dtypes.split(","):
+        print(f"state dtype {sd}:", flush=True)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs=not a.no_graphs and dev.type == "cuda") if batches else []:
+            lines.append({**base, "state_dtype": sd, **r})
+        for r in bench_prefill(model, DTYPES[sd], cases, a.reps):
+            lines.append({**base, "state_dtype": sd, **r})
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if a.accuracy:
+        lines.append({**base, "state_dtype": "fp16-vs-fp32", "accuracy": accuracy(model, a.accuracy)})
+    with open(a.out, "a") as f:
+        for line in lines:
+            f.write(json.dumps({k: v for k, v in line.items() if v is not None}) + "\n")
+    print_table(lines)
+
+
+def print_table(lines: list[dict]) -> None:
+    print(f"\n{'state':6} {'batch':>6} {'what':10} {'tok/s':>12} {'ms':>9} {'peak GB':>8}")
+    for r in lines:
+        if "accuracy" in r:
+            continue
+        what = "decode" if "decode_tok_s" in r else "prefill " + r["prompt"]
+        rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
+        ms = r.get("step_ms") or r.get("ttft_p50_ms")
+        print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {r.get('peak_mem_gb') or 0:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

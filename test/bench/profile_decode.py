@@ -1,0 +1,81 @@
+"""Where the decode step's GPU time goes: kernel time per category (torch.profiler, eager steps;
+kernel durations are the same inside a CUDA graph, only the launch gaps differ).
+
+    PYTHONPATH=. python test/bench/profile_decode.py --batches 1,256,1024 [--fused]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from server.engine.sampler import SamplerSlots  # noqa: E402
+from server.engine.types import SamplingParams  # noqa: E402
+from server.model import State, cuda_ops, load_model  # noqa: E402
+from server.model.graphs import DecodeGraphs  # noqa: E402
+
+CATS = (("wkv7", ("wkv7",)), ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "gemv", "splitk")),
+        ("sort/scan", ("sort", "radix", "scan", "cub::")), ("softmax", ("softmax",)))  # fmt: skip
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in CATS if any(k in low for k in keys)), "other")
+
+
+def profile(model, B: int, state_dtype, steps: int = 2) -> None:
+    dev, V = model.device, model.shape.vocab_size
+    pool = State.zeros(model.shape, B, dev, model.dtype, state_dtype)
+    smp = SamplerSlots(B, V, dev)
+    smp.reset(range(B), [SamplingParams()] * B, list(range(B)))
+    g = DecodeGraphs(model, pool, smp, max_batch=B)
+    g.tokens[:B] = torch.randint(1, V, (B,), device=dev)
+    g.commit[:B] = True
+    for _ in range(2):
+        g._body(B)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            g._body(B)
+        torch.cuda.synchronize()
+    per_cat, per_name, count = collections.Counter(), collections.Counter(), 0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us() / steps
+        per_cat[category(e.name)] += us
+        per_name[e.name[:90]] += us
+        count += 1
+    total = sum(per_cat.values())
+    print(f"B={B}: {count / steps:.0f} kernels/step, GPU busy {total / 1e3:.2f} ms/step: "
+          + ", ".join(f"{c} {t / 1e3:.2f}" for c, t in per_cat.most_common()), flush=True)
+    for name, us in per_name.most_common(8):
+        print(f"    {us / 1e3:7.3f} ms  {name}")
+    del g, pool, smp
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="synthetic:2.9b")
+    p.add_argument("--batches", default="1,256,1024")
+    p.add_argument("--state-dtype", default="fp32")
+    p.add_argument("--fused", action="store_true")
+    a = p.parse_args()
+    model = load_model(a.model, device="cuda", dtype=torch.float16)
+    if a.fused:
+        cuda_ops.use_fused_decode(model)
+    sd = {"fp32": torch.float32, "fp16": torch.float16}[a.state_dtype]
+    print(f"profile {a.model} state {a.state_dtype} fused={a.fused}")
+    for B in (int(b) for b in a.batches.split(",")):
+        profile(model, B, sd)
+
+
+if __name__ == "__main__":
+    main()

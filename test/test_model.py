@@ -1,0 +1,158 @@
+"""RWKV-7 forward: parity with the `rwkv` package (the oracle), chunking, ragged batches, slots."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from server.model import load_model
+from server.model.synthetic import save_synthetic
+
+TOL = 1e-4
+# the rwkv package always TorchScripts its RWKV-7 code (deprecated API)
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (0 when both are all zeros)."""
+    diff = (a.float() - ref.float()).abs().max().item()
+    return diff / max(ref.float().abs().max().item(), 1e-30)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """The rwkv package's RWKV_x070 on `cpu fp32` (its flags are read at import time)."""
+    os.environ.update(RWKV_V7_ON="1", RWKV_JIT_ON="0", RWKV_CUDA_ON="0")
+    if "rwkv.model" in sys.modules:
+        mod = importlib.reload(sys.modules["rwkv.model"])
+    else:
+        mod = importlib.import_module("rwkv.model")
+    return mod.RWKV_x070
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("synthetic:tiny:1", chunk_len=5)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(0, 65536, (n,), generator=g).tolist() for n in (1, 7, 3, 12)]
+
+
+@pytest.mark.parametrize(
+    "preset,save_dtype", [("tiny", torch.float32), ("L3-C256:5", torch.bfloat16), ("L1-C64-V300", torch.float32)]
+)
+def test_logits_match_rwkv_package(oracle, tmp_path, preset, save_dtype):
+    path = tmp_path / "model.pth"
+    save_synthetic(preset, str(path), dtype=save_dtype)
+    ref = oracle(str(path)[: -len(".pth")], "cpu fp32")
+    model = load_model(str(path), chunk_len=4)  # 10 tokens -> chunks of 4, 4, 2
+    prompt = [t % model.shape.vocab_size for t in (1, 500, 65000, 7, 7, 7, 42, 3, 0, 99)]
+    ref_logits, ref_state = ref.forward(prompt, None)
+    state = model.zero_state(1)
+    logits = model.forward([prompt], state)
+    assert logits.shape == (1, model.shape.vocab_size) and logits.dtype == torch.float32
+    assert rel_err(logits[0], ref_logits) < TOL
+    for tok in (5, 17, 5):  # decode (the oracle's forward_one path)
+        ref_logits, ref_state = ref.forward([tok], ref_state)
+        logits = model.decode(torch.tensor([tok]), state)
+        assert rel_err(logits[0], ref_logits) < TOL
+    L = model.shape.n_layer
+    for i in range(L):  # the oracle's state: [att_shift, wkv (H, N, N), ffn_shift] per layer
+        assert rel_err(state.att_shift[i, 0], ref_state[3 * i]) < TOL
+        assert rel_err(state.wkv[i, 0], ref_state[3 * i + 1]) < TOL
+        assert rel_err(state.ffn_shift[i, 0], ref_state[3 * i + 2]) < TOL
+
+
+def _alone(model, prompt):
+    state = model.zero_state(1)
+    return model.forward([prompt], state)[0], state
+
+
+def _assert_states_close(a, b, tol=TOL):
+    for x, y in zip(a.tensors(), b.tensors()):
+        assert rel_err(x, y) <= tol
+
+
+def test_chunked_prefill_equals_token_by_token_decode(tiny):
+    prompt = _prompts()[3]  # 12 tokens, chunk_len 5
+    logits, state = _alone(tiny, prompt)
+    s2 = tiny.zero_state(1)
+    for tok in prompt:
+        dec = tiny.decode(torch.tensor([tok]), s2)
+    assert rel_err(logits, dec[0]) < TOL
+    _assert_states_close(state, s2)
+    big = load_model("synthetic:tiny:1", chunk_len=256)  # one chunk
+    s3 = big.zero_state(1)
+    assert rel_err(big.forward([prompt], s3)[0], logits) < TOL
+    _assert_states_close(s3, state)
+
+
+def test_ragged_batch_equals_each_alone(tiny):
+    prompts = _prompts()
+    state = tiny.zero_state(len(prompts))
+    logits = tiny.forward(prompts, state)
+    for i, p in enumerate(prompts):
+        ref, ref_state = _alone(tiny, p)
+        assert rel_err(logits[i], ref) < TOL
+        _assert_states_close(state.view(i, i + 1), ref_state)
+
+
+def test_non_contiguous_slots_and_untouched_slots(tiny):
+    prompts = _prompts()[:3]
+    pool = tiny.zero_state(6)
+    pool.wkv[:, 0].fill_(0.5)  # a slot that must not change
+    before = pool.view(0, 1).clone()
+    logits = tiny.forward(prompts, pool, slots=[4, 1, 3])
+    for slot, p, lg in zip([4, 1, 3], prompts, logits):
+        ref, ref_state = _alone(tiny, p)
+        assert rel_err(lg, ref) < TOL
+        _assert_states_close(pool.view(slot, slot + 1), ref_state)
+    _assert_states_close(pool.view(0, 1), before, tol=0)
+    for slot in (2, 5):
+        assert all(t.abs().max() == 0 for t in pool.view(slot, slot + 1).tensors())
+    # continuing from a slot: decode on a prefix view of the pool equals continuing alone
+    pool.copy_slot(0, 4)
+    ref, ref_state = _alone(tiny, prompts[0] + [77])
+    out = tiny.decode(torch.tensor([77, 1]), pool.view(0, 2))
+    assert rel_err(out[0], ref) < TOL
+    _assert_states_close(pool.view(0, 1), ref_state)
+
+
+def test_forward_rejects_bad_input(tiny):
+    state = tiny.zero_state(2)
+    with pytest.raises(ValueError):
+        tiny.forward([[1], []], state)
+    with pytest.raises(ValueError):
+        tiny.forward([[1], [2]], state, slots=[0, 0])
+    with pytest.raises(ValueError):
+        tiny.forward([[1]], state, slots=[2])
+    with pytest.raises(ValueError, match="token id"):
+        tiny.forward([[1, 65536]], state)
+
+
+def test_fp16_state_close_to_fp32():
+    m32 = load_model("synthetic:tiny:2")
+    m16 = load_model("synthetic:tiny:2", state_dtype=torch.float16)
+    prompt = _prompts()[3]
+    s32, s16 = m32.zero_state(1), m16.zero_state(1)
+    assert s16.wkv.dtype == torch.float16
+    a, b = m32.forward([prompt], s32), m16.forward([prompt], s16)
+    for tok in (3, 4):
+        a, b = m32.decode(torch.tensor([tok]), s32), m16.decode(torch.tensor([tok]), s16)
+    assert rel_err(b, a) < 1e-2
+
+
+def test_bf16_compute_runs_close():
+    m32 = load_model("synthetic:tiny:2")
+    mb = load_model("synthetic:tiny:2", dtype=torch.bfloat16)
+    prompt = _prompts()[3]
+    a = m32.forward([prompt], m32.zero_state(1))
+    b = mb.forward([prompt], mb.zero_state(1))
+    assert mb.zero_state(1).att_shift.dtype == torch.bfloat16
+    assert torch.isfinite(b).all() and rel_err(b, a) < 0.1

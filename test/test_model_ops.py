@@ -1,0 +1,67 @@
+"""The pure-torch WKV primitives (the contract the CUDA twins in cuda_ops follow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.model import ops
+
+
+def _inputs(B, T, H=2, N=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r, k, v = (torch.randn(B, T, H, N, generator=g) for _ in range(3))
+    w = -0.5 - torch.rand(B, T, H, N, generator=g) * 6  # log-log decay, decay in (0.55, 1)
+    kk = torch.nn.functional.normalize(torch.randn(B, T, H, N, generator=g), dim=-1)
+    a = torch.rand(B, T, H, N, generator=g)
+    return r, w, k, v, -kk, kk * a
+
+
+def _naive_step(S, r, w, k, v, a, b):
+    """S (H, N, N): S = S diag(exp(-exp(w))) + (S a) b^T + v k^T; y = S r."""
+    sa = S @ a.unsqueeze(-1)  # (H, N, 1)
+    S = S * torch.exp(-torch.exp(w)).unsqueeze(-2) + sa * b.unsqueeze(-2) + v.unsqueeze(-1) * k.unsqueeze(-2)
+    return S, (S @ r.unsqueeze(-1)).squeeze(-1)
+
+
+def test_chunk_equals_decode_steps_and_naive():
+    B, T = 3, 6
+    acts = _inputs(B, T)
+    s0 = torch.randn(B, 2, 64, 64) * 0.1
+    s_chunk, s_dec = s0.clone(), s0.clone()
+    y = ops.wkv_chunk(s_chunk, *acts)  # (B, T, H, N)
+    for t in range(T):
+        yt = ops.wkv_decode(s_dec, *(x[:, t] for x in acts))
+        assert torch.allclose(yt, y[:, t], atol=1e-5)
+    assert torch.allclose(s_chunk, s_dec, atol=1e-5)
+    for bi in range(B):
+        S = s0[bi].clone()
+        for t in range(T):
+            S, yt = _naive_step(S, *(x[bi, t] for x in acts))
+            assert torch.allclose(yt, y[bi, t], atol=1e-4)
+        assert torch.allclose(S, s_chunk[bi], atol=1e-4)
+
+
+def test_identity_steps_leave_state_unchanged():
+    r, w, k, v, a, b = _inputs(2, 4)
+    w[:, 2:] = ops.IDENTITY_W
+    k[:, 2:] = 0
+    b[:, 2:] = 0
+    s0 = torch.randn(2, 2, 64, 64)
+    s_full, s_short = s0.clone(), s0.clone()
+    ops.wkv_chunk(s_full, r, w, k, v, a, b)
+    ops.wkv_chunk(s_short, *(x[:, :2] for x in (r, w, k, v, a, b)))
+    assert torch.equal(s_full, s_short)
+
+
+@pytest.mark.parametrize("state_dtype,act_dtype", [(torch.float16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_dtypes_and_non_contiguous_state(state_dtype, act_dtype):
+    acts = [x.to(act_dtype) for x in _inputs(2, 1)]
+    pool = torch.randn(2, 4, 2, 64, 64).to(state_dtype)  # (L, B, H, N, N); a strided view
+    ref = pool[1, ::2].float().clone()
+    y = ops.wkv_decode(pool[1, ::2], *(x[:, 0] for x in acts))
+    y_ref = ops.wkv_decode(ref, *(x[:, 0].float() for x in acts))
+    assert y.dtype == act_dtype and pool.dtype == state_dtype
+    tol = 2e-2
+    assert (y.float() - y_ref).abs().max() <= tol * y_ref.abs().max()
+    assert (pool[1, ::2].float() - ref).abs().max() <= tol * ref.abs().max()
