@@ -23,6 +23,9 @@ def test_saved_file_has_the_official_keys(tiny_pth):
     assert set(sd) == set(expected_shapes(shape))
     assert "blocks.0.att.v0" not in sd and "blocks.1.att.v0" in sd
     assert list(sd)[:3] == ["emb.weight", "blocks.0.ln0.weight", "blocks.0.ln0.bias"]
+    att1 = [k[len("blocks.1.att.") :] for k in sd if k.startswith("blocks.1.att.")]
+    assert att1[:17] == "x_r x_w x_k x_v x_a x_g w0 w1 w2 a0 a1 a2 v0 v1 v2 g1 g2".split()
+    assert list(sd)[-3:] == ["ln_out.weight", "ln_out.bias", "head.weight"]
     assert sd["blocks.0.att.x_r"].shape == (1, 1, 128) and sd["blocks.0.att.r_k"].shape == (2, 64)
     assert sd["blocks.1.att.v1"].shape == (128, 32) and sd["head.weight"].shape == (65536, 128)
     assert all(t.dtype == torch.bfloat16 for t in sd.values())

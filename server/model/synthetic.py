@@ -105,14 +105,12 @@ def synthetic_state_dict(spec: str | tuple[ModelShape, int], device="cpu", dtype
             sd[a + n] = vec((base + gen.normal(a + n, (C,), 0.05).float()).to(dtype))
         speed = -7.0 + 5.0 * torch.linspace(0, 1, C, device=D).pow(0.85 + r01**0.5) + 0.5  # [-6.5, -1.5]
         sd[a + "w0"] = vec((speed + gen.normal(a + "w0", (C,), 0.3).float()).to(dtype))
-        lora = [("w", s.d_decay, 1.0), ("a", s.d_aaa, 1.0)] + ([("v", s.d_mv, 1.0)] if i else []) + [("g", s.d_gate, 1.0)]
-        for n, d, out_std in lora:
-            if n != "w" and n != "g":
-                mean0 = 0.0 if n == "a" else 0.5  # a = sigmoid(~0), v-mix = sigmoid(~0.5)
+        lora = [("w", s.d_decay, None), ("a", s.d_aaa, 0.0)] + ([("v", s.d_mv, 0.5)] if i else []) + [("g", s.d_gate, None)]
+        for n, d, mean0 in lora:  # a = sigmoid(a0 + ...) ~ 0.5; v-mix = sigmoid(v0 + ...) ~ 0.6
+            if mean0 is not None:
                 sd[a + n + "0"] = vec(gen.normal(a + n + "0", (C,), 0.5, mean0))
             sd[a + n + "1"] = gen.normal(a + n + "1", (C, d), 1.0 / math.sqrt(C))
-            sd[a + n + "2"] = gen.normal(a + n + "2", (d, C), out_std / math.sqrt(d))
-        sd = _reorder_att(sd, a, i)
+            sd[a + n + "2"] = gen.normal(a + n + "2", (d, C), 1.0 / math.sqrt(d))
         sd[a + "k_k"] = vec(gen.normal(a + "k_k", (C,), 0.1, 0.85))
         sd[a + "k_a"] = vec(gen.normal(a + "k_a", (C,), 0.1, 1.0))
         sd[a + "r_k"] = gen.normal(a + "r_k", (s.n_head, s.head_size), 0.05)
@@ -127,17 +125,6 @@ def synthetic_state_dict(spec: str | tuple[ModelShape, int], device="cpu", dtype
     sd["ln_out.weight"] = gen.normal("ln_out.weight", (C,), 0.1, 1.0)
     sd["ln_out.bias"] = gen.normal("ln_out.bias", (C,), 0.02)
     sd["head.weight"] = gen.normal("head.weight", (s.vocab_size, C), 2.0 / math.sqrt(C))
-    return sd
-
-
-_ATT_ORDER = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "w1", "w2", "a0", "a1", "a2", "v0", "v1", "v2", "g1", "g2")
-
-
-def _reorder_att(sd: dict, a: str, i: int) -> dict:
-    """Put this layer's att.* keys drawn so far in the official order (dicts keep insertion order)."""
-    keys = [a + n for n in _ATT_ORDER if a + n in sd]
-    vals = {k: sd.pop(k) for k in keys}
-    sd.update(vals)
     return sd
 
 
