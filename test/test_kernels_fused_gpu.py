@@ -1,5 +1,5 @@
-"""Parity of the fused decode time-mix kernel (cuda_ops.tmix_decode) with its pure-torch twin,
-and of a model whose decode uses it (cuda_ops.use_fused_decode) with the model's own decode."""
+"""Parity of the fused decode time-mix kernel (cuda_ops.tmix_decode) with its pure-torch twin
+(ops.tmix_decode), and of the model's fused decode path with its unfused one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from server.model import cuda_ops
+from server.model import cuda_ops, ops
 
 H, N = 4, 64
 C = H * N
@@ -54,7 +54,7 @@ def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, split, monkeypa
     s0 = (torch.randn(B, H, N, N, generator=torch.Generator().manual_seed(B)) * 0.3).to(dev, state_dtype)
     s_ref, s_cu = s0.clone(), s0.clone()
     args = (r, k, v, wz, az, None if layer0 else vz, None if layer0 else v_first, g, lw, layer0)
-    ref = cuda_ops.tmix_decode_torch(s_ref, *args)
+    ref = ops.tmix_decode(s_ref, *args)
     got = cuda_ops.tmix_decode(s_cu, *args)
     tol = 1e-4 if dtype == torch.float32 else (3e-2 if dtype == torch.bfloat16 else 1e-2)
     assert got.shape == (B, C) and got.dtype == dtype
@@ -71,7 +71,8 @@ def test_fused_model_decode_matches_model(state_dtype):
     dev = torch.device("cuda")
     base = load_model("synthetic:tiny", device=dev, dtype=torch.float16, state_dtype=state_dtype)
     fused = load_model("synthetic:tiny", device=dev, dtype=torch.float16, state_dtype=state_dtype)
-    cuda_ops.use_fused_decode(fused)
+    assert fused.ops.tmix_decode is cuda_ops.tmix_decode and fused._fused()  # the default on CUDA
+    base.fused_decode = False
     s1, s2 = base.zero_state(4), fused.zero_state(4)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
     base.forward(prompts, s1), fused.forward(prompts, s2)
@@ -88,13 +89,15 @@ def test_fused_model_decode_matches_model(state_dtype):
         tok = l1.argmax(-1)
 
 
-def test_fused_hook_matches_model_on_cpu():
-    """use_fused_decode mirrors the model's projections (catches layout drift without a GPU)."""
+def test_fused_path_matches_model_on_cpu():
+    """The fused decode path (LoRAs as addmm + ops.tmix_decode) equals the unfused one
+    (catches layout drift without a GPU: on CPU it runs the pure-torch twin)."""
     from server.model import load_model
 
     base = load_model("synthetic:tiny", device="cpu", dtype=torch.float32)
     fused = load_model("synthetic:tiny", device="cpu", dtype=torch.float32)
-    cuda_ops.use_fused_decode(fused)
+    assert not base._fused()
+    fused.fused_decode = True
     s1, s2 = base.zero_state(2), fused.zero_state(2)
     base.forward([[1, 2, 3], [4]], s1), fused.forward([[1, 2, 3], [4]], s2)
     tok = torch.tensor([5, 6])

@@ -156,3 +156,36 @@ def test_bf16_compute_runs_close():
     b = mb.forward([prompt], mb.zero_state(1))
     assert mb.zero_state(1).att_shift.dtype == torch.bfloat16
     assert torch.isfinite(b).all() and rel_err(b, a) < 0.1
+
+
+def test_defaults_and_token_cap_shrinks_chunks(tiny):
+    """CPU default chunking is unchanged (256); the per-call token cap shrinks the chunk length
+    when many sequences prefill together, without changing the result."""
+    m = load_model("synthetic:tiny:1")
+    assert (m.chunk_len, m.max_chunk_tokens, m._fused()) == (256, 16384, False)
+    capped = load_model("synthetic:tiny:1", chunk_len=5, max_chunk_tokens=6)  # 4 seqs -> T = 1
+    prompts = _prompts()
+    s1, s2 = tiny.zero_state(4), capped.zero_state(4)
+    a, b = tiny.forward(prompts, s1), capped.forward(prompts, s2)
+    assert rel_err(b, a) < TOL
+    _assert_states_close(s2, s1)
+
+
+def test_kernel_path_slots_and_lengths(tiny):
+    """The CUDA-path plumbing (pool + slots= + lengths= handed to wkv_chunk, shifts indexed by
+    slot) run on CPU through cuda_ops' fallback, which implements the same contract."""
+    import types
+
+    from server.model import cuda_ops, ops
+
+    k = load_model("synthetic:tiny:1", chunk_len=5)
+    k.ops = types.SimpleNamespace(wkv_decode=ops.wkv_decode, wkv_chunk=cuda_ops.wkv_chunk, tmix_decode=ops.tmix_decode)
+    assert k._kernel_ops() and not tiny._kernel_ops()
+    prompts = _prompts()
+    p1, p2 = tiny.zero_state(6), k.zero_state(6)
+    for pool in (p1, p2):
+        pool.wkv[:, 0].fill_(0.5)
+    a = tiny.forward(prompts, p1, slots=[5, 0, 3, 1])
+    b = k.forward(prompts, p2, slots=[5, 0, 3, 1])
+    assert rel_err(b, a) < TOL
+    _assert_states_close(p2, p1)

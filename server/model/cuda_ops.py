@@ -6,7 +6,7 @@
 Extras (keyword-only, not in the pure-torch signature):
     slots:   int tensor (B,) — sequence i uses state[slots[i]] (state is then the whole pool)
     lengths: int tensor (B,) — wkv_chunk only: tokens t >= lengths[i] are skipped (state
-             untouched by them; their y values are undefined)
+             untouched by them; y there is unspecified: 0 from the kernel)
 Under CUDA-graph capture pass slots/lengths as device tensors (a list would need a host copy).
 
 The kernels come from `kernels.loader` (built at first use, never at import). `available()`
@@ -110,7 +110,8 @@ def wkv_chunk(state, r, w, k, v, a, b, *, slots=None, lengths=None) -> torch.Ten
     if len({(t.stride(0), t.stride(1)) for t in acts if t is not ww}) != 1:
         acts = [t.contiguous() for t in acts]
         rr, ww = acts[0], acts[1]
-    y = torch.empty(B, T, H, N, device=r.device, dtype=r.dtype)  # (B, T, H, N)
+    alloc = torch.empty if lengths is None else torch.zeros  # skipped tokens: y = 0, not garbage
+    y = alloc(B, T, H, N, device=r.device, dtype=r.dtype)  # (B, T, H, N)
     sp, keep = _slots_arg(slots, r.device)
     lp, keep_l = _slots_arg(lengths, r.device)
     stream = torch.cuda.current_stream(r.device).cuda_stream
@@ -148,35 +149,15 @@ def _mask_lengths(acts, lengths):
 
 
 # ---- fused time-mix core for decode (kernels/wkv7_tmix.cu) -----------------------------------
-def tmix_decode_torch(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5):
-    """Pure-torch twin of tmix_decode: the model's decode time-mix between the projections and
-    the output projection. r, k, v, g: (B, C); wz, az, vz: LoRA outputs with their biases
-    (w0, a0, v0) added; lw: k_k, k_a (C,), r_k (H, N), lnx_w, lnx_b (C,). state (B, H, N, N)
-    updated in place; returns (B, C) in r.dtype (the input of the output projection)."""
-    B, C = r.shape
-    H, N = state.shape[1], state.shape[-1]
-    hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (B, C) -> (B, H, N)
-    w = torch.nn.functional.logsigmoid(wz) - 0.5  # == -softplus(-wz) - 0.5
-    a = torch.sigmoid(az)
-    kk = torch.nn.functional.normalize(hd(k * lw.k_k), dim=-1).flatten(-2)
-    k = k * (1 + (a - 1) * lw.k_a)
-    if not layer0:
-        v = torch.lerp(v, v_first, torch.sigmoid(vz))
-    y = ops.wkv_decode(state, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(kk * a))  # (B, H, N)
-    y = torch.nn.functional.group_norm(y.reshape(B, C), H, lw.lnx_w, lw.lnx_b, eps=gn_eps)
-    y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
-    return y * g
-
-
 def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5):
-    """One launch for the whole decode time-mix core (see tmix_decode_torch for the math).
+    """One launch for the whole decode time-mix core (ops.tmix_decode is the pure-torch twin).
     In layer 0 vz and v_first are not read (pass None)."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[-1]
     lib = _lib(r.device, N) if r.is_cuda else None
     acts = [r, k, v, wz, az, vz if vz is not None else r, v_first if v_first is not None else r, g]
     if lib is None or not _usable(state, r) or any(t.stride() != (C, 1) or t.dtype != r.dtype for t in acts):
-        return tmix_decode_torch(state, r, k, v, wz, az, vz, v_first, g, lw, layer0, gn_eps)
+        return ops.tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0, gn_eps)
     params = [lw.k_k, lw.k_a, lw.r_k, lw.lnx_w, lw.lnx_b]
     params = [t if t.dtype == r.dtype and t.is_contiguous() else t.to(r.dtype).contiguous() for t in params]
     out = torch.empty(B, C, device=r.device, dtype=r.dtype)  # (B, C)
@@ -215,31 +196,3 @@ def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream) 
     _check(lib.wkv7_tmix_post(dt, B, H, ptr(y), ptr(buf[3]), ptr(bonus), ptr(g), C, ptr(lnx_w), ptr(lnx_b),
                               float(gn_eps), ptr(out), C, stream),
            "wkv7_tmix_post")  # fmt: skip
-
-
-def use_fused_decode(model) -> None:
-    """TEMPORARY HOOK (GPU helper), until server/model/rwkv7.py calls tmix_decode itself: make
-    `model.decode` run the fused time-mix core (one launch per layer instead of ~25).
-    Mirrors RWKV7._time_mix's projections as of this writing; prefill keeps the model's path."""
-    import types
-
-    import torch.nn.functional as F
-
-    orig = model._time_mix
-
-    def _time_mix(self, i, lw, x, prev, wkv, v_first, pad):
-        if x.dim() != 2:
-            return orig(i, lw, x, prev, wkv, v_first, pad)
-        C = x.shape[-1]
-        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev.to(x.dtype) - x, lw.mix.view(6, 1, C)).unbind(0)
-        r, k, v = F.linear(xr, lw.wr), F.linear(xk, lw.wk), F.linear(xv, lw.wv)  # (B, C) each
-        wz = torch.addmm(lw.w0, torch.tanh(xw @ lw.w1), lw.w2)  # LoRA weights: (in, out)
-        az = torch.addmm(lw.a0, xa @ lw.a1, lw.a2)
-        g = torch.sigmoid(xg @ lw.g1) @ lw.g2
-        vz = None if i == 0 else torch.addmm(lw.v0, xv @ lw.v1, lw.v2)
-        if i == 0:
-            v_first = v
-        y = tmix_decode(wkv, r, k, v, wz, az, vz, v_first, g, lw, layer0=i == 0)  # (B, C)
-        return F.linear(y, lw.wo), v_first
-
-    model._time_mix = types.MethodType(_time_mix, model)

@@ -15,12 +15,13 @@ log = logging.getLogger(__name__)
 
 
 def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
-               state_dtype: torch.dtype = torch.float32, *, chunk_len: int = 256,
-               kernels: str = "auto") -> RWKV7:  # fmt: skip
+               state_dtype: torch.dtype = torch.float32, *, chunk_len: int | None = None,
+               kernels: str = "auto", max_chunk_tokens: int | None = None) -> RWKV7:  # fmt: skip
     """spec: a path to an official RWKV-7 .pth, or 'synthetic:<preset>[:seed]'.
 
     Tensors are converted one at a time onto `device` in `dtype` (no full fp32 copy).
     kernels: auto (CUDA kernels when on cuda and built), torch (pure torch), cuda (required).
+    chunk_len / max_chunk_tokens: prefill chunking (defaults: see RWKV7).
     """
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -34,6 +35,7 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         name = os.path.basename(spec)
     shape = checkpoint.validate(sd)
     weights = checkpoint.convert(sd, shape, device, dtype)
-    model = RWKV7(weights, shape, name, device, dtype, state_dtype, chunk_len=chunk_len, kernels=kernels)
+    model = RWKV7(weights, shape, name, device, dtype, state_dtype, chunk_len=chunk_len, kernels=kernels,
+                  max_chunk_tokens=max_chunk_tokens)
     log.info("loaded %s (%s) on %s %s in %.1fs", name, shape.signature(), device, dtype, time.perf_counter() - t0)
     return model

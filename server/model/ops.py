@@ -1,4 +1,4 @@
-"""Pure-PyTorch WKV-7 primitives (the reference path; CUDA twins live in server.model.cuda_ops).
+"""Pure-PyTorch WKV-7 primitives and the decode time-mix core (the reference path; CUDA twins live in server.model.cuda_ops).
 
 Conventions shared with the CUDA twins (same names, same signatures, same semantics):
 
@@ -22,6 +22,7 @@ the model uses that to pad ragged batches, so these functions take no mask.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
 
@@ -91,3 +92,24 @@ def wkv_chunk(state: torch.Tensor, r, w, k, v, a, b) -> torch.Tensor:
     if copy_back:
         state.copy_(s.view(B, H, N, N))
     return y.view(T, B, H, N).permute(1, 0, 2, 3).to(r.dtype)
+
+
+def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5) -> torch.Tensor:
+    """The decode time-mix core between the projections and the output projection (one
+    launch in the CUDA twin, kernels/wkv7_tmix.cu). r, k, v, g: (B, C); wz, az, vz: LoRA outputs
+    with their biases (w0, a0, v0) added (vz, v_first unused when layer0: may be None);
+    lw: k_k, k_a (C,), r_k (H, N), lnx_w, lnx_b (C,). state (B, H, N, N) updated in place;
+    returns (B, C) in r.dtype: the input of the output projection."""
+    B, C = r.shape
+    H, N = state.shape[1], state.shape[-1]
+    hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (B, C) -> (B, H, N)
+    w = F.logsigmoid(wz) - 0.5  # == -softplus(-wz) - 0.5
+    a = torch.sigmoid(az)
+    kk = F.normalize(hd(k * lw.k_k), dim=-1).flatten(-2)  # (B, C)
+    k = k * (1 + (a - 1) * lw.k_a)
+    if not layer0:
+        v = torch.lerp(v, v_first, torch.sigmoid(vz))
+    y = wkv_decode(state, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(kk * a))  # (B, H, N)
+    y = F.group_norm(y.reshape(B, C), H, lw.lnx_w, lw.lnx_b, eps=gn_eps)
+    y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
+    return y * g

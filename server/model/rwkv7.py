@@ -4,6 +4,12 @@ The WKV recurrence goes through `self.ops` (server.model.ops, or its CUDA twin
 server.model.cuda_ops when the model lives on CUDA and the kernels are built; see select_ops).
 Everything else is plain torch: the T-token chunk of all sequences goes through each linear
 layer as one GEMM.
+
+With the CUDA twins: decode runs the fused time-mix core (ops.tmix_decode, one kernel per layer
+between the projections and the output projection); prefill uses long chunks (CUDA_CHUNK_LEN)
+and hands ragged lengths and non-contiguous slots straight to the chunk kernel (no padding
+masks, no gather/scatter of states). On the pure-torch path (CPU) nothing of that changes the
+arithmetic: chunks of CPU_CHUNK_LEN, identity-step padding, gathered states.
 """
 
 from __future__ import annotations
@@ -19,7 +25,13 @@ from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.state import ModelShape, State
 
-OP_NAMES = ("wkv_decode", "wkv_chunk")
+OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode")
+CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: 6x faster prefill than 256 on the H200
+CPU_CHUNK_LEN = 256
+MAX_CHUNK_TOKENS = 16384
+"""Default cap on the padded tokens (sequences x chunk length) of one chunk: bounds the prefill
+activations (~0.2 MB per token at 2.9B fp16, ~3.5 GB at the cap); the chunk length shrinks
+when many sequences prefill together."""
 
 
 def select_ops(device: torch.device, kernels: str = "auto") -> types.SimpleNamespace:
@@ -45,11 +57,19 @@ def select_ops(device: torch.device, kernels: str = "auto") -> types.SimpleNames
 
 class RWKV7:
     def __init__(self, weights: Weights, shape: ModelShape, name: str, device, dtype: torch.dtype,
-                 state_dtype: torch.dtype = torch.float32, chunk_len: int = 256, kernels: str = "auto"):  # fmt: skip
+                 state_dtype: torch.dtype = torch.float32, chunk_len: int | None = None, kernels: str = "auto",
+                 max_chunk_tokens: int | None = None):  # fmt: skip
+        """chunk_len: prefill chunk length (default CUDA_CHUNK_LEN with the CUDA kernels, else
+        CPU_CHUNK_LEN); max_chunk_tokens: cap on sequences x chunk length per chunk (default
+        max(MAX_CHUNK_TOKENS, chunk_len))."""
         self.w, self.shape, self.name = weights, shape, name
         self.device, self.dtype, self.state_dtype = torch.device(device), dtype, state_dtype
-        self.chunk_len = chunk_len
         self.ops = select_ops(self.device, kernels)
+        self.chunk_len = chunk_len or (CUDA_CHUNK_LEN if self._kernel_ops() else CPU_CHUNK_LEN)
+        self.max_chunk_tokens = max_chunk_tokens or max(MAX_CHUNK_TOKENS, self.chunk_len)
+        self.fused_decode: bool | None = None
+        """None: decode runs ops.tmix_decode when it is the CUDA twin; True/False force it on/off
+        (True on CPU runs the pure-torch twin: a layout check of the fused path)."""
 
     # ---- public API ------------------------------------------------------------------------
     def zero_state(self, batch: int) -> State:
@@ -64,19 +84,18 @@ class RWKV7:
         self._check_forward(tokens, state, slots)
         lens = [len(t) for t in tokens]
         last_x = torch.empty(B, self.shape.n_embd, device=self.device, dtype=self.dtype)  # (B, C)
-        for c0 in range(0, max(lens), self.chunk_len):
+        c0, end = 0, max(lens)
+        while c0 < end:
             act = [i for i in range(B) if lens[i] > c0]
-            chunk = [tokens[i][c0 : c0 + self.chunk_len] for i in act]
-            sub_slots = [slots[i] for i in act]
-            sub, gathered = self._select(state, sub_slots)
-            x_end = self._run_chunk(chunk, sub)  # (len(act), C)
-            if gathered:
-                state.scatter(sub, sub_slots)
-            done = [j for j, i in enumerate(act) if lens[i] <= c0 + self.chunk_len]
+            T = max(1, min(self.chunk_len, self.max_chunk_tokens // len(act)))
+            chunk = [tokens[i][c0 : c0 + T] for i in act]
+            x_end = self._prefill_chunk(chunk, state, [slots[i] for i in act])  # (len(act), C)
+            done = [j for j, i in enumerate(act) if lens[i] <= c0 + T]
             if done:
                 idx = torch.tensor(done, device=self.device)
                 dst = torch.tensor([act[j] for j in done], device=self.device)
                 last_x.index_copy_(0, dst, x_end.index_select(0, idx))
+            c0 += T
         return self._head(last_x)
 
     @torch.no_grad()
@@ -112,24 +131,44 @@ class RWKV7:
         if min(min(t) for t in tokens) < 0 or max(max(t) for t in tokens) >= V:
             raise ValueError(f"token id out of range [0, {V})")  # on CUDA it would kill the context
 
-    @staticmethod
-    def _select(state: State, slots: list[int]) -> tuple[State, bool]:
-        """Views when the slots are a contiguous ascending range, else a gathered copy."""
+    def _kernel_ops(self) -> bool:
+        """True when self.ops are the CUDA twins (wkv_chunk takes slots=/lengths=)."""
+        return self.ops.wkv_chunk is not torch_ops.wkv_chunk
+
+    def _fused(self) -> bool:
+        if self.fused_decode is not None:
+            return self.fused_decode
+        return self.ops.tmix_decode is not torch_ops.tmix_decode
+
+    def _prefill_chunk(self, chunk: list[list[int]], state: State, slots: list[int]) -> torch.Tensor:
+        """One chunk on state slots `slots`: a view when they are a contiguous ascending range;
+        else the CUDA kernels index the pool (slots=), or (pure torch) a gathered copy."""
         s0 = slots[0]
         if slots == list(range(s0, s0 + len(slots))):
-            return state.view(s0, s0 + len(slots)), False
-        return state.gather(slots), True
+            return self._run_chunk(chunk, state.view(s0, s0 + len(slots)))
+        if self._kernel_ops():
+            return self._run_chunk(chunk, state, torch.tensor(slots, device=self.device))
+        sub = state.gather(slots)
+        x_end = self._run_chunk(chunk, sub)
+        state.scatter(sub, slots)
+        return x_end
 
-    def _run_chunk(self, chunk: list[list[int]], state: State) -> torch.Tensor:
-        """Prefill one chunk (right-padded); returns the residual stream at each last token."""
+    def _run_chunk(self, chunk: list[list[int]], state: State, sidx: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill one chunk (right-padded) on state rows sidx (default all, in order); returns
+        the residual stream at each last token."""
         B, T = len(chunk), max(len(t) for t in chunk)
         lens = torch.tensor([len(t) for t in chunk], device=self.device)  # (B,)
         ids = torch.zeros(B, T, dtype=torch.long)
         for j, t in enumerate(chunk):
             ids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
         ids = ids.to(self.device)
-        pad = None
-        if any(len(t) != T for t in chunk):
+        pad, kw = None, {}
+        if self._kernel_ops():  # the kernel skips t >= lengths and indexes the pool by slot
+            if any(len(t) != T for t in chunk):
+                kw["lengths"] = lens.to(torch.int32)
+            if sidx is not None:
+                kw["slots"] = sidx.to(torch.int32)
+        elif any(len(t) != T for t in chunk):
             pad = (torch.arange(T, device=self.device) >= lens[:, None]).unsqueeze(-1)  # (B, T, 1)
         rows = torch.arange(B, device=self.device)
         last = lens - 1  # (B,)
@@ -137,13 +176,13 @@ class RWKV7:
         v_first = x
         for i, lw in enumerate(self.w.layers):
             xa = self._ln(x, lw.ln1_w, lw.ln1_b)  # (B, T, C)
-            prev = self._shifted(xa, state.att_shift[i])
-            dx, v_first = self._time_mix(i, lw, xa, prev, state.wkv[i], v_first, pad)
-            state.att_shift[i].copy_(xa[rows, last])
+            prev = self._shifted(xa, _rows(state.att_shift[i], sidx))
+            dx, v_first = self._time_mix(i, lw, xa, prev, state.wkv[i], v_first, pad, kw)
+            _put_rows(state.att_shift[i], sidx, xa[rows, last])
             x = x + dx
             xf = self._ln(x, lw.ln2_w, lw.ln2_b)
-            dx = self._channel_mix(lw, xf, self._shifted(xf, state.ffn_shift[i]))
-            state.ffn_shift[i].copy_(xf[rows, last])
+            dx = self._channel_mix(lw, xf, self._shifted(xf, _rows(state.ffn_shift[i], sidx)))
+            _put_rows(state.ffn_shift[i], sidx, xf[rows, last])
             x = x + dx
         return x[rows, last]  # (B, C)
 
@@ -154,14 +193,17 @@ class RWKV7:
     def _ln(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.shape.n_embd,), w, b)
 
-    def _time_mix(self, i: int, lw: LayerWeights, x, prev, wkv, v_first, pad):
-        """x, prev: (B, C) decode or (B, T, C) prefill; wkv: (B, H, N, N) updated in place."""
+    def _time_mix(self, i: int, lw: LayerWeights, x, prev, wkv, v_first, pad, wkv_kw=None):
+        """x, prev: (B, C) decode or (B, T, C) prefill; wkv: (B, H, N, N) updated in place
+        (the whole pool when wkv_kw has slots); wkv_kw: extras for the CUDA wkv_chunk."""
         H, N, C = self.shape.n_head, self.shape.head_size, self.shape.n_embd
         mix = lw.mix.view(6, *([1] * (x.dim() - 1)), C)  # (6, 1.., C)
         xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev.to(x.dtype) - x, mix).unbind(0)
         r = F.linear(xr, lw.wr)
         k = F.linear(xk, lw.wk)
         v = F.linear(xv, lw.wv)
+        if x.dim() == 2 and self._fused():
+            return self._time_mix_fused(i, lw, (xw, xv, xa, xg), r, k, v, wkv, v_first)
         # log-log decay: -softplus(-z) - 0.5 == logsigmoid(z) - 0.5
         w = F.logsigmoid(lw.w0 + torch.tanh(xw @ lw.w1) @ lw.w2) - 0.5
         a = torch.sigmoid(lw.a0 + (xa @ lw.a1) @ lw.a2)
@@ -177,10 +219,23 @@ class RWKV7:
             w, k, b = w.masked_fill(pad, torch_ops.IDENTITY_W), k.masked_fill(pad, 0), b.masked_fill(pad, 0)
         hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (..., C) -> (..., H, N)
         wkv_fn = self.ops.wkv_decode if x.dim() == 2 else self.ops.wkv_chunk
-        y = wkv_fn(wkv, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(b))  # (..., H, N)
+        y = wkv_fn(wkv, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(b), **(wkv_kw or {}))  # (..., H, N)
         y = F.group_norm(y.reshape(-1, C), H, lw.lnx_w, lw.lnx_b, eps=64e-5).view_as(x)
         y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
         return F.linear(y * g, lw.wo), v_first
+
+    def _time_mix_fused(self, i: int, lw: LayerWeights, xs, r, k, v, wkv, v_first):
+        """Decode: LoRAs as addmm, then ops.tmix_decode (one kernel on CUDA) and the output
+        projection. r, k, v and xs = (xw, xv, xa, xg): (B, C); wkv (B, H, N, N) in place."""
+        xw, xv, xa, xg = xs
+        wz = torch.addmm(lw.w0, torch.tanh(xw @ lw.w1), lw.w2)  # (B, C); LoRA weights: (in, out)
+        az = torch.addmm(lw.a0, xa @ lw.a1, lw.a2)  # (B, C)
+        vz = None if i == 0 else torch.addmm(lw.v0, xv @ lw.v1, lw.v2)  # (B, C)
+        g = torch.sigmoid(xg @ lw.g1) @ lw.g2  # (B, C)
+        if i == 0:
+            v_first = v
+        y = self.ops.tmix_decode(wkv, r, k, v, wz, az, vz, v_first, g, lw, layer0=i == 0)  # (B, C)
+        return F.linear(y, lw.wo), v_first
 
     @staticmethod
     def _channel_mix(lw: LayerWeights, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -190,3 +245,15 @@ class RWKV7:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         x = self._ln(x, self.w.ln_out_w, self.w.ln_out_b)
         return F.linear(x, self.w.head).float()  # (B, V)
+
+
+def _rows(t: torch.Tensor, sidx: torch.Tensor | None) -> torch.Tensor:
+    """Rows sidx of a (B, C) shift tensor (all rows when None)."""
+    return t if sidx is None else t.index_select(0, sidx)
+
+
+def _put_rows(t: torch.Tensor, sidx: torch.Tensor | None, src: torch.Tensor) -> None:
+    if sidx is None:
+        t.copy_(src)
+    else:
+        t.index_copy_(0, sidx, src.to(t.dtype))

@@ -156,8 +156,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kernels", default="auto", help="auto|torch|cuda")
     p.add_argument("--no-graphs", action="store_true")
-    p.add_argument("--fused", action="store_true", help="decode through cuda_ops.tmix_decode (use_fused_decode)")
-    p.add_argument("--chunk-len", type=int, default=256, help="the model's prefill chunk length")
+    p.add_argument("--no-fused", action="store_true", help="decode without the fused time-mix (model.fused_decode=False)")
+    p.add_argument("--chunk-len", type=int, default=None, help="the model's prefill chunk length (default: the model's)")
     p.add_argument("--accuracy", type=int, default=0, help="steps of the fp16-vs-fp32 state check")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default="", help="free-text tag stored with each line")
@@ -165,15 +165,13 @@ def main() -> None:
     dev = torch.device(a.device)
     t0 = time.perf_counter()
     model = load_model(a.model, device=dev, dtype=DTYPES[a.dtype], kernels=a.kernels, chunk_len=a.chunk_len)
-    if a.fused:
-        from server.model.cuda_ops import use_fused_decode
-
-        use_fused_decode(model)
+    if a.no_fused:
+        model.fused_decode = False
     wkv = getattr(model.ops.wkv_decode, "__module__", "?").rsplit(".", 1)[-1]
     print(f"loaded {a.model} on {gpu_name(dev)} in {time.perf_counter() - t0:.1f}s; wkv ops: {wkv}", flush=True)
     base = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu_name(dev), "model": a.model,
-            "mode": "engine", "dtype": a.dtype, "wkv": wkv, "graphs": not a.no_graphs, "fused_tmix": a.fused,
-            "chunk_len": a.chunk_len}  # fmt: skip
+            "mode": "engine", "dtype": a.dtype, "wkv": wkv, "graphs": not a.no_graphs, "fused_tmix": model._fused(),
+            "chunk_len": model.chunk_len}  # fmt: skip
     if a.variant:
         base["variant"] = a.variant
     lines = []

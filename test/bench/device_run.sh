@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info tests kernels engine engine_fused profile engine_torch http  (default: info tests kernels engine)
+# steps: info tests kernels engine quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
+# (default: info tests kernels engine). The fused decode time-mix and long prefill chunks are the
+# model's defaults on CUDA now (bench flags --no-fused / --chunk-len N to compare).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
@@ -13,19 +15,21 @@ for s in $steps; do
   echo "=== $s $(date +%T)"
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv; python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'; which nvcc ;;
-    tests) timeout 300 python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_model_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) timeout 200 python3 test/bench/bench_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
     engine) timeout 400 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp16,fp32 \
               --accuracy 256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine.log" ;;
     profile) timeout 150 python3 test/bench/profile_decode.py --batches 1,256,1024 2>&1 | tee "$OUT/profile.log" ;;
-    profile_fused)
-             timeout 150 python3 test/bench/profile_decode.py --batches 1,256,1024 --fused 2>&1 | tee -a "$OUT/profile.log" ;;
-    engine_fused) timeout 400 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp16,fp32 \
-              --fused --chunk-len 1024 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine_fused.log" ;;
-    engine72) timeout 300 python3 test/bench/bench_engine.py --model synthetic:7.2b --state-dtypes fp32 --fused \
-              --chunk-len 1024 --batches 1,64,256,1024 --prefill 1x4096 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine72.log" ;;
-    prefill4096) timeout 200 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp32,fp16 --fused \
-              --chunk-len 4096 --batches '' --prefill 1x4096,16x512 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/prefill4096.log" ;;
+    profile_nofused)
+             timeout 150 python3 test/bench/profile_decode.py --batches 1,256,1024 --no-fused 2>&1 | tee -a "$OUT/profile.log" ;;
+    quick) timeout ${QUICK_TIMEOUT:-200} python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp32 \
+              --batches 1,64,256 --prefill 1x4096 --variant "${VARIANT:-model defaults}" --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/quick.log" ;;
+    engine_nofused) timeout 400 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp16,fp32 \
+              --no-fused --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine_nofused.log" ;;
+    engine72) timeout 300 python3 test/bench/bench_engine.py --model synthetic:7.2b --state-dtypes fp32 \
+              --batches 1,64,256,1024 --prefill 1x4096 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine72.log" ;;
+    prefill4096) timeout 200 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp32,fp16 \
+              --batches '' --prefill 1x4096,16x512 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/prefill4096.log" ;;
     engine_torch) timeout 200 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp32 \
               --kernels torch --batches 1,64,256 --prefill '' --variant torch-wkv --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine_torch.log" ;;
     http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 64,256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;

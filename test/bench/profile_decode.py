@@ -1,7 +1,7 @@
 """Where the decode step's GPU time goes: kernel time per category (torch.profiler, eager steps;
 kernel durations are the same inside a CUDA graph, only the launch gaps differ).
 
-    PYTHONPATH=. python test/bench/profile_decode.py --batches 1,256,1024 [--fused]
+    PYTHONPATH=. python test/bench/profile_decode.py --batches 1,256,1024 [--no-fused]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from server.engine.sampler import SamplerSlots  # noqa: E402
 from server.engine.types import SamplingParams  # noqa: E402
-from server.model import State, cuda_ops, load_model  # noqa: E402
+from server.model import State, load_model  # noqa: E402
 from server.model.graphs import DecodeGraphs  # noqa: E402
 
 CATS = (("wkv7", ("wkv7",)), ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "gemv", "splitk")),
@@ -66,13 +66,13 @@ def main() -> None:
     p.add_argument("--model", default="synthetic:2.9b")
     p.add_argument("--batches", default="1,256,1024")
     p.add_argument("--state-dtype", default="fp32")
-    p.add_argument("--fused", action="store_true")
+    p.add_argument("--no-fused", action="store_true", help="decode without the fused time-mix")
     a = p.parse_args()
     model = load_model(a.model, device="cuda", dtype=torch.float16)
-    if a.fused:
-        cuda_ops.use_fused_decode(model)
+    if a.no_fused:
+        model.fused_decode = False
     sd = {"fp32": torch.float32, "fp16": torch.float16}[a.state_dtype]
-    print(f"profile {a.model} state {a.state_dtype} fused={a.fused}")
+    print(f"profile {a.model} state {a.state_dtype} fused={model._fused()}")
     for B in (int(b) for b in a.batches.split(",")):
         profile(model, B, sd)
 
