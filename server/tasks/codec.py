@@ -1,0 +1,95 @@
+"""State codec: a `State` <-> plain bytes + JSON-able metadata (never pickle).
+
+Blob layout: the raw little-endian bytes of att_shift, ffn_shift, wkv (each C-contiguous), one
+after the other. The metadata names the layout, the model shape signature, and each tensor's
+dtype, shape, offset and byte count; the checksum is the SHA-256 of the blob (equal to
+`State.checksum()` of the same state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from server.model.state import State
+
+LAYOUT = "rwkv7-state-v1:att_shift(L,B,C),ffn_shift(L,B,C),wkv(L,B,H,N,N)"
+NAMES = ("att_shift", "ffn_shift", "wkv")
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class StateCodecError(ValueError):
+    """A stored state cannot be decoded (corrupt, foreign layout, or another model's shape)."""
+
+
+@dataclass
+class EncodedState:
+    meta: dict[str, Any]
+    data: bytes
+    checksum: str
+    signature: str
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def encode_state(state: State, signature: str) -> EncodedState:
+    """Serialize a batch-1 state (any device) to bytes + metadata."""
+    if state.batch_size != 1:
+        raise ValueError(f"only batch-1 states are stored (got batch {state.batch_size})")
+    tensors, parts, offset = [], [], 0
+    for name, t in zip(NAMES, state.tensors()):
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"unsupported state dtype {t.dtype}")
+        raw = t.view(torch.uint8).numpy().tobytes()  # (numel * itemsize,)
+        tensors.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                        "offset": offset, "nbytes": len(raw)})
+        parts.append(raw)
+        offset += len(raw)
+    data = b"".join(parts)
+    meta = {"layout": LAYOUT, "signature": signature, "byteorder": sys.byteorder,
+            "tensors": tensors}
+    return EncodedState(meta, data, hashlib.sha256(data).hexdigest(), signature)
+
+
+def decode_state(meta: dict[str, Any], data: bytes, expected_signature: str,
+                 checksum: str | None = None) -> State:
+    """Rebuild a CPU state; refuses another model's shape, a foreign layout or a bad checksum."""
+    sig = meta.get("signature")
+    if sig != expected_signature:
+        raise StateCodecError(
+            f"stored state belongs to model shape {sig!r}, but the loaded model is "
+            f"{expected_signature!r}; it cannot be used with this model")
+    if meta.get("layout") != LAYOUT:
+        raise StateCodecError(f"unknown state layout {meta.get('layout')!r} (expected {LAYOUT!r})")
+    if meta.get("byteorder", "little") != sys.byteorder:
+        raise StateCodecError(f"state stored with byte order {meta.get('byteorder')}, host is {sys.byteorder}")
+    if checksum is not None and hashlib.sha256(data).hexdigest() != checksum:
+        raise StateCodecError("state blob checksum mismatch (the stored bytes are corrupt)")
+    buf = bytearray(data)  # one writable copy; the tensors below are views of it
+    out = []
+    for spec, name in zip(meta.get("tensors", []), NAMES):
+        if spec.get("name") != name:
+            raise StateCodecError(f"state tensor {spec.get('name')!r} where {name!r} was expected")
+        dtype = _DTYPES.get(spec["dtype"])
+        if dtype is None:
+            raise StateCodecError(f"unknown dtype {spec['dtype']!r} in a stored state")
+        off, n = int(spec["offset"]), int(spec["nbytes"])
+        if off < 0 or off + n > len(buf):
+            raise StateCodecError("stored state is shorter than its metadata says")
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off) if n else torch.empty(0, dtype=torch.uint8)
+        t = flat.view(dtype).reshape(spec["shape"])
+        out.append(t)
+    if len(out) != 3:
+        raise StateCodecError("stored state metadata does not list three tensors")
+    return State(*out)

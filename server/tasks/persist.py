@@ -1,0 +1,124 @@
+"""Persistence of tasks and states (a mixin of TaskManager): state loading, writer jobs, the
+database byte budget. Every database write of a task goes through the one background writer, so
+writes of one task land in order; a deleted task's queued writes are skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+
+from server.tasks.codec import StateCodecError, decode_state, encode_state
+from server.tasks.errors import TaskConflict
+from server.tasks.records import TEMPLATE, Task, to_row
+from server.tasks.store import state_row
+
+log = logging.getLogger("server.tasks")
+
+
+class PersistMixin:
+    # provided by TaskManager: store, cache, writer, live, recent, settings, signature, counters
+
+    def _row(self, t: Task) -> dict[str, Any]:
+        return to_row(t)
+
+    async def _resolve_state(self, t: Task) -> tuple[Any, int, str | None]:
+        """(state, state_pos, pinned key) to start t's next run from; (None, 0, None) when the
+        state is gone (budget, restart of a TMP parent): the run then recomputes from zero."""
+        sid = t.state_id
+        if not sid:
+            return None, 0, None
+        st = self.cache.get(sid)
+        if st is None:
+            st = await self._load_state(sid)
+        if st is None or t.state_id != sid:
+            self.counters["state_misses"] += 1
+            if t.state_id == sid:  # gone (budget, or a TMP parent's state): recompute from zero
+                t.state_id, t.state_pos = None, 0
+            return None, 0, None
+        self.cache.pin(sid, st)
+        return st, t.state_pos, sid
+
+    async def _load_state(self, sid: str) -> Any:
+        row = await self.store.get_state(sid)
+        if row is None:
+            return None
+        try:
+            st = await asyncio.to_thread(decode_state, orjson.loads(row.meta), row.data,
+                                         self.signature, row.checksum)
+        except StateCodecError as exc:
+            raise TaskConflict(str(exc)) from exc
+        self.counters["db_state_loads"] += 1
+        self.writer.offer(self.store.touch_states, [sid])  # budget eviction is least recently used
+        if sid not in self.cache:  # another request may have loaded it meanwhile
+            self.cache.put(sid, st, template=bool(row.is_template))
+        return self.cache.get(sid) or st
+
+    # --- writer jobs ---------------------------------------------------------------------------
+    async def _persist_row(self, row: dict[str, Any]) -> None:
+        await self.store.save(row)
+
+    def _offer_progress(self, t: Task) -> None:
+        if t.id in self._progress_pending:
+            return
+        self._progress_pending.add(t.id)
+        if not self.writer.offer(self._persist_progress, t):
+            self._progress_pending.discard(t.id)
+
+    async def _persist_progress(self, t: Task) -> None:
+        self._progress_pending.discard(t.id)
+        if t.deleted or not t.running or t.run is None:
+            return  # settled: the settle write covers it
+        await self.store.save(self._row(t))
+
+    async def _persist_settled(self, t: Task, row: dict[str, Any], key: str | None, state: Any,
+                               old_key: str | None, outcome: tuple[str, str | None] | None = None) -> None:
+        """Commit a settled task (row + new state, drop the old state), then show it finished."""
+        try:
+            if t.deleted:
+                return
+            srow = None
+            if key is not None:
+                enc = await asyncio.to_thread(encode_state, state, self.signature)
+                srow = state_row(key, t.id, enc, t.kind == TEMPLATE)
+                self.counters["state_writes"] += 1
+                self.counters["state_write_bytes"] += enc.nbytes
+            drop = [old_key] if old_key and old_key != key else []
+            await self.store.save(row, srow, drop)
+            if key is not None:
+                await self._enforce_db_budget()
+        finally:
+            if key is not None and t.kind != TEMPLATE:
+                self.cache.unpin(key)
+            if key is not None and old_key and old_key != key and old_key.startswith(t.id + ":"):
+                self.cache.discard(old_key)
+            t.pending_writes -= 1
+            if outcome is not None:
+                self._finalize(t, *outcome)
+            self._retire(t)
+
+    def _retire(self, t: Task) -> None:
+        """A finished persistent task whose writes are done leaves the live set."""
+        if not t.running and t.pending_writes <= 0 and self.live.get(t.id) is t and t.kind != "tmp":
+            self.live.pop(t.id, None)
+            if not t.deleted:
+                self.recent[t.id] = t
+
+    async def _enforce_db_budget(self) -> None:
+        keep = self.cache.pinned_keys() | {x.state_id for x in self.live.values()
+                                           if x.running and x.state_id}
+        victims, total = await self.store.enforce_budget(self.settings.db_budget_bytes, keep)
+        self.db_state_bytes = total
+        if victims:
+            gone = set(victims)
+            for x in list(self.live.values()) + list(self.recent.values()):
+                if x.state_id in gone and x.state_id not in self.cache and not x.running:
+                    x.state_id, x.state_pos = None, 0  # as the database now says
+            self.counters["db_evictions"] += len(victims)
+            log.info("database budget: dropped %d states (%.1f MiB of states left)",
+                     len(victims), total / 2**20)
+
+    async def _delete_job(self, t: Task) -> None:
+        await self.store.delete_task(t.id)

@@ -1,0 +1,202 @@
+"""Task records: what a task is, in memory and as a database row.
+
+A task keeps its whole token history `tokens` (every prompt and every generated token, including
+those inherited from the task it was forked from). `state_id` names its last settled state and
+`state_pos` says how many tokens of the history that state has consumed; `tokens[state_pos:]` is
+what must be fed before anything new. That one rule covers templates, forks, continues, tasks
+interrupted by a crash and states dropped by a budget (state_pos = 0: recompute from zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import orjson
+
+PREFILL, READY, RUNNING, FINISHED = 0, 1, 2, 3
+TMP, TASK, TEMPLATE = "tmp", "task", "template"
+FINISH_REASONS = ("stop", "length", "stopped", "error", "interrupted")
+
+
+def new_id(kind: str, name: str | None = None) -> str:
+    if kind == TMP:
+        return "TMP_" + uuid.uuid4().hex
+    if kind == TASK:
+        return "TASK_" + uuid.uuid4().hex
+    return "_" + name if name else "_TMPL_" + uuid.uuid4().hex
+
+
+def kind_of(task_id: str) -> str:
+    if task_id.startswith("_"):
+        return TEMPLATE
+    return TMP if task_id.startswith("TMP_") else TASK
+
+
+class Output:
+    """The text a task produced since its last prompt, shared with stream readers.
+
+    offsets[i] = characters of `text` available once output token i has been produced (text of
+    one engine event is credited to the event's last token)."""
+
+    def __init__(self, text: str = "", offsets: Iterable[int] = (), finished: bool = True) -> None:
+        self.text = text
+        self.offsets = array("q", offsets)
+        self.finished = finished
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._waiters: set[asyncio.Future] = set()
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def append(self, text: str, n_tokens: int) -> None:
+        if n_tokens <= 0:
+            if text:  # text with no new token (a final flush): credit it to the last token
+                self.text += text
+                if self.offsets:
+                    self.offsets[-1] = len(self.text)
+            return
+        before = len(self.text)
+        self.text += text
+        self.offsets.extend([before] * (n_tokens - 1))
+        self.offsets.append(len(self.text))
+
+    def char_at(self, pos: int) -> int:
+        """Characters of text that come before output token `pos`."""
+        if pos <= 0 or not self.offsets:
+            return 0
+        return self.offsets[min(pos, len(self.offsets)) - 1]
+
+    def notify(self) -> None:
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
+
+    async def wait_change(self, timeout: float | None) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(fut)
+
+
+@dataclass
+class Task:
+    id: str
+    kind: str
+    owner: str | None = None
+    parent_id: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    prompt: str = ""
+    prompt_len: int = 0
+    tokens: array = field(default_factory=lambda: array("i"))
+    out_start: int = 0
+    out: Output = field(default_factory=Output)
+    state_id: str | None = None
+    state_pos: int = 0
+    status: int = FINISHED
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_time: float = 0.0
+    gen_time: float = 0.0
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    # runtime only
+    run: Any = None  # the current run (server.tasks.runs.Run) while running
+    saved: Any = None  # future of the last queued database write of this task
+    done: asyncio.Event | None = None  # set when the current run settled
+    pending_writes: int = 0  # settle writes queued and not yet done
+    stop_requested: bool = False
+    interrupted: bool = False  # aborted by a shutdown (finish_reason "interrupted")
+    deleted: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.status != FINISHED
+
+    @property
+    def generated(self) -> int:
+        return len(self.out)
+
+    def speed(self) -> float:
+        n = self.completion_tokens
+        return n / self.gen_time if self.gen_time > 0 and n > 0 else 0.0
+
+    def response(self) -> dict[str, Any]:
+        """TaskResponse (the SDK's keys + ours)."""
+        return {
+            "task_id": self.id, "result": self.out.text, "prefill_time": self.prefill_time,
+            "gen_time": self.gen_time, "speed": self.speed(), "finished": not self.running,
+            "status": self.status, "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        }
+
+    def info(self) -> dict[str, Any]:
+        return {"task_id": self.id, "generated_buf": self.generated, "status": self.status,
+                "finish_reason": self.finish_reason}
+
+    def summary(self) -> dict[str, Any]:
+        return {"task_id": self.id, "kind": self.kind, "status": self.status,
+                "finish_reason": self.finish_reason, "generated_buf": self.generated,
+                "created_at": self.created_at, "updated_at": self.updated_at,
+                "parent_id": self.parent_id}
+
+
+def _ints_to_blob(values: Iterable[int]) -> bytes:
+    """int32 little-endian (token ids; char offsets < 2**31)."""
+    a = array("i", values)
+    return a.tobytes() if _LITTLE else _swap(a).tobytes()
+
+
+def _blob_to_ints(blob: bytes | None) -> array:
+    a = array("i")
+    a.frombytes(blob or b"")
+    return a if _LITTLE else _swap(a)
+
+
+def _swap(a: array) -> array:
+    b = array(a.typecode, a)
+    b.byteswap()
+    return b
+
+
+_LITTLE = __import__("sys").byteorder == "little"
+
+
+def to_row(t: Task) -> dict[str, Any]:
+    return {
+        "id": t.id, "kind": t.kind, "status": t.status, "finish_reason": t.finish_reason,
+        "owner": t.owner, "parent_id": t.parent_id, "params": orjson.dumps(t.params).decode(),
+        "prompt": t.prompt, "prompt_len": t.prompt_len, "tokens": _ints_to_blob(t.tokens),
+        "out_start": t.out_start, "text": t.out.text, "offsets": _ints_to_blob(t.out.offsets),
+        "state_id": t.state_id, "state_pos": t.state_pos, "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens, "prefill_time": t.prefill_time,
+        "gen_time": t.gen_time, "created_at": t.created_at, "updated_at": t.updated_at,
+    }
+
+
+def from_row(r: Any) -> Task:
+    m = r._mapping if hasattr(r, "_mapping") else r
+    out = Output(m["text"], _blob_to_ints(m["offsets"]), finished=m["status"] == FINISHED)
+    out.finish_reason = m["finish_reason"]
+    return Task(
+        id=m["id"], kind=m["kind"], owner=m["owner"], parent_id=m["parent_id"],
+        params=orjson.loads(m["params"]), prompt=m["prompt"], prompt_len=m["prompt_len"],
+        tokens=_blob_to_ints(m["tokens"]), out_start=m["out_start"], out=out,
+        state_id=m["state_id"], state_pos=m["state_pos"], status=m["status"],
+        finish_reason=m["finish_reason"], prompt_tokens=m["prompt_tokens"],
+        completion_tokens=m["completion_tokens"], prefill_time=m["prefill_time"],
+        gen_time=m["gen_time"], created_at=m["created_at"], updated_at=m["updated_at"],
+        finished_at=m["updated_at"] if m["status"] == FINISHED else None,
+    )

@@ -1,0 +1,276 @@
+"""Runs: one engine submission of a task, from claim to settle (a mixin of TaskManager).
+
+State accounting (the engine's contract, server/engine/engine.py): a finished sequence's state
+has consumed `input + token_ids - pending_tokens`; normally the last generated token is pending.
+A run therefore leaves `state_pos = len(tokens) - 1` and the next run feeds the last token first
+(which yields the logits to continue from). A stop token is neither emitted nor fed; we append
+EOS to the history so the same rule holds. A prefill-only run (max_tokens=0) holds the prompt's
+last token back for the same reason. Without a usable result state (error) the old state is
+kept and the next run re-feeds `tokens[state_pos:]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, SamplingParams
+from server.tasks.errors import TaskConflict
+from server.tasks.params import sampling_params
+from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TEMPLATE, TMP, Output, Task
+
+log = logging.getLogger("server.tasks")
+PROGRESS_INTERVAL = 1.0  # seconds between text-progress writes of a running persistent task
+
+
+@dataclass
+class Run:
+    pos: int  # state_pos the run started from
+    n_input: int  # tokens submitted (prefilled)
+    params: SamplingParams
+    key: str | None  # pinned cache key of the starting state
+    handle: Any = None
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    gen_base: float = 0.0  # gen_time of earlier runs of the same output
+    n_out: int = 0
+    last_ids: list[int] = field(default_factory=list)
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class RunMixin:
+    # provided by TaskManager: engine, settings, cache, live, recent, writer, counters, _pumps,
+    # _resolve_state, _row, _persist_row, _persist_settled, _offer_progress
+
+    # --- claim / start -------------------------------------------------------------------------
+    def _claim(self, t: Task) -> Task:
+        """Mark t as starting (synchronously, so two requests cannot both start it)."""
+        cur = self.live.get(t.id)
+        if cur is not None and cur is not t:
+            t = cur
+        if t.running:
+            raise TaskConflict(f"task {t.id} is running; stop it or wait until it finishes")
+        t.status = READY
+        t.done = asyncio.Event()
+        self.recent.pop(t.id, None)
+        self.live[t.id] = t
+        return t
+
+    def _unclaim(self, t: Task, new: bool) -> None:
+        if new:
+            self.live.pop(t.id, None)
+        else:
+            t.status = FINISHED
+        if t.done is not None:
+            t.done.set()
+
+    async def _start(self, t: Task, prompt_ids: list[int] | None, *, new: bool,
+                     max_tokens: int | None = None, update: dict[str, Any] | None = None) -> Task:
+        """Claim, apply `update` (task fields), submit, (persistent: commit the row), and pump
+        events in the background. On failure the task is as it was."""
+        t = self._claim(t)
+        old = {k: getattr(t, k) for k in update or {}}
+        for k, v in (update or {}).items():
+            setattr(t, k, v)
+        try:
+            run = await self._launch(t, prompt_ids, max_tokens)
+        except BaseException:
+            for k, v in old.items():
+                setattr(t, k, v)
+            self._unclaim(t, new)
+            raise
+        saved = None
+        if t.kind != TMP:
+            saved = await self.writer.put(self._persist_row, self._row(t))
+        pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
+        if saved is not None:
+            try:
+                await saved  # commit before acknowledging
+            except BaseException:
+                self._abort(t)
+                raise
+        return t
+
+    async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> Run:
+        sp = sampling_params(t.params, self.settings.default_max_tokens)
+        if max_tokens is not None:
+            sp = _with_max_tokens(sp, max_tokens)
+        state, pos, key = await self._resolve_state(t)
+        try:
+            hist = t.tokens + array("i", prompt_ids or ())
+            inp = hist[pos:].tolist()
+            if sp.max_tokens == 0:
+                inp = inp[:-1]  # hold the last token back: a fork can then generate at once
+            elif not inp:  # cannot happen by the invariant; recompute rather than fail
+                self._unpin(key)
+                state, pos, key, inp = None, 0, None, hist.tolist()
+            run = Run(pos=pos, n_input=len(inp), params=sp, key=key)
+            if inp:
+                self._seq += 1
+                queued = self._engine_full()  # before submitting: it counts itself as waiting
+                run.handle = self.engine.submit(inp, sp, init_state=state, return_state=True,
+                                                request_id=f"{t.id}.{self._seq}")
+                t.status = READY if queued else PREFILL
+        except BaseException:
+            self._unpin(key)
+            raise
+        self.counters["runs"] += 1
+        self.counters["prefill_tokens"] += len(inp)
+        if prompt_ids is not None:  # a new prompt: the output starts over
+            t.tokens.extend(prompt_ids)
+            t.out_start, t.prompt_len = len(t.tokens), len(prompt_ids)
+            t.out, t.gen_time = Output(finished=False), 0.0
+        else:
+            t.out.finished, t.out.finish_reason, t.out.error = False, None, None
+            run.gen_base = t.gen_time
+        t.finish_reason, t.stop_requested, t.interrupted, t.run = None, False, False, run
+        t.prompt_tokens, t.completion_tokens = len(inp), len(t.out)
+        t.updated_at = time.time()
+        return run
+
+    def _engine_full(self) -> bool:
+        """True when the new run has to wait for a slot (status READY), else PREFILL."""
+        try:
+            st = self.engine.stats()
+            return st.waiting > 0 or (st.slots > 0 and st.running >= st.slots)
+        except Exception:  # noqa: BLE001
+            return False
+
+    # --- events --------------------------------------------------------------------------------
+    async def _pump(self, t: Task, run: Run) -> None:
+        res, error = None, None
+        try:
+            if run.handle is not None:
+                async for ev in run.handle:
+                    self._on_event(t, run, ev)
+                res = await run.handle.wait()
+        except asyncio.CancelledError:
+            self._abort(t)
+            error = "interrupted"
+        except Exception as exc:  # noqa: BLE001 - the task ends with finish_reason "error"
+            log.warning("task %s failed: %s", t.id, exc)
+            error = f"{type(exc).__name__}: {exc}"
+        await self._settle(t, run, res, error)
+
+    def _on_event(self, t: Task, run: Run, ev: Any) -> None:
+        n = len(ev.token_ids)
+        if n or ev.text:
+            t.tokens.extend(ev.token_ids)
+            t.out.append(ev.text, n)
+            run.n_out += n
+        if n and run.t_first is None:
+            run.t_first = time.monotonic()
+        if ev.finished:
+            run.last_ids = list(ev.token_ids)
+        elif t.status in (PREFILL, READY) and n:
+            t.status = RUNNING
+        t.completion_tokens = len(t.out)
+        t.out.notify()
+        now = time.monotonic()
+        if t.kind != TMP and now - run.last_progress >= PROGRESS_INTERVAL and not ev.finished:
+            run.last_progress = now
+            self._offer_progress(t)
+
+    # --- settle --------------------------------------------------------------------------------
+    async def _settle(self, t: Task, run: Run, res: Any, error: str | None) -> None:
+        """Record the run's outcome. A persistent task shows as finished only once its final
+        row and state are committed (a client that saw `finished` can rely on it)."""
+        if res is not None and res.finish_reason == ERROR:
+            error = res.error or "generation failed"
+        if error == "interrupted":
+            reason = "interrupted"
+        elif error is not None:
+            reason = "error"
+        elif res is None:
+            reason = LENGTH  # prefill-only run with nothing to feed
+        else:
+            reason = "stopped" if res.finish_reason == ABORT else res.finish_reason
+        if t.interrupted and reason in ("stopped", "error"):
+            reason, t.interrupted = "interrupted", False
+        covered = None if error else self._covered(t, run, res)
+        new_key = state = None
+        if covered is not None:
+            state, new_key = res.state if res is not None else None, f"{t.id}:{uuid.uuid4().hex[:12]}"
+            if state is None:  # nothing was fed: the old state is still the state
+                new_key = None
+        self._unpin(run.key)
+        old_key = t.state_id
+        if new_key is not None:
+            t.state_id, t.state_pos = new_key, run.pos + covered
+            self._cache_new_state(t, new_key, state)
+        if res is not None:
+            t.prefill_time = res.prefill_time
+            t.gen_time = run.gen_base + res.gen_time
+        t.run, t.completion_tokens, t.updated_at = None, len(t.out), time.time()
+        if t.kind == TMP:
+            if old_key and new_key and old_key != new_key and old_key.startswith(t.id + ":"):
+                self.cache.discard(old_key)
+            self._finalize(t, reason, error)
+            return
+        row = self._row(t)
+        row.update(status=FINISHED, finish_reason=reason)
+        t.pending_writes += 1
+        t.saved = await self.writer.put(self._persist_settled, t, row, new_key, state, old_key,
+                                        (reason, error))
+
+    def _finalize(self, t: Task, reason: str, error: str | None) -> None:
+        t.status, t.finish_reason = FINISHED, reason
+        t.finished_at = time.time()
+        t.out.finished, t.out.finish_reason = True, reason
+        t.out.error = error if reason == "error" else None
+        t.out.notify()
+        if t.done is not None:
+            t.done.set()
+
+    def _covered(self, t: Task, run: Run, res: Any) -> int | None:
+        """Tokens of the run (input + output) the returned state has consumed, by the engine's
+        contract: state + res.pending_tokens == input + res.token_ids."""
+        if res is None:
+            return 0 if run.handle is None else None
+        if res.state is None:
+            return None
+        if run.n_out != len(res.token_ids):
+            log.warning("task %s: %d tokens streamed but the result has %d; state dropped",
+                        t.id, run.n_out, len(res.token_ids))
+            return None
+        covered = run.n_input + len(res.token_ids) - len(res.pending_tokens)
+        if not res.pending_tokens and res.finish_reason == STOP and run.params.max_tokens > 0:
+            # a stop token ended it (not emitted, not fed): EOS becomes the history's last,
+            # pending token, so a continuation has something to feed (RWKV's separator)
+            t.tokens.append(EOS_TOKEN)
+        return covered
+
+    def _cache_new_state(self, t: Task, key: str, state: Any) -> None:
+        if t.kind == TEMPLATE:
+            self.cache.put(key, state, template=True)
+        elif t.kind == TMP:
+            self.cache.put(key, state)
+        else:
+            self.cache.pin(key, state)  # until written (_persist_settled unpins)
+
+    # --- stop ----------------------------------------------------------------------------------
+    def _abort(self, t: Task) -> None:
+        run = t.run
+        if run is not None and run.handle is not None:
+            t.stop_requested = True
+            try:
+                run.handle.abort()
+            except Exception:  # noqa: BLE001
+                log.exception("abort of %s failed", t.id)
+
+    def _unpin(self, key: str | None) -> None:
+        if key is not None:
+            self.cache.unpin(key)
+
+
+def _with_max_tokens(sp: SamplingParams, n: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sp, max_tokens=n)

@@ -1,0 +1,80 @@
+"""A task's output as stream events, from any token position (attach to a running task or
+replay a finished one). Readers work on the task's `Output` object, which holds every piece of
+text with the token index it belongs to, so nothing is lost however fast the task runs: a
+reader first replays what is there, then waits for more."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from server.tasks.records import Output, Task
+
+KEEPALIVE = object()  # yielded after `ping` seconds without news (the route sends `: ping`)
+
+
+def header(t: Task) -> dict[str, Any]:
+    return {"task_id": t.id, "prefill_time": round(_prefill_time(t), 6)}
+
+
+async def events(t: Task, pos: int = 0, *, ping: float = 15.0,
+                 out: Output | None = None) -> AsyncIterator[Any]:
+    """Text events from token index `pos`, then the final event (or an error event)."""
+    out = out if out is not None else t.out
+    pos = max(0, min(int(pos), len(out)))
+    while True:
+        finished = out.finished
+        n = len(out)
+        if n > pos:
+            text = out.text[out.char_at(pos):out.char_at(n)]
+            if text:
+                yield text_event(t, text, n)
+            pos = n
+        if finished:
+            break
+        before = (len(out), out.finished)
+        await out.wait_change(ping)
+        if (len(out), out.finished) == before:
+            yield KEEPALIVE
+    tail = out.text[out.char_at(pos):]  # only text that came with no token at all
+    if tail:
+        yield text_event(t, tail, pos)
+    if out.error:
+        yield {"error": {"message": out.error, "type": "server_error", "param": None,
+                         "code": "generation_failed"}}
+        return
+    yield final_event(t, out)
+
+
+def text_event(t: Task, text: str, pos: int) -> dict[str, Any]:
+    gen = _gen_time(t)
+    return {"data": text, "task_id": t.id, "gen_time": round(gen, 6),
+            "speed": round(t.completion_tokens / gen, 3) if gen > 0 else 0.0, "pos": pos}
+
+
+def final_event(t: Task, out: Output) -> dict[str, Any]:
+    done = out is t.out
+    completion = len(out)
+    return {
+        "task_id": t.id, "finished": True,
+        "finish_reason": out.finish_reason if not done else t.finish_reason,
+        "pos": completion, "prefill_time": round(_prefill_time(t), 6),
+        "gen_time": round(t.gen_time, 6), "speed": round(t.speed(), 3),
+        "usage": {"prompt_tokens": t.prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": t.prompt_tokens + completion},
+    }
+
+
+def _prefill_time(t: Task) -> float:
+    run = t.run
+    if run is None:
+        return t.prefill_time
+    end = run.t_first if run.t_first is not None else time.monotonic()
+    return end - run.t_submit
+
+
+def _gen_time(t: Task) -> float:
+    run = t.run
+    if run is None or run.t_first is None:
+        return t.gen_time
+    return run.gen_base + time.monotonic() - run.t_first

@@ -1,0 +1,248 @@
+"""Task store on real SQLite files: state codec round trips, migrations, budgets, the writer."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+
+import orjson
+import pytest
+import sqlalchemy as sa
+import torch
+
+from server.model.state import ModelShape, State
+from server.tasks import migrate
+from server.tasks.cache import StateCache
+from server.tasks.codec import StateCodecError, decode_state, encode_state
+from server.tasks.records import Task, from_row, to_row
+from server.tasks.schema import metadata
+from server.tasks.store import Store, state_row
+from server.tasks.writer import Writer
+
+SHAPE = ModelShape(n_layer=2, n_embd=128, n_head=2, head_size=64, vocab_size=65536, ffn_dim=512,
+                   d_decay=32, d_aaa=32, d_mv=32, d_gate=32)
+SIG = SHAPE.signature()
+
+
+def rand_state(seed: int = 0, shift=torch.float32, wkv=torch.float32) -> State:
+    g = torch.Generator().manual_seed(seed)
+    st = State.zeros(SHAPE, 1, shift_dtype=shift, wkv_dtype=wkv)
+    for t in st.tensors():
+        t.copy_(torch.randn(t.shape, generator=g) * 3)
+    st.wkv.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0])  # odd values survive too
+    return st
+
+
+def bits(st: State) -> list[bytes]:
+    return [t.contiguous().view(torch.uint8).numpy().tobytes() for t in st.tensors()]
+
+
+async def open_store(path) -> Store:
+    s = Store(str(path))
+    await s.open()
+    return s
+
+
+@pytest.mark.parametrize("shift,wkv", [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                       (torch.bfloat16, torch.float16)])
+async def test_state_round_trip_through_sqlite_is_bit_exact(tmp_path, shift, wkv):
+    st = rand_state(1, shift, wkv)
+    enc = encode_state(st, SIG)
+    assert enc.checksum == st.checksum() and enc.nbytes == st.nbytes()
+    store = await open_store(tmp_path / "a.db")
+    await store.save(state=state_row("s1", "TASK_x", enc, False))
+    await store.close()
+    store = await open_store(tmp_path / "a.db")  # a fresh process would see the same bytes
+    row = await store.get_state("s1")
+    back = decode_state(orjson.loads(row.meta), row.data, SIG, row.checksum)
+    assert bits(back) == bits(st)
+    assert [t.dtype for t in back.tensors()] == [shift, shift, wkv]
+    assert [t.shape for t in back.tensors()] == [t.shape for t in st.tensors()]
+    await store.close()
+
+
+def test_codec_refuses_other_model_shape_and_corruption():
+    enc = encode_state(rand_state(), SIG)
+    with pytest.raises(StateCodecError, match="model shape.*rwkv7-L2-C128.*rwkv7-L12-C768"):
+        decode_state(enc.meta, enc.data, "rwkv7-L12-C768-H12-N64")
+    bad = bytearray(enc.data)
+    bad[100] ^= 1
+    with pytest.raises(StateCodecError, match="checksum"):
+        decode_state(enc.meta, bytes(bad), SIG, enc.checksum)
+    with pytest.raises(StateCodecError, match="shorter"):
+        decode_state(enc.meta, enc.data[:-4], SIG)
+    meta = dict(enc.meta, layout="something-else")
+    with pytest.raises(StateCodecError, match="layout"):
+        decode_state(meta, enc.data, SIG)
+    assert isinstance(enc.data, bytes) and orjson.loads(orjson.dumps(enc.meta)) == enc.meta  # plain data
+
+
+async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
+    store = await open_store(tmp_path / "w.db")
+    async with store.engine.connect() as conn:
+        assert (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar() == "wal"
+        assert (await conn.exec_driver_sql("PRAGMA synchronous")).scalar() == 2  # FULL
+    await store.close()
+
+
+async def test_migrations_from_empty_file_reach_head_and_match_schema(tmp_path):
+    store = await open_store(tmp_path / "m.db")
+    assert store.revision_before is None and store.revision == migrate.head_revision() == "0002"
+    await store.close()
+    con = sqlite3.connect(tmp_path / "m.db")
+    for table in metadata.sorted_tables:
+        cols = {r[1] for r in con.execute(f"PRAGMA table_info({table.name})")}
+        assert cols == {c.name for c in table.columns}, table.name
+        idx = {r[1] for r in con.execute(f"PRAGMA index_list({table.name})") if not r[1].startswith("sqlite_")}
+        assert idx == {i.name for i in table.indexes}, table.name
+
+
+def _v1_database(path) -> None:
+    """A database as schema version 0001 left it, with one task and one state."""
+    eng = sa.create_engine(f"sqlite:///{path}")
+    with eng.begin() as conn:
+        migrate.upgrade(conn, "0001")
+        enc = encode_state(rand_state(7), SIG)
+        row = state_row("S1", "TASK_old", enc, False)
+        row.pop("last_used")
+        conn.execute(sa.text("INSERT INTO states (id, task_id, is_template, signature, meta, nbytes, checksum, "
+                             "data, created_at) VALUES (:id, :task_id, :is_template, :signature, :meta, "
+                             ":nbytes, :checksum, :data, :created_at)"), {**row, "created_at": 123.0})
+        t = Task(id="TASK_old", kind="task", prompt="hi", state_id="S1", state_pos=1)
+        t.tokens.extend([1, 2])
+        t.out.append("x", 1)
+        conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(to_row(t))}) VALUES "
+                             f"({', '.join(':' + k for k in to_row(t))})"), to_row(t))
+    eng.dispose()
+
+
+async def test_migration_from_previous_version_upgrades_in_place(tmp_path):
+    path = tmp_path / "v1.db"
+    _v1_database(path)
+    assert sqlite3.connect(path).execute("select version_num from alembic_version").fetchone() == ("0001",)
+    store = await open_store(path)
+    assert (store.revision_before, store.revision) == ("0001", "0002")
+    t = from_row(await store.get_task("TASK_old"))
+    assert t.prompt == "hi" and list(t.tokens) == [1, 2] and t.out.text == "x"
+    row = await store.get_state("S1")
+    assert decode_state(orjson.loads(row.meta), row.data, SIG, row.checksum).checksum() == rand_state(7).checksum()
+    await store.close()
+    con = sqlite3.connect(path)
+    assert con.execute("select last_used from states where id='S1'").fetchone() == (123.0,)  # backfilled
+    assert "ix_states_evict" in {r[1] for r in con.execute("PRAGMA index_list(states)")}
+
+
+async def test_newer_schema_is_refused_with_a_clear_message(tmp_path):
+    path = tmp_path / "new.db"
+    await (await open_store(path)).close()
+    con = sqlite3.connect(path)
+    con.execute("update alembic_version set version_num='0099'")
+    con.commit()
+    con.close()
+    store = Store(str(path))
+    with pytest.raises(migrate.SchemaTooNewError, match="0099.*newer server"):
+        await store.open()
+    assert sqlite3.connect(path).execute("select version_num from alembic_version").fetchone() == ("0099",)
+
+
+async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(tmp_path):
+    store = await open_store(tmp_path / "b.db")
+    enc = encode_state(rand_state(), SIG)
+    n = enc.nbytes
+    for i in range(6):
+        t = Task(id=f"TASK_{i}", kind="task", state_id=f"S{i}", state_pos=3)
+        t.out.append(f"text {i}", 1)
+        row = state_row(f"S{i}", t.id, enc, is_template=(i == 0))
+        row["last_used"] = 1000.0 + i
+        await store.save(to_row(t), row)
+    victims, left = await store.enforce_budget(2 * n, keep={"S2"})
+    assert victims == ["S1", "S3", "S4"] and left == 2 * n  # S0 is a template, S2 is in use
+    for i in range(6):
+        t = from_row(await store.get_task(f"TASK_{i}"))
+        assert t.out.text == f"text {i}"
+        assert (t.state_id is None) == (f"S{i}" in victims) and (t.state_pos == 0) == (f"S{i}" in victims)
+    assert await store.states_bytes(templates=True) == n
+    await store.close()
+
+
+async def test_mark_interrupted_and_delete(tmp_path):
+    store = await open_store(tmp_path / "i.db")
+    for i, status in enumerate([0, 1, 2, 3]):
+        await store.save(to_row(Task(id=f"TASK_{i}", kind="task", status=status, finish_reason=None)))
+    assert sorted(await store.mark_interrupted()) == ["TASK_0", "TASK_1", "TASK_2"]
+    rows = [from_row(await store.get_task(f"TASK_{i}")) for i in range(4)]
+    assert [(r.status, r.finish_reason) for r in rows] == [(3, "interrupted")] * 3 + [(3, None)]
+    assert await store.delete_task("TASK_0") and not await store.delete_task("TASK_0")
+    assert await store.get_task("TASK_0") is None
+    await store.close()
+
+
+def test_state_cache_budget_pins_and_templates():
+    one = rand_state().nbytes()
+    cache = StateCache(3 * one)
+    for i in range(10):
+        cache.put(f"k{i}", rand_state(i))
+        assert cache.stats()["lru_bytes"] <= 3 * one
+    assert {"k7", "k8", "k9"} == {k for k in cache.keys()} and cache.evictions == 7
+    cache.put("tpl", rand_state(), template=True)
+    cache.pin("k9")
+    for i in range(10, 20):
+        cache.put(f"k{i}", rand_state(i))
+    assert cache.get("tpl") is not None and cache.get("k9") is not None  # never evicted
+    cache.unpin("k9")  # back in the LRU, most recent
+    assert "k9" in cache and cache.stats()["lru_bytes"] <= 3 * one
+    cache.put("huge", State.zeros(SHAPE, 8))  # larger than the budget: simply not cached
+    assert "huge" not in cache
+
+
+async def test_writer_queue_is_bounded_and_ordered():
+    w = Writer(2)
+    w.start()
+    gate, done = asyncio.Event(), []
+
+    async def job(i):
+        await gate.wait()
+        done.append(i)
+
+    await w.put(job, 0)
+    await asyncio.sleep(0.01)  # job 0 is running (blocked); two more fill the queue
+    await w.put(job, 1)
+    await w.put(job, 2)
+    assert not w.offer(job, 99) and w.dropped == 1
+    blocked = asyncio.create_task(w.put(job, 3))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # back-pressure: the producer waits
+    gate.set()
+    await blocked
+    await w.flush()
+    assert done == [0, 1, 2, 3]
+    await w.close()
+
+
+async def test_store_opens_in_memory_and_urls(tmp_path):
+    from server.tasks.store import database_url
+
+    assert database_url("x.db").startswith("sqlite+aiosqlite:////")
+    assert database_url("postgresql+asyncpg://u@h/db") == "postgresql+asyncpg://u@h/db"
+    store = Store(":memory:")
+    await store.open()
+    await store.save(to_row(Task(id="TASK_m", kind="task", created_at=time.time())))
+    assert (await store.counts())["tasks"] == 1
+    await store.close()
+
+
+def test_migrations_and_queries_render_for_postgresql():
+    from sqlalchemy.dialects import postgresql
+
+    from server.tasks.schema import states, tasks
+
+    ddl = migrate.render_sql("postgresql")
+    assert "CREATE TABLE tasks" in ddl and "data BYTEA NOT NULL" in ddl and "is_template BOOLEAN" in ddl
+    assert "ALTER TABLE states ADD COLUMN last_used" in ddl and "PRAGMA" not in ddl
+    pg = postgresql.dialect()
+    for stmt in (sa.update(tasks).where(tasks.c.state_id.in_(["a", "b"])).values(state_id=None, state_pos=0),
+                 sa.select(states.c.id).where(states.c.is_template == sa.false()).order_by(states.c.last_used),
+                 sa.delete(states).where(states.c.id == "x").where(~sa.select(tasks.c.id).where(
+                     tasks.c.state_id == "x").exists())):
+        assert str(stmt.compile(dialect=pg))

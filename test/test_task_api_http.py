@@ -1,0 +1,144 @@
+"""Task routes over raw HTTP on a real server with API keys: the SSE format of TASK-API.md,
+resuming with ?pos=, nothing lost, max_tokens=0 streams, disconnects, error codes and shapes,
+owners."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+from util_server import server_fixture
+
+server = server_fixture(env={"RWKV_API_KEYS": "k1,k2", "RWKV_DEFAULT_MAX_TOKENS": "8"})
+G = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url + "/v1/tasks", timeout=30,
+                      headers={"Authorization": "Bearer k1"}) as c:
+        yield c
+
+
+def sse(resp) -> list:
+    """Parse an SSE body strictly: `data: <compact JSON>` + blank line; comments allowed."""
+    out, lines = [], resp.text.split("\n")
+    assert lines[-2:] == ["", ""], "the body ends with a blank line"
+    for i, line in enumerate(lines):
+        if line.startswith("data: "):
+            assert lines[i + 1] == "", "each data line is followed by a blank line"
+            raw = line[6:]
+            out.append("[DONE]" if raw == "[DONE]" else orjson.loads(raw))
+            if raw != "[DONE]":
+                assert raw == orjson.dumps(out[-1]).decode(), "compact JSON"
+        else:
+            assert line == "" or line.startswith(":"), line
+    return out
+
+
+def text_of(events) -> str:
+    return "".join(e["data"] for e in events if isinstance(e, dict) and "data" in e)
+
+
+def wait_done(http, tid):
+    for _ in range(600):
+        r = http.get(f"/{tid}/get_result").json()
+        if r["finished"]:
+            return r
+        time.sleep(0.05)
+    raise AssertionError("task did not finish")
+
+
+def test_sse_format_and_exact_resume(http):
+    ev = sse(http.post("/create", json={"prompt": "Format", "max_tokens": 12, "stream": True, **G}))
+    head, texts, final = ev[0], ev[1:-2], ev[-2]
+    assert set(head) == {"task_id", "prefill_time"} and ev[-1] == "[DONE]"
+    assert all(set(e) >= {"data", "task_id", "gen_time", "speed", "pos"} for e in texts)
+    assert final["finished"] and final["finish_reason"] == "length" and "data" not in final
+    assert final["usage"]["completion_tokens"] == 12 and texts[-1]["pos"] <= 12
+    tid = head["task_id"]
+    assert text_of(ev) == wait_done(http, tid)["result"]
+    for i, e in enumerate(texts):  # resume after any event: exactly the rest
+        assert text_of(sse(http.get(f"/{tid}/stream", params={"pos": e["pos"]}))) == text_of(texts[i + 1:])
+
+
+def test_nothing_lost_when_the_task_finishes_before_the_client_reads(http):
+    with http.stream("POST", "/tmp", json={"prompt": "Fast", "max_tokens": 10, "stream": True, **G}) as r:
+        time.sleep(1.0)  # the task is long finished before the first line is read
+        body = "".join(r.iter_text())
+    ev = sse(httpx.Response(200, text=body))
+    assert ev[-1] == "[DONE]" and ev[-2]["usage"]["completion_tokens"] == 10
+    assert text_of(ev) == wait_done(http, ev[0]["task_id"])["result"]
+
+
+def test_max_tokens_zero_stream_ends_and_attach_to_running(http):
+    ev = sse(http.post("/tmp", json={"prompt": "prefill only", "max_tokens": 0, "stream": True}))
+    assert len(ev) == 3 and ev[1]["finished"] and ev[1]["usage"]["completion_tokens"] == 0
+    tid = http.post("/create", json={"prompt": "attach", "max_tokens": 120, **G}).json()["task_id"]
+    ev = sse(http.request("GET", f"/{tid}/stream", json={}))  # the SDK sends {} on this GET
+    assert ev[-2]["finished"] and text_of(ev) == wait_done(http, tid)["result"]
+    assert http.request("GET", f"/{tid}/status", json={"x": 1}).json()["generated_buf"] == 120
+
+
+def test_disconnect_aborts_a_tmp_stream_but_not_a_task(http):
+    ids = {}
+    for route in ("/tmp", "/create"):
+        with http.stream("POST", route, json={"prompt": "forever", "max_tokens": 100000, "stream": True}) as r:
+            lines = r.iter_lines()
+            ids[route] = orjson.loads(next(lines)[6:])["task_id"]
+            next(lines), next(lines)
+    deadline = time.time() + 5
+    while http.get(f"/{ids['/tmp']}/status").json()["status"] != 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert http.get(f"/{ids['/tmp']}/status").json()["finish_reason"] == "stopped"
+    assert http.get(f"/{ids['/create']}/status").json()["status"] != 3  # a TASK_ keeps going
+    assert http.post(f"/{ids['/create']}/continue", json={}).status_code == 409
+    assert http.post(f"/{ids['/create']}/stop", json={}).json()["status"] == 3
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "bogus": 1}, "bogus"), ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": [1, "a"]}, "prompt"), ({"max_tokens": 3}, "prompt"), ({"prompt": [70000]}, "prompt"),
+])
+def test_invalid_bodies_are_422_naming_the_field(http, body, param):
+    r = http.post("/tmp", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 422 and set(err) == ERROR_KEYS and param in (err["param"] or "") + err["message"]
+
+
+def test_status_codes_and_error_shapes(http):
+    bad = http.post("/tmp", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 422 and set(bad.json()["error"]) == ERROR_KEYS
+    for method, path in [("GET", "get_result"), ("GET", "status"), ("GET", "stream"), ("POST", "fork"),
+                         ("POST", "continue"), ("POST", "stop"), ("POST", "as_template"), ("POST", "delete")]:
+        r = http.request(method, f"/TASK_{'0' * 32}/{path}", json={} if method == "POST" else None)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "task_not_found", path
+    tid = wait_done(http, http.post("/create", json={"prompt": "t", "max_tokens": 0}).json()["task_id"])["task_id"]
+    assert http.post(f"/{tid}/stop", json={"extra": 1}).status_code == 422
+    tpl = http.post(f"/{tid}/as_template", params={"name": "named-1"}, json={}).json()["task_id"]
+    assert tpl == "_named-1" and http.post(f"/{tid}/as_template", params={"name": "named-1"}).status_code == 409
+    assert http.post(f"/{tid}/as_template", params={"name": "bad name!"}).status_code == 422
+    r = http.post(f"/{tpl}/continue", json={"max_tokens": 1})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert http.post(f"/{tpl}/delete", params={"force": "true"}, json={}).json()["task_id"] == tpl
+    assert httpx.get(http.base_url.join("list")).status_code == 401  # no key
+
+
+def test_tasks_belong_to_their_key(http, server):
+    k2 = httpx.Client(base_url=server.url + "/v1/tasks", timeout=30, headers={"Authorization": "Bearer k2"})
+    tid = wait_done(http, http.post("/create", json={"prompt": "mine", "max_tokens": 1}).json()["task_id"])["task_id"]
+    assert k2.get(f"/{tid}/get_result").status_code == 404
+    assert tid not in str(k2.get("/list").json()) and tid in http.get("/list").json()["db_tasks"]
+    tpl = http.post(f"/{tid}/as_template", json={}).json()["task_id"]
+    assert k2.get(f"/{tpl}/get_result").status_code == 200  # templates: readable by every key
+    f = k2.post(f"/{tpl}/fork", params={"tmp": "true"}, json={"prompt": " x", "max_tokens": 2}).json()
+    assert f["task_id"].startswith("TMP_") and wait_done(k2, f["task_id"])["finished"]
+    assert k2.post(f"/{tpl}/delete", params={"force": "true"}, json={}).status_code == 403
+    page = http.get("/list", params={"limit": 1, "kind": "template"}).json()
+    assert page["tasks"][0]["task_id"] == tpl and page["database_count"] >= 1 and len(page["tasks"]) == 1
+    assert http.get("/list", params={"limit": 0}).status_code == 422
+    k2.close()

@@ -1,0 +1,192 @@
+"""TaskManager semantics on the real engine (tiny synthetic model, CPU): create, fork, continue,
+stop, templates (economy + 50 concurrent forks), streams from a position, owners, delete, FIM."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+import pytest
+import torch
+
+from server.config import Settings
+from server.engine import Engine
+from server.model import load_model
+from server.tasks import TaskConflict, TaskForbidden, TaskManager, TaskNotFound, fim_prompt
+from server.tasks.streaming import events
+from server.tokenizer import get_tokenizer
+
+GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model = load_model("synthetic:tiny", device="cpu", dtype=torch.float32, state_dtype=torch.float32)
+    tok = get_tokenizer()
+    eng = Engine(model, tok, Settings(device="cpu", max_batch=64, stats_interval=0, cuda_graphs=False))
+    eng.start()
+    yield model, tok, eng
+    eng.shutdown()
+
+
+def settings(tmp_path, **kw) -> Settings:
+    return Settings(db=str(tmp_path / "tasks.db"), device="cpu", stats_interval=0, default_max_tokens=6, **kw)
+
+
+@pytest.fixture
+async def tm(parts, tmp_path):
+    model, tok, eng = parts
+    m = TaskManager(eng, tok, settings(tmp_path), model.shape)
+    await m.start()
+    yield m
+    await m.close()
+
+
+def out_ids(t) -> list[int]:
+    return list(t.tokens[t.out_start:t.out_start + t.generated])
+
+
+async def done(tm, t):
+    return await tm.wait(t.id, timeout=60)
+
+
+async def test_create_tmp_and_persistent(tm, tmp_path):
+    t = await tm.create("Hello there", {"max_tokens": 5, **GREEDY}, persistent=True)
+    assert t.status in (0, 2, 3)  # PREFILL (a free slot), then RUNNING, FINISHED
+    # the row is committed before create() returns (a crash now would not lose the task)
+    row = sqlite3.connect(tmp_path / "tasks.db").execute("select status from tasks where id=?", (t.id,)).fetchone()
+    assert t.id.startswith("TASK_") and row is not None and row[0] in (0, 1, 2, 3)
+    tmp = await tm.create([1, 2, 3], {"max_tokens": 5})
+    await done(tm, t), await done(tm, tmp)
+    r = t.response()
+    assert r["finished"] and r["finish_reason"] == "length" and r["completion_tokens"] == 5
+    assert r["result"] and r["prompt_tokens"] == len(tm.tokenizer.encode("Hello there"))
+    assert set(r) >= {"task_id", "result", "prefill_time", "gen_time", "speed", "finished"}
+    assert tmp.id.startswith("TMP_") and not await tm.store.task_exists(tmp.id)
+    assert t.info() == {"task_id": t.id, "generated_buf": 5, "status": 3, "finish_reason": "length"}
+
+
+async def test_fork_leaves_source_untouched_and_owns_its_output(tm):
+    src = await done(tm, await tm.create("The source prompt", {"max_tokens": 6, **GREEDY}, persistent=True))
+    await tm.writer.flush()
+    before = (list(src.tokens), src.out.text, src.state_id, src.state_pos, dict(src.params),
+              tm.cache.get(src.state_id).checksum())
+    f1 = await done(tm, await tm.fork(src.id, {"max_tokens": 4, "temperature": 1.0, "seed": 3}, " and a fork"))
+    f2 = await done(tm, await tm.fork(src.id, {"max_tokens": 6}))  # no prompt: keeps generating
+    after = (list(src.tokens), src.out.text, src.state_id, src.state_pos, dict(src.params),
+             tm.cache.get(src.state_id).checksum())
+    assert after == before
+    assert f1.parent_id == src.id and f1.generated == 4 and f1.out is not src.out
+    assert f1.params["temperature"] == 1.0 and f1.params["max_tokens"] == 4 and src.params["max_tokens"] == 6
+    # fork without prompt (greedy) == the source never having stopped
+    ref = await done(tm, await tm.create("The source prompt", {"max_tokens": 12, **GREEDY}))
+    assert out_ids(src) + out_ids(f2) == out_ids(ref)
+
+
+async def test_continue_with_and_without_prompt(tm):
+    t = await done(tm, await tm.create("Once upon a time", {"max_tokens": 6, **GREEDY}, persistent=True))
+    first = out_ids(t)
+    await done(tm, await tm.continue_(t.id, {"max_tokens": 6}))  # no prompt: the output grows
+    ref = await done(tm, await tm.create("Once upon a time", {"max_tokens": 12, **GREEDY}))
+    assert out_ids(t) == out_ids(ref) and out_ids(t)[:6] == first and t.generated == 12
+    assert t.response()["result"] == ref.out.text
+    history = list(t.tokens)  # with a prompt: prefill it, then generate; the output restarts
+    await done(tm, await tm.continue_(t.id, {"max_tokens": 5}, " The end."))
+    ids = tm.tokenizer.encode(" The end.")
+    assert t.generated == 5 and t.prompt == " The end." and t.prompt_tokens == len(ids) + 1
+    whole = await done(tm, await tm.create(history + ids, {"max_tokens": 5, **GREEDY}))
+    assert out_ids(t) == out_ids(whole) and t.out.text == whole.out.text
+
+
+async def test_running_task_conflicts_and_stop_by_identity(tm):
+    t = await tm.create("Run for a while", {"max_tokens": 100000, **GREEDY}, persistent=True)
+    other = await tm.create("A neighbour", {"max_tokens": 40})
+    while t.generated < 3:
+        await asyncio.sleep(0.01)
+    for op in (tm.continue_(t.id), tm.fork(t.id), tm.as_template(t.id)):
+        with pytest.raises(TaskConflict):
+            await op
+    stopped = await tm.stop(t.id)
+    assert stopped.finish_reason == "stopped" and not stopped.running and t.generated < 100000
+    assert not (await done(tm, other)).finish_reason == "stopped"  # the neighbour was not touched
+    n = t.generated
+    await done(tm, await tm.continue_(t.id, {"max_tokens": 3}))  # a stopped task continues
+    assert t.generated == n + 3 and t.finish_reason == "length"
+
+
+async def test_template_economy_and_fifty_concurrent_forks(tm):
+    doc = " ".join(f"line {i} of a long shared document." for i in range(40))
+    base = await done(tm, await tm.create(doc, {"max_tokens": 0, **GREEDY}, persistent=True))
+    P = len(tm.tokenizer.encode(doc))
+    tpl = await tm.as_template(base.id, name="doc")
+    assert tpl.id == "_doc" and await tm.store.task_exists("_doc") and tpl.state_pos == P - 1
+    # a fork of P + q tokens prefills q + 1 (the template's held-back last token), not P + q
+    q_ids = tm.tokenizer.encode(" Question: what is line 3?")
+    stats0 = tm.engine.stats().prompt_tokens_total
+    f = await done(tm, await tm.fork("_doc", {"max_tokens": 6}, " Question: what is line 3?"))
+    assert f.prompt_tokens == len(q_ids) + 1 < P
+    assert tm.engine.stats().prompt_tokens_total - stats0 == len(q_ids) + 1
+    full = await done(tm, await tm.create(doc + " Question: what is line 3?", {"max_tokens": 6, **GREEDY}))
+    assert full.prompt_tokens == P + len(q_ids) and out_ids(f) == out_ids(full)  # same tokens
+    # 50 concurrent forks of a max_tokens=0 template, each generating
+    forks = await asyncio.gather(*[tm.fork("_doc", {"max_tokens": 4, "temperature": 1.0, "seed": i},
+                                           f" Item {i}:", tmp=i % 2 == 0) for i in range(50)])
+    forks = await asyncio.gather(*[done(tm, x) for x in forks])
+    assert len({x.id for x in forks}) == 50
+    assert all(x.generated >= 1 and x.finish_reason in ("length", "stop") for x in forks)
+    assert all(x.prompt_tokens == len(tm.tokenizer.encode(f" Item {i}:")) + 1 for i, x in enumerate(forks))
+    g = await done(tm, await tm.fork("_doc"))  # no max_tokens given: a 0 is not inherited
+    assert g.generated == 6 and tpl.state_pos == P - 1 and tpl.generated == 0
+
+
+async def test_templates_are_read_only_and_owned(tm):
+    base = await done(tm, await tm.create("template text", {"max_tokens": 0}, persistent=True, owner="k1"))
+    tpl = await tm.as_template(base.id, owner="k1")
+    assert tpl.id.startswith("_TMPL_")
+    with pytest.raises(TaskForbidden):
+        await tm.continue_(tpl.id, owner="k1")
+    with pytest.raises(TaskForbidden):
+        await tm.delete(tpl.id, owner="k1")
+    with pytest.raises(TaskNotFound):
+        await tm.get(base.id, "k2")  # another key's task: not found
+    f = await done(tm, await tm.fork(tpl.id, {"max_tokens": 2}, owner="k2"))  # templates: readable by all
+    assert (await tm.get(tpl.id, "k2")).id == tpl.id
+    with pytest.raises(TaskForbidden):
+        await tm.delete(tpl.id, owner="k2", force=True)  # but writable only by their owner
+    listing = await tm.list("k2")
+    assert f.id in listing["db_tasks"] and base.id not in listing["db_tasks"] + listing["cpu_tasks"]
+    assert (await tm.delete(tpl.id, owner="k1", force=True)).id == tpl.id
+    with pytest.raises(TaskNotFound):
+        await tm.get(tpl.id, "k1")
+    assert not await tm.store.task_exists(tpl.id)
+
+
+async def test_stream_replays_and_attaches_from_any_position(tm):
+    t = await tm.create("Stream me", {"max_tokens": 30, **GREEDY})
+    live = [e async for e in events(t, 0)]  # attached while it runs
+    text = "".join(e.get("data", "") for e in live)
+    assert text == t.out.text and live[-1]["finished"] and live[-1]["usage"]["completion_tokens"] == 30
+    assert [e["pos"] for e in live[:-1]] == sorted({e["pos"] for e in live[:-1]})
+    for pos in (0, 7, 29, 30):  # replay of a finished task
+        got = [e async for e in events(t, pos)]
+        assert "".join(e.get("data", "") for e in got) == t.out.text[t.out.char_at(pos):]
+    pre = await done(tm, await tm.create("prefill only", {"max_tokens": 0}))
+    got = [e async for e in events(pre, 0)]
+    assert len(got) == 1 and got[0]["finished"] and got[0]["usage"]["completion_tokens"] == 0
+
+
+async def test_fim_prompt_delete_list_and_tmp_ttl(tm):
+    f = await done(tm, await tm.fim("def add(a, b):\n", "\n\nprint(add(1, 2))", {"max_tokens": 3}))
+    assert fim_prompt("P", "S") == "✿prefix✿✿suffix✿S✿middle✿P"
+    assert list(f.tokens[:f.prompt_len]) == tm.tokenizer.encode(fim_prompt("def add(a, b):\n", "\n\nprint(add(1, 2))"))
+    p = await done(tm, await tm.create("keep me", {"max_tokens": 2}, persistent=True))
+    listing = await tm.list(limit=1)
+    assert listing["total_count"] == 2 and len(listing["tasks"]) == 1 and listing["database_count"] == 1
+    assert set(listing["cpu_tasks"]) >= {f.id}
+    await tm.delete(p.id)
+    with pytest.raises(TaskNotFound):
+        await tm.get(p.id)
+    assert not await tm.store.task_exists(p.id) and (await tm.store.counts())["states"] == 0
+    assert tm.sweep(cutoff=f.finished_at + 1) == 1
+    with pytest.raises(TaskNotFound):
+        await tm.get(f.id)

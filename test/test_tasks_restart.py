@@ -1,0 +1,157 @@
+"""TaskManager across restarts and under budgets (real engine, tiny model, real SQLite files):
+continue after a restart == never stopping, a crash image marks running tasks interrupted,
+byte budgets hold under churn (templates survive), foreign-shape states are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+
+import pytest
+import torch
+
+from server.config import Settings
+from server.engine import Engine
+from server.model import load_model
+from server.tasks import TaskConflict, TaskManager, runs
+from server.tasks.codec import encode_state
+from server.tasks.records import Task, to_row
+from server.tasks.store import state_row
+from server.tokenizer import get_tokenizer
+
+GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model = load_model("synthetic:tiny", device="cpu", dtype=torch.float32, state_dtype=torch.float32)
+    tok = get_tokenizer()
+    eng = Engine(model, tok, Settings(device="cpu", max_batch=32, stats_interval=0, cuda_graphs=False))
+    eng.start()
+    yield model, tok, eng
+    eng.shutdown()
+
+
+async def manager(parts, db, **kw) -> TaskManager:
+    model, tok, eng = parts
+    s = Settings(db=str(db), device="cpu", stats_interval=0, default_max_tokens=6, **kw)
+    m = TaskManager(eng, tok, s, model.shape)
+    await m.start()
+    return m
+
+
+def out_ids(t) -> list[int]:
+    return list(t.tokens[t.out_start:t.out_start + t.generated])
+
+
+async def test_continue_after_restart_equals_never_stopping(parts, tmp_path):
+    db = tmp_path / "r.db"
+    tm = await manager(parts, db)
+    t = await tm.wait((await tm.create("A story about a cat", {"max_tokens": 8, **GREEDY}, persistent=True)).id)
+    ref = await tm.wait((await tm.create("A story about a cat", {"max_tokens": 20, **GREEDY})).id)
+    await tm.close()
+    tm = await manager(parts, db)  # a new process: everything comes from the database
+    loaded = await tm.get(t.id)
+    assert loaded is not t and loaded.out.text == t.out.text and loaded.state_pos == t.state_pos
+    await tm.wait((await tm.continue_(t.id, {"max_tokens": 12})).id)
+    assert out_ids(loaded) == out_ids(ref) and tm.counters["db_state_loads"] == 1
+    assert loaded.prompt_tokens == 1  # only the pending token was fed: the state came from disk
+    await tm.close()
+
+
+def crash_image(src, dst) -> None:
+    """What a SIGKILL leaves: the committed content of a WAL database at this instant."""
+    with sqlite3.connect(src) as a, sqlite3.connect(dst) as b:
+        a.backup(b)
+
+
+async def test_running_tasks_become_interrupted_and_continuable(parts, tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, "PROGRESS_INTERVAL", 0.02)
+    db = tmp_path / "live.db"
+    tm = await manager(parts, db)
+    done = await tm.wait((await tm.create("finished one", {"max_tokens": 4}, persistent=True)).id)
+    tpl = await tm.as_template(done.id, name="kept")
+    t = await tm.create("A long run", {"max_tokens": 100000, **GREEDY}, persistent=True)
+    while t.generated < 12:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)  # a progress write lands
+    crash_image(db, tmp_path / "crash.db")
+    await tm.stop(t.id)
+    await tm.close()
+    tm = await manager(parts, tmp_path / "crash.db")
+    assert tm.interrupted == [t.id]
+    back = await tm.get(t.id)
+    assert back.finish_reason == "interrupted" and back.status == 3 and back.generated > 0
+    assert t.out.text.startswith(back.out.text) and back.out.text
+    assert (await tm.get(done.id)).out.text == done.out.text and (await tm.get("_kept")).id == tpl.id
+    n = back.generated
+    await tm.wait((await tm.continue_(t.id, {"max_tokens": 5})).id)  # its history is re-fed
+    ref = await tm.wait((await tm.create("A long run", {"max_tokens": n + 5, **GREEDY})).id)
+    assert out_ids(back) == out_ids(ref)
+    await tm.close()
+
+
+async def test_byte_budgets_hold_under_churn_and_templates_survive(parts, tmp_path):
+    one = parts[0].shape.state_bytes(torch.float32, torch.float32)
+    db = tmp_path / "b.db"
+    tm = await manager(parts, db, state_cache_bytes=4 * one, db_budget_bytes=6 * one, writer_queue=4)
+    base = await tm.wait((await tm.create("the template", {"max_tokens": 0}, persistent=True)).id)
+    tpl = await tm.as_template(base.id, name="tpl")
+    first = await tm.wait((await tm.create("evict me", {"max_tokens": 3, **GREEDY}, persistent=True)).id)
+    peak = 0
+    for round_ in range(6):  # 60 stored states = 10x the database budget
+        batch = [await tm.create(f"churn {round_} {i}", {"max_tokens": 2}, persistent=True) for i in range(10)]
+        await asyncio.gather(*[tm.wait(x.id) for x in batch])
+        peak = max(peak, tm.cache.stats()["lru_bytes"])
+    await tm.writer.flush()
+    assert peak <= 4 * one and tm.cache.stats()["pinned_count"] == 0
+    assert await tm.store.states_bytes(templates=False) <= 6 * one and tm.counters["db_evictions"] >= 50
+    size = os.path.getsize(db)
+    assert size < 60 * one // 2, f"database file of {size} bytes for a {6 * one}-byte budget"
+    assert len(tm.live) <= 2  # finished stored tasks leave the live set
+    f = await tm.wait((await tm.fork("_tpl", {"max_tokens": 2}, " hi")).id)
+    assert f.prompt_tokens == len(tm.tokenizer.encode(" hi")) + 1  # template state still there
+    assert await tm.store.get_state(tpl.state_id) is not None
+    evicted = await tm.get(first.id)  # its state is gone, its text stays; continuing recomputes
+    assert evicted.out.text == first.out.text and evicted.state_id is None
+    t2 = await tm.as_template(first.id, name="from-evicted")  # prefills the history once
+    assert t2.state_pos == len(t2.tokens) - 1 and t2.out.text == first.out.text
+    assert (await tm.wait((await tm.fork(t2.id, {"max_tokens": 2})).id)).prompt_tokens == 1
+    await tm.wait((await tm.continue_(first.id, {"max_tokens": 3})).id)
+    ref = await tm.wait((await tm.create("evict me", {"max_tokens": 6, **GREEDY})).id)
+    assert out_ids(evicted) == out_ids(ref)
+    await tm.close()
+
+
+async def test_state_of_another_model_shape_is_refused(parts, tmp_path):
+    from server.model.synthetic import parse_spec
+    from server.model.state import State
+
+    other, _ = parse_spec("synthetic:0.1b")
+    tm = await manager(parts, tmp_path / "s.db")
+    enc = encode_state(State.zeros(other, 1), other.signature())
+    t = Task(id="TASK_foreign", kind="task", state_id="S_foreign", state_pos=1)
+    t.tokens.extend([5, 6])
+    await tm.store.save(to_row(t), state_row("S_foreign", t.id, enc, False))
+    with pytest.raises(TaskConflict, match="rwkv7-L12-C768.*cannot be used with this model"):
+        await tm.continue_("TASK_foreign", {"max_tokens": 2})
+    assert not (await tm.get("TASK_foreign")).running
+    await tm.close()
+
+
+async def test_state_in_use_is_never_evicted_and_tmp_tasks_expire(parts, tmp_path):
+    one = parts[0].shape.state_bytes(torch.float32, torch.float32)
+    tm = await manager(parts, tmp_path / "p.db", state_cache_bytes=one, tmp_task_ttl=0.3)
+    src = await tm.wait((await tm.create("source", {"max_tokens": 2})).id)
+    key = src.state_id
+    f = await tm.fork(src.id, {"max_tokens": 100000}, tmp=True)
+    assert key in tm.cache.pinned_keys()  # the running fork holds its starting state
+    for i in range(4):  # churn a one-state LRU
+        await tm.wait((await tm.create(f"churn {i}", {"max_tokens": 1})).id)
+    assert key in tm.cache and tm.cache.stats()["lru_bytes"] <= one
+    await tm.stop(f.id)
+    assert key not in tm.cache.pinned_keys() and f.finish_reason == "stopped"
+    await asyncio.sleep(0.6)  # finished TMP_ tasks are dropped tmp_task_ttl seconds later
+    assert not [t for t in tm.live.values() if t.kind == "tmp"]
+    await tm.close()
