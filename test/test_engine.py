@@ -149,7 +149,7 @@ def test_a_failing_request_fails_only_itself(engine, model, monkeypatch):
     ps = prompts(6, seed=5)
     params = SamplingParams(max_tokens=5, **GREEDY)
     ref = [engine.submit(p, params).result(30).token_ids for p in ps]
-    monkeypatch.setattr(engine_mod, "_decoder", lambda t: Broken())
+    monkeypatch.setattr(engine_mod, "_decoder", lambda t, v: Broken())
     broken = engine.submit(ps[0], params)
     monkeypatch.setattr(engine_mod, "_decoder", real)
     handles = [engine.submit(p, params) for p in ps]
@@ -230,7 +230,7 @@ def test_dead_loop_is_reported_not_hung(model, tok, monkeypatch):
         def broken(plan):
             raise RuntimeError("device lost")
 
-        monkeypatch.setattr(e.runner, "decode", broken)
+        monkeypatch.setattr(e.runner, "launch", broken)
         handles = [e.submit([1, 2], SamplingParams(max_tokens=50, **GREEDY)) for _ in range(4)]
         outcomes = set()
         for h in handles:
@@ -265,3 +265,38 @@ def test_stats_are_numbers_and_logged(model, tok, caplog):
         assert any("engine: running=" in r.getMessage() for r in caplog.records)
     finally:
         e.shutdown()
+
+
+def test_deferred_delivery_and_graph_style_overflow_rows(model, tok, monkeypatch):
+    """The CUDA configuration on the CPU: events delivered after the next launch, and the sampler
+    returning -1 for rows outside its candidates (as inside a CUDA graph), finished by the runner."""
+    from server.engine import sampler as sampler_mod
+
+    ps = prompts(10, seed=7)
+    params = [SamplingParams(max_tokens=5, seed=i, top_p=[1.0, 0.3][i % 2], ignore_eos=True) for i in range(10)]
+    e = make_engine(model, tok)
+    try:
+        want = [h.result(60) for h in [e.submit(p, q) for p, q in zip(ps, params)]]
+    finally:
+        e.shutdown()
+    plain = sampler_mod.SamplerSlots.sample
+    calls = {"resolve": 0}
+    real_resolve = sampler_mod.SamplerSlots.resolve
+
+    def resolve(self, *a):
+        calls["resolve"] += 1
+        return real_resolve(self, *a)
+
+    monkeypatch.setattr(sampler_mod.SamplerSlots, "sample", lambda self, *a, **k: plain(self, *a, resolve=False))
+    monkeypatch.setattr(sampler_mod.SamplerSlots, "resolve", resolve)
+    e = make_engine(model, tok)
+    e.defer_delivery = True
+    try:
+        handles = [e.submit(p, q) for p, q in zip(ps, params)]
+        got = [h.result(60) for h in handles]
+        events = list(handles[0])
+    finally:
+        e.shutdown()
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    assert calls["resolve"] > 0 and sum((ev.token_ids for ev in events), []) == got[0].token_ids

@@ -127,15 +127,75 @@ def test_same_token_alone_or_in_a_batch():
         assert alone.item() == batch[b].item()
 
 
-@pytest.mark.parametrize("scale", [1.0, 2.0, 8.0])
-def test_cpu_candidates_equal_full_sort(scale, monkeypatch):
-    V, B = 65536, 16
-    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(4)) * scale
-    params = [SamplingParams(seed=i, top_p=[0.3, 0.9, 1.0, 0.05][i % 4], top_k=[0, 0, 5000][i % 3]) for i in range(B)]
-    fast = slots_for(params, V).sample(logits, torch.arange(B), torch.ones(B, dtype=torch.bool))
-    monkeypatch.setattr(S, "CPU_CANDIDATES", ())
-    full = slots_for(params, V).sample(logits, torch.arange(B), torch.ones(B, dtype=torch.bool))
+def _logit_cases(B: int, V: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    rnd = torch.randn(B, V, generator=g)
+    peaked = rnd.clone()
+    peaked[:, :5] += 12.0
+    return {
+        "normal1": rnd, "normal2": rnd * 2, "normal8": rnd * 8, "peaked": peaked,
+        "flat": torch.zeros(B, V),  # every token tied: the kept set always reaches past any K
+        "blocks": (rnd * 2).round(),  # many ties, also at the candidates' boundary
+        "flat_top": torch.where(rnd > 2.5, 3.0, 0.0),  # a tied head of ~0.6% of the vocabulary
+    }  # fmt: skip
+
+
+def _params(B: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(seed=i, temperature=[1.0, 0.7, 1.3, 0.0][i % 4], top_p=[0.3, 0.9, 1.0, 0.05, 0.0][i % 5],
+                       top_k=[0, 0, 5000, 1, 5, 300][i % 6])
+        for i in range(B)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["normal1", "normal2", "normal8", "peaked", "flat", "blocks", "flat_top"])
+def test_candidates_equal_full_sort(case, monkeypatch):
+    """The top-K fast path (+ exact widening) == a stable full sort of every row (the old sampler)."""
+    V, B = 65536, 30
+    logits = _logit_cases(B, V)[case]
+    params = _params(B)
+    fast_s = slots_for(params, V)
+    fast = fast_s.sample(logits, torch.arange(B), torch.ones(B, dtype=torch.bool))
+    monkeypatch.setattr(S, "CANDIDATES", ())
+    full_s = slots_for(params, V)
+    full = full_s.sample(logits, torch.arange(B), torch.ones(B, dtype=torch.bool))
     assert fast.tolist() == full.tolist()
+    assert torch.equal(fast_s.penalty, full_s.penalty) and torch.equal(fast_s.seen, full_s.seen)
+
+
+def test_graph_mode_marks_overflow_rows_and_resolve_finishes_them():
+    """resolve=False (what runs inside a CUDA graph): overflow rows come back -1 with untouched
+    penalties; resolve() on them gives the same tokens and penalties as sampling at once."""
+    V, B = 4096, 12
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(5))
+    logits[::2, :3] += 15.0  # even rows: a peaked head (fits the candidates); odd rows: flat-ish
+    params = [SamplingParams(seed=i, top_p=0.9) for i in range(B)]
+    pos, commit = torch.arange(B), torch.ones(B, dtype=torch.bool)
+    ref_s, s = slots_for(params, V), slots_for(params, V)
+    ref = ref_s.sample(logits, pos, commit)
+    tok = s.sample(logits, pos, commit, resolve=False)
+    rows = (tok < 0).nonzero().flatten()
+    assert rows.tolist() == list(range(1, B, 2))
+    assert s.penalty[rows].abs().sum() == 0 and not s.seen[rows].any()
+    tok[rows] = s.resolve(logits, rows, pos, commit)
+    assert tok.tolist() == ref.tolist()
+    assert torch.equal(s.penalty, ref_s.penalty) and torch.equal(s.seen, ref_s.seen)
+
+
+@pytest.mark.parametrize("case", ["normal2", "flat", "blocks", "flat_top"])
+def test_small_candidates_match_reference_formula(case, monkeypatch):
+    """Tiny candidate counts force every widening level; still the documented formula exactly
+    (including ties: ranked by token id, as the reference's stable sort does)."""
+    monkeypatch.setattr(S, "CANDIDATES", (4, 16))
+    V, B = 200, 30
+    logits = _logit_cases(B, V)[case]
+    params = _params(B)
+    no_pen = [SamplingParams(**{**p.__dict__, "presence_penalty": 0.0}) for p in params]
+    pos = torch.arange(B) * 3
+    tok = slots_for(no_pen, V).sample(logits, pos, torch.ones(B, dtype=torch.bool))
+    for b in range(B):
+        u = py_uniform(no_pen[b].seed, int(pos[b]))
+        assert tok[b].item() == reference(logits[b].tolist(), no_pen[b], u), b
 
 
 def test_penalty_formula_and_commit_mask():

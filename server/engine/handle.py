@@ -30,16 +30,21 @@ class RequestHandle:
         self._error: BaseException | None = None
         self._loop = loop
         self._aevent = asyncio.Event()
+        self._sync_waiters = 0
+        """Threads blocked on _cond (changed under it): the engine notifies only when > 0."""
 
     # --- engine side (engine thread) --------------------------------------------------------
-    def _push(self, events: list[Event], result: Result | None = None) -> asyncio.AbstractEventLoop | None:
-        """Add events (and the result); return the event loop to wake, if any."""
-        with self._cond:
-            self._events.extend(events)
-            if result is not None:
-                self._result = result
-            self._cond.notify_all()
-            return self._loop
+    def _push(self, ev: Event, result: Result | None = None) -> asyncio.AbstractEventLoop | None:
+        """Add an event (and the result); return the event loop to wake, if any.
+        Lock-free unless a thread waits: deque.append is atomic, and a waiter registers itself
+        under _cond BEFORE checking for events, so it either sees them or gets notified."""
+        self._events.append(ev)
+        if result is not None:
+            self._result = result
+        if self._sync_waiters:
+            with self._cond:
+                self._cond.notify_all()
+        return self._loop
 
     def _fail(self, exc: BaseException) -> asyncio.AbstractEventLoop | None:
         with self._cond:
@@ -60,9 +65,13 @@ class RequestHandle:
     def __iter__(self) -> Iterator[Event]:
         while True:
             with self._cond:
-                while not self._events and not self.done:
-                    if not self._cond.wait(_POLL_S):
-                        self._check_engine()
+                self._sync_waiters += 1  # registered before checking (see _push)
+                try:
+                    while not self._events and not self.done:
+                        if not self._cond.wait(_POLL_S):
+                            self._check_engine()
+                finally:
+                    self._sync_waiters -= 1
                 if self._events:
                     ev = self._events.popleft()
                 elif self._error is not None:
@@ -75,13 +84,17 @@ class RequestHandle:
         """Block until the request finished; its Result (raises EngineDeadError if the loop died)."""
         with self._cond:
             waited = 0.0
-            while not self.done:
-                step = _POLL_S if timeout is None else min(_POLL_S, timeout - waited)
-                if step <= 0:
-                    raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
-                if not self._cond.wait(step):
-                    self._check_engine()
-                waited += step
+            self._sync_waiters += 1  # registered before checking (see _push)
+            try:
+                while not self.done:
+                    step = _POLL_S if timeout is None else min(_POLL_S, timeout - waited)
+                    if step <= 0:
+                        raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
+                    if not self._cond.wait(step):
+                        self._check_engine()
+                    waited += step
+            finally:
+                self._sync_waiters -= 1
             if self._error is not None:
                 raise self._error
             assert self._result is not None
@@ -96,7 +109,11 @@ class RequestHandle:
                 raise RuntimeError("a RequestHandle is consumed from one event loop only")
 
     async def _wait_async(self) -> None:
-        try:
+        th = self._engine._thread
+        if th is not None and th.is_alive() and not self._engine._stopping:
+            await self._aevent.wait()  # the loop's exit (_fail_all, shutdown) always wakes us
+            return
+        try:  # not started / stopping: poll, the loop may never wake us
             await asyncio.wait_for(self._aevent.wait(), _POLL_S)
         except asyncio.TimeoutError:
             self._check_engine()
@@ -105,10 +122,10 @@ class RequestHandle:
         self._bind_loop()
         while True:
             self._aevent.clear()
-            with self._cond:
-                batch = list(self._events)
-                self._events.clear()
-                done, error = self.done, self._error
+            done, error = self.done, self._error  # read BEFORE draining: the result follows its events
+            batch = []
+            while self._events:
+                batch.append(self._events.popleft())
             for ev in batch:
                 yield ev
             if not batch:
@@ -145,24 +162,25 @@ def wake_handles(handles: list[RequestHandle]) -> None:
 
 
 class Deliveries:
-    """One step's events and results, pushed per handle, then one wake-up per event loop."""
+    """One step's events and results, pushed in order, then one wake-up per event loop."""
 
     def __init__(self):
-        self.items: dict[RequestHandle, tuple[list[Event], list[Result]]] = {}
+        self.items: list[tuple[RequestHandle, Event, Result | None]] = []
 
     def add(self, handle: RequestHandle, ev: Event, result: Result | None = None) -> None:
-        evs, res = self.items.setdefault(handle, ([], []))
-        evs.append(ev)
-        if result is not None:
-            res.append(result)
+        self.items.append((handle, ev, result))
 
     def deliver(self) -> None:
         loops: dict = {}
-        for h, (evs, res) in self.items.items():
-            loop = h._push(evs, res[0] if res else None)
-            if loop is not None:
-                loops.setdefault(loop, []).append(h)
-        self.items = {}
+        last_loop, last_list = None, None
+        for h, ev, res in self.items:
+            loop = h._push(ev, res)
+            if loop is None:
+                continue
+            if loop is not last_loop:
+                last_loop, last_list = loop, loops.setdefault(loop, [])
+            last_list.append(h)
+        self.items = []
         wake_loops(loops)
 
 

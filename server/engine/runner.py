@@ -6,7 +6,9 @@ Per step (see scheduler.py for the plan's meaning), in this order:
    device/dtype), reset its penalties and sampling parameters;
 3. prefill: one `model.forward(chunks, pool, slots)` for all prompt chunks of the step;
 4. decode + sampling: one `model.decode(ids, pool.view(0, bucket))` and one sampler call over
-   the bucket (or one CUDA-graph replay of both), then ONE device->host copy of the token ids.
+   the bucket (or one CUDA-graph replay of both), then ONE device->host copy of the token ids
+   into a pinned buffer (`launch`); `finish` waits for it with the GIL released (the engine
+   delivers the previous step's events in between).
 States are updated in place in the pool; nothing is copied per step except moves/admissions.
 
 Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
@@ -37,6 +39,16 @@ class _PendingCopy:
 
 
 @dataclass
+class _Launched:
+    n: int
+    tok: torch.Tensor  # (n,) on the device
+    logits: "torch.Tensor | None"  # (n, V) eager logits (None with graphs: graphs.logits(n))
+    pos: torch.Tensor  # (b,) positions on the device
+    commit: torch.Tensor  # (b,) bool
+    t_launch: float
+
+
+@dataclass
 class PrepareResult:
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
     """Admissions that failed (e.g. a starting state of the wrong shape)."""
@@ -52,6 +64,8 @@ class Runner:
         self.cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._h2d = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=self.cuda)  # (3, M)
+        self._d2h = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.cuda)  # (M,) sampled ids
+        self._d2h_done = torch.cuda.Event() if self.cuda else None
         self._copies: list[_PendingCopy] = []
         self._ready: list[tuple[Sequence, State]] = []
         self.graphs = None
@@ -61,10 +75,10 @@ class Runner:
             self.graphs = DecodeGraphs(model, self.pool, sampler=self.sampler, max_batch=max_batch)
             self.graphs.capture()
         self.model_time = 0.0
-        """Seconds in model.forward/decode (exact on CPU; on CUDA without graphs the decode's
-        launch time, with graphs 0: the replay and its sync count as sampling)."""
+        """Seconds in model.forward + launching the decode (on the CPU: the decode + sampling)."""
         self.sample_time = 0.0
-        """Seconds in sampling + the device->host copy of the token ids (includes the wait)."""
+        """Seconds from the end of the decode launch to its token ids on the host (the device's
+        time not hidden behind host work, plus overflow rows' exact sampling)."""
 
     # --- step phases ----------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> PrepareResult:
@@ -88,27 +102,56 @@ class Runner:
 
     def decode(self, plan: StepPlan) -> list[int]:
         """Decode every active row once, sample, and return the n_active token ids."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> "_Launched | None":
+        """Enqueue the step's decode + sampling and the copy of its token ids to the host; on
+        CUDA this returns at once (the caller can do host work while the device runs)."""
         n, b = plan.n_active, plan.bucket
         if n == 0:
-            return []
+            return None
         t0 = time.perf_counter()
         h = self._h2d
-        h[:, :b].zero_()
-        h[:, :n].copy_(torch.tensor([plan.decode_tokens, plan.positions, plan.commit], dtype=torch.long))
+        h[:, :n] = torch.tensor([plan.decode_tokens, plan.positions, plan.commit], dtype=torch.long)  # (3, n)
+        if b > n:
+            h[:, n:b] = 0
         dev = h[:, :b].to(self.device, non_blocking=True)  # (3, b)
         ids, pos, commit = dev[0], dev[1], dev[2].bool()
+        logits = None
         if self.graphs is not None:
             tok = self.graphs.step(n, ids[:n], pos[:n], commit[:n])  # (n,)
-            t1 = t0
         else:
             logits = self.model.decode(ids, self.pool.view(0, b))  # (b, V) fp32
-            t1 = time.perf_counter()
             greedy = all(s.params.temperature == 0 for s in plan.rows)
             tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)[:n]  # (n,)
-        out = tok.tolist()  # the step's one device->host copy (and sync)
-        t2 = time.perf_counter()
+            logits = logits[:n]
+        if self.cuda:
+            self._d2h[:n].copy_(tok, non_blocking=True)  # the step's one device->host copy
+            self._d2h_done.record()
+        t1 = time.perf_counter()
         self.model_time += t1 - t0
-        self.sample_time += t2 - t1
+        return _Launched(n, tok, logits, pos, commit, t1)
+
+    def finish(self, job: "_Launched | None") -> list[int]:
+        """Wait for a launched step (GIL released while waiting) and return its token ids."""
+        if job is None:
+            return []
+        if self.cuda:
+            self._d2h_done.synchronize()  # releases the GIL while the device works
+            out = self._d2h[: job.n].tolist()
+        else:
+            out = job.tok.tolist()
+        if out and min(out) < 0:  # rows whose kept set did not fit the sampler's candidates
+            logits = job.logits if job.logits is not None else self.graphs.logits(job.n)
+            out = self._resolve(out, logits, job.pos, job.commit)
+        self.sample_time += time.perf_counter() - job.t_launch
+        return out
+
+    def _resolve(self, out: list[int], logits, pos, commit) -> list[int]:
+        """Sample the overflow rows (-1) exactly, eagerly (rare: top_p near 1, flat logits)."""
+        rows = [i for i, t in enumerate(out) if t < 0]
+        for i, t in zip(rows, self.sampler.resolve(logits, rows, pos, commit).tolist()):
+            out[i] = t
         return out
 
     # --- slots ----------------------------------------------------------------------------

@@ -16,6 +16,18 @@ presence, repetition, decay, seed), at generated-token index `pos`:
     then, only for rows that commit a real token:
         P *= decay;   P[t] += presence if t was not generated before in this request else repetition
 
+Candidates (no full-vocabulary sort). The kept set is almost always tiny, so each row ranks only
+its K = CANDIDATES[0] most probable tokens (torch.topk: a static shape, CUDA-graph safe), ordered
+canonically (p descending, ties by token id ascending, as a stable sort of the whole row would).
+The sorted values p_(1..K) are exactly the first K of the full sort (whatever tied tokens topk
+picked), so cum, m and the cutoff are exact when m < K; only the identity of tokens tied with the
+K-th value p_(K) is uncertain. A row is therefore exact unless its last kept rank has p <= p_(K)
+(the kept set may reach p_(K) ties outside the candidates): such an "overflow" row (top-p mass of
+the candidates < top_p, top_p = 1, flat logits, ...) is re-sampled from more candidates and finally
+from a stable full sort of that row only. On the CPU this happens inside `sample`; on CUDA (where
+`sample` runs inside a CUDA graph) `sample` returns -1 for those rows and leaves their penalties
+untouched, and the caller runs `resolve(...)` afterwards (eager, only when a -1 came back).
+
 Penalties count only this request's generated tokens (not the prompt), like ChatRWKV/RWKV-Runner.
 (ChatRWKV subtracts `presence + count * frequency` with a decayed count, so its presence part
 never decays; here, as the engine issue specifies, the whole penalty decays: one (V,) tensor per slot.)
@@ -64,6 +76,12 @@ def uniform(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return _srl(z, 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
+CANDIDATES = (256, 4096)
+"""Candidate counts: the first is the static fast path (also inside CUDA graphs); rows that
+overflow it are retried with the next counts, then with a stable full sort (same result).
+() = always a full sort (the reference the candidates must equal)."""
+
+
 class SamplerSlots:
     """Per-slot sampling state on the device: parameters and penalties (move with their slot)."""
 
@@ -92,13 +110,34 @@ class SamplerSlots:
             t.index_copy_(0, dst, t.index_select(0, src))
 
     def sample(
-        self, logits: torch.Tensor, positions: torch.Tensor, commit: torch.Tensor, greedy_only: bool = False
-    ) -> torch.Tensor:
-        """Sample one token for each of the first B slots; update their penalties in place."""
+        self, logits: torch.Tensor, positions: torch.Tensor, commit: torch.Tensor, greedy_only: bool = False,
+        resolve: bool | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Sample one token for each of the first B slots; update their penalties in place.
+        resolve (default: on the CPU only): finish overflow rows here (host syncs); otherwise they
+        come back as -1 with untouched penalties (graph-safe) and `resolve()` finishes them."""
         B = logits.shape[0]
-        return sample(
-            logits, self.penalty[:B], self.seen[:B], self.fparams[:B], self.iparams[:B], positions, commit, greedy_only
-        )
+        if resolve is None:
+            resolve = self.device.type == "cpu"
+        args = (self.penalty[:B], self.seen[:B], self.fparams[:B], self.iparams[:B])
+        tok = sample(logits, *args, positions, commit, greedy_only)
+        if resolve:
+            rows = (tok < 0).nonzero().flatten()  # (R,) host sync
+            if len(rows):
+                tok[rows] = self.resolve(logits, rows, positions, commit)
+        return tok
+
+    def resolve(self, logits: torch.Tensor, rows, positions: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
+        """Sample the given overflow rows exactly (more candidates, then a full sort) and update
+        their penalties; returns their tokens (R,). logits/positions/commit: the step's (B, ...)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=logits.device)  # (R,)
+        pen, fp, ip = self.penalty[rows], self.fparams[rows], self.iparams[rows]  # (R, V), (R, 5), (R, 2)
+        z = logits[rows].float() - pen  # (R, V)
+        tok = _sample_wide(z, fp, ip, positions[rows])  # (R,)
+        seen = self.seen[rows]  # (R, V)
+        _update_penalty(pen, seen, tok, fp, commit[rows])
+        self.penalty[rows], self.seen[rows] = pen, seen
+        return tok
 
 
 def sample(
@@ -111,60 +150,67 @@ def sample(
     commit: torch.Tensor,  # (B,) bool: rows whose token is real (penalties update)
     greedy_only: bool = False,
 ) -> torch.Tensor:
+    """One token per row, -1 for overflow rows (their penalties are not updated). No host sync."""
     z = logits.float() - penalty  # (B, V)
     if greedy_only:
         tok = z.argmax(-1)  # (B,)
     else:
-        tok = _sample_rows(z, fparams, iparams, positions)
-    _update_penalty(penalty, seen, tok, fparams, commit)
+        K = min(CANDIDATES[0], z.shape[1]) if CANDIDATES else z.shape[1]
+        tok, overflow = _sample_top(z, fparams, iparams, positions, K)
+        tok = torch.where(overflow, -1, tok)  # (B,)
+        commit = commit & ~overflow
+    _update_penalty(penalty, seen, tok.clamp(min=0), fparams, commit)
     return tok
 
 
-def _sample_rows(z: torch.Tensor, fparams: torch.Tensor, iparams: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    B, V = z.shape
+def _sample_top(z, fparams, iparams, pos, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample among the K most probable tokens of each row; also flag inexact (overflow) rows."""
     probs = torch.softmax(z, dim=-1)  # (B, V)
-    if z.device.type != "cpu":
-        sp, si = probs.sort(dim=-1, descending=True)  # (B, V)
-        return _pick(z, sp, si, fparams, iparams, pos)[0]
-    # CPU: a full sort of (B, V) costs ~2.5 ms per row; rank the top candidates instead and widen
-    # only for rows whose kept set may not fit (a host check, CPU only). Same result as a sort.
-    tok = torch.zeros(B, dtype=torch.long)  # (B,)
-    rows = torch.arange(B)
-    for k in CPU_CANDIDATES + (V,):
-        k = min(k, V)
-        p = probs[rows]  # (R, V)
-        sp, si = p.topk(k, dim=-1) if k < V else p.sort(dim=-1, descending=True)  # (R, k)
-        t, overflow = _pick(z[rows], sp, si, fparams[rows], iparams[rows], pos[rows])
+    if K >= z.shape[1]:
+        sp, si = probs.sort(dim=-1, descending=True, stable=True)  # (B, V) ties: ids ascending
+        return _pick(z, sp, si, fparams, iparams, pos)[0], torch.zeros_like(pos, dtype=torch.bool)
+    sp, si = probs.topk(K, dim=-1)  # (B, K) ties in any order
+    si, perm = si.sort(dim=-1)  # (B, K) ids ascending
+    sp, perm = sp.gather(1, perm).sort(dim=-1, descending=True, stable=True)  # (B, K) canonical order
+    si = si.gather(1, perm)  # (B, K)
+    return _pick(z, sp, si, fparams, iparams, pos)
+
+
+def _sample_wide(z, fparams, iparams, pos) -> torch.Tensor:
+    """Exact sampling for a few rows: more candidates, then a full sort (host checks between)."""
+    V = z.shape[1]
+    tok = torch.full_like(pos, -1)  # (R,)
+    rows = torch.arange(len(pos), device=z.device)
+    for k in CANDIDATES[1:] + (V,):
+        t, overflow = _sample_top(z[rows], fparams[rows], iparams[rows], pos[rows], min(k, V))
         tok[rows] = t
-        if k == V or not overflow.any():
+        if k >= V or not overflow.any():
             break
         rows = rows[overflow]
     return tok
 
 
-CPU_CANDIDATES = (256, 4096)
-"""Candidate counts tried on CPU before a full sort (the result is the same)."""
-
-
 def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample from the sorted probabilities sp (B, K) of tokens si; also flag rows whose kept
-    set might extend beyond the K candidates (K < V)."""
+    """Sample from the canonically sorted probabilities sp (B, K) of tokens si; also flag rows
+    whose kept set may reach tokens outside the K candidates (ties with sp[:, -1]; K < V)."""
     B, K = sp.shape
     temp, top_p = fparams[:, 0], fparams[:, 1]  # (B,)
     top_k, seed = iparams[:, 0], iparams[:, 1]  # (B,)
     cum = sp.cumsum(dim=-1)  # (B, K)
     m = (cum < top_p[:, None]).sum(-1)  # (B,) rank of the top-p cutoff
-    overflow = (m >= K) & ((top_k <= 0) | (top_k > K)) & (temp > 0)  # (B,)
     cutoff = sp.gather(1, m.clamp(max=K - 1)[:, None])  # (B, 1)
     rank = torch.arange(K, device=z.device)[None, :]  # (1, K)
     keep = (sp >= cutoff) & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))  # (B, K), a prefix
+    n_keep = keep.sum(-1, keepdim=True)  # (B, 1) >= 1
+    last = sp.gather(1, n_keep - 1)  # (B, 1) value of the last kept rank
+    overflow = (last <= sp[:, -1:]).squeeze(1) & (temp > 0) & (K < z.shape[1])  # (B,)
     zs = z.gather(1, si)  # (B, K) sorted logits
     t_safe = torch.where(temp > 0, temp, torch.ones_like(temp))  # (B,)
     w = torch.exp((zs - zs[:, :1]) / t_safe[:, None]) * keep  # (B, K)
     cdf = w.cumsum(dim=-1)  # (B, K)
     target = uniform(seed, pos) * cdf[:, -1]  # (B,)
     idx = torch.searchsorted(cdf, target[:, None], right=True)  # (B, 1)
-    idx = torch.minimum(idx, keep.sum(-1, keepdim=True) - 1)
+    idx = torch.minimum(idx, n_keep - 1)
     sampled = si.gather(1, idx).squeeze(1)  # (B,)
     return torch.where(temp > 0, sampled, z.argmax(-1)), overflow
 

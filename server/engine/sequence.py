@@ -13,6 +13,7 @@ row. A stop token (EOS or one of `stop_token_ids`) is never appended to `output_
 
 from __future__ import annotations
 
+import codecs
 import time
 from typing import Any, Protocol, Sequence as Seq
 
@@ -27,6 +28,34 @@ class TextDecoder(Protocol):
     def push(self, ids: list[int]) -> str: ...
 
     def flush(self) -> str: ...
+
+
+class FastDecoder:
+    """`IncrementalDecoder` semantics (a UTF-8 incremental decoder with errors="replace" over the
+    tokens' bytes) with one table lookup per token: the engine's per-token detokenizer."""
+
+    _tables: dict[int, tuple[Any, tuple[bytes, ...]]] = {}  # id(tokenizer) -> (tokenizer, bytes per id)
+
+    def __init__(self, tokenizer: Any, vocab_size: int = 65536):
+        entry = FastDecoder._tables.get(id(tokenizer))
+        if entry is None or entry[0] is not tokenizer:
+            n = getattr(tokenizer, "vocab_size", vocab_size)
+            entry = (tokenizer, tuple(tokenizer.token_bytes(i) for i in range(n)))
+            FastDecoder._tables[id(tokenizer)] = entry
+        self._table = entry[1]
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decode = self._utf8.decode
+
+    def push_one(self, token: int) -> str:
+        return self._decode(self._table[token])
+
+    def push(self, ids: list[int]) -> str:
+        return self._decode(b"".join(self._table[t] for t in ids))
+
+    def flush(self) -> str:
+        out = self._decode(b"", True)
+        self._utf8.reset()
+        return out
 
 
 class StopMatcher:
@@ -86,6 +115,7 @@ class Sequence:
         self.prompt = prompt
         self.params = params
         self.decoder = decoder
+        self._push_one = getattr(decoder, "push_one", None) or (lambda t: decoder.push([t]))
         self.seed = seed
         """Resolved seed of the random stream (params.seed, or one drawn at submission)."""
         self.init_state = init_state
@@ -107,6 +137,7 @@ class Sequence:
             frozenset() if params.ignore_eos else frozenset((EOS_TOKEN,))
         )
         self.matcher = StopMatcher(params.stop)
+        self._has_stops = bool(self.matcher.stops)
         self.t_submit = time.monotonic()
         self.t_first: float | None = None
         self.t_finish: float | None = None
@@ -144,14 +175,17 @@ class Sequence:
             self.t_first = time.monotonic()
         if token in self.stop_ids:
             return self.finish(STOP)
-        self.output_ids.append(token)
-        text, matched = self.matcher.feed(self.decoder.push([token]))
-        if matched:
-            return self._finish_event(STOP, [token], text)
-        if len(self.output_ids) >= self.params.max_tokens:
+        out = self.output_ids
+        out.append(token)
+        text = self._push_one(token)
+        if self._has_stops:
+            text, matched = self.matcher.feed(text)
+            if matched:
+                return self._finish_event(STOP, [token], text)
+        if len(out) >= self.params.max_tokens:
             return self._finish_event(LENGTH, [token], text + self._flush_text())
         self.text_parts.append(text)
-        return Event(text, [token], len(self.output_ids))
+        return Event(text, [token], len(out))
 
     def finish(self, reason: str, error: str | None = None) -> Event:
         """End the sequence now (stop token, abort, error, prefill-only done)."""

@@ -44,7 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     """One step's output for one sequence (delivered once per engine step)."""
 
