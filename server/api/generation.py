@@ -1,0 +1,178 @@
+"""Submitting OpenAI requests to the engine and collecting their events (shared by chat and
+completions): error mapping, per-request metrics, merging n sequences, client-disconnect aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from server.api.errors import ApiError
+from server.api.sse import draining_event, wait_disconnect
+from server.engine.types import (EngineDeadError, Event, PromptTooLongError, QueueFullError,
+                                 RequestFailedError, SamplingParams)
+
+log = logging.getLogger("server.openai")
+
+
+class ClientGone(Exception):
+    """The client disconnected while we waited for a non-streaming answer."""
+
+
+@dataclass
+class Job:
+    """One engine sequence of an OpenAI request (one choice)."""
+
+    index: int
+    handle: Any
+    prompt_tokens: int
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    t_last: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def engine_error(exc: Exception) -> ApiError:
+    if isinstance(exc, QueueFullError):
+        return ApiError(429, f"the server is busy (queue full): {exc}; retry shortly", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, PromptTooLongError):
+        return ApiError(413, f"prompt too long: {exc}", param="prompt", code="prompt_too_long")
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"the inference engine stopped: {exc}", code="engine_dead")
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc), code="invalid_request")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, f"generation failed: {exc}", code="generation_failed")
+    raise exc
+
+
+def submit_all(engine: Any, prompts: list[tuple[list[int], Any, int]], params: list[SamplingParams],
+               base_id: str) -> list[Job]:
+    """prompts[i] = (tokens, init_state or None, prompt tokens to report). All or nothing."""
+    jobs: list[Job] = []
+    try:
+        for i, ((tokens, init_state, n_prompt), p) in enumerate(zip(prompts, params)):
+            h = engine.submit(tokens, p, init_state=init_state, request_id=f"{base_id}-{i}")
+            jobs.append(Job(index=i, handle=h, prompt_tokens=n_prompt))
+    except Exception as exc:  # noqa: BLE001
+        abort_all(jobs)
+        raise engine_error(exc) from exc
+    return jobs
+
+
+def abort_all(jobs: list[Job]) -> None:
+    for j in jobs:
+        if not j.done:
+            try:
+                j.handle.abort()
+            except Exception:  # noqa: BLE001
+                log.exception("abort failed")
+
+
+class Recorder:
+    """TTFT / inter-token latency / duration metrics of one request."""
+
+    def __init__(self, metrics: Any, t_arrival: float) -> None:
+        self.metrics, self.t0, self.first = metrics, t_arrival, True
+
+    def on_event(self, job: Job, ev: Event) -> None:
+        now = time.perf_counter()
+        n_new = len(ev.token_ids)
+        if n_new and self.metrics is not None:
+            if self.first:
+                self.metrics.ttft.observe(now - self.t0)
+                self.first = False
+            elif job.t_last:
+                self.metrics.itl.observe((now - job.t_last) / n_new, n_new)
+        if n_new:
+            job.t_last = now
+
+    def finish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.perf_counter() - self.t0)
+
+
+async def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
+    """Events of all jobs, merged, in arrival order. Closing the iterator aborts unfinished jobs."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async for ev in job.handle:
+                await queue.put((job, ev))
+                if ev.finished:
+                    break
+        except Exception as exc:  # noqa: BLE001
+            job.error = str(exc) or type(exc).__name__
+            await queue.put((job, Event(text="", token_ids=[], n_tokens=job.completion_tokens,
+                                        finished=True, finish_reason="error")))
+        finally:
+            await queue.put((job, None))
+
+    pumps = [asyncio.create_task(pump(j)) for j in jobs]
+    live = len(jobs)
+    try:
+        while live:
+            job, ev = await queue.get()
+            if ev is None:
+                live -= 1
+                continue
+            recorder.on_event(job, ev)
+            job.text.append(ev.text)
+            job.completion_tokens = ev.n_tokens
+            if ev.finished:
+                job.finish_reason = ev.finish_reason or "stop"
+                if job.finish_reason == "error" and job.error is None:
+                    job.error = await _error_of(job)
+            yield job, ev
+    finally:
+        abort_all(jobs)
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        recorder.finish()
+
+
+async def _error_of(job: Job) -> str:
+    try:
+        res = await asyncio.wait_for(job.handle.wait(), 5)
+        return res.error or "generation failed"
+    except Exception as exc:  # noqa: BLE001
+        return str(exc) or "generation failed"
+
+
+async def collect(request: Any, jobs: list[Job], recorder: Recorder) -> list[Job]:
+    """Run all jobs to the end (non-streaming). A client that leaves aborts them (ClientGone)."""
+
+    async def drain() -> None:
+        async for _ in events(jobs, recorder):
+            pass
+
+    work = asyncio.create_task(drain())
+    watcher = asyncio.create_task(wait_disconnect(request.receive))
+    draining = draining_event(request.app)
+    stop = asyncio.create_task(draining.wait()) if draining is not None else None
+    try:
+        done, _ = await asyncio.wait({t for t in (work, watcher, stop) if t is not None},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            work.result()
+            return jobs
+        if watcher in done:
+            log.info("client left before the answer; aborting %d sequence(s)", len(jobs))
+            raise ClientGone()
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    finally:
+        for t in (work, watcher, stop):
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*(t for t in (work, watcher, stop) if t is not None), return_exceptions=True)
+        abort_all(jobs)

@@ -1,0 +1,193 @@
+"""Prometheus text-format metrics, without a client library.
+
+The HTTP side records what only it sees (requests, time to first token, inter-token latency);
+engine and cache figures are read from `engine.stats()` / `tasks.stats()` when /metrics is
+scraped. Histograms are cumulative-bucket counters as the text format expects.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Any, Iterable
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    def __init__(self, name: str, doc: str, buckets: Iterable[float]) -> None:
+        self.name, self.doc = name, doc
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.buckets) + 1)  # last = +Inf
+        self.sum = 0.0
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, times: int = 1) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        with self._lock:
+            self.counts[i] += times
+            self.sum += value * times
+            self.count += times
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
+        with self._lock:
+            acc = 0
+            for bound, c in zip(self.buckets, self.counts):
+                acc += c
+                lines.append(f'{self.name}_bucket{{le="{bound}"}} {acc}')
+            lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
+            lines.append(f"{self.name}_sum {self.sum:.6f}")
+            lines.append(f"{self.name}_count {self.count}")
+        return lines
+
+
+class Metrics:
+    """HTTP-side counters and histograms; `render(services)` adds engine and cache figures."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.http_requests: dict[tuple[str, str, int], int] = {}
+        self.streams_open = 0
+        self.ttft = Histogram("rwkv_time_to_first_token_seconds",
+                              "Seconds from request arrival to its first generated token.", LATENCY_BUCKETS)
+        self.itl = Histogram("rwkv_inter_token_latency_seconds",
+                             "Seconds between consecutive generated tokens of one request.", ITL_BUCKETS)
+        self.e2e = Histogram("rwkv_request_duration_seconds",
+                             "Seconds from arrival to the end of a generation request.", LATENCY_BUCKETS)
+        self.aborted = 0
+
+    def count_request(self, method: str, route: str, status: int) -> None:
+        key = (method, route, status)
+        with self._lock:
+            self.http_requests[key] = self.http_requests.get(key, 0) + 1
+
+    def http_totals(self) -> tuple[int, int]:
+        """(requests, errors >= 500) so far."""
+        with self._lock:
+            total = sum(self.http_requests.values())
+            errors = sum(v for (_, _, s), v in self.http_requests.items() if s >= 500)
+        return total, errors
+
+    def render(self, services: Any = None) -> str:
+        out: list[str] = []
+        with self._lock:
+            items = sorted(self.http_requests.items())
+        _family(out, "rwkv_http_requests_total", "counter", "HTTP requests answered.")
+        for (method, route, status), v in items:
+            out.append(f'rwkv_http_requests_total{{method="{method}",route="{_esc(route)}",code="{status}"}} {v}')
+        _sample(out, "rwkv_http_streams_open", "gauge", "SSE streams open now.", self.streams_open)
+        _sample(out, "rwkv_requests_aborted_total", "counter",
+                "Generations aborted because the client went away.", self.aborted)
+        for h in (self.ttft, self.itl, self.e2e):
+            out.extend(h.render())
+        if services is not None:
+            _engine_lines(out, services)
+            _cache_lines(out, services)
+        return "\n".join(out) + "\n"
+
+
+def _engine_lines(out: list[str], services: Any) -> None:
+    _sample(out, "rwkv_ready", "gauge", "1 when the model is loaded and the engine runs.",
+            int(bool(services.ready)))
+    engine = services.engine
+    if engine is None:
+        return
+    try:
+        st = engine.stats()
+    except Exception:  # noqa: BLE001 - a dead engine must not break /metrics
+        return
+    _sample(out, "rwkv_requests_running", "gauge", "Sequences holding a slot.", st.running)
+    _sample(out, "rwkv_requests_waiting", "gauge", "Sequences waiting for a slot.", st.waiting)
+    _sample(out, "rwkv_slots", "gauge", "Slots in the state pool.", st.slots)
+    _sample(out, "rwkv_prompt_tokens_total", "counter", "Prompt tokens prefilled.", st.prompt_tokens_total)
+    _sample(out, "rwkv_generation_tokens_total", "counter", "Tokens generated.", st.generation_tokens_total)
+    _sample(out, "rwkv_engine_steps_total", "counter", "Engine steps run.", st.steps)
+    _sample(out, "rwkv_engine_step_seconds", "gauge", "Recent mean engine step time.", st.step_ms / 1000.0)
+    _sample(out, "rwkv_decode_tokens_per_second", "gauge", "Recent decode throughput.", st.decode_tok_s)
+    _sample(out, "rwkv_prefill_tokens_per_second", "gauge", "Recent prefill throughput.", st.prefill_tok_s)
+    _sample(out, "rwkv_engine_alive", "gauge", "1 while the engine loop runs.",
+            int(bool(getattr(engine, "is_alive", True))))
+    for key, value in sorted((st.extra or {}).items()):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            _sample(out, f"rwkv_engine_{_name(key)}", "gauge", f"Engine figure {key}.", value)
+
+
+def _cache_lines(out: list[str], services: Any) -> None:
+    """State cache bytes / entries / hits / misses per tier (TaskManager tiers + prefix cache)."""
+    tiers: dict[str, dict[str, Any]] = {}
+    tasks = services.tasks
+    stats_fn = getattr(tasks, "stats", None) if tasks is not None else None
+    if callable(stats_fn):
+        try:
+            raw = stats_fn()
+            tiers.update(_tiers_of(raw))
+        except Exception:  # noqa: BLE001
+            pass
+    prefix = services.extra.get("prefix_cache")
+    if prefix is not None:
+        tiers["prefix"] = prefix.stats()
+    docs = {"bytes": ("gauge", "State bytes held"), "entries": ("gauge", "States held"),
+            "hits": ("counter", "Lookups that found the state"),
+            "misses": ("counter", "Lookups that did not find the state")}
+    for key, (kind, doc) in docs.items():
+        name = f"rwkv_state_cache_{key}" + ("_total" if kind == "counter" else "")
+        _family(out, name, kind, f"{doc}, per cache tier.")
+        for tier, d in sorted(tiers.items()):
+            if isinstance(d.get(key), (int, float)):
+                out.append(f'{name}{{tier="{_esc(tier)}"}} {_num(d[key])}')
+
+
+def _tiers_of(raw: Any) -> dict[str, dict[str, Any]]:
+    """Accept a TaskManager stats object/dict: {"tiers": {name: {...}}} or {name: {...}}."""
+    if hasattr(raw, "__dict__") and not isinstance(raw, dict):
+        raw = dict(vars(raw))
+    if not isinstance(raw, dict):
+        return {}
+    if isinstance(raw.get("tiers"), dict):
+        raw = raw["tiers"]
+    out: dict[str, dict[str, Any]] = {}
+    for name, d in raw.items():
+        if hasattr(d, "__dict__") and not isinstance(d, dict):
+            d = dict(vars(d))
+        if isinstance(d, dict):
+            out[str(name)] = d
+    return out
+
+
+def _family(out: list[str], name: str, kind: str, doc: str) -> None:
+    out.append(f"# HELP {name} {doc}")
+    out.append(f"# TYPE {name} {kind}")
+
+
+def _sample(out: list[str], name: str, kind: str, doc: str, value: float) -> None:
+    _family(out, name, kind, doc)
+    out.append(f"{name} {_num(value)}")
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if isinstance(v, int) or float(v).is_integer() else f"{v:.6g}"
+
+
+def _name(key: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in key.lower())
+
+
+def _esc(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Parse Prometheus text into {"name{labels}": value} (tests and tools)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, val = line.rpartition(" ")
+        try:
+            values[key] = float(val)
+        except ValueError:
+            continue
+    return values

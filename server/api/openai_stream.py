@@ -1,0 +1,127 @@
+"""OpenAI response bodies and SSE chunk streams for chat and completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from server.api.errors import ApiError, error_body
+from server.api.generation import Job, Recorder, events
+from server.api.sse import DONE, event
+
+FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+@dataclass
+class Meta:
+    id: str
+    model: str
+    created: int
+    prompt_tokens: int
+    echoes: list[str] = field(default_factory=list)
+
+
+def usage(jobs: list[Job], meta: Meta) -> dict[str, int]:
+    completion = sum(j.completion_tokens for j in jobs)
+    return {"prompt_tokens": meta.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": meta.prompt_tokens + completion}
+
+
+def _raise_failed(jobs: list[Job]) -> None:
+    for j in jobs:
+        if j.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {j.error or 'unknown error'}", code="generation_failed")
+
+
+def _error_event(job: Job) -> bytes:
+    return event(error_body(f"generation failed: {job.error or 'unknown error'}", "server_error", None,
+                            "generation_failed"))
+
+
+# --- chat ----------------------------------------------------------------------------------------
+
+def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
+    _raise_failed(jobs)
+    choices = [{"index": j.index, "message": {"role": "assistant", "content": "".join(j.text).lstrip()},
+                "logprobs": None, "finish_reason": FINISH.get(j.finish_reason, j.finish_reason)} for j in jobs]
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+
+
+async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_usage: bool) -> AsyncIterator[bytes]:
+    base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+            "system_fingerprint": None}
+
+    def chunk(choices: list[dict[str, Any]], use: Any = None) -> bytes:
+        body = {**base, "choices": choices}
+        if include_usage:
+            body["usage"] = use
+        return event(body)
+
+    def choice(job: Job, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"index": job.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    for j in jobs:
+        yield chunk([choice(j, {"role": "assistant", "content": ""})])
+    started: set[int] = set()  # choices whose leading whitespace is behind them
+    async for job, ev in events(jobs, recorder):
+        if job.finish_reason == "error":
+            yield _error_event(job)
+            yield DONE
+            return
+        text = ev.text
+        if job.index not in started:
+            text = text.lstrip()
+            if text:
+                started.add(job.index)
+        if text:
+            yield chunk([choice(job, {"content": text})])
+        if ev.finished:
+            yield chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))])
+    if include_usage:
+        yield chunk([], usage(jobs, meta))
+    yield DONE
+
+
+# --- completions ---------------------------------------------------------------------------------
+
+def completion_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
+    _raise_failed(jobs)
+    choices = [{"index": j.index, "text": _echo(meta, j) + "".join(j.text), "logprobs": None,
+                "finish_reason": FINISH.get(j.finish_reason, j.finish_reason)} for j in jobs]
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+
+
+def _echo(meta: Meta, job: Job) -> str:
+    return meta.echoes[job.index] if job.index < len(meta.echoes) else ""
+
+
+async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
+                            include_usage: bool) -> AsyncIterator[bytes]:
+    base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "system_fingerprint": None}
+
+    def chunk(choices: list[dict[str, Any]], use: Any = None) -> bytes:
+        body = {**base, "choices": choices}
+        if include_usage:
+            body["usage"] = use
+        return event(body)
+
+    def choice(job: Job, text: str, finish: str | None = None) -> dict[str, Any]:
+        return {"index": job.index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    for j in jobs:
+        if _echo(meta, j):
+            yield chunk([choice(j, _echo(meta, j))])
+    async for job, ev in events(jobs, recorder):
+        if job.finish_reason == "error":
+            yield _error_event(job)
+            yield DONE
+            return
+        if ev.text or ev.finished:
+            finish = FINISH.get(job.finish_reason, job.finish_reason) if ev.finished else None
+            yield chunk([choice(job, ev.text, finish)])
+    if include_usage:
+        yield chunk([], usage(jobs, meta))
+    yield DONE

@@ -1,0 +1,190 @@
+"""Command line: `rwkv-server [serve] [flags]`, `rwkv-server synth`, `rwkv-server generate`.
+
+Every Settings field is a `serve` flag (`--max-batch`, ...) whose default comes from the
+environment (`RWKV_MAX_BATCH`, ...) and then from server/config.py; `--help` prints each field's
+documentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import sys
+import time
+from typing import get_type_hints
+
+from server.config import Settings, field_docs
+
+SUBCOMMANDS = ("serve", "synth", "generate")
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
+CHOICES = {"dtype": ("auto", "fp32", "fp16", "bf16"), "state_dtype": ("fp32", "fp16"),
+           "log_level": ("debug", "info", "warning", "error")}
+_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_int(raw: str) -> int:
+    """Ints, with size suffixes for budgets: 512MiB, 2GiB, 1.5G, 2e9."""
+    m = _SIZE.match(raw)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}")
+    num, unit, _ = m.groups()
+    mult = 1024 ** "_kmgt".index(unit.lower()) if unit else 1
+    try:
+        return int(float(num) * mult) if (unit or "e" in num.lower() or "." in num) else int(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
+
+
+def setup_logging(level: str) -> None:
+    from server.api.middleware import RequestIdFilter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+def add_settings_flags(p: argparse.ArgumentParser, defaults: Settings) -> None:
+    docs, hints = field_docs(), get_type_hints(Settings)
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        env = f"RWKV_{f.name.upper()}"
+        doc = docs.get(f.name, "").replace("%", "%%")
+        typ = hints[f.name]
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"{doc} [env {env}; now: {default}]")
+            continue
+        conv = parse_int if typ is int else typ
+        shown = default if default != "" else '""'
+        p.add_argument(flag, type=conv, default=default, metavar=f.name.upper(), choices=CHOICES.get(f.name),
+                       help=f"{doc} [env {env}; now: {shown}]")
+
+
+def build_parser(defaults: Settings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rwkv-server", description="RWKV-7 inference server (task API + OpenAI API).",
+        epilog="Without a subcommand, `serve` runs: `rwkv-server --model x.pth` == `rwkv-server serve --model "
+               "x.pth`. See `rwkv-server serve --help` for every server flag.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,synth,generate}")
+    serve = sub.add_parser("serve", help="run the HTTP server (default)",
+                           description="Run the HTTP server. Every flag can also be set by its RWKV_* variable.")
+    add_settings_flags(serve, defaults)
+    synth = sub.add_parser("synth", help="write a synthetic checkpoint (random weights) as an official .pth")
+    synth.add_argument("preset", help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, optionally :seed (e.g. tiny:3)")
+    synth.add_argument("out", help="output path, e.g. tiny.pth")
+    synth.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="tensor dtype in the file")
+    gen = sub.add_parser("generate", help="load a model and generate from the command line (no HTTP)")
+    gen.add_argument("prompt", nargs="?", default="User: Hello!\n\nAssistant:", help="prompt text")
+    gen.add_argument("--model", default=defaults.model, help="checkpoint .pth or synthetic:<preset>[:seed]")
+    gen.add_argument("--device", default=defaults.device)
+    gen.add_argument("--dtype", default=defaults.dtype)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=0.3)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    try:
+        defaults = Settings.from_env()
+    except ValueError as exc:
+        print(f"rwkv-server: bad environment: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser(defaults).parse_args(argv)
+    if args.command == "synth":
+        return cmd_synth(args)
+    if args.command == "generate":
+        return cmd_generate(args, defaults)
+    return cmd_serve(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+    settings = Settings(**values)
+    model = settings.resolved_model()
+    if not model.startswith("synthetic:") and not os.path.isfile(model):
+        print(f"rwkv-server: --model {model!r}: no such file (give an RWKV-7 .pth file or "
+              "synthetic:<preset>)", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level)
+    import uvicorn
+
+    from server.api.app import begin_drain, create_app
+
+    app = create_app(settings, exit_on_load_error=True)
+    logging.getLogger("server.cli").info("starting on http://%s:%d (model %s)", settings.host, settings.port,
+                                         settings.resolved_model())
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            begin_drain(app)  # streams end now instead of holding the graceful shutdown
+            await asyncio.sleep(0.2)
+            await super().shutdown(sockets=sockets)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=5)
+    server = Server(config)
+    app.state.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if app.state.load_error:
+        print(f"rwkv-server: could not load the model: {app.state.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    import torch
+
+    from server.model.synthetic import save_synthetic
+
+    t0 = time.perf_counter()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    shape = save_synthetic(args.preset, args.out, dtype=dtype)
+    print(f"wrote {args.out}: {shape.signature()} V={shape.vocab_size} ({args.dtype}, "
+          f"{time.perf_counter() - t0:.1f}s). Random weights: outputs are random text.")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
+    settings = defaults.replace(model=args.model, device=args.device, dtype=args.dtype, stats_interval=0)
+    setup_logging("warning")
+    from server.api.loading import load_services
+    from server.engine.types import SamplingParams
+
+    sv = load_services(settings)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop=tuple(args.stop))
+    try:
+        t0 = time.perf_counter()
+        h = sv.engine.submit(args.prompt, params)
+        sys.stdout.write(args.prompt)
+        for ev in h:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        res = h.result()
+        dt = time.perf_counter() - t0
+        print(f"\n[{res.completion_tokens} tokens, finish {res.finish_reason}, {dt:.2f}s, "
+              f"prompt {res.prompt_tokens} tokens]", file=sys.stderr)
+    finally:
+        sv.engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

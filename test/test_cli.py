@@ -1,0 +1,86 @@
+"""The command line: --help lists every Settings flag, env defaults show, synth writes a loadable
+.pth, generate prints a continuation."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.cli import main, parse_int
+from server.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_help_lists_every_setting_with_env_default(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["serve", "--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(Settings):
+        assert "--" + f.name.replace("_", "-") in out, f.name
+        assert f"RWKV_{f.name.upper()}" in out, f.name
+    assert "--no-cuda-graphs" in out
+
+
+def test_help_without_subcommand_and_env_defaults():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "serve" in r.stdout and "synth" in r.stdout and "generate" in r.stdout
+    r = run_cli("serve", "--help", env={"RWKV_MAX_BATCH": "7"})
+    assert "now: 7" in r.stdout.replace("\n", " ").replace("  ", " ")
+
+
+def test_bad_flags_and_env_fail_cleanly():
+    r = run_cli("--max-batch", "lots")
+    assert r.returncode == 2 and "max-batch" in r.stderr
+    r = run_cli("serve", env={"RWKV_PORT": "eighty"})
+    assert r.returncode == 2 and "RWKV_PORT" in r.stderr
+
+
+def test_parse_int_sizes():
+    assert parse_int("512MiB") == 512 * 1024**2
+    assert parse_int("2GiB") == 2 * 1024**3
+    assert parse_int("1.5G") == int(1.5 * 1024**3)
+    assert parse_int("2e9") == 2_000_000_000 and parse_int("42") == 42
+
+
+def test_synth_writes_a_loadable_checkpoint(tmp_path, capsys):
+    from server.model import load_model
+
+    out = tmp_path / "tiny.pth"
+    assert main(["synth", "tiny:2", str(out)]) == 0
+    assert "rwkv7-L2-C128" in capsys.readouterr().out
+    sd = torch.load(out, map_location="cpu", weights_only=True)
+    assert sd["emb.weight"].dtype == torch.bfloat16
+    model = load_model(str(out))
+    assert model.shape.n_layer == 2 and model.shape.n_embd == 128 and model.name == "tiny.pth"
+    logits = model.forward([[1, 2, 3]], model.zero_state(1))
+    assert logits.shape == (1, 65536) and torch.isfinite(logits).all()
+
+
+def test_generate_prints_a_continuation():
+    r = run_cli("generate", "--model", "synthetic:tiny", "--max-tokens", "5", "--seed", "1", "Hello there")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hello there") and len(r.stdout) > len("Hello there")
+    assert "tokens" in r.stderr
+
+
+def test_serve_with_a_bad_model_exits_with_a_message(tmp_path):
+    r = run_cli("serve", "--model", str(tmp_path / "missing.pth"))
+    assert r.returncode == 2 and "no such file" in r.stderr
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"not a checkpoint")
+    r = run_cli("serve", "--model", str(bad), "--port", "0", "--db", str(tmp_path / "t.db"))
+    assert r.returncode == 1 and "could not load the model" in r.stderr, r.stderr[-2000:]

@@ -1,0 +1,160 @@
+"""Operations against a real server: /health 503 while loading then 200, /metrics, and client
+disconnects that free their slots."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from util_server import ServerProcess
+
+from server.api.metrics import parse_metrics
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    """A server whose loading takes 2 extra seconds (test hook RWKV_DEBUG_LOAD_DELAY)."""
+    srv = ServerProcess(tmp_path_factory.mktemp("ops"), env={"RWKV_DEBUG_LOAD_DELAY": "2"})
+    srv.start(wait=False)
+    yield srv
+    srv.stop()
+
+
+def metrics(url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def test_health_503_while_loading_then_200(slow_server):
+    seen: list[int] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(slow_server.url + "/health", timeout=30)
+        except httpx.TransportError:
+            assert slow_server.alive, slow_server.log_tail()
+            time.sleep(0.05)
+            continue
+        seen.append(r.status_code)
+        if r.status_code == 503:
+            body = r.json()
+            assert body["status"] == "loading" and body["error"]["code"] == "loading"
+            assert_loading_api(slow_server.url)
+        if r.status_code == 200:
+            assert r.json()["status"] == "ok" and r.json()["model"] == "synthetic:tiny"
+            break
+        time.sleep(0.05)
+    assert seen and seen[0] == 503 and seen[-1] == 200, seen
+
+
+def assert_loading_api(url: str) -> None:
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+    if r.status_code == 503:  # (may have become ready in between)
+        assert r.json()["error"]["code"] == "loading" and "retry-after" in r.headers
+
+
+def test_metrics_families(slow_server):
+    slow_server.wait_ready()
+    url = slow_server.url
+    before = metrics(url)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "stream": True}, timeout=30)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    text = httpx.get(url + "/metrics").text
+    for family in ("rwkv_requests_running", "rwkv_requests_waiting", "rwkv_prompt_tokens_total",
+                   "rwkv_generation_tokens_total", "rwkv_time_to_first_token_seconds",
+                   "rwkv_inter_token_latency_seconds", "rwkv_engine_step_seconds", "rwkv_state_cache_bytes",
+                   "rwkv_state_cache_hits_total", "rwkv_http_requests_total"):
+        assert f"# TYPE {family} " in text, family
+    after = parse_metrics(text)
+    assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1
+    assert after["rwkv_generation_tokens_total"] >= before["rwkv_generation_tokens_total"] + 1
+    assert after["rwkv_prompt_tokens_total"] > before["rwkv_prompt_tokens_total"]
+
+
+def _stream_then_drop(url: str, started: threading.Barrier, release: threading.Event, errors: list) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines, n = r.iter_lines(), 0  # (breaking out of iter_lines would close the connection)
+            while n < 3:
+                n += next(lines).startswith("data: ")
+            started.wait(timeout=60)  # all 20 are mid-stream ...
+            release.wait(timeout=60)  # ... leaving the block drops the connection
+    except Exception as exc:  # noqa: BLE001
+        errors.append(exc)
+        started.abort()
+
+
+def test_disconnected_streams_free_their_slots(slow_server):
+    slow_server.wait_ready()
+    url, n = slow_server.url, 20
+    barrier, release = threading.Barrier(n + 1), threading.Event()
+    errors: list = []
+    threads = [threading.Thread(target=_stream_then_drop, args=(url, barrier, release, errors)) for _ in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        barrier.wait(timeout=60)
+        m = metrics(url)
+        assert m["rwkv_requests_running"] == n, {k: v for k, v in m.items() if "requests" in k}
+    finally:
+        release.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    t0 = time.monotonic()
+    while True:
+        m = metrics(url)
+        if m["rwkv_requests_running"] == 0 and m["rwkv_requests_waiting"] == 0:
+            break
+        assert time.monotonic() - t0 < 1.0, f"slots still busy after 1s: {m['rwkv_requests_running']}"
+        time.sleep(0.02)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_non_streaming_client_that_leaves_is_aborted(slow_server):
+    url = slow_server.url
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 100000, "ignore_eos": True},
+                   timeout=httpx.Timeout(30, read=0.5))
+    t0 = time.monotonic()
+    while metrics(url)["rwkv_requests_running"] != 0:
+        assert time.monotonic() - t0 < 1.0
+        time.sleep(0.02)
+
+
+def test_sigterm_ends_open_streams_and_exits(slow_server):
+    """(Runs last: stops the module's server.) Open streams end with a `shutting_down` error event
+    and [DONE], waiting non-streaming requests get 503, and the process exits promptly."""
+    slow_server.wait_ready()
+    url, out = slow_server.url, {}
+    body = {"prompt": "x", "max_tokens": 100000, "ignore_eos": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            out["stream"] = [line for line in r.iter_lines() if line]
+
+    def plain() -> None:
+        out["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    while metrics(url)["rwkv_requests_running"] < 2:
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    slow_server.stop(timeout=20)
+    assert time.monotonic() - t0 < 4, slow_server.log_tail()
+    for t in threads:
+        t.join(timeout=10)
+    assert out["stream"][-2:] == [
+        'data: {"error":{"message":"the server is shutting down","type":"service_unavailable",'
+        '"param":null,"code":"shutting_down"}}', "data: [DONE]"]
+    assert out["plain"].status_code == 503 and out["plain"].json()["error"]["code"] == "shutting_down"
+    assert "Traceback" not in slow_server.log_tail(200)

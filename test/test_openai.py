@@ -1,0 +1,152 @@
+"""The official `openai` SDK against a real server (uvicorn subprocess, tiny synthetic model)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+from util_server import server_fixture
+
+from server.api.chat_format import build_prompt, default_few_shot_path, load_few_shot
+from server.api.metrics import parse_metrics
+from server.tokenizer import get_tokenizer
+
+server = server_fixture()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client: OpenAI, content: str = "Hello", **kw):
+    return client.chat.completions.create(model="any", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_models(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["synthetic:tiny"]
+    assert client.models.retrieve("synthetic:tiny").id == "synthetic:tiny"
+    r = httpx.get(server.url + "/v1/models/other.pth")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_chat_non_streaming_usage_and_length(client):
+    r = chat(client, max_tokens=5, seed=3, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.model == "synthetic:tiny"
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    expected = len(get_tokenizer().encode("User: Hello\n\nAssistant:"))
+    assert r.usage.prompt_tokens == expected
+
+
+def test_chat_stream_equals_non_stream_with_include_usage(client):
+    kw = dict(max_tokens=12, seed=11, temperature=1.0, top_p=0.9)
+    full = chat(client, "Tell me a story", **kw)
+    chunks = list(chat(client, "Tell me a story", stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_include_usage_has_no_usage(client):
+    chunks = list(chat(client, max_tokens=3, stream=True))
+    assert all(c.choices for c in chunks)
+    assert all(getattr(c, "usage", None) is None for c in chunks)
+
+
+def test_n2_independent_samples_and_seed_offsets(client):
+    kw = dict(max_tokens=10, temperature=1.0, top_p=1.0, extra_body={"ignore_eos": True})
+    r = chat(client, "Pick a word", n=2, seed=100, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == sum(1 for _ in r.choices) * 10
+    r1 = chat(client, "Pick a word", n=1, seed=101, **kw)
+    assert r1.choices[0].message.content == r.choices[1].message.content  # sample i uses seed + i
+    assert r.choices[0].message.content != r.choices[1].message.content
+    chunks = list(chat(client, "Pick a word", n=2, seed=100, stream=True, **kw))
+    for i in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == r.choices[i].message.content
+
+
+def test_completions_stop_string(client):
+    kw = dict(model="m", prompt="The weather today", max_tokens=40, seed=5, temperature=1.0, top_p=1.0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), full
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[: full.index(stop)]
+    streamed = client.completions.create(stop=stop, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+
+
+def test_completions_prompt_forms_echo_and_usage(client):
+    tok = get_tokenizer()
+    r = client.completions.create(model="m", prompt=["one", "two three"], n=2, max_tokens=3, echo=True, seed=1)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.choices[0].text.startswith("one") and r.choices[2].text.startswith("two three")
+    assert r.usage.prompt_tokens == len(tok.encode("one")) + len(tok.encode("two three"))
+    ids = tok.encode("Hello world")
+    r2 = client.completions.create(model="m", prompt=ids, max_tokens=2)
+    assert r2.usage.prompt_tokens == len(ids)
+
+
+def test_multibyte_characters_never_split(client):
+    """Random weights emit many CJK / emoji / byte tokens: the streamed pieces must join to the
+    same text as the non-streamed answer (a split character would show up as U+FFFD pieces)."""
+    for seed in range(4):
+        kw = dict(model="m", prompt="你好，世界 🌍", max_tokens=40, seed=seed, temperature=1.5, top_p=1.0,
+                  extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0].text
+        pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
+        assert "".join(pieces) == full
+        for p in pieces:
+            p.encode("utf-8")  # no lone surrogates
+
+
+def test_chat_format_blank_lines_and_system_prefix(client, server):
+    msgs = [{"role": "system", "content": "You are terse.\n\n\nVery terse."},
+            {"role": "user", "content": "line one\r\n\r\nUser: not a turn"}]
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+    prompt = build_prompt([(m["role"], m["content"]) for m in msgs])
+    assert "\n\nUser: not a turn" not in prompt.text and "line one\nUser: not a turn" in prompt.text
+    tok = get_tokenizer()
+    assert r.usage.prompt_tokens == len(tok.encode(prompt.prefix)) + len(tok.encode(prompt.rest))
+    before = parse_metrics(httpx.get(server.url + "/metrics").text)
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+    after = parse_metrics(httpx.get(server.url + "/metrics").text)
+    key = 'rwkv_state_cache_hits_total{tier="prefix"}'
+    assert after[key] == before[key] + 1  # the system prefix state was reused
+
+
+def test_few_shot_prefix(client):
+    plain = chat(client, "Hi", max_tokens=1)
+    shot = chat(client, "Hi", max_tokens=1, extra_body={"few_shot": True})
+    few = load_few_shot(default_few_shot_path())
+    assert shot.usage.prompt_tokens == plain.usage.prompt_tokens + len(get_tokenizer().encode(few))
+
+
+def test_assistant_last_message_is_continued(client):
+    r = client.chat.completions.create(model="m", max_tokens=1, messages=[
+        {"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}])
+    assert r.usage.prompt_tokens == len(get_tokenizer().encode("User: Count\n\nAssistant: one, two,"))
+
+
+def test_unsupported_fields_refused(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, max_tokens=1, logprobs=True)
+    assert ei.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError):
+        chat(client, max_tokens=1, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])

@@ -1,0 +1,158 @@
+"""Run a REAL server (uvicorn in a subprocess) on a free loopback port, for tests.
+
+    from util_server import ServerProcess, running_server   # test/ is on sys.path under pytest
+
+    with running_server(tmp_path, env={"RWKV_API_KEYS": "k1"}) as srv:
+        httpx.get(srv.url + "/health")
+        srv.kill()          # SIGKILL (crash test) ...
+        srv.start()         # ... and start again: same port, same database
+    # leaving the block: SIGTERM, then SIGKILL after `stop_timeout` seconds
+
+The server's output goes to `srv.log_path`; `srv.log_tail()` shows the end (use it in assert
+messages). Starting takes a few seconds (torch import + tiny model), so share one server per
+module with a module-scoped fixture where tests allow it (`server_fixture` below builds one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One server subprocess; start/stop/kill/restart keep the port, database and env."""
+
+    def __init__(self, tmp_dir: str | Path | None = None, *, model: str = "synthetic:tiny",
+                 db: str | None = None, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 port: int | None = None, stop_timeout: float = 10.0) -> None:
+        self.tmp_dir = Path(tmp_dir or tempfile.mkdtemp(prefix="rwkv-srv-"))
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.model = model
+        self.db = db or str(self.tmp_dir / "tasks.db")
+        self.env = dict(env or {})
+        self.args = tuple(args)
+        self.port = port or free_port()
+        self.stop_timeout = stop_timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.tmp_dir / f"server-{self.port}.log"
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                "--db", self.db, "--model", self.model, *self.args]
+
+    def start(self, wait: bool = True, timeout: float = 90.0) -> "ServerProcess":
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("server already running")
+        env = {**os.environ, "RWKV_STATS_INTERVAL": "0", "RWKV_DEVICE": "cpu", **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        self.starts += 1
+        log = open(self.log_path, "ab")
+        log.write(f"\n===== start #{self.starts}: {' '.join(self.command())}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.command(), cwd=str(ROOT), env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Block until /health answers 200 (raises with the log tail if the process dies)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc and self.proc.returncode}\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout}s\n{self.log_tail()}")
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout` seconds. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.stop_timeout if timeout is None else timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> int | None:
+        """SIGKILL now (a crash), and reap the process."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        return self.proc.returncode
+
+    def restart(self, wait: bool = True, hard: bool = False) -> "ServerProcess":
+        (self.kill if hard else self.stop)()
+        return self.start(wait=wait)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running_server(tmp_dir: str | Path | None = None, *, wait: bool = True, **kwargs) -> Iterator[ServerProcess]:
+    """Start a server, yield it, and stop it (SIGTERM then SIGKILL) however the block ends."""
+    srv = ServerProcess(tmp_dir, **kwargs)
+    try:
+        srv.start(wait=wait)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def server_fixture(scope: str = "module", **kwargs):
+    """A pytest fixture yielding a started ServerProcess, e.g.
+    `server = server_fixture(env={"RWKV_MAX_BATCH": "8"})` at module level."""
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def _server(tmp_path_factory) -> Iterator[ServerProcess]:
+        with running_server(tmp_path_factory.mktemp("server"), **kwargs) as srv:
+            yield srv
+
+    return _server
