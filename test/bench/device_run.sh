@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info tests kernels engine quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
+# steps: info tests kernels engine e2e quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
 # (default: info tests kernels engine). The fused decode time-mix and long prefill chunks are the
 # model's defaults on CUDA now (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -32,6 +32,8 @@ for s in $steps; do
               --batches '' --prefill 1x4096,16x512 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/prefill4096.log" ;;
     engine_torch) timeout 200 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp32 \
               --kernels torch --batches 1,64,256 --prefill '' --variant torch-wkv --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine_torch.log" ;;
+    e2e) timeout 300 python3 test/bench/bench_engine_e2e.py --model synthetic:2.9b --batches 1,64,256,1024 \
+              --state-dtype ${STATE_DTYPE:-fp32} --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/e2e.log" ;;
     http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 64,256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
   esac
 done

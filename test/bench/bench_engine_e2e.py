@@ -1,0 +1,106 @@
+"""End-to-end engine benchmark: B real requests through `Engine.submit` (scheduler, runner,
+CUDA graphs, GPU sampler with its overflow resolution, detokenizer, event delivery), default
+sampling parameters (temperature 1, top_p 0.3, penalties on), one consumer thread per request.
+
+    PYTHONPATH=. python test/bench/bench_engine_e2e.py --model synthetic:2.9b --batches 1,64,256
+    PYTHONPATH=. python test/bench/bench_engine_e2e.py --model synthetic:tiny --device cpu --batches 1,8 --tokens 32
+
+Decode tok/s is measured in the steady state: generated tokens between the moment every request
+produced its 4th token and the moment the first request finished, divided by that time.
+Appends one JSON line per figure (mode "engine-e2e") to test/bench/results.jsonl (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench_engine import DTYPES, commit, gpu_name, peak_gb  # noqa: E402
+
+from server.config import Settings  # noqa: E402
+from server.engine import Engine  # noqa: E402
+from server.engine.types import SamplingParams  # noqa: E402
+from server.model import load_model  # noqa: E402
+from server.tokenizer import get_tokenizer  # noqa: E402
+
+
+def run_batch(model, tok, B: int, tokens: int, prompt_len: int, args) -> dict:
+    settings = Settings(max_batch=B, step_token_budget=max(2048, B * prompt_len), stats_interval=0,
+                        cuda_graphs=args.graphs, state_dtype=args.state_dtype)  # fmt: skip
+    engine = Engine(model, tok, settings).start()
+    try:
+        rng = random.Random(B)
+        counts = [0] * B
+        marks: dict[str, float] = {}
+        lock = threading.Lock()
+        ready = threading.Event()
+
+        def consume(i: int, h) -> None:
+            for ev in h:
+                with lock:
+                    counts[i] = ev.n_tokens
+                    if "start" not in marks and min(counts) >= 4:
+                        marks["start"], marks["start_tokens"] = time.perf_counter(), sum(counts)
+                    if ev.finished and "end" not in marks:
+                        marks["end"], marks["end_tokens"] = time.perf_counter(), sum(counts)
+                        ready.set()
+
+        params = [SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i) for i in range(B)]
+        handles = [engine.submit([rng.randrange(1, 65530) for _ in range(prompt_len)], params[i]) for i in range(B)]
+        threads = [threading.Thread(target=consume, args=(i, h), daemon=True) for i, h in enumerate(handles)]
+        for t in threads:
+            t.start()
+        for h in handles:
+            h.result(timeout=args.timeout)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    dt_s = marks["end"] - marks["start"]
+    rate = (marks["end_tokens"] - marks["start_tokens"]) / dt_s if dt_s > 0 else float("nan")
+    return {"batch": B, "decode_tok_s": round(rate, 1), "step_ms": round(stats.step_ms, 3),
+            "peak_mem_gb": peak_gb(model.device)}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="synthetic:2.9b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="fp16")
+    p.add_argument("--state-dtype", default="fp32")
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--no-graphs", dest="graphs", action="store_false")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    model = load_model(a.model, device=dev, dtype=DTYPES[a.dtype], state_dtype=DTYPES[a.state_dtype])
+    tok = get_tokenizer()
+    tok.encode("warm up")
+    base = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu_name(dev), "model": a.model,
+            "mode": "engine-e2e", "dtype": a.dtype, "state_dtype": a.state_dtype, "graphs": a.graphs,
+            "sampling": "T=1 top_p=0.3 penalties on"}  # fmt: skip
+    lines = []
+    for B in [int(b) for b in a.batches.split(",") if b]:
+        r = {**base, **run_batch(model, tok, B, a.tokens, a.prompt_len, a)}
+        lines.append(r)
+        print(f"  engine e2e B={B:5d}: {r['decode_tok_s']:10.1f} tok/s  (step {r['step_ms']:.2f} ms)", flush=True)
+    with open(a.out, "a") as f:
+        for line in lines:
+            f.write(json.dumps({k: v for k, v in line.items() if v is not None}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
