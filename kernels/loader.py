@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("rwkv.kernels")
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu")
+SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "fused_elementwise.cu")
 HEADERS = ("wkv7_common.cuh",)
 DT_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -44,13 +44,20 @@ _SIGNATURES = {
     "wkv7_chunk": [_I, _I, _I, _P, _LL, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P,
                    _LL, _LL, _LL, _LL, _P, _LL, _LL, _P],
     # f_dt, s_dt, state, s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride,
-    # k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride, stream
+    # k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride, w0, a0, v0, stream
     "wkv7_tmix_decode": [_I, _I, _P, _LL, _I, _I] + [_P] * 8 + [_LL] + [_P] * 5
-                        + [_I, ctypes.c_float, _P, _LL, _P],
-    # f_dt, B, H, r, k, v, wz, az, vz, v_first, act_bstride, k_k, k_a, r_k, layer0, buf, bonus, stream
-    "wkv7_tmix_prep": [_I, _I, _I] + [_P] * 7 + [_LL] + [_P] * 3 + [_I, _P, _P, _P],
+                        + [_I, ctypes.c_float, _P, _LL, _P, _P, _P, _P],
+    # f_dt, B, H, r, k, v, wz, az, vz, v_first, act_bstride, k_k, k_a, r_k, layer0, buf, bonus,
+    # w0, a0, v0, stream
+    "wkv7_tmix_prep": [_I, _I, _I] + [_P] * 7 + [_LL] + [_P] * 3 + [_I, _P, _P, _P, _P, _P, _P],
     # f_dt, B, H, y, vbuf, bonus, g, act_bstride, lnx_w, lnx_b, gn_eps, out, out_bstride, stream
     "wkv7_tmix_post": [_I, _I, _I, _P, _P, _P, _P, _LL, _P, _P, ctypes.c_float, _P, _LL, _P],
+    # fused_elementwise.cu: f_dt, B, C, x, x_bs, dx, dx_bs, ln_w, ln_b, eps, shift, shift_bs, mix, K,
+    # x_out, xo_bs, out, out_bs, out_plane, stream
+    "fused_add_ln_mix": [_I, _I, _I, _P, _LL, _P, _LL, _P, _P, ctypes.c_float, _P, _LL, _P, _I,
+                         _P, _LL, _P, _LL, _LL, _P],
+    "fused_relu_square": [_I, _P, _LL, _P],  # f_dt, h, n, stream
+    "fused_lora_act": [_I, _P, _LL, _P, _LL, _P],  # f_dt, a, na, g, ng, stream
 }
 
 

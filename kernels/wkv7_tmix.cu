@@ -1,7 +1,8 @@
 // Fused RWKV-7 time-mix core for one decode token: everything between the projections
 // (r, k, v, LoRA outputs) and the output projection, in one launch per layer.
 //
-// Inputs wz, az, vz are the LoRA outputs with their biases (w0, a0, v0) already added.
+// Inputs wz, az, vz are the LoRA outputs, with their biases (w0, a0, v0) already added or, when
+// the w0/a0/v0 pointers are set, added here (rounded to F first, as torch's add would).
 // Per (b, h), with c a column of the head and i a row (value index):
 //   a_c   = sigmoid(az)                  w_c = -softplus(-wz) - 0.5;  decay = exp(-exp(w))
 //   kk    = normalize_head(k * k_k)      k' = k * (1 + (a - 1) * k_a)
@@ -21,6 +22,7 @@ struct TmixArgs {
     const void *r, *k, *v, *wz, *az, *vz, *v_first, *g;
     const void *k_k, *k_a, *r_k, *lnx_w, *lnx_b;
     void *out;
+    const void *w0, *a0, *v0;  // optional LoRA biases (nullptr: already in wz, az, vz)
     long long act_bstride, out_bstride;
     int layer0;
     float gn_eps;
@@ -45,6 +47,9 @@ __global__ void __launch_bounds__(TM_THREADS) tmix_decode_kernel(S *__restrict__
     const long long base = (long long)bi * p.act_bstride + (long long)h * N;
     const int hc = h * N;
     auto ld = [&](const void *ptr, long long i) { return to_f(((const F *)ptr)[i]); };
+    auto lora = [&](const void *ptr, const void *bias, long long i, int c) {
+        return bias ? to_f(from_f<F>(ld(ptr, i) + ld(bias, c))) : ld(ptr, i);
+    };
 
     // the row's state slice and per-row inputs first: their loads overlap phase 1
     S *srow = state + (long long)bi * s_bstride + ((long long)h * N + row) * N;
@@ -52,7 +57,7 @@ __global__ void __launch_bounds__(TM_THREADS) tmix_decode_kernel(S *__restrict__
     load_state<S>(srow, lane, s);
     const float vr = ld(p.v, base + row), gi = ld(p.g, base + row);
     const float vf = p.layer0 ? vr : ld(p.v_first, base + row);
-    const float vz = p.layer0 ? 0.f : ld(p.vz, base + row);
+    const float vz = p.layer0 ? 0.f : lora(p.vz, p.v0, base + row, hc + row);
     const float lw = ld(p.lnx_w, hc + row), lb = ld(p.lnx_b, hc + row);
 
     // phase 1: per-column vectors (threads 0..N-1, one column each)
@@ -60,8 +65,8 @@ __global__ void __launch_bounds__(TM_THREADS) tmix_decode_kernel(S *__restrict__
     if (tid < N) {
         const int c = tid;
         const float kr = ld(p.k, base + c), rr = ld(p.r, base + c);
-        agate = sigmoidf(ld(p.az, base + c));
-        const float w = -softplusf(-ld(p.wz, base + c)) - 0.5f;
+        agate = sigmoidf(lora(p.az, p.a0, base + c, hc + c));
+        const float w = -softplusf(-lora(p.wz, p.w0, base + c, hc + c)) - 0.5f;
         kkr = kr * ld(p.k_k, hc + c);
         const float kf = kr * (1.f + (agate - 1.f) * ld(p.k_a, hc + c));
         sh_dec[c] = expf(-expf(w));
@@ -123,10 +128,11 @@ extern "C" int wkv7_tmix_decode(int f_dt, int s_dt, void *state, long long s_bst
                                 const void *vz, const void *v_first, const void *g, long long act_bstride,
                                 const void *k_k, const void *k_a, const void *r_k, const void *lnx_w,
                                 const void *lnx_b,
-                                int layer0, float gn_eps, void *out, long long out_bstride, void *stream) {
+                                int layer0, float gn_eps, void *out, long long out_bstride, const void *w0,
+                                const void *a0, const void *v0, void *stream) {
     if (B <= 0) return 0;
     wkv7::TmixArgs p{r, k, v, wz, az, vz, v_first, g, k_k, k_a, r_k, lnx_w, lnx_b,
-                     out, act_bstride, out_bstride, layer0, gn_eps};
+                     out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps};
     return WKV7_DISPATCH(f_dt, s_dt, {
         tmix_decode_kernel<F, S><<<dim3(H, B), TM_THREADS, 0, (cudaStream_t)stream>>>((S *)state, s_bstride, H, p);
         return (int)cudaGetLastError();
@@ -151,15 +157,18 @@ __global__ void __launch_bounds__(N) tmix_prep_kernel(TmixArgs p, float *__restr
     const long long base = (long long)bi * p.act_bstride + hc;
     const long long o = (long long)bi * (H * N) + hc + c;
     auto ld = [&](const void *ptr, long long i) { return to_f(((const F *)ptr)[i]); };
+    auto lora = [&](const void *ptr, const void *bias, long long i, int cc) {
+        return bias ? to_f(from_f<F>(ld(ptr, i) + ld(bias, cc))) : ld(ptr, i);
+    };
     const float kr = ld(p.k, base + c), rr = ld(p.r, base + c), vr = ld(p.v, base + c);
-    const float agate = sigmoidf(ld(p.az, base + c));
-    const float w = -softplusf(-ld(p.wz, base + c)) - 0.5f;
+    const float agate = sigmoidf(lora(p.az, p.a0, base + c, hc + c));
+    const float w = -softplusf(-lora(p.wz, p.w0, base + c, hc + c)) - 0.5f;
     const float kkr = kr * ld(p.k_k, hc + c);
     const float kf = kr * (1.f + (agate - 1.f) * ld(p.k_a, hc + c));
     float vi = vr;
     if (!p.layer0) {
         const float vf = ld(p.v_first, base + c);
-        vi = vr + (vf - vr) * sigmoidf(ld(p.vz, base + c));
+        vi = vr + (vf - vr) * sigmoidf(lora(p.vz, p.v0, base + c, hc + c));
     }
     const float sq = warp_sum(kkr * kkr), bon = warp_sum(rr * kf * ld(p.r_k, hc + c));
     if ((c & 31) == 0) red[(c >> 5) * 2] = sq, red[(c >> 5) * 2 + 1] = bon;
@@ -221,10 +230,11 @@ __global__ void __launch_bounds__(N) tmix_post_kernel(TmixArgs p, const float *_
 extern "C" int wkv7_tmix_prep(int f_dt, int B, int H, const void *r, const void *k, const void *v,
                               const void *wz, const void *az, const void *vz, const void *v_first,
                               long long act_bstride, const void *k_k, const void *k_a, const void *r_k,
-                              int layer0, float *buf, float *bonus, void *stream) {
+                              int layer0, float *buf, float *bonus, const void *w0, const void *a0,
+                              const void *v0, void *stream) {
     if (B <= 0) return 0;
     wkv7::TmixArgs p{r, k, v, wz, az, vz, v_first, nullptr, k_k, k_a, r_k, nullptr, nullptr,
-                     nullptr, act_bstride, 0, layer0, 0.f};
+                     nullptr, w0, a0, v0, act_bstride, 0, layer0, 0.f};
     const long long plane = (long long)B * H * wkv7::N;
     return WKV7_F_DISPATCH(f_dt, {
         tmix_prep_kernel<F><<<dim3(H, B), N, 0, (cudaStream_t)stream>>>(p, buf, plane, bonus, H);
@@ -238,7 +248,7 @@ extern "C" int wkv7_tmix_post(int f_dt, int B, int H, const float *y, const floa
                               float gn_eps, void *out, long long out_bstride, void *stream) {
     if (B <= 0) return 0;
     wkv7::TmixArgs p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, g, nullptr, nullptr,
-                     nullptr, lnx_w, lnx_b, out, act_bstride, out_bstride, 0, gn_eps};
+                     nullptr, lnx_w, lnx_b, out, nullptr, nullptr, nullptr, act_bstride, out_bstride, 0, gn_eps};
     return WKV7_F_DISPATCH(f_dt, {
         tmix_post_kernel<F><<<dim3(H, B), N, 0, (cudaStream_t)stream>>>(p, y, vbuf, bonus, H);
         return (int)cudaGetLastError();

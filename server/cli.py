@@ -51,6 +51,10 @@ def setup_logging(level: str) -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    if root.level > logging.DEBUG:  # Alembic's per-plugin/per-context chatter: keep the upgrades only
+        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+        logging.getLogger("alembic.runtime.migration").addFilter(
+            lambda r: "Context impl" not in r.getMessage() and "Will assume" not in r.getMessage())
 
 
 def add_settings_flags(p: argparse.ArgumentParser, defaults: Settings) -> None:

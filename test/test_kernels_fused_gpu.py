@@ -1,5 +1,6 @@
-"""Parity of the fused decode time-mix kernel (cuda_ops.tmix_decode) with its pure-torch twin
-(ops.tmix_decode), and of the model's fused decode path with its unfused one."""
+"""Parity of the fused decode kernels (cuda_ops.tmix_decode, add_ln_mix, relu_square, lora_act)
+with their pure-torch twins (server.model.ops), and of the model's fused decode path with its
+unfused one."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _layer(dtype, dev, seed):
     lw = types.SimpleNamespace(
         k_k=1 + 0.1 * rnd(C), k_a=1 + 0.1 * rnd(C),
         r_k=0.1 * rnd(H, N), lnx_w=1 + 0.1 * rnd(C), lnx_b=0.1 * rnd(C),
+        w0=0.3 * rnd(C) - 1.0, a0=0.3 * rnd(C), v0=0.3 * rnd(C),
     )  # fmt: skip
     for n, t in vars(lw).items():
         setattr(lw, n, t.to(device=dev, dtype=dtype))
@@ -45,7 +47,8 @@ def _acts(B, dtype, dev, seed):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
 @pytest.mark.parametrize("split", [False, True])
-def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, split, monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, split, bias, monkeypatch):
     monkeypatch.setattr(cuda_ops, "TMIX_SPLIT_MIN_BATCH", 1 if split else 1 << 30)
     dev = torch.device("cuda")
     assert cuda_ops.available(dev)
@@ -54,12 +57,62 @@ def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, split, monkeypa
     s0 = (torch.randn(B, H, N, N, generator=torch.Generator().manual_seed(B)) * 0.3).to(dev, state_dtype)
     s_ref, s_cu = s0.clone(), s0.clone()
     args = (r, k, v, wz, az, None if layer0 else vz, None if layer0 else v_first, g, lw, layer0)
-    ref = ops.tmix_decode(s_ref, *args)
-    got = cuda_ops.tmix_decode(s_cu, *args)
+    ref = ops.tmix_decode(s_ref, *args, bias=bias)
+    got = cuda_ops.tmix_decode(s_cu, *args, bias=bias)
     tol = 1e-4 if dtype == torch.float32 else (3e-2 if dtype == torch.bfloat16 else 1e-2)
     assert got.shape == (B, C) and got.dtype == dtype
     assert _rel(got, ref) < tol
     assert _rel(s_cu, s_ref) < (1e-4 if dtype == torch.float32 else tol)
+
+
+def _tol(dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 5, 130])
+@pytest.mark.parametrize("Cn", [256, 2560, 4100])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [0, 1, 6])
+@pytest.mark.parametrize("with_dx", [False, True])
+def test_add_ln_mix_matches_twin(B, Cn, dtype, K, with_dx):
+    dev = torch.device("cuda")
+    assert cuda_ops.available(dev)
+    g = torch.Generator().manual_seed(B * 7 + Cn + K)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dev, dtype)  # noqa: E731
+    x, dx = rnd(B, Cn) * 3 + 0.5, (rnd(B, Cn) if with_dx else None)
+    ln_w, ln_b = 1 + 0.2 * rnd(Cn), 0.2 * rnd(Cn)
+    mix = torch.rand(K, Cn, generator=g).to(dev, dtype) if K else None
+    pool = rnd(3, B, Cn)  # the shift is a row of a pool (a view, like state.att_shift[i])
+    sh_ref, sh_cu = pool.clone(), pool.clone()
+    shift_ref = sh_ref[1] if K or with_dx else None
+    shift_cu = sh_cu[1] if K or with_dx else None
+    x0 = x.clone()
+    xr, outr = ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift_ref)
+    xc, outc = cuda_ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift_cu)
+    assert torch.equal(x, x0)  # never written
+    assert outc.shape == outr.shape == ((K, B, Cn) if K else (B, Cn)) and outc.dtype == dtype
+    assert torch.equal(xc, xr)  # the rounded residual add is exact
+    assert _rel(outc, outr) < _tol(dtype)
+    assert _rel(sh_cu, sh_ref) < _tol(dtype)
+    assert torch.equal(sh_cu[0], pool[0]) and torch.equal(sh_cu[2], pool[2])  # other rows untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 4096, 2560 * 4 * 3 + 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_relu_square_and_lora_act_match_twins(n, dtype):
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(n)
+    h = (torch.randn(n, generator=g) * 2).to(dev, dtype)
+    ref = ops.relu_square(h)
+    got = cuda_ops.relu_square(h.clone())
+    assert torch.equal(got, ref)  # exact: one rounding either way
+    a, b = (torch.randn(3, n, generator=g) * 2).to(dev, dtype), (torch.randn(n + 5, generator=g) * 3).to(dev, dtype)
+    ra, rb = ops.lora_act(a, b)
+    ca, cb = cuda_ops.lora_act(a.clone(), b.clone())
+    atol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(ca, ra, atol=atol, rtol=0) and torch.allclose(cb, rb, atol=atol, rtol=0)
 
 
 @pytest.mark.gpu
@@ -72,6 +125,7 @@ def test_fused_model_decode_matches_model(state_dtype):
     base = load_model("synthetic:tiny", device=dev, dtype=torch.float16, state_dtype=state_dtype)
     fused = load_model("synthetic:tiny", device=dev, dtype=torch.float16, state_dtype=state_dtype)
     assert fused.ops.tmix_decode is cuda_ops.tmix_decode and fused._fused()  # the default on CUDA
+    assert fused.ops.add_ln_mix is cuda_ops.add_ln_mix and fused.ops.relu_square is cuda_ops.relu_square
     base.fused_decode = False
     s1, s2 = base.zero_state(4), fused.zero_state(4)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]

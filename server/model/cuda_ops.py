@@ -149,26 +149,34 @@ def _mask_lengths(acts, lengths):
 
 
 # ---- fused time-mix core for decode (kernels/wkv7_tmix.cu) -----------------------------------
-def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5):
+def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5,
+                bias: bool = False):  # fmt: skip
     """One launch for the whole decode time-mix core (ops.tmix_decode is the pure-torch twin).
-    In layer 0 vz and v_first are not read (pass None)."""
+    In layer 0 vz and v_first are not read (pass None). bias=True: wz, az, vz lack w0, a0, v0
+    (the kernel adds them: no separate bias add or addmm bias copy)."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[-1]
     lib = _lib(r.device, N) if r.is_cuda else None
     acts = [r, k, v, wz, az, vz if vz is not None else r, v_first if v_first is not None else r, g]
     if lib is None or not _usable(state, r) or any(t.stride() != (C, 1) or t.dtype != r.dtype for t in acts):
-        return ops.tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0, gn_eps)
+        return ops.tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0, gn_eps, bias)
     params = [lw.k_k, lw.k_a, lw.r_k, lw.lnx_w, lw.lnx_b]
+    if bias:
+        params += [lw.w0, lw.a0, lw.v0 if not layer0 else lw.w0]
     params = [t if t.dtype == r.dtype and t.is_contiguous() else t.to(r.dtype).contiguous() for t in params]
+    params, keep = params[:5], params[5:]  # keep: the bias tensors stay alive until the launch
+    biases = [t.data_ptr() for t in keep] if bias else [0, 0, 0]
+    if layer0:
+        biases[2] = 0  # no v0 in layer 0
     out = torch.empty(B, C, device=r.device, dtype=r.dtype)  # (B, C)
     stream = torch.cuda.current_stream(r.device).cuda_stream
     if B >= TMIX_SPLIT_MIN_BATCH:
-        _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream)
+        _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases)
         return out
     rc = lib.wkv7_tmix_decode(
         _DT[r.dtype], _DT[state.dtype], state.data_ptr(), state.stride(0), B, H,
         *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
-        int(layer0), float(gn_eps), out.data_ptr(), C, stream,
+        int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
     )
     _check(rc, "wkv7_tmix_decode")
     return out
@@ -179,7 +187,7 @@ TMIX_SPLIT_MIN_BATCH = int(os.environ.get("RWKV_TMIX_SPLIT", "64"))
 single fused kernel, whose 512-thread blocks reach only ~60% of wkv7_decode's state bandwidth."""
 
 
-def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream) -> None:
+def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases) -> None:
     r, k, v, wz, az, vz, v_first, g = acts
     k_k, k_a, r_k, lnx_w, lnx_b = params
     dt = _DT[r.dtype]
@@ -188,7 +196,7 @@ def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream) 
     y = torch.empty(B, C, device=r.device, dtype=torch.float32)  # (B, C)
     ptr = lambda t: t.data_ptr()  # noqa: E731
     _check(lib.wkv7_tmix_prep(dt, B, H, *map(ptr, (r, k, v, wz, az, vz, v_first)), C,
-                              *map(ptr, (k_k, k_a, r_k)), int(layer0), ptr(buf), ptr(bonus), stream),
+                              *map(ptr, (k_k, k_a, r_k)), int(layer0), ptr(buf), ptr(bonus), *biases, stream),
            "wkv7_tmix_prep")  # fmt: skip
     _check(lib.wkv7_decode(0, _DT[state.dtype], 0, ptr(state), state.stride(0), 0, B, H,
                            *[ptr(buf[i]) for i in (0, 1, 2, 3, 4, 5)], C, C, ptr(y), C, stream),
@@ -196,3 +204,61 @@ def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream) 
     _check(lib.wkv7_tmix_post(dt, B, H, ptr(y), ptr(buf[3]), ptr(bonus), ptr(g), C, ptr(lnx_w), ptr(lnx_b),
                               float(gn_eps), ptr(out), C, stream),
            "wkv7_tmix_post")  # fmt: skip
+
+
+# ---- fused elementwise ops of the decode step (kernels/fused_elementwise.cu) -----------------
+LN_MAX_C = 16384
+
+
+def _rows_ok(t: torch.Tensor, dtype, C: int) -> bool:
+    """(B, C) rows in dtype, unit column stride, rows aligned for 4-element vector accesses."""
+    al = 4 * t.element_size()
+    return (t.is_cuda and t.dtype == dtype and t.dim() == 2 and t.shape[-1] == C and t.stride(-1) == 1
+            and t.data_ptr() % al == 0 and (t.stride(0) % 4 == 0 or t.shape[0] == 1))  # fmt: skip
+
+
+def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5):
+    """One launch for residual add + LayerNorm + token-shift mixes + shift write (see
+    ops.add_ln_mix, the pure-torch twin)."""
+    B, C = x.shape
+    lib = _lib(x.device) if x.is_cuda else None
+    dt = x.dtype
+    ok = lib is not None and dt in _DT and C % 4 == 0 and C <= LN_MAX_C and _rows_ok(x, dt, C)
+    ok = ok and (dx is None or _rows_ok(dx, dt, C)) and (shift is None or _rows_ok(shift, dt, C))
+    ok = ok and all(t.dtype == dt and t.is_contiguous() and t.numel() == C for t in (ln_w, ln_b))
+    ok = ok and (mix is None or (mix.dtype == dt and mix.is_contiguous() and mix.dim() == 2 and mix.shape[1] == C))
+    ok = ok and (mix is None or shift is not None)
+    if not ok:
+        return ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)
+    K = 0 if mix is None else mix.shape[0]
+    out = torch.empty(*((K,) if K else ()), B, C, device=x.device, dtype=dt)  # (K, B, C) or (B, C)
+    x_out = torch.empty(B, C, device=x.device, dtype=dt) if dx is not None else x  # (B, C)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _check(lib.fused_add_ln_mix(
+        _DT[dt], B, C, x.data_ptr(), x.stride(0), dx.data_ptr() if dx is not None else 0,
+        dx.stride(0) if dx is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
+        shift.data_ptr() if shift is not None else 0, shift.stride(0) if shift is not None else 0,
+        mix.data_ptr() if mix is not None else 0, K, x_out.data_ptr(), C, out.data_ptr(), C, B * C, stream,
+    ), "fused_add_ln_mix")  # fmt: skip
+    return x_out, out
+
+
+def relu_square(h: torch.Tensor) -> torch.Tensor:
+    """relu(h)^2 in place on h (contiguous, CUDA); returns h."""
+    lib = _lib(h.device) if h.is_cuda else None
+    if lib is None or h.dtype not in _DT or not h.is_contiguous() or h.data_ptr() % (4 * h.element_size()):
+        return ops.relu_square(h)
+    stream = torch.cuda.current_stream(h.device).cuda_stream
+    _check(lib.fused_relu_square(_DT[h.dtype], h.data_ptr(), h.numel(), stream), "fused_relu_square")
+    return h
+
+
+def lora_act(hw: torch.Tensor, hg: torch.Tensor):
+    """(tanh(hw), sigmoid(hg)) in place, one launch; returns (hw, hg)."""
+    lib = _lib(hw.device) if hw.is_cuda else None
+    if lib is None or hw.dtype not in _DT or hg.dtype != hw.dtype or not (hw.is_contiguous() and hg.is_contiguous()):
+        return ops.lora_act(hw, hg)
+    stream = torch.cuda.current_stream(hw.device).cuda_stream
+    _check(lib.fused_lora_act(_DT[hw.dtype], hw.data_ptr(), hw.numel(), hg.data_ptr(), hg.numel(), stream),
+           "fused_lora_act")  # fmt: skip
+    return hw, hg

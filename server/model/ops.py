@@ -94,15 +94,20 @@ def wkv_chunk(state: torch.Tensor, r, w, k, v, a, b) -> torch.Tensor:
     return y.view(T, B, H, N).permute(1, 0, 2, 3).to(r.dtype)
 
 
-def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5) -> torch.Tensor:
+def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5,
+                bias: bool = False) -> torch.Tensor:  # fmt: skip
     """The decode time-mix core between the projections and the output projection (one
     launch in the CUDA twin, kernels/wkv7_tmix.cu). r, k, v, g: (B, C); wz, az, vz: LoRA outputs
-    with their biases (w0, a0, v0) added (vz, v_first unused when layer0: may be None);
+    with their biases (w0, a0, v0) added, or without them when bias=True (then lw.w0, lw.a0,
+    lw.v0 are added here) (vz, v_first unused when layer0: may be None);
     lw: k_k, k_a (C,), r_k (H, N), lnx_w, lnx_b (C,). state (B, H, N, N) updated in place;
     returns (B, C) in r.dtype: the input of the output projection."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[-1]
     hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (B, C) -> (B, H, N)
+    if bias:
+        wz, az = wz + lw.w0, az + lw.a0
+        vz = None if layer0 else vz + lw.v0
     w = F.logsigmoid(wz) - 0.5  # == -softplus(-wz) - 0.5
     a = torch.sigmoid(az)
     kk = F.normalize(hd(k * lw.k_k), dim=-1).flatten(-2)  # (B, C)
@@ -113,3 +118,36 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
     y = F.group_norm(y.reshape(B, C), H, lw.lnx_w, lw.lnx_b, eps=gn_eps)
     y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
     return y * g
+
+
+# ---- fused elementwise ops of the decode step (CUDA twins: kernels/fused_elementwise.cu) ------
+def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + LayerNorm + token-shift mixes of one decode step, all (B, C) rows:
+
+        x' = x + dx (x itself when dx is None);  xn = layer_norm(x', ln_w, ln_b, eps)
+        shift (None, or (B, C) updated in place): prev = shift, then shift <- xn
+        mix None: out = xn (B, C);  mix (K, C): out[k] = xn + (prev - xn) * mix[k]  (K, B, C)
+
+    Returns (x', out). The CUDA twin writes x' to a new tensor (x is never modified)."""
+    if dx is not None:
+        x = x + dx
+    xn = F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps)
+    if mix is None:
+        if shift is not None:
+            shift.copy_(xn)
+        return x, xn
+    prev = shift.to(xn.dtype) - xn
+    out = torch.addcmul(xn, prev, mix.view(mix.shape[0], 1, -1))  # (K, B, C)
+    shift.copy_(xn)
+    return x, out
+
+
+def relu_square(h: torch.Tensor) -> torch.Tensor:
+    """relu(h)^2 (the channel-mix activation); the CUDA twin works in place on h."""
+    return torch.relu(h).square()
+
+
+def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tanh(hw), sigmoid(hg)): the decay and gate LoRA activations; one launch in place on
+    CUDA."""
+    return torch.tanh(hw), torch.sigmoid(hg)

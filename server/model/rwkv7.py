@@ -5,8 +5,12 @@ server.model.cuda_ops when the model lives on CUDA and the kernels are built; se
 Everything else is plain torch: the T-token chunk of all sequences goes through each linear
 layer as one GEMM.
 
-With the CUDA twins: decode runs the fused time-mix core (ops.tmix_decode, one kernel per layer
-between the projections and the output projection); prefill uses long chunks (CUDA_CHUNK_LEN)
+With the CUDA twins: decode runs the fused path (_decode_fused): per layer one kernel for
+residual add + ln1 + the six token-shift mixes + att_shift write (ops.add_ln_mix), the LoRA
+activations in one launch (ops.lora_act), the fused time-mix core (ops.tmix_decode, one kernel
+between the projections and the output projection, LoRA biases added inside), one kernel for
+residual add + ln2 + ffn mix + ffn_shift write, and relu^2 in place (ops.relu_square); the
+FFN's residual add goes into the next layer's (or the head's) add_ln_mix. Prefill uses long chunks (CUDA_CHUNK_LEN)
 and hands ragged lengths and non-contiguous slots straight to the chunk kernel (no padding
 masks, no gather/scatter of states). On the pure-torch path (CPU) nothing of that changes the
 arithmetic: chunks of CPU_CHUNK_LEN, identity-step padding, gathered states.
@@ -25,7 +29,7 @@ from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.state import ModelShape, State
 
-OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode")
+OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act")
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: 6x faster prefill than 256 on the H200
 CPU_CHUNK_LEN = 256
 MAX_CHUNK_TOKENS = 16384
@@ -68,8 +72,8 @@ class RWKV7:
         self.chunk_len = chunk_len or (CUDA_CHUNK_LEN if self._kernel_ops() else CPU_CHUNK_LEN)
         self.max_chunk_tokens = max_chunk_tokens or max(MAX_CHUNK_TOKENS, self.chunk_len)
         self.fused_decode: bool | None = None
-        """None: decode runs ops.tmix_decode when it is the CUDA twin; True/False force it on/off
-        (True on CPU runs the pure-torch twin: a layout check of the fused path)."""
+        """None: decode runs the fused path (_decode_fused) when ops.tmix_decode is the CUDA twin;
+        True/False force it on/off (True on CPU runs the pure-torch twins: a layout check)."""
 
     # ---- public API ------------------------------------------------------------------------
     def zero_state(self, batch: int) -> State:
@@ -105,6 +109,8 @@ class RWKV7:
         if token_ids.shape != (state.batch_size,):
             raise ValueError(f"decode: token_ids {tuple(token_ids.shape)} for a state of batch {state.batch_size}")
         x = F.embedding(token_ids, self.w.emb)  # (B, C)
+        if self._fused():
+            return self._decode_fused(x, state)
         v_first = x  # replaced in layer 0
         for i, lw in enumerate(self.w.layers):
             xa = self._ln(x, lw.ln1_w, lw.ln1_b)  # (B, C)
@@ -118,6 +124,29 @@ class RWKV7:
         return self._head(x)
 
     # ---- internals -------------------------------------------------------------------------
+    def _decode_fused(self, x: torch.Tensor, state: State) -> torch.Tensor:
+        """decode() on the fused path: the same arithmetic as the unfused loop, with the
+        elementwise work in self.ops' fused ops (one launch each on CUDA). x: (B, C) embeddings."""
+        C = self.shape.n_embd
+        dx, v_first = None, x
+        for i, lw in enumerate(self.w.layers):
+            # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift
+            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, lw.mix, state.att_shift[i])  # xs (6, B, C)
+            xr, xw, xk, xv, xa, xg = xs.unbind(0)
+            r, k, v = F.linear(xr, lw.wr), F.linear(xk, lw.wk), F.linear(xv, lw.wv)
+            hw, hg = self.ops.lora_act(xw @ lw.w1, xg @ lw.g1)  # tanh, sigmoid
+            wz, az = hw @ lw.w2, (xa @ lw.a1) @ lw.a2  # (B, C), biases added in tmix_decode
+            vz = None if i == 0 else (xv @ lw.v1) @ lw.v2
+            if i == 0:
+                v_first = v
+            y = self.ops.tmix_decode(state.wkv[i], r, k, v, wz, az, vz, v_first, hg @ lw.g2, lw, layer0=i == 0,
+                                     bias=True)  # fmt: skip
+            x, xk = self.ops.add_ln_mix(x, F.linear(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
+                                        state.ffn_shift[i])  # fmt: skip
+            dx = F.linear(self.ops.relu_square(F.linear(xk[0], lw.ffn_key)), lw.ffn_value)
+        _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
+        return F.linear(xn, self.w.head).float()  # (B, V)
+
     def _check_forward(self, tokens, state: State, slots: list[int]) -> None:
         if not tokens:
             raise ValueError("forward() needs at least one sequence")
@@ -202,8 +231,6 @@ class RWKV7:
         r = F.linear(xr, lw.wr)
         k = F.linear(xk, lw.wk)
         v = F.linear(xv, lw.wv)
-        if x.dim() == 2 and self._fused():
-            return self._time_mix_fused(i, lw, (xw, xv, xa, xg), r, k, v, wkv, v_first)
         # log-log decay: -softplus(-z) - 0.5 == logsigmoid(z) - 0.5
         w = F.logsigmoid(lw.w0 + torch.tanh(xw @ lw.w1) @ lw.w2) - 0.5
         a = torch.sigmoid(lw.a0 + (xa @ lw.a1) @ lw.a2)
@@ -223,19 +250,6 @@ class RWKV7:
         y = F.group_norm(y.reshape(-1, C), H, lw.lnx_w, lw.lnx_b, eps=64e-5).view_as(x)
         y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
         return F.linear(y * g, lw.wo), v_first
-
-    def _time_mix_fused(self, i: int, lw: LayerWeights, xs, r, k, v, wkv, v_first):
-        """Decode: LoRAs as addmm, then ops.tmix_decode (one kernel on CUDA) and the output
-        projection. r, k, v and xs = (xw, xv, xa, xg): (B, C); wkv (B, H, N, N) in place."""
-        xw, xv, xa, xg = xs
-        wz = torch.addmm(lw.w0, torch.tanh(xw @ lw.w1), lw.w2)  # (B, C); LoRA weights: (in, out)
-        az = torch.addmm(lw.a0, xa @ lw.a1, lw.a2)  # (B, C)
-        vz = None if i == 0 else torch.addmm(lw.v0, xv @ lw.v1, lw.v2)  # (B, C)
-        g = torch.sigmoid(xg @ lw.g1) @ lw.g2  # (B, C)
-        if i == 0:
-            v_first = v
-        y = self.ops.tmix_decode(wkv, r, k, v, wz, az, vz, v_first, g, lw, layer0=i == 0)  # (B, C)
-        return F.linear(y, lw.wo), v_first
 
     @staticmethod
     def _channel_mix(lw: LayerWeights, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
