@@ -100,8 +100,14 @@ class Recorder:
             self.metrics.e2e.observe(time.perf_counter() - self.t0)
 
 
-async def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
+def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
     """Events of all jobs, merged, in arrival order. Closing the iterator aborts unfinished jobs."""
+    if len(jobs) == 1:  # the common case: no helper task and no queue hop per event
+        return _events_one(jobs[0], recorder)
+    return _events_many(jobs, recorder)
+
+
+async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: Job) -> None:
@@ -139,6 +145,38 @@ async def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job
             p.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
         recorder.finish()
+
+
+async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
+    """events() for one job: the handle's events straight from its iterator."""
+    try:
+        failed = None
+        try:
+            async for ev in job.handle:
+                _record(job, ev, recorder)
+                if ev.finished and job.finish_reason == "error" and job.error is None:
+                    job.error = await _error_of(job)
+                yield job, ev
+                if ev.finished:
+                    return
+        except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
+            failed = exc
+        if failed is not None:
+            job.error = str(failed) or type(failed).__name__
+            ev = Event(text="", token_ids=[], n_tokens=job.completion_tokens, finished=True, finish_reason="error")
+            _record(job, ev, recorder)
+            yield job, ev
+    finally:
+        abort_all([job])
+        recorder.finish()
+
+
+def _record(job: Job, ev: Event, recorder: Recorder) -> None:
+    recorder.on_event(job, ev)
+    job.text.append(ev.text)
+    job.completion_tokens = ev.n_tokens
+    if ev.finished:
+        job.finish_reason = ev.finish_reason or "stop"
 
 
 async def _error_of(job: Job) -> str:

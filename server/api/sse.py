@@ -1,15 +1,19 @@
 """Server-sent events as a raw ASGI response, with client-disconnect detection.
 
-While the stream runs, a watcher task waits on `receive()` for `http.disconnect`; when it comes,
-the producer is cancelled and the chunk generator closed, so its `finally` aborts the engine
-sequences at once (the next engine step frees their slots). Idle streams get `: ping` comments.
+The chunk generator runs in the response's own task and each chunk is sent as it comes: one
+`send` per chunk, no queue, no helper task and no timer per event (the per-token cost of a stream
+is what limits the server at hundreds of streams). Three idle helpers per stream:
+- a watcher task waits on `receive()` for `http.disconnect`; when it comes, the streaming task is
+  cancelled at its current await and the generator closed, so its `finally` aborts the engine
+  sequences at once (the next engine step frees their slots);
+- the app's "draining" event (server shutdown) does the same, then `shutting_down` + [DONE] is sent;
+- a pinger sends `: ping` when nothing was sent for `ping_interval` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
 import orjson
@@ -17,11 +21,12 @@ from starlette.responses import Response
 
 log = logging.getLogger("server.sse")
 
-_END = object()
 DONE = b"data: [DONE]\n\n"
 PING = b": ping\n\n"
 SHUTDOWN = b'data: {"error":{"message":"the server is shutting down","type":"service_unavailable",' \
            b'"param":null,"code":"shutting_down"}}\n\n'
+INTERNAL_ERROR = b'data: {"error":{"message":"internal error while streaming","type":"server_error",' \
+                 b'"param":null,"code":"internal_error"}}\n\n'
 
 
 def event(obj: Any) -> bytes:
@@ -54,73 +59,98 @@ class SSEResponse(Response):
         self.ping_interval = ping_interval
         self.extra_headers = headers or {}
         self.disconnected = False
+        self._stop: str | None = None  # why the streaming task was cancelled: "disconnect" | "drain"
+        self._live = False  # the streaming task may be cancelled (it is inside the chunk loop)
+        self._sent = 0  # body messages sent (the pinger's "was anything sent lately")
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
         headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
-        queue: asyncio.Queue = asyncio.Queue(maxsize=256)
-        producer = asyncio.create_task(self._produce(queue))
+        me = asyncio.current_task()
+        helpers: list[asyncio.Task] = []
+
+        def stop(reason: str) -> Callable[[Any], None]:
+            def cb(fut: Any) -> None:
+                if fut.cancelled() or self._stop is not None:
+                    return
+                self._stop = reason
+                if self._live and me is not None:
+                    me.cancel()
+            return cb
+
         watcher = asyncio.create_task(wait_disconnect(receive))
+        watcher.add_done_callback(stop("disconnect"))
+        helpers.append(watcher)
         draining = draining_event(scope.get("app"))
-        drain = asyncio.create_task(draining.wait()) if draining is not None else None
+        if draining is not None:
+            drain = asyncio.create_task(draining.wait())
+            drain.add_done_callback(stop("drain"))
+            helpers.append(drain)
         if self.metrics is not None:
             self.metrics.streams_open += 1
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await self._pump(queue, watcher, drain, send)
+            if self.ping_interval and self.ping_interval > 0:
+                helpers.append(asyncio.create_task(self._pinger(send)))
+            end = await self._stream(send, me)
+            if end is not None:
+                await send({"type": "http.response.body", "body": end, "more_body": False})
         except OSError:
             self.disconnected = True
         finally:
-            tasks = [t for t in (watcher, producer, drain) if t is not None]
-            for t in tasks:
+            self._live = False
+            for t in helpers:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*helpers, return_exceptions=True)
             if self.metrics is not None:
                 self.metrics.streams_open -= 1
                 if self.disconnected:
                     self.metrics.aborted += 1
 
-    async def _pump(self, queue: asyncio.Queue, watcher: asyncio.Task, drain: asyncio.Task | None,
-                    send: Callable) -> None:
-        get: asyncio.Future | None = None
-        stops = {watcher} | ({drain} if drain is not None else set())
+    async def _stream(self, send: Callable, me: asyncio.Task | None) -> bytes | None:
+        """Send every chunk; the last message's body (None: the client is gone)."""
+        chunks = self.chunks
+        end: bytes | None = b""
+        self._live = self._stop is None
         try:
-            while True:
-                if get is None:
-                    get = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({get, *stops}, timeout=self.ping_interval,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if watcher in done:
-                    self.disconnected = True
-                    log.info("client disconnected; aborting its generation")
-                    return
-                if drain is not None and drain in done:
-                    log.info("server shutting down; ending the stream")
-                    await send({"type": "http.response.body", "body": SHUTDOWN + DONE, "more_body": False})
-                    return
-                if get not in done:
-                    await send({"type": "http.response.body", "body": PING, "more_body": True})
-                    continue
-                item, get = get.result(), None
-                if item is _END:
-                    break
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            if get is not None:
-                get.cancel()
-
-    async def _produce(self, queue: asyncio.Queue) -> None:
-        try:
-            async with aclosing(self.chunks) as chunks:
+            if self._stop is None:
                 async for chunk in chunks:
-                    await queue.put(chunk)
+                    self._sent += 1
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.CancelledError:
-            raise
+            if self._stop is None:
+                raise  # not ours (server shutdown of the task): propagate
+            if me is not None and hasattr(me, "uncancel"):
+                me.uncancel()
         except Exception:  # noqa: BLE001 - the generator should not raise; say so and end cleanly
             log.exception("stream generator failed")
-            await queue.put(event({"error": {"message": "internal error while streaming", "type": "server_error",
-                                             "param": None, "code": "internal_error"}}))
-            await queue.put(DONE)
-        await queue.put(_END)
+            end = INTERNAL_ERROR + DONE
+        finally:
+            self._live = False
+            await _close(chunks)
+        if self._stop == "disconnect":
+            self.disconnected = True
+            log.info("client disconnected; aborting its generation")
+            return None
+        if self._stop == "drain":
+            log.info("server shutting down; ending the stream")
+            return SHUTDOWN + DONE
+        return end
+
+    async def _pinger(self, send: Callable) -> None:
+        seen = -1
+        while True:
+            await asyncio.sleep(self.ping_interval)
+            if self._sent == seen and self._live:
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
+            seen = self._sent
+
+
+async def _close(chunks: Any) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # noqa: BLE001
+            log.exception("closing the stream generator failed")

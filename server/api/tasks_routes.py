@@ -110,7 +110,7 @@ async def _sse(tm: Any, t: Any, pos: int, out: Any, abort_on_close: bool = False
     finished = False
     try:
         yield event(streaming.header(t))
-        async for ev in streaming.events(t, pos, ping=3600.0, out=out):
+        async for ev in streaming.events(t, pos, ping=None, out=out):  # SSEResponse pings idle streams
             if ev is streaming.KEEPALIVE:
                 yield PING
                 continue

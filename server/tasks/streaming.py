@@ -17,9 +17,12 @@ def header(t: Task) -> dict[str, Any]:
     return {"task_id": t.id, "prefill_time": round(_prefill_time(t), 6)}
 
 
-async def events(t: Task, pos: int = 0, *, ping: float = 15.0,
+async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0,
                  out: Output | None = None) -> AsyncIterator[Any]:
-    """Text events from token index `pos`, then the final event (or an error event)."""
+    """Text events from token index `pos`, then the final event (or an error event).
+    Each wake-up yields all the text that came since the last one (a slow reader gets it in
+    fewer, larger events). `ping=None`: never yield KEEPALIVE (no timer per wait; the HTTP
+    response pings idle streams itself)."""
     out = out if out is not None else t.out
     pos = max(0, min(int(pos), len(out)))
     while True:
@@ -32,6 +35,9 @@ async def events(t: Task, pos: int = 0, *, ping: float = 15.0,
             pos = n
         if finished:
             break
+        if ping is None:
+            await out.wait_change(None)
+            continue
         before = (len(out), out.finished)
         await out.wait_change(ping)
         if (len(out), out.finished) == before:
