@@ -3,7 +3,12 @@
 // lora_act}. Each mimics the fp16/bf16 roundings of the torch sequence it replaces (every
 // intermediate torch would store is rounded to F here too), so results match to ~1 ulp.
 //
-// add_ln_mix: one block per row b (B rows of C), up to VPT groups of 4 columns per thread:
+// add_ln_mix: one block per row b (B rows of C). Fast path (add_ln_mix_v2_kernel): one group of
+// LN_VW = 8 contiguous columns per thread for the whole row (C / 8 threads, 16-byte accesses;
+// C % 8 == 0, C <= 4096, 16-byte aligned rows, K <= 6); every load (x, dx, shift, LN weights, the
+// K mixes) is issued before any store, and mean/variance come from one block reduction of
+// per-thread (count, mean, M2) triples (Chan's combine). Otherwise the general kernel below:
+// up to VPT groups of 4 columns per thread. Both compute:
 //     x'   = dx ? round(x + dx) : x            (residual add; x' written to x_out when dx)
 //     xn   = round(layer_norm(x') * w + b)     (eps, biased variance, as F.layer_norm)
 //     prev = shift; shift = xn                 (when shift: the token-shift state, in place)
@@ -119,6 +124,123 @@ __global__ void __launch_bounds__(1024) add_ln_mix_kernel(LnArgs p) {
     }
 }
 
+constexpr int LN_VW = 8;     // fast path: columns per thread (16 bytes of 16-bit, 32 of fp32)
+constexpr int LN_KMAX = 6;   // fast path: most mixes
+constexpr int LN_V2_THREADS = 512;  // fast path: C <= 4096 (128 registers per thread, no spills)
+
+// 8 consecutive values (16-byte aligned) <-> fp32.
+template <typename F>
+__device__ __forceinline__ void load8(const F *p, float *o) {
+    if constexpr (sizeof(F) == 4) {
+        cvt4(*reinterpret_cast<const float4 *>(p), o);
+        cvt4(*reinterpret_cast<const float4 *>(p + 4), o + 4);
+    } else {
+        const uint4 x = *reinterpret_cast<const uint4 *>(p);
+        cvt4(make_uint2(x.x, x.y), (const F *)nullptr, o);
+        cvt4(make_uint2(x.z, x.w), (const F *)nullptr, o + 4);
+    }
+}
+
+template <typename F>
+__device__ __forceinline__ void store8(F *p, const float *v) {
+    if constexpr (sizeof(F) == 4) {
+        st_global_v4(p, make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                                   __float_as_uint(v[3])));
+        st_global_v4(p + 4, make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
+                                       __float_as_uint(v[7])));
+    } else {
+        st_global_v4(p, make_uint4(pack2<F>(v[0], v[1]), pack2<F>(v[2], v[3]), pack2<F>(v[4], v[5]),
+                                   pack2<F>(v[6], v[7])));
+    }
+}
+
+// Chan's parallel combine of (count, mean, M2) into (n, mean, m2).
+__device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, float nb, float meanb, float m2b) {
+    const float nn = n + nb;
+    if (nn > 0.f) {
+        const float d = meanb - mean, f = nb / nn;
+        mean = fmaf(d, f, mean);
+        m2 = m2 + m2b + d * d * n * f;
+        n = nn;
+    }
+}
+
+template <typename F>
+__global__ void __launch_bounds__(LN_V2_THREADS) add_ln_mix_v2_kernel(LnArgs p) {
+    __shared__ float red[3][32];
+    const int b = blockIdx.x, tid = threadIdx.x;
+    const int c = LN_VW * tid;
+    const bool act = c < p.C;
+    const bool has_dx = p.dx != nullptr, has_shift = p.shift != nullptr;
+    float v[LN_VW], d[LN_VW], w[LN_VW], bb[LN_VW], prev[LN_VW], m[LN_KMAX][LN_VW];
+    // every load first (no store can alias them: each thread writes only its own columns)
+    if (act) {
+        load8<F>((const F *)p.x + b * p.x_bs + c, v);
+        if (has_dx) load8<F>((const F *)p.dx + b * p.dx_bs + c, d);
+        load8<F>((const F *)p.ln_w + c, w);
+        load8<F>((const F *)p.ln_b + c, bb);
+        if (has_shift) load8<F>((const F *)p.shift + b * p.shift_bs + c, prev);
+#pragma unroll
+        for (int k = 0; k < LN_KMAX; k++)
+            if (k < p.K) load8<F>((const F *)p.mix + (long long)k * p.C + c, m[k]);
+    }
+    // residual add and this thread's (count, mean, M2)
+    float n = 0.f, mean = 0.f, m2 = 0.f;
+    if (act) {
+        if (has_dx) {
+#pragma unroll
+            for (int e = 0; e < LN_VW; e++) v[e] = rnd<F>(v[e] + d[e]);
+        }
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < LN_VW; e++) s += v[e];
+        mean = s * (1.f / LN_VW);
+#pragma unroll
+        for (int e = 0; e < LN_VW; e++) m2 += (v[e] - mean) * (v[e] - mean);
+        n = (float)LN_VW;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, mean, o),
+                    qb = __shfl_xor_sync(0xffffffffu, m2, o);
+        chan_combine(n, mean, m2, nb, mb, qb);
+    }
+    const int wid = tid >> 5, nw = blockDim.x >> 5;
+    if ((tid & 31) == 0) red[0][wid] = n, red[1][wid] = mean, red[2][wid] = m2;
+    __syncthreads();
+    n = red[0][0], mean = red[1][0], m2 = red[2][0];
+    for (int i = 1; i < nw; i++) chan_combine(n, mean, m2, red[0][i], red[1][i], red[2][i]);
+    if (!act) return;
+    const float rstd = rsqrtf(m2 / p.C + p.eps);
+
+    if (has_dx) store8<F>((F *)p.x_out + b * p.xo_bs + c, v);
+    float xn[LN_VW];
+#pragma unroll
+    for (int e = 0; e < LN_VW; e++) xn[e] = rnd<F>((v[e] - mean) * rstd * w[e] + bb[e]);
+    if (has_shift) {
+        store8<F>((F *)p.shift + b * p.shift_bs + c, xn);
+#pragma unroll
+        for (int e = 0; e < LN_VW; e++) d[e] = rnd<F>(prev[e] - xn[e]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < LN_VW; e++) d[e] = 0.f;
+    }
+    F *out = (F *)p.out + b * p.out_bs + c;
+    if (p.K == 0) {
+        store8<F>(out, xn);
+    } else {
+#pragma unroll
+        for (int k = 0; k < LN_KMAX; k++) {
+            if (k < p.K) {
+                float o[LN_VW];
+#pragma unroll
+                for (int e = 0; e < LN_VW; e++) o[e] = xn[e] + d[e] * m[k][e];
+                store8<F>(out + k * p.out_plane, o);
+            }
+        }
+    }
+}
+
 template <typename F>
 __global__ void relu_square_kernel(F *__restrict__ h, long long n) {
     const long long n4 = n >> 2;
@@ -174,6 +296,22 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     threads = threads < 128 ? 128 : threads;
     wkv7::LnArgs p{x, dx, ln_w, ln_b, mix, shift, x_out, out, x_bs, dx_bs, shift_bs, xo_bs, out_bs, out_plane,
                    C, K, eps};
+    // fast path: 16-byte aligned rows of whole 8-column groups, one group per thread
+    auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
+    const int VW = wkv7::LN_VW;
+    bool fast = C % VW == 0 && C / VW <= wkv7::LN_V2_THREADS && K <= wkv7::LN_KMAX;
+    fast = fast && al16(x) && al16(dx) && al16(ln_w) && al16(ln_b) && al16(mix) && al16(shift) && al16(x_out) &&
+           al16(out);
+    fast = fast && (B == 1 || (x_bs % VW == 0 && dx_bs % VW == 0 && shift_bs % VW == 0 && xo_bs % VW == 0 &&
+                               out_bs % VW == 0));
+    fast = fast && (K <= 1 || out_plane % VW == 0);
+    if (fast) {
+        const int t2 = ((C / VW) + 31) / 32 * 32;
+        return WKV7_FE_DISPATCH(f_dt, {
+            add_ln_mix_v2_kernel<F><<<B, t2, 0, (cudaStream_t)stream>>>(p);
+            return (int)cudaGetLastError();
+        });
+    }
     return WKV7_FE_DISPATCH(f_dt, {
         add_ln_mix_kernel<F><<<B, threads, 0, (cudaStream_t)stream>>>(p);
         return (int)cudaGetLastError();

@@ -59,6 +59,21 @@ __device__ __forceinline__ void load4(const T *p, float *o) {
     else cvt4(*reinterpret_cast<const uint2 *>(p), (const T *)nullptr, o);
 }
 
+// As load4, from global memory through the read-only path with one 16-/8-byte load (nvcc splits
+// some plain float4 loads into 4 + 2 + 1 + 1 ... pieces).
+template <typename T>
+__device__ __forceinline__ void ldg4(const T *p, float *o) {
+    if constexpr (sizeof(T) == 4) cvt4(__ldg(reinterpret_cast<const float4 *>(p)), o);
+    else cvt4(__ldg(reinterpret_cast<const uint2 *>(p)), (const T *)nullptr, o);
+}
+
+// As load_cols, for a global vector that no thread writes during the kernel.
+template <typename S, typename T>
+__device__ __forceinline__ void ldg_cols(const T *vec, int lane, float *o) {
+#pragma unroll
+    for (int g = 0; g < NG; g++) ldg4<T>(vec + group_col<S>(g, lane), o + 4 * g);
+}
+
 // Load this thread's EPT columns of a length-N vector (columns laid out as for storage S).
 template <typename S, typename T>
 __device__ __forceinline__ void load_cols(const T *vec, int lane, float *o) {
@@ -75,13 +90,43 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// State row slice <-> registers.
+// Two floats -> one 32-bit word of two 16-bit values (round to nearest), low half first.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+// One 16-byte global store (inline PTX: nvcc otherwise splits some uint4 stores into 4 x 32-bit).
+__device__ __forceinline__ void st_global_v4(void *p, uint4 v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_global_v4(const void *p) {
+    uint4 v;
+    asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// State row slice <-> registers (explicit 16-byte accesses: the state is the bandwidth).
 template <typename S>
 __device__ __forceinline__ void load_state(const S *row, int lane, float *s) {
     if constexpr (sizeof(S) == 2 && EPT == 8) {
-        uint4 x = *reinterpret_cast<const uint4 *>(row + lane * EPT);
+        const uint4 x = ld_global_v4(row + lane * EPT);
         cvt4(make_uint2(x.x, x.y), (const S *)nullptr, s);
         cvt4(make_uint2(x.z, x.w), (const S *)nullptr, s + 4);
+    } else if constexpr (sizeof(S) == 4) {
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+            const uint4 x = ld_global_v4(row + group_col<S>(g, lane));
+            s[4 * g] = __uint_as_float(x.x), s[4 * g + 1] = __uint_as_float(x.y);
+            s[4 * g + 2] = __uint_as_float(x.z), s[4 * g + 3] = __uint_as_float(x.w);
+        }
     } else {
         load_cols<S, S>(row, lane, s);
     }
@@ -89,14 +134,20 @@ __device__ __forceinline__ void load_state(const S *row, int lane, float *s) {
 
 template <typename S>
 __device__ __forceinline__ void store_state(S *row, int lane, const float *s) {
+    if constexpr (sizeof(S) == 2 && EPT == 8) {  // one 16-byte store, as load_state
+        st_global_v4(row + lane * EPT, make_uint4(pack2<S>(s[0], s[1]), pack2<S>(s[2], s[3]),
+                                                  pack2<S>(s[4], s[5]), pack2<S>(s[6], s[7])));
+    } else {
 #pragma unroll
-    for (int g = 0; g < NG; g++) {
-        S *p = row + group_col<S>(g, lane);
-        if constexpr (sizeof(S) == 4) {
-            *reinterpret_cast<float4 *>(p) = make_float4(s[4 * g], s[4 * g + 1], s[4 * g + 2], s[4 * g + 3]);
-        } else {
-            S q[4] = {from_f<S>(s[4 * g]), from_f<S>(s[4 * g + 1]), from_f<S>(s[4 * g + 2]), from_f<S>(s[4 * g + 3])};
-            *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<uint2 *>(q);
+        for (int g = 0; g < NG; g++) {
+            S *p = row + group_col<S>(g, lane);
+            if constexpr (sizeof(S) == 4) {
+                st_global_v4(p, make_uint4(__float_as_uint(s[4 * g]), __float_as_uint(s[4 * g + 1]),
+                                           __float_as_uint(s[4 * g + 2]), __float_as_uint(s[4 * g + 3])));
+            } else {
+                S q[4] = {from_f<S>(s[4 * g]), from_f<S>(s[4 * g + 1]), from_f<S>(s[4 * g + 2]), from_f<S>(s[4 * g + 3])};
+                *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<uint2 *>(q);
+            }
         }
     }
 }
