@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
@@ -18,6 +18,7 @@ from server.api.loading import facts, load_services, prefix_budget
 from server.api.metrics import Metrics
 from server.api.middleware import ServerMiddleware
 from server.api.prefix_cache import PrefixCache
+from server.api.sse import RAW_SEND
 from server.config import Settings
 
 log = logging.getLogger("server.app")
@@ -49,7 +50,7 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
             if owned:
                 await _shutdown(services)
 
-    app = FastAPI(title="RWKV-7 task server", version="0.1.0", lifespan=lifespan,
+    app = ServerApp(title="RWKV-7 task server", version="0.1.0", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     app.state.services = services
     app.state.load_error = None
@@ -58,6 +59,24 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
                        api_keys=settings.api_key_set(), metrics=metrics)
     _include_routes(app)
     return app
+
+
+class RawSendLayer:
+    """The outermost ASGI layer: keeps the server's own `send` in the scope, so a streaming
+    response can send its body messages without the middleware hops (see server.api.sse)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await self.app(scope, receive, send)
+
+
+class ServerApp(FastAPI):
+    def build_middleware_stack(self) -> Any:
+        return RawSendLayer(super().build_middleware_stack())
 
 
 def begin_drain(app: FastAPI) -> None:

@@ -83,9 +83,10 @@ class Recorder:
     def __init__(self, metrics: Any, t_arrival: float) -> None:
         self.metrics, self.t0, self.first = metrics, t_arrival, True
 
-    def on_event(self, job: Job, ev: Event) -> None:
+    def on_batch(self, job: Job, batch: list[Event]) -> None:
+        """A job's events taken at one wake-up (their tokens arrived together)."""
         now = time.perf_counter()
-        n_new = len(ev.token_ids)
+        n_new = len(batch[0].token_ids) if len(batch) == 1 else sum(len(ev.token_ids) for ev in batch)
         if n_new and self.metrics is not None:
             if self.first:
                 self.metrics.ttft.observe(now - self.t0)
@@ -95,50 +96,54 @@ class Recorder:
         if n_new:
             job.t_last = now
 
+    def on_event(self, job: Job, ev: Event) -> None:
+        self.on_batch(job, [ev])
+
     def finish(self) -> None:
         if self.metrics is not None:
             self.metrics.e2e.observe(time.perf_counter() - self.t0)
 
 
-def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
-    """Events of all jobs, merged, in arrival order. Closing the iterator aborts unfinished jobs."""
-    if len(jobs) == 1:  # the common case: no helper task and no queue hop per event
+def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
+    """Batches of events of all jobs, merged, in arrival order: (job, that job's events taken
+    at one wake-up, in order; a finished event is the last of its job). Closing the iterator
+    aborts unfinished jobs."""
+    if len(jobs) == 1:  # the common case: no helper task and no queue hop per batch
         return _events_one(jobs[0], recorder)
     return _events_many(jobs, recorder)
 
 
-async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
+def _error_batch(job: Job) -> list[Event]:
+    return [Event(text="", token_ids=[], n_tokens=job.completion_tokens, finished=True, finish_reason="error")]
+
+
+async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: Job) -> None:
         try:
-            async for ev in job.handle:
-                await queue.put((job, ev))
-                if ev.finished:
+            async for batch in job.handle.batches():
+                queue.put_nowait((job, batch))
+                if batch[-1].finished:
                     break
         except Exception as exc:  # noqa: BLE001
             job.error = str(exc) or type(exc).__name__
-            await queue.put((job, Event(text="", token_ids=[], n_tokens=job.completion_tokens,
-                                        finished=True, finish_reason="error")))
+            queue.put_nowait((job, _error_batch(job)))
         finally:
-            await queue.put((job, None))
+            queue.put_nowait((job, None))
 
     pumps = [asyncio.create_task(pump(j)) for j in jobs]
     live = len(jobs)
     try:
         while live:
-            job, ev = await queue.get()
-            if ev is None:
+            job, batch = await queue.get()
+            if batch is None:
                 live -= 1
                 continue
-            recorder.on_event(job, ev)
-            job.text.append(ev.text)
-            job.completion_tokens = ev.n_tokens
-            if ev.finished:
-                job.finish_reason = ev.finish_reason or "stop"
-                if job.finish_reason == "error" and job.error is None:
-                    job.error = await _error_of(job)
-            yield job, ev
+            _record(job, batch, recorder)
+            if job.finish_reason == "error" and job.error is None:
+                job.error = await _error_of(job)
+            yield job, batch
     finally:
         abort_all(jobs)
         for p in pumps:
@@ -147,36 +152,44 @@ async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tup
         recorder.finish()
 
 
-async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, Event]]:
-    """events() for one job: the handle's events straight from its iterator."""
+async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
+    """events() for one job: the handle's batches straight from it."""
+    handle = job.handle
     try:
         failed = None
         try:
-            async for ev in job.handle:
-                _record(job, ev, recorder)
-                if ev.finished and job.finish_reason == "error" and job.error is None:
+            while True:
+                batch = await handle.next_batch()
+                if not batch:
+                    return
+                _record(job, batch, recorder)
+                if job.finish_reason == "error" and job.error is None:
                     job.error = await _error_of(job)
-                yield job, ev
-                if ev.finished:
+                yield job, batch
+                if job.finish_reason is not None:
                     return
         except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
             failed = exc
         if failed is not None:
             job.error = str(failed) or type(failed).__name__
-            ev = Event(text="", token_ids=[], n_tokens=job.completion_tokens, finished=True, finish_reason="error")
-            _record(job, ev, recorder)
-            yield job, ev
+            batch = _error_batch(job)
+            _record(job, batch, recorder)
+            yield job, batch
     finally:
         abort_all([job])
         recorder.finish()
 
 
-def _record(job: Job, ev: Event, recorder: Recorder) -> None:
-    recorder.on_event(job, ev)
-    job.text.append(ev.text)
-    job.completion_tokens = ev.n_tokens
-    if ev.finished:
-        job.finish_reason = ev.finish_reason or "stop"
+def _record(job: Job, batch: list[Event], recorder: Recorder) -> None:
+    recorder.on_batch(job, batch)
+    last = batch[-1]
+    if len(batch) == 1:
+        job.text.append(last.text)
+    else:
+        job.text.extend(ev.text for ev in batch)
+    job.completion_tokens = last.n_tokens
+    if last.finished:
+        job.finish_reason = last.finish_reason or "stop"
 
 
 async def _error_of(job: Job) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -91,20 +92,26 @@ async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_u
     for j in jobs:
         yield chunk([choice(j, {"role": "assistant", "content": ""})])
     started: set[int] = set()  # choices whose leading whitespace is behind them
-    async for job, ev in events(jobs, recorder):
-        if job.finish_reason == "error":
-            yield _error_event(job)
-            yield DONE
-            return
-        text = ev.text
-        if job.index not in started:
-            text = text.lstrip()
-            if text:
-                started.add(job.index)
-        if text:
-            yield content(job.index, text)
-        if ev.finished:
-            yield chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))])
+    async with aclosing(events(jobs, recorder)) as batches:
+        async for job, batch in batches:  # one write per batch (all the job's events of a wake-up)
+            if job.finish_reason == "error":
+                yield _error_event(job) + DONE
+                return
+            text = batch[0].text if len(batch) == 1 else "".join(ev.text for ev in batch)
+            if job.index not in started:
+                text = text.lstrip()
+                if text:
+                    started.add(job.index)
+            out = content(job.index, text) if text else b""
+            if job.finish_reason is not None:
+                out += chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))])
+                if all(j.done for j in jobs):  # the last one: the end goes in the same write
+                    if include_usage:
+                        out += chunk([], usage(jobs, meta))
+                    yield out + DONE
+                    return
+            if out:
+                yield out
     if include_usage:
         yield chunk([], usage(jobs, meta))
     yield DONE
@@ -144,15 +151,26 @@ async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
     for j in jobs:
         if _echo(meta, j):
             yield chunk([choice(j, _echo(meta, j))])
-    async for job, ev in events(jobs, recorder):
-        if job.finish_reason == "error":
-            yield _error_event(job)
-            yield DONE
-            return
-        if ev.finished:
-            yield chunk([choice(job, ev.text, FINISH.get(job.finish_reason, job.finish_reason))])
-        elif ev.text:
-            yield content(job.index, ev.text)
+    async with aclosing(events(jobs, recorder)) as batches:
+        async for job, batch in batches:  # one write per batch (all the job's events of a wake-up)
+            if job.finish_reason == "error":
+                yield _error_event(job) + DONE
+                return
+            last = batch[-1]
+            if len(batch) == 1:
+                text = "" if last.finished else last.text
+            else:
+                text = "".join(ev.text for ev in (batch[:-1] if last.finished else batch))
+            out = content(job.index, text) if text else b""
+            if last.finished:
+                out += chunk([choice(job, last.text, FINISH.get(job.finish_reason, job.finish_reason))])
+                if all(j.done for j in jobs):  # the last one: the end goes in the same write
+                    if include_usage:
+                        out += chunk([], usage(jobs, meta))
+                    yield out + DONE
+                    return
+            if out:
+                yield out
     if include_usage:
         yield chunk([], usage(jobs, meta))
     yield DONE

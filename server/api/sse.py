@@ -8,6 +8,12 @@ is what limits the server at hundreds of streams). Three idle helpers per stream
   sequences at once (the next engine step frees their slots);
 - the app's "draining" event (server shutdown) does the same, then `shutting_down` + [DONE] is sent;
 - a pinger sends `: ping` when nothing was sent for `ping_interval` seconds.
+
+The body messages skip the middleware's send wrappers: once `http.response.start` went through
+the whole chain (status and x-request-id recorded, headers added), the body goes straight to the
+server's own `send` (`scope[RAW_SEND]`, put there by the app's outermost layer). The wrappers
+(starlette's error and exception middleware, ours) only look at the start message; the access
+log and request metrics are written when the app returns, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ SHUTDOWN = b'data: {"error":{"message":"the server is shutting down","type":"ser
            b'"param":null,"code":"shutting_down"}}\n\n'
 INTERNAL_ERROR = b'data: {"error":{"message":"internal error while streaming","type":"server_error",' \
                  b'"param":null,"code":"internal_error"}}\n\n'
+
+
+RAW_SEND = "rwkv.raw_send"
+"""Scope key of the ASGI server's send (set by server.api.app.RawSendLayer)."""
 
 
 def event(obj: Any) -> bytes:
@@ -91,6 +101,7 @@ class SSEResponse(Response):
             self.metrics.streams_open += 1
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
+            send = scope.get(RAW_SEND) or send  # the body: no per-message middleware hops
             if self.ping_interval and self.ping_interval > 0:
                 helpers.append(asyncio.create_task(self._pinger(send)))
             end = await self._stream(send, me)

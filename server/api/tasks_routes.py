@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.deps import get_owner, get_services
 from server.api.errors import ApiError
-from server.api.sse import DONE, PING, SSEResponse, event
+from server.api.sse import DONE, SSEResponse, event
 from server.engine.types import EngineDeadError, PromptTooLongError, QueueFullError
 from server.tasks import streaming
 from server.tasks.errors import TaskError
@@ -110,13 +110,16 @@ async def _sse(tm: Any, t: Any, pos: int, out: Any, abort_on_close: bool = False
     finished = False
     try:
         yield event(streaming.header(t))
-        async for ev in streaming.events(t, pos, ping=None, out=out):  # SSEResponse pings idle streams
-            if ev is streaming.KEEPALIVE:
-                yield PING
-                continue
-            yield event(ev)
-        finished = True
-        yield DONE
+        # SSEResponse pings idle streams; one write per wake-up (the end: final event + [DONE])
+        async for batch in streaming.batches(t, pos, ping=None, out=out):
+            data = event(batch[0]) if len(batch) == 1 else b"".join(map(event, batch))
+            if streaming.is_last(batch[-1]):
+                finished = True
+                data += DONE
+            yield data
+        if not finished:
+            finished = True
+            yield DONE
     finally:
         if abort_on_close and not finished and t.running:
             tm.abort(t)

@@ -2,7 +2,9 @@
 
 The engine thread pushes each step's events under the handle's lock (threads blocked in sync
 iteration are notified), then wakes asyncio consumers with ONE `call_soon_threadsafe` per event
-loop per step for all the handles of that loop (`wake_handles`).
+loop per step for all the handles of that loop (`wake_handles`). An asyncio consumer can take
+all the events pending at a wake-up at once (`await h.next_batch()`, `async for batch in
+h.batches()`): a consumer that fell behind catches up in one pass (one write per stream).
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ class RequestHandle:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._loop = loop
-        self._aevent = asyncio.Event()
+        self._bound = False  # _bind_loop() done (next_batch checks once, not per call)
+        self._waiter: asyncio.Future | None = None
+        """The future an asyncio consumer awaits (set by wake_handles in its loop). A bare future,
+        not an asyncio.Event: the wake-up is the per-token cost of a stream. No lost wake-ups:
+        the consumer checks for events and creates the future with no await in between, and the
+        engine pushes before it schedules the wake-up."""
         self._sync_waiters = 0
         """Threads blocked on _cond (changed under it): the engine notifies only when > 0."""
 
@@ -102,46 +109,67 @@ class RequestHandle:
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        with self._cond:
-            if self._loop is None:
-                self._loop = loop
-            elif self._loop is not loop:
-                raise RuntimeError("a RequestHandle is consumed from one event loop only")
+        if self._loop is not loop:
+            with self._cond:
+                if self._loop is None:
+                    self._loop = loop
+                elif self._loop is not loop:
+                    raise RuntimeError("a RequestHandle is consumed from one event loop only")
+        self._bound = True
 
     async def _wait_async(self) -> None:
+        fut = self._waiter
+        if fut is None or fut.done():
+            fut = self._waiter = self._loop.create_future()  # type: ignore[union-attr]
         th = self._engine._thread
         if th is not None and th.is_alive() and not self._engine._stopping:
-            await self._aevent.wait()  # the loop's exit (_fail_all, shutdown) always wakes us
+            await fut  # the loop's exit (_fail_all, shutdown) always wakes us
             return
         try:  # not started / stopping: poll, the loop may never wake us
-            await asyncio.wait_for(self._aevent.wait(), _POLL_S)
+            await asyncio.wait_for(asyncio.shield(fut), _POLL_S)
         except asyncio.TimeoutError:
             self._check_engine()
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        self._bind_loop()
+    async def next_batch(self) -> list[Event]:
+        """All the events pending now (waiting for at least one); [] once the request has
+        ended and every event was taken; raises the request's error (EngineDeadError) after
+        its last events. One wake-up of the consumer per call, however many events came."""
+        if not self._bound:
+            self._bind_loop()
         while True:
-            self._aevent.clear()
             done, error = self.done, self._error  # read BEFORE draining: the result follows its events
-            batch = []
-            while self._events:
-                batch.append(self._events.popleft())
+            events = self._events
+            n = len(events)
+            if n:
+                if n == 1:
+                    return [events.popleft()]
+                return [events.popleft() for _ in range(n)]  # not list()+clear(): the engine appends
+            if error is not None:
+                raise error
+            if done:
+                return []
+            await self._wait_async()
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """`async for batch in h.batches()`: next_batch() until the request ends."""
+        while True:
+            batch = await self.next_batch()
+            if not batch:
+                return
+            yield batch
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            batch = await self.next_batch()
+            if not batch:
+                return
             for ev in batch:
                 yield ev
-            if not batch:
-                if error is not None:
-                    raise error
-                if done:
-                    return
-                await self._wait_async()
 
     async def wait(self) -> Result:
         """Await the Result (raises EngineDeadError if the loop died)."""
         self._bind_loop()
         while not self.done:
-            self._aevent.clear()
-            if self.done:
-                break
             await self._wait_async()
         if self._error is not None:
             raise self._error
@@ -158,7 +186,11 @@ class RequestHandle:
 def wake_handles(handles: list[RequestHandle]) -> None:
     """Runs in an event loop (one call per step): wake that loop's consumers."""
     for h in handles:
-        h._aevent.set()
+        fut = h._waiter
+        if fut is not None:
+            h._waiter = None
+            if not fut.done():
+                fut.set_result(None)
 
 
 class Deliveries:

@@ -48,7 +48,8 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         self.interrupted: list[str] = []
         self.db_state_bytes = 0
         self._pumps: set[asyncio.Task] = set()
-        self._progress_pending: set[str] = set()
+        self._progress_queued = False  # a progress job is in the writer queue
+        self._progress_at = 0.0  # monotonic time of the last progress job offered
         self._janitor: asyncio.Task | None = None
         self._seq = 0
 

@@ -12,7 +12,7 @@ import orjson
 
 from server.tasks.codec import StateCodecError, decode_state, encode_state
 from server.tasks.errors import TaskConflict
-from server.tasks.records import TEMPLATE, Task, to_row
+from server.tasks.records import TEMPLATE, TMP, Task, to_row
 from server.tasks.store import state_row
 
 log = logging.getLogger("server.tasks")
@@ -60,18 +60,31 @@ class PersistMixin:
     async def _persist_row(self, row: dict[str, Any]) -> None:
         await self.store.save(row)
 
-    def _offer_progress(self, t: Task) -> None:
-        if t.id in self._progress_pending:
+    def _offer_progress(self) -> None:
+        """Queue one progress job for all running persistent tasks (unless one is queued: it
+        will take the newest text when it runs). Dropped when the writer queue is full."""
+        if self._progress_queued:
             return
-        self._progress_pending.add(t.id)
-        if not self.writer.offer(self._persist_progress, t):
-            self._progress_pending.discard(t.id)
+        self._progress_queued = True
+        if not self.writer.offer(self._persist_progress):
+            self._progress_queued = False
 
-    async def _persist_progress(self, t: Task) -> None:
-        self._progress_pending.discard(t.id)
-        if t.deleted or not t.running or t.run is None:
-            return  # settled: the settle write covers it
-        await self.store.save(self._row(t))
+    async def _persist_progress(self) -> None:
+        """The rows of the running persistent tasks with new output since their last progress
+        row, in one transaction (one commit per PROGRESS_INTERVAL, however many tasks run).
+        A settled task is skipped: its settle write (queued after this job) covers it."""
+        self._progress_queued = False
+        rows = []
+        for t in list(self.live.values()):
+            run = t.run
+            if run is None or t.kind == TMP or t.deleted or not t.running or run.n_out == run.saved_out:
+                continue
+            run.saved_out = run.n_out
+            rows.append(self._row(t))
+        if rows:
+            await self.store.save_progress(rows)
+            self.counters["progress_writes"] += 1
+            self.counters["progress_rows"] += len(rows)
 
     async def _persist_settled(self, t: Task, row: dict[str, Any], key: str | None, state: Any,
                                old_key: str | None, outcome: tuple[str, str | None] | None = None) -> None:

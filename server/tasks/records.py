@@ -82,7 +82,10 @@ class Output:
         fut = asyncio.get_running_loop().create_future()
         self._waiters.add(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
+            if timeout is None:
+                await fut
+            else:
+                await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             pass
         finally:

@@ -25,7 +25,7 @@ from server.tasks.params import sampling_params
 from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TEMPLATE, TMP, Output, Task
 
 log = logging.getLogger("server.tasks")
-PROGRESS_INTERVAL = 1.0  # seconds between text-progress writes of a running persistent task
+PROGRESS_INTERVAL = 1.0  # seconds between the progress writes of the running persistent tasks
 
 
 @dataclass
@@ -39,13 +39,13 @@ class Run:
     t_first: float | None = None
     gen_base: float = 0.0  # gen_time of earlier runs of the same output
     n_out: int = 0
+    saved_out: int = 0  # n_out in the last progress row written
     last_ids: list[int] = field(default_factory=list)
-    last_progress: float = field(default_factory=time.monotonic)
 
 
 class RunMixin:
     # provided by TaskManager: engine, settings, cache, live, recent, writer, counters, _pumps,
-    # _resolve_state, _row, _persist_row, _persist_settled, _offer_progress
+    # _resolve_state, _row, _persist_row, _persist_settled, _offer_progress, _progress_at
 
     # --- claim / start -------------------------------------------------------------------------
     def _claim(self, t: Task) -> Task:
@@ -148,8 +148,8 @@ class RunMixin:
         res, error = None, None
         try:
             if run.handle is not None:
-                async for ev in run.handle:
-                    self._on_event(t, run, ev)
+                async for batch in run.handle.batches():  # all the events of a wake-up at once
+                    self._on_batch(t, run, batch)
                 res = await run.handle.wait()
         except asyncio.CancelledError:
             self._abort(t)
@@ -158,6 +158,17 @@ class RunMixin:
             log.warning("task %s failed: %s", t.id, exc)
             error = f"{type(exc).__name__}: {exc}"
         await self._settle(t, run, res, error)
+
+    def _on_batch(self, t: Task, run: Run, batch: list[Any]) -> None:
+        for ev in batch:
+            self._on_event(t, run, ev)
+        t.completion_tokens = len(t.out)
+        t.out.notify()  # the stream readers wake once per batch
+        if t.kind != TMP and not batch[-1].finished:
+            now = time.monotonic()
+            if now - self._progress_at >= PROGRESS_INTERVAL:  # one write for all running tasks
+                self._progress_at = now
+                self._offer_progress()
 
     def _on_event(self, t: Task, run: Run, ev: Any) -> None:
         n = len(ev.token_ids)
@@ -171,12 +182,6 @@ class RunMixin:
             run.last_ids = list(ev.token_ids)
         elif t.status in (PREFILL, READY) and n:
             t.status = RUNNING
-        t.completion_tokens = len(t.out)
-        t.out.notify()
-        now = time.monotonic()
-        if t.kind != TMP and now - run.last_progress >= PROGRESS_INTERVAL and not ev.finished:
-            run.last_progress = now
-            self._offer_progress(t)
 
     # --- settle --------------------------------------------------------------------------------
     async def _settle(self, t: Task, run: Run, res: Any, error: str | None) -> None:

@@ -102,6 +102,18 @@ class Store:
             for sid in drop_states:
                 await _drop_state_if_unused(conn, sid)
 
+    async def save_progress(self, rows: list[dict[str, Any]]) -> None:
+        """Update existing task rows (all with the same columns), one transaction and one
+        executemany; rows no longer in the table (deleted) are left alone."""
+        if not rows:
+            return
+        cols = [k for k in rows[0] if k != "id"]
+        stmt = (sa.update(tasks).where(tasks.c.id == sa.bindparam("b_id"))
+                .values({c: sa.bindparam(f"b_{c}") for c in cols}))
+        params = [{f"b_{k}": v for k, v in r.items()} for r in rows]
+        async with self._write() as conn:
+            await conn.execute(stmt, params)
+
     async def get_task(self, task_id: str) -> Any | None:
         async with self.engine.connect() as conn:  # type: ignore[union-attr]
             return (await conn.execute(sa.select(tasks).where(tasks.c.id == task_id))).first()

@@ -23,33 +23,52 @@ async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0,
     Each wake-up yields all the text that came since the last one (a slow reader gets it in
     fewer, larger events). `ping=None`: never yield KEEPALIVE (no timer per wait; the HTTP
     response pings idle streams itself)."""
+    async for batch in batches(t, pos, ping=ping, out=out):
+        for ev in batch:
+            yield ev
+
+
+async def batches(t: Task, pos: int = 0, *, ping: float | None = 15.0,
+                  out: Output | None = None) -> AsyncIterator[list[Any]]:
+    """events() as the list of what one wake-up has: [text event], [KEEPALIVE], and at the end
+    [text event?, tail text event?, final or error event] (the last batch; `is_last` says so)."""
     out = out if out is not None else t.out
     pos = max(0, min(int(pos), len(out)))
+    batch: list[Any] = []
     while True:
         finished = out.finished
         n = len(out)
         if n > pos:
             text = out.text[out.char_at(pos):out.char_at(n)]
             if text:
-                yield text_event(t, text, n)
+                batch = [text_event(t, text, n)]
             pos = n
         if finished:
             break
+        if batch:
+            yield batch
+            batch = []
         if ping is None:
             await out.wait_change(None)
             continue
         before = (len(out), out.finished)
         await out.wait_change(ping)
         if (len(out), out.finished) == before:
-            yield KEEPALIVE
+            yield [KEEPALIVE]
     tail = out.text[out.char_at(pos):]  # only text that came with no token at all
     if tail:
-        yield text_event(t, tail, pos)
+        batch.append(text_event(t, tail, pos))
     if out.error:
-        yield {"error": {"message": out.error, "type": "server_error", "param": None,
-                         "code": "generation_failed"}}
-        return
-    yield final_event(t, out)
+        batch.append({"error": {"message": out.error, "type": "server_error", "param": None,
+                                "code": "generation_failed"}})
+    else:
+        batch.append(final_event(t, out))
+    yield batch
+
+
+def is_last(ev: Any) -> bool:
+    """The final event or the error event (the last of a stream)."""
+    return isinstance(ev, dict) and ("finished" in ev or "error" in ev)
 
 
 def text_event(t: Task, text: str, pos: int) -> dict[str, Any]:

@@ -1,12 +1,23 @@
 """HTTP benchmark: a real server (uvicorn subprocess), N concurrent streaming clients.
 
     PYTHONPATH=. python test/bench/bench_http.py --model synthetic:2.9b --streams 64,256
-    PYTHONPATH=. python test/bench/bench_http.py --model synthetic:tiny --device cpu --streams 4 --max-tokens 16
+    PYTHONPATH=. python test/bench/bench_http.py --model synthetic:tiny --device cpu --streams 8 --max-tokens 16
 
 Each client streams one /v1/completions request (ignore_eos, fixed max_tokens, usage included).
-Figures per N: output tok/s (all completion tokens / wall time of the whole wave), TTFT and
-inter-token latency (gaps between content chunks) p50/p95. Prints a table and appends one JSON
-line per N to test/bench/results.jsonl (mode "http").
+The clients are bench_http_host.py's raw-socket asyncio client (HTTP/1.1, one connection per
+stream, no SSE/JSON parsing per event), split over --client-procs processes (default: one per
+128 streams) so that the client is never the bottleneck; each process's CPU time is printed.
+
+Figures per N:
+- decode_tok_s: SERVER-side steady-state throughput: the server's generated-token counter
+  (/metrics rwkv_generation_tokens_total, polled every 0.2 s) over the window where every stream
+  is generating (from the last first token to the first stream's end); `wave_tok_s`: all
+  completion tokens / wall time of the whole wave (ramp-up and tail included);
+- TTFT p50/p95 (request sent -> first content bytes), inter-token p50/p95: the gaps between the
+  reads that carried `data:` events of one stream (a read that carries several events counts once);
+- client CPU (all client processes: seconds, % of one core, us per token) and server CPU.
+Prints a table and appends one JSON line per N to test/bench/results.jsonl (mode "http").
+The server runs with max_batch >= N (RWKV_MAX_BATCH) and CUDA graphs on.
 """
 
 from __future__ import annotations
@@ -15,81 +26,161 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import statistics
+import math
+import os
+import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
+sys.path.insert(0, str(HERE))
 
 from bench_engine import commit  # noqa: E402
+from bench_http_host import one_stream, pct, proc_cpu  # noqa: E402
 from util_server import ServerProcess  # noqa: E402
 
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+STREAMS_PER_CLIENT = 128
 
 
-async def one_stream(client: httpx.AsyncClient, body: dict) -> dict:
+# --- client process ---------------------------------------------------------------------------
+def client_main(spec: str) -> None:
+    """spec = host,port,n,max_tokens,seed0,prompt-file: n streams; prints one JSON line."""
+    host, port, n, max_tokens, seed0, prompt_file = spec.split(",", 5)
+    prompt = Path(prompt_file).read_text()
+    bodies = [json.dumps({"prompt": prompt, "max_tokens": int(max_tokens), "stream": True, "ignore_eos": True,
+                          "temperature": 1.0, "top_p": 0.3, "seed": int(seed0) + i,
+                          "stream_options": {"include_usage": True}}).encode()
+              for i in range(int(n))]  # fmt: skip
+
+    async def run() -> list:
+        res: list = []
+        await asyncio.gather(*(one_stream(host, int(port), "/v1/completions", b, res) for b in bodies))
+        return res
+
+    c0 = os.times()
+    res = asyncio.run(run())
+    c1 = os.times()
+    streams = [{"start": r["start"], "first": r["stamps"][0] if r["stamps"] else None, "end": r["end"],
+                "tokens": r["tokens"], "gaps": [b - a for a, b in zip(r["stamps"], r["stamps"][1:])]}
+               for r in res]  # fmt: skip
+    print(json.dumps({"cpu": (c1.user + c1.system) - (c0.user + c0.system), "streams": streams}))
+
+
+# --- driver -----------------------------------------------------------------------------------
+class TokenCounter(threading.Thread):
+    """Polls the server's generated-token counter: [(perf_counter, tokens)]."""
+
+    def __init__(self, url: str, period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.url, self.period = url + "/metrics", period
+        self.samples: list[tuple[float, float]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    text = r.read().decode()
+                t = time.perf_counter()
+                for line in text.splitlines():
+                    if line.startswith("rwkv_generation_tokens_total"):
+                        self.samples.append((t, float(line.split()[-1])))
+                        break
+            except OSError:
+                pass
+            self.halt.wait(self.period)
+
+    def rate(self, t_a: float, t_b: float) -> float | None:
+        """tok/s between the first sample >= t_a and the last sample <= t_b (None: too short)."""
+        inside = [s for s in self.samples if t_a <= s[0] <= t_b]
+        if len(inside) < 2 or inside[-1][0] - inside[0][0] < 0.3:
+            return None
+        (ta, na), (tb, nb) = inside[0], inside[-1]
+        return (nb - na) / (tb - ta)
+
+
+def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: int) -> dict:
+    procs = max(1, min(procs, n))
+    sizes = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    counter = TokenCounter(srv.url)
+    counter.start()
+    time.sleep(0.3)
+    s0 = proc_cpu(srv.proc.pid)[1]
     t0 = time.perf_counter()
-    stamps, usage = [], None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if msg.get("usage"):
-                usage = msg["usage"]
-            if any(c.get("text") for c in msg.get("choices", [])):
-                stamps.append(time.perf_counter())
-    n = (usage or {}).get("completion_tokens", len(stamps))
-    return {"start": t0, "end": time.perf_counter(), "stamps": stamps, "tokens": n}
-
-
-async def wave(url: str, n: int, max_tokens: int, prompt: str) -> dict:
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        bodies = [{"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                   "temperature": 1.0, "top_p": 0.3, "seed": i, "stream_options": {"include_usage": True}}
-                  for i in range(n)]  # fmt: skip
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(one_stream(client, b) for b in bodies))
-        wall = time.perf_counter() - t0
-    ttft = [(r["stamps"][0] - r["start"]) * 1e3 for r in res if r["stamps"]]
-    itl = [(b - a) * 1e3 for r in res for a, b in zip(r["stamps"], r["stamps"][1:])]
-    toks = sum(r["tokens"] for r in res)
-    return {"streams": n, "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
+    children, seed = [], 0
+    for size in sizes:
+        spec = f"127.0.0.1,{srv.port},{size},{max_tokens},{seed},{prompt_file}"
+        children.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client", spec],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        seed += size
+    outs = [c.communicate() for c in children]
+    wall = time.perf_counter() - t0
+    s1 = proc_cpu(srv.proc.pid)[1]
+    time.sleep(0.25)
+    counter.halt.set()
+    counter.join(10)
+    for c, (out, err) in zip(children, outs):
+        if c.returncode:
+            raise RuntimeError(f"client failed: {err[-3000:]}\n{srv.log_tail()}")
+    parts = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    streams = [s for p in parts for s in p["streams"]]
+    toks = sum(s["tokens"] for s in streams)
+    ttft = [(s["first"] - s["start"]) * 1e3 for s in streams if s["first"] is not None]
+    gaps = [g * 1e3 for s in streams for g in s["gaps"]]
+    t_all = max((s["first"] for s in streams if s["first"] is not None), default=t0)
+    t_end = min(s["end"] for s in streams)
+    steady = counter.rate(t_all, t_end)
+    client_cpu = sum(p["cpu"] for p in parts)
+    return {"streams": n, "tokens": toks, "wall_s": wall, "wave_tok_s": toks / wall,
+            "decode_tok_s": steady if steady is not None else toks / wall, "steady": steady is not None,
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
-            "itl_p50": pct(itl, 0.5), "itl_p95": pct(itl, 0.95)}  # fmt: skip
+            "itl_p50": pct(gaps, 0.5), "itl_p95": pct(gaps, 0.95),
+            "client_procs": len(sizes), "client_cpu_s": client_cpu,
+            "client_cpu_pct": 100 * client_cpu / wall, "client_us_per_tok": 1e6 * client_cpu / max(toks, 1),
+            "server_cpu_s": s1 - s0, "server_us_per_tok": 1e6 * (s1 - s0) / max(toks, 1)}  # fmt: skip
+
+
+def _r(x: float, nd: int) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--client", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="synthetic:2.9b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--state-dtype", default="fp32")
     p.add_argument("--streams", default="64,256")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-batch", type=int, default=0, help="0: max(streams)")
+    p.add_argument("--max-batch", type=int, default=0, help="0: max(streams) (never less than that)")
+    p.add_argument("--client-procs", type=int, default=0, help=f"0: one per {STREAMS_PER_CLIENT} streams")
+    p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--prompt", default="User: Tell me a long story about a lighthouse keeper.\n\nAssistant:")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     a = p.parse_args()
+    if a.client:
+        client_main(a.client)
+        return
     streams = [int(s) for s in a.streams.split(",")]
+    max_batch = max(a.max_batch, max(streams))
     env = {"RWKV_DEVICE": a.device, "RWKV_DTYPE": a.dtype, "RWKV_STATE_DTYPE": a.state_dtype,
-           "RWKV_MAX_BATCH": str(a.max_batch or max(streams)), "RWKV_LOG_LEVEL": "warning"}  # fmt: skip
+           "RWKV_MAX_BATCH": str(max_batch), "RWKV_CUDA_GRAPHS": "0" if a.no_cuda_graphs else "1",
+           "RWKV_MAX_QUEUE": "0", "RWKV_STEP_TOKEN_BUDGET": str(max(2048, 32 * max_batch)),
+           "RWKV_LOG_LEVEL": "warning"}  # fmt: skip
     srv = ServerProcess(model=a.model, env=env, stop_timeout=20)
+    prompt_file = str(srv.tmp_dir / "prompt.txt")
+    Path(prompt_file).write_text(a.prompt)
     t0 = time.perf_counter()
     srv.start(timeout=300)
-    print(f"server up in {time.perf_counter() - t0:.1f}s at {srv.url}", flush=True)
+    print(f"server up in {time.perf_counter() - t0:.1f}s at {srv.url} (max_batch {max_batch}, "
+          f"cuda graphs {'off' if a.no_cuda_graphs else 'on'})", flush=True)
     gpu = "cpu"
     if a.device.startswith("cuda"):
         import torch
@@ -97,26 +188,37 @@ def main() -> None:
         gpu = torch.cuda.get_device_name(0)
     lines = []
     try:
-        asyncio.run(wave(srv.url, min(streams), 8, a.prompt))  # warm-up (HTTP path, buckets)
+        for n in streams:  # warm-up (HTTP path, graph buckets up to each N)
+            wave(srv, n, 8, prompt_file, 1)
         for n in streams:
-            r = asyncio.run(wave(srv.url, n, a.max_tokens, a.prompt))
-            print(f"  {n:4d} streams: {r['tok_s']:9.1f} tok/s  TTFT p50 {r['ttft_p50']:.0f} ms "
-                  f"p95 {r['ttft_p95']:.0f} ms  ITL p50 {r['itl_p50']:.1f} ms p95 {r['itl_p95']:.1f} ms", flush=True)
+            procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
+            r = wave(srv, n, a.max_tokens, prompt_file, procs)
+            print(f"  {n:4d} streams: server {r['decode_tok_s']:9.1f} tok/s{'' if r['steady'] else ' (wave)'} "
+                  f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
+                  f"ITL p50 {r['itl_p50']:.1f} p95 {r['itl_p95']:.1f} ms  client CPU {r['client_cpu_pct']:.0f}% "
+                  f"of a core in {r['client_procs']} proc(s) ({r['client_us_per_tok']:.1f} us/tok)  "
+                  f"server CPU {r['server_us_per_tok']:.1f} us/tok", flush=True)
             lines.append({"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": a.model,
-                          "state_dtype": a.state_dtype, "mode": "http", "batch": n, "decode_tok_s": round(r["tok_s"], 1),
-                          "ttft_p50_ms": round(r["ttft_p50"], 1), "ttft_p95_ms": round(r["ttft_p95"], 1),
-                          "itl_p50_ms": round(r["itl_p50"], 2), "itl_p95_ms": round(r["itl_p95"], 2),
-                          "max_tokens": a.max_tokens, "dtype": a.dtype})  # fmt: skip
+                          "state_dtype": a.state_dtype, "mode": "http", "batch": n,
+                          "decode_tok_s": round(r["decode_tok_s"], 1), "wave_tok_s": round(r["wave_tok_s"], 1),
+                          "ttft_p50_ms": _r(r["ttft_p50"], 1), "ttft_p95_ms": _r(r["ttft_p95"], 1),
+                          "itl_p50_ms": _r(r["itl_p50"], 2), "itl_p95_ms": _r(r["itl_p95"], 2),
+                          "max_tokens": a.max_tokens, "dtype": a.dtype, "max_batch": max_batch,
+                          "cuda_graphs": not a.no_cuda_graphs, "client_procs": r["client_procs"],
+                          "client_cpu_pct": round(r["client_cpu_pct"], 1),
+                          "client_us_per_tok": round(r["client_us_per_tok"], 1),
+                          "server_us_per_tok": round(r["server_us_per_tok"], 1)})  # fmt: skip
     finally:
         srv.stop()
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
     with open(a.out, "a") as f:
         for line in lines:
             f.write(json.dumps(line) + "\n")
-    print(f"\n{'streams':>7} {'tok/s':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7}")
+    print(f"\n{'streams':>7} {'tok/s':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7} "
+          f"{'client%':>8}")
     for x in lines:
-        print(f"{x['batch']:7d} {x['decode_tok_s']:10.1f} {x['ttft_p50_ms']:9.0f} {x['ttft_p95_ms']:7.0f} "
-              f"{x['itl_p50_ms']:8.1f} {x['itl_p95_ms']:7.1f}")
+        print(f"{x['batch']:7d} {x['decode_tok_s']:10.1f} {x['wave_tok_s']:10.1f} {x['ttft_p50_ms']:9.0f} "
+              f"{x['ttft_p95_ms']:7.0f} {x['itl_p50_ms']:8.1f} {x['itl_p95_ms']:7.1f} {x['client_cpu_pct']:8.0f}")
 
 
 if __name__ == "__main__":
