@@ -42,6 +42,9 @@ class FakeRunner:
         self.states: dict[str, list[int]] = {}
         self.sampler = sampler or (lambda fed: 10 + hash(tuple(fed)) % 1000)
 
+        self.last: list[int] = []  # the previous step's samples (a continuation plan feeds them)
+        self.fed: list[int] = []  # what the last step fed (checked against the rows afterwards)
+
     def run(self, plan):
         for op in plan.ops:
             if isinstance(op, CopyOutOp):
@@ -56,14 +59,33 @@ class FakeRunner:
         for slot, toks in plan.prefill:
             self.slots[slot].extend(toks)
         out = []
+        if plan.cont:  # like the device: the previous step's samples, no host round trip
+            assert not plan.decode_tokens and len(self.last) == plan.n_active
+        feed = self.last if plan.cont else plan.decode_tokens
         for i, seq in enumerate(plan.rows):
             assert self.owner[i] == seq.request_id, "rows must be the active prefix"
-            self.slots[i].append(plan.decode_tokens[i])
+            self.slots[i].append(feed[i])
             out.append(self.sampler(self.slots[i]))
+        self.fed, self.last = list(feed), list(out)
         return out
 
 
+MODE = "plain"
+
+
+@pytest.fixture(autouse=True, params=["plain", "engine"])
+def _mode(request):
+    """Every test twice: plan()/apply() as is, and the engine's way (continuation plans, ids-only
+    apply with the text emitted after the next step ran)."""
+    global MODE
+    MODE = request.param
+    yield
+    MODE = "plain"
+
+
 def run_all(sched, runner, max_steps=10_000, check=None):
+    if MODE == "engine":
+        return run_all_engine(sched, runner, max_steps, check)
     events, steps = {}, 0
     while sched.has_work():
         plan = sched.plan()
@@ -76,6 +98,39 @@ def run_all(sched, runner, max_steps=10_000, check=None):
             events.setdefault(seq.request_id, []).append(ev)
         steps += 1
         assert steps < max_steps
+    return events
+
+
+def run_all_engine(sched, runner, max_steps=10_000, check=None):
+    """The engine's order: plan (continuations allowed), run, THEN the previous step's deferred
+    text (materialize + emit), then the ids-only apply of this step."""
+    events, steps, pending = {}, 0, []
+    sched.n_cont = 0
+
+    def flush():
+        sched.materialize()
+        for seq, token in pending:
+            events.setdefault(seq.request_id, []).append(seq.emit(token))
+        pending.clear()
+
+    while sched.has_work():
+        plan = sched.plan(allow_cont=True)
+        for seq, ev in plan.early:
+            events.setdefault(seq.request_id, []).append(ev)
+        if check:
+            check(plan)
+        tokens = runner.run(plan)
+        flush()
+        if plan.cont:  # what it fed == what the plan would have fed from the rows
+            sched.n_cont += 1
+            assert runner.fed == [q.output_ids[-1] for q in plan.rows]
+        out = sched.apply(plan, tokens, defer_text=True)
+        for seq, ev in out.events:
+            events.setdefault(seq.request_id, []).append(ev)
+        pending = list(out.deferred)
+        steps += 1
+        assert steps < max_steps
+    flush()
     return events
 
 
@@ -304,3 +359,84 @@ def test_scheduler_imports_no_torch():
 
     code = "import sys, server.engine.scheduler, server.engine; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_continuation_plans_and_lazy_ids_only_apply():
+    """The engine's fast path: continuation plans while nothing changes, exact max_tokens and stop
+    ids (another row's stop id does not end a row), the same tokens/text/events as plain."""
+    def go(mode):
+        global MODE
+        MODE = mode
+        s = Scheduler(max_batch=8, step_token_budget=64, prefill_chunk=4)
+        seqs = [make_seq(f"r{i}", list(range(1, 2 + i)), max_tokens=3 + 7 * i, return_state=True,
+                         stop_token_ids=(10 + i, 30 + i), vocab=VOCAB, stop=("\u4e3c", "\u4e5a")[i % 3:][:1])
+                for i in range(6)]  # fmt: skip  (rows 0 and 3 have a stop string, row 1 another)
+        for q in seqs:
+            s.add(q)
+        runner = FakeRunner(8, sampler=lambda fed: 10 + hash(tuple(fed)) % 97)
+        events = run_all(s, runner)
+        return s, runner, seqs, events
+
+    s0, r0, plain, ev0 = go("plain")
+    s1, r1, fast, ev1 = go("engine")
+    assert s1.n_cont > 10
+    for a, b in zip(plain, fast):
+        assert (a.output_ids, a.text, a.finish_reason, a.pending_tokens()) == (
+            b.output_ids, b.text, b.finish_reason, b.pending_tokens())  # fmt: skip
+        assert ev0[a.request_id] == ev1[b.request_id]
+        assert r1.states[b.request_id] + b.pending_tokens() == b.prompt + b.output_ids
+        assert b.finish_reason == STOP or len(b.output_ids) == b.params.max_tokens
+    assert {q.finish_reason for q in fast} == {STOP, LENGTH}
+
+
+def test_continuation_stops_when_a_request_can_be_admitted_or_a_row_ends():
+    s = Scheduler(max_batch=2, step_token_budget=16, prefill_chunk=16)
+    a, b = make_seq("a", [1], max_tokens=50, ignore_eos=True), make_seq("b", [1], max_tokens=50, ignore_eos=True)
+    s.add(a)
+    p = s.plan(allow_cont=True)
+    assert not p.cont  # an admission
+    s.apply(p, [5], defer_text=True)
+    p = s.plan(allow_cont=True)
+    assert not p.cont and p.decode_tokens == [5]  # the first all-decode plan
+    s.apply(p, [6], defer_text=True)
+    assert a.output_ids == [5]  # recorded lazily (nothing can end: no stop ids, far from max_tokens)
+    p = s.plan(allow_cont=True)
+    assert p.cont and p.decode_tokens == [] and p.positions == []
+    s.apply(p, [7], defer_text=True)
+    s.add(b)  # a free slot and a waiting request: a full plan (which brings a up to date)
+    p = s.plan(allow_cont=True)
+    assert not p.cont and a.output_ids == [5, 6, 7] and p.decode_tokens == [7, 1] and p.positions == [3, 0]
+    s.apply(p, [8, 9], defer_text=True)
+    p = s.plan(allow_cont=True)
+    assert not p.cont and p.decode_tokens == [8, 9] and p.positions == [4, 1]
+    s.apply(p, [10, 11], defer_text=True)
+    p = s.plan(allow_cont=True)
+    assert p.cont
+    p.fill_inputs()  # the host fallback of a continuation plan
+    assert p.decode_tokens == [10, 11] and p.positions == [5, 2]
+    s.apply(p, [12, 12], defer_text=True)
+    s.abort("b")  # ends b (after bringing it up to date): the next plan is a full one
+    assert b.output_ids == [9, 11, 12] and b.pending_tokens() == [12]
+    p = s.plan(allow_cont=True)
+    assert not p.cont and p.decode_tokens == [12] and p.positions == [6]
+
+
+@pytest.mark.parametrize("stops", [(), ("lo\n",)])
+def test_record_then_emit_equals_add_token(stops):
+    script = [1, 2, 3, 7, 42, 8, 9, 0, 5]
+    for max_tokens in range(1, 10):
+        for stop_ids in [(), (42,), (9,)]:
+            kw = dict(max_tokens=max_tokens, vocab=VOCAB, stop_token_ids=stop_ids, stop=stops)
+            a, b = make_seq("a", [1], **kw), make_seq("b", [1], **kw)
+            ea, eb = [], []
+            for t in script:
+                if a.finished:
+                    break
+                ea.append(a.add_token(t))
+                if b._has_stops:  # stop strings: the engine keeps add_token (text decides)
+                    eb.append(b.add_token(t))
+                else:
+                    b.record(t)
+                    eb.append(b.emit(t))
+            assert ea == eb and a.text == b.text and a.output_ids == b.output_ids
+            assert (a.finish_reason, a.status) == (b.finish_reason, b.status)

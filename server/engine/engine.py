@@ -24,6 +24,15 @@ So continuing is exactly equivalent to never having stopped: submit
 Penalties and the seeded random stream restart with each request (a continuation request can
 pass the same seed; positions count from its first generated token).
 
+The critical path (CUDA, defer_delivery). Between a step's token ids reaching the host and the
+next launch, only id bookkeeping runs: `Scheduler.apply(..., defer_text=True)` decides stop token
+ids and max_tokens from the ids (when no sampled id is any row's stop id and no row reaches
+max_tokens, one set test and nothing per row: the ids are recorded lazily), then a continuation
+plan (nothing changed: same rows, all decoding) is launched from the previous step's ids on the
+device. Detokenizing, events, results and their delivery run after that launch, while the device
+works (`_flush_deferred`). Sequences with stop strings are decided on text before the launch
+(their end depends on it); an abort brings the sequence's text up to date first.
+
 Threads. submit/abort/stats may be called from any thread (including an event loop thread:
 they never wait for the engine). Events are pushed once per step per request; asyncio consumers
 are woken with one call_soon_threadsafe per event loop per step. A request that fails (bad
@@ -86,11 +95,14 @@ class Engine:
         self._dead: BaseException | None = None
         self._step_failures = 0
         self._stats = StatsTracker(s.stats_interval)
-        self._deferred: Deliveries | None = None
+        self._deferred: tuple[Deliveries, list] | None = None
+        """The last step's deliveries and its deferred text work ((seq, token) to emit)."""
         self.defer_delivery = on_cuda
-        """Deliver a step's events after the NEXT step is launched (while the device runs), so
-        the consumers' threads do not take the GIL in the middle of a launch. Only worth it
-        when the launch is asynchronous (CUDA); on the CPU it would only add a step of latency."""
+        """Detokenize, check and deliver a step's events after the NEXT step is launched (while
+        the device runs): between a step's token ids reaching the host and the next launch only
+        id bookkeeping runs (stop token ids, max_tokens; sequences with stop strings are checked
+        on text before the launch). Only worth it when the launch is asynchronous (CUDA); on the
+        CPU it would only add a step of latency."""
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -227,6 +239,7 @@ class Engine:
             if kind == "add":
                 self.scheduler.add(item)  # type: ignore[arg-type]
             else:
+                self._flush_deferred()  # the sequence's text must be up to date before it ends
                 ended = self.scheduler.abort(item)  # type: ignore[arg-type]
                 if ended is not None:
                     self._finished(ended[0], ended[1], d)
@@ -235,7 +248,7 @@ class Engine:
     def _step(self) -> None:
         t0, m0, s0 = time.perf_counter(), self.runner.model_time, self.runner.sample_time
         d = Deliveries()
-        plan = self.scheduler.plan()
+        plan = self.scheduler.plan(allow_cont=True)
         for seq, ev in plan.early:
             self._finished(seq, ev, d)
         for seq, msg in self.runner.prepare(plan).failed:
@@ -246,29 +259,57 @@ class Engine:
             log.exception("prefill failed")
             for slot, _ in plan.prefill:
                 self._fail_seq(plan.rows[slot], f"prefill failed: {exc!r}", d)
-        tokens = self._decode(plan, d)  # delivers the previous step's events while the device runs
+        tokens = self._decode(plan, d)  # the previous step's text + events while the device runs
         decoded = 0
+        emits: list = []
         if tokens is not None:
-            out = self.scheduler.apply(plan, tokens)
+            out = self.scheduler.apply(plan, tokens, defer_text=True)  # ids only (+ stop-string rows)
             decoded = out.decode_tokens
+            emits = out.deferred
             for seq, ev in out.events:
                 if ev.finished:
                     self._finished(seq, ev, d)
                 else:
                     d.add(seq.sink, ev)
-        self._deliver_states(d)
         if self.defer_delivery:
-            self._deferred = d  # delivered once the next step is launched (or when idle)
+            self._deliver_states(d)
+            self._deferred = (d, emits)  # text + delivery once the next step is launched (or when idle)
         else:
-            d.deliver()
+            self._deferred = (d, emits)
+            self._flush_deferred()
+            self._deliver_states(Deliveries()).deliver()
         self._stats.record(time.perf_counter() - t0, self.runner.model_time - m0, self.runner.sample_time - s0,
                            decoded, plan.n_prefill_tokens, plan.bucket)  # fmt: skip
         self._stats.roll(self.scheduler.num_running, self.scheduler.num_waiting)
 
     def _flush_deferred(self) -> None:
-        d, self._deferred = self._deferred, None
-        if d is not None:
-            d.deliver()
+        """The last step's deferred work: detokenize its recorded tokens (seq.emit), finish the
+        sequences that ended, deliver its events."""
+        post, self._deferred = self._deferred, None
+        if post is None:
+            return
+        d, emits = post
+        self.scheduler.materialize()  # the ids recorded lazily by the scheduler's fast path
+        add, finished = d.add, self._finished
+        for seq, token in emits:
+            try:
+                ev = seq.emit(token)
+            except Exception as exc:  # one bad sequence fails alone
+                ev = self._emit_failed(seq, exc)
+                if ev is None:
+                    continue
+            if ev.finished:
+                finished(seq, ev, d)
+            else:
+                add(seq.sink, ev)
+        d.deliver()
+
+    def _emit_failed(self, seq: Sequence, exc: Exception) -> Event | None:
+        msg = f"{type(exc).__name__}: {exc}"
+        if not seq.finished:  # still running: fail it (its slot is freed)
+            return self.scheduler.fail(seq, msg)
+        seq.error, seq.finish_reason = msg, ERROR  # ended by its ids, slot already freed
+        return Event("", [], len(seq.output_ids), True, ERROR)
 
     def _decode(self, plan: StepPlan, d: Deliveries) -> list[int] | None:
         try:

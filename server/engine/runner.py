@@ -9,6 +9,9 @@ Per step (see scheduler.py for the plan's meaning), in this order:
    the bucket (or one CUDA-graph replay of both), then ONE device->host copy of the token ids
    into a pinned buffer (`launch`); `finish` waits for it with the GIL released (the engine
    delivers the previous step's events in between).
+   A continuation plan (StepPlan.cont: same rows as the previous step, all decoding) is fed on
+   the device: the previous step's sampled ids (or its host-resolved ids after overflow rows),
+   positions + 1, the same commit mask: no host lists, no host->device copy.
 States are updated in place in the pool; nothing is copied per step except moves/admissions.
 
 Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
@@ -46,6 +49,9 @@ class _Launched:
     pos: torch.Tensor  # (b,) positions on the device
     commit: torch.Tensor  # (b,) bool
     t_launch: float
+    b: int = 0
+    greedy: bool = False
+    host_ids: "list[int] | None" = None  # set when overflow rows were re-sampled on the host
 
 
 @dataclass
@@ -67,6 +73,7 @@ class Runner:
         self._d2h = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.cuda)  # (M,) sampled ids
         self._d2h_done = torch.cuda.Event() if self.cuda else None
         self._copies: list[_PendingCopy] = []
+        self._last: _Launched | None = None  # the previous decode (a continuation plan feeds on it)
         self._ready: list[tuple[Sequence, State]] = []
         self.graphs = None
         if cuda_graphs and self.cuda:
@@ -111,18 +118,30 @@ class Runner:
         if n == 0:
             return None
         t0 = time.perf_counter()
-        h = self._h2d
-        h[:, :n] = torch.tensor([plan.decode_tokens, plan.positions, plan.commit], dtype=torch.long)  # (3, n)
-        if b > n:
-            h[:, n:b] = 0
-        dev = h[:, :b].to(self.device, non_blocking=True)  # (3, b)
-        ids, pos, commit = dev[0], dev[1], dev[2].bool()
+        last, self._last = self._last, None
+        if plan.cont and last is not None and last.n == n and last.b == b:
+            # the previous step's sampled ids feed this one on the device (no host round trip)
+            if last.host_ids is None:
+                ids = last.tok
+            else:  # overflow rows were re-sampled on the host
+                ids = torch.tensor(last.host_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            if b > n and self.graphs is None:
+                ids = torch.cat([ids, ids.new_zeros(b - n)])
+            pos, commit, greedy = last.pos + 1, last.commit, last.greedy
+        else:
+            plan.fill_inputs()
+            h = self._h2d
+            h[:, :n] = torch.tensor([plan.decode_tokens, plan.positions, plan.commit], dtype=torch.long)  # (3, n)
+            if b > n:
+                h[:, n:b] = 0
+            dev = h[:, :b].to(self.device, non_blocking=True)  # (3, b)
+            ids, pos, commit = dev[0], dev[1], dev[2].bool()
+            greedy = self.graphs is None and all(s.params.temperature == 0 for s in plan.rows)
         logits = None
         if self.graphs is not None:
             tok = self.graphs.step(n, ids[:n], pos[:n], commit[:n])  # (n,)
         else:
             logits = self.model.decode(ids, self.pool.view(0, b))  # (b, V) fp32
-            greedy = all(s.params.temperature == 0 for s in plan.rows)
             tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)[:n]  # (n,)
             logits = logits[:n]
         if self.cuda:
@@ -130,7 +149,9 @@ class Runner:
             self._d2h_done.record()
         t1 = time.perf_counter()
         self.model_time += t1 - t0
-        return _Launched(n, tok, logits, pos, commit, t1)
+        job = _Launched(n, tok, logits, pos, commit, t1, b, greedy)
+        self._last = job
+        return job
 
     def finish(self, job: "_Launched | None") -> list[int]:
         """Wait for a launched step (GIL released while waiting) and return its token ids."""
@@ -144,6 +165,7 @@ class Runner:
         if out and min(out) < 0:  # rows whose kept set did not fit the sampler's candidates
             logits = job.logits if job.logits is not None else self.graphs.logits(job.n)
             out = self._resolve(out, logits, job.pos, job.commit)
+            job.host_ids = list(out)
         self.sample_time += time.perf_counter() - job.t_launch
         return out
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .sequence import RUNNING, WAITING, Sequence
 from .types import ABORT, ERROR, LENGTH, Event, QueueFullError
@@ -66,6 +66,22 @@ class StepPlan:
     bucket: int = 0
     early: list[tuple[Sequence, Event]] = field(default_factory=list)
     """Sequences that ended at admission (prefill-only with an empty prompt: nothing to run)."""
+    cont: bool = False
+    """A continuation of the previous plan (plan(allow_cont=True)): the same rows in the same
+    slots, every row decoding the token it sampled in the previous step at the next position.
+    decode_tokens and positions are left EMPTY: the runner takes them from the previous step on
+    the device (tokens) and adds 1 (positions); `fill_inputs()` computes them from the rows."""
+
+    sync: "Callable[[], None] | None" = field(default=None, repr=False)
+    """Brings the rows' bookkeeping up to date (Scheduler.materialize), for fill_inputs."""
+
+    def fill_inputs(self) -> None:
+        """decode_tokens/positions of a continuation plan, from its rows (host fallback)."""
+        if self.cont and not self.decode_tokens and self.rows:
+            if self.sync is not None:
+                self.sync()
+            self.decode_tokens = [s.output_ids[-1] for s in self.rows]
+            self.positions = [len(s.output_ids) for s in self.rows]
 
     @property
     def n_active(self) -> int:
@@ -85,6 +101,9 @@ class StepPlan:
 class StepOutput:
     events: list[tuple[Sequence, Event]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
+    deferred: "list[tuple[Sequence, int]] | Iterable[tuple[Sequence, int]]" = field(default_factory=list)
+    """apply(defer_text=True): (seq, token) rows whose event is `seq.emit(token)`, to be called
+    later, in order, after `Scheduler.materialize()` (their stop/finish is already decided)."""
     decode_tokens: int = 0
     """Generated tokens committed this step."""
 
@@ -110,6 +129,16 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence] = []  # active prefix; slots[i].slot == i
         self._ops: list[MoveOp | CopyOutOp] = []
+        self._gen = 0  # bumped whenever the active slot set changes (admission, release)
+        self._last: StepPlan | None = None
+        self._last_gen = -1
+        self._last_decode_only = False
+        # the id-only fast path of apply() (see apply): facts about the current row set
+        self._fast_gen = -1  # the _gen they hold for (-1: not eligible)
+        self._stop_union: frozenset[int] = frozenset()  # every row's stop token ids
+        self._min_left = 0  # min over rows of max_tokens - tokens generated before the next apply
+        self._lazy: tuple[list[Sequence], list[int]] | None = None
+        self._text_rows: list[int] = []  # rows with stop strings (decided on text, not lazily)
 
     # --- queries --------------------------------------------------------------------------
     @property
@@ -132,6 +161,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> tuple[Sequence, Event] | None:
         """End a waiting or running sequence by request identity (its slot is freed at once)."""
+        self.materialize()
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
@@ -145,6 +175,7 @@ class Scheduler:
 
     def fail(self, seq: Sequence, message: str) -> Event | None:
         """Fail one sequence (the others are untouched); its slot is freed at once."""
+        self.materialize()
         if seq.finished:
             return None
         if seq.status == WAITING:
@@ -155,8 +186,20 @@ class Scheduler:
         return ev
 
     # --- the step -------------------------------------------------------------------------
-    def plan(self) -> StepPlan:
-        """The next step's plan (call apply() with its sampled tokens afterwards)."""
+    def plan(self, allow_cont: bool = False) -> StepPlan:
+        """The next step's plan (call apply() with its sampled tokens afterwards).
+        allow_cont: return a continuation plan (StepPlan.cont, no per-row work) when nothing
+        changed since the previous plan: every row was decoding (no prompt tokens), no slot was
+        admitted or released since, no ops are pending and no waiting request could be admitted."""
+        last = self._last
+        if (allow_cont and last is not None and self._last_decode_only and self._gen == self._last_gen
+                and not self._ops and not (self.waiting and len(self.slots) < self.max_batch)
+                and len(last.rows) == len(self.slots)):  # fmt: skip
+            plan = StepPlan(rows=last.rows, takes=last.takes, commit=last.commit, bucket=last.bucket, cont=True,
+                            sync=self.materialize)  # fmt: skip
+            self._last = plan
+            return plan
+        self.materialize()
         plan = StepPlan(ops=self._ops)
         self._ops = []
         budget = self.budget - len(self.slots)
@@ -178,6 +221,16 @@ class Scheduler:
             budget -= take
             self._add_row(plan, seq, take)
         plan.bucket = bucket_for(len(plan.rows), self.max_batch)
+        if plan.admits:
+            self._gen += 1
+        self._last, self._last_gen = plan, self._gen
+        self._last_decode_only = bool(plan.rows) and not any(plan.takes)
+        self._fast_gen = -1
+        if self._last_decode_only:
+            self._fast_gen = self._gen
+            self._stop_union = frozenset().union(*(s.stop_ids for s in plan.rows))
+            self._min_left = min(s.params.max_tokens - p for s, p in zip(plan.rows, plan.positions))
+            self._text_rows = [i for i, s in enumerate(plan.rows) if s._has_stops]
         return plan
 
     def _chunk(self, seq: Sequence, allowed: int) -> int:
@@ -197,13 +250,70 @@ class Scheduler:
             plan.decode_tokens.append(seq.output_ids[-1])
             plan.commit.append(True)
 
-    def apply(self, plan: StepPlan, sampled: list[int]) -> StepOutput:
-        """Record the step's sampled tokens (row i = slot i), check stops, free finished slots."""
+    def apply(self, plan: StepPlan, sampled: list[int], defer_text: bool = False) -> StepOutput:
+        """Record the step's sampled tokens (row i = slot i), check stops, free finished slots.
+        defer_text: decoding rows of sequences without stop strings only record their token
+        (ids decide their end: stop token id, max_tokens); their events come from
+        `seq.emit(token)` for each of out.deferred, called later (after the next launch)."""
+        self.materialize()
         out = StepOutput()
         done: list[Sequence] = []
+        if defer_text and plan is self._last and self._fast_gen == self._gen:
+            # every row decodes and no row ended since the plan: if no sampled id can be a stop
+            # id and no row reaches max_tokens, only rows with stop strings can end: record the
+            # others lazily (materialize), handle those on their text now
+            left = self._min_left
+            self._min_left = left - 1
+            if left > 1 and self._stop_union.isdisjoint(sampled):
+                rows = plan.rows
+                self._lazy = (rows, sampled)
+                out.decode_tokens = len(rows)
+                if not self._text_rows:
+                    out.deferred = zip(rows, sampled)
+                    return out
+                for i in self._text_rows:
+                    seq = rows[i]
+                    if seq.status != RUNNING:
+                        continue
+                    seq.n_out_fed += 1
+                    try:
+                        ev = seq.add_token(sampled[i])
+                    except Exception as exc:  # one bad sequence fails alone
+                        ev = seq.finish(ERROR, f"{type(exc).__name__}: {exc}")
+                    if ev is not None:
+                        out.events.append((seq, ev))
+                        if ev.finished:
+                            done.append(seq)
+                out.deferred = ((q, t) for q, t in zip(rows, sampled) if not q._has_stops)
+                self._release(done)
+                out.finished.extend(done)
+                return out
+        if defer_text:
+            deferred = out.deferred
+            n_rec = 0
+            for seq, take, token in zip(plan.rows, plan.takes, sampled):
+                if take or seq._has_stops or seq.status != RUNNING:
+                    continue
+                seq.n_out_fed += 1  # consume(0): its pending token was fed by this step
+                n_rec += 1
+                try:
+                    if seq.record(token):
+                        done.append(seq)
+                except Exception as exc:  # one bad sequence fails alone
+                    out.events.append((seq, seq.finish(ERROR, f"{type(exc).__name__}: {exc}")))
+                    done.append(seq)
+                    continue
+                deferred.append((seq, token))
+            out.decode_tokens += n_rec
+            if n_rec == len(plan.rows):  # every row done here (the common case)
+                self._release(done)
+                out.finished.extend(done)
+                return out
         for i, seq in enumerate(plan.rows):
             if seq.finished:  # failed or aborted while the step ran
                 continue
+            if defer_text and not plan.takes[i] and not seq._has_stops:
+                continue  # recorded above
             try:
                 ev = self._apply_row(seq, plan.takes[i], plan.commit[i], sampled[i], out)
             except Exception as exc:  # one bad sequence fails alone
@@ -224,6 +334,17 @@ class Scheduler:
             return None
         out.decode_tokens += 1
         return seq.add_token(token)
+
+    def materialize(self) -> None:
+        """Record the tokens of the last fast-path apply into their sequences (output_ids, fed
+        counts). Called by every method that reads or ends sequences, and by the engine before
+        it emits their events."""
+        lazy, self._lazy = self._lazy, None
+        if lazy is not None:
+            for seq, token in zip(*lazy):
+                if not seq._has_stops:  # those were recorded at once (add_token)
+                    seq.n_out_fed += 1
+                    seq.output_ids.append(token)
 
     # --- ending sequences ---------------------------------------------------------
     def _release(self, done: Iterable[Sequence]) -> None:
@@ -247,5 +368,6 @@ class Scheduler:
         for seq in done:
             seq.slot = -1
         del self.slots[n_new:]
+        self._gen += 1
         if pairs:
             self._ops.append(MoveOp(pairs))

@@ -187,6 +187,43 @@ class Sequence:
         self.text_parts.append(text)
         return Event(text, [token], len(out))
 
+    # --- the split form of add_token (engine fast path: ids before the next launch, text after) ---
+    def record(self, token: int) -> bool:
+        """The id-only part of add_token (no text): count the token, decide a stop token id or
+        max_tokens; True if the sequence finished. Only for sequences WITHOUT stop strings (their
+        end depends on text). `emit(token)` must follow, before anything else touches the sequence."""
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+        if token in self.stop_ids:
+            self._end(STOP)
+            return True
+        out = self.output_ids
+        out.append(token)
+        if len(out) >= self.params.max_tokens:
+            self._end(LENGTH)
+            return True
+        return False
+
+    def emit(self, token: int) -> Event:
+        """The text part of add_token after record(token): the same Event add_token returns."""
+        reason = self.finish_reason
+        if reason is None:
+            text = self._push_one(token)
+            self.text_parts.append(text)
+            return Event(text, [token], len(self.output_ids))
+        if reason == STOP:  # a stop token id: not emitted
+            tail = self._flush_text()
+            self.text_parts.append(tail)
+            return Event(tail, [], len(self.output_ids), True, STOP)
+        text = self._push_one(token) + self._flush_text()
+        self.text_parts.append(text)
+        return Event(text, [token], len(self.output_ids), True, reason)
+
+    def _end(self, reason: str) -> None:
+        self.status = FINISHED
+        self.finish_reason = reason
+        self.t_finish = time.monotonic()
+
     def finish(self, reason: str, error: str | None = None) -> Event:
         """End the sequence now (stop token, abort, error, prefill-only done)."""
         self.error = error
