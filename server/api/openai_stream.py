@@ -106,15 +106,11 @@ async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_u
             if job.finish_reason is not None:
                 out += chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))])
                 if all(j.done for j in jobs):  # the last one: the end goes in the same write
-                    if include_usage:
-                        out += chunk([], usage(jobs, meta))
-                    yield out + DONE
+                    yield out + _stream_end(jobs, meta, include_usage, chunk)
                     return
             if out:
                 yield out
-    if include_usage:
-        yield chunk([], usage(jobs, meta))
-    yield DONE
+    yield _stream_end(jobs, meta, include_usage, chunk)
 
 
 # --- completions ---------------------------------------------------------------------------------
@@ -165,12 +161,13 @@ async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
             if last.finished:
                 out += chunk([choice(job, last.text, FINISH.get(job.finish_reason, job.finish_reason))])
                 if all(j.done for j in jobs):  # the last one: the end goes in the same write
-                    if include_usage:
-                        out += chunk([], usage(jobs, meta))
-                    yield out + DONE
+                    yield out + _stream_end(jobs, meta, include_usage, chunk)
                     return
             if out:
                 yield out
-    if include_usage:
-        yield chunk([], usage(jobs, meta))
-    yield DONE
+    yield _stream_end(jobs, meta, include_usage, chunk)
+
+
+def _stream_end(jobs: list[Job], meta: Meta, include_usage: bool, chunk) -> bytes:
+    """The bytes that end a stream: the usage chunk (when asked for), then [DONE]."""
+    return (chunk([], usage(jobs, meta)) if include_usage else b"") + DONE
