@@ -24,14 +24,8 @@ So continuing is exactly equivalent to never having stopped: submit
 Penalties and the seeded random stream restart with each request (a continuation request can
 pass the same seed; positions count from its first generated token).
 
-The critical path (CUDA, defer_delivery). Between a step's token ids reaching the host and the
-next launch, only id bookkeeping runs: `Scheduler.apply(..., defer_text=True)` decides stop token
-ids and max_tokens from the ids (when no sampled id is any row's stop id and no row reaches
-max_tokens, one set test and nothing per row: the ids are recorded lazily), then a continuation
-plan (nothing changed: same rows, all decoding) is launched from the previous step's ids on the
-device. Detokenizing, events, results and their delivery run after that launch, while the device
-works (`_flush_deferred`). Sequences with stop strings are decided on text before the launch
-(their end depends on it); an abort brings the sequence's text up to date first.
+The critical path (CUDA, defer_delivery): only id bookkeeping runs between a step's token ids
+reaching the host and the next launch; text, events and delivery follow it (see delivery.py).
 
 Threads. submit/abort/stats may be called from any thread (including an event loop thread:
 they never wait for the engine). Events are pushed once per step per request; asyncio consumers
@@ -53,13 +47,13 @@ from typing import Sequence as Seq
 
 from server.config import Settings
 
-from .handle import Deliveries, RequestHandle, wake_loops
+from .delivery import DeliveryMixin
+from .handle import Deliveries, RequestHandle
 from .runner import Runner, _check_state
 from .scheduler import Scheduler, StepPlan
 from .sequence import FastDecoder, Sequence
 from .stats import StatsTracker
 from .types import (
-    ERROR,
     EngineDeadError,
     EngineStats,
     Event,
@@ -75,7 +69,7 @@ MAX_STEP_FAILURES = 3
 """Consecutive failed decode steps after which the loop declares itself dead."""
 
 
-class Engine:
+class Engine(DeliveryMixin):
     def __init__(self, model, tokenizer, settings: Settings | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.settings = settings or Settings()
@@ -282,35 +276,6 @@ class Engine:
                            decoded, plan.n_prefill_tokens, plan.bucket)  # fmt: skip
         self._stats.roll(self.scheduler.num_running, self.scheduler.num_waiting)
 
-    def _flush_deferred(self) -> None:
-        """The last step's deferred work: detokenize its recorded tokens (seq.emit), finish the
-        sequences that ended, deliver its events."""
-        post, self._deferred = self._deferred, None
-        if post is None:
-            return
-        d, emits = post
-        self.scheduler.materialize()  # the ids recorded lazily by the scheduler's fast path
-        add, finished = d.add, self._finished
-        for seq, token in emits:
-            try:
-                ev = seq.emit(token)
-            except Exception as exc:  # one bad sequence fails alone
-                ev = self._emit_failed(seq, exc)
-                if ev is None:
-                    continue
-            if ev.finished:
-                finished(seq, ev, d)
-            else:
-                add(seq.sink, ev)
-        d.deliver()
-
-    def _emit_failed(self, seq: Sequence, exc: Exception) -> Event | None:
-        msg = f"{type(exc).__name__}: {exc}"
-        if not seq.finished:  # still running: fail it (its slot is freed)
-            return self.scheduler.fail(seq, msg)
-        seq.error, seq.finish_reason = msg, ERROR  # ended by its ids, slot already freed
-        return Event("", [], len(seq.output_ids), True, ERROR)
-
     def _decode(self, plan: StepPlan, d: Deliveries) -> list[int] | None:
         try:
             job = self.runner.launch(plan)
@@ -333,58 +298,6 @@ class Engine:
         for seq in plan.rows:
             self._fail_seq(seq, f"decode step failed: {exc!r}", d)
         return None
-
-    # --- finishing requests -----------------------------------------------------------------
-    def _fail_seq(self, seq: Sequence, msg: str, d: Deliveries) -> None:
-        ev = self.scheduler.fail(seq, msg)
-        if ev is not None:
-            self._finished(seq, ev, d)
-
-    def _finished(self, seq: Sequence, ev: Event, d: Deliveries) -> None:
-        if seq.return_state and seq.finish_reason != ERROR:
-            if seq.state_queued:  # the runner copies it out at the next step: wait for it
-                self._awaiting_state[id(seq)] = ev
-                return
-            st = seq.init_state.to("cpu").clone() if seq.init_state is not None else self.runner.state_template()
-            seq.init_state = None
-            return self._complete(seq, ev, st, d)
-        seq.init_state = None
-        self._complete(seq, ev, None, d)
-
-    def _deliver_states(self, d: Deliveries, wait: bool = False) -> Deliveries:
-        for seq, st in self.runner.poll_copies(wait):
-            ev = self._awaiting_state.pop(id(seq), None)
-            if ev is not None:
-                self._complete(seq, ev, st, d)
-        return d
-
-    def _complete(self, seq: Sequence, ev: Event, state, d: Deliveries) -> None:
-        t_end = seq.t_finish or time.monotonic()
-        t_first = seq.t_first or t_end
-        res = Result(
-            request_id=seq.request_id, text=seq.text, token_ids=list(seq.output_ids),
-            prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output_ids),
-            finish_reason=seq.finish_reason or ERROR, prefill_time=t_first - seq.t_submit,
-            gen_time=t_end - t_first, state=state, error=seq.error,
-            pending_tokens=seq.pending_tokens() if seq.finish_reason != ERROR else [],
-        )  # fmt: skip
-        with self._lock:
-            self._live.pop(seq.request_id, None)
-        self._stats.finished_total += 1
-        d.add(seq.sink, ev, res)
-
-    def _fail_all(self, exc: EngineDeadError) -> None:
-        with self._lock:
-            handles = list(self._live.values())
-            self._live.clear()
-            self._inbox.clear()
-            self._inbox_adds = 0
-        loops: dict = {}
-        for h in handles:
-            loop = h._fail(exc)
-            if loop is not None:
-                loops.setdefault(loop, []).append(h)
-        wake_loops(loops)
 
 
 def _decoder(tokenizer, vocab_size: int):

@@ -20,102 +20,21 @@ Token budget. A step processes at most `budget = max(step_token_budget, max_batc
 one per active row first (decode), then prompt chunks (each at most `prefill_chunk` tokens per
 sequence, oldest prefilling sequence first), then new admissions (FIFO, each needs at least one
 token of budget and a free slot). A burst of short prompts is admitted and prefilled together.
+
+The plan/result types (StepPlan, StepOutput, MoveOp, CopyOutOp, bucket_for) live in plan.py
+and are re-exported here.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
+from .plan import CopyOutOp, MoveOp, StepOutput, StepPlan, bucket_for
 from .sequence import RUNNING, WAITING, Sequence
 from .types import ABORT, ERROR, LENGTH, Event, QueueFullError
 
-
-@dataclass
-class MoveOp:
-    """Copy slot src -> dst for each pair (state, penalties, sampling params); pairs are disjoint."""
-
-    pairs: list[tuple[int, int]]  # (dst, src)
-
-
-@dataclass
-class CopyOutOp:
-    """Copy this finished sequence's state out of its slot (before later ops reuse the slot)."""
-
-    slot: int
-    seq: Sequence
-
-
-@dataclass
-class StepPlan:
-    ops: list[MoveOp | CopyOutOp] = field(default_factory=list)
-    """Executed in order, before anything else of the step."""
-    admits: list[tuple[int, Sequence]] = field(default_factory=list)
-    """(slot, seq): reset the slot (zeros or seq.init_state), penalties and sampling params."""
-    prefill: list[tuple[int, list[int]]] = field(default_factory=list)
-    """(slot, tokens) for model.forward, run before the decode."""
-    rows: list[Sequence] = field(default_factory=list)
-    """Row i = slot i, for i < n_active."""
-    takes: list[int] = field(default_factory=list)
-    """Prompt tokens each row consumes this step (0 = the row feeds its pending output token)."""
-    decode_tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    """Index of the generated token each row samples (the random stream's counter)."""
-    commit: list[bool] = field(default_factory=list)
-    bucket: int = 0
-    early: list[tuple[Sequence, Event]] = field(default_factory=list)
-    """Sequences that ended at admission (prefill-only with an empty prompt: nothing to run)."""
-    cont: bool = False
-    """A continuation of the previous plan (plan(allow_cont=True)): the same rows in the same
-    slots, every row decoding the token it sampled in the previous step at the next position.
-    decode_tokens and positions are left EMPTY: the runner takes them from the previous step on
-    the device (tokens) and adds 1 (positions); `fill_inputs()` computes them from the rows."""
-
-    sync: "Callable[[], None] | None" = field(default=None, repr=False)
-    """Brings the rows' bookkeeping up to date (Scheduler.materialize), for fill_inputs."""
-
-    def fill_inputs(self) -> None:
-        """decode_tokens/positions of a continuation plan, from its rows (host fallback)."""
-        if self.cont and not self.decode_tokens and self.rows:
-            if self.sync is not None:
-                self.sync()
-            self.decode_tokens = [s.output_ids[-1] for s in self.rows]
-            self.positions = [len(s.output_ids) for s in self.rows]
-
-    @property
-    def n_active(self) -> int:
-        return len(self.rows)
-
-    @property
-    def n_prefill_tokens(self) -> int:
-        return sum(self.takes)
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens this step feeds through the model (without bucket padding)."""
-        return sum(len(t) for _, t in self.prefill) + len(self.rows)
-
-
-@dataclass
-class StepOutput:
-    events: list[tuple[Sequence, Event]] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)
-    deferred: "list[tuple[Sequence, int]] | Iterable[tuple[Sequence, int]]" = field(default_factory=list)
-    """apply(defer_text=True): (seq, token) rows whose event is `seq.emit(token)`, to be called
-    later, in order, after `Scheduler.materialize()` (their stop/finish is already decided)."""
-    decode_tokens: int = 0
-    """Generated tokens committed this step."""
-
-
-def bucket_for(n: int, max_batch: int) -> int:
-    """Smallest power of two >= n, capped at max_batch (0 for n == 0)."""
-    if n <= 0:
-        return 0
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, max_batch)
+__all__ = ["Scheduler", "StepPlan", "StepOutput", "MoveOp", "CopyOutOp", "bucket_for"]
 
 
 class Scheduler:
