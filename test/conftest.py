@@ -17,3 +17,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """(model, tokenizer, started engine) on the tiny synthetic model, shared by a test module."""
+    import torch
+
+    from server.config import Settings
+    from server.engine import Engine
+    from server.model import load_model
+    from server.tokenizer import get_tokenizer
+
+    model = load_model("synthetic:tiny", device="cpu", dtype=torch.float32, state_dtype=torch.float32)
+    tok = get_tokenizer()
+    eng = Engine(model, tok, Settings(device="cpu", max_batch=64, stats_interval=0, cuda_graphs=False))
+    eng.start()
+    yield model, tok, eng
+    eng.shutdown()

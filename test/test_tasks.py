@@ -7,26 +7,12 @@ import asyncio
 import sqlite3
 
 import pytest
-import torch
 
 from server.config import Settings
-from server.engine import Engine
-from server.model import load_model
 from server.tasks import TaskConflict, TaskForbidden, TaskManager, TaskNotFound, fim_prompt
 from server.tasks.streaming import events
-from server.tokenizer import get_tokenizer
 
 GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
-
-
-@pytest.fixture(scope="module")
-def parts():
-    model = load_model("synthetic:tiny", device="cpu", dtype=torch.float32, state_dtype=torch.float32)
-    tok = get_tokenizer()
-    eng = Engine(model, tok, Settings(device="cpu", max_batch=64, stats_interval=0, cuda_graphs=False))
-    eng.start()
-    yield model, tok, eng
-    eng.shutdown()
 
 
 def settings(tmp_path, **kw) -> Settings:

@@ -77,12 +77,7 @@ def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
 async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_usage: bool) -> AsyncIterator[bytes]:
     base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
             "system_fingerprint": None}
-
-    def chunk(choices: list[dict[str, Any]], use: Any = None) -> bytes:
-        body = {**base, "choices": choices}
-        if include_usage:
-            body["usage"] = use
-        return event(body)
+    chunk = _chunker(base, include_usage)
 
     def choice(job: Job, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {"index": job.index, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -131,12 +126,7 @@ async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
                             include_usage: bool) -> AsyncIterator[bytes]:
     base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": None}
-
-    def chunk(choices: list[dict[str, Any]], use: Any = None) -> bytes:
-        body = {**base, "choices": choices}
-        if include_usage:
-            body["usage"] = use
-        return event(body)
+    chunk = _chunker(base, include_usage)
 
     def choice(job: Job, text: str, finish: str | None = None) -> dict[str, Any]:
         return {"index": job.index, "text": text, "logprobs": None, "finish_reason": finish}
@@ -166,6 +156,18 @@ async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
             if out:
                 yield out
     yield _stream_end(jobs, meta, include_usage, chunk)
+
+
+def _chunker(base: dict[str, Any], include_usage: bool):
+    """chunk(choices, usage=None) -> one SSE event of this stream (usage key only when asked for)."""
+
+    def chunk(choices: list[dict[str, Any]], use: Any = None) -> bytes:
+        body = {**base, "choices": choices}
+        if include_usage:
+            body["usage"] = use
+        return event(body)
+
+    return chunk
 
 
 def _stream_end(jobs: list[Job], meta: Meta, include_usage: bool, chunk) -> bytes:
