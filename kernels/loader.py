@@ -24,41 +24,16 @@ import threading
 import time
 from pathlib import Path
 
+from kernels.signatures import HEADERS, SIGNATURES, SOURCES
+
 log = logging.getLogger("rwkv.kernels")
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "fused_elementwise.cu")
-HEADERS = ("wkv7_common.cuh",)
 DT_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 _lock = threading.Lock()
 _libs: dict[tuple, ctypes.CDLL | None] = {}
-
-_LL, _I, _P = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
-_SIGNATURES = {
-    # f_dt, s_dt, raw_w, state, s_bstride, slots, B, H, r, w, k, v, a, b,
-    # act_bstride, w_bstride, y, y_bstride, stream
-    "wkv7_decode": [_I, _I, _I, _P, _LL, _P, _I, _I, _P, _P, _P, _P, _P, _P, _LL, _LL, _P, _LL, _P],
-    # f_dt, s_dt, raw_w, state, s_bstride, slots, lengths, B, T, H, r, w, k, v, a, b,
-    # act_bstride, act_tstride, w_bstride, w_tstride, y, y_bstride, y_tstride, stream
-    "wkv7_chunk": [_I, _I, _I, _P, _LL, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P,
-                   _LL, _LL, _LL, _LL, _P, _LL, _LL, _P],
-    # f_dt, s_dt, state, s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride,
-    # k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride, w0, a0, v0, stream
-    "wkv7_tmix_decode": [_I, _I, _P, _LL, _I, _I] + [_P] * 8 + [_LL] + [_P] * 5
-                        + [_I, ctypes.c_float, _P, _LL, _P, _P, _P, _P],
-    # f_dt, B, H, r, k, v, wz, az, vz, v_first, act_bstride, k_k, k_a, r_k, layer0, buf, bonus,
-    # w0, a0, v0, stream
-    "wkv7_tmix_prep": [_I, _I, _I] + [_P] * 7 + [_LL] + [_P] * 3 + [_I, _P, _P, _P, _P, _P, _P],
-    # f_dt, B, H, y, vbuf, bonus, g, act_bstride, lnx_w, lnx_b, gn_eps, out, out_bstride, stream
-    "wkv7_tmix_post": [_I, _I, _I, _P, _P, _P, _P, _LL, _P, _P, ctypes.c_float, _P, _LL, _P],
-    # fused_elementwise.cu: f_dt, B, C, x, x_bs, dx, dx_bs, ln_w, ln_b, eps, shift, shift_bs, mix, K,
-    # x_out, xo_bs, out, out_bs, out_plane, stream
-    "fused_add_ln_mix": [_I, _I, _I, _P, _LL, _P, _LL, _P, _P, ctypes.c_float, _P, _LL, _P, _I,
-                         _P, _LL, _P, _LL, _LL, _P],
-    "fused_relu_square": [_I, _P, _LL, _P],  # f_dt, h, n, stream
-    "fused_lora_act": [_I, _P, _LL, _P, _LL, _P],  # f_dt, a, na, g, ng, stream
-}
+_CTYPES = {"i": ctypes.c_int, "ll": ctypes.c_longlong, "f": ctypes.c_float, "p": ctypes.c_void_p}
 
 
 def cache_root() -> Path:
@@ -113,9 +88,9 @@ def _compile(nvcc: str, out: Path, arch: tuple[int, int], head_size: int) -> lis
 
 def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    for name, args in _SIGNATURES.items():
+    for name, codes in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
+        fn.argtypes, fn.restype = [_CTYPES[c] for c in codes], ctypes.c_int
     return lib
 
 

@@ -262,3 +262,9 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor):
     _check(lib.fused_lora_act(_DT[hw.dtype], hw.data_ptr(), hw.numel(), hg.data_ptr(), hg.numel(), stream),
            "fused_lora_act")  # fmt: skip
     return hw, hg
+
+
+# ---- projections (x @ w^T, plain or stacked) -------------------------------------------------
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """ops.linear (see there); cuBLAS for now."""
+    return ops.linear(x, w)

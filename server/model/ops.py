@@ -151,3 +151,12 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """(tanh(hw), sigmoid(hg)): the decay and gate LoRA activations; one launch in place on
     CUDA."""
     return torch.tanh(hw), torch.sigmoid(hg)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T with w in the nn.Linear layout (out, in):
+    x (M, K), w (N, K) -> (M, N);  stacked: x (P, M, K), w (P, N, K) -> (P, M, N) (plane p
+    uses weight p). The CUDA twin takes a hand-written matrix-vector kernel for small M."""
+    if x.dim() == 2:
+        return F.linear(x, w)
+    return torch.bmm(x, w.transpose(1, 2))  # (P, M, N)

@@ -29,7 +29,7 @@ from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.state import ModelShape, State
 
-OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act")
+OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear")
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: 6x faster prefill than 256 on the H200
 CPU_CHUNK_LEN = 256
 MAX_CHUNK_TOKENS = 16384

@@ -56,7 +56,7 @@ def profile(model, B: int, state_dtype, steps: int = 2) -> None:
     total = sum(per_cat.values())
     print(f"B={B}: {count / steps:.0f} kernels/step, GPU busy {total / 1e3:.2f} ms/step: "
           + ", ".join(f"{c} {t / 1e3:.2f}" for c, t in per_cat.most_common()), flush=True)
-    for name, us in per_name.most_common(8):
+    for name, us in per_name.most_common(14):
         print(f"    {us / 1e3:7.3f} ms  {name}")
     del g, pool, smp
 

@@ -1,0 +1,37 @@
+"""What the kernel library exports: its CUDA sources and the C signature of each entry point.
+
+One table, read by kernels.loader (which builds the library and binds these functions). Every
+entry point returns int (0 = launched, else a CUDA error code) and takes plain C arguments:
+
+    "i"  int         "ll" long long        "f" float        "p" pointer (a Python int: a
+    tensor's data_ptr(), a CUDA stream handle, or 0 for NULL)
+
+To add a kernel: put its .cu file in SOURCES (headers in HEADERS) and its extern "C" launcher's
+argument codes here, in order.
+"""
+
+SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "fused_elementwise.cu")
+HEADERS = ("wkv7_common.cuh",)
+
+I, LL, F, P = "i", "ll", "f", "p"
+SIGNATURES: dict[str, list[str]] = {
+    # f_dt, s_dt, raw_w, state, s_bstride, slots, B, H, r, w, k, v, a, b,
+    # act_bstride, w_bstride, y, y_bstride, stream
+    "wkv7_decode": [I, I, I, P, LL, P, I, I, P, P, P, P, P, P, LL, LL, P, LL, P],
+    # f_dt, s_dt, raw_w, state, s_bstride, slots, lengths, B, T, H, r, w, k, v, a, b,
+    # act_bstride, act_tstride, w_bstride, w_tstride, y, y_bstride, y_tstride, stream
+    "wkv7_chunk": [I, I, I, P, LL, P, P, I, I, I, P, P, P, P, P, P, LL, LL, LL, LL, P, LL, LL, P],
+    # f_dt, s_dt, state, s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride,
+    # k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride, w0, a0, v0, stream
+    "wkv7_tmix_decode": [I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
+    # f_dt, B, H, r, k, v, wz, az, vz, v_first, act_bstride, k_k, k_a, r_k, layer0, buf, bonus,
+    # w0, a0, v0, stream
+    "wkv7_tmix_prep": [I, I, I] + [P] * 7 + [LL] + [P] * 3 + [I, P, P, P, P, P, P],
+    # f_dt, B, H, y, vbuf, bonus, g, act_bstride, lnx_w, lnx_b, gn_eps, out, out_bstride, stream
+    "wkv7_tmix_post": [I, I, I, P, P, P, P, LL, P, P, F, P, LL, P],
+    # fused_elementwise.cu: f_dt, B, C, x, x_bs, dx, dx_bs, ln_w, ln_b, eps, shift, shift_bs, mix, K,
+    # x_out, xo_bs, out, out_bs, out_plane, stream
+    "fused_add_ln_mix": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, P, LL, P, LL, LL, P],
+    "fused_relu_square": [I, P, LL, P],  # f_dt, h, n, stream
+    "fused_lora_act": [I, P, LL, P, LL, P],  # f_dt, a, na, g, ng, stream
+}
