@@ -27,11 +27,14 @@ import torch.nn.functional as F
 
 from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
+from server.model.decode_pack import DecodePack, SideStream, pack_layer
 from server.model.state import ModelShape, State
 
 OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear")
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: 6x faster prefill than 256 on the H200
 CPU_CHUNK_LEN = 256
+SIDE_STREAM = os.environ.get("RWKV_SIDE_STREAM", "1") != "0"
+"""Decode runs the LoRAs on a side CUDA stream beside the r/k/v projection (0: all on one)."""
 MAX_CHUNK_TOKENS = 16384
 """Default cap on the padded tokens (sequences x chunk length) of one chunk: bounds the prefill
 activations (~0.2 MB per token at 2.9B fp16, ~3.5 GB at the cap); the chunk length shrinks
@@ -74,6 +77,10 @@ class RWKV7:
         self.fused_decode: bool | None = None
         """None: decode runs the fused path (_decode_fused) when ops.tmix_decode is the CUDA twin;
         True/False force it on/off (True on CPU runs the pure-torch twins: a layout check)."""
+        self._packs: list[DecodePack] | None = None
+        self._side: torch.cuda.Stream | None = None
+        if self._fused():
+            self._decode_packs()  # before any graph capture; costs no memory (views)
 
     # ---- public API ------------------------------------------------------------------------
     def zero_state(self, batch: int) -> State:
@@ -126,26 +133,52 @@ class RWKV7:
     # ---- internals -------------------------------------------------------------------------
     def _decode_fused(self, x: torch.Tensor, state: State) -> torch.Tensor:
         """decode() on the fused path: the same arithmetic as the unfused loop, with the
-        elementwise work in self.ops' fused ops (one launch each on CUDA). x: (B, C) embeddings."""
-        C = self.shape.n_embd
+        elementwise work in self.ops' fused ops (one launch each on CUDA) and the projections
+        that share a launch stacked (server.model.decode_pack). x: (B, C) embeddings."""
+        lin, C = self.ops.linear, self.shape.n_embd
         dx, v_first = None, x
-        for i, lw in enumerate(self.w.layers):
+        for i, (lw, pk) in enumerate(zip(self.w.layers, self._decode_packs())):
             # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift
-            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, lw.mix, state.att_shift[i])  # xs (6, B, C)
-            xr, xw, xk, xv, xa, xg = xs.unbind(0)
-            r, k, v = F.linear(xr, lw.wr), F.linear(xk, lw.wk), F.linear(xv, lw.wv)
-            hw, hg = self.ops.lora_act(xw @ lw.w1, xg @ lw.g1)  # tanh, sigmoid
-            wz, az = hw @ lw.w2, (xa @ lw.a1) @ lw.a2  # (B, C), biases added in tmix_decode
-            vz = None if i == 0 else (xv @ lw.v1) @ lw.v2
+            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i])  # (6, B, C) w a v k r g
+            side = self._fork()  # the LoRAs run beside the big projection (CUDA: a side stream)
+            with side:
+                z, gz = self._decode_loras(xs, pk)  # (P, B, C) wz, az[, vz]; (B, C) gate
+            v, k, r = lin(xs[2:5], pk.vkr).unbind(0)  # each (B, C)
+            side.join()
             if i == 0:
                 v_first = v
-            y = self.ops.tmix_decode(state.wkv[i], r, k, v, wz, az, vz, v_first, hg @ lw.g2, lw, layer0=i == 0,
-                                     bias=True)  # fmt: skip
-            x, xk = self.ops.add_ln_mix(x, F.linear(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
+            y = self.ops.tmix_decode(state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw,
+                                     layer0=i == 0, bias=True)  # biases w0/a0/v0 added inside; fmt: skip
+            x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
                                         state.ffn_shift[i])  # fmt: skip
-            dx = F.linear(self.ops.relu_square(F.linear(xk[0], lw.ffn_key)), lw.ffn_value)
+            dx = lin(self.ops.relu_square(lin(xk[0], lw.ffn_key)), lw.ffn_value)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
-        return F.linear(xn, self.w.head).float()  # (B, V)
+        return lin(xn, self.w.head).float()  # (B, V)
+
+    def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
+        (P, B, C) without their biases, and the gate (B, C)."""
+        lin = self.ops.linear
+        mid = lin(xs[: pk.lora1.shape[0]], pk.lora1)  # (P, B, D) decay, a[, v-mix] hidden
+        hw, hg = self.ops.lora_act(mid[0], lin(xs[5], pk.g1))  # tanh, sigmoid
+        if hw.data_ptr() != mid.data_ptr():  # the pure-torch twin is not in place
+            mid[0].copy_(hw)
+        return lin(mid, pk.lora2), lin(hg, pk.g2)
+
+    def _fork(self) -> SideStream:
+        """A context that runs its body on a side stream forked from the current one (join()
+        makes the current stream wait for it); on CPU both are no-ops."""
+        if self.device.type != "cuda" or not SIDE_STREAM:
+            return SideStream(None)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return SideStream(self._side)
+
+    def _decode_packs(self) -> list[DecodePack]:
+        """The stacked decode weights (built once; the layers' fields become views into them)."""
+        if self._packs is None:
+            self._packs = [pack_layer(lw) for lw in self.w.layers]
+        return self._packs
 
     def _check_forward(self, tokens, state: State, slots: list[int]) -> None:
         if not tokens:
