@@ -195,10 +195,7 @@ class Scheduler:
                     if seq.status != RUNNING:
                         continue
                     seq.n_out_fed += 1
-                    try:
-                        ev = seq.add_token(sampled[i])
-                    except Exception as exc:  # one bad sequence fails alone
-                        ev = seq.finish(ERROR, f"{type(exc).__name__}: {exc}")
+                    ev = _fail_alone(seq, seq.add_token, sampled[i])
                     if ev is not None:
                         out.events.append((seq, ev))
                         if ev.finished:
@@ -218,8 +215,8 @@ class Scheduler:
                 try:
                     if seq.record(token):
                         done.append(seq)
-                except Exception as exc:  # one bad sequence fails alone
-                    out.events.append((seq, seq.finish(ERROR, f"{type(exc).__name__}: {exc}")))
+                except Exception as exc:  # one bad sequence fails alone (inline: the hot loop)
+                    out.events.append((seq, _error_finish(seq, exc)))
                     done.append(seq)
                     continue
                 deferred.append((seq, token))
@@ -233,10 +230,7 @@ class Scheduler:
                 continue
             if defer_text and not plan.takes[i] and not seq._has_stops:
                 continue  # recorded above
-            try:
-                ev = self._apply_row(seq, plan.takes[i], plan.commit[i], sampled[i], out)
-            except Exception as exc:  # one bad sequence fails alone
-                ev = seq.finish(ERROR, f"{type(exc).__name__}: {exc}")
+            ev = _fail_alone(seq, self._apply_row, seq, plan.takes[i], plan.commit[i], sampled[i], out)
             if ev is not None:
                 out.events.append((seq, ev))
                 if ev.finished:
@@ -290,3 +284,15 @@ class Scheduler:
         self._gen += 1
         if pairs:
             self._ops.append(MoveOp(pairs))
+
+
+def _error_finish(seq: Sequence, exc: Exception) -> Event:
+    return seq.finish(ERROR, f"{type(exc).__name__}: {exc}")
+
+
+def _fail_alone(seq: Sequence, fn, *args) -> Event | None:
+    """fn(*args), or seq's ERROR finish event when it raises: one bad sequence fails alone."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return _error_finish(seq, exc)

@@ -44,6 +44,13 @@ def commit() -> str:
         return "unknown"
 
 
+def write_lines(path: str, lines: list[dict]) -> None:
+    """Append one JSON line per figure (fields that are None left out)."""
+    with open(path, "a") as f:
+        for line in lines:
+            f.write(json.dumps({k: v for k, v in line.items() if v is not None}) + "\n")
+
+
 def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -189,9 +196,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if a.accuracy:
         lines.append({**base, "state_dtype": "fp16-vs-fp32", "accuracy": accuracy(model, a.accuracy)})
-    with open(a.out, "a") as f:
-        for line in lines:
-            f.write(json.dumps({k: v for k, v in line.items() if v is not None}) + "\n")
+    write_lines(a.out, lines)
     print_table(lines)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import random
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench_engine import DTYPES, commit, gpu_name, peak_gb  # noqa: E402
+from bench_engine import DTYPES, commit, gpu_name, peak_gb, write_lines  # noqa: E402
 
 from server.config import Settings  # noqa: E402
 from server.engine import Engine  # noqa: E402
@@ -98,9 +97,7 @@ def main() -> None:
         r = {**base, **run_batch(model, tok, B, a.tokens, a.prompt_len, a)}
         lines.append(r)
         print(f"  engine e2e B={B:5d}: {r['decode_tok_s']:10.1f} tok/s  (step {r['step_ms']:.2f} ms)", flush=True)
-    with open(a.out, "a") as f:
-        for line in lines:
-            f.write(json.dumps({k: v for k, v in line.items() if v is not None}) + "\n")
+    write_lines(a.out, lines)
 
 
 if __name__ == "__main__":

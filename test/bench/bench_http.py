@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
 sys.path.insert(0, str(HERE))
 
-from bench_engine import commit  # noqa: E402
+from bench_engine import commit, write_lines  # noqa: E402
 from bench_http_host import one_stream, pct, proc_cpu  # noqa: E402
 from util_server import ServerProcess  # noqa: E402
 
@@ -211,9 +211,7 @@ def main() -> None:
     finally:
         srv.stop()
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
-    with open(a.out, "a") as f:
-        for line in lines:
-            f.write(json.dumps(line) + "\n")
+    write_lines(a.out, lines)
     print(f"\n{'streams':>7} {'tok/s':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7} "
           f"{'client%':>8}")
     for x in lines:
