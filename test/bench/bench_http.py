@@ -50,17 +50,23 @@ STREAMS_PER_CLIENT = 128
 
 # --- client process ---------------------------------------------------------------------------
 def client_main(spec: str) -> None:
-    """spec = host,port,n,max_tokens,seed0,prompt-file: n streams; prints one JSON line."""
-    host, port, n, max_tokens, seed0, prompt_file = spec.split(",", 5)
+    """spec = host,port,n,max_tokens,seed0,stagger_ms,prompt-file: n streams (stream j starts
+    j * stagger_ms / n after the first); prints one JSON line."""
+    host, port, n, max_tokens, seed0, stagger_ms, prompt_file = spec.split(",", 6)
+    gap = float(stagger_ms) / 1e3 / int(n)
     prompt = Path(prompt_file).read_text()
     bodies = [json.dumps({"prompt": prompt, "max_tokens": int(max_tokens), "stream": True, "ignore_eos": True,
                           "temperature": 1.0, "top_p": 0.3, "seed": int(seed0) + i,
                           "stream_options": {"include_usage": True}}).encode()
               for i in range(int(n))]  # fmt: skip
 
+    async def later(j: int, body: bytes, res: list) -> None:
+        await asyncio.sleep(j * gap)
+        await one_stream(host, int(port), "/v1/completions", body, res)
+
     async def run() -> list:
         res: list = []
-        await asyncio.gather(*(one_stream(host, int(port), "/v1/completions", b, res) for b in bodies))
+        await asyncio.gather(*(later(j, b, res) for j, b in enumerate(bodies)))
         return res
 
     c0 = os.times()
@@ -105,7 +111,7 @@ class TokenCounter(threading.Thread):
         return (nb - na) / (tb - ta)
 
 
-def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: int) -> dict:
+def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: int, stagger_ms: float = 0) -> dict:
     procs = max(1, min(procs, n))
     sizes = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     counter = TokenCounter(srv.url)
@@ -115,7 +121,7 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     t0 = time.perf_counter()
     children, seed = [], 0
     for size in sizes:
-        spec = f"127.0.0.1,{srv.port},{size},{max_tokens},{seed},{prompt_file}"
+        spec = f"127.0.0.1,{srv.port},{size},{max_tokens},{seed},{stagger_ms},{prompt_file}"
         children.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client", spec],
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         seed += size
@@ -162,6 +168,9 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=0, help="0: max(streams) (never less than that)")
     p.add_argument("--client-procs", type=int, default=0, help=f"0: one per {STREAMS_PER_CLIENT} streams")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--stagger-ms", type=float, default=0,
+                   help="spread the stream starts over this window (0: the whole wave at once); TTFT is then "
+                        "measured against a server that is already decoding the earlier streams")
     p.add_argument("--prompt", default="User: Tell me a long story about a lighthouse keeper.\n\nAssistant:")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     a = p.parse_args()
@@ -192,7 +201,7 @@ def main() -> None:
             wave(srv, n, 8, prompt_file, 1)
         for n in streams:
             procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
-            r = wave(srv, n, a.max_tokens, prompt_file, procs)
+            r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms)
             print(f"  {n:4d} streams: server {r['decode_tok_s']:9.1f} tok/s{'' if r['steady'] else ' (wave)'} "
                   f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
                   f"ITL p50 {r['itl_p50']:.1f} p95 {r['itl_p95']:.1f} ms  client CPU {r['client_cpu_pct']:.0f}% "
@@ -203,7 +212,7 @@ def main() -> None:
                           "decode_tok_s": round(r["decode_tok_s"], 1), "wave_tok_s": round(r["wave_tok_s"], 1),
                           "ttft_p50_ms": _r(r["ttft_p50"], 1), "ttft_p95_ms": _r(r["ttft_p95"], 1),
                           "itl_p50_ms": _r(r["itl_p50"], 2), "itl_p95_ms": _r(r["itl_p95"], 2),
-                          "max_tokens": a.max_tokens, "dtype": a.dtype, "max_batch": max_batch,
+                          "max_tokens": a.max_tokens, "stagger_ms": a.stagger_ms or None, "dtype": a.dtype, "max_batch": max_batch,
                           "cuda_graphs": not a.no_cuda_graphs, "client_procs": r["client_procs"],
                           "client_cpu_pct": round(r["client_cpu_pct"], 1),
                           "client_us_per_tok": round(r["client_us_per_tok"], 1),
