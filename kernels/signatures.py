@@ -10,7 +10,7 @@ To add a kernel: put its .cu file in SOURCES (headers in HEADERS) and its extern
 argument codes here, in order.
 """
 
-SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "fused_elementwise.cu")
+SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "fused_elementwise.cu", "gemv.cu")
 HEADERS = ("wkv7_common.cuh",)
 
 I, LL, F, P = "i", "ll", "f", "p"
@@ -34,4 +34,7 @@ SIGNATURES: dict[str, list[str]] = {
     "fused_add_ln_mix": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, P, LL, P, LL, LL, P],
     "fused_relu_square": [I, P, LL, P],  # f_dt, h, n, stream
     "fused_lora_act": [I, P, LL, P, LL, P],  # f_dt, a, na, g, ng, stream
+    # gemv.cu: f_dt, M, N, K, P, x, x_stride, x_pstride, w, w_pstride, out, o_stride, o_pstride,
+    # warps, cfg, stream (returns -2 = layout not covered: use the fallback)
+    "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, P],
 }

@@ -265,6 +265,36 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor):
 
 
 # ---- projections (x @ w^T, plain or stacked) -------------------------------------------------
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """ops.linear (see there); cuBLAS for now."""
-    return ops.linear(x, w)
+GEMV_MAX_M = 8
+"""Up to this many rows (batch) the projections run kernels/gemv.cu (tensor-core matrix-vector,
+weights streamed once); larger M goes to cuBLAS (ops.linear)."""
+GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (nothing launched)
+_GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, *, warps: int = 0, cfg: int = 0) -> torch.Tensor:
+    """ops.linear (see there): x (M, K), w (N, K) -> (M, N); stacked x (P, M, K), w (P, N, K) ->
+    (P, M, N). CUDA fp16/bf16 with M <= GEMV_MAX_M: one gemv launch (x may be a strided view:
+    rows stride(-2) apart, unit column stride; weight rows contiguous); anything else, or a
+    layout the kernel refuses (K % 8, 16-byte alignment), falls back to ops.linear (cuBLAS).
+    warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark."""
+    M = x.shape[-2] if x.dim() >= 2 else 0
+    lib = _lib(x.device) if x.is_cuda and 1 <= M <= GEMV_MAX_M else None
+    ok = lib is not None and x.dtype in _GEMV_DT and w.dtype == x.dtype and w.device == x.device
+    ok = ok and x.dim() == w.dim() and x.dim() in (2, 3) and x.shape[-1] == w.shape[-1]
+    ok = ok and (x.dim() == 2 or x.shape[0] == w.shape[0])
+    ok = ok and x.stride(-1) == 1 and w.stride(-1) == 1 and w.stride(-2) == w.shape[-1]
+    if not ok:
+        return ops.linear(x, w)
+    K, N = x.shape[-1], w.shape[-2]
+    P = x.shape[0] if x.dim() == 3 else 1
+    x_ps = x.stride(0) if x.dim() == 3 else 0
+    w_ps = w.stride(0) if w.dim() == 3 else 0
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = lib.gemv(_GEMV_DT[x.dtype], M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, w.data_ptr(), w_ps,
+                  out.data_ptr(), N, M * N, warps, cfg, stream)  # fmt: skip
+    if rc == GEMV_UNSUPPORTED:
+        return ops.linear(x, w)
+    _check(rc, "gemv")
+    return out

@@ -1,7 +1,10 @@
 """The decode step's GEMM shapes on this GPU: cuBLAS (F.linear, both BLAS back ends), stacked
-bmm, and an autotuned Triton GEMM, per batch size. Prints ms and achieved TB/s / TFLOP/s.
+bmm, the small-batch gemv kernel (cuda_ops.linear, M <= 8; "gemv3/3": the rkvo shape as one
+stacked P=3 launch, per matrix), and an autotuned Triton GEMM, per batch size. Prints times and
+achieved weight GB/s / TFLOP/s.
 
     python test/bench/bench_gemm.py --batches 1,64,256,1024 [--triton]
+    python test/bench/bench_gemm.py --sweep --batches 1,8   # gemv kernel variants x warps
 """
 
 from __future__ import annotations
@@ -58,12 +61,91 @@ def triton_linear():
     return run, mm
 
 
+def bench_graph(make_call, wbytes: int, reps: int = 20) -> float:
+    """ms per call, measured as CUDA-graph replays (no host overhead, as in the decode step's
+    graph) of a sequence of calls over distinct weight copies (>= 256 MB in all, so every call
+    reads its weights from HBM, not L2). make_call(i) -> a no-argument callable on copy i."""
+    copies = max(2, min(256, -(-(256 << 20) // wbytes)))
+    calls = [make_call(i) for i in range(copies)]
+    cur = torch.cuda.current_stream()
+    s = torch.cuda.Stream()
+    s.wait_stream(cur)
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    cur.wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / (reps * copies)
+
+
+def _weights(P: int, N: int, K: int, copies_bytes: int = 256 << 20, dev="cuda") -> list[torch.Tensor]:
+    n = max(2, min(256, -(-copies_bytes // (P * N * K * 2))))
+    ws = [torch.randn(P, N, K, device=dev, dtype=torch.float16) * 0.02 for _ in range(n)]
+    return [w[0] if P == 1 else w for w in ws]
+
+
+def gemv_sweep(batches: list[int], dev="cuda") -> None:
+    """Every gemv variant (cfg 1-3) x warp split on each shape (and rkvo stacked P=3), timed as
+    graph replays over cold weights: weight GB/s, vs cuBLAS timed the same way, and the automatic
+    choice."""
+    from server.model import cuda_ops
+
+    cases = [(n, 1) for n in SHAPES] + [("rkvo", 3)]
+    for M in batches:
+        for name, P in cases:
+            N, K = SHAPES[name]
+            ws = _weights(P, N, K, dev=dev)
+            x = torch.randn(P, M, K, device=dev, dtype=torch.float16)
+            x = x[0] if P == 1 else x
+            ref = cuda_ops.ops.linear(x, ws[0]).float()
+            wbytes = P * N * K * 2
+            res = {}
+            for cfg in (1, 2, 3):
+                for warps in (1, 2, 4, 5, 8, 10, 16):
+                    got = cuda_ops.linear(x, ws[0], warps=warps, cfg=cfg).float()
+                    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (name, cfg, warps)
+                    res[(cfg, warps)] = bench_graph(
+                        lambda i, c=cfg, wp=warps: lambda: cuda_ops.linear(x, ws[i], warps=wp, cfg=c), wbytes
+                    )
+            auto = bench_graph(lambda i: lambda: cuda_ops.linear(x, ws[i]), wbytes)
+            cub = bench_graph(lambda i: lambda: cuda_ops.ops.linear(x, ws[i]), wbytes)
+            best = min(res, key=res.get)
+            top = sorted(res, key=res.get)[:4]
+            txt = "  ".join(f"c{c}w{wp} {wbytes / res[(c, wp)] / 1e6:5.0f}" for c, wp in top)
+            print(f"M={M} {name:9s} P={P} | cublas {cub * 1e3:6.1f}us {wbytes / cub / 1e6:5.0f} GB/s | auto "
+                  f"{auto * 1e3:6.1f}us {wbytes / auto / 1e6:5.0f} GB/s | best c{best[0]}w{best[1]} "
+                  f"{res[best] * 1e3:6.1f}us | top GB/s {txt}", flush=True)  # fmt: skip
+            for cfg in (1, 2, 3):
+                row = " ".join(f"w{wp}:{wbytes / res[(c, wp)] / 1e6:5.0f}" for c, wp in res if c == cfg)
+                print(f"      cfg{cfg} GB/s {row}")
+            del ws
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,64,256,1024")
     p.add_argument("--triton", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="gemv kernel variants x warps only")
     a = p.parse_args()
     dev = "cuda"
+    if a.sweep:
+        print(torch.cuda.get_device_name(), torch.__version__)
+        gemv_sweep([int(b) for b in a.batches.split(",")], dev)
+        return
+    from server.model import cuda_ops
+
+    use_gemv = cuda_ops.available(dev)
     tl_run, tl_mm = triton_linear() if a.triton else (None, None)
     print(torch.cuda.get_device_name(), torch.__version__)
     for M in (int(b) for b in a.batches.split(",")):
@@ -82,6 +164,26 @@ def main() -> None:
             if name == "rkvo":
                 w3, x3 = torch.stack([w, w, w]), torch.stack([x, x, x])  # (3, N, K), (3, M, K)
                 row["bmm3/3"] = bench(lambda: torch.bmm(x3, w3.transpose(1, 2))) / 3
+            if use_gemv and M <= cuda_ops.GEMV_MAX_M:
+                ws = _weights(1, N, K, dev=dev)
+                row["graph:cublas"] = bench_graph(lambda i: lambda: F.linear(x, ws[i]), N * K * 2)
+                row["graph:gemv"] = bench_graph(lambda i: lambda: cuda_ops.linear(x, ws[i]), N * K * 2)
+                if name == "rkvo":
+                    ws3 = _weights(3, N, K, dev=dev)
+                    x3g = x3
+                    row["graph:bmm3/3"] = bench_graph(lambda i: lambda: torch.bmm(x3g, ws3[i].transpose(1, 2)),
+                                                      3 * N * K * 2) / 3  # fmt: skip
+                    row["graph:gemv3/3"] = bench_graph(lambda i: lambda: cuda_ops.linear(x3g, ws3[i]), 3 * N * K * 2) / 3
+                    del ws3
+                del ws
+                row["gemv"] = bench(lambda: cuda_ops.linear(x, w))
+                wb = N * K * 2
+                if name == "rkvo":
+                    row["gemv3/3"] = bench(lambda: cuda_ops.linear(x3, w3)) / 3
+                    row["graph_GBs"] = (f"cublas {wb / row['graph:cublas'] / 1e6:.0f} gemv {wb / row['graph:gemv'] / 1e6:.0f} "
+                                        f"bmm3 {wb / row['graph:bmm3/3'] / 1e6:.0f} gemv3 {wb / row['graph:gemv3/3'] / 1e6:.0f}")  # fmt: skip
+                else:
+                    row["graph_GBs"] = f"cublas {wb / row['graph:cublas'] / 1e6:.0f} gemv {wb / row['graph:gemv'] / 1e6:.0f}"
             if tl_run is not None and M >= 16:
                 ref = F.linear(x, w)
                 got = tl_run(x, w)

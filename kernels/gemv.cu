@@ -1,0 +1,290 @@
+// Small-batch projections: out = x @ w^T, w in the nn.Linear layout (N, K) row-major, x (M, K)
+// with M <= 8 rows, fp16 or bf16, fp32 accumulation; optionally P stacked planes in one launch
+// (plane p: x + p*x_ps, w + p*w_ps, out + p*o_ps). Pure-torch twin: server.model.ops.linear.
+//
+// Memory bound (each weight byte is read once), so the design is about bytes in flight:
+//   * Tensor-core products with the batch as the MMA's M side: mma.m16n8k16 with A = x (rows
+//     0..7 = the batch, rows 8..15 zero) and B = 8 weight rows. A lane (g = lane / 4, t = lane % 4)
+//     loads ONE 16-byte chunk (8 consecutive k) of weight row g and the same chunk of x row g;
+//     the k order inside an MMA is free (A and B use the same map), so a chunk feeds two MMAs
+//     (elements 0-3, then 4-7) with no shuffles or conversions. A warp's "k-tile" = 32 k
+//     (4 chunks per row: lanes t = 0..3). The sum over the 4 lanes of a row is done by the MMA.
+//     D rows 0..7 land as c0, c1 = out[m = g][n = 2t, 2t + 1] (c2, c3: the zero rows).
+//     Cost per 16 weight bytes: 2 MMAs at any M (vs 8M FMAs + conversions on the CUDA cores,
+//     which at M = 8 would need most of the SM's FP32 issue rate at full HBM bandwidth).
+//   * A warp owns RT tiles of 8 weight rows (8*RT rows) and a contiguous slice of the k-tiles;
+//     per step it issues all RT*U weight loads and U x loads (16 bytes each, unrolled) before
+//     any MMA. Weights go through ld.global.nc.L1::no_allocate (streamed, L2 256-byte
+//     prefetch); x through the read-only path (it is re-read by every block: L1/L2 hits).
+//   * A block = W warps splitting the K of the same 8*RT rows; fp32 partials are reduced in
+//     shared memory (no second pass, no atomics). W is chosen by the host so that the grid
+//     (ceil(N / 8RT) x P blocks) holds enough warps to cover 132 SMs.
+// Requirements (else GEMV_UNSUPPORTED, the caller falls back to cuBLAS): K % 8 == 0, x and w
+// 16-byte aligned, x row/plane strides and the w plane stride multiples of 8 elements, 1 <= M
+// <= 8, sm_80 or newer. out: any strides (2-byte stores).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace gemv_k {
+
+constexpr int MAX_M = 8;
+constexpr int MAX_WARPS = 16;
+constexpr int UNSUPPORTED = -2;  // layout/dtype/arch not covered: use the fallback
+enum Dtype { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+struct Args {
+    const void *x, *w;
+    void *out;
+    long long x_s, x_ps, w_ps, o_s, o_ps;
+    int M, N, K;
+};
+
+// 16-byte loads predicated inside the asm (zeros when !ok): straight-line code, so ptxas keeps
+// all of a step's loads ahead of the MMAs (with C-level branches it interleaved them).
+__device__ __forceinline__ uint4 ld_stream(const void *p, bool ok) {  // weights: read once
+    uint4 v;
+    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"((int)ok));
+    return v;
+}
+
+__device__ __forceinline__ uint4 ld_ro(const void *p, bool ok) {  // x: re-read by every block
+    uint4 v;
+    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"((int)ok));
+    return v;
+}
+
+// d += A (16x16, rows 8..15 zero: a1 = a3 = 0) * B (16x8)
+template <bool BF>
+__device__ __forceinline__ void mma(float *d, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const uint32_t z = 0;
+    if constexpr (BF) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+    }
+#endif
+}
+
+template <typename F>
+__device__ __forceinline__ F from_f(float v);
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// grid (ceil(N / (8*RT)), P), block 32*W threads (W <= MAX_WARPS).
+template <typename F, int RT, int U>
+__global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
+    constexpr bool BF = sizeof(F) == 2 && !std::is_same<F, __half>::value;
+    __shared__ float red[MAX_WARPS][MAX_M][8 * RT];  // per-warp partials: [warp][m][row]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * (8 * RT);
+    const int KC = a.K >> 3;          // 16-byte chunks per row
+    const int KT = (KC + 3) >> 2;     // k-tiles (4 chunks) per row
+    const int per = (KT + W - 1) / W; // k-tiles per warp
+    const int kb = warp * per;
+    const int ke = min(KT, kb + per);
+
+    const F *w = static_cast<const F *>(a.w) + (long long)blockIdx.y * a.w_ps;
+    const F *x = static_cast<const F *>(a.x) + (long long)blockIdx.y * a.x_ps;
+    const F *wr[RT];
+    bool rok[RT];
+#pragma unroll
+    for (int r = 0; r < RT; r++) {
+        const int n = n0 + r * 8 + g;
+        rok[r] = n < a.N;
+        wr[r] = w + (long long)(rok[r] ? n : 0) * a.K + t * 8;
+    }
+    const bool xok = g < a.M;
+    const F *xr = x + (xok ? g : 0) * a.x_s + t * 8;
+
+    // acc[r][c]: NC independent MMA chains per row tile (4 chains per thread in all), so a step's
+    // 2*U*RT MMAs are not one dependent chain; summed at the end.
+    constexpr int NC = RT >= 4 ? 1 : 4 / RT;
+    float acc[RT][NC][4];
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = acc[r][c][2] = acc[r][c][3] = 0.f;
+
+    // One step = U k-tiles: RT*U weight + U x 16-byte loads. The loads of the next step are issued
+    // at the END of the loop body (after this step's MMAs): with nothing after them in the block,
+    // ptxas keeps them together (loads followed by their consumers in one block get interleaved
+    // with the MMAs, one load in flight at a time).
+    uint4 wv[U][RT], xv[U];
+    auto load_step = [&](int kt) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const bool ok = kt + u < ke && (kt + u) * 4 + t < KC;
+#pragma unroll
+            for (int r = 0; r < RT; r++) wv[u][r] = ld_stream(wr[r] + (long long)(kt + u) * 32, ok && rok[r]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const bool ok = xok && kt + u < ke && (kt + u) * 4 + t < KC;
+            xv[u] = ld_ro(xr + (long long)(kt + u) * 32, ok);
+        }
+    };
+    if (kb < ke) load_step(kb);
+    for (int kt = kb; kt < ke; kt += U) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int r = 0; r < RT; r++) {
+                mma<BF>(acc[r][(2 * u) % NC], xv[u].x, xv[u].y, wv[u][r].x, wv[u][r].y);      // elements 0-3
+                mma<BF>(acc[r][(2 * u + 1) % NC], xv[u].z, xv[u].w, wv[u][r].z, wv[u][r].w);  // elements 4-7
+            }
+        }
+        if (kt + U < ke) load_step(kt + U);
+    }
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int c = 1; c < NC; c++) acc[r][0][0] += acc[r][c][0], acc[r][0][1] += acc[r][c][1];
+
+    // c0, c1 = partial out[m = g][n0 + 8r + 2t + {0, 1}] over this warp's k slice
+#pragma unroll
+    for (int r = 0; r < RT; r++) {
+        red[warp][g][r * 8 + 2 * t] = acc[r][0][0];
+        red[warp][g][r * 8 + 2 * t + 1] = acc[r][0][1];
+    }
+    __syncthreads();
+    F *out = static_cast<F *>(a.out) + (long long)blockIdx.y * a.o_ps;
+    for (int i = threadIdx.x; i < a.M * 8 * RT; i += blockDim.x) {
+        const int m = i / (8 * RT), j = i % (8 * RT);
+        if (n0 + j >= a.N) continue;
+        float s = 0.f;
+        for (int v = 0; v < W; v++) s += red[v][m][j];
+        out[m * a.o_s + n0 + j] = from_f<F>(s);
+    }
+}
+
+// cfg 1: 16 rows per warp, 4 k-tiles per step (8 weight + 4 x loads in flight per lane);
+// cfg 2: 8 rows, 8 k-tiles (8 + 8); cfg 3: 32 rows, 2 k-tiles (8 + 2; never picked, kept for sweeps).
+constexpr int NCFG = 3;
+
+inline int sm_count() {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev))
+        return 132;
+    return n > 0 ? n : 132;
+}
+
+// Warps per block (split of K), from the H200 sweep (bench_gemm.py --sweep, graph-timed, cold
+// weights): (1) the largest W whose warps all get whole steps (k-tiles per warp % U == 0) and whose
+// grid is resident in ONE wave (a second partial wave cost up to 25%); (2) if no such W (big grids:
+// the head), whole steps with k-tiles per warp closest to 4 steps; (3) else the largest one-wave W.
+inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
+    const int ra = (regs + 7) / 8 * 8;  // allocation granularity
+    auto resident = [&](int W) {
+        int b = 65536 / (ra * 32 * W), t = 2048 / (32 * W);
+        b = b < t ? b : t;
+        return (long long)(b < 32 ? b : 32) * sms;
+    };
+    int best = 0, dist = 1 << 30;
+    for (int W = MAX_WARPS; W >= 1; W--) {
+        const int per = (KT + W - 1) / W;
+        if ((KT + per - 1) / per != W) continue;  // would leave warps without k-tiles
+        if (per % U == 0 && blocks <= resident(W)) return W;
+    }
+    for (int W = MAX_WARPS; W >= 1; W--) {
+        const int per = (KT + W - 1) / W;
+        if ((KT + per - 1) / per != W || per % U) continue;
+        const int d = per > 4 * U ? per - 4 * U : 4 * U - per;
+        if (d < dist) best = W, dist = d;
+    }
+    if (best) return best;
+    for (int W = MAX_WARPS; W >= 1; W--) {
+        const int per = (KT + W - 1) / W;
+        if ((KT + per - 1) / per == W && blocks <= resident(W)) return W;
+    }
+    const int w = (KT + U - 1) / U;
+    return w < 1 ? 1 : (w > MAX_WARPS ? MAX_WARPS : w);
+}
+
+template <typename F, int RT, int U>
+int launch(const Args &a, int P, int warps, cudaStream_t s) {
+    const int KT = (a.K / 8 + 3) / 4;
+    const int bx = (a.N + 8 * RT - 1) / (8 * RT);
+    if (P > 65535) return UNSUPPORTED;
+    if (warps <= 0) {
+        static const int regs = [] {
+            cudaFuncAttributes fa;
+            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U>) == cudaSuccess ? fa.numRegs : 128;
+        }();
+        static const int sms = sm_count();
+        warps = pick_warps(KT, (long long)bx * P, U, regs, sms);
+    }
+    if (warps > MAX_WARPS) return UNSUPPORTED;
+    gemv_kernel<F, RT, U><<<dim3(bx, P), warps * 32, 0, s>>>(a);
+    return (int)cudaGetLastError();
+}
+
+template <typename F>
+int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
+    if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
+        static const int sms = sm_count();
+        cfg = (long long)((a.N + 15) / 16) * P >= 2LL * sms ? 1 : 2;
+    }
+    switch (cfg) {
+        case 1: return launch<F, 2, 4>(a, P, warps, s);
+        case 2: return launch<F, 1, 8>(a, P, warps, s);
+        case 3: return launch<F, 4, 2>(a, P, warps, s);
+    }
+    return UNSUPPORTED;
+}
+
+// The MMA needs sm_80 and this library's kernels to come from PTX >= 8.0 (the loader's generic
+// compute_75 fallback build compiles the kernel body out: report unsupported, never run it).
+inline int device_ok() {
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4>) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
+}
+
+}  // namespace gemv_k
+
+// out (M, N) [P planes] = x (M, K) @ w (N, K)^T. f_dt: 1 fp16, 2 bf16 (x, w, out alike).
+// warps / cfg: 0 = automatic (nonzero: tuning, see test/bench/bench_gemm.py --sweep).
+// Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the fallback) or a CUDA error.
+extern "C" int gemv(int f_dt, int M, int N, int K, int P, const void *x, long long x_s, long long x_ps,
+                    const void *w, long long w_ps, void *out, long long o_s, long long o_ps, int warps, int cfg,
+                    void *stream) {
+    using namespace gemv_k;
+    if (M == 0 || N == 0 || P == 0) return 0;
+    if (M < 0 || M > MAX_M || N < 0 || K <= 0 || P < 0 || K % 8) return UNSUPPORTED;
+    auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
+    if (!al16(x) || !al16(w) || (M > 1 && x_s % 8) || (P > 1 && (x_ps % 8 || w_ps % 8))) return UNSUPPORTED;
+    if (x_s < 0 || x_ps < 0 || w_ps < 0) return UNSUPPORTED;
+    static const int ok = device_ok();
+    if (!ok) return UNSUPPORTED;
+    if (cfg < 0 || cfg > NCFG) return UNSUPPORTED;
+    Args a{x, w, out, M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0, o_s, o_ps, M, N, K};
+    cudaStream_t s = (cudaStream_t)stream;
+    if (f_dt == DT_F16) return dispatch<__half>(a, P, warps, cfg, s);
+    if (f_dt == DT_BF16) return dispatch<__nv_bfloat16>(a, P, warps, cfg, s);
+    return UNSUPPORTED;
+}

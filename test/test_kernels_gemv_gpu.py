@@ -1,0 +1,195 @@
+"""Parity of the small-batch projection kernel (kernels/gemv.cu via cuda_ops.linear) with
+F.linear / torch.bmm and an fp64 reference: plain and stacked, fp16 and bf16, M = 1..8 (kernel)
+and 9 (cuBLAS fallback), odd shapes, strided views, layouts the kernel refuses (fallback), and
+CUDA-graph replay == eager.
+
+Supported layouts are run with ops.linear patched to raise, so a silent fallback fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.model import cuda_ops, ops
+
+DTYPES = [torch.float16, torch.bfloat16]
+SHAPES = [(2560, 2560), (10240, 2560), (2560, 10240), (96, 2560), (100, 2560), (320, 4096), (24, 40), (8, 8)]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    if not cuda_ops.available("cuda"):
+        pytest.fail("CUDA is present but the kernels did not build (see the log)")
+    return torch.device("cuda")
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("cuda_ops.linear fell back to ops.linear for a layout the kernel covers")
+
+    monkeypatch.setattr(ops, "linear", boom)
+
+
+def _data(shape, dtype, dev, seed, scale=1.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=dtype)
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got vs x @ w^T in fp64: each output within its own rounding (relative) plus a small share
+    of the output scale (fp32 accumulation order)."""
+    ref = torch.matmul(x.double(), w.double().transpose(-1, -2))
+    assert got.shape == ref.shape and got.dtype == x.dtype and got.is_contiguous()
+    assert torch.isfinite(got).all()
+    eps = 2.0**-11 if x.dtype == torch.float16 else 2.0**-8  # unit roundoff of the output dtype
+    scale = ref.abs().amax().clamp_min(1e-30)
+    err = (got.double() - ref).abs()
+    bound = 1.01 * eps * ref.abs() + 1e-4 * scale
+    bad = err > bound
+    assert not bad.any(), f"{bad.sum().item()} outputs off, max err {err.max().item():.3e} (scale {scale.item():.3e})"
+
+
+def _cublas(x, w):
+    return F.linear(x, w) if x.dim() == 2 else torch.bmm(x, w.transpose(1, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
+def test_plain_matches(dev, no_fallback, dtype, N, K, M):
+    x = _data((M, K), dtype, dev, seed=M * 7 + N)
+    w = _data((N, K), dtype, dev, seed=N + K, scale=0.05)
+    got = cuda_ops.linear(x, w)
+    _check(got, x, w)
+    ref = _cublas(x, w)
+    eps = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    assert (got.float() - ref.float()).abs().max() <= 2 * eps * ref.float().abs().max() + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4, 6, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_m(dev, no_fallback, dtype, M):
+    x = _data((M, 2560), dtype, dev, seed=M)
+    w = _data((2560, 2560), dtype, dev, seed=1, scale=0.05)
+    _check(cuda_ops.linear(x, w), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_m9_falls_back(dev, dtype):
+    x = _data((9, 2560), dtype, dev, seed=9)
+    w = _data((320, 2560), dtype, dev, seed=2, scale=0.05)
+    got = cuda_ops.linear(x, w)
+    assert torch.equal(got, F.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("P,M,N,K", [(3, 1, 2560, 2560), (3, 8, 2560, 2560), (2, 3, 100, 4096), (3, 5, 96, 2560)])
+def test_stacked_matches(dev, no_fallback, dtype, P, M, N, K):
+    x = _data((P, M, K), dtype, dev, seed=P * 100 + M)
+    w = _data((P, N, K), dtype, dev, seed=N, scale=0.05)
+    got = cuda_ops.linear(x, w)
+    assert got.shape == (P, M, N)
+    _check(got, x, w)
+    for p in range(P):  # each plane uses its own weight
+        _check(got[p].contiguous(), x[p], w[p])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views(dev, no_fallback, dtype):
+    """x planes/rows taken out of bigger buffers (stride(-2) != K, plane stride != M*K), weights
+    as planes of a bigger stack (plane stride != N*K) and x broadcast over planes (stride 0)."""
+    P, M, N, K = 3, 4, 136, 512
+    big = _data((M, 5, K + 64), dtype, dev, seed=3)  # (M, 5, K + 64)
+    x = big[:, 1:4, 32 : 32 + K].permute(1, 0, 2)  # (P, M, K): rows 5*(K+64) apart, planes K+64
+    assert x.stride(-1) == 1 and x.stride(-2) != K
+    wall = _data((5, N, K), dtype, dev, seed=4, scale=0.05)
+    w = wall[::2]  # (P, N, K), plane stride 2*N*K
+    got = cuda_ops.linear(x, w)
+    _check(got, x, w)
+    xb = _data((1, M, K), dtype, dev, seed=5).expand(P, M, K)  # plane stride 0
+    _check(cuda_ops.linear(xb, w), xb, w)
+    x2 = big[:, 2, 8 : 8 + K]  # (M, K) rows 5*(K+64) apart
+    _check(cuda_ops.linear(x2, wall[1]), x2, wall[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_refused_layouts_fall_back(dev, dtype):
+    """Misaligned x (1-element offset), K % 8 != 0, odd row stride, non-contiguous weight rows,
+    fp32: still correct (cuBLAS); the kernel itself returns GEMV_UNSUPPORTED for the first."""
+    K, N = 2560, 256
+    buf = _data((3, K + 1), dtype, dev, seed=6)
+    w = _data((N, K), dtype, dev, seed=7, scale=0.05)
+    xm = buf[:, 1:]  # data_ptr 2 bytes past a 16-byte boundary, row stride K + 1
+    assert xm.data_ptr() % 16 != 0
+    torch.testing.assert_close(cuda_ops.linear(xm, w), F.linear(xm, w), rtol=0, atol=0)
+    x1 = buf[:1, 1:]  # M = 1: only the pointer is misaligned
+    torch.testing.assert_close(cuda_ops.linear(x1, w), F.linear(x1, w), rtol=0, atol=0)
+    lib = cuda_ops._lib(dev)
+    out = torch.empty(1, N, device=dev, dtype=dtype)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    rc = lib.gemv(cuda_ops._GEMV_DT[dtype], 1, N, K, 1, x1.data_ptr(), x1.stride(0), 0, w.data_ptr(), 0,
+                  out.data_ptr(), N, N, 0, 0, stream)  # fmt: skip
+    assert rc == cuda_ops.GEMV_UNSUPPORTED
+    xk = _data((2, 100), dtype, dev, seed=8)  # K % 8 != 0
+    wk = _data((64, 100), dtype, dev, seed=9)
+    torch.testing.assert_close(cuda_ops.linear(xk, wk), F.linear(xk, wk), rtol=0, atol=0)
+    wt = _data((K, N), dtype, dev, seed=10).t()  # (N, K) with column-major rows
+    x = _data((2, K), dtype, dev, seed=11)
+    torch.testing.assert_close(cuda_ops.linear(x, wt), F.linear(x, wt), rtol=0, atol=0)
+    x32, w32 = x.float(), w.float()
+    torch.testing.assert_close(cuda_ops.linear(x32, w32), F.linear(x32, w32), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [1, 2, 3, 16])
+@pytest.mark.parametrize("cfg", [1, 2, 3])
+def test_tuning_overrides(dev, no_fallback, warps, cfg):
+    """Every kernel variant and warp split (incl. warps that get no k-tiles: 16 warps, K = 512)."""
+    for M, N, K in [(1, 200, 2560), (8, 72, 512), (3, 40, 264)]:
+        x = _data((M, K), torch.float16, dev, seed=M + K)
+        w = _data((N, K), torch.float16, dev, seed=N, scale=0.05)
+        _check(cuda_ops.linear(x, w, warps=warps, cfg=cfg), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_graph_replay_matches_eager(dev, no_fallback, dtype):
+    x = _data((2, 2560), dtype, dev, seed=12)
+    w = _data((10240, 2560), dtype, dev, seed=13, scale=0.05)
+    x3 = _data((3, 1, 2560), dtype, dev, seed=14)
+    w3 = _data((3, 2560, 2560), dtype, dev, seed=15, scale=0.05)
+    eager = (cuda_ops.linear(x, w), cuda_ops.linear(x3, w3))
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):  # warm-up off the capture
+        cuda_ops.linear(x, w), cuda_ops.linear(x3, w3)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = (cuda_ops.linear(x, w), cuda_ops.linear(x3, w3))
+    for o in outs:
+        o.zero_()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
+    x.copy_(_data((2, 2560), dtype, dev, seed=16))  # new inputs, same graph
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(outs[0], cuda_ops.linear(x, w))
+
+
+def test_cpu_and_fp32_use_ops_linear():
+    """No CUDA needed: CPU tensors go to ops.linear (plain and stacked)."""
+    x, w = torch.randn(3, 64), torch.randn(5, 64)
+    torch.testing.assert_close(cuda_ops.linear(x, w), F.linear(x, w))
+    x3, w3 = torch.randn(2, 3, 64), torch.randn(2, 5, 64)
+    torch.testing.assert_close(cuda_ops.linear(x3, w3), torch.bmm(x3, w3.transpose(1, 2)))
