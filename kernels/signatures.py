@@ -24,6 +24,8 @@ SIGNATURES: dict[str, list[str]] = {
     # f_dt, s_dt, state, s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride,
     # k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride, w0, a0, v0, stream
     "wkv7_tmix_decode": [I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
+    # as wkv7_tmix_decode with rpt (state rows per thread, 0 = default) after s_dt
+    "wkv7_tmix_fused": [I, I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
     # f_dt, B, H, r, k, v, wz, az, vz, v_first, act_bstride, k_k, k_a, r_k, layer0, buf, bonus,
     # w0, a0, v0, stream
     "wkv7_tmix_prep": [I, I, I] + [P] * 7 + [LL] + [P] * 3 + [I, P, P, P, P, P, P],

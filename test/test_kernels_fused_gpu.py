@@ -21,24 +21,34 @@ def _rel(x, ref) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _layer(dtype, dev, seed):
+def _layer(dtype, dev, seed, h=H):
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    c = h * N
     lw = types.SimpleNamespace(
-        k_k=1 + 0.1 * rnd(C), k_a=1 + 0.1 * rnd(C),
-        r_k=0.1 * rnd(H, N), lnx_w=1 + 0.1 * rnd(C), lnx_b=0.1 * rnd(C),
-        w0=0.3 * rnd(C) - 1.0, a0=0.3 * rnd(C), v0=0.3 * rnd(C),
+        k_k=1 + 0.1 * rnd(c), k_a=1 + 0.1 * rnd(c),
+        r_k=0.1 * rnd(h, N), lnx_w=1 + 0.1 * rnd(c), lnx_b=0.1 * rnd(c),
+        w0=0.3 * rnd(c) - 1.0, a0=0.3 * rnd(c), v0=0.3 * rnd(c),
     )  # fmt: skip
     for n, t in vars(lw).items():
         setattr(lw, n, t.to(device=dev, dtype=dtype))
     return lw
 
 
-def _acts(B, dtype, dev, seed):
+def _acts(B, dtype, dev, seed, h=H):
     g = torch.Generator().manual_seed(seed + 7)
-    xs = [torch.randn(B, C, generator=g) * s for s in (1, 1, 1, 0.5, 0.5, 0.5, 1, 1)]
+    xs = [torch.randn(B, h * N, generator=g) * s for s in (1, 1, 1, 0.5, 0.5, 0.5, 1, 1)]
     xs[3] = xs[3] - 2.0  # wz: realistic decays
     return [x.to(device=dev, dtype=dtype) for x in xs]
+
+
+def _tmix_path(monkeypatch, path: str) -> None:
+    """Route cuda_ops.tmix_decode: "single" (small-batch kernel), "split" (prep -> decode -> post),
+    "fused" (wkv7_tmix_fused, default rows per thread), "fused2" (fused, 2 rows per thread),
+    "fused_unpacked" (4 rows, 16-bit state rows unpacked in registers)."""
+    monkeypatch.setattr(cuda_ops, "TMIX_SPLIT_MIN_BATCH", 1 << 30 if path == "single" else 1)
+    monkeypatch.setattr(cuda_ops, "TMIX_MODE", "split" if path == "split" else "fused")
+    monkeypatch.setattr(cuda_ops, "TMIX_RPT", {"fused2": 2, "fused_unpacked": -4}.get(path, 0))
 
 
 @pytest.mark.gpu
@@ -46,10 +56,10 @@ def _acts(B, dtype, dev, seed):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("path", ["single", "split", "fused", "fused2"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, split, bias, monkeypatch):
-    monkeypatch.setattr(cuda_ops, "TMIX_SPLIT_MIN_BATCH", 1 if split else 1 << 30)
+def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, path, bias, monkeypatch):
+    _tmix_path(monkeypatch, path)
     dev = torch.device("cuda")
     assert cuda_ops.available(dev)
     lw = _layer(dtype, dev, seed=B)
@@ -63,6 +73,68 @@ def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, split, bias, mo
     assert got.shape == (B, C) and got.dtype == dtype
     assert _rel(got, ref) < tol
     assert _rel(s_cu, s_ref) < (1e-4 if dtype == torch.float32 else tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [64, 100, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layer0", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("path", ["fused", "fused2", "fused_unpacked"])
+def test_tmix_fused_matches_twin_and_split(B, dtype, state_dtype, layer0, bias, path, monkeypatch):
+    """The one-launch large-batch kernel vs ops.tmix_decode and vs the 3-launch split path, on a
+    state that is a strided view of a pool (every other slot): the other slots stay untouched."""
+    dev = torch.device("cuda")
+    assert cuda_ops.available(dev)
+    lw = _layer(dtype, dev, seed=B + 1)
+    r, k, v, wz, az, vz, v_first, g = _acts(B, dtype, dev, seed=B + 1)
+    s0 = (torch.randn(B, H, N, N, generator=torch.Generator().manual_seed(B + 1)) * 0.3).to(dev, state_dtype)
+    pool = (torch.randn(2 * B + 1, H, N, N, generator=torch.Generator().manual_seed(3)) * 0.3).to(dev, state_dtype)
+    pool[1::2] = s0
+    pool0 = pool.clone()
+    s_cu = pool[1::2]  # (B, H, N, N), batch stride 2*H*N*N: not contiguous
+    assert not s_cu.is_contiguous()
+    s_ref, s_sp = s0.clone(), s0.clone()
+    args = (r, k, v, wz, az, None if layer0 else vz, None if layer0 else v_first, g, lw, layer0)
+    ref = ops.tmix_decode(s_ref, *args, bias=bias)
+    _tmix_path(monkeypatch, "split")
+    spl = cuda_ops.tmix_decode(s_sp, *args, bias=bias)
+    _tmix_path(monkeypatch, path)
+    got = cuda_ops.tmix_decode(s_cu, *args, bias=bias)
+    assert got.shape == (B, C) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else (3e-2 if dtype == torch.bfloat16 else 1e-2)
+    assert _rel(got, ref) < tol
+    assert _rel(s_cu, s_ref) < (1e-4 if dtype == torch.float32 else tol)
+    # vs split: same fp32 column math and WKV step; only summation orders differ (kk norm, GroupNorm)
+    assert _rel(got, spl) < {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+    assert _rel(s_cu, s_sp) < (1e-5 if state_dtype == torch.float32 else 1e-4)
+    assert torch.equal(pool[0::2], pool0[0::2])  # slots outside the view untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["fused", "fused2"])
+def test_tmix_fused_model_shape(state_dtype, path, monkeypatch):
+    """The 2.9B head count (H=40, C=2560), B=64 and B=300, fp16 activations, bias in the kernel:
+    fused vs split vs the twin, three chained steps (the state feeds the next step)."""
+    dev = torch.device("cuda")
+    h = 40
+    lw = _layer(torch.float16, dev, seed=5, h=h)
+    for B in (64, 300):
+        s_ref = (torch.randn(B, h, N, N, generator=torch.Generator().manual_seed(B)) * 0.3).to(dev, state_dtype)
+        s_sp, s_cu = s_ref.clone(), s_ref.clone()
+        for t in range(3):
+            r, k, v, wz, az, vz, v_first, g = _acts(B, torch.float16, dev, seed=B + t, h=h)
+            args = (r, k, v, wz, az, vz, v_first, g, lw, False)
+            ref = ops.tmix_decode(s_ref, *args, bias=True)
+            _tmix_path(monkeypatch, "split")
+            spl = cuda_ops.tmix_decode(s_sp, *args, bias=True)
+            _tmix_path(monkeypatch, path)
+            got = cuda_ops.tmix_decode(s_cu, *args, bias=True)
+            assert _rel(got, ref) < 1e-2 and _rel(s_cu, s_ref) < 1e-2
+            assert _rel(got, spl) < 1e-3
+            assert _rel(s_cu, s_sp) < (1e-5 if state_dtype == torch.float32 else 1e-4)
 
 
 def _tol(dtype) -> float:

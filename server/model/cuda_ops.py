@@ -171,7 +171,17 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
     out = torch.empty(B, C, device=r.device, dtype=r.dtype)  # (B, C)
     stream = torch.cuda.current_stream(r.device).cuda_stream
     if B >= TMIX_SPLIT_MIN_BATCH:
-        _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases)
+        rc = -2
+        if TMIX_MODE == "fused":
+            rc = lib.wkv7_tmix_fused(
+                _DT[r.dtype], _DT[state.dtype], TMIX_RPT, state.data_ptr(), state.stride(0), B, H,
+                *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
+                int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
+            )
+        if rc == -2:  # split asked for, or a shape the fused kernel does not cover
+            _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases)
+        else:
+            _check(rc, "wkv7_tmix_fused")
         return out
     rc = lib.wkv7_tmix_decode(
         _DT[r.dtype], _DT[state.dtype], state.data_ptr(), state.stride(0), B, H,
@@ -183,8 +193,17 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
 
 
 TMIX_SPLIT_MIN_BATCH = int(os.environ.get("RWKV_TMIX_SPLIT", "64"))
-"""From this batch on, tmix_decode runs prep -> wkv7_decode -> post (3 launches) instead of the
-single fused kernel, whose 512-thread blocks reach only ~60% of wkv7_decode's state bandwidth."""
+"""From this batch on, tmix_decode runs the large-batch path (TMIX_MODE) instead of the small-batch
+single kernel (wkv7_tmix_decode), whose 512-thread blocks reach only ~60% of wkv7_decode's state
+bandwidth."""
+
+TMIX_MODE = os.environ.get("RWKV_TMIX_MODE", "fused")
+"""Large-batch path: "fused" = one launch, a head per 128-thread block (wkv7_tmix_fused);
+"split" = prep -> wkv7_decode -> post (3 launches, fp32 intermediates; the previous default)."""
+
+TMIX_RPT = int(os.environ.get("RWKV_TMIX_RPT", "0"))
+"""State rows per thread of wkv7_tmix_fused: 0 = the kernel's default (4), 2 (256-thread blocks), or
+-4 (4 rows, 16-bit state rows unpacked in registers: the first version, for A/B on fp16 state)."""
 
 
 def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases) -> None:

@@ -1,6 +1,7 @@
 """WKV-7 kernel micro-benchmark: CUDA kernels vs the pure-torch ops, 2.9B head shape (H=40).
 
-    PYTHONPATH=. python test/bench/bench_kernels.py
+    PYTHONPATH=. python test/bench/bench_kernels.py          (everything)
+    PYTHONPATH=. python test/bench/bench_kernels.py --tmix   (only the split vs fused time-mix table)
 
 Decode: one layer's state update for B sequences; achieved bandwidth counts the state read +
 written once (the floor) plus the activations. Prefill: one layer, T tokens.
@@ -42,17 +43,40 @@ def bench_chunk(B: int, T: int, sd: torch.dtype, impl, rep: int = 50) -> float:
     return do_bench(lambda: impl(state, *a), warmup=10, rep=rep, return_mode="median")
 
 
-def bench_tmix(B: int, sd: torch.dtype, split: bool) -> float:
+def bench_tmix(B: int, sd: torch.dtype, mode: str, rpt: int = 0) -> float:
+    """One layer's decode time-mix core (cuda_ops.tmix_decode, model call: bias inside, layer > 0).
+    mode: "single" (small-batch kernel), "split" (prep -> decode -> post), "fused" (one launch)."""
     import types
 
     C = H * N
     state = torch.randn(B, H, N, N, device="cuda").to(sd) * 0.1
     xs = [torch.randn(B, C, device="cuda", dtype=torch.float16) for _ in range(8)]
+    xs[3] = xs[3] - 2.0  # wz: realistic decays
     lw = types.SimpleNamespace(**{n: torch.rand(C, device="cuda", dtype=torch.float16) for n in
-                                  ("k_k", "k_a", "r_k", "lnx_w", "lnx_b")})  # fmt: skip
-    f = lambda: cuda_ops.tmix_decode(state, *xs, lw, layer0=False)  # noqa: E731
-    cuda_ops.TMIX_SPLIT_MIN_BATCH = 1 if split else 1 << 30
-    return do_bench(f, warmup=25, rep=100, return_mode="median")
+                                  ("k_k", "k_a", "r_k", "lnx_w", "lnx_b", "w0", "a0", "v0")})  # fmt: skip
+    f = lambda: cuda_ops.tmix_decode(state, *xs, lw, layer0=False, bias=True)  # noqa: E731
+    saved = cuda_ops.TMIX_SPLIT_MIN_BATCH, cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT
+    cuda_ops.TMIX_SPLIT_MIN_BATCH = 1 << 30 if mode == "single" else 1
+    cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = ("split" if mode == "split" else "fused"), rpt
+    try:
+        return do_bench(f, warmup=25, rep=100, return_mode="median")
+    finally:
+        cuda_ops.TMIX_SPLIT_MIN_BATCH, cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = saved
+
+
+def tmix_table(batches=(64, 256, 1024)) -> None:
+    """Large-batch time-mix: split (3 launches) vs fused (one launch; rows per thread 4 and 2; 4 with
+    16-bit state rows unpacked in registers, i.e. as fp32 ones), ms
+    per call (one layer, H=40, N=64) and state TB/s (state read + written once / time)."""
+    impls = (("split", "split", 0), ("fused", "fused", 0), ("fused rpt2", "fused", 2), ("fused unpacked", "fused", -4))
+    print(f"\ntmix_decode, one layer, H={H} N={N}: ms per call (state TB/s)")
+    print(f"{'B':>5} {'state':5} " + " ".join(f"{n:>18}" for n, _, _ in impls) + f" {'fused/split':>11}")
+    for sd, sn in ((torch.float32, "fp32"), (torch.float16, "fp16")):
+        for B in batches:
+            sbytes = 2 * B * H * N * N * torch.finfo(sd).bits // 8
+            ms = [bench_tmix(B, sd, mode, rpt) for _, mode, rpt in impls]
+            cells = " ".join(f"{m:9.4f} ({sbytes / m / 1e9:5.2f})" for m in ms)
+            print(f"{B:5d} {sn:5} {cells} {ms[1] / ms[0]:11.2f}", flush=True)
 
 
 def main() -> None:
@@ -66,10 +90,11 @@ def main() -> None:
                 ms, gbs = bench_decode(B, sd, impl)
                 print(f"decode B={B:<5} state={sn:4}      {name:6} {ms:9.4f} {gbs:8.0f}", flush=True)
     for sd, sn in ((torch.float32, "fp32"), (torch.float16, "fp16")):
-        for B in (1, 64, 256, 1024):
-            for split in (False, True):
-                ms = bench_tmix(B, sd, split)
-                print(f"tmix  B={B:<5} state={sn:4}      {'split' if split else 'fused':6} {ms:9.4f}", flush=True)
+        for B in (1, 64):
+            for mode in ("single", "fused"):
+                ms = bench_tmix(B, sd, mode)
+                print(f"tmix  B={B:<5} state={sn:4}      {mode:6} {ms:9.4f}", flush=True)
+    tmix_table()
     for B, T in ((1, 4096), (16, 512), (1, 256), (64, 16)):
         ms = bench_chunk(B, T, torch.float32, cuda_ops.wkv_chunk)
         print(f"chunk {B}x{T} state=fp32      cuda   {ms:9.3f}  ({B * T / ms * 1e3:,.0f} tok/s/layer)", flush=True)
@@ -78,4 +103,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--tmix" in sys.argv:  # only the large-batch time-mix table
+        assert cuda_ops.available(), "kernels did not build"
+        tmix_table()
+    else:
+        main()
