@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(1024) add_ln_mix_kernel(LnArgs p) {
 
 constexpr int LN_VW = 8;     // fast path: columns per thread (16 bytes of 16-bit, 32 of fp32)
 constexpr int LN_KMAX = 6;   // fast path: most mixes
-constexpr int LN_V2_THREADS = 512;  // fast path: C <= 4096 (128 registers per thread, no spills)
+constexpr int LN_V2_THREADS = 512;  // fast path: C <= 4096 (<= 64 registers per thread: 2+ blocks per SM)
 
 // 8 consecutive values (16-byte aligned) <-> fp32.
 template <typename F>
@@ -166,23 +166,22 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
 }
 
 template <typename F>
-__global__ void __launch_bounds__(LN_V2_THREADS) add_ln_mix_v2_kernel(LnArgs p) {
+__global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];
     const int b = blockIdx.x, tid = threadIdx.x;
     const int c = LN_VW * tid;
     const bool act = c < p.C;
     const bool has_dx = p.dx != nullptr, has_shift = p.shift != nullptr;
-    float v[LN_VW], d[LN_VW], w[LN_VW], bb[LN_VW], prev[LN_VW], m[LN_KMAX][LN_VW];
-    // every load first (no store can alias them: each thread writes only its own columns)
+    float v[LN_VW], d[LN_VW], w[LN_VW], bb[LN_VW], prev[LN_VW];
+    // the row's loads first (no store can alias them: each thread writes only its own columns);
+    // the mix rows (L2-resident, shared by all rows) are read after the reduction, which keeps
+    // the kernel at <= 64 registers: 3 blocks of 320 threads per SM instead of 1
     if (act) {
         load8<F>((const F *)p.x + b * p.x_bs + c, v);
         if (has_dx) load8<F>((const F *)p.dx + b * p.dx_bs + c, d);
         load8<F>((const F *)p.ln_w + c, w);
         load8<F>((const F *)p.ln_b + c, bb);
         if (has_shift) load8<F>((const F *)p.shift + b * p.shift_bs + c, prev);
-#pragma unroll
-        for (int k = 0; k < LN_KMAX; k++)
-            if (k < p.K) load8<F>((const F *)p.mix + (long long)k * p.C + c, m[k]);
     }
     // residual add and this thread's (count, mean, M2)
     float n = 0.f, mean = 0.f, m2 = 0.f;
@@ -233,8 +232,9 @@ __global__ void __launch_bounds__(LN_V2_THREADS) add_ln_mix_v2_kernel(LnArgs p) 
         for (int k = 0; k < LN_KMAX; k++) {
             if (k < p.K) {
                 float o[LN_VW];
+                load8<F>((const F *)p.mix + (long long)k * p.C + c, o);
 #pragma unroll
-                for (int e = 0; e < LN_VW; e++) o[e] = xn[e] + d[e] * m[k][e];
+                for (int e = 0; e < LN_VW; e++) o[e] = xn[e] + d[e] * o[e];
                 store8<F>(out + k * p.out_plane, o);
             }
         }
