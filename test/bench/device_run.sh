@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info tests kernels engine e2e quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
+# steps: info build tests kernels tmix gemm engine e2e quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
 # (default: info tests kernels engine). The fused decode time-mix and long prefill chunks are the
 # model's defaults on CUDA now (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -15,8 +15,11 @@ for s in $steps; do
   echo "=== $s $(date +%T)"
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv; python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'; which nvcc ;;
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_model_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_kernels_gemv_gpu.py test/test_model_gpu.py test/test_engine_gpu.py test/test_kernel_loader.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) timeout 200 python3 test/bench/bench_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
+    tmix) timeout 200 python3 test/bench/bench_kernels.py --tmix 2>&1 | tee "$OUT/tmix.log" ;;
+    gemm) timeout 200 python3 test/bench/bench_gemm.py --batches 1,8,64,256 2>&1 | tee "$OUT/gemm.log" ;;
+    build) python3 -c "import logging; logging.basicConfig(level=logging.INFO); from kernels import loader; print(loader.load())" 2>&1 | tail -3 ;;
     engine) timeout 400 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp16,fp32 \
               --accuracy 256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine.log" ;;
     profile) timeout 150 python3 test/bench/profile_decode.py --batches 1,256,1024 2>&1 | tee "$OUT/profile.log" ;;
