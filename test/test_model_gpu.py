@@ -79,3 +79,32 @@ def test_long_chunks_slots_and_lengths_on_cuda(pair):
     assert rel_err(lg, lc) < 2e-2
     assert rel_err(pg.wkv, pc.wkv) < 2e-2 and rel_err(pg.att_shift, pc.att_shift) < 2e-2
     assert all(t[:, [0, 3, 5]].abs().max() == 0 for t in pg.tensors())  # untouched slots
+
+
+def test_capture_in_a_fresh_process_with_large_buckets():
+    """A fresh process captures buckets past the gemv range (cuBLAS's first use): the warm-up
+    must have initialized every library the graphs touch, or the capture is invalidated."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch\n"
+        "from server.engine.sampler import SamplerSlots\n"
+        "from server.engine.types import SamplingParams\n"
+        "from server.model import load_model\n"
+        "from server.model.graphs import DecodeGraphs\n"
+        "m = load_model('synthetic:tiny', device='cuda', dtype=torch.float16)\n"
+        "pool = m.zero_state(64)\n"
+        "smp = SamplerSlots(64, m.shape.vocab_size, 'cuda')\n"
+        "smp.reset(range(64), [SamplingParams()] * 64, list(range(64)))\n"
+        "g = DecodeGraphs(m, pool, smp, max_batch=64)\n"
+        "g.capture()\n"
+        "tok = g.step(64, torch.ones(64, dtype=torch.long, device='cuda'))\n"
+        "torch.cuda.synchronize()\n"
+        "print('captured', sorted(g.graphs), tok.shape[0])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "captured [1, 2, 4, 8, 16, 32, 64] 64" in out.stdout

@@ -65,13 +65,16 @@ class DecodeGraphs:
         return logits, tok
 
     def _warmup(self) -> None:
-        """A few eager steps at batch 1 on a side stream (lazy library init stays out of the
-        graphs); writes only slot 0 (free at start-up) and no penalties (commit False)."""
+        """Eager steps on a side stream before any capture, so that lazy library init (cuBLAS
+        handles and workspaces, kernel modules) stays out of the graphs: two at batch 1 and one
+        at the largest bucket (batch 1 alone never reaches cuBLAS: its projections run the gemv
+        kernel). Only at start-up: writes slots [0, max_batch), all free then (a slot is zeroed
+        when a sequence takes it); no penalties (commit False)."""
         s = torch.cuda.Stream(self.pool.device)
         s.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(s):
-            for _ in range(2):
-                self._body(1)
+            for b in (1, self.max_batch, 1):
+                self._body(b)
         torch.cuda.current_stream(self.pool.device).wait_stream(s)
         torch.cuda.synchronize(self.pool.device)
         self._warm = True
