@@ -10,8 +10,9 @@ To add a kernel: put its .cu file in SOURCES (headers in HEADERS) and its extern
 argument codes here, in order.
 """
 
-SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "fused_elementwise.cu", "gemv.cu")
-HEADERS = ("wkv7_common.cuh",)
+SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "wkv7_tmix_fused.cu", "fused_elementwise.cu",
+           "gemv.cu")
+HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh")
 
 I, LL, F, P = "i", "ll", "f", "p"
 SIGNATURES: dict[str, list[str]] = {
@@ -21,10 +22,9 @@ SIGNATURES: dict[str, list[str]] = {
     # f_dt, s_dt, raw_w, state, s_bstride, slots, lengths, B, T, H, r, w, k, v, a, b,
     # act_bstride, act_tstride, w_bstride, w_tstride, y, y_bstride, y_tstride, stream
     "wkv7_chunk": [I, I, I, P, LL, P, P, I, I, I, P, P, P, P, P, P, LL, LL, LL, LL, P, LL, LL, P],
-    # f_dt, s_dt, state, s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride,
-    # k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride, w0, a0, v0, stream
-    "wkv7_tmix_decode": [I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
-    # as wkv7_tmix_decode with rpt (state rows per thread, 0 = default) after s_dt
+    # f_dt, s_dt, rpt (state rows per thread, 0 = default), state, s_bstride, B, H, r, k, v, wz, az,
+    # vz, v_first, g, act_bstride, k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride,
+    # w0, a0, v0, stream
     "wkv7_tmix_fused": [I, I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
     # f_dt, B, H, r, k, v, wz, az, vz, v_first, act_bstride, k_k, k_a, r_k, layer0, buf, bonus,
     # w0, a0, v0, stream

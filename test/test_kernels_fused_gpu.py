@@ -43,10 +43,9 @@ def _acts(B, dtype, dev, seed, h=H):
 
 
 def _tmix_path(monkeypatch, path: str) -> None:
-    """Route cuda_ops.tmix_decode: "single" (small-batch kernel), "split" (prep -> decode -> post),
+    """Route cuda_ops.tmix_decode: "split" (prep -> decode -> post),
     "fused" (wkv7_tmix_fused, default rows per thread), "fused2" (fused, 2 rows per thread),
     "fused_unpacked" (4 rows, 16-bit state rows unpacked in registers)."""
-    monkeypatch.setattr(cuda_ops, "TMIX_SPLIT_MIN_BATCH", 1 << 30 if path == "single" else 1)
     monkeypatch.setattr(cuda_ops, "TMIX_MODE", "split" if path == "split" else "fused")
     monkeypatch.setattr(cuda_ops, "TMIX_RPT", {"fused2": 2, "fused_unpacked": -4}.get(path, 0))
 
@@ -56,7 +55,7 @@ def _tmix_path(monkeypatch, path: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
-@pytest.mark.parametrize("path", ["single", "split", "fused", "fused2"])
+@pytest.mark.parametrize("path", ["split", "fused", "fused2"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, path, bias, monkeypatch):
     _tmix_path(monkeypatch, path)

@@ -148,7 +148,7 @@ def _mask_lengths(acts, lengths):
     return r, w, k, v, a, b
 
 
-# ---- fused time-mix core for decode (kernels/wkv7_tmix.cu) -----------------------------------
+# ---- time-mix core for decode (kernels/wkv7_tmix_fused.cu, split path kernels/wkv7_tmix.cu) ----
 def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5,
                 bias: bool = False):  # fmt: skip
     """One launch for the whole decode time-mix core (ops.tmix_decode is the pure-torch twin).
@@ -170,35 +170,22 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
         biases[2] = 0  # no v0 in layer 0
     out = torch.empty(B, C, device=r.device, dtype=r.dtype)  # (B, C)
     stream = torch.cuda.current_stream(r.device).cuda_stream
-    if B >= TMIX_SPLIT_MIN_BATCH:
-        rc = -2
-        if TMIX_MODE == "fused":
-            rc = lib.wkv7_tmix_fused(
-                _DT[r.dtype], _DT[state.dtype], TMIX_RPT, state.data_ptr(), state.stride(0), B, H,
-                *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
-                int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
-            )
-        if rc == -2:  # split asked for, or a shape the fused kernel does not cover
-            _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases)
-        else:
-            _check(rc, "wkv7_tmix_fused")
-        return out
-    rc = lib.wkv7_tmix_decode(
-        _DT[r.dtype], _DT[state.dtype], state.data_ptr(), state.stride(0), B, H,
-        *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
-        int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
-    )
-    _check(rc, "wkv7_tmix_decode")
+    rc = -2
+    if TMIX_MODE == "fused":
+        rc = lib.wkv7_tmix_fused(
+            _DT[r.dtype], _DT[state.dtype], TMIX_RPT, state.data_ptr(), state.stride(0), B, H,
+            *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
+            int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
+        )
+    if rc == -2:  # split asked for, or a shape the fused kernel does not cover
+        _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases)
+    else:
+        _check(rc, "wkv7_tmix_fused")
     return out
 
 
-TMIX_SPLIT_MIN_BATCH = int(os.environ.get("RWKV_TMIX_SPLIT", "64"))
-"""From this batch on, tmix_decode runs the large-batch path (TMIX_MODE) instead of the small-batch
-single kernel (wkv7_tmix_decode), whose 512-thread blocks reach only ~60% of wkv7_decode's state
-bandwidth."""
-
 TMIX_MODE = os.environ.get("RWKV_TMIX_MODE", "fused")
-"""Large-batch path: "fused" = one launch, a head per 128-thread block (wkv7_tmix_fused);
+"""At every batch size: "fused" = one launch, a head per 128-thread block (wkv7_tmix_fused);
 "split" = prep -> wkv7_decode -> post (3 launches, fp32 intermediates; the previous default)."""
 
 TMIX_RPT = int(os.environ.get("RWKV_TMIX_RPT", "0"))

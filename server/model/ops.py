@@ -97,7 +97,7 @@ def wkv_chunk(state: torch.Tensor, r, w, k, v, a, b) -> torch.Tensor:
 def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5,
                 bias: bool = False) -> torch.Tensor:  # fmt: skip
     """The decode time-mix core between the projections and the output projection (one
-    launch in the CUDA twin, kernels/wkv7_tmix.cu). r, k, v, g: (B, C); wz, az, vz: LoRA outputs
+    launch in the CUDA twin, kernels/wkv7_tmix_fused.cu). r, k, v, g: (B, C); wz, az, vz: LoRA outputs
     with their biases (w0, a0, v0) added, or without them when bias=True (then lw.w0, lw.a0,
     lw.v0 are added here) (vz, v_first unused when layer0: may be None);
     lw: k_k, k_a (C,), r_k (H, N), lnx_w, lnx_b (C,). state (B, H, N, N) updated in place;

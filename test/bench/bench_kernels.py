@@ -45,7 +45,7 @@ def bench_chunk(B: int, T: int, sd: torch.dtype, impl, rep: int = 50) -> float:
 
 def bench_tmix(B: int, sd: torch.dtype, mode: str, rpt: int = 0) -> float:
     """One layer's decode time-mix core (cuda_ops.tmix_decode, model call: bias inside, layer > 0).
-    mode: "single" (small-batch kernel), "split" (prep -> decode -> post), "fused" (one launch)."""
+    mode: "split" (prep -> decode -> post) or "fused" (one launch)."""
     import types
 
     C = H * N
@@ -55,13 +55,12 @@ def bench_tmix(B: int, sd: torch.dtype, mode: str, rpt: int = 0) -> float:
     lw = types.SimpleNamespace(**{n: torch.rand(C, device="cuda", dtype=torch.float16) for n in
                                   ("k_k", "k_a", "r_k", "lnx_w", "lnx_b", "w0", "a0", "v0")})  # fmt: skip
     f = lambda: cuda_ops.tmix_decode(state, *xs, lw, layer0=False, bias=True)  # noqa: E731
-    saved = cuda_ops.TMIX_SPLIT_MIN_BATCH, cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT
-    cuda_ops.TMIX_SPLIT_MIN_BATCH = 1 << 30 if mode == "single" else 1
+    saved = cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT
     cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = ("split" if mode == "split" else "fused"), rpt
     try:
         return do_bench(f, warmup=25, rep=100, return_mode="median")
     finally:
-        cuda_ops.TMIX_SPLIT_MIN_BATCH, cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = saved
+        cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = saved
 
 
 def tmix_table(batches=(64, 256, 1024)) -> None:
@@ -91,7 +90,7 @@ def main() -> None:
                 print(f"decode B={B:<5} state={sn:4}      {name:6} {ms:9.4f} {gbs:8.0f}", flush=True)
     for sd, sn in ((torch.float32, "fp32"), (torch.float16, "fp16")):
         for B in (1, 64):
-            for mode in ("single", "fused"):
+            for mode in ("split", "fused"):
                 ms = bench_tmix(B, sd, mode)
                 print(f"tmix  B={B:<5} state={sn:4}      {mode:6} {ms:9.4f}", flush=True)
     tmix_table()

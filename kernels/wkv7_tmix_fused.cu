@@ -1,0 +1,255 @@
+// RWKV-7 decode time-mix core in one launch (semantics: see wkv7_tmix.cu's header).
+#include "wkv7_tmix.cuh"
+
+// ---- one launch for large batches: prep + WKV step + GroupNorm/bonus/gate, a head per block ----
+// grid (H, B), block N*TPR/RPT threads (128 for N = 64, RPT = 4): block (h, b) owns the whole head,
+// so the head's column vectors are computed once (not once per row slice) and the GroupNorm over
+// its N outputs is a block reduction: no cluster, no second kernel, no fp32 intermediates.
+// Thread layout as wkv7_decode: a state row is owned by TPR = 8 lanes holding EPT = 8 columns each
+// in registers; row group rg = tid / TPR owns rows rg + j*RG (RG = N / RPT row groups, j < RPT).
+//
+// Order inside a block:
+//   1. issue all RPT state-row loads (RPT*EPT values per thread: 128 B fp32, 64 B fp16 state);
+//   2. while they are in flight, per-column work split over warps (loads hit L2):
+//        warp 0: k', r, a = -kk, b = kk*a_gate (kk normalized in-warp), bonus = sum r k' r_k
+//        warp 1: v = lerp(v, v_first, sigmoid(vz))                  (rows, one per column index)
+//        warps 2..: decay exp(-exp(w)) of column c, and preload g, lnx_w, lnx_b of row c for step 4
+//      -> shared memory, one __syncthreads;
+//   3. RPT row steps (wkv7_common.cuh step(), rows interleaved), state stores issued at once;
+//   4. GroupNorm: per-warp mean and M2 over its rows (shuffles), combined across warps (Chan)
+//      after one more __syncthreads; threads of warps 2.. write out for row c.
+//
+// Why it should keep (or beat) wkv7_decode's state bandwidth: what limits these kernels is state
+// bytes in flight per SM (Little: 4.2 TB/s x ~0.7 us ~ 3 MB, ~22 KB per SM). wkv7_decode keeps at
+// most 8 blocks x 128 threads x 32 B = 32 KB per SM in flight and reaches 3.7 TB/s (fp32). Here a
+// thread has RPT rows in flight: 128 B (fp32) / 64 B (fp16) per thread; fp32 state: 94-96
+// registers -> 5 resident 128-thread blocks per SM = 80 KB in flight; 16-bit state (rows kept
+// packed, see head_packed): 72 registers -> 7 blocks = 56 KB. So even if a block spends a quarter
+// of its life after its loads (steps, GroupNorm, 2 barriers) the SM still holds more bytes in
+// flight than wkv7_decode. Measured on the H200 (first version, fp16 rows unpacked at 96 regs):
+// fp32 state 3.48 TB/s at B=256 and 3.75 at B=1024 (split: 2.88 / 3.14); fp16 state 2.27 / 2.40
+// (split 2.18 / 2.47): hence the packed 16-bit rows. The per-column work of step 2 overlaps
+// the state loads' latency (both are one memory round trip), and the only barriers wait for that
+// phase and for the GroupNorm sums, never for a state load; the state stores are issued before the
+// second barrier. The v1 single kernel (512 threads, 1 row per thread, 3 barriers) had 32 B per
+// thread in flight and at most 2-3 blocks per SM whose 512 threads all idled in phases 1 and 3.
+namespace wkv7 {
+
+#ifndef HEAD_PACKED_MIN_BLOCKS
+#define HEAD_PACKED_MIN_BLOCKS 7
+#endif
+
+template <int RPT>
+__host__ __device__ constexpr int head_threads() { return N * TPR / RPT; }
+
+// The warp roles of step 2 need 2 warps + N threads; N > 64 (EPT = 16 columns per lane, RPT rows)
+// would spill: those head sizes take the split path.
+template <int RPT>
+__host__ __device__ constexpr bool head_ok() {
+    return N <= 64 && head_threads<RPT>() >= 64 + N && head_threads<RPT>() % 32 == 0;
+}
+
+// 16-bit state with 8 columns per lane: rows stay packed in registers (4 words per row) until their
+// step, and the column vectors are re-read from shared memory per row, so that ~10 blocks (64 B of
+// state in flight per thread) fit an SM instead of 5 (measured: 2.4 TB/s at 5 blocks, B=1024).
+template <typename S>
+__host__ __device__ constexpr bool head_packed() { return sizeof(S) == 2 && EPT == 8; }
+
+template <typename S, int RPT, bool PK>
+__host__ __device__ constexpr int head_min_blocks() {
+    return PK && head_packed<S>() ? (RPT >= 4 ? HEAD_PACKED_MIN_BLOCKS : 4) : (RPT >= 4 ? 5 : 4);
+}
+
+// PK = false: 16-bit rows unpacked to fp32 registers like fp32 ones (the first version; A/B)
+template <typename F, typename S, int RPT, bool PK>
+__global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, PK>()))
+    tmix_head_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p) {
+    constexpr int T = head_threads<RPT>();
+    constexpr int RG = T / TPR;          // row groups; rows of a group: rg + j*RG
+    constexpr int NW = T / 32;           // warps
+    constexpr int WROWS = 32 / TPR * RPT;  // rows per warp (NW * WROWS == N)
+    constexpr int CPL = N / 32;          // columns per lane in warps 0 and 1
+    __shared__ __align__(16) float sh_dec[N], sh_k[N], sh_a[N], sh_b[N], sh_r[N], sh_v[N], sh_y[N];
+    __shared__ float red[1 + 2 * NW];
+    const int h = blockIdx.x, bi = blockIdx.y, tid = threadIdx.x;
+    const int warp = tid / 32, wl = tid % 32, rg = tid / TPR, lane = tid % TPR;
+    const int hc = h * N;
+    const long long base = (long long)bi * p.act_bstride + hc;
+    S *shead = state + (long long)bi * s_bstride + (long long)h * N * N;
+    auto ld = [&](const void *ptr, long long i) { return to_f(((const F *)ptr)[i]); };
+
+    // 1. the state rows first: in flight during step 2
+    constexpr bool PACK = PK && head_packed<S>();
+    float s[PACK ? 1 : RPT][EPT];
+    uint4 sp[PACK ? RPT : 1];
+#pragma unroll
+    for (int j = 0; j < RPT; j++) {
+        if constexpr (PACK) sp[j] = ld_global_v4(shead + (long long)(rg + j * RG) * N + lane * EPT);
+        else load_state<S>(shead + (long long)(rg + j * RG) * N, lane, s[j]);
+    }
+
+    // 2. per-column vectors of the head. Each role loads all its inputs before any arithmetic and
+    // without branches (absent biases read as 0: x + 0 rounded to F is x), so they are one L2
+    // round trip, overlapping the state loads.
+    float g_o = 0.f, lw_o = 0.f, lb_o = 0.f;  // row c = tid - 64 of the output (warps 2..)
+    auto lbias = [&](const void *bias, int c) { return bias ? ld(bias, c) : 0.f; };
+    auto round_f = [&](float x) { return to_f(from_f<F>(x)); };  // torch's add in dtype F
+    if (warp == 0) {
+        float kr[CPL], rr[CPL], az[CPL], a0[CPL], kkw[CPL], ka[CPL], rk[CPL];
+#pragma unroll
+        for (int q = 0; q < CPL; q++) {
+            const int c = wl + 32 * q;
+            kr[q] = ld(p.k, base + c), rr[q] = ld(p.r, base + c), az[q] = ld(p.az, base + c);
+            a0[q] = lbias(p.a0, hc + c), kkw[q] = ld(p.k_k, hc + c), ka[q] = ld(p.k_a, hc + c);
+            rk[q] = ld(p.r_k, hc + c);
+        }
+        float kkr[CPL], ag[CPL], sq = 0.f, bon = 0.f;
+#pragma unroll
+        for (int q = 0; q < CPL; q++) {
+            const int c = wl + 32 * q;
+            ag[q] = sigmoidf(round_f(az[q] + a0[q]));
+            kkr[q] = kr[q] * kkw[q];
+            const float kf = kr[q] * (1.f + (ag[q] - 1.f) * ka[q]);
+            sh_k[c] = kf;
+            sh_r[c] = rr[q];
+            sq += kkr[q] * kkr[q];
+            bon += rr[q] * kf * rk[q];
+        }
+        sq = warp_sum(sq);
+        bon = warp_sum(bon);
+        const float den = fmaxf(sqrtf(sq), 1e-12f);
+#pragma unroll
+        for (int q = 0; q < CPL; q++) {
+            const int c = wl + 32 * q;
+            const float kk = kkr[q] / den;
+            sh_a[c] = -kk;
+            sh_b[c] = kk * ag[q];
+        }
+        if (wl == 0) red[0] = bon;
+    } else if (warp == 1) {
+        const bool l0 = p.layer0 != 0;
+        float vr[CPL], vf[CPL], vz[CPL], v0[CPL];
+#pragma unroll
+        for (int q = 0; q < CPL; q++) {
+            const int c = wl + 32 * q;
+            vr[q] = ld(p.v, base + c);
+            vf[q] = l0 ? 0.f : ld(p.v_first, base + c);
+            vz[q] = l0 ? 0.f : ld(p.vz, base + c);
+            v0[q] = l0 ? 0.f : lbias(p.v0, hc + c);
+        }
+#pragma unroll
+        for (int q = 0; q < CPL; q++)
+            sh_v[wl + 32 * q] = l0 ? vr[q] : vr[q] + (vf[q] - vr[q]) * sigmoidf(round_f(vz[q] + v0[q]));
+    } else if (tid - 64 < N) {
+        const int c = tid - 64;
+        const float wz = ld(p.wz, base + c), w0 = lbias(p.w0, hc + c);
+        g_o = ld(p.g, base + c), lw_o = ld(p.lnx_w, hc + c), lb_o = ld(p.lnx_b, hc + c);
+        const float w = -softplusf(-round_f(wz + w0)) - 0.5f;
+        sh_dec[c] = expf(-expf(w));
+    }
+    __syncthreads();
+
+    // 3. the row steps; state stored as soon as a row is done
+    float y[RPT];
+    if constexpr (PACK) {
+#pragma unroll
+        for (int j = 0; j < RPT; j++) {
+            const int row = rg + j * RG;
+            float st[EPT], wv[EPT], kv[EPT], av[EPT], bv[EPT], rv[EPT];
+            cvt4(make_uint2(sp[j].x, sp[j].y), (const S *)nullptr, st);
+            cvt4(make_uint2(sp[j].z, sp[j].w), (const S *)nullptr, st + 4);
+            load_cols<S, float>(sh_dec, lane, wv);
+            load_cols<S, float>(sh_k, lane, kv);
+            load_cols<S, float>(sh_a, lane, av);
+            load_cols<S, float>(sh_b, lane, bv);
+            load_cols<S, float>(sh_r, lane, rv);
+            y[j] = step(st, wv, kv, av, bv, rv, sh_v[row]);
+            store_state<S>(shead + (long long)row * N, lane, st);
+        }
+    } else {
+        float wv[EPT], kv[EPT], av[EPT], bv[EPT], rv[EPT];
+        load_cols<S, float>(sh_dec, lane, wv);
+        load_cols<S, float>(sh_k, lane, kv);
+        load_cols<S, float>(sh_a, lane, av);
+        load_cols<S, float>(sh_b, lane, bv);
+        load_cols<S, float>(sh_r, lane, rv);
+#pragma unroll
+        for (int j = 0; j < RPT; j++) {
+            const int row = rg + j * RG;
+            y[j] = step(s[j], wv, kv, av, bv, rv, sh_v[row]);
+            store_state<S>(shead + (long long)row * N, lane, s[j]);
+        }
+    }
+
+    // 4. GroupNorm over the head's N rows: per warp (WROWS rows) mean and M2, then combined
+    float ls = 0.f;
+#pragma unroll
+    for (int j = 0; j < RPT; j++) ls += y[j];
+#pragma unroll
+    for (int o = TPR; o < 32; o <<= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);  // across row groups
+    const float wmean = ls / WROWS;
+    float m2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < RPT; j++) m2 += (y[j] - wmean) * (y[j] - wmean);
+#pragma unroll
+    for (int o = TPR; o < 32; o <<= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < RPT; j++) sh_y[rg + j * RG] = y[j];
+    }
+    if (wl == 0) red[1 + 2 * warp] = ls, red[2 + 2 * warp] = m2;
+    __syncthreads();
+    if (warp >= 2 && tid - 64 < N) {
+        const int c = tid - 64;
+        float tot = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) tot += red[1 + 2 * w];
+        const float mean = tot / N;
+        float M2 = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            const float d = red[1 + 2 * w] / WROWS - mean;
+            M2 += red[2 + 2 * w] + WROWS * d * d;
+        }
+        const float gn = (sh_y[c] - mean) * rsqrtf(M2 / N + p.gn_eps) * lw_o + lb_o;
+        const float o = (gn + red[0] * sh_v[c]) * g_o;
+        ((F *)p.out)[(long long)bi * p.out_bstride + hc + c] = from_f<F>(o);
+    }
+}
+
+template <typename F, typename S, int RPT, bool PK>
+int launch_head(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
+    constexpr bool PKE = PK || !head_packed<S>();  // one kernel where packing does not apply
+    if constexpr (head_ok<RPT>()) {
+        tmix_head_kernel<F, S, RPT, PKE><<<dim3(H, B), head_threads<RPT>(), 0, stream>>>(state, s_bstride, p);
+        return (int)cudaGetLastError();
+    } else {
+        return -2;
+    }
+}
+
+}  // namespace wkv7
+
+// Arguments: f_dt, s_dt, rpt, then as the prep/post kernels' TmixArgs; rpt (state rows per thread: 0 = default (4), or 2 or 4;
+// -4: 4 rows with 16-bit state rows unpacked in registers, the first version, kept for A/B).
+// Returns a cudaError_t value (0 = success), -1 for an unsupported dtype combination, -2 for an
+// unsupported rpt / head size (the caller then runs the split path).
+extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long long s_bstride, int B, int H,
+                               const void *r, const void *k, const void *v, const void *wz, const void *az,
+                               const void *vz, const void *v_first, const void *g, long long act_bstride,
+                               const void *k_k, const void *k_a, const void *r_k, const void *lnx_w,
+                               const void *lnx_b, int layer0, float gn_eps, void *out, long long out_bstride,
+                               const void *w0, const void *a0, const void *v0, void *stream) {
+    if (B <= 0) return 0;
+    if (rpt == 0) rpt = wkv7::head_ok<4>() ? 4 : 2;
+    if (rpt != 2 && rpt != 4 && rpt != -4) return -2;
+    if (B > 65535) return -2;  // grid.y
+    wkv7::TmixArgs p{r, k, v, wz, az, vz, v_first, g, k_k, k_a, r_k, lnx_w, lnx_b,
+                     out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps};
+    return WKV7_DISPATCH(f_dt, s_dt, {
+        const cudaStream_t st = (cudaStream_t)stream;
+        if (rpt == 4) return launch_head<F, S, 4, true>(B, H, (S *)state, s_bstride, p, st);
+        if (rpt == -4) return launch_head<F, S, 4, false>(B, H, (S *)state, s_bstride, p, st);
+        return launch_head<F, S, 2, true>(B, H, (S *)state, s_bstride, p, st);
+    });
+}
