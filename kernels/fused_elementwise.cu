@@ -173,15 +173,23 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs 
     const bool act = c < p.C;
     const bool has_dx = p.dx != nullptr, has_shift = p.shift != nullptr;
     float v[LN_VW], d[LN_VW], w[LN_VW], bb[LN_VW], prev[LN_VW];
-    // the row's loads first (no store can alias them: each thread writes only its own columns);
-    // the mix rows (L2-resident, shared by all rows) are read after the reduction, which keeps
-    // the kernel at <= 64 registers: 3 blocks of 320 threads per SM instead of 1
+    // every load first (no store can alias them: each thread writes only its own columns). The
+    // mix rows stay packed (16-bit: 4 registers per row; fp32 compute reads them after the
+    // reduction); at <= 64 registers (a few bytes spilled) 3 blocks of 320 threads fit per SM
+    // (at 107 registers, with the mixes unpacked to fp32, only one fit)
+    constexpr bool EARLY = sizeof(F) == 2;
+    uint4 mraw[LN_KMAX];
     if (act) {
         load8<F>((const F *)p.x + b * p.x_bs + c, v);
         if (has_dx) load8<F>((const F *)p.dx + b * p.dx_bs + c, d);
         load8<F>((const F *)p.ln_w + c, w);
         load8<F>((const F *)p.ln_b + c, bb);
         if (has_shift) load8<F>((const F *)p.shift + b * p.shift_bs + c, prev);
+        if constexpr (EARLY) {
+#pragma unroll
+            for (int k = 0; k < LN_KMAX; k++)
+                if (k < p.K) mraw[k] = *reinterpret_cast<const uint4 *>((const F *)p.mix + (long long)k * p.C + c);
+        }
     }
     // residual add and this thread's (count, mean, M2)
     float n = 0.f, mean = 0.f, m2 = 0.f;
@@ -232,7 +240,12 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs 
         for (int k = 0; k < LN_KMAX; k++) {
             if (k < p.K) {
                 float o[LN_VW];
-                load8<F>((const F *)p.mix + (long long)k * p.C + c, o);
+                if constexpr (EARLY) {
+                    cvt4(make_uint2(mraw[k].x, mraw[k].y), (const F *)nullptr, o);
+                    cvt4(make_uint2(mraw[k].z, mraw[k].w), (const F *)nullptr, o + 4);
+                } else {
+                    load8<F>((const F *)p.mix + (long long)k * p.C + c, o);
+                }
 #pragma unroll
                 for (int e = 0; e < LN_VW; e++) o[e] = xn[e] + d[e] * o[e];
                 store8<F>(out + k * p.out_plane, o);
