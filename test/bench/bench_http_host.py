@@ -103,7 +103,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def client_main(host: str, port: int, route: str, n: int, max_tokens: int) -> None:
+def client_main(host: str, port: int, route: str, n: int, max_tokens: int, stagger_ms: float = 0) -> None:
     if route == "chat":
         path = "/v1/chat/completions"
         mk = lambda i: {"model": "x", "messages": [{"role": "user", "content": "Tell me a story."}],  # noqa: E731
@@ -118,9 +118,13 @@ def client_main(host: str, port: int, route: str, n: int, max_tokens: int) -> No
         mk = lambda i: {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "temperature": 0,  # noqa: E731
                         "stop": []}
 
+    async def later(i: int, res: list) -> None:
+        await asyncio.sleep(i * stagger_ms / 1e3 / n)
+        await one_stream(host, port, path, json.dumps(mk(i)).encode(), res)
+
     async def run() -> list:
         res: list = []
-        await asyncio.gather(*(one_stream(host, port, path, json.dumps(mk(i)).encode(), res) for i in range(n)))
+        await asyncio.gather(*(later(i, res) for i in range(n)))
         return res
 
     c0, t0 = os.times(), time.perf_counter()
@@ -153,12 +157,13 @@ def main() -> None:
     ap.add_argument("--gpu-ms", type=float, default=0.0, help="simulated device time per decode step")
     ap.add_argument("--py-spy", default=None, help="record the server with py-spy (raw format) into this file")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--stagger-ms", type=float, default=0, help="spread the stream starts over this window")
     a, rest = ap.parse_known_args()
     if a.serve:
         sys.exit(serve(rest, a.gpu_ms))
     if a.client:
-        host, port, route, n, mt = a.client.split(",")
-        client_main(host, int(port), route, int(n), int(mt))
+        host, port, route, n, mt, st = a.client.split(",")
+        client_main(host, int(port), route, int(n), int(mt), float(st))
         return
 
     from util_server import ServerProcess
@@ -179,7 +184,7 @@ def main() -> None:
     rows = []
     try:
         def wave(route: str, n: int, mt: int) -> dict:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--client", f"127.0.0.1,{srv.port},{route},{n},{mt}"]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--client", f"127.0.0.1,{srv.port},{route},{n},{mt},{a.stagger_ms if mt > 8 else 0}"]
             l0, p0 = proc_cpu(pid)
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             l1, p1 = proc_cpu(pid)
