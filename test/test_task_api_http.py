@@ -65,6 +65,22 @@ def test_sse_format_and_exact_resume(http):
         assert text_of(sse(http.get(f"/{tid}/stream", params={"pos": e["pos"]}))) == text_of(texts[i + 1:])
 
 
+def test_task_runs_count_in_the_latency_metrics(http, server):
+    from server.api.metrics import parse_metrics
+
+    def metrics() -> dict[str, float]:
+        return parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
+
+    before = metrics()
+    ev = sse(http.post("/create", json={"prompt": "Latency", "max_tokens": 6, "stream": True, **G}))
+    wait_done(http, ev[0]["task_id"])
+    after = metrics()
+    assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1
+    assert after["rwkv_request_duration_seconds_count"] == before["rwkv_request_duration_seconds_count"] + 1
+    gaps = after["rwkv_inter_token_latency_seconds_count"] - before["rwkv_inter_token_latency_seconds_count"]
+    assert gaps == 5  # 6 tokens: the first is TTFT, each later one one gap (batched gaps count per token)
+
+
 def test_nothing_lost_when_the_task_finishes_before_the_client_reads(http):
     with http.stream("POST", "/tmp", json={"prompt": "Fast", "max_tokens": 10, "stream": True, **G}) as r:
         time.sleep(1.0)  # the task is long finished before the first line is read

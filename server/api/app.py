@@ -124,6 +124,7 @@ async def _start_tasks(services: Services):
     from server.tasks import TaskManager
 
     tasks = TaskManager(services.engine, services.tokenizer, services.settings, services.model.shape)
+    tasks.latency = services.metrics  # task runs count in the TTFT / inter-token / duration histograms
     await tasks.start()
     return tasks
 

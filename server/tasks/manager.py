@@ -45,6 +45,9 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         self.live: dict[str, Task] = {}  # TMP tasks, running tasks, tasks with writes pending
         self.recent: LRUCache = LRUCache(maxsize=1024)  # finished stored tasks read lately
         self.counters: Counter = Counter()
+        self.latency: Any = None
+        """Optional observer of run latencies (the HTTP layer's Metrics): its histograms `ttft`,
+        `itl` and `e2e` get each run's time to first token, inter-token gaps and duration."""
         self.interrupted: list[str] = []
         self.db_state_bytes = 0
         self._pumps: set[asyncio.Task] = set()
