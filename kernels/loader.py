@@ -53,6 +53,7 @@ _NVCC_UNDEF = [
 
 _lock = threading.Lock()
 _mods: dict[tuple, Any] = {}
+_keys: dict[tuple, tuple] = {}  # (device argument, head size) -> its key in _mods (no CUDA query)
 
 
 class KernelsUnavailable(RuntimeError):
@@ -215,6 +216,9 @@ def load(device=None, head_size: int = 64):
     (the reason is logged once)."""
     if os.environ.get("RWKV_KERNELS", "auto") in ("0", "torch"):
         return None
+    fast = _keys.get((str(device), head_size))
+    if fast is not None and fast in _mods:  # the per-op fast path: no CUDA query, no lock
+        return _mods[fast]
     try:
         import torch
 
@@ -225,6 +229,7 @@ def load(device=None, head_size: int = 64):
             key, reason = (torch.cuda.get_device_capability(device), head_size), None
     except Exception as e:  # pragma: no cover - broken CUDA install
         key, reason = ("error", head_size), f"CUDA query failed: {e}"
+    _keys[(str(device), head_size)] = key
     with _lock:
         if key not in _mods:
             try:

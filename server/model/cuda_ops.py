@@ -28,22 +28,10 @@ _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATE_DT = (torch.float32, torch.float16)
 
 
-_libs: dict[tuple, object] = {}
-
-
 def _lib(device: torch.device | None, head_size: int = 64):
-    """The kernel module for (device, head size), or None; memoized here because eager calls
-    (prefill, benchmarks) make one per op and loader.load queries CUDA before its own cache."""
-    key = (None if device is None else torch.device(device).index, head_size)
-    lib = _libs.get(key, _MISSING)
-    if lib is _MISSING:
-        from kernels import loader  # deferred: importing this module must not build anything
+    from kernels import loader  # deferred: importing this module must not build anything
 
-        lib = _libs[key] = loader.load(device, head_size)
-    return lib
-
-
-_MISSING = object()
+    return loader.load(device, head_size)
 
 
 def available(device: torch.device | str | None = None, head_size: int = 64) -> bool:
