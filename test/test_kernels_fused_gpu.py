@@ -180,7 +180,7 @@ def test_relu_square_and_lora_act_match_twins(n, dtype):
     got = cuda_ops.relu_square(h.clone())
     assert torch.equal(got, ref)  # exact: one rounding either way
     a, b = (torch.randn(3, n, generator=g) * 2).to(dev, dtype), (torch.randn(n + 5, generator=g) * 3).to(dev, dtype)
-    ra, rb = ops.lora_act(a, b)
+    ra, rb = ops.lora_act(a.clone(), b.clone())
     ca, cb = cuda_ops.lora_act(a.clone(), b.clone())
     atol = 1e-6 if dtype == torch.float32 else 1e-2
     assert torch.allclose(ca, ra, atol=atol, rtol=0) and torch.allclose(cb, rb, atol=atol, rtol=0)

@@ -148,9 +148,9 @@ def relu_square(h: torch.Tensor) -> torch.Tensor:
 
 
 def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tanh(hw), sigmoid(hg)): the decay and gate LoRA activations; one launch in place on
-    CUDA."""
-    return torch.tanh(hw), torch.sigmoid(hg)
+    """(tanh(hw), sigmoid(hg)) in place: the decay and gate LoRA activations (one launch on
+    CUDA); returns (hw, hg)."""
+    return hw.tanh_(), hg.sigmoid_()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

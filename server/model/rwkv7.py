@@ -160,9 +160,7 @@ class RWKV7:
         (P, B, C) without their biases, and the gate (B, C)."""
         lin = self.ops.linear
         mid = lin(xs[: pk.lora1.shape[0]], pk.lora1)  # (P, B, D) decay, a[, v-mix] hidden
-        hw, hg = self.ops.lora_act(mid[0], lin(xs[5], pk.g1))  # tanh, sigmoid
-        if hw.data_ptr() != mid.data_ptr():  # the pure-torch twin is not in place
-            mid[0].copy_(hw)
+        _, hg = self.ops.lora_act(mid[0], lin(xs[5], pk.g1))  # tanh on the decay plane, sigmoid; in place
         return lin(mid, pk.lora2), lin(hg, pk.g2)
 
     def _fork(self) -> SideStream:
