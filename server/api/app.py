@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from server.api import handlers
 from server.api.deps import Services
 from server.api.loading import facts, load_services, prefix_budget
+from server.api.generation import Recorder
 from server.api.metrics import Metrics
 from server.api.middleware import ServerMiddleware
 from server.api.prefix_cache import PrefixCache
@@ -124,7 +125,8 @@ async def _start_tasks(services: Services):
     from server.tasks import TaskManager
 
     tasks = TaskManager(services.engine, services.tokenizer, services.settings, services.model.shape)
-    tasks.latency = services.metrics  # task runs count in the TTFT / inter-token / duration histograms
+    # task runs count in the TTFT / inter-token / duration histograms, as OpenAI requests do
+    tasks.latency = lambda: Recorder(services.metrics, time.perf_counter())
     await tasks.start()
     return tasks
 

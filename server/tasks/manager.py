@@ -46,8 +46,8 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         self.recent: LRUCache = LRUCache(maxsize=1024)  # finished stored tasks read lately
         self.counters: Counter = Counter()
         self.latency: Any = None
-        """Optional observer of run latencies (the HTTP layer's Metrics): its histograms `ttft`,
-        `itl` and `e2e` get each run's time to first token, inter-token gaps and duration."""
+        """Optional factory of a latency recorder per run (the HTTP layer's Recorder, bound to
+        its Metrics): on_batch(run, events) per batch of tokens, finish() at the end."""
         self.interrupted: list[str] = []
         self.db_state_bytes = 0
         self._pumps: set[asyncio.Task] = set()

@@ -37,7 +37,8 @@ class Run:
     handle: Any = None
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float | None = None
-    t_last: float | None = None  # when the last batch of tokens arrived
+    recorder: Any = None  # latency recorder of this run (TaskManager.latency), or None
+    t_last: float | None = None  # when its last batch of tokens arrived (kept by the recorder)
     gen_base: float = 0.0  # gen_time of earlier runs of the same output
     n_out: int = 0
     saved_out: int = 0  # n_out in the last progress row written
@@ -113,6 +114,7 @@ class RunMixin:
                 self._unpin(key)
                 state, pos, key, inp = None, 0, None, hist.tolist()
             run = Run(pos=pos, n_input=len(inp), params=sp, key=key)
+            run.recorder = self.latency() if self.latency is not None else None
             if inp:
                 self._seq += 1
                 queued = self._engine_full()  # before submitting: it counts itself as waiting
@@ -158,16 +160,15 @@ class RunMixin:
         except Exception as exc:  # noqa: BLE001 - the task ends with finish_reason "error"
             log.warning("task %s failed: %s", t.id, exc)
             error = f"{type(exc).__name__}: {exc}"
-        if self.latency is not None:
-            self.latency.e2e.observe(time.monotonic() - run.t_submit)
+        if run.recorder is not None:
+            run.recorder.finish()
         await self._settle(t, run, res, error)
 
     def _on_batch(self, t: Task, run: Run, batch: list[Any]) -> None:
-        n0 = run.n_out
         for ev in batch:
             self._on_event(t, run, ev)
-        if run.n_out > n0:
-            self._observe_tokens(run, run.n_out - n0)
+        if run.recorder is not None:
+            run.recorder.on_batch(run, batch)
         t.completion_tokens = len(t.out)
         t.out.notify()  # the stream readers wake once per batch
         if t.kind != TMP and not batch[-1].finished:
@@ -188,18 +189,6 @@ class RunMixin:
             run.last_ids = list(ev.token_ids)
         elif t.status in (PREFILL, READY) and n:
             t.status = RUNNING
-
-    def _observe_tokens(self, run: Run, n_new: int) -> None:
-        """Latency metrics of n_new tokens that arrived together (first token, or the gap since
-        the previous batch spread over its tokens)."""
-        now = time.monotonic()
-        m = self.latency
-        if m is not None:
-            if run.t_last is None:
-                m.ttft.observe(now - run.t_submit)
-            else:
-                m.itl.observe((now - run.t_last) / n_new, n_new)
-        run.t_last = now
 
     # --- settle --------------------------------------------------------------------------------
     async def _settle(self, t: Task, run: Run, res: Any, error: str | None) -> None:
