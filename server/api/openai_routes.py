@@ -142,14 +142,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     n_prompt = n_prefix + len(rest) - len(pending)
     jobs = submit_all(sv.engine, [(rest, init_state, n_prompt)] * body.n, params, cid)
     meta = st.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt)
-    recorder = Recorder(sv.metrics, t0)
-    if body.stream:
-        return SSEResponse(st.chat_chunks(jobs, recorder, meta, body.include_usage()), metrics=sv.metrics)
-    try:
-        await collect(request, jobs, recorder)
-    except ClientGone:
-        return Response(status_code=499)
-    return _json(st.chat_response(jobs, meta))
+    return await _respond(request, sv, body, jobs, meta, t0, st.chat_chunks, st.chat_response)
 
 
 async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tuple[list[int], str]]:
@@ -198,14 +191,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     jobs = submit_all(sv.engine, seqs, params, cid)
     meta = st.Meta(id=cid, model=sv.model_id, created=int(time.time()),
                    prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes)
+    return await _respond(request, sv, body, jobs, meta, t0, st.completion_chunks, st.completion_response)
+
+
+async def _respond(request: Request, sv: Services, body, jobs, meta, t0: float, chunks, full) -> Response:
+    """The SSE stream (chunks) or, once every job is done, the whole JSON response (full)."""
     recorder = Recorder(sv.metrics, t0)
     if body.stream:
-        return SSEResponse(st.completion_chunks(jobs, recorder, meta, body.include_usage()), metrics=sv.metrics)
+        return SSEResponse(chunks(jobs, recorder, meta, body.include_usage()), metrics=sv.metrics)
     try:
         await collect(request, jobs, recorder)
     except ClientGone:
         return Response(status_code=499)
-    return _json(st.completion_response(jobs, meta))
+    return _json(full(jobs, meta))
 
 
 __all__ = ["router"]
