@@ -286,15 +286,6 @@ __global__ void lora_act_kernel(F *__restrict__ a, long long na, F *__restrict__
 
 }  // namespace wkv7
 
-#define WKV7_FE_DISPATCH(f_dt, ...)                                             \
-    [&]() -> int {                                                              \
-        using namespace wkv7;                                                   \
-        if (f_dt == DT_F16) { using F = __half; __VA_ARGS__ }                   \
-        if (f_dt == DT_BF16) { using F = __nv_bfloat16; __VA_ARGS__ }           \
-        if (f_dt == DT_F32) { using F = float; __VA_ARGS__ }                    \
-        return -1;                                                              \
-    }()
-
 // All tensors in dtype f_dt; rows of C with the given strides (elements); C % 4 == 0; 16-byte
 // (fp32) / 8-byte (16-bit) aligned rows. dx, shift may be null; K == 0: out is (B, C), else
 // K planes of out_plane elements. Returns a cudaError_t value, or -1 (bad dtype / C too large).
@@ -320,12 +311,12 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     fast = fast && (K <= 1 || out_plane % VW == 0);
     if (fast) {
         const int t2 = ((C / VW) + 31) / 32 * 32;
-        return WKV7_FE_DISPATCH(f_dt, {
+        return WKV7_F_DISPATCH(f_dt, {
             add_ln_mix_v2_kernel<F><<<B, t2, 0, (cudaStream_t)stream>>>(p);
             return (int)cudaGetLastError();
         });
     }
-    return WKV7_FE_DISPATCH(f_dt, {
+    return WKV7_F_DISPATCH(f_dt, {
         add_ln_mix_kernel<F><<<B, threads, 0, (cudaStream_t)stream>>>(p);
         return (int)cudaGetLastError();
     });
@@ -336,7 +327,7 @@ extern "C" int fused_relu_square(int f_dt, void *h, long long n, void *stream) {
     if (n <= 0) return 0;
     long long blocks = (n / 4 + 255) / 256;
     blocks = blocks < 1 ? 1 : (blocks > 8192 ? 8192 : blocks);
-    return WKV7_FE_DISPATCH(f_dt, {
+    return WKV7_F_DISPATCH(f_dt, {
         relu_square_kernel<F><<<(int)blocks, 256, 0, (cudaStream_t)stream>>>((F *)h, n);
         return (int)cudaGetLastError();
     });
@@ -347,7 +338,7 @@ extern "C" int fused_lora_act(int f_dt, void *a, long long na, void *g, long lon
     if (na + ng <= 0) return 0;
     long long blocks = (na + ng + 255) / 256;
     blocks = blocks > 8192 ? 8192 : blocks;
-    return WKV7_FE_DISPATCH(f_dt, {
+    return WKV7_F_DISPATCH(f_dt, {
         lora_act_kernel<F><<<(int)blocks, 256, 0, (cudaStream_t)stream>>>((F *)a, na, (F *)g, ng);
         return (int)cudaGetLastError();
     });

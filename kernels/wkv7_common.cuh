@@ -206,3 +206,13 @@ __device__ __forceinline__ void decay(float *w, int raw_w) {
         }                                                                       \
         return -1; /* unsupported dtype combination */                          \
     }()
+
+// Dispatch helper for kernels without a state: runs the body with F (the activation type).
+#define WKV7_F_DISPATCH(f_dt, ...)                                              \
+    [&]() -> int {                                                              \
+        using namespace wkv7;                                                   \
+        if (f_dt == DT_F16) { using F = __half; __VA_ARGS__ }                   \
+        if (f_dt == DT_BF16) { using F = __nv_bfloat16; __VA_ARGS__ }           \
+        if (f_dt == DT_F32) { using F = float; __VA_ARGS__ }                    \
+        return -1;                                                              \
+    }()

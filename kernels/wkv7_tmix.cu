@@ -92,15 +92,6 @@ __global__ void __launch_bounds__(N) tmix_post_kernel(TmixArgs p, const float *_
 
 }  // namespace wkv7
 
-#define WKV7_F_DISPATCH(f_dt, ...)                                              \
-    [&]() -> int {                                                              \
-        using namespace wkv7;                                                   \
-        if (f_dt == DT_F16) { using F = __half; __VA_ARGS__ }                   \
-        if (f_dt == DT_BF16) { using F = __nv_bfloat16; __VA_ARGS__ }           \
-        if (f_dt == DT_F32) { using F = float; __VA_ARGS__ }                    \
-        return -1;                                                              \
-    }()
-
 // buf: 6 planes of B*H*N floats (r, decay, k', v, -kk, kk*a); bonus: B*H floats.
 extern "C" int wkv7_tmix_prep(int f_dt, int B, int H, const void *r, const void *k, const void *v,
                               const void *wz, const void *az, const void *vz, const void *v_first,
