@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "test"))
 sys.path.insert(0, str(HERE))
 
 from bench_engine import commit, write_lines  # noqa: E402
-from bench_http_host import one_stream, pct, proc_cpu  # noqa: E402
+from bench_http_host import pct, proc_cpu, run_streams  # noqa: E402
 from util_server import ServerProcess  # noqa: E402
 
 STREAMS_PER_CLIENT = 128
@@ -53,24 +53,14 @@ def client_main(spec: str) -> None:
     """spec = host,port,n,max_tokens,seed0,stagger_ms,prompt-file: n streams (stream j starts
     j * stagger_ms / n after the first); prints one JSON line."""
     host, port, n, max_tokens, seed0, stagger_ms, prompt_file = spec.split(",", 6)
-    gap = float(stagger_ms) / 1e3 / int(n)
     prompt = Path(prompt_file).read_text()
     bodies = [json.dumps({"prompt": prompt, "max_tokens": int(max_tokens), "stream": True, "ignore_eos": True,
                           "temperature": 1.0, "top_p": 0.3, "seed": int(seed0) + i,
                           "stream_options": {"include_usage": True}}).encode()
               for i in range(int(n))]  # fmt: skip
 
-    async def later(j: int, body: bytes, res: list) -> None:
-        await asyncio.sleep(j * gap)
-        await one_stream(host, int(port), "/v1/completions", body, res)
-
-    async def run() -> list:
-        res: list = []
-        await asyncio.gather(*(later(j, b, res) for j, b in enumerate(bodies)))
-        return res
-
     c0 = os.times()
-    res = asyncio.run(run())
+    res = asyncio.run(run_streams(host, int(port), "/v1/completions", bodies, float(stagger_ms)))
     c1 = os.times()
     streams = [{"start": r["start"], "first": r["stamps"][0] if r["stamps"] else None, "end": r["end"],
                 "tokens": r["tokens"], "gaps": [b - a for a, b in zip(r["stamps"], r["stamps"][1:])]}

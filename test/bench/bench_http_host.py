@@ -96,6 +96,20 @@ async def one_stream(host: str, port: int, path: str, body: bytes, res: list) ->
                 "tokens": int(m[-1]) if m else 0})
 
 
+async def run_streams(host: str, port: int, path: str, bodies: list[bytes], stagger_ms: float = 0) -> list:
+    """One stream per body, stream j started j * stagger_ms / len(bodies) after the first;
+    returns one_stream's records."""
+    res: list = []
+    gap = stagger_ms / 1e3 / max(len(bodies), 1)
+
+    async def later(j: int, body: bytes) -> None:
+        await asyncio.sleep(j * gap)
+        await one_stream(host, port, path, body, res)
+
+    await asyncio.gather(*(later(j, b) for j, b in enumerate(bodies)))
+    return res
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -118,17 +132,9 @@ def client_main(host: str, port: int, route: str, n: int, max_tokens: int, stagg
         mk = lambda i: {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "temperature": 0,  # noqa: E731
                         "stop": []}
 
-    async def later(i: int, res: list) -> None:
-        await asyncio.sleep(i * stagger_ms / 1e3 / n)
-        await one_stream(host, port, path, json.dumps(mk(i)).encode(), res)
-
-    async def run() -> list:
-        res: list = []
-        await asyncio.gather(*(later(i, res) for i in range(n)))
-        return res
-
+    bodies = [json.dumps(mk(i)).encode() for i in range(n)]
     c0, t0 = os.times(), time.perf_counter()
-    res = asyncio.run(run())
+    res = asyncio.run(run_streams(host, port, path, bodies, stagger_ms))
     wall, c1 = time.perf_counter() - t0, os.times()
     gaps = [(b - a) * 1e3 for r in res for a, b in zip(r["stamps"], r["stamps"][1:])]
     ttft = [(r["stamps"][0] - r["start"]) * 1e3 for r in res if r["stamps"]]
