@@ -12,7 +12,7 @@
 //
 // Exact by construction (no candidate limit): the canonical order is (p descending, id
 // ascending), as a stable full sort. Every threshold is found by a radix select over the 31-bit
-// keys (3 passes: bits 30..20, 19..9, 8..0; 2048-bin histograms of count + 64-bit fixed-point
+// keys (<= 3 passes of <= 11-bit digits below the common prefix of the range; histograms of count + 64-bit fixed-point
 // mass, combined over the cluster), and ties inside one p value are walked in id order by a
 // block + cluster prefix scan. Steps for a sampled row (T > 0):
 //   1. m = max z (argmax: first index of the max, as torch.argmax); greedy rows stop here.
@@ -55,9 +55,7 @@ constexpr int MAX_LOCAL = 16384;  // tokens per CTA (z + key: 128 KiB)
 constexpr int UNSUPPORTED = -2;
 constexpr float FIX46 = 70368744177664.0f;   // 2^46: p and w fixed-point unit
 constexpr float FIX47 = 140737488355328.0f;  // 2^47: exp(z - m) fixed-point unit (S)
-constexpr int NSEL = 3;
-__constant__ int SEL_SHIFT[NSEL] = {20, 9, 0};
-__constant__ int SEL_BINS[NSEL] = {2048, 2048, 512};
+constexpr int DIGIT = 11;  // radix digit bits (at most; 2048 bins)
 
 typedef unsigned long long u64;
 
@@ -88,7 +86,7 @@ struct alignas(16) Shared {
 };
 
 struct MaxArg { float v; int i; };
-struct MinTok { int i; float z; };
+struct MinTok { int i; float z; unsigned kmin; };
 struct CW { unsigned c; u64 w; };
 struct Walk { u64 wgt, wgrp; int found, last; };
 
@@ -97,7 +95,7 @@ __device__ __forceinline__ int shfl_x(int v, int o) { return __shfl_xor_sync(0xf
 __device__ __forceinline__ unsigned shfl_x(unsigned v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 __device__ __forceinline__ u64 shfl_x(u64 v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 __device__ __forceinline__ MaxArg shfl_x(MaxArg v, int o) { return {shfl_x(v.v, o), shfl_x(v.i, o)}; }
-__device__ __forceinline__ MinTok shfl_x(MinTok v, int o) { return {shfl_x(v.i, o), shfl_x(v.z, o)}; }
+__device__ __forceinline__ MinTok shfl_x(MinTok v, int o) { return {shfl_x(v.i, o), shfl_x(v.z, o), shfl_x(v.kmin, o)}; }
 __device__ __forceinline__ Walk shfl_x(Walk v, int o) {
     return {shfl_x(v.wgt, o), shfl_x(v.wgrp, o), shfl_x(v.found, o), shfl_x(v.last, o)};
 }
@@ -108,7 +106,11 @@ struct OpMaxArg {  // larger value; equal values: smaller index (first index of 
     }
 };
 struct OpMinTok {
-    __device__ MinTok operator()(MinTok a, MinTok b) const { return b.i < a.i ? b : a; }
+    __device__ MinTok operator()(MinTok a, MinTok b) const {
+        MinTok r = b.i < a.i ? b : a;
+        r.kmin = min(a.kmin, b.kmin);
+        return r;
+    }
 };
 struct OpSum {
     __device__ u64 operator()(u64 a, u64 b) const { return a + b; }
@@ -198,17 +200,23 @@ struct Sel {
 
 enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
 
-// Radix select over the keys >= lo of the row (descending): the key of the first non-empty
-// p-group whose cumulative (count / mass / weight, in canonical order) reaches target
-// (>= target; strict: > target). Sel.w_above / cnt_above: totals of the keys above it.
+// Radix select over the keys in [lo, khi] of the row (khi = the row's largest key), descending:
+// the key of the first non-empty p-group whose cumulative (count / mass / weight, in canonical
+// order) reaches target (>= target; strict: > target). Sel.w_above / cnt_above: totals of the
+// keys above it. The digits cover only the bits below the common prefix of lo and khi (split
+// evenly into <= 11-bit digits, >= 5 bits each): flat rows then spread over the bins of the
+// first pass instead of piling into a few exponent bins (same-address atomics serialize).
 template <int CL>
 __device__ Sel radix_select(cg::cluster_group &cl, Shared &sh, int &hs, const Row &r, int mode, unsigned lo,
-                            u64 target, bool strict) {
+                            unsigned khi, u64 target, bool strict) {
     Sel s{0u, 0u, 0u, 0ull, 1};
-    unsigned pref = 0;
-    for (int pass = 0; pass < NSEL; pass++) {
-        const int shift = SEL_SHIFT[pass], nb = SEL_BINS[pass];
-        const int pshift = pass == 0 ? 31 : SEL_SHIFT[pass - 1];
+    const int hi = max(32 - __clz(lo ^ khi), 5);  // keys in [lo, khi] share the bits >= hi
+    const int npass = (hi + DIGIT - 1) / DIGIT;
+    unsigned pref = khi >> hi;
+    int pshift = hi;
+    for (int pass = 0; pass < npass; pass++) {
+        const int bits = hi / npass + (pass < hi % npass);
+        const int shift = pshift - bits, nb = 1 << bits;
         unsigned *hc = sh.hcnt[hs], *hl = sh.hlo[hs], *hh = sh.hhi[hs];
         for (int b = threadIdx.x; b < nb; b += THREADS) hc[b] = hl[b] = hh[b] = 0;
         __syncthreads();
@@ -278,7 +286,8 @@ __device__ Sel radix_select(cg::cluster_group &cl, Shared &sh, int &hs, const Ro
         const Sel o = *reinterpret_cast<Sel *>(sh.rraw);
         __syncthreads();
         if (!o.found) { s.found = 0; return s; }
-        pref = pass == 0 ? o.key : ((pref << (pass == 1 ? 11 : 9)) | o.key);
+        pref = (pref << bits) | o.key;
+        pshift = shift;
         s.cnt_above = o.cnt_above, s.cnt_at = o.cnt_at, s.w_above = o.w_above;
     }
     s.key = pref;
@@ -395,24 +404,28 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
         for (int i = threadIdx.x; i < cnt; i += THREADS) ks[i] = __float_as_uint(__fdiv_rn(__uint_as_float(ks[i]), S));
         const unsigned kmax = __float_as_uint(__fdiv_rn(1.0f, S));
         // z of the rank-0 token: the smallest id with the largest key (usually the argmax)
-        MinTok t0{0x7fffffff, 0.f};
-        for (int i = threadIdx.x; i < cnt; i += THREADS)
-            if (ks[i] == kmax && base + i < t0.i) t0 = {base + i, zs[i]};
+        MinTok t0{0x7fffffff, 0.f, 0xffffffffu};
+        for (int i = threadIdx.x; i < cnt; i += THREADS) {
+            const unsigned k = ks[i];
+            if (k == kmax && base + i < t0.i) t0.i = base + i, t0.z = zs[i];
+            t0.kmin = min(t0.kmin, k);
+        }
         t0 = cl_reduce<CL>(cl, sh, xs, t0, OpMinTok());
         Row r{zs, ks, cnt, base, t0.i == 0x7fffffff ? m : t0.z, T};
+        const unsigned kmin = min(t0.kmin, kmax);
 
         // 3. top-p cutoff c*
         unsigned cstar = 0;  // key 0: every token kept
         if (!(top_p >= 1.0f)) {  // NaN: like top_p = 0 (the reference's cum < NaN is false)
             const u64 tp = top_p > 0.f ? (u64)ceil((double)top_p * 70368744177664.0) : 0ull;
-            const Sel s = radix_select<CL>(cl, sh, hs, r, MASS, 0u, tp, false);
+            const Sel s = radix_select<CL>(cl, sh, hs, r, MASS, kmin, kmax, tp, false);
             if (s.found) cstar = s.key, n_p = (long long)s.cnt_above + s.cnt_at;
         }
         // 4. top-k
         unsigned kthr = cstar;
         lim = 0x7fffffffffffffffll;
         if (top_k > 0 && top_k < n_p) {
-            const Sel s = radix_select<CL>(cl, sh, hs, r, COUNT, 0u, (u64)top_k, false);
+            const Sel s = radix_select<CL>(cl, sh, hs, r, COUNT, kmin, kmax, (u64)top_k, false);
             kthr = s.key;
             lim = top_k - (long long)s.cnt_above;
         }
@@ -424,7 +437,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
         const u64 t = (u64)floor((double)W * (double)u);
         Wf = (float)((double)W / 70368744177664.0), tf = (float)((double)t / 70368744177664.0);
         if (t < tw.wgt) {  // the crossing is among the tokens with p > kthr (all kept)
-            const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, t, true);
+            const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, kmax, t, true);
             const Walk f = group_walk<CL>(cl, sh, xs, r, s.key, 0x7fffffffffffffffll, t - s.w_above, true);
             tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
         } else {
