@@ -11,7 +11,7 @@ argument codes here, in order.
 """
 
 SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "wkv7_tmix_fused.cu", "fused_elementwise.cu",
-           "gemv.cu")
+           "gemv.cu", "sampler.cu")
 HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh")
 
 I, LL, F, P = "i", "ll", "f", "p"
@@ -39,4 +39,7 @@ SIGNATURES: dict[str, list[str]] = {
     # gemv.cu: f_dt, M, N, K, P, x, x_stride, x_pstride, w, w_pstride, out, o_stride, o_pstride,
     # warps, cfg, stream (returns -2 = layout not covered: use the fallback)
     "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, P],
+    # sampler.cu: logits, lg_stride, penalty, pen_stride, seen, seen_stride, fparams, iparams,
+    # positions, commit, greedy_only, B, V, out, dbg, stream (returns -2 = V not covered)
+    "sampler_step": [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, P],
 }

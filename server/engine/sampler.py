@@ -39,6 +39,7 @@ T=1.0, top_p=0.3, top_k=0, presence 0.5, repetition (frequency) 0.5, decay 0.996
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -84,6 +85,13 @@ top_p=0.3 nucleus, which made K=256 resolve nearly every row outside the graph).
 () = always a full sort (the reference the candidates must equal)."""
 
 
+FUSED_KERNEL = os.environ.get("RWKV_FUSED_SAMPLER", "0") == "1"
+"""On CUDA, run the whole step as one kernel (kernels/sampler.cu via cuda_ops.fused_sample): exact
+(a stable full sort's result up to fp32 near ties, see the kernel's header), never -1, so no
+resolve. Off by default until validated on a GPU (RWKV_FUSED_SAMPLER=1 turns it on); the torch
+code below stays the reference twin and the fallback (fp16 logits, no kernels, V > 131072)."""
+
+
 class SamplerSlots:
     """Per-slot sampling state on the device: parameters and penalties (move with their slot)."""
 
@@ -122,6 +130,12 @@ class SamplerSlots:
         if resolve is None:
             resolve = self.device.type == "cpu"
         args = (self.penalty[:B], self.seen[:B], self.fparams[:B], self.iparams[:B])
+        if FUSED_KERNEL and logits.is_cuda:
+            from server.model import cuda_ops  # deferred: no kernel build at import
+
+            tok = cuda_ops.fused_sample(logits, *args, positions, commit, greedy_only)
+            if tok is not None:
+                return tok
         tok = sample(logits, *args, positions, commit, greedy_only)
         if resolve:
             rows = (tok < 0).nonzero().flatten()  # (R,) host sync

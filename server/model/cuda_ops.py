@@ -304,3 +304,56 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, warps: int = 0, cfg: int = 0) ->
         return ops.linear(x, w)
     _check(rc, "gemv")
     return out
+
+
+# ---- fused sampler step (kernels/sampler.cu) -------------------------------------------------
+SAMPLER_UNSUPPORTED = -2  # sampler_step's return code for a vocabulary it does not cover
+
+
+def _any_lib(device: torch.device):
+    """The kernel module already loaded for this device (any head size), else the default one:
+    the sampler does not depend on the head size, so it must not trigger a second build."""
+    idx = torch.device(device).index
+    for (d, _), lib in _libs.items():
+        if d == idx and lib is not None:
+            return lib
+    return _lib(device)
+
+
+def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, greedy_only: bool = False,
+                 dbg: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+    """server.engine.sampler.sample (with CANDIDATES = (): exact, never -1) in one launch:
+    tokens (B,) int64; penalty (B, V) fp32 and seen (B, V) bool updated in place (views with
+    unit column stride, e.g. SamplerSlots' [:B] rows). dbg: optional (B, 8) fp32 out (m, S, c*,
+    n kept by top-p, top-k threshold, its group limit or -1, total weight, target) for the tests.
+    Returns None when the kernel cannot run here (no CUDA kernels, fp16 logits, a layout or
+    vocabulary it does not cover): the caller then runs the torch sampler. No host sync."""
+    if not logits.is_cuda or logits.dim() != 2:
+        return None
+    B, V = logits.shape
+    ok = logits.dtype == torch.float32 and penalty.dtype == torch.float32 and seen.dtype == torch.bool
+    ok = ok and all(t.dim() == 2 and t.shape == (B, V) and t.stride(1) == 1 and t.device == logits.device
+                    for t in (logits, penalty, seen))  # fmt: skip
+    ok = ok and fparams.shape == (B, 5) and iparams.shape == (B, 2) and positions.shape == (B,)
+    ok = ok and commit.shape == (B,) and (dbg is None or (dbg.shape == (B, 8) and dbg.dtype == torch.float32
+                                                           and dbg.is_contiguous()))  # fmt: skip
+    if not ok:
+        return None
+    lib = _any_lib(logits.device)
+    if lib is None:
+        return None
+    fp = fparams.to(torch.float32).contiguous()  # (B, 5) copies only if needed
+    ip = iparams.to(torch.long).contiguous()  # (B, 2)
+    pos = positions.to(torch.long).contiguous()  # (B,)
+    cm = commit.to(torch.bool).contiguous()  # (B,)
+    out = torch.empty(B, dtype=torch.long, device=logits.device)  # (B,)
+    stream = torch.cuda.current_stream(logits.device).cuda_stream
+    rc = lib.sampler_step(
+        logits.data_ptr(), logits.stride(0), penalty.data_ptr(), penalty.stride(0), seen.data_ptr(), seen.stride(0),
+        fp.data_ptr(), ip.data_ptr(), pos.data_ptr(), cm.data_ptr(), int(greedy_only), B, V, out.data_ptr(),
+        dbg.data_ptr() if dbg is not None else 0, stream,
+    )  # fmt: skip
+    if rc == SAMPLER_UNSUPPORTED:
+        return None
+    _check(rc, "sampler_step")
+    return out

@@ -1,0 +1,516 @@
+// Fused sampler step: one launch does what server.engine.sampler.sample() does for every row
+// (penalised logits, greedy argmax or softmax -> top-p -> top-k -> temperature -> inverse CDF
+// with the (seed, pos) counter random, then the penalty / seen update of committing rows).
+// Pure-torch twin (the reference): server.engine.sampler.sample with CANDIDATES = () (a stable
+// full sort of every row). Wrapper: server.model.cuda_ops.fused_sample.
+//
+// Layout: one thread-block CLUSTER of CL CTAs (1024 threads each) per row; CTA r of the cluster
+// owns tokens [r*n_loc, (r+1)*n_loc) and keeps them in shared memory for the whole step:
+// z = logits - penalty (fp32) and key = the fp32 bits of p = softmax(z) (p >= 0, so the bits
+// order like the values). CL = 4 for V <= 65536 (128 KiB of z + keys per CTA), 8 up to 131072.
+// Cross-CTA reductions and histograms go through distributed shared memory (cluster.sync).
+//
+// Exact by construction (no candidate limit): the canonical order is (p descending, id
+// ascending), as a stable full sort. Every threshold is found by a radix select over the 31-bit
+// keys (<= 3 passes of <= 11-bit digits below the common prefix of the range; histograms of count + 64-bit fixed-point
+// mass, combined over the cluster), and ties inside one p value are walked in id order by a
+// block + cluster prefix scan. Steps for a sampled row (T > 0):
+//   1. m = max z (argmax: first index of the max, as torch.argmax); greedy rows stop here.
+//   2. S = sum exp(z - m) as an exact fixed-point sum (2^-47 units, order independent), rounded
+//      once to fp32; p_i = expf(z_i - m) / S (IEEE division), the same formula as torch.softmax
+//      (exp(x - max) / sum) except that torch's fp32 S is summed in its own order.
+//   3. top-p: c* = the p value with mass(p > c*) < top_p <= mass(p >= c*) (masses are exact sums
+//      of the fp32 p values in 2^-46 units): what the reference's first rank with cum >= top_p
+//      gives in exact arithmetic. top_p >= 1 keeps every token (the reference may cut a tail
+//      whose fp32 cumsum already reached 1.0); mass < top_p everywhere keeps every token (the
+//      reference's clamp); top_p <= 0 (or NaN) keeps the maximum's tie group.
+//   4. top-k (0 < k < n kept): the k-th largest key k*, all tokens with p > k*, and the first
+//      k - count(p > k*) tokens with p == k* in id order.
+//   5. weights w = expf((z - z_top) / T) (z_top = z of the rank-0 token), exact fixed-point sums
+//      (2^-46 units); t = u * W in double (u = uniform(seed, pos), bit-exact splitmix64 stream);
+//      the token = first canonical rank whose cumulative weight > t (radix select on the keys,
+//      then the id-order walk inside the p-group that holds the crossing).
+//   6. commit rows: penalty *= decay (written in the load pass, z is kept in shared memory),
+//      penalty[t] += seen[t] ? repetition : presence, seen[t] = 1.
+// Where this can differ from the reference (all near ties, see test_sampler_kernel_gpu.py):
+//   * S: torch sums exp in fp32 in its own order, so S (hence some p) may differ by an ulp;
+//   * cum / cdf: the reference's fp32 cumsums carry rounding (~1e-7 * sqrt(n) relative); the
+//     kernel's sums are exact, so a top-p or inverse-CDF boundary within that error can flip;
+//   * top_p >= 1 (above); NaN logits (unspecified here); w clamped to <= 1.9 (only reachable
+//     with z_top < z_max by an expf tie and a tiny T).
+// Deterministic: every sum is an integer sum, so the result does not depend on the launch,
+// the batch, or the cluster split (a row gives the same token alone or in any batch).
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace sampler_k {
+
+constexpr int THREADS = 1024;
+constexpr int NW = THREADS / 32;
+constexpr int BINS = 2048;
+constexpr int MAX_LOCAL = 16384;  // tokens per CTA (z + key: 128 KiB)
+constexpr int UNSUPPORTED = -2;
+constexpr float FIX46 = 70368744177664.0f;   // 2^46: p and w fixed-point unit
+constexpr float FIX47 = 140737488355328.0f;  // 2^47: exp(z - m) fixed-point unit (S)
+constexpr int DIGIT = 11;  // radix digit bits (at most; 2048 bins)
+
+typedef unsigned long long u64;
+
+struct Args {
+    const float *logits;
+    long long lg_s;
+    float *penalty;
+    long long pen_s;
+    unsigned char *seen;
+    long long seen_s;
+    const float *fparams;   // (B, 5) temperature, top_p, presence, repetition, decay
+    const long long *iparams;  // (B, 2) top_k, seed
+    const long long *pos;   // (B,)
+    const unsigned char *commit;  // (B,) bool
+    long long *out;         // (B,) tokens
+    float *dbg;             // (B, 8) or null
+    int greedy_only, V, n_loc;
+};
+
+struct alignas(16) Shared {
+    unsigned hcnt[2][BINS], hlo[2][BINS], hhi[2][BINS];  // local histograms (2 slots: see hs)
+    u64 cw[BINS];                                         // combined weight / mass per bin
+    unsigned cc[BINS];                                    // combined count per bin
+    alignas(16) unsigned char wraw[NW * 32];              // per-warp partials
+    alignas(16) unsigned char xraw[2][32];                // cluster exchange slots
+    alignas(16) unsigned char sraw[NW * 16];              // block scan scratch
+    alignas(16) unsigned char rraw[64];                   // broadcast (select result, scan total)
+};
+
+struct MaxArg { float v; int i; };
+struct MinTok { int i; float z; unsigned kmin; };
+struct CW { unsigned c; u64 w; };
+struct Walk { u64 wgt, wgrp; int found, last; };
+
+__device__ __forceinline__ float shfl_x(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ int shfl_x(int v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ unsigned shfl_x(unsigned v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ u64 shfl_x(u64 v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ MaxArg shfl_x(MaxArg v, int o) { return {shfl_x(v.v, o), shfl_x(v.i, o)}; }
+__device__ __forceinline__ MinTok shfl_x(MinTok v, int o) { return {shfl_x(v.i, o), shfl_x(v.z, o), shfl_x(v.kmin, o)}; }
+__device__ __forceinline__ Walk shfl_x(Walk v, int o) {
+    return {shfl_x(v.wgt, o), shfl_x(v.wgrp, o), shfl_x(v.found, o), shfl_x(v.last, o)};
+}
+
+struct OpMaxArg {  // larger value; equal values: smaller index (first index of the max)
+    __device__ MaxArg operator()(MaxArg a, MaxArg b) const {
+        return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+    }
+};
+struct OpMinTok {
+    __device__ MinTok operator()(MinTok a, MinTok b) const {
+        MinTok r = b.i < a.i ? b : a;
+        r.kmin = min(a.kmin, b.kmin);
+        return r;
+    }
+};
+struct OpSum {
+    __device__ u64 operator()(u64 a, u64 b) const { return a + b; }
+};
+struct OpWalk {
+    __device__ Walk operator()(Walk a, Walk b) const {
+        return {a.wgt + b.wgt, a.wgrp + b.wgrp, min(a.found, b.found), min(a.last, b.last)};
+    }
+};
+
+// Reduce v over the cluster (same result, same order, in every thread of every CTA).
+// The exchange slots rotate (xs): a slot is rewritten two reductions later, after another
+// cluster.sync that every CTA reaches only once it has read this one.
+template <int CL, class T, class F>
+__device__ T cl_reduce(cg::cluster_group &cl, Shared &sh, int &xs, T v, F f) {
+    T *wbuf = reinterpret_cast<T *>(sh.wraw);
+    T *xbuf = reinterpret_cast<T *>(sh.xraw[xs]);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v = f(v, shfl_x(v, o));
+    if ((threadIdx.x & 31) == 0) wbuf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        T a = wbuf[0];
+        for (int j = 1; j < NW; j++) a = f(a, wbuf[j]);
+        *xbuf = a;
+    }
+    cl.sync();
+    T r = *cl.map_shared_rank(xbuf, 0);
+#pragma unroll
+    for (int j = 1; j < CL; j++) r = f(r, *cl.map_shared_rank(xbuf, j));
+    xs ^= 1;
+    return r;
+}
+
+// Exclusive block scan of (count, weight) in thread order; returns this thread's offset and
+// the block total (in *tot).
+__device__ CW block_scan(Shared &sh, CW v, CW *tot) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    CW inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned c = __shfl_up_sync(0xffffffffu, inc.c, o);
+        u64 x = __shfl_up_sync(0xffffffffu, inc.w, o);
+        if (lane >= o) inc.c += c, inc.w += x;
+    }
+    CW *s = reinterpret_cast<CW *>(sh.sraw);
+    if (lane == 31) s[w] = inc;
+    __syncthreads();
+    if (w == 0) {
+        CW t = s[lane], ti = t;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            unsigned c = __shfl_up_sync(0xffffffffu, ti.c, o);
+            u64 x = __shfl_up_sync(0xffffffffu, ti.w, o);
+            if (lane >= o) ti.c += c, ti.w += x;
+        }
+        s[lane] = {ti.c - t.c, ti.w - t.w};  // exclusive warp offsets
+        if (lane == 31) *reinterpret_cast<CW *>(sh.rraw) = ti;  // block total
+    }
+    __syncthreads();
+    CW off = s[w];
+    *tot = *reinterpret_cast<CW *>(sh.rraw);
+    __syncthreads();  // s / rraw are reused by the next call
+    return {off.c + inc.c - v.c, off.w + inc.w - v.w};
+}
+
+struct Row {
+    const float *z;
+    const unsigned *key;
+    int cnt, base;
+    float ztop, T;
+};
+
+// Fixed-point weight of a kept token (mode 2) / mass of p (mode 1).
+__device__ __forceinline__ u64 fix_w(const Row &r, int i) {
+    float w = expf(__fdiv_rn(r.z[i] - r.ztop, r.T));
+    w = fminf(w, 1.9f);
+    return __float2ull_rz(w * FIX46);
+}
+__device__ __forceinline__ u64 fix_p(unsigned k) { return __float2ull_rz(__uint_as_float(k) * FIX46); }
+
+struct Sel {
+    unsigned key, cnt_above, cnt_at;
+    u64 w_above;
+    int found;
+};
+
+enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
+
+// Radix select over the keys in [lo, khi] of the row (khi = the row's largest key), descending:
+// the key of the first non-empty p-group whose cumulative (count / mass / weight, in canonical
+// order) reaches target (>= target; strict: > target). Sel.w_above / cnt_above: totals of the
+// keys above it. The digits cover only the bits below the common prefix of lo and khi (split
+// evenly into <= 11-bit digits, >= 5 bits each): flat rows then spread over the bins of the
+// first pass instead of piling into a few exponent bins (same-address atomics serialize).
+template <int CL>
+__device__ Sel radix_select(cg::cluster_group &cl, Shared &sh, int &hs, const Row &r, int mode, unsigned lo,
+                            unsigned khi, u64 target, bool strict) {
+    Sel s{0u, 0u, 0u, 0ull, 1};
+    const int hi = max(32 - __clz(lo ^ khi), 5);  // keys in [lo, khi] share the bits >= hi
+    const int npass = (hi + DIGIT - 1) / DIGIT;
+    unsigned pref = khi >> hi;
+    int pshift = hi;
+    for (int pass = 0; pass < npass; pass++) {
+        const int bits = hi / npass + (pass < hi % npass);
+        const int shift = pshift - bits, nb = 1 << bits;
+        unsigned *hc = sh.hcnt[hs], *hl = sh.hlo[hs], *hh = sh.hhi[hs];
+        for (int b = threadIdx.x; b < nb; b += THREADS) hc[b] = hl[b] = hh[b] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < r.cnt; i += THREADS) {
+            const unsigned k = r.key[i];
+            if (k < lo || (k >> pshift) != pref) continue;
+            const unsigned bin = (k >> shift) & (nb - 1);
+            atomicAdd(&hc[bin], 1u);
+            if (mode != COUNT) {
+                const u64 v = mode == MASS ? fix_p(k) : fix_w(r, i);
+                const unsigned vl = (unsigned)v, vh = (unsigned)(v >> 32);
+                const unsigned old = atomicAdd(&hl[bin], vl);
+                const unsigned carry = (old + vl) < old;  // exact 64-bit sum: hi gets the carries
+                if (vh + carry) atomicAdd(&hh[bin], vh + carry);
+            }
+        }
+        cl.sync();
+        for (int b = threadIdx.x; b < nb; b += THREADS) {
+            unsigned c = 0;
+            u64 w = 0;
+#pragma unroll
+            for (int j = 0; j < CL; j++) {
+                c += *cl.map_shared_rank(&hc[b], j);
+                w += ((u64)*cl.map_shared_rank(&hh[b], j) << 32) + *cl.map_shared_rank(&hl[b], j);
+            }
+            sh.cc[b] = c;
+            sh.cw[b] = mode == COUNT ? (u64)c : w;
+        }
+        hs ^= 1;
+        __syncthreads();
+        if (threadIdx.x < 32) {  // warp 0: lane l scans bins [nb-1-l*per .. nb-(l+1)*per] (descending)
+            const int lane = threadIdx.x, per = nb / 32, top = nb - 1 - lane * per;
+            unsigned tc = 0;
+            u64 tw = 0;
+            for (int jj = 0; jj < per; jj++) {  // skewed start: no 32-way bank conflict
+                const int j = (jj + lane) & (per - 1);
+                tc += sh.cc[top - j], tw += sh.cw[top - j];
+            }
+            unsigned ic = tc;
+            u64 iw = tw;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned c = __shfl_up_sync(0xffffffffu, ic, o);
+                u64 x = __shfl_up_sync(0xffffffffu, iw, o);
+                if (lane >= o) ic += c, iw += x;
+            }
+            const u64 reach = s.w_above + iw;
+            const bool q = tc > 0 && (strict ? reach > target : reach >= target);
+            const unsigned ballot = __ballot_sync(0xffffffffu, q);
+            if (ballot == 0) {
+                if (lane == 0) reinterpret_cast<Sel *>(sh.rraw)->found = 0;
+            } else if (lane == __ffs(ballot) - 1) {
+                u64 run = s.w_above + iw - tw;
+                unsigned cab = s.cnt_above + ic - tc;
+                int bin = top;
+                for (int j = 0; j < per; j++) {
+                    const int b = top - j;
+                    const u64 nr = run + sh.cw[b];
+                    if (sh.cc[b] > 0 && (strict ? nr > target : nr >= target)) { bin = b; break; }
+                    run = nr, cab += sh.cc[b];
+                }
+                Sel *o = reinterpret_cast<Sel *>(sh.rraw);
+                o->key = (unsigned)bin, o->cnt_above = cab, o->cnt_at = sh.cc[bin], o->w_above = run, o->found = 1;
+            }
+        }
+        __syncthreads();
+        const Sel o = *reinterpret_cast<Sel *>(sh.rraw);
+        __syncthreads();
+        if (!o.found) { s.found = 0; return s; }
+        pref = (pref << bits) | o.key;
+        pshift = shift;
+        s.cnt_above = o.cnt_above, s.cnt_at = o.cnt_at, s.w_above = o.w_above;
+    }
+    s.key = pref;
+    return s;
+}
+
+// Walk the row in id order: wgt = weight of keys > g; inside the group key == g, members of
+// ordinal < lim are kept (a prefix in id order); wgrp = their weight; found = the first kept
+// member whose cumulative group weight (from gbase) exceeds target (INT_MAX: none), last = the
+// last kept member. find = false: only the sums.
+template <int CL>
+__device__ Walk group_walk(cg::cluster_group &cl, Shared &sh, int &xs, const Row &r, unsigned g, long long lim,
+                           u64 target, bool find) {
+    const int per = (r.cnt + THREADS - 1) / THREADS;
+    const int i0 = min(r.cnt, (int)threadIdx.x * per), i1 = min(r.cnt, i0 + per);
+    CW mine{0u, 0ull};
+    u64 wgt = 0;
+    // sums in any order: start the chunk at a per-thread rotation (a 2-way instead of a 16-way
+    // bank conflict for 16-element chunks)
+    const int rot = per ? (int)threadIdx.x % per : 0;
+    for (int jj = 0; jj < per; jj++) {
+        const int i = i0 + (jj + rot < per ? jj + rot : jj + rot - per);
+        if (i >= i1) continue;
+        const unsigned k = r.key[i];
+        if (k > g) wgt += fix_w(r, i);
+        else if (k == g) mine.c++, mine.w += fix_w(r, i);
+    }
+    CW tot;
+    CW off = block_scan(sh, mine, &tot);
+    // offsets of this CTA in the cluster: totals of the lower ranks
+    CW *xt = reinterpret_cast<CW *>(sh.xraw[xs]);
+    if (threadIdx.x == 0) *xt = tot;
+    cl.sync();
+    const int rank = (int)cl.block_rank();
+    for (int j = 0; j < rank; j++) {
+        const CW t = *cl.map_shared_rank(xt, j);
+        off.c += t.c, off.w += t.w;
+    }
+    xs ^= 1;
+    long long ord = off.c;
+    u64 cum = off.w;
+    // found: min id; last kept member = the largest kept id, reduced as min of -(id + 1)
+    Walk wk{wgt, 0ull, 0x7fffffff, 0x7fffffff};
+    for (int i = i0; i < i1 && mine.c; i++) {  // in id order, only threads holding members
+        if (r.key[i] != g) continue;
+        if (ord >= lim) break;
+        const u64 w = fix_w(r, i);
+        if (find && cum <= target && cum + w > target) wk.found = r.base + i;
+        cum += w, wk.wgrp += w;
+        ord++;
+        wk.last = -(r.base + i) - 1;
+    }
+    Walk res = cl_reduce<CL>(cl, sh, xs, wk, OpWalk());
+    res.last = res.last == 0x7fffffff ? -1 : -res.last - 1;
+    return res;
+}
+
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    u64 z = x + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+template <int CL>
+__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler_kernel(Args a) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Shared &sh = *reinterpret_cast<Shared *>(smem);
+    float *zs = reinterpret_cast<float *>(smem + sizeof(Shared));
+    unsigned *ks = reinterpret_cast<unsigned *>(zs + a.n_loc);
+    cg::cluster_group cl = cg::this_cluster();
+    const int rank = (int)cl.block_rank();
+    const long long row = blockIdx.y;
+    const int base = rank * a.n_loc;
+    const int cnt = max(0, min(a.n_loc, a.V - base));
+    int xs = 0, hs = 0;
+
+    const float T = a.fparams[row * 5 + 0], top_p = a.fparams[row * 5 + 1];
+    const float presence = a.fparams[row * 5 + 2], repetition = a.fparams[row * 5 + 3];
+    const float decay = a.fparams[row * 5 + 4];
+    const long long top_k = a.iparams[row * 2 + 0], seed = a.iparams[row * 2 + 1];
+    const bool commit = a.commit[row] != 0;
+    const bool greedy = a.greedy_only || !(T > 0.f);
+
+    // 1. z = logits - penalty into shared memory; decayed penalty written back (commit rows)
+    const float *lg = a.logits + row * a.lg_s + base;
+    float *pen = a.penalty + row * a.pen_s + base;
+    MaxArg mx{-INFINITY, 0x7fffffff};
+#pragma unroll 4
+    for (int i = threadIdx.x; i < cnt; i += THREADS) {
+        const float p = pen[i];
+        const float z = __ldg(lg + i) - p;
+        zs[i] = z;
+        if (commit) pen[i] = p * decay;
+        if (z > mx.v || (z == mx.v && base + i < mx.i)) mx = {z, base + i};
+    }
+    mx = cl_reduce<CL>(cl, sh, xs, mx, OpMaxArg());
+    if (mx.i == 0x7fffffff) mx.i = 0;  // all NaN / -inf: token 0
+    const float m = mx.v;
+    int tok = mx.i;
+    float S = 0.f, cstar_p = 0.f, kthr_p = 0.f, Wf = 0.f, tf = 0.f;
+    long long n_p = a.V, lim = 0;
+
+    if (!greedy) {
+        // 2. S (exact fixed-point sum of exp(z - m)), then the keys
+        u64 es = 0;
+        for (int i = threadIdx.x; i < cnt; i += THREADS) {
+            const float e = expf(zs[i] - m);
+            ks[i] = __float_as_uint(e);
+            es += __float2ull_rz(e * FIX47);
+        }
+        es = cl_reduce<CL>(cl, sh, xs, es, OpSum());
+        S = __ull2float_rn(es) * (1.0f / FIX47);
+        for (int i = threadIdx.x; i < cnt; i += THREADS) ks[i] = __float_as_uint(__fdiv_rn(__uint_as_float(ks[i]), S));
+        const unsigned kmax = __float_as_uint(__fdiv_rn(1.0f, S));
+        // z of the rank-0 token: the smallest id with the largest key (usually the argmax)
+        MinTok t0{0x7fffffff, 0.f, 0xffffffffu};
+        for (int i = threadIdx.x; i < cnt; i += THREADS) {
+            const unsigned k = ks[i];
+            if (k == kmax && base + i < t0.i) t0.i = base + i, t0.z = zs[i];
+            t0.kmin = min(t0.kmin, k);
+        }
+        t0 = cl_reduce<CL>(cl, sh, xs, t0, OpMinTok());
+        Row r{zs, ks, cnt, base, t0.i == 0x7fffffff ? m : t0.z, T};
+        const unsigned kmin = min(t0.kmin, kmax);
+
+        // 3. top-p cutoff c*
+        unsigned cstar = 0;  // key 0: every token kept
+        if (!(top_p >= 1.0f)) {  // NaN: like top_p = 0 (the reference's cum < NaN is false)
+            const u64 tp = top_p > 0.f ? (u64)ceil((double)top_p * 70368744177664.0) : 0ull;
+            const Sel s = radix_select<CL>(cl, sh, hs, r, MASS, kmin, kmax, tp, false);
+            if (s.found) cstar = s.key, n_p = (long long)s.cnt_above + s.cnt_at;
+        }
+        // 4. top-k
+        unsigned kthr = cstar;
+        lim = 0x7fffffffffffffffll;
+        if (top_k > 0 && top_k < n_p) {
+            const Sel s = radix_select<CL>(cl, sh, hs, r, COUNT, kmin, kmax, (u64)top_k, false);
+            kthr = s.key;
+            lim = top_k - (long long)s.cnt_above;
+        }
+        // 5. total kept weight, target, crossing
+        const Walk tw = group_walk<CL>(cl, sh, xs, r, kthr, lim, 0ull, false);
+        const u64 W = tw.wgt + tw.wgrp;
+        const u64 zz = splitmix64(splitmix64((u64)seed) + (u64)a.pos[row]);
+        const float u = (float)(zz >> 40) * (1.0f / 16777216.0f);
+        const u64 t = (u64)floor((double)W * (double)u);
+        Wf = (float)((double)W / 70368744177664.0), tf = (float)((double)t / 70368744177664.0);
+        if (t < tw.wgt) {  // the crossing is among the tokens with p > kthr (all kept)
+            const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, kmax, t, true);
+            const Walk f = group_walk<CL>(cl, sh, xs, r, s.key, 0x7fffffffffffffffll, t - s.w_above, true);
+            tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
+        } else {
+            const Walk f = group_walk<CL>(cl, sh, xs, r, kthr, lim, t - tw.wgt, true);
+            tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
+        }
+        cstar_p = __uint_as_float(cstar), kthr_p = __uint_as_float(kthr);
+    }
+
+    // 6. penalty / seen of the chosen token (its owner CTA; the decay above is visible after
+    //    the barrier), the output
+    __syncthreads();
+    if (threadIdx.x == 0 && commit && tok >= base && tok < base + cnt) {
+        unsigned char *sn = a.seen + row * a.seen_s;
+        const bool was = sn[tok] != 0;
+        float *pp = a.penalty + row * a.pen_s + tok;
+        *pp = *pp + (was ? repetition : presence);
+        sn[tok] = 1;
+    }
+    if (threadIdx.x == 0 && rank == 0) {
+        a.out[row] = tok;
+        if (a.dbg) {
+            float *d = a.dbg + row * 8;
+            d[0] = m, d[1] = S, d[2] = cstar_p, d[3] = (float)n_p, d[4] = kthr_p;
+            d[5] = (float)(lim > (1ll << 40) ? -1 : lim), d[6] = Wf, d[7] = tf;
+        }
+    }
+    cl.sync();  // no CTA exits while another may still read its shared memory
+}
+
+template <int CL>
+int launch(const Args &a, int B, cudaStream_t st) {
+    const size_t bytes = sizeof(Shared) + (size_t)a.n_loc * 8;
+    // the opt-in to > 48 KiB of shared memory, once per device (the first call is eager: the
+    // engine's warm-up runs before any CUDA-graph capture)
+    static int set_bytes[64][2] = {};
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return (int)e;
+    int &done = set_bytes[dev & 63][CL == 8];
+    if (done < (int)bytes) {
+        e = cudaFuncSetAttribute(sampler_kernel<CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)(sizeof(Shared) + (size_t)MAX_LOCAL * 8));
+        if (e != cudaSuccess) return (int)e;
+        done = (int)(sizeof(Shared) + (size_t)MAX_LOCAL * 8);
+    }
+    sampler_kernel<CL><<<dim3(CL, B), THREADS, bytes, st>>>(a);
+    return (int)cudaGetLastError();
+}
+
+}  // namespace sampler_k
+
+// One sampler step for rows [0, B). logits (B, V) fp32 rows lg_s apart; penalty (B, V) fp32
+// rows pen_s apart (updated); seen (B, V) bool rows seen_s apart (updated); fparams (B, 5) fp32,
+// iparams (B, 2) int64, positions (B,) int64, commit (B,) bool: contiguous; out (B,) int64;
+// dbg: null or (B, 8) fp32 (m, S, c*, n kept by top-p, top-k threshold, its group limit,
+// total weight, target). Returns 0, a CUDA error, or -2 (V not covered: use the torch path).
+extern "C" int sampler_step(void *logits, long long lg_s, void *penalty, long long pen_s, void *seen,
+                            long long seen_s, void *fparams, void *iparams, void *positions, void *commit,
+                            int greedy_only, int B, int V, void *out, void *dbg, void *stream) {
+    using namespace sampler_k;
+    if (B <= 0) return 0;
+    if (V <= 0 || V > 8 * MAX_LOCAL) return UNSUPPORTED;
+    Args a{static_cast<const float *>(logits), lg_s, static_cast<float *>(penalty), pen_s,
+           static_cast<unsigned char *>(seen), seen_s, static_cast<const float *>(fparams),
+           static_cast<const long long *>(iparams), static_cast<const long long *>(positions),
+           static_cast<const unsigned char *>(commit), static_cast<long long *>(out), static_cast<float *>(dbg),
+           greedy_only, V, 0};
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (V <= 4 * MAX_LOCAL) {
+        a.n_loc = (V + 3) / 4;
+        return launch<4>(a, B, st);
+    }
+    a.n_loc = (V + 7) / 8;
+    return launch<8>(a, B, st);
+}
