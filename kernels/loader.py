@@ -240,3 +240,13 @@ def load(device=None, head_size: int = 64):
                 log.warning("WKV-7 kernels unavailable, using the pure-torch path: %s", error_summary(e, 12))
                 _mods[key] = None
         return _mods[key]
+
+
+def load_any(device=None):
+    """A kernel module for this device whatever its head size, for kernels that do not depend on
+    it (the sampler): one already loaded if any, so it never triggers a second build; else the
+    default head size's."""
+    for (dev, _), key in list(_keys.items()):
+        if dev == str(device) and _mods.get(key) is not None:
+            return _mods[key]
+    return load(device)

@@ -310,16 +310,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, warps: int = 0, cfg: int = 0) ->
 SAMPLER_UNSUPPORTED = -2  # sampler_step's return code for a vocabulary it does not cover
 
 
-def _any_lib(device: torch.device):
-    """The kernel module already loaded for this device (any head size), else the default one:
-    the sampler does not depend on the head size, so it must not trigger a second build."""
-    idx = torch.device(device).index
-    for (d, _), lib in _libs.items():
-        if d == idx and lib is not None:
-            return lib
-    return _lib(device)
-
-
 def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, greedy_only: bool = False,
                  dbg: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """server.engine.sampler.sample (with CANDIDATES = (): exact, never -1) in one launch:
@@ -339,7 +329,9 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
                                                            and dbg.is_contiguous()))  # fmt: skip
     if not ok:
         return None
-    lib = _any_lib(logits.device)
+    from kernels import loader  # deferred, as in _lib
+
+    lib = loader.load_any(logits.device)
     if lib is None:
         return None
     fp = fparams.to(torch.float32).contiguous()  # (B, 5) copies only if needed
