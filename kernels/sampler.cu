@@ -41,6 +41,8 @@
 // Deterministic: every sum is an integer sum, so the result does not depend on the launch,
 // the batch, or the cluster split (a row gives the same token alone or in any batch).
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -60,7 +62,7 @@ constexpr int DIGIT = 11;  // radix digit bits (at most; 2048 bins)
 typedef unsigned long long u64;
 
 struct Args {
-    const float *logits;
+    const void *logits;     // (B, V) fp32 / fp16 / bf16 (lg_dt 0 / 1 / 2): the head's own output
     long long lg_s;
     float *penalty;
     long long pen_s;
@@ -72,20 +74,25 @@ struct Args {
     const unsigned char *commit;  // (B,) bool
     long long *out;         // (B,) tokens
     float *dbg;             // (B, 8) or null
-    int greedy_only, V, n_loc;
+    int greedy_only, V, n_loc, lg_dt;
 };
 
 struct alignas(16) Shared {
     unsigned hcnt[2][BINS], hlo[2][BINS], hhi[2][BINS];  // local histograms (2 slots: see hs)
-    u64 cw[BINS];                                         // combined weight / mass per bin
-    unsigned cc[BINS];                                    // combined count per bin
     alignas(16) unsigned char wraw[NW * 32];              // per-warp partials
     alignas(16) unsigned char xraw[2][32];                // cluster exchange slots
     alignas(16) unsigned char sraw[NW * 16];              // block scan scratch
-    alignas(16) unsigned char rraw[64];                   // broadcast (select result, scan total)
+    alignas(16) unsigned char rraw[64];                   // broadcast (scan total)
+    alignas(16) unsigned char selraw[32];                 // broadcast (radix_select's bin)
 };
 
 struct MaxArg { float v; int i; };
+
+__device__ __forceinline__ float load_logit(const void *lg, int dt, long long i) {
+    if (dt == 1) return __half2float(__ldg(static_cast<const __half *>(lg) + i));
+    if (dt == 2) return __bfloat162float(__ldg(static_cast<const __nv_bfloat16 *>(lg) + i));
+    return __ldg(static_cast<const float *>(lg) + i);
+}
 struct MinTok { int i; float z; unsigned kmin; };
 struct CW { unsigned c; u64 w; };
 struct Walk { u64 wgt, wgrp; int found, last; };
@@ -200,6 +207,20 @@ struct Sel {
 
 enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
 
+// One bin's (count, weight or mass) summed over the cluster's histograms, in rank order.
+template <int CL>
+__device__ __forceinline__ CW bin_total(cg::cluster_group &cl, unsigned *hc, unsigned *hl, unsigned *hh, int b,
+                                        int mode) {
+    unsigned c = 0;
+    u64 w = 0;
+#pragma unroll
+    for (int j = 0; j < CL; j++) {
+        c += *cl.map_shared_rank(&hc[b], j);
+        if (mode != COUNT) w += ((u64)*cl.map_shared_rank(&hh[b], j) << 32) + *cl.map_shared_rank(&hl[b], j);
+    }
+    return {c, mode == COUNT ? (u64)c : w};
+}
+
 // Radix select over the keys in [lo, khi] of the row (khi = the row's largest key), descending:
 // the key of the first non-empty p-group whose cumulative (count / mass / weight, in canonical
 // order) reaches target (>= target; strict: > target). Sel.w_above / cnt_above: totals of the
@@ -234,56 +255,32 @@ __device__ Sel radix_select(cg::cluster_group &cl, Shared &sh, int &hs, const Ro
             }
         }
         cl.sync();
-        for (int b = threadIdx.x; b < nb; b += THREADS) {
-            unsigned c = 0;
-            u64 w = 0;
-#pragma unroll
-            for (int j = 0; j < CL; j++) {
-                c += *cl.map_shared_rank(&hc[b], j);
-                w += ((u64)*cl.map_shared_rank(&hh[b], j) << 32) + *cl.map_shared_rank(&hl[b], j);
-            }
-            sh.cc[b] = c;
-            sh.cw[b] = mode == COUNT ? (u64)c : w;
-        }
+        // combine over the cluster and select, two bins per thread in descending key order
+        // (thread t: bins nb-1-2t, then nb-2-2t), a block scan of (count, weight) in that order;
+        // the selected bin is the first non-empty one whose cumulative (from w_above) reaches
+        // target: cumulatives only grow, so exactly one thread (or none) sees the crossing.
+        Sel *so = reinterpret_cast<Sel *>(sh.selraw);
+        if (threadIdx.x == 0) so->found = 0;  // ordered before the winner's write by block_scan
+        const int d0 = 2 * (int)threadIdx.x;
+        const CW c0 = d0 < nb ? bin_total<CL>(cl, hc, hl, hh, nb - 1 - d0, mode) : CW{0u, 0ull};
+        const CW c1 = d0 + 1 < nb ? bin_total<CL>(cl, hc, hl, hh, nb - 2 - d0, mode) : CW{0u, 0ull};
         hs ^= 1;
-        __syncthreads();
-        if (threadIdx.x < 32) {  // warp 0: lane l scans bins [nb-1-l*per .. nb-(l+1)*per] (descending)
-            const int lane = threadIdx.x, per = nb / 32, top = nb - 1 - lane * per;
-            unsigned tc = 0;
-            u64 tw = 0;
-            for (int jj = 0; jj < per; jj++) {  // skewed start: no 32-way bank conflict
-                const int j = (jj + lane) & (per - 1);
-                tc += sh.cc[top - j], tw += sh.cw[top - j];
-            }
-            unsigned ic = tc;
-            u64 iw = tw;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                unsigned c = __shfl_up_sync(0xffffffffu, ic, o);
-                u64 x = __shfl_up_sync(0xffffffffu, iw, o);
-                if (lane >= o) ic += c, iw += x;
-            }
-            const u64 reach = s.w_above + iw;
-            const bool q = tc > 0 && (strict ? reach > target : reach >= target);
-            const unsigned ballot = __ballot_sync(0xffffffffu, q);
-            if (ballot == 0) {
-                if (lane == 0) reinterpret_cast<Sel *>(sh.rraw)->found = 0;
-            } else if (lane == __ffs(ballot) - 1) {
-                u64 run = s.w_above + iw - tw;
-                unsigned cab = s.cnt_above + ic - tc;
-                int bin = top;
-                for (int j = 0; j < per; j++) {
-                    const int b = top - j;
-                    const u64 nr = run + sh.cw[b];
-                    if (sh.cc[b] > 0 && (strict ? nr > target : nr >= target)) { bin = b; break; }
-                    run = nr, cab += sh.cc[b];
-                }
-                Sel *o = reinterpret_cast<Sel *>(sh.rraw);
-                o->key = (unsigned)bin, o->cnt_above = cab, o->cnt_at = sh.cc[bin], o->w_above = run, o->found = 1;
-            }
+        CW tot;
+        const CW off = block_scan(sh, CW{c0.c + c1.c, c0.w + c1.w}, &tot);  // bins above d0 (this pass)
+        const CW e1{off.c + c0.c, off.w + c0.w};                            // bins above d0 + 1
+        const u64 wa = s.w_above;
+        const bool r0 = strict ? wa + off.w + c0.w > target : wa + off.w + c0.w >= target;
+        const bool r1 = strict ? wa + e1.w + c1.w > target : wa + e1.w + c1.w >= target;
+        const bool p0 = off.c > 0 && (strict ? wa + off.w > target : wa + off.w >= target);  // met earlier
+        if (c0.c > 0 && r0 && !p0) {
+            so->key = (unsigned)(nb - 1 - d0), so->cnt_above = s.cnt_above + off.c, so->cnt_at = c0.c;
+            so->w_above = wa + off.w, so->found = 1;
+        } else if (c1.c > 0 && r1 && !(e1.c > 0 && (strict ? wa + e1.w > target : wa + e1.w >= target))) {
+            so->key = (unsigned)(nb - 2 - d0), so->cnt_above = s.cnt_above + e1.c, so->cnt_at = c1.c;
+            so->w_above = wa + e1.w, so->found = 1;
         }
         __syncthreads();
-        const Sel o = *reinterpret_cast<Sel *>(sh.rraw);
+        const Sel o = *so;
         __syncthreads();
         if (!o.found) { s.found = 0; return s; }
         pref = (pref << bits) | o.key;
@@ -373,13 +370,13 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
     const bool greedy = a.greedy_only || !(T > 0.f);
 
     // 1. z = logits - penalty into shared memory; decayed penalty written back (commit rows)
-    const float *lg = a.logits + row * a.lg_s + base;
+    const long long lg0 = row * a.lg_s + base;
     float *pen = a.penalty + row * a.pen_s + base;
     MaxArg mx{-INFINITY, 0x7fffffff};
 #pragma unroll 4
     for (int i = threadIdx.x; i < cnt; i += THREADS) {
         const float p = pen[i];
-        const float z = __ldg(lg + i) - p;
+        const float z = load_logit(a.logits, a.lg_dt, lg0 + i) - p;  // exact widening, as logits.float()
         zs[i] = z;
         if (commit) pen[i] = p * decay;
         if (z > mx.v || (z == mx.v && base + i < mx.i)) mx = {z, base + i};
@@ -490,22 +487,23 @@ int launch(const Args &a, int B, cudaStream_t st) {
 
 }  // namespace sampler_k
 
-// One sampler step for rows [0, B). logits (B, V) fp32 rows lg_s apart; penalty (B, V) fp32
+// One sampler step for rows [0, B). logits (B, V) fp32 / fp16 / bf16 (lg_dt 0 / 1 / 2) rows lg_s apart; penalty (B, V) fp32
 // rows pen_s apart (updated); seen (B, V) bool rows seen_s apart (updated); fparams (B, 5) fp32,
 // iparams (B, 2) int64, positions (B,) int64, commit (B,) bool: contiguous; out (B,) int64;
 // dbg: null or (B, 8) fp32 (m, S, c*, n kept by top-p, top-k threshold, its group limit,
 // total weight, target). Returns 0, a CUDA error, or -2 (V not covered: use the torch path).
 extern "C" int sampler_step(void *logits, long long lg_s, void *penalty, long long pen_s, void *seen,
                             long long seen_s, void *fparams, void *iparams, void *positions, void *commit,
-                            int greedy_only, int B, int V, void *out, void *dbg, void *stream) {
+                            int greedy_only, int B, int V, void *out, void *dbg, int lg_dt, void *stream) {
     using namespace sampler_k;
     if (B <= 0) return 0;
     if (V <= 0 || V > 8 * MAX_LOCAL) return UNSUPPORTED;
-    Args a{static_cast<const float *>(logits), lg_s, static_cast<float *>(penalty), pen_s,
+    if (lg_dt < 0 || lg_dt > 2) return UNSUPPORTED;
+    Args a{logits, lg_s, static_cast<float *>(penalty), pen_s,
            static_cast<unsigned char *>(seen), seen_s, static_cast<const float *>(fparams),
            static_cast<const long long *>(iparams), static_cast<const long long *>(positions),
            static_cast<const unsigned char *>(commit), static_cast<long long *>(out), static_cast<float *>(dbg),
-           greedy_only, V, 0};
+           greedy_only, V, 0, lg_dt};
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (V <= 4 * MAX_LOCAL) {
         a.n_loc = (V + 3) / 4;

@@ -40,6 +40,7 @@ SIGNATURES: dict[str, list[str]] = {
     # warps, cfg, stream (returns -2 = layout not covered: use the fallback)
     "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, P],
     # sampler.cu: logits, lg_stride, penalty, pen_stride, seen, seen_stride, fparams, iparams,
-    # positions, commit, greedy_only, B, V, out, dbg, stream (returns -2 = V not covered)
-    "sampler_step": [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, P],
+    # positions, commit, greedy_only, B, V, out, dbg, lg_dt (0 fp32, 1 fp16, 2 bf16), stream
+    # (returns -2 = V or dtype not covered)
+    "sampler_step": [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I, P],
 }

@@ -334,6 +334,20 @@ def test_sampler_slots_switch(dev, monkeypatch):
     monkeypatch.setattr(cuda_ops, "fused_sample", lambda *a, **k: called.append(1) or real(*a, **k))
     got = s2.sample(logits, pos, commit)
     assert called and torch.equal(got, want) and torch.equal(s1.penalty, s2.penalty)
-    # fp16 logits: not covered, the torch path runs (no -1 expected on peaked rows)
-    got16 = make_slots(params, V, dev, True).sample(logits.half(), pos, commit)
-    assert (got16 >= 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["random", "flat", "tied"])
+def test_half_logits_equal_widened(dev, dtype, case):
+    """16-bit logits (the head's own output, as DecodeGraphs passes them) give exactly what their
+    fp32 widening gives: the kernel reads them as logits.float()."""
+    B = 96
+    logits = make_logits(case, B, V, seed=7, dev=dev).to(dtype)  # (B, V) 16-bit
+    s = make_slots(make_params(B, 0.3, True, True), V, dev, True)
+    pos, commit = torch.arange(B, device=dev), torch.ones(B, dtype=torch.bool, device=dev)
+    s16, s32 = clone_slots(s), clone_slots(s)
+    t16, d16 = kernel(logits, s16, pos, commit)
+    t32, d32 = kernel(logits.float(), s32, pos, commit)
+    assert torch.equal(t16, t32) and torch.equal(d16, d32)
+    assert torch.equal(s16.penalty, s32.penalty) and torch.equal(s16.seen, s32.seen)

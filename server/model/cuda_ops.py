@@ -316,12 +316,12 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     tokens (B,) int64; penalty (B, V) fp32 and seen (B, V) bool updated in place (views with
     unit column stride, e.g. SamplerSlots' [:B] rows). dbg: optional (B, 8) fp32 out (m, S, c*,
     n kept by top-p, top-k threshold, its group limit or -1, total weight, target) for the tests.
-    Returns None when the kernel cannot run here (no CUDA kernels, fp16 logits, a layout or
+    Returns None when the kernel cannot run here (no CUDA kernels, a layout or
     vocabulary it does not cover): the caller then runs the torch sampler. No host sync."""
     if not logits.is_cuda or logits.dim() != 2:
         return None
     B, V = logits.shape
-    ok = logits.dtype == torch.float32 and penalty.dtype == torch.float32 and seen.dtype == torch.bool
+    ok = logits.dtype in _DT and penalty.dtype == torch.float32 and seen.dtype == torch.bool
     ok = ok and all(t.dim() == 2 and t.shape == (B, V) and t.stride(1) == 1 and t.device == logits.device
                     for t in (logits, penalty, seen))  # fmt: skip
     ok = ok and fparams.shape == (B, 5) and iparams.shape == (B, 2) and positions.shape == (B,)
@@ -343,7 +343,7 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     rc = lib.sampler_step(
         logits.data_ptr(), logits.stride(0), penalty.data_ptr(), penalty.stride(0), seen.data_ptr(), seen.stride(0),
         fp.data_ptr(), ip.data_ptr(), pos.data_ptr(), cm.data_ptr(), int(greedy_only), B, V, out.data_ptr(),
-        dbg.data_ptr() if dbg is not None else 0, stream,
+        dbg.data_ptr() if dbg is not None else 0, _DT[logits.dtype], stream,
     )  # fmt: skip
     if rc == SAMPLER_UNSUPPORTED:
         return None
