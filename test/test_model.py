@@ -189,3 +189,16 @@ def test_kernel_path_slots_and_lengths(tiny):
     b = k.forward(prompts, p2, slots=[5, 0, 3, 1])
     assert rel_err(b, a) < TOL
     _assert_states_close(p2, p1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_raw_logits_are_the_head_output(dtype):
+    """raw_logits=True (what DecodeGraphs feeds the fused sampler) returns the head's output in
+    the model dtype; widening it gives exactly the default fp32 logits."""
+    model = load_model("synthetic:tiny:3", dtype=dtype)
+    s1, s2 = model.zero_state(2), model.zero_state(2)
+    tok = torch.tensor([5, 9])
+    raw, full = model.decode(tok, s1, raw_logits=True), model.decode(tok, s2)
+    assert raw.dtype == dtype and full.dtype == torch.float32
+    assert torch.equal(raw.float(), full)
+    assert all(torch.equal(a, b) for a, b in zip(s1.tensors(), s2.tensors()))

@@ -57,7 +57,8 @@ class DecodeGraphs:
         return out + [self.max_batch]
 
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model.decode(self.tokens[:b], self.pool.view(0, b))  # (b, V) fp32
+        # raw logits (model dtype): the samplers widen them as they read (no (b, V) fp32 copy)
+        logits = self.model.decode(self.tokens[:b], self.pool.view(0, b), raw_logits=True)  # (b, V)
         if self.sampler is None:
             tok = logits.argmax(-1)  # (b,)
         else:
@@ -111,8 +112,8 @@ class DecodeGraphs:
         return self.outputs[b][1][:n]
 
     def logits(self, n: int) -> torch.Tensor:
-        """Logits (n, V) of the last step() of n rows (a view of a static output)."""
-        return self.outputs[bucket_for(n, self.max_batch)][0][:n]
+        """Logits (n, V) fp32 of the last step() of n rows (widened from the static output)."""
+        return self.outputs[bucket_for(n, self.max_batch)][0][:n].float()
 
     @staticmethod
     def _fill(buf: torch.Tensor, b: int, n: int, src, default) -> None:

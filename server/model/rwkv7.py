@@ -110,14 +110,17 @@ class RWKV7:
         return self._head(last_x)
 
     @torch.no_grad()
-    def decode(self, token_ids: torch.Tensor, state: State) -> torch.Tensor:
+    def decode(self, token_ids: torch.Tensor, state: State, raw_logits: bool = False) -> torch.Tensor:
         """One token per slot for all B slots of `state`: token_ids (B,) long -> (B, V) fp32.
-        No Python loop over B and no host sync (CUDA-graph capturable)."""
+        No Python loop over B and no host sync (CUDA-graph capturable). raw_logits: return the
+        head's output in the model dtype instead (the same values: the fp32 cast is exact), for
+        consumers that widen as they read (the fused sampler), saving a (B, V) fp32 copy."""
         if token_ids.shape != (state.batch_size,):
             raise ValueError(f"decode: token_ids {tuple(token_ids.shape)} for a state of batch {state.batch_size}")
         x = F.embedding(token_ids, self.w.emb)  # (B, C)
         if self._fused():
-            return self._decode_fused(x, state)
+            logits = self._decode_fused(x, state)  # (B, V) model dtype
+            return logits if raw_logits else logits.float()
         v_first = x  # replaced in layer 0
         for i, lw in enumerate(self.w.layers):
             xa = self._ln(x, lw.ln1_w, lw.ln1_b)  # (B, C)
@@ -128,7 +131,7 @@ class RWKV7:
             dx = self._channel_mix(lw, xf, state.ffn_shift[i])
             state.ffn_shift[i].copy_(xf)
             x = x + dx
-        return self._head(x)
+        return self._head(x, raw_logits)
 
     # ---- internals -------------------------------------------------------------------------
     def _decode_fused(self, x: torch.Tensor, state: State) -> torch.Tensor:
@@ -153,7 +156,7 @@ class RWKV7:
                                         state.ffn_shift[i])  # fmt: skip
             dx = lin(self.ops.relu_square(lin(xk[0], lw.ffn_key)), lw.ffn_value)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
-        return lin(xn, self.w.head).float()  # (B, V)
+        return lin(xn, self.w.head)  # (B, V) model dtype
 
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
@@ -287,9 +290,10 @@ class RWKV7:
         xk = torch.addcmul(x, prev.to(x.dtype) - x, lw.ffn_xk)
         return F.linear(torch.relu(F.linear(xk, lw.ffn_key)).square(), lw.ffn_value)
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
+    def _head(self, x: torch.Tensor, raw: bool = False) -> torch.Tensor:
         x = self._ln(x, self.w.ln_out_w, self.w.ln_out_b)
-        return F.linear(x, self.w.head).float()  # (B, V)
+        logits = F.linear(x, self.w.head)  # (B, V) model dtype
+        return logits if raw else logits.float()
 
 
 def _rows(t: torch.Tensor, sidx: torch.Tensor | None) -> torch.Tensor:
