@@ -85,11 +85,12 @@ top_p=0.3 nucleus, which made K=256 resolve nearly every row outside the graph).
 () = always a full sort (the reference the candidates must equal)."""
 
 
-FUSED_KERNEL = os.environ.get("RWKV_FUSED_SAMPLER", "0") == "1"
+FUSED_KERNEL = os.environ.get("RWKV_FUSED_SAMPLER", "1") != "0"
 """On CUDA, run the whole step as one kernel (kernels/sampler.cu via cuda_ops.fused_sample): exact
 (a stable full sort's result up to fp32 near ties, see the kernel's header), never -1, so no
-resolve. Off by default until validated on a GPU (RWKV_FUSED_SAMPLER=1 turns it on); the torch
-code below stays the reference twin and the fallback (fp16 logits, no kernels, V > 131072)."""
+resolve. On by default (validated on the H200: test_sampler_kernel_gpu.py; RWKV_FUSED_SAMPLER=0
+turns it off); the torch code below stays the reference twin and the fallback (no kernels,
+V > 131072, CPU)."""
 
 
 class SamplerSlots:
