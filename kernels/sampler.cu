@@ -79,11 +79,12 @@ struct Args {
 
 struct alignas(16) Shared {
     unsigned hcnt[2][BINS], hlo[2][BINS], hhi[2][BINS];  // local histograms (2 slots: see hs)
+    u64 cw[BINS];                                         // combined weight / mass per bin
+    unsigned cc[BINS];                                    // combined count per bin
     alignas(16) unsigned char wraw[NW * 32];              // per-warp partials
     alignas(16) unsigned char xraw[2][32];                // cluster exchange slots
     alignas(16) unsigned char sraw[NW * 16];              // block scan scratch
-    alignas(16) unsigned char rraw[64];                   // broadcast (scan total)
-    alignas(16) unsigned char selraw[32];                 // broadcast (radix_select's bin)
+    alignas(16) unsigned char rraw[64];                   // broadcast (select result, scan total)
 };
 
 struct MaxArg { float v; int i; };
@@ -207,20 +208,6 @@ struct Sel {
 
 enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
 
-// One bin's (count, weight or mass) summed over the cluster's histograms, in rank order.
-template <int CL>
-__device__ __forceinline__ CW bin_total(cg::cluster_group &cl, unsigned *hc, unsigned *hl, unsigned *hh, int b,
-                                        int mode) {
-    unsigned c = 0;
-    u64 w = 0;
-#pragma unroll
-    for (int j = 0; j < CL; j++) {
-        c += *cl.map_shared_rank(&hc[b], j);
-        if (mode != COUNT) w += ((u64)*cl.map_shared_rank(&hh[b], j) << 32) + *cl.map_shared_rank(&hl[b], j);
-    }
-    return {c, mode == COUNT ? (u64)c : w};
-}
-
 // Radix select over the keys in [lo, khi] of the row (khi = the row's largest key), descending:
 // the key of the first non-empty p-group whose cumulative (count / mass / weight, in canonical
 // order) reaches target (>= target; strict: > target). Sel.w_above / cnt_above: totals of the
@@ -255,32 +242,56 @@ __device__ Sel radix_select(cg::cluster_group &cl, Shared &sh, int &hs, const Ro
             }
         }
         cl.sync();
-        // combine over the cluster and select, two bins per thread in descending key order
-        // (thread t: bins nb-1-2t, then nb-2-2t), a block scan of (count, weight) in that order;
-        // the selected bin is the first non-empty one whose cumulative (from w_above) reaches
-        // target: cumulatives only grow, so exactly one thread (or none) sees the crossing.
-        Sel *so = reinterpret_cast<Sel *>(sh.selraw);
-        if (threadIdx.x == 0) so->found = 0;  // ordered before the winner's write by block_scan
-        const int d0 = 2 * (int)threadIdx.x;
-        const CW c0 = d0 < nb ? bin_total<CL>(cl, hc, hl, hh, nb - 1 - d0, mode) : CW{0u, 0ull};
-        const CW c1 = d0 + 1 < nb ? bin_total<CL>(cl, hc, hl, hh, nb - 2 - d0, mode) : CW{0u, 0ull};
+        for (int b = threadIdx.x; b < nb; b += THREADS) {
+            unsigned c = 0;
+            u64 w = 0;
+#pragma unroll
+            for (int j = 0; j < CL; j++) {
+                c += *cl.map_shared_rank(&hc[b], j);
+                w += ((u64)*cl.map_shared_rank(&hh[b], j) << 32) + *cl.map_shared_rank(&hl[b], j);
+            }
+            sh.cc[b] = c;
+            sh.cw[b] = mode == COUNT ? (u64)c : w;
+        }
         hs ^= 1;
-        CW tot;
-        const CW off = block_scan(sh, CW{c0.c + c1.c, c0.w + c1.w}, &tot);  // bins above d0 (this pass)
-        const CW e1{off.c + c0.c, off.w + c0.w};                            // bins above d0 + 1
-        const u64 wa = s.w_above;
-        const bool r0 = strict ? wa + off.w + c0.w > target : wa + off.w + c0.w >= target;
-        const bool r1 = strict ? wa + e1.w + c1.w > target : wa + e1.w + c1.w >= target;
-        const bool p0 = off.c > 0 && (strict ? wa + off.w > target : wa + off.w >= target);  // met earlier
-        if (c0.c > 0 && r0 && !p0) {
-            so->key = (unsigned)(nb - 1 - d0), so->cnt_above = s.cnt_above + off.c, so->cnt_at = c0.c;
-            so->w_above = wa + off.w, so->found = 1;
-        } else if (c1.c > 0 && r1 && !(e1.c > 0 && (strict ? wa + e1.w > target : wa + e1.w >= target))) {
-            so->key = (unsigned)(nb - 2 - d0), so->cnt_above = s.cnt_above + e1.c, so->cnt_at = c1.c;
-            so->w_above = wa + e1.w, so->found = 1;
+        __syncthreads();
+        if (threadIdx.x < 32) {  // warp 0: lane l scans bins [nb-1-l*per .. nb-(l+1)*per] (descending)
+            const int lane = threadIdx.x, per = nb / 32, top = nb - 1 - lane * per;
+            unsigned tc = 0;
+            u64 tw = 0;
+            for (int jj = 0; jj < per; jj++) {  // skewed start: no 32-way bank conflict
+                const int j = (jj + lane) & (per - 1);
+                tc += sh.cc[top - j], tw += sh.cw[top - j];
+            }
+            unsigned ic = tc;
+            u64 iw = tw;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned c = __shfl_up_sync(0xffffffffu, ic, o);
+                u64 x = __shfl_up_sync(0xffffffffu, iw, o);
+                if (lane >= o) ic += c, iw += x;
+            }
+            const u64 reach = s.w_above + iw;
+            const bool q = tc > 0 && (strict ? reach > target : reach >= target);
+            const unsigned ballot = __ballot_sync(0xffffffffu, q);
+            if (ballot == 0) {
+                if (lane == 0) reinterpret_cast<Sel *>(sh.rraw)->found = 0;
+            } else if (lane == __ffs(ballot) - 1) {
+                u64 run = s.w_above + iw - tw;
+                unsigned cab = s.cnt_above + ic - tc;
+                int bin = top;
+                for (int j = 0; j < per; j++) {
+                    const int b = top - j;
+                    const u64 nr = run + sh.cw[b];
+                    if (sh.cc[b] > 0 && (strict ? nr > target : nr >= target)) { bin = b; break; }
+                    run = nr, cab += sh.cc[b];
+                }
+                Sel *o = reinterpret_cast<Sel *>(sh.rraw);
+                o->key = (unsigned)bin, o->cnt_above = cab, o->cnt_at = sh.cc[bin], o->w_above = run, o->found = 1;
+            }
         }
         __syncthreads();
-        const Sel o = *so;
+        const Sel o = *reinterpret_cast<Sel *>(sh.rraw);
         __syncthreads();
         if (!o.found) { s.found = 0; return s; }
         pref = (pref << bits) | o.key;
