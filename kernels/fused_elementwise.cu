@@ -16,6 +16,7 @@
 //                                                     out[k] = round(xn + d * mix[k])  (k < K)
 // relu_square: h = round(max(h, 0)^2) in place.
 // lora_act: a = tanh(a), g = sigmoid(g) in place (two buffers, one launch).
+#include "pdl.cuh"
 #include "wkv7_common.cuh"
 
 namespace wkv7 {
@@ -59,6 +60,7 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 template <typename F>
 __global__ void __launch_bounds__(1024) add_ln_mix_kernel(LnArgs p) {
     __shared__ float red[32];
+    rwkv_pdl::pdl_wait();
     const int b = blockIdx.x, tid = threadIdx.x, T = blockDim.x, nv = p.C >> 2;
     const F *x = (const F *)p.x + b * p.x_bs;
     const F *dx = p.dx ? (const F *)p.dx + b * p.dx_bs : nullptr;
@@ -168,6 +170,7 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
 template <typename F>
 __global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];
+    rwkv_pdl::pdl_wait();
     const int b = blockIdx.x, tid = threadIdx.x;
     const int c = LN_VW * tid;
     const bool act = c < p.C;
@@ -256,6 +259,7 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs 
 
 template <typename F>
 __global__ void relu_square_kernel(F *__restrict__ h, long long n) {
+    rwkv_pdl::pdl_wait();
     const long long n4 = n >> 2;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
@@ -273,6 +277,7 @@ __global__ void relu_square_kernel(F *__restrict__ h, long long n) {
 
 template <typename F>
 __global__ void lora_act_kernel(F *__restrict__ a, long long na, F *__restrict__ g, long long ng) {
+    rwkv_pdl::pdl_wait();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < na + ng; i += stride) {
         if (i < na) {
@@ -312,13 +317,11 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     if (fast) {
         const int t2 = ((C / VW) + 31) / 32 * 32;
         return WKV7_F_DISPATCH(f_dt, {
-            add_ln_mix_v2_kernel<F><<<B, t2, 0, (cudaStream_t)stream>>>(p);
-            return (int)cudaGetLastError();
+            return (int)rwkv_pdl::launch_pdl(add_ln_mix_v2_kernel<F>, dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
         });
     }
     return WKV7_F_DISPATCH(f_dt, {
-        add_ln_mix_kernel<F><<<B, threads, 0, (cudaStream_t)stream>>>(p);
-        return (int)cudaGetLastError();
+        return (int)rwkv_pdl::launch_pdl(add_ln_mix_kernel<F>, dim3(B), dim3(threads), 0, (cudaStream_t)stream, p);
     });
 }
 
@@ -328,8 +331,7 @@ extern "C" int fused_relu_square(int f_dt, void *h, long long n, void *stream) {
     long long blocks = (n / 4 + 255) / 256;
     blocks = blocks < 1 ? 1 : (blocks > 8192 ? 8192 : blocks);
     return WKV7_F_DISPATCH(f_dt, {
-        relu_square_kernel<F><<<(int)blocks, 256, 0, (cudaStream_t)stream>>>((F *)h, n);
-        return (int)cudaGetLastError();
+        return (int)rwkv_pdl::launch_pdl(relu_square_kernel<F>, dim3((int)blocks), dim3(256), 0, (cudaStream_t)stream, (F *)h, n);
     });
 }
 
@@ -339,7 +341,7 @@ extern "C" int fused_lora_act(int f_dt, void *a, long long na, void *g, long lon
     long long blocks = (na + ng + 255) / 256;
     blocks = blocks > 8192 ? 8192 : blocks;
     return WKV7_F_DISPATCH(f_dt, {
-        lora_act_kernel<F><<<(int)blocks, 256, 0, (cudaStream_t)stream>>>((F *)a, na, (F *)g, ng);
-        return (int)cudaGetLastError();
+        return (int)rwkv_pdl::launch_pdl(lora_act_kernel<F>, dim3((int)blocks), dim3(256), 0, (cudaStream_t)stream, (F *)a, na,
+                                         (F *)g, ng);
     });
 }

@@ -29,6 +29,8 @@
 
 #include <type_traits>
 
+#include "pdl.cuh"
+
 namespace gemv_k {
 
 constexpr int MAX_M = 8;
@@ -96,6 +98,7 @@ template <typename F, int RT, int U>
 __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     constexpr bool BF = sizeof(F) == 2 && !std::is_same<F, __half>::value;
     __shared__ float red[MAX_WARPS][MAX_M][8 * RT];  // per-warp partials: [warp][m][row]
+    rwkv_pdl::pdl_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * (8 * RT);
@@ -236,8 +239,7 @@ int launch(const Args &a, int P, int warps, cudaStream_t s) {
         warps = pick_warps(KT, (long long)bx * P, U, regs, sms);
     }
     if (warps > MAX_WARPS) return UNSUPPORTED;
-    gemv_kernel<F, RT, U><<<dim3(bx, P), warps * 32, 0, s>>>(a);
-    return (int)cudaGetLastError();
+    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U>, dim3(bx, P), dim3(warps * 32), 0, s, a);
 }
 
 template <typename F>

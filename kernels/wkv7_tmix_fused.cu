@@ -1,4 +1,5 @@
 // RWKV-7 decode time-mix core in one launch (semantics: see wkv7_tmix.cu's header).
+#include "pdl.cuh"
 #include "wkv7_tmix.cuh"
 
 // ---- one launch for large batches: prep + WKV step + GroupNorm/bonus/gate, a head per block ----
@@ -64,6 +65,7 @@ __host__ __device__ constexpr int head_min_blocks() {
 template <typename F, typename S, int RPT, bool PK>
 __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, PK>()))
     tmix_head_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p) {
+    rwkv_pdl::pdl_wait();
     constexpr int T = head_threads<RPT>();
     constexpr int RG = T / TPR;          // row groups; rows of a group: rg + j*RG
     constexpr int NW = T / 32;           // warps
@@ -221,8 +223,8 @@ template <typename F, typename S, int RPT, bool PK>
 int launch_head(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
     constexpr bool PKE = PK || !head_packed<S>();  // one kernel where packing does not apply
     if constexpr (head_ok<RPT>()) {
-        tmix_head_kernel<F, S, RPT, PKE><<<dim3(H, B), head_threads<RPT>(), 0, stream>>>(state, s_bstride, p);
-        return (int)cudaGetLastError();
+        return (int)rwkv_pdl::launch_pdl(tmix_head_kernel<F, S, RPT, PKE>, dim3(H, B), dim3(head_threads<RPT>()), 0, stream,
+                                         state, s_bstride, p);
     } else {
         return -2;
     }
