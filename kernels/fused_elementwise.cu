@@ -61,6 +61,7 @@ template <typename F>
 __global__ void __launch_bounds__(1024) add_ln_mix_kernel(LnArgs p) {
     __shared__ float red[32];
     rwkv_pdl::pdl_wait();
+    rwkv_pdl::pdl_trigger();
     const int b = blockIdx.x, tid = threadIdx.x, T = blockDim.x, nv = p.C >> 2;
     const F *x = (const F *)p.x + b * p.x_bs;
     const F *dx = p.dx ? (const F *)p.dx + b * p.dx_bs : nullptr;
@@ -171,6 +172,7 @@ template <typename F>
 __global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];
     rwkv_pdl::pdl_wait();
+    rwkv_pdl::pdl_trigger();
     const int b = blockIdx.x, tid = threadIdx.x;
     const int c = LN_VW * tid;
     const bool act = c < p.C;
@@ -260,6 +262,7 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs 
 template <typename F>
 __global__ void relu_square_kernel(F *__restrict__ h, long long n) {
     rwkv_pdl::pdl_wait();
+    rwkv_pdl::pdl_trigger();
     const long long n4 = n >> 2;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
@@ -278,6 +281,7 @@ __global__ void relu_square_kernel(F *__restrict__ h, long long n) {
 template <typename F>
 __global__ void lora_act_kernel(F *__restrict__ a, long long na, F *__restrict__ g, long long ng) {
     rwkv_pdl::pdl_wait();
+    rwkv_pdl::pdl_trigger();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < na + ng; i += stride) {
         if (i < na) {

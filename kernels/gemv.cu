@@ -98,7 +98,6 @@ template <typename F, int RT, int U>
 __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     constexpr bool BF = sizeof(F) == 2 && !std::is_same<F, __half>::value;
     __shared__ float red[MAX_WARPS][MAX_M][8 * RT];  // per-warp partials: [warp][m][row]
-    rwkv_pdl::pdl_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * (8 * RT);
@@ -135,20 +134,28 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     // ptxas keeps them together (loads followed by their consumers in one block get interleaved
     // with the MMAs, one load in flight at a time).
     uint4 wv[U][RT], xv[U];
-    auto load_step = [&](int kt) {
+    auto load_w = [&](int kt) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const bool ok = kt + u < ke && (kt + u) * 4 + t < KC;
 #pragma unroll
             for (int r = 0; r < RT; r++) wv[u][r] = ld_stream(wr[r] + (long long)(kt + u) * 32, ok && rok[r]);
         }
+    };
+    auto load_x = [&](int kt) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const bool ok = xok && kt + u < ke && (kt + u) * 4 + t < KC;
             xv[u] = ld_ro(xr + (long long)(kt + u) * 32, ok);
         }
     };
-    if (kb < ke) load_step(kb);
+    auto load_step = [&](int kt) { load_w(kt), load_x(kt); };
+    // the weights are never written: the first step's weight loads go out before the wait for
+    // the predecessor's x (programmatic dependent launch, pdl.cuh)
+    if (kb < ke) load_w(kb);
+    rwkv_pdl::pdl_wait();
+    rwkv_pdl::pdl_trigger();
+    if (kb < ke) load_x(kb);
     for (int kt = kb; kt < ke; kt += U) {
 #pragma unroll
         for (int u = 0; u < U; u++) {

@@ -1,11 +1,15 @@
 // Programmatic dependent launch (PDL, sm_90+) for the decode step's small kernels.
 //
-// A kernel launched with launch_pdl() may be scheduled while its predecessor in the stream (or
-// the CUDA graph) is still draining, so its blocks are resident when the predecessor ends and
-// the launch latency between the two is hidden. Such a kernel must call pdl_wait() before its
-// first global memory access, read or write: it returns once the predecessor has completed and
-// its writes are visible (no kernel here triggers early), so the results are the same as with a
-// plain launch. Plain launches on GPUs before sm_90 and with RWKV_PDL=0 (read once per device).
+// A kernel launched with launch_pdl() may start while its predecessor in the stream (or the CUDA
+// graph) is still running, once every block of the predecessor has called pdl_trigger() (or
+// exited). Until its pdl_wait() returns (the predecessor has COMPLETED and its writes are
+// visible), such a kernel may only read memory that the predecessor neither writes nor needs
+// unchanged (weights; the layer's own state rows, which only this kernel touches), and write
+// nothing. So results equal a plain launch's, while the launch latency and the first loads
+// overlap the predecessor's tail. Each kernel here calls pdl_wait() before its first access to
+// activations and pdl_trigger() right after it (at most one dependent grid waits at a time).
+// cuBLAS kernels do not trigger: a kernel after a GEMM starts when the GEMM ends, as before.
+// Plain launches on GPUs before sm_90 and with RWKV_PDL=0 (read once per device).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdlib.h>
@@ -15,6 +19,12 @@ namespace rwkv_pdl {
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

@@ -65,7 +65,6 @@ __host__ __device__ constexpr int head_min_blocks() {
 template <typename F, typename S, int RPT, bool PK>
 __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, PK>()))
     tmix_head_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p) {
-    rwkv_pdl::pdl_wait();
     constexpr int T = head_threads<RPT>();
     constexpr int RG = T / TPR;          // row groups; rows of a group: rg + j*RG
     constexpr int NW = T / 32;           // warps
@@ -89,6 +88,10 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
         if constexpr (PACK) sp[j] = ld_global_v4(shead + (long long)(rg + j * RG) * N + lane * EPT);
         else load_state<S>(shead + (long long)(rg + j * RG) * N, lane, s[j]);
     }
+    // the state rows are this layer's own (the predecessor, the r/k/v projection, never touches
+    // them): their loads go out before the wait for the predecessor's activations
+    rwkv_pdl::pdl_wait();
+    rwkv_pdl::pdl_trigger();
 
     // 2. per-column vectors of the head. Each role loads all its inputs before any arithmetic and
     // without branches (absent biases read as 0: x + 0 rounded to F is x), so they are one L2
