@@ -349,3 +349,11 @@ extern "C" int fused_lora_act(int f_dt, void *a, long long na, void *g, long lon
                                          (F *)g, ng);
     });
 }
+
+// Programmatic dependent launch (pdl.cuh): mode 0 = plain launches, 1 = PDL where supported,
+// -1 = leave as is. Returns whether launches on the current device used PDL before the call.
+extern "C" int pdl_mode(int mode) {
+    const int was = rwkv_pdl::pdl_enabled() ? 1 : 0;
+    if (mode == 0 || mode == 1) rwkv_pdl::pdl_switch() = mode;
+    return was;
+}

@@ -28,18 +28,27 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// The switch: -1 = RWKV_PDL (default on), 0 / 1 = set by pdl_mode() (the tests' A/B).
+inline int &pdl_switch() {
+    static int v = -1;
+    return v;
+}
+
 inline bool pdl_enabled() {
-    static int state[64] = {};  // per device: 0 unknown, 1 on, 2 off
+    static int supported[64] = {};  // per device: 0 unknown, 1 sm_90+, 2 older
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    int &s = state[dev & 63];
+    int &s = supported[dev & 63];
     if (s == 0) {
-        const char *env = getenv("RWKV_PDL");
         int major = 0;
         if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) major = 0;
-        s = (major >= 9 && !(env && env[0] == '0')) ? 1 : 2;
+        s = major >= 9 ? 1 : 2;
     }
-    return s == 1;
+    if (pdl_switch() < 0) {
+        const char *env = getenv("RWKV_PDL");
+        pdl_switch() = (env && env[0] == '0') ? 0 : 1;
+    }
+    return s == 1 && pdl_switch() == 1;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute where enabled; returns

@@ -39,6 +39,9 @@ SIGNATURES: dict[str, list[str]] = {
     # gemv.cu: f_dt, M, N, K, P, x, x_stride, x_pstride, w, w_pstride, out, o_stride, o_pstride,
     # warps, cfg, stream (returns -2 = layout not covered: use the fallback)
     "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, P],
+    # fused_elementwise.cu: mode (0 plain launches, 1 programmatic dependent launch, -1 query);
+    # returns the previous state
+    "pdl_mode": [I],
     # sampler.cu: logits, lg_stride, penalty, pen_stride, seen, seen_stride, fparams, iparams,
     # positions, commit, greedy_only, B, V, out, dbg, lg_dt (0 fp32, 1 fp16, 2 bf16), stream
     # (returns -2 = V or dtype not covered)
