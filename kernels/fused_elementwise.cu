@@ -168,8 +168,10 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
     }
 }
 
-template <typename F>
-__global__ void __launch_bounds__(LN_V2_THREADS, 2) add_ln_mix_v2_kernel(LnArgs p) {
+// MINB: the launch bound's blocks per SM. 2 caps registers at 64 (a few bytes spilled), 1 lets
+// ptxas use 76 (no spills; still 2 blocks of 320 threads per SM). RWKV_LN_MINB picks (A/B).
+template <typename F, int MINB>
+__global__ void __launch_bounds__(LN_V2_THREADS, MINB) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
@@ -320,8 +322,13 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     fast = fast && (K <= 1 || out_plane % VW == 0);
     if (fast) {
         const int t2 = ((C / VW) + 31) / 32 * 32;
+        static const bool minb2 = [] {
+            const char *e = getenv("RWKV_LN_MINB");
+            return e && e[0] == '2';
+        }();
         return WKV7_F_DISPATCH(f_dt, {
-            return (int)rwkv_pdl::launch_pdl(add_ln_mix_v2_kernel<F>, dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
+            auto k = minb2 ? add_ln_mix_v2_kernel<F, 2> : add_ln_mix_v2_kernel<F, 1>;
+            return (int)rwkv_pdl::launch_pdl(k, dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
         });
     }
     return WKV7_F_DISPATCH(f_dt, {
