@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(1024) add_ln_mix_kernel(LnArgs p) {
 
 constexpr int LN_VW = 8;     // fast path: columns per thread (16 bytes of 16-bit, 32 of fp32)
 constexpr int LN_KMAX = 6;   // fast path: most mixes
-constexpr int LN_V2_THREADS = 512;  // fast path: C <= 4096 (<= 64 registers per thread: 2+ blocks per SM)
+constexpr int LN_V2_THREADS = 512;  // fast path: C <= 4096
 
 // 8 consecutive values (16-byte aligned) <-> fp32.
 template <typename F>
@@ -168,10 +168,11 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
     }
 }
 
-// MINB: the launch bound's blocks per SM. 2 caps registers at 64 (a few bytes spilled), 1 lets
-// ptxas use 76 (no spills; still 2 blocks of 320 threads per SM). RWKV_LN_MINB picks (A/B).
-template <typename F, int MINB>
-__global__ void __launch_bounds__(LN_V2_THREADS, MINB) add_ln_mix_v2_kernel(LnArgs p) {
+// Launch bound of 1 block per SM: ptxas uses 76 registers (no spills), and 2 blocks of 320 threads
+// (C = 2560) still fit per SM. A bound of 2 capped it at 64 registers with spills: measured on
+// the H200 at B=256, 1.5% slower per decode step (test/bench/NOTES.md, change 17).
+template <typename F>
+__global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
@@ -182,8 +183,8 @@ __global__ void __launch_bounds__(LN_V2_THREADS, MINB) add_ln_mix_v2_kernel(LnAr
     float v[LN_VW], d[LN_VW], w[LN_VW], bb[LN_VW], prev[LN_VW];
     // every load first (no store can alias them: each thread writes only its own columns). The
     // mix rows stay packed (16-bit: 4 registers per row; fp32 compute reads them after the
-    // reduction); at <= 64 registers (a few bytes spilled) 3 blocks of 320 threads fit per SM
-    // (at 107 registers, with the mixes unpacked to fp32, only one fit)
+    // reduction): 76 registers, 2 blocks of 320 threads per SM (at 107 registers, with the mixes
+    // unpacked to fp32, only one fit)
     constexpr bool EARLY = sizeof(F) == 2;
     uint4 mraw[LN_KMAX];
     if (act) {
@@ -322,13 +323,8 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     fast = fast && (K <= 1 || out_plane % VW == 0);
     if (fast) {
         const int t2 = ((C / VW) + 31) / 32 * 32;
-        static const bool minb2 = [] {
-            const char *e = getenv("RWKV_LN_MINB");
-            return e && e[0] == '2';
-        }();
         return WKV7_F_DISPATCH(f_dt, {
-            auto k = minb2 ? add_ln_mix_v2_kernel<F, 2> : add_ln_mix_v2_kernel<F, 1>;
-            return (int)rwkv_pdl::launch_pdl(k, dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
+            return (int)rwkv_pdl::launch_pdl(add_ln_mix_v2_kernel<F>, dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
         });
     }
     return WKV7_F_DISPATCH(f_dt, {
