@@ -46,19 +46,23 @@ from bench_http_host import pct, proc_cpu, run_streams  # noqa: E402
 from util_server import ServerProcess  # noqa: E402
 
 STREAMS_PER_CLIENT = 128
+CLIENT_START_LEAD_S = 2.0  # client processes are started this long before their streams begin
 
 
 # --- client process ---------------------------------------------------------------------------
 def client_main(spec: str) -> None:
-    """spec = host,port,n,max_tokens,seed0,stagger_ms,prompt-file: n streams (stream j starts
-    j * stagger_ms / n after the first); prints one JSON line."""
-    host, port, n, max_tokens, seed0, stagger_ms, prompt_file = spec.split(",", 6)
+    """spec = host,port,n,max_tokens,seed0,stagger_ms,start_at,prompt-file: n streams (stream j
+    starts j * stagger_ms / n after the first), the first at time.perf_counter() == start_at
+    (CLOCK_MONOTONIC: the same clock in every process, so all client processes start together);
+    prints one JSON line."""
+    host, port, n, max_tokens, seed0, stagger_ms, start_at, prompt_file = spec.split(",", 7)
     prompt = Path(prompt_file).read_text()
     bodies = [json.dumps({"prompt": prompt, "max_tokens": int(max_tokens), "stream": True, "ignore_eos": True,
                           "temperature": 1.0, "top_p": 0.3, "seed": int(seed0) + i,
                           "stream_options": {"include_usage": True}}).encode()
               for i in range(int(n))]  # fmt: skip
 
+    time.sleep(max(0.0, float(start_at) - time.perf_counter()))
     c0 = os.times()
     res = asyncio.run(run_streams(host, int(port), "/v1/completions", bodies, float(stagger_ms)))
     c1 = os.times()
@@ -108,10 +112,13 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     counter.start()
     time.sleep(0.3)
     s0 = proc_cpu(srv.proc.pid)[1]
-    t0 = time.perf_counter()
+    # every client process starts its streams at t0: without this, a process still importing
+    # while the other's streams run skews the wave (streams of the first process could end
+    # before the second's begin, leaving no window where all N streams decode)
+    t0 = time.perf_counter() + CLIENT_START_LEAD_S
     children, seed = [], 0
     for size in sizes:
-        spec = f"127.0.0.1,{srv.port},{size},{max_tokens},{seed},{stagger_ms},{prompt_file}"
+        spec = f"127.0.0.1,{srv.port},{size},{max_tokens},{seed},{stagger_ms},{t0},{prompt_file}"
         children.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client", spec],
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         seed += size
@@ -131,10 +138,10 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     gaps = [g * 1e3 for s in streams for g in s["gaps"]]
     t_all = max((s["first"] for s in streams if s["first"] is not None), default=t0)
     t_end = min(s["end"] for s in streams)
-    steady = counter.rate(t_all, t_end)
+    steady = counter.rate(t_all, t_end)  # None: no window where all N streams decode (printed as such)
     client_cpu = sum(p["cpu"] for p in parts)
     return {"streams": n, "tokens": toks, "wall_s": wall, "wave_tok_s": toks / wall,
-            "decode_tok_s": steady if steady is not None else toks / wall, "steady": steady is not None,
+            "decode_tok_s": steady, "steady": steady is not None,
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
             "itl_p50": pct(gaps, 0.5), "itl_p95": pct(gaps, 0.95),
             "client_procs": len(sizes), "client_cpu_s": client_cpu,
@@ -192,14 +199,15 @@ def main() -> None:
         for n in streams:
             procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
             r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms)
-            print(f"  {n:4d} streams: server {r['decode_tok_s']:9.1f} tok/s{'' if r['steady'] else ' (wave)'} "
+            steady = f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"] else "(no steady window: not all streams overlapped)"
+            print(f"  {n:4d} streams: server {steady} "
                   f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
                   f"ITL p50 {r['itl_p50']:.1f} p95 {r['itl_p95']:.1f} ms  client CPU {r['client_cpu_pct']:.0f}% "
                   f"of a core in {r['client_procs']} proc(s) ({r['client_us_per_tok']:.1f} us/tok)  "
                   f"server CPU {r['server_us_per_tok']:.1f} us/tok", flush=True)
             lines.append({"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": a.model,
                           "state_dtype": a.state_dtype, "mode": "http", "batch": n,
-                          "decode_tok_s": round(r["decode_tok_s"], 1), "wave_tok_s": round(r["wave_tok_s"], 1),
+                          "decode_tok_s": _r(r["decode_tok_s"], 1), "wave_tok_s": round(r["wave_tok_s"], 1),
                           "ttft_p50_ms": _r(r["ttft_p50"], 1), "ttft_p95_ms": _r(r["ttft_p95"], 1),
                           "itl_p50_ms": _r(r["itl_p50"], 2), "itl_p95_ms": _r(r["itl_p95"], 2),
                           "max_tokens": a.max_tokens, "stagger_ms": a.stagger_ms or None, "dtype": a.dtype, "max_batch": max_batch,
@@ -214,7 +222,8 @@ def main() -> None:
     print(f"\n{'streams':>7} {'tok/s':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7} "
           f"{'client%':>8}")
     for x in lines:
-        print(f"{x['batch']:7d} {x['decode_tok_s']:10.1f} {x['wave_tok_s']:10.1f} {x['ttft_p50_ms']:9.0f} "
+        tok_s = f"{x['decode_tok_s']:10.1f}" if x["decode_tok_s"] is not None else f"{'-':>10}"
+        print(f"{x['batch']:7d} {tok_s} {x['wave_tok_s']:10.1f} {x['ttft_p50_ms']:9.0f} "
               f"{x['ttft_p95_ms']:7.0f} {x['itl_p50_ms']:8.1f} {x['itl_p95_ms']:7.1f} {x['client_cpu_pct']:8.0f}")
 
 
