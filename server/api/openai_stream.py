@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 
@@ -87,25 +87,21 @@ async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_u
     for j in jobs:
         yield chunk([choice(j, {"role": "assistant", "content": ""})])
     started: set[int] = set()  # choices whose leading whitespace is behind them
-    async with aclosing(events(jobs, recorder)) as batches:
-        async for job, batch in batches:  # one write per batch (all the job's events of a wake-up)
-            if job.finish_reason == "error":
-                yield _error_event(job) + DONE
-                return
-            text = batch[0].text if len(batch) == 1 else "".join(ev.text for ev in batch)
-            if job.index not in started:
-                text = text.lstrip()
-                if text:
-                    started.add(job.index)
-            out = content(job.index, text) if text else b""
-            if job.finish_reason is not None:
-                out += chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))])
-                if all(j.done for j in jobs):  # the last one: the end goes in the same write
-                    yield out + _stream_end(jobs, meta, include_usage, chunk)
-                    return
-            if out:
-                yield out
-    yield _stream_end(jobs, meta, include_usage, chunk)
+
+    def render(job: Job, batch: list) -> tuple[bytes, bool]:
+        text = batch[0].text if len(batch) == 1 else "".join(ev.text for ev in batch)
+        if job.index not in started:
+            text = text.lstrip()
+            if text:
+                started.add(job.index)
+        out = content(job.index, text) if text else b""
+        if job.finish_reason is None:
+            return out, False
+        return out + chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))]), True
+
+    async with aclosing(_drive(jobs, recorder, meta, include_usage, chunk, render)) as outs:
+        async for out in outs:  # closed with this generator (a client gone: events() cleans up)
+            yield out
 
 
 # --- completions ---------------------------------------------------------------------------------
@@ -137,25 +133,21 @@ async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
     for j in jobs:
         if _echo(meta, j):
             yield chunk([choice(j, _echo(meta, j))])
-    async with aclosing(events(jobs, recorder)) as batches:
-        async for job, batch in batches:  # one write per batch (all the job's events of a wake-up)
-            if job.finish_reason == "error":
-                yield _error_event(job) + DONE
-                return
-            last = batch[-1]
-            if len(batch) == 1:
-                text = "" if last.finished else last.text
-            else:
-                text = "".join(ev.text for ev in (batch[:-1] if last.finished else batch))
-            out = content(job.index, text) if text else b""
-            if last.finished:
-                out += chunk([choice(job, last.text, FINISH.get(job.finish_reason, job.finish_reason))])
-                if all(j.done for j in jobs):  # the last one: the end goes in the same write
-                    yield out + _stream_end(jobs, meta, include_usage, chunk)
-                    return
-            if out:
-                yield out
-    yield _stream_end(jobs, meta, include_usage, chunk)
+
+    def render(job: Job, batch: list) -> tuple[bytes, bool]:
+        last = batch[-1]
+        if len(batch) == 1:
+            text = "" if last.finished else last.text
+        else:
+            text = "".join(ev.text for ev in (batch[:-1] if last.finished else batch))
+        out = content(job.index, text) if text else b""
+        if not last.finished:
+            return out, False
+        return out + chunk([choice(job, last.text, FINISH.get(job.finish_reason, job.finish_reason))]), True
+
+    async with aclosing(_drive(jobs, recorder, meta, include_usage, chunk, render)) as outs:
+        async for out in outs:  # closed with this generator (a client gone: events() cleans up)
+            yield out
 
 
 def _chunker(base: dict[str, Any], include_usage: bool):
@@ -168,6 +160,26 @@ def _chunker(base: dict[str, Any], include_usage: bool):
         return event(body)
 
     return chunk
+
+
+async def _drive(jobs: list[Job], recorder: Recorder, meta: Meta, include_usage: bool, chunk,
+                 render: Callable[[Job, list], tuple[bytes, bool]]) -> AsyncIterator[bytes]:
+    """The loop both streams share: one write per batch (all of a job's events of one wake-up),
+    rendered by render(job, batch) -> (bytes, whether the job's finish chunk is in them); an
+    error ends the stream at once; the last job's finish chunk and the end of the stream go out
+    in the same write."""
+    async with aclosing(events(jobs, recorder)) as batches:
+        async for job, batch in batches:
+            if job.finish_reason == "error":
+                yield _error_event(job) + DONE
+                return
+            out, finished = render(job, batch)
+            if finished and all(j.done for j in jobs):
+                yield out + _stream_end(jobs, meta, include_usage, chunk)
+                return
+            if out:
+                yield out
+    yield _stream_end(jobs, meta, include_usage, chunk)
 
 
 def _stream_end(jobs: list[Job], meta: Meta, include_usage: bool, chunk) -> bytes:
