@@ -151,11 +151,16 @@ def accuracy(model, steps: int, prompt_len: int = 32) -> dict:
     return res
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options every GPU bench shares: checkpoint, device, compute dtype."""
     p.add_argument("--model", default="synthetic:2.9b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="fp16")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
     p.add_argument("--state-dtypes", default="fp16,fp32")
     p.add_argument("--batches", default="1,8,64,256,512,1024")
     p.add_argument("--prefill", default="1x4096,16x512", help="cases NxT, comma-separated ('' = none)")

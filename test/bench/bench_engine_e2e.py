@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench_engine import DTYPES, commit, gpu_name, peak_gb, write_lines  # noqa: E402
+from bench_engine import DTYPES, add_model_args, commit, gpu_name, peak_gb, write_lines  # noqa: E402
 
 from server.config import Settings  # noqa: E402
 from server.engine import Engine  # noqa: E402
@@ -74,9 +74,7 @@ def run_batch(model, tok, B: int, tokens: int, prompt_len: int, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="synthetic:2.9b")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="fp16")
+    add_model_args(p)
     p.add_argument("--state-dtype", default="fp32")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--tokens", type=int, default=128, help="max_tokens per request")

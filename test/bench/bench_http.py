@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
 sys.path.insert(0, str(HERE))
 
-from bench_engine import commit, write_lines  # noqa: E402
+from bench_engine import add_model_args, commit, write_lines  # noqa: E402
 from bench_http_host import pct, proc_cpu, run_streams  # noqa: E402
 from util_server import ServerProcess  # noqa: E402
 
@@ -156,9 +156,7 @@ def _r(x: float, nd: int) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--model", default="synthetic:2.9b")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="fp16")
+    add_model_args(p)
     p.add_argument("--state-dtype", default="fp32")
     p.add_argument("--streams", default="64,256")
     p.add_argument("--max-tokens", type=int, default=256)
