@@ -141,7 +141,8 @@ class Runner:
         if self.graphs is not None:
             tok = self.graphs.step(n, ids[:n], pos[:n], commit[:n])  # (n,)
         else:
-            logits = self.model.decode(ids, self.pool.view(0, b))  # (b, V) fp32
+            # raw (model dtype) logits, as the graphs take them: the samplers widen as they read
+            logits = self.model.decode(ids, self.pool.view(0, b), raw_logits=True)  # (b, V)
             tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)[:n]  # (n,)
             logits = logits[:n]
         if self.cuda:

@@ -52,7 +52,7 @@ class FakeModel:
     def forward(self, tokens, state, slots=None):
         return self._logits[: len(tokens)]
 
-    def decode(self, token_ids, state):
+    def decode(self, token_ids, state, raw_logits=False):
         return self._logits[: token_ids.shape[0]]
 
 
