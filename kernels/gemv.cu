@@ -19,6 +19,9 @@
 //   * A block = W warps splitting the K of the same 8*RT rows; fp32 partials are reduced in
 //     shared memory (no second pass, no atomics). W is chosen by the host so that the grid
 //     (ceil(N / 8RT) x P blocks) holds enough warps to cover 132 SMs.
+// act = 1 (relu2): x is read as round(max(x, 0)^2) (the channel-mix activation, as
+// ops.relu_square rounds it), so ffn_value's gemv consumes ffn_key's raw output and the separate
+// relu_square launch goes away at small batch; every block applies it to its own x loads.
 // Requirements (else GEMV_UNSUPPORTED, the caller falls back to cuBLAS): K % 8 == 0, x and w
 // 16-byte aligned, x row/plane strides and the w plane stride multiples of 8 elements, 1 <= M
 // <= 8, sm_80 or newer. out: any strides (2-byte stores).
@@ -86,6 +89,28 @@ __device__ __forceinline__ void mma(float *d, uint32_t a0, uint32_t a2, uint32_t
 #endif
 }
 
+// relu(x)^2 of the 8 16-bit values in v, each rounded to F once (torch: relu exact, square in fp32
+// then rounded), the same bits as relu_square_kernel writes.
+template <typename F>
+__device__ __forceinline__ uint32_t relu2_pair(uint32_t u) {
+    float2 f;
+    if constexpr (std::is_same<F, __half>::value) f = __half22float2(*reinterpret_cast<const __half2 *>(&u));
+    else f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u));
+    f.x = fmaxf(f.x, 0.f), f.y = fmaxf(f.y, 0.f);
+    f.x *= f.x, f.y *= f.y;
+    if constexpr (std::is_same<F, __half>::value) {
+        const __half2 h = __floats2half2_rn(f.x, f.y);
+        return *reinterpret_cast<const uint32_t *>(&h);
+    } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(f.x, f.y);
+        return *reinterpret_cast<const uint32_t *>(&h);
+    }
+}
+template <typename F>
+__device__ __forceinline__ uint4 relu2_8(uint4 v) {
+    return make_uint4(relu2_pair<F>(v.x), relu2_pair<F>(v.y), relu2_pair<F>(v.z), relu2_pair<F>(v.w));
+}
+
 template <typename F>
 __device__ __forceinline__ F from_f(float v);
 template <>
@@ -94,7 +119,7 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // grid (ceil(N / (8*RT)), P), block 32*W threads (W <= MAX_WARPS).
-template <typename F, int RT, int U>
+template <typename F, int RT, int U, bool RELU2>
 __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     constexpr bool BF = sizeof(F) == 2 && !std::is_same<F, __half>::value;
     __shared__ float red[MAX_WARPS][MAX_M][8 * RT];  // per-warp partials: [warp][m][row]
@@ -147,6 +172,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
         for (int u = 0; u < U; u++) {
             const bool ok = xok && kt + u < ke && (kt + u) * 4 + t < KC;
             xv[u] = ld_ro(xr + (long long)(kt + u) * 32, ok);
+            if constexpr (RELU2) xv[u] = relu2_8<F>(xv[u]);
         }
     };
     auto load_step = [&](int kt) { load_w(kt), load_x(kt); };
@@ -232,7 +258,7 @@ inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
     return w < 1 ? 1 : (w > MAX_WARPS ? MAX_WARPS : w);
 }
 
-template <typename F, int RT, int U>
+template <typename F, int RT, int U, bool RELU2>
 int launch(const Args &a, int P, int warps, cudaStream_t s) {
     const int KT = (a.K / 8 + 3) / 4;
     const int bx = (a.N + 8 * RT - 1) / (8 * RT);
@@ -240,25 +266,25 @@ int launch(const Args &a, int P, int warps, cudaStream_t s) {
     if (warps <= 0) {
         static const int regs = [] {
             cudaFuncAttributes fa;
-            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U>) == cudaSuccess ? fa.numRegs : 128;
+            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, RELU2>) == cudaSuccess ? fa.numRegs : 128;
         }();
         static const int sms = sm_count();
         warps = pick_warps(KT, (long long)bx * P, U, regs, sms);
     }
     if (warps > MAX_WARPS) return UNSUPPORTED;
-    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U>, dim3(bx, P), dim3(warps * 32), 0, s, a);
+    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2>, dim3(bx, P), dim3(warps * 32), 0, s, a);
 }
 
-template <typename F>
+template <typename F, bool RELU2>
 int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
     if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
         static const int sms = sm_count();
         cfg = (long long)((a.N + 15) / 16) * P >= 2LL * sms ? 1 : 2;
     }
     switch (cfg) {
-        case 1: return launch<F, 2, 4>(a, P, warps, s);
-        case 2: return launch<F, 1, 8>(a, P, warps, s);
-        case 3: return launch<F, 4, 2>(a, P, warps, s);
+        case 1: return launch<F, 2, 4, RELU2>(a, P, warps, s);
+        case 2: return launch<F, 1, 8, RELU2>(a, P, warps, s);
+        case 3: return launch<F, 4, 2, RELU2>(a, P, warps, s);
     }
     return UNSUPPORTED;
 }
@@ -267,7 +293,7 @@ int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
 // compute_75 fallback build compiles the kernel body out: report unsupported, never run it).
 inline int device_ok() {
     cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false>) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
@@ -276,12 +302,13 @@ inline int device_ok() {
 
 }  // namespace gemv_k
 
-// out (M, N) [P planes] = x (M, K) @ w (N, K)^T. f_dt: 1 fp16, 2 bf16 (x, w, out alike).
-// warps / cfg: 0 = automatic (nonzero: tuning, see test/bench/bench_gemm.py --sweep).
+// out (M, N) [P planes] = act(x (M, K)) @ w (N, K)^T. f_dt: 1 fp16, 2 bf16 (x, w, out alike).
+// act: 0 = x as is, 1 = round(relu(x)^2). warps / cfg: 0 = automatic (nonzero: tuning, see
+// test/bench/bench_gemm.py --sweep).
 // Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the fallback) or a CUDA error.
 extern "C" int gemv(int f_dt, int M, int N, int K, int P, const void *x, long long x_s, long long x_ps,
                     const void *w, long long w_ps, void *out, long long o_s, long long o_ps, int warps, int cfg,
-                    void *stream) {
+                    int act, void *stream) {
     using namespace gemv_k;
     if (M == 0 || N == 0 || P == 0) return 0;
     if (M < 0 || M > MAX_M || N < 0 || K <= 0 || P < 0 || K % 8) return UNSUPPORTED;
@@ -290,10 +317,11 @@ extern "C" int gemv(int f_dt, int M, int N, int K, int P, const void *x, long lo
     if (x_s < 0 || x_ps < 0 || w_ps < 0) return UNSUPPORTED;
     static const int ok = device_ok();
     if (!ok) return UNSUPPORTED;
-    if (cfg < 0 || cfg > NCFG) return UNSUPPORTED;
+    if (cfg < 0 || cfg > NCFG || act < 0 || act > 1) return UNSUPPORTED;
     Args a{x, w, out, M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0, o_s, o_ps, M, N, K};
     cudaStream_t s = (cudaStream_t)stream;
-    if (f_dt == DT_F16) return dispatch<__half>(a, P, warps, cfg, s);
-    if (f_dt == DT_BF16) return dispatch<__nv_bfloat16>(a, P, warps, cfg, s);
+    if (f_dt == DT_F16) return act ? dispatch<__half, true>(a, P, warps, cfg, s) : dispatch<__half, false>(a, P, warps, cfg, s);
+    if (f_dt == DT_BF16)
+        return act ? dispatch<__nv_bfloat16, true>(a, P, warps, cfg, s) : dispatch<__nv_bfloat16, false>(a, P, warps, cfg, s);
     return UNSUPPORTED;
 }

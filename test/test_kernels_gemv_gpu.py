@@ -137,7 +137,7 @@ def test_refused_layouts_fall_back(dev, dtype):
     out = torch.empty(1, N, device=dev, dtype=dtype)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.gemv(cuda_ops._GEMV_DT[dtype], 1, N, K, 1, x1.data_ptr(), x1.stride(0), 0, w.data_ptr(), 0,
-                  out.data_ptr(), N, N, 0, 0, stream)  # fmt: skip
+                  out.data_ptr(), N, N, 0, 0, 0, stream)  # fmt: skip
     assert rc == cuda_ops.GEMV_UNSUPPORTED
     xk = _data((2, 100), dtype, dev, seed=8)  # K % 8 != 0
     wk = _data((64, 100), dtype, dev, seed=9)
@@ -193,3 +193,37 @@ def test_cpu_and_fp32_use_ops_linear():
     torch.testing.assert_close(cuda_ops.linear(x, w), F.linear(x, w))
     x3, w3 = torch.randn(2, 3, 64), torch.randn(2, 5, 64)
     torch.testing.assert_close(cuda_ops.linear(x3, w3), torch.bmm(x3, w3.transpose(1, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("NK", [(2560, 10240), (100, 2560), (24, 40)])
+def test_relu2_linear_equals_relu_square_then_linear(dev, dtype, M, NK):
+    """relu2_linear (relu^2 applied inside the gemv's x loads for M <= 8; relu_square + linear
+    for M = 9) gives bitwise what the two separate launches give: the same rounded relu^2 values
+    enter the same kernel. h is ffn_key-like (half the entries negative)."""
+    N, K = NK
+    h = _data((M, K), dtype, dev, seed=M * 7 + N, scale=2.0)
+    w = _data((N, K), dtype, dev, seed=M * 7 + N + 1, scale=0.05)
+    want = cuda_ops.linear(cuda_ops.relu_square(h.clone()), w)  # (M, N)
+    got = cuda_ops.relu2_linear(h.clone(), w)  # (M, N)
+    assert torch.equal(got, want)
+    _check(got, torch.relu(h.float()).square().to(dtype), w)
+
+
+@pytest.mark.gpu
+def test_relu2_linear_leaves_h_and_covers_the_kernel(dev, monkeypatch):
+    """At M <= 8 the fused path launches one gemv (no relu_square, no fallback) and leaves h as
+    it is; the decode path's relu2_linear is the CUDA op."""
+    h = _data((4, 10240), torch.float16, dev, seed=3, scale=2.0)
+    w = _data((2560, 10240), torch.float16, dev, seed=4, scale=0.05)
+    h0 = h.clone()
+
+    def boom(*a, **k):
+        raise AssertionError("fell back")
+
+    monkeypatch.setattr(cuda_ops, "relu_square", boom)
+    monkeypatch.setattr(ops, "linear", boom)
+    cuda_ops.relu2_linear(h, w)
+    assert torch.equal(h, h0)

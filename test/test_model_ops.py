@@ -65,3 +65,14 @@ def test_dtypes_and_non_contiguous_state(state_dtype, act_dtype):
     tol = 2e-2
     assert (y.float() - y_ref).abs().max() <= tol * y_ref.abs().max()
     assert (pool[1, ::2].float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu2_linear_is_the_channel_mix_tail(dtype):
+    """ops.relu2_linear(h, w) is the channel mix's relu(h)^2 @ w^T (what the fused decode path
+    calls in place of relu_square then linear)."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 64, generator=g).to(dtype)  # (M, K) half negative
+    w = torch.randn(16, 64, generator=g).to(dtype)  # (N, K)
+    want = torch.nn.functional.linear(torch.relu(h).square(), w)  # (M, N)
+    assert torch.equal(ops.relu2_linear(h.clone(), w), want)

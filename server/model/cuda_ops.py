@@ -284,14 +284,25 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, warps: int = 0, cfg: int = 0) ->
     rows stride(-2) apart, unit column stride; weight rows contiguous); anything else, or a
     layout the kernel refuses (K % 8, 16-byte alignment), falls back to ops.linear (cuBLAS).
     warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark."""
+    return _linear(x, w, warps, cfg, 0)
+
+
+def relu2_linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
+    as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
+    return _linear(h, w, 0, 0, 1)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int) -> torch.Tensor:
     M = x.shape[-2] if x.dim() >= 2 else 0
+    fallback = (lambda: ops.linear(relu_square(x), w)) if act else (lambda: ops.linear(x, w))
     lib = _lib(x.device) if x.is_cuda and 1 <= M <= GEMV_MAX_M else None
     ok = lib is not None and x.dtype in _GEMV_DT and w.dtype == x.dtype and w.device == x.device
     ok = ok and x.dim() == w.dim() and x.dim() in (2, 3) and x.shape[-1] == w.shape[-1]
     ok = ok and (x.dim() == 2 or x.shape[0] == w.shape[0])
     ok = ok and x.stride(-1) == 1 and w.stride(-1) == 1 and w.stride(-2) == w.shape[-1]
     if not ok:
-        return ops.linear(x, w)
+        return fallback()
     K, N = x.shape[-1], w.shape[-2]
     P = x.shape[0] if x.dim() == 3 else 1
     x_ps = x.stride(0) if x.dim() == 3 else 0
@@ -299,9 +310,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, warps: int = 0, cfg: int = 0) ->
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.gemv(_GEMV_DT[x.dtype], M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, w.data_ptr(), w_ps,
-                  out.data_ptr(), N, M * N, warps, cfg, stream)  # fmt: skip
+                  out.data_ptr(), N, M * N, warps, cfg, act, stream)  # fmt: skip
     if rc == GEMV_UNSUPPORTED:
-        return ops.linear(x, w)
+        return fallback()
     _check(rc, "gemv")
     return out
 

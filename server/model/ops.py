@@ -147,6 +147,12 @@ def relu_square(h: torch.Tensor) -> torch.Tensor:
     return torch.relu(h).square()
 
 
+def relu2_linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """linear(relu_square(h), w): the channel-mix's second projection with its activation (the
+    CUDA twin fuses the activation into the small-batch projection; h may be changed in place)."""
+    return linear(relu_square(h), w)
+
+
 def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tanh(hw), sigmoid(hg)) in place: the decay and gate LoRA activations (one launch on
     CUDA); returns (hw, hg)."""

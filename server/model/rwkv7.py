@@ -9,7 +9,8 @@ With the CUDA twins: decode runs the fused path (_decode_fused): per layer one k
 residual add + ln1 + the six token-shift mixes + att_shift write (ops.add_ln_mix), the LoRA
 activations in one launch (ops.lora_act), the fused time-mix core (ops.tmix_decode, one kernel
 between the projections and the output projection, LoRA biases added inside), one kernel for
-residual add + ln2 + ffn mix + ffn_shift write, and relu^2 in place (ops.relu_square); the
+residual add + ln2 + ffn mix + ffn_shift write, and relu^2 with the value projection
+(ops.relu2_linear: inside the gemv's x loads at batch <= 8, else relu_square in place); the
 FFN's residual add goes into the next layer's (or the head's) add_ln_mix. Prefill uses long chunks (CUDA_CHUNK_LEN)
 and hands ragged lengths and non-contiguous slots straight to the chunk kernel (no padding
 masks, no gather/scatter of states). On the pure-torch path (CPU) nothing of that changes the
@@ -30,7 +31,8 @@ from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
 from server.model.state import ModelShape, State
 
-OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear")
+OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear",
+            "relu2_linear")
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: 6x faster prefill than 256 on the H200
 CPU_CHUNK_LEN = 256
 SIDE_STREAM = os.environ.get("RWKV_SIDE_STREAM", "1") != "0"
@@ -154,7 +156,7 @@ class RWKV7:
                                      layer0=i == 0, bias=True)  # biases w0/a0/v0 added inside; fmt: skip
             x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
                                         state.ffn_shift[i])  # fmt: skip
-            dx = lin(self.ops.relu_square(lin(xk[0], lw.ffn_key)), lw.ffn_value)
+            dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self.w.head)  # (B, V) model dtype
 
