@@ -272,6 +272,8 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor):
 
 # ---- projections (x @ w^T, plain or stacked) -------------------------------------------------
 GEMV_MAX_M = 8
+RELU2_GEMV = os.environ.get("RWKV_RELU2_GEMV", "1") != "0"
+"""relu2_linear squares inside the gemv's x loads at M <= GEMV_MAX_M (0: relu_square, then linear)."""
 """Up to this many rows (batch) the projections run kernels/gemv.cu (tensor-core matrix-vector,
 weights streamed once); larger M goes to cuBLAS (ops.linear)."""
 GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (nothing launched)
@@ -290,7 +292,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, warps: int = 0, cfg: int = 0) ->
 def relu2_linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
     as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
-    return _linear(h, w, 0, 0, 1)
+    return _linear(h, w, 0, 0, 1) if RELU2_GEMV else linear(relu_square(h), w)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int) -> torch.Tensor:
