@@ -209,7 +209,8 @@ def test_relu2_linear_equals_relu_square_then_linear(dev, dtype, M, NK):
     want = cuda_ops.linear(cuda_ops.relu_square(h.clone()), w)  # (M, N)
     got = cuda_ops.relu2_linear(h.clone(), w)  # (M, N)
     assert torch.equal(got, want)
-    _check(got, torch.relu(h.float()).square().to(dtype), w)
+    if M <= cuda_ops.GEMV_MAX_M:  # M = 9 is cuBLAS on both sides (its own reduction order)
+        _check(got, torch.relu(h.float()).square().to(dtype), w)
 
 
 @pytest.mark.gpu

@@ -182,25 +182,6 @@ def test_graph_mode_marks_overflow_rows_and_resolve_finishes_them():
     assert torch.equal(s.penalty, ref_s.penalty) and torch.equal(s.seen, ref_s.seen)
 
 
-def test_row_offset_samples_the_slots_it_names(monkeypatch):
-    """sample(..., row0=r) on rows [r, r + n) of the slots (what each half of a split decode
-    graph does) == those rows of one whole-batch call: tokens, penalties and seen; the overflow
-    rows it resolves itself use the offset slots too; the other slots stay untouched."""
-    monkeypatch.setattr(S, "CANDIDATES", (4, 16))  # flat rows overflow: resolve() runs
-    V, B, h = 300, 10, 4
-    logits = _logit_cases(B, V)["blocks"]
-    params = _params(B)
-    pos, commit = torch.arange(B) * 5, torch.ones(B, dtype=torch.bool)
-    whole_s, parts_s = slots_for(params, V), slots_for(params, V)
-    whole = whole_s.sample(logits, pos, commit)
-    second = parts_s.sample(logits[h:], pos[h:], commit[h:], row0=h)
-    assert second.tolist() == whole[h:].tolist()
-    assert parts_s.penalty[:h].abs().sum() == 0 and not parts_s.seen[:h].any()
-    first = parts_s.sample(logits[:h], pos[:h], commit[:h], row0=0)
-    assert first.tolist() == whole[:h].tolist()
-    assert torch.equal(parts_s.penalty, whole_s.penalty) and torch.equal(parts_s.seen, whole_s.seen)
-
-
 @pytest.mark.parametrize("case", ["normal2", "flat", "blocks", "flat_top"])
 def test_small_candidates_match_reference_formula(case, monkeypatch):
     """Tiny candidate counts force every widening level; still the documented formula exactly

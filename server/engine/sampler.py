@@ -122,17 +122,15 @@ class SamplerSlots:
 
     def sample(
         self, logits: torch.Tensor, positions: torch.Tensor, commit: torch.Tensor, greedy_only: bool = False,
-        resolve: bool | None = None, row0: int = 0,
+        resolve: bool | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Sample one token for each of the B slots [row0, row0 + B) (logits row i is slot
-        row0 + i); update their penalties in place.
+        """Sample one token for each of the first B slots; update their penalties in place.
         resolve (default: on the CPU only): finish overflow rows here (host syncs); otherwise they
         come back as -1 with untouched penalties (graph-safe) and `resolve()` finishes them."""
         B = logits.shape[0]
         if resolve is None:
             resolve = self.device.type == "cpu"
-        rows = slice(row0, row0 + B)
-        args = (self.penalty[rows], self.seen[rows], self.fparams[rows], self.iparams[rows])
+        args = (self.penalty[:B], self.seen[:B], self.fparams[:B], self.iparams[:B])
         if FUSED_KERNEL and logits.is_cuda:
             from server.model import cuda_ops  # deferred: no kernel build at import
 
@@ -143,22 +141,19 @@ class SamplerSlots:
         if resolve:
             rows = (tok < 0).nonzero().flatten()  # (R,) host sync
             if len(rows):
-                tok[rows] = self.resolve(logits, rows, positions, commit, row0)
+                tok[rows] = self.resolve(logits, rows, positions, commit)
         return tok
 
-    def resolve(self, logits: torch.Tensor, rows, positions: torch.Tensor, commit: torch.Tensor,
-                row0: int = 0) -> torch.Tensor:  # fmt: skip
+    def resolve(self, logits: torch.Tensor, rows, positions: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
         """Sample the given overflow rows exactly (more candidates, then a full sort) and update
-        their penalties; returns their tokens (R,). logits/positions/commit: the step's (B, ...),
-        row i of which is slot row0 + i."""
+        their penalties; returns their tokens (R,). logits/positions/commit: the step's (B, ...)."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=logits.device)  # (R,)
-        slots = rows + row0  # (R,)
-        pen, fp, ip = self.penalty[slots], self.fparams[slots], self.iparams[slots]  # (R, V), (R, 5), (R, 2)
+        pen, fp, ip = self.penalty[rows], self.fparams[rows], self.iparams[rows]  # (R, V), (R, 5), (R, 2)
         z = logits[rows].float() - pen  # (R, V)
         tok = _sample_wide(z, fp, ip, positions[rows])  # (R,)
-        seen = self.seen[slots]  # (R, V)
+        seen = self.seen[rows]  # (R, V)
         _update_penalty(pen, seen, tok, fp, commit[rows])
-        self.penalty[slots], self.seen[slots] = pen, seen
+        self.penalty[rows], self.seen[rows] = pen, seen
         return tok
 
 

@@ -10,16 +10,11 @@ the graph holds views of the pool's own tensors, so states are never copied in o
 active slots a prefix), and their penalties do not change. Inputs go through static buffers;
 outputs are static tensors overwritten by the next replay (copy what you keep).
 All buckets share one memory pool and are captured largest first.
-
-Buckets of at least `split_min` rows (env RWKV_DECODE_SPLIT; 0: never) decode as two independent
-halves on two CUDA streams inside one graph: the rows of a batch never interact, so one half's
-memory-bound WKV state update can run beside the other half's tensor-core GEMMs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -27,9 +22,6 @@ import torch
 from server.model.state import State
 
 log = logging.getLogger(__name__)
-
-SPLIT_MIN = int(os.environ.get("RWKV_DECODE_SPLIT", "0"))
-"""Default split_min: buckets of at least this many rows run as two concurrent halves (0: off)."""
 
 
 def bucket_for(n: int, max_batch: int) -> int:
@@ -42,20 +34,18 @@ def bucket_for(n: int, max_batch: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, model, pool: State, sampler=None, max_batch: int | None = None,
-                 greedy_only: bool = False, split_min: int | None = None):  # fmt: skip
-        """sampler: an engine SamplerSlots (sample(logits, positions, commit, greedy_only, row0=)),
-        or None for greedy argmax. split_min: see the module doc (default SPLIT_MIN)."""
+                 greedy_only: bool = False):  # fmt: skip
+        """sampler: an engine SamplerSlots (sample(logits, positions, commit, greedy_only)),
+        or None for greedy argmax."""
         self.model, self.pool, self.sampler = model, pool, sampler
         self.max_batch = max_batch or pool.batch_size
         self.greedy_only = greedy_only
-        self.split_min = SPLIT_MIN if split_min is None else split_min
-        self._stream2: torch.cuda.Stream | None = None
         dev = pool.device
         self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # (M,)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # (M,)
         self.commit = torch.zeros(self.max_batch, dtype=torch.bool, device=dev)  # (M,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # bucket -> (logits parts, tokens)
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, tokens)
         self.mempool = None
         self._warm = False
 
@@ -66,28 +56,13 @@ class DecodeGraphs:
             b *= 2
         return out + [self.max_batch]
 
-    def _body(self, b: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The captured step of bucket b: (logits of rows [0, b) in one or two parts, tokens (b,))."""
-        if not (self.split_min and b >= self.split_min and b % 2 == 0):
-            logits, tok = self._rows(0, b)
-            return [logits], tok
-        h, main = b // 2, torch.cuda.current_stream(self.pool.device)
-        if self._stream2 is None:
-            self._stream2 = torch.cuda.Stream(self.pool.device)
-        self._stream2.wait_stream(main)
-        first = self._rows(0, h)
-        with torch.cuda.stream(self._stream2):
-            second = self._rows(h, b)
-        main.wait_stream(self._stream2)
-        return [first[0], second[0]], torch.cat((first[1], second[1]))  # (b,)
-
-    def _rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode and sample rows [lo, hi) on the current stream: ((hi - lo, V), (hi - lo,))."""
-        # raw logits (model dtype): the samplers widen them as they read (no (n, V) fp32 copy)
-        logits = self.model.decode(self.tokens[lo:hi], self.pool.view(lo, hi), raw_logits=True)  # (n, V)
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # raw logits (model dtype): the samplers widen them as they read (no (b, V) fp32 copy)
+        logits = self.model.decode(self.tokens[:b], self.pool.view(0, b), raw_logits=True)  # (b, V)
         if self.sampler is None:
-            return logits, logits.argmax(-1)  # (n,)
-        tok = self.sampler.sample(logits, self.positions[lo:hi], self.commit[lo:hi], self.greedy_only, row0=lo)
+            tok = logits.argmax(-1)  # (b,)
+        else:
+            tok = self.sampler.sample(logits, self.positions[:b], self.commit[:b], self.greedy_only)
         return logits, tok
 
     def _warmup(self) -> None:
@@ -138,8 +113,7 @@ class DecodeGraphs:
 
     def logits(self, n: int) -> torch.Tensor:
         """Logits (n, V) fp32 of the last step() of n rows (widened from the static output)."""
-        parts = self.outputs[bucket_for(n, self.max_batch)][0]
-        return torch.cat(parts)[:n].float() if len(parts) > 1 else parts[0][:n].float()
+        return self.outputs[bucket_for(n, self.max_batch)][0][:n].float()
 
     @staticmethod
     def _fill(buf: torch.Tensor, b: int, n: int, src, default) -> None:

@@ -80,7 +80,7 @@ class RWKV7:
         """None: decode runs the fused path (_decode_fused) when ops.tmix_decode is the CUDA twin;
         True/False force it on/off (True on CPU runs the pure-torch twins: a layout check)."""
         self._packs: list[DecodePack] | None = None
-        self._sides: dict[int, torch.cuda.Stream] = {}  # current stream's handle -> its LoRA side stream
+        self._side: torch.cuda.Stream | None = None
         if self._fused():
             self._decode_packs()  # before any graph capture; costs no memory (views)
 
@@ -170,14 +170,12 @@ class RWKV7:
 
     def _fork(self) -> SideStream:
         """A context that runs its body on a side stream forked from the current one (join()
-        makes the current stream wait for it); on CPU both are no-ops. Each current stream gets
-        its own side stream, so decodes issued on different streams stay independent."""
+        makes the current stream wait for it); on CPU both are no-ops."""
         if self.device.type != "cuda" or not SIDE_STREAM:
             return SideStream(None)
-        key = torch.cuda.current_stream(self.device).cuda_stream
-        if key not in self._sides:
-            self._sides[key] = torch.cuda.Stream(self.device)
-        return SideStream(self._sides[key])
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return SideStream(self._side)
 
     def _decode_packs(self) -> list[DecodePack]:
         """The stacked decode weights (built once; the layers' fields become views into them)."""
