@@ -30,7 +30,8 @@
 //   4. top-k (0 < k < n kept): the k-th largest key k*, all tokens with p > k*, and the first
 //      k - count(p > k*) tokens with p == k* in id order.
 //   5. weights w = expf((z - z_top) / T) (z_top = z of the rank-0 token), exact fixed-point sums
-//      (2^-46 units; w is computed once per kept token, by the first walk, and stored over z); t = u * W in double (u = uniform(seed, pos), bit-exact splitmix64 stream);
+//      (2^-46 units; w is computed once per kept token, by the first walk, and stored over z);
+//      t = u * W in double (u = uniform(seed, pos), bit-exact splitmix64 stream);
 //      the token = first canonical rank whose cumulative weight > t (radix select on the keys,
 //      then the id-order walk inside the p-group that holds the crossing).
 //   6. commit rows: penalty *= decay (written in the load pass, z is kept in shared memory),
@@ -240,7 +241,8 @@ __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, Shared &sh, co
         if (mode != COUNT) {
             const unsigned *rl = cl.map_shared_rank(hl, j), *rh = cl.map_shared_rank(hh, j);
             if (NB == 2) {
-                const uint2 l = *reinterpret_cast<const uint2 *>(rl + b0), h = *reinterpret_cast<const uint2 *>(rh + b0);
+                const uint2 l = *reinterpret_cast<const uint2 *>(rl + b0);
+                const uint2 h = *reinterpret_cast<const uint2 *>(rh + b0);
                 w[0] += ((u64)h.x << 32) + l.x, w[NB - 1] += ((u64)h.y << 32) + l.y;
             } else {
                 w[0] += ((u64)rh[b0] << 32) + rl[b0];
