@@ -5,6 +5,7 @@ total weight, target) must be bitwise equal, over many random rows and parameter
 
     PYTHONPATH=. python test/bench/ab_sampler.py                 (old = main)
     PYTHONPATH=. python test/bench/ab_sampler.py --ref HEAD~3 --rounds 20
+    PYTHONPATH=. python test/bench/ab_sampler.py --old /path/to/old/sampler.cu
 
 Each version is built on its own with nvcc (-O3, this GPU's arch) into a shared library and
 called through ctypes (the C entry point sampler_step), so neither the kernel cache nor the
@@ -104,15 +105,17 @@ def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref", default="main", help="git ref of the old kernel (default: main)")
+    ap.add_argument("--old", help="the old kernel's source file instead of --ref (where no .git is at hand)")
     ap.add_argument("--rounds", type=int, default=6, help="seeds per (case, V, dtype, B)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     major, minor = torch.cuda.get_device_capability(dev)
     arch = f"sm_{major}{minor}"
     tmp = Path(tempfile.mkdtemp(prefix="ab_sampler_"))
-    old_src = tmp / "sampler_old.cu"
-    old_src.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{a.ref}:kernels/sampler.cu"], check=True,
-                                      capture_output=True, text=True).stdout)  # fmt: skip
+    old_src = Path(a.old) if a.old else tmp / "sampler_old.cu"
+    if not a.old:
+        old_src.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{a.ref}:kernels/sampler.cu"], check=True,
+                                          capture_output=True, text=True).stdout)  # fmt: skip
     old = build(old_src, tmp / "old.so", arch)
     new = build(ROOT / "kernels" / "sampler.cu", tmp / "new.so", arch)
     cases = ["flat", "random", "peaked", "tied", "allzero", "masked", "huge", "narrow"]
