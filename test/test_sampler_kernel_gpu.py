@@ -58,6 +58,8 @@ def make_logits(case: str, B: int, vocab: int, seed: int, dev) -> torch.Tensor:
         x = (x * 1.5).round()
     elif case == "allzero":  # every token tied
         x = torch.zeros(B, vocab)
+    elif case == "narrow":  # p within a factor 1.1: at V = 50277 / 100000 the keys share bits >= 22
+        x = torch.rand(B, vocab, generator=g) * 0.1
     return x.to(dev)
 
 
@@ -248,6 +250,19 @@ def test_other_vocab_sizes(dev, vocab):
         s = make_slots(make_params(B, 0.3 if case == "random" else 0.9, True, True), vocab, dev, True)
         check_step(logits, s, torch.arange(B, device=dev), torch.ones(B, dtype=torch.bool, device=dev),
                    label=f"V={vocab} {case}")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [50277, 100000])
+def test_eleven_bit_digits(dev, vocab):
+    """A narrow p range (no penalties, which would widen it): the keys of a row share every bit
+    above bit 21, so the radix selects run 2 passes of 11-bit digits (2048 bins: the search path
+    with two bins per lane); CL = 4 and CL = 8."""
+    B = 64
+    logits = make_logits("narrow", B, vocab, seed=vocab + 1, dev=dev)
+    s = make_slots(make_params(B, 0.3, True, True), vocab, dev, False)
+    check_step(logits, s, torch.arange(B, device=dev), torch.ones(B, dtype=torch.bool, device=dev),
+               label=f"V={vocab} narrow")  # fmt: skip
 
 
 @pytest.mark.gpu
