@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from server.model import lanes
 from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
@@ -80,7 +81,7 @@ class RWKV7:
         """None: decode runs the fused path (_decode_fused) when ops.tmix_decode is the CUDA twin;
         True/False force it on/off (True on CPU runs the pure-torch twins: a layout check)."""
         self._packs: list[DecodePack] | None = None
-        self._side: torch.cuda.Stream | None = None
+        self._sides: dict[int, torch.cuda.Stream] = {}  # current stream's handle -> its LoRA side stream
         if self._fused():
             self._decode_packs()  # before any graph capture; costs no memory (views)
 
@@ -137,9 +138,17 @@ class RWKV7:
 
     # ---- internals -------------------------------------------------------------------------
     def _decode_fused(self, x: torch.Tensor, state: State) -> torch.Tensor:
-        """decode() on the fused path: the same arithmetic as the unfused loop, with the
-        elementwise work in self.ops' fused ops (one launch each on CUDA) and the projections
-        that share a launch stacked (server.model.decode_pack). x: (B, C) embeddings."""
+        """decode() on the fused path (x: (B, C) embeddings): large batches as two interleaved
+        lanes when server.model.lanes says so, else _decode_steps straight through."""
+        if lanes.use_two_lanes(x):
+            return lanes.two_lanes(self._decode_steps, x, state)
+        return lanes.run(self._decode_steps(x, state))
+
+    def _decode_steps(self, x: torch.Tensor, state: State):
+        """Generator: the fused decode, yielding after each layer's projections, its time-mix
+        and its FFN; returns the logits (B, V) in the model dtype. The same arithmetic as the
+        unfused loop, with the elementwise work in self.ops' fused ops (one launch each on CUDA)
+        and the projections that share a launch stacked (server.model.decode_pack)."""
         lin, C = self.ops.linear, self.shape.n_embd
         dx, v_first = None, x
         for i, (lw, pk) in enumerate(zip(self.w.layers, self._decode_packs())):
@@ -152,11 +161,14 @@ class RWKV7:
             side.join()
             if i == 0:
                 v_first = v
+            yield
             y = self.ops.tmix_decode(state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw,
                                      layer0=i == 0, bias=True)  # biases w0/a0/v0 added inside; fmt: skip
+            yield
             x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
                                         state.ffn_shift[i])  # fmt: skip
             dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value)
+            yield
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self.w.head)  # (B, V) model dtype
 
@@ -170,12 +182,14 @@ class RWKV7:
 
     def _fork(self) -> SideStream:
         """A context that runs its body on a side stream forked from the current one (join()
-        makes the current stream wait for it); on CPU both are no-ops."""
+        makes the current stream wait for it); on CPU both are no-ops. Each current stream has
+        its own side stream, so decode lanes on different streams stay independent."""
         if self.device.type != "cuda" or not SIDE_STREAM:
             return SideStream(None)
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        return SideStream(self._side)
+        key = torch.cuda.current_stream(self.device).cuda_stream
+        if key not in self._sides:
+            self._sides[key] = torch.cuda.Stream(self.device)
+        return SideStream(self._sides[key])
 
     def _decode_packs(self) -> list[DecodePack]:
         """The stacked decode weights (built once; the layers' fields become views into them)."""
