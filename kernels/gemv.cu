@@ -50,25 +50,26 @@ struct Args {
 
 // 16-byte loads predicated inside the asm (zeros when !ok): straight-line code, so ptxas keeps
 // all of a step's loads ahead of the MMAs (with C-level branches it interleaved them).
+// GEMV_LD16(QUAL): the predicated 16-byte load "ld.global.<QUAL>.v4.u32" of p into v.
+#define GEMV_LD16(QUAL)                                                                     \
+    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"                              \
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"      \
+        "@q ld.global." QUAL ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"                       \
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                                        \
+        : "l"(p), "r"((int)ok))
+
 __device__ __forceinline__ uint4 ld_stream(const void *p, bool ok) {  // weights: read once
     uint4 v;
-    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"((int)ok));
+    GEMV_LD16("nc.L1::no_allocate.L2::256B");
     return v;
 }
 
 __device__ __forceinline__ uint4 ld_ro(const void *p, bool ok) {  // x: re-read by every block
     uint4 v;
-    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"((int)ok));
+    GEMV_LD16("nc");
     return v;
 }
+#undef GEMV_LD16
 
 // d += A (16x16, rows 8..15 zero: a1 = a3 = 0) * B (16x8)
 template <bool BF>

@@ -272,10 +272,10 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor):
 
 # ---- projections (x @ w^T, plain or stacked) -------------------------------------------------
 GEMV_MAX_M = 8
-RELU2_GEMV = os.environ.get("RWKV_RELU2_GEMV", "1") != "0"
-"""relu2_linear squares inside the gemv's x loads at M <= GEMV_MAX_M (0: relu_square, then linear)."""
 """Up to this many rows (batch) the projections run kernels/gemv.cu (tensor-core matrix-vector,
 weights streamed once); larger M goes to cuBLAS (ops.linear)."""
+RELU2_GEMV = os.environ.get("RWKV_RELU2_GEMV", "1") != "0"
+"""relu2_linear squares inside the gemv's x loads at M <= GEMV_MAX_M (0: relu_square, then linear)."""
 GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (nothing launched)
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
 
