@@ -232,6 +232,48 @@ def test_decode_graphs_replay_equals_eager(dev, state_dtype):
         tok[:n] = got.clamp(min=1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [5, 8])
+def test_decode_graphs_step_cont_equals_explicit_inputs(dev, n):
+    """step_cont (a bare replay: the graph fed its own ids and positions + 1 forward) gives
+    bitwise what step() gives with those inputs passed explicitly, states included; n < bucket
+    pads the rest."""
+    from server.engine.sampler import SamplerSlots
+    from server.engine.types import SamplingParams
+    from server.model import State, load_model
+    from server.model.graphs import DecodeGraphs
+
+    model = load_model("synthetic:tiny", device=dev, dtype=torch.float16)
+    M, V = 8, model.shape.vocab_size
+    params = [SamplingParams(temperature=0.0 if i == 3 else 1.0, seed=i) for i in range(M)]
+    runs = []
+    for _ in range(2):
+        pool = State.zeros(model.shape, M, dev, model.dtype, torch.float32)
+        smp = SamplerSlots(M, V, dev)
+        smp.reset(range(M), params, list(range(M)))
+        g = DecodeGraphs(model, pool, smp, max_batch=M)
+        g.capture([8])
+        for t in pool.tensors():  # the warm-up wrote slot 0: the same random states in both
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(5)).to(t) * 0.1)
+        runs.append((g, pool))
+    (ga, pa), (gb, pb) = runs
+    tok = torch.randint(1, V, (n,), device=dev)
+    pos = torch.full((n,), 7, dtype=torch.long, device=dev)
+    commit = torch.ones(n, dtype=torch.bool, device=dev)
+    want = gb.step(n, tok, pos, commit).clone()
+    assert torch.equal(ga.step(n, tok, pos, commit), want)
+    with pytest.raises(RuntimeError):
+        ga.step_cont(1)  # bucket 1 was not the last replay
+    for step in range(1, 4):
+        got = ga.step_cont(n).clone()
+        assert torch.equal(ga.positions_of_last(n), pos + step)
+        want = gb.step(n, want, pos + step, commit).clone()
+        assert torch.equal(got, want), step
+    for x, y in zip(pa.tensors(), pb.tensors()):
+        assert torch.equal(x[:, :n], y[:, :n])
+    assert torch.equal(ga.sampler.penalty[:n], gb.sampler.penalty[:n])
+
+
 def test_cpu_fallback_matches_torch(monkeypatch):
     """Without CUDA the twins are the pure-torch ops (also with slots and lengths)."""
     acts = _inputs((2, 5), torch.float32, "cpu", seed=15)

@@ -11,7 +11,8 @@ Per step (see scheduler.py for the plan's meaning), in this order:
    delivers the previous step's events in between).
    A continuation plan (StepPlan.cont: same rows as the previous step, all decoding) is fed on
    the device: the previous step's sampled ids (or its host-resolved ids after overflow rows),
-   positions + 1, the same commit mask: no host lists, no host->device copy.
+   positions + 1, the same commit mask: no host lists, no host->device copy. With CUDA graphs
+   the graph feeds itself, so such a step is one replay and the id copy (graphs.step_cont).
 States are updated in place in the pool; nothing is copied per step except moves/admissions.
 
 Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
@@ -21,6 +22,7 @@ copy is handed back by `poll_copies()` once its event completed.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +33,11 @@ from server.model.state import State
 from .sampler import SamplerSlots
 from .scheduler import CopyOutOp, MoveOp, StepPlan
 from .sequence import Sequence
+
+
+GRAPH_SELF_FEED = os.environ.get("RWKV_GRAPH_SELF_FEED", "1") != "0"
+"""A continuation step with CUDA graphs is a bare replay (the graph fed itself); 0: its inputs
+are copied in from the previous step's outputs (the path before 2026-12-01, for A/B)."""
 
 
 @dataclass
@@ -46,7 +53,7 @@ class _Launched:
     n: int
     tok: torch.Tensor  # (n,) on the device
     logits: "torch.Tensor | None"  # (n, V) eager logits (None with graphs: graphs.logits(n))
-    pos: torch.Tensor  # (b,) positions on the device
+    pos: "torch.Tensor | None"  # (b,) positions on the device (None after a bare graph replay)
     commit: torch.Tensor  # (b,) bool
     t_launch: float
     b: int = 0
@@ -119,7 +126,12 @@ class Runner:
             return None
         t0 = time.perf_counter()
         last, self._last = self._last, None
-        if plan.cont and last is not None and last.n == n and last.b == b:
+        cont = plan.cont and last is not None and last.n == n and last.b == b
+        if cont and self.graphs is not None and last.host_ids is None and GRAPH_SELF_FEED:
+            # the graph fed itself (ids, positions + 1): a bare replay, nothing copied in
+            job = _Launched(n, self.graphs.step_cont(n), None, None, last.commit, 0.0, b, last.greedy)
+            return self._launched(job, t0)
+        if cont:
             # the previous step's sampled ids feed this one on the device (no host round trip)
             if last.host_ids is None:
                 ids = last.tok
@@ -127,7 +139,7 @@ class Runner:
                 ids = torch.tensor(last.host_ids, dtype=torch.long).to(self.device, non_blocking=True)
             if b > n and self.graphs is None:
                 ids = torch.cat([ids, ids.new_zeros(b - n)])
-            pos, commit, greedy = last.pos + 1, last.commit, last.greedy
+            pos, commit, greedy = self._positions(last) + 1, last.commit, last.greedy
         else:
             plan.fill_inputs()
             h = self._h2d
@@ -145,14 +157,21 @@ class Runner:
             logits = self.model.decode(ids, self.pool.view(0, b), raw_logits=True)  # (b, V)
             tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)[:n]  # (n,)
             logits = logits[:n]
+        return self._launched(_Launched(n, tok, logits, pos, commit, 0.0, b, greedy), t0)
+
+    def _launched(self, job: _Launched, t0: float) -> _Launched:
+        """Enqueue the step's one device->host copy of its ids; the step becomes `_last`."""
         if self.cuda:
-            self._d2h[:n].copy_(tok, non_blocking=True)  # the step's one device->host copy
+            self._d2h[: job.n].copy_(job.tok, non_blocking=True)
             self._d2h_done.record()
-        t1 = time.perf_counter()
-        self.model_time += t1 - t0
-        job = _Launched(n, tok, logits, pos, commit, t1, b, greedy)
+        job.t_launch = time.perf_counter()
+        self.model_time += job.t_launch - t0
         self._last = job
         return job
+
+    def _positions(self, job: _Launched) -> torch.Tensor:
+        """The (b,) positions a launched step sampled with (a bare graph replay keeps none)."""
+        return job.pos if job.pos is not None else self.graphs.positions_of_last(job.b)
 
     def finish(self, job: "_Launched | None") -> list[int]:
         """Wait for a launched step (GIL released while waiting) and return its token ids."""
@@ -165,7 +184,7 @@ class Runner:
             out = job.tok.tolist()
         if out and min(out) < 0:  # rows whose kept set did not fit the sampler's candidates
             logits = job.logits if job.logits is not None else self.graphs.logits(job.n)
-            out = self._resolve(out, logits, job.pos, job.commit)
+            out = self._resolve(out, logits, self._positions(job), job.commit)
             job.host_ids = list(out)
         self.sample_time += time.perf_counter() - job.t_launch
         return out

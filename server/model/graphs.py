@@ -3,12 +3,16 @@
     graphs = DecodeGraphs(model, pool, sampler=slots_sampler, max_batch=pool.batch_size)
     graphs.capture()                       # at start-up, while every slot is free
     tokens = graphs.step(n, token_ids, positions, commit)   # (n,) long on the device
+    tokens = graphs.step_cont(n)           # the next token of the same rows, fed on the device
 
 A replay decodes rows [0, bucket) of `pool` in place (bucket = n rounded up to a power of two):
 the graph holds views of the pool's own tensors, so states are never copied in or out. Rows
 [n, bucket) feed token 0 with commit False: their slots must be free (the scheduler keeps the
 active slots a prefix), and their penalties do not change. Inputs go through static buffers;
 outputs are static tensors overwritten by the next replay (copy what you keep).
+Each graph ends by feeding itself: its sampled ids (clamped to >= 0) become the token inputs and
+the positions advance by one, so a continuation (`step_cont`: the same rows again) is a bare
+replay, with no input copies between the previous step's ids and the next launch.
 All buckets share one memory pool and are captured largest first.
 """
 
@@ -48,6 +52,7 @@ class DecodeGraphs:
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, tokens)
         self.mempool = None
         self._warm = False
+        self._last_bucket = 0  # the bucket of the last replay (what step_cont continues)
 
     def buckets(self) -> list[int]:
         out, b = [], 1
@@ -94,6 +99,9 @@ class DecodeGraphs:
             self.mempool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(g, pool=self.mempool):
             out = self._body(b)
+            # feed the next replay: ids (an overflow row's -1 as token 0) and positions + 1
+            torch.clamp(out[1], min=0, out=self.tokens[:b])
+            self.positions[:b].add_(1)
         self.graphs[b], self.outputs[b] = g, out
         log.info("captured decode graph for bucket %d in %.2fs", b, time.perf_counter() - t0)
 
@@ -109,7 +117,21 @@ class DecodeGraphs:
         self._fill(self.positions, b, n, positions, 0)
         self._fill(self.commit, b, n, commit, True)
         self.graphs[b].replay()
+        self._last_bucket = b
         return self.outputs[b][1][:n]
+
+    def step_cont(self, n: int) -> torch.Tensor:
+        """Decode rows [0, n) once more, fed by the previous replay (same bucket): its sampled
+        ids, positions + 1, the same commit mask; nothing is copied in. (n,) on the device."""
+        b = bucket_for(n, self.max_batch)
+        if b != self._last_bucket:
+            raise RuntimeError(f"step_cont({n}): the last replay was bucket {self._last_bucket}, not {b}")
+        self.graphs[b].replay()
+        return self.outputs[b][1][:n]
+
+    def positions_of_last(self, n: int) -> torch.Tensor:
+        """The positions (n,) the last replay sampled with (its inputs have moved on by one)."""
+        return self.positions[:n] - 1
 
     def logits(self, n: int) -> torch.Tensor:
         """Logits (n, V) fp32 of the last step() of n rows (widened from the static output)."""
