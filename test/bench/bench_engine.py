@@ -64,7 +64,12 @@ def peak_gb(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None
 
 
-def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: bool) -> list[dict]:
+def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: bool,
+                 feed: str = "device") -> list[dict]:  # fmt: skip
+    """feed="device": steps after the first are continuations fed on the device, as the engine
+    runner's steady state runs them (graphs: a bare replay, `DecodeGraphs.step_cont`), with the
+    runner's pinned id copy + event wait; "host": every step's ids go to the host and back
+    (the benchmark's loop before 2026-12-01)."""
     dev, V = model.device, model.shape.vocab_size
     M = max(batches)
     pool = State.zeros(model.shape, M, dev, model.dtype, state_dtype)
@@ -80,9 +85,20 @@ def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: boo
         tok = torch.randint(1, V, (B,), device=dev)  # (B,)
         commit_ = torch.ones(B, dtype=torch.bool, device=dev)
         times = []
+        cont = graphs and feed == "device"
+        pinned = torch.zeros(B, dtype=torch.long, pin_memory=True) if cont else None
+        done = torch.cuda.Event() if cont else None
         for i in range(steps + 3):
-            pos = torch.full((B,), i, dtype=torch.long, device=dev)
             t0 = time.perf_counter()
+            if cont:  # the runner's steady state: a bare replay, pinned copy, event wait
+                new = g.step_cont(B) if i else g.step(B, tok, torch.zeros(B, dtype=torch.long, device=dev), commit_)
+                pinned.copy_(new, non_blocking=True)
+                done.record()
+                done.synchronize()
+                _ = pinned.tolist()
+                times.append(time.perf_counter() - t0)
+                continue
+            pos = torch.full((B,), i, dtype=torch.long, device=dev)
             if graphs:
                 new = g.step(B, tok, pos, commit_)
             else:
@@ -168,6 +184,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kernels", default="auto", help="auto|torch|cuda")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--feed", default="device", choices=("device", "host"),
+                   help="decode inputs: device = the runner's self-fed continuation; host = ids round-trip (old loop)")
     p.add_argument("--no-fused", action="store_true", help="decode without the fused time-mix (model.fused_decode=False)")
     p.add_argument("--chunk-len", type=int, default=None, help="the model's prefill chunk length (default: the model's)")
     p.add_argument("--accuracy", type=int, default=0, help="steps of the fp16-vs-fp32 state check")
@@ -186,6 +204,8 @@ def main() -> None:
             "chunk_len": model.chunk_len}  # fmt: skip
     if a.variant:
         base["variant"] = a.variant
+    if a.feed != "device":
+        base["feed"] = a.feed
     lines = []
     batches = [int(b) for b in a.batches.split(",") if b]
     cases = [tuple(int(x) for x in c.split("x")) for c in a.prefill.split(",") if c]
@@ -193,7 +213,8 @@ def main() -> None:
         print(f"state dtype {sd}:", flush=True)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs=not a.no_graphs and dev.type == "cuda") if batches else []:
+        graphs = not a.no_graphs and dev.type == "cuda"
+        for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
             lines.append({**base, "state_dtype": sd, **r})
         for r in bench_prefill(model, DTYPES[sd], cases, a.reps):
             lines.append({**base, "state_dtype": sd, **r})

@@ -30,7 +30,7 @@ def category(name: str) -> str:
     return next((c for c, keys in CATS if any(k in low for k in keys)), "other")
 
 
-def profile(model, B: int, state_dtype, steps: int = 2) -> None:
+def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
     dev, V = model.device, model.shape.vocab_size
     pool = State.zeros(model.shape, B, dev, model.dtype, state_dtype)
     smp = SamplerSlots(B, V, dev)
@@ -56,7 +56,7 @@ def profile(model, B: int, state_dtype, steps: int = 2) -> None:
     total = sum(per_cat.values())
     print(f"B={B}: {count / steps:.0f} kernels/step, GPU busy {total / 1e3:.2f} ms/step: "
           + ", ".join(f"{c} {t / 1e3:.2f}" for c, t in per_cat.most_common()), flush=True)
-    for name, us in per_name.most_common(14):
+    for name, us in per_name.most_common(top):
         print(f"    {us / 1e3:7.3f} ms  {name}")
     del g, pool, smp
 
@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--model", default="synthetic:2.9b")
     p.add_argument("--batches", default="1,256,1024")
     p.add_argument("--state-dtype", default="fp32")
+    p.add_argument("--top", type=int, default=14, help="kernel names listed per batch")
     p.add_argument("--no-fused", action="store_true", help="decode without the fused time-mix")
     a = p.parse_args()
     model = load_model(a.model, device="cuda", dtype=torch.float16)
@@ -74,7 +75,7 @@ def main() -> None:
     sd = {"fp32": torch.float32, "fp16": torch.float16}[a.state_dtype]
     print(f"profile {a.model} state {a.state_dtype} fused={model._fused()}")
     for B in (int(b) for b in a.batches.split(",")):
-        profile(model, B, sd)
+        profile(model, B, sd, top=a.top)
 
 
 if __name__ == "__main__":
