@@ -1,67 +1,85 @@
 """Decode-time helpers: stacked projection weights (projections that share a launch) and a
 side stream for the LoRAs, which run beside the big projections.
 
-The decode step of one layer runs, per token, three (C, C) projections (r, k, v) and three
-low-rank first stages (decay w1, in-context rate a1, value-mix v1) whose inputs are different
-token-shift mixes of the same normalized x. At decode batch sizes each small GEMM costs a few
-microseconds of ramp-up and tail no matter how little it computes (cuBLAS on the H200: 10.4 us
-for one 2560x2560 projection at M=1, 6.3 us each when three run as one bmm), so the decode path
-runs them as stacked (P, N, K) weights against (P, B, K) planes of the token-shift output:
+The decode step of one layer runs, per token, three (C, C) projections (r, k, v) and four
+low-rank LoRAs (gate g1/g2, decay w1/w2, in-context rate a1/a2, value mix v1/v2) whose inputs
+are different token-shift mixes of the same normalized x. At decode batch sizes each small GEMM
+costs a few microseconds of ramp-up and tail no matter how little it computes (cuBLAS on the
+H200: 10.4 us for one 2560x2560 projection at M=1, 6.3 us each when three run as one bmm), so
+the decode path runs them as stacked (P, N, K) weights against (P, B, K) planes of the
+token-shift output:
 
-    planes of add_ln_mix (mix rows permuted): 0 w, 1 a, 2 v, 3 k, 4 r, 5 g
-    vkr   (3, C, C)   = [wv, wk, wr]             on planes 2..4   -> v, k, r
-    lora1 (P, D, C)   = [w1^T, a1^T, v1^T]       on planes 0..2   -> decay/a/v-mix hidden
-    lora2 (P, C, D)   = [w2^T, a2^T, v2^T]       on lora1's out   -> wz, az, vz
+    planes of add_ln_mix (mix rows permuted): 0 g, 1 w, 2 a, 3 v, 4 k, 5 r
+    vkr   (3, C, C)   = [wv, wk, wr]                    on planes 3..5   -> v, k, r
+    merged LoRAs (LORA_MERGED, the default):
+    lora1 (Q, D, C)   = [g1^T, w1^T, a1^T, v1^T]        on planes 0..Q-1 -> gate/decay/a/v-mix hidden
+    lora2 (Q, C, D)   = [g2^T, w2^T, a2^T, v2^T]        on lora1's out   -> gate, wz, az, vz
+    split LoRAs (RWKV_LORA_MERGED=0):
+    lora1 (P, D, C)   = [w1^T, a1^T, v1^T]              on planes 1..P
+    lora2 (P, C, D)   = [w2^T, a2^T, v2^T]              on lora1's out   -> wz, az, vz
+    g1 (d_gate, C), g2 (C, d_gate)                      on plane 0       -> gate
 
-D = the largest of the three LoRA widths (smaller ones are zero-padded: zero rows/columns add
-nothing); P = 2 in layer 0 (no value mix there). The layer's own fields (wr, wk, wv, w1, ...)
-become views into these tensors, so the stacking costs no memory and prefill is unchanged.
+D = the largest width stacked (smaller ones are zero-padded: zero rows/columns add nothing to
+the real outputs); no value mix in layer 0 (Q = 3, P = 2). Merged, the LoRAs are 2 launches
+instead of 4 for more (padded) FLOPs: measured faster at every batch on the H200 (2.9B:
+test/bench/bench_lora.py, e.g. 20.4 -> 12.8 us per layer at B=256). The layer's own fields
+(wr, wk, wv, w1, ...) become views into these tensors, so prefill is unchanged; the padding is
+the only extra memory (merged: ~7 MB per layer at 2.9B).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from server.model.checkpoint import LayerWeights
 
-PLANE_ORDER = (1, 4, 3, 2, 0, 5)
-"""Rows of LayerWeights.mix (x_r, x_w, x_k, x_v, x_a, x_g) in decode plane order w, a, v, k, r, g."""
+PLANE_ORDER = (5, 1, 4, 3, 2, 0)
+"""Rows of LayerWeights.mix (x_r, x_w, x_k, x_v, x_a, x_g) in decode plane order g, w, a, v, k, r."""
+LORA_MERGED = os.environ.get("RWKV_LORA_MERGED", "1") != "0"
+"""Stack the gate LoRA with the decay / a / v-mix ones (2 launches per layer); 0: split (4)."""
 
 
 @dataclass
 class DecodePack:
     mix: torch.Tensor  # (6, C) mix rows in plane order
     vkr: torch.Tensor  # (3, C, C)
-    lora1: torch.Tensor  # (P, D, C)
-    lora2: torch.Tensor  # (P, C, D)
-    g1: torch.Tensor  # (d_gate, C)  nn.Linear layout
-    g2: torch.Tensor  # (C, d_gate)
+    lora1: torch.Tensor  # (Q, D, C) merged (gate first) or (P, D, C) split
+    lora2: torch.Tensor  # (Q, C, D) or (P, C, D)
+    g1: torch.Tensor | None = None  # (d_gate, C) nn.Linear layout (split only)
+    g2: torch.Tensor | None = None  # (C, d_gate)
+
+    @property
+    def merged(self) -> bool:
+        return self.g1 is None
 
 
-def pack_layer(lw: LayerWeights) -> DecodePack:
-    """Stack one layer's decode projections; lw's fields are re-pointed at the stacked storage."""
+def pack_layer(lw: LayerWeights, merged: bool | None = None) -> DecodePack:
+    """Stack one layer's decode projections; lw's fields are re-pointed at the stacked storage.
+    merged: stack the gate LoRA with the others (default LORA_MERGED)."""
+    merged = LORA_MERGED if merged is None else merged
     vkr = torch.stack([lw.wv, lw.wk, lw.wr])  # (3, C, C)
     lw.wv, lw.wk, lw.wr = vkr.unbind(0)
-    firsts = [lw.w1, lw.a1] + ([lw.v1] if lw.v1 is not None else [])  # each (C, d)
-    seconds = [lw.w2, lw.a2] + ([lw.v2] if lw.v2 is not None else [])  # each (d, C)
-    C, D = lw.w1.shape[0], max(t.shape[1] for t in firsts)
+    names = (["g"] if merged else []) + ["w", "a"] + (["v"] if lw.v1 is not None else [])
+    firsts = [getattr(lw, n + "1") for n in names]  # each (C, d)
+    seconds = [getattr(lw, n + "2") for n in names]  # each (d, C)
+    C, D = firsts[0].shape[0], max(t.shape[1] for t in firsts)
     lora1 = firsts[0].new_zeros(len(firsts), D, C)  # (P, D, C)
     lora2 = firsts[0].new_zeros(len(firsts), C, D)  # (P, C, D)
-    for p, (t1, t2) in enumerate(zip(firsts, seconds)):
+    for p, (n, t1, t2) in enumerate(zip(names, firsts, seconds)):
         d = t1.shape[1]
         lora1[p, :d].copy_(t1.t())
         lora2[p, :, :d].copy_(t2.t())
-    views1 = [lora1[p, : t.shape[1]].t() for p, t in enumerate(firsts)]  # (C, d) views
-    views2 = [lora2[p, :, : t.shape[1]].t() for p, t in enumerate(firsts)]  # (d, C) views
-    lw.w1, lw.a1 = views1[0], views1[1]
-    lw.w2, lw.a2 = views2[0], views2[1]
-    if lw.v1 is not None:
-        lw.v1, lw.v2 = views1[2], views2[2]
+        setattr(lw, n + "1", lora1[p, :d].t())  # (C, d) view
+        setattr(lw, n + "2", lora2[p, :, :d].t())  # (d, C) view
+    mix = lw.mix[list(PLANE_ORDER)].contiguous()
+    if merged:
+        return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2)
     g1, g2 = lw.g1.t().contiguous(), lw.g2.t().contiguous()  # (d_gate, C), (C, d_gate)
     lw.g1, lw.g2 = g1.t(), g2.t()
-    return DecodePack(mix=lw.mix[list(PLANE_ORDER)].contiguous(), vkr=vkr, lora1=lora1, lora2=lora2, g1=g1, g2=g2)
+    return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2, g1=g1, g2=g2)
 
 
 class SideStream:

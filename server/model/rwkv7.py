@@ -153,11 +153,11 @@ class RWKV7:
         dx, v_first = None, x
         for i, (lw, pk) in enumerate(zip(self.w.layers, self._decode_packs())):
             # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift
-            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i])  # (6, B, C) w a v k r g
+            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i])  # (6, B, C) g w a v k r
             side = self._fork()  # the LoRAs run beside the big projection (CUDA: a side stream)
             with side:
                 z, gz = self._decode_loras(xs, pk)  # (P, B, C) wz, az[, vz]; (B, C) gate
-            v, k, r = lin(xs[2:5], pk.vkr).unbind(0)  # each (B, C)
+            v, k, r = lin(xs[3:6], pk.vkr).unbind(0)  # each (B, C)
             side.join()
             if i == 0:
                 v_first = v
@@ -175,9 +175,14 @@ class RWKV7:
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
         (P, B, C) without their biases, and the gate (B, C)."""
-        lin = self.ops.linear
-        mid = lin(xs[: pk.lora1.shape[0]], pk.lora1)  # (P, B, D) decay, a[, v-mix] hidden
-        _, hg = self.ops.lora_act(mid[0], lin(xs[5], pk.g1))  # tanh on the decay plane, sigmoid; in place
+        lin, Q = self.ops.linear, pk.lora1.shape[0]
+        if pk.merged:  # one launch per stage (server.model.decode_pack)
+            mid = lin(xs[:Q], pk.lora1)  # (Q, B, D) gate, decay, a[, v-mix] hidden
+            self.ops.lora_act(mid[1], mid[0])  # tanh on the decay plane, sigmoid on the gate's; in place
+            out = lin(mid, pk.lora2)  # (Q, B, C) gate, wz, az[, vz]
+            return out[1:], out[0]
+        mid = lin(xs[1 : 1 + Q], pk.lora1)  # (P, B, D) decay, a[, v-mix] hidden
+        _, hg = self.ops.lora_act(mid[0], lin(xs[0], pk.g1))  # tanh on the decay plane, sigmoid; in place
         return lin(mid, pk.lora2), lin(hg, pk.g2)
 
     def _fork(self) -> SideStream:

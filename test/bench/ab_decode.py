@@ -5,7 +5,8 @@ bench_engine.bench_decode measures it.
     PYTHONPATH=. python test/bench/ab_decode.py --batches 512,1024 --variants base,lanes512,base,lanes512
     PYTHONPATH=. python test/bench/ab_decode.py --batches 1,8 --variants base,lag1,base,lag1
 
-Variants: base (the defaults); hostfed (every step's ids through the host and back, the engine
+Variants: base (the defaults); splitlora (RWKV_LORA_MERGED=0: the gate LoRA apart, 4 LoRA
+launches per layer instead of 2); hostfed (every step's ids through the host and back, the engine
 benchmark's loop before the graphs fed themselves); lanesN (two lanes from batch N, i.e. RWKV_TWO_LANE_MIN=N, LoRAs
 on the lane's stream); lag1 (the defaults, but step n+1 is launched before step n's ids are read
 on the host, as an engine that runs one step ahead would: the bubble between steps, measured).
@@ -28,16 +29,21 @@ sys.path.insert(0, str(ROOT))
 from bench_engine import DTYPES, add_model_args, bench_decode  # noqa: E402
 from server.engine.sampler import SamplerSlots  # noqa: E402
 from server.engine.types import SamplingParams  # noqa: E402
-from server.model import State, lanes, load_model, rwkv7  # noqa: E402
+from server.model import State, decode_pack, lanes, load_model, rwkv7  # noqa: E402
 from server.model.graphs import DecodeGraphs  # noqa: E402
 
 
-def configure(name: str) -> None:
+def configure(name: str, model) -> None:
     lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = 0, True
+    merged = name != "splitlora"
     if name.startswith("lanes"):
         lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = int(name[5:]), False
-    elif name not in ("base", "hostfed", "lag1"):
+    elif name not in ("base", "hostfed", "lag1", "splitlora"):
         raise SystemExit(f"unknown variant {name!r}")
+    if model._decode_packs()[0].merged != merged:  # re-stack the LoRAs (the fields are views)
+        decode_pack.LORA_MERGED = merged
+        model._packs = None
+        model._decode_packs()
 
 
 def bench_lagged(model, state_dtype, batches: list[int], steps: int) -> list[dict]:
@@ -89,7 +95,7 @@ def main() -> None:
     rows: dict[str, list[list[float]]] = {}
     for name in a.variants.split(","):
         print(f"variant {name}:", flush=True)
-        configure(name)
+        configure(name, model)
         try:
             if name == "lag1":
                 res = bench_lagged(model, DTYPES[a.state_dtype], batches, a.steps)
