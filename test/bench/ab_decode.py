@@ -26,11 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench_engine import DTYPES, add_model_args, bench_decode  # noqa: E402
-from server.engine.sampler import SamplerSlots  # noqa: E402
-from server.engine.types import SamplingParams  # noqa: E402
-from server.model import State, decode_pack, lanes, load_model, rwkv7  # noqa: E402
-from server.model.graphs import DecodeGraphs  # noqa: E402
+from bench_engine import DTYPES, add_model_args, bench_decode, decode_graphs  # noqa: E402
+from server.model import decode_pack, lanes, load_model, rwkv7  # noqa: E402
 
 
 def configure(name: str, model) -> None:
@@ -50,12 +47,7 @@ def bench_lagged(model, state_dtype, batches: list[int], steps: int) -> list[dic
     """Decode with step n+1 launched before step n's ids reach the host (ids fed on the device,
     one pinned D2H copy per step, the host waits for step n while n+1 runs)."""
     dev, V = model.device, model.shape.vocab_size
-    M = max(batches)
-    pool = State.zeros(model.shape, M, dev, model.dtype, state_dtype)
-    sampler = SamplerSlots(M, V, dev)
-    sampler.reset(range(M), [SamplingParams()] * M, list(range(M)))
-    g = DecodeGraphs(model, pool, sampler, max_batch=M)
-    g.capture(sorted(set(batches)))
+    g = decode_graphs(model, state_dtype, batches)
     out = []
     for B in batches:
         host = torch.zeros(2, B, dtype=torch.long, pin_memory=True)
@@ -78,7 +70,7 @@ def bench_lagged(model, state_dtype, batches: list[int], steps: int) -> list[dic
         med = statistics.median(times[3:])
         out.append({"batch": B, "decode_tok_s": round(B / med, 1), "step_ms": round(med * 1e3, 3)})
         print(f"  decode B={B:5d}: {B / med:10.1f} tok/s  ({med * 1e3:.3f} ms/step)", flush=True)
-    del g, pool, sampler
+    del g
     return out
 
 

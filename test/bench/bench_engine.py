@@ -64,6 +64,21 @@ def peak_gb(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None
 
 
+def decode_graphs(model, state_dtype, batches: list[int], capture: bool = True) -> DecodeGraphs:
+    """A slot pool of max(batches) rows with default sampling in every slot, and its decode graphs
+    (captured for `batches` when capture)."""
+    M = max(batches)
+    pool = State.zeros(model.shape, M, model.device, model.dtype, state_dtype)
+    sampler = SamplerSlots(M, model.shape.vocab_size, model.device)
+    sampler.reset(range(M), [SamplingParams()] * M, list(range(M)))
+    g = DecodeGraphs(model, pool, sampler, max_batch=M)
+    if capture:
+        t0 = time.perf_counter()
+        g.capture(sorted(set(batches)))
+        print(f"  captured {len(g.graphs)} graphs in {time.perf_counter() - t0:.1f}s", flush=True)
+    return g
+
+
 def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: bool,
                  feed: str = "device") -> list[dict]:  # fmt: skip
     """feed="device": steps after the first are continuations fed on the device, as the engine
@@ -71,15 +86,7 @@ def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: boo
     runner's pinned id copy + event wait; "host": every step's ids go to the host and back
     (the benchmark's loop before 2026-12-01)."""
     dev, V = model.device, model.shape.vocab_size
-    M = max(batches)
-    pool = State.zeros(model.shape, M, dev, model.dtype, state_dtype)
-    sampler = SamplerSlots(M, V, dev)
-    sampler.reset(range(M), [SamplingParams()] * M, list(range(M)))
-    g = DecodeGraphs(model, pool, sampler, max_batch=M)
-    if graphs:
-        t0 = time.perf_counter()
-        g.capture(sorted(set(batches)))
-        print(f"  captured {len(g.graphs)} graphs in {time.perf_counter() - t0:.1f}s", flush=True)
+    g = decode_graphs(model, state_dtype, batches, capture=graphs)
     out = []
     for B in batches:
         tok = torch.randint(1, V, (B,), device=dev)  # (B,)
@@ -111,7 +118,7 @@ def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: boo
         out.append({"batch": B, "decode_tok_s": round(B / med, 1), "step_ms": round(med * 1e3, 3),
                     "peak_mem_gb": peak_gb(dev)})  # fmt: skip
         print(f"  decode B={B:5d}: {B / med:10.1f} tok/s  ({med * 1e3:.2f} ms/step)", flush=True)
-    del g, pool, sampler
+    del g
     return out
 
 

@@ -1,10 +1,11 @@
-"""The decode LoRAs of one layer (2.9B shape) in two layouts, timed inside a CUDA graph of 32
-repetitions (as 32 layers replay), per batch size; no activations (the same in both):
+"""The decode LoRAs of one layer (2.9B shape) in two layouts, timed as CUDA-graph replays over
+distinct weight copies (bench_gemm.bench_graph: weights read from HBM, as in the decode step), per
+batch size; no activations (the same in both):
 
   split : first stages lin((3, B, C) planes w a v, (3, 96, C)) + lin(g plane, (320, C));
-          second stages lin(mid (3, B, 96), (3, C, 96)) + lin(hg (B, 320), (C, 320))  [the model's]
+          second stages lin(mid (3, B, 96), (3, C, 96)) + lin(hg (B, 320), (C, 320))
   merged: lin((4, B, C) planes, (4, 320, C)) then lin((4, B, 320), (4, C, 320)): the w/a/v
-          LoRAs zero-padded to the gate's width, 2 launches instead of 4
+          LoRAs zero-padded to the gate's width, 2 launches instead of 4 [the model's default]
 
     PYTHONPATH=. python test/bench/bench_lora.py --batches 1,8,64,256,512,1024
 """
@@ -19,30 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench_gemm import bench_graph  # noqa: E402
 from server.model import cuda_ops  # noqa: E402
 
-C, D, DG, REPS = 2560, 96, 320, 32
-
-
-def graph_ms(fn, iters: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(iters):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / iters / REPS
+C, D, DG = 2560, 96, 320
 
 
 def main() -> None:
@@ -52,21 +33,25 @@ def main() -> None:
     cuda_ops.is_available()
     lin, dev, dt = cuda_ops.linear, "cuda", torch.float16
     r = lambda *s: torch.randn(*s, device=dev, dtype=dt) * 0.02  # noqa: E731
-    lora1, g1, lora2, g2 = r(3, D, C), r(DG, C), r(3, C, D), r(C, DG)
-    m1, m2 = r(4, DG, C), r(4, C, DG)
+    split_w, merged_w = (3 * D + DG) * C * 2 * 2, 4 * DG * C * 2 * 2  # weight bytes per call
+    split_ws, merged_ws = {}, {}
+
+    def split(i):
+        if i not in split_ws:
+            split_ws[i] = r(3, D, C), r(DG, C), r(3, C, D), r(C, DG)
+        lora1, g1, lora2, g2 = split_ws[i]
+        return lambda: (lin(lin(xs[1:4], lora1), lora2), lin(lin(xs[0], g1), g2))
+
+    def merged(i):
+        if i not in merged_ws:
+            merged_ws[i] = r(4, DG, C), r(4, C, DG)
+        m1, m2 = merged_ws[i]
+        return lambda: lin(lin(xs[0:4], m1), m2)
+
     print(f"{'B':>6} {'split us/layer':>15} {'merged us/layer':>16}")
     for B in (int(b) for b in a.batches.split(",")):
-        xs = r(6, B, C)  # planes in the merged order g w a v k r (the split one only slices)
-
-        def split():
-            mid = lin(xs[1:4], lora1)
-            hg = lin(xs[0], g1)
-            return lin(mid, lora2), lin(hg, g2)
-
-        def merged():
-            return lin(lin(xs[0:4], m1), m2)
-
-        ts, tm = graph_ms(split), graph_ms(merged)
+        xs = r(6, B, C)  # planes in the model's order g w a v k r
+        ts, tm = bench_graph(split, split_w), bench_graph(merged, merged_w)
         print(f"{B:6d} {ts * 1e3:15.1f} {tm * 1e3:16.1f}", flush=True)
 
 
