@@ -22,9 +22,9 @@ token-shift output:
 D = the largest width stacked (smaller ones are zero-padded: zero rows/columns add nothing to
 the real outputs); no value mix in layer 0 (Q = 3, P = 2). Merged, the LoRAs are 2 launches
 instead of 4 for more (padded) FLOPs: measured faster at every batch on the H200 (2.9B:
-test/bench/bench_lora.py, e.g. 22.0 -> 14.5 us per layer at B=256; decode +5% at B=64 and 256). The layer's own fields
-(wr, wk, wv, w1, ...) become views into these tensors, so prefill is unchanged; the padding is
-the only extra memory (merged: ~7 MB per layer at 2.9B).
+test/bench/bench_lora.py, e.g. 22.0 -> 14.5 us per layer at B=256; decode +5% at B=64 and
+B=256). The layer's own fields (wr, wk, wv, w1, ...) become views into these tensors, so prefill
+is unchanged; the padding is the only extra memory (merged: ~7 MB per layer at 2.9B).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ active slots a prefix), and their penalties do not change. Inputs go through sta
 outputs are static tensors overwritten by the next replay (copy what you keep).
 Each graph ends by feeding itself: its sampled ids (clamped to >= 0) become the token inputs and
 the positions advance by one, so a continuation (`step_cont`: the same rows again) is a bare
-replay, with no input copies between the previous step's ids and the next launch.
+replay, with no input copies between the previous step's ids and the next launch (the padding
+rows then feed their own last samples instead of token 0: still commit False, still free slots).
 All buckets share one memory pool and are captured largest first.
 """
 
