@@ -55,9 +55,9 @@ class _Launched:
     logits: "torch.Tensor | None"  # (n, V) eager logits (None with graphs: graphs.logits(n))
     pos: "torch.Tensor | None"  # (b,) positions on the device (None after a bare graph replay)
     commit: torch.Tensor  # (b,) bool
-    t_launch: float
     b: int = 0
     greedy: bool = False
+    t_launch: float = 0.0  # set by _launched()
     host_ids: "list[int] | None" = None  # set when overflow rows were re-sampled on the host
 
 
@@ -129,7 +129,7 @@ class Runner:
         cont = plan.cont and last is not None and last.n == n and last.b == b
         if cont and self.graphs is not None and last.host_ids is None and GRAPH_SELF_FEED:
             # the graph fed itself (ids, positions + 1): a bare replay, nothing copied in
-            job = _Launched(n, self.graphs.step_cont(n), None, None, last.commit, 0.0, b, last.greedy)
+            job = _Launched(n, self.graphs.step_cont(n), None, None, last.commit, b, last.greedy)
             return self._launched(job, t0)
         if cont:
             # the previous step's sampled ids feed this one on the device (no host round trip)
@@ -157,7 +157,7 @@ class Runner:
             logits = self.model.decode(ids, self.pool.view(0, b), raw_logits=True)  # (b, V)
             tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)[:n]  # (n,)
             logits = logits[:n]
-        return self._launched(_Launched(n, tok, logits, pos, commit, 0.0, b, greedy), t0)
+        return self._launched(_Launched(n, tok, logits, pos, commit, b, greedy), t0)
 
     def _launched(self, job: _Launched, t0: float) -> _Launched:
         """Enqueue the step's one device->host copy of its ids; the step becomes `_last`."""

@@ -7,9 +7,10 @@ bench_engine.bench_decode measures it.
 
 Variants: base (the defaults); splitlora (RWKV_LORA_MERGED=0: the gate LoRA apart, 4 LoRA
 launches per layer instead of 2); hostfed (every step's ids through the host and back, the engine
-benchmark's loop before the graphs fed themselves); lanesN (two lanes from batch N, i.e. RWKV_TWO_LANE_MIN=N, LoRAs
-on the lane's stream); lag1 (the defaults, but step n+1 is launched before step n's ids are read
-on the host, as an engine that runs one step ahead would: the bubble between steps, measured).
+benchmark's loop before the graphs fed themselves); lanesN (two lanes from batch N, i.e.
+RWKV_TWO_LANE_MIN=N, LoRAs on the lane's stream); lag1 (the defaults, but step n+1 is launched
+before step n's ids are read on the host, as an engine that runs one step ahead would: the bubble
+between steps, measured).
 Prints one line per (variant, batch) and a summary table; writes nothing.
 """
 

@@ -98,7 +98,8 @@ def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: boo
         for i in range(steps + 3):
             t0 = time.perf_counter()
             if cont:  # the runner's steady state: a bare replay, pinned copy, event wait
-                new = g.step_cont(B) if i else g.step(B, tok, torch.zeros(B, dtype=torch.long, device=dev), commit_)
+                zero = torch.zeros(B, dtype=torch.long, device=dev)
+                new = g.step_cont(B) if i else g.step(B, tok, zero, commit_)
                 pinned.copy_(new, non_blocking=True)
                 done.record()
                 done.synchronize()
