@@ -22,6 +22,12 @@
 // act = 1 (relu2): x is read as round(max(x, 0)^2) (the channel-mix activation, as
 // ops.relu_square rounds it), so ffn_value's gemv consumes ffn_key's raw output and the separate
 // relu_square launch goes away at small batch; every block applies it to its own x loads.
+// Zero padding (lim, lim_kind): stacked planes of different widths zero-padded to one shape (the
+// decode LoRAs) need not be read past their width. lim packs, for planes 0..7, 8 bits each: the
+// plane's width in units of 8 (0 = the whole plane); lim_kind 1: weight rows n >= width are zero
+// (their outputs are written as 0 without loading them), 2: weight columns k >= width are zero
+// (the loads of x and w stop there). The caller promises the padding is zero, so the result is
+// the padded product's (bitwise for finite x: a skipped product would have added exactly 0).
 // Requirements (else GEMV_UNSUPPORTED, the caller falls back to cuBLAS): K % 8 == 0, x and w
 // 16-byte aligned, x row/plane strides and the w plane stride multiples of 8 elements, 1 <= M
 // <= 8, sm_80 or newer. out: any strides (2-byte stores).
@@ -46,7 +52,18 @@ struct Args {
     void *out;
     long long x_s, x_ps, w_ps, o_s, o_ps;
     int M, N, K;
+    unsigned long long lim;  // per-plane widths / 8 (8 bits each, planes 0..7; 0 = whole plane)
+    int lim_kind;            // 0 none, 1 rows (N), 2 columns (K)
 };
+
+enum LimKind { LIM_NONE = 0, LIM_ROWS = 1, LIM_COLS = 2 };
+
+// the width (elements) that plane p is read to along the limited dimension, or full
+__device__ __forceinline__ int plane_limit(const Args &a, int p, int full) {
+    if (a.lim_kind == LIM_NONE || p >= 8) return full;
+    const int l = (int)((a.lim >> (8 * p)) & 255u) * 8;
+    return l == 0 || l > full ? full : l;
+}
 
 // 16-byte loads predicated inside the asm (zeros when !ok): straight-line code, so ptxas keeps
 // all of a step's loads ahead of the MMAs (with C-level branches it interleaved them).
@@ -128,7 +145,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * (8 * RT);
     const int KC = a.K >> 3;          // 16-byte chunks per row
-    const int KT = (KC + 3) >> 2;     // k-tiles (4 chunks) per row
+    const int KT = (KC + 3) >> 2;     // k-tiles (4 chunks) per row (the split, as for any plane)
+    const int KCv = a.lim_kind == LIM_COLS ? plane_limit(a, blockIdx.y, a.K) >> 3 : KC;  // chunks read
+    const int Nv = a.lim_kind == LIM_ROWS ? plane_limit(a, blockIdx.y, a.N) : a.N;      // rows read
     const int per = (KT + W - 1) / W; // k-tiles per warp
     const int kb = warp * per;
     const int ke = min(KT, kb + per);
@@ -140,7 +159,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
 #pragma unroll
     for (int r = 0; r < RT; r++) {
         const int n = n0 + r * 8 + g;
-        rok[r] = n < a.N;
+        rok[r] = n < Nv;  // rows in [Nv, N) load nothing: their outputs are 0
         wr[r] = w + (long long)(rok[r] ? n : 0) * a.K + t * 8;
     }
     const bool xok = g < a.M;
@@ -163,7 +182,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     auto load_w = [&](int kt) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const bool ok = kt + u < ke && (kt + u) * 4 + t < KC;
+            const bool ok = kt + u < ke && (kt + u) * 4 + t < KCv;
 #pragma unroll
             for (int r = 0; r < RT; r++) wv[u][r] = ld_stream(wr[r] + (long long)(kt + u) * 32, ok && rok[r]);
         }
@@ -171,7 +190,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     auto load_x = [&](int kt) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const bool ok = xok && kt + u < ke && (kt + u) * 4 + t < KC;
+            const bool ok = xok && kt + u < ke && (kt + u) * 4 + t < KCv;
             xv[u] = ld_ro(xr + (long long)(kt + u) * 32, ok);
             if constexpr (RELU2) xv[u] = relu2_8<F>(xv[u]);
         }
@@ -305,11 +324,11 @@ inline int device_ok() {
 
 // out (M, N) [P planes] = act(x (M, K)) @ w (N, K)^T. f_dt: 1 fp16, 2 bf16 (x, w, out alike).
 // act: 0 = x as is, 1 = round(relu(x)^2). warps / cfg: 0 = automatic (nonzero: tuning, see
-// test/bench/bench_gemm.py --sweep).
+// test/bench/bench_gemm.py --sweep). lim / lim_kind: zero padding not to read (see the top).
 // Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the fallback) or a CUDA error.
 extern "C" int gemv(int f_dt, int M, int N, int K, int P, const void *x, long long x_s, long long x_ps,
                     const void *w, long long w_ps, void *out, long long o_s, long long o_ps, int warps, int cfg,
-                    int act, void *stream) {
+                    int act, long long lim, int lim_kind, void *stream) {
     using namespace gemv_k;
     if (M == 0 || N == 0 || P == 0) return 0;
     if (M < 0 || M > MAX_M || N < 0 || K <= 0 || P < 0 || K % 8) return UNSUPPORTED;
@@ -318,8 +337,9 @@ extern "C" int gemv(int f_dt, int M, int N, int K, int P, const void *x, long lo
     if (x_s < 0 || x_ps < 0 || w_ps < 0) return UNSUPPORTED;
     static const int ok = device_ok();
     if (!ok) return UNSUPPORTED;
-    if (cfg < 0 || cfg > NCFG || act < 0 || act > 1) return UNSUPPORTED;
-    Args a{x, w, out, M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0, o_s, o_ps, M, N, K};
+    if (cfg < 0 || cfg > NCFG || act < 0 || act > 1 || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
+    Args a{x, w, out, M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0, o_s, o_ps, M, N, K,
+           (unsigned long long)lim, lim ? lim_kind : (int)LIM_NONE};
     cudaStream_t s = (cudaStream_t)stream;
     if (f_dt == DT_F16) return act ? dispatch<__half, true>(a, P, warps, cfg, s) : dispatch<__half, false>(a, P, warps, cfg, s);
     if (f_dt == DT_BF16)

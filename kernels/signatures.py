@@ -37,8 +37,9 @@ SIGNATURES: dict[str, list[str]] = {
     "fused_relu_square": [I, P, LL, P],  # f_dt, h, n, stream
     "fused_lora_act": [I, P, LL, P, LL, P],  # f_dt, a, na, g, ng, stream
     # gemv.cu: f_dt, M, N, K, P, x, x_stride, x_pstride, w, w_pstride, out, o_stride, o_pstride,
-    # warps, cfg, act (0 none, 1 relu^2 on x), stream (returns -2 = layout not covered: use the fallback)
-    "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, I, P],
+    # warps, cfg, act (0 none, 1 relu^2 on x), lim (per-plane widths / 8, 8 bits each), lim_kind (0 none,
+    # 1 rows, 2 columns), stream (returns -2 = layout not covered: use the fallback)
+    "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
     # fused_elementwise.cu: mode (0 plain launches, 1 programmatic dependent launch, -1 query);
     # returns the previous state
     "pdl_mode": [I],

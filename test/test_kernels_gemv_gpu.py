@@ -228,3 +228,73 @@ def test_relu2_linear_leaves_h_and_covers_the_kernel(dev, monkeypatch):
     monkeypatch.setattr(ops, "linear", boom)
     cuda_ops.relu2_linear(h, w)
     assert torch.equal(h, h0)
+
+
+def _padded_planes(widths, D, K, dtype, dev, seed, pad_value=0.0, along="rows"):
+    """Stacked weights (P, D, K) (along rows) or (P, K, D) (along columns) whose plane p is real up
+    to widths[p] and pad_value beyond it."""
+    P = len(widths)
+    w = _data((P, D, K) if along == "rows" else (P, K, D), dtype, dev, seed=seed, scale=0.05)
+    for p, d in enumerate(widths):
+        if along == "rows":
+            w[p, d:].fill_(pad_value)
+        else:
+            w[p, :, d:].fill_(pad_value)
+    return w
+
+
+LORA_WIDTHS = [(320, 96, 96, 64), (320, 96, 96), (480, 128, 128, 96), (100, 37, 320, 8), tuple(range(8, 88, 8)) + (2104,)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("widths", LORA_WIDTHS)
+def test_padding_hints_bitwise(dev, no_fallback, dtype, M, widths):
+    """rows= / cols= on zero-padded planes (the decode LoRAs' layout: server.model.decode_pack)
+    give bitwise the unhinted product; widths not multiples of 8, more than 8 planes (planes 8+
+    read whole) and widths over 2040 (read whole) included. With rows=, the padded outputs are 0."""
+    D, C = max(widths), 2560
+    x = _data((len(widths), M, C), dtype, dev, seed=M)
+    w1 = _padded_planes(widths, D, C, dtype, dev, seed=len(widths))
+    got = cuda_ops.linear(x, w1, rows=widths)  # (P, M, D)
+    assert torch.equal(got, cuda_ops.linear(x, w1))
+    for p, d in enumerate(widths):
+        assert not got[p, :, d:].any()
+    mid = _data((len(widths), M, D), dtype, dev, seed=M + 1)  # padding columns of mid not zero
+    w2 = _padded_planes(widths, D, C, dtype, dev, seed=len(widths) + 1, along="cols")  # (P, C, D)
+    assert torch.equal(cuda_ops.linear(mid, w2, cols=widths), cuda_ops.linear(mid, w2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 8])
+def test_padding_hints_skip_the_padding(dev, no_fallback, dtype, M):
+    """The hints really stop the reads: on planes whose padding is NOT zero, the hinted product is
+    the product with the padding zeroed (within the fp64 bound), unlike the unhinted one."""
+    widths, D, C = (320, 96, 96, 64), 320, 2560
+    x = _data((4, M, C), dtype, dev, seed=21)
+    w1 = _padded_planes(widths, D, C, dtype, dev, seed=22, pad_value=1.0)
+    w1z = _padded_planes(widths, D, C, dtype, dev, seed=22)
+    got = cuda_ops.linear(x, w1, rows=widths)
+    _check(got, x, w1z)
+    assert not torch.equal(got, cuda_ops.linear(x, w1))
+    mid = _data((4, M, D), dtype, dev, seed=23)
+    w2 = _padded_planes(widths, D, C, dtype, dev, seed=24, pad_value=1.0, along="cols")
+    w2z = _padded_planes(widths, D, C, dtype, dev, seed=24, along="cols")
+    got = cuda_ops.linear(mid, w2, cols=widths)
+    _check(got, mid, w2z)
+    assert not torch.equal(got, cuda_ops.linear(mid, w2))
+
+
+def test_padding_hints_on_cpu_and_both_refused():
+    """No CUDA needed: ops.linear and the CPU route ignore the hints (same product); rows and cols
+    together are refused."""
+    x, w = torch.randn(2, 3, 64), torch.randn(2, 16, 64)
+    w[1, 8:] = 0
+    want = torch.bmm(x, w.transpose(1, 2))
+    assert torch.equal(ops.linear(x, w, rows=(16, 8)), want)
+    assert torch.equal(cuda_ops.linear(x, w, rows=(16, 8)), want)
+    with pytest.raises(ValueError):
+        cuda_ops.linear(x, w, rows=(16, 8), cols=(64, 64))
+    assert cuda_ops._gemv_lim((320, 96, 100, 2100), None) == (40 | 12 << 8 | 13 << 16, 1)

@@ -278,24 +278,45 @@ RELU2_GEMV = os.environ.get("RWKV_RELU2_GEMV", "1") != "0"
 """relu2_linear squares inside the gemv's x loads at M <= GEMV_MAX_M (0: relu_square, then linear)."""
 GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (nothing launched)
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
+GEMV_SKIP_PADDING = os.environ.get("RWKV_GEMV_SKIP_PADDING", "1") != "0"
+"""linear's rows / cols hints reach the gemv (zero padding not read); 0: every plane read whole."""
+_LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, *, warps: int = 0, cfg: int = 0) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
     """ops.linear (see there): x (M, K), w (N, K) -> (M, N); stacked x (P, M, K), w (P, N, K) ->
     (P, M, N). CUDA fp16/bf16 with M <= GEMV_MAX_M: one gemv launch (x may be a strided view:
     rows stride(-2) apart, unit column stride; weight rows contiguous); anything else, or a
     layout the kernel refuses (K % 8, 16-byte alignment), falls back to ops.linear (cuBLAS).
+    rows / cols (ops.linear's zero-padding hints): the gemv does not read plane p's weight rows
+    from rows[p] on (their outputs are 0) or its columns from cols[p] on (planes 0..7).
     warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark."""
-    return _linear(x, w, warps, cfg, 0)
+    lim = _gemv_lim(rows, cols) if GEMV_SKIP_PADDING else (0, 0)
+    return _linear(x, w, warps, cfg, 0, lim)
+
+
+def _gemv_lim(rows, cols) -> tuple[int, int]:
+    """(lim, lim_kind) for gemv.cu: per-plane widths rounded up to 8 (reading a few zeros more
+    is harmless), 8 bits of width / 8 per plane for planes 0..7; 0 = read the plane whole."""
+    if rows is not None and cols is not None:
+        raise ValueError("linear: give rows or cols, not both")
+    widths, kind = (rows, _LIM_ROWS) if rows is not None else (cols, _LIM_COLS)
+    if widths is None:
+        return 0, 0
+    lim = 0
+    for p, width in enumerate(widths[:8]):
+        units = -(-int(width) // 8)
+        lim |= (units if 0 < units <= 255 else 0) << (8 * p)
+    return (lim - (1 << 64) if lim >= 1 << 63 else lim), kind  # as a signed long long
 
 
 def relu2_linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
     as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
-    return _linear(h, w, 0, 0, 1) if RELU2_GEMV else linear(relu_square(h), w)
+    return _linear(h, w, 0, 0, 1, (0, 0)) if RELU2_GEMV else linear(relu_square(h), w)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int, lim: tuple[int, int]):
     M = x.shape[-2] if x.dim() >= 2 else 0
     fallback = (lambda: ops.linear(relu_square(x), w)) if act else (lambda: ops.linear(x, w))
     lib = _lib(x.device) if x.is_cuda and 1 <= M <= GEMV_MAX_M else None
@@ -312,7 +333,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int) ->
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.gemv(_GEMV_DT[x.dtype], M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, w.data_ptr(), w_ps,
-                  out.data_ptr(), N, M * N, warps, cfg, act, stream)  # fmt: skip
+                  out.data_ptr(), N, M * N, warps, cfg, act, *lim, stream)  # fmt: skip
     if rc == GEMV_UNSUPPORTED:
         return fallback()
     _check(rc, "gemv")

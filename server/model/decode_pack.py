@@ -20,7 +20,8 @@ token-shift output:
     g1 (d_gate, C), g2 (C, d_gate)                      on plane 0       -> gate
 
 D = the largest width stacked (smaller ones are zero-padded: zero rows/columns add nothing to
-the real outputs); no value mix in layer 0 (Q = 3, P = 2). Merged, the LoRAs are 2 launches
+the real outputs, and the small-batch gemv does not read them: ops.linear's rows / cols hints
+from DecodePack.widths); no value mix in layer 0 (Q = 3, P = 2). Merged, the LoRAs are 2 launches
 instead of 4 for more (padded) FLOPs: measured faster at every batch on the H200 (2.9B:
 test/bench/bench_lora.py, e.g. 22.0 -> 14.5 us per layer at B=256; decode +5% at B=64 and
 B=256). The layer's own fields (wr, wk, wv, w1, ...) become views into these tensors, so prefill
@@ -48,6 +49,7 @@ class DecodePack:
     vkr: torch.Tensor  # (3, C, C)
     lora1: torch.Tensor  # (Q, D, C) merged (gate first) or (P, D, C) split
     lora2: torch.Tensor  # (Q, C, D) or (P, C, D)
+    widths: tuple[int, ...] = ()  # each plane's own LoRA width (<= D; the rest is zero padding)
     g1: torch.Tensor | None = None  # (d_gate, C) nn.Linear layout (split only)
     g2: torch.Tensor | None = None  # (C, d_gate)
 
@@ -75,11 +77,12 @@ def pack_layer(lw: LayerWeights, merged: bool | None = None) -> DecodePack:
         setattr(lw, n + "1", lora1[p, :d].t())  # (C, d) view
         setattr(lw, n + "2", lora2[p, :, :d].t())  # (d, C) view
     mix = lw.mix[list(PLANE_ORDER)].contiguous()
+    widths = tuple(t.shape[1] for t in firsts)
     if merged:
-        return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2)
+        return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2, widths=widths)
     g1, g2 = lw.g1.t().contiguous(), lw.g2.t().contiguous()  # (d_gate, C), (C, d_gate)
     lw.g1, lw.g2 = g1.t(), g2.t()
-    return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2, g1=g1, g2=g2)
+    return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2, widths=widths, g1=g1, g2=g2)
 
 
 class SideStream:

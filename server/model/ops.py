@@ -159,10 +159,13 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return hw.tanh_(), hg.sigmoid_()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, rows=None, cols=None) -> torch.Tensor:
     """x @ w^T with w in the nn.Linear layout (out, in):
     x (M, K), w (N, K) -> (M, N);  stacked: x (P, M, K), w (P, N, K) -> (P, M, N) (plane p
-    uses weight p). The CUDA twin takes a hand-written matrix-vector kernel for small M."""
+    uses weight p). The CUDA twin takes a hand-written matrix-vector kernel for small M.
+    rows / cols: zero-padding hints for stacked planes of different widths: plane p's weight
+    rows from rows[p] on (or its columns from cols[p] on) are zero. The product here is the same
+    with or without them; the CUDA twin's kernel skips reading the padding."""
     if x.dim() == 2:
         return F.linear(x, w)
     return torch.bmm(x, w.transpose(1, 2))  # (P, M, N)

@@ -177,13 +177,13 @@ class RWKV7:
         (P, B, C) without their biases, and the gate (B, C)."""
         lin, Q = self.ops.linear, pk.lora1.shape[0]
         if pk.merged:  # one launch per stage (server.model.decode_pack)
-            mid = lin(xs[:Q], pk.lora1)  # (Q, B, D) gate, decay, a[, v-mix] hidden
+            mid = lin(xs[:Q], pk.lora1, rows=pk.widths)  # (Q, B, D) gate, decay, a[, v-mix] hidden
             self.ops.lora_act(mid[1], mid[0])  # tanh on the decay plane, sigmoid on the gate's; in place
-            out = lin(mid, pk.lora2)  # (Q, B, C) gate, wz, az[, vz]
+            out = lin(mid, pk.lora2, cols=pk.widths)  # (Q, B, C) gate, wz, az[, vz]
             return out[1:], out[0]
-        mid = lin(xs[1 : 1 + Q], pk.lora1)  # (P, B, D) decay, a[, v-mix] hidden
+        mid = lin(xs[1 : 1 + Q], pk.lora1, rows=pk.widths)  # (P, B, D) decay, a[, v-mix] hidden
         _, hg = self.ops.lora_act(mid[0], lin(xs[0], pk.g1))  # tanh on the decay plane, sigmoid; in place
-        return lin(mid, pk.lora2), lin(hg, pk.g2)
+        return lin(mid, pk.lora2, cols=pk.widths), lin(hg, pk.g2)
 
     def _fork(self) -> SideStream:
         """A context that runs its body on a side stream forked from the current one (join()

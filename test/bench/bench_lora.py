@@ -5,7 +5,9 @@ batch size; no activations (the same in both):
   split : first stages lin((3, B, C) planes w a v, (3, 96, C)) + lin(g plane, (320, C));
           second stages lin(mid (3, B, 96), (3, C, 96)) + lin(hg (B, 320), (C, 320))
   merged: lin((4, B, C) planes, (4, 320, C)) then lin((4, B, 320), (4, C, 320)): the w/a/v
-          LoRAs zero-padded to the gate's width, 2 launches instead of 4 [the model's default]
+          LoRAs zero-padded to the gate's width, 2 launches instead of 4
+  skip  : merged, with the widths passed (rows= / cols=): at B <= 8 the gemv does not read the
+          zero padding [the model's default]
 
     PYTHONPATH=. python test/bench/bench_lora.py --batches 1,8,64,256,512,1024
 """
@@ -48,11 +50,16 @@ def main() -> None:
         m1, m2 = merged_ws[i]
         return lambda: lin(lin(xs[0:4], m1), m2)
 
-    print(f"{'B':>6} {'split us/layer':>15} {'merged us/layer':>16}")
+    def skip(i):
+        m1, m2 = merged_ws.setdefault(i, (r(4, DG, C), r(4, C, DG)))  # padding not zero: timing only
+        widths = (DG, D, D, D)
+        return lambda: lin(lin(xs[0:4], m1, rows=widths), m2, cols=widths)
+
+    print(f"{'B':>6} {'split us/layer':>15} {'merged us/layer':>16} {'skip us/layer':>14}")
     for B in (int(b) for b in a.batches.split(",")):
         xs = r(6, B, C)  # planes in the model's order g w a v k r
-        ts, tm = bench_graph(split, split_w), bench_graph(merged, merged_w)
-        print(f"{B:6d} {ts * 1e3:15.1f} {tm * 1e3:16.1f}", flush=True)
+        ts, tm, tk = bench_graph(split, split_w), bench_graph(merged, merged_w), bench_graph(skip, split_w)
+        print(f"{B:6d} {ts * 1e3:15.1f} {tm * 1e3:16.1f} {tk * 1e3:14.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests kernels tmix gemm engine e2e e2e_nofeed ab_b1 quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
+# steps: info build tests kernels tmix gemm engine e2e e2e_nofeed ab_b1 ab_pad lora quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
 # (default: info tests kernels engine). The fused decode time-mix and long prefill chunks are the
 # model's defaults on CUDA now (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -41,6 +41,9 @@ for s in $steps; do
               --state-dtype ${STATE_DTYPE:-fp32} --out "$OUT/nofeed.jsonl" 2>&1 | tee "$OUT/e2e_nofeed.log" ;;
     ab_b1) timeout 200 python3 test/bench/ab_decode.py --batches 1,8,64 --variants base,hostfed,lag1,base,hostfed,lag1 \
               --steps 60 2>&1 | tee "$OUT/ab_b1.log" ;;
+    ab_pad) timeout 300 python3 test/bench/ab_decode.py --batches 1,8 --variants base,padread,noside,base,padread,noside \
+              --steps 60 2>&1 | tee "$OUT/ab_pad.log" ;;
+    lora) timeout 120 python3 test/bench/bench_lora.py 2>&1 | tee "$OUT/lora.log" ;;
     http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 64,256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
   esac
 done
