@@ -12,7 +12,7 @@ argument codes here, in order.
 
 SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "wkv7_tmix_fused.cu", "fused_elementwise.cu",
            "gemv.cu", "sampler.cu")
-HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "pdl.cuh", "sampler_core.cuh")
+HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "pdl.cuh")
 
 I, LL, F, P = "i", "ll", "f", "p"
 SIGNATURES: dict[str, list[str]] = {
@@ -44,7 +44,7 @@ SIGNATURES: dict[str, list[str]] = {
     # returns the previous state
     "pdl_mode": [I],
     # sampler.cu: logits, lg_stride, penalty, pen_stride, seen, seen_stride, fparams, iparams,
-    # positions, commit, greedy_only, B, V, out, dbg, lg_dt (0 fp32, 1 fp16, 2 bf16), cta (CTA shape:
-    # 1024 or 512 threads, 0 = 1024), stream (returns -2 = V, dtype or cta not covered)
-    "sampler_step": [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I, I, P],
+    # positions, commit, greedy_only, B, V, out, dbg, lg_dt (0 fp32, 1 fp16, 2 bf16), stream
+    # (returns -2 = V or dtype not covered)
+    "sampler_step": [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I, P],
 }

@@ -342,24 +342,14 @@ def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int, li
 
 # ---- fused sampler step (kernels/sampler.cu) -------------------------------------------------
 SAMPLER_UNSUPPORTED = -2  # sampler_step's return code for a vocabulary it does not cover
-SAMPLER_CTA512_MIN = int(os.environ.get("RWKV_SAMPLER_CTA512_MIN", "128"))
-"""From this many rows the sampler kernel runs two 512-thread CTAs per SM (8-CTA clusters) instead
-of one 1024-thread CTA (4-CTA clusters), so two rows' barriers overlap on each SM; the same
-results either way. Below it the 1024-thread grid fills the SMs in about a wave. <= 0: never."""
-
-
-def sampler_cta(B: int) -> int:
-    """The sampler kernel's CTA shape for a batch of B rows (see SAMPLER_CTA512_MIN)."""
-    return 512 if 0 < SAMPLER_CTA512_MIN <= B else 1024
 
 
 def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, greedy_only: bool = False,
-                 dbg: torch.Tensor | None = None, cta: int = 0) -> torch.Tensor | None:  # fmt: skip
+                 dbg: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """server.engine.sampler.sample (with CANDIDATES = (): exact, never -1) in one launch:
     tokens (B,) int64; penalty (B, V) fp32 and seen (B, V) bool updated in place (views with
     unit column stride, e.g. SamplerSlots' [:B] rows). dbg: optional (B, 8) fp32 out (m, S, c*,
     n kept by top-p, top-k threshold, its group limit or -1, total weight, target) for the tests.
-    cta: the kernel's CTA shape (1024 or 512; 0 = sampler_cta(B)), for the tests and benchmarks.
     Returns None when the kernel cannot run here (no CUDA kernels, a layout or
     vocabulary it does not cover): the caller then runs the torch sampler. No host sync."""
     if not logits.is_cuda or logits.dim() != 2:
@@ -387,7 +377,7 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     rc = lib.sampler_step(
         logits.data_ptr(), logits.stride(0), penalty.data_ptr(), penalty.stride(0), seen.data_ptr(), seen.stride(0),
         fp.data_ptr(), ip.data_ptr(), pos.data_ptr(), cm.data_ptr(), int(greedy_only), B, V, out.data_ptr(),
-        dbg.data_ptr() if dbg is not None else 0, _DT[logits.dtype], cta or sampler_cta(B), stream,
+        dbg.data_ptr() if dbg is not None else 0, _DT[logits.dtype], stream,
     )  # fmt: skip
     if rc == SAMPLER_UNSUPPORTED:
         return None

@@ -12,8 +12,7 @@ RWKV_TWO_LANE_MIN=N, LoRAs on the lane's stream); lag1 (the defaults, but step n
 before step n's ids are read on the host, as an engine that runs one step ahead would: the bubble
 between steps, measured); padread (RWKV_GEMV_SKIP_PADDING=0: the small-batch gemv reads the
 merged LoRAs' zero padding too); noside (RWKV_SIDE_STREAM=0: the LoRAs on the main stream, no
-fork / join per layer); sampler1024 (RWKV_SAMPLER_CTA512_MIN=0: the sampler kernel's 1024-thread
-CTAs at every batch).
+fork / join per layer).
 Prints one line per (variant, batch) and a summary table; writes nothing.
 """
 
@@ -33,19 +32,16 @@ sys.path.insert(0, str(ROOT))
 from bench_engine import DTYPES, add_model_args, bench_decode, decode_graphs  # noqa: E402
 from server.model import cuda_ops, decode_pack, lanes, load_model, rwkv7  # noqa: E402
 
-SAMPLER_CTA512_MIN = cuda_ops.SAMPLER_CTA512_MIN  # the default, restored by the other variants
-
 
 def configure(name: str, model) -> None:
     lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = 0, True
     cuda_ops.GEMV_SKIP_PADDING = name != "padread"
-    cuda_ops.SAMPLER_CTA512_MIN = 0 if name == "sampler1024" else SAMPLER_CTA512_MIN
     merged = name != "splitlora"
     if name.startswith("lanes"):
         lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = int(name[5:]), False
     elif name == "noside":
         rwkv7.SIDE_STREAM = False
-    elif name not in ("base", "hostfed", "lag1", "splitlora", "padread", "sampler1024"):
+    elif name not in ("base", "hostfed", "lag1", "splitlora", "padread"):
         raise SystemExit(f"unknown variant {name!r}")
     if model._decode_packs()[0].merged != merged:  # re-stack the LoRAs (the fields are views)
         decode_pack.LORA_MERGED = merged

@@ -6,12 +6,10 @@ total weight, target) must be bitwise equal, over many random rows and parameter
     PYTHONPATH=. python test/bench/ab_sampler.py                 (old = main)
     PYTHONPATH=. python test/bench/ab_sampler.py --ref HEAD~3 --rounds 20
     PYTHONPATH=. python test/bench/ab_sampler.py --old /path/to/old/sampler.cu
-    PYTHONPATH=. python test/bench/ab_sampler.py --cta 512          (the new kernel's 512-thread shape only)
 
 Each version is built on its own with nvcc (-O3, this GPU's arch) into a shared library and
 called through ctypes (the C entry point sampler_step), so neither the kernel cache nor the
-loader is involved. The new kernel runs once per CTA shape in --cta (each compared with the old
-kernel's default). Exit status 1 (and the first differing rows) on any difference.
+loader is involved. Exit status 1 (and the first differing rows) on any difference.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def build(src: Path, out: Path, arch: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     f = lib.sampler_step
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int  # noqa: E741
-    lib.has_cta = "int lg_dt, int cta," in src.read_text()  # the CTA-shape argument (newer kernels)
-    f.argtypes = [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I] + ([I] if lib.has_cta else []) + [P]
+    f.argtypes = [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I, P]
     f.restype = I
     return lib
 
@@ -82,7 +79,7 @@ def make_inputs(case: str, B: int, V: int, seed: int):
     return logits, penalty, seen, fp, ip, pos, commit
 
 
-def run(lib, dev, logits, penalty, seen, fp, ip, pos, commit, greedy_only: int, cta: int = 0):
+def run(lib, dev, logits, penalty, seen, fp, ip, pos, commit, greedy_only: int):
     B, V = logits.shape
     lg, pen, sn = logits.to(dev), penalty.to(dev).clone(), seen.to(dev).clone()
     out = torch.empty(B, dtype=torch.long, device=dev)
@@ -90,7 +87,7 @@ def run(lib, dev, logits, penalty, seen, fp, ip, pos, commit, greedy_only: int, 
     fpd, ipd, posd, cmd = fp.to(dev).contiguous(), ip.to(dev).contiguous(), pos.to(dev), commit.to(dev)
     rc = lib.sampler_step(lg.data_ptr(), lg.stride(0), pen.data_ptr(), pen.stride(0), sn.data_ptr(), sn.stride(0),
                           fpd.data_ptr(), ipd.data_ptr(), posd.data_ptr(), cmd.data_ptr(), greedy_only, B, V,
-                          out.data_ptr(), dbg.data_ptr(), DT[lg.dtype], *([cta] if lib.has_cta else []),
+                          out.data_ptr(), dbg.data_ptr(), DT[lg.dtype],
                           torch.cuda.current_stream(dev).cuda_stream)  # fmt: skip
     torch.cuda.synchronize(dev)
     if rc != 0:
@@ -110,22 +107,15 @@ def main() -> None:
     ap.add_argument("--ref", default="main", help="git ref of the old kernel (default: main)")
     ap.add_argument("--old", help="the old kernel's source file instead of --ref (where no .git is at hand)")
     ap.add_argument("--rounds", type=int, default=6, help="seeds per (case, V, dtype, B)")
-    ap.add_argument("--cta", default="1024,512", help="the new kernel's CTA shapes to compare (each vs old)")
     a = ap.parse_args()
-    a.cta = [int(c) for c in a.cta.split(",")]
     dev = torch.device("cuda")
     major, minor = torch.cuda.get_device_capability(dev)
     arch = f"sm_{major}{minor}"
     tmp = Path(tempfile.mkdtemp(prefix="ab_sampler_"))
     old_src = Path(a.old) if a.old else tmp / "sampler_old.cu"
     if not a.old:
-        for name in ("sampler.cu", "sampler_core.cuh"):  # the ref's own header (if any) beside its source
-            got = subprocess.run(["git", "-C", str(ROOT), "show", f"{a.ref}:kernels/{name}"], capture_output=True,
-                                 text=True)  # fmt: skip
-            if got.returncode == 0:
-                (tmp / name.replace("sampler.cu", "sampler_old.cu")).write_text(got.stdout)
-            elif name == "sampler.cu":
-                raise SystemExit(got.stderr)
+        old_src.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{a.ref}:kernels/sampler.cu"], check=True,
+                                          capture_output=True, text=True).stdout)  # fmt: skip
     old = build(old_src, tmp / "old.so", arch)
     new = build(ROOT / "kernels" / "sampler.cu", tmp / "new.so", arch)
     cases = ["flat", "random", "peaked", "tied", "allzero", "masked", "huge", "narrow"]
@@ -139,25 +129,19 @@ def main() -> None:
                     inp = (inp[0].to(dt),) + inp[1:]
                     for greedy_only in (0, 1) if r == 0 else (0,):
                         ro = run(old, dev, *inp, greedy_only)
-                        for cta in a.cta:
-                            rn = run(new, dev, *inp, greedy_only, cta)
-                            ok = same(ro[0], rn[0]) & same(ro[1], rn[1]) & same(ro[2], rn[2]) & same(ro[3], rn[3])
-                            n_rows += B
-                            n_bad += report(ok, ro, rn, f"V={V} {dt} {case} round={r} greedy_only={greedy_only} cta={cta}")
+                        rn = run(new, dev, *inp, greedy_only)
+                        ok = same(ro[0], rn[0]) & same(ro[1], rn[1]) & same(ro[2], rn[2]) & same(ro[3], rn[3])
+                        n_rows += B
+                        if not ok.all():
+                            bad = (~ok).nonzero().flatten()[:5].tolist()
+                            n_bad += int((~ok).sum())
+                            print(f"DIFF V={V} {dt} {case} round={r} greedy_only={greedy_only} rows {bad}: "
+                                  f"tokens old {ro[0][bad].tolist()} new {rn[0][bad].tolist()} "
+                                  f"dbg old {ro[3][bad[0]].tolist()} new {rn[3][bad[0]].tolist()}")  # fmt: skip
         print(f"V={V}: {n_rows} rows compared, {n_bad} differ", flush=True)
     if n_bad:
         sys.exit(1)
     print("bitwise identical")
-
-
-def report(ok: torch.Tensor, ro, rn, label: str) -> int:
-    """Print the first differing rows of one comparison; their count."""
-    if ok.all():
-        return 0
-    bad = (~ok).nonzero().flatten()[:5].tolist()
-    print(f"DIFF {label} rows {bad}: tokens old {ro[0][bad].tolist()} new {rn[0][bad].tolist()} "
-          f"dbg old {ro[3][bad[0]].tolist()} new {rn[3][bad[0]].tolist()}")  # fmt: skip
-    return int((~ok).sum())
 
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@
 Each step is timed as a CUDA-graph replay (as in the engine's decode graph): torch = sample()
 with the default CANDIDATES (top-1024 fast path; overflow rows come back -1 and would be resolved
 eagerly, their count is printed), torch-full = the exact full-sort reference (CANDIDATES = ()),
-kernel = cuda_ops.fused_sample (the CTA shape it picks for B; then each shape forced: cta1024 /
-cta512, see cuda_ops.SAMPLER_CTA512_MIN). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
+kernel = cuda_ops.fused_sample. Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
 every row commits. V = 65536. ms per step = median over replays (CUDA events).
 """
 
@@ -80,9 +79,7 @@ def run(case: str, B: int, full: bool) -> dict:
             S.CANDIDATES = old
     if cuda_ops.fused_sample(logits, *args) is None:
         raise SystemExit("the fused sampler kernel is not available here (see the log)")
-    out["kernel"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args))  # the default shape for B
-    for cta in (1024, 512):
-        out[f"cta{cta}"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args, cta=cta))
+    out["kernel"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args))
     return out
 
 
@@ -93,14 +90,13 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="also time the full-sort torch reference")
     a = ap.parse_args()
     cases = ["flat", "random"] if a.case == "both" else [a.case]
-    print(f"{'case':7} {'B':>5} {'torch ms':>9} {'full ms':>8} {'kernel ms':>9} {'speedup':>8} {'overflow':>8}"
-          f" {'cta1024 ms':>10} {'cta512 ms':>10}")  # fmt: skip
+    print(f"{'case':7} {'B':>5} {'torch ms':>9} {'full ms':>8} {'kernel ms':>9} {'speedup':>8} {'overflow':>8}")
     for case in cases:
         for B in a.B:
             r = run(case, B, a.full)
             full = f"{r['torch-full']:8.3f}" if "torch-full" in r else f"{'-':>8}"
             print(f"{case:7} {B:5d} {r['torch']:9.3f} {full} {r['kernel']:9.3f} {r['torch'] / r['kernel']:7.2f}x "
-                  f"{r['overflow']:8d} {r['cta1024']:10.3f} {r['cta512']:10.3f}", flush=True)  # fmt: skip
+                  f"{r['overflow']:8d}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
