@@ -34,6 +34,24 @@ inline int &pdl_switch() {
     return v;
 }
 
+// Early weight loads (default on; RWKV_PDL_EARLY=0 or pdl_mode(2) off, pdl_mode(3) on): add_ln_mix
+// and the fused time-mix read their weight vectors (LayerNorm / mix rows, per-head constants)
+// BEFORE pdl_wait(), beside the loads already issued there. Weights are never written by a kernel
+// in flight, so this is the rule above; it takes their (cold, HBM) round trip off the path after
+// the wait, where only the activations (just written: L2) remain. Read when a kernel is launched.
+inline int &early_switch() {
+    static int v = -1;
+    return v;
+}
+
+inline bool early_loads() {
+    if (early_switch() < 0) {
+        const char *env = getenv("RWKV_PDL_EARLY");
+        early_switch() = (env && env[0] == '0') ? 0 : 1;
+    }
+    return early_switch() == 1;
+}
+
 inline bool pdl_enabled() {
     static int supported[64] = {};  // per device: 0 unknown, 1 sm_90+, 2 older
     int dev = 0;

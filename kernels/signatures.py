@@ -40,8 +40,8 @@ SIGNATURES: dict[str, list[str]] = {
     # warps, cfg, act (0 none, 1 relu^2 on x), lim (per-plane widths / 8, 8 bits each), lim_kind (0 none,
     # 1 rows, 2 columns), stream (returns -2 = layout not covered: use the fallback)
     "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
-    # fused_elementwise.cu: mode (0 plain launches, 1 programmatic dependent launch, -1 query);
-    # returns the previous state
+    # fused_elementwise.cu: mode (0 plain launches, 1 programmatic dependent launch, -1 query;
+    # 2 / 3 early weight loads off / on); returns the previous state (0 / 1, or 2 / 3)
     "pdl_mode": [I],
     # sampler.cu: logits, lg_stride, penalty, pen_stride, seen, seen_stride, fparams, iparams,
     # positions, commit, greedy_only, B, V, out, dbg, lg_dt (0 fp32, 1 fp16, 2 bf16), stream

@@ -12,6 +12,7 @@ struct TmixArgs {
     long long act_bstride, out_bstride;
     int layer0;
     float gn_eps;
+    int early;  // fused kernel: the per-head weight vectors loaded before pdl_wait (pdl.cuh)
 };
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }

@@ -88,25 +88,44 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
         if constexpr (PACK) sp[j] = ld_global_v4(shead + (long long)(rg + j * RG) * N + lane * EPT);
         else load_state<S>(shead + (long long)(rg + j * RG) * N, lane, s[j]);
     }
+    // 2a. the head's weight vectors (role by warp, as used in 2b; absent biases read as 0: x + 0
+    // rounded to F is x). Weights are never written: with p.early they go out before the wait too.
+    auto lbias = [&](const void *bias, int c) { return bias ? ld(bias, c) : 0.f; };
+    const bool l0 = p.layer0 != 0;
+    float a0[CPL], kkw[CPL], ka[CPL], rk[CPL];  // warp 0;  warp 1: v0 in a0
+    float w0 = 0.f, lw_o = 0.f, lb_o = 0.f;     // warps 2..: row c = tid - 64 of the output
+    auto load_weights = [&] {
+        if (warp == 0) {
+#pragma unroll
+            for (int q = 0; q < CPL; q++) {
+                const int c = hc + wl + 32 * q;
+                a0[q] = lbias(p.a0, c), kkw[q] = ld(p.k_k, c), ka[q] = ld(p.k_a, c), rk[q] = ld(p.r_k, c);
+            }
+        } else if (warp == 1) {
+#pragma unroll
+            for (int q = 0; q < CPL; q++) a0[q] = l0 ? 0.f : lbias(p.v0, hc + wl + 32 * q);
+        } else if (tid - 64 < N) {
+            const int c = hc + tid - 64;
+            w0 = lbias(p.w0, c), lw_o = ld(p.lnx_w, c), lb_o = ld(p.lnx_b, c);
+        }
+    };
+    if (p.early) load_weights();
     // the state rows are this layer's own (the predecessor, the r/k/v projection, never touches
     // them): their loads go out before the wait for the predecessor's activations
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
+    if (!p.early) load_weights();
 
-    // 2. per-column vectors of the head. Each role loads all its inputs before any arithmetic and
-    // without branches (absent biases read as 0: x + 0 rounded to F is x), so they are one L2
-    // round trip, overlapping the state loads.
-    float g_o = 0.f, lw_o = 0.f, lb_o = 0.f;  // row c = tid - 64 of the output (warps 2..)
-    auto lbias = [&](const void *bias, int c) { return bias ? ld(bias, c) : 0.f; };
+    // 2b. per-column vectors of the head. Each role loads all its inputs before any arithmetic and
+    // without branches, so they are one L2 round trip, overlapping the state loads.
+    float g_o = 0.f;  // row c = tid - 64 of the output (warps 2..)
     auto round_f = [&](float x) { return to_f(from_f<F>(x)); };  // torch's add in dtype F
     if (warp == 0) {
-        float kr[CPL], rr[CPL], az[CPL], a0[CPL], kkw[CPL], ka[CPL], rk[CPL];
+        float kr[CPL], rr[CPL], az[CPL];
 #pragma unroll
         for (int q = 0; q < CPL; q++) {
             const int c = wl + 32 * q;
             kr[q] = ld(p.k, base + c), rr[q] = ld(p.r, base + c), az[q] = ld(p.az, base + c);
-            a0[q] = lbias(p.a0, hc + c), kkw[q] = ld(p.k_k, hc + c), ka[q] = ld(p.k_a, hc + c);
-            rk[q] = ld(p.r_k, hc + c);
         }
         float kkr[CPL], ag[CPL], sq = 0.f, bon = 0.f;
 #pragma unroll
@@ -132,23 +151,21 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
         }
         if (wl == 0) red[0] = bon;
     } else if (warp == 1) {
-        const bool l0 = p.layer0 != 0;
-        float vr[CPL], vf[CPL], vz[CPL], v0[CPL];
+        float vr[CPL], vf[CPL], vz[CPL];
 #pragma unroll
         for (int q = 0; q < CPL; q++) {
             const int c = wl + 32 * q;
             vr[q] = ld(p.v, base + c);
             vf[q] = l0 ? 0.f : ld(p.v_first, base + c);
             vz[q] = l0 ? 0.f : ld(p.vz, base + c);
-            v0[q] = l0 ? 0.f : lbias(p.v0, hc + c);
         }
 #pragma unroll
-        for (int q = 0; q < CPL; q++)
-            sh_v[wl + 32 * q] = l0 ? vr[q] : vr[q] + (vf[q] - vr[q]) * sigmoidf(round_f(vz[q] + v0[q]));
+        for (int q = 0; q < CPL; q++)  // a0 holds v0 in warp 1
+            sh_v[wl + 32 * q] = l0 ? vr[q] : vr[q] + (vf[q] - vr[q]) * sigmoidf(round_f(vz[q] + a0[q]));
     } else if (tid - 64 < N) {
         const int c = tid - 64;
-        const float wz = ld(p.wz, base + c), w0 = lbias(p.w0, hc + c);
-        g_o = ld(p.g, base + c), lw_o = ld(p.lnx_w, hc + c), lb_o = ld(p.lnx_b, hc + c);
+        const float wz = ld(p.wz, base + c);
+        g_o = ld(p.g, base + c);
         const float w = -softplusf(-round_f(wz + w0)) - 0.5f;
         sh_dec[c] = expf(-expf(w));
     }
@@ -250,7 +267,7 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long lo
     if (rpt != 2 && rpt != 4 && rpt != -4) return -2;
     if (B > 65535) return -2;  // grid.y
     wkv7::TmixArgs p{r, k, v, wz, az, vz, v_first, g, k_k, k_a, r_k, lnx_w, lnx_b,
-                     out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps};
+                     out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps, rwkv_pdl::early_loads() ? 1 : 0};
     return WKV7_DISPATCH(f_dt, s_dt, {
         const cudaStream_t st = (cudaStream_t)stream;
         if (rpt == 4) return launch_head<F, S, 4, true>(B, H, (S *)state, s_bstride, p, st);

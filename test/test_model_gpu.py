@@ -115,8 +115,10 @@ def test_capture_in_a_fresh_process_with_large_buckets():
 @pytest.mark.parametrize("B", [1, 8, 64])
 def test_pdl_launches_equal_plain_launches(pair, B):
     """Programmatic dependent launch (kernels/pdl.cuh: gemv and tmix issue loads before their
-    wait) changes no result: graph-captured decode steps with and without it give bitwise the
-    same logits and states (B = 1, 8: gemv projections; 64: cuBLAS)."""
+    wait; add_ln_mix and tmix their weight vectors too unless early loads are off) changes no
+    result: graph-captured decode steps without it, with it, and with it but the weight vectors
+    loaded after the wait give bitwise the same logits and states (B = 1, 8: gemv projections;
+    64: cuBLAS)."""
     from kernels import loader
     from server.model.graphs import DecodeGraphs
 
@@ -126,22 +128,23 @@ def test_pdl_launches_equal_plain_launches(pair, B):
     gpu.forward([[i + 1, i + 2, i + 3] for i in range(B)], pool0)
     tok = torch.arange(B, device="cuda") + 10  # (B,)
     runs = []
-    was = lib.pdl_mode(-1)
+    was, was_early = lib.pdl_mode(-1), lib.pdl_mode(3)
     if torch.cuda.get_device_capability(gpu.device)[0] >= 9 and os.environ.get("RWKV_PDL", "1") != "0":
         assert was == 1, "PDL should be on by default on sm_90+"
     try:
-        for mode in (0, 1):
-            lib.pdl_mode(mode)
+        for mode, early in ((0, 3), (1, 3), (1, 2)):
+            lib.pdl_mode(mode), lib.pdl_mode(early)
             pool = pool0.clone()
             g = DecodeGraphs(gpu, pool, None, max_batch=B)
             g.capture([B])
             outs = [g.step(B, tok + step).clone() for step in range(3)]
             runs.append((torch.stack(outs), g.logits(B).clone(), [t.clone() for t in pool.tensors()]))
     finally:
-        lib.pdl_mode(was)
-    (t0, l0, s0), (t1, l1, s1) = runs
-    assert torch.equal(t0, t1) and torch.equal(l0, l1)
-    assert all(torch.equal(a, b) for a, b in zip(s0, s1))
+        lib.pdl_mode(was), lib.pdl_mode(was_early)
+    t0, l0, s0 = runs[0]
+    for t1, l1, s1 in runs[1:]:
+        assert torch.equal(t0, t1) and torch.equal(l0, l1)
+        assert all(torch.equal(a, b) for a, b in zip(s0, s1))
 
 
 @pytest.mark.parametrize("B", [16, 64])

@@ -12,7 +12,8 @@ RWKV_TWO_LANE_MIN=N, LoRAs on the lane's stream); lag1 (the defaults, but step n
 before step n's ids are read on the host, as an engine that runs one step ahead would: the bubble
 between steps, measured); padread (RWKV_GEMV_SKIP_PADDING=0: the small-batch gemv reads the
 merged LoRAs' zero padding too); noside (RWKV_SIDE_STREAM=0: the LoRAs on the main stream, no
-fork / join per layer).
+fork / join per layer); late (RWKV_PDL_EARLY=0: add_ln_mix and the time-mix load their weight
+vectors after the PDL wait, not before).
 Prints one line per (variant, batch) and a summary table; writes nothing.
 """
 
@@ -36,12 +37,13 @@ from server.model import cuda_ops, decode_pack, lanes, load_model, rwkv7  # noqa
 def configure(name: str, model) -> None:
     lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = 0, True
     cuda_ops.GEMV_SKIP_PADDING = name != "padread"
+    cuda_ops._lib(model.device).pdl_mode(2 if name == "late" else 3)  # early weight loads off / on
     merged = name != "splitlora"
     if name.startswith("lanes"):
         lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = int(name[5:]), False
     elif name == "noside":
         rwkv7.SIDE_STREAM = False
-    elif name not in ("base", "hostfed", "lag1", "splitlora", "padread"):
+    elif name not in ("base", "hostfed", "lag1", "splitlora", "padread", "late"):
         raise SystemExit(f"unknown variant {name!r}")
     if model._decode_packs()[0].merged != merged:  # re-stack the LoRAs (the fields are views)
         decode_pack.LORA_MERGED = merged
