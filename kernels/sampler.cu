@@ -7,7 +7,8 @@
 // Layout: one thread-block CLUSTER of CL CTAs (1024 threads each) per row; CTA r of the cluster
 // owns tokens [r*n_loc, (r+1)*n_loc) and keeps them in shared memory for the whole step:
 // z = logits - penalty (fp32) and key = the fp32 bits of p = softmax(z) (p >= 0, so the bits
-// order like the values). CL = 4 for V <= 65536 (128 KiB of z + keys per CTA), 8 up to 131072.
+// order like the values). CL = 4 for V <= 65536 (128 KiB of z + keys per CTA), 8 up to 131072;
+// CL = 3 for V <= 65538 at large batch (175 KiB per CTA, 10-bit digits: Cfg).
 // Cross-CTA reductions and histograms go through distributed shared memory (cluster.sync).
 // The step is latency bound (one 1024-thread CTA per SM; ~10x above its memory time), so the
 // code keeps the barriers per radix pass to one cluster.sync + one __syncthreads, and no phase
@@ -57,12 +58,10 @@ namespace sampler_k {
 constexpr int THREADS = 1024;
 constexpr int NW = THREADS / 32;
 static_assert(NW == 32, "one warp reduces the warp partials; 32 chunks of bins");
-constexpr int BINS = 2048;
-constexpr int MAX_LOCAL = 16384;  // tokens per CTA (z + key: 128 KiB)
+constexpr int MAX_LOCAL = 16384;  // tokens per CTA of a 4- or 8-CTA cluster (z + key: 128 KiB)
 constexpr int UNSUPPORTED = -2;
 constexpr float FIX46 = 70368744177664.0f;   // 2^46: p and w fixed-point unit
 constexpr float FIX47 = 140737488355328.0f;  // 2^47: exp(z - m) fixed-point unit (S)
-constexpr int DIGIT = 11;  // radix digit bits (at most; 2048 bins)
 
 typedef unsigned long long u64;
 
@@ -82,7 +81,8 @@ struct Args {
     int greedy_only, V, n_loc, lg_dt;
 };
 
-struct alignas(16) Shared {
+template <int BINS>
+struct alignas(16) SharedT {
     unsigned hcnt[2][BINS], hlo[2][BINS], hhi[2][BINS];  // local histograms (2 slots: see hs)
     u64 cw[BINS];                                         // combined weight / mass per bin
     unsigned cc[BINS];                                    // combined count per bin
@@ -92,6 +92,18 @@ struct alignas(16) Shared {
     alignas(16) unsigned char xraw[2][32];                // cluster exchange slots
     alignas(16) unsigned char sraw[NW * 16];              // block scan scratch
     alignas(16) unsigned char rraw[64];                   // broadcast (select result, scan total)
+};
+
+// Per cluster size: 4 CTAs (V <= 65536) or 8 (V <= 131072) with 11-bit radix digits; 3 CTAs
+// (V <= 65538, the large-batch shape: a 3-CTA cluster fits every SM of a GPC where 4-CTA ones
+// leave some idle) with 10-bit digits, so a third of the row (175 KiB) fits beside the histograms.
+// The digits only narrow the searches: every shape gives the same results.
+template <int CL>
+struct Cfg {
+    static constexpr int DIGIT = CL == 3 ? 10 : 11;  // radix digit bits (at most)
+    static constexpr int BINS = 1 << DIGIT;
+    static constexpr int MAX_LOCAL = CL == 3 ? 21846 : sampler_k::MAX_LOCAL;  // tokens per CTA
+    using Shared = SharedT<BINS>;
 };
 
 struct MaxArg { float v; int i; };
@@ -142,7 +154,7 @@ struct OpWalk {
 // The exchange slots rotate (xs): a slot is rewritten two reductions later, after another
 // cluster.sync that every CTA reaches only once it has read this one.
 template <int CL, class T, class F>
-__device__ T cl_reduce(cg::cluster_group &cl, Shared &sh, int &xs, T v, F f) {
+__device__ T cl_reduce(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, T v, F f) {
     T *wbuf = reinterpret_cast<T *>(sh.wraw);
     T *xbuf = reinterpret_cast<T *>(sh.xraw[xs]);
 #pragma unroll
@@ -165,6 +177,7 @@ __device__ T cl_reduce(cg::cluster_group &cl, Shared &sh, int &xs, T v, F f) {
 
 // Exclusive block scan of (count, weight) in thread order; returns this thread's offset and
 // the block total (in *tot).
+template <class Shared>
 __device__ CW block_scan(Shared &sh, CW v, CW *tot) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     CW inc = v;
@@ -225,7 +238,8 @@ enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
 // Cluster-combined bins [b0, b0 + NB) (NB = 1 or 2 consecutive bins) of histogram slot (hc, hl,
 // hh) into cc / cw; returns their count / weight totals.
 template <int CL, int NB>
-__device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, Shared &sh, const unsigned *hc, const unsigned *hl,
+__device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, const unsigned *hc,
+                                           const unsigned *hl,
                                            const unsigned *hh, int b0, int mode) {
     unsigned c[NB] = {};
     u64 w[NB] = {};
@@ -279,11 +293,13 @@ __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, Shared &sh, co
 // and the __syncthreads after the combine orders the zeroing before that pass's atomics, so a
 // pass needs one cluster.sync and one __syncthreads. Both slots are zeroed at kernel start.
 template <int CL>
-__device__ Sel radix_select(cg::cluster_group &cl, Shared &sh, int &hs, const Row &r, int mode, unsigned lo,
+__device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &hs, const Row &r, int mode,
+                            unsigned lo,
                             unsigned khi, u64 target, bool strict) {
     Sel s{0u, 0u, 0u, 0ull, 1};
     const int lane = threadIdx.x & 31;
     const int hi = max(32 - __clz(lo ^ khi), 5);  // keys in [lo, khi] share the bits >= hi
+    constexpr int DIGIT = Cfg<CL>::DIGIT, BINS = Cfg<CL>::BINS;
     const int npass = (hi + DIGIT - 1) / DIGIT;
     unsigned pref = khi >> hi;
     int pshift = hi;
@@ -378,7 +394,8 @@ __device__ Sel radix_select(cg::cluster_group &cl, Shared &sh, int &hs, const Ro
 // last kept member. find = false: only the sums (wgt, wgrp). FIRST: compute the weights of the keys >= g
 // from z and store them in place of z (the first walk, g = kthr); otherwise they are cached.
 template <int CL, bool FIRST>
-__device__ Walk group_walk(cg::cluster_group &cl, Shared &sh, int &xs, const Row &r, unsigned g, long long lim,
+__device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, const Row &r, unsigned g,
+                           long long lim,
                            u64 target, bool find) {
     const int per = (r.cnt + THREADS - 1) / THREADS;
     const int i0 = min(r.cnt, (int)threadIdx.x * per), i1 = min(r.cnt, i0 + per);
@@ -449,6 +466,8 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 
 template <int CL>
 __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler_kernel(Args a) {
+    using Shared = typename Cfg<CL>::Shared;
+    constexpr int BINS = Cfg<CL>::BINS;
     extern __shared__ __align__(16) unsigned char smem[];
     Shared &sh = *reinterpret_cast<Shared *>(smem);
     float *zs = reinterpret_cast<float *>(smem + sizeof(Shared));
@@ -569,14 +588,16 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
 
 template <int CL>
 int launch(const Args &a, int B, cudaStream_t st) {
+    using Shared = typename Cfg<CL>::Shared;
+    constexpr int MAX_LOCAL = Cfg<CL>::MAX_LOCAL;
     const size_t bytes = sizeof(Shared) + (size_t)a.n_loc * 8;
     // the opt-in to > 48 KiB of shared memory, once per device (the first call is eager: the
     // engine's warm-up runs before any CUDA-graph capture)
-    static int set_bytes[64][2] = {};
+    static int set_bytes[64] = {};  // per device (one table per cluster size: a static of launch<CL>)
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return (int)e;
-    int &done = set_bytes[dev & 63][CL == 8];
+    int &done = set_bytes[dev & 63];
     if (done < (int)bytes) {
         e = cudaFuncSetAttribute(sampler_kernel<CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)(sizeof(Shared) + (size_t)MAX_LOCAL * 8));
@@ -593,20 +614,26 @@ int launch(const Args &a, int B, cudaStream_t st) {
 // rows pen_s apart (updated); seen (B, V) bool rows seen_s apart (updated); fparams (B, 5) fp32,
 // iparams (B, 2) int64, positions (B,) int64, commit (B,) bool: contiguous; out (B,) int64;
 // dbg: null or (B, 8) fp32 (m, S, c*, n kept by top-p, top-k threshold, its group limit,
-// total weight, target). Returns 0, a CUDA error, or -2 (V not covered: use the torch path).
+// total weight, target). cl: the cluster size for V <= 65536, 4 (default: 0) or 3 (the
+// large-batch shape, see Cfg); larger V always 8. The results do not depend on it.
+// Returns 0, a CUDA error, or -2 (V, dtype or cl not covered: use the torch path).
 extern "C" int sampler_step(void *logits, long long lg_s, void *penalty, long long pen_s, void *seen,
                             long long seen_s, void *fparams, void *iparams, void *positions, void *commit,
-                            int greedy_only, int B, int V, void *out, void *dbg, int lg_dt, void *stream) {
+                            int greedy_only, int B, int V, void *out, void *dbg, int lg_dt, int cl, void *stream) {
     using namespace sampler_k;
     if (B <= 0) return 0;
     if (V <= 0 || V > 8 * MAX_LOCAL) return UNSUPPORTED;
-    if (lg_dt < 0 || lg_dt > 2) return UNSUPPORTED;
+    if (lg_dt < 0 || lg_dt > 2 || (cl != 0 && cl != 3 && cl != 4)) return UNSUPPORTED;
     Args a{logits, lg_s, static_cast<float *>(penalty), pen_s,
            static_cast<unsigned char *>(seen), seen_s, static_cast<const float *>(fparams),
            static_cast<const long long *>(iparams), static_cast<const long long *>(positions),
            static_cast<const unsigned char *>(commit), static_cast<long long *>(out), static_cast<float *>(dbg),
            greedy_only, V, 0, lg_dt};
     cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (cl == 3 && V <= 3 * Cfg<3>::MAX_LOCAL) {
+        a.n_loc = (V + 2) / 3;
+        return launch<3>(a, B, st);
+    }
     if (V <= 4 * MAX_LOCAL) {
         a.n_loc = (V + 3) / 4;
         return launch<4>(a, B, st);

@@ -26,6 +26,8 @@ batch, and SamplerSlots.sample uses the kernel when RWKV_FUSED_SAMPLER is on.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,11 +101,11 @@ def reference(logits, s: SamplerSlots, pos, commit, greedy_only=False) -> torch.
         S.CANDIDATES = old
 
 
-def kernel(logits, s: SamplerSlots, pos, commit, greedy_only=False):
+def kernel(logits, s: SamplerSlots, pos, commit, greedy_only=False, cl=0):
     B = len(pos)
     dbg = torch.zeros(B, 8, device=logits.device)
     tok = cuda_ops.fused_sample(logits, s.penalty[:B], s.seen[:B], s.fparams[:B], s.iparams[:B], pos, commit,
-                                greedy_only, dbg=dbg)  # fmt: skip
+                                greedy_only, dbg=dbg, cl=cl)  # fmt: skip
     assert tok is not None, "fused_sample fell back (it should cover this case)"
     return tok, dbg
 
@@ -333,6 +335,28 @@ def test_row_alone_equals_in_batch(dev, case):
             a.copy_(src[b : b + 1])
         alone, _ = kernel(logits[b : b + 1].clone(), one, pos[b : b + 1], commit[b : b + 1])
         assert alone.item() == batch[b].item(), b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [65536, 65538, 50277, 1000, 50])
+@pytest.mark.parametrize("case", CASES + ["narrow"])
+@pytest.mark.parametrize("B", [1, 7, 300])
+def test_cluster_sizes_agree(dev, case, vocab, B):
+    """The 3-CTA clusters (10-bit digits, a third of the row per CTA) give bitwise what the 4-CTA
+    ones give: tokens, debug values, penalties and seen flags (every sum is an integer sum; the
+    digits only narrow the searches). Mixed top_p / top_k / greedy rows."""
+    logits = make_logits(case, B, vocab, seed=B + vocab % 97, dev=dev)
+    params = [dataclasses.replace(p, top_p=(0.0, 0.05, 0.3, 0.9, 1.0)[i % 5])  # a spread of top_p
+              for i, p in enumerate(make_params(B, 0.0, True, True))]  # fmt: skip
+    s = make_slots(params, vocab, dev, True, seed=B)
+    pos = torch.arange(B, device=dev) * 3 + 1
+    commit = torch.arange(B, device=dev) % 4 != 3
+    s3, s4 = clone_slots(s), clone_slots(s)
+    t3, d3 = kernel(logits, s3, pos, commit, cl=3)
+    t4, d4 = kernel(logits, s4, pos, commit, cl=4)
+    assert torch.equal(t3, t4)
+    assert torch.equal(d3.view(torch.int32), d4.view(torch.int32))
+    assert torch.equal(s3.penalty.view(torch.int32), s4.penalty.view(torch.int32)) and torch.equal(s3.seen, s4.seen)
 
 
 @pytest.mark.gpu

@@ -6,10 +6,12 @@ total weight, target) must be bitwise equal, over many random rows and parameter
     PYTHONPATH=. python test/bench/ab_sampler.py                 (old = main)
     PYTHONPATH=. python test/bench/ab_sampler.py --ref HEAD~3 --rounds 20
     PYTHONPATH=. python test/bench/ab_sampler.py --old /path/to/old/sampler.cu
+    PYTHONPATH=. python test/bench/ab_sampler.py --cl 3          (the new kernel's 3-CTA clusters only)
 
 Each version is built on its own with nvcc (-O3, this GPU's arch) into a shared library and
 called through ctypes (the C entry point sampler_step), so neither the kernel cache nor the
-loader is involved. Exit status 1 (and the first differing rows) on any difference.
+loader is involved. The new kernel runs once per cluster size in --cl (each compared with the old
+kernel's default). Exit status 1 (and the first differing rows) on any difference.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def build(src: Path, out: Path, arch: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     f = lib.sampler_step
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int  # noqa: E741
-    f.argtypes = [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I, P]
+    lib.has_cl = "int lg_dt, int cl," in src.read_text()  # the cluster-size argument (newer kernels)
+    f.argtypes = [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I] + ([I] if lib.has_cl else []) + [P]
     f.restype = I
     return lib
 
@@ -79,7 +82,7 @@ def make_inputs(case: str, B: int, V: int, seed: int):
     return logits, penalty, seen, fp, ip, pos, commit
 
 
-def run(lib, dev, logits, penalty, seen, fp, ip, pos, commit, greedy_only: int):
+def run(lib, dev, logits, penalty, seen, fp, ip, pos, commit, greedy_only: int, cl: int = 0):
     B, V = logits.shape
     lg, pen, sn = logits.to(dev), penalty.to(dev).clone(), seen.to(dev).clone()
     out = torch.empty(B, dtype=torch.long, device=dev)
@@ -87,7 +90,7 @@ def run(lib, dev, logits, penalty, seen, fp, ip, pos, commit, greedy_only: int):
     fpd, ipd, posd, cmd = fp.to(dev).contiguous(), ip.to(dev).contiguous(), pos.to(dev), commit.to(dev)
     rc = lib.sampler_step(lg.data_ptr(), lg.stride(0), pen.data_ptr(), pen.stride(0), sn.data_ptr(), sn.stride(0),
                           fpd.data_ptr(), ipd.data_ptr(), posd.data_ptr(), cmd.data_ptr(), greedy_only, B, V,
-                          out.data_ptr(), dbg.data_ptr(), DT[lg.dtype],
+                          out.data_ptr(), dbg.data_ptr(), DT[lg.dtype], *([cl] if lib.has_cl else []),
                           torch.cuda.current_stream(dev).cuda_stream)  # fmt: skip
     torch.cuda.synchronize(dev)
     if rc != 0:
@@ -107,7 +110,9 @@ def main() -> None:
     ap.add_argument("--ref", default="main", help="git ref of the old kernel (default: main)")
     ap.add_argument("--old", help="the old kernel's source file instead of --ref (where no .git is at hand)")
     ap.add_argument("--rounds", type=int, default=6, help="seeds per (case, V, dtype, B)")
+    ap.add_argument("--cl", default="4,3", help="the new kernel's cluster sizes to run (each vs the old kernel)")
     a = ap.parse_args()
+    a.cl = [int(c) for c in a.cl.split(",")]
     dev = torch.device("cuda")
     major, minor = torch.cuda.get_device_capability(dev)
     arch = f"sm_{major}{minor}"
@@ -129,19 +134,25 @@ def main() -> None:
                     inp = (inp[0].to(dt),) + inp[1:]
                     for greedy_only in (0, 1) if r == 0 else (0,):
                         ro = run(old, dev, *inp, greedy_only)
-                        rn = run(new, dev, *inp, greedy_only)
-                        ok = same(ro[0], rn[0]) & same(ro[1], rn[1]) & same(ro[2], rn[2]) & same(ro[3], rn[3])
-                        n_rows += B
-                        if not ok.all():
-                            bad = (~ok).nonzero().flatten()[:5].tolist()
-                            n_bad += int((~ok).sum())
-                            print(f"DIFF V={V} {dt} {case} round={r} greedy_only={greedy_only} rows {bad}: "
-                                  f"tokens old {ro[0][bad].tolist()} new {rn[0][bad].tolist()} "
-                                  f"dbg old {ro[3][bad[0]].tolist()} new {rn[3][bad[0]].tolist()}")  # fmt: skip
+                        for cl in a.cl:
+                            rn = run(new, dev, *inp, greedy_only, cl)
+                            ok = same(ro[0], rn[0]) & same(ro[1], rn[1]) & same(ro[2], rn[2]) & same(ro[3], rn[3])
+                            n_rows += B
+                            n_bad += report(ok, ro, rn, f"V={V} {dt} {case} round={r} greedy={greedy_only} cl={cl}")
         print(f"V={V}: {n_rows} rows compared, {n_bad} differ", flush=True)
     if n_bad:
         sys.exit(1)
     print("bitwise identical")
+
+
+def report(ok: torch.Tensor, ro, rn, label: str) -> int:
+    """Print the first differing rows of one comparison; returns their count."""
+    if ok.all():
+        return 0
+    bad = (~ok).nonzero().flatten()[:5].tolist()
+    print(f"DIFF {label} rows {bad}: tokens old {ro[0][bad].tolist()} new {rn[0][bad].tolist()} "
+          f"dbg old {ro[3][bad[0]].tolist()} new {rn[3][bad[0]].tolist()}")  # fmt: skip
+    return int((~ok).sum())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 Each step is timed as a CUDA-graph replay (as in the engine's decode graph): torch = sample()
 with the default CANDIDATES (top-1024 fast path; overflow rows come back -1 and would be resolved
 eagerly, their count is printed), torch-full = the exact full-sort reference (CANDIDATES = ()),
-kernel = cuda_ops.fused_sample. Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
+kernel = cuda_ops.fused_sample (the cluster size it picks for B; then each forced: 4-CTA /
+3-CTA clusters, see cuda_ops.SAMPLER_CL3_MIN). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
 every row commits. V = 65536. ms per step = median over replays (CUDA events).
 """
 
@@ -79,7 +80,9 @@ def run(case: str, B: int, full: bool) -> dict:
             S.CANDIDATES = old
     if cuda_ops.fused_sample(logits, *args) is None:
         raise SystemExit("the fused sampler kernel is not available here (see the log)")
-    out["kernel"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args))
+    out["kernel"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args))  # the cluster size for B
+    for cl in (4, 3):
+        out[f"cl{cl}"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args, cl=cl))
     return out
 
 
@@ -90,13 +93,14 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="also time the full-sort torch reference")
     a = ap.parse_args()
     cases = ["flat", "random"] if a.case == "both" else [a.case]
-    print(f"{'case':7} {'B':>5} {'torch ms':>9} {'full ms':>8} {'kernel ms':>9} {'speedup':>8} {'overflow':>8}")
+    print(f"{'case':7} {'B':>5} {'torch ms':>9} {'full ms':>8} {'kernel ms':>9} {'speedup':>8} {'overflow':>8}"
+          f" {'4-CTA ms':>9} {'3-CTA ms':>9}")  # fmt: skip
     for case in cases:
         for B in a.B:
             r = run(case, B, a.full)
             full = f"{r['torch-full']:8.3f}" if "torch-full" in r else f"{'-':>8}"
             print(f"{case:7} {B:5d} {r['torch']:9.3f} {full} {r['kernel']:9.3f} {r['torch'] / r['kernel']:7.2f}x "
-                  f"{r['overflow']:8d}", flush=True)  # fmt: skip
+                  f"{r['overflow']:8d} {r['cl4']:9.3f} {r['cl3']:9.3f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
