@@ -342,15 +342,10 @@ def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int, li
 
 # ---- fused sampler step (kernels/sampler.cu) -------------------------------------------------
 SAMPLER_UNSUPPORTED = -2  # sampler_step's return code for a vocabulary it does not cover
-SAMPLER_CL3_MIN = int(os.environ.get("RWKV_SAMPLER_CL3_MIN", "64"))
-"""From this many rows the sampler kernel runs 3-CTA clusters per row instead of 4 (V <= 65536):
-more rows in flight (3-CTA clusters fill the GPCs' SMs), a longer row per CTA; the same results.
-Below it the 4-CTA grid fits in about a wave and the shorter rows win. <= 0: never."""
-
-
-def sampler_cluster(B: int) -> int:
-    """The sampler kernel's cluster size for V <= 65536 at a batch of B rows (SAMPLER_CL3_MIN)."""
-    return 3 if 0 < SAMPLER_CL3_MIN <= B else 4
+SAMPLER_CLUSTER = int(os.environ.get("RWKV_SAMPLER_CLUSTER", "0"))
+"""The sampler kernel's cluster size for V <= 65536: 0 = by batch (4-CTA clusters while the rows
+fit in one wave of them, else 3-CTA ones: kernels/sampler.cu auto_cluster), 3 or 4 forced (A/B).
+The results do not depend on it."""
 
 
 def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, greedy_only: bool = False,
@@ -359,7 +354,7 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     tokens (B,) int64; penalty (B, V) fp32 and seen (B, V) bool updated in place (views with
     unit column stride, e.g. SamplerSlots' [:B] rows). dbg: optional (B, 8) fp32 out (m, S, c*,
     n kept by top-p, top-k threshold, its group limit or -1, total weight, target) for the tests.
-    cl: the kernel's cluster size (3 or 4; 0 = sampler_cluster(B)), for the tests and benchmarks.
+    cl: the kernel's cluster size (3 or 4; 0 = SAMPLER_CLUSTER), for the tests and benchmarks.
     Returns None when the kernel cannot run here (no CUDA kernels, a layout or
     vocabulary it does not cover): the caller then runs the torch sampler. No host sync."""
     if not logits.is_cuda or logits.dim() != 2:
@@ -387,7 +382,7 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     rc = lib.sampler_step(
         logits.data_ptr(), logits.stride(0), penalty.data_ptr(), penalty.stride(0), seen.data_ptr(), seen.stride(0),
         fp.data_ptr(), ip.data_ptr(), pos.data_ptr(), cm.data_ptr(), int(greedy_only), B, V, out.data_ptr(),
-        dbg.data_ptr() if dbg is not None else 0, _DT[logits.dtype], cl or sampler_cluster(B), stream,
+        dbg.data_ptr() if dbg is not None else 0, _DT[logits.dtype], cl or SAMPLER_CLUSTER, stream,
     )  # fmt: skip
     if rc == SAMPLER_UNSUPPORTED:
         return None

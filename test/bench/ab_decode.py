@@ -13,7 +13,7 @@ before step n's ids are read on the host, as an engine that runs one step ahead 
 between steps, measured); padread (RWKV_GEMV_SKIP_PADDING=0: the small-batch gemv reads the
 merged LoRAs' zero padding too); noside (RWKV_SIDE_STREAM=0: the LoRAs on the main stream, no
 fork / join per layer); late (RWKV_PDL_EARLY=0: add_ln_mix and the time-mix load their weight
-vectors after the PDL wait, not before); cl4 (RWKV_SAMPLER_CL3_MIN=0: the sampler's 4-CTA clusters
+vectors after the PDL wait, not before); cl4 (RWKV_SAMPLER_CLUSTER=4: the sampler's 4-CTA clusters
 at every batch).
 Prints one line per (variant, batch) and a summary table; writes nothing.
 """
@@ -34,14 +34,14 @@ sys.path.insert(0, str(ROOT))
 from bench_engine import DTYPES, add_model_args, bench_decode, decode_graphs  # noqa: E402
 from server.model import cuda_ops, decode_pack, lanes, load_model, rwkv7  # noqa: E402
 
-SAMPLER_CL3_MIN = cuda_ops.SAMPLER_CL3_MIN  # the default, restored by the other variants
+SAMPLER_CLUSTER = cuda_ops.SAMPLER_CLUSTER  # the default, restored by the other variants
 
 
 def configure(name: str, model) -> None:
     lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = 0, True
     cuda_ops.GEMV_SKIP_PADDING = name != "padread"
     cuda_ops._lib(model.device).pdl_mode(2 if name == "late" else 3)  # early weight loads off / on
-    cuda_ops.SAMPLER_CL3_MIN = 0 if name == "cl4" else SAMPLER_CL3_MIN
+    cuda_ops.SAMPLER_CLUSTER = 4 if name == "cl4" else SAMPLER_CLUSTER
     merged = name != "splitlora"
     if name.startswith("lanes"):
         lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = int(name[5:]), False

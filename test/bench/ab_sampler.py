@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,10 +32,12 @@ DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def build(src: Path, out: Path, arch: str) -> ctypes.CDLL:
-    cmd = ["nvcc", "-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+    cmd = ["nvcc", "-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xlinker", "-Bsymbolic",
            "-I", str(ROOT / "kernels"), "-o", str(out), str(src)]  # fmt: skip
     subprocess.run(cmd, check=True)
-    lib = ctypes.CDLL(str(out))
+    # both versions define the same C++ symbols (sampler_k::launch<4>, ...): each library binds
+    # its own (-Bsymbolic, RTLD_DEEPBIND), or the second one's calls may land in the first
+    lib = ctypes.CDLL(str(out), mode=os.RTLD_LOCAL | os.RTLD_DEEPBIND)
     f = lib.sampler_step
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int  # noqa: E741
     lib.has_cl = "int lg_dt, int cl," in src.read_text()  # the cluster-size argument (newer kernels)
@@ -94,7 +97,7 @@ def run(lib, dev, logits, penalty, seen, fp, ip, pos, commit, greedy_only: int, 
                           torch.cuda.current_stream(dev).cuda_stream)  # fmt: skip
     torch.cuda.synchronize(dev)
     if rc != 0:
-        raise SystemExit(f"sampler_step returned {rc}")
+        raise SystemExit(f"{lib._name}: sampler_step returned {rc} (B={B} V={V} {lg.dtype} cl={cl})")
     return out.cpu(), pen.cpu(), sn.cpu(), dbg.cpu()
 
 

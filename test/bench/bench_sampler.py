@@ -7,7 +7,7 @@ Each step is timed as a CUDA-graph replay (as in the engine's decode graph): tor
 with the default CANDIDATES (top-1024 fast path; overflow rows come back -1 and would be resolved
 eagerly, their count is printed), torch-full = the exact full-sort reference (CANDIDATES = ()),
 kernel = cuda_ops.fused_sample (the cluster size it picks for B; then each forced: 4-CTA /
-3-CTA clusters, see cuda_ops.SAMPLER_CL3_MIN). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
+3-CTA clusters, see cuda_ops.SAMPLER_CLUSTER). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
 every row commits. V = 65536. ms per step = median over replays (CUDA events).
 """
 

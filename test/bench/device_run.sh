@@ -47,7 +47,7 @@ for s in $steps; do
               --steps 40 2>&1 | tee "$OUT/ab_early.log" | tail -7 ;;
     sampler) timeout 200 python3 test/bench/bench_sampler.py --B 1 32 64 128 256 512 1024 2>&1 | tee "$OUT/sampler.log" ;;
     ab_sampler) timeout 400 python3 test/bench/ab_sampler.py ${AB_SAMPLER_ARGS:---ref main} 2>&1 | tee "$OUT/ab_sampler.log" | tail -12 ;;
-    ab_cl) timeout 300 python3 test/bench/ab_decode.py --batches 64,256,512,1024 \
+    ab_cl) timeout 300 python3 test/bench/ab_decode.py --batches ${AB_CL_BATCHES:-64,256,512,1024} \
               --variants base,cl4,base,cl4 2>&1 | tee "$OUT/ab_cl.log" | tail -6 ;;
     lora) timeout 120 python3 test/bench/bench_lora.py 2>&1 | tee "$OUT/lora.log" ;;
     http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 64,256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
