@@ -16,9 +16,9 @@
 //
 // Exact by construction (no candidate limit): the canonical order is (p descending, id
 // ascending), as a stable full sort. Every threshold is found by a radix select over the 31-bit
-// keys (<= 3 passes of <= 11-bit digits below the common prefix of the range; histograms of count + 64-bit fixed-point
-// mass, combined over the cluster), and ties inside one p value are walked in id order by a
-// block + cluster prefix scan. Steps for a sampled row (T > 0):
+// keys (<= 3 passes of <= 11-bit digits, 10-bit with 3-CTA clusters, below the common prefix of
+// the range; histograms of count + 64-bit fixed-point mass, combined over the cluster), and ties
+// inside one p value are walked in id order by a block + cluster prefix scan. Steps for a sampled row (T > 0):
 //   1. m = max z (argmax: first index of the max, as torch.argmax); greedy rows stop here.
 //   2. S = sum exp(z - m) as an exact fixed-point sum (2^-47 units, order independent), rounded
 //      once to fp32; p_i = expf(z_i - m) / S (IEEE division), the same formula as torch.softmax
@@ -239,8 +239,7 @@ enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
 // hh) into cc / cw; returns their count / weight totals.
 template <int CL, int NB>
 __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, const unsigned *hc,
-                                           const unsigned *hl,
-                                           const unsigned *hh, int b0, int mode) {
+                                           const unsigned *hl, const unsigned *hh, int b0, int mode) {
     unsigned c[NB] = {};
     u64 w[NB] = {};
 #pragma unroll
@@ -277,7 +276,7 @@ __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, typename Cfg<C
 // the key of the first non-empty p-group whose cumulative (count / mass / weight, in canonical
 // order) reaches target (>= target; strict: > target). Sel.w_above / cnt_above: totals of the
 // keys above it. The digits cover only the bits below the common prefix of lo and khi (split
-// evenly into <= 11-bit digits, >= 5 bits each): flat rows then spread over the bins of the
+// evenly into <= Cfg<CL>::DIGIT-bit digits, >= 5 bits each): flat rows then spread over the bins of the
 // first pass instead of piling into a few exponent bins (same-address atomics serialize).
 // Any split gives the same key (the digits only narrow the search), so this is a free choice.
 //
@@ -294,8 +293,7 @@ __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, typename Cfg<C
 // pass needs one cluster.sync and one __syncthreads. Both slots are zeroed at kernel start.
 template <int CL>
 __device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &hs, const Row &r, int mode,
-                            unsigned lo,
-                            unsigned khi, u64 target, bool strict) {
+                            unsigned lo, unsigned khi, u64 target, bool strict) {
     Sel s{0u, 0u, 0u, 0ull, 1};
     const int lane = threadIdx.x & 31;
     const int hi = max(32 - __clz(lo ^ khi), 5);  // keys in [lo, khi] share the bits >= hi
@@ -395,8 +393,7 @@ __device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh,
 // from z and store them in place of z (the first walk, g = kthr); otherwise they are cached.
 template <int CL, bool FIRST>
 __device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, const Row &r, unsigned g,
-                           long long lim,
-                           u64 target, bool find) {
+                           long long lim, u64 target, bool find) {
     const int per = (r.cnt + THREADS - 1) / THREADS;
     const int i0 = min(r.cnt, (int)threadIdx.x * per), i1 = min(r.cnt, i0 + per);
     CW mine{0u, 0ull};

@@ -342,10 +342,10 @@ def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int, li
 
 # ---- fused sampler step (kernels/sampler.cu) -------------------------------------------------
 SAMPLER_UNSUPPORTED = -2  # sampler_step's return code for a vocabulary it does not cover
-SAMPLER_CLUSTER = int(os.environ.get("RWKV_SAMPLER_CLUSTER", "0"))
+SAMPLER_CLUSTER = {"3": 3, "4": 4}.get(os.environ.get("RWKV_SAMPLER_CLUSTER", ""), 0)
 """The sampler kernel's cluster size for V <= 65536: 0 = by batch (4-CTA clusters while the rows
-fit in one wave of them, else 3-CTA ones: kernels/sampler.cu auto_cluster), 3 or 4 forced (A/B).
-The results do not depend on it."""
+fit in one wave of them, else 3-CTA ones: kernels/sampler.cu auto_cluster), 3 or 4 forced (A/B;
+any other value of RWKV_SAMPLER_CLUSTER means by batch). The results do not depend on it."""
 
 
 def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, greedy_only: bool = False,
@@ -357,6 +357,8 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     cl: the kernel's cluster size (3 or 4; 0 = SAMPLER_CLUSTER), for the tests and benchmarks.
     Returns None when the kernel cannot run here (no CUDA kernels, a layout or
     vocabulary it does not cover): the caller then runs the torch sampler. No host sync."""
+    if cl not in (0, 3, 4):
+        raise ValueError(f"fused_sample: cl must be 0, 3 or 4, not {cl!r}")
     if not logits.is_cuda or logits.dim() != 2:
         return None
     B, V = logits.shape
