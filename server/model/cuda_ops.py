@@ -17,6 +17,7 @@ fall back to the pure-torch ops, so callers never need two code paths.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -291,10 +292,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, rows=None, cols=None, warps: int
     rows / cols (ops.linear's zero-padding hints): the gemv does not read plane p's weight rows
     from rows[p] on (their outputs are 0) or its columns from cols[p] on (planes 0..7).
     warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark."""
-    lim = _gemv_lim(rows, cols) if GEMV_SKIP_PADDING else (0, 0)
+    hint = (rows is not None or cols is not None) and GEMV_SKIP_PADDING
+    lim = _gemv_lim(rows and tuple(rows), cols and tuple(cols)) if hint else (0, 0)
     return _linear(x, w, warps, cfg, 0, lim)
 
 
+@functools.lru_cache(maxsize=256)
 def _gemv_lim(rows, cols) -> tuple[int, int]:
     """(lim, lim_kind) for gemv.cu: per-plane widths rounded up to 8 (reading a few zeros more
     is harmless), 8 bits of width / 8 per plane for planes 0..7; 0 = read the plane whole."""
