@@ -10,6 +10,10 @@
 // order like the values). CL = 4 for V <= 65536 (128 KiB of z + keys per CTA), 8 up to 131072;
 // CL = 3 for V <= 65538 at large batch (175 KiB per CTA, 10-bit digits: Cfg).
 // Cross-CTA reductions and histograms go through distributed shared memory (cluster.sync).
+// The grid is at most one wave of clusters (rows_per_wave); a cluster takes rows blockIdx.y,
+// + gridDim.y, ... and, once a row's inputs are in shared memory, asks the L2 for its next row's
+// logits and penalty (bulk prefetch), so that they stream in during the select phases
+// (RWKV_SAMPLER_PERSIST=0: a cluster per row; RWKV_SAMPLER_PREFETCH=0: the loop, no prefetch).
 // The step is latency bound (one 1024-thread CTA per SM; ~10x above its memory time), so the
 // code keeps the barriers per radix pass to one cluster.sync + one __syncthreads, and no phase
 // has one warp working serially while the others wait (see radix_select, cl_reduce).
@@ -50,6 +54,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 namespace cg = cooperative_groups;
 
@@ -79,6 +84,7 @@ struct Args {
     long long *out;         // (B,) tokens
     float *dbg;             // (B, 8) or null
     int greedy_only, V, n_loc, lg_dt;
+    int B, prefetch;        // rows; 1: ask the L2 for the cluster's next row during this one
 };
 
 template <int BINS>
@@ -461,6 +467,18 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
     return z ^ (z >> 31);
 }
 
+// Asks the L2 for [p, p + bytes) rounded inwards to 16 bytes (sm_90 bulk prefetch: no registers,
+// no wait; nothing on older GPUs), in 4 KiB pieces over the 32 lanes of the calling warp.
+__device__ __forceinline__ void prefetch_l2(const void *p, long long bytes, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const uintptr_t b = ((uintptr_t)p + 15) & ~(uintptr_t)15, e = ((uintptr_t)p + bytes) & ~(uintptr_t)15;
+    for (uintptr_t q = b + (uintptr_t)lane * 4096; q < e; q += 32 * 4096) {
+        const unsigned n = (unsigned)(e - q < 4096 ? e - q : 4096);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(q), "r"(n) : "memory");
+    }
+#endif
+}
+
 template <int CL>
 __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler_kernel(Args a) {
     using Shared = typename Cfg<CL>::Shared;
@@ -471,116 +489,126 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
     unsigned *ks = reinterpret_cast<unsigned *>(zs + a.n_loc);
     cg::cluster_group cl = cg::this_cluster();
     const int rank = (int)cl.block_rank();
-    const long long row = blockIdx.y;
     const int base = rank * a.n_loc;
     const int cnt = max(0, min(a.n_loc, a.V - base));
-    int xs = 0, hs = 0;
+    // Rows blockIdx.y, + gridDim.y, ...: the grid holds at most one wave of clusters (launch), so a
+    // cluster stays resident and takes its next row while the L2 already holds that row's inputs
+    // (asked for right after this row's load pass: the HBM streams them during the latency-bound
+    // select phases below, instead of every wave's load pass waiting on the HBM alone).
+    for (long long row = blockIdx.y; row < a.B; row += gridDim.y) {
+        int xs = 0, hs = 0;
 
-    const float T = a.fparams[row * 5 + 0], top_p = a.fparams[row * 5 + 1];
-    const float decay = a.fparams[row * 5 + 4];
-    const long long top_k = a.iparams[row * 2 + 0], seed = a.iparams[row * 2 + 1];
-    const bool commit = a.commit[row] != 0;
-    const bool greedy = a.greedy_only || !(T > 0.f);
+        const float T = a.fparams[row * 5 + 0], top_p = a.fparams[row * 5 + 1];
+        const float decay = a.fparams[row * 5 + 4];
+        const long long top_k = a.iparams[row * 2 + 0], seed = a.iparams[row * 2 + 1];
+        const bool commit = a.commit[row] != 0;
+        const bool greedy = a.greedy_only || !(T > 0.f);
 
-    // 1. z = logits - penalty into shared memory; decayed penalty written back (commit rows).
-    //    Both histogram slots start zeroed (radix_select keeps them so; the barrier of the
-    //    first reduction orders this before any atomics).
-    if (!greedy)
-        for (int b = threadIdx.x; b < BINS; b += THREADS)
+        // 1. z = logits - penalty into shared memory; decayed penalty written back (commit rows).
+        //    Both histogram slots start zeroed (radix_select keeps them so; the barrier of the
+        //    first reduction orders this before any atomics).
+        if (!greedy)
+            for (int b = threadIdx.x; b < BINS; b += THREADS)
 #pragma unroll
-            for (int j = 0; j < 2; j++) sh.hcnt[j][b] = sh.hlo[j][b] = sh.hhi[j][b] = 0;
-    const long long lg0 = row * a.lg_s + base;
-    float *pen = a.penalty + row * a.pen_s + base;
-    MaxArg mx{-INFINITY, 0x7fffffff};
+                for (int j = 0; j < 2; j++) sh.hcnt[j][b] = sh.hlo[j][b] = sh.hhi[j][b] = 0;
+        const long long lg0 = row * a.lg_s + base;
+        float *pen = a.penalty + row * a.pen_s + base;
+        MaxArg mx{-INFINITY, 0x7fffffff};
 #pragma unroll 4
-    for (int i = threadIdx.x; i < cnt; i += THREADS) {
-        const float p = pen[i];
-        const float z = load_logit(a.logits, a.lg_dt, lg0 + i) - p;  // exact widening, as logits.float()
-        zs[i] = z;
-        if (commit) pen[i] = p * decay;
-        if (z > mx.v || (z == mx.v && base + i < mx.i)) mx = {z, base + i};
-    }
-    mx = cl_reduce<CL>(cl, sh, xs, mx, OpMaxArg());
-    if (mx.i == 0x7fffffff) mx.i = 0;  // all NaN / -inf: token 0
-    const float m = mx.v;
-    int tok = mx.i;
-    // dbg (rank 0, thread 0): each value is written where it is known (short live ranges: the
-    // kernel runs at the 64-register limit); greedy rows keep the defaults
-    float *const d = a.dbg && rank == 0 && threadIdx.x == 0 ? a.dbg + row * 8 : nullptr;
-    if (d) d[0] = m, d[1] = 0.f, d[2] = 0.f, d[3] = (float)a.V, d[4] = 0.f, d[5] = 0.f, d[6] = 0.f, d[7] = 0.f;
-
-    if (!greedy) {
-        // 2. S (exact fixed-point sum of exp(z - m)), then the keys
-        u64 es = 0;
         for (int i = threadIdx.x; i < cnt; i += THREADS) {
-            const float e = expf(zs[i] - m);
-            ks[i] = __float_as_uint(e);
-            es += __float2ull_rz(e * FIX47);
+            const float p = pen[i];
+            const float z = load_logit(a.logits, a.lg_dt, lg0 + i) - p;  // exact widening, as logits.float()
+            zs[i] = z;
+            if (commit) pen[i] = p * decay;
+            if (z > mx.v || (z == mx.v && base + i < mx.i)) mx = {z, base + i};
         }
-        es = cl_reduce<CL>(cl, sh, xs, es, OpSum());
-        const float S = __ull2float_rn(es) * (1.0f / FIX47);
-        if (d) d[1] = S;
-        const unsigned kmax = __float_as_uint(__fdiv_rn(1.0f, S));
-        // keys p = e / S, and z of the rank-0 token: the smallest id with the largest key
-        // (usually the argmax; this thread's ids ascend, so its first hit is its smallest)
-        MinTok t0{0x7fffffff, 0.f, 0xffffffffu};
-        for (int i = threadIdx.x; i < cnt; i += THREADS) {
-            const unsigned k = __float_as_uint(__fdiv_rn(__uint_as_float(ks[i]), S));
-            ks[i] = k;
-            if (k == kmax && base + i < t0.i) t0.i = base + i, t0.z = zs[i];
-            t0.kmin = min(t0.kmin, k);
+        if (a.prefetch && row + gridDim.y < a.B && threadIdx.x < 32) {  // this CTA's slice of the next row
+            const long long nr = row + gridDim.y, es = a.lg_dt ? 2 : 4;
+            prefetch_l2(static_cast<const char *>(a.logits) + (nr * a.lg_s + base) * es, cnt * es, threadIdx.x);
+            prefetch_l2(a.penalty + nr * a.pen_s + base, cnt * 4ll, threadIdx.x);
         }
-        t0 = cl_reduce<CL>(cl, sh, xs, t0, OpMinTok());
-        Row r{zs, ks, cnt, base, t0.i == 0x7fffffff ? m : t0.z, T};
-        const unsigned kmin = min(t0.kmin, kmax);
+        mx = cl_reduce<CL>(cl, sh, xs, mx, OpMaxArg());
+        if (mx.i == 0x7fffffff) mx.i = 0;  // all NaN / -inf: token 0
+        const float m = mx.v;
+        int tok = mx.i;
+        // dbg (rank 0, thread 0): each value is written where it is known (short live ranges: the
+        // kernel runs at the 64-register limit); greedy rows keep the defaults
+        float *const d = a.dbg && rank == 0 && threadIdx.x == 0 ? a.dbg + row * 8 : nullptr;
+        if (d) d[0] = m, d[1] = 0.f, d[2] = 0.f, d[3] = (float)a.V, d[4] = 0.f, d[5] = 0.f, d[6] = 0.f, d[7] = 0.f;
 
-        // 3. top-p cutoff c*
-        unsigned cstar = 0;  // key 0: every token kept
-        long long n_p = a.V;
-        if (!(top_p >= 1.0f)) {  // NaN: like top_p = 0 (the reference's cum < NaN is false)
-            const u64 tp = top_p > 0.f ? (u64)ceil((double)top_p * 70368744177664.0) : 0ull;
-            const Sel s = radix_select<CL>(cl, sh, hs, r, MASS, kmin, kmax, tp, false);
-            if (s.found) cstar = s.key, n_p = (long long)s.cnt_above + s.cnt_at;
-        }
-        if (d) d[2] = __uint_as_float(cstar), d[3] = (float)n_p;
-        // 4. top-k
-        unsigned kthr = cstar;
-        long long lim = 0x7fffffffffffffffll;
-        if (top_k > 0 && top_k < n_p) {
-            const Sel s = radix_select<CL>(cl, sh, hs, r, COUNT, kmin, kmax, (u64)top_k, false);
-            kthr = s.key;
-            lim = top_k - (long long)s.cnt_above;
-        }
-        if (d) d[4] = __uint_as_float(kthr), d[5] = (float)(lim > (1ll << 40) ? -1 : lim);
-        // 5. total kept weight, target, crossing
-        const Walk tw = group_walk<CL, true>(cl, sh, xs, r, kthr, lim, 0ull, false);
-        const u64 W = tw.wgt + tw.wgrp;
-        const u64 zz = splitmix64(splitmix64((u64)seed) + (u64)a.pos[row]);
-        const float u = (float)(zz >> 40) * (1.0f / 16777216.0f);
-        const u64 t = (u64)floor((double)W * (double)u);
-        if (d) d[6] = (float)((double)W / 70368744177664.0), d[7] = (float)((double)t / 70368744177664.0);
-        if (t < tw.wgt) {  // the crossing is among the tokens with p > kthr (all kept)
-            const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, kmax, t, true);
-            const Walk f = group_walk<CL, false>(cl, sh, xs, r, s.key, 0x7fffffffffffffffll, t - s.w_above, true);
-            tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
-        } else {
-            const Walk f = group_walk<CL, false>(cl, sh, xs, r, kthr, lim, t - tw.wgt, true);
-            tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
-        }
-    }
+        if (!greedy) {
+            // 2. S (exact fixed-point sum of exp(z - m)), then the keys
+            u64 es = 0;
+            for (int i = threadIdx.x; i < cnt; i += THREADS) {
+                const float e = expf(zs[i] - m);
+                ks[i] = __float_as_uint(e);
+                es += __float2ull_rz(e * FIX47);
+            }
+            es = cl_reduce<CL>(cl, sh, xs, es, OpSum());
+            const float S = __ull2float_rn(es) * (1.0f / FIX47);
+            if (d) d[1] = S;
+            const unsigned kmax = __float_as_uint(__fdiv_rn(1.0f, S));
+            // keys p = e / S, and z of the rank-0 token: the smallest id with the largest key
+            // (usually the argmax; this thread's ids ascend, so its first hit is its smallest)
+            MinTok t0{0x7fffffff, 0.f, 0xffffffffu};
+            for (int i = threadIdx.x; i < cnt; i += THREADS) {
+                const unsigned k = __float_as_uint(__fdiv_rn(__uint_as_float(ks[i]), S));
+                ks[i] = k;
+                if (k == kmax && base + i < t0.i) t0.i = base + i, t0.z = zs[i];
+                t0.kmin = min(t0.kmin, k);
+            }
+            t0 = cl_reduce<CL>(cl, sh, xs, t0, OpMinTok());
+            Row r{zs, ks, cnt, base, t0.i == 0x7fffffff ? m : t0.z, T};
+            const unsigned kmin = min(t0.kmin, kmax);
 
-    // 6. penalty / seen of the chosen token (its owner CTA; the decay above is visible after
-    //    the barrier), the output
-    __syncthreads();
-    if (threadIdx.x == 0 && commit && tok >= base && tok < base + cnt) {
-        unsigned char *sn = a.seen + row * a.seen_s;
-        const bool was = sn[tok] != 0;
-        float *pp = a.penalty + row * a.pen_s + tok;
-        *pp = *pp + (was ? a.fparams[row * 5 + 3] : a.fparams[row * 5 + 2]);  // repetition : presence
-        sn[tok] = 1;
+            // 3. top-p cutoff c*
+            unsigned cstar = 0;  // key 0: every token kept
+            long long n_p = a.V;
+            if (!(top_p >= 1.0f)) {  // NaN: like top_p = 0 (the reference's cum < NaN is false)
+                const u64 tp = top_p > 0.f ? (u64)ceil((double)top_p * 70368744177664.0) : 0ull;
+                const Sel s = radix_select<CL>(cl, sh, hs, r, MASS, kmin, kmax, tp, false);
+                if (s.found) cstar = s.key, n_p = (long long)s.cnt_above + s.cnt_at;
+            }
+            if (d) d[2] = __uint_as_float(cstar), d[3] = (float)n_p;
+            // 4. top-k
+            unsigned kthr = cstar;
+            long long lim = 0x7fffffffffffffffll;
+            if (top_k > 0 && top_k < n_p) {
+                const Sel s = radix_select<CL>(cl, sh, hs, r, COUNT, kmin, kmax, (u64)top_k, false);
+                kthr = s.key;
+                lim = top_k - (long long)s.cnt_above;
+            }
+            if (d) d[4] = __uint_as_float(kthr), d[5] = (float)(lim > (1ll << 40) ? -1 : lim);
+            // 5. total kept weight, target, crossing
+            const Walk tw = group_walk<CL, true>(cl, sh, xs, r, kthr, lim, 0ull, false);
+            const u64 W = tw.wgt + tw.wgrp;
+            const u64 zz = splitmix64(splitmix64((u64)seed) + (u64)a.pos[row]);
+            const float u = (float)(zz >> 40) * (1.0f / 16777216.0f);
+            const u64 t = (u64)floor((double)W * (double)u);
+            if (d) d[6] = (float)((double)W / 70368744177664.0), d[7] = (float)((double)t / 70368744177664.0);
+            if (t < tw.wgt) {  // the crossing is among the tokens with p > kthr (all kept)
+                const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, kmax, t, true);
+                const Walk f = group_walk<CL, false>(cl, sh, xs, r, s.key, 0x7fffffffffffffffll, t - s.w_above, true);
+                tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
+            } else {
+                const Walk f = group_walk<CL, false>(cl, sh, xs, r, kthr, lim, t - tw.wgt, true);
+                tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
+            }
+        }
+
+        // 6. penalty / seen of the chosen token (its owner CTA; the decay above is visible after
+        //    the barrier), the output
+        __syncthreads();
+        if (threadIdx.x == 0 && commit && tok >= base && tok < base + cnt) {
+            unsigned char *sn = a.seen + row * a.seen_s;
+            const bool was = sn[tok] != 0;
+            float *pp = a.penalty + row * a.pen_s + tok;
+            *pp = *pp + (was ? a.fparams[row * 5 + 3] : a.fparams[row * 5 + 2]);  // repetition : presence
+            sn[tok] = 1;
+        }
+        if (threadIdx.x == 0 && rank == 0) a.out[row] = tok;
+        cl.sync();  // no CTA exits while another may still read its shared memory
     }
-    if (threadIdx.x == 0 && rank == 0) a.out[row] = tok;
-    cl.sync();  // no CTA exits while another may still read its shared memory
 }
 
 // The opt-in to > 48 KiB of shared memory for sampler_kernel<CL>, once per device (the first call
@@ -618,6 +646,22 @@ int rows_per_wave(int dev) {
     return r > 0 ? r : 0;
 }
 
+// RWKV_SAMPLER_PERSIST=0: a cluster per row (the grid as large as the batch; no prefetch either);
+// RWKV_SAMPLER_PREFETCH=0: one wave of clusters looping over the rows, without the L2 prefetch.
+// Read once. The results do not depend on either.
+inline bool env_on(const char *name) {
+    const char *v = getenv(name);
+    return !(v && v[0] == '0');
+}
+inline bool persistent() {
+    static const bool on = env_on("RWKV_SAMPLER_PERSIST");
+    return on;
+}
+inline bool prefetch_on() {
+    static const bool on = env_on("RWKV_SAMPLER_PREFETCH");
+    return on;
+}
+
 template <int CL>
 int launch(const Args &a, int B, cudaStream_t st) {
     int dev = 0;
@@ -625,7 +669,11 @@ int launch(const Args &a, int B, cudaStream_t st) {
     if (e == cudaSuccess) e = prepare<CL>(dev);
     if (e != cudaSuccess) return (int)e;
     const size_t bytes = sizeof(typename Cfg<CL>::Shared) + (size_t)a.n_loc * 8;
-    sampler_kernel<CL><<<dim3(CL, B), THREADS, bytes, st>>>(a);
+    const int wave = persistent() ? rows_per_wave<CL>(dev) : 0;  // 0: unknown or off, a cluster per row
+    const int G = wave > 0 && wave < B ? wave : B;
+    Args b = a;
+    b.B = B, b.prefetch = G < B && prefetch_on();
+    sampler_kernel<CL><<<dim3(CL, G), THREADS, bytes, st>>>(b);
     return (int)cudaGetLastError();
 }
 
@@ -660,7 +708,7 @@ extern "C" int sampler_step(void *logits, long long lg_s, void *penalty, long lo
            static_cast<unsigned char *>(seen), seen_s, static_cast<const float *>(fparams),
            static_cast<const long long *>(iparams), static_cast<const long long *>(positions),
            static_cast<const unsigned char *>(commit), static_cast<long long *>(out), static_cast<float *>(dbg),
-           greedy_only, V, 0, lg_dt};
+           greedy_only, V, 0, lg_dt, B, 0};
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (cl == 0 && V <= 4 * MAX_LOCAL) cl = auto_cluster(B);
     if (cl == 3 && V <= 3 * Cfg<3>::MAX_LOCAL) {

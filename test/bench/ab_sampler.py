@@ -32,11 +32,14 @@ DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def build(src: Path, out: Path, arch: str) -> ctypes.CDLL:
-    cmd = ["nvcc", "-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xlinker", "-Bsymbolic",
+    cmd = ["nvcc", "-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fno-gnu-unique", "-Xlinker", "-Bsymbolic",
            "-I", str(ROOT / "kernels"), "-o", str(out), str(src)]  # fmt: skip
     subprocess.run(cmd, check=True)
     # both versions define the same C++ symbols (sampler_k::launch<4>, ...): each library binds
-    # its own (-Bsymbolic, RTLD_DEEPBIND), or the second one's calls may land in the first
+    # its own (-Bsymbolic, RTLD_DEEPBIND), or the second one's calls may land in the first; and
+    # the function-local statics of inline functions (prepare's "smem opt-in done" table) must not
+    # become one process-wide GNU unique symbol (-fno-gnu-unique), or the second library skips the
+    # opt-in for its own kernel and its launch fails (CUDA error 1)
     lib = ctypes.CDLL(str(out), mode=os.RTLD_LOCAL | os.RTLD_DEEPBIND)
     f = lib.sampler_step
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int  # noqa: E741

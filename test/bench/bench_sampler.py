@@ -29,10 +29,13 @@ from server.model import cuda_ops  # noqa: E402
 V = 65536
 
 
+LOGITS_DTYPE = torch.float32  # --logits fp16: as the engine's head writes them (the model dtype)
+
+
 def logits_for(case: str, B: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(B, V, device="cuda", generator=g)
-    return x * (0.1 if case == "flat" else 2.0)
+    return (x * (0.1 if case == "flat" else 2.0)).to(LOGITS_DTYPE)
 
 
 def time_graph(fn, reps: int = 50) -> float:
@@ -86,13 +89,44 @@ def run(case: str, B: int, full: bool) -> dict:
     return out
 
 
+PHASES = {  # what each setting adds to the kernel's work per row
+    "greedy": dict(temperature=0.0),  # load pass (z, penalty decay) + max
+    "top_p=1": dict(top_p=1.0),  # + exp / S + keys + weights walk + weight select + id walk
+    "default": {},  # + the top-p mass select (top_p = 0.3)
+    "top_k=50": dict(top_k=50),  # + the top-k count select
+}
+
+
+def phases(case: str, B: int) -> None:
+    """Kernel ms per step for settings that switch the kernel's phases on one by one."""
+    logits = logits_for(case, B)
+    pos = torch.arange(B, device="cuda")
+    commit = torch.ones(B, dtype=torch.bool, device="cuda")
+    cells = []
+    for name, kw in PHASES.items():
+        slots = SamplerSlots(B, V, "cuda")
+        slots.reset(range(B), [SamplingParams(seed=i, **kw) for i in range(B)], list(range(B)))
+        args = (slots.penalty, slots.seen, slots.fparams, slots.iparams, pos, commit)
+        cells.append(f"{name} {time_graph(lambda: cuda_ops.fused_sample(logits, *args)):.3f}")
+    print(f"{case:7} B={B:5d} kernel ms: " + ", ".join(cells), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--phases", action="store_true", help="kernel time per setting (greedy, top_p=1, ...)")
+    ap.add_argument("--logits", choices=["fp32", "fp16"], default="fp32", help="the logits' dtype")
     ap.add_argument("--case", choices=["flat", "random", "both"], default="both")
     ap.add_argument("--B", type=int, nargs="+", default=[1, 64, 256, 1024])
     ap.add_argument("--full", action="store_true", help="also time the full-sort torch reference")
     a = ap.parse_args()
     cases = ["flat", "random"] if a.case == "both" else [a.case]
+    global LOGITS_DTYPE
+    LOGITS_DTYPE = torch.float16 if a.logits == "fp16" else torch.float32
+    if a.phases:
+        for case in cases:
+            for B in a.B:
+                phases(case, B)
+        return
     print(f"{'case':7} {'B':>5} {'torch ms':>9} {'full ms':>8} {'kernel ms':>9} {'speedup':>8} {'overflow':>8}"
           f" {'4-CTA ms':>9} {'3-CTA ms':>9}")  # fmt: skip
     for case in cases:
