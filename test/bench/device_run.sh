@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests kernels tmix gemm engine e2e e2e_nofeed ab_b1 ab_pad ab_early ab_cl lora sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
+# steps: info build tests kernels tmix gemm engine e2e e2e_nofeed ab_b1 ab_pad ab_early ab_cl lora partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
 # (default: info tests kernels engine). The fused decode time-mix and long prefill chunks are the
 # model's defaults on CUDA now (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -49,6 +49,7 @@ for s in $steps; do
     ab_sampler) timeout 400 python3 test/bench/ab_sampler.py ${AB_SAMPLER_ARGS:---ref main} 2>&1 | tee "$OUT/ab_sampler.log" | tail -12 ;;
     ab_cl) timeout 300 python3 test/bench/ab_decode.py --batches ${AB_CL_BATCHES:-64,256,512,1024} \
               --variants base,cl4,base,cl4 2>&1 | tee "$OUT/ab_cl.log" | tail -6 ;;
+    partition) for r in ${PARTITION_ROWS:-512 1024}; do timeout 150 python3 test/bench/bench_partition.py --rows $r; done 2>&1 | tee "$OUT/partition.log" ;;
     lora) timeout 120 python3 test/bench/bench_lora.py 2>&1 | tee "$OUT/lora.log" ;;
     http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 64,256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
   esac
