@@ -4,6 +4,8 @@ engine loop) with a model and a sampler that cost nothing, N concurrent streamin
     PYTHONPATH=. python test/bench/bench_http_host.py                         # N = 64, 256; chat + tasks
     PYTHONPATH=. python test/bench/bench_http_host.py --streams 256 --gpu-ms 12   # simulated 12 ms device step
     PYTHONPATH=. python test/bench/bench_http_host.py --streams 256 --py-spy prof.txt  # + py-spy of the server
+    BENCH_CPROFILE=srv.prof BENCH_CPROFILE_SECS=14 PYTHONPATH=. python test/bench/bench_http_host.py ...
+        # cProfile of the server's event-loop thread, its stats written 14 s after the start
 
 The server runs in a subprocess started through this file (`--serve`: patch server.model.load_model
 to return bench_engine_host.FakeModel, put its FakeSampler into the runner, optionally simulate a
@@ -61,6 +63,17 @@ def serve(argv: list[str], gpu_ms: float) -> int:
     eng_mod.Engine.start = patched_start
     from server.cli import main as cli_main
 
+    prof_out = os.environ.get("BENCH_CPROFILE")
+    if not prof_out:
+        return cli_main(["serve", *argv])
+    import cProfile
+
+    import threading
+
+    prof = cProfile.Profile()  # the main thread only: the event loop
+    secs = float(os.environ.get("BENCH_CPROFILE_SECS", "30"))
+    threading.Timer(secs, lambda: prof.dump_stats(prof_out)).start()  # the stats so far
+    prof.enable()
     return cli_main(["serve", *argv])
 
 
