@@ -50,7 +50,7 @@ def gemm_call(B: int, C: int, dev):
 
 def timed(work: list[tuple], iters: int) -> float:
     """work: (fn, stream, repeats); all start together; wall ms per iteration until all are done."""
-    for fn, s, n in work:  # warm-up (kernel loading per context, cuBLAS handles)
+    for fn, s, _ in work:  # warm-up (kernel loading per context, cuBLAS handles)
         with torch.cuda.stream(s):
             fn()
     for _, s, _ in work:
