@@ -64,9 +64,12 @@ def test_metrics_families(slow_server):
     for family in ("rwkv_requests_running", "rwkv_requests_waiting", "rwkv_prompt_tokens_total",
                    "rwkv_generation_tokens_total", "rwkv_time_to_first_token_seconds",
                    "rwkv_inter_token_latency_seconds", "rwkv_engine_step_seconds", "rwkv_state_cache_bytes",
-                   "rwkv_state_cache_hits_total", "rwkv_http_requests_total"):
+                   "rwkv_state_cache_hits_total", "rwkv_http_requests_total", "rwkv_gc_collections_total"):
         assert f"# TYPE {family} " in text, family
     after = parse_metrics(text)
+    # the start-up heap was frozen once loaded (server.api.app.GC_FREEZE): collections skip it
+    assert after["rwkv_gc_frozen_objects"] > 10000, slow_server.log_tail()
+    assert after['rwkv_gc_collections_total{generation="0"}'] > 0
     assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1
     assert after["rwkv_generation_tokens_total"] >= before["rwkv_generation_tokens_total"] + 1
     assert after["rwkv_prompt_tokens_total"] > before["rwkv_prompt_tokens_total"]

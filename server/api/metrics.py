@@ -8,6 +8,7 @@ scraped. Histograms are cumulative-bucket counters as the text format expects.
 from __future__ import annotations
 
 import bisect
+import gc
 import threading
 from typing import Any, Iterable
 
@@ -83,10 +84,20 @@ class Metrics:
                 "Generations aborted because the client went away.", self.aborted)
         for h in (self.ttft, self.itl, self.e2e):
             out.extend(h.render())
+        _gc_lines(out)
         if services is not None:
             _engine_lines(out, services)
             _cache_lines(out, services)
         return "\n".join(out) + "\n"
+
+
+def _gc_lines(out: list[str]) -> None:
+    """The server process's cyclic garbage collector (each collection pauses every stream)."""
+    _family(out, "rwkv_gc_collections_total", "counter", "Cyclic garbage collections, per generation.")
+    for generation, st in enumerate(gc.get_stats()):
+        out.append(f'rwkv_gc_collections_total{{generation="{generation}"}} {st["collections"]}')
+    _sample(out, "rwkv_gc_frozen_objects", "gauge", "Objects left out of collections (gc.freeze at start-up).",
+            gc.get_freeze_count())
 
 
 def _engine_lines(out: list[str], services: Any) -> None:

@@ -6,6 +6,8 @@ engine loop) with a model and a sampler that cost nothing, N concurrent streamin
     PYTHONPATH=. python test/bench/bench_http_host.py --streams 256 --py-spy prof.txt  # + py-spy of the server
     BENCH_CPROFILE=srv.prof BENCH_CPROFILE_SECS=14 PYTHONPATH=. python test/bench/bench_http_host.py ...
         # cProfile of the server's event-loop thread, its stats written 14 s after the start
+    BENCH_GC=8,14 PYTHONPATH=. python test/bench/bench_http_host.py ...
+        # the server log gets its GC pause totals at 8 s and 14 s after the start
 
 The server runs in a subprocess started through this file (`--serve`: patch server.model.load_model
 to return bench_engine_host.FakeModel, put its FakeSampler into the runner, optionally simulate a
@@ -63,6 +65,8 @@ def serve(argv: list[str], gpu_ms: float) -> int:
     eng_mod.Engine.start = patched_start
     from server.cli import main as cli_main
 
+    if os.environ.get("BENCH_GC"):  # the server's GC pauses so far, printed into its log at these seconds
+        _gc_report([float(t) for t in os.environ["BENCH_GC"].split(",")])
     prof_out = os.environ.get("BENCH_CPROFILE")
     if not prof_out:
         return cli_main(["serve", *argv])
@@ -75,6 +79,25 @@ def serve(argv: list[str], gpu_ms: float) -> int:
     threading.Timer(secs, lambda: prof.dump_stats(prof_out)).start()  # the stats so far
     prof.enable()
     return cli_main(["serve", *argv])
+
+
+def _gc_report(at: list[float]) -> None:
+    import gc
+    import threading
+
+    acc = {"s": 0.0, "t0": 0.0, "n": [0, 0, 0]}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            acc["t0"] = time.perf_counter()
+        else:
+            acc["s"] += time.perf_counter() - acc["t0"]
+            acc["n"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    for t in at:
+        threading.Timer(t, lambda t=t: print(f"GC at {t:.0f} s: {acc['s'] * 1e3:.0f} ms in {acc['n']} collections"
+                                             " (generations 0 / 1 / 2)", flush=True)).start()
 
 
 # --- client side (runs in the client subprocess) --------------------------------------------
