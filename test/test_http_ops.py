@@ -67,9 +67,7 @@ def test_metrics_families(slow_server):
                    "rwkv_state_cache_hits_total", "rwkv_http_requests_total", "rwkv_gc_collections_total"):
         assert f"# TYPE {family} " in text, family
     after = parse_metrics(text)
-    # the start-up heap was frozen once loaded (server.api.app.GC_FREEZE): collections skip it
-    assert after["rwkv_gc_frozen_objects"] > 10000, slow_server.log_tail()
-    assert after['rwkv_gc_collections_total{generation="0"}'] > 0
+    assert after['rwkv_gc_collections_total{generation="0"}'] > 0  # the server process's own collector
     assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1
     assert after["rwkv_generation_tokens_total"] >= before["rwkv_generation_tokens_total"] + 1
     assert after["rwkv_prompt_tokens_total"] > before["rwkv_prompt_tokens_total"]

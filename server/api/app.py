@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -24,12 +23,6 @@ from server.api.sse import RAW_SEND
 from server.config import Settings
 
 log = logging.getLogger("server.app")
-
-GC_FREEZE = os.environ.get("RWKV_GC_FREEZE", "1") != "0"
-"""Once loaded, move every object alive then (torch, the model, the app) out of the cyclic
-collector's generations (gc.freeze): its full collections then scan only what requests
-allocate, instead of stalling every stream for the whole start-up heap (~180 ms per full
-collection at 256 streams in bench_http_host). 0: leave the collector as it is (A/B)."""
 
 
 def create_app(settings: Settings, services: Services | None = None, *, exit_on_load_error: bool = False) -> FastAPI:
@@ -122,20 +115,10 @@ async def _load(app: FastAPI, services: Services, exit_on_error: bool) -> None:
             on_fatal = getattr(app.state, "on_fatal", None)
             on_fatal() if on_fatal else os.kill(os.getpid(), signal.SIGTERM)
         return
-    if GC_FREEZE:
-        _freeze_gc()
     services.ready = True
     for line in facts(services):
         log.info("%s", line)
     log.info("ready: listening on http://%s:%s", settings.host, settings.port)
-
-
-def _freeze_gc() -> None:
-    t0 = time.perf_counter()
-    gc.collect()  # the load's garbage first: frozen objects are never collected
-    gc.freeze()
-    log.info("gc: %d start-up objects frozen (left out of collections) in %.0f ms", gc.get_freeze_count(),
-             (time.perf_counter() - t0) * 1e3)
 
 
 async def _start_tasks(services: Services):

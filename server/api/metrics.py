@@ -96,8 +96,6 @@ def _gc_lines(out: list[str]) -> None:
     _family(out, "rwkv_gc_collections_total", "counter", "Cyclic garbage collections, per generation.")
     for generation, st in enumerate(gc.get_stats()):
         out.append(f'rwkv_gc_collections_total{{generation="{generation}"}} {st["collections"]}')
-    _sample(out, "rwkv_gc_frozen_objects", "gauge", "Objects left out of collections (gc.freeze at start-up).",
-            gc.get_freeze_count())
 
 
 def _engine_lines(out: list[str], services: Any) -> None:
