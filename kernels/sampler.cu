@@ -491,10 +491,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
     const int rank = (int)cl.block_rank();
     const int base = rank * a.n_loc;
     const int cnt = max(0, min(a.n_loc, a.V - base));
-    // Rows blockIdx.y, + gridDim.y, ...: the grid holds at most one wave of clusters (launch), so a
-    // cluster stays resident and takes its next row while the L2 already holds that row's inputs
-    // (asked for right after this row's load pass: the HBM streams them during the latency-bound
-    // select phases below, instead of every wave's load pass waiting on the HBM alone).
+    // rows blockIdx.y, + gridDim.y, ... (the loop and the next-row prefetch: see the top)
     for (long long row = blockIdx.y; row < a.B; row += gridDim.y) {
         int xs = 0, hs = 0;
 
