@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from .handle import Deliveries, wake_loops
+from .handle import Deliveries, call_listeners, wake_loops
 from .sequence import Sequence
 from .types import ERROR, EngineDeadError, Event, Result
 
@@ -98,8 +98,13 @@ class DeliveryMixin:
             self._inbox.clear()
             self._inbox_adds = 0
         loops: dict = {}
+        listened: dict = {}
         for h in handles:
             loop = h._fail(exc)
-            if loop is not None:
+            fn = h._listener
+            if fn is not None:
+                listened[h] = fn
+            elif loop is not None:
                 loops.setdefault(loop, []).append(h)
+        call_listeners(listened)
         wake_loops(loops)

@@ -5,6 +5,9 @@ iteration are notified), then wakes asyncio consumers with ONE `call_soon_thread
 loop per step for all the handles of that loop (`wake_handles`). An asyncio consumer can take
 all the events pending at a wake-up at once (`await h.next_batch()`, `async for batch in
 h.batches()`): a consumer that fell behind catches up in one pass (one write per stream).
+A handle can instead have a listener (`set_listener`): a callable run ON THE ENGINE THREAD right
+after each delivery to the handle (and when it fails), in place of the event-loop wake-up; it
+drains `_events` itself (server.api.direct writes a stream's bytes from there).
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, AsyncIterator, Iterator
+import logging
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 from .types import EngineDeadError, Event, Result
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+log = logging.getLogger("server.engine")
 
 _POLL_S = 1.0  # how often a blocked caller re-checks that the engine loop is alive
 
@@ -39,6 +45,8 @@ class RequestHandle:
         engine pushes before it schedules the wake-up."""
         self._sync_waiters = 0
         """Threads blocked on _cond (changed under it): the engine notifies only when > 0."""
+        self._listener: Callable[[], None] | None = None
+        """Run on the engine thread after each delivery instead of waking the loop (set_listener)."""
 
     # --- engine side (engine thread) --------------------------------------------------------
     def _push(self, ev: Event, result: Result | None = None) -> asyncio.AbstractEventLoop | None:
@@ -179,6 +187,13 @@ class RequestHandle:
     def abort(self) -> bool:
         return self._engine.abort(self.request_id)
 
+    def set_listener(self, fn: Callable[[], None] | None) -> None:
+        """fn() runs on the engine thread after every delivery of events (or a failure) to this
+        handle, instead of the event-loop wake-up; it must not block, and takes the events from
+        `_events` itself. None: back to waking the loop (events already pending stay queued: a
+        consumer that resumes with next_batch() finds them without a wake-up)."""
+        self._listener = fn
+
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, done={self.done})"
 
@@ -204,16 +219,35 @@ class Deliveries:
 
     def deliver(self) -> None:
         loops: dict = {}
+        listened: dict[RequestHandle, Callable[[], None]] = {}
         last_loop, last_list = None, None
         for h, ev, res in self.items:
             loop = h._push(ev, res)
+            fn = h._listener
+            if fn is not None:
+                listened[h] = fn
+                continue
             if loop is None:
                 continue
             if loop is not last_loop:
                 last_loop, last_list = loop, loops.setdefault(loop, [])
             last_list.append(h)
         self.items = []
+        call_listeners(listened)
         wake_loops(loops)
+
+
+def call_listeners(listened: dict) -> None:
+    """Run the handles' listeners (engine thread); one that raises is logged and dropped, its
+    handle goes back to loop wake-ups (and is woken now)."""
+    for h, fn in listened.items():
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine loop
+            log.exception("event listener of %s failed; back to event-loop delivery", h.request_id)
+            h._listener = None
+            if h._loop is not None:
+                wake_loops({h._loop: [h]})
 
 
 def wake_loops(loops: dict) -> None:
