@@ -71,6 +71,10 @@ class Settings:
     `Authorization: Bearer <key>`."""
     api_key_file: str = ""
     """File with one API key per line (blank lines and # comments ignored)."""
+    direct_stream: bool = True
+    """One-choice SSE streams are written to their sockets by the engine thread (no event-loop
+    work per token) when the connection allows it: uvicorn's httptools protocol, plain TCP,
+    HTTP/1.1 (server.api.direct). Off: every stream runs on the event loop."""
     max_body_bytes: int = 8 * 1024**2
     """Largest request body accepted (HTTP 413 beyond)."""
     few_shot: str = ""

@@ -63,3 +63,60 @@ def test_error_comes_after_the_pending_events():
             await h.next_batch()
 
     asyncio.run(main())
+
+
+def test_a_listener_replaces_the_loop_wake_up_and_can_hand_back():
+    async def main():
+        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        calls: list[list[int]] = []
+
+        def listener():  # runs where deliver() runs (the engine thread), drains the events itself
+            calls.append([h._events.popleft().n_tokens for _ in range(len(h._events))])
+
+        h.set_listener(listener)
+        fut = h._waiter = asyncio.get_running_loop().create_future()  # a consumer would wait on this
+        d = Deliveries()
+        for i in (0, 1):
+            d.add(h, _ev(i))
+            d.deliver()
+        await asyncio.sleep(0.01)
+        assert calls == [[1], [2]] and not fut.done()  # no loop wake-up while listened to
+        h.set_listener(None)  # back to the loop: an event pushed now is found by next_batch
+        d.add(h, _ev(2, finished=True), _res())
+        d.deliver()
+        assert [e.n_tokens for e in await asyncio.wait_for(h.next_batch(), 2)] == [3]
+        assert calls == [[1], [2]]
+
+    asyncio.run(main())
+
+
+def test_a_failing_listener_is_dropped_and_the_consumer_woken():
+    async def main():
+        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        h.set_listener(lambda: 1 / 0)
+        waiter = asyncio.create_task(h.next_batch())
+        await asyncio.sleep(0)
+        d = Deliveries()
+        d.add(h, _ev(0))
+        d.deliver()  # logged, not raised: the engine loop goes on
+        assert h._listener is None
+        assert [e.n_tokens for e in await asyncio.wait_for(waiter, 2)] == [1]
+
+    asyncio.run(main())
+
+
+def test_engine_failure_reaches_the_listener():
+    from server.engine.delivery import DeliveryMixin
+
+    class _Dying(DeliveryMixin):
+        def __init__(self, handles):
+            self._lock, self._live, self._inbox, self._inbox_adds = threading.Lock(), handles, [], 0
+
+    async def main():
+        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        seen = []
+        h.set_listener(lambda: seen.append(type(h._error).__name__))
+        _Dying({"r": h})._fail_all(EngineDeadError("the engine loop died"))
+        assert seen == ["EngineDeadError"]
+
+    asyncio.run(main())

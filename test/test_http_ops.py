@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import orjson
 import pytest
 from util_server import ServerProcess
 
@@ -71,6 +72,39 @@ def test_metrics_families(slow_server):
     assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1
     assert after["rwkv_generation_tokens_total"] >= before["rwkv_generation_tokens_total"] + 1
     assert after["rwkv_prompt_tokens_total"] > before["rwkv_prompt_tokens_total"]
+
+
+def _streamed(url: str, body: dict) -> dict[int, str]:
+    """{choice index: its streamed text} of a streamed completion (well ended)."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["transfer-encoding"] == "chunked"
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    texts: dict[int, str] = {}
+    for line in lines[:-1]:
+        for c in orjson.loads(line[6:])["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    return texts
+
+
+def test_streams_are_written_by_the_engine_thread_and_equal_the_whole_answer(slow_server):
+    """A one-choice stream goes the direct path (server.api.direct: counted direct_ended) and
+    carries exactly the text of the same seeded request answered whole; an n=2 stream takes the
+    event loop (counted loop)."""
+    slow_server.wait_ready()
+    url = slow_server.url
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "seed": 11, "ignore_eos": True}
+    before = metrics(url)
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert _streamed(url, body) == {0: whole} and len(whole) > 0
+    mid = metrics(url)
+    key = 'rwkv_http_streams_total{path="direct_ended"}'
+    assert mid.get(key, 0) == before.get(key, 0) + 1
+    two = _streamed(url, {**body, "n": 2})
+    assert two[0] == whole and len(two[1]) > 0  # choice 0 has the same seed
+    after = metrics(url)
+    key = 'rwkv_http_streams_total{path="loop"}'
+    assert after.get(key, 0) == mid.get(key, 0) + 1
 
 
 def _stream_then_drop(url: str, started: threading.Barrier, release: threading.Event, errors: list) -> None:

@@ -59,6 +59,13 @@ class Metrics:
         self.e2e = Histogram("rwkv_request_duration_seconds",
                              "Seconds from arrival to the end of a generation request.", LATENCY_BUCKETS)
         self.aborted = 0
+        self.stream_paths: dict[str, int] = {}
+        """Ended SSE streams by how they were written: "loop" (the event loop), or
+        "direct_<why direct mode ended>" (server.api.direct: ended, slow, gone, stopped, failed)."""
+
+    def count_stream(self, path: str) -> None:
+        with self._lock:
+            self.stream_paths[path] = self.stream_paths.get(path, 0) + 1
 
     def count_request(self, method: str, route: str, status: int) -> None:
         key = (method, route, status)
@@ -76,12 +83,17 @@ class Metrics:
         out: list[str] = []
         with self._lock:
             items = sorted(self.http_requests.items())
+            paths = sorted(self.stream_paths.items())
         _family(out, "rwkv_http_requests_total", "counter", "HTTP requests answered.")
         for (method, route, status), v in items:
             out.append(f'rwkv_http_requests_total{{method="{method}",route="{_esc(route)}",code="{status}"}} {v}')
         _sample(out, "rwkv_http_streams_open", "gauge", "SSE streams open now.", self.streams_open)
         _sample(out, "rwkv_requests_aborted_total", "counter",
                 "Generations aborted because the client went away.", self.aborted)
+        _family(out, "rwkv_http_streams_total", "counter",
+                "SSE streams ended, by writer: the event loop, or the engine thread (direct_*, by how it ended).")
+        for path, v in paths:
+            out.append(f'rwkv_http_streams_total{{path="{path}"}} {v}')
         for h in (self.ttft, self.itl, self.e2e):
             out.extend(h.render())
         _gc_lines(out)

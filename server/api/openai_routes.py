@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from typing import Any
@@ -14,6 +15,7 @@ from fastapi.responses import Response
 from server.api import openai_stream as st
 from server.api.chat_format import CHAT_STOP, build_prompt, default_few_shot_path, load_few_shot
 from server.api.deps import Services, get_services
+from server.api.direct import DirectStream
 from server.api.errors import ApiError
 from server.api.generation import ClientGone, Recorder, collect, engine_error, submit_all
 from server.api.openai_schemas import ChatRequest, CompletionRequest, SamplingFields
@@ -142,7 +144,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     n_prompt = n_prefix + len(rest) - len(pending)
     jobs = submit_all(sv.engine, [(rest, init_state, n_prompt)] * body.n, params, cid)
     meta = st.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt)
-    return await _respond(request, sv, body, jobs, meta, t0, st.chat_chunks, st.chat_response)
+    return await _respond(request, sv, body, jobs, meta, t0, st.chat_parts, st.chat_response)
 
 
 async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tuple[list[int], str]]:
@@ -191,14 +193,20 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     jobs = submit_all(sv.engine, seqs, params, cid)
     meta = st.Meta(id=cid, model=sv.model_id, created=int(time.time()),
                    prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes)
-    return await _respond(request, sv, body, jobs, meta, t0, st.completion_chunks, st.completion_response)
+    return await _respond(request, sv, body, jobs, meta, t0, st.completion_parts, st.completion_response)
 
 
-async def _respond(request: Request, sv: Services, body, jobs, meta, t0: float, chunks, full) -> Response:
-    """The SSE stream (chunks) or, once every job is done, the whole JSON response (full)."""
+async def _respond(request: Request, sv: Services, body, jobs, meta, t0: float, parts, full) -> Response:
+    """The SSE stream (parts: openai_stream.chat_parts / completion_parts) or, once every job is
+    done, the whole JSON response (full). A one-choice stream is written by the engine thread
+    when the connection allows it (server.api.direct)."""
     recorder = Recorder(sv.metrics, t0)
     if body.stream:
-        return SSEResponse(chunks(jobs, recorder, meta, body.include_usage()), metrics=sv.metrics)
+        p = parts(jobs, meta, body.include_usage())
+        direct = None
+        if sv.settings.direct_stream and len(jobs) == 1:
+            direct = functools.partial(DirectStream.attach, p, recorder)
+        return SSEResponse(p.chunks(recorder), metrics=sv.metrics, direct=direct)
     try:
         await collect(request, jobs, recorder)
     except ClientGone:

@@ -74,7 +74,8 @@ def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
             "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
 
 
-async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_usage: bool) -> AsyncIterator[bytes]:
+def chat_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts":
+    """The pieces of a chat stream: the role chunks, render(job, batch), the end."""
     base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
             "system_fingerprint": None}
     chunk = _chunker(base, include_usage)
@@ -84,8 +85,6 @@ async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_u
 
     content = _Template(base, include_usage, lambda i: {"index": i, "delta": {"content": _MARK},
                                                         "logprobs": None, "finish_reason": None})
-    for j in jobs:
-        yield chunk([choice(j, {"role": "assistant", "content": ""})])
     started: set[int] = set()  # choices whose leading whitespace is behind them
 
     def render(job: Job, batch: list) -> tuple[bytes, bool]:
@@ -99,9 +98,8 @@ async def chat_chunks(jobs: list[Job], recorder: Recorder, meta: Meta, include_u
             return out, False
         return out + chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))]), True
 
-    async with aclosing(_drive(jobs, recorder, meta, include_usage, chunk, render)) as outs:
-        async for out in outs:  # closed with this generator (a client gone: events() cleans up)
-            yield out
+    preamble = [chunk([choice(j, {"role": "assistant", "content": ""})]) for j in jobs]
+    return Parts(jobs, preamble, render, lambda: _stream_end(jobs, meta, include_usage, chunk))
 
 
 # --- completions ---------------------------------------------------------------------------------
@@ -118,8 +116,8 @@ def _echo(meta: Meta, job: Job) -> str:
     return meta.echoes[job.index] if job.index < len(meta.echoes) else ""
 
 
-async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
-                            include_usage: bool) -> AsyncIterator[bytes]:
+def completion_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts":
+    """The pieces of a completions stream: the echo chunks, render(job, batch), the end."""
     base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": None}
     chunk = _chunker(base, include_usage)
@@ -129,10 +127,6 @@ async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
 
     content = _Template(base, include_usage, lambda i: {"index": i, "text": _MARK, "logprobs": None,
                                                         "finish_reason": None})
-
-    for j in jobs:
-        if _echo(meta, j):
-            yield chunk([choice(j, _echo(meta, j))])
 
     def render(job: Job, batch: list) -> tuple[bytes, bool]:
         last = batch[-1]
@@ -145,9 +139,39 @@ async def completion_chunks(jobs: list[Job], recorder: Recorder, meta: Meta,
             return out, False
         return out + chunk([choice(job, last.text, FINISH.get(job.finish_reason, job.finish_reason))]), True
 
-    async with aclosing(_drive(jobs, recorder, meta, include_usage, chunk, render)) as outs:
-        async for out in outs:  # closed with this generator (a client gone: events() cleans up)
+    preamble = [chunk([choice(j, _echo(meta, j))]) for j in jobs if _echo(meta, j)]
+    return Parts(jobs, preamble, render, lambda: _stream_end(jobs, meta, include_usage, chunk))
+
+
+@dataclass
+class Parts:
+    """A stream's bytes, by piece: the chunks before any event (one per job, or none), render
+    (job, batch) -> (bytes, whether the job's finish chunk is in them), end() -> the usage chunk
+    (when asked for) + [DONE]."""
+
+    jobs: list[Job]
+    preamble: list[bytes]
+    render: Callable[[Job, list], tuple[bytes, bool]]
+    end: Callable[[], bytes]
+
+    async def chunks(self, recorder: Recorder) -> AsyncIterator[bytes]:
+        """The stream on the event loop (every job's events through generation.events)."""
+        for out in self.preamble:
             yield out
+        async with aclosing(_drive(self, recorder)) as outs:
+            async for out in outs:  # closed with this generator (a client gone: events() cleans up)
+                yield out
+
+    def take(self, job: Job, batch: list) -> tuple[bytes, bool]:
+        """The bytes of one batch of a job's events (already recorded), and whether the stream
+        ends with them: an error ends it at once; the last job's finish chunk and the end of the
+        stream go out in the same write."""
+        if job.finish_reason == "error":
+            return _error_event(job) + DONE, True
+        out, finished = self.render(job, batch)
+        if finished and all(j.done for j in self.jobs):
+            return out + self.end(), True
+        return out, False
 
 
 def _chunker(base: dict[str, Any], include_usage: bool):
@@ -162,24 +186,16 @@ def _chunker(base: dict[str, Any], include_usage: bool):
     return chunk
 
 
-async def _drive(jobs: list[Job], recorder: Recorder, meta: Meta, include_usage: bool, chunk,
-                 render: Callable[[Job, list], tuple[bytes, bool]]) -> AsyncIterator[bytes]:
-    """The loop both streams share: one write per batch (all of a job's events of one wake-up),
-    rendered by render(job, batch) -> (bytes, whether the job's finish chunk is in them); an
-    error ends the stream at once; the last job's finish chunk and the end of the stream go out
-    in the same write."""
-    async with aclosing(events(jobs, recorder)) as batches:
+async def _drive(parts: Parts, recorder: Recorder) -> AsyncIterator[bytes]:
+    """The loop both streams share: one write per batch (all of a job's events of one wake-up)."""
+    async with aclosing(events(parts.jobs, recorder)) as batches:
         async for job, batch in batches:
-            if job.finish_reason == "error":
-                yield _error_event(job) + DONE
-                return
-            out, finished = render(job, batch)
-            if finished and all(j.done for j in jobs):
-                yield out + _stream_end(jobs, meta, include_usage, chunk)
-                return
+            out, last = parts.take(job, batch)
             if out:
                 yield out
-    yield _stream_end(jobs, meta, include_usage, chunk)
+            if last:
+                return
+    yield parts.end()
 
 
 def _stream_end(jobs: list[Job], meta: Meta, include_usage: bool, chunk) -> bytes:

@@ -61,8 +61,9 @@ class SSEResponse(Response):
     """A starlette Response (so FastAPI passes it through) with its own ASGI __call__."""
 
     def __init__(self, chunks: AsyncIterator[bytes], *, metrics: Any = None, ping_interval: float = 15.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, direct: Callable | None = None) -> None:
         self.chunks = chunks
+        self.direct = direct  # direct(send, scope) -> server.api.direct.DirectStream | None
         self.status_code = 200
         self.background = None
         self.metrics = metrics
@@ -72,6 +73,7 @@ class SSEResponse(Response):
         self._stop: str | None = None  # why the streaming task was cancelled: "disconnect" | "drain"
         self._live = False  # the streaming task may be cancelled (it is inside the chunk loop)
         self._sent = 0  # body messages sent (the pinger's "was anything sent lately")
+        self._path = ""  # how the body was written (metrics): "loop" or "direct_<why it left>"
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -102,9 +104,11 @@ class SSEResponse(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             send = scope.get(RAW_SEND) or send  # the body: no per-message middleware hops
+            ds = self.direct(send, scope) if self.direct is not None else None
             if self.ping_interval and self.ping_interval > 0:
-                helpers.append(asyncio.create_task(self._pinger(send)))
-            end = await self._stream(send, me)
+                helpers.append(asyncio.create_task(self._pinger(send, ds)))
+            self._path = "loop" if ds is None else "direct"
+            end = await (self._stream(send, me) if ds is None else self._stream_direct(ds, send, me))
             if end is not None:
                 await send({"type": "http.response.body", "body": end, "more_body": False})
         except OSError:
@@ -118,6 +122,8 @@ class SSEResponse(Response):
                 self.metrics.streams_open -= 1
                 if self.disconnected:
                     self.metrics.aborted += 1
+                if self._path:
+                    self.metrics.count_stream(self._path)
 
     async def _stream(self, send: Callable, me: asyncio.Task | None) -> bytes | None:
         """Send every chunk; the last message's body (None: the client is gone)."""
@@ -149,13 +155,58 @@ class SSEResponse(Response):
             return SHUTDOWN + DONE
         return end
 
-    async def _pinger(self, send: Callable) -> None:
+    async def _stream_direct(self, ds: Any, send: Callable, me: asyncio.Task | None) -> bytes | None:
+        """The stream written by the engine thread (server.api.direct) after the preamble; the
+        last message's body (None: the client is gone)."""
+        await _close(self.chunks)  # never started: the direct stream replaces it
+        end: bytes | None = b""
+        self._live = self._stop is None
+        try:
+            if self._stop is None:
+                for chunk in ds.parts.preamble:
+                    self._sent += 1
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                ds.start()
+                why = await ds.left
+                self._path = f"direct_{why}"
+                if why == "slow":  # the client reads slowly: the rest through the loop (flow control)
+                    async for chunk in ds.rest():
+                        self._sent += 1
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                elif why == "failed":
+                    end = INTERNAL_ERROR + DONE
+                elif why == "gone":
+                    self.disconnected = True
+                    end = None
+        except asyncio.CancelledError:
+            if self._stop is None:
+                raise  # not ours (server shutdown of the task): propagate
+            if me is not None and hasattr(me, "uncancel"):
+                me.uncancel()
+        finally:
+            self._live = False
+            unfinished = ds.stop()  # no engine-thread write after this line
+            if self._path == "direct":
+                self._path = "direct_stopped"
+            ds.close()
+        if self._stop == "disconnect":
+            self.disconnected = True
+            log.info("client disconnected; aborting its generation")
+            return None
+        if self._stop == "drain":
+            log.info("server shutting down; ending the stream")
+            return SHUTDOWN + DONE if unfinished else b""
+        return end
+
+    async def _pinger(self, send: Callable, ds: Any = None) -> None:
         seen = -1
         while True:
             await asyncio.sleep(self.ping_interval)
-            if self._sent == seen and self._live:
-                await send({"type": "http.response.body", "body": PING, "more_body": True})
-            seen = self._sent
+            sent = self._sent + (ds.sent if ds is not None else 0)
+            if sent == seen and self._live and not (ds is not None and ds.ended):
+                if ds is None or not ds.ping(PING):
+                    await send({"type": "http.response.body", "body": PING, "more_body": True})
+            seen = self._sent + (ds.sent if ds is not None else 0)
 
 
 async def _close(chunks: Any) -> None:

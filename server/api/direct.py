@@ -1,0 +1,218 @@
+"""Direct SSE writes: a one-choice stream's chunks written to its socket by the engine thread.
+
+Why: at hundreds of streams the event loop's work per token (a task wake-up, the generator chain,
+uvicorn's send, the write syscall: ~20-30 us, all but the syscall holding the GIL) was what held
+the HTTP path below the engine. A DirectStream is the handle's listener (RequestHandle.
+set_listener): right after the engine thread pushed a step's events it renders the stream's bytes
+(openai_stream.Parts) and writes them, chunk-framed, to a dup of the connection's socket. The
+write syscall releases the GIL, and the event loop does nothing per token.
+
+It applies (`attach`) when: Settings.direct_stream is on; the server is uvicorn's httptools
+protocol (its send is bound to a cycle that holds the transport); HTTP/1.1 with a chunked body; a
+plain TCP transport (no TLS); one job; nothing buffered in the transport at takeover. Otherwise
+the stream runs on the event loop as before (server.api.sse).
+
+One writer at a time (self._lock): the loop sends the headers and the preamble through uvicorn,
+then `start()` (listener set, first pump); the engine thread pumps after each delivery, the loop
+only to ping. The stream leaves direct mode (`_leave`: listener dropped, dup closed, the loop
+told through `self.left`) when:
+  * "ended": its last bytes (finish chunk, usage, [DONE]) are written;
+  * "slow": a write did not fit the socket buffer (a client that reads slowly): the rest of that
+    write goes out through the transport (which buffers and applies flow control) and the rest of
+    the stream through the event loop (`rest()`), so a slow client never blocks the engine;
+  * "gone": the socket refused a write (the client left): its sequence is aborted;
+  * "stopped": the loop called stop() (disconnect seen, server draining);
+  * "failed": rendering raised (logged; the loop ends the stream with an error event).
+The loop finishes the response through uvicorn in every case (the chunked terminator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any, AsyncIterator, Callable
+
+from server.api.generation import Job, Recorder, _error_batch, _record, abort_all
+
+log = logging.getLogger("server.sse")
+
+
+def transport_of(send: Callable, scope: dict) -> Any | None:
+    """The plain-TCP transport behind uvicorn's httptools send for this HTTP/1.1 chunked response,
+    or None (another server or protocol, TLS, HTTP/1.0, not chunked)."""
+    cycle = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None)
+    if transport is None or scope.get("http_version") != "1.1":
+        return None
+    if getattr(cycle, "chunked_encoding", None) is not True or getattr(cycle, "response_complete", True):
+        return None
+    if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None:
+        return None
+    return transport
+
+
+class DirectStream:
+    def __init__(self, parts: Any, recorder: Recorder, transport: Any, fd: int) -> None:
+        self.parts, self.recorder, self.transport, self.fd = parts, recorder, transport, fd
+        self.job: Job = parts.jobs[0]
+        self.handle = self.job.handle
+        self.loop = asyncio.get_running_loop()
+        self.left: asyncio.Future = self.loop.create_future()  # result: why direct mode ended
+        self.sent = 0  # chunks written (the pinger's "was anything sent lately")
+        self.ended = False  # the stream's last bytes were produced
+        self._lock = threading.Lock()
+        self._state = "new"
+        self._tail = b""  # the unsent rest of a partial write ("slow")
+
+    @classmethod
+    def attach(cls, parts: Any, recorder: Recorder, send: Callable, scope: dict) -> "DirectStream | None":
+        """A DirectStream for this response once its headers went out, or None."""
+        if len(parts.jobs) != 1 or not hasattr(parts.jobs[0].handle, "set_listener"):
+            return None
+        transport = transport_of(send, scope)
+        if transport is None or transport.get_write_buffer_size() or transport.is_closing():
+            return None
+        sock = transport.get_extra_info("socket")
+        try:
+            fd = os.dup(sock.fileno())  # ours: the socket cannot be closed (and its number reused) under us
+        except (AttributeError, OSError, ValueError):
+            return None
+        if os.get_blocking(fd):  # the loop's socket is non-blocking; anything else: not ours to change
+            os.close(fd)
+            return None
+        return cls(parts, recorder, transport, fd)
+
+    # --- direct mode ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Loop thread, after the preamble: from now on the engine thread writes."""
+        with self._lock:
+            self._state = "live"
+        self.handle.set_listener(self.pump)
+        self.pump()  # the events that came before the listener
+
+    def pump(self) -> None:
+        """Write every pending event's bytes (engine thread after a delivery, or loop thread)."""
+        with self._lock:
+            if self._state != "live":
+                return
+            try:
+                while True:
+                    item = self._next()
+                    if item is None:
+                        return
+                    out, last = item
+                    if out and not self._write(out):
+                        return
+                    if last:
+                        self._leave("ended")
+                        return
+            except Exception:  # noqa: BLE001 - a rendering bug: the loop ends the stream
+                log.exception("direct stream of %s failed", self.handle.request_id)
+                self._leave("failed")
+
+    def ping(self, body: bytes) -> bool:
+        """Loop thread: write a keep-alive comment; False when not in direct mode."""
+        with self._lock:
+            return self._state == "live" and self._write(body)
+
+    def stop(self) -> bool:
+        """Loop thread (disconnect, drain): leave direct mode now; True if the stream's end was
+        not written (the caller may still end it)."""
+        with self._lock:
+            if self._state in ("new", "live"):
+                self._leave("stopped")
+            return not self.ended
+
+    def _next(self) -> tuple[bytes, bool] | None:
+        """The next pending batch's bytes (what next_batch + generation._events_one +
+        openai_stream._drive do, without waiting), None when nothing is pending."""
+        h, job = self.handle, self.job
+        done, error = h.done, h._error  # read BEFORE draining: the result follows its events
+        events = h._events
+        n = len(events)
+        if n:
+            batch = [events.popleft() for _ in range(n)]
+        elif error is not None:
+            job.error = str(error) or type(error).__name__
+            batch = _error_batch(job)
+        elif done:
+            self.ended = True
+            return self.parts.end(), True
+        else:
+            return None
+        return self._take(batch)
+
+    def _take(self, batch: list) -> tuple[bytes, bool]:
+        job = self.job
+        _record(job, batch, self.recorder)
+        if job.finish_reason == "error" and job.error is None:
+            res = self.handle._result  # delivered with the finishing event
+            job.error = (getattr(res, "error", None) or "generation failed")
+        out, last = self.parts.take(job, batch)
+        self.ended = self.ended or last
+        return out, last
+
+    def _write(self, body: bytes) -> bool:
+        data = b"%x\r\n%b\r\n" % (len(body), body)
+        try:
+            n = os.write(self.fd, data)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            log.info("client gone while streaming (%s); aborting its generation", type(exc).__name__)
+            self._leave("gone")
+            return False
+        self.sent += 1
+        if n < len(data):
+            self._tail = data[n:]
+            self._leave("slow")
+            return False
+        return True
+
+    def _leave(self, why: str) -> None:  # under self._lock
+        self._state = why
+        self.handle.set_listener(None)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        if why == "gone":
+            self.handle.abort()
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.left, why)
+        except RuntimeError:  # the loop is closed: nobody is waiting
+            pass
+
+    # --- after direct mode (loop thread) -------------------------------------------------------
+    async def rest(self) -> AsyncIterator[bytes]:
+        """After "slow": the unsent bytes straight to the transport (already framed), then the
+        stream's remaining chunks, one per wake-up, for the caller to send through uvicorn."""
+        if self._tail:
+            self.transport.write(self._tail)
+            self._tail = b""
+        job = self.job
+        while not self.ended:
+            try:
+                batch = await self.handle.next_batch()
+            except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
+                job.error = str(exc) or type(exc).__name__
+                batch = _error_batch(job)
+            if not batch:
+                self.ended = True
+                yield self.parts.end()
+                return
+            out, _ = self._take(batch)
+            if out:
+                yield out
+
+    def close(self) -> None:
+        """The stream is over (any way): abort an unfinished sequence, record the duration."""
+        abort_all([self.job])
+        self.recorder.finish()
+
+
+def _resolve(fut: asyncio.Future, value: str) -> None:
+    if not fut.done():
+        fut.set_result(value)

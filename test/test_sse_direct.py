@@ -1,0 +1,223 @@
+"""server.api.direct.DirectStream on a real socket pair: the bytes it writes from a delivering
+thread equal the event-loop path's, framed as HTTP/1.1 chunks, in order; a full socket hands the
+rest to the loop without losing or reordering a byte; a closed socket aborts the sequence; stop()
+ends the writes. (The whole path through uvicorn is in test_http_ops.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+
+import orjson
+
+from server.api.direct import DirectStream
+from server.api.generation import Job, Recorder
+from server.api.openai_stream import Meta, chat_parts, completion_parts
+from server.engine.handle import Deliveries, RequestHandle
+from server.engine.types import Event, Result
+
+
+class _Eng:
+    def __init__(self):
+        self._thread, self._stopping, self._dead = threading.current_thread(), False, None
+        self.aborted: list[str] = []
+
+    def _gone(self):
+        return False
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+        return True
+
+
+class _Transport:  # what DirectStream needs of the loop's transport after a hand-back
+    def __init__(self):
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+
+def _events(n: int) -> list[tuple[Event, Result | None]]:
+    out = [(Event(text=f" w{i}\u00e9", token_ids=[i], n_tokens=i + 1), None) for i in range(n - 1)]
+    res = Result(request_id="r", text="", token_ids=[], prompt_tokens=2, completion_tokens=n,
+                 finish_reason="length", prefill_time=0, gen_time=0)
+    out.append((Event(text=" end", token_ids=[n], n_tokens=n, finished=True, finish_reason="length"), res))
+    return out
+
+
+def _parts(kind, handle):
+    meta = Meta(id="cmpl-x", model="m", created=1, prompt_tokens=2)
+    job = Job(index=0, handle=handle, prompt_tokens=2)
+    return (chat_parts if kind == "chat" else completion_parts)([job], meta, True)
+
+
+def _framed(body: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+def _dechunk(raw: bytes) -> bytes:
+    """The body of HTTP/1.1 chunks (each must be well framed)."""
+    out, i = b"", 0
+    while i < len(raw):
+        j = raw.index(b"\r\n", i)
+        n = int(raw[i:j], 16)
+        assert raw[j + 2 + n : j + 4 + n] == b"\r\n", "bad chunk framing"
+        out += raw[j + 2 : j + 2 + n]
+        i = j + 4 + n
+    return out
+
+
+def _text(body: bytes) -> tuple[str, list[str], bool]:
+    """(the streamed text, the finish reasons, whether [DONE] ends it) of an SSE body."""
+    text, reasons, events = "", [], body.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        choices = orjson.loads(e.removeprefix("data: "))["choices"]
+        for c in choices:
+            text += c.get("text", "")
+            if c["finish_reason"]:
+                reasons.append(c["finish_reason"])
+    return text, reasons, True
+
+
+async def _loop_path(kind: str, steps) -> bytes:
+    """The reference: the same deliveries through the event-loop generator (one wake-up each)."""
+    h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+    parts = _parts(kind, h)
+    out: list[bytes] = []
+
+    async def consume():
+        async for c in parts.chunks(Recorder(None, 0.0)):
+            out.append(_framed(c))
+
+    task = asyncio.create_task(consume())
+    for group in steps:
+        await asyncio.sleep(0.005)
+        d = Deliveries()
+        for ev, res in group:
+            d.add(h, ev, res)
+        d.deliver()
+    await asyncio.wait_for(task, 5)
+    return b"".join(out)
+
+
+def _steps(events, per_step: int = 1) -> list[list]:
+    return [events[i : i + per_step] for i in range(0, len(events), per_step)]
+
+
+def _deliver_from_a_thread(h: RequestHandle, events, per_step: int = 1) -> None:
+    def run():
+        for group in _steps(events, per_step):
+            d = Deliveries()
+            for ev, res in group:
+                d.add(h, ev, res)
+            d.deliver()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+
+
+def _direct(kind: str, sock: socket.socket):
+    h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+    parts = _parts(kind, h)
+    ds = DirectStream(parts, Recorder(None, 0.0), _Transport(), os.dup(sock.fileno()))
+    return h, parts, ds
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    sock.setblocking(False)
+    out = b""
+    while True:
+        try:
+            data = sock.recv(1 << 20)
+        except BlockingIOError:
+            return out
+        if not data:
+            return out
+        out += data
+
+
+def test_engine_thread_writes_equal_the_loop_path():
+    async def main():
+        for kind in ("completions", "chat"):
+            events = _events(40)
+            a, b = socket.socketpair()
+            a.setblocking(False)
+            h, parts, ds = _direct(kind, a)
+            pre = b"".join(_framed(c) for c in parts.preamble)  # sent through uvicorn before start()
+            ds.start()
+            _deliver_from_a_thread(h, events[:10])
+            _deliver_from_a_thread(h, events[10:], per_step=3)  # several events per delivery too
+            assert await asyncio.wait_for(ds.left, 2) == "ended"
+            assert ds.ended and h._listener is None
+            got = pre + _read_all(b)
+            assert got == await _loop_path(kind, _steps(events[:10]) + _steps(events[10:], 3)), kind
+            assert got.endswith(b"data: [DONE]\n\n\r\n") and b" w38" in got
+            a.close(), b.close()
+
+    asyncio.run(main())
+
+
+def test_a_full_socket_hands_the_rest_to_the_loop_in_order():
+    async def main():
+        events = _events(3000)  # ~600 KB of chunks: far more than the socket buffers below
+        a, b = socket.socketpair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        a.setblocking(False)
+        h, parts, ds = _direct("completions", a)
+        ds.start()
+        _deliver_from_a_thread(h, events[:2000])  # nobody reads b meanwhile: a write comes up short
+        assert await asyncio.wait_for(ds.left, 2) == "slow"
+        direct_part = _read_all(b)
+        rest = ds.rest()
+        first = await rest.__anext__()  # the loop path: the tail went to the transport first
+        _deliver_from_a_thread(h, events[2000:])
+        later = [c async for c in rest]
+        got = direct_part + ds.transport.written + b"".join(_framed(c) for c in [first, *later])
+        assert 0 < len(direct_part) and ds.transport.written  # both paths carried bytes
+        text, reasons, _ = _text(_dechunk(got))  # batching differs after the hand-back, not the content
+        assert text == "".join(ev.text for ev, _ in events) and reasons == ["length"]
+        assert later and ds.ended
+
+    asyncio.run(main())
+
+
+def test_a_closed_socket_aborts_the_sequence():
+    async def main():
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        h, _, ds = _direct("completions", a)
+        ds.start()
+        b.close()
+        _deliver_from_a_thread(h, _events(5)[:2])
+        assert await asyncio.wait_for(ds.left, 2) == "gone"
+        assert h._engine.aborted == ["r"] and h._listener is None
+        ds.close()  # the loop's cleanup: the sequence's abort was already asked for
+        a.close()
+
+    asyncio.run(main())
+
+
+def test_stop_ends_the_engine_thread_writes():
+    async def main():
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        h, _, ds = _direct("completions", a)
+        ds.start()
+        events = _events(10)
+        _deliver_from_a_thread(h, events[:3])
+        before = _read_all(b)
+        assert before.count(b"data: ") == 3
+        assert ds.stop() is True  # the end was not written: the caller ends the stream
+        _deliver_from_a_thread(h, events[3:])
+        assert _read_all(b) == b"" and h._listener is None
+        assert await asyncio.wait_for(ds.left, 2) == "stopped"
+        assert len(h._events) == 7  # left queued, not lost
+        a.close(), b.close()
+
+    asyncio.run(main())
