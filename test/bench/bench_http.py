@@ -168,6 +168,7 @@ def main() -> None:
                         "measured against a server that is already decoding the earlier streams")
     p.add_argument("--prompt", default="User: Tell me a long story about a lighthouse keeper.\n\nAssistant:")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
+    p.add_argument("--variant", default=None, help="a tag for the result lines (e.g. what the env changed)")
     a = p.parse_args()
     if a.client:
         client_main(a.client)
@@ -213,6 +214,8 @@ def main() -> None:
                           "client_cpu_pct": round(r["client_cpu_pct"], 1),
                           "client_us_per_tok": round(r["client_us_per_tok"], 1),
                           "server_us_per_tok": round(r["server_us_per_tok"], 1)})  # fmt: skip
+            if a.variant:
+                lines[-1]["variant"] = a.variant
     finally:
         srv.stop()
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
