@@ -29,6 +29,8 @@ The loop finishes the response through uvicorn in every case (the chunked termin
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import logging
 import os
 import threading
@@ -37,6 +39,32 @@ from typing import Any, AsyncIterator, Callable
 from server.api.generation import Job, Recorder, _error_batch, _record, abort_all
 
 log = logging.getLogger("server.sse")
+
+
+def _gil_holding_write() -> Callable[[int, bytes], int] | None:
+    """write(2) called WITHOUT releasing the GIL (ctypes.PyDLL), or None where unavailable.
+    The socket is non-blocking, so a call never waits; releasing the GIL 256 times a step (as
+    os.write does) would let a busy event loop take it at each write and hold it for up to the
+    interpreter's switch interval, stretching the engine thread's delivery."""
+    if os.name != "posix":
+        return None
+    try:
+        fn = ctypes.PyDLL(None, use_errno=True).write
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ctypes.c_ssize_t
+
+    def write(fd: int, data: bytes) -> int:
+        n = fn(fd, data, len(data))
+        if n < 0:
+            code = ctypes.get_errno()
+            raise (BlockingIOError if code in (errno.EAGAIN, errno.EWOULDBLOCK) else OSError)(code, os.strerror(code))
+        return n
+
+    return write
+
+
+_write = _gil_holding_write() or os.write
 
 
 def transport_of(send: Callable, scope: dict) -> Any | None:
@@ -157,7 +185,7 @@ class DirectStream:
     def _write(self, body: bytes) -> bool:
         data = b"%x\r\n%b\r\n" % (len(body), body)
         try:
-            n = os.write(self.fd, data)
+            n = _write(self.fd, data)
         except BlockingIOError:
             n = 0
         except OSError as exc:
