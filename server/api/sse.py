@@ -175,9 +175,10 @@ class SSEResponse(Response):
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 elif why == "failed":
                     end = INTERNAL_ERROR + DONE
-                elif why == "gone":
+                elif why == "gone":  # the socket refused a write: make sure the connection ends
                     self.disconnected = True
                     end = None
+                    ds.transport.close()
         except asyncio.CancelledError:
             if self._stop is None:
                 raise  # not ours (server shutdown of the task): propagate
