@@ -187,12 +187,17 @@ def test_a_full_socket_hands_the_rest_to_the_loop_in_order():
     asyncio.run(main())
 
 
+def _started() -> tuple[socket.socket, socket.socket, RequestHandle, DirectStream]:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    h, _, ds = _direct("completions", a)
+    ds.start()
+    return a, b, h, ds
+
+
 def test_a_closed_socket_aborts_the_sequence():
     async def main():
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        h, _, ds = _direct("completions", a)
-        ds.start()
+        a, b, h, ds = _started()
         b.close()
         _deliver_from_a_thread(h, _events(5)[:2])
         assert await asyncio.wait_for(ds.left, 2) == "gone"
@@ -205,10 +210,7 @@ def test_a_closed_socket_aborts_the_sequence():
 
 def test_stop_ends_the_engine_thread_writes():
     async def main():
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        h, _, ds = _direct("completions", a)
-        ds.start()
+        a, b, h, ds = _started()
         events = _events(10)
         _deliver_from_a_thread(h, events[:3])
         before = _read_all(b)

@@ -146,13 +146,19 @@ class SSEResponse(Response):
         finally:
             self._live = False
             await _close(chunks)
+        return self._last_body(end)
+
+    def _last_body(self, end: bytes | None, unfinished: bool = True) -> bytes | None:
+        """The final message's body once the chunks are over: `end`, unless the task was stopped
+        (disconnect: None, nothing more to send; drain: the shutting_down event + [DONE] if the
+        stream's own end was not sent)."""
         if self._stop == "disconnect":
             self.disconnected = True
             log.info("client disconnected; aborting its generation")
             return None
         if self._stop == "drain":
             log.info("server shutting down; ending the stream")
-            return SHUTDOWN + DONE
+            return SHUTDOWN + DONE if unfinished else b""
         return end
 
     async def _stream_direct(self, ds: Any, send: Callable, me: asyncio.Task | None) -> bytes | None:
@@ -190,14 +196,7 @@ class SSEResponse(Response):
             if self._path == "direct":
                 self._path = "direct_stopped"
             ds.close()
-        if self._stop == "disconnect":
-            self.disconnected = True
-            log.info("client disconnected; aborting its generation")
-            return None
-        if self._stop == "drain":
-            log.info("server shutting down; ending the stream")
-            return SHUTDOWN + DONE if unfinished else b""
-        return end
+        return self._last_body(end, unfinished)
 
     async def _pinger(self, send: Callable, ds: Any = None) -> None:
         seen = -1
