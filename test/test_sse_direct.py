@@ -32,12 +32,15 @@ class _Eng:
         return True
 
 
-class _Transport:  # what DirectStream needs of the loop's transport after a hand-back
-    def __init__(self):
-        self.written = b""
+class _Transport:  # what DirectStream needs of the loop's transport
+    def __init__(self, buffered: int = 0):
+        self.written, self.buffered = b"", buffered
 
     def write(self, data: bytes) -> None:
         self.written += data
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
 
 
 def _events(n: int) -> list[tuple[Event, Result | None]]:
@@ -220,6 +223,24 @@ def test_stop_ends_the_engine_thread_writes():
         assert _read_all(b) == b"" and h._listener is None
         assert await asyncio.wait_for(ds.left, 2) == "stopped"
         assert len(h._events) == 7  # left queued, not lost
+        a.close(), b.close()
+
+    asyncio.run(main())
+
+
+def test_a_preamble_still_buffered_keeps_the_stream_on_the_loop():
+    async def main():
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        h, parts, ds = _direct("chat", a)
+        ds.transport.buffered = 100  # uvicorn's transport still holds the role chunk
+        ds.start()
+        assert await asyncio.wait_for(ds.left, 2) == "slow" and h._listener is None
+        events = _events(6)
+        _deliver_from_a_thread(h, events)
+        assert _read_all(b) == b""  # nothing went around the transport's queue
+        body = b"".join(_framed(c) for c in parts.preamble) + b"".join([_framed(c) async for c in ds.rest()])
+        assert body == await _loop_path("chat", [events])
         a.close(), b.close()
 
     asyncio.run(main())

@@ -4,8 +4,9 @@ Why: at hundreds of streams the event loop's work per token (a task wake-up, the
 uvicorn's send, the write syscall: ~20-30 us, all but the syscall holding the GIL) was what held
 the HTTP path below the engine. A DirectStream is the handle's listener (RequestHandle.
 set_listener): right after the engine thread pushed a step's events it renders the stream's bytes
-(openai_stream.Parts) and writes them, chunk-framed, to a dup of the connection's socket. The
-write syscall releases the GIL, and the event loop does nothing per token.
+(openai_stream.Parts) and writes them, chunk-framed, to a dup of the connection's socket, while
+the device runs the next step. The event loop does nothing per token. (The write keeps the GIL:
+the socket is non-blocking, and 256 GIL hand-offs a step to a busy loop cost more; see _write.)
 
 It applies (`attach`) when: Settings.direct_stream is on; the server is uvicorn's httptools
 protocol (its send is bound to a cycle that holds the transport); HTTP/1.1 with a chunked body; a
@@ -13,7 +14,8 @@ plain TCP transport (no TLS); one job; nothing buffered in the transport at take
 the stream runs on the event loop as before (server.api.sse).
 
 One writer at a time (self._lock): the loop sends the headers and the preamble through uvicorn,
-then `start()` (listener set, first pump); the engine thread pumps after each delivery, the loop
+then `start()` (listener set, first pump; if the transport still buffers the preamble, the stream
+stays on the loop as for "slow"); the engine thread pumps after each delivery, the loop
 only to ping. The stream leaves direct mode (`_leave`: listener dropped, dup closed, the loop
 told through `self.left`) when:
   * "ended": its last bytes (finish chunk, usage, [DONE]) are written;
@@ -116,6 +118,9 @@ class DirectStream:
     def start(self) -> None:
         """Loop thread, after the preamble: from now on the engine thread writes."""
         with self._lock:
+            if self.transport.get_write_buffer_size():  # the preamble is still queued there: keep
+                self._leave("slow")  # the byte order, stay on the loop
+                return
             self._state = "live"
         self.handle.set_listener(self.pump)
         self.pump()  # the events that came before the listener
