@@ -13,9 +13,9 @@ drains `_events` itself (server.api.direct writes a stream's bytes from there).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
-import logging
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 from .types import EngineDeadError, Event, Result
