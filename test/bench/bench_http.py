@@ -3,7 +3,8 @@
     PYTHONPATH=. python test/bench/bench_http.py --model synthetic:2.9b --streams 64,256
     PYTHONPATH=. python test/bench/bench_http.py --model synthetic:tiny --device cpu --streams 8 --max-tokens 16
 
-Each client streams one /v1/completions request (ignore_eos, fixed max_tokens, usage included).
+Each client streams one /v1/completions request (ignore_eos, fixed max_tokens, usage included;
+--route chat: /v1/chat/completions with the prompt as the user message).
 The clients are bench_http_host.py's raw-socket asyncio client (HTTP/1.1, one connection per
 stream, no SSE/JSON parsing per event), split over --client-procs processes (default: one per
 128 streams) so that the client is never the bottleneck; each process's CPU time is printed.
@@ -55,16 +56,18 @@ def client_main(spec: str) -> None:
     starts j * stagger_ms / n after the first), the first at time.perf_counter() == start_at
     (CLOCK_MONOTONIC: the same clock in every process, so all client processes start together);
     prints one JSON line."""
-    host, port, n, max_tokens, seed0, stagger_ms, start_at, prompt_file = spec.split(",", 7)
+    host, port, n, max_tokens, seed0, stagger_ms, start_at, route, prompt_file = spec.split(",", 8)
     prompt = Path(prompt_file).read_text()
-    bodies = [json.dumps({"prompt": prompt, "max_tokens": int(max_tokens), "stream": True, "ignore_eos": True,
+    what = {"messages": [{"role": "user", "content": prompt}]} if route == "chat" else {"prompt": prompt}
+    bodies = [json.dumps({**what, "max_tokens": int(max_tokens), "stream": True, "ignore_eos": True,
                           "temperature": 1.0, "top_p": 0.3, "seed": int(seed0) + i,
                           "stream_options": {"include_usage": True}}).encode()
               for i in range(int(n))]  # fmt: skip
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
 
     time.sleep(max(0.0, float(start_at) - time.perf_counter()))
     c0 = os.times()
-    res = asyncio.run(run_streams(host, int(port), "/v1/completions", bodies, float(stagger_ms)))
+    res = asyncio.run(run_streams(host, int(port), path, bodies, float(stagger_ms)))
     c1 = os.times()
     streams = [{"start": r["start"], "first": r["stamps"][0] if r["stamps"] else None, "end": r["end"],
                 "tokens": r["tokens"], "gaps": [b - a for a, b in zip(r["stamps"], r["stamps"][1:])]}
@@ -105,7 +108,8 @@ class TokenCounter(threading.Thread):
         return (nb - na) / (tb - ta)
 
 
-def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: int, stagger_ms: float = 0) -> dict:
+def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: int, stagger_ms: float = 0,
+         route: str = "completions") -> dict:
     procs = max(1, min(procs, n))
     sizes = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     counter = TokenCounter(srv.url)
@@ -118,7 +122,7 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     t0 = time.perf_counter() + CLIENT_START_LEAD_S
     children, seed = [], 0
     for size in sizes:
-        spec = f"127.0.0.1,{srv.port},{size},{max_tokens},{seed},{stagger_ms},{t0},{prompt_file}"
+        spec = f"127.0.0.1,{srv.port},{size},{max_tokens},{seed},{stagger_ms},{t0},{route},{prompt_file}"
         children.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client", spec],
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         seed += size
@@ -169,6 +173,8 @@ def main() -> None:
     p.add_argument("--prompt", default="User: Tell me a long story about a lighthouse keeper.\n\nAssistant:")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default=None, help="a tag for the result lines (e.g. what the env changed)")
+    p.add_argument("--route", choices=["completions", "chat"], default="completions",
+                   help="chat: /v1/chat/completions with the prompt as one user message (its stop strings apply)")
     a = p.parse_args()
     if a.client:
         client_main(a.client)
@@ -194,10 +200,10 @@ def main() -> None:
     lines = []
     try:
         for n in streams:  # warm-up (HTTP path, graph buckets up to each N)
-            wave(srv, n, 8, prompt_file, 1)
+            wave(srv, n, 8, prompt_file, 1, route=a.route)
         for n in streams:
             procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
-            r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms)
+            r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, a.route)
             steady = f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"] else "(no steady window: not all streams overlapped)"
             print(f"  {n:4d} streams: server {steady} "
                   f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
@@ -216,6 +222,8 @@ def main() -> None:
                           "server_us_per_tok": round(r["server_us_per_tok"], 1)})  # fmt: skip
             if a.variant:
                 lines[-1]["variant"] = a.variant
+            if a.route != "completions":
+                lines[-1]["route"] = a.route
     finally:
         srv.stop()
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
