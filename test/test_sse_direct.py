@@ -244,3 +244,33 @@ def test_a_preamble_still_buffered_keeps_the_stream_on_the_loop():
         a.close(), b.close()
 
     asyncio.run(main())
+
+
+def test_direct_writes_apply_only_to_plain_http11_chunked_uvicorn_responses():
+    from server.api.direct import transport_of
+
+    class _T:
+        def __init__(self, tls=False):
+            self.tls = tls
+
+        def get_extra_info(self, key):
+            return object() if self.tls and key == "sslcontext" else None
+
+    class _Cycle:  # the shape of uvicorn's httptools RequestResponseCycle
+        def __init__(self, transport, chunked=True):
+            self.transport, self.chunked_encoding, self.response_complete = transport, chunked, False
+
+        async def send(self, message):
+            pass
+
+    plain, h11 = {"http_version": "1.1"}, {"http_version": "1.0"}
+    t = _T()
+    assert transport_of(_Cycle(t).send, plain) == (t, "")
+    assert transport_of(_Cycle(t).send, h11)[0] is None
+    assert transport_of(_Cycle(t, chunked=False).send, plain)[0] is None
+    assert "TLS" in transport_of(_Cycle(_T(tls=True)).send, plain)[1]
+
+    async def other_server_send(message):
+        pass
+
+    assert "httptools" in transport_of(other_server_send, plain)[1]

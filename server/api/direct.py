@@ -69,18 +69,30 @@ def _gil_holding_write() -> Callable[[int, bytes], int] | None:
 _write = _gil_holding_write() or os.write
 
 
-def transport_of(send: Callable, scope: dict) -> Any | None:
-    """The plain-TCP transport behind uvicorn's httptools send for this HTTP/1.1 chunked response,
-    or None (another server or protocol, TLS, HTTP/1.0, not chunked)."""
+def transport_of(send: Callable, scope: dict) -> tuple[Any | None, str]:
+    """(the plain-TCP transport behind uvicorn's httptools send for this HTTP/1.1 chunked
+    response, "") or (None, why not)."""
     cycle = getattr(send, "__self__", None)
     transport = getattr(cycle, "transport", None)
-    if transport is None or scope.get("http_version") != "1.1":
-        return None
+    if transport is None:
+        return None, "the server is not uvicorn's httptools protocol (install httptools: uvicorn[standard])"
+    if scope.get("http_version") != "1.1":
+        return None, "HTTP/1.0 client"
     if getattr(cycle, "chunked_encoding", None) is not True or getattr(cycle, "response_complete", True):
-        return None
+        return None, "the response is not chunked"
     if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None:
-        return None
-    return transport
+        return None, "TLS connection"
+    return transport, ""
+
+
+_said: set[str] = set()
+
+
+def _say_once(why: str) -> None:
+    """Log, once per reason, why streams take the event loop instead (a slower path)."""
+    if why not in _said:
+        _said.add(why)
+        log.info("SSE streams on the event loop, not direct writes: %s (logged once)", why)
 
 
 class DirectStream:
@@ -101,8 +113,11 @@ class DirectStream:
         """A DirectStream for this response once its headers went out, or None."""
         if len(parts.jobs) != 1 or not hasattr(parts.jobs[0].handle, "set_listener"):
             return None
-        transport = transport_of(send, scope)
-        if transport is None or transport.get_write_buffer_size() or transport.is_closing():
+        transport, why = transport_of(send, scope)
+        if transport is None:
+            _say_once(why)
+            return None
+        if transport.get_write_buffer_size() or transport.is_closing():
             return None
         sock = transport.get_extra_info("socket")
         try:
