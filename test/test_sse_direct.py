@@ -274,3 +274,13 @@ def test_direct_writes_apply_only_to_plain_http11_chunked_uvicorn_responses():
         pass
 
     assert "httptools" in transport_of(other_server_send, plain)[1]
+
+
+def test_a_stream_ended_by_two_paths_records_its_duration_once():
+    from server.api.metrics import Metrics
+
+    m = Metrics()
+    rec = Recorder(m, 0.0)
+    rec.finish()  # e.g. the loop path's generator after a hand-back ...
+    rec.finish()  # ... and DirectStream.close()
+    assert m.e2e.count == 1

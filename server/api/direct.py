@@ -36,9 +36,10 @@ import errno
 import logging
 import os
 import threading
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
-from server.api.generation import Job, Recorder, _error_batch, _record, abort_all
+from server.api.generation import Job, Recorder, _record, abort_all, failed_batch
 
 log = logging.getLogger("server.sse")
 
@@ -175,21 +176,16 @@ class DirectStream:
 
     def _next(self) -> tuple[bytes, bool] | None:
         """The next pending batch's bytes (what next_batch + generation._events_one +
-        openai_stream._drive do, without waiting), None when nothing is pending."""
-        h, job = self.handle, self.job
-        done, error = h.done, h._error  # read BEFORE draining: the result follows its events
-        events = h._events
-        n = len(events)
-        if n:
-            batch = [events.popleft() for _ in range(n)]
-        elif error is not None:
-            job.error = str(error) or type(error).__name__
-            batch = _error_batch(job)
-        elif done:
+        openai_stream.Parts.rest do, without waiting), None when nothing is pending."""
+        try:
+            batch = self.handle.take_ready()
+        except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
+            batch = failed_batch(self.job, exc)
+        if batch is None:
+            return None
+        if not batch:  # ended without a finishing event
             self.ended = True
             return self.parts.end(), True
-        else:
-            return None
         return self._take(batch)
 
     def _take(self, batch: list) -> tuple[bytes, bool]:
@@ -236,24 +232,15 @@ class DirectStream:
     # --- after direct mode (loop thread) -------------------------------------------------------
     async def rest(self) -> AsyncIterator[bytes]:
         """After "slow": the unsent bytes straight to the transport (already framed), then the
-        stream's remaining chunks, one per wake-up, for the caller to send through uvicorn."""
+        stream's remaining chunks on the event loop (openai_stream.Parts.rest), for the caller to
+        send through uvicorn."""
         if self._tail:
             self.transport.write(self._tail)
             self._tail = b""
-        job = self.job
-        while not self.ended:
-            try:
-                batch = await self.handle.next_batch()
-            except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
-                job.error = str(exc) or type(exc).__name__
-                batch = _error_batch(job)
-            if not batch:
-                self.ended = True
-                yield self.parts.end()
-                return
-            out, _ = self._take(batch)
-            if out:
+        async with aclosing(self.parts.rest(self.recorder)) as outs:
+            async for out in outs:
                 yield out
+        self.ended = True
 
     def close(self) -> None:
         """The stream is over (any way): abort an unfinished sequence, record the duration."""

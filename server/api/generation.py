@@ -82,6 +82,7 @@ class Recorder:
 
     def __init__(self, metrics: Any, t_arrival: float) -> None:
         self.metrics, self.t0, self.first = metrics, t_arrival, True
+        self._finished = False
 
     def on_batch(self, job: Job, batch: list[Event]) -> None:
         """A job's events taken at one wake-up (their tokens arrived together)."""
@@ -100,8 +101,10 @@ class Recorder:
         self.on_batch(job, [ev])
 
     def finish(self) -> None:
-        if self.metrics is not None:
+        """The request is over: its duration, recorded once however many paths end it."""
+        if self.metrics is not None and not self._finished:
             self.metrics.e2e.observe(time.perf_counter() - self.t0)
+        self._finished = True
 
 
 def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
@@ -115,6 +118,12 @@ def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list
 
 def _error_batch(job: Job) -> list[Event]:
     return [Event(text="", token_ids=[], n_tokens=job.completion_tokens, finished=True, finish_reason="error")]
+
+
+def failed_batch(job: Job, exc: BaseException) -> list[Event]:
+    """The batch that ends a job the engine failed (its handle raised exc)."""
+    job.error = str(exc) or type(exc).__name__
+    return _error_batch(job)
 
 
 async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
@@ -171,8 +180,7 @@ async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, 
         except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
             failed = exc
         if failed is not None:
-            job.error = str(failed) or type(failed).__name__
-            batch = _error_batch(job)
+            batch = failed_batch(job, failed)
             _record(job, batch, recorder)
             yield job, batch
     finally:

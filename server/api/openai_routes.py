@@ -203,9 +203,7 @@ async def _respond(request: Request, sv: Services, body, jobs, meta, t0: float, 
     recorder = Recorder(sv.metrics, t0)
     if body.stream:
         p = parts(jobs, meta, body.include_usage())
-        direct = None
-        if sv.settings.direct_stream and len(jobs) == 1:
-            direct = functools.partial(DirectStream.attach, p, recorder)
+        direct = functools.partial(DirectStream.attach, p, recorder) if sv.settings.direct_stream else None
         return SSEResponse(p.chunks(recorder), metrics=sv.metrics, direct=direct)
     try:
         await collect(request, jobs, recorder)

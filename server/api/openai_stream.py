@@ -155,12 +155,24 @@ class Parts:
     end: Callable[[], bytes]
 
     async def chunks(self, recorder: Recorder) -> AsyncIterator[bytes]:
-        """The stream on the event loop (every job's events through generation.events)."""
+        """The stream on the event loop: the preamble, then rest()."""
         for out in self.preamble:
             yield out
-        async with aclosing(_drive(self, recorder)) as outs:
-            async for out in outs:  # closed with this generator (a client gone: events() cleans up)
+        async with aclosing(self.rest(recorder)) as outs:
+            async for out in outs:
                 yield out
+
+    async def rest(self, recorder: Recorder) -> AsyncIterator[bytes]:
+        """The chunks after the preamble, one write per batch (all of a job's events of one
+        wake-up, through generation.events), until the stream's end."""
+        async with aclosing(events(self.jobs, recorder)) as batches:
+            async for job, batch in batches:  # closed with this generator (a client gone: events() cleans up)
+                out, last = self.take(job, batch)
+                if out:
+                    yield out
+                if last:
+                    return
+        yield self.end()
 
     def take(self, job: Job, batch: list) -> tuple[bytes, bool]:
         """The bytes of one batch of a job's events (already recorded), and whether the stream
@@ -184,18 +196,6 @@ def _chunker(base: dict[str, Any], include_usage: bool):
         return event(body)
 
     return chunk
-
-
-async def _drive(parts: Parts, recorder: Recorder) -> AsyncIterator[bytes]:
-    """The loop both streams share: one write per batch (all of a job's events of one wake-up)."""
-    async with aclosing(events(parts.jobs, recorder)) as batches:
-        async for job, batch in batches:
-            out, last = parts.take(job, batch)
-            if out:
-                yield out
-            if last:
-                return
-    yield parts.end()
 
 
 def _stream_end(jobs: list[Job], meta: Meta, include_usage: bool, chunk) -> bytes:

@@ -199,14 +199,16 @@ class SSEResponse(Response):
         return self._last_body(end, unfinished)
 
     async def _pinger(self, send: Callable, ds: Any = None) -> None:
+        def sent() -> int:  # body messages so far, by the loop and by the direct stream
+            return self._sent + (ds.sent if ds is not None else 0)
+
         seen = -1
         while True:
             await asyncio.sleep(self.ping_interval)
-            sent = self._sent + (ds.sent if ds is not None else 0)
-            if sent == seen and self._live and not (ds is not None and ds.ended):
+            if sent() == seen and self._live and not (ds is not None and ds.ended):
                 if ds is None or not ds.ping(PING):
                     await send({"type": "http.response.body", "body": PING, "more_body": True})
-            seen = self._sent + (ds.sent if ds is not None else 0)
+            seen = sent()
 
 
 async def _close(chunks: Any) -> None:

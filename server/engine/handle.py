@@ -7,7 +7,7 @@ all the events pending at a wake-up at once (`await h.next_batch()`, `async for 
 h.batches()`): a consumer that fell behind catches up in one pass (one write per stream).
 A handle can instead have a listener (`set_listener`): a callable run ON THE ENGINE THREAD right
 after each delivery to the handle (and when it fails), in place of the event-loop wake-up; it
-drains `_events` itself (server.api.direct writes a stream's bytes from there).
+takes the events itself (`take_ready`; server.api.direct writes a stream's bytes from there).
 """
 
 from __future__ import annotations
@@ -138,6 +138,21 @@ class RequestHandle:
         except asyncio.TimeoutError:
             self._check_engine()
 
+    def take_ready(self) -> list[Event] | None:
+        """What next_batch() returns, without waiting: the events pending now, [] once the
+        request has ended and every event was taken, None when nothing is there yet; raises the
+        request's error (EngineDeadError) after its last events. Any thread (a listener's too)."""
+        done, error = self.done, self._error  # read BEFORE draining: the result follows its events
+        events = self._events
+        n = len(events)
+        if n:
+            if n == 1:
+                return [events.popleft()]
+            return [events.popleft() for _ in range(n)]  # not list()+clear(): the engine appends
+        if error is not None:
+            raise error
+        return [] if done else None
+
     async def next_batch(self) -> list[Event]:
         """All the events pending now (waiting for at least one); [] once the request has
         ended and every event was taken; raises the request's error (EngineDeadError) after
@@ -145,17 +160,9 @@ class RequestHandle:
         if not self._bound:
             self._bind_loop()
         while True:
-            done, error = self.done, self._error  # read BEFORE draining: the result follows its events
-            events = self._events
-            n = len(events)
-            if n:
-                if n == 1:
-                    return [events.popleft()]
-                return [events.popleft() for _ in range(n)]  # not list()+clear(): the engine appends
-            if error is not None:
-                raise error
-            if done:
-                return []
+            batch = self.take_ready()
+            if batch is not None:
+                return batch
             await self._wait_async()
 
     async def batches(self) -> AsyncIterator[list[Event]]:
@@ -189,8 +196,8 @@ class RequestHandle:
 
     def set_listener(self, fn: Callable[[], None] | None) -> None:
         """fn() runs on the engine thread after every delivery of events (or a failure) to this
-        handle, instead of the event-loop wake-up; it must not block, and takes the events from
-        `_events` itself. None: back to waking the loop (events already pending stay queued: a
+        handle, instead of the event-loop wake-up; it must not block, and takes the events itself
+        (take_ready). None: back to waking the loop (events already pending stay queued: a
         consumer that resumes with next_batch() finds them without a wake-up)."""
         self._listener = fn
 
