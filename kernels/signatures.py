@@ -10,8 +10,8 @@ To add a kernel: put its .cu file in SOURCES (headers in HEADERS) and its extern
 argument codes here, in order.
 """
 
-SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "wkv7_tmix_fused.cu", "fused_elementwise.cu",
-           "gemv.cu", "sampler.cu")
+SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "wkv7_tmix_fused.cu", "wkv7_tmix_pipe.cu",
+           "fused_elementwise.cu", "gemv.cu", "sampler.cu")
 HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "pdl.cuh")
 
 I, LL, F, P = "i", "ll", "f", "p"

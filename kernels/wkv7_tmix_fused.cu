@@ -252,8 +252,32 @@ int launch_head(int B, int H, S *state, long long s_bstride, const TmixArgs &p, 
 
 }  // namespace wkv7
 
-// Arguments: f_dt, s_dt, rpt, then as the prep/post kernels' TmixArgs; rpt (state rows per thread: 0 = default (4), or 2 or 4;
-// -4: 4 rows with 16-bit state rows unpacked in registers, the first version, kept for A/B).
+// rpt = 0 takes the pipelined kernel (wkv7_tmix_pipe.cu) for a 16-bit state from this batch size
+// on (RWKV_TMIX_PIPE_MIN_B; a huge value: never). Measured on the H200 (bench_kernels --tmix, one
+// layer of the 2.9B shape, ms): fp16 state B=64 0.0215 -> 0.0198, B=256 0.0662 -> 0.0547, B=1024
+// 0.2363 -> 0.1996; an fp32 state gains nothing (B=1024 0.3641 -> 0.3703), so it keeps the head
+// kernel. RWKV_TMIX_PIPE_STAGES: its slots per block (2 or 3, default 2: 3 measured 0.2051).
+static int env_int(const char *name, int dflt) {
+    const char *env = getenv(name);
+    return env && env[0] ? atoi(env) : dflt;
+}
+
+static int pipe_min_b() {
+    static const int v = env_int("RWKV_TMIX_PIPE_MIN_B", 64);
+    return v;
+}
+
+static int pipe_stages() {
+    static const int v = env_int("RWKV_TMIX_PIPE_STAGES", 2) == 3 ? 3 : 2;
+    return v;
+}
+
+// Arguments: f_dt, s_dt, rpt, then as the prep/post kernels' TmixArgs. rpt picks the kernel:
+//   0 = default: the pipelined kernel for a 16-bit state from pipe_min_b() on, else
+//       tmix_head_kernel with 4 rows;
+//   2 or 4 = tmix_head_kernel with that many state rows per thread;
+//   -4 = 4 rows with 16-bit state rows unpacked in registers (the first version, kept for A/B);
+//   12, 13 = the pipelined kernel with 2, 3 slots per block (any state dtype).
 // Returns a cudaError_t value (0 = success), -1 for an unsupported dtype combination, -2 for an
 // unsupported rpt / head size (the caller then runs the split path).
 extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long long s_bstride, int B, int H,
@@ -263,13 +287,20 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long lo
                                const void *lnx_b, int layer0, float gn_eps, void *out, long long out_bstride,
                                const void *w0, const void *a0, const void *v0, void *stream) {
     if (B <= 0) return 0;
-    if (rpt == 0) rpt = wkv7::head_ok<4>() ? 4 : 2;
-    if (rpt != 2 && rpt != 4 && rpt != -4) return -2;
     if (B > 65535) return -2;  // grid.y
     wkv7::TmixArgs p{r, k, v, wz, az, vz, v_first, g, k_k, k_a, r_k, lnx_w, lnx_b,
                      out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps, rwkv_pdl::early_loads() ? 1 : 0};
+    const cudaStream_t st = (cudaStream_t)stream;
+    const bool auto_pipe = rpt == 0 && s_dt != wkv7::DT_F32 && B >= pipe_min_b();
+    const int stages = rpt == 12 || rpt == 13 ? rpt - 10 : (auto_pipe ? pipe_stages() : 0);
+    if (stages && wkv7::head_ok<4>()) {
+        const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, stages, state, s_bstride, B, H, p, st);
+        if (rc != -2) return rc;  // -2: unaligned inputs, the head kernel below takes them
+        rpt = 0;
+    }
+    if (rpt == 0 || stages) rpt = wkv7::head_ok<4>() ? 4 : 2;
+    if (rpt != 2 && rpt != 4 && rpt != -4) return -2;
     return WKV7_DISPATCH(f_dt, s_dt, {
-        const cudaStream_t st = (cudaStream_t)stream;
         if (rpt == 4) return launch_head<F, S, 4, true>(B, H, (S *)state, s_bstride, p, st);
         if (rpt == -4) return launch_head<F, S, 4, false>(B, H, (S *)state, s_bstride, p, st);
         return launch_head<F, S, 2, true>(B, H, (S *)state, s_bstride, p, st);

@@ -45,9 +45,13 @@ def _acts(B, dtype, dev, seed, h=H):
 def _tmix_path(monkeypatch, path: str) -> None:
     """Route cuda_ops.tmix_decode: "split" (prep -> decode -> post),
     "fused" (wkv7_tmix_fused, default rows per thread), "fused2" (fused, 2 rows per thread),
-    "fused_unpacked" (4 rows, 16-bit state rows unpacked in registers)."""
+    "fused_unpacked" (4 rows, 16-bit state rows unpacked in registers), "head4" (the head-per-block
+    kernel with 4 rows per thread, never the pipelined one), "pipe2" / "pipe3" (the pipelined
+    kernel with that many shared-memory slots per block, any state dtype). "fused" is the default:
+    the pipelined kernel for a 16-bit state from its batch threshold on."""
     monkeypatch.setattr(cuda_ops, "TMIX_MODE", "split" if path == "split" else "fused")
-    monkeypatch.setattr(cuda_ops, "TMIX_RPT", {"fused2": 2, "fused_unpacked": -4}.get(path, 0))
+    rpt = {"fused2": 2, "fused_unpacked": -4, "head4": 4, "pipe2": 12, "pipe3": 13}
+    monkeypatch.setattr(cuda_ops, "TMIX_RPT", rpt.get(path, 0))
 
 
 @pytest.mark.gpu
@@ -113,7 +117,7 @@ def test_tmix_fused_matches_twin_and_split(B, dtype, state_dtype, layer0, bias, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("path", ["fused", "fused2"])
+@pytest.mark.parametrize("path", ["fused", "fused2", "head4", "pipe2"])
 def test_tmix_fused_model_shape(state_dtype, path, monkeypatch):
     """The 2.9B head count (H=40, C=2560), B=64 and B=300, fp16 activations, bias in the kernel:
     fused vs split vs the twin, three chained steps (the state feeds the next step)."""
@@ -134,6 +138,36 @@ def test_tmix_fused_model_shape(state_dtype, path, monkeypatch):
             assert _rel(got, ref) < 1e-2 and _rel(s_cu, s_ref) < 1e-2
             assert _rel(got, spl) < 1e-3
             assert _rel(s_cu, s_sp) < (1e-5 if state_dtype == torch.float32 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [3, 700, 2001])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layer0", [True, False])
+@pytest.mark.parametrize("path", ["pipe2", "pipe3"])
+def test_tmix_pipe_matches_head_kernel(B, dtype, state_dtype, layer0, path, monkeypatch):
+    """The pipelined kernel (persistent blocks, several heads per block through shared-memory
+    slots) vs the head-per-block kernel and the twin, two chained steps on every other slot of a
+    pool. B = 700 and 2001 give each block several heads (2001: an uneven last block), so slots
+    are refilled and their mbarriers go through several phases."""
+    dev = torch.device("cuda")
+    lw = _layer(dtype, dev, seed=B + 2)
+    pool = (torch.randn(2 * B, H, N, N, generator=torch.Generator().manual_seed(B)) * 0.3).to(dev, state_dtype)
+    s_ref, pool_head = pool[1::2].clone(), pool.clone()
+    for t in range(2):
+        r, k, v, wz, az, vz, v_first, g = _acts(B, dtype, dev, seed=B + 10 * t)
+        args = (r, k, v, wz, az, None if layer0 else vz, None if layer0 else v_first, g, lw, layer0)
+        ref = ops.tmix_decode(s_ref, *args, bias=True)
+        _tmix_path(monkeypatch, "head4")
+        head = cuda_ops.tmix_decode(pool_head[1::2], *args, bias=True)
+        _tmix_path(monkeypatch, path)
+        got = cuda_ops.tmix_decode(pool[1::2], *args, bias=True)
+        tol = 1e-4 if dtype == torch.float32 else (3e-2 if dtype == torch.bfloat16 else 1e-2)
+        assert _rel(got, ref) < tol and _rel(pool[1::2], s_ref) < max(tol, 1e-4)
+        # the head kernel's arithmetic in the same order: equal up to the compiler's FMA choices
+        assert _rel(got, head) < 1e-4 and _rel(pool, pool_head) < 1e-4
+    assert torch.equal(pool[0::2], pool_head[0::2])  # the slots in between untouched
 
 
 def _tol(dtype) -> float:

@@ -63,19 +63,22 @@ def bench_tmix(B: int, sd: torch.dtype, mode: str, rpt: int = 0) -> float:
         cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = saved
 
 
-def tmix_table(batches=(64, 256, 1024)) -> None:
-    """Large-batch time-mix: split (3 launches) vs fused (one launch; rows per thread 4 and 2; 4 with
-    16-bit state rows unpacked in registers, i.e. as fp32 ones), ms
-    per call (one layer, H=40, N=64) and state TB/s (state read + written once / time)."""
-    impls = (("split", "split", 0), ("fused", "fused", 0), ("fused rpt2", "fused", 2), ("fused unpacked", "fused", -4))
+def tmix_table(batches=(1, 8, 64, 128, 256, 512, 1024)) -> None:
+    """Decode time-mix: split (3 launches) vs one launch: a head per block (4 rows per thread; 2;
+    4 with 16-bit state rows unpacked in registers, i.e. as fp32 ones), the pipelined kernel with
+    2 / 3 shared-memory slots per block, and the default choice; ms per call (one layer, H=40,
+    N=64) and state TB/s (state read + written once / time)."""
+    impls = (("split", "split", 0), ("head rpt4", "fused", 4), ("head rpt2", "fused", 2),
+             ("head unpacked", "fused", -4), ("pipe 2", "fused", 12), ("pipe 3", "fused", 13),
+             ("default", "fused", 0))  # fmt: skip
     print(f"\ntmix_decode, one layer, H={H} N={N}: ms per call (state TB/s)")
-    print(f"{'B':>5} {'state':5} " + " ".join(f"{n:>18}" for n, _, _ in impls) + f" {'fused/split':>11}")
+    print(f"{'B':>5} {'state':5} " + " ".join(f"{n:>17}" for n, _, _ in impls) + f" {'default/head':>12}")
     for sd, sn in ((torch.float32, "fp32"), (torch.float16, "fp16")):
         for B in batches:
             sbytes = 2 * B * H * N * N * torch.finfo(sd).bits // 8
             ms = [bench_tmix(B, sd, mode, rpt) for _, mode, rpt in impls]
-            cells = " ".join(f"{m:9.4f} ({sbytes / m / 1e9:5.2f})" for m in ms)
-            print(f"{B:5d} {sn:5} {cells} {ms[1] / ms[0]:11.2f}", flush=True)
+            cells = " ".join(f"{m:8.4f} ({sbytes / m / 1e9:5.2f})" for m in ms)
+            print(f"{B:5d} {sn:5} {cells} {ms[-1] / ms[1]:12.2f}", flush=True)
 
 
 def main() -> None:

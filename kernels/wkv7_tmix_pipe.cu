@@ -1,0 +1,323 @@
+// RWKV-7 decode time-mix core, pipelined: persistent blocks that bulk-copy (TMA) the next heads'
+// state and activations into shared memory while they compute the current head.
+// Semantics: see wkv7_tmix.cu's header; same arithmetic as tmix_head_kernel (wkv7_tmix_fused.cu).
+//
+// Why: tmix_head_kernel keeps its state rows in registers, so a block's bytes in flight end with
+// its loads, and each block then spends most of its life (column work, steps, GroupNorm, two
+// barriers) with nothing in flight. Measured on the H200 at B=1024: 2.76 TB/s with an fp16 state
+// (7 blocks per SM x 8 KB) and 3.61 with fp32, of ~4.2 TB/s copy bandwidth; per head both take
+// ~5.5 us, i.e. latency, not bytes, sets the rate.
+// Here grid (H, K): block (h, j) owns heads (b, h) for b = j, j + K, ... Its STAGES shared-memory
+// slots each hold one head's state (N x N, as stored) and its 8 activation vectors; thread 0 keeps
+// STAGES heads' copies in flight (cp.async.bulk, one mbarrier per slot) and refills a slot as soon
+// as the block has read it. So the state stream never drains while the block computes, and the
+// head's per-head weight vectors are loaded once per block, not once per head.
+//
+// Per head (thread layout as tmix_head_kernel, RPT = 4 rows per thread, 128 threads):
+//   wait slot -> 2. column work from the slot (warps 0 / 1 / 2..3) -> barrier ->
+//   3. row steps (state rows from the slot, new rows stored to global) -> 4a. GroupNorm sums ->
+//   barrier (the slot is free: refill it) -> 4b. output.
+// The small per-head vectors (sh_*) are double-buffered by head parity, so head n + 1's column
+// work never overwrites what head n's output still reads (two barriers lie between them).
+#include "pdl.cuh"
+#include "wkv7_tmix.cuh"
+
+namespace wkv7 {
+namespace pipe {
+
+constexpr int RPT = 4;
+constexpr int T = N * TPR / RPT;       // 128 threads
+constexpr int RG = T / TPR;            // row groups; rows of a group: rg + j*RG
+constexpr int NW = T / 32;
+constexpr int WROWS = 32 / TPR * RPT;  // rows per warp
+constexpr int CPL = N / 32;            // columns per lane in warps 0 and 1
+constexpr int NV = 8;                  // activation vectors per head: r k v wz az g [vz v_first]
+static_assert(T >= 64 + N && T % 32 == 0, "warp roles need 2 warps + N threads");
+
+// 4 resident blocks per SM: the column vectors stay in registers for the head's 4 rows (~110 of
+// them). Measured at B=1024, fp16 state (bench_kernels --tmix): 3.36 TB/s; re-reading the columns
+// from shared memory per row (80 registers, 6 blocks) 3.24; the same at 5 blocks (spills) 3.20.
+constexpr int MIN_BLOCKS = 4;
+
+__device__ __forceinline__ uint32_t saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\n"
+        "bra WAIT;\n"
+        "DONE:\n"
+        "}\n" ::"r"(saddr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(saddr(bar))
+                 : "memory");
+}
+
+template <typename F, typename S>
+struct Slot {
+    static constexpr uint32_t SB = N * N * sizeof(S);  // state bytes
+    static constexpr uint32_t VB = N * sizeof(F);      // one activation vector's bytes
+    static constexpr uint32_t BYTES = (SB + NV * VB + 127) / 128 * 128;
+};
+
+template <typename F, typename S, int STAGES>
+__global__ void __launch_bounds__(T, MIN_BLOCKS)
+    tmix_pipe_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p, int B) {
+    using SL = Slot<F, S>;
+    extern __shared__ __align__(128) unsigned char dyn[];
+    __shared__ __align__(16) float sh_dec[2][N], sh_k[2][N], sh_a[2][N], sh_b[2][N], sh_r[2][N], sh_v[2][N],
+        sh_y[2][N];
+    __shared__ float red[2][1 + 2 * NW];
+    __shared__ __align__(8) uint64_t bars[STAGES];
+    const int h = blockIdx.x, j0 = blockIdx.y, K = gridDim.y, tid = threadIdx.x;
+    const int warp = tid / 32, wl = tid % 32, rg = tid / TPR, lane = tid % TPR;
+    const int hc = h * N;
+    const int items = j0 < B ? (B - 1 - j0) / K + 1 : 0;
+    const bool l0 = p.layer0 != 0;
+    const int nv = l0 ? 6 : 8;  // layer 0 reads no vz, v_first
+    const void *acts[NV] = {p.r, p.k, p.v, p.wz, p.az, p.g, p.vz, p.v_first};
+    auto act = [&](int s, int v) { return (const F *)(dyn + s * SL::BYTES + SL::SB + v * SL::VB); };
+    auto seq = [&](int n) { return (long long)j0 + (long long)n * K; };
+
+    // thread 0: the state of head n into slot n % STAGES (allowed before the PDL wait: only this
+    // kernel touches this layer's state), then, after the wait, its activations on the same mbarrier
+    auto issue_state = [&](int n) {
+        const int s = n % STAGES;
+        mbar_expect_tx(&bars[s], SL::SB + nv * SL::VB);
+        bulk_load(dyn + s * SL::BYTES, state + seq(n) * s_bstride + (long long)h * N * N, SL::SB, &bars[s]);
+    };
+    auto issue_acts = [&](int n) {
+        const int s = n % STAGES;
+        const long long off = seq(n) * p.act_bstride + hc;
+#pragma unroll
+        for (int v = 0; v < NV; v++)
+            if (v < nv) bulk_load(dyn + s * SL::BYTES + SL::SB + v * SL::VB, (const F *)acts[v] + off, SL::VB, &bars[s]);
+    };
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; s++) mbar_init(&bars[s], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid == 0)
+        for (int n = 0; n < STAGES && n < items; n++) issue_state(n);
+
+    // per-head weight vectors (this block's head only): once per block
+    auto ld = [&](const void *ptr, long long i) { return to_f(((const F *)ptr)[i]); };
+    auto lbias = [&](const void *bias, int c) { return bias ? ld(bias, c) : 0.f; };
+    float a0[CPL], kkw[CPL], ka[CPL], rk[CPL];  // warp 0;  warp 1: v0 in a0
+    float w0 = 0.f, lw_o = 0.f, lb_o = 0.f;     // warps 2..: row c = tid - 64 of the output
+    auto load_weights = [&] {
+        if (warp == 0) {
+#pragma unroll
+            for (int q = 0; q < CPL; q++) {
+                const int c = hc + wl + 32 * q;
+                a0[q] = lbias(p.a0, c), kkw[q] = ld(p.k_k, c), ka[q] = ld(p.k_a, c), rk[q] = ld(p.r_k, c);
+            }
+        } else if (warp == 1) {
+#pragma unroll
+            for (int q = 0; q < CPL; q++) a0[q] = l0 ? 0.f : lbias(p.v0, hc + wl + 32 * q);
+        } else if (tid - 64 < N) {
+            const int c = hc + tid - 64;
+            w0 = lbias(p.w0, c), lw_o = ld(p.lnx_w, c), lb_o = ld(p.lnx_b, c);
+        }
+    };
+    if (p.early) load_weights();
+    rwkv_pdl::pdl_wait();
+    rwkv_pdl::pdl_trigger();
+    if (!p.early) load_weights();
+    if (tid == 0)
+        for (int n = 0; n < STAGES && n < items; n++) issue_acts(n);
+
+    auto round_f = [&](float x) { return to_f(from_f<F>(x)); };  // torch's add in dtype F
+    for (int n = 0; n < items; n++) {
+        const int s = n % STAGES, d = n & 1;
+        mbar_wait(&bars[s], (n / STAGES) & 1);
+        const S *sst = (const S *)(dyn + s * SL::BYTES);
+        // 2. per-column vectors of the head, from the slot
+        float g_o = 0.f;
+        if (warp == 0) {
+            const F *kp = act(s, 1), *rp = act(s, 0), *azp = act(s, 4);
+            float sq = 0.f, bon = 0.f, kkr[CPL], ag[CPL];
+#pragma unroll
+            for (int q = 0; q < CPL; q++) {
+                const int c = wl + 32 * q;
+                const float kr = to_f(kp[c]), rr = to_f(rp[c]);
+                ag[q] = sigmoidf(round_f(to_f(azp[c]) + a0[q]));
+                kkr[q] = kr * kkw[q];
+                const float kf = kr * (1.f + (ag[q] - 1.f) * ka[q]);
+                sh_k[d][c] = kf;
+                sh_r[d][c] = rr;
+                sq += kkr[q] * kkr[q];
+                bon += rr * kf * rk[q];
+            }
+            sq = warp_sum(sq);
+            bon = warp_sum(bon);
+            const float den = fmaxf(sqrtf(sq), 1e-12f);
+#pragma unroll
+            for (int q = 0; q < CPL; q++) {
+                const int c = wl + 32 * q;
+                const float kk = kkr[q] / den;
+                sh_a[d][c] = -kk;
+                sh_b[d][c] = kk * ag[q];
+            }
+            if (wl == 0) red[d][0] = bon;
+        } else if (warp == 1) {
+            const F *vp = act(s, 2), *vzp = act(s, 6), *vfp = act(s, 7);
+#pragma unroll
+            for (int q = 0; q < CPL; q++) {  // a0 holds v0 in warp 1
+                const int c = wl + 32 * q;
+                const float vr = to_f(vp[c]);
+                sh_v[d][c] = l0 ? vr : vr + (to_f(vfp[c]) - vr) * sigmoidf(round_f(to_f(vzp[c]) + a0[q]));
+            }
+        } else if (tid - 64 < N) {
+            const int c = tid - 64;
+            g_o = to_f(act(s, 5)[c]);
+            const float w = -softplusf(-round_f(to_f(act(s, 3)[c]) + w0)) - 0.5f;
+            sh_dec[d][c] = expf(-expf(w));
+        }
+        __syncthreads();
+
+        // 3. the row steps: rows from the slot, new rows straight to the pool
+        S *shead = state + seq(n) * s_bstride + (long long)h * N * N;
+        float y[RPT], wv[EPT], kv[EPT], av[EPT], bv[EPT], rv[EPT];  // a thread's columns: the same in its rows
+        load_cols<S, float>(sh_dec[d], lane, wv);
+        load_cols<S, float>(sh_k[d], lane, kv);
+        load_cols<S, float>(sh_a[d], lane, av);
+        load_cols<S, float>(sh_b[d], lane, bv);
+        load_cols<S, float>(sh_r[d], lane, rv);
+#pragma unroll
+        for (int j = 0; j < RPT; j++) {
+            const int row = rg + j * RG;
+            float st[EPT];
+            if constexpr (sizeof(S) == 2 && EPT == 8) {
+                const uint4 x = *reinterpret_cast<const uint4 *>(sst + row * N + lane * EPT);
+                cvt4(make_uint2(x.x, x.y), (const S *)nullptr, st);
+                cvt4(make_uint2(x.z, x.w), (const S *)nullptr, st + 4);
+            } else {
+                load_cols<S, S>(sst + row * N, lane, st);
+            }
+            y[j] = step(st, wv, kv, av, bv, rv, sh_v[d][row]);
+            store_state<S>(shead + (long long)row * N, lane, st);
+        }
+
+        // 4a. GroupNorm sums over the head's N rows: per warp (WROWS rows) mean and M2
+        float ls = 0.f;
+#pragma unroll
+        for (int j = 0; j < RPT; j++) ls += y[j];
+#pragma unroll
+        for (int o = TPR; o < 32; o <<= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);  // across row groups
+        const float wmean = ls / WROWS;
+        float m2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < RPT; j++) m2 += (y[j] - wmean) * (y[j] - wmean);
+#pragma unroll
+        for (int o = TPR; o < 32; o <<= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < RPT; j++) sh_y[d][rg + j * RG] = y[j];
+        }
+        if (wl == 0) red[d][1 + 2 * warp] = ls, red[d][2 + 2 * warp] = m2;
+        __syncthreads();
+        // every thread is past its reads of slot s: refill it with head n + STAGES
+        if (tid == 0 && n + STAGES < items) {
+            issue_state(n + STAGES);
+            issue_acts(n + STAGES);
+        }
+        // 4b. combine across warps (Chan), normalize, bonus, gate
+        if (warp >= 2 && tid - 64 < N) {
+            const int c = tid - 64;
+            float tot = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; w++) tot += red[d][1 + 2 * w];
+            const float mean = tot / N;
+            float M2 = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const float dm = red[d][1 + 2 * w] / WROWS - mean;
+                M2 += red[d][2 + 2 * w] + WROWS * dm * dm;
+            }
+            const float gn = (sh_y[d][c] - mean) * rsqrtf(M2 / N + p.gn_eps) * lw_o + lb_o;
+            const float o = (gn + red[d][0] * sh_v[d][c]) * g_o;
+            ((F *)p.out)[seq(n) * p.out_bstride + hc + c] = from_f<F>(o);
+        }
+    }
+}
+
+inline int num_sms() {
+    static int sms[64] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    int &n = sms[dev & 63];
+    if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) n = 0;
+    return n;
+}
+
+// Blocks per head K: at most one full wave (occupancy x SMs), then as few as give every block the
+// same number of heads (ceil(B / K) each).
+template <typename F, typename S, int STAGES>
+int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
+    constexpr int smem = STAGES * Slot<F, S>::BYTES;
+    static int per_sm = 0;  // per instantiation (one device per process in the server)
+    if (per_sm == 0) {
+        cudaError_t e = cudaFuncSetAttribute(tmix_pipe_kernel<F, S, STAGES>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e == cudaSuccess)
+            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tmix_pipe_kernel<F, S, STAGES>, T, smem);
+        if (e != cudaSuccess) return (int)e;
+        if (per_sm <= 0) return -2;
+    }
+    const int slots = per_sm * num_sms();
+    int K = slots / H;  // rounded down: one block over a full wave would double the kernel's tail
+    K = K < 1 ? 1 : (K > B ? B : K);
+    const int per_block = (B + K - 1) / K;
+    K = (B + per_block - 1) / per_block;
+    if (K > 65535) return -2;
+    return (int)rwkv_pdl::launch_pdl(tmix_pipe_kernel<F, S, STAGES>, dim3(H, K), dim3(T), smem, stream, state,
+                                     s_bstride, p, B);
+}
+
+}  // namespace pipe
+
+// 16-byte alignment of every bulk copy's source (state rows per head, activation vectors per head)
+static bool pipe_aligned(const void *state, long long s_bytes, const TmixArgs &p, long long a_bytes) {
+    auto al = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
+    if (!al(state) || (s_bytes & 15) || (a_bytes & 15)) return false;
+    const void *acts[8] = {p.r, p.k, p.v, p.wz, p.az, p.g, p.vz, p.v_first};
+    for (int i = 0; i < (p.layer0 ? 6 : 8); i++)
+        if (!acts[i] || !al(acts[i])) return false;
+    return true;
+}
+
+// stages: 2 or 3 slots per block; -2 when the pipelined kernel does not apply (the caller takes
+// tmix_head_kernel)
+int tmix_pipe_launch(int f_dt, int s_dt, int stages, void *state, long long s_bstride, int B, int H,
+                     const TmixArgs &p, cudaStream_t stream) {
+    return WKV7_DISPATCH(f_dt, s_dt, {
+        if (!pipe_aligned(state, s_bstride * (long long)sizeof(S), p, p.act_bstride * (long long)sizeof(F)))
+            return -2;
+        if (stages == 3) return pipe::launch<F, S, 3>(B, H, (S *)state, s_bstride, p, stream);
+        return pipe::launch<F, S, 2>(B, H, (S *)state, s_bstride, p, stream);
+    });
+}
+
+}  // namespace wkv7
