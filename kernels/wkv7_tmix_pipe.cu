@@ -13,12 +13,14 @@
 // as the block has read it. So the state stream never drains while the block computes, and the
 // head's per-head weight vectors are loaded once per block, not once per head.
 //
-// Per head (thread layout as tmix_head_kernel, RPT = 4 rows per thread, 128 threads):
-//   wait slot -> 2. column work from the slot (warps 0 / 1 / 2..3) -> barrier ->
-//   3. row steps (state rows from the slot, new rows stored to global) -> 4a. GroupNorm sums ->
-//   barrier (the slot is free: refill it) -> 4b. output.
-// The small per-head vectors (sh_*) are double-buffered by head parity, so head n + 1's column
-// work never overwrites what head n's output still reads (two barriers lie between them).
+// Per head n (thread layout as tmix_head_kernel, RPT = 4 rows per thread, 128 threads):
+//   3. row steps (state rows from the slot, new rows stored to global), 4a. GroupNorm sums;
+//   then head n + 1's column work (2.: wait for its slot, warps 0 / 1 / 2..3 as in the head
+//   kernel) -> ONE barrier (head n's slot is free: refill it) -> 4b. head n's output.
+// The small per-head vectors (sh_*, red) are triple-buffered by head (n % 3) so that head n + 1's
+// column work never overwrites what head n's rows or output still read.
+// Measured (H200, one layer of the 2.9B shape, fp16 state, B=1024): 0.1996 ms with two barriers
+// per head, 0.1980 with one; the head kernel 0.2363.
 #include "pdl.cuh"
 #include "wkv7_tmix.cuh"
 
@@ -83,9 +85,9 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
     tmix_pipe_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p, int B) {
     using SL = Slot<F, S>;
     extern __shared__ __align__(128) unsigned char dyn[];
-    __shared__ __align__(16) float sh_dec[2][N], sh_k[2][N], sh_a[2][N], sh_b[2][N], sh_r[2][N], sh_v[2][N],
-        sh_y[2][N];
-    __shared__ float red[2][1 + 2 * NW];
+    __shared__ __align__(16) float sh_dec[3][N], sh_k[3][N], sh_a[3][N], sh_b[3][N], sh_r[3][N], sh_v[3][N],
+        sh_y[3][N];
+    __shared__ float red[3][1 + 2 * NW];
     __shared__ __align__(8) uint64_t bars[STAGES];
     const int h = blockIdx.x, j0 = blockIdx.y, K = gridDim.y, tid = threadIdx.x;
     const int warp = tid / 32, wl = tid % 32, rg = tid / TPR, lane = tid % TPR;
@@ -149,12 +151,10 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
         for (int n = 0; n < STAGES && n < items; n++) issue_acts(n);
 
     auto round_f = [&](float x) { return to_f(from_f<F>(x)); };  // torch's add in dtype F
-    for (int n = 0; n < items; n++) {
-        const int s = n % STAGES, d = n & 1;
+    // 2. per-column vectors of head n, from its slot, into buffer n % 3 (g: this thread's gate)
+    auto columns = [&](int n, float &g_o) {
+        const int s = n % STAGES, d = n % 3;
         mbar_wait(&bars[s], (n / STAGES) & 1);
-        const S *sst = (const S *)(dyn + s * SL::BYTES);
-        // 2. per-column vectors of the head, from the slot
-        float g_o = 0.f;
         if (warp == 0) {
             const F *kp = act(s, 1), *rp = act(s, 0), *azp = act(s, 4);
             float sq = 0.f, bon = 0.f, kkr[CPL], ag[CPL];
@@ -195,9 +195,12 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
             const float w = -softplusf(-round_f(to_f(act(s, 3)[c]) + w0)) - 0.5f;
             sh_dec[d][c] = expf(-expf(w));
         }
-        __syncthreads();
-
-        // 3. the row steps: rows from the slot, new rows straight to the pool
+    };
+    // 3. the row steps of head n: rows from its slot, new rows straight to the pool; 4a. the
+    // GroupNorm sums over the head's N rows: per warp (WROWS rows) mean and M2
+    auto rows = [&](int n) {
+        const int d = n % 3;
+        const S *sst = (const S *)(dyn + (n % STAGES) * SL::BYTES);
         S *shead = state + seq(n) * s_bstride + (long long)h * N * N;
         float y[RPT], wv[EPT], kv[EPT], av[EPT], bv[EPT], rv[EPT];  // a thread's columns: the same in its rows
         load_cols<S, float>(sh_dec[d], lane, wv);
@@ -219,8 +222,6 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
             y[j] = step(st, wv, kv, av, bv, rv, sh_v[d][row]);
             store_state<S>(shead + (long long)row * N, lane, st);
         }
-
-        // 4a. GroupNorm sums over the head's N rows: per warp (WROWS rows) mean and M2
         float ls = 0.f;
 #pragma unroll
         for (int j = 0; j < RPT; j++) ls += y[j];
@@ -237,13 +238,10 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
             for (int j = 0; j < RPT; j++) sh_y[d][rg + j * RG] = y[j];
         }
         if (wl == 0) red[d][1 + 2 * warp] = ls, red[d][2 + 2 * warp] = m2;
-        __syncthreads();
-        // every thread is past its reads of slot s: refill it with head n + STAGES
-        if (tid == 0 && n + STAGES < items) {
-            issue_state(n + STAGES);
-            issue_acts(n + STAGES);
-        }
-        // 4b. combine across warps (Chan), normalize, bonus, gate
+    };
+    // 4b. head n's output: the sums combined across warps (Chan), normalized, bonus, gate
+    auto output = [&](int n, float g_o) {
+        const int d = n % 3;
         if (warp >= 2 && tid - 64 < N) {
             const int c = tid - 64;
             float tot = 0.f;
@@ -260,6 +258,25 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
             const float o = (gn + red[d][0] * sh_v[d][c]) * g_o;
             ((F *)p.out)[seq(n) * p.out_bstride + hc + c] = from_f<F>(o);
         }
+    };
+
+    // One barrier per head: head n + 1's column work goes before the barrier that ends head n.
+    // Buffer n % 3: head n + 1's columns overwrite head n - 2's, whose output every thread wrote
+    // before the barrier of head n - 1, which this thread has passed.
+    float g_next = 0.f;
+    if (items > 0) columns(0, g_next);
+    __syncthreads();
+    for (int n = 0; n < items; n++) {
+        const float g_o = g_next;
+        rows(n);
+        if (n + 1 < items) columns(n + 1, g_next);
+        __syncthreads();
+        // every thread is past its reads of head n's slot: refill it with head n + STAGES
+        if (tid == 0 && n + STAGES < items) {
+            issue_state(n + STAGES);
+            issue_acts(n + STAGES);
+        }
+        output(n, g_o);
     }
 }
 
