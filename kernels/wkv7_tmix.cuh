@@ -13,6 +13,7 @@ struct TmixArgs {
     int layer0;
     float gn_eps;
     int early;  // fused kernel: the per-head weight vectors loaded before pdl_wait (pdl.cuh)
+    int evict;  // pipelined kernel: the state streamed through the L2 with an evict-first policy
 };
 
 // The pipelined large-batch kernel (wkv7_tmix_pipe.cu): stages 2..4 shared-memory slots per block;
