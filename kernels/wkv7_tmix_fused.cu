@@ -300,7 +300,7 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long lo
     p.evict = pipe_evict();
     const cudaStream_t st = (cudaStream_t)stream;
     const bool auto_pipe = rpt == 0 && s_dt != wkv7::DT_F32 && B >= pipe_min_b();
-    const int stages = rpt >= 12 && rpt <= 14 ? rpt - 10 : (auto_pipe ? pipe_stages() : 0);
+    const int stages = rpt == 12 || rpt == 13 ? rpt - 10 : (auto_pipe ? pipe_stages() : 0);
     if (stages && wkv7::head_ok<4>()) {
         const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, stages, state, s_bstride, B, H, p, st);
         if (rc != -2) return rc;  // -2: unaligned inputs, the head kernel below takes them

@@ -39,9 +39,7 @@ static_assert(T >= 64 + N && T % 32 == 0, "warp roles need 2 warps + N threads")
 // 4 resident blocks per SM: the column vectors stay in registers for the head's 4 rows (~110 of
 // them). Measured at B=1024, fp16 state (bench_kernels --tmix): 3.36 TB/s; re-reading the columns
 // from shared memory per row (80 registers, 6 blocks) 3.24; the same at 5 blocks (spills) 3.20.
-// PART: only w, k, b stay in registers, a and r are re-read per row (5 blocks per SM; an A/B)
-template <bool PART>
-__host__ __device__ constexpr int min_blocks() { return PART ? 5 : 4; }
+constexpr int MIN_BLOCKS = 4;
 
 __device__ __forceinline__ uint32_t saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -113,8 +111,8 @@ struct Slot {
     static constexpr uint32_t BYTES = (SB + NV * VB + 127) / 128 * 128;
 };
 
-template <typename F, typename S, int STAGES, bool PART>
-__global__ void __launch_bounds__(T, min_blocks<PART>())
+template <typename F, typename S, int STAGES>
+__global__ void __launch_bounds__(T, MIN_BLOCKS)
     tmix_pipe_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p, int B) {
     using SL = Slot<F, S>;
     extern __shared__ __align__(128) unsigned char dyn[];
@@ -242,19 +240,13 @@ __global__ void __launch_bounds__(T, min_blocks<PART>())
         float y[RPT], wv[EPT], kv[EPT], av[EPT], bv[EPT], rv[EPT];  // a thread's columns: the same in its rows
         load_cols<S, float>(sh_dec[d], lane, wv);
         load_cols<S, float>(sh_k[d], lane, kv);
+        load_cols<S, float>(sh_a[d], lane, av);
         load_cols<S, float>(sh_b[d], lane, bv);
-        if constexpr (!PART) {
-            load_cols<S, float>(sh_a[d], lane, av);
-            load_cols<S, float>(sh_r[d], lane, rv);
-        }
+        load_cols<S, float>(sh_r[d], lane, rv);
 #pragma unroll
         for (int j = 0; j < RPT; j++) {
             const int row = rg + j * RG;
             float st[EPT];
-            if constexpr (PART) {
-                load_cols<S, float>(sh_a[d], lane, av);
-                load_cols<S, float>(sh_r[d], lane, rv);
-            }
             if constexpr (sizeof(S) == 2 && EPT == 8) {
                 const uint4 x = *reinterpret_cast<const uint4 *>(sst + row * N + lane * EPT);
                 cvt4(make_uint2(x.x, x.y), (const S *)nullptr, st);
@@ -335,15 +327,15 @@ inline int num_sms() {
 
 // Blocks per head K: at most one full wave (occupancy x SMs), then as few as give every block the
 // same number of heads (ceil(B / K) each).
-template <typename F, typename S, int STAGES, bool PART = false>
+template <typename F, typename S, int STAGES>
 int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
     constexpr int smem = STAGES * Slot<F, S>::BYTES;
     static int per_sm = 0;  // per instantiation (one device per process in the server)
     if (per_sm == 0) {
-        cudaError_t e = cudaFuncSetAttribute(tmix_pipe_kernel<F, S, STAGES, PART>,
+        cudaError_t e = cudaFuncSetAttribute(tmix_pipe_kernel<F, S, STAGES>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e == cudaSuccess)
-            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tmix_pipe_kernel<F, S, STAGES, PART>, T, smem);
+            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tmix_pipe_kernel<F, S, STAGES>, T, smem);
         if (e != cudaSuccess) return (int)e;
         if (per_sm <= 0) return -2;
     }
@@ -353,7 +345,7 @@ int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaS
     const int per_block = (B + K - 1) / K;
     K = (B + per_block - 1) / per_block;
     if (K > 65535) return -2;
-    return (int)rwkv_pdl::launch_pdl(tmix_pipe_kernel<F, S, STAGES, PART>, dim3(H, K), dim3(T), smem, stream, state,
+    return (int)rwkv_pdl::launch_pdl(tmix_pipe_kernel<F, S, STAGES>, dim3(H, K), dim3(T), smem, stream, state,
                                      s_bstride, p, B);
 }
 
@@ -377,7 +369,6 @@ int tmix_pipe_launch(int f_dt, int s_dt, int stages, void *state, long long s_bs
         if (!pipe_aligned(state, s_bstride * (long long)sizeof(S), p, p.act_bstride * (long long)sizeof(F)))
             return -2;
         if (stages == 3) return pipe::launch<F, S, 3>(B, H, (S *)state, s_bstride, p, stream);
-        if (stages == 4) return pipe::launch<F, S, 2, true>(B, H, (S *)state, s_bstride, p, stream);
         return pipe::launch<F, S, 2>(B, H, (S *)state, s_bstride, p, stream);
     });
 }

@@ -47,11 +47,10 @@ def _tmix_path(monkeypatch, path: str) -> None:
     "fused" (wkv7_tmix_fused, default rows per thread), "fused2" (fused, 2 rows per thread),
     "fused_unpacked" (4 rows, 16-bit state rows unpacked in registers), "head4" (the head-per-block
     kernel with 4 rows per thread, never the pipelined one), "pipe2" / "pipe3" (the pipelined
-    kernel with that many shared-memory slots per block, any state dtype; "pipe2part": 2 slots, only
-    the w / k / b columns kept in registers). "fused" is the default:
+    kernel with that many shared-memory slots per block, any state dtype). "fused" is the default:
     the pipelined kernel for a 16-bit state from its batch threshold on."""
     monkeypatch.setattr(cuda_ops, "TMIX_MODE", "split" if path == "split" else "fused")
-    rpt = {"fused2": 2, "fused_unpacked": -4, "head4": 4, "pipe2": 12, "pipe3": 13, "pipe2part": 14}
+    rpt = {"fused2": 2, "fused_unpacked": -4, "head4": 4, "pipe2": 12, "pipe3": 13}
     monkeypatch.setattr(cuda_ops, "TMIX_RPT", rpt.get(path, 0))
 
 
@@ -146,7 +145,7 @@ def test_tmix_fused_model_shape(state_dtype, path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
-@pytest.mark.parametrize("path", ["pipe2", "pipe3", "pipe2part"])
+@pytest.mark.parametrize("path", ["pipe2", "pipe3"])
 def test_tmix_pipe_matches_head_kernel(B, dtype, state_dtype, layer0, path, monkeypatch):
     """The pipelined kernel (persistent blocks, several heads per block through shared-memory
     slots) vs the head-per-block kernel and the twin, two chained steps on every other slot of a
