@@ -1,6 +1,6 @@
 // RWKV-7 decode time-mix core in one launch (semantics: see wkv7_tmix.cu's header).
 #include "pdl.cuh"
-#include "wkv7_tmix.cuh"
+#include "wkv7_tmix_head.cuh"
 
 // ---- one launch for large batches: prep + WKV step + GroupNorm/bonus/gate, a head per block ----
 // grid (H, B), block N*TPR/RPT threads (128 for N = 64, RPT = 4): block (h, b) owns the whole head,
@@ -40,16 +40,6 @@ namespace wkv7 {
 #define HEAD_PACKED_MIN_BLOCKS 7
 #endif
 
-template <int RPT>
-__host__ __device__ constexpr int head_threads() { return N * TPR / RPT; }
-
-// The warp roles of step 2 need 2 warps + N threads; N > 64 (EPT = 16 columns per lane, RPT rows)
-// would spill: those head sizes take the split path.
-template <int RPT>
-__host__ __device__ constexpr bool head_ok() {
-    return N <= 64 && head_threads<RPT>() >= 64 + N && head_threads<RPT>() % 32 == 0;
-}
-
 // 16-bit state with 8 columns per lane: rows stay packed in registers (4 words per row) until their
 // step, and the column vectors are re-read from shared memory per row, so that ~10 blocks (64 B of
 // state in flight per thread) fit an SM instead of 5 (measured: 2.4 TB/s at 5 blocks, B=1024).
@@ -68,16 +58,13 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
     constexpr int T = head_threads<RPT>();
     constexpr int RG = T / TPR;          // row groups; rows of a group: rg + j*RG
     constexpr int NW = T / 32;           // warps
-    constexpr int WROWS = 32 / TPR * RPT;  // rows per warp (NW * WROWS == N)
-    constexpr int CPL = N / 32;          // columns per lane in warps 0 and 1
     __shared__ __align__(16) float sh_dec[N], sh_k[N], sh_a[N], sh_b[N], sh_r[N], sh_v[N], sh_y[N];
     __shared__ float red[1 + 2 * NW];
     const int h = blockIdx.x, bi = blockIdx.y, tid = threadIdx.x;
-    const int warp = tid / 32, wl = tid % 32, rg = tid / TPR, lane = tid % TPR;
+    const int rg = tid / TPR, lane = tid % TPR;
     const int hc = h * N;
     const long long base = (long long)bi * p.act_bstride + hc;
     S *shead = state + (long long)bi * s_bstride + (long long)h * N * N;
-    auto ld = [&](const void *ptr, long long i) { return to_f(((const F *)ptr)[i]); };
 
     // 1. the state rows first: in flight during step 2
     constexpr bool PACK = PK && head_packed<S>();
@@ -88,87 +75,20 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
         if constexpr (PACK) sp[j] = ld_global_v4(shead + (long long)(rg + j * RG) * N + lane * EPT);
         else load_state<S>(shead + (long long)(rg + j * RG) * N, lane, s[j]);
     }
-    // 2a. the head's weight vectors (role by warp, as used in 2b; absent biases read as 0: x + 0
-    // rounded to F is x). Weights are never written: with p.early they go out before the wait too.
-    auto lbias = [&](const void *bias, int c) { return bias ? ld(bias, c) : 0.f; };
+    // 2a. the head's weight vectors; with p.early before the wait too (wkv7_tmix_head.cuh)
     const bool l0 = p.layer0 != 0;
-    float a0[CPL], kkw[CPL], ka[CPL], rk[CPL];  // warp 0;  warp 1: v0 in a0
-    float w0 = 0.f, lw_o = 0.f, lb_o = 0.f;     // warps 2..: row c = tid - 64 of the output
-    auto load_weights = [&] {
-        if (warp == 0) {
-#pragma unroll
-            for (int q = 0; q < CPL; q++) {
-                const int c = hc + wl + 32 * q;
-                a0[q] = lbias(p.a0, c), kkw[q] = ld(p.k_k, c), ka[q] = ld(p.k_a, c), rk[q] = ld(p.r_k, c);
-            }
-        } else if (warp == 1) {
-#pragma unroll
-            for (int q = 0; q < CPL; q++) a0[q] = l0 ? 0.f : lbias(p.v0, hc + wl + 32 * q);
-        } else if (tid - 64 < N) {
-            const int c = hc + tid - 64;
-            w0 = lbias(p.w0, c), lw_o = ld(p.lnx_w, c), lb_o = ld(p.lnx_b, c);
-        }
-    };
-    if (p.early) load_weights();
+    HeadConsts w;
+    if (p.early) w.load<F>(p, hc, tid);
     // the state rows are this layer's own (the predecessor, the r/k/v projection, never touches
     // them): their loads go out before the wait for the predecessor's activations
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
-    if (!p.early) load_weights();
+    if (!p.early) w.load<F>(p, hc, tid);
 
-    // 2b. per-column vectors of the head. Each role loads all its inputs before any arithmetic and
-    // without branches, so they are one L2 round trip, overlapping the state loads.
-    float g_o = 0.f;  // row c = tid - 64 of the output (warps 2..)
-    auto round_f = [&](float x) { return to_f(from_f<F>(x)); };  // torch's add in dtype F
-    if (warp == 0) {
-        float kr[CPL], rr[CPL], az[CPL];
-#pragma unroll
-        for (int q = 0; q < CPL; q++) {
-            const int c = wl + 32 * q;
-            kr[q] = ld(p.k, base + c), rr[q] = ld(p.r, base + c), az[q] = ld(p.az, base + c);
-        }
-        float kkr[CPL], ag[CPL], sq = 0.f, bon = 0.f;
-#pragma unroll
-        for (int q = 0; q < CPL; q++) {
-            const int c = wl + 32 * q;
-            ag[q] = sigmoidf(round_f(az[q] + a0[q]));
-            kkr[q] = kr[q] * kkw[q];
-            const float kf = kr[q] * (1.f + (ag[q] - 1.f) * ka[q]);
-            sh_k[c] = kf;
-            sh_r[c] = rr[q];
-            sq += kkr[q] * kkr[q];
-            bon += rr[q] * kf * rk[q];
-        }
-        sq = warp_sum(sq);
-        bon = warp_sum(bon);
-        const float den = fmaxf(sqrtf(sq), 1e-12f);
-#pragma unroll
-        for (int q = 0; q < CPL; q++) {
-            const int c = wl + 32 * q;
-            const float kk = kkr[q] / den;
-            sh_a[c] = -kk;
-            sh_b[c] = kk * ag[q];
-        }
-        if (wl == 0) red[0] = bon;
-    } else if (warp == 1) {
-        float vr[CPL], vf[CPL], vz[CPL];
-#pragma unroll
-        for (int q = 0; q < CPL; q++) {
-            const int c = wl + 32 * q;
-            vr[q] = ld(p.v, base + c);
-            vf[q] = l0 ? 0.f : ld(p.v_first, base + c);
-            vz[q] = l0 ? 0.f : ld(p.vz, base + c);
-        }
-#pragma unroll
-        for (int q = 0; q < CPL; q++)  // a0 holds v0 in warp 1
-            sh_v[wl + 32 * q] = l0 ? vr[q] : vr[q] + (vf[q] - vr[q]) * sigmoidf(round_f(vz[q] + a0[q]));
-    } else if (tid - 64 < N) {
-        const int c = tid - 64;
-        const float wz = ld(p.wz, base + c);
-        g_o = ld(p.g, base + c);
-        const float w = -softplusf(-round_f(wz + w0)) - 0.5f;
-        sh_dec[c] = expf(-expf(w));
-    }
+    // 2b. per-column vectors of the head (one L2 round trip, overlapping the state loads)
+    auto act = [&](const void *ptr) { return (const F *)ptr + base; };
+    const HeadActs<F> x{act(p.r), act(p.k), act(p.v), act(p.wz), act(p.az), act(p.g), act(p.vz), act(p.v_first)};
+    const float g_o = head_columns<F>(x, w, l0, tid, HeadCols{sh_dec, sh_k, sh_a, sh_b, sh_r, sh_v}, &red[0]);
     __syncthreads();
 
     // 3. the row steps; state stored as soon as a row is done
@@ -204,39 +124,9 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
     }
 
     // 4. GroupNorm over the head's N rows: per warp (WROWS rows) mean and M2, then combined
-    float ls = 0.f;
-#pragma unroll
-    for (int j = 0; j < RPT; j++) ls += y[j];
-#pragma unroll
-    for (int o = TPR; o < 32; o <<= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);  // across row groups
-    const float wmean = ls / WROWS;
-    float m2 = 0.f;
-#pragma unroll
-    for (int j = 0; j < RPT; j++) m2 += (y[j] - wmean) * (y[j] - wmean);
-#pragma unroll
-    for (int o = TPR; o < 32; o <<= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
-    if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < RPT; j++) sh_y[rg + j * RG] = y[j];
-    }
-    if (wl == 0) red[1 + 2 * warp] = ls, red[2 + 2 * warp] = m2;
+    head_gn_sums<RPT>(y, sh_y, red, tid);
     __syncthreads();
-    if (warp >= 2 && tid - 64 < N) {
-        const int c = tid - 64;
-        float tot = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; w++) tot += red[1 + 2 * w];
-        const float mean = tot / N;
-        float M2 = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; w++) {
-            const float d = red[1 + 2 * w] / WROWS - mean;
-            M2 += red[2 + 2 * w] + WROWS * d * d;
-        }
-        const float gn = (sh_y[c] - mean) * rsqrtf(M2 / N + p.gn_eps) * lw_o + lb_o;
-        const float o = (gn + red[0] * sh_v[c]) * g_o;
-        ((F *)p.out)[(long long)bi * p.out_bstride + hc + c] = from_f<F>(o);
-    }
+    head_gn_out<F, RPT>(red, sh_y, sh_v, w, p.gn_eps, g_o, (F *)p.out + (long long)bi * p.out_bstride + hc, tid);
 }
 
 template <typename F, typename S, int RPT, bool PK>

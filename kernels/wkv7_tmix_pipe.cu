@@ -22,7 +22,7 @@
 // Measured (H200, one layer of the 2.9B shape, fp16 state, B=1024): 0.1996 ms with two barriers
 // per head, 0.1980 with one; the head kernel 0.2363.
 #include "pdl.cuh"
-#include "wkv7_tmix.cuh"
+#include "wkv7_tmix_head.cuh"
 
 namespace wkv7 {
 namespace pipe {
@@ -31,10 +31,8 @@ constexpr int RPT = 4;
 constexpr int T = N * TPR / RPT;       // 128 threads
 constexpr int RG = T / TPR;            // row groups; rows of a group: rg + j*RG
 constexpr int NW = T / 32;
-constexpr int WROWS = 32 / TPR * RPT;  // rows per warp
-constexpr int CPL = N / 32;            // columns per lane in warps 0 and 1
 constexpr int NV = 8;                  // activation vectors per head: r k v wz az g [vz v_first]
-static_assert(T >= 64 + N && T % 32 == 0, "warp roles need 2 warps + N threads");
+static_assert(T == head_threads<RPT>() && head_ok<RPT>(), "warp roles need 2 warps + N threads");
 
 // 4 resident blocks per SM: the column vectors stay in registers for the head's 4 rows (~110 of
 // them). Measured at B=1024, fp16 state (bench_kernels --tmix): 3.36 TB/s; re-reading the columns
@@ -121,7 +119,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
     __shared__ float red[3][1 + 2 * NW];
     __shared__ __align__(8) uint64_t bars[STAGES];
     const int h = blockIdx.x, j0 = blockIdx.y, K = gridDim.y, tid = threadIdx.x;
-    const int warp = tid / 32, wl = tid % 32, rg = tid / TPR, lane = tid % TPR;
+    const int rg = tid / TPR, lane = tid % TPR;
     const int hc = h * N;
     const int items = j0 < B ? (B - 1 - j0) / K + 1 : 0;
     const bool l0 = p.layer0 != 0;
@@ -159,77 +157,21 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
         for (int n = 0; n < STAGES && n < items; n++) issue_state(n);
 
     // per-head weight vectors (this block's head only): once per block
-    auto ld = [&](const void *ptr, long long i) { return to_f(((const F *)ptr)[i]); };
-    auto lbias = [&](const void *bias, int c) { return bias ? ld(bias, c) : 0.f; };
-    float a0[CPL], kkw[CPL], ka[CPL], rk[CPL];  // warp 0;  warp 1: v0 in a0
-    float w0 = 0.f, lw_o = 0.f, lb_o = 0.f;     // warps 2..: row c = tid - 64 of the output
-    auto load_weights = [&] {
-        if (warp == 0) {
-#pragma unroll
-            for (int q = 0; q < CPL; q++) {
-                const int c = hc + wl + 32 * q;
-                a0[q] = lbias(p.a0, c), kkw[q] = ld(p.k_k, c), ka[q] = ld(p.k_a, c), rk[q] = ld(p.r_k, c);
-            }
-        } else if (warp == 1) {
-#pragma unroll
-            for (int q = 0; q < CPL; q++) a0[q] = l0 ? 0.f : lbias(p.v0, hc + wl + 32 * q);
-        } else if (tid - 64 < N) {
-            const int c = hc + tid - 64;
-            w0 = lbias(p.w0, c), lw_o = ld(p.lnx_w, c), lb_o = ld(p.lnx_b, c);
-        }
-    };
-    if (p.early) load_weights();
+    HeadConsts w;
+    if (p.early) w.load<F>(p, hc, tid);
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
-    if (!p.early) load_weights();
+    if (!p.early) w.load<F>(p, hc, tid);
     if (tid == 0)
         for (int n = 0; n < STAGES && n < items; n++) issue_acts(n);
 
-    auto round_f = [&](float x) { return to_f(from_f<F>(x)); };  // torch's add in dtype F
-    // 2. per-column vectors of head n, from its slot, into buffer n % 3 (g: this thread's gate)
-    auto columns = [&](int n, float &g_o) {
+    // 2. per-column vectors of head n, from its slot, into buffer n % 3 (returns this thread's gate)
+    auto columns = [&](int n) {
         const int s = n % STAGES, d = n % 3;
         mbar_wait(&bars[s], (n / STAGES) & 1);
-        if (warp == 0) {
-            const F *kp = act(s, 1), *rp = act(s, 0), *azp = act(s, 4);
-            float sq = 0.f, bon = 0.f, kkr[CPL], ag[CPL];
-#pragma unroll
-            for (int q = 0; q < CPL; q++) {
-                const int c = wl + 32 * q;
-                const float kr = to_f(kp[c]), rr = to_f(rp[c]);
-                ag[q] = sigmoidf(round_f(to_f(azp[c]) + a0[q]));
-                kkr[q] = kr * kkw[q];
-                const float kf = kr * (1.f + (ag[q] - 1.f) * ka[q]);
-                sh_k[d][c] = kf;
-                sh_r[d][c] = rr;
-                sq += kkr[q] * kkr[q];
-                bon += rr * kf * rk[q];
-            }
-            sq = warp_sum(sq);
-            bon = warp_sum(bon);
-            const float den = fmaxf(sqrtf(sq), 1e-12f);
-#pragma unroll
-            for (int q = 0; q < CPL; q++) {
-                const int c = wl + 32 * q;
-                const float kk = kkr[q] / den;
-                sh_a[d][c] = -kk;
-                sh_b[d][c] = kk * ag[q];
-            }
-            if (wl == 0) red[d][0] = bon;
-        } else if (warp == 1) {
-            const F *vp = act(s, 2), *vzp = act(s, 6), *vfp = act(s, 7);
-#pragma unroll
-            for (int q = 0; q < CPL; q++) {  // a0 holds v0 in warp 1
-                const int c = wl + 32 * q;
-                const float vr = to_f(vp[c]);
-                sh_v[d][c] = l0 ? vr : vr + (to_f(vfp[c]) - vr) * sigmoidf(round_f(to_f(vzp[c]) + a0[q]));
-            }
-        } else if (tid - 64 < N) {
-            const int c = tid - 64;
-            g_o = to_f(act(s, 5)[c]);
-            const float w = -softplusf(-round_f(to_f(act(s, 3)[c]) + w0)) - 0.5f;
-            sh_dec[d][c] = expf(-expf(w));
-        }
+        const HeadActs<F> x{act(s, 0), act(s, 1), act(s, 2), act(s, 3), act(s, 4), act(s, 5), act(s, 6), act(s, 7)};
+        const HeadCols cols{sh_dec[d], sh_k[d], sh_a[d], sh_b[d], sh_r[d], sh_v[d]};
+        return head_columns<F>(x, w, l0, tid, cols, &red[d][0]);
     };
     // 3. the row steps of head n: rows from its slot, new rows straight to the pool; 4a. the
     // GroupNorm sums over the head's N rows: per warp (WROWS rows) mean and M2
@@ -258,54 +200,24 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
             if (p.evict) store_state<S>(shead + (long long)row * N, lane, st, pol);
             else wkv7::store_state<S>(shead + (long long)row * N, lane, st);
         }
-        float ls = 0.f;
-#pragma unroll
-        for (int j = 0; j < RPT; j++) ls += y[j];
-#pragma unroll
-        for (int o = TPR; o < 32; o <<= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);  // across row groups
-        const float wmean = ls / WROWS;
-        float m2 = 0.f;
-#pragma unroll
-        for (int j = 0; j < RPT; j++) m2 += (y[j] - wmean) * (y[j] - wmean);
-#pragma unroll
-        for (int o = TPR; o < 32; o <<= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
-        if (lane == 0) {
-#pragma unroll
-            for (int j = 0; j < RPT; j++) sh_y[d][rg + j * RG] = y[j];
-        }
-        if (wl == 0) red[d][1 + 2 * warp] = ls, red[d][2 + 2 * warp] = m2;
+        head_gn_sums<RPT>(y, sh_y[d], red[d], tid);
     };
-    // 4b. head n's output: the sums combined across warps (Chan), normalized, bonus, gate
+    // 4b. head n's output
     auto output = [&](int n, float g_o) {
         const int d = n % 3;
-        if (warp >= 2 && tid - 64 < N) {
-            const int c = tid - 64;
-            float tot = 0.f;
-#pragma unroll
-            for (int w = 0; w < NW; w++) tot += red[d][1 + 2 * w];
-            const float mean = tot / N;
-            float M2 = 0.f;
-#pragma unroll
-            for (int w = 0; w < NW; w++) {
-                const float dm = red[d][1 + 2 * w] / WROWS - mean;
-                M2 += red[d][2 + 2 * w] + WROWS * dm * dm;
-            }
-            const float gn = (sh_y[d][c] - mean) * rsqrtf(M2 / N + p.gn_eps) * lw_o + lb_o;
-            const float o = (gn + red[d][0] * sh_v[d][c]) * g_o;
-            ((F *)p.out)[seq(n) * p.out_bstride + hc + c] = from_f<F>(o);
-        }
+        head_gn_out<F, RPT>(red[d], sh_y[d], sh_v[d], w, p.gn_eps, g_o, (F *)p.out + seq(n) * p.out_bstride + hc, tid);
     };
 
     // One barrier per head: head n + 1's column work goes before the barrier that ends head n.
     // Buffer n % 3: head n + 1's columns overwrite head n - 2's, whose output every thread wrote
     // before the barrier of head n - 1, which this thread has passed.
     float g_next = 0.f;
-    if (items > 0) columns(0, g_next);
+    if (items > 0) g_next = columns(0);
     __syncthreads();
     for (int n = 0; n < items; n++) {
         const float g_o = g_next;
         rows(n);
-        if (n + 1 < items) columns(n + 1, g_next);
+        if (n + 1 < items) g_next = columns(n + 1);
         __syncthreads();
         // every thread is past its reads of head n's slot: refill it with head n + STAGES
         if (tid == 0 && n + STAGES < items) {
