@@ -16,7 +16,7 @@ struct TmixArgs {
     int evict;  // pipelined kernel: the state streamed through the L2 with an evict-first policy
 };
 
-// The pipelined large-batch kernel (wkv7_tmix_pipe.cu): stages 2..4 shared-memory slots per block;
+// The pipelined large-batch kernel (wkv7_tmix_pipe.cu): stages = 2 or 3 shared-memory slots per block;
 // returns -2 where it does not apply (unaligned inputs), else a cudaError_t value.
 int tmix_pipe_launch(int f_dt, int s_dt, int stages, void *state, long long s_bstride, int B, int H,
                      const TmixArgs &p, cudaStream_t stream);

@@ -6,17 +6,19 @@
 // its loads, and each block then spends most of its life (column work, steps, GroupNorm, two
 // barriers) with nothing in flight. Measured on the H200 at B=1024: 2.76 TB/s with an fp16 state
 // (7 blocks per SM x 8 KB) and 3.61 with fp32, of ~4.2 TB/s copy bandwidth; per head both take
-// ~5.5 us, i.e. latency, not bytes, sets the rate.
+// ~5.5 us, i.e. latency, not bytes, sets the rate. (This kernel: 3.39 TB/s with an fp16 state;
+// with fp32 no gain, so that keeps the head kernel. test/bench/NOTES.md, change 28.)
 // Here grid (H, K): block (h, j) owns heads (b, h) for b = j, j + K, ... Its STAGES shared-memory
 // slots each hold one head's state (N x N, as stored) and its 8 activation vectors; thread 0 keeps
 // STAGES heads' copies in flight (cp.async.bulk, one mbarrier per slot) and refills a slot as soon
 // as the block has read it. So the state stream never drains while the block computes, and the
 // head's per-head weight vectors are loaded once per block, not once per head.
 //
-// Per head n (thread layout as tmix_head_kernel, RPT = 4 rows per thread, 128 threads):
+// Per head n (thread layout and phases as tmix_head_kernel's, from wkv7_tmix_head.cuh; RPT = 4 rows
+// per thread, 128 threads):
 //   3. row steps (state rows from the slot, new rows stored to global), 4a. GroupNorm sums;
-//   then head n + 1's column work (2.: wait for its slot, warps 0 / 1 / 2..3 as in the head
-//   kernel) -> ONE barrier (head n's slot is free: refill it) -> 4b. head n's output.
+//   then head n + 1's column work (2.: wait for its slot, then head_columns) -> ONE barrier
+//   (head n's slot is free: refill it) -> 4b. head n's output.
 // The small per-head vectors (sh_*, red) are triple-buffered by head (n % 3) so that head n + 1's
 // column work never overwrites what head n's rows or output still read.
 // Measured (H200, one layer of the 2.9B shape, fp16 state, B=1024): 0.1996 ms with two barriers
@@ -29,10 +31,10 @@ namespace pipe {
 
 constexpr int RPT = 4;
 constexpr int T = N * TPR / RPT;       // 128 threads
-constexpr int RG = T / TPR;            // row groups; rows of a group: rg + j*RG
-constexpr int NW = T / 32;
+[[maybe_unused]] constexpr int RG = T / TPR;  // row groups; rows of a group: rg + j*RG
+[[maybe_unused]] constexpr int NW = T / 32;
 constexpr int NV = 8;                  // activation vectors per head: r k v wz az g [vz v_first]
-static_assert(T == head_threads<RPT>() && head_ok<RPT>(), "warp roles need 2 warps + N threads");
+static_assert(T == head_threads<RPT>(), "the head kernel's thread layout");
 
 // 4 resident blocks per SM: the column vectors stay in registers for the head's 4 rows (~110 of
 // them). Measured at B=1024, fp16 state (bench_kernels --tmix): 3.36 TB/s; re-reading the columns
@@ -241,24 +243,28 @@ inline int num_sms() {
 // same number of heads (ceil(B / K) each).
 template <typename F, typename S, int STAGES>
 int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
-    constexpr int smem = STAGES * Slot<F, S>::BYTES;
-    static int per_sm = 0;  // per instantiation (one device per process in the server)
-    if (per_sm == 0) {
-        cudaError_t e = cudaFuncSetAttribute(tmix_pipe_kernel<F, S, STAGES>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e == cudaSuccess)
-            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tmix_pipe_kernel<F, S, STAGES>, T, smem);
-        if (e != cudaSuccess) return (int)e;
-        if (per_sm <= 0) return -2;
+    if constexpr (!head_ok<RPT>()) {  // the warp roles need 2 warps + N threads (head sizes <= 64)
+        return -2;
+    } else {
+        constexpr int smem = STAGES * Slot<F, S>::BYTES;
+        static int per_sm = 0;  // per instantiation (one device per process in the server)
+        if (per_sm == 0) {
+            cudaError_t e = cudaFuncSetAttribute(tmix_pipe_kernel<F, S, STAGES>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (e == cudaSuccess)
+                e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tmix_pipe_kernel<F, S, STAGES>, T, smem);
+            if (e != cudaSuccess) return (int)e;
+            if (per_sm <= 0) return -2;
+        }
+        const int slots = per_sm * num_sms();
+        int K = slots / H;  // rounded down: one block over a full wave would double the kernel's tail
+        K = K < 1 ? 1 : (K > B ? B : K);
+        const int per_block = (B + K - 1) / K;
+        K = (B + per_block - 1) / per_block;
+        if (K > 65535) return -2;
+        return (int)rwkv_pdl::launch_pdl(tmix_pipe_kernel<F, S, STAGES>, dim3(H, K), dim3(T), smem, stream, state,
+                                         s_bstride, p, B);
     }
-    const int slots = per_sm * num_sms();
-    int K = slots / H;  // rounded down: one block over a full wave would double the kernel's tail
-    K = K < 1 ? 1 : (K > B ? B : K);
-    const int per_block = (B + K - 1) / K;
-    K = (B + per_block - 1) / per_block;
-    if (K > 65535) return -2;
-    return (int)rwkv_pdl::launch_pdl(tmix_pipe_kernel<F, S, STAGES>, dim3(H, K), dim3(T), smem, stream, state,
-                                     s_bstride, p, B);
 }
 
 }  // namespace pipe

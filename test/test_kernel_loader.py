@@ -257,3 +257,20 @@ def test_cpp_extension_builds_and_imports_the_module(tmp_path, monkeypatch):
             fn(*[0] * (len(codes) - 1))
     mod2, key2, built2 = loader.build("9.0+PTX", 64, root=root, extra_ldflags=extra)
     assert key2 == key and not built2 and mod2 is not None  # the cached build
+
+
+@pytest.mark.slow
+def test_head_size_dependent_sources_compile_for_head_size_32(tmp_path):
+    """The kernels are templated on the build's head size; a kernel that only supports 64 must
+    drop out of a head-size-32 build (its launcher returns -2), not break it. nvcc alone, no GPU."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set CUDA_HOME): the kernel sources cannot be compiled here")
+    for name in SOURCES:
+        text = (loader.KERNEL_DIR / name).read_text()
+        if "wkv7_common.cuh" not in text and "wkv7_tmix" not in text:
+            continue  # no head size in it
+        cmd = [nvcc, "-arch=sm_90", *loader.nvcc_flags(32), "-c", str(loader.KERNEL_DIR / name),
+               "-o", str(tmp_path / f"{name}.o")]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        assert run.returncode == 0, f"{name} at head size 32:\n{run.stderr[-2000:]}"

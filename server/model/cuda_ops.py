@@ -190,10 +190,10 @@ TMIX_MODE = os.environ.get("RWKV_TMIX_MODE", "fused")
 "split" = prep -> wkv7_decode -> post (3 launches, fp32 intermediates; the previous default)."""
 
 TMIX_RPT = int(os.environ.get("RWKV_TMIX_RPT", "0"))
-"""Kernel of wkv7_tmix_fused: 0 = its default (the pipelined kernel from RWKV_TMIX_PIPE_MIN_B on,
-else a head per block with 4 state rows per thread), 2 or 4 (a head per block with that many rows),
--4 (4 rows, 16-bit state rows unpacked in registers: the first version, for A/B on fp16 state),
-12 / 13 / 14 (the pipelined kernel with 2 / 3 / 4 shared-memory slots per block)."""
+"""Kernel of wkv7_tmix_fused: 0 = its default (for a 16-bit state from RWKV_TMIX_PIPE_MIN_B on the
+pipelined kernel, else a head per block with 4 state rows per thread), 2 or 4 (a head per block with
+that many rows), -4 (4 rows, 16-bit state rows unpacked in registers: the first version, for A/B on
+fp16 state), 12 / 13 (the pipelined kernel with 2 / 3 shared-memory slots per block, any state)."""
 
 
 def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases) -> None:
