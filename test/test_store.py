@@ -220,6 +220,75 @@ async def test_writer_queue_is_bounded_and_ordered():
     await w.close()
 
 
+async def test_writer_merges_consecutive_put_many_and_keeps_order():
+    """Entries of one list job queued back to back run as one call; any other job between them
+    ends the group, so the order of writes is the order of submission."""
+    w = Writer(100)
+    gate, calls = asyncio.Event(), []
+
+    async def hold():
+        await gate.wait()
+
+    async def rows(items):
+        calls.append(("rows", list(items)))
+
+    async def one(x):
+        calls.append(("one", x))
+
+    w.start()
+    await w.put(hold)  # the writer is busy while the rest is queued
+    futs = [await w.put_many(rows, i) for i in range(3)]
+    await w.put(one, "x")
+    futs += [await w.put_many(rows, i) for i in (3, 4)]
+    gate.set()
+    await asyncio.gather(*futs)
+    assert calls == [("rows", [0, 1, 2]), ("one", "x"), ("rows", [3, 4])]
+    assert all(f.result() is None for f in futs) and w.done == 7 and w.failed == 0
+    await w.close()
+
+
+async def test_writer_group_failure_fails_only_the_bad_item():
+    w = Writer(100)
+    gate, calls = asyncio.Event(), []
+
+    async def hold():
+        await gate.wait()
+
+    async def rows(items):
+        calls.append(list(items))
+        if "bad" in items:
+            raise ValueError("bad row")
+
+    w.start()
+    await w.put(hold)
+    futs = [await w.put_many(rows, x) for x in ("a", "bad", "c")]
+    gate.set()
+    done = await asyncio.gather(*futs, return_exceptions=True)
+    assert done[0] is None and done[2] is None and isinstance(done[1], ValueError)
+    assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]  # the group, then one by one
+    assert w.failed == 1
+    await w.close()
+
+
+async def test_save_rows_upserts_in_one_transaction(tmp_path):
+    store = await open_store(tmp_path / "r.db")
+    now = time.time()
+    old = to_row(Task(id="TASK_old", kind="task", created_at=now))
+    await store.save(old)
+    commits = []
+    sa.event.listen(store.engine.sync_engine, "commit", lambda conn: commits.append(1))
+    rows = [to_row(Task(id=f"TASK_{i}", kind="task", created_at=now)) for i in range(3)]
+    upd = dict(old, prompt="changed")
+    again = dict(rows[1], prompt="second write wins")
+    await store.save_rows([rows[0], rows[1], upd, rows[2], again])
+    assert len(commits) == 1
+    got = {i: (await store.get_task(i)).prompt for i in ("TASK_old", "TASK_0", "TASK_1", "TASK_2")}
+    assert got == {"TASK_old": "changed", "TASK_0": rows[0]["prompt"], "TASK_1": "second write wins",
+                   "TASK_2": rows[2]["prompt"]}
+    assert (await store.counts())["tasks"] == 4
+    await store.close()
+
+
 async def test_store_opens_in_memory_and_urls(tmp_path):
     from server.tasks.store import database_url
 

@@ -57,8 +57,9 @@ class PersistMixin:
         return self.cache.get(sid) or st
 
     # --- writer jobs ---------------------------------------------------------------------------
-    async def _persist_row(self, row: dict[str, Any]) -> None:
-        await self.store.save(row)
+    async def _persist_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Rows of started tasks, one transaction (the writer merges a burst of starts)."""
+        await self.store.save_rows(rows)
 
     def _offer_progress(self) -> None:
         """Queue one progress job for all running persistent tasks (unless one is queued: it

@@ -47,7 +47,7 @@ class Run:
 
 class RunMixin:
     # provided by TaskManager: engine, settings, cache, live, recent, writer, counters, _pumps,
-    # _resolve_state, _row, _persist_row, _persist_settled, _offer_progress, _progress_at
+    # _resolve_state, _row, _persist_rows, _persist_settled, _offer_progress, _progress_at
 
     # --- claim / start -------------------------------------------------------------------------
     def _claim(self, t: Task) -> Task:
@@ -88,7 +88,7 @@ class RunMixin:
             raise
         saved = None
         if t.kind != TMP:
-            saved = await self.writer.put(self._persist_row, self._row(t))
+            saved = await self.writer.put_many(self._persist_rows, self._row(t))
         pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)

@@ -102,17 +102,30 @@ class Store:
             for sid in drop_states:
                 await _drop_state_if_unused(conn, sid)
 
+    async def save_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Upsert whole task rows (to_row's columns) in one transaction: one query for the ids
+        that exist, one executemany UPDATE, one executemany INSERT. The same id twice: the later
+        row wins, as if the rows were saved one after the other."""
+        last = list({r["id"]: r for r in rows}.values())
+        if not last:
+            return
+        async with self._write() as conn:
+            ids, have = [r["id"] for r in last], set()
+            for i in range(0, len(ids), _CHUNK):
+                q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
+                have.update((await conn.execute(q)).scalars().all())
+            await _update_rows(conn, [r for r in last if r["id"] in have])
+            new = [r for r in last if r["id"] not in have]
+            if new:
+                await conn.execute(sa.insert(tasks), new)
+
     async def save_progress(self, rows: list[dict[str, Any]]) -> None:
         """Update existing task rows (all with the same columns), one transaction and one
         executemany; rows no longer in the table (deleted) are left alone."""
         if not rows:
             return
-        cols = [k for k in rows[0] if k != "id"]
-        stmt = (sa.update(tasks).where(tasks.c.id == sa.bindparam("b_id"))
-                .values({c: sa.bindparam(f"b_{c}") for c in cols}))
-        params = [{f"b_{k}": v for k, v in r.items()} for r in rows]
         async with self._write() as conn:
-            await conn.execute(stmt, params)
+            await _update_rows(conn, rows)
 
     async def get_task(self, task_id: str) -> Any | None:
         async with self.engine.connect() as conn:  # type: ignore[union-attr]
@@ -220,6 +233,16 @@ def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool)
             "signature": enc.signature, "meta": orjson.dumps(enc.meta).decode(),
             "nbytes": enc.nbytes, "checksum": enc.checksum, "data": enc.data,
             "created_at": now, "last_used": now}
+
+
+async def _update_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+    """One executemany UPDATE of task rows that all have the same columns (none: nothing)."""
+    if not rows:
+        return
+    cols = [k for k in rows[0] if k != "id"]
+    stmt = (sa.update(tasks).where(tasks.c.id == sa.bindparam("b_id"))
+            .values({c: sa.bindparam(f"b_{c}") for c in cols}))
+    await conn.execute(stmt, [{f"b_{k}": v for k, v in r.items()} for r in rows])
 
 
 async def _upsert_task(conn: AsyncConnection, row: dict[str, Any]) -> None:

@@ -2,7 +2,9 @@
 
 The queue is bounded (settings.writer_queue): `put`/`call` wait while it is full (back-pressure,
 never unbounded memory); `offer` drops the job instead (progress snapshots, which the next one
-supersedes)."""
+supersedes). `put_many` queues one item of a list job: consecutive such entries of the same job
+run as one call, i.e. one transaction (group commit: a burst of 256 new tasks is one commit, not
+256, each acknowledged only once it is committed)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any, Awaitable, Callable
 
 log = logging.getLogger("server.tasks.writer")
 Job = Callable[..., Awaitable[Any]]
+MAX_GROUP = 256  # items per merged put_many call
 
 
 class Writer:
@@ -29,7 +32,16 @@ class Writer:
     async def put(self, fn: Job, *args: Any) -> asyncio.Future:
         """Queue a job (waits while the queue is full); returns a future of its result."""
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put((fn, args, fut))
+        await self.queue.put((fn, args, fut, False))
+        return fut
+
+    async def put_many(self, fn: Callable[[list[Any]], Awaitable[Any]], item: Any) -> asyncio.Future:
+        """Queue `item` for `fn(items)`, a job that writes a list in one transaction. Consecutive
+        queued entries of the same fn are merged into one call (up to MAX_GROUP items). Returns
+        a future of None, set when the call that held the item has finished; if a merged call
+        fails, its items are retried one by one, so only a failing item's future fails."""
+        fut = asyncio.get_running_loop().create_future()
+        await self.queue.put((fn, (item,), fut, True))
         return fut
 
     async def call(self, fn: Job, *args: Any) -> Any:
@@ -39,7 +51,7 @@ class Writer:
     def offer(self, fn: Job, *args: Any) -> bool:
         """Queue a job if there is room; False (job dropped) when the queue is full."""
         try:
-            self.queue.put_nowait((fn, args, None))
+            self.queue.put_nowait((fn, args, None, False))
             return True
         except asyncio.QueueFull:
             self.dropped += 1
@@ -63,21 +75,56 @@ class Writer:
             self._task = None
 
     async def _loop(self) -> None:
+        ahead = None  # an entry taken while gathering a group that belongs to the next round
         while True:
-            fn, args, fut = await self.queue.get()
+            entry, ahead = (ahead if ahead is not None else await self.queue.get()), None
+            fn, args, fut, many = entry
+            group = [entry]
+            while many and len(group) < MAX_GROUP:
+                try:
+                    nxt = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+                if not (nxt[3] and nxt[0] == fn):  # bound methods compare equal, not identical
+                    ahead = nxt
+                    break
+                group.append(nxt)
             try:
-                result = await fn(*args)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - one failed job must not stop the writer
-                self.failed += 1
-                if fut is None:
-                    log.exception("background database write failed: %s", exc)
-                elif not fut.done():
-                    fut.set_exception(exc)
-            else:
-                self.done += 1
-                if fut is not None and not fut.done():
-                    fut.set_result(result)
+                if not many:
+                    await self._run(fn, args, fut)
+                elif len(group) == 1 or not await self._run_group(fn, group):
+                    for e in group:  # alone, or isolating the failing item(s) of a group, in order
+                        await self._run(fn, ([e[1][0]],), e[2])
             finally:
-                self.queue.task_done()
+                for _ in group:
+                    self.queue.task_done()
+
+    async def _run(self, fn: Job, args: tuple, fut: asyncio.Future | None) -> None:
+        try:
+            result = await fn(*args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed job must not stop the writer
+            self.failed += 1
+            if fut is None:
+                log.exception("background database write failed: %s", exc)
+            elif not fut.done():
+                fut.set_exception(exc)
+        else:
+            self.done += 1
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+
+    async def _run_group(self, fn: Job, group: list) -> bool:
+        """One call for the group's items; False (nothing set) when it fails."""
+        try:
+            await fn([e[1][0] for e in group])
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the caller retries the items one by one
+            return False
+        for e in group:
+            self.done += 1
+            if not e[2].done():
+                e[2].set_result(None)
+        return True
