@@ -142,3 +142,28 @@ async def test_state_in_use_is_never_evicted_and_tmp_tasks_expire(parts, tmp_pat
     await asyncio.sleep(0.6)  # finished TMP_ tasks are dropped tmp_task_ttl seconds later
     assert not [t for t in tm.live.values() if t.kind == "tmp"]
     await tm.close()
+
+
+async def test_budget_query_runs_only_when_the_budget_may_be_exceeded(parts, tmp_path, monkeypatch):
+    """Each stored state adds its bytes to an upper bound of the database's state bytes; the
+    budget query (a scan of all states) runs only once that bound passes the budget, and then
+    resets the bound to the true total."""
+    one = parts[0].shape.state_bytes(torch.float32, torch.float32)
+    tm = await manager(parts, tmp_path / "q.db", db_budget_bytes=3 * one)
+    calls = []
+    real = tm.store.enforce_budget
+
+    async def counted(budget, keep):
+        calls.append(budget)
+        return await real(budget, keep)
+
+    monkeypatch.setattr(tm.store, "enforce_budget", counted)
+    for i in range(3):  # three states fit: no query
+        await tm.wait((await tm.create(f"fits {i}", {"max_tokens": 2, **GREEDY}, persistent=True)).id)
+    await tm.writer.flush()
+    assert calls == [] and tm.db_state_bytes == 3 * one
+    await tm.wait((await tm.create("one more", {"max_tokens": 2, **GREEDY}, persistent=True)).id)
+    await tm.writer.flush()
+    assert calls == [3 * one]  # the fourth may exceed the budget: checked, the oldest dropped
+    assert tm.db_state_bytes == await tm.store.states_bytes(templates=False) <= 3 * one
+    await tm.close()

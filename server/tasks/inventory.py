@@ -51,6 +51,9 @@ class InventoryMixin:
         return len(old)
 
     def stats(self) -> dict[str, Any]:
+        """Cache tiers and counters. tiers.database.bytes: the stored non-template state bytes,
+        exact at start-up and at each budget check, an upper bound in between (stored states
+        add to it; replaced and deleted states are only subtracted by the next check)."""
         c = self.cache.stats()
         running = sum(1 for t in self.live.values() if t.running)
         return {

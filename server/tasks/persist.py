@@ -101,8 +101,8 @@ class PersistMixin:
                 self.counters["state_write_bytes"] += enc.nbytes
             drop = [old_key] if old_key and old_key != key else []
             await self.store.save(row, srow, drop)
-            if key is not None:
-                await self._enforce_db_budget()
+            if srow is not None:
+                await self._account_state(srow["nbytes"], srow["is_template"])
         finally:
             if key is not None and t.kind != TEMPLATE:
                 self.cache.unpin(key)
@@ -119,6 +119,17 @@ class PersistMixin:
             self.live.pop(t.id, None)
             if not t.deleted:
                 self.recent[t.id] = t
+
+    async def _account_state(self, nbytes: int, is_template: bool) -> None:
+        """After a state was stored: the database budget is checked (a query over all states)
+        only when it may be exceeded. db_state_bytes stays an upper bound of the stored
+        non-template bytes: it grows by every stored state and is set to the true total by each
+        check, while dropped and deleted states only lower the true total."""
+        grown = 0 if is_template else int(nbytes)
+        if self.db_state_bytes + grown <= self.settings.db_budget_bytes:
+            self.db_state_bytes += grown
+            return
+        await self._enforce_db_budget()
 
     async def _enforce_db_budget(self) -> None:
         keep = self.cache.pinned_keys() | {x.state_id for x in self.live.values()
