@@ -167,3 +167,96 @@ async def test_budget_query_runs_only_when_the_budget_may_be_exceeded(parts, tmp
     assert calls == [3 * one]  # the fourth may exceed the budget: checked, the oldest dropped
     assert tm.db_state_bytes == await tm.store.states_bytes(templates=False) <= 3 * one
     await tm.close()
+
+
+async def test_tasks_finishing_together_commit_in_one_transaction(parts, tmp_path, monkeypatch):
+    """Six persistent tasks start and finish while the writer is busy: their six rows are one
+    save_rows call and their six settles (row + state each) one save_each call, and every
+    task then shows finished with its state stored."""
+    monkeypatch.setattr(runs, "PROGRESS_INTERVAL", 1e12)  # no progress job among them
+    tm = await manager(parts, tmp_path / "g.db")
+    settles, rows = [], []
+    real_each, real_rows = tm.store.save_each, tm.store.save_rows
+
+    async def each(items):
+        seen = []
+
+        async def tap():
+            async for x in items:
+                seen.append(x)
+                yield x
+
+        await real_each(tap())
+        settles.append(len(seen))
+
+    async def save_rows(batch):
+        rows.append(len(batch))
+        await real_rows(batch)
+
+    monkeypatch.setattr(tm.store, "save_each", each)
+    monkeypatch.setattr(tm.store, "save_rows", save_rows)
+    gate = asyncio.Event()
+
+    async def hold():
+        await gate.wait()
+
+    await tm.writer.put(hold)
+    creates = [asyncio.create_task(tm.create(f"burst {i}", {"max_tokens": 2, **GREEDY}, persistent=True))
+               for i in range(6)]
+    for _ in range(500):  # 6 row saves + 6 settles queued behind the held job
+        if tm.writer.queue.qsize() >= 12:
+            break
+        await asyncio.sleep(0.01)
+    assert tm.writer.queue.qsize() == 12
+    gate.set()
+    done = [await tm.wait((await c).id) for c in creates]
+    await tm.writer.flush()
+    assert rows == [6] and settles == [6]
+    for t in done:
+        assert t.finish_reason == "length" and len(out_ids(t)) == 2
+        assert await tm.store.get_state(t.state_id) is not None
+    await tm.close()
+
+
+async def test_a_failing_settle_in_a_group_fails_only_its_task(parts, tmp_path, monkeypatch, caplog):
+    """The group's transaction fails on one task's row: the writer retries the settles one by
+    one, so the others are stored; every task is shown finished exactly once."""
+    monkeypatch.setattr(runs, "PROGRESS_INTERVAL", 1e12)
+    tm = await manager(parts, tmp_path / "f.db")
+    real_each = tm.store.save_each
+
+    async def each(items):
+        async def check():
+            async for row, srow, drop in items:
+                if row["prompt"] == "bad":
+                    raise RuntimeError("disk full")
+                yield row, srow, drop
+
+        await real_each(check())
+
+    monkeypatch.setattr(tm.store, "save_each", each)
+    finals = []
+    real_finalize = tm._finalize
+    monkeypatch.setattr(tm, "_finalize", lambda t, *a: (finals.append(t.id), real_finalize(t, *a)))
+    gate = asyncio.Event()
+
+    async def hold():
+        await gate.wait()
+
+    await tm.writer.put(hold)
+    prompts = ["good 0", "bad", "good 1"]
+    creates = [asyncio.create_task(tm.create(p, {"max_tokens": 2, **GREEDY}, persistent=True)) for p in prompts]
+    for _ in range(500):
+        if tm.writer.queue.qsize() >= 6:
+            break
+        await asyncio.sleep(0.01)
+    gate.set()
+    done = [await tm.wait((await c).id) for c in creates]
+    await tm.writer.flush()
+    assert sorted(finals) == sorted(t.id for t in done)  # once each
+    assert all(t.pending_writes == 0 and t.finish_reason == "length" for t in done)
+    assert [await tm.store.get_state(t.state_id) is not None for t in done] == [True, False, True]
+    assert tm.writer.failed == 1
+    failed = [r.getMessage() for r in caplog.records if "final write failed" in r.getMessage()]
+    assert len(failed) == 1 and done[1].id in failed[0] and "disk full" in failed[0]
+    await tm.close()

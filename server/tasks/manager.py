@@ -232,7 +232,8 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
                 tpl.state_id, tpl.state_pos = f"{tpl.id}:{key.rsplit(':', 1)[-1]}", pos
                 self.cache.put(tpl.state_id, state, template=True)
                 tpl.pending_writes += 1
-                await self.writer.call(self._persist_settled, tpl, self._row(tpl), tpl.state_id, state, None)
+                item = (tpl, self._row(tpl), tpl.state_id, state, None, None)
+                await (await self.writer.put_many(self._persist_settled, item))
                 return
         finally:
             self._unpin(key)

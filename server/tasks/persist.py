@@ -87,31 +87,53 @@ class PersistMixin:
             self.counters["progress_writes"] += 1
             self.counters["progress_rows"] += len(rows)
 
-    async def _persist_settled(self, t: Task, row: dict[str, Any], key: str | None, state: Any,
-                               old_key: str | None, outcome: tuple[str, str | None] | None = None) -> None:
-        """Commit a settled task (row + new state, drop the old state), then show it finished."""
+    async def _persist_settled(self, items: list[tuple]) -> None:
+        """Commit settled tasks, items (t, row, key, state, old_key, outcome): each row with its
+        new state, the old state dropped, all in ONE transaction (a burst of tasks finishing
+        together is one commit); then show each finished. The writer (put_many) may call this
+        with a group and, if that raises, once per item: so after a failed group nothing is
+        undone or shown (the single calls do it); a single call cleans up even when it fails."""
+        stored: list[dict[str, Any]] = []
+        ok = False
+
+        async def writes():
+            for t, row, key, state, old_key, _ in items:
+                if t.deleted:
+                    continue
+                srow = None
+                if key is not None:  # encoded one at a time: one state's bytes in memory
+                    enc = await asyncio.to_thread(encode_state, state, self.signature)
+                    srow = state_row(key, t.id, enc, t.kind == TEMPLATE)
+                    stored.append(srow)
+                yield row, srow, [old_key] if old_key and old_key != key else []
+
         try:
-            if t.deleted:
-                return
-            srow = None
-            if key is not None:
-                enc = await asyncio.to_thread(encode_state, state, self.signature)
-                srow = state_row(key, t.id, enc, t.kind == TEMPLATE)
+            await self.store.save_each(writes())
+            ok = True
+            for srow in stored:
                 self.counters["state_writes"] += 1
-                self.counters["state_write_bytes"] += enc.nbytes
-            drop = [old_key] if old_key and old_key != key else []
-            await self.store.save(row, srow, drop)
-            if srow is not None:
-                await self._account_state(srow["nbytes"], srow["is_template"])
+                self.counters["state_write_bytes"] += srow["nbytes"]
+            try:  # committed: a failing budget check must not make the writer retry the items
+                for srow in stored:
+                    await self._account_state(srow["nbytes"], srow["is_template"])
+            except Exception:  # noqa: BLE001 - logged; the next stored state checks again
+                log.exception("database budget check failed")
         finally:
-            if key is not None and t.kind != TEMPLATE:
-                self.cache.unpin(key)
-            if key is not None and old_key and old_key != key and old_key.startswith(t.id + ":"):
-                self.cache.discard(old_key)
-            t.pending_writes -= 1
-            if outcome is not None:
-                self._finalize(t, *outcome)
-            self._retire(t)
+            if ok or len(items) == 1:
+                for it in items:
+                    self._settled(*it)
+
+    def _settled(self, t: Task, row: dict[str, Any], key: str | None, state: Any, old_key: str | None,
+                 outcome: tuple[str, str | None] | None) -> None:
+        """After a settle commit (or its failure): release the states, show the task finished."""
+        if key is not None and t.kind != TEMPLATE:
+            self.cache.unpin(key)
+        if key is not None and old_key and old_key != key and old_key.startswith(t.id + ":"):
+            self.cache.discard(old_key)
+        t.pending_writes -= 1
+        if outcome is not None:
+            self._finalize(t, *outcome)
+        self._retire(t)
 
     def _retire(self, t: Task) -> None:
         """A finished persistent task whose writes are done leaves the live set."""

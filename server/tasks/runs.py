@@ -229,8 +229,9 @@ class RunMixin:
         row = self._row(t)
         row.update(status=FINISHED, finish_reason=reason)
         t.pending_writes += 1
-        t.saved = await self.writer.put(self._persist_settled, t, row, new_key, state, old_key,
-                                        (reason, error))
+        t.saved = await self.writer.put_many(self._persist_settled, (t, row, new_key, state, old_key,
+                                                                     (reason, error)))
+        t.saved.add_done_callback(lambda f, tid=t.id: _log_failed_settle(f, tid))
 
     def _finalize(self, t: Task, reason: str, error: str | None) -> None:
         t.status, t.finish_reason = FINISHED, reason
@@ -286,3 +287,11 @@ def _with_max_tokens(sp: SamplingParams, n: int) -> SamplingParams:
     from dataclasses import replace
 
     return replace(sp, max_tokens=n)
+
+
+def _log_failed_settle(fut: asyncio.Future, task_id: str) -> None:
+    """A settle write that failed (its task shows finished, but its final row and state are not
+    in the database): say so once, and retrieve the exception so asyncio does not warn."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("task %s: its final write failed, the database keeps its last progress row: %s",
+                  task_id, fut.exception())

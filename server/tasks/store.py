@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import orjson
 import sqlalchemy as sa
@@ -95,12 +95,15 @@ class Store:
         """One transaction: insert `state` (a states row), upsert `task_row`, then drop the
         states in `drop_states` that no task references any more."""
         async with self._write() as conn:
-            if state is not None:
-                await conn.execute(sa.insert(states).values(**state))
-            if task_row is not None:
-                await _upsert_task(conn, task_row)
-            for sid in drop_states:
-                await _drop_state_if_unused(conn, sid)
+            await _save_one(conn, task_row, state, drop_states)
+
+    async def save_each(self, items: AsyncIterator[tuple[dict[str, Any] | None, dict[str, Any] | None,
+                                                        Iterable[str]]]) -> None:
+        """save(task_row, state, drop_states) for each item `items` yields, all in ONE
+        transaction (items are taken one at a time, so they may be produced lazily)."""
+        async with self._write() as conn:
+            async for task_row, state, drop_states in items:
+                await _save_one(conn, task_row, state, drop_states)
 
     async def save_rows(self, rows: list[dict[str, Any]]) -> None:
         """Upsert whole task rows (to_row's columns) in one transaction: one query for the ids
@@ -233,6 +236,16 @@ def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool)
             "signature": enc.signature, "meta": orjson.dumps(enc.meta).decode(),
             "nbytes": enc.nbytes, "checksum": enc.checksum, "data": enc.data,
             "created_at": now, "last_used": now}
+
+
+async def _save_one(conn: AsyncConnection, task_row: dict[str, Any] | None, state: dict[str, Any] | None,
+                    drop_states: Iterable[str]) -> None:
+    if state is not None:
+        await conn.execute(sa.insert(states).values(**state))
+    if task_row is not None:
+        await _upsert_task(conn, task_row)
+    for sid in drop_states:
+        await _drop_state_if_unused(conn, sid)
 
 
 async def _update_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:

@@ -174,9 +174,12 @@ def client_main(host: str, port: int, route: str, n: int, max_tokens: int, stagg
     wall, c1 = time.perf_counter() - t0, os.times()
     gaps = [(b - a) * 1e3 for r in res for a, b in zip(r["stamps"], r["stamps"][1:])]
     ttft = [(r["stamps"][0] - r["start"]) * 1e3 for r in res if r["stamps"]]
+    # the wait for a stream's last chunk (a task's final event comes once its final row is stored)
+    last = [(r["stamps"][-1] - r["stamps"][-2]) * 1e3 for r in res if len(r["stamps"]) > 1]
     print(json.dumps({"ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "wall": wall, "tokens": sum(r["tokens"] for r in res), "events": sum(r["events"] for r in res),
                       "client_cpu": (c1.user + c1.system) - (c0.user + c0.system),
-                      "gap_p50": pct(gaps, 0.5), "gap_p95": pct(gaps, 0.95)}))
+                      "gap_p50": pct(gaps, 0.5), "gap_p95": pct(gaps, 0.95),
+                      "last_p50": pct(last, 0.5), "last_p95": pct(last, 0.95)}))
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -245,7 +248,7 @@ def main() -> None:
         print(f"gpu_ms={a.gpu_ms} max_tokens={a.max_tokens}; CPU us per completion token "
               f"(server process / its main=event-loop thread / client)")
         print(f"{'route':>8} {'N':>5} {'tok/s':>9} {'srv us':>7} {'loop us':>8} {'other us':>8} {'client us':>9} "
-              f"{'gap p50':>8} {'p95 ms':>7} {'ev/tok':>6} {'TTFT p50':>9} {'p95 ms':>7}")
+              f"{'gap p50':>8} {'p95 ms':>7} {'ev/tok':>6} {'TTFT p50':>9} {'p95 ms':>7} {'last p50':>9} {'p95 ms':>7}")
         for route in a.routes.split(","):
             for n in streams:
                 for _ in range(a.repeat):
@@ -255,11 +258,13 @@ def main() -> None:
                            "loop_us": 1e6 * r["loop_cpu"] / tok, "other_us": 1e6 * (r["proc_cpu"] - r["loop_cpu"]) / tok,
                            "client_us": 1e6 * r["client_cpu"] / tok, "gap_p50": r["gap_p50"], "gap_p95": r["gap_p95"],
                            "ev_per_tok": r["events"] / tok, "tokens": tok,
-                           "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"]}
+                           "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"],
+                           "last_p50": r["last_p50"], "last_p95": r["last_p95"]}
                     rows.append(row)
                     print(f"{route:>8} {n:5d} {row['tok_s']:9.0f} {row['srv_us']:7.1f} {row['loop_us']:8.1f} "
                           f"{row['other_us']:8.1f} {row['client_us']:9.1f} {row['gap_p50']:8.2f} {row['gap_p95']:7.2f} "
-                          f"{row['ev_per_tok']:6.2f} {row['ttft_p50']:9.1f} {row['ttft_p95']:7.1f}", flush=True)
+                          f"{row['ev_per_tok']:6.2f} {row['ttft_p50']:9.1f} {row['ttft_p95']:7.1f} "
+                          f"{row['last_p50']:9.1f} {row['last_p95']:7.1f}", flush=True)
                     assert tok == n * a.max_tokens, (tok, n * a.max_tokens)
     finally:
         if spy is not None:
