@@ -13,7 +13,6 @@ struct TmixArgs {
     int layer0;
     float gn_eps;
     int early;  // fused kernel: the per-head weight vectors loaded before pdl_wait (pdl.cuh)
-    int evict;  // pipelined kernel: the state streamed through the L2 with an evict-first policy
 };
 
 // The pipelined large-batch kernel (wkv7_tmix_pipe.cu): stages = 2 or 3 shared-memory slots per block;

@@ -157,13 +157,6 @@ static int pipe_min_b() {
     return v;
 }
 
-// RWKV_TMIX_EVICT_FIRST=1: the pipelined kernel's state loads and stores carry an L2 evict-first
-// policy (an A/B switch, off by default)
-static int pipe_evict() {
-    static const int v = env_int("RWKV_TMIX_EVICT_FIRST", 0) ? 1 : 0;
-    return v;
-}
-
 static int pipe_stages() {
     static const int v = env_int("RWKV_TMIX_PIPE_STAGES", 2) == 3 ? 3 : 2;
     return v;
@@ -187,7 +180,6 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long lo
     if (B > 65535) return -2;  // grid.y
     wkv7::TmixArgs p{r, k, v, wz, az, vz, v_first, g, k_k, k_a, r_k, lnx_w, lnx_b,
                      out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps, rwkv_pdl::early_loads() ? 1 : 0};
-    p.evict = pipe_evict();
     const cudaStream_t st = (cudaStream_t)stream;
     const bool auto_pipe = rpt == 0 && s_dt != wkv7::DT_F32 && B >= pipe_min_b();
     const int stages = rpt == 12 || rpt == 13 ? rpt - 10 : (auto_pipe ? pipe_stages() : 0);
@@ -196,7 +188,7 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long lo
         if (rc != -2) return rc;  // -2: unaligned inputs, the head kernel below takes them
         rpt = 0;
     }
-    if (rpt == 0 || stages) rpt = wkv7::head_ok<4>() ? 4 : 2;
+    if (rpt == 0) rpt = wkv7::head_ok<4>() ? 4 : 2;
     if (rpt != 2 && rpt != 4 && rpt != -4) return -2;
     return WKV7_DISPATCH(f_dt, s_dt, {
         if (rpt == 4) return launch_head<F, S, 4, true>(B, H, (S *)state, s_bstride, p, st);

@@ -73,37 +73,6 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
                  : "memory");
 }
 
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar, uint64_t pol) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-            saddr(dst)),
-        "l"(src), "r"(bytes), "r"(saddr(bar)), "l"(pol)
-        : "memory");
-}
-
-__device__ __forceinline__ void st_global_v4(void *p, uint4 v, uint64_t pol) {
-    asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-                 "r"(v.w), "l"(pol)
-                 : "memory");
-}
-
-// store_state (wkv7_common.cuh) with an L2 policy, for the layouts with 16-byte stores
-template <typename S>
-__device__ __forceinline__ void store_state(S *row, int lane, const float *s, uint64_t pol) {
-    if constexpr (sizeof(S) == 2 && EPT == 8) {
-        st_global_v4(row + lane * EPT, make_uint4(pack2<S>(s[0], s[1]), pack2<S>(s[2], s[3]), pack2<S>(s[4], s[5]),
-                                                  pack2<S>(s[6], s[7])), pol);
-    } else if constexpr (sizeof(S) == 4) {
-#pragma unroll
-        for (int g = 0; g < NG; g++)
-            st_global_v4(row + group_col<S>(g, lane), make_uint4(__float_as_uint(s[4 * g]), __float_as_uint(s[4 * g + 1]),
-                                                                 __float_as_uint(s[4 * g + 2]), __float_as_uint(s[4 * g + 3])),
-                         pol);
-    } else {
-        wkv7::store_state<S>(row, lane, s);
-    }
-}
-
 template <typename F, typename S>
 struct Slot {
     static constexpr uint32_t SB = N * N * sizeof(S);  // state bytes
@@ -129,17 +98,13 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
     const void *acts[NV] = {p.r, p.k, p.v, p.wz, p.az, p.g, p.vz, p.v_first};
     auto act = [&](int s, int v) { return (const F *)(dyn + s * SL::BYTES + SL::SB + v * SL::VB); };
     auto seq = [&](int n) { return (long long)j0 + (long long)n * K; };
-    uint64_t pol = 0;  // p.evict: the state streams through the L2 marked evict-first
-    if (p.evict) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
 
     // thread 0: the state of head n into slot n % STAGES (allowed before the PDL wait: only this
     // kernel touches this layer's state), then, after the wait, its activations on the same mbarrier
     auto issue_state = [&](int n) {
         const int s = n % STAGES;
         mbar_expect_tx(&bars[s], SL::SB + nv * SL::VB);
-        const S *src = state + seq(n) * s_bstride + (long long)h * N * N;
-        if (p.evict) bulk_load(dyn + s * SL::BYTES, src, SL::SB, &bars[s], pol);
-        else bulk_load(dyn + s * SL::BYTES, src, SL::SB, &bars[s]);
+        bulk_load(dyn + s * SL::BYTES, state + seq(n) * s_bstride + (long long)h * N * N, SL::SB, &bars[s]);
     };
     auto issue_acts = [&](int n) {
         const int s = n % STAGES;
@@ -199,8 +164,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
                 load_cols<S, S>(sst + row * N, lane, st);
             }
             y[j] = step(st, wv, kv, av, bv, rv, sh_v[d][row]);
-            if (p.evict) store_state<S>(shead + (long long)row * N, lane, st, pol);
-            else wkv7::store_state<S>(shead + (long long)row * N, lane, st);
+            store_state<S>(shead + (long long)row * N, lane, st);
         }
         head_gn_sums<RPT>(y, sh_y[d], red[d], tid);
     };

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NamedTuple
 
 log = logging.getLogger("server.tasks.writer")
 Job = Callable[..., Awaitable[Any]]
 MAX_GROUP = 256  # items per merged put_many call
+
+
+class _Entry(NamedTuple):
+    fn: Job
+    args: tuple  # put_many: (item,)
+    fut: asyncio.Future | None  # None: offer (nobody waits)
+    many: bool  # a put_many item
 
 
 class Writer:
@@ -32,7 +39,7 @@ class Writer:
     async def put(self, fn: Job, *args: Any) -> asyncio.Future:
         """Queue a job (waits while the queue is full); returns a future of its result."""
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put((fn, args, fut, False))
+        await self.queue.put(_Entry(fn, args, fut, False))
         return fut
 
     async def put_many(self, fn: Callable[[list[Any]], Awaitable[Any]], item: Any) -> asyncio.Future:
@@ -41,7 +48,7 @@ class Writer:
         a future of None, set when the call that held the item has finished; if a merged call
         fails, its items are retried one by one, so only a failing item's future fails."""
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put((fn, (item,), fut, True))
+        await self.queue.put(_Entry(fn, (item,), fut, True))
         return fut
 
     async def call(self, fn: Job, *args: Any) -> Any:
@@ -51,7 +58,7 @@ class Writer:
     def offer(self, fn: Job, *args: Any) -> bool:
         """Queue a job if there is room; False (job dropped) when the queue is full."""
         try:
-            self.queue.put_nowait((fn, args, None, False))
+            self.queue.put_nowait(_Entry(fn, args, None, False))
             return True
         except asyncio.QueueFull:
             self.dropped += 1
@@ -78,23 +85,22 @@ class Writer:
         ahead = None  # an entry taken while gathering a group that belongs to the next round
         while True:
             entry, ahead = (ahead if ahead is not None else await self.queue.get()), None
-            fn, args, fut, many = entry
             group = [entry]
-            while many and len(group) < MAX_GROUP:
+            while entry.many and len(group) < MAX_GROUP:
                 try:
                     nxt = self.queue.get_nowait()
                 except asyncio.QueueEmpty:
                     break
-                if not (nxt[3] and nxt[0] == fn):  # bound methods compare equal, not identical
+                if not (nxt.many and nxt.fn == entry.fn):  # bound methods compare equal, not identical
                     ahead = nxt
                     break
                 group.append(nxt)
             try:
-                if not many:
-                    await self._run(fn, args, fut)
-                elif len(group) == 1 or not await self._run_group(fn, group):
+                if not entry.many:
+                    await self._run(entry.fn, entry.args, entry.fut)
+                elif len(group) == 1 or not await self._run_group(entry.fn, group):
                     for e in group:  # alone, or isolating the failing item(s) of a group, in order
-                        await self._run(fn, ([e[1][0]],), e[2])
+                        await self._run(e.fn, ([e.args[0]],), e.fut)
             finally:
                 for _ in group:
                     self.queue.task_done()
@@ -115,16 +121,16 @@ class Writer:
             if fut is not None and not fut.done():
                 fut.set_result(result)
 
-    async def _run_group(self, fn: Job, group: list) -> bool:
+    async def _run_group(self, fn: Job, group: list[_Entry]) -> bool:
         """One call for the group's items; False (nothing set) when it fails."""
         try:
-            await fn([e[1][0] for e in group])
+            await fn([e.args[0] for e in group])
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the caller retries the items one by one
             return False
         for e in group:
             self.done += 1
-            if not e[2].done():
-                e[2].set_result(None)
+            if not e.fut.done():
+                e.fut.set_result(None)
         return True
