@@ -15,9 +15,10 @@ struct TmixArgs {
     int early;  // fused kernel: the per-head weight vectors loaded before pdl_wait (pdl.cuh)
 };
 
-// The pipelined large-batch kernel (wkv7_tmix_pipe.cu): stages = 2 or 3 shared-memory slots per block;
+// The pipelined large-batch kernel (wkv7_tmix_pipe.cu): stages = 2 or 3 shared-memory slots per block,
+// mma = the tensor-core row phase where it applies;
 // returns -2 where it does not apply (unaligned inputs), else a cudaError_t value.
-int tmix_pipe_launch(int f_dt, int s_dt, int stages, void *state, long long s_bstride, int B, int H,
+int tmix_pipe_launch(int f_dt, int s_dt, int stages, bool mma, void *state, long long s_bstride, int B, int H,
                      const TmixArgs &p, cudaStream_t stream);
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }

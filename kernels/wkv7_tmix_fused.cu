@@ -162,12 +162,20 @@ static int pipe_stages() {
     return v;
 }
 
+// RWKV_TMIX_MMA=0: the pipelined kernel's CUDA-core row phase instead of the tensor-core one
+// (wkv7_tmix_mma.cuh; fp16 state).
+static bool pipe_mma() {
+    static const bool v = env_int("RWKV_TMIX_MMA", 1) != 0;
+    return v;
+}
+
 // Arguments: f_dt, s_dt, rpt, then as the prep/post kernels' TmixArgs. rpt picks the kernel:
 //   0 = default: the pipelined kernel for a 16-bit state from pipe_min_b() on, else
 //       tmix_head_kernel with 4 rows;
 //   2 or 4 = tmix_head_kernel with that many state rows per thread;
 //   -4 = 4 rows with 16-bit state rows unpacked in registers (the first version, kept for A/B);
-//   12, 13 = the pipelined kernel with 2, 3 slots per block (any state dtype).
+//   12, 13 = the pipelined kernel with 2, 3 slots per block (any state dtype), CUDA-core rows;
+//   14, 15 = the same with the tensor-core rows (fp16 state; other states: CUDA-core rows).
 // Returns a cudaError_t value (0 = success), -1 for an unsupported dtype combination, -2 for an
 // unsupported rpt / head size (the caller then runs the split path).
 extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long long s_bstride, int B, int H,
@@ -182,9 +190,11 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long lo
                      out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps, rwkv_pdl::early_loads() ? 1 : 0};
     const cudaStream_t st = (cudaStream_t)stream;
     const bool auto_pipe = rpt == 0 && s_dt != wkv7::DT_F32 && B >= pipe_min_b();
-    const int stages = rpt == 12 || rpt == 13 ? rpt - 10 : (auto_pipe ? pipe_stages() : 0);
+    const bool forced = rpt >= 12 && rpt <= 15;
+    const int stages = forced ? 2 + (rpt & 1) : (auto_pipe ? pipe_stages() : 0);
+    const bool mma = forced ? rpt >= 14 : pipe_mma();
     if (stages && wkv7::head_ok<4>()) {
-        const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, stages, state, s_bstride, B, H, p, st);
+        const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, stages, mma, state, s_bstride, B, H, p, st);
         if (rc != -2) return rc;  // -2: unaligned inputs, the head kernel below takes them
         rpt = 0;
     }

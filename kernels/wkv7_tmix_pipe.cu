@@ -23,8 +23,11 @@
 // column work never overwrites what head n's rows or output still read.
 // Measured (H200, one layer of the 2.9B shape, fp16 state, B=1024): 0.1996 ms with two barriers
 // per head, 0.1980 with one; the head kernel 0.2363.
+#include <type_traits>
+
 #include "pdl.cuh"
 #include "wkv7_tmix_head.cuh"
+#include "wkv7_tmix_mma.cuh"
 
 namespace wkv7 {
 namespace pipe {
@@ -40,6 +43,19 @@ static_assert(T == head_threads<RPT>(), "the head kernel's thread layout");
 // them). Measured at B=1024, fp16 state (bench_kernels --tmix): 3.36 TB/s; re-reading the columns
 // from shared memory per row (80 registers, 6 blocks) 3.24; the same at 5 blocks (spills) 3.20.
 constexpr int MIN_BLOCKS = 4;
+#ifndef TMIX_MMA_MIN_BLOCKS
+#define TMIX_MMA_MIN_BLOCKS 6
+#endif
+
+// The per-head vectors of the CUDA-core row phase (shared memory, triple-buffered by head).
+struct alignas(16) PlainCols {
+    float dec[N], k[N], a[N], b[N], r[N], v[N], y[N];
+    float red[1 + 2 * NW];
+};
+
+// MMA: the tensor-core row phase (wkv7_tmix_mma.cuh; fp16 state, N = 64 only)
+template <typename S, bool MMA>
+__host__ __device__ constexpr bool mma_ok() { return !MMA || (sizeof(S) == 2 && N == MN); }
 
 __device__ __forceinline__ uint32_t saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -80,14 +96,14 @@ struct Slot {
     static constexpr uint32_t BYTES = (SB + NV * VB + 127) / 128 * 128;
 };
 
-template <typename F, typename S, int STAGES>
-__global__ void __launch_bounds__(T, MIN_BLOCKS)
+template <typename F, typename S, int STAGES, bool MMA>
+__global__ void __launch_bounds__(T, MMA ? TMIX_MMA_MIN_BLOCKS : MIN_BLOCKS)
     tmix_pipe_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p, int B) {
+    static_assert(mma_ok<S, MMA>(), "the MMA row phase is for an fp16 state with head size 64");
     using SL = Slot<F, S>;
+    using HB = std::conditional_t<MMA, MmaCols, PlainCols>;
     extern __shared__ __align__(128) unsigned char dyn[];
-    __shared__ __align__(16) float sh_dec[3][N], sh_k[3][N], sh_a[3][N], sh_b[3][N], sh_r[3][N], sh_v[3][N],
-        sh_y[3][N];
-    __shared__ float red[3][1 + 2 * NW];
+    __shared__ __align__(16) HB hb[3];  // head n's vectors in hb[n % 3]
     __shared__ __align__(8) uint64_t bars[STAGES];
     const int h = blockIdx.x, j0 = blockIdx.y, K = gridDim.y, tid = threadIdx.x;
     const int rg = tid / TPR, lane = tid % TPR;
@@ -137,41 +153,46 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
         const int s = n % STAGES, d = n % 3;
         mbar_wait(&bars[s], (n / STAGES) & 1);
         const HeadActs<F> x{act(s, 0), act(s, 1), act(s, 2), act(s, 3), act(s, 4), act(s, 5), act(s, 6), act(s, 7)};
-        const HeadCols cols{sh_dec[d], sh_k[d], sh_a[d], sh_b[d], sh_r[d], sh_v[d]};
-        return head_columns<F>(x, w, l0, tid, cols, &red[d][0]);
+        HB &c = hb[d];
+        if constexpr (MMA) return head_columns<F>(x, w, l0, tid, MmaSink{&c}, &c.red[0]);
+        else return head_columns<F>(x, w, l0, tid, HeadCols{c.dec, c.k, c.a, c.b, c.r, c.v}, &c.red[0]);
     };
     // 3. the row steps of head n: rows from its slot, new rows straight to the pool; 4a. the
     // GroupNorm sums over the head's N rows: per warp (WROWS rows) mean and M2
     auto rows = [&](int n) {
-        const int d = n % 3;
+        HB &c = hb[n % 3];
         const S *sst = (const S *)(dyn + (n % STAGES) * SL::BYTES);
         S *shead = state + seq(n) * s_bstride + (long long)h * N * N;
-        float y[RPT], wv[EPT], kv[EPT], av[EPT], bv[EPT], rv[EPT];  // a thread's columns: the same in its rows
-        load_cols<S, float>(sh_dec[d], lane, wv);
-        load_cols<S, float>(sh_k[d], lane, kv);
-        load_cols<S, float>(sh_a[d], lane, av);
-        load_cols<S, float>(sh_b[d], lane, bv);
-        load_cols<S, float>(sh_r[d], lane, rv);
-#pragma unroll
-        for (int j = 0; j < RPT; j++) {
-            const int row = rg + j * RG;
-            float st[EPT];
-            if constexpr (sizeof(S) == 2 && EPT == 8) {
-                const uint4 x = *reinterpret_cast<const uint4 *>(sst + row * N + lane * EPT);
-                cvt4(make_uint2(x.x, x.y), (const S *)nullptr, st);
-                cvt4(make_uint2(x.z, x.w), (const S *)nullptr, st + 4);
-            } else {
-                load_cols<S, S>(sst + row * N, lane, st);
+        if constexpr (MMA) {
+            mma_rows(sst, shead, c, tid);
+        } else {
+            float y[RPT], wv[EPT], kv[EPT], av[EPT], bv[EPT], rv[EPT];  // a thread's columns: the same in its rows
+            load_cols<S, float>(c.dec, lane, wv);
+            load_cols<S, float>(c.k, lane, kv);
+            load_cols<S, float>(c.a, lane, av);
+            load_cols<S, float>(c.b, lane, bv);
+            load_cols<S, float>(c.r, lane, rv);
+    #pragma unroll
+            for (int j = 0; j < RPT; j++) {
+                const int row = rg + j * RG;
+                float st[EPT];
+                if constexpr (sizeof(S) == 2 && EPT == 8) {
+                    const uint4 x = *reinterpret_cast<const uint4 *>(sst + row * N + lane * EPT);
+                    cvt4(make_uint2(x.x, x.y), (const S *)nullptr, st);
+                    cvt4(make_uint2(x.z, x.w), (const S *)nullptr, st + 4);
+                } else {
+                    load_cols<S, S>(sst + row * N, lane, st);
+                }
+                y[j] = step(st, wv, kv, av, bv, rv, c.v[row]);
+                store_state<S>(shead + (long long)row * N, lane, st);
             }
-            y[j] = step(st, wv, kv, av, bv, rv, sh_v[d][row]);
-            store_state<S>(shead + (long long)row * N, lane, st);
+            head_gn_sums<RPT>(y, c.y, c.red, tid);
         }
-        head_gn_sums<RPT>(y, sh_y[d], red[d], tid);
     };
     // 4b. head n's output
     auto output = [&](int n, float g_o) {
-        const int d = n % 3;
-        head_gn_out<F, RPT>(red[d], sh_y[d], sh_v[d], w, p.gn_eps, g_o, (F *)p.out + seq(n) * p.out_bstride + hc, tid);
+        const HB &c = hb[n % 3];
+        head_gn_out<F, RPT>(c.red, c.y, c.v, w, p.gn_eps, g_o, (F *)p.out + seq(n) * p.out_bstride + hc, tid);
     };
 
     // One barrier per head: head n + 1's column work goes before the barrier that ends head n.
@@ -194,6 +215,15 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
     }
 }
 
+inline int cc_major() {
+    static int cc[64] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    int &n = cc[dev & 63];
+    if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) n = 0;
+    return n;
+}
+
 inline int num_sms() {
     static int sms[64] = {};
     int dev = 0;
@@ -205,18 +235,18 @@ inline int num_sms() {
 
 // Blocks per head K: at most one full wave (occupancy x SMs), then as few as give every block the
 // same number of heads (ceil(B / K) each).
-template <typename F, typename S, int STAGES>
+template <typename F, typename S, int STAGES, bool MMA>
 int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
-    if constexpr (!head_ok<RPT>()) {  // the warp roles need 2 warps + N threads (head sizes <= 64)
+    if constexpr (!head_ok<RPT>() || !mma_ok<S, MMA>()) {  // the warp roles need 2 warps + N threads (head sizes <= 64)
         return -2;
     } else {
         constexpr int smem = STAGES * Slot<F, S>::BYTES;
         static int per_sm = 0;  // per instantiation (one device per process in the server)
         if (per_sm == 0) {
-            cudaError_t e = cudaFuncSetAttribute(tmix_pipe_kernel<F, S, STAGES>,
+            cudaError_t e = cudaFuncSetAttribute(tmix_pipe_kernel<F, S, STAGES, MMA>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
             if (e == cudaSuccess)
-                e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tmix_pipe_kernel<F, S, STAGES>, T, smem);
+                e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tmix_pipe_kernel<F, S, STAGES, MMA>, T, smem);
             if (e != cudaSuccess) return (int)e;
             if (per_sm <= 0) return -2;
         }
@@ -226,7 +256,7 @@ int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaS
         const int per_block = (B + K - 1) / K;
         K = (B + per_block - 1) / per_block;
         if (K > 65535) return -2;
-        return (int)rwkv_pdl::launch_pdl(tmix_pipe_kernel<F, S, STAGES>, dim3(H, K), dim3(T), smem, stream, state,
+        return (int)rwkv_pdl::launch_pdl(tmix_pipe_kernel<F, S, STAGES, MMA>, dim3(H, K), dim3(T), smem, stream, state,
                                          s_bstride, p, B);
     }
 }
@@ -243,15 +273,22 @@ static bool pipe_aligned(const void *state, long long s_bytes, const TmixArgs &p
     return true;
 }
 
-// stages: 2 or 3 slots per block; -2 when the pipelined kernel does not apply (the caller takes
-// tmix_head_kernel)
-int tmix_pipe_launch(int f_dt, int s_dt, int stages, void *state, long long s_bstride, int B, int H,
+// stages: 2 or 3 slots per block; mma: the tensor-core row phase where it applies (fp16 state,
+// N = 64, sm_80+), else the CUDA-core one. -2 when the pipelined kernel does not apply (the caller
+// takes tmix_head_kernel).
+int tmix_pipe_launch(int f_dt, int s_dt, int stages, bool mma, void *state, long long s_bstride, int B, int H,
                      const TmixArgs &p, cudaStream_t stream) {
     return WKV7_DISPATCH(f_dt, s_dt, {
         if (!pipe_aligned(state, s_bstride * (long long)sizeof(S), p, p.act_bstride * (long long)sizeof(F)))
             return -2;
-        if (stages == 3) return pipe::launch<F, S, 3>(B, H, (S *)state, s_bstride, p, stream);
-        return pipe::launch<F, S, 2>(B, H, (S *)state, s_bstride, p, stream);
+        if constexpr (pipe::mma_ok<S, true>()) {
+            if (mma && pipe::cc_major() >= 8) {
+                if (stages == 3) return pipe::launch<F, S, 3, true>(B, H, (S *)state, s_bstride, p, stream);
+                return pipe::launch<F, S, 2, true>(B, H, (S *)state, s_bstride, p, stream);
+            }
+        }
+        if (stages == 3) return pipe::launch<F, S, 3, false>(B, H, (S *)state, s_bstride, p, stream);
+        return pipe::launch<F, S, 2, false>(B, H, (S *)state, s_bstride, p, stream);
     });
 }
 

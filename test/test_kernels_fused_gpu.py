@@ -47,10 +47,12 @@ def _tmix_path(monkeypatch, path: str) -> None:
     "fused" (wkv7_tmix_fused, default rows per thread), "fused2" (fused, 2 rows per thread),
     "fused_unpacked" (4 rows, 16-bit state rows unpacked in registers), "head4" (the head-per-block
     kernel with 4 rows per thread, never the pipelined one), "pipe2" / "pipe3" (the pipelined
-    kernel with that many shared-memory slots per block, any state dtype). "fused" is the default:
-    the pipelined kernel for a 16-bit state from its batch threshold on."""
+    kernel with that many shared-memory slots per block, any state dtype, CUDA-core row steps),
+    "mma2" / "mma3" (the same with the tensor-core row steps for an fp16 state; other states take
+    the CUDA-core ones). "fused" is the default: the pipelined kernel with tensor-core rows for a
+    16-bit state from its batch threshold on."""
     monkeypatch.setattr(cuda_ops, "TMIX_MODE", "split" if path == "split" else "fused")
-    rpt = {"fused2": 2, "fused_unpacked": -4, "head4": 4, "pipe2": 12, "pipe3": 13}
+    rpt = {"fused2": 2, "fused_unpacked": -4, "head4": 4, "pipe2": 12, "pipe3": 13, "mma2": 14, "mma3": 15}
     monkeypatch.setattr(cuda_ops, "TMIX_RPT", rpt.get(path, 0))
 
 
@@ -117,7 +119,7 @@ def test_tmix_fused_matches_twin_and_split(B, dtype, state_dtype, layer0, bias, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("path", ["fused", "fused2", "head4", "pipe2"])
+@pytest.mark.parametrize("path", ["fused", "fused2", "head4", "pipe2", "mma2"])
 def test_tmix_fused_model_shape(state_dtype, path, monkeypatch):
     """The 2.9B head count (H=40, C=2560), B=64 and B=300, fp16 activations, bias in the kernel:
     fused vs split vs the twin, three chained steps (the state feeds the next step)."""
@@ -145,7 +147,7 @@ def test_tmix_fused_model_shape(state_dtype, path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
-@pytest.mark.parametrize("path", ["pipe2", "pipe3"])
+@pytest.mark.parametrize("path", ["pipe2", "pipe3", "mma2", "mma3"])
 def test_tmix_pipe_matches_head_kernel(B, dtype, state_dtype, layer0, path, monkeypatch):
     """The pipelined kernel (persistent blocks, several heads per block through shared-memory
     slots) vs the head-per-block kernel and the twin, two chained steps on every other slot of a
@@ -165,7 +167,8 @@ def test_tmix_pipe_matches_head_kernel(B, dtype, state_dtype, layer0, path, monk
         got = cuda_ops.tmix_decode(pool[1::2], *args, bias=True)
         tol = 1e-4 if dtype == torch.float32 else (3e-2 if dtype == torch.bfloat16 else 1e-2)
         assert _rel(got, ref) < tol and _rel(pool[1::2], s_ref) < max(tol, 1e-4)
-        # the head kernel's arithmetic in the same order: equal up to the compiler's FMA choices
+        # pipe: the head kernel's arithmetic in the same order, equal up to the compiler's FMA
+        # choices; mma: the same sums in another order (tensor cores, hi + lo fp16 vectors)
         assert _rel(got, head) < 1e-4 and _rel(pool, pool_head) < 1e-4
     assert torch.equal(pool[0::2], pool_head[0::2])  # the slots in between untouched
 

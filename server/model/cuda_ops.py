@@ -193,7 +193,9 @@ TMIX_RPT = int(os.environ.get("RWKV_TMIX_RPT", "0"))
 """Kernel of wkv7_tmix_fused: 0 = its default (for a 16-bit state from RWKV_TMIX_PIPE_MIN_B on the
 pipelined kernel, else a head per block with 4 state rows per thread), 2 or 4 (a head per block with
 that many rows), -4 (4 rows, 16-bit state rows unpacked in registers: the first version, for A/B on
-fp16 state), 12 / 13 (the pipelined kernel with 2 / 3 shared-memory slots per block, any state)."""
+fp16 state), 12 / 13 (the pipelined kernel with 2 / 3 shared-memory slots per block, any state,
+CUDA-core row steps), 14 / 15 (the same with tensor-core row steps for an fp16 state; the default
+pipelined kernel's rows unless RWKV_TMIX_MMA=0)."""
 
 
 def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases) -> None:

@@ -66,11 +66,12 @@ def bench_tmix(B: int, sd: torch.dtype, mode: str, rpt: int = 0) -> float:
 def tmix_table(batches=(1, 8, 64, 128, 256, 512, 1024)) -> None:
     """Decode time-mix: split (3 launches) vs one launch: a head per block (4 rows per thread; 2;
     4 with 16-bit state rows unpacked in registers, i.e. as fp32 ones), the pipelined kernel with
-    2 / 3 shared-memory slots per block, and the default choice; ms per call (one layer, H=40,
+    2 / 3 shared-memory slots per block (CUDA-core rows, then tensor-core rows: fp16 state only),
+    and the default choice; ms per call (one layer, H=40,
     N=64) and state TB/s (state read + written once / time)."""
     impls = (("split", "split", 0), ("head rpt4", "fused", 4), ("head rpt2", "fused", 2),
              ("head unpacked", "fused", -4), ("pipe 2", "fused", 12), ("pipe 3", "fused", 13),
-             ("default", "fused", 0))  # fmt: skip
+             ("pipe mma 2", "fused", 14), ("pipe mma 3", "fused", 15), ("default", "fused", 0))  # fmt: skip
     print(f"\ntmix_decode, one layer, H={H} N={N}: ms per call (state TB/s)")
     print(f"{'B':>5} {'state':5} " + " ".join(f"{n:>17}" for n, _, _ in impls) + f" {'default/head':>12}")
     for sd, sn in ((torch.float32, "fp32"), (torch.float16, "fp16")):
