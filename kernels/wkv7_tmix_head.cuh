@@ -27,19 +27,9 @@ struct HeadActs {
     const F *r, *k, *v, *wz, *az, *g, *vz, *v_first;  // vz, v_first: unread in layer 0
 };
 
-// Where step 2 puts the head's per-column vectors: fp32 vectors in shared memory, read by the
-// CUDA-core row steps. A sink takes warp 0's columns (col), the dot products b.r and k'.r (dots;
-// DOTS false: never computed), warp 1's v rows and the decay of column c; MmaSink
-// (wkv7_tmix_mma.cuh) is the other one.
+// Where step 2 puts the head's per-column vectors (shared memory).
 struct HeadCols {
     float *dec, *k, *a, *b, *r, *v;
-    static constexpr bool DOTS = false;
-    __device__ __forceinline__ void col(int c, float kf, float rr, float aa, float bb) const {
-        k[c] = kf, r[c] = rr, a[c] = aa, b[c] = bb;
-    }
-    __device__ __forceinline__ void dots(float, float, int) const {}
-    __device__ __forceinline__ void vrow(int c, float x) const { v[c] = x; }
-    __device__ __forceinline__ void decay(int c, float d, float) const { dec[c] = d; }
 };
 
 // The per-head constant vectors of each role: warp 0 a0, k_k, k_a, r_k of columns wl + 32 q; warp 1
@@ -73,9 +63,9 @@ struct HeadConsts {
 // Step 2: the head's per-column vectors into `cols` (decay, k', a = -kk, b = kk * a_gate, r, v) and
 // the bonus sum(r k' r_k) into *bonus; returns the gate of row c (threads 64..). Each role loads
 // all its inputs before any arithmetic and without branches: one memory round trip.
-template <typename F, typename Sink>
+template <typename F>
 __device__ __forceinline__ float head_columns(const HeadActs<F> &x, const HeadConsts &w, bool l0, int tid,
-                                              const Sink &cols, float *bonus) {
+                                              const HeadCols &cols, float *bonus) {
     const int warp = tid / 32, wl = tid % 32;
     auto round_f = [&](float v) { return to_f(from_f<F>(v)); };  // torch's add in dtype F
     float g_o = 0.f;
@@ -86,27 +76,28 @@ __device__ __forceinline__ float head_columns(const HeadActs<F> &x, const HeadCo
             const int c = wl + 32 * q;
             kr[q] = to_f(x.k[c]), rr[q] = to_f(x.r[c]), az[q] = to_f(x.az[c]);
         }
-        float kkr[CPL], ag[CPL], kf[CPL], sq = 0.f, bon = 0.f, kdot = 0.f;
+        float kkr[CPL], ag[CPL], sq = 0.f, bon = 0.f;
 #pragma unroll
         for (int q = 0; q < CPL; q++) {
+            const int c = wl + 32 * q;
             ag[q] = sigmoidf(round_f(az[q] + w.a0[q]));
             kkr[q] = kr[q] * w.kkw[q];
-            kf[q] = kr[q] * (1.f + (ag[q] - 1.f) * w.ka[q]);
+            const float kf = kr[q] * (1.f + (ag[q] - 1.f) * w.ka[q]);
+            cols.k[c] = kf;
+            cols.r[c] = rr[q];
             sq += kkr[q] * kkr[q];
-            bon += rr[q] * kf[q] * w.rk[q];
-            if constexpr (Sink::DOTS) kdot += kf[q] * rr[q];
+            bon += rr[q] * kf * w.rk[q];
         }
         sq = warp_sum(sq);
         bon = warp_sum(bon);
         const float den = fmaxf(sqrtf(sq), 1e-12f);
-        float bdot = 0.f;
 #pragma unroll
         for (int q = 0; q < CPL; q++) {
-            const float kk = kkr[q] / den, bb = kk * ag[q];
-            cols.col(wl + 32 * q, kf[q], rr[q], -kk, bb);
-            if constexpr (Sink::DOTS) bdot += bb * rr[q];
+            const int c = wl + 32 * q;
+            const float kk = kkr[q] / den;
+            cols.a[c] = -kk;
+            cols.b[c] = kk * ag[q];
         }
-        if constexpr (Sink::DOTS) cols.dots(warp_sum(bdot), warp_sum(kdot), wl);
         if (wl == 0) *bonus = bon;
     } else if (warp == 1) {
         float vr[CPL], vf[CPL], vz[CPL];
@@ -119,14 +110,13 @@ __device__ __forceinline__ float head_columns(const HeadActs<F> &x, const HeadCo
         }
 #pragma unroll
         for (int q = 0; q < CPL; q++)  // a0 holds v0 in warp 1
-            cols.vrow(wl + 32 * q, l0 ? vr[q] : vr[q] + (vf[q] - vr[q]) * sigmoidf(round_f(vz[q] + w.a0[q])));
+            cols.v[wl + 32 * q] = l0 ? vr[q] : vr[q] + (vf[q] - vr[q]) * sigmoidf(round_f(vz[q] + w.a0[q]));
     } else if (tid - 64 < N) {
         const int c = tid - 64;
         const float wz = to_f(x.wz[c]);
-        const float rc = Sink::DOTS ? to_f(x.r[c]) : 0.f;
         g_o = to_f(x.g[c]);
         const float dw = -softplusf(-round_f(wz + w.w0)) - 0.5f;
-        cols.decay(c, expf(-expf(dw)), rc);
+        cols.dec[c] = expf(-expf(dw));
     }
     return g_o;
 }
@@ -158,9 +148,10 @@ __device__ __forceinline__ void head_gn_sums(const float (&y)[RPT], float *sh_y,
 
 // Step 4b (threads 64.., after a barrier): the warps' partials combined (Chan), output row c
 // normalized, plus the bonus times v, times the gate, into out[c].
-template <typename F, int RPT>
+// W: HeadConsts or the MMA path's MmaConsts (lw_o, lb_o of row c).
+template <typename F, int RPT, typename W>
 __device__ __forceinline__ void head_gn_out(const float *red, const float *sh_y, const float *sh_v,
-                                            const HeadConsts &w, float gn_eps, float g_o, F *out, int tid) {
+                                            const W &w, float gn_eps, float g_o, F *out, int tid) {
     constexpr int NW = head_threads<RPT>() / 32;
     constexpr int WROWS = 32 / TPR * RPT;
     if (tid / 32 >= 2 && tid - 64 < N) {

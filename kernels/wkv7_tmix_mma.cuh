@@ -20,7 +20,8 @@
 // shuffles or reordering: a row's 16 columns load as two 16-byte shared-memory reads and store
 // back as two 16-byte global writes (a warp's write covers whole 64-byte halves of 8 rows).
 // Per head and thread: 4 + 8 MMAs, 32 multiplies, 16 conversions each way; the CUDA-core step()
-// needs ~100 FMAs and 12 shuffles per row.
+// needs ~100 FMAs and 12 shuffles per row. Step 2 (mma_columns) gives each column to one thread
+// and leaves the k normalization to the rows (MmaCols), so no warp works alone before the barrier.
 #pragma once
 #include "wkv7_tmix_head.cuh"
 
@@ -28,13 +29,17 @@ namespace wkv7 {
 
 constexpr int MN = 64;  // the head size this layout is for
 
-// The per-head vectors of the MMA row phase (shared memory, written by step 2 through MmaSink).
+// The per-head vectors of the MMA row phase (shared memory, written by mma_columns).
+// The k normalization is left to the rows: a' = -k k_k and b' = (k k_k) a_gate are the unnormalized
+// a and b (a = a' / |k k_k|, b = b' / |k k_k|), so every column is done by one thread without a
+// head-wide sum first; the rows scale S a' by 1 / |k k_k|^2 (see mma_rows).
 struct alignas(16) MmaCols {
-    __half t1[6][MN];       // MMA 1's B columns n = 0..5 at [n][16 t + m] (column col(t, m))
+    __half t1[6][MN];       // MMA 1's B columns n = 0..5 (a'_hi a'_lo a'_hi a'_lo (wr)_hi (wr)_lo) at
+                            // [n][16 t + m] (column col(t, m))
     uint32_t t2[3][8][8];   // MMA 2's B: [t][n][p] = k slots 2t, 2t + 1 of column n of n-tile p
     float dec[MN], v[MN], y[MN];
+    float part[2][4];       // per warp 0 / 1: |k k_k|^2, bonus, k'.r, b'.r
     float red[1 + 2 * 4];   // bonus, then per-warp GroupNorm sum and M2 (head_gn_out)
-    float dots[2];          // b . r, k' . r
 };
 
 // column c -> the (t, m) of col(t, m) == c
@@ -49,31 +54,69 @@ __device__ __forceinline__ uint32_t hpack(__half lo, __half hi) {
     return (uint32_t)__half_as_ushort(lo) | ((uint32_t)__half_as_ushort(hi) << 16);
 }
 
-struct MmaSink {
-    MmaCols *m;
-    static constexpr bool DOTS = true;
-    __device__ __forceinline__ void col(int c, float kf, float, float a, float b) const {
-        int t, q;
-        mma_tm(c, t, q);
-        const __half ah = hi16(a), al = lo16(a), bh = hi16(b), kh = hi16(kf);
-        m->t1[0][16 * t + q] = ah, m->t1[1][16 * t + q] = al;
-        m->t1[2][16 * t + q] = ah, m->t1[3][16 * t + q] = al;
-        const int n = 2 * t + (q & 1), p = q >> 1;  // c is column n of MMA 2's n-tile p
-        m->t2[0][n][p] = hpack(bh, lo16(b));
-        m->t2[1][n][p] = hpack(bh, kh);
-        m->t2[2][n][p] = hpack(lo16(kf), kh);
-    }
-    __device__ __forceinline__ void dots(float br, float kr, int wl) const {
-        if (wl == 0) m->dots[0] = br, m->dots[1] = kr;
-    }
-    __device__ __forceinline__ void vrow(int c, float x) const { m->v[c] = x; }
-    __device__ __forceinline__ void decay(int c, float d, float r) const {
-        int t, q;
-        mma_tm(c, t, q);
-        m->dec[c] = d;
-        m->t1[4][16 * t + q] = hi16(d * r), m->t1[5][16 * t + q] = lo16(d * r);
+// The per-head weights of mma_columns' roles: threads c < N the a0, k_k, k_a, r_k of column c;
+// threads 64 + c the w0, v0 of column c and the lnx_w, lnx_b of output row c (head_gn_out).
+struct MmaConsts {
+    float a0 = 0.f, kkw = 0.f, ka = 0.f, rk = 0.f;
+    float w0 = 0.f, v0 = 0.f, lw_o = 0.f, lb_o = 0.f;
+
+    template <typename F>
+    __device__ __forceinline__ void load(const TmixArgs &p, int hc, int tid) {
+        auto ld = [&](const void *ptr, int i) { return to_f(((const F *)ptr)[i]); };
+        auto lbias = [&](const void *bias, int i) { return bias ? ld(bias, i) : 0.f; };
+        if (tid < MN) {
+            const int c = hc + tid;
+            a0 = lbias(p.a0, c), kkw = ld(p.k_k, c), ka = ld(p.k_a, c), rk = ld(p.r_k, c);
+        } else if (tid - 64 < MN) {
+            const int c = hc + tid - 64;
+            w0 = lbias(p.w0, c), v0 = p.layer0 ? 0.f : lbias(p.v0, c), lw_o = ld(p.lnx_w, c), lb_o = ld(p.lnx_b, c);
+        }
     }
 };
+
+// Step 2 for the MMA rows: one column per thread. Threads c < 64: k', a', b', r of column c into
+// the tables, and warp 0 / 1 partial sums; threads 64 + c: the decay and w r of column c, v of
+// row c; returns the gate of row c (threads 64..). Same arithmetic as head_columns.
+template <typename F>
+__device__ __forceinline__ float mma_columns(const HeadActs<F> &x, const MmaConsts &w, bool l0, int tid, MmaCols &m) {
+    auto round_f = [&](float v) { return to_f(from_f<F>(v)); };  // torch's add in dtype F
+    if (tid < MN) {
+        const int c = tid;
+        const float kr = to_f(x.k[c]), rr = to_f(x.r[c]), az = to_f(x.az[c]);
+        const float ag = sigmoidf(round_f(az + w.a0));
+        const float kkr = kr * w.kkw;
+        const float kf = kr * (1.f + (ag - 1.f) * w.ka);
+        const float bp = kkr * ag;  // b'
+        int t, q;
+        mma_tm(c, t, q);
+        const __half ah = hi16(-kkr), al = lo16(-kkr), bh = hi16(bp), kh = hi16(kf);
+        m.t1[0][16 * t + q] = ah, m.t1[1][16 * t + q] = al;
+        m.t1[2][16 * t + q] = ah, m.t1[3][16 * t + q] = al;
+        const int n = 2 * t + (q & 1), p = q >> 1;  // c is column n of MMA 2's n-tile p
+        m.t2[0][n][p] = hpack(bh, lo16(bp));
+        m.t2[1][n][p] = hpack(bh, kh);
+        m.t2[2][n][p] = hpack(lo16(kf), kh);
+        const float sq = warp_sum(kkr * kkr), bon = warp_sum(rr * kf * w.rk);
+        const float kdot = warp_sum(kf * rr), bdot = warp_sum(bp * rr);
+        if ((tid & 31) == 0) {
+            float *pt = m.part[tid >> 5];
+            pt[0] = sq, pt[1] = bon, pt[2] = kdot, pt[3] = bdot;
+        }
+        return 0.f;
+    }
+    if (tid - 64 >= MN) return 0.f;
+    const int c = tid - 64;
+    const float wz = to_f(x.wz[c]), rr = to_f(x.r[c]), g_o = to_f(x.g[c]), vr = to_f(x.v[c]);
+    const float vf = l0 ? 0.f : to_f(x.v_first[c]), vz = l0 ? 0.f : to_f(x.vz[c]);
+    const float dw = -softplusf(-round_f(wz + w.w0)) - 0.5f;
+    const float dec = expf(-expf(dw));
+    int t, q;
+    mma_tm(c, t, q);
+    m.dec[c] = dec;
+    m.t1[4][16 * t + q] = hi16(dec * rr), m.t1[5][16 * t + q] = lo16(dec * rr);
+    m.v[c] = l0 ? vr : vr + (vf - vr) * sigmoidf(round_f(vz + w.v0));
+    return g_o;
+}
 
 // d += A (16 x 16) B (16 x 8), fp16 in, fp32 accumulate
 __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -119,10 +162,16 @@ __device__ __forceinline__ void mma_rows(const __half *sst, __half *shead, MmaCo
 #pragma unroll
     for (int q = 0; q < 4; q++) mma16816(acc, s0[2 * q], s1[2 * q], s0[2 * q + 1], s1[2 * q + 1], b1[2 * q], b1[2 * q + 1]);
     const float x0 = acc[0] + acc[1], x1 = acc[2] + acc[3];
-    const float sa0 = __shfl_sync(0xffffffffu, x0, lane & ~3), sa1 = __shfl_sync(0xffffffffu, x1, lane & ~3);
+    // the k normalization (mma_columns): sa = S a = (S a') / |k k_k|, and sa b = (S a') b' / |k k_k|^2
+    const float4 pa = *reinterpret_cast<const float4 *>(m.part[0]), pb = *reinterpret_cast<const float4 *>(m.part[1]);
+    const float den = fmaxf(sqrtf(pa.x + pb.x), 1e-12f), inv2 = 1.f / (den * den);
+    const float kdot = pa.z + pb.z, bdot = pa.w + pb.w;  // k' . r, b' . r
+    if (tid == 0) m.red[0] = pa.y + pb.y;                 // the bonus, for head_gn_out
+    const float sa0 = __shfl_sync(0xffffffffu, x0, lane & ~3) * inv2, sa1 = __shfl_sync(0xffffffffu, x1, lane & ~3) * inv2;
     const float v0 = m.v[r0], v1 = m.v[r1];
 
-    // MMA 2's A (rows r0, r1; k slots sa_hi sa_hi sa_lo v_hi v_hi v_lo 0 ...): lane t holds slots 2t, 2t + 1
+    // MMA 2's A (rows r0, r1; k slots s_hi s_hi s_lo v_hi v_hi v_lo 0 ..., s = (S a') / |k k_k|^2): lane
+    // t holds slots 2t, 2t + 1
     uint32_t a0 = 0, a1 = 0;
     if (t == 0) a0 = hpack(hi16(sa0), hi16(sa0)), a1 = hpack(hi16(sa1), hi16(sa1));
     if (t == 1) a0 = hpack(lo16(sa0), hi16(v0)), a1 = hpack(lo16(sa1), hi16(v1));
@@ -148,7 +197,7 @@ __device__ __forceinline__ void mma_rows(const __half *sst, __half *shead, MmaCo
     store_row(shead + r1 * MN, t, s1);
 
     // y of rows r0, r1 (lanes t = 2), then the warp's GroupNorm partials over its 16 rows
-    const float y0 = x0 + sa0 * m.dots[0] + v0 * m.dots[1], y1 = x1 + sa1 * m.dots[0] + v1 * m.dots[1];
+    const float y0 = x0 + sa0 * bdot + v0 * kdot, y1 = x1 + sa1 * bdot + v1 * kdot;
     const bool mine = t == 2;
     const float ls = warp_sum(mine ? y0 + y1 : 0.f), wmean = ls / 16;
     const float m2 = warp_sum(mine ? (y0 - wmean) * (y0 - wmean) + (y1 - wmean) * (y1 - wmean) : 0.f);

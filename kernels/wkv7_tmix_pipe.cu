@@ -17,12 +17,15 @@
 // Per head n (thread layout and phases as tmix_head_kernel's, from wkv7_tmix_head.cuh; RPT = 4 rows
 // per thread, 128 threads):
 //   3. row steps (state rows from the slot, new rows stored to global), 4a. GroupNorm sums;
-//   then head n + 1's column work (2.: wait for its slot, then head_columns) -> ONE barrier
+//   then head n + 1's column work (2.: wait for its slot, then head_columns, or mma_columns with
+//   the tensor-core rows of wkv7_tmix_mma.cuh) -> ONE barrier
 //   (head n's slot is free: refill it) -> 4b. head n's output.
 // The small per-head vectors (sh_*, red) are triple-buffered by head (n % 3) so that head n + 1's
 // column work never overwrites what head n's rows or output still read.
 // Measured (H200, one layer of the 2.9B shape, fp16 state, B=1024): 0.1996 ms with two barriers
-// per head, 0.1980 with one; the head kernel 0.2363.
+// per head, 0.1980 with one; the head kernel 0.2363; tensor-core rows (MMA) 0.1964-0.1990 against
+// 0.2021-0.2024 for these rows in the same call. What is left is the memory system: ncu shows 69%
+// of the DRAM peak, and cutting the barrier stalls 3x (one column per thread) changed nothing.
 #include <type_traits>
 
 #include "pdl.cuh"
@@ -140,11 +143,11 @@ __global__ void __launch_bounds__(T, MMA ? TMIX_MMA_MIN_BLOCKS : MIN_BLOCKS)
         for (int n = 0; n < STAGES && n < items; n++) issue_state(n);
 
     // per-head weight vectors (this block's head only): once per block
-    HeadConsts w;
-    if (p.early) w.load<F>(p, hc, tid);
+    std::conditional_t<MMA, MmaConsts, HeadConsts> w;
+    if (p.early) w.template load<F>(p, hc, tid);
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
-    if (!p.early) w.load<F>(p, hc, tid);
+    if (!p.early) w.template load<F>(p, hc, tid);
     if (tid == 0)
         for (int n = 0; n < STAGES && n < items; n++) issue_acts(n);
 
@@ -154,7 +157,7 @@ __global__ void __launch_bounds__(T, MMA ? TMIX_MMA_MIN_BLOCKS : MIN_BLOCKS)
         mbar_wait(&bars[s], (n / STAGES) & 1);
         const HeadActs<F> x{act(s, 0), act(s, 1), act(s, 2), act(s, 3), act(s, 4), act(s, 5), act(s, 6), act(s, 7)};
         HB &c = hb[d];
-        if constexpr (MMA) return head_columns<F>(x, w, l0, tid, MmaSink{&c}, &c.red[0]);
+        if constexpr (MMA) return mma_columns<F>(x, w, l0, tid, c);
         else return head_columns<F>(x, w, l0, tid, HeadCols{c.dec, c.k, c.a, c.b, c.r, c.v}, &c.red[0]);
     };
     // 3. the row steps of head n: rows from its slot, new rows straight to the pool; 4a. the
