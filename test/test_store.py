@@ -75,7 +75,7 @@ def test_codec_refuses_other_model_shape_and_corruption():
     meta = dict(enc.meta, layout="something-else")
     with pytest.raises(StateCodecError, match="layout"):
         decode_state(meta, enc.data, SIG)
-    assert isinstance(enc.data, bytes) and orjson.loads(orjson.dumps(enc.meta)) == enc.meta  # plain data
+    assert isinstance(enc.data, (bytes, bytearray)) and orjson.loads(orjson.dumps(enc.meta)) == enc.meta  # plain data
 
 
 async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
@@ -244,6 +244,32 @@ async def test_writer_merges_consecutive_put_many_and_keeps_order():
     await asyncio.gather(*futs)
     assert calls == [("rows", [0, 1, 2]), ("one", "x"), ("rows", [3, 4])]
     assert all(f.result() is None for f in futs) and w.done == 7 and w.failed == 0
+    await w.close()
+
+
+async def test_writer_groups_close_at_their_byte_weight(monkeypatch):
+    """Weighted put_many items (a settled task's state bytes) group up to GROUP_BYTES: the first
+    group is committed (and acknowledged) without waiting for the whole burst; an item heavier
+    than the limit still goes, alone; weightless items fill a group as before."""
+    from server.tasks import writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "GROUP_BYTES", 100)
+    w = Writer(100)
+    gate, calls = asyncio.Event(), []
+
+    async def hold():
+        await gate.wait()
+
+    async def settle(items):
+        calls.append([name for name, _ in items])
+
+    w.start()
+    await w.put(hold)
+    items = [("a", 40), ("b", 40), ("c", 40), ("big", 500), ("d", 0), ("e", 0), ("f", 60), ("g", 60)]
+    futs = [await w.put_many(settle, it, weight=it[1]) for it in items]
+    gate.set()
+    await asyncio.gather(*futs)
+    assert calls == [["a", "b"], ["c"], ["big"], ["d", "e", "f"], ["g"]]
     await w.close()
 
 

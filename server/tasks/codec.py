@@ -33,7 +33,7 @@ class StateCodecError(ValueError):
 @dataclass
 class EncodedState:
     meta: dict[str, Any]
-    data: bytes
+    data: bytes | bytearray
     checksum: str
     signature: str
 
@@ -43,20 +43,25 @@ class EncodedState:
 
 
 def encode_state(state: State, signature: str) -> EncodedState:
-    """Serialize a batch-1 state (any device) to bytes + metadata."""
+    """Serialize a batch-1 state (any device) to bytes + metadata. Each tensor is copied once,
+    straight into the blob (from the device too): a 2.9B fp32 state is 21 MB."""
     if state.batch_size != 1:
         raise ValueError(f"only batch-1 states are stored (got batch {state.batch_size})")
-    tensors, parts, offset = [], [], 0
+    tensors, offset = [], 0
     for name, t in zip(NAMES, state.tensors()):
-        t = t.detach().to("cpu").contiguous()
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"unsupported state dtype {t.dtype}")
-        raw = t.view(torch.uint8).numpy().tobytes()  # (numel * itemsize,)
+        n = t.numel() * t.element_size()
         tensors.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                        "offset": offset, "nbytes": len(raw)})
-        parts.append(raw)
-        offset += len(raw)
-    data = b"".join(parts)
+                        "offset": offset, "nbytes": n})
+        offset += n
+    data = bytearray(offset)
+    if offset:
+        blob = torch.frombuffer(data, dtype=torch.uint8)  # (nbytes,) a view of `data`
+        for spec, t in zip(tensors, state.tensors()):
+            if spec["nbytes"]:
+                raw = t.detach().contiguous().view(torch.uint8).reshape(-1)  # (nbytes,) no copy
+                blob[spec["offset"]:spec["offset"] + spec["nbytes"]].copy_(raw)
     meta = {"layout": LAYOUT, "signature": signature, "byteorder": sys.byteorder,
             "tensors": tensors}
     return EncodedState(meta, data, hashlib.sha256(data).hexdigest(), signature)

@@ -96,16 +96,29 @@ class PersistMixin:
         stored: list[dict[str, Any]] = []
         ok = False
 
+        def encode(i: int) -> asyncio.Future | None:
+            """Item i's state encoding, started in a thread (None: no state, or no item i)."""
+            if i >= len(items) or items[i][2] is None or items[i][0].deleted:
+                return None
+            return asyncio.ensure_future(asyncio.to_thread(encode_state, items[i][3], self.signature))
+
         async def writes():
-            for t, row, key, state, old_key, _ in items:
-                if t.deleted:
-                    continue
-                srow = None
-                if key is not None:  # encoded one at a time: one state's bytes in memory
-                    enc = await asyncio.to_thread(encode_state, state, self.signature)
-                    srow = state_row(key, t.id, enc, t.kind == TEMPLATE)
-                    stored.append(srow)
-                yield row, srow, [old_key] if old_key and old_key != key else []
+            # the next item's state is encoded while this one is written: at most two states'
+            # bytes in memory (2 x 21 MB at 2.9B fp32)
+            nxt = encode(0)
+            try:
+                for i, (t, row, key, state, old_key, _) in enumerate(items):
+                    cur, nxt = nxt, encode(i + 1)
+                    if t.deleted:
+                        _discard(cur)
+                        continue
+                    srow = None
+                    if cur is not None:
+                        srow = state_row(key, t.id, await cur, t.kind == TEMPLATE)
+                        stored.append(srow)
+                    yield row, srow, [old_key] if old_key and old_key != key else []
+            finally:
+                _discard(nxt)  # the write failed or stopped early: drop the prefetch
 
         try:
             await self.store.save_each(writes())
@@ -169,3 +182,10 @@ class PersistMixin:
 
     async def _delete_job(self, t: Task) -> None:
         await self.store.delete_task(t.id)
+
+
+def _discard(fut: asyncio.Future | None) -> None:
+    """Cancel an encoding nobody will use (its exception, if any, retrieved: no asyncio warning)."""
+    if fut is not None:
+        fut.cancel()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -229,8 +229,9 @@ class RunMixin:
         row = self._row(t)
         row.update(status=FINISHED, finish_reason=reason)
         t.pending_writes += 1
+        weight = state.nbytes() if new_key is not None else 0
         t.saved = await self.writer.put_many(self._persist_settled, (t, row, new_key, state, old_key,
-                                                                     (reason, error)))
+                                                                     (reason, error)), weight=weight)
         t.saved.add_done_callback(lambda f, tid=t.id: _log_failed_settle(f, tid))
 
     def _finalize(self, t: Task, reason: str, error: str | None) -> None:

@@ -10,7 +10,8 @@ and the asyncio consumers (one task per request iterating its events, as the HTT
 Figures, per generated token (= per sequence per step in the steady state; ramp-up included):
 "engine us/seq" = the engine thread's step time (its own Python work); "wall us/seq" = wall time,
 with the consumers running in another thread (they compete for the GIL, as the server's event
-loop does). On the GPU the engine waits ~13 ms per step at
+loop does). BENCH_FAKE_SHAPE=2.9b (also for bench_http_host.py): the fake model's states get that
+preset's size (21 MB each in fp32), so that finished tasks copy and store real-sized states. On the GPU the engine waits ~13 ms per step at
 B=256 with the GIL released; everything here is on top of (or, with the GIL, interleaved with) it.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import sys
 import threading
@@ -36,6 +38,10 @@ from server.tokenizer import get_tokenizer  # noqa: E402
 
 SHAPE = ModelShape(n_layer=1, n_embd=8, n_head=1, head_size=4, vocab_size=65536, ffn_dim=32,
                    d_decay=4, d_aaa=4, d_mv=4, d_gate=4)  # fmt: skip
+if os.environ.get("BENCH_FAKE_SHAPE"):  # e.g. 2.9b: the fake model's states get that model's size
+    from server.model.synthetic import parse_spec  # noqa: E402
+
+    SHAPE = parse_spec("synthetic:" + os.environ["BENCH_FAKE_SHAPE"])[0]
 
 
 class FakeModel:

@@ -4,7 +4,10 @@
     PYTHONPATH=. python test/bench/bench_http.py --model synthetic:tiny --device cpu --streams 8 --max-tokens 16
 
 Each client streams one /v1/completions request (ignore_eos, fixed max_tokens, usage included;
---route chat: /v1/chat/completions with the prompt as the user message).
+--route chat: /v1/chat/completions with the prompt as the user message; --route tasks: the task
+API's /v1/tasks/create, a persistent task whose output, progress and final state are stored;
+--route tmp: /v1/tasks/tmp, a task that is never stored. The task API has no ignore_eos: a stream
+can end early on a sampled end token, which the token counts show).
 The clients are bench_http_host.py's raw-socket asyncio client (HTTP/1.1, one connection per
 stream, no SSE/JSON parsing per event), split over --client-procs processes (default: one per
 128 streams) so that the client is never the bottleneck; each process's CPU time is printed.
@@ -59,11 +62,13 @@ def client_main(spec: str) -> None:
     host, port, n, max_tokens, seed0, stagger_ms, start_at, route, prompt_file = spec.split(",", 8)
     prompt = Path(prompt_file).read_text()
     what = {"messages": [{"role": "user", "content": prompt}]} if route == "chat" else {"prompt": prompt}
-    bodies = [json.dumps({**what, "max_tokens": int(max_tokens), "stream": True, "ignore_eos": True,
-                          "temperature": 1.0, "top_p": 0.3, "seed": int(seed0) + i,
-                          "stream_options": {"include_usage": True}}).encode()
-              for i in range(int(n))]  # fmt: skip
-    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    common = {**what, "max_tokens": int(max_tokens), "stream": True, "temperature": 1.0, "top_p": 0.3}
+    if route in ("tasks", "tmp"):
+        extra, path = {"stop": []}, "/v1/tasks/create" if route == "tasks" else "/v1/tasks/tmp"
+    else:
+        extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    bodies = [json.dumps({**common, **extra, "seed": int(seed0) + i}).encode() for i in range(int(n))]
 
     time.sleep(max(0.0, float(start_at) - time.perf_counter()))
     c0 = os.times()
@@ -173,7 +178,7 @@ def main() -> None:
     p.add_argument("--prompt", default="User: Tell me a long story about a lighthouse keeper.\n\nAssistant:")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default=None, help="a tag for the result lines (e.g. what the env changed)")
-    p.add_argument("--route", choices=["completions", "chat"], default="completions",
+    p.add_argument("--route", choices=["completions", "chat", "tasks", "tmp"], default="completions",
                    help="chat: /v1/chat/completions with the prompt as one user message (its stop strings apply)")
     a = p.parse_args()
     if a.client:
