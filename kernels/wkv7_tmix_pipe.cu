@@ -20,8 +20,9 @@
 //   then head n + 1's column work (2.: wait for its slot, then head_columns, or mma_columns with
 //   the tensor-core rows of wkv7_tmix_mma.cuh) -> ONE barrier
 //   (head n's slot is free: refill it) -> 4b. head n's output.
-// The small per-head vectors (sh_*, red) are triple-buffered by head (n % 3) so that head n + 1's
-// column work never overwrites what head n's rows or output still read.
+// The small per-head vectors (hb: PlainCols, or MmaCols for the tensor-core rows) are
+// triple-buffered by head (n % 3) so that head n + 1's column work never overwrites what head n's
+// rows or output still read.
 // Measured (H200, one layer of the 2.9B shape, fp16 state, B=1024): 0.1996 ms with two barriers
 // per head, 0.1980 with one; the head kernel 0.2363; tensor-core rows (MMA) 0.1964-0.1990 against
 // 0.2021-0.2024 for these rows in the same call. What is left is the memory system: ncu shows 69%
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(T, MMA ? TMIX_MMA_MIN_BLOCKS : MIN_BLOCKS)
             load_cols<S, float>(c.a, lane, av);
             load_cols<S, float>(c.b, lane, bv);
             load_cols<S, float>(c.r, lane, rv);
-    #pragma unroll
+#pragma unroll
             for (int j = 0; j < RPT; j++) {
                 const int row = rg + j * RG;
                 float st[EPT];
@@ -216,15 +217,6 @@ __global__ void __launch_bounds__(T, MMA ? TMIX_MMA_MIN_BLOCKS : MIN_BLOCKS)
         }
         output(n, g_o);
     }
-}
-
-inline int cc_major() {
-    static int cc[64] = {};
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    int &n = cc[dev & 63];
-    if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) n = 0;
-    return n;
 }
 
 inline int num_sms() {
@@ -277,7 +269,7 @@ static bool pipe_aligned(const void *state, long long s_bytes, const TmixArgs &p
 }
 
 // stages: 2 or 3 slots per block; mma: the tensor-core row phase where it applies (fp16 state,
-// N = 64, sm_80+), else the CUDA-core one. -2 when the pipelined kernel does not apply (the caller
+// N = 64), else the CUDA-core one. -2 when the pipelined kernel does not apply (the caller
 // takes tmix_head_kernel).
 int tmix_pipe_launch(int f_dt, int s_dt, int stages, bool mma, void *state, long long s_bstride, int B, int H,
                      const TmixArgs &p, cudaStream_t stream) {
@@ -285,7 +277,7 @@ int tmix_pipe_launch(int f_dt, int s_dt, int stages, bool mma, void *state, long
         if (!pipe_aligned(state, s_bstride * (long long)sizeof(S), p, p.act_bstride * (long long)sizeof(F)))
             return -2;
         if constexpr (pipe::mma_ok<S, true>()) {
-            if (mma && pipe::cc_major() >= 8) {
+            if (mma) {  // the bulk copies already need sm_90; the MMAs sm_80
                 if (stages == 3) return pipe::launch<F, S, 3, true>(B, H, (S *)state, s_bstride, p, stream);
                 return pipe::launch<F, S, 2, true>(B, H, (S *)state, s_bstride, p, stream);
             }

@@ -90,10 +90,12 @@ class PersistMixin:
     async def _persist_settled(self, items: list[tuple]) -> None:
         """Commit settled tasks, items (t, row, key, state, old_key, outcome): each row with its
         new state, the old state dropped, all in ONE transaction (a burst of tasks finishing
-        together is one commit); then show each finished. The writer (put_many) may call this
-        with a group and, if that raises, once per item: so after a failed group nothing is
-        undone or shown (the single calls do it); a single call cleans up even when it fails."""
-        stored: list[dict[str, Any]] = []
+        together is one commit, up to the writer's GROUP_BYTES); then show each finished. The
+        states are encoded in turn, the next while the current one is written, and their bytes
+        are dropped once written. The writer (put_many) may call this with a group and, if that
+        raises, once per item: so after a failed group nothing is undone or shown (the single
+        calls do it); a single call cleans up even when it fails."""
+        stored: list[tuple[int, bool]] = []  # (nbytes, is_template) of each state written
         ok = False
 
         def encode(i: int) -> asyncio.Future | None:
@@ -115,7 +117,7 @@ class PersistMixin:
                     srow = None
                     if cur is not None:
                         srow = state_row(key, t.id, await cur, t.kind == TEMPLATE)
-                        stored.append(srow)
+                        stored.append((srow["nbytes"], srow["is_template"]))
                     yield row, srow, [old_key] if old_key and old_key != key else []
             finally:
                 _discard(nxt)  # the write failed or stopped early: drop the prefetch
@@ -123,12 +125,12 @@ class PersistMixin:
         try:
             await self.store.save_each(writes())
             ok = True
-            for srow in stored:
+            for nbytes, _ in stored:
                 self.counters["state_writes"] += 1
-                self.counters["state_write_bytes"] += srow["nbytes"]
+                self.counters["state_write_bytes"] += nbytes
             try:  # committed: a failing budget check must not make the writer retry the items
-                for srow in stored:
-                    await self._account_state(srow["nbytes"], srow["is_template"])
+                for nbytes, is_template in stored:
+                    await self._account_state(nbytes, is_template)
             except Exception:  # noqa: BLE001 - logged; the next stored state checks again
                 log.exception("database budget check failed")
         finally:
