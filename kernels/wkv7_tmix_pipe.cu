@@ -47,9 +47,8 @@ static_assert(T == head_threads<RPT>(), "the head kernel's thread layout");
 // them). Measured at B=1024, fp16 state (bench_kernels --tmix): 3.36 TB/s; re-reading the columns
 // from shared memory per row (80 registers, 6 blocks) 3.24; the same at 5 blocks (spills) 3.20.
 constexpr int MIN_BLOCKS = 4;
-#ifndef TMIX_MMA_MIN_BLOCKS
-#define TMIX_MMA_MIN_BLOCKS 6
-#endif
+// The tensor-core rows need no column registers: 74-76 registers, 6 blocks per SM.
+constexpr int MMA_MIN_BLOCKS = 6;
 
 // The per-head vectors of the CUDA-core row phase (shared memory, triple-buffered by head).
 struct alignas(16) PlainCols {
@@ -101,7 +100,7 @@ struct Slot {
 };
 
 template <typename F, typename S, int STAGES, bool MMA>
-__global__ void __launch_bounds__(T, MMA ? TMIX_MMA_MIN_BLOCKS : MIN_BLOCKS)
+__global__ void __launch_bounds__(T, MMA ? MMA_MIN_BLOCKS : MIN_BLOCKS)
     tmix_pipe_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p, int B) {
     static_assert(mma_ok<S, MMA>(), "the MMA row phase is for an fp16 state with head size 64");
     using SL = Slot<F, S>;

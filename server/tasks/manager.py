@@ -233,7 +233,7 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
                 self.cache.put(tpl.state_id, state, template=True)
                 tpl.pending_writes += 1
                 item = (tpl, self._row(tpl), tpl.state_id, state, None, None)
-                await (await self.writer.put_many(self._persist_settled, item, weight=state.nbytes()))
+                await (await self._queue_settled(item))
                 return
         finally:
             self._unpin(key)

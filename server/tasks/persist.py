@@ -87,6 +87,13 @@ class PersistMixin:
             self.counters["progress_writes"] += 1
             self.counters["progress_rows"] += len(rows)
 
+    async def _queue_settled(self, item: tuple) -> asyncio.Future:
+        """Queue a settle write, item (t, row, key, state, old_key, outcome) for _persist_settled;
+        it weighs its state's bytes in the writer's group (none without a new state)."""
+        key, state = item[2], item[3]
+        return await self.writer.put_many(self._persist_settled, item,
+                                          weight=state.nbytes() if key is not None else 0)
+
     async def _persist_settled(self, items: list[tuple]) -> None:
         """Commit settled tasks, items (t, row, key, state, old_key, outcome): each row with its
         new state, the old state dropped, all in ONE transaction (a burst of tasks finishing

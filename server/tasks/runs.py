@@ -47,7 +47,7 @@ class Run:
 
 class RunMixin:
     # provided by TaskManager: engine, settings, cache, live, recent, writer, counters, _pumps,
-    # _resolve_state, _row, _persist_rows, _persist_settled, _offer_progress, _progress_at
+    # _resolve_state, _row, _persist_rows, _queue_settled, _offer_progress, _progress_at
 
     # --- claim / start -------------------------------------------------------------------------
     def _claim(self, t: Task) -> Task:
@@ -229,9 +229,7 @@ class RunMixin:
         row = self._row(t)
         row.update(status=FINISHED, finish_reason=reason)
         t.pending_writes += 1
-        weight = state.nbytes() if new_key is not None else 0
-        t.saved = await self.writer.put_many(self._persist_settled, (t, row, new_key, state, old_key,
-                                                                     (reason, error)), weight=weight)
+        t.saved = await self._queue_settled((t, row, new_key, state, old_key, (reason, error)))
         t.saved.add_done_callback(lambda f, tid=t.id: _log_failed_settle(f, tid))
 
     def _finalize(self, t: Task, reason: str, error: str | None) -> None:

@@ -106,21 +106,12 @@ class Store:
                 await _save_one(conn, task_row, state, drop_states)
 
     async def save_rows(self, rows: list[dict[str, Any]]) -> None:
-        """Upsert whole task rows (to_row's columns) in one transaction: one query for the ids
-        that exist, one executemany UPDATE, one executemany INSERT. The same id twice: the later
-        row wins, as if the rows were saved one after the other."""
-        last = list({r["id"]: r for r in rows}.values())
-        if not last:
+        """Upsert whole task rows (to_row's columns) in one transaction (_upsert_rows). The same
+        id twice: the later row wins, as if the rows were saved one after the other."""
+        if not rows:
             return
         async with self._write() as conn:
-            ids, have = [r["id"] for r in last], set()
-            for i in range(0, len(ids), _CHUNK):
-                q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
-                have.update((await conn.execute(q)).scalars().all())
-            await _update_rows(conn, [r for r in last if r["id"] in have])
-            new = [r for r in last if r["id"] not in have]
-            if new:
-                await conn.execute(sa.insert(tasks), new)
+            await _upsert_rows(conn, rows)
 
     async def save_progress(self, rows: list[dict[str, Any]]) -> None:
         """Update existing task rows (all with the same columns), one transaction and one
@@ -243,7 +234,7 @@ async def _save_one(conn: AsyncConnection, task_row: dict[str, Any] | None, stat
     if state is not None:
         await conn.execute(sa.insert(states).values(**state))
     if task_row is not None:
-        await _upsert_task(conn, task_row)
+        await _upsert_rows(conn, [task_row])
     for sid in drop_states:
         await _drop_state_if_unused(conn, sid)
 
@@ -258,11 +249,18 @@ async def _update_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
     await conn.execute(stmt, [{f"b_{k}": v for k, v in r.items()} for r in rows])
 
 
-async def _upsert_task(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    values = {k: v for k, v in row.items() if k != "id"}
-    res = await conn.execute(sa.update(tasks).where(tasks.c.id == row["id"]).values(**values))
-    if res.rowcount == 0:
-        await conn.execute(sa.insert(tasks).values(**row))
+async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+    """Upsert task rows that all have the same columns: one query for the ids that exist, one
+    executemany UPDATE, one executemany INSERT. The same id twice: the later row wins."""
+    last = list({r["id"]: r for r in rows}.values())
+    ids, have = [r["id"] for r in last], set()
+    for i in range(0, len(ids), _CHUNK):
+        q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
+        have.update((await conn.execute(q)).scalars().all())
+    await _update_rows(conn, [r for r in last if r["id"] in have])
+    new = [r for r in last if r["id"] not in have]
+    if new:
+        await conn.execute(sa.insert(tasks), new)
 
 
 async def _drop_state_if_unused(conn: AsyncConnection, state_id: str) -> None:
