@@ -12,7 +12,8 @@
 // Plain launches on GPUs before sm_90 and with RWKV_PDL=0 (read once per device).
 #pragma once
 #include <cuda_runtime.h>
-#include <stdlib.h>
+
+#include "env.cuh"
 
 namespace rwkv_pdl {
 
@@ -46,8 +47,7 @@ inline int &early_switch() {
 
 inline bool early_loads() {
     if (early_switch() < 0) {
-        const char *env = getenv("RWKV_PDL_EARLY");
-        early_switch() = (env && env[0] == '0') ? 0 : 1;
+        early_switch() = rwkv_env::env_on("RWKV_PDL_EARLY") ? 1 : 0;
     }
     return early_switch() == 1;
 }
@@ -63,8 +63,7 @@ inline bool pdl_enabled() {
         s = major >= 9 ? 1 : 2;
     }
     if (pdl_switch() < 0) {
-        const char *env = getenv("RWKV_PDL");
-        pdl_switch() = (env && env[0] == '0') ? 0 : 1;
+        pdl_switch() = rwkv_env::env_on("RWKV_PDL") ? 1 : 0;
     }
     return s == 1 && pdl_switch() == 1;
 }

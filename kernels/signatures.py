@@ -12,7 +12,8 @@ argument codes here, in order.
 
 SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "wkv7_tmix_fused.cu", "wkv7_tmix_pipe.cu",
            "fused_elementwise.cu", "gemv.cu", "sampler.cu")
-HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "wkv7_tmix_head.cuh", "wkv7_tmix_mma.cuh", "pdl.cuh")
+HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "wkv7_tmix_head.cuh", "wkv7_tmix_mma.cuh", "pdl.cuh", "env.cuh",
+           "sampler_common.cuh", "sampler_select.cuh", "sampler_walk.cuh")
 
 I, LL, F, P = "i", "ll", "f", "p"
 SIGNATURES: dict[str, list[str]] = {

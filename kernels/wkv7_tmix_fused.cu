@@ -1,4 +1,5 @@
 // RWKV-7 decode time-mix core in one launch (semantics: see wkv7_tmix.cu's header).
+#include "env.cuh"
 #include "pdl.cuh"
 #include "wkv7_tmix_head.cuh"
 
@@ -36,9 +37,8 @@
 // thread in flight and at most 2-3 blocks per SM whose 512 threads all idled in phases 1 and 3.
 namespace wkv7 {
 
-#ifndef HEAD_PACKED_MIN_BLOCKS
-#define HEAD_PACKED_MIN_BLOCKS 7
-#endif
+// Resident blocks per SM of the packed 16-bit head kernel with 4 rows (72 registers: see the top).
+constexpr int HEAD_PACKED_MIN_BLOCKS = 7;
 
 // 16-bit state with 8 columns per lane: rows stay packed in registers (4 words per row) until their
 // step, and the column vectors are re-read from shared memory per row, so that ~10 blocks (64 B of
@@ -147,25 +147,20 @@ int launch_head(int B, int H, S *state, long long s_bstride, const TmixArgs &p, 
 // layer of the 2.9B shape, ms): fp16 state B=64 0.0215 -> 0.0198, B=256 0.0662 -> 0.0547, B=1024
 // 0.2363 -> 0.1996; an fp32 state gains nothing (B=1024 0.3641 -> 0.3703), so it keeps the head
 // kernel. RWKV_TMIX_PIPE_STAGES: its slots per block (2 or 3, default 2: 3 measured 0.2051).
-static int env_int(const char *name, int dflt) {
-    const char *env = getenv(name);
-    return env && env[0] ? atoi(env) : dflt;
-}
-
 static int pipe_min_b() {
-    static const int v = env_int("RWKV_TMIX_PIPE_MIN_B", 64);
+    static const int v = rwkv_env::env_int("RWKV_TMIX_PIPE_MIN_B", 64);
     return v;
 }
 
 static int pipe_stages() {
-    static const int v = env_int("RWKV_TMIX_PIPE_STAGES", 2) == 3 ? 3 : 2;
+    static const int v = rwkv_env::env_int("RWKV_TMIX_PIPE_STAGES", 2) == 3 ? 3 : 2;
     return v;
 }
 
 // RWKV_TMIX_MMA=0: the pipelined kernel's CUDA-core row phase instead of the tensor-core one
 // (wkv7_tmix_mma.cuh; fp16 state).
 static bool pipe_mma() {
-    static const bool v = env_int("RWKV_TMIX_MMA", 1) != 0;
+    static const bool v = rwkv_env::env_int("RWKV_TMIX_MMA", 1) != 0;
     return v;
 }
 

@@ -32,8 +32,9 @@ DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def build(src: Path, out: Path, arch: str) -> ctypes.CDLL:
+    """src's own folder is the include path: an old version builds with its own headers."""
     cmd = ["nvcc", "-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fno-gnu-unique", "-Xlinker", "-Bsymbolic",
-           "-I", str(ROOT / "kernels"), "-o", str(out), str(src)]  # fmt: skip
+           "-I", str(src.parent), "-o", str(out), str(src)]  # fmt: skip
     subprocess.run(cmd, check=True)
     # both versions define the same C++ symbols (sampler_k::launch<4>, ...): each library binds
     # its own (-Bsymbolic, RTLD_DEEPBIND), or the second one's calls may land in the first; and
@@ -123,10 +124,10 @@ def main() -> None:
     major, minor = torch.cuda.get_device_capability(dev)
     arch = f"sm_{major}{minor}"
     tmp = Path(tempfile.mkdtemp(prefix="ab_sampler_"))
-    old_src = Path(a.old) if a.old else tmp / "sampler_old.cu"
-    if not a.old:
-        old_src.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{a.ref}:kernels/sampler.cu"], check=True,
-                                          capture_output=True, text=True).stdout)  # fmt: skip
+    old_src = Path(a.old) if a.old else tmp / "kernels" / "sampler.cu"
+    if not a.old:  # the ref's whole kernels/ folder (sampler.cu includes its headers since the split)
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", a.ref, "kernels"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=tar, check=True)
     old = build(old_src, tmp / "old.so", arch)
     new = build(ROOT / "kernels" / "sampler.cu", tmp / "new.so", arch)
     cases = ["flat", "random", "peaked", "tied", "allzero", "masked", "huge", "narrow"]
