@@ -1,15 +1,17 @@
-"""Task store on real SQLite files: state codec round trips, migrations, budgets, the writer."""
+"""Task store on real databases: state codec round trips, migrations, budgets, the writer. Tests
+taking `db_url` run on a SQLite file and on a fresh PostgreSQL database (test/pg_util.py; that
+half skips without PostgreSQL or asyncpg); test_store_pg.py has the rest of the PostgreSQL tests."""
 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 
 import orjson
 import pytest
 import sqlalchemy as sa
 import torch
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from server.model.state import ModelShape, State
 from server.tasks import migrate
@@ -17,8 +19,10 @@ from server.tasks.cache import StateCache
 from server.tasks.codec import StateCodecError, decode_state, encode_state
 from server.tasks.records import Task, from_row, to_row
 from server.tasks.schema import metadata
-from server.tasks.store import Store, state_row
+from server.tasks.store import Store, database_url, state_row
 from server.tasks.writer import Writer
+
+from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
 
 SHAPE = ModelShape(n_layer=2, n_embd=128, n_head=2, head_size=64, vocab_size=65536, ffn_dim=512,
                    d_decay=32, d_aaa=32, d_mv=32, d_gate=32)
@@ -44,16 +48,42 @@ async def open_store(path) -> Store:
     return s
 
 
+async def run_sql(db: str, sql: str, params: dict | None = None) -> list | None:
+    """One statement on database `db` (path or URL) through its own engine, committed; its rows."""
+    eng = create_async_engine(database_url(db))
+    try:
+        async with eng.begin() as conn:
+            res = await conn.execute(sa.text(sql), params or {})
+            return res.all() if res.returns_rows else None
+    finally:
+        await eng.dispose()
+
+
+async def inspect_schema(db: str) -> dict[str, tuple[set[str], set[str]]]:
+    """{table: (column names, index names)} of database `db`, as the database reports them."""
+    def names(conn):
+        insp = sa.inspect(conn)
+        return {t: ({c["name"] for c in insp.get_columns(t)}, {i["name"] for i in insp.get_indexes(t)})
+                for t in insp.get_table_names()}
+
+    eng = create_async_engine(database_url(db))
+    try:
+        async with eng.connect() as conn:
+            return await conn.run_sync(names)
+    finally:
+        await eng.dispose()
+
+
 @pytest.mark.parametrize("shift,wkv", [(torch.float32, torch.float32), (torch.float16, torch.float32),
                                        (torch.bfloat16, torch.float16)])
-async def test_state_round_trip_through_sqlite_is_bit_exact(tmp_path, shift, wkv):
+async def test_state_round_trip_through_the_database_is_bit_exact(db_url, shift, wkv):
     st = rand_state(1, shift, wkv)
     enc = encode_state(st, SIG)
     assert enc.checksum == st.checksum() and enc.nbytes == st.nbytes()
-    store = await open_store(tmp_path / "a.db")
+    store = await open_store(db_url)
     await store.save(state=state_row("s1", "TASK_x", enc, False))
     await store.close()
-    store = await open_store(tmp_path / "a.db")  # a fresh process would see the same bytes
+    store = await open_store(db_url)  # a fresh process would see the same bytes
     row = await store.get_state("s1")
     back = decode_state(orjson.loads(row.meta), row.data, SIG, row.checksum)
     assert bits(back) == bits(st)
@@ -86,68 +116,72 @@ async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
     await store.close()
 
 
-async def test_migrations_from_empty_file_reach_head_and_match_schema(tmp_path):
-    store = await open_store(tmp_path / "m.db")
+async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url):
+    store = await open_store(db_url)
     assert store.revision_before is None and store.revision == migrate.head_revision() == "0002"
     await store.close()
-    con = sqlite3.connect(tmp_path / "m.db")
+    schema = await inspect_schema(db_url)
+    assert set(schema) == {t.name for t in metadata.sorted_tables} | {"alembic_version"}
     for table in metadata.sorted_tables:
-        cols = {r[1] for r in con.execute(f"PRAGMA table_info({table.name})")}
+        cols, idx = schema[table.name]
         assert cols == {c.name for c in table.columns}, table.name
-        idx = {r[1] for r in con.execute(f"PRAGMA index_list({table.name})") if not r[1].startswith("sqlite_")}
         assert idx == {i.name for i in table.indexes}, table.name
+    store = await open_store(db_url)  # reopening: nothing to migrate
+    assert store.revision_before == store.revision == "0002"
+    await store.close()
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0002",)]
 
 
-def _v1_database(path) -> None:
+async def _v1_database(db: str) -> None:
     """A database as schema version 0001 left it, with one task and one state."""
-    eng = sa.create_engine(f"sqlite:///{path}")
-    with eng.begin() as conn:
-        migrate.upgrade(conn, "0001")
-        enc = encode_state(rand_state(7), SIG)
-        row = state_row("S1", "TASK_old", enc, False)
-        row.pop("last_used")
-        conn.execute(sa.text("INSERT INTO states (id, task_id, is_template, signature, meta, nbytes, checksum, "
-                             "data, created_at) VALUES (:id, :task_id, :is_template, :signature, :meta, "
-                             ":nbytes, :checksum, :data, :created_at)"), {**row, "created_at": 123.0})
-        t = Task(id="TASK_old", kind="task", prompt="hi", state_id="S1", state_pos=1)
-        t.tokens.extend([1, 2])
-        t.out.append("x", 1)
-        conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(to_row(t))}) VALUES "
-                             f"({', '.join(':' + k for k in to_row(t))})"), to_row(t))
-    eng.dispose()
+    eng = create_async_engine(database_url(db))
+    async with eng.begin() as aconn:
+        await aconn.run_sync(_v1_rows)
+    await eng.dispose()
 
 
-async def test_migration_from_previous_version_upgrades_in_place(tmp_path):
-    path = tmp_path / "v1.db"
-    _v1_database(path)
-    assert sqlite3.connect(path).execute("select version_num from alembic_version").fetchone() == ("0001",)
-    store = await open_store(path)
+def _v1_rows(conn) -> None:
+    migrate.upgrade(conn, "0001")
+    enc = encode_state(rand_state(7), SIG)
+    row = state_row("S1", "TASK_old", enc, False)
+    row.pop("last_used")
+    conn.execute(sa.text("INSERT INTO states (id, task_id, is_template, signature, meta, nbytes, checksum, "
+                         "data, created_at) VALUES (:id, :task_id, :is_template, :signature, :meta, "
+                         ":nbytes, :checksum, :data, :created_at)"), {**row, "created_at": 123.0})
+    t = Task(id="TASK_old", kind="task", prompt="hi", state_id="S1", state_pos=1)
+    t.tokens.extend([1, 2])
+    t.out.append("x", 1)
+    conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(to_row(t))}) VALUES "
+                         f"({', '.join(':' + k for k in to_row(t))})"), to_row(t))
+
+
+async def test_migration_from_previous_version_upgrades_in_place(db_url):
+    await _v1_database(db_url)
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0001",)]
+    assert "last_used" not in (await inspect_schema(db_url))["states"][0]
+    store = await open_store(db_url)
     assert (store.revision_before, store.revision) == ("0001", "0002")
     t = from_row(await store.get_task("TASK_old"))
     assert t.prompt == "hi" and list(t.tokens) == [1, 2] and t.out.text == "x"
     row = await store.get_state("S1")
     assert decode_state(orjson.loads(row.meta), row.data, SIG, row.checksum).checksum() == rand_state(7).checksum()
     await store.close()
-    con = sqlite3.connect(path)
-    assert con.execute("select last_used from states where id='S1'").fetchone() == (123.0,)  # backfilled
-    assert "ix_states_evict" in {r[1] for r in con.execute("PRAGMA index_list(states)")}
+    assert await run_sql(db_url, "select last_used from states where id='S1'") == [(123.0,)]  # backfilled
+    assert "ix_states_evict" in (await inspect_schema(db_url))["states"][1]
 
 
-async def test_newer_schema_is_refused_with_a_clear_message(tmp_path):
-    path = tmp_path / "new.db"
-    await (await open_store(path)).close()
-    con = sqlite3.connect(path)
-    con.execute("update alembic_version set version_num='0099'")
-    con.commit()
-    con.close()
-    store = Store(str(path))
+async def test_newer_schema_is_refused_with_a_clear_message(db_url):
+    await (await open_store(db_url)).close()
+    await run_sql(db_url, "update alembic_version set version_num='0099'")
+    store = Store(db_url)
     with pytest.raises(migrate.SchemaTooNewError, match="0099.*newer server"):
         await store.open()
-    assert sqlite3.connect(path).execute("select version_num from alembic_version").fetchone() == ("0099",)
+    assert store.engine is None
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0099",)]
 
 
-async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(tmp_path):
-    store = await open_store(tmp_path / "b.db")
+async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(db_url):
+    store = await open_store(db_url)
     enc = encode_state(rand_state(), SIG)
     n = enc.nbytes
     for i in range(6):
@@ -166,8 +200,8 @@ async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(tmp_pat
     await store.close()
 
 
-async def test_mark_interrupted_and_delete(tmp_path):
-    store = await open_store(tmp_path / "i.db")
+async def test_mark_interrupted_and_delete(db_url):
+    store = await open_store(db_url)
     for i, status in enumerate([0, 1, 2, 3]):
         await store.save(to_row(Task(id=f"TASK_{i}", kind="task", status=status, finish_reason=None)))
     assert sorted(await store.mark_interrupted()) == ["TASK_0", "TASK_1", "TASK_2"]
@@ -296,8 +330,8 @@ async def test_writer_group_failure_fails_only_the_bad_item():
     await w.close()
 
 
-async def test_save_rows_upserts_in_one_transaction(tmp_path):
-    store = await open_store(tmp_path / "r.db")
+async def test_save_rows_upserts_in_one_transaction(db_url):
+    store = await open_store(db_url)
     now = time.time()
     old = to_row(Task(id="TASK_old", kind="task", created_at=now))
     await store.save(old)
@@ -320,6 +354,10 @@ async def test_store_opens_in_memory_and_urls(tmp_path):
 
     assert database_url("x.db").startswith("sqlite+aiosqlite:////")
     assert database_url("postgresql+asyncpg://u@h/db") == "postgresql+asyncpg://u@h/db"
+    # the blocking drivers' URLs (what users paste) get the async driver the store needs
+    assert database_url("postgresql://u:p@h:5433/db") == "postgresql+asyncpg://u:p@h:5433/db"
+    assert database_url("postgres://u@h/db") == "postgresql+asyncpg://u@h/db"
+    assert database_url("sqlite:////tmp/x.db") == "sqlite+aiosqlite:////tmp/x.db"
     store = Store(":memory:")
     await store.open()
     await store.save(to_row(Task(id="TASK_m", kind="task", created_at=time.time())))

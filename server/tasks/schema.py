@@ -3,30 +3,69 @@ by the versioned migrations in `migrations/`; keep both in step (a test compares
 
 Portable to PostgreSQL: only String/Text/Integer/BigInteger/Float/Boolean/LargeBinary columns,
 no SQLite-only SQL. Token id lists are int32 little-endian blobs; params/metadata are JSON text.
+The string columns are `_str`/`_text`: the plain types, NUL-safe on PostgreSQL (_PgNulSafe).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import sqlalchemy as sa
 
 metadata = sa.MetaData()
 
+_MARK = "\uffff"  # a Unicode noncharacter: never in real text, valid UTF-8 for PostgreSQL
+
+
+class _PgNulSafe(sa.TypeDecorator):
+    """PostgreSQL text cannot hold NUL ("\\x00": 'invalid byte sequence'), which SQLite stores as
+    is and which prompts and output do contain (token 1 is the byte 0). Used on PostgreSQL only
+    (a variant; SQLite gets the plain type): a value holding a NUL or starting with _MARK is
+    stored as _MARK + the value with _MARK written _MARK "1" and NUL _MARK "0"; any other value
+    (all ids, nearly all text) is stored unchanged. Comparisons are escaped the same way."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        if isinstance(value, str) and ("\x00" in value or value.startswith(_MARK)):
+            return _MARK + value.replace(_MARK, _MARK + "1").replace("\x00", _MARK + "0")
+        return value
+
+    def process_result_value(self, value: Any, dialect: Any) -> Any:
+        if isinstance(value, str) and value.startswith(_MARK):
+            return value[1:].replace(_MARK + "0", "\x00").replace(_MARK + "1", _MARK)
+        return value
+
+
+class _PgNulSafeText(_PgNulSafe):
+    impl = sa.Text
+
+
+def _str(length: int) -> sa.types.TypeEngine:
+    return sa.String(length).with_variant(_PgNulSafe(length), "postgresql")
+
+
+def _text() -> sa.types.TypeEngine:
+    return sa.Text().with_variant(_PgNulSafeText(), "postgresql")
+
+
 tasks = sa.Table(
     "tasks", metadata,
-    sa.Column("id", sa.String(80), primary_key=True),
-    sa.Column("kind", sa.String(16), nullable=False),  # task | template
+    sa.Column("id", _str(80), primary_key=True),
+    sa.Column("kind", _str(16), nullable=False),  # task | template
     sa.Column("status", sa.Integer, nullable=False),  # 0 PREFILL, 1 READY, 2 RUNNING, 3 FINISHED
-    sa.Column("finish_reason", sa.String(16)),
-    sa.Column("owner", sa.String(64)),  # hash of the API key that made it (None: no keys)
-    sa.Column("parent_id", sa.String(80)),  # fork lineage
-    sa.Column("params", sa.Text, nullable=False),  # JSON: generation parameters
-    sa.Column("prompt", sa.Text, nullable=False),  # text of the last prompt ("" when ids)
+    sa.Column("finish_reason", _str(16)),
+    sa.Column("owner", _str(64)),  # hash of the API key that made it (None: no keys)
+    sa.Column("parent_id", _str(80)),  # fork lineage
+    sa.Column("params", _text(), nullable=False),  # JSON: generation parameters
+    sa.Column("prompt", _text(), nullable=False),  # text of the last prompt ("" when ids)
     sa.Column("prompt_len", sa.Integer, nullable=False),  # tokens of the last prompt
     sa.Column("tokens", sa.LargeBinary, nullable=False),  # full token history, int32 LE
     sa.Column("out_start", sa.Integer, nullable=False),  # index in tokens where the output starts
-    sa.Column("text", sa.Text, nullable=False),  # output text since the last prompt
+    sa.Column("text", _text(), nullable=False),  # output text since the last prompt
     sa.Column("offsets", sa.LargeBinary, nullable=False),  # char end after each output token
-    sa.Column("state_id", sa.String(80)),  # states.id of the last settled state
+    sa.Column("state_id", _str(80)),  # states.id of the last settled state
     sa.Column("state_pos", sa.Integer, nullable=False),  # tokens[:state_pos] are in that state
     sa.Column("prompt_tokens", sa.Integer, nullable=False),
     sa.Column("completion_tokens", sa.Integer, nullable=False),
@@ -40,13 +79,13 @@ tasks = sa.Table(
 
 states = sa.Table(
     "states", metadata,
-    sa.Column("id", sa.String(80), primary_key=True),
-    sa.Column("task_id", sa.String(80), nullable=False),  # the task that produced it
+    sa.Column("id", _str(80), primary_key=True),
+    sa.Column("task_id", _str(80), nullable=False),  # the task that produced it
     sa.Column("is_template", sa.Boolean, nullable=False),
-    sa.Column("signature", sa.String(128), nullable=False),  # model shape signature
-    sa.Column("meta", sa.Text, nullable=False),  # JSON: layout, dtypes, shapes, offsets
+    sa.Column("signature", _str(128), nullable=False),  # model shape signature
+    sa.Column("meta", _text(), nullable=False),  # JSON: layout, dtypes, shapes, offsets
     sa.Column("nbytes", sa.BigInteger, nullable=False),
-    sa.Column("checksum", sa.String(64), nullable=False),  # SHA-256 of data
+    sa.Column("checksum", _str(64), nullable=False),  # SHA-256 of data
     sa.Column("data", sa.LargeBinary, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("last_used", sa.Float, nullable=False),  # v2: eviction order

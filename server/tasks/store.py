@@ -28,10 +28,15 @@ log = logging.getLogger("server.tasks.store")
 _CHUNK = 500  # ids per IN (...) list
 
 
+_ASYNC_SCHEMES = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
+                  "postgres": "postgresql+asyncpg"}
+
+
 def database_url(db: str) -> str:
     """A settings value (path or URL) -> an async SQLAlchemy URL."""
-    if "://" in db:
-        return db
+    if "://" in db:  # the blocking drivers' schemes name their async twins here
+        scheme, rest = db.split("://", 1)
+        return f"{_ASYNC_SCHEMES.get(scheme, scheme)}://{rest}"
     if db in ("", ":memory:"):
         return "sqlite+aiosqlite://"
     path = os.path.abspath(os.path.expanduser(db))
@@ -65,7 +70,7 @@ class Store:
 
     # --- life cycle ----------------------------------------------------------------------------
     async def open(self) -> None:
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {} if self.is_sqlite else {"pool_pre_ping": True}  # survives a server restart
         if self.url == "sqlite+aiosqlite://":
             kw = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
         self.engine = create_async_engine(self.url, **kw)
