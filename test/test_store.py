@@ -200,6 +200,22 @@ async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(db_url)
     await store.close()
 
 
+async def test_db_budget_drops_preferred_states_last(db_url):
+    """`prefer` (the states a cache holds) go only when the others do not make the budget."""
+    store = await open_store(db_url)
+    enc = encode_state(rand_state(), SIG)
+    n = enc.nbytes
+    for i in range(5):
+        row = state_row(f"S{i}", f"TASK_{i}", enc, is_template=False)
+        row["last_used"] = 1000.0 + i
+        await store.save(to_row(Task(id=f"TASK_{i}", kind="task", state_id=f"S{i}", state_pos=3)), row)
+    victims, left = await store.enforce_budget(3 * n, keep=set(), prefer={"S0", "S1"})
+    assert victims == ["S2", "S3"] and left == 3 * n  # the oldest two are cached: kept
+    victims, left = await store.enforce_budget(1 * n, keep={"S4"}, prefer={"S0", "S1"})
+    assert victims == ["S0", "S1"] and left == n  # nothing else left: the cached ones go, oldest first
+    await store.close()
+
+
 async def test_mark_interrupted_and_delete(db_url):
     store = await open_store(db_url)
     for i, status in enumerate([0, 1, 2, 3]):

@@ -102,16 +102,36 @@ async def test_byte_budgets_hold_under_churn_and_templates_survive(parts, tmp_pa
     assert await tm.store.get_state(tpl.state_id) is not None
     evicted = await tm.get(first.id)  # its state is gone, its text stays; continuing recomputes
     assert evicted.out.text == first.out.text
-    # gone everywhere: the budget check clears state_id when the state is in no cache then; a
-    # state dropped from the database while still cached keeps its id until a run misses it
-    sid = evicted.state_id
-    assert sid is None or (sid not in tm.cache and await tm.store.get_state(sid) is None)
+    # gone everywhere, and the task says so: the budget drops only states no cache holds
+    assert evicted.state_id is None and evicted.state_pos == 0
     t2 = await tm.as_template(first.id, name="from-evicted")  # prefills the history once
     assert t2.state_pos == len(t2.tokens) - 1 and t2.out.text == first.out.text
     assert (await tm.wait((await tm.fork(t2.id, {"max_tokens": 2})).id)).prompt_tokens == 1
     await tm.wait((await tm.continue_(first.id, {"max_tokens": 3})).id)
     ref = await tm.wait((await tm.create("evict me", {"max_tokens": 6, **GREEDY})).id)
     assert out_ids(evicted) == out_ids(ref)
+    await tm.close()
+
+
+async def test_no_task_names_a_state_the_database_dropped(parts, tmp_path):
+    """A database budget below the cache's: the budget drops states the cache still holds (those
+    last); each leaves the cache too, and its task says state_id None, as its row does."""
+    one = parts[0].shape.state_bytes(torch.float32, torch.float32)
+    tm = await manager(parts, tmp_path / "n.db", state_cache_bytes=8 * one, db_budget_bytes=2 * one)
+    ids = [(await tm.wait((await tm.create(f"task {i}", {"max_tokens": 2}, persistent=True)).id)).id
+           for i in range(6)]
+    await tm.writer.flush()
+    assert await tm.store.states_bytes(templates=False) <= 2 * one and tm.counters["db_evictions"] >= 4
+    named = []
+    for i in ids:
+        t = await tm.get(i)
+        if t.state_id is not None:
+            named.append(t.state_id)
+            assert await tm.store.get_state(t.state_id) is not None, f"{i} names a dropped state"
+        assert (t.state_id is None) == ((await tm.store.get_task(i)).state_id is None)
+    assert len(named) == 2  # the two newest fit the budget
+    for sid in tm.cache.keys():
+        assert await tm.store.get_state(sid) is not None, f"cache holds {sid}, gone from the database"
     await tm.close()
 
 
@@ -157,9 +177,9 @@ async def test_budget_query_runs_only_when_the_budget_may_be_exceeded(parts, tmp
     calls = []
     real = tm.store.enforce_budget
 
-    async def counted(budget, keep):
+    async def counted(budget, keep, prefer=()):
         calls.append(budget)
-        return await real(budget, keep)
+        return await real(budget, keep, prefer)
 
     monkeypatch.setattr(tm.store, "enforce_budget", counted)
     for i in range(3):  # three states fit: no query

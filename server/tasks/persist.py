@@ -176,15 +176,21 @@ class PersistMixin:
         await self._enforce_db_budget()
 
     async def _enforce_db_budget(self) -> None:
-        keep = self.cache.pinned_keys() | {x.state_id for x in self.live.values()
-                                           if x.running and x.state_id}
-        victims, total = await self.store.enforce_budget(self.settings.db_budget_bytes, keep)
+        """Drop the least recently used stored states beyond the budget, those held only by the
+        LRU cache last (cache hits do not touch the database's last_used). A state in use (a
+        running task's, pinned) is kept. A dropped state leaves memory too, and the tasks that
+        named it say state_id None, as the database now does: no task keeps an id that is gone."""
+        keep = self.cache.pinned_keys() | {x.state_id for x in self.live.values() if x.running and x.state_id}
+        victims, total = await self.store.enforce_budget(self.settings.db_budget_bytes, keep,
+                                                         prefer=self.cache.keys())
         self.db_state_bytes = total
         if victims:
             gone = set(victims)
+            for sid in gone:
+                self.cache.discard(sid)
             for x in list(self.live.values()) + list(self.recent.values()):
-                if x.state_id in gone and x.state_id not in self.cache and not x.running:
-                    x.state_id, x.state_pos = None, 0  # as the database now says
+                if x.state_id in gone and not x.running:  # a running one settles a new state
+                    x.state_id, x.state_pos = None, 0
             self.counters["db_evictions"] += len(victims)
             log.info("database budget: dropped %d states (%.1f MiB of states left)",
                      len(victims), total / 2**20)

@@ -193,9 +193,11 @@ class Store:
         async with self.engine.connect() as conn:  # type: ignore[union-attr]
             return int((await conn.execute(q)).scalar_one())
 
-    async def enforce_budget(self, budget: int, keep: set[str]) -> tuple[list[str], int]:
-        """Drop least recently used non-template states until they fit in `budget` bytes;
-        tasks that pointed at them keep their text (state_id NULL, state_pos 0).
+    async def enforce_budget(self, budget: int, keep: set[str],
+                             prefer: Iterable[str] = ()) -> tuple[list[str], int]:
+        """Drop least recently used non-template states until they fit in `budget` bytes, never
+        one in `keep`, one in `prefer` only when the others do not suffice; tasks that pointed
+        at them keep their text (state_id NULL, state_pos 0).
         Returns (dropped state ids, non-template state bytes left)."""
         async with self._write() as conn:
             nt = states.c.is_template == sa.false()
@@ -203,9 +205,10 @@ class Store:
             if total <= budget:
                 return [], total
             victims: list[str] = []
-            rows = await conn.execute(sa.select(states.c.id, states.c.nbytes).where(nt)
-                                      .order_by(states.c.last_used, states.c.created_at))
-            for r in rows.all():
+            prefer = set(prefer)
+            rows = (await conn.execute(sa.select(states.c.id, states.c.nbytes).where(nt)
+                                       .order_by(states.c.last_used, states.c.created_at))).all()
+            for r in [r for r in rows if r.id not in prefer] + [r for r in rows if r.id in prefer]:
                 if total <= budget:
                     break
                 if r.id in keep:
