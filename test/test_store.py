@@ -113,6 +113,17 @@ async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
     async with store.engine.connect() as conn:
         assert (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar() == "wal"
         assert (await conn.exec_driver_sql("PRAGMA synchronous")).scalar() == 2  # FULL
+        assert (await conn.exec_driver_sql("PRAGMA page_size")).scalar() == 65536  # a new file
+    await store.close()
+    import sqlite3  # an existing file keeps its pages (SQLite ignores page_size once written)
+
+    old = tmp_path / "old.db"
+    with sqlite3.connect(old) as c:
+        c.execute("create table x(a)")
+    store = await open_store(old)
+    async with store.engine.connect() as conn:
+        assert (await conn.exec_driver_sql("PRAGMA page_size")).scalar() == 4096
+        assert (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar() == "wal"
     await store.close()
 
 

@@ -49,7 +49,11 @@ def _sqlite_setup(engine: AsyncEngine) -> None:
     def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (transactional DDL)
         cur = dbapi_conn.cursor()
-        for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=30000",
+        # page_size first: it only applies to a database not yet written (a new file). States
+        # are blobs of megabytes (21 MB for 2.9B in fp32), stored as chains of overflow pages:
+        # a 21 MB commit took 126 ms with 4 KiB pages and 27 ms with 64 KiB ones (WAL,
+        # synchronous=FULL, same disk, interleaved); one-row updates were no slower.
+        for pragma in ("page_size=65536", "journal_mode=WAL", "synchronous=FULL", "busy_timeout=30000",
                        "journal_size_limit=67108864", "temp_store=MEMORY"):
             cur.execute(f"PRAGMA {pragma}")
         cur.close()
