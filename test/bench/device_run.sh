@@ -52,6 +52,8 @@ for s in $steps; do
     partition) for r in ${PARTITION_ROWS:-512 1024}; do timeout 150 python3 test/bench/bench_partition.py --rows $r; done 2>&1 | tee "$OUT/partition.log" ;;
     lora) timeout 120 python3 test/bench/bench_lora.py 2>&1 | tee "$OUT/lora.log" ;;
     http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 64,256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
+    http_tasks) for r in ${HTTP_ROUTES:-tasks tmp}; do timeout 200 python3 test/bench/bench_http.py --model synthetic:2.9b \
+              --streams 256 --route $r --out "$OUT/results.jsonl"; done 2>&1 | tee "$OUT/http_tasks.log" ;;
   esac
 done
 echo "=== done $(date +%T)"
