@@ -49,8 +49,8 @@ class Settings:
 
     # --- tasks / storage ---------------------------------------------------------------------
     db: str = "rwkv_tasks.db"
-    """Task database: a SQLite file path, or a SQLAlchemy async URL (sqlite+aiosqlite://...,
-    postgresql+asyncpg://...)."""
+    """Task database: a SQLite file path, or a database URL (sqlite:///..., postgresql://user@host/db;
+    the async drivers aiosqlite / asyncpg are implied, or name one: postgresql+asyncpg://...)."""
     state_cache_bytes: int = 2 * 1024**3
     """Budget in bytes of the in-memory LRU cache of task states."""
     db_budget_bytes: int = 20 * 1024**3

@@ -406,3 +406,13 @@ def test_migrations_and_queries_render_for_postgresql():
                  sa.delete(states).where(states.c.id == "x").where(~sa.select(tasks.c.id).where(
                      tasks.c.state_id == "x").exists())):
         assert str(stmt.compile(dialect=pg))
+
+
+async def test_a_missing_database_driver_is_named(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "asyncpg", None)  # as if not installed
+    store = Store("postgresql://u@127.0.0.1:1/db")
+    with pytest.raises(RuntimeError, match=r"needs the asyncpg package.*\[postgres\]"):
+        await store.open()
+    assert store.engine is None

@@ -77,7 +77,12 @@ class Store:
         kw: dict[str, Any] = {} if self.is_sqlite else {"pool_pre_ping": True}  # survives a server restart
         if self.url == "sqlite+aiosqlite://":
             kw = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
-        self.engine = create_async_engine(self.url, **kw)
+        try:
+            self.engine = create_async_engine(self.url, **kw)
+        except ModuleNotFoundError as exc:  # e.g. postgresql:// without asyncpg installed
+            raise RuntimeError(f"the task database {self.url.split('://')[0]}:// needs the {exc.name} "
+                               f"package (pip install {exc.name}; for PostgreSQL: pip install "
+                               f"'rwkv-task-server[postgres]')") from exc
         if self.is_sqlite:
             _sqlite_setup(self.engine)
         try:
