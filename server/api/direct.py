@@ -97,6 +97,8 @@ def _say_once(why: str) -> None:
 
 
 class DirectStream:
+    kind = "direct"  # the metrics' stream path: direct_<why it left>
+
     def __init__(self, parts: Any, recorder: Recorder, transport: Any, fd: int) -> None:
         self.parts, self.recorder, self.transport, self.fd = parts, recorder, transport, fd
         self.job: Job = parts.jobs[0]
@@ -108,6 +110,11 @@ class DirectStream:
         self._lock = threading.Lock()
         self._state = "new"
         self._tail = b""  # the unsent rest of a partial write ("slow")
+
+    @property
+    def preamble(self) -> list[bytes]:
+        """The chunks the loop sends before start()."""
+        return self.parts.preamble
 
     @classmethod
     def attach(cls, parts: Any, recorder: Recorder, send: Callable, scope: dict) -> "DirectStream | None":

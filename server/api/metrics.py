@@ -61,7 +61,8 @@ class Metrics:
         self.aborted = 0
         self.stream_paths: dict[str, int] = {}
         """Ended SSE streams by how they were written: "loop" (the event loop), or
-        "direct_<why direct mode ended>" (server.api.direct: ended, slow, gone, stopped, failed)."""
+        "direct_<why direct mode ended>" (server.api.direct: ended, slow, gone, stopped, failed),
+        "task_direct_<why>" (server.api.task_stream: the task routes' direct writes)."""
 
     def count_stream(self, path: str) -> None:
         with self._lock:
@@ -91,7 +92,8 @@ class Metrics:
         _sample(out, "rwkv_requests_aborted_total", "counter",
                 "Generations aborted because the client went away.", self.aborted)
         _family(out, "rwkv_http_streams_total", "counter",
-                "SSE streams ended, by writer: the event loop, or the engine thread (direct_*, by how it ended).")
+                "SSE streams ended, by writer: the event loop, the engine thread (direct_*, by how it ended), "
+                "or the task streams' direct writes (task_direct_*).")
         for path, v in paths:
             out.append(f'rwkv_http_streams_total{{path="{path}"}} {v}')
         for h in (self.ttft, self.itl, self.e2e):

@@ -63,7 +63,7 @@ class SSEResponse(Response):
     def __init__(self, chunks: AsyncIterator[bytes], *, metrics: Any = None, ping_interval: float = 15.0,
                  headers: dict[str, str] | None = None, direct: Callable | None = None) -> None:
         self.chunks = chunks
-        self.direct = direct  # direct(send, scope) -> server.api.direct.DirectStream | None
+        self.direct = direct  # direct(send, scope) -> a DirectStream / task_stream.TaskDirect | None
         self.status_code = 200
         self.background = None
         self.metrics = metrics
@@ -73,7 +73,7 @@ class SSEResponse(Response):
         self._stop: str | None = None  # why the streaming task was cancelled: "disconnect" | "drain"
         self._live = False  # the streaming task may be cancelled (it is inside the chunk loop)
         self._sent = 0  # body messages sent (the pinger's "was anything sent lately")
-        self._path = ""  # how the body was written (metrics): "loop" or "direct_<why it left>"
+        self._path = ""  # how the body was written (metrics): "loop" or "<ds.kind>_<why it left>"
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -107,7 +107,7 @@ class SSEResponse(Response):
             ds = self.direct(send, scope) if self.direct is not None else None
             if self.ping_interval and self.ping_interval > 0:
                 helpers.append(asyncio.create_task(self._pinger(send, ds)))
-            self._path = "loop" if ds is None else "direct"
+            self._path = "loop" if ds is None else ds.kind
             end = await (self._stream(send, me) if ds is None else self._stream_direct(ds, send, me))
             if end is not None:
                 await send({"type": "http.response.body", "body": end, "more_body": False})
@@ -169,12 +169,12 @@ class SSEResponse(Response):
         self._live = self._stop is None
         try:
             if self._stop is None:
-                for chunk in ds.parts.preamble:
+                for chunk in ds.preamble:
                     self._sent += 1
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 ds.start()
                 why = await ds.left
-                self._path = f"direct_{why}"
+                self._path = f"{ds.kind}_{why}"
                 if why == "slow":  # the client reads slowly: the rest through the loop (flow control)
                     async for chunk in ds.rest():
                         self._sent += 1
@@ -193,8 +193,8 @@ class SSEResponse(Response):
         finally:
             self._live = False
             unfinished = ds.stop()  # no engine-thread write after this line
-            if self._path == "direct":
-                self._path = "direct_stopped"
+            if self._path == ds.kind:
+                self._path = f"{ds.kind}_stopped"
             ds.close()
         return self._last_body(end, unfinished)
 

@@ -10,7 +10,8 @@ when that client disconnects; a TASK_ keeps running (resume with /stream?pos=N).
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Literal, TypeVar
+import functools
+from typing import Any, Awaitable, Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, Query, Request
@@ -19,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.deps import get_owner, get_services
 from server.api.errors import ApiError
-from server.api.sse import DONE, SSEResponse, event
+from server.api import task_stream
+from server.api.sse import SSEResponse
 from server.engine.types import EngineDeadError, PromptTooLongError, QueueFullError
-from server.tasks import streaming
 from server.tasks.errors import TaskError
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
@@ -100,29 +101,26 @@ async def _call(aw: Awaitable[T]) -> T:
 def _answer(request: Request, tm: Any, t: Any, stream: bool, *, own: bool = False) -> Response:
     if not stream:
         return _json(t.response())
-    return SSEResponse(_sse(tm, t, 0, t.out, abort_on_close=own and t.kind == "tmp"),
-                       metrics=getattr(request.app.state.services, "metrics", None))
+    return _sse(request, tm, t, 0, abort_on_close=own and t.kind == "tmp")
 
 
-async def _sse(tm: Any, t: Any, pos: int, out: Any, abort_on_close: bool = False) -> AsyncIterator[bytes]:
-    """`out` is bound when the route answers: the stream shows that output, whatever the task
-    does later (e.g. a continue with a new prompt)."""
-    finished = False
-    try:
-        yield event(streaming.header(t))
-        # SSEResponse pings idle streams; one write per wake-up (the end: final event + [DONE])
-        async for batch in streaming.batches(t, pos, ping=None, out=out):
-            data = event(batch[0]) if len(batch) == 1 else b"".join(map(event, batch))
-            if streaming.is_last(batch[-1]):
-                finished = True
-                data += DONE
-            yield data
-        if not finished:
-            finished = True
-            yield DONE
-    finally:
+def _sse(request: Request, tm: Any, t: Any, pos: int, abort_on_close: bool = False) -> SSEResponse:
+    """The task's stream from token `pos` (server.api.task_stream: written straight to the
+    connection where it allows, else by the loop generator). Its Output is bound now: the stream
+    shows that output, whatever the task does later (e.g. a continue with a new prompt). A
+    streaming request's own TMP_ task is aborted when the stream stops before its end."""
+    out = t.out
+
+    def on_end(finished: bool) -> None:
         if abort_on_close and not finished and t.running:
             tm.abort(t)
+
+    sv = request.app.state.services
+    direct = None
+    if sv.settings.direct_stream:
+        direct = functools.partial(task_stream.TaskDirect.attach, t, out, pos, on_end)
+    return SSEResponse(task_stream.body(t, pos, out, on_end=on_end), direct=direct,
+                       metrics=getattr(sv, "metrics", None))
 
 
 # --- create ------------------------------------------------------------------------------------
@@ -172,7 +170,7 @@ async def status(task_id: str, request: Request) -> Response:
 async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> Response:
     tm = _tasks(request)
     t = await _call(tm.get(task_id, get_owner(request)))
-    return SSEResponse(_sse(tm, t, pos, t.out), metrics=getattr(request.app.state.services, "metrics", None))
+    return _sse(request, tm, t, pos)
 
 
 # --- change ------------------------------------------------------------------------------------

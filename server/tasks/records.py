@@ -14,7 +14,7 @@ import time
 import uuid
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import orjson
 
@@ -50,6 +50,7 @@ class Output:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._waiters: set[asyncio.Future] = set()
+        self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.task_stream)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -77,6 +78,16 @@ class Output:
             if not fut.done():
                 fut.set_result(None)
         self._waiters.clear()
+        for fn in list(self._listeners):  # a listener may leave while called
+            fn()
+
+    def listen(self, fn: Callable[[], None]) -> None:
+        """fn() runs at every notify, on the event loop (it must not block or raise)."""
+        self._listeners.append(fn)
+
+    def unlisten(self, fn: Callable[[], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
 
     async def wait_change(self, timeout: float | None) -> None:
         fut = asyncio.get_running_loop().create_future()

@@ -55,7 +55,14 @@ async def batches(t: Task, pos: int = 0, *, ping: float | None = 15.0,
         await out.wait_change(ping)
         if (len(out), out.finished) == before:
             yield [KEEPALIVE]
-    tail = out.text[out.char_at(pos):]  # only text that came with no token at all
+    yield batch + closing_events(t, out, pos)
+
+
+def closing_events(t: Task, out: Output, pos: int) -> list[Any]:
+    """The end of a finished output read up to token `pos` (its last): the text that came with
+    no token at all (a final flush), then the final event or the error event."""
+    batch = []
+    tail = out.text[out.char_at(pos):]
     if tail:
         batch.append(text_event(t, tail, pos))
     if out.error:
@@ -63,7 +70,7 @@ async def batches(t: Task, pos: int = 0, *, ping: float | None = 15.0,
                                 "code": "generation_failed"}})
     else:
         batch.append(final_event(t, out))
-    yield batch
+    return batch
 
 
 def is_last(ev: Any) -> bool:
