@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_sse_direct import _dechunk
 
 from server.api import task_stream
 from server.api.sse import DONE
@@ -27,17 +28,6 @@ class _Transport:  # what TaskDirect needs of the loop's transport
 
     def is_closing(self) -> bool:
         return self.closing
-
-
-def _dechunk(raw: bytes) -> bytes:
-    out, i = b"", 0
-    while i < len(raw):
-        j = raw.index(b"\r\n", i)
-        n = int(raw[i:j], 16)
-        assert raw[j + 2 + n:j + 4 + n] == b"\r\n", "bad chunk framing"
-        out += raw[j + 2:j + 2 + n]
-        i = j + 4 + n
-    return out
 
 
 def _task() -> Task:

@@ -86,6 +86,18 @@ def transport_of(send: Callable, scope: dict) -> tuple[Any | None, str]:
     return transport, ""
 
 
+def idle_transport(send: Callable, scope: dict) -> Any | None:
+    """transport_of's transport when it can take direct writes now (nothing buffered, not
+    closing), else None (the reason it is not ours logged once)."""
+    transport, why = transport_of(send, scope)
+    if transport is None:
+        _say_once(why)
+        return None
+    if transport.get_write_buffer_size() or transport.is_closing():
+        return None
+    return transport
+
+
 _said: set[str] = set()
 
 
@@ -121,11 +133,8 @@ class DirectStream:
         """A DirectStream for this response once its headers went out, or None."""
         if len(parts.jobs) != 1 or not hasattr(parts.jobs[0].handle, "set_listener"):
             return None
-        transport, why = transport_of(send, scope)
+        transport = idle_transport(send, scope)
         if transport is None:
-            _say_once(why)
-            return None
-        if transport.get_write_buffer_size() or transport.is_closing():
             return None
         sock = transport.get_extra_info("socket")
         try:

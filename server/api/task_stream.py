@@ -27,7 +27,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from server.api.direct import _say_once, transport_of
+from server.api.direct import idle_transport
 from server.api.sse import DONE, event
 from server.tasks import streaming
 
@@ -80,13 +80,8 @@ class TaskDirect:
     def attach(cls, t: Any, out: Any, pos: int, on_end: Callable[[bool], None],
                send: Callable, scope: dict) -> "TaskDirect | None":
         """A TaskDirect for this response once its headers went out, or None (the loop path)."""
-        transport, why = transport_of(send, scope)
-        if transport is None:
-            _say_once(why)
-            return None
-        if transport.get_write_buffer_size() or transport.is_closing():
-            return None
-        return cls(t, out, pos, transport, on_end)
+        transport = idle_transport(send, scope)
+        return None if transport is None else cls(t, out, pos, transport, on_end)
 
     def start(self) -> None:
         """After the preamble went out through uvicorn: from now on the notifications write."""
