@@ -2,7 +2,7 @@
 // (penalised logits, greedy argmax or softmax -> top-p -> top-k -> temperature -> inverse CDF
 // with the (seed, pos) counter random, then the penalty / seen update of committing rows).
 // Pure-torch twin (the reference): server.engine.sampler.sample with CANDIDATES = () (a stable
-// full sort of every row). Wrapper: server.model.cuda_ops.fused_sample.
+// full sort of every row). Wrapper: server.model.cuda_sampler.fused_sample.
 //
 // Layout: one thread-block CLUSTER of CL CTAs (1024 threads each) per row; CTA r of the cluster
 // owns tokens [r*n_loc, (r+1)*n_loc) and keeps them in shared memory for the whole step:

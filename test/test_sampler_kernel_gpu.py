@@ -1,4 +1,4 @@
-"""Parity of the fused sampler kernel (kernels/sampler.cu via cuda_ops.fused_sample) with the torch
+"""Parity of the fused sampler kernel (kernels/sampler.cu via cuda_sampler.fused_sample) with the torch
 sampler at CANDIDATES = () (a stable full sort of every row: the exact reference).
 
 Three tokens per row are compared:
@@ -34,7 +34,7 @@ import torch
 import server.engine.sampler as S
 from server.engine.sampler import SamplerSlots, uniform
 from server.engine.types import SamplingParams
-from server.model import cuda_ops
+from server.model import cuda_ops, cuda_sampler
 
 V = 65536
 
@@ -104,7 +104,7 @@ def reference(logits, s: SamplerSlots, pos, commit, greedy_only=False) -> torch.
 def kernel(logits, s: SamplerSlots, pos, commit, greedy_only=False, cl=0):
     B = len(pos)
     dbg = torch.zeros(B, 8, device=logits.device)
-    tok = cuda_ops.fused_sample(logits, s.penalty[:B], s.seen[:B], s.fparams[:B], s.iparams[:B], pos, commit,
+    tok = cuda_sampler.fused_sample(logits, s.penalty[:B], s.seen[:B], s.fparams[:B], s.iparams[:B], pos, commit,
                                 greedy_only, dbg=dbg, cl=cl)  # fmt: skip
     assert tok is not None, "fused_sample fell back (it should cover this case)"
     return tok, dbg
@@ -309,7 +309,7 @@ def test_cuda_graph_equals_eager(dev):
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = cuda_ops.fused_sample(logits, graph_s.penalty, graph_s.seen, graph_s.fparams, graph_s.iparams, pos,
+        out = cuda_sampler.fused_sample(logits, graph_s.penalty, graph_s.seen, graph_s.fparams, graph_s.iparams, pos,
                                     commit)  # fmt: skip
     graph_s.penalty.copy_(base.penalty)  # the capture did not run the kernel, but be explicit
     graph_s.seen.copy_(base.seen)
@@ -369,8 +369,8 @@ def test_sampler_slots_switch(dev, monkeypatch):
     want, _ = kernel(logits, s1, pos, commit)
     monkeypatch.setattr(S, "FUSED_KERNEL", True)
     called = []
-    real = cuda_ops.fused_sample
-    monkeypatch.setattr(cuda_ops, "fused_sample", lambda *a, **k: called.append(1) or real(*a, **k))
+    real = cuda_sampler.fused_sample
+    monkeypatch.setattr(cuda_sampler, "fused_sample", lambda *a, **k: called.append(1) or real(*a, **k))
     got = s2.sample(logits, pos, commit)
     assert called and torch.equal(got, want) and torch.equal(s1.penalty, s2.penalty)
 

@@ -86,7 +86,7 @@ top_p=0.3 nucleus, which made K=256 resolve nearly every row outside the graph).
 
 
 FUSED_KERNEL = os.environ.get("RWKV_FUSED_SAMPLER", "1") != "0"
-"""On CUDA, run the whole step as one kernel (kernels/sampler.cu via cuda_ops.fused_sample): exact
+"""On CUDA, run the whole step as one kernel (kernels/sampler.cu via cuda_sampler.fused_sample): exact
 (a stable full sort's result up to fp32 near ties, see the kernel's header), never -1, so no
 resolve. On by default (validated on the H200: test_sampler_kernel_gpu.py; RWKV_FUSED_SAMPLER=0
 turns it off); the torch code below stays the reference twin and the fallback (no kernels,
@@ -132,9 +132,9 @@ class SamplerSlots:
             resolve = self.device.type == "cpu"
         args = (self.penalty[:B], self.seen[:B], self.fparams[:B], self.iparams[:B])
         if FUSED_KERNEL and logits.is_cuda:
-            from server.model import cuda_ops  # deferred: no kernel build at import
+            from server.model import cuda_sampler  # deferred: no kernel build at import
 
-            tok = cuda_ops.fused_sample(logits, *args, positions, commit, greedy_only)
+            tok = cuda_sampler.fused_sample(logits, *args, positions, commit, greedy_only)
             if tok is not None:
                 return tok
         tok = sample(logits, *args, positions, commit, greedy_only)

@@ -32,16 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench_engine import DTYPES, add_model_args, bench_decode, decode_graphs  # noqa: E402
-from server.model import cuda_ops, decode_pack, lanes, load_model, rwkv7  # noqa: E402
+from server.model import cuda_ops, cuda_sampler, decode_pack, lanes, load_model, rwkv7  # noqa: E402
 
-SAMPLER_CLUSTER = cuda_ops.SAMPLER_CLUSTER  # the default, restored by the other variants
+SAMPLER_CLUSTER = cuda_sampler.SAMPLER_CLUSTER  # the default, restored by the other variants
 
 
 def configure(name: str, model) -> None:
     lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = 0, True
     cuda_ops.GEMV_SKIP_PADDING = name != "padread"
     cuda_ops._lib(model.device).pdl_mode(2 if name == "late" else 3)  # early weight loads off / on
-    cuda_ops.SAMPLER_CLUSTER = 4 if name == "cl4" else SAMPLER_CLUSTER
+    cuda_sampler.SAMPLER_CLUSTER = 4 if name == "cl4" else SAMPLER_CLUSTER
     merged = name != "splitlora"
     if name.startswith("lanes"):
         lanes.TWO_LANE_MIN, rwkv7.SIDE_STREAM = int(name[5:]), False

@@ -6,8 +6,8 @@
 Each step is timed as a CUDA-graph replay (as in the engine's decode graph): torch = sample()
 with the default CANDIDATES (top-1024 fast path; overflow rows come back -1 and would be resolved
 eagerly, their count is printed), torch-full = the exact full-sort reference (CANDIDATES = ()),
-kernel = cuda_ops.fused_sample (the cluster size it picks for B; then each forced: 4-CTA /
-3-CTA clusters, see cuda_ops.SAMPLER_CLUSTER). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
+kernel = cuda_sampler.fused_sample (the cluster size it picks for B; then each forced: 4-CTA /
+3-CTA clusters, see cuda_sampler.SAMPLER_CLUSTER). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
 every row commits. V = 65536. ms per step = median over replays (CUDA events).
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import server.engine.sampler as S  # noqa: E402
 from server.engine.sampler import SamplerSlots  # noqa: E402
 from server.engine.types import SamplingParams  # noqa: E402
-from server.model import cuda_ops  # noqa: E402
+from server.model import cuda_sampler  # noqa: E402
 
 V = 65536
 
@@ -81,11 +81,11 @@ def run(case: str, B: int, full: bool) -> dict:
             out["torch-full"] = time_graph(lambda: S.sample(logits, *args))
         finally:
             S.CANDIDATES = old
-    if cuda_ops.fused_sample(logits, *args) is None:
+    if cuda_sampler.fused_sample(logits, *args) is None:
         raise SystemExit("the fused sampler kernel is not available here (see the log)")
-    out["kernel"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args))  # the cluster size for B
+    out["kernel"] = time_graph(lambda: cuda_sampler.fused_sample(logits, *args))  # the cluster size for B
     for cl in (4, 3):
-        out[f"cl{cl}"] = time_graph(lambda: cuda_ops.fused_sample(logits, *args, cl=cl))
+        out[f"cl{cl}"] = time_graph(lambda: cuda_sampler.fused_sample(logits, *args, cl=cl))
     return out
 
 
@@ -107,7 +107,7 @@ def phases(case: str, B: int) -> None:
         slots = SamplerSlots(B, V, "cuda")
         slots.reset(range(B), [SamplingParams(seed=i, **kw) for i in range(B)], list(range(B)))
         args = (slots.penalty, slots.seen, slots.fparams, slots.iparams, pos, commit)
-        cells.append(f"{name} {time_graph(lambda: cuda_ops.fused_sample(logits, *args)):.3f}")
+        cells.append(f"{name} {time_graph(lambda: cuda_sampler.fused_sample(logits, *args)):.3f}")
     print(f"{case:7} B={B:5d} kernel ms: " + ", ".join(cells), flush=True)
 
 
