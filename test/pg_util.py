@@ -19,13 +19,13 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from util_server import free_port
 
 
 def find_pg_bin() -> str | None:
@@ -36,12 +36,6 @@ def find_pg_bin() -> str | None:
     versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
                       key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0)
     return os.path.dirname(versions[-1]) if versions else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PgCluster:
@@ -73,7 +67,7 @@ class PgCluster:
         if r.returncode:
             raise RuntimeError(f"initdb failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
         for attempt in range(3):  # the free port may be taken between the probe and the start
-            self.port = _free_port()
+            self.port = free_port()
             opts = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.dir} "
                     "-c max_connections=100")
             r = self._run("pg_ctl", "-D", self.data, "-l", self.log, "-o", opts, "-w", "-t", "60", "start")

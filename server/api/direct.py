@@ -70,6 +70,11 @@ def _gil_holding_write() -> Callable[[int, bytes], int] | None:
 _write = _gil_holding_write() or os.write
 
 
+def chunk(body: bytes) -> bytes:
+    """body as one HTTP/1.1 chunk (what uvicorn's send writes for a chunked body message)."""
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
 def transport_of(send: Callable, scope: dict) -> tuple[Any | None, str]:
     """(the plain-TCP transport behind uvicorn's httptools send for this HTTP/1.1 chunked
     response, "") or (None, why not)."""
@@ -215,7 +220,7 @@ class DirectStream:
         return out, last
 
     def _write(self, body: bytes) -> bool:
-        data = b"%x\r\n%b\r\n" % (len(body), body)
+        data = chunk(body)
         try:
             n = _write(self.fd, data)
         except BlockingIOError:

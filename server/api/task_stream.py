@@ -27,7 +27,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from server.api.direct import idle_transport
+from server.api.direct import chunk, idle_transport
 from server.api.sse import DONE, event
 from server.tasks import streaming
 
@@ -115,10 +115,7 @@ class TaskDirect:
         out, n = self.out, len(self.out)
         batch: list[Any] = []
         if n > self.pos:
-            text = out.text[out.char_at(self.pos):out.char_at(n)]
-            if text:
-                batch.append(streaming.text_event(self.t, text, n))
-            self.pos = n
+            batch, self.pos = streaming.new_text(self.t, out, self.pos, n), n
         if out.finished:
             batch += streaming.closing_events(self.t, out, self.pos)
         return _bytes(batch) if batch else (b"", False)
@@ -127,7 +124,7 @@ class TaskDirect:
         if self.transport.is_closing():
             self._leave("gone")
             return False
-        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self.transport.write(chunk(data))
         self.sent += 1
         return True
 

@@ -78,8 +78,9 @@ class Output:
             if not fut.done():
                 fut.set_result(None)
         self._waiters.clear()
-        for fn in list(self._listeners):  # a listener may leave while called
-            fn()
+        if self._listeners:
+            for fn in list(self._listeners):  # a listener may leave while called
+                fn()
 
     def listen(self, fn: Callable[[], None]) -> None:
         """fn() runs at every notify, on the event loop (it must not block or raise)."""

@@ -39,10 +39,7 @@ async def batches(t: Task, pos: int = 0, *, ping: float | None = 15.0,
         finished = out.finished
         n = len(out)
         if n > pos:
-            text = out.text[out.char_at(pos):out.char_at(n)]
-            if text:
-                batch = [text_event(t, text, n)]
-            pos = n
+            batch, pos = new_text(t, out, pos, n), n
         if finished:
             break
         if batch:
@@ -56,6 +53,12 @@ async def batches(t: Task, pos: int = 0, *, ping: float | None = 15.0,
         if (len(out), out.finished) == before:
             yield [KEEPALIVE]
     yield batch + closing_events(t, out, pos)
+
+
+def new_text(t: Task, out: Output, pos: int, n: int) -> list[Any]:
+    """[the text event of output tokens pos..n] ([] when they brought no text)."""
+    text = out.text[out.char_at(pos):out.char_at(n)]
+    return [text_event(t, text, n)] if text else []
 
 
 def closing_events(t: Task, out: Output, pos: int) -> list[Any]:
