@@ -416,3 +416,37 @@ async def test_a_missing_database_driver_is_named(monkeypatch):
     with pytest.raises(RuntimeError, match=r"needs the asyncpg package.*\[postgres\]"):
         await store.open()
     assert store.engine is None
+
+
+def _open_together(db: str, barrier, q) -> None:
+    """Child process: wait until every child has imported, open (migrate) the store, report."""
+    try:
+        barrier.wait(timeout=120)
+
+        async def go():
+            s = Store(db)
+            await s.open()
+            rev = s.revision
+            await s.close()
+            return rev
+        q.put(("ok", asyncio.run(go())))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_processes_opening_one_empty_database_at_once_all_succeed(db_url):
+    """Several servers started together on one new database: each migrates or waits for the one
+    that does; none fails on a table the other created."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_open_together, args=(str(db_url), barrier, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert results == [("ok", "0002")] * 4, results
+    assert asyncio.run(run_sql(db_url, "select version_num from alembic_version")) == [("0002",)]

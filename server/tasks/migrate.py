@@ -42,8 +42,15 @@ def current_revision(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
+MIGRATION_LOCK = 0x52574B56_07  # PostgreSQL advisory lock key of the migrations ("RWKV", 7)
+
+
 def upgrade(connection: Connection, target: str = "head") -> tuple[str | None, str]:
-    """Upgrade the database on `connection` to `target`; returns (revision before, after)."""
+    """Upgrade the database on `connection` to `target`; returns (revision before, after).
+    On PostgreSQL it first takes a transaction-scoped advisory lock, so a second server
+    migrating the same database waits for the first and then finds nothing to do."""
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
     cfg = alembic_config(connection)
     script = ScriptDirectory.from_config(cfg)
     before = current_revision(connection)

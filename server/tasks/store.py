@@ -53,14 +53,19 @@ def _sqlite_setup(engine: AsyncEngine) -> None:
         # are blobs of megabytes (21 MB for 2.9B in fp32), stored as chains of overflow pages:
         # a 21 MB commit took 126 ms with 4 KiB pages and 27 ms with 64 KiB ones (WAL,
         # synchronous=FULL, same disk, interleaved); one-row updates were no slower.
-        for pragma in ("page_size=65536", "journal_mode=WAL", "synchronous=FULL", "busy_timeout=30000",
+        # busy_timeout before journal_mode: switching a new file to WAL takes a lock that another
+        # process opening the same file at the same time may hold.
+        for pragma in ("busy_timeout=30000", "page_size=65536", "journal_mode=WAL", "synchronous=FULL",
                        "journal_size_limit=67108864", "temp_store=MEMORY"):
             cur.execute(f"PRAGMA {pragma}")
         cur.close()
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN")
+        # IMMEDIATE takes the write lock up front (waiting up to busy_timeout for it); a deferred
+        # transaction that read first and then writes fails at once if another process wrote.
+        immediate = conn.get_execution_options().get("sqlite_immediate", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
 class Store:
@@ -86,8 +91,13 @@ class Store:
         if self.is_sqlite:
             _sqlite_setup(self.engine)
         try:
-            async with self.engine.begin() as conn:
-                self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
+            # migrations hold the database's write lock from the start (SQLite: BEGIN IMMEDIATE;
+            # PostgreSQL: an advisory lock in migrate.upgrade), so servers opening one new
+            # database together run them one after the other instead of failing on each other
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(sqlite_immediate=True)
+                async with conn.begin():
+                    self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
         except BaseException:
             await self.engine.dispose()
             self.engine = None
