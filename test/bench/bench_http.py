@@ -15,7 +15,8 @@ stream, no SSE/JSON parsing per event), split over --client-procs processes (def
 Figures per N:
 - decode_tok_s: SERVER-side steady-state throughput: the server's generated-token counter
   (/metrics rwkv_generation_tokens_total, polled every 0.2 s) over the window where every stream
-  is generating (from the last first token to the first stream's end); `wave_tok_s`: all
+  is generating (from the last first token to the first stream's end); `delivered_tok_s`: the
+  same window measured by the clients (tokens received; see delivered_rate); `wave_tok_s`: all
   completion tokens / wall time of the whole wave (ramp-up and tail included);
 - TTFT p50/p95 (request sent -> first content bytes), inter-token p50/p95: the gaps between the
   reads that carried `data:` events of one stream (a read that carries several events counts once);
@@ -75,7 +76,7 @@ def client_main(spec: str) -> None:
     res = asyncio.run(run_streams(host, int(port), path, bodies, float(stagger_ms)))
     c1 = os.times()
     streams = [{"start": r["start"], "first": r["stamps"][0] if r["stamps"] else None, "end": r["end"],
-                "tokens": r["tokens"], "gaps": [b - a for a, b in zip(r["stamps"], r["stamps"][1:])]}
+                "tokens": r["tokens"], "stamps": [round(t, 6) for t in r["stamps"]], "counts": r["counts"]}
                for r in res]  # fmt: skip
     print(json.dumps({"cpu": (c1.user + c1.system) - (c0.user + c0.system), "streams": streams}))
 
@@ -144,18 +145,38 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     streams = [s for p in parts for s in p["streams"]]
     toks = sum(s["tokens"] for s in streams)
     ttft = [(s["first"] - s["start"]) * 1e3 for s in streams if s["first"] is not None]
-    gaps = [g * 1e3 for s in streams for g in s["gaps"]]
+    gaps = [(b - a) * 1e3 for s in streams for a, b in zip(s["stamps"], s["stamps"][1:])]
     t_all = max((s["first"] for s in streams if s["first"] is not None), default=t0)
     t_end = min(s["end"] for s in streams)
     steady = counter.rate(t_all, t_end)  # None: no window where all N streams decode (printed as such)
+    delivered = delivered_rate(streams, t_all)
     client_cpu = sum(p["cpu"] for p in parts)
     return {"streams": n, "tokens": toks, "wall_s": wall, "wave_tok_s": toks / wall,
-            "decode_tok_s": steady, "steady": steady is not None,
+            "decode_tok_s": steady, "steady": steady is not None, "delivered_tok_s": delivered,
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
             "itl_p50": pct(gaps, 0.5), "itl_p95": pct(gaps, 0.95),
             "client_procs": len(sizes), "client_cpu_s": client_cpu,
             "client_cpu_pct": 100 * client_cpu / wall, "client_us_per_tok": 1e6 * client_cpu / max(toks, 1),
             "server_cpu_s": s1 - s0, "server_us_per_tok": 1e6 * (s1 - s0) / max(toks, 1)}  # fmt: skip
+
+
+def delivered_rate(streams: list[dict], t_a: float) -> float | None:
+    """CLIENT-side steady rate: tokens the streams received in (t_a, t_b] / (t_b - t_a), where t_a
+    is the last stream's first token and t_b the earliest next-to-last data read of any stream
+    (the last read carries the final event, which on the task routes waits for the task's final
+    row). A read's tokens are its share of its stream's tokens by data events (ev/tok is ~1).
+    No polling, no server clock: the /metrics samples behind decode_tok_s are served by the same
+    event loop as the streams, so a busy loop delays them and skews a short window."""
+    if any(len(s["stamps"]) < 3 for s in streams):
+        return None
+    t_b = min(s["stamps"][-2] for s in streams)
+    if t_b - t_a < 0.3:
+        return None
+    got = 0.0
+    for s in streams:
+        per_event = s["tokens"] / max(sum(s["counts"]), 1)
+        got += per_event * sum(c for t, c in zip(s["stamps"], s["counts"]) if t_a < t <= t_b)
+    return got / (t_b - t_a)
 
 
 def _r(x: float, nd: int) -> float | None:
@@ -210,7 +231,8 @@ def main() -> None:
             procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
             r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, a.route)
             steady = f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"] else "(no steady window: not all streams overlapped)"
-            print(f"  {n:4d} streams: server {steady} "
+            got = f"{r['delivered_tok_s']:.1f}" if r["delivered_tok_s"] is not None else "-"
+            print(f"  {n:4d} streams: server {steady}, delivered {got} "
                   f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
                   f"ITL p50 {r['itl_p50']:.1f} p95 {r['itl_p95']:.1f} ms  client CPU {r['client_cpu_pct']:.0f}% "
                   f"of a core in {r['client_procs']} proc(s) ({r['client_us_per_tok']:.1f} us/tok)  "
@@ -218,6 +240,7 @@ def main() -> None:
             lines.append({"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": a.model,
                           "state_dtype": a.state_dtype, "mode": "http", "batch": n,
                           "decode_tok_s": _r(r["decode_tok_s"], 1), "wave_tok_s": round(r["wave_tok_s"], 1),
+                          "delivered_tok_s": _r(r["delivered_tok_s"], 1),
                           "ttft_p50_ms": _r(r["ttft_p50"], 1), "ttft_p95_ms": _r(r["ttft_p95"], 1),
                           "itl_p50_ms": _r(r["itl_p50"], 2), "itl_p95_ms": _r(r["itl_p95"], 2),
                           "max_tokens": a.max_tokens, "stagger_ms": a.stagger_ms or None, "dtype": a.dtype, "max_batch": max_batch,
@@ -233,11 +256,12 @@ def main() -> None:
         srv.stop()
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
     write_lines(a.out, lines)
-    print(f"\n{'streams':>7} {'tok/s':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7} "
+    print(f"\n{'streams':>7} {'tok/s':>10} {'delivered':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7} "
           f"{'client%':>8}")
     for x in lines:
         tok_s = f"{x['decode_tok_s']:10.1f}" if x["decode_tok_s"] is not None else f"{'-':>10}"
-        print(f"{x['batch']:7d} {tok_s} {x['wave_tok_s']:10.1f} {x['ttft_p50_ms']:9.0f} "
+        got = f"{x['delivered_tok_s']:10.1f}" if x["delivered_tok_s"] is not None else f"{'-':>10}"
+        print(f"{x['batch']:7d} {tok_s} {got} {x['wave_tok_s']:10.1f} {x['ttft_p50_ms']:9.0f} "
               f"{x['ttft_p95_ms']:7.0f} {x['itl_p50_ms']:8.1f} {x['itl_p95_ms']:7.1f} {x['client_cpu_pct']:8.0f}")
 
 

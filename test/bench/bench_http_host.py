@@ -111,6 +111,7 @@ async def one_stream(host: str, port: int, path: str, body: bytes, res: list) ->
     t0 = time.perf_counter()
     writer.write(req)
     stamps: list[float] = []
+    counts: list[int] = []  # data events in the read at stamps[i]
     tail = b""
     events = 0
     while True:
@@ -120,6 +121,7 @@ async def one_stream(host: str, port: int, path: str, body: bytes, res: list) ->
         n = data.count(b"data: ")
         if n and not (n == 1 and b'"role":"assistant"' in data):  # a chat's role chunk is no token
             stamps.append(time.perf_counter())
+            counts.append(n)
             events += n
         tail = (tail + data)[-2048:]
         if b"data: [DONE]" in tail:
@@ -128,7 +130,7 @@ async def one_stream(host: str, port: int, path: str, body: bytes, res: list) ->
     m = _USAGE.findall(tail)
     if not tail.startswith(b"HTTP/1.1 200") and not stamps:
         raise RuntimeError(f"bad answer: {tail[:300]!r}")
-    res.append({"start": t0, "end": time.perf_counter(), "stamps": stamps, "events": events,
+    res.append({"start": t0, "end": time.perf_counter(), "stamps": stamps, "counts": counts, "events": events,
                 "tokens": int(m[-1]) if m else 0})
 
 
