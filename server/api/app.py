@@ -124,9 +124,9 @@ async def _load(app: FastAPI, services: Services, exit_on_error: bool) -> None:
 async def _start_tasks(services: Services):
     from server.tasks import TaskManager
 
-    tasks = TaskManager(services.engine, services.tokenizer, services.settings, services.model.shape)
     # task runs count in the TTFT / inter-token / duration histograms, as OpenAI requests do
-    tasks.latency = lambda: Recorder(services.metrics, time.perf_counter())
+    tasks = TaskManager(services.engine, services.tokenizer, services.settings, services.model.shape,
+                        latency=lambda: Recorder(services.metrics, time.perf_counter()))
     await tasks.start()
     return tasks
 

@@ -213,7 +213,7 @@ class DirectStream:
         job = self.job
         _record(job, batch, self.recorder)
         if job.finish_reason == "error" and job.error is None:
-            res = self.handle._result  # delivered with the finishing event
+            res = self.handle.peek_result()  # delivered with the finishing event
             job.error = (getattr(res, "error", None) or "generation failed")
         out, last = self.parts.take(job, batch)
         self.ended = self.ended or last

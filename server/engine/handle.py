@@ -191,6 +191,10 @@ class RequestHandle:
         assert self._result is not None
         return self._result
 
+    def peek_result(self) -> Result | None:
+        """The Result once it was delivered (with the finishing event), else None. No waiting."""
+        return self._result
+
     def abort(self) -> bool:
         return self._engine.abort(self.request_id)
 

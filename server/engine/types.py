@@ -18,9 +18,33 @@ ERROR = "error"  # the request failed (the engine survives)
 EOS_TOKEN = 0
 
 
+LIMITS: dict[str, tuple[float, float]] = {
+    "max_tokens": (0, 1_048_576),
+    "temperature": (0.0, 5.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (-1, 1_000_000),
+    "presence_penalty": (-10.0, 10.0),
+    "repetition_penalty": (-10.0, 10.0),
+    "penalty_decay": (0.0, 1.0),
+    "seed": (0, 2**63 - 1),
+}
+"""The one set of bounds (inclusive) of the sampling fields, shared by every route family.
+top_k -1 and 0 both mean "no top-k cut" (the SDK sends -1)."""
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_CHARS = 256
+"""Bounds on stop rules (count of strings, count of token ids, characters per string)."""
+
+FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty",
+          "repetition_penalty", "penalty_decay", "seed", "stop", "stop_token_ids", "ignore_eos")
+"""The names of SamplingParams' fields as requests and stored task parameters spell them."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-sequence generation parameters (validated by the API layer)."""
+    """Per-sequence generation parameters. The defaults here are the server's defaults for every
+    route (max_tokens aside: Settings.default_max_tokens); LIMITS bounds them."""
 
     max_tokens: int = 256
     """Tokens to generate; 0 = prefill only (the sequence ends with its state ready)."""
@@ -42,6 +66,53 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end the sequence (EOS, id 0, always does unless ignore_eos)."""
     ignore_eos: bool = False
+
+    @classmethod
+    def from_fields(cls, fields: "dict[str, Any]", default_max_tokens: int) -> "SamplingParams":
+        """The one mapping from request / stored fields (FIELDS names; absent or None = default)
+        to SamplingParams. Values are assumed checked against LIMITS (`check_fields`)."""
+        d = cls()
+        get = lambda k, dv: dv if fields.get(k) is None else fields[k]  # noqa: E731
+        stop = get("stop", ())
+        return cls(
+            max_tokens=int(get("max_tokens", default_max_tokens)),
+            temperature=float(get("temperature", d.temperature)),
+            top_p=float(get("top_p", d.top_p)),
+            top_k=max(0, int(get("top_k", d.top_k))),  # -1 (the SDK's "no cut") == 0
+            presence_penalty=float(get("presence_penalty", d.presence_penalty)),
+            repetition_penalty=float(get("repetition_penalty", d.repetition_penalty)),
+            penalty_decay=float(get("penalty_decay", d.penalty_decay)),
+            seed=None if fields.get("seed") is None else int(fields["seed"]),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(int(t) for t in get("stop_token_ids", ())),
+            ignore_eos=bool(get("ignore_eos", False)),
+        )
+
+
+def check_fields(fields: "dict[str, Any]", vocab_size: int) -> None:
+    """Raise ValueError naming the first field outside LIMITS (or a stop rule that cannot be
+    used: too many, empty, not valid text, a token id outside the vocabulary)."""
+    for k, (lo, hi) in LIMITS.items():
+        v = fields.get(k)
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"invalid '{k}': {v!r} is outside [{lo}, {hi}]")
+    stop = fields.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"invalid 'stop': at most {MAX_STOP_STRINGS} stop strings")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"invalid 'stop': each stop string has 1 to {MAX_STOP_CHARS} characters")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("invalid 'stop': not valid UTF-8 text (a lone surrogate?)") from None
+    ids = list(fields.get("stop_token_ids") or ())
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"invalid 'stop_token_ids': at most {MAX_STOP_TOKEN_IDS} ids")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"invalid 'stop_token_ids': {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(slots=True)

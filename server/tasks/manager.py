@@ -33,7 +33,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 class TaskManager(RunMixin, PersistMixin, InventoryMixin):
     def __init__(self, engine: Any, tokenizer: Any, settings: Any, model_shape: Any, *,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, latency: Any = None) -> None:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.signature = model_shape.signature()
         self.vocab_size = int(model_shape.vocab_size)
@@ -45,7 +45,7 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         self.live: dict[str, Task] = {}  # TMP tasks, running tasks, tasks with writes pending
         self.recent: LRUCache = LRUCache(maxsize=1024)  # finished stored tasks read lately
         self.counters: Counter = Counter()
-        self.latency: Any = None
+        self.latency: Any = latency
         """Optional factory of a latency recorder per run (the HTTP layer's Recorder, bound to
         its Metrics): on_batch(run, events) per batch of tokens, finish() at the end."""
         self.interrupted: list[str] = []

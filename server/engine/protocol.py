@@ -1,0 +1,72 @@
+"""The engine as the task layer and the API see it: typed seams, no torch import.
+
+`server.engine.Engine` and its `RequestHandle` satisfy these protocols; the task manager, the
+HTTP routes and the tests depend on the protocols, so any engine (a fake in a test, one engine
+per GPU behind a router) can stand in.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Callable, Iterator, Protocol, Sequence, runtime_checkable
+
+from .types import EngineStats, Event, Result, SamplingParams
+
+
+@runtime_checkable
+class StateLike(Protocol):
+    """A batch-1 model state (`server.model.state.State`) as the layers above the model see it."""
+
+    def nbytes(self) -> int: ...
+
+
+class Handle(Protocol):
+    """One submitted sequence, seen from its caller."""
+
+    request_id: str
+
+    @property
+    def done(self) -> bool: ...
+
+    def take_ready(self) -> list[Event] | None:
+        """The events pending now; [] once ended and drained; None when nothing is there yet."""
+        ...
+
+    async def next_batch(self) -> list[Event]: ...
+
+    def batches(self) -> AsyncIterator[list[Event]]: ...
+
+    def __iter__(self) -> Iterator[Event]: ...
+
+    async def wait(self) -> Result: ...
+
+    def result(self, timeout: float | None = None) -> Result: ...
+
+    def peek_result(self) -> Result | None:
+        """The Result once it was delivered (with the finishing event), else None. No waiting."""
+        ...
+
+    def abort(self) -> bool: ...
+
+    def set_listener(self, fn: Callable[[], None] | None) -> None:
+        """fn() runs on the engine thread after each delivery to this handle, instead of the
+        event-loop wake-up (it must not block; it takes the events with take_ready)."""
+        ...
+
+
+class EngineAPI(Protocol):
+    """What the task manager and the routes need from an engine."""
+
+    max_batch: int
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               init_state: StateLike | None = None, request_id: str | None = None,
+               return_state: bool = False) -> Handle: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self, timeout: float = 30.0) -> None: ...
