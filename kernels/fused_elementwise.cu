@@ -1,5 +1,5 @@
 // Fused elementwise kernels of the decode step (everything around the GEMMs that is not the
-// time-mix core of wkv7_tmix.cu). Pure-torch twins: server.model.ops.{add_ln_mix, relu_square,
+// time-mix core of wkv7_tmix_fused.cu). Pure-torch twins: server.model.ops.{add_ln_mix, relu_square,
 // lora_act}. Each mimics the fp16/bf16 roundings of the torch sequence it replaces (every
 // intermediate torch would store is rounded to F here too), so results match to ~1 ulp.
 //
@@ -29,7 +29,6 @@ struct LnArgs {
     long long x_bs, dx_bs, shift_bs, xo_bs, out_bs, out_plane;
     int C, K;
     float eps;
-    int early;  // v2 kernel: LN weights and mix rows loaded before pdl_wait (rwkv_pdl::early_loads)
 };
 
 template <typename F>
@@ -184,7 +183,7 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs 
     // mix rows stay packed (16-bit: 4 registers per row; fp32 compute reads them after the
     // reduction): 76 registers, 2 blocks of 320 threads per SM (at 107 registers, with the mixes
     // unpacked to fp32, only one fit). The weights (LN w / b, mix rows) go out before the wait
-    // for the predecessor when p.early (pdl.cuh); x, dx and the shift state after it.
+    // for the predecessor (pdl.cuh); x, dx and the shift state after it.
     constexpr bool EARLY = sizeof(F) == 2;
     uint4 mraw[LN_KMAX];
     auto load_weights = [&] {
@@ -196,14 +195,13 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs 
                 if (k < p.K) mraw[k] = *reinterpret_cast<const uint4 *>((const F *)p.mix + (long long)k * p.C + c);
         }
     };
-    if (act && p.early) load_weights();
+    if (act) load_weights();
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
     if (act) {
         load8<F>((const F *)p.x + b * p.x_bs + c, v);
         if (has_dx) load8<F>((const F *)p.dx + b * p.dx_bs + c, d);
         if (has_shift) load8<F>((const F *)p.shift + b * p.shift_bs + c, prev);
-        if (!p.early) load_weights();
     }
     // residual add and this thread's (count, mean, M2)
     float n = 0.f, mean = 0.f, m2 = 0.f;
@@ -317,7 +315,7 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     int threads = ((nv + wkv7::LN_VPT - 1) / wkv7::LN_VPT + 31) / 32 * 32;
     threads = threads < 128 ? 128 : threads;
     wkv7::LnArgs p{x, dx, ln_w, ln_b, mix, shift, x_out, out, x_bs, dx_bs, shift_bs, xo_bs, out_bs, out_plane,
-                   C, K, eps, rwkv_pdl::early_loads() ? 1 : 0};
+                   C, K, eps};
     // fast path: 16-byte aligned rows of whole 8-column groups, one group per thread
     auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
     const int VW = wkv7::LN_VW;
@@ -359,14 +357,10 @@ extern "C" int fused_lora_act(int f_dt, void *a, long long na, void *g, long lon
     });
 }
 
-// Programmatic dependent launch (pdl.cuh): mode 0 = plain launches, 1 = PDL where supported,
-// -1 = leave as is. Returns whether launches on the current device used PDL before the call.
+// Programmatic dependent launch (pdl.cuh), a test hook: mode 0 = plain launches (what GPUs before
+// sm_90 get), 1 = PDL where supported (the default), -1 = leave as is. Returns whether launches on
+// the current device used PDL before the call.
 extern "C" int pdl_mode(int mode) {
-    if (mode == 2 || mode == 3) {  // early weight loads off / on
-        const int was = rwkv_pdl::early_loads() ? 3 : 2;
-        rwkv_pdl::early_switch() = mode - 2;
-        return was;
-    }
     const int was = rwkv_pdl::pdl_enabled() ? 1 : 0;
     if (mode == 0 || mode == 1) rwkv_pdl::pdl_switch() = mode;
     return was;

@@ -10,12 +10,13 @@ are captured by CUDA graphs like any torch op).
 
 All dtype combinations are compiled into one module, so the build is cached per (GPU arch, head
 size) -- and per hash of the sources, headers and generated binding, and torch/CUDA/nvcc
-versions -- under ~/.cache/rwkv-server/kernels/<key>/ (RWKV_KERNEL_CACHE overrides the root).
-Arch: this GPU's own machine code plus its PTX (TORCH_CUDA_ARCH_LIST="9.0+PTX" on the H200); if
-the toolkit does not know that arch, a generic compute_75 PTX build that the driver compiles at
-load. Any failure (no CUDA, no nvcc or ninja, a compile error) is logged once as a warning and
-`load()` returns None, so callers keep the pure-torch path. RWKV_KERNELS=0 (or =torch, as the
-model reads it) disables the kernels.
+versions -- under <cache root>/<key>/ (the caller's cache root, default DEFAULT_CACHE_ROOT).
+Arch: this GPU's own machine code plus its PTX (arch list "9.0+PTX" on the H200, passed to nvcc
+as -gencode flags); if the toolkit does not know that arch, a generic compute_75 PTX build that
+the driver compiles at load. Any failure (no CUDA, no nvcc or ninja, a compile error) is logged
+once as a warning and `load()` returns None, so callers keep the pure-torch path. Whether the
+kernels are wanted at all is the caller's choice (server.model.rwkv7.select_ops); this module
+reads no settings of its own.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import os
 import re
 import subprocess
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +59,13 @@ class KernelsUnavailable(RuntimeError):
     """The kernels cannot be built or loaded here (the message says why)."""
 
 
-def cache_root() -> Path:
-    env = os.environ.get("RWKV_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "rwkv-server" / "kernels"
+DEFAULT_CACHE_ROOT = Path("~/.cache/rwkv-server/kernels")
+"""Where builds go when the caller names no cache root (Settings.kernel_cache has the same default)."""
+
+
+def cache_dir(root: str | Path | None = None) -> Path:
+    """The build cache folder: `root` (a leading ~ expanded), else DEFAULT_CACHE_ROOT."""
+    return Path(root if root else DEFAULT_CACHE_ROOT).expanduser()
 
 
 def binding_source(signatures: dict[str, list[str]] = SIGNATURES) -> str:
@@ -105,6 +108,13 @@ def nvcc_flags(head_size: int) -> list[str]:
     return ["-O3", "-std=c++17", f"-DRWKV_HEAD_SIZE={head_size}", *_NVCC_UNDEF]
 
 
+def arch_flags(arch_list: str) -> list[str]:
+    """The nvcc -gencode flags of an arch list such as "9.0+PTX": this arch's machine code, plus
+    its PTX with "+PTX" (what torch's TORCH_CUDA_ARCH_LIST gives; passed explicitly, torch adds no
+    arch flags of its own)."""
+    return _gencode(arch_list).split()
+
+
 def _source_hash() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
@@ -138,23 +148,9 @@ def error_summary(text: str, n: int = 8) -> str:
     return "\n".join(ln if len(ln) < 500 else ln[:500] + " ..." for ln in picked)
 
 
-@contextmanager
-def _env(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def build(arch_list: str, head_size: int, root: Path | None = None, extra_ldflags: list[str] | None = None):
-    """Build (or load the cached build of) the kernel module for one arch list; raises on failure.
-    Returns (module, key, built: bool)."""
+def build(arch_list: str, head_size: int, root: str | Path | None = None, extra_ldflags: list[str] | None = None):
+    """Build (or load the cached build of) the kernel module for one arch list under the cache
+    root `root` (default DEFAULT_CACHE_ROOT); raises on failure. Returns (module, key, built: bool)."""
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
@@ -164,7 +160,7 @@ def build(arch_list: str, head_size: int, root: Path | None = None, extra_ldflag
         raise KernelsUnavailable("nvcc not found (set CUDA_HOME)")
     binding = binding_source()
     key = build_key(arch_list, head_size, _toolchain(nvcc), binding)
-    d = (root or cache_root()) / key
+    d = cache_dir(root) / key
     d.mkdir(parents=True, exist_ok=True)
     cpp = d / "binding.cpp"
     if not cpp.exists() or cpp.read_text() != binding:  # rewrite only if changed: ninja uses mtimes
@@ -176,46 +172,44 @@ def build(arch_list: str, head_size: int, root: Path | None = None, extra_ldflag
         (d / "lock").unlink(missing_ok=True)
         built = not (d / f"{key}.so").exists()
         t0 = time.perf_counter()
-        with _env(TORCH_CUDA_ARCH_LIST=arch_list):
-            mod = cpp_extension.load(
-                name=key,
-                sources=[str(cpp)] + [str(KERNEL_DIR / s) for s in SOURCES],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=nvcc_flags(head_size),
-                extra_ldflags=extra_ldflags,
-                build_directory=str(d),
-                with_cuda=True,
-                verbose=False,
-            )
+        mod = cpp_extension.load(
+            name=key,
+            sources=[str(cpp)] + [str(KERNEL_DIR / s) for s in SOURCES],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=nvcc_flags(head_size) + arch_flags(arch_list),
+            extra_ldflags=extra_ldflags,
+            build_directory=str(d),
+            with_cuda=True,
+            verbose=False,
+        )
     dt = time.perf_counter() - t0
     if built:
-        log.info("WKV-7 kernels: built %s (TORCH_CUDA_ARCH_LIST=%s: %s, head size %d) in %.1fs",
+        log.info("WKV-7 kernels: built %s (arch %s: %s, head size %d) in %.1fs",
                  d / f"{key}.so", arch_list, _gencode(arch_list), head_size, dt)  # fmt: skip
     else:
         log.info("WKV-7 kernels: loaded cached %s (%.2fs)", d / f"{key}.so", dt)
     return mod, key, built
 
 
-def _build_or_load(arch: tuple[int, int], head_size: int):
+def _build_or_load(arch: tuple[int, int], head_size: int, root: str | Path | None):
     errors = []
     for al in (arch_list(arch), FALLBACK_ARCH_LIST):
         try:
-            return build(al, head_size)[0]
+            return build(al, head_size, root)[0]
         except KernelsUnavailable:
             raise
         except Exception as e:
-            errors.append(f"TORCH_CUDA_ARCH_LIST={al}: {error_summary(e)}")
+            errors.append(f"arch {al}: {error_summary(e)}")
             if not re.search(r"unsupported gpu architecture|unknown cuda arch|gpu not supported", str(e), re.I):
                 break  # a real compile error: the PTX build would fail the same way
     raise KernelsUnavailable("build failed:\n" + "\n".join(errors))
 
 
-def load(device=None, head_size: int = 64):
+def load(device=None, head_size: int = 64, cache_root: str | Path | None = None):
     """The kernel module for this CUDA device and head size (its attributes are the
-    SIGNATURES functions), building it if needed; None if the kernels cannot be used here
-    (the reason is logged once)."""
-    if os.environ.get("RWKV_KERNELS", "auto") in ("0", "torch"):
-        return None
+    SIGNATURES functions), building it under `cache_root` (default DEFAULT_CACHE_ROOT) if this
+    process has not loaded it yet; None if the kernels cannot be used here (the reason is logged
+    once)."""
     fast = _keys.get((str(device), head_size))
     if fast is not None and fast in _mods:  # the per-op fast path: no CUDA query, no lock
         return _mods[fast]
@@ -235,18 +229,30 @@ def load(device=None, head_size: int = 64):
             try:
                 if reason is not None:
                     raise KernelsUnavailable(reason)
-                _mods[key] = _build_or_load(key[0], head_size)
+                _mods[key] = _build_or_load(key[0], head_size, cache_root)
             except Exception as e:
                 log.warning("WKV-7 kernels unavailable, using the pure-torch path: %s", error_summary(e, 12))
                 _mods[key] = None
         return _mods[key]
 
 
-def load_any(device=None):
-    """A kernel module for this device whatever its head size, for kernels that do not depend on
-    it (the sampler): one already loaded if any, so it never triggers a second build; else the
-    default head size's."""
+def loaded_any(device=None):
+    """A kernel module this process already loaded for this device, whatever its head size, for
+    kernels that do not depend on it (the sampler); None when none is loaded (the model runs the
+    pure-torch ops, or the kernels failed to build). Never builds: the model's start-up does."""
     for (dev, _), key in list(_keys.items()):
         if dev == str(device) and _mods.get(key) is not None:
             return _mods[key]
-    return load(device)
+    try:  # another spelling of a loaded device ("cuda" / "cuda:0"): match its capability
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        cap = torch.cuda.get_device_capability(device)
+    except Exception:  # pragma: no cover - broken CUDA install
+        return None
+    for key, mod in list(_mods.items()):
+        if mod is not None and key[0] == cap:
+            _keys[(str(device), key[1])] = key  # the next call takes the first loop
+            return mod
+    return None

@@ -8,12 +8,13 @@
 // nothing. So results equal a plain launch's, while the launch latency and the first loads
 // overlap the predecessor's tail. Each kernel here calls pdl_wait() before its first access to
 // activations and pdl_trigger() right after it (at most one dependent grid waits at a time).
-// cuBLAS kernels do not trigger: a kernel after a GEMM starts when the GEMM ends, as before.
-// Plain launches on GPUs before sm_90 and with RWKV_PDL=0 (read once per device).
+// cuBLAS kernels do not trigger: a kernel after a GEMM starts when the GEMM ends, as with a plain launch.
+// add_ln_mix and the time-mix kernels also read their weight vectors (LayerNorm / mix rows,
+// per-head constants) before pdl_wait(): weights are never written by a kernel in flight, so this
+// is the rule above, and it takes their (cold, HBM) round trip off the path after the wait.
+// GPUs before sm_90 get plain launches (decided per device by its compute capability).
 #pragma once
 #include <cuda_runtime.h>
-
-#include "env.cuh"
 
 namespace rwkv_pdl {
 
@@ -29,27 +30,11 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// The switch: -1 = RWKV_PDL (default on), 0 / 1 = set by pdl_mode() (the tests' A/B).
+// Test hook (pdl_mode in fused_elementwise.cu): 0 forces plain launches, as GPUs before sm_90
+// get, so that the tests can compare the two on one GPU; 1 (the default) uses PDL where supported.
 inline int &pdl_switch() {
-    static int v = -1;
+    static int v = 1;
     return v;
-}
-
-// Early weight loads (default on; RWKV_PDL_EARLY=0 or pdl_mode(2) off, pdl_mode(3) on): add_ln_mix
-// and the fused time-mix read their weight vectors (LayerNorm / mix rows, per-head constants)
-// BEFORE pdl_wait(), beside the loads already issued there. Weights are never written by a kernel
-// in flight, so this is the rule above; it takes their (cold, HBM) round trip off the path after
-// the wait, where only the activations (just written: L2) remain. Read when a kernel is launched.
-inline int &early_switch() {
-    static int v = -1;
-    return v;
-}
-
-inline bool early_loads() {
-    if (early_switch() < 0) {
-        early_switch() = rwkv_env::env_on("RWKV_PDL_EARLY") ? 1 : 0;
-    }
-    return early_switch() == 1;
 }
 
 inline bool pdl_enabled() {
@@ -61,9 +46,6 @@ inline bool pdl_enabled() {
         int major = 0;
         if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) major = 0;
         s = major >= 9 ? 1 : 2;
-    }
-    if (pdl_switch() < 0) {
-        pdl_switch() = rwkv_env::env_on("RWKV_PDL") ? 1 : 0;
     }
     return s == 1 && pdl_switch() == 1;
 }

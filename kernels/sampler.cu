@@ -12,8 +12,7 @@
 // Cross-CTA reductions and histograms go through distributed shared memory (cluster.sync).
 // The grid is at most one wave of clusters (rows_per_wave); a cluster takes rows blockIdx.y,
 // + gridDim.y, ... and, once a row's inputs are in shared memory, asks the L2 for its next row's
-// logits and penalty (bulk prefetch), so that they stream in during the select phases
-// (RWKV_SAMPLER_PERSIST=0: a cluster per row; RWKV_SAMPLER_PREFETCH=0: the loop, no prefetch).
+// logits and penalty (bulk prefetch), so that they stream in during the select phases.
 // The step is latency bound (one 1024-thread CTA per SM; ~10x above its memory time), so the
 // code keeps the barriers per radix pass to one cluster.sync + one __syncthreads, and no phase
 // has one warp working serially while the others wait (see radix_select, cl_reduce).
@@ -52,7 +51,6 @@
 // Files: sampler_common.cuh (Args, Cfg, shared memory, shuffles, cl_reduce, Row, fixed point),
 // sampler_select.cuh (radix_select), sampler_walk.cuh (block_scan, group_walk); this file: the
 // kernel, its launch configuration and the C entry point.
-#include "env.cuh"
 #include "sampler_common.cuh"
 #include "sampler_select.cuh"
 #include "sampler_walk.cuh"
@@ -223,18 +221,6 @@ int rows_per_wave(int dev) {
     return r > 0 ? r : 0;
 }
 
-// RWKV_SAMPLER_PERSIST=0: a cluster per row (the grid as large as the batch; no prefetch either);
-// RWKV_SAMPLER_PREFETCH=0: one wave of clusters looping over the rows, without the L2 prefetch.
-// Read once. The results do not depend on either.
-inline bool persistent() {
-    static const bool on = rwkv_env::env_on("RWKV_SAMPLER_PERSIST");
-    return on;
-}
-inline bool prefetch_on() {
-    static const bool on = rwkv_env::env_on("RWKV_SAMPLER_PREFETCH");
-    return on;
-}
-
 template <int CL>
 int launch(const Args &a, int B, cudaStream_t st) {
     int dev = 0;
@@ -242,10 +228,10 @@ int launch(const Args &a, int B, cudaStream_t st) {
     if (e == cudaSuccess) e = prepare<CL>(dev);
     if (e != cudaSuccess) return (int)e;
     const size_t bytes = sizeof(typename Cfg<CL>::Shared) + (size_t)a.n_loc * 8;
-    const int wave = persistent() ? rows_per_wave<CL>(dev) : 0;  // 0: unknown or off, a cluster per row
+    const int wave = rows_per_wave<CL>(dev);  // 0: unknown, a cluster per row
     const int G = wave > 0 && wave < B ? wave : B;
     Args b = a;
-    b.B = B, b.prefetch = G < B && prefetch_on();
+    b.B = B, b.prefetch = G < B;
     sampler_kernel<CL><<<dim3(CL, G), THREADS, bytes, st>>>(b);
     return (int)cudaGetLastError();
 }

@@ -10,9 +10,9 @@ To add a kernel: put its .cu file in SOURCES (headers in HEADERS) and its extern
 argument codes here, in order.
 """
 
-SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix.cu", "wkv7_tmix_fused.cu", "wkv7_tmix_pipe.cu",
-           "fused_elementwise.cu", "gemv.cu", "sampler.cu")
-HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "wkv7_tmix_head.cuh", "wkv7_tmix_mma.cuh", "pdl.cuh", "env.cuh",
+SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix_fused.cu", "wkv7_tmix_pipe.cu", "fused_elementwise.cu",
+           "gemv.cu", "sampler.cu")
+HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "wkv7_tmix_head.cuh", "wkv7_tmix_mma.cuh", "pdl.cuh",
            "sampler_common.cuh", "sampler_select.cuh", "sampler_walk.cuh")
 
 I, LL, F, P = "i", "ll", "f", "p"
@@ -23,15 +23,10 @@ SIGNATURES: dict[str, list[str]] = {
     # f_dt, s_dt, raw_w, state, s_bstride, slots, lengths, B, T, H, r, w, k, v, a, b,
     # act_bstride, act_tstride, w_bstride, w_tstride, y, y_bstride, y_tstride, stream
     "wkv7_chunk": [I, I, I, P, LL, P, P, I, I, I, P, P, P, P, P, P, LL, LL, LL, LL, P, LL, LL, P],
-    # f_dt, s_dt, rpt (state rows per thread, 0 = default), state, s_bstride, B, H, r, k, v, wz, az,
-    # vz, v_first, g, act_bstride, k_k, k_a, r_k, lnx_w, lnx_b, layer0, gn_eps, out, out_bstride,
-    # w0, a0, v0, stream
+    # f_dt, s_dt, pipe_min_b (the pipelined kernel for a 16-bit state from this batch on), state,
+    # s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride, k_k, k_a, r_k, lnx_w, lnx_b,
+    # layer0, gn_eps, out, out_bstride, w0, a0, v0, stream
     "wkv7_tmix_fused": [I, I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
-    # f_dt, B, H, r, k, v, wz, az, vz, v_first, act_bstride, k_k, k_a, r_k, layer0, buf, bonus,
-    # w0, a0, v0, stream
-    "wkv7_tmix_prep": [I, I, I] + [P] * 7 + [LL] + [P] * 3 + [I, P, P, P, P, P, P],
-    # f_dt, B, H, y, vbuf, bonus, g, act_bstride, lnx_w, lnx_b, gn_eps, out, out_bstride, stream
-    "wkv7_tmix_post": [I, I, I, P, P, P, P, LL, P, P, F, P, LL, P],
     # fused_elementwise.cu: f_dt, B, C, x, x_bs, dx, dx_bs, ln_w, ln_b, eps, shift, shift_bs, mix, K,
     # x_out, xo_bs, out, out_bs, out_plane, stream
     "fused_add_ln_mix": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, P, LL, P, LL, LL, P],
@@ -41,8 +36,8 @@ SIGNATURES: dict[str, list[str]] = {
     # warps, cfg, act (0 none, 1 relu^2 on x), lim (per-plane widths / 8, 8 bits each), lim_kind (0 none,
     # 1 rows, 2 columns), stream (returns -2 = layout not covered: use the fallback)
     "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
-    # fused_elementwise.cu: mode (0 plain launches, 1 programmatic dependent launch, -1 query;
-    # 2 / 3 early weight loads off / on); returns the previous state (0 / 1, or 2 / 3)
+    # fused_elementwise.cu, a test hook: mode (0 plain launches, 1 programmatic dependent launch
+    # where supported, -1 query); returns the previous state (0 / 1)
     "pdl_mode": [I],
     # sampler.cu: logits, lg_stride, penalty, pen_stride, seen, seen_stride, fparams, iparams,
     # positions, commit, greedy_only, B, V, out, dbg, lg_dt (0 fp32, 1 fp16, 2 bf16), cl (cluster

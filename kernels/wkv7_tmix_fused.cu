@@ -1,5 +1,4 @@
-// RWKV-7 decode time-mix core in one launch (semantics: see wkv7_tmix.cu's header).
-#include "env.cuh"
+// RWKV-7 decode time-mix core in one launch (semantics: see wkv7_tmix.cuh's header).
 #include "pdl.cuh"
 #include "wkv7_tmix_head.cuh"
 
@@ -46,14 +45,13 @@ constexpr int HEAD_PACKED_MIN_BLOCKS = 7;
 template <typename S>
 __host__ __device__ constexpr bool head_packed() { return sizeof(S) == 2 && EPT == 8; }
 
-template <typename S, int RPT, bool PK>
+template <typename S, int RPT>
 __host__ __device__ constexpr int head_min_blocks() {
-    return PK && head_packed<S>() ? (RPT >= 4 ? HEAD_PACKED_MIN_BLOCKS : 4) : (RPT >= 4 ? 5 : 4);
+    return head_packed<S>() ? (RPT >= 4 ? HEAD_PACKED_MIN_BLOCKS : 4) : (RPT >= 4 ? 5 : 4);
 }
 
-// PK = false: 16-bit rows unpacked to fp32 registers like fp32 ones (the first version; A/B)
-template <typename F, typename S, int RPT, bool PK>
-__global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, PK>()))
+template <typename F, typename S, int RPT>
+__global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT>()))
     tmix_head_kernel(S *__restrict__ state, long long s_bstride, TmixArgs p) {
     constexpr int T = head_threads<RPT>();
     constexpr int RG = T / TPR;          // row groups; rows of a group: rg + j*RG
@@ -67,7 +65,7 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
     S *shead = state + (long long)bi * s_bstride + (long long)h * N * N;
 
     // 1. the state rows first: in flight during step 2
-    constexpr bool PACK = PK && head_packed<S>();
+    constexpr bool PACK = head_packed<S>();
     float s[PACK ? 1 : RPT][EPT];
     uint4 sp[PACK ? RPT : 1];
 #pragma unroll
@@ -75,15 +73,14 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
         if constexpr (PACK) sp[j] = ld_global_v4(shead + (long long)(rg + j * RG) * N + lane * EPT);
         else load_state<S>(shead + (long long)(rg + j * RG) * N, lane, s[j]);
     }
-    // 2a. the head's weight vectors; with p.early before the wait too (wkv7_tmix_head.cuh)
+    // 2a. the head's weight vectors, before the wait too (wkv7_tmix_head.cuh, pdl.cuh)
     const bool l0 = p.layer0 != 0;
     HeadConsts w;
-    if (p.early) w.load<F>(p, hc, tid);
+    w.load<F>(p, hc, tid);
     // the state rows are this layer's own (the predecessor, the r/k/v projection, never touches
     // them): their loads go out before the wait for the predecessor's activations
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
-    if (!p.early) w.load<F>(p, hc, tid);
 
     // 2b. per-column vectors of the head (one L2 round trip, overlapping the state loads)
     auto act = [&](const void *ptr) { return (const F *)ptr + base; };
@@ -129,51 +126,21 @@ __global__ void __launch_bounds__(head_threads<RPT>(), (head_min_blocks<S, RPT, 
     head_gn_out<F, RPT>(red, sh_y, sh_v, w, p.gn_eps, g_o, (F *)p.out + (long long)bi * p.out_bstride + hc, tid);
 }
 
-template <typename F, typename S, int RPT, bool PK>
+template <typename F, typename S, int RPT>
 int launch_head(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
-    constexpr bool PKE = PK || !head_packed<S>();  // one kernel where packing does not apply
-    if constexpr (head_ok<RPT>()) {
-        return (int)rwkv_pdl::launch_pdl(tmix_head_kernel<F, S, RPT, PKE>, dim3(H, B), dim3(head_threads<RPT>()), 0, stream,
-                                         state, s_bstride, p);
-    } else {
-        return -2;
-    }
+    return (int)rwkv_pdl::launch_pdl(tmix_head_kernel<F, S, RPT>, dim3(H, B), dim3(head_threads<RPT>()), 0, stream, state,
+                                     s_bstride, p);
 }
 
 }  // namespace wkv7
 
-// rpt = 0 takes the pipelined kernel (wkv7_tmix_pipe.cu) for a 16-bit state from this batch size
-// on (RWKV_TMIX_PIPE_MIN_B; a huge value: never). Measured on the H200 (bench_kernels --tmix, one
-// layer of the 2.9B shape, ms): fp16 state B=64 0.0215 -> 0.0198, B=256 0.0662 -> 0.0547, B=1024
-// 0.2363 -> 0.1996; an fp32 state gains nothing (B=1024 0.3641 -> 0.3703), so it keeps the head
-// kernel. RWKV_TMIX_PIPE_STAGES: its slots per block (2 or 3, default 2: 3 measured 0.2051).
-static int pipe_min_b() {
-    static const int v = rwkv_env::env_int("RWKV_TMIX_PIPE_MIN_B", 64);
-    return v;
-}
-
-static int pipe_stages() {
-    static const int v = rwkv_env::env_int("RWKV_TMIX_PIPE_STAGES", 2) == 3 ? 3 : 2;
-    return v;
-}
-
-// RWKV_TMIX_MMA=0: the pipelined kernel's CUDA-core row phase instead of the tensor-core one
-// (wkv7_tmix_mma.cuh; fp16 state).
-static bool pipe_mma() {
-    static const bool v = rwkv_env::env_int("RWKV_TMIX_MMA", 1) != 0;
-    return v;
-}
-
-// Arguments: f_dt, s_dt, rpt, then as the prep/post kernels' TmixArgs. rpt picks the kernel:
-//   0 = default: the pipelined kernel for a 16-bit state from pipe_min_b() on, else
-//       tmix_head_kernel with 4 rows;
-//   2 or 4 = tmix_head_kernel with that many state rows per thread;
-//   -4 = 4 rows with 16-bit state rows unpacked in registers (the first version, kept for A/B);
-//   12, 13 = the pipelined kernel with 2, 3 slots per block (any state dtype), CUDA-core rows;
-//   14, 15 = the same with the tensor-core rows (fp16 state; other states: CUDA-core rows).
-// Returns a cudaError_t value (0 = success), -1 for an unsupported dtype combination, -2 for an
-// unsupported rpt / head size (the caller then runs the split path).
-extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long long s_bstride, int B, int H,
+// Arguments: f_dt, s_dt, pipe_min_b, then as TmixArgs. The kernel: for a 16-bit state from
+// pipe_min_b rows on the pipelined one (wkv7_tmix_pipe.cu: it gains nothing with an fp32 state),
+// else tmix_head_kernel with 4 state rows per thread (2 for head sizes under 64, whose 4-row
+// blocks would be too small for the warp roles of wkv7_tmix_head.cuh).
+// Returns a cudaError_t value (0 = success), -1 for an unsupported dtype combination, -2 for a
+// shape it does not cover (head sizes over 64, B > 65535; nothing launched).
+extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int pipe_min_b, void *state, long long s_bstride, int B, int H,
                                const void *r, const void *k, const void *v, const void *wz, const void *az,
                                const void *vz, const void *v_first, const void *g, long long act_bstride,
                                const void *k_k, const void *k_a, const void *r_k, const void *lnx_w,
@@ -182,22 +149,15 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int rpt, void *state, long lo
     if (B <= 0) return 0;
     if (B > 65535) return -2;  // grid.y
     wkv7::TmixArgs p{r, k, v, wz, az, vz, v_first, g, k_k, k_a, r_k, lnx_w, lnx_b,
-                     out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps, rwkv_pdl::early_loads() ? 1 : 0};
+                     out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps};
     const cudaStream_t st = (cudaStream_t)stream;
-    const bool auto_pipe = rpt == 0 && s_dt != wkv7::DT_F32 && B >= pipe_min_b();
-    const bool forced = rpt >= 12 && rpt <= 15;
-    const int stages = forced ? 2 + (rpt & 1) : (auto_pipe ? pipe_stages() : 0);
-    const bool mma = forced ? rpt >= 14 : pipe_mma();
-    if (stages && wkv7::head_ok<4>()) {
-        const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, stages, mma, state, s_bstride, B, H, p, st);
+    if (s_dt != wkv7::DT_F32 && B >= pipe_min_b) {
+        const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, state, s_bstride, B, H, p, st);
         if (rc != -2) return rc;  // -2: unaligned inputs, the head kernel below takes them
-        rpt = 0;
     }
-    if (rpt == 0) rpt = wkv7::head_ok<4>() ? 4 : 2;
-    if (rpt != 2 && rpt != 4 && rpt != -4) return -2;
     return WKV7_DISPATCH(f_dt, s_dt, {
-        if (rpt == 4) return launch_head<F, S, 4, true>(B, H, (S *)state, s_bstride, p, st);
-        if (rpt == -4) return launch_head<F, S, 4, false>(B, H, (S *)state, s_bstride, p, st);
-        return launch_head<F, S, 2, true>(B, H, (S *)state, s_bstride, p, st);
+        if constexpr (head_ok<4>()) return launch_head<F, S, 4>(B, H, (S *)state, s_bstride, p, st);
+        else if constexpr (head_ok<2>()) return launch_head<F, S, 2>(B, H, (S *)state, s_bstride, p, st);
+        else return -2;
     });
 }

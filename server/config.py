@@ -27,6 +27,14 @@ class Settings:
     """Compute dtype: fp32, fp16, bf16, or auto (fp16 on cuda, fp32 on cpu)."""
     state_dtype: str = "fp32"
     """Precision of the WKV state kept per sequence: fp32 or fp16 (fp16 halves state memory)."""
+    kernels: str = "auto"
+    """Which ops run the model on cuda: `auto` (the CUDA kernels of kernels/, built at first start,
+    else pure torch), `torch` (pure-torch ops and the torch sampler everywhere), `cuda` (the kernels,
+    or fail at start-up when they cannot be built). On cpu the ops are always pure torch."""
+    kernel_cache: str = "~/.cache/rwkv-server/kernels"
+    """Folder of the built CUDA kernels (one subfolder per GPU arch, head size and source hash)."""
+    debug_load_delay: float = 0.0
+    """Test hook: seconds to sleep before loading the model (the tests of the not-ready state)."""
 
     # --- engine --------------------------------------------------------------------------------
     max_batch: int = 0

@@ -84,3 +84,40 @@ def test_serve_with_a_bad_model_exits_with_a_message(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     r = run_cli("serve", "--model", str(bad), "--port", "0", "--db", str(tmp_path / "t.db"))
     assert r.returncode == 1 and "could not load the model" in r.stderr, r.stderr[-2000:]
+
+
+def test_model_switches_are_settings_with_env_and_flags():
+    """kernels, kernel_cache and the load-delay test hook: typed fields read from RWKV_* like every
+    other (nothing below Settings reads the environment), with a closed set of kernel choices."""
+    s = Settings.from_env({"RWKV_KERNELS": "torch", "RWKV_KERNEL_CACHE": "/tmp/k", "RWKV_DEBUG_LOAD_DELAY": "1.5"})
+    assert (s.kernels, s.kernel_cache, s.debug_load_delay) == ("torch", "/tmp/k", 1.5)
+    d = Settings()
+    assert (d.kernels, d.kernel_cache, d.debug_load_delay) == ("auto", "~/.cache/rwkv-server/kernels", 0.0)
+    with pytest.raises(SystemExit) as ei:
+        main(["serve", "--kernels", "fast"])
+    assert ei.value.code == 2
+
+
+def test_load_services_passes_kernels_and_cache_to_the_model(monkeypatch, tmp_path):
+    """load_services hands the settings' kernels / kernel_cache to load_model (on cpu the ops are
+    pure torch whatever they say; the model keeps what it was asked)."""
+    import server.model.loader as model_loader
+    from server.api.loading import load_services
+
+    seen = {}
+    real = model_loader.load_model
+
+    def spy(spec, **kw):
+        seen.update(kw)
+        return real(spec, **kw)
+
+    monkeypatch.setattr(model_loader, "load_model", spy)
+    monkeypatch.setattr("server.model.load_model", spy)
+    settings = Settings(device="cpu", kernels="torch", kernel_cache=str(tmp_path / "kc"), stats_interval=0,
+                        db=str(tmp_path / "t.db"))
+    sv = load_services(settings)
+    try:
+        assert seen["kernels"] == "torch" and seen["kernel_cache"] == str(tmp_path / "kc")
+    finally:
+        sv.engine.shutdown()
+    assert not (tmp_path / "kc").exists()  # cpu: nothing built

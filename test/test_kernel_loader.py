@@ -1,6 +1,6 @@
-"""kernels.loader without a GPU: the generated pybind11 binding, the cache key, the disabled and
-no-CUDA paths, the one-warning fallback, and (where nvcc and ninja exist) a real build + import
-of the module with torch.utils.cpp_extension into a temporary cache."""
+"""kernels.loader without a GPU: the generated pybind11 binding, the cache key, the no-CUDA path,
+kernels="torch" (nothing built), the one-warning fallback, and (where nvcc and ninja exist) a real
+build + import of the module with torch.utils.cpp_extension into a temporary cache."""
 
 from __future__ import annotations
 
@@ -127,39 +127,74 @@ def _no_build(*a, **k):
 def test_load_without_cuda_returns_none_and_builds_nothing(tmp_path, monkeypatch, caplog):
     import torch
 
-    monkeypatch.delenv("RWKV_KERNELS", raising=False)
-    monkeypatch.setenv("RWKV_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(loader, "_mods", {})
     monkeypatch.setattr(loader, "build", _no_build)
     with caplog.at_level(logging.INFO, logger="rwkv.kernels"):
-        assert loader.load() is None
-        assert loader.load() is None
+        assert loader.load(cache_root=tmp_path / "cache") is None
+        assert loader.load(cache_root=tmp_path / "cache") is None
     assert not (tmp_path / "cache").exists()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "CUDA is not available" in warnings[0].getMessage()
 
 
-@pytest.mark.parametrize("value", ["0", "torch"])
-def test_disabled_returns_none(value, monkeypatch):
+def test_kernels_torch_builds_nothing_even_with_a_gpu(monkeypatch):
+    """kernels="torch": the model's ops are the pure-torch ones and nothing is built or loaded, so
+    the sampler (loaded_any) finds no module either."""
     import torch
 
-    monkeypatch.setenv("RWKV_KERNELS", value)
+    from server.model import ops
+    from server.model.rwkv7 import OP_NAMES, select_ops
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # even with a GPU
     monkeypatch.setattr(loader, "_mods", {})
+    monkeypatch.setattr(loader, "_keys", {})
     monkeypatch.setattr(loader, "build", _no_build)
-    assert loader.load() is None
+    chosen = select_ops(torch.device("cuda"), "torch")
+    assert all(getattr(chosen, n) is getattr(ops, n) for n in OP_NAMES)
+    assert loader._mods == {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert loader.loaded_any("cuda") is None  # and it never builds
+
+
+def test_unknown_kernels_value_is_refused_before_loading(monkeypatch):
+    import torch
+
+    from server.model import load_model
+    from server.model.rwkv7 import select_ops
+
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch, cuda"):
+        select_ops(torch.device("cpu"), "0")
+    monkeypatch.setattr("server.model.checkpoint.read_checkpoint", _no_build)  # refused before the read
+    with pytest.raises(ValueError, match="not 'fast'"):
+        load_model("/nonexistent.pth", kernels="fast")
+
+
+def test_loaded_any_finds_a_loaded_module_by_capability(monkeypatch):
+    """The sampler's lookup: a module another spelling of the device loaded ("cuda:0" vs "cuda"),
+    whatever its head size; never a build."""
+    import torch
+
+    mod = object()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(loader, "_mods", {((9, 0), 32): mod})
+    monkeypatch.setattr(loader, "_keys", {("cuda", 32): ((9, 0), 32)})
+    monkeypatch.setattr(loader, "build", _no_build)
+    assert loader.loaded_any("cuda") is mod
+    assert loader.loaded_any("cuda:0") is mod
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert loader.loaded_any("cuda:1") is None  # another GPU model: nothing loaded for it
 
 
 def test_import_is_light(tmp_path):
     code = (
         "import sys; import kernels.loader as L; import server.model.cuda_ops; "
         "assert 'torch.utils.cpp_extension' not in sys.modules, 'imported at import'; "
-        "assert L.load() is None; "
+        f"assert L.load(cache_root={str(tmp_path / 'cache')!r}) is None; "
         "assert 'torch.utils.cpp_extension' not in sys.modules, 'imported without CUDA'"
     )
-    env = dict(os.environ, RWKV_KERNEL_CACHE=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
-    env.pop("RWKV_KERNELS", None)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).resolve().parents[1])
     assert not (tmp_path / "cache").exists()
 
@@ -167,7 +202,6 @@ def test_import_is_light(tmp_path):
 def _fake_gpu(monkeypatch, calls, outcome):
     import torch
 
-    monkeypatch.delenv("RWKV_KERNELS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(loader, "_mods", {})
@@ -248,6 +282,9 @@ def test_cpp_extension_builds_and_imports_the_module(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     mod, key, built = loader.build("9.0+PTX", 64, root=root, extra_ldflags=extra)
     assert built and (root / key / f"{key}.so").exists()
+    # the arch is the loader's own -gencode flags: torch adds none (it would read TORCH_CUDA_ARCH_LIST)
+    ninja = (root / key / "build.ninja").read_text()
+    assert sorted(set(re.findall(r"-gencode=\S+", ninja))) == sorted(loader.arch_flags("9.0+PTX"))
     assert (root / key / "binding.cpp").read_text() == loader.binding_source()
     for name, codes in SIGNATURES.items():
         fn = getattr(mod, name)

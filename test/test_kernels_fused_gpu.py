@@ -42,18 +42,15 @@ def _acts(B, dtype, dev, seed, h=H):
     return [x.to(device=dev, dtype=dtype) for x in xs]
 
 
+PIPE_MIN_B = cuda_ops.TMIX_PIPE_MIN_B  # the default route
+
+
 def _tmix_path(monkeypatch, path: str) -> None:
-    """Route cuda_ops.tmix_decode: "split" (prep -> decode -> post),
-    "fused" (wkv7_tmix_fused, default rows per thread), "fused2" (fused, 2 rows per thread),
-    "fused_unpacked" (4 rows, 16-bit state rows unpacked in registers), "head4" (the head-per-block
-    kernel with 4 rows per thread, never the pipelined one), "pipe2" / "pipe3" (the pipelined
-    kernel with that many shared-memory slots per block, any state dtype, CUDA-core row steps),
-    "mma2" / "mma3" (the same with the tensor-core row steps for an fp16 state; other states take
-    the CUDA-core ones). "fused" is the default: the pipelined kernel with tensor-core rows for a
-    16-bit state from its batch threshold on."""
-    monkeypatch.setattr(cuda_ops, "TMIX_MODE", "split" if path == "split" else "fused")
-    rpt = {"fused2": 2, "fused_unpacked": -4, "head4": 4, "pipe2": 12, "pipe3": 13, "mma2": 14, "mma3": 15}
-    monkeypatch.setattr(cuda_ops, "TMIX_RPT", rpt.get(path, 0))
+    """Route cuda_ops.tmix_decode: "auto" (the default: the pipelined kernel for a 16-bit state
+    from TMIX_PIPE_MIN_B rows on, else the head-per-block kernel), "head" (the head-per-block
+    kernel at every batch), "pipe" (the pipelined kernel at every batch for a 16-bit state; an fp32
+    state always runs the head kernel)."""
+    monkeypatch.setattr(cuda_ops, "TMIX_PIPE_MIN_B", {"auto": PIPE_MIN_B, "head": 1 << 30, "pipe": 1}[path])
 
 
 @pytest.mark.gpu
@@ -61,7 +58,7 @@ def _tmix_path(monkeypatch, path: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
-@pytest.mark.parametrize("path", ["split", "fused", "fused2"])
+@pytest.mark.parametrize("path", ["auto", "head", "pipe"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, path, bias, monkeypatch):
     _tmix_path(monkeypatch, path)
@@ -81,15 +78,45 @@ def test_tmix_decode_matches_twin(B, dtype, state_dtype, layer0, path, bias, mon
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 100])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layer0", [True, False])
+def test_tmix_decode_head_size_32(B, dtype, state_dtype, layer0):
+    """Head sizes under 64 run the head kernel with 2 state rows per thread (a build of its own:
+    the kernels are compiled per head size)."""
+    dev, h, n = torch.device("cuda"), 8, 32
+    assert cuda_ops.available(dev, head_size=n)
+    g = torch.Generator().manual_seed(B + 32)
+    lw = types.SimpleNamespace(k_k=1 + 0.1 * torch.randn(h * n, generator=g), k_a=1 + 0.1 * torch.randn(h * n, generator=g),
+                               r_k=0.1 * torch.randn(h, n, generator=g), lnx_w=1 + 0.1 * torch.randn(h * n, generator=g),
+                               lnx_b=0.1 * torch.randn(h * n, generator=g), w0=0.3 * torch.randn(h * n, generator=g) - 1.0,
+                               a0=0.3 * torch.randn(h * n, generator=g), v0=0.3 * torch.randn(h * n, generator=g))  # fmt: skip
+    for name, t in vars(lw).items():
+        setattr(lw, name, t.to(device=dev, dtype=dtype))
+    xs = [(torch.randn(B, h * n, generator=g) * sc).to(dev, dtype) for sc in (1, 1, 1, 0.5, 0.5, 0.5, 1, 1)]
+    xs[3] = xs[3] - 2.0  # wz: realistic decays
+    r, k, v, wz, az, vz, v_first, gate = xs
+    s0 = (torch.randn(B, h, n, n, generator=g) * 0.3).to(dev, state_dtype)
+    s_ref, s_cu = s0.clone(), s0.clone()
+    args = (r, k, v, wz, az, None if layer0 else vz, None if layer0 else v_first, gate, lw, layer0)
+    ref = ops.tmix_decode(s_ref, *args, bias=True)
+    got = cuda_ops.tmix_decode(s_cu, *args, bias=True)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert got.shape == (B, h * n) and _rel(got, ref) < tol
+    assert _rel(s_cu, s_ref) < max(tol, 1e-4)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B", [64, 100, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("path", ["fused", "fused2", "fused_unpacked"])
-def test_tmix_fused_matches_twin_and_split(B, dtype, state_dtype, layer0, bias, path, monkeypatch):
-    """The one-launch large-batch kernel vs ops.tmix_decode and vs the 3-launch split path, on a
-    state that is a strided view of a pool (every other slot): the other slots stay untouched."""
+@pytest.mark.parametrize("path", ["head", "pipe"])
+def test_tmix_on_a_pool_view_matches_twin(B, dtype, state_dtype, layer0, bias, path, monkeypatch):
+    """Each kernel vs ops.tmix_decode on a state that is a strided view of a pool (every other
+    slot): the other slots stay untouched."""
     dev = torch.device("cuda")
     assert cuda_ops.available(dev)
     lw = _layer(dtype, dev, seed=B + 1)
@@ -100,75 +127,68 @@ def test_tmix_fused_matches_twin_and_split(B, dtype, state_dtype, layer0, bias, 
     pool0 = pool.clone()
     s_cu = pool[1::2]  # (B, H, N, N), batch stride 2*H*N*N: not contiguous
     assert not s_cu.is_contiguous()
-    s_ref, s_sp = s0.clone(), s0.clone()
+    s_ref = s0.clone()
     args = (r, k, v, wz, az, None if layer0 else vz, None if layer0 else v_first, g, lw, layer0)
     ref = ops.tmix_decode(s_ref, *args, bias=bias)
-    _tmix_path(monkeypatch, "split")
-    spl = cuda_ops.tmix_decode(s_sp, *args, bias=bias)
     _tmix_path(monkeypatch, path)
     got = cuda_ops.tmix_decode(s_cu, *args, bias=bias)
     assert got.shape == (B, C) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else (3e-2 if dtype == torch.bfloat16 else 1e-2)
     assert _rel(got, ref) < tol
     assert _rel(s_cu, s_ref) < (1e-4 if dtype == torch.float32 else tol)
-    # vs split: same fp32 column math and WKV step; only summation orders differ (kk norm, GroupNorm)
-    assert _rel(got, spl) < {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
-    assert _rel(s_cu, s_sp) < (1e-5 if state_dtype == torch.float32 else 1e-4)
     assert torch.equal(pool[0::2], pool0[0::2])  # slots outside the view untouched
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("path", ["fused", "fused2", "head4", "pipe2", "mma2"])
-def test_tmix_fused_model_shape(state_dtype, path, monkeypatch):
+@pytest.mark.parametrize("path", ["auto", "head", "pipe"])
+def test_tmix_model_shape(state_dtype, path, monkeypatch):
     """The 2.9B head count (H=40, C=2560), B=64 and B=300, fp16 activations, bias in the kernel:
-    fused vs split vs the twin, three chained steps (the state feeds the next step)."""
+    each route vs the twin and vs the head kernel, three chained steps (the state feeds the next
+    step)."""
     dev = torch.device("cuda")
     h = 40
     lw = _layer(torch.float16, dev, seed=5, h=h)
     for B in (64, 300):
         s_ref = (torch.randn(B, h, N, N, generator=torch.Generator().manual_seed(B)) * 0.3).to(dev, state_dtype)
-        s_sp, s_cu = s_ref.clone(), s_ref.clone()
+        s_hd, s_cu = s_ref.clone(), s_ref.clone()
         for t in range(3):
             r, k, v, wz, az, vz, v_first, g = _acts(B, torch.float16, dev, seed=B + t, h=h)
             args = (r, k, v, wz, az, vz, v_first, g, lw, False)
             ref = ops.tmix_decode(s_ref, *args, bias=True)
-            _tmix_path(monkeypatch, "split")
-            spl = cuda_ops.tmix_decode(s_sp, *args, bias=True)
+            _tmix_path(monkeypatch, "head")
+            head = cuda_ops.tmix_decode(s_hd, *args, bias=True)
             _tmix_path(monkeypatch, path)
             got = cuda_ops.tmix_decode(s_cu, *args, bias=True)
             assert _rel(got, ref) < 1e-2 and _rel(s_cu, s_ref) < 1e-2
-            assert _rel(got, spl) < 1e-3
-            assert _rel(s_cu, s_sp) < (1e-5 if state_dtype == torch.float32 else 1e-4)
+            assert _rel(got, head) < 1e-4 and _rel(s_cu, s_hd) < 1e-4
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [3, 700, 2001])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layer0", [True, False])
-@pytest.mark.parametrize("path", ["pipe2", "pipe3", "mma2", "mma3"])
-def test_tmix_pipe_matches_head_kernel(B, dtype, state_dtype, layer0, path, monkeypatch):
+def test_tmix_pipe_matches_head_kernel(B, dtype, layer0, monkeypatch):
     """The pipelined kernel (persistent blocks, several heads per block through shared-memory
-    slots) vs the head-per-block kernel and the twin, two chained steps on every other slot of a
-    pool. B = 700 and 2001 give each block several heads (2001: an uneven last block), so slots
-    are refilled and their mbarriers go through several phases."""
+    slots, tensor-core row steps; fp16 state) vs the head-per-block kernel and the twin, two
+    chained steps on every other slot of a pool. B = 700 and 2001 give each block several heads
+    (2001: an uneven last block), so slots are refilled and their mbarriers go through several
+    phases."""
     dev = torch.device("cuda")
     lw = _layer(dtype, dev, seed=B + 2)
-    pool = (torch.randn(2 * B, H, N, N, generator=torch.Generator().manual_seed(B)) * 0.3).to(dev, state_dtype)
+    pool = (torch.randn(2 * B, H, N, N, generator=torch.Generator().manual_seed(B)) * 0.3).to(dev, torch.float16)
     s_ref, pool_head = pool[1::2].clone(), pool.clone()
     for t in range(2):
         r, k, v, wz, az, vz, v_first, g = _acts(B, dtype, dev, seed=B + 10 * t)
         args = (r, k, v, wz, az, None if layer0 else vz, None if layer0 else v_first, g, lw, layer0)
         ref = ops.tmix_decode(s_ref, *args, bias=True)
-        _tmix_path(monkeypatch, "head4")
+        _tmix_path(monkeypatch, "head")
         head = cuda_ops.tmix_decode(pool_head[1::2], *args, bias=True)
-        _tmix_path(monkeypatch, path)
+        _tmix_path(monkeypatch, "pipe")
         got = cuda_ops.tmix_decode(pool[1::2], *args, bias=True)
         tol = 1e-4 if dtype == torch.float32 else (3e-2 if dtype == torch.bfloat16 else 1e-2)
         assert _rel(got, ref) < tol and _rel(pool[1::2], s_ref) < max(tol, 1e-4)
-        # pipe: the head kernel's arithmetic in the same order, equal up to the compiler's FMA
-        # choices; mma: the same sums in another order (tensor cores, hi + lo fp16 vectors)
+        # the same sums in another order (tensor cores, hi + lo fp16 vectors)
         assert _rel(got, head) < 1e-4 and _rel(pool, pool_head) < 1e-4
     assert torch.equal(pool[0::2], pool_head[0::2])  # the slots in between untouched
 

@@ -296,10 +296,3 @@ def test_import_builds_nothing():
 
     code = "import sys, server.model.cuda_ops; assert 'kernels.loader' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_loader_disabled_returns_none(monkeypatch):
-    from kernels import loader
-
-    monkeypatch.setenv("RWKV_KERNELS", "0")
-    assert loader.load() is None

@@ -204,14 +204,10 @@ def test_decode_raw_logits_are_the_head_output(dtype):
     assert all(torch.equal(a, b) for a, b in zip(s1.tensors(), s2.tensors()))
 
 
-@pytest.mark.parametrize("merged", [True, False])
-def test_fused_decode_path_equals_unfused(monkeypatch, merged):
+def test_fused_decode_path_equals_unfused():
     """The fused decode (stacked projections and LoRAs, decode_pack) run on CPU through the ops'
-    pure-torch twins gives the unfused loop's logits and states, with the LoRAs merged into one
-    stacked launch per stage or split (gate apart); layer 0 has no value-mix LoRA."""
-    from server.model import decode_pack
-
-    monkeypatch.setattr(decode_pack, "LORA_MERGED", merged)
+    pure-torch twins gives the unfused loop's logits and states, with the four LoRAs merged into
+    one stacked launch per stage; layer 0 has no value-mix LoRA."""
     fused, plain = load_model("synthetic:L3-C128-V512:4"), load_model("synthetic:L3-C128-V512:4")
     fused.fused_decode = True
     assert fused._fused() and not plain._fused()
@@ -225,8 +221,7 @@ def test_fused_decode_path_equals_unfused(monkeypatch, merged):
         tok = b.argmax(-1)
     _assert_states_close(s1, s2, tol=1e-5)
     pk = fused._decode_packs()
-    assert pk[0].merged == merged and pk[0].lora1.shape[0] == (3 if merged else 2)
-    assert pk[1].lora1.shape[0] == (4 if merged else 3)
+    assert pk[0].lora1.shape[0] == 3 and pk[1].lora1.shape[0] == 4  # gate, decay, a[, v-mix]
     # the layers' own fields are views into the stacked storage (prefill reads them)
     lw = fused.w.layers[1]
-    assert lw.g1.untyped_storage().data_ptr() == (pk[1].lora1 if merged else pk[1].g1).untyped_storage().data_ptr()
+    assert lw.g1.untyped_storage().data_ptr() == pk[1].lora1.untyped_storage().data_ptr()

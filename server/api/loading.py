@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ from server.config import Settings
 log = logging.getLogger("server.load")
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-LOAD_DELAY_ENV = "RWKV_DEBUG_LOAD_DELAY"  # test hook: extra seconds of "loading"
 
 RANDOM_WARNING = """
 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
@@ -42,10 +40,9 @@ def load_services(settings: Settings) -> Services:
     spec = settings.resolved_model()
     if spec.startswith("synthetic:"):
         log.warning(RANDOM_WARNING, spec)
-    delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
-    if delay > 0:
-        log.info("test hook %s: sleeping %.1fs before loading", LOAD_DELAY_ENV, delay)
-        time.sleep(delay)
+    if settings.debug_load_delay > 0:
+        log.info("test hook debug_load_delay: sleeping %.1fs before loading", settings.debug_load_delay)
+        time.sleep(settings.debug_load_delay)
     from server.engine import Engine
     from server.model import load_model
     from server.tokenizer import get_tokenizer
@@ -57,7 +54,8 @@ def load_services(settings: Settings) -> Services:
     logging.getLogger("rwkv.kernels").addHandler(kernel_log)
     try:
         model = load_model(spec, device=device, dtype=torch_dtype(dtype),
-                           state_dtype=torch_dtype(settings.state_dtype))
+                           state_dtype=torch_dtype(settings.state_dtype), kernels=settings.kernels,
+                           kernel_cache=settings.kernel_cache)
     finally:
         logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
     t_model = time.perf_counter() - t0

@@ -18,7 +18,7 @@ fall back to the pure-torch ops, so callers never need two code paths.
 from __future__ import annotations
 
 import functools
-import os
+from pathlib import Path
 
 import torch
 
@@ -29,21 +29,21 @@ _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATE_DT = (torch.float32, torch.float16)
 
 
-def _lib(device: torch.device | None, head_size: int = 64):
+def _lib(device: torch.device | None, head_size: int = 64, cache_root: str | Path | None = None):
     from kernels import loader  # deferred: importing this module must not build anything
 
-    return loader.load(device, head_size)
+    return loader.load(device, head_size, cache_root)
 
 
-def available(device: torch.device | str | None = None, head_size: int = 64) -> bool:
-    """True when the CUDA kernels can run on this device (builds them on the first call)."""
+def available(device: torch.device | str | None = None, head_size: int = 64,
+              cache_root: str | Path | None = None) -> bool:  # fmt: skip
+    """True when the CUDA kernels can run on this device for this head size (builds them under
+    cache_root, default kernels.loader.DEFAULT_CACHE_ROOT, on the first call)."""
     if not torch.cuda.is_available():
         return False
     dev = torch.device(device) if device is not None else torch.device("cuda")
-    return dev.type == "cuda" and _lib(dev, head_size) is not None
+    return dev.type == "cuda" and _lib(dev, head_size, cache_root) is not None
 
-
-is_available = available  # the name server.model.rwkv7.select_ops calls
 
 
 def _aligned(x: torch.Tensor, outer: int) -> torch.Tensor:
@@ -149,12 +149,19 @@ def _mask_lengths(acts, lengths):
     return r, w, k, v, a, b
 
 
-# ---- time-mix core for decode (kernels/wkv7_tmix_fused.cu, split path kernels/wkv7_tmix.cu) ----
+# ---- time-mix core for decode (kernels/wkv7_tmix_fused.cu) -----------------------------------
+TMIX_PIPE_MIN_B = 64
+"""Batch from which a 16-bit-state time-mix runs the pipelined kernel (kernels/wkv7_tmix_pipe.cu:
+persistent blocks that bulk-copy the next heads' state while computing); smaller batches and an
+fp32 state run a head per block. A launch argument, so the tests can route either kernel."""
+
+
 def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5,
                 bias: bool = False):  # fmt: skip
     """One launch for the whole decode time-mix core (ops.tmix_decode is the pure-torch twin).
     In layer 0 vz and v_first are not read (pass None). bias=True: wz, az, vz lack w0, a0, v0
-    (the kernel adds them: no separate bias add or addmm bias copy)."""
+    (the kernel adds them: no separate bias add or addmm bias copy). Shapes the kernel does not
+    cover (head sizes over 64, more than 65535 rows) run the twin."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[-1]
     lib = _lib(r.device, N) if r.is_cuda else None
@@ -171,50 +178,15 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
         biases[2] = 0  # no v0 in layer 0
     out = torch.empty(B, C, device=r.device, dtype=r.dtype)  # (B, C)
     stream = torch.cuda.current_stream(r.device).cuda_stream
-    rc = -2
-    if TMIX_MODE == "fused":
-        rc = lib.wkv7_tmix_fused(
-            _DT[r.dtype], _DT[state.dtype], TMIX_RPT, state.data_ptr(), state.stride(0), B, H,
-            *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
-            int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
-        )
-    if rc == -2:  # split asked for, or a shape the fused kernel does not cover
-        _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases)
-    else:
-        _check(rc, "wkv7_tmix_fused")
+    rc = lib.wkv7_tmix_fused(
+        _DT[r.dtype], _DT[state.dtype], TMIX_PIPE_MIN_B, state.data_ptr(), state.stride(0), B, H,
+        *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
+        int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
+    )  # fmt: skip
+    if rc == -2:  # a shape the kernel does not cover (nothing was launched)
+        return ops.tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0, gn_eps, bias)
+    _check(rc, "wkv7_tmix_fused")
     return out
-
-
-TMIX_MODE = os.environ.get("RWKV_TMIX_MODE", "fused")
-"""At every batch size: "fused" = one launch, a head per 128-thread block (wkv7_tmix_fused);
-"split" = prep -> wkv7_decode -> post (3 launches, fp32 intermediates; the previous default)."""
-
-TMIX_RPT = int(os.environ.get("RWKV_TMIX_RPT", "0"))
-"""Kernel of wkv7_tmix_fused: 0 = its default (for a 16-bit state from RWKV_TMIX_PIPE_MIN_B on the
-pipelined kernel, else a head per block with 4 state rows per thread), 2 or 4 (a head per block with
-that many rows), -4 (4 rows, 16-bit state rows unpacked in registers: the first version, for A/B on
-fp16 state), 12 / 13 (the pipelined kernel with 2 / 3 shared-memory slots per block, any state,
-CUDA-core row steps), 14 / 15 (the same with tensor-core row steps for an fp16 state; the default
-pipelined kernel's rows unless RWKV_TMIX_MMA=0)."""
-
-
-def _tmix_split(lib, state, acts, params, B, C, H, layer0, gn_eps, out, stream, biases) -> None:
-    r, k, v, wz, az, vz, v_first, g = acts
-    k_k, k_a, r_k, lnx_w, lnx_b = params
-    dt = _DT[r.dtype]
-    buf = torch.empty(6, B, C, device=r.device, dtype=torch.float32)  # r, decay, k', v, -kk, kk*a
-    bonus = torch.empty(B, H, device=r.device, dtype=torch.float32)  # (B, H)
-    y = torch.empty(B, C, device=r.device, dtype=torch.float32)  # (B, C)
-    ptr = lambda t: t.data_ptr()  # noqa: E731
-    _check(lib.wkv7_tmix_prep(dt, B, H, *map(ptr, (r, k, v, wz, az, vz, v_first)), C,
-                              *map(ptr, (k_k, k_a, r_k)), int(layer0), ptr(buf), ptr(bonus), *biases, stream),
-           "wkv7_tmix_prep")  # fmt: skip
-    _check(lib.wkv7_decode(0, _DT[state.dtype], 0, ptr(state), state.stride(0), 0, B, H,
-                           *[ptr(buf[i]) for i in (0, 1, 2, 3, 4, 5)], C, C, ptr(y), C, stream),
-           "wkv7_decode")  # fmt: skip
-    _check(lib.wkv7_tmix_post(dt, B, H, ptr(y), ptr(buf[3]), ptr(bonus), ptr(g), C, ptr(lnx_w), ptr(lnx_b),
-                              float(gn_eps), ptr(out), C, stream),
-           "wkv7_tmix_post")  # fmt: skip
 
 
 # ---- fused elementwise ops of the decode step (kernels/fused_elementwise.cu) -----------------
@@ -279,12 +251,8 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor):
 GEMV_MAX_M = 8
 """Up to this many rows (batch) the projections run kernels/gemv.cu (tensor-core matrix-vector,
 weights streamed once); larger M goes to cuBLAS (ops.linear)."""
-RELU2_GEMV = os.environ.get("RWKV_RELU2_GEMV", "1") != "0"
-"""relu2_linear squares inside the gemv's x loads at M <= GEMV_MAX_M (0: relu_square, then linear)."""
 GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (nothing launched)
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
-GEMV_SKIP_PADDING = os.environ.get("RWKV_GEMV_SKIP_PADDING", "1") != "0"
-"""linear's rows / cols hints reach the gemv (zero padding not read); 0: every plane read whole."""
 _LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
 
 
@@ -296,7 +264,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, rows=None, cols=None, warps: int
     rows / cols (ops.linear's zero-padding hints): the gemv does not read plane p's weight rows
     from rows[p] on (their outputs are 0) or its columns from cols[p] on (planes 0..7).
     warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark."""
-    hint = (rows is not None or cols is not None) and GEMV_SKIP_PADDING
+    hint = rows is not None or cols is not None
     lim = _gemv_lim(rows and tuple(rows), cols and tuple(cols)) if hint else (0, 0)
     return _linear(x, w, warps, cfg, 0, lim)
 
@@ -320,7 +288,7 @@ def _gemv_lim(rows, cols) -> tuple[int, int]:
 def relu2_linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
     as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
-    return _linear(h, w, 0, 0, 1, (0, 0)) if RELU2_GEMV else linear(relu_square(h), w)
+    return _linear(h, w, 0, 0, 1, (0, 0))
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int, lim: tuple[int, int]):

@@ -1,20 +1,15 @@
 """The fused sampler step's wrapper (kernels/sampler.cu): server.engine.sampler.sample in one
 launch. Its pure-torch twin is that function with CANDIDATES = () (a stable full sort).
-The kernels come from `kernels.loader` (built at first use, never at import)."""
+It runs the kernel library the model loaded at start-up (`kernels.loader.loaded_any`: never a
+build here, and none when the model runs the pure-torch ops)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from server.model.cuda_ops import _DT, _check
 
 SAMPLER_UNSUPPORTED = -2  # sampler_step's return code for a vocabulary it does not cover
-SAMPLER_CLUSTER = {"3": 3, "4": 4}.get(os.environ.get("RWKV_SAMPLER_CLUSTER", ""), 0)
-"""The sampler kernel's cluster size for V <= 65536: 0 = by batch (4-CTA clusters while the rows
-fit in one wave of them, else 3-CTA ones: kernels/sampler.cu auto_cluster), 3 or 4 forced (A/B;
-any other value of RWKV_SAMPLER_CLUSTER means by batch). The results do not depend on it."""
 
 
 def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, greedy_only: bool = False,
@@ -23,8 +18,9 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     tokens (B,) int64; penalty (B, V) fp32 and seen (B, V) bool updated in place (views with
     unit column stride, e.g. SamplerSlots' [:B] rows). dbg: optional (B, 8) fp32 out (m, S, c*,
     n kept by top-p, top-k threshold, its group limit or -1, total weight, target) for the tests.
-    cl: the kernel's cluster size (3 or 4; 0 = SAMPLER_CLUSTER), for the tests and benchmarks.
-    Returns None when the kernel cannot run here (no CUDA kernels, a layout or
+    cl: the kernel's cluster size for V <= 65536, 3 or 4 (0: by batch, kernels/sampler.cu
+    auto_cluster; the results do not depend on it), for the tests and benchmarks.
+    Returns None when the kernel cannot run here (no kernels loaded, a layout or
     vocabulary it does not cover): the caller then runs the torch sampler. No host sync."""
     if cl not in (0, 3, 4):
         raise ValueError(f"fused_sample: cl must be 0, 3 or 4, not {cl!r}")
@@ -41,7 +37,7 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
         return None
     from kernels import loader  # deferred: importing this module must not build anything
 
-    lib = loader.load_any(logits.device)
+    lib = loader.loaded_any(logits.device)
     if lib is None:
         return None
     fp = fparams.to(torch.float32).contiguous()  # (B, 5) copies only if needed
@@ -53,7 +49,7 @@ def fused_sample(logits, penalty, seen, fparams, iparams, positions, commit, gre
     rc = lib.sampler_step(
         logits.data_ptr(), logits.stride(0), penalty.data_ptr(), penalty.stride(0), seen.data_ptr(), seen.stride(0),
         fp.data_ptr(), ip.data_ptr(), pos.data_ptr(), cm.data_ptr(), int(greedy_only), B, V, out.data_ptr(),
-        dbg.data_ptr() if dbg is not None else 0, _DT[logits.dtype], cl or SAMPLER_CLUSTER, stream,
+        dbg.data_ptr() if dbg is not None else 0, _DT[logits.dtype], cl, stream,
     )  # fmt: skip
     if rc == SAMPLER_UNSUPPORTED:
         return None

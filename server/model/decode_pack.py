@@ -4,33 +4,24 @@ side stream for the LoRAs, which run beside the big projections.
 The decode step of one layer runs, per token, three (C, C) projections (r, k, v) and four
 low-rank LoRAs (gate g1/g2, decay w1/w2, in-context rate a1/a2, value mix v1/v2) whose inputs
 are different token-shift mixes of the same normalized x. At decode batch sizes each small GEMM
-costs a few microseconds of ramp-up and tail no matter how little it computes (cuBLAS on the
-H200: 10.4 us for one 2560x2560 projection at M=1, 6.3 us each when three run as one bmm), so
-the decode path runs them as stacked (P, N, K) weights against (P, B, K) planes of the
-token-shift output:
+costs its launch, ramp-up and tail no matter how little it computes, so the decode path runs
+them as stacked (P, N, K) weights against (P, B, K) planes of the token-shift output:
 
     planes of add_ln_mix (mix rows permuted): 0 g, 1 w, 2 a, 3 v, 4 k, 5 r
     vkr   (3, C, C)   = [wv, wk, wr]                    on planes 3..5   -> v, k, r
-    merged LoRAs (LORA_MERGED, the default):
     lora1 (Q, D, C)   = [g1^T, w1^T, a1^T, v1^T]        on planes 0..Q-1 -> gate/decay/a/v-mix hidden
     lora2 (Q, C, D)   = [g2^T, w2^T, a2^T, v2^T]        on lora1's out   -> gate, wz, az, vz
-    split LoRAs (RWKV_LORA_MERGED=0):
-    lora1 (P, D, C)   = [w1^T, a1^T, v1^T]              on planes 1..P
-    lora2 (P, C, D)   = [w2^T, a2^T, v2^T]              on lora1's out   -> wz, az, vz
-    g1 (d_gate, C), g2 (C, d_gate)                      on plane 0       -> gate
 
 D = the largest width stacked (smaller ones are zero-padded: zero rows/columns add nothing to
 the real outputs, and the small-batch gemv does not read them: ops.linear's rows / cols hints
-from DecodePack.widths); no value mix in layer 0 (Q = 3, P = 2). Merged, the LoRAs are 2 launches
-instead of 4 for more (padded) FLOPs: measured faster at every batch on the H200 (2.9B:
-test/bench/bench_lora.py, e.g. 22.0 -> 14.5 us per layer at B=256; decode +5% at B=64 and
-B=256). The layer's own fields (wr, wk, wv, w1, ...) become views into these tensors, so prefill
-is unchanged; the padding is the only extra memory (merged: ~7 MB per layer at 2.9B).
+from DecodePack.widths); no value mix in layer 0 (Q = 3). So the four LoRAs are 2 launches, for
+more (padded) FLOPs than 4 separate ones (docs/performance.md has the measurements). The layer's
+own fields (wr, wk, wv, w1, ...) become views into these tensors, so prefill is unchanged; the
+padding is the only extra memory (~7 MB per layer at 2.9B).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,37 +30,27 @@ from server.model.checkpoint import LayerWeights
 
 PLANE_ORDER = (5, 1, 4, 3, 2, 0)
 """Rows of LayerWeights.mix (x_r, x_w, x_k, x_v, x_a, x_g) in decode plane order g, w, a, v, k, r."""
-LORA_MERGED = os.environ.get("RWKV_LORA_MERGED", "1") != "0"
-"""Stack the gate LoRA with the decay / a / v-mix ones (2 launches per layer); 0: split (4)."""
 
 
 @dataclass
 class DecodePack:
     mix: torch.Tensor  # (6, C) mix rows in plane order
     vkr: torch.Tensor  # (3, C, C)
-    lora1: torch.Tensor  # (Q, D, C) merged (gate first) or (P, D, C) split
-    lora2: torch.Tensor  # (Q, C, D) or (P, C, D)
+    lora1: torch.Tensor  # (Q, D, C) gate, decay, a[, v-mix]
+    lora2: torch.Tensor  # (Q, C, D)
     widths: tuple[int, ...] = ()  # each plane's own LoRA width (<= D; the rest is zero padding)
-    g1: torch.Tensor | None = None  # (d_gate, C) nn.Linear layout (split only)
-    g2: torch.Tensor | None = None  # (C, d_gate)
-
-    @property
-    def merged(self) -> bool:
-        return self.g1 is None
 
 
-def pack_layer(lw: LayerWeights, merged: bool | None = None) -> DecodePack:
-    """Stack one layer's decode projections; lw's fields are re-pointed at the stacked storage.
-    merged: stack the gate LoRA with the others (default LORA_MERGED)."""
-    merged = LORA_MERGED if merged is None else merged
+def pack_layer(lw: LayerWeights) -> DecodePack:
+    """Stack one layer's decode projections; lw's fields are re-pointed at the stacked storage."""
     vkr = torch.stack([lw.wv, lw.wk, lw.wr])  # (3, C, C)
     lw.wv, lw.wk, lw.wr = vkr.unbind(0)
-    names = (["g"] if merged else []) + ["w", "a"] + (["v"] if lw.v1 is not None else [])
+    names = ["g", "w", "a"] + (["v"] if lw.v1 is not None else [])
     firsts = [getattr(lw, n + "1") for n in names]  # each (C, d)
     seconds = [getattr(lw, n + "2") for n in names]  # each (d, C)
     C, D = firsts[0].shape[0], max(t.shape[1] for t in firsts)
-    lora1 = firsts[0].new_zeros(len(firsts), D, C)  # (P, D, C)
-    lora2 = firsts[0].new_zeros(len(firsts), C, D)  # (P, C, D)
+    lora1 = firsts[0].new_zeros(len(firsts), D, C)  # (Q, D, C)
+    lora2 = firsts[0].new_zeros(len(firsts), C, D)  # (Q, C, D)
     for p, (n, t1, t2) in enumerate(zip(names, firsts, seconds)):
         d = t1.shape[1]
         lora1[p, :d].copy_(t1.t())
@@ -78,11 +59,7 @@ def pack_layer(lw: LayerWeights, merged: bool | None = None) -> DecodePack:
         setattr(lw, n + "2", lora2[p, :, :d].t())  # (d, C) view
     mix = lw.mix[list(PLANE_ORDER)].contiguous()
     widths = tuple(t.shape[1] for t in firsts)
-    if merged:
-        return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2, widths=widths)
-    g1, g2 = lw.g1.t().contiguous(), lw.g2.t().contiguous()  # (d_gate, C), (C, d_gate)
-    lw.g1, lw.g2 = g1.t(), g2.t()
-    return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2, widths=widths, g1=g1, g2=g2)
+    return DecodePack(mix=mix, vkr=vkr, lora1=lora1, lora2=lora2, widths=widths)
 
 
 class SideStream:

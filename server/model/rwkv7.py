@@ -19,14 +19,13 @@ arithmetic: chunks of CPU_CHUNK_LEN, identity-step padding, gathered states.
 
 from __future__ import annotations
 
-import os
 import types
+from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from server.model import lanes
 from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
@@ -34,28 +33,30 @@ from server.model.state import ModelShape, State
 
 OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear",
             "relu2_linear")
-CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: 6x faster prefill than 256 on the H200
+KERNELS = ("auto", "torch", "cuda")
+CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: long chunks keep the chunk kernel's GEMMs large
 CPU_CHUNK_LEN = 256
-SIDE_STREAM = os.environ.get("RWKV_SIDE_STREAM", "1") != "0"
-"""Decode runs the LoRAs on a side CUDA stream beside the r/k/v projection (0: all on one)."""
 MAX_CHUNK_TOKENS = 16384
 """Default cap on the padded tokens (sequences x chunk length) of one chunk: bounds the prefill
 activations (~0.2 MB per token at 2.9B fp16, ~3.5 GB at the cap); the chunk length shrinks
 when many sequences prefill together."""
 
 
-def select_ops(device: torch.device, kernels: str = "auto") -> types.SimpleNamespace:
+def select_ops(device: torch.device, kernels: str = "auto", head_size: int = 64,
+               cache_root: str | Path | None = None) -> types.SimpleNamespace:  # fmt: skip
     """The WKV primitives for `device`: each name from server.model.cuda_ops when on CUDA,
-    that module imports, its `is_available()` returns True (may build the kernels: call at
-    start-up only) and it defines the name; else the pure-torch one. kernels: auto|torch|cuda
-    (env RWKV_KERNELS overrides auto)."""
-    kernels = os.environ.get("RWKV_KERNELS", kernels) if kernels == "auto" else kernels
+    kernels is auto or cuda, that module imports, its `available()` returns True for this head
+    size (builds the kernels under cache_root on the first call: call at start-up only) and it
+    defines the name; else the pure-torch one. kernels: auto | torch (pure torch) | cuda (the
+    kernels or a RuntimeError)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
     chosen = {n: getattr(torch_ops, n) for n in OP_NAMES}
     if device.type == "cuda" and kernels in ("auto", "cuda"):
         try:
             from server.model import cuda_ops  # noqa: PLC0415
 
-            ok = cuda_ops.is_available()
+            ok = cuda_ops.available(device, head_size, cache_root)
         except ImportError:
             ok = False
         if not ok and kernels == "cuda":
@@ -68,13 +69,13 @@ def select_ops(device: torch.device, kernels: str = "auto") -> types.SimpleNames
 class RWKV7:
     def __init__(self, weights: Weights, shape: ModelShape, name: str, device, dtype: torch.dtype,
                  state_dtype: torch.dtype = torch.float32, chunk_len: int | None = None, kernels: str = "auto",
-                 max_chunk_tokens: int | None = None):  # fmt: skip
+                 max_chunk_tokens: int | None = None, kernel_cache: str | Path | None = None):  # fmt: skip
         """chunk_len: prefill chunk length (default CUDA_CHUNK_LEN with the CUDA kernels, else
         CPU_CHUNK_LEN); max_chunk_tokens: cap on sequences x chunk length per chunk (default
-        max(MAX_CHUNK_TOKENS, chunk_len))."""
+        max(MAX_CHUNK_TOKENS, chunk_len)); kernels, kernel_cache: see select_ops."""
         self.w, self.shape, self.name = weights, shape, name
         self.device, self.dtype, self.state_dtype = torch.device(device), dtype, state_dtype
-        self.ops = select_ops(self.device, kernels)
+        self.ops = select_ops(self.device, kernels, shape.head_size, kernel_cache)
         self.chunk_len = chunk_len or (CUDA_CHUNK_LEN if self._kernel_ops() else CPU_CHUNK_LEN)
         self.max_chunk_tokens = max_chunk_tokens or max(MAX_CHUNK_TOKENS, self.chunk_len)
         self.fused_decode: bool | None = None
@@ -138,17 +139,10 @@ class RWKV7:
 
     # ---- internals -------------------------------------------------------------------------
     def _decode_fused(self, x: torch.Tensor, state: State) -> torch.Tensor:
-        """decode() on the fused path (x: (B, C) embeddings): large batches as two interleaved
-        lanes when server.model.lanes says so, else _decode_steps straight through."""
-        if lanes.use_two_lanes(x):
-            return lanes.two_lanes(self._decode_steps, x, state)
-        return lanes.run(self._decode_steps(x, state))
-
-    def _decode_steps(self, x: torch.Tensor, state: State):
-        """Generator: the fused decode, yielding after each layer's projections, its time-mix
-        and its FFN; returns the logits (B, V) in the model dtype. The same arithmetic as the
-        unfused loop, with the elementwise work in self.ops' fused ops (one launch each on CUDA)
-        and the projections that share a launch stacked (server.model.decode_pack)."""
+        """decode() on the fused path (x: (B, C) embeddings); returns the logits (B, V) in the
+        model dtype. The same arithmetic as the unfused loop, with the elementwise work in
+        self.ops' fused ops (one launch each on CUDA) and the projections that share a launch
+        stacked (server.model.decode_pack)."""
         lin, C = self.ops.linear, self.shape.n_embd
         dx, v_first = None, x
         for i, (lw, pk) in enumerate(zip(self.w.layers, self._decode_packs())):
@@ -161,35 +155,28 @@ class RWKV7:
             side.join()
             if i == 0:
                 v_first = v
-            yield
             y = self.ops.tmix_decode(state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw,
                                      layer0=i == 0, bias=True)  # biases w0/a0/v0 added inside; fmt: skip
-            yield
             x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
                                         state.ffn_shift[i])  # fmt: skip
             dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value)
-            yield
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self.w.head)  # (B, V) model dtype
 
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
-        (P, B, C) without their biases, and the gate (B, C)."""
+        (P, B, C) without their biases, and the gate (B, C); one launch per stage."""
         lin, Q = self.ops.linear, pk.lora1.shape[0]
-        if pk.merged:  # one launch per stage (server.model.decode_pack)
-            mid = lin(xs[:Q], pk.lora1, rows=pk.widths)  # (Q, B, D) gate, decay, a[, v-mix] hidden
-            self.ops.lora_act(mid[1], mid[0])  # tanh on the decay plane, sigmoid on the gate's; in place
-            out = lin(mid, pk.lora2, cols=pk.widths)  # (Q, B, C) gate, wz, az[, vz]
-            return out[1:], out[0]
-        mid = lin(xs[1 : 1 + Q], pk.lora1, rows=pk.widths)  # (P, B, D) decay, a[, v-mix] hidden
-        _, hg = self.ops.lora_act(mid[0], lin(xs[0], pk.g1))  # tanh on the decay plane, sigmoid; in place
-        return lin(mid, pk.lora2, cols=pk.widths), lin(hg, pk.g2)
+        mid = lin(xs[:Q], pk.lora1, rows=pk.widths)  # (Q, B, D) gate, decay, a[, v-mix] hidden
+        self.ops.lora_act(mid[1], mid[0])  # tanh on the decay plane, sigmoid on the gate's; in place
+        out = lin(mid, pk.lora2, cols=pk.widths)  # (Q, B, C) gate, wz, az[, vz]
+        return out[1:], out[0]
 
     def _fork(self) -> SideStream:
         """A context that runs its body on a side stream forked from the current one (join()
         makes the current stream wait for it); on CPU both are no-ops. Each current stream has
-        its own side stream, so decode lanes on different streams stay independent."""
-        if self.device.type != "cuda" or not SIDE_STREAM:
+        its own side stream, so decodes on different streams stay independent."""
+        if self.device.type != "cuda":
             return SideStream(None)
         key = torch.cuda.current_stream(self.device).cuda_stream
         if key not in self._sides:
