@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument("--prefill", default="1x4096,16x512", help="cases NxT, comma-separated ('' = none)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--kernels", default="auto", help="auto|torch|cuda")
+    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "cuda"))
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--feed", default="device", choices=("device", "host"),
                    help="decode inputs: device = the runner's self-fed continuation; host = ids round-trip (old loop)")

@@ -1,7 +1,7 @@
 """WKV-7 kernel micro-benchmark: CUDA kernels vs the pure-torch ops, 2.9B head shape (H=40).
 
     PYTHONPATH=. python test/bench/bench_kernels.py          (everything)
-    PYTHONPATH=. python test/bench/bench_kernels.py --tmix   (only the split vs fused time-mix table)
+    PYTHONPATH=. python test/bench/bench_kernels.py --tmix   (only the time-mix table: head vs pipelined kernel)
 
 Decode: one layer's state update for B sequences; achieved bandwidth counts the state read +
 written once (the floor) plus the activations. Prefill: one layer, T tokens.
@@ -43,9 +43,13 @@ def bench_chunk(B: int, T: int, sd: torch.dtype, impl, rep: int = 50) -> float:
     return do_bench(lambda: impl(state, *a), warmup=10, rep=rep, return_mode="median")
 
 
-def bench_tmix(B: int, sd: torch.dtype, mode: str, rpt: int = 0) -> float:
-    """One layer's decode time-mix core (cuda_ops.tmix_decode, model call: bias inside, layer > 0).
-    mode: "split" (prep -> decode -> post) or "fused" (one launch)."""
+ROUTES = {"head": 1 << 30, "pipe": 1, "default": cuda_ops.TMIX_PIPE_MIN_B}
+"""cuda_ops.TMIX_PIPE_MIN_B per route: the head-per-block kernel at every batch, the pipelined one
+(16-bit state only: an fp32 state always runs the head kernel), the model's choice."""
+
+
+def bench_tmix(B: int, sd: torch.dtype, route: str = "default") -> float:
+    """One layer's decode time-mix core (cuda_ops.tmix_decode, model call: bias inside, layer > 0)."""
     import types
 
     C = H * N
@@ -55,31 +59,26 @@ def bench_tmix(B: int, sd: torch.dtype, mode: str, rpt: int = 0) -> float:
     lw = types.SimpleNamespace(**{n: torch.rand(C, device="cuda", dtype=torch.float16) for n in
                                   ("k_k", "k_a", "r_k", "lnx_w", "lnx_b", "w0", "a0", "v0")})  # fmt: skip
     f = lambda: cuda_ops.tmix_decode(state, *xs, lw, layer0=False, bias=True)  # noqa: E731
-    saved = cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT
-    cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = ("split" if mode == "split" else "fused"), rpt
+    saved = cuda_ops.TMIX_PIPE_MIN_B
+    cuda_ops.TMIX_PIPE_MIN_B = ROUTES[route]
     try:
         return do_bench(f, warmup=25, rep=100, return_mode="median")
     finally:
-        cuda_ops.TMIX_MODE, cuda_ops.TMIX_RPT = saved
+        cuda_ops.TMIX_PIPE_MIN_B = saved
 
 
 def tmix_table(batches=(1, 8, 64, 128, 256, 512, 1024)) -> None:
-    """Decode time-mix: split (3 launches) vs one launch: a head per block (4 rows per thread; 2;
-    4 with 16-bit state rows unpacked in registers, i.e. as fp32 ones), the pipelined kernel with
-    2 / 3 shared-memory slots per block (CUDA-core rows, then tensor-core rows: fp16 state only),
-    and the default choice; ms per call (one layer, H=40,
-    N=64) and state TB/s (state read + written once / time)."""
-    impls = (("split", "split", 0), ("head rpt4", "fused", 4), ("head rpt2", "fused", 2),
-             ("head unpacked", "fused", -4), ("pipe 2", "fused", 12), ("pipe 3", "fused", 13),
-             ("pipe mma 2", "fused", 14), ("pipe mma 3", "fused", 15), ("default", "fused", 0))  # fmt: skip
+    """Decode time-mix: the head-per-block kernel, the pipelined one (fp16 state) and the default
+    choice; ms per call (one layer, H=40, N=64) and state TB/s (state read + written once / time)."""
+    routes = ("head", "pipe", "default")
     print(f"\ntmix_decode, one layer, H={H} N={N}: ms per call (state TB/s)")
-    print(f"{'B':>5} {'state':5} " + " ".join(f"{n:>17}" for n, _, _ in impls) + f" {'default/head':>12}")
+    print(f"{'B':>5} {'state':5} " + " ".join(f"{n:>17}" for n in routes) + f" {'default/head':>12}")
     for sd, sn in ((torch.float32, "fp32"), (torch.float16, "fp16")):
         for B in batches:
             sbytes = 2 * B * H * N * N * torch.finfo(sd).bits // 8
-            ms = [bench_tmix(B, sd, mode, rpt) for _, mode, rpt in impls]
+            ms = [bench_tmix(B, sd, r) for r in routes]
             cells = " ".join(f"{m:8.4f} ({sbytes / m / 1e9:5.2f})" for m in ms)
-            print(f"{B:5d} {sn:5} {cells} {ms[-1] / ms[1]:12.2f}", flush=True)
+            print(f"{B:5d} {sn:5} {cells} {ms[-1] / ms[0]:12.2f}", flush=True)
 
 
 def main() -> None:
@@ -92,11 +91,6 @@ def main() -> None:
                     continue
                 ms, gbs = bench_decode(B, sd, impl)
                 print(f"decode B={B:<5} state={sn:4}      {name:6} {ms:9.4f} {gbs:8.0f}", flush=True)
-    for sd, sn in ((torch.float32, "fp32"), (torch.float16, "fp16")):
-        for B in (1, 64):
-            for mode in ("split", "fused"):
-                ms = bench_tmix(B, sd, mode)
-                print(f"tmix  B={B:<5} state={sn:4}      {mode:6} {ms:9.4f}", flush=True)
     tmix_table()
     for B, T in ((1, 4096), (16, 512), (1, 256), (64, 16)):
         ms = bench_chunk(B, T, torch.float32, cuda_ops.wkv_chunk)

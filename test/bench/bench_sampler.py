@@ -7,7 +7,7 @@ Each step is timed as a CUDA-graph replay (as in the engine's decode graph): tor
 with the default CANDIDATES (top-1024 fast path; overflow rows come back -1 and would be resolved
 eagerly, their count is printed), torch-full = the exact full-sort reference (CANDIDATES = ()),
 kernel = cuda_sampler.fused_sample (the cluster size it picks for B; then each forced: 4-CTA /
-3-CTA clusters, see cuda_sampler.SAMPLER_CLUSTER). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
+3-CTA clusters, fused_sample's cl). Defaults of SamplingParams (T=1, top_p=0.3, penalties on),
 every row commits. V = 65536. ms per step = median over replays (CUDA events).
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import server.engine.sampler as S  # noqa: E402
 from server.engine.sampler import SamplerSlots  # noqa: E402
 from server.engine.types import SamplingParams  # noqa: E402
-from server.model import cuda_sampler  # noqa: E402
+from server.model import cuda_ops, cuda_sampler  # noqa: E402
 
 V = 65536
 
@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--B", type=int, nargs="+", default=[1, 64, 256, 1024])
     ap.add_argument("--full", action="store_true", help="also time the full-sort torch reference")
     a = ap.parse_args()
+    if not cuda_ops.available("cuda"):  # the sampler runs the library the model would load
+        raise SystemExit("the CUDA kernels did not build here (see the log)")
     cases = ["flat", "random"] if a.case == "both" else [a.case]
     global LOGITS_DTYPE
     LOGITS_DTYPE = torch.float16 if a.logits == "fp16" else torch.float32

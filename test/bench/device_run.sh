@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests kernels tmix gemm engine e2e e2e_nofeed ab_b1 ab_pad ab_early ab_cl lora partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http
-# (default: info tests kernels engine). The fused decode time-mix and long prefill chunks are the
-# model's defaults on CUDA now (bench flags --no-fused / --chunk-len N to compare).
+# steps: info build tests kernels tmix gemm engine e2e e2e_nofeed partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks
+# (default: info tests kernels engine). The fused decode path and long prefill chunks are the
+# model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ for s in $steps; do
   echo "=== $s $(date +%T)"
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv; python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'; which nvcc ;;
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_kernels_gemv_gpu.py test/test_model_gpu.py test/test_engine_gpu.py test/test_kernel_loader.py test/test_sampler_kernel_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_kernels_gemv_gpu.py test/test_model_gpu.py test/test_engine_gpu.py test/test_kernel_loader.py test/test_sampler_kernel_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) timeout 200 python3 test/bench/bench_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
     tmix) timeout 200 python3 test/bench/bench_kernels.py --tmix 2>&1 | tee "$OUT/tmix.log" ;;
     gemm) timeout 200 python3 test/bench/bench_gemm.py --batches 1,8,64,256 2>&1 | tee "$OUT/gemm.log" ;;
@@ -39,19 +39,10 @@ for s in $steps; do
               --state-dtype ${STATE_DTYPE:-fp32} --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/e2e.log" ;;
     e2e_nofeed) RWKV_GRAPH_SELF_FEED=0 timeout 200 python3 test/bench/bench_engine_e2e.py --model synthetic:2.9b --batches 1,64,256 \
               --state-dtype ${STATE_DTYPE:-fp32} --out "$OUT/nofeed.jsonl" 2>&1 | tee "$OUT/e2e_nofeed.log" ;;
-    ab_b1) timeout 200 python3 test/bench/ab_decode.py --batches 1,8,64 --variants base,hostfed,lag1,base,hostfed,lag1 \
-              --steps 60 2>&1 | tee "$OUT/ab_b1.log" ;;
-    ab_pad) timeout 300 python3 test/bench/ab_decode.py --batches 1,8 --variants base,padread,noside,base,padread,noside \
-              --steps 60 2>&1 | tee "$OUT/ab_pad.log" ;;
-    ab_early) timeout 300 python3 test/bench/ab_decode.py --batches 1,8,64,256,1024 --variants base,late,base,late \
-              --steps 40 2>&1 | tee "$OUT/ab_early.log" | tail -7 ;;
     sampler) timeout 200 python3 test/bench/bench_sampler.py --B 1 32 64 128 256 512 1024 2>&1 | tee "$OUT/sampler.log" ;;
     ab_sampler) timeout 400 python3 test/bench/ab_sampler.py ${AB_SAMPLER_ARGS:---ref main} 2>&1 | tee "$OUT/ab_sampler.log" | tail -12 ;;
-    ab_cl) timeout 300 python3 test/bench/ab_decode.py --batches ${AB_CL_BATCHES:-64,256,512,1024} \
-              --variants base,cl4,base,cl4 2>&1 | tee "$OUT/ab_cl.log" | tail -6 ;;
     partition) for r in ${PARTITION_ROWS:-512 1024}; do timeout 150 python3 test/bench/bench_partition.py --rows $r; done 2>&1 | tee "$OUT/partition.log" ;;
-    lora) timeout 120 python3 test/bench/bench_lora.py 2>&1 | tee "$OUT/lora.log" ;;
-    http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 64,256 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
+    http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams ${HTTP_STREAMS:-64,256} --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
     http_tasks) for r in ${HTTP_ROUTES:-tasks tmp}; do timeout 200 python3 test/bench/bench_http.py --model synthetic:2.9b \
               --streams 256 --route $r --out "$OUT/results.jsonl"; done 2>&1 | tee "$OUT/http_tasks.log" ;;
   esac
