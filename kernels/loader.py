@@ -143,7 +143,7 @@ def _toolchain(nvcc: Path) -> str:
 def error_summary(text: str, n: int = 8) -> str:
     """The first compiler error lines of a build failure (not the long command lines)."""
     lines = [ln.rstrip() for ln in str(text).splitlines() if ln.strip()]
-    hits = [ln for ln in lines if re.search(r"error|fatal|undefined", ln, re.I) and len(ln) < 500]
+    hits = [ln for ln in lines if re.search(r"error|fatal|undefined", ln, re.IGNORECASE) and len(ln) < 500]
     picked = hits[:n] if hits else lines[:n]
     return "\n".join(ln if len(ln) < 500 else ln[:500] + " ..." for ln in picked)
 
@@ -198,9 +198,11 @@ def _build_or_load(arch: tuple[int, int], head_size: int, root: str | Path | Non
             return build(al, head_size, root)[0]
         except KernelsUnavailable:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any build failure; its message decides the PTX retry
             errors.append(f"arch {al}: {error_summary(e)}")
-            if not re.search(r"unsupported gpu architecture|unknown cuda arch|gpu not supported", str(e), re.I):
+            if not re.search(
+                r"unsupported gpu architecture|unknown cuda arch|gpu not supported", str(e), re.IGNORECASE
+            ):
                 break  # a real compile error: the PTX build would fail the same way
     raise KernelsUnavailable("build failed:\n" + "\n".join(errors))
 
@@ -221,7 +223,7 @@ def load(device=None, head_size: int = 64, cache_root: str | Path | None = None)
             reason = "CUDA is not available"
         else:
             key, reason = (torch.cuda.get_device_capability(device), head_size), None
-    except Exception as e:  # pragma: no cover - broken CUDA install
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - broken CUDA install
         key, reason = ("error", head_size), f"CUDA query failed: {e}"
     _keys[(str(device), head_size)] = key
     with _lock:
@@ -230,7 +232,7 @@ def load(device=None, head_size: int = 64, cache_root: str | Path | None = None)
                 if reason is not None:
                     raise KernelsUnavailable(reason)
                 _mods[key] = _build_or_load(key[0], head_size, cache_root)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - whatever failed, the pure-torch path runs (logged once)
                 log.warning("WKV-7 kernels unavailable, using the pure-torch path: %s", error_summary(e, 12))
                 _mods[key] = None
         return _mods[key]
@@ -249,7 +251,7 @@ def loaded_any(device=None):
         if not torch.cuda.is_available():
             return None
         cap = torch.cuda.get_device_capability(device)
-    except Exception:  # pragma: no cover - broken CUDA install
+    except Exception:  # noqa: BLE001  # pragma: no cover - broken CUDA install
         return None
     for key, mod in list(_mods.items()):
         if mod is not None and key[0] == cap:

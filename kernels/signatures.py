@@ -10,10 +10,25 @@ To add a kernel: put its .cu file in SOURCES (headers in HEADERS) and its extern
 argument codes here, in order.
 """
 
-SOURCES = ("wkv7_decode.cu", "wkv7_chunk.cu", "wkv7_tmix_fused.cu", "wkv7_tmix_pipe.cu", "fused_elementwise.cu",
-           "gemv.cu", "sampler.cu")
-HEADERS = ("wkv7_common.cuh", "wkv7_tmix.cuh", "wkv7_tmix_head.cuh", "wkv7_tmix_mma.cuh", "pdl.cuh",
-           "sampler_common.cuh", "sampler_select.cuh", "sampler_walk.cuh")
+SOURCES = (
+    "wkv7_decode.cu",
+    "wkv7_chunk.cu",
+    "wkv7_tmix_fused.cu",
+    "wkv7_tmix_pipe.cu",
+    "fused_elementwise.cu",
+    "gemv.cu",
+    "sampler.cu",
+)
+HEADERS = (
+    "wkv7_common.cuh",
+    "wkv7_tmix.cuh",
+    "wkv7_tmix_head.cuh",
+    "wkv7_tmix_mma.cuh",
+    "pdl.cuh",
+    "sampler_common.cuh",
+    "sampler_select.cuh",
+    "sampler_walk.cuh",
+)
 
 I, LL, F, P = "i", "ll", "f", "p"
 SIGNATURES: dict[str, list[str]] = {

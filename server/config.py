@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
@@ -93,7 +94,7 @@ class Settings:
     """Log level: debug, info, warning, error."""
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from `RWKV_*` variables, then explicit overrides (e.g. from the CLI)."""
         env = os.environ if env is None else env
         hints = get_type_hints(cls)
@@ -105,7 +106,7 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
     def resolved_device(self) -> str:
@@ -163,11 +164,11 @@ def field_docs() -> dict[str, str]:
     tree = ast.parse(src)
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]
-    for prev, node in zip(body, body[1:]):
-        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr):
-            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                docs[prev.target.id] = " ".join(node.value.value.split())  # type: ignore[union-attr]
+    for prev, node in itertools.pairwise(body):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):  # fmt: skip
+            docs[prev.target.id] = " ".join(node.value.value.split())  # type: ignore[union-attr]
     return docs
 
 
-__all__ = ["Settings", "field_docs", "field"]
+__all__ = ["Settings", "field", "field_docs"]

@@ -1,5 +1,7 @@
 """RWKV-7 model: checkpoint loading, synthetic checkpoints, forward/decode, state layout.
 
+Usage:
+
     from server.model import load_model
     model = load_model("synthetic:tiny", device="cpu", dtype=torch.float32)
     state = model.zero_state(batch=4)
@@ -11,4 +13,4 @@ from server.model.loader import load_model
 from server.model.rwkv7 import RWKV7
 from server.model.state import ModelShape, State
 
-__all__ = ["load_model", "RWKV7", "State", "ModelShape", "CheckpointError"]
+__all__ = ["RWKV7", "CheckpointError", "ModelShape", "State", "load_model"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ def infer_shape(sd: Mapping[str, torch.Tensor]) -> ModelShape:
         raise CheckpointError(f"misshapen key 'blocks.0.att.r_k': {tuple(r_k.shape)}, H*N != C={C}")
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
     L = max(layers) + 1
-    width = lambda key: _need(sd, key).shape[-1]  # noqa: E731
+    width = lambda key: _need(sd, key).shape[-1]
     return ModelShape(
         n_layer=L, n_embd=C, n_head=H, head_size=N, vocab_size=V,
         ffn_dim=_need(sd, "blocks.0.ffn.key.weight").shape[0],
@@ -165,7 +165,9 @@ def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch
         t = sd.pop(key).to(device=device).to(dtype=dtype)  # device first: casts run there
         return t.reshape(-1) if vector else t.contiguous()
 
-    emb = _fold_ln0(sd.pop("emb.weight"), take("blocks.0.ln0.weight", True), take("blocks.0.ln0.bias", True), device, dtype)
+    emb = _fold_ln0(
+        sd.pop("emb.weight"), take("blocks.0.ln0.weight", True), take("blocks.0.ln0.bias", True), device, dtype
+    )
     layers = []
     for i in range(shape.n_layer):
         p, a = f"blocks.{i}.", f"blocks.{i}.att."
@@ -188,7 +190,13 @@ def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch
             ffn_xk=take(p + "ffn.x_k", True), ffn_key=take(p + "ffn.key.weight"),
             ffn_value=take(p + "ffn.value.weight"),
         ))  # fmt: skip
-    return Weights(emb=emb, layers=layers, ln_out_w=take("ln_out.weight", True), ln_out_b=take("ln_out.bias", True), head=take("head.weight"))
+    return Weights(
+        emb=emb,
+        layers=layers,
+        ln_out_w=take("ln_out.weight", True),
+        ln_out_b=take("ln_out.bias", True),
+        head=take("head.weight"),
+    )
 
 
 def _fold_ln0(emb: torch.Tensor, w: torch.Tensor, b: torch.Tensor, device, dtype, rows: int = 8192) -> torch.Tensor:

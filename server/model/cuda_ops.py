@@ -45,10 +45,9 @@ def available(device: torch.device | str | None = None, head_size: int = 64,
     return dev.type == "cuda" and _lib(dev, head_size, cache_root) is not None
 
 
-
 def _aligned(x: torch.Tensor, outer: int) -> torch.Tensor:
     """x with its last two dims (H, N) contiguous and 16-byte aligned rows (a copy if needed)."""
-    H, N = x.shape[-2:]
+    N = x.shape[-1]
     es = x.element_size()
     ok = x.stride(-1) == 1 and x.stride(-2) == N and x.data_ptr() % 16 == 0
     ok = ok and all((x.stride(d) * es) % 16 == 0 for d in range(outer))
@@ -61,7 +60,7 @@ def _aligned(x: torch.Tensor, outer: int) -> torch.Tensor:
 def _usable(state: torch.Tensor, r: torch.Tensor) -> bool:
     if not (state.is_cuda and state.dtype in _STATE_DT and r.dtype in _DT):
         return False
-    H, N = state.shape[1], state.shape[-1]
+    N = state.shape[-1]
     inner = state.stride(-1) == 1 and state.stride(-2) == N and state.stride(1) == N * N
     return inner and state.data_ptr() % 16 == 0 and (state.stride(0) * state.element_size()) % 16 == 0
 
@@ -90,12 +89,12 @@ def wkv_decode(state, r, w, k, v, a, b, *, slots=None) -> torch.Tensor:
         acts = [t.contiguous() for t in acts]
         rr, ww = acts[0], acts[1]
     y = torch.empty(B, H, N, device=r.device, dtype=r.dtype)  # (B, H, N)
-    sp, keep = _slots_arg(slots, r.device)
+    sp, _keep = _slots_arg(slots, r.device)  # _keep: the int32 copy stays alive until the launch
     stream = torch.cuda.current_stream(r.device).cuda_stream
     rc = lib.wkv7_decode(
         _DT[r.dtype], _DT[state.dtype], 1, state.data_ptr(), state.stride(0), sp, B, H,
         *[t.data_ptr() for t in acts], rr.stride(0), ww.stride(0), y.data_ptr(), y.stride(0), stream,
-    )
+    )  # fmt: skip
     _check(rc, "wkv7_decode")
     return y
 
@@ -113,14 +112,14 @@ def wkv_chunk(state, r, w, k, v, a, b, *, slots=None, lengths=None) -> torch.Ten
         rr, ww = acts[0], acts[1]
     alloc = torch.empty if lengths is None else torch.zeros  # skipped tokens: y = 0, not garbage
     y = alloc(B, T, H, N, device=r.device, dtype=r.dtype)  # (B, T, H, N)
-    sp, keep = _slots_arg(slots, r.device)
-    lp, keep_l = _slots_arg(lengths, r.device)
+    sp, _keep = _slots_arg(slots, r.device)  # _keep: the int32 copy stays alive until the launch
+    lp, _keep_l = _slots_arg(lengths, r.device)
     stream = torch.cuda.current_stream(r.device).cuda_stream
     rc = lib.wkv7_chunk(
         _DT[r.dtype], _DT[state.dtype], 1, state.data_ptr(), state.stride(0), sp, lp, B, T, H,
         *[t.data_ptr() for t in acts], rr.stride(0), rr.stride(1), ww.stride(0), ww.stride(1),
         y.data_ptr(), y.stride(0), y.stride(1), stream,
-    )
+    )  # fmt: skip
     _check(rc, "wkv7_chunk")
     return y
 

@@ -40,7 +40,17 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         name = os.path.basename(spec)
     shape = checkpoint.validate(sd)
     weights = checkpoint.convert(sd, shape, device, dtype)
-    model = RWKV7(weights, shape, name, device, dtype, state_dtype, chunk_len=chunk_len, kernels=kernels,
-                  max_chunk_tokens=max_chunk_tokens, kernel_cache=kernel_cache)
+    model = RWKV7(
+        weights,
+        shape,
+        name,
+        device,
+        dtype,
+        state_dtype,
+        chunk_len=chunk_len,
+        kernels=kernels,
+        max_chunk_tokens=max_chunk_tokens,
+        kernel_cache=kernel_cache,
+    )
     log.info("loaded %s (%s) on %s %s in %.1fs", name, shape.signature(), device, dtype, time.perf_counter() - t0)
     return model

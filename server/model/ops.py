@@ -62,8 +62,8 @@ def wkv_decode(state: torch.Tensor, r, w, k, v, a, b) -> torch.Tensor:
     """
     B, H, N = r.shape
     s, copy_back = _as_bhnn(state)  # (BH, N, N) fp32
-    col = lambda t: t.reshape(B * H, N, 1).float()  # noqa: E731  (BH, N, 1)
-    row = lambda t: t.reshape(B * H, 1, N).float()  # noqa: E731  (BH, 1, N)
+    col = lambda t: t.reshape(B * H, N, 1).float()  # (BH, N, 1)
+    row = lambda t: t.reshape(B * H, 1, N).float()  # (BH, 1, N)
     decay = torch.exp(-torch.exp(row(w)))  # (BH, 1, N)
     y = _step(s, col(r), decay, row(k), col(v), col(a), row(b))  # (BH, N, 1)
     if copy_back:
@@ -104,7 +104,7 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
     returns (B, C) in r.dtype: the input of the output projection."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[-1]
-    hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (B, C) -> (B, H, N)
+    hd = lambda t: t.unflatten(-1, (H, N))  # (B, C) -> (B, H, N)
     if bias:
         wz, az = wz + lw.w0, az + lw.a0
         vz = None if layer0 else vz + lw.v0

@@ -20,8 +20,8 @@ arithmetic: chunks of CPU_CHUNK_LEN, identity-step padding, gathered states.
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,7 @@ from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
 from server.model.state import ModelShape, State
 
-OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear",
-            "relu2_linear")
+OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear", "relu2_linear")
 KERNELS = ("auto", "torch", "cuda")
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: long chunks keep the chunk kernel's GEMMs large
 CPU_CHUNK_LEN = 256
@@ -54,7 +53,7 @@ def select_ops(device: torch.device, kernels: str = "auto", head_size: int = 64,
     chosen = {n: getattr(torch_ops, n) for n in OP_NAMES}
     if device.type == "cuda" and kernels in ("auto", "cuda"):
         try:
-            from server.model import cuda_ops  # noqa: PLC0415
+            from server.model import cuda_ops
 
             ok = cuda_ops.available(device, head_size, cache_root)
         except ImportError:
@@ -155,8 +154,10 @@ class RWKV7:
             side.join()
             if i == 0:
                 v_first = v
-            y = self.ops.tmix_decode(state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw,
-                                     layer0=i == 0, bias=True)  # biases w0/a0/v0 added inside; fmt: skip
+            # (B, C); the LoRA biases w0 / a0 / v0 are added inside
+            y = self.ops.tmix_decode(
+                state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw, layer0=i == 0, bias=True
+            )
             x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
                                         state.ffn_shift[i])  # fmt: skip
             dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value)
@@ -286,7 +287,7 @@ class RWKV7:
         b = kk * a
         if pad is not None:  # padded steps become identity steps of the recurrence
             w, k, b = w.masked_fill(pad, torch_ops.IDENTITY_W), k.masked_fill(pad, 0), b.masked_fill(pad, 0)
-        hd = lambda t: t.unflatten(-1, (H, N))  # noqa: E731   (..., C) -> (..., H, N)
+        hd = lambda t: t.unflatten(-1, (H, N))  # (..., C) -> (..., H, N)
         wkv_fn = self.ops.wkv_decode if x.dim() == 2 else self.ops.wkv_chunk
         y = wkv_fn(wkv, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(b), **(wkv_kw or {}))  # (..., H, N)
         y = F.group_norm(y.reshape(-1, C), H, lw.lnx_w, lw.lnx_b, eps=64e-5).view_as(x)

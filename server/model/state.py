@@ -15,8 +15,8 @@ layer: decoding the active prefix [0, B) works on views, with no gather or copy.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -65,7 +65,7 @@ class State:
         device: torch.device | str = "cpu",
         shift_dtype: torch.dtype = torch.float32,
         wkv_dtype: torch.dtype = torch.float32,
-    ) -> "State":
+    ) -> State:
         L, C, H, N = shape.n_layer, shape.n_embd, shape.n_head, shape.head_size
         return cls(
             att_shift=torch.zeros(L, batch, C, device=device, dtype=shift_dtype),
@@ -87,16 +87,16 @@ class State:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (self.att_shift, self.ffn_shift, self.wkv)
 
-    def view(self, start: int, stop: int) -> "State":
+    def view(self, start: int, stop: int) -> State:
         """Slots [start, stop) as views (writes go to this state)."""
         return State(self.att_shift[:, start:stop], self.ffn_shift[:, start:stop], self.wkv[:, start:stop])
 
-    def gather(self, slots: Sequence[int] | torch.Tensor) -> "State":
+    def gather(self, slots: Sequence[int] | torch.Tensor) -> State:
         """A new state holding copies of the given slots, in that order."""
         idx = _index(slots, self.device)
         return State(*(t.index_select(1, idx) for t in self.tensors()))
 
-    def scatter(self, src: "State", slots: Sequence[int] | torch.Tensor) -> None:
+    def scatter(self, src: State, slots: Sequence[int] | torch.Tensor) -> None:
         """Copy src's sequences (batch = len(slots)) into the given slots, converting dtypes."""
         idx = _index(slots, self.device)
         for dst, s in zip(self.tensors(), src.tensors()):
@@ -112,10 +112,10 @@ class State:
         for t in self.tensors():
             t.index_fill_(1, idx, 0)
 
-    def clone(self) -> "State":
+    def clone(self) -> State:
         return State(*(t.clone() for t in self.tensors()))
 
-    def to(self, device: torch.device | str | None = None, non_blocking: bool = False) -> "State":
+    def to(self, device: torch.device | str | None = None, non_blocking: bool = False) -> State:
         return State(*(t.to(device=device, non_blocking=non_blocking) for t in self.tensors()))
 
     def checksum(self) -> str:

@@ -23,7 +23,7 @@ VOCAB = 65536
 
 def _lora(C: int, k: float, p: float) -> int:
     # the official training code's suggested low-rank widths
-    return max(32, int(round(k * C**p / 32)) * 32)
+    return max(32, round(k * C**p / 32) * 32)
 
 
 def make_shape(n_layer: int, n_embd: int, vocab: int = VOCAB, head_size: int = 64) -> ModelShape:
@@ -84,12 +84,14 @@ class _Gen:
         return (t.mul_(std).add_(mean)).to(self.dtype)
 
 
-def synthetic_state_dict(spec: str | tuple[ModelShape, int], device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
+def synthetic_state_dict(
+    spec: str | tuple[ModelShape, int], device="cpu", dtype=torch.float32
+) -> dict[str, torch.Tensor]:
     """An official-format state dict (key order and shapes as the released .pth files)."""
     s, seed = parse_spec(spec) if isinstance(spec, str) else spec
     gen = _Gen(seed, device, dtype)
     C, L, D = s.n_embd, s.n_layer, gen.device
-    vec = lambda t: t.reshape(1, 1, C)  # noqa: E731  (official shape of per-channel vectors)
+    vec = lambda t: t.reshape(1, 1, C)  # the official shape of per-channel vectors
     ddd = torch.arange(C, device=D, dtype=torch.float32) / C  # (C,)
     sd: dict[str, torch.Tensor] = {"emb.weight": gen.normal("emb.weight", (s.vocab_size, C))}
     for i in range(L):
@@ -105,7 +107,11 @@ def synthetic_state_dict(spec: str | tuple[ModelShape, int], device="cpu", dtype
             sd[a + n] = vec((base + gen.normal(a + n, (C,), 0.05).float()).to(dtype))
         speed = -7.0 + 5.0 * torch.linspace(0, 1, C, device=D).pow(0.85 + r01**0.5) + 0.5  # [-6.5, -1.5]
         sd[a + "w0"] = vec((speed + gen.normal(a + "w0", (C,), 0.3).float()).to(dtype))
-        lora = [("w", s.d_decay, None), ("a", s.d_aaa, 0.0)] + ([("v", s.d_mv, 0.5)] if i else []) + [("g", s.d_gate, None)]
+        lora = (
+            [("w", s.d_decay, None), ("a", s.d_aaa, 0.0)]
+            + ([("v", s.d_mv, 0.5)] if i else [])
+            + [("g", s.d_gate, None)]
+        )
         for n, d, mean0 in lora:  # a = sigmoid(a0 + ...) ~ 0.5; v-mix = sigmoid(v0 + ...) ~ 0.6
             if mean0 is not None:
                 sd[a + n + "0"] = vec(gen.normal(a + n + "0", (C,), 0.5, mean0))
