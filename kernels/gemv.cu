@@ -246,9 +246,9 @@ inline int sm_count() {
     return n > 0 ? n : 132;
 }
 
-// Warps per block (split of K), from the H200 sweep (bench_gemm.py --sweep, graph-timed, cold
-// weights): (1) the largest W whose warps all get whole steps (k-tiles per warp % U == 0) and whose
-// grid is resident in ONE wave (a second partial wave cost up to 25%); (2) if no such W (big grids:
+// Warps per block (split of K), the rule a sweep (bench_gemm.py --sweep, graph-timed, cold weights)
+// found: (1) the largest W whose warps all get whole steps (k-tiles per warp % U == 0) and whose
+// grid is resident in ONE wave (a second, partial wave adds a whole tail); (2) if no such W (big grids:
 // the head), whole steps with k-tiles per warp closest to 4 steps; (3) else the largest one-wave W.
 inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
     const int ra = (regs + 7) / 8 * 8;  // allocation granularity

@@ -13,7 +13,7 @@
 // The grid is at most one wave of clusters (rows_per_wave); a cluster takes rows blockIdx.y,
 // + gridDim.y, ... and, once a row's inputs are in shared memory, asks the L2 for its next row's
 // logits and penalty (bulk prefetch), so that they stream in during the select phases.
-// The step is latency bound (one 1024-thread CTA per SM; ~10x above its memory time), so the
+// The step is latency bound (one 1024-thread CTA per SM; far above its memory time), so the
 // code keeps the barriers per radix pass to one cluster.sync + one __syncthreads, and no phase
 // has one warp working serially while the others wait (see radix_select, cl_reduce).
 //
@@ -237,9 +237,7 @@ int launch(const Args &a, int B, cudaStream_t st) {
 }
 
 // The cluster size for V <= 65536 when the caller leaves it open: 4 while the rows fit in one
-// wave of 4-CTA clusters (shorter rows per CTA), else 3 (more rows per wave). Measured on the H200
-// (kernel alone, ms per step, 4 -> 3): B=32 0.103 -> 0.060, B=64 0.155 -> 0.117, B=256 0.493 ->
-// 0.448, B=1024 1.843 -> 1.682; B=1 0.054 -> 0.058.
+// wave of 4-CTA clusters (shorter rows per CTA), else 3 (more rows per wave: fewer waves).
 inline int auto_cluster(int B) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return 4;

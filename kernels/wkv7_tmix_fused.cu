@@ -2,7 +2,7 @@
 #include "pdl.cuh"
 #include "wkv7_tmix_head.cuh"
 
-// ---- one launch for large batches: prep + WKV step + GroupNorm/bonus/gate, a head per block ----
+// ---- one launch: column work + WKV step + GroupNorm/bonus/gate, a head per block ----
 // grid (H, B), block N*TPR/RPT threads (128 for N = 64, RPT = 4): block (h, b) owns the whole head,
 // so the head's column vectors are computed once (not once per row slice) and the GroupNorm over
 // its N outputs is a block reduction: no cluster, no second kernel, no fp32 intermediates.
@@ -20,28 +20,23 @@
 //   4. GroupNorm: per-warp mean and M2 over its rows (shuffles), combined across warps (Chan)
 //      after one more __syncthreads; threads of warps 2.. write out for row c.
 //
-// Why it should keep (or beat) wkv7_decode's state bandwidth: what limits these kernels is state
-// bytes in flight per SM (Little: 4.2 TB/s x ~0.7 us ~ 3 MB, ~22 KB per SM). wkv7_decode keeps at
-// most 8 blocks x 128 threads x 32 B = 32 KB per SM in flight and reaches 3.7 TB/s (fp32). Here a
-// thread has RPT rows in flight: 128 B (fp32) / 64 B (fp16) per thread; fp32 state: 94-96
-// registers -> 5 resident 128-thread blocks per SM = 80 KB in flight; 16-bit state (rows kept
-// packed, see head_packed): 72 registers -> 7 blocks = 56 KB. So even if a block spends a quarter
-// of its life after its loads (steps, GroupNorm, 2 barriers) the SM still holds more bytes in
-// flight than wkv7_decode. Measured on the H200 (first version, fp16 rows unpacked at 96 regs):
-// fp32 state 3.48 TB/s at B=256 and 3.75 at B=1024 (split: 2.88 / 3.14); fp16 state 2.27 / 2.40
-// (split 2.18 / 2.47): hence the packed 16-bit rows. The per-column work of step 2 overlaps
-// the state loads' latency (both are one memory round trip), and the only barriers wait for that
-// phase and for the GroupNorm sums, never for a state load; the state stores are issued before the
-// second barrier. The v1 single kernel (512 threads, 1 row per thread, 3 barriers) had 32 B per
-// thread in flight and at most 2-3 blocks per SM whose 512 threads all idled in phases 1 and 3.
+// Why this shape: what limits the kernel is state bytes in flight per SM (Little's law: the HBM
+// bandwidth times its latency, a few MB over the whole GPU). A thread has RPT rows in flight:
+// 128 B (fp32) / 64 B (fp16) per thread; fp32 state: 94-96 registers -> 5 resident 128-thread
+// blocks per SM = 80 KB in flight; 16-bit state (rows kept packed, see head_packed): 72 registers
+// -> 7 blocks = 56 KB. So even if a block spends a quarter of its life after its loads (steps,
+// GroupNorm, 2 barriers) the SM holds more bytes in flight than wkv7_decode's layout (32 KB). The
+// per-column work of step 2 overlaps the state loads' latency (both are one memory round trip),
+// and the only barriers wait for that phase and for the GroupNorm sums, never for a state load;
+// the state stores are issued before the second barrier.
 namespace wkv7 {
 
 // Resident blocks per SM of the packed 16-bit head kernel with 4 rows (72 registers: see the top).
 constexpr int HEAD_PACKED_MIN_BLOCKS = 7;
 
 // 16-bit state with 8 columns per lane: rows stay packed in registers (4 words per row) until their
-// step, and the column vectors are re-read from shared memory per row, so that ~10 blocks (64 B of
-// state in flight per thread) fit an SM instead of 5 (measured: 2.4 TB/s at 5 blocks, B=1024).
+// step, and the column vectors are re-read from shared memory per row, so that 7 blocks (64 B of
+// state in flight per thread) fit an SM instead of the 5 that rows unpacked to fp32 allow.
 template <typename S>
 __host__ __device__ constexpr bool head_packed() { return sizeof(S) == 2 && EPT == 8; }
 

@@ -13,7 +13,7 @@ template <int RPT>
 __host__ __device__ constexpr int head_threads() { return N * TPR / RPT; }
 
 // The warp roles of step 2 need 2 warps + N threads; N > 64 (EPT = 16 columns per lane, RPT rows)
-// would spill: those head sizes take the split path.
+// would spill: those head sizes run the pure-torch twin (server.model.cuda_ops.tmix_decode).
 template <int RPT>
 __host__ __device__ constexpr bool head_ok() {
     return N <= 64 && head_threads<RPT>() >= 64 + N && head_threads<RPT>() % 32 == 0;

@@ -36,7 +36,7 @@ def _as_bhnn(state: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _matvec(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """s (BH, N, N) @ x (BH, N, 1) -> (BH, N, 1). On CPU bmm with one column is ~4x slower
+    """s (BH, N, N) @ x (BH, N, 1) -> (BH, N, 1). On CPU bmm with one column is much slower
     than a multiply-and-sum; on CUDA bmm avoids a (BH, N, N) temporary."""
     if s.is_cuda:
         return torch.bmm(s, x)
