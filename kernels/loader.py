@@ -140,7 +140,7 @@ def _toolchain(nvcc: Path) -> str:
     return f"torch {torch.__version__} cuda {torch.version.cuda} nvcc {proc.stdout.strip().splitlines()[-1]}"
 
 
-def error_summary(text: str, n: int = 8) -> str:
+def error_summary(text: object, n: int = 8) -> str:
     """The first compiler error lines of a build failure (not the long command lines)."""
     lines = [ln.rstrip() for ln in str(text).splitlines() if ln.strip()]
     hits = [ln for ln in lines if re.search(r"error|fatal|undefined", ln, re.IGNORECASE) and len(ln) < 500]

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
@@ -94,8 +95,9 @@ class Settings:
     """Log level: debug, info, warning, error."""
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from `RWKV_*` variables, then explicit overrides (e.g. from the CLI)."""
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from `RWKV_*` variables (of `env`, default the process environment), then
+        explicit overrides (e.g. from the CLI)."""
         env = os.environ if env is None else env
         hints = get_type_hints(cls)
         values: dict[str, Any] = {}

@@ -210,7 +210,7 @@ def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5):
     ok = ok and all(t.dtype == dt and t.is_contiguous() and t.numel() == C for t in (ln_w, ln_b))
     ok = ok and (mix is None or (mix.dtype == dt and mix.is_contiguous() and mix.dim() == 2 and mix.shape[1] == C))
     ok = ok and (mix is None or shift is not None)
-    if not ok:
+    if lib is None or not ok:
         return ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)
     K = 0 if mix is None else mix.shape[0]
     out = torch.empty(*((K,) if K else ()), B, C, device=x.device, dtype=dt)  # (K, B, C) or (B, C)
@@ -298,7 +298,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int, li
     ok = ok and x.dim() == w.dim() and x.dim() in (2, 3) and x.shape[-1] == w.shape[-1]
     ok = ok and (x.dim() == 2 or x.shape[0] == w.shape[0])
     ok = ok and x.stride(-1) == 1 and w.stride(-1) == 1 and w.stride(-2) == w.shape[-1]
-    if not ok:
+    if lib is None or not ok:
         return fallback()
     K, N = x.shape[-1], w.shape[-2]
     P = x.shape[0] if x.dim() == 3 else 1

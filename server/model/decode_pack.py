@@ -68,7 +68,9 @@ class SideStream:
     main stream, and the main stream waits for the side before reading its results."""
 
     def __init__(self, stream: torch.cuda.Stream | None):
-        self.stream, self.main, self._ctx = stream, None, None
+        self.stream = stream
+        self.main: torch.cuda.Stream | None = None  # the forking stream, set on entry
+        self._ctx: torch.cuda.StreamContext | None = None
 
     def __enter__(self):
         if self.stream is not None:
@@ -84,5 +86,5 @@ class SideStream:
         return False
 
     def join(self) -> None:
-        if self.stream is not None:
+        if self.stream is not None and self.main is not None:
             self.main.wait_stream(self.stream)

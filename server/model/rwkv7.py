@@ -282,7 +282,8 @@ class RWKV7:
         k = k * torch.addcmul(lw.k_a1, a, lw.k_a)  # k * (1 + (a - 1) * k_a)
         if i == 0:
             v_first = v
-        else:
+        else:  # layers after the first carry the value-mix LoRA
+            assert lw.v0 is not None and lw.v1 is not None and lw.v2 is not None
             v = torch.lerp(v, v_first, torch.sigmoid(lw.v0 + (xv @ lw.v1) @ lw.v2))
         b = kk * a
         if pad is not None:  # padded steps become identity steps of the recurrence
