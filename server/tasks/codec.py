@@ -47,7 +47,8 @@ def encode_state(state: State, signature: str) -> EncodedState:
     straight into the blob (from the device too): a 2.9B fp32 state is 21 MB."""
     if state.batch_size != 1:
         raise ValueError(f"only batch-1 states are stored (got batch {state.batch_size})")
-    tensors, offset = [], 0
+    tensors: list[dict[str, Any]] = []
+    offset = 0
     for name, t in zip(NAMES, state.tensors()):
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"unsupported state dtype {t.dtype}")

@@ -12,7 +12,8 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import orjson
 import sqlalchemy as sa
@@ -280,7 +281,7 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
     """Upsert task rows that all have the same columns: one query for the ids that exist, one
     executemany UPDATE, one executemany INSERT. The same id twice: the later row wins."""
     last = list({r["id"]: r for r in rows}.values())
-    ids, have = [r["id"] for r in last], set()
+    ids, have = [r["id"] for r in last], set[str]()
     for i in range(0, len(ids), _CHUNK):
         q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
         have.update((await conn.execute(q)).scalars().all())
@@ -310,7 +311,7 @@ class _WriteTx:
             self.store._wlock.release()
             raise
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         try:
             await self._cm.__aexit__(*exc)
         finally:
