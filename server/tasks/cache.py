@@ -14,13 +14,16 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Generic, TypeVar
+from typing import Generic
 
 from cachetools import LRUCache
+from typing_extensions import TypeVar  # a default for the value type (PEP 696; typing has it from 3.13)
 
 from server.engine.protocol import StateLike
 
-V = TypeVar("V", bound=StateLike)
+V = TypeVar("V", bound=StateLike, default=StateLike)
+"""The type of the cached values: `StateCache(budget)` holds any StateLike, `StateCache[State]`
+only States."""
 
 
 def _nbytes(value: StateLike) -> int:

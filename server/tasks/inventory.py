@@ -43,7 +43,7 @@ class Inventory:
 
         mem = [t for t in self.table.held() if visible(t)]
         mem_only = [t for t in mem if t.kind == TMP]
-        rows: list[Row[Any]] = []
+        rows: list[Row] = []
         db_total = 0
         if kind != TMP:
             rows, db_total = await self.store.list_tasks(owner_id, all_owners, kind, offset + limit, 0)
@@ -94,7 +94,7 @@ class Inventory:
         }
 
 
-def _row_summary(r: Row[Any], t: Task | None) -> dict[str, Any]:
+def _row_summary(r: Row, t: Task | None) -> dict[str, Any]:
     if t is not None:
         return t.summary()
     return {"task_id": r.id, "kind": r.kind, "status": r.status, "finish_reason": r.finish_reason,

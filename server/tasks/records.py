@@ -247,7 +247,7 @@ def to_row(t: Task) -> dict[str, Any]:
     }
 
 
-def from_row(r: Row[Any] | Mapping[str, Any]) -> Task:
+def from_row(r: Row | Mapping[str, Any]) -> Task:
     m = r._mapping if isinstance(r, Row) else r
     out = Output(m["text"], _blob_to_ints(m["offsets"]), finished=m["status"] == FINISHED)
     out.finish_reason = m["finish_reason"]
