@@ -8,11 +8,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Row
-
 from server.model.state import State
 from server.tasks.cache import StateCache
 from server.tasks.records import TMP, Task
+from server.tasks.schema import DbRow
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
 
@@ -43,7 +42,7 @@ class Inventory:
 
         mem = [t for t in self.table.held() if visible(t)]
         mem_only = [t for t in mem if t.kind == TMP]
-        rows: list[Row] = []
+        rows: list[DbRow] = []
         db_total = 0
         if kind != TMP:
             rows, db_total = await self.store.list_tasks(owner_id, all_owners, kind, offset + limit, 0)
@@ -94,7 +93,7 @@ class Inventory:
         }
 
 
-def _row_summary(r: Row, t: Task | None) -> dict[str, Any]:
+def _row_summary(r: DbRow, t: Task | None) -> dict[str, Any]:
     if t is not None:
         return t.summary()
     return {"task_id": r.id, "kind": r.kind, "status": r.status, "finish_reason": r.finish_reason,

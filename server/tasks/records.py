@@ -26,6 +26,7 @@ from sqlalchemy import Row
 from server.engine.protocol import Handle
 from server.engine.types import SamplingParams
 from server.tasks.config import LatencyRecorder
+from server.tasks.schema import DbRow
 
 PREFILL, READY, RUNNING, FINISHED = 0, 1, 2, 3
 TMP, TASK, TEMPLATE = "tmp", "task", "template"
@@ -247,7 +248,7 @@ def to_row(t: Task) -> dict[str, Any]:
     }
 
 
-def from_row(r: Row | Mapping[str, Any]) -> Task:
+def from_row(r: DbRow | Mapping[str, Any]) -> Task:
     m = r._mapping if isinstance(r, Row) else r
     out = Output(m["text"], _blob_to_ints(m["offsets"]), finished=m["status"] == FINISHED)
     out.finish_reason = m["finish_reason"]

@@ -24,9 +24,10 @@ from sqlalchemy.pool import StaticPool
 
 from server.tasks import migrate
 from server.tasks.codec import EncodedState
-from server.tasks.schema import states, tasks
+from server.tasks.schema import DbRow, states, tasks
 
 log = logging.getLogger("server.tasks.store")
+
 _CHUNK = 500  # ids per IN (...) list
 
 
@@ -155,7 +156,7 @@ class Store:
         async with self._write() as conn:
             await _update_rows(conn, rows)
 
-    async def get_task(self, task_id: str) -> sa.Row | None:
+    async def get_task(self, task_id: str) -> DbRow | None:
         async with self._db().connect() as conn:
             return (await conn.execute(sa.select(tasks).where(tasks.c.id == task_id))).first()
 
@@ -175,7 +176,7 @@ class Store:
             return True
 
     async def list_tasks(self, owner: str | None, all_owners: bool, kind: str | None,
-                         limit: int, offset: int) -> tuple[list[sa.Row], int]:
+                         limit: int, offset: int) -> tuple[list[DbRow], int]:
         cols = [tasks.c.id, tasks.c.kind, tasks.c.status, tasks.c.finish_reason, tasks.c.created_at,
                 tasks.c.updated_at, tasks.c.parent_id, tasks.c.completion_tokens]
         cond = []
@@ -200,7 +201,7 @@ class Store:
             return ids
 
     # --- states --------------------------------------------------------------------------------
-    async def get_state(self, state_id: str) -> sa.Row | None:
+    async def get_state(self, state_id: str) -> DbRow | None:
         async with self._db().connect() as conn:
             q = sa.select(states.c.meta, states.c.data, states.c.checksum, states.c.signature,
                           states.c.nbytes, states.c.is_template).where(states.c.id == state_id)
