@@ -63,13 +63,13 @@ class TaskManager:
         self.table = TaskTable()
         self.live = self.table.live  # TMP tasks, running tasks, tasks with writes pending
         self.counters: Counter[str] = Counter()
-        self.persistence = Persistence(self.store, self.writer, self.cache, self.table, self.counters,
+        self.persistence = persistence = Persistence(self.store, self.writer, self.cache, self.table, self.counters,
                                        signature=self.signature, db_budget_bytes=self.config.db_budget_bytes)
         self.runs = Runs(engine, self.table, self.persistence, self.cache, self.counters,
                          default_max_tokens=self.config.default_max_tokens, latency=latency)
         self.inventory = Inventory(self.table, self.store, self.cache, self.counters,
                                    tmp_task_ttl=self.config.tmp_task_ttl,
-                                   db_state_bytes=lambda: self.persistence.db_state_bytes,
+                                   db_state_bytes=lambda: persistence.db_state_bytes,
                                    writer_backlog=self.writer.queue.qsize)
         self.interrupted: list[str] = []
 

@@ -110,14 +110,16 @@ class Runs:
             elif not inp:  # cannot happen by the invariant; recompute rather than fail
                 self.persistence.release(key)
                 state, pos, key, inp = None, 0, None, hist.tolist()
-            run = Run(pos=pos, n_input=len(inp), params=sp, key=key)
-            run.recorder = self.latency() if self.latency is not None else None
+            recorder = self.latency() if self.latency is not None else None
+            t_submit, handle = time.monotonic(), None
             if inp:
                 self._seq += 1
                 queued = self._engine_full()  # before submitting: it counts itself as waiting
-                run.handle = self.engine.submit(inp, sp, init_state=state, return_state=True,
-                                                request_id=f"{t.id}.{self._seq}")
+                handle = self.engine.submit(inp, sp, init_state=state, return_state=True,
+                                            request_id=f"{t.id}.{self._seq}")
                 t.status = READY if queued else PREFILL
+            run = Run(pos=pos, n_input=len(inp), params=sp, key=key, handle=handle, t_submit=t_submit,
+                      recorder=recorder)
         except BaseException:
             self.persistence.release(key)
             raise
