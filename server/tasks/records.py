@@ -137,7 +137,6 @@ class Run:
     n_out: int = 0
     saved_out: int = 0
     """n_out in the last progress row written."""
-    last_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -185,9 +185,7 @@ class Runs:
             run.n_out += n
         if n and run.t_first is None:
             run.t_first = time.monotonic()
-        if ev.finished:
-            run.last_ids = list(ev.token_ids)
-        elif t.status in (PREFILL, READY) and n:
+        if n and not ev.finished and t.status in (PREFILL, READY):
             t.status = RUNNING
 
     # --- settle --------------------------------------------------------------------------------
