@@ -5,8 +5,11 @@ checks, Persistence on a real SQLite file with no engine, Runs against a scripte
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from array import array
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from task_fakes import FakeEngine, FakeShape, FakeTokenizer, consumed, counted_state
@@ -21,6 +24,13 @@ from server.tasks.runs import Runs
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
 from server.tasks.writer import Writer
+
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def test_importing_the_task_layer_imports_no_torch():
+    code = "import sys, server.tasks; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 # --- StateCache.get_or_load ---------------------------------------------------------------------

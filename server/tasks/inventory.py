@@ -6,14 +6,16 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from server.model.state import State
 from server.tasks.cache import StateCache
 from server.tasks.records import TMP, Task
 from server.tasks.schema import DbRow
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
+
+if TYPE_CHECKING:
+    from server.model.state import State
 
 
 class Inventory:

@@ -23,10 +23,9 @@ import re
 from array import array
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.engine.protocol import EngineAPI
-from server.model.state import State
 from server.tasks import streaming
 from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory, ModelShapeLike, TaskConfig, TaskSettings, TokenizerLike
@@ -39,6 +38,9 @@ from server.tasks.runs import Runs
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
 from server.tasks.writer import Writer
+
+if TYPE_CHECKING:
+    from server.model.state import State
 
 log = logging.getLogger("server.tasks")
 TokenIds = list[int]

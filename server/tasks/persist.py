@@ -14,11 +14,10 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
-from server.model.state import State
 from server.tasks.cache import StateCache
 from server.tasks.codec import EncodedState, StateCodecError, decode_state, encode_state
 from server.tasks.errors import TaskConflict
@@ -26,6 +25,9 @@ from server.tasks.records import TEMPLATE, TMP, Task, from_row, to_row
 from server.tasks.store import Store, state_row
 from server.tasks.table import TaskTable
 from server.tasks.writer import Writer
+
+if TYPE_CHECKING:
+    from server.model.state import State
 
 log = logging.getLogger("server.tasks")
 

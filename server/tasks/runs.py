@@ -22,17 +22,19 @@ from array import array
 from collections import Counter
 from dataclasses import replace
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from server.engine.protocol import EngineAPI
 from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Event, Result
-from server.model.state import State
 from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory
 from server.tasks.params import sampling_params
 from server.tasks.persist import Outcome, SettleJob
 from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TEMPLATE, TMP, Output, Run, Task, to_row
 from server.tasks.table import TaskTable
+
+if TYPE_CHECKING:
+    from server.model.state import State
 
 __all__ = ["PROGRESS_INTERVAL", "Run", "RunPersistence", "Runs"]
 
