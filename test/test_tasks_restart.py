@@ -260,8 +260,8 @@ async def test_a_failing_settle_in_a_group_fails_only_its_task(parts, tmp_path, 
 
     monkeypatch.setattr(tm.store, "save_each", each)
     finals = []
-    real_finalize = tm._finalize
-    monkeypatch.setattr(tm, "_finalize", lambda t, *a: (finals.append(t.id), real_finalize(t, *a)))
+    real_finish = Task.finish
+    monkeypatch.setattr(Task, "finish", lambda t, *a: (finals.append(t.id), real_finish(t, *a)))
     gate = asyncio.Event()
 
     async def hold():

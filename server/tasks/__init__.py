@@ -1,8 +1,11 @@
-"""Tasks: records, the TaskManager (LRU state cache + SQLite/PostgreSQL store), the state codec.
+"""Tasks: records, the TaskManager (composed of runs, persistence and an inventory over one state
+cache and a SQLite/PostgreSQL store), the state codec.
 
 Importing this package touches no CUDA and compiles nothing."""
 
+from server.tasks.cache import StateCache
 from server.tasks.codec import StateCodecError, decode_state, encode_state
+from server.tasks.config import TaskConfig
 from server.tasks.errors import TaskConflict, TaskError, TaskForbidden, TaskInvalid, TaskNotFound
 from server.tasks.manager import TaskManager
 from server.tasks.migrate import SchemaTooNewError
@@ -11,7 +14,26 @@ from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TASK, TEMPLA
 from server.tasks.store import Store
 
 __all__ = [
-    "TaskManager", "Task", "Store", "TaskError", "TaskNotFound", "TaskForbidden", "TaskConflict",
-    "TaskInvalid", "SchemaTooNewError", "StateCodecError", "encode_state", "decode_state",
-    "fim_prompt", "PREFILL", "READY", "RUNNING", "FINISHED", "TMP", "TASK", "TEMPLATE",
+    "FINISHED",
+    "PREFILL",
+    "READY",
+    "RUNNING",
+    "TASK",
+    "TEMPLATE",
+    "TMP",
+    "SchemaTooNewError",
+    "StateCache",
+    "StateCodecError",
+    "Store",
+    "Task",
+    "TaskConfig",
+    "TaskConflict",
+    "TaskError",
+    "TaskForbidden",
+    "TaskInvalid",
+    "TaskManager",
+    "TaskNotFound",
+    "decode_state",
+    "encode_state",
+    "fim_prompt",
 ]

@@ -1,102 +1,166 @@
-"""In-memory state cache: an LRU with a budget in BYTES (cachetools), plus two tiers outside
-the budget's eviction: template states (never evicted) and pinned states (in use by a running
-sequence, or waiting for their database write). A pinned state returns to the LRU when its last
-pin is released."""
+"""In-memory state cache, the one of the server (task states, templates, chat prefixes): an LRU
+with a budget in BYTES (cachetools), plus two tiers outside the budget's eviction: templates
+(never evicted) and pinned values (in use by a running sequence, or waiting for their database
+write). A pinned value returns to the LRU when its last pin is released.
+
+Values are anything with `nbytes()` (`StateLike`: a `State`, or an entry that wraps one).
+`get_or_load` shares one load per key among concurrent callers (single flight): a burst of
+requests for a state that is not in memory reads, decodes or prefills it once.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Generic
 
 from cachetools import LRUCache
+from typing_extensions import TypeVar  # a default for the value type (PEP 696; typing has it from 3.13)
 
-from server.model.state import State
+from server.engine.protocol import StateLike
+
+V = TypeVar("V", bound=StateLike, default=StateLike)
+"""The type of the cached values: `StateCache(budget)` holds any StateLike, `StateCache[State]`
+only States."""
 
 
-def _nbytes(state: State) -> int:
-    return state.nbytes()
+def _nbytes(value: StateLike) -> int:
+    return value.nbytes()
 
 
-class StateCache:
+@dataclass(slots=True)
+class _Pin(Generic[V]):
+    value: V
+    count: int
+    drop: bool = False  # discarded while pinned: forgotten at the last unpin
+
+
+class StateCache(Generic[V]):
     def __init__(self, budget_bytes: int) -> None:
         self.budget = max(0, int(budget_bytes))
-        self._lru: LRUCache = LRUCache(maxsize=max(1, self.budget), getsizeof=_nbytes)
-        self._pinned: dict[str, list[Any]] = {}  # key -> [state, pin count, drop at unpin]
-        self._templates: dict[str, State] = {}
+        self._lru: LRUCache[str, V] = LRUCache(maxsize=max(1, self.budget), getsizeof=_nbytes)
+        self._pinned: dict[str, _Pin[V]] = {}
+        self._templates: dict[str, V] = {}
+        self._loading: dict[str, asyncio.Future[V | None]] = {}
         self.hits = 0
         self.misses = 0
         self.evictions = 0
 
-    def get(self, key: str) -> State | None:
-        st = self._templates.get(key)
-        if st is None and key in self._pinned:
-            st = self._pinned[key][0]
-        if st is None:
-            st = self._lru.get(key)
-        if st is None:
+    def get(self, key: str) -> V | None:
+        v = self._peek(key)
+        if v is None:
             self.misses += 1
         else:
             self.hits += 1
-        return st
+        return v
+
+    def _peek(self, key: str) -> V | None:
+        v = self._templates.get(key)
+        if v is None and key in self._pinned:
+            v = self._pinned[key].value
+        if v is None:
+            v = self._lru.get(key)
+        return v
 
     def __contains__(self, key: str) -> bool:
         return key in self._templates or key in self._pinned or key in self._lru
 
-    def put(self, key: str, state: State, *, template: bool = False) -> None:
+    def put(self, key: str, value: V, *, template: bool = False) -> None:
         if template:
             self.discard(key)
-            self._templates[key] = state
+            self._templates[key] = value
         elif key in self._pinned:
-            self._pinned[key][0], self._pinned[key][2] = state, False
+            pin = self._pinned[key]
+            pin.value, pin.drop = value, False
         else:
-            self._lru_put(key, state)
+            self._lru_put(key, value)
 
-    def _lru_put(self, key: str, state: State) -> None:
+    def _lru_put(self, key: str, value: V) -> None:
         self._lru.pop(key, None)
         before = len(self._lru)
         try:
-            self._lru[key] = state
+            self._lru[key] = value
         except ValueError:  # larger than the whole budget: not cached
             self._lru.pop(key, None)
             self.evictions += 1
             return
         self.evictions += max(0, before + 1 - len(self._lru))  # a new key grows it by one
 
-    def pin(self, key: str, state: State | None = None) -> None:
-        """Keep `key` in memory until unpin (the state must be given unless cached)."""
+    def pin(self, key: str, value: V | None = None) -> None:
+        """Keep `key` in memory until unpin (the value must be given unless cached)."""
         if key in self._templates:
             return
         if key in self._pinned:
-            self._pinned[key][1] += 1
+            self._pinned[key].count += 1
             return
-        st = self._lru.pop(key, None) if state is None else state
+        v = self._lru.pop(key, None) if value is None else value
         self._lru.pop(key, None)
-        if st is None:
+        if v is None:
             raise KeyError(key)
-        self._pinned[key] = [st, 1, False]
+        self._pinned[key] = _Pin(v, 1)
 
     def unpin(self, key: str) -> None:
-        entry = self._pinned.get(key)
-        if entry is None:
+        pin = self._pinned.get(key)
+        if pin is None:
             return
-        entry[1] -= 1
-        if entry[1] <= 0:
+        pin.count -= 1
+        if pin.count <= 0:
             del self._pinned[key]
-            if not entry[2]:
-                self._lru_put(key, entry[0])
+            if not pin.drop:
+                self._lru_put(key, pin.value)
 
     def discard(self, key: str) -> None:
-        """Forget a state; one in use stays until its last unpin, then goes."""
+        """Forget a value; one in use stays until its last unpin, then goes."""
         self._templates.pop(key, None)
         self._lru.pop(key, None)
         if key in self._pinned:
-            self._pinned[key][2] = True
+            self._pinned[key].drop = True
+
+    async def get_or_load(self, key: str, load: Callable[[], Awaitable[V | None]]) -> V | None:
+        """The value of `key` from memory, else from `load()` (None: there is none). Concurrent
+        callers for one key share a single load, whose exception each of them gets; a caller
+        that is cancelled does not cancel the load the others wait for. The loaded value goes to
+        the LRU tier, unless load() put it in the cache itself (e.g. as a template) or a value
+        arrived meanwhile (that one is returned). Counts a miss when this call starts a load, a
+        hit otherwise (in memory, or joining a load in flight)."""
+        v = self._peek(key)
+        if v is not None:
+            self.hits += 1
+            return v
+        fut = self._loading.get(key)
+        if fut is None:
+            self.misses += 1
+            fut = asyncio.ensure_future(self._load(key, load))
+            self._loading[key] = fut
+            fut.add_done_callback(partial(self._loaded, key))
+        else:
+            self.hits += 1
+        return await asyncio.shield(fut)
+
+    async def _load(self, key: str, load: Callable[[], Awaitable[V | None]]) -> V | None:
+        v = await load()
+        if v is None:
+            return None
+        cur = self._peek(key)
+        if cur is not None:
+            return cur
+        self.put(key, v)
+        return v
+
+    def _loaded(self, key: str, fut: asyncio.Future[V | None]) -> None:
+        if self._loading.get(key) is fut:
+            del self._loading[key]
+        if not fut.cancelled():
+            fut.exception()  # retrieved: no "never retrieved" warning when every caller left
 
     def stats(self) -> dict[str, int]:
         return {
             "lru_bytes": int(self._lru.currsize), "lru_count": len(self._lru),
-            "pinned_bytes": sum(e[0].nbytes() for e in self._pinned.values()),
+            "pinned_bytes": sum(p.value.nbytes() for p in self._pinned.values()),
             "pinned_count": len(self._pinned),
-            "template_bytes": sum(s.nbytes() for s in self._templates.values()),
+            "template_bytes": sum(v.nbytes() for v in self._templates.values()),
             "template_count": len(self._templates),
             "budget_bytes": self.budget, "hits": self.hits, "misses": self.misses,
             "evictions": self.evictions,

@@ -1,31 +1,56 @@
-"""Listing, statistics and the TMP_ janitor (a mixin of TaskManager)."""
+"""Inventory: listing, statistics and the TMP_ janitor (drops finished TMP tasks after their TTL)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from server.tasks.cache import StateCache
 from server.tasks.records import TMP, Task
+from server.tasks.schema import DbRow
+from server.tasks.store import Store
+from server.tasks.table import TaskTable
+
+if TYPE_CHECKING:
+    from server.model.state import State
 
 
-class InventoryMixin:
-    # provided by TaskManager: live, recent, store, cache, writer, counters, settings, owner_id
+class Inventory:
+    def __init__(self, table: TaskTable, store: Store, cache: StateCache[State], counters: Counter[str], *,
+                 tmp_task_ttl: float, db_state_bytes: Callable[[], int], writer_backlog: Callable[[], int]) -> None:
+        self.table, self.store, self.cache, self.counters = table, store, cache, counters
+        self.tmp_task_ttl = float(tmp_task_ttl)
+        self._db_state_bytes = db_state_bytes  # Persistence.db_state_bytes, read when asked
+        self._writer_backlog = writer_backlog  # jobs in the writer's queue
+        self._janitor: asyncio.Task[None] | None = None
 
-    async def list(self, owner: str | None = None, *, limit: int = 100, offset: int = 0,
+    def start(self) -> None:
+        self._janitor = asyncio.create_task(self._sweep_loop(), name="task-janitor")
+
+    def close(self) -> None:
+        if self._janitor is not None:
+            self._janitor.cancel()
+
+    async def list(self, owner_id: str | None, *, all_owners: bool, limit: int = 100, offset: int = 0,
                    kind: str | None = None) -> dict[str, Any]:
-        oid = self.owner_id(owner)
+        """A page of the tasks `owner_id` may see (all_owners: every task), newest first: the
+        TMP tasks in memory and the stored tasks."""
 
         def visible(t: Task) -> bool:
-            return (owner is None or t.owner == oid) and (kind is None or t.kind == kind) and not t.deleted
+            return (all_owners or t.owner == owner_id) and (kind is None or t.kind == kind) and not t.deleted
 
-        mem = [t for t in list(self.live.values()) + list(self.recent.values()) if visible(t)]
+        mem = [t for t in self.table.held() if visible(t)]
         mem_only = [t for t in mem if t.kind == TMP]
-        rows, db_total = ([], 0) if kind == TMP else await self.store.list_tasks(
-            oid, owner is None, kind, offset + limit, 0)
+        rows: list[DbRow] = []
+        db_total = 0
+        if kind != TMP:
+            rows, db_total = await self.store.list_tasks(owner_id, all_owners, kind, offset + limit, 0)
         items = {t.id: t.summary() for t in mem_only}
         for r in rows:
-            items.setdefault(r.id, _row_summary(r, self.live.get(r.id) or self.recent.get(r.id)))
+            items.setdefault(r.id, _row_summary(r, self.table.find(r.id)))
         page = sorted(items.values(), key=lambda d: (-d["created_at"], d["task_id"]))[offset:offset + limit]
         return {"cpu_cache_count": len(mem), "database_count": db_total,
                 "total_count": db_total + len(mem_only), "cpu_tasks": [t.id for t in mem],
@@ -33,7 +58,7 @@ class InventoryMixin:
                 "limit": limit, "offset": offset}
 
     async def _sweep_loop(self) -> None:
-        ttl = float(self.settings.tmp_task_ttl)
+        ttl = self.tmp_task_ttl
         interval = max(0.05, min(ttl / 4, 10.0))
         while True:
             await asyncio.sleep(interval)
@@ -41,10 +66,10 @@ class InventoryMixin:
 
     def sweep(self, cutoff: float) -> int:
         """Drop TMP tasks that finished before `cutoff` (epoch seconds)."""
-        old = [t for t in self.live.values() if t.kind == TMP and not t.running
+        old = [t for t in self.table.live.values() if t.kind == TMP and not t.running
                and t.finished_at is not None and t.finished_at < cutoff]
         for t in old:
-            self.live.pop(t.id, None)
+            self.table.live.pop(t.id, None)
             t.deleted = True
             if t.state_id and t.state_id.startswith(t.id + ":"):
                 self.cache.discard(t.state_id)
@@ -55,22 +80,22 @@ class InventoryMixin:
         exact at start-up and at each budget check, an upper bound in between (stored states
         add to it; replaced and deleted states are only subtracted by the next check)."""
         c = self.cache.stats()
-        running = sum(1 for t in self.live.values() if t.running)
+        running = sum(1 for t in self.table.live.values() if t.running)
         return {
             "tiers": {
                 "tasks_lru": {"bytes": c["lru_bytes"], "entries": c["lru_count"],
                               "hits": c["hits"], "misses": c["misses"]},
                 "tasks_pinned": {"bytes": c["pinned_bytes"], "entries": c["pinned_count"]},
                 "templates": {"bytes": c["template_bytes"], "entries": c["template_count"]},
-                "database": {"bytes": self.db_state_bytes, "hits": self.counters["db_state_loads"],
+                "database": {"bytes": self._db_state_bytes(), "hits": self.counters["db_state_loads"],
                              "misses": self.counters["state_misses"]},
             },
-            "tasks_live": len(self.live), "tasks_running": running,
-            "writer_queue": self.writer.queue.qsize(), "counters": dict(self.counters),
+            "tasks_live": len(self.table.live), "tasks_running": running,
+            "writer_queue": self._writer_backlog(), "counters": dict(self.counters),
         }
 
 
-def _row_summary(r: Any, t: Task | None) -> dict[str, Any]:
+def _row_summary(r: DbRow, t: Task | None) -> dict[str, Any]:
     if t is not None:
         return t.summary()
     return {"task_id": r.id, "kind": r.kind, "status": r.status, "finish_reason": r.finish_reason,

@@ -1,8 +1,17 @@
 """TaskManager: the task operations of TASK-API.md over the engine, the state cache and the store.
 
+A facade composed of collaborators, each given what it needs at construction:
+
+    TaskTable    the tasks in memory (live, recently read)
+    StateCache   task and template states in memory (byte budget, pins)
+    Writer       the background database writer (group commits)
+    Persistence  state loading, writer jobs, the database budget  (store, writer, cache, table)
+    Runs         engine submissions: claim, start, pump, settle, abort  (engine, table,
+                 persistence, cache)
+    Inventory    list, stats, the TMP_ janitor  (table, store, cache)
+
 Everything runs on the event loop (no locks needed); database work is async (aiosqlite threads)
-and state (de)serialization runs in worker threads. Runs and persistence live in the mixins
-(runs.py, persist.py); stream events in streaming.py.
+and state (de)serialization runs in worker threads. Stream events: streaming.py.
 """
 
 from __future__ import annotations
@@ -13,48 +22,63 @@ import logging
 import re
 from array import array
 from collections import Counter
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
-from cachetools import LRUCache
-
+from server.engine.protocol import EngineAPI
 from server.tasks import streaming
 from server.tasks.cache import StateCache
+from server.tasks.config import LatencyFactory, ModelShapeLike, TaskConfig, TaskSettings, TokenizerLike
 from server.tasks.errors import TaskConflict, TaskForbidden, TaskInvalid, TaskNotFound
+from server.tasks.inventory import Inventory
 from server.tasks.params import clean_params, fim_prompt
-from server.tasks.inventory import InventoryMixin
-from server.tasks.persist import PersistMixin
-from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, from_row, kind_of, new_id
-from server.tasks.runs import RunMixin
+from server.tasks.persist import Persistence, SettleJob
+from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, kind_of, new_id, to_row
+from server.tasks.runs import Runs
 from server.tasks.store import Store
+from server.tasks.table import TaskTable
+from server.tasks.writer import Writer
+
+if TYPE_CHECKING:
+    from server.model.state import State
 
 log = logging.getLogger("server.tasks")
+TokenIds = list[int]
+Prompt = str | TokenIds
+"""Text, or token ids."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
-class TaskManager(RunMixin, PersistMixin, InventoryMixin):
-    def __init__(self, engine: Any, tokenizer: Any, settings: Any, model_shape: Any, *,
-                 store: Store | None = None, latency: Any = None) -> None:
-        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+class TaskManager:
+    def __init__(self, engine: EngineAPI, tokenizer: TokenizerLike, settings: TaskSettings,
+                 model_shape: ModelShapeLike, *, store: Store | None = None,
+                 latency: LatencyFactory | None = None) -> None:
+        """`settings`: server.config.Settings or a TaskConfig (the fields the task layer reads).
+        `latency`: optional factory of a latency recorder per run (the HTTP layer's Recorder)."""
+        self.engine, self.tokenizer = engine, tokenizer
+        self.config = TaskConfig.of(settings)
         self.signature = model_shape.signature()
         self.vocab_size = int(model_shape.vocab_size)
-        self.store = store or Store(settings.db)
-        self.cache = StateCache(settings.state_cache_bytes)
-        from server.tasks.writer import Writer
-
-        self.writer = Writer(settings.writer_queue)
-        self.live: dict[str, Task] = {}  # TMP tasks, running tasks, tasks with writes pending
-        self.recent: LRUCache = LRUCache(maxsize=1024)  # finished stored tasks read lately
-        self.counters: Counter = Counter()
-        self.latency: Any = latency
-        """Optional factory of a latency recorder per run (the HTTP layer's Recorder, bound to
-        its Metrics): on_batch(run, events) per batch of tokens, finish() at the end."""
+        self.store = store or Store(self.config.db)
+        self.cache: StateCache[State] = StateCache(self.config.state_cache_bytes)
+        self.writer = Writer(self.config.writer_queue)
+        self.table = TaskTable()
+        self.live = self.table.live  # TMP tasks, running tasks, tasks with writes pending
+        self.counters: Counter[str] = Counter()
+        self.persistence = persistence = Persistence(self.store, self.writer, self.cache, self.table, self.counters,
+                                       signature=self.signature, db_budget_bytes=self.config.db_budget_bytes)
+        self.runs = Runs(engine, self.table, self.persistence, self.cache, self.counters,
+                         default_max_tokens=self.config.default_max_tokens, latency=latency)
+        self.inventory = Inventory(self.table, self.store, self.cache, self.counters,
+                                   tmp_task_ttl=self.config.tmp_task_ttl,
+                                   db_state_bytes=lambda: persistence.db_state_bytes,
+                                   writer_backlog=self.writer.queue.qsize)
         self.interrupted: list[str] = []
-        self.db_state_bytes = 0
-        self._pumps: set[asyncio.Task] = set()
-        self._progress_queued = False  # a progress job is in the writer queue
-        self._progress_at = 0.0  # monotonic time of the last progress job offered
-        self._janitor: asyncio.Task | None = None
-        self._seq = 0
+
+    @property
+    def db_state_bytes(self) -> int:
+        """Stored non-template state bytes (an upper bound between budget checks)."""
+        return self.persistence.db_state_bytes
 
     # --- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,23 +87,13 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         if self.interrupted:
             log.warning("%d task(s) were running when the server stopped; marked interrupted",
                         len(self.interrupted))
-        self.db_state_bytes = await self.store.states_bytes(templates=False)
+        await self.persistence.start()
         self.writer.start()
-        self._janitor = asyncio.create_task(self._sweep_loop(), name="task-janitor")
+        self.inventory.start()
 
     async def close(self) -> None:
-        if self._janitor is not None:
-            self._janitor.cancel()
-        for t in list(self.live.values()):  # runs end as "interrupted", their state kept
-            if t.running:
-                t.interrupted = True
-                self._abort(t)
-        pumps = list(self._pumps)
-        if pumps:
-            _, late = await asyncio.wait(pumps, timeout=10)
-            for p in late:
-                p.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        self.inventory.close()
+        await self.runs.close()  # runs end as "interrupted", their state kept
         await self.writer.close()
         await self.store.close()
 
@@ -90,15 +104,10 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         return None if owner is None else hashlib.sha256(owner.encode()).hexdigest()[:32]
 
     async def _lookup(self, task_id: str) -> Task | None:
-        t = self.live.get(task_id) or self.recent.get(task_id)
+        t = self.table.find(task_id)
         if t is not None or kind_of(task_id) == TMP:
             return t
-        row = await self.store.get_task(task_id)
-        t = self.live.get(task_id) or self.recent.get(task_id)  # loaded meanwhile?
-        if t is None and row is not None:
-            t = from_row(row)
-            self.recent[task_id] = t
-        return t
+        return await self.persistence.load_task(task_id)
 
     async def get(self, task_id: str, owner: str | None = None, *, write: bool = False,
                   force: bool = False) -> Task:
@@ -117,30 +126,30 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         return t
 
     # --- operations ------------------------------------------------------------------------------
-    async def create(self, prompt: str | list[int], params: dict[str, Any] | None = None, *,
+    async def create(self, prompt: Prompt, params: dict[str, Any] | None = None, *,
                      persistent: bool = False, owner: str | None = None) -> Task:
         ids = await self._encode(prompt)
         if not ids:
             raise TaskInvalid("prompt must not be empty", param="prompt")
         kind = TASK if persistent else TMP
         t = Task(id=new_id(kind), kind=kind, owner=self.owner_id(owner),
-                 params=clean_params(params or {}), prompt=prompt if isinstance(prompt, str) else "")
-        return await self._start(t, ids, new=True)
+                 params=self._params(params), prompt=prompt if isinstance(prompt, str) else "")
+        return await self.runs.start(t, ids, new=True)
 
     async def fim(self, prefix: str, suffix: str = "", params: dict[str, Any] | None = None, *,
                   persistent: bool = False, owner: str | None = None) -> Task:
         return await self.create(fim_prompt(prefix, suffix), params, persistent=persistent, owner=owner)
 
     async def fork(self, task_id: str, params: dict[str, Any] | None = None,
-                   prompt: str | list[int] | None = None, *, tmp: bool = False,
+                   prompt: Prompt | None = None, *, tmp: bool = False,
                    owner: str | None = None) -> Task:
         """A new task from a copy of the source's state and parameters, then the overrides
         (max_tokens included), then the prompt. The source is untouched."""
         ids = await self._encode(prompt) if prompt else None
+        over = self._params(params)
         src = await self.get(task_id, owner)
         if src.running:
             raise TaskConflict(f"task {task_id} is running; fork it once it has finished")
-        over = clean_params(params or {})
         merged = {**src.params, **over}
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
             merged.pop("max_tokens")  # a prefill-only source forks into generating tasks
@@ -150,44 +159,44 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
                  tokens=array("i", src.tokens), out_start=len(src.tokens),
                  state_id=src.state_id, state_pos=src.state_pos, out=Output())
         self.counters["forks"] += 1
-        return await self._start(t, ids, new=True)
+        return await self.runs.start(t, ids, new=True)
 
     async def continue_(self, task_id: str, params: dict[str, Any] | None = None,
-                        prompt: str | list[int] | None = None, *, owner: str | None = None,
+                        prompt: Prompt | None = None, *, owner: str | None = None,
                         force: bool = False) -> Task:
         """The same task goes on: with a prompt, prefill it then generate (new output);
         without, keep generating (the output grows)."""
         ids = await self._encode(prompt) if prompt else None
+        over = self._params(params)
         t = await self.get(task_id, owner, write=True, force=force)
-        update: dict[str, Any] = {"params": {**t.params, **clean_params(params or {})}}
+        update: dict[str, Any] = {"params": {**t.params, **over}}
         if ids is not None:
             update["prompt"] = prompt if isinstance(prompt, str) else ""
-        return await self._start(t, ids, new=False, update=update)
+        return await self.runs.start(t, ids, new=False, update=update)
 
     async def stop(self, task_id: str, owner: str | None = None, *, force: bool = False,
                    wait: float = 5.0) -> Task:
         """Stop a running task by identity (engine abort); it ends with finish_reason "stopped"."""
         t = await self.get(task_id, owner, write=True, force=force)
         if t.running:
-            self._abort(t)
-            await self._wait_done(t, wait)
+            self.runs.abort(t)
+            await _wait_done(t, wait)
         return t
 
     def abort(self, t: Task) -> None:
         """Abort t's run now (synchronous; e.g. its streaming client went away)."""
         if t.running:
-            self._abort(t)
+            self.runs.abort(t)
 
     async def delete(self, task_id: str, owner: str | None = None, *, force: bool = False) -> Task:
         t = await self.get(task_id, owner, write=True, force=force)
         if t.running:
-            self._abort(t)
-            await self._wait_done(t, 5.0)
+            self.runs.abort(t)
+            await _wait_done(t, 5.0)
         t.deleted = True
-        self.live.pop(t.id, None)
-        self.recent.pop(t.id, None)
+        self.table.forget(t.id)
         if t.kind != TMP:
-            await self.writer.call(self._delete_job, t)
+            await self.persistence.delete(t)
         if t.state_id and t.state_id.startswith(t.id + ":"):
             self.cache.discard(t.state_id)
         t.out.notify()
@@ -216,8 +225,7 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
         try:
             await self._fill_template(tpl, src)
         except BaseException:
-            self.live.pop(tid, None)
-            self.recent.pop(tid, None)
+            self.table.forget(tid)
             tpl.deleted = True
             if tpl.state_id and tpl.state_id.startswith(tid + ":"):
                 self.cache.discard(tpl.state_id)
@@ -226,42 +234,54 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
 
     async def _fill_template(self, tpl: Task, src: Task) -> None:
         """Give the template a stored state that has consumed all but the last token."""
-        state, pos, key = await self._resolve_state(src)
+        state, pos, key = await self.persistence.resolve_state(src)
         try:
-            if state is not None and pos >= len(src.tokens) - 1:
-                tpl.state_id, tpl.state_pos = f"{tpl.id}:{key.rsplit(':', 1)[-1]}", pos
-                self.cache.put(tpl.state_id, state, template=True)
+            if state is not None and key is not None and pos >= len(src.tokens) - 1:
+                sid = f"{tpl.id}:{key.rsplit(':', 1)[-1]}"
+                tpl.state_id, tpl.state_pos = sid, pos
+                self.cache.put(sid, state, template=True)
                 tpl.pending_writes += 1
-                item = (tpl, self._row(tpl), tpl.state_id, state, None, None)
-                await (await self._queue_settled(item))
+                job = SettleJob(tpl, to_row(tpl), sid, state, old_key=None, outcome=None)
+                await (await self.persistence.queue_settled(job))
                 return
         finally:
-            self._unpin(key)
+            self.persistence.release(key)
         # no usable state: prefill the template's history once (forks then start at no cost)
         tpl.state_id, tpl.state_pos = src.state_id, src.state_pos
-        await self._start(tpl, None, new=True, max_tokens=0)
-        await self._wait_done(tpl, None)
+        await self.runs.start(tpl, None, new=True, max_tokens=0)
+        await _wait_done(tpl, None)
         if tpl.saved is not None:
             await tpl.saved
 
     async def wait(self, task_id: str, owner: str | None = None, timeout: float | None = None) -> Task:
         t = await self.get(task_id, owner)
-        await self._wait_done(t, timeout)
+        await _wait_done(t, timeout)
         return t
-
-    async def _wait_done(self, t: Task, timeout: float | None) -> None:
-        if t.running and t.done is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(t.done.wait()), timeout)
-            except asyncio.TimeoutError:
-                pass
 
     def stream(self, t: Task, pos: int = 0, ping: float = 15.0) -> AsyncIterator[Any]:
         """Stream events of t from token index pos (see streaming.events)."""
         return streaming.events(t, pos, ping=ping)
 
+    # --- inventory -------------------------------------------------------------------------------
+    async def list(self, owner: str | None = None, *, limit: int = 100, offset: int = 0,
+                   kind: str | None = None) -> dict[str, Any]:
+        """A page of the tasks `owner` may see (None: all), newest first (TASK-API.md)."""
+        return await self.inventory.list(self.owner_id(owner), all_owners=owner is None, limit=limit,
+                                         offset=offset, kind=kind)
+
+    def sweep(self, cutoff: float) -> int:
+        """Drop TMP tasks that finished before `cutoff` (epoch seconds)."""
+        return self.inventory.sweep(cutoff)
+
+    def stats(self) -> dict[str, Any]:
+        """Cache tiers and counters (Inventory.stats)."""
+        return self.inventory.stats()
+
     # --- helpers ---------------------------------------------------------------------------------
-    async def _encode(self, prompt: str | list[int]) -> list[int]:
+    def _params(self, params: dict[str, Any] | None) -> dict[str, Any]:
+        return clean_params(params or {}, self.vocab_size)
+
+    async def _encode(self, prompt: Prompt) -> TokenIds:
         if isinstance(prompt, str):
             if len(prompt) > 20000:
                 return list(await asyncio.to_thread(self.tokenizer.encode, prompt))
@@ -272,3 +292,12 @@ class TaskManager(RunMixin, PersistMixin, InventoryMixin):
             raise TaskInvalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                               param="prompt")
         return ids
+
+
+async def _wait_done(t: Task, timeout: float | None) -> None:
+    """Until t's current run has settled (or `timeout` seconds passed)."""
+    if t.running and t.done is not None:
+        try:
+            await asyncio.wait_for(asyncio.shield(t.done.wait()), timeout)
+        except asyncio.TimeoutError:
+            pass

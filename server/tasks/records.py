@@ -5,18 +5,28 @@ those inherited from the task it was forked from). `state_id` names its last set
 `state_pos` says how many tokens of the history that state has consumed; `tokens[state_pos:]` is
 what must be fed before anything new. That one rule covers templates, forks, continues, tasks
 interrupted by a crash and states dropped by a budget (state_pos = 0: recompute from zero).
+
+A `Run` is one engine submission of a task (server.tasks.runs), attached to the task while it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from array import array
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import orjson
+from sqlalchemy import Row
+
+from server.engine.protocol import Handle
+from server.engine.types import SamplingParams
+from server.tasks.config import LatencyRecorder
+from server.tasks.schema import DbRow
 
 PREFILL, READY, RUNNING, FINISHED = 0, 1, 2, 3
 TMP, TASK, TEMPLATE = "tmp", "task", "template"
@@ -49,7 +59,7 @@ class Output:
         self.finished = finished
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self._waiters: set[asyncio.Future] = set()
+        self._waiters: set[asyncio.Future[None]] = set()
         self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.task_stream)
 
     def __len__(self) -> int:
@@ -105,6 +115,31 @@ class Output:
 
 
 @dataclass
+class Run:
+    """One engine submission of a task, from its start to its settle."""
+
+    pos: int
+    """state_pos the run started from."""
+    n_input: int
+    """Tokens submitted (prefilled)."""
+    params: SamplingParams
+    key: str | None
+    """Pinned cache key of the starting state (released when the run settles)."""
+    handle: Handle | None = None
+    """The engine's handle; None when there was nothing to feed."""
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    recorder: LatencyRecorder | None = None
+    t_last: float | None = None
+    """When its last batch of tokens arrived (kept by the recorder)."""
+    gen_base: float = 0.0
+    """gen_time of earlier runs of the same output."""
+    n_out: int = 0
+    saved_out: int = 0
+    """n_out in the last progress row written."""
+
+
+@dataclass
 class Task:
     id: str
     kind: str
@@ -113,7 +148,7 @@ class Task:
     params: dict[str, Any] = field(default_factory=dict)
     prompt: str = ""
     prompt_len: int = 0
-    tokens: array = field(default_factory=lambda: array("i"))
+    tokens: array[int] = field(default_factory=lambda: array("i"))
     out_start: int = 0
     out: Output = field(default_factory=Output)
     state_id: str | None = None
@@ -128,8 +163,8 @@ class Task:
     updated_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     # runtime only
-    run: Any = None  # the current run (server.tasks.runs.Run) while running
-    saved: Any = None  # future of the last queued database write of this task
+    run: Run | None = None  # the current run while running
+    saved: asyncio.Future[None] | None = None  # the last queued settle write of this task
     done: asyncio.Event | None = None  # set when the current run settled
     pending_writes: int = 0  # settle writes queued and not yet done
     stop_requested: bool = False
@@ -143,6 +178,17 @@ class Task:
     @property
     def generated(self) -> int:
         return len(self.out)
+
+    def finish(self, reason: str, error: str | None) -> None:
+        """Show the task finished (status, output, stream readers, waiters)."""
+        self.status, self.finish_reason = FINISHED, reason
+        self.finished_at = time.time()
+        out = self.out
+        out.finished, out.finish_reason = True, reason
+        out.error = error if reason == "error" else None
+        out.notify()
+        if self.done is not None:
+            self.done.set()
 
     def speed(self) -> float:
         n = self.completion_tokens
@@ -174,19 +220,19 @@ def _ints_to_blob(values: Iterable[int]) -> bytes:
     return a.tobytes() if _LITTLE else _swap(a).tobytes()
 
 
-def _blob_to_ints(blob: bytes | None) -> array:
+def _blob_to_ints(blob: bytes | None) -> array[int]:
     a = array("i")
     a.frombytes(blob or b"")
     return a if _LITTLE else _swap(a)
 
 
-def _swap(a: array) -> array:
+def _swap(a: array[int]) -> array[int]:
     b = array(a.typecode, a)
     b.byteswap()
     return b
 
 
-_LITTLE = __import__("sys").byteorder == "little"
+_LITTLE = sys.byteorder == "little"
 
 
 def to_row(t: Task) -> dict[str, Any]:
@@ -201,8 +247,8 @@ def to_row(t: Task) -> dict[str, Any]:
     }
 
 
-def from_row(r: Any) -> Task:
-    m = r._mapping if hasattr(r, "_mapping") else r
+def from_row(r: DbRow | Mapping[str, Any]) -> Task:
+    m = r._mapping if isinstance(r, Row) else r
     out = Output(m["text"], _blob_to_ints(m["offsets"]), finished=m["status"] == FINISHED)
     out.finish_reason = m["finish_reason"]
     return Task(

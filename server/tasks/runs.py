@@ -1,4 +1,4 @@
-"""Runs: one engine submission of a task, from claim to settle (a mixin of TaskManager).
+"""Runs: one engine submission of a task, from claim to settle.
 
 State accounting (the engine's contract, server/engine/engine.py): a finished sequence's state
 has consumed `input + token_ids - pending_tokens`; normally the last generated token is pending.
@@ -7,6 +7,9 @@ A run therefore leaves `state_pos = len(tokens) - 1` and the next run feeds the 
 EOS to the history so the same rule holds. A prefill-only run (max_tokens=0) holds the prompt's
 last token back for the same reason. Without a usable result state (error) the old state is
 kept and the next run re-feeds `tokens[state_pos:]`.
+
+The pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task:
+it appends, counts and wakes the stream readers, nothing more.
 """
 
 from __future__ import annotations
@@ -16,66 +19,62 @@ import logging
 import time
 import uuid
 from array import array
-from dataclasses import dataclass, field
-from typing import Any
+from collections import Counter
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
-from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, SamplingParams
-from server.tasks.errors import TaskConflict
+from server.engine.protocol import EngineAPI
+from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Event, Result
+from server.tasks.cache import StateCache
+from server.tasks.config import LatencyFactory
 from server.tasks.params import sampling_params
-from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TEMPLATE, TMP, Output, Task
+from server.tasks.persist import Outcome, SettleJob
+from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TEMPLATE, TMP, Output, Run, Task, to_row
+from server.tasks.table import TaskTable
+
+if TYPE_CHECKING:
+    from server.model.state import State
+
+__all__ = ["PROGRESS_INTERVAL", "Run", "RunPersistence", "Runs"]
 
 log = logging.getLogger("server.tasks")
 PROGRESS_INTERVAL = 1.0  # seconds between the progress writes of the running persistent tasks
 
 
-@dataclass
-class Run:
-    pos: int  # state_pos the run started from
-    n_input: int  # tokens submitted (prefilled)
-    params: SamplingParams
-    key: str | None  # pinned cache key of the starting state
-    handle: Any = None
-    t_submit: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-    recorder: Any = None  # latency recorder of this run (TaskManager.latency), or None
-    t_last: float | None = None  # when its last batch of tokens arrived (kept by the recorder)
-    gen_base: float = 0.0  # gen_time of earlier runs of the same output
-    n_out: int = 0
-    saved_out: int = 0  # n_out in the last progress row written
-    last_ids: list[int] = field(default_factory=list)
+class RunPersistence(Protocol):
+    """What runs need of the persistence (server.tasks.persist.Persistence)."""
+
+    async def resolve_state(self, t: Task) -> tuple[State | None, int, str | None]: ...
+
+    def release(self, key: str | None) -> None: ...
+
+    async def save_started(self, t: Task) -> asyncio.Future[None]: ...
+
+    async def queue_settled(self, job: SettleJob) -> asyncio.Future[None]: ...
+
+    def offer_progress(self) -> None: ...
 
 
-class RunMixin:
-    # provided by TaskManager: engine, settings, cache, live, recent, writer, counters, _pumps,
-    # _resolve_state, _row, _persist_rows, _queue_settled, _offer_progress, _progress_at
+class Runs:
+    def __init__(self, engine: EngineAPI, table: TaskTable, persistence: RunPersistence,
+                 cache: StateCache[State], counters: Counter[str], *, default_max_tokens: int,
+                 latency: LatencyFactory | None = None) -> None:
+        self.engine, self.table, self.persistence, self.cache = engine, table, persistence, cache
+        self.counters = counters
+        self.default_max_tokens = default_max_tokens
+        self.latency = latency
+        """Optional factory of a latency recorder per run (the HTTP layer's Recorder)."""
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._progress_at = 0.0  # monotonic time of the last progress job offered
+        self._seq = 0
 
-    # --- claim / start -------------------------------------------------------------------------
-    def _claim(self, t: Task) -> Task:
-        """Mark t as starting (synchronously, so two requests cannot both start it)."""
-        cur = self.live.get(t.id)
-        if cur is not None and cur is not t:
-            t = cur
-        if t.running:
-            raise TaskConflict(f"task {t.id} is running; stop it or wait until it finishes")
-        t.status = READY
-        t.done = asyncio.Event()
-        self.recent.pop(t.id, None)
-        self.live[t.id] = t
-        return t
-
-    def _unclaim(self, t: Task, new: bool) -> None:
-        if new:
-            self.live.pop(t.id, None)
-        else:
-            t.status = FINISHED
-        if t.done is not None:
-            t.done.set()
-
-    async def _start(self, t: Task, prompt_ids: list[int] | None, *, new: bool,
-                     max_tokens: int | None = None, update: dict[str, Any] | None = None) -> Task:
+    # --- start ---------------------------------------------------------------------------------
+    async def start(self, t: Task, prompt_ids: list[int] | None, *, new: bool,
+                    max_tokens: int | None = None, update: dict[str, Any] | None = None) -> Task:
         """Claim, apply `update` (task fields), submit, (persistent: commit the row), and pump
         events in the background. On failure the task is as it was."""
-        t = self._claim(t)
+        t = self.table.claim(t)
         old = {k: getattr(t, k) for k in update or {}}
         for k, v in (update or {}).items():
             setattr(t, k, v)
@@ -84,11 +83,11 @@ class RunMixin:
         except BaseException:
             for k, v in old.items():
                 setattr(t, k, v)
-            self._unclaim(t, new)
+            self.table.unclaim(t, new)
             raise
         saved = None
         if t.kind != TMP:
-            saved = await self.writer.put_many(self._persist_rows, self._row(t))
+            saved = await self.persistence.save_started(t)
         pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
@@ -96,33 +95,35 @@ class RunMixin:
             try:
                 await saved  # commit before acknowledging
             except BaseException:
-                self._abort(t)
+                self.abort(t)
                 raise
         return t
 
     async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> Run:
-        sp = sampling_params(t.params, self.settings.default_max_tokens)
+        sp = sampling_params(t.params, self.default_max_tokens)
         if max_tokens is not None:
-            sp = _with_max_tokens(sp, max_tokens)
-        state, pos, key = await self._resolve_state(t)
+            sp = replace(sp, max_tokens=max_tokens)
+        state, pos, key = await self.persistence.resolve_state(t)
         try:
             hist = t.tokens + array("i", prompt_ids or ())
             inp = hist[pos:].tolist()
             if sp.max_tokens == 0:
                 inp = inp[:-1]  # hold the last token back: a fork can then generate at once
             elif not inp:  # cannot happen by the invariant; recompute rather than fail
-                self._unpin(key)
+                self.persistence.release(key)
                 state, pos, key, inp = None, 0, None, hist.tolist()
-            run = Run(pos=pos, n_input=len(inp), params=sp, key=key)
-            run.recorder = self.latency() if self.latency is not None else None
+            recorder = self.latency() if self.latency is not None else None
+            t_submit, handle = time.monotonic(), None
             if inp:
                 self._seq += 1
                 queued = self._engine_full()  # before submitting: it counts itself as waiting
-                run.handle = self.engine.submit(inp, sp, init_state=state, return_state=True,
-                                                request_id=f"{t.id}.{self._seq}")
+                handle = self.engine.submit(inp, sp, init_state=state, return_state=True,
+                                            request_id=f"{t.id}.{self._seq}")
                 t.status = READY if queued else PREFILL
+            run = Run(pos=pos, n_input=len(inp), params=sp, key=key, handle=handle, t_submit=t_submit,
+                      recorder=recorder)
         except BaseException:
-            self._unpin(key)
+            self.persistence.release(key)
             raise
         self.counters["runs"] += 1
         self.counters["prefill_tokens"] += len(inp)
@@ -148,14 +149,15 @@ class RunMixin:
 
     # --- events --------------------------------------------------------------------------------
     async def _pump(self, t: Task, run: Run) -> None:
-        res, error = None, None
+        res: Result | None = None
+        error: str | None = None
         try:
             if run.handle is not None:
                 async for batch in run.handle.batches():  # all the events of a wake-up at once
                     self._on_batch(t, run, batch)
                 res = await run.handle.wait()
         except asyncio.CancelledError:
-            self._abort(t)
+            self.abort(t)
             error = "interrupted"
         except Exception as exc:  # noqa: BLE001 - the task ends with finish_reason "error"
             log.warning("task %s failed: %s", t.id, exc)
@@ -164,7 +166,7 @@ class RunMixin:
             run.recorder.finish()
         await self._settle(t, run, res, error)
 
-    def _on_batch(self, t: Task, run: Run, batch: list[Any]) -> None:
+    def _on_batch(self, t: Task, run: Run, batch: list[Event]) -> None:
         for ev in batch:
             self._on_event(t, run, ev)
         if run.recorder is not None:
@@ -175,9 +177,9 @@ class RunMixin:
             now = time.monotonic()
             if now - self._progress_at >= PROGRESS_INTERVAL:  # one write for all running tasks
                 self._progress_at = now
-                self._offer_progress()
+                self.persistence.offer_progress()
 
-    def _on_event(self, t: Task, run: Run, ev: Any) -> None:
+    def _on_event(self, t: Task, run: Run, ev: Event) -> None:
         n = len(ev.token_ids)
         if n or ev.text:
             t.tokens.extend(ev.token_ids)
@@ -185,36 +187,24 @@ class RunMixin:
             run.n_out += n
         if n and run.t_first is None:
             run.t_first = time.monotonic()
-        if ev.finished:
-            run.last_ids = list(ev.token_ids)
-        elif t.status in (PREFILL, READY) and n:
+        if n and not ev.finished and t.status in (PREFILL, READY):
             t.status = RUNNING
 
     # --- settle --------------------------------------------------------------------------------
-    async def _settle(self, t: Task, run: Run, res: Any, error: str | None) -> None:
+    async def _settle(self, t: Task, run: Run, res: Result | None, error: str | None) -> None:
         """Record the run's outcome. A persistent task shows as finished only once its final
         row and state are committed (a client that saw `finished` can rely on it)."""
         if res is not None and res.finish_reason == ERROR:
             error = res.error or "generation failed"
-        if error == "interrupted":
-            reason = "interrupted"
-        elif error is not None:
-            reason = "error"
-        elif res is None:
-            reason = LENGTH  # prefill-only run with nothing to feed
-        else:
-            reason = "stopped" if res.finish_reason == ABORT else res.finish_reason
-        if t.interrupted and reason in ("stopped", "error"):
-            reason, t.interrupted = "interrupted", False
+        reason = _reason(t, res, error)
         covered = None if error else self._covered(t, run, res)
-        new_key = state = None
-        if covered is not None:
-            state, new_key = res.state if res is not None else None, f"{t.id}:{uuid.uuid4().hex[:12]}"
-            if state is None:  # nothing was fed: the old state is still the state
-                new_key = None
-        self._unpin(run.key)
+        new_key: str | None = None
+        state: State | None = None
+        if covered is not None and res is not None and res.state is not None:
+            state, new_key = res.state, f"{t.id}:{uuid.uuid4().hex[:12]}"  # else nothing was fed
+        self.persistence.release(run.key)
         old_key = t.state_id
-        if new_key is not None:
+        if new_key is not None and state is not None and covered is not None:
             t.state_id, t.state_pos = new_key, run.pos + covered
             self._cache_new_state(t, new_key, state)
         if res is not None:
@@ -224,24 +214,16 @@ class RunMixin:
         if t.kind == TMP:
             if old_key and new_key and old_key != new_key and old_key.startswith(t.id + ":"):
                 self.cache.discard(old_key)
-            self._finalize(t, reason, error)
+            t.finish(reason, error)
             return
-        row = self._row(t)
+        row = to_row(t)
         row.update(status=FINISHED, finish_reason=reason)
         t.pending_writes += 1
-        t.saved = await self._queue_settled((t, row, new_key, state, old_key, (reason, error)))
-        t.saved.add_done_callback(lambda f, tid=t.id: _log_failed_settle(f, tid))
+        t.saved = await self.persistence.queue_settled(
+            SettleJob(t, row, new_key, state, old_key, Outcome(reason, error)))
+        t.saved.add_done_callback(partial(_log_failed_settle, task_id=t.id))
 
-    def _finalize(self, t: Task, reason: str, error: str | None) -> None:
-        t.status, t.finish_reason = FINISHED, reason
-        t.finished_at = time.time()
-        t.out.finished, t.out.finish_reason = True, reason
-        t.out.error = error if reason == "error" else None
-        t.out.notify()
-        if t.done is not None:
-            t.done.set()
-
-    def _covered(self, t: Task, run: Run, res: Any) -> int | None:
+    def _covered(self, t: Task, run: Run, res: Result | None) -> int | None:
         """Tokens of the run (input + output) the returned state has consumed, by the engine's
         contract: state + res.pending_tokens == input + res.token_ids."""
         if res is None:
@@ -259,36 +241,54 @@ class RunMixin:
             t.tokens.append(EOS_TOKEN)
         return covered
 
-    def _cache_new_state(self, t: Task, key: str, state: Any) -> None:
+    def _cache_new_state(self, t: Task, key: str, state: State) -> None:
         if t.kind == TEMPLATE:
             self.cache.put(key, state, template=True)
         elif t.kind == TMP:
             self.cache.put(key, state)
         else:
-            self.cache.pin(key, state)  # until written (_persist_settled unpins)
+            self.cache.pin(key, state)  # until written (Persistence._settled unpins)
 
     # --- stop ----------------------------------------------------------------------------------
-    def _abort(self, t: Task) -> None:
+    def abort(self, t: Task) -> None:
+        """Abort t's engine run (it settles with finish_reason "stopped", or "interrupted")."""
         run = t.run
         if run is not None and run.handle is not None:
             t.stop_requested = True
             try:
                 run.handle.abort()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("abort of %s failed", t.id)
 
-    def _unpin(self, key: str | None) -> None:
-        if key is not None:
-            self.cache.unpin(key)
+    async def close(self, timeout: float = 10.0) -> None:
+        """End every run as "interrupted" (state kept) and wait for the pumps to settle."""
+        for t in list(self.table.running()):
+            t.interrupted = True
+            self.abort(t)
+        pumps = list(self._pumps)
+        if pumps:
+            _, late = await asyncio.wait(pumps, timeout=timeout)
+            for p in late:
+                p.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
 
-def _with_max_tokens(sp: SamplingParams, n: int) -> SamplingParams:
-    from dataclasses import replace
+def _reason(t: Task, res: Result | None, error: str | None) -> str:
+    """The finish reason a run's outcome shows as."""
+    if error == "interrupted":
+        reason = "interrupted"
+    elif error is not None:
+        reason = "error"
+    elif res is None:
+        reason = LENGTH  # prefill-only run with nothing to feed
+    else:
+        reason = "stopped" if res.finish_reason == ABORT else res.finish_reason
+    if t.interrupted and reason in ("stopped", "error"):
+        reason, t.interrupted = "interrupted", False
+    return reason
 
-    return replace(sp, max_tokens=n)
 
-
-def _log_failed_settle(fut: asyncio.Future, task_id: str) -> None:
+def _log_failed_settle(fut: asyncio.Future[None], *, task_id: str) -> None:
     """A settle write that failed (its task shows finished, but its final row and state are not
     in the database): say so once, and retrieve the exception so asyncio does not warn."""
     if not fut.cancelled() and fut.exception() is not None:

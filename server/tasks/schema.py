@@ -8,16 +8,19 @@ The string columns are `_str`/`_text`: the plain types, NUL-safe on PostgreSQL (
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import sqlalchemy as sa
+from typing_extensions import Unpack
 
 metadata = sa.MetaData()
+DbRow: TypeAlias = "sa.Row[Unpack[tuple[Any, ...]]]"
+"""A row of a query on these tables (any number of columns, read by column name)."""
 
 _MARK = "\uffff"  # a Unicode noncharacter: never in real text, valid UTF-8 for PostgreSQL
 
 
-class _PgNulSafe(sa.TypeDecorator):
+class _PgNulSafe(sa.TypeDecorator[str]):
     """PostgreSQL text cannot hold NUL ("\\x00": 'invalid byte sequence'), which SQLite stores as
     is and which prompts and output do contain (token 1 is the byte 0). Used on PostgreSQL only
     (a variant; SQLite gets the plain type): a value holding a NUL or starting with _MARK is
@@ -42,11 +45,11 @@ class _PgNulSafeText(_PgNulSafe):
     impl = sa.Text
 
 
-def _str(length: int) -> sa.types.TypeEngine:
+def _str(length: int) -> sa.types.TypeEngine[str]:
     return sa.String(length).with_variant(_PgNulSafe(length), "postgresql")
 
 
-def _text() -> sa.types.TypeEngine:
+def _text() -> sa.types.TypeEngine[str]:
     return sa.Text().with_variant(_PgNulSafeText(), "postgresql")
 
 

@@ -12,7 +12,9 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
 
 import orjson
 import sqlalchemy as sa
@@ -22,9 +24,10 @@ from sqlalchemy.pool import StaticPool
 
 from server.tasks import migrate
 from server.tasks.codec import EncodedState
-from server.tasks.schema import states, tasks
+from server.tasks.schema import DbRow, states, tasks
 
 log = logging.getLogger("server.tasks.store")
+
 _CHUNK = 500  # ids per IN (...) list
 
 
@@ -110,8 +113,16 @@ class Store:
             await self.engine.dispose()
             self.engine = None
 
-    def _write(self):
-        return _WriteTx(self)
+    def _db(self) -> AsyncEngine:
+        if self.engine is None:
+            raise RuntimeError("the task store is not open")
+        return self.engine
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        """`async with store._write() as conn`: the write lock + one committed transaction."""
+        async with self._wlock, self._db().begin() as conn:
+            yield conn
 
     # --- tasks ---------------------------------------------------------------------------------
     async def save(self, task_row: dict[str, Any] | None = None, state: dict[str, Any] | None = None,
@@ -145,12 +156,12 @@ class Store:
         async with self._write() as conn:
             await _update_rows(conn, rows)
 
-    async def get_task(self, task_id: str) -> Any | None:
-        async with self.engine.connect() as conn:  # type: ignore[union-attr]
+    async def get_task(self, task_id: str) -> DbRow | None:
+        async with self._db().connect() as conn:
             return (await conn.execute(sa.select(tasks).where(tasks.c.id == task_id))).first()
 
     async def task_exists(self, task_id: str) -> bool:
-        async with self.engine.connect() as conn:  # type: ignore[union-attr]
+        async with self._db().connect() as conn:
             q = sa.select(tasks.c.id).where(tasks.c.id == task_id)
             return (await conn.execute(q)).first() is not None
 
@@ -165,7 +176,7 @@ class Store:
             return True
 
     async def list_tasks(self, owner: str | None, all_owners: bool, kind: str | None,
-                         limit: int, offset: int) -> tuple[list[Any], int]:
+                         limit: int, offset: int) -> tuple[list[DbRow], int]:
         cols = [tasks.c.id, tasks.c.kind, tasks.c.status, tasks.c.finish_reason, tasks.c.created_at,
                 tasks.c.updated_at, tasks.c.parent_id, tasks.c.completion_tokens]
         cond = []
@@ -173,7 +184,7 @@ class Store:
             cond.append(tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None))
         if kind:
             cond.append(tasks.c.kind == kind)
-        async with self.engine.connect() as conn:  # type: ignore[union-attr]
+        async with self._db().connect() as conn:
             total = (await conn.execute(sa.select(sa.func.count()).select_from(tasks).where(*cond))).scalar_one()
             q = (sa.select(*cols).where(*cond).order_by(tasks.c.created_at.desc(), tasks.c.id)
                  .limit(limit).offset(offset))
@@ -190,8 +201,8 @@ class Store:
             return ids
 
     # --- states --------------------------------------------------------------------------------
-    async def get_state(self, state_id: str) -> Any | None:
-        async with self.engine.connect() as conn:  # type: ignore[union-attr]
+    async def get_state(self, state_id: str) -> DbRow | None:
+        async with self._db().connect() as conn:
             q = sa.select(states.c.meta, states.c.data, states.c.checksum, states.c.signature,
                           states.c.nbytes, states.c.is_template).where(states.c.id == state_id)
             return (await conn.execute(q)).first()
@@ -209,7 +220,7 @@ class Store:
         q = sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0))
         if templates is not None:
             q = q.where(states.c.is_template == templates)
-        async with self.engine.connect() as conn:  # type: ignore[union-attr]
+        async with self._db().connect() as conn:
             return int((await conn.execute(q)).scalar_one())
 
     async def enforce_budget(self, budget: int, keep: set[str],
@@ -242,7 +253,7 @@ class Store:
             return victims, total
 
     async def counts(self) -> dict[str, int]:
-        async with self.engine.connect() as conn:  # type: ignore[union-attr]
+        async with self._db().connect() as conn:
             n_tasks = (await conn.execute(sa.select(sa.func.count()).select_from(tasks))).scalar_one()
             n_states = (await conn.execute(sa.select(sa.func.count()).select_from(states))).scalar_one()
         return {"tasks": int(n_tasks), "states": int(n_states)}
@@ -280,7 +291,7 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
     """Upsert task rows that all have the same columns: one query for the ids that exist, one
     executemany UPDATE, one executemany INSERT. The same id twice: the later row wins."""
     last = list({r["id"]: r for r in rows}.values())
-    ids, have = [r["id"] for r in last], set()
+    ids, have = [r["id"] for r in last], set[str]()
     for i in range(0, len(ids), _CHUNK):
         q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
         have.update((await conn.execute(q)).scalars().all())
@@ -293,25 +304,3 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
 async def _drop_state_if_unused(conn: AsyncConnection, state_id: str) -> None:
     used = sa.select(tasks.c.id).where(tasks.c.state_id == state_id).exists()
     await conn.execute(sa.delete(states).where(states.c.id == state_id).where(~used))
-
-
-class _WriteTx:
-    """`async with store._write() as conn`: the write lock + one committed transaction."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    async def __aenter__(self) -> AsyncConnection:
-        await self.store._wlock.acquire()
-        try:
-            self._cm = self.store.engine.begin()  # type: ignore[union-attr]
-            return await self._cm.__aenter__()
-        except BaseException:
-            self.store._wlock.release()
-            raise
-
-    async def __aexit__(self, *exc: Any) -> None:
-        try:
-            await self._cm.__aexit__(*exc)
-        finally:
-            self.store._wlock.release()

@@ -12,26 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, NamedTuple
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
 
 log = logging.getLogger("server.tasks.writer")
 Job = Callable[..., Awaitable[Any]]
+"""A database job: a coroutine function, called with the arguments it was queued with."""
+T = TypeVar("T")
+ListJob = Callable[[list[T]], Awaitable[object]]
+"""A job that writes a list of items in one transaction (put_many)."""
 MAX_GROUP = 256  # items per merged put_many call
 GROUP_BYTES = 64 * 2**20  # weight (bytes written) per merged put_many call; at least one item
 
 
 class _Entry(NamedTuple):
     fn: Job
-    args: tuple  # put_many: (item,)
-    fut: asyncio.Future | None  # None: offer (nobody waits)
+    args: tuple[Any, ...]  # put_many: (item,)
+    fut: asyncio.Future[Any] | None  # None: offer (nobody waits)
     many: bool  # a put_many item
     weight: int = 0  # put_many: the bytes the item writes (GROUP_BYTES)
 
 
 class Writer:
     def __init__(self, maxsize: int) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, int(maxsize)))
-        self._task: asyncio.Task | None = None
+        self.queue: asyncio.Queue[_Entry] = asyncio.Queue(maxsize=max(1, int(maxsize)))
+        self._task: asyncio.Task[None] | None = None
         self.done = 0
         self.failed = 0
         self.dropped = 0
@@ -40,19 +45,19 @@ class Writer:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="task-db-writer")
 
-    async def put(self, fn: Job, *args: Any) -> asyncio.Future:
+    async def put(self, fn: Job, *args: Any) -> asyncio.Future[Any]:
         """Queue a job (waits while the queue is full); returns a future of its result."""
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         await self.queue.put(_Entry(fn, args, fut, False))
         return fut
 
-    async def put_many(self, fn: Callable[[list[Any]], Awaitable[Any]], item: Any, weight: int = 0) -> asyncio.Future:
+    async def put_many(self, fn: ListJob[T], item: T, weight: int = 0) -> asyncio.Future[None]:
         """Queue `item` for `fn(items)`, a job that writes a list in one transaction. Consecutive
         queued entries of the same fn are merged into one call (up to MAX_GROUP items and
         GROUP_BYTES of weight). Returns a future of None, set when the call that held the item
         has finished; if a merged call fails, its items are retried one by one, so only a
         failing item's future fails."""
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         await self.queue.put(_Entry(fn, (item,), fut, True, int(weight)))
         return fut
 
@@ -87,7 +92,7 @@ class Writer:
             self._task = None
 
     async def _loop(self) -> None:
-        ahead = None  # an entry taken while gathering a group that belongs to the next round
+        ahead: _Entry | None = None  # an entry taken while gathering a group that belongs to the next round
         while True:
             entry, ahead = (ahead if ahead is not None else await self.queue.get()), None
             group, weight = [entry], entry.weight
@@ -111,15 +116,15 @@ class Writer:
                 for _ in group:
                     self.queue.task_done()
 
-    async def _run(self, fn: Job, args: tuple, fut: asyncio.Future | None) -> None:
+    async def _run(self, fn: Job, args: tuple[Any, ...], fut: asyncio.Future[Any] | None) -> None:
         try:
             result = await fn(*args)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - one failed job must not stop the writer
+        except Exception as exc:
             self.failed += 1
             if fut is None:
-                log.exception("background database write failed: %s", exc)
+                log.exception("background database write failed")
             elif not fut.done():
                 fut.set_exception(exc)
         else:
@@ -137,6 +142,6 @@ class Writer:
             return False
         for e in group:
             self.done += 1
-            if not e.fut.done():
+            if e.fut is not None and not e.fut.done():
                 e.fut.set_result(None)
         return True

@@ -1,0 +1,78 @@
+"""The tasks held in memory: the live set and the recently read finished tasks.
+
+`live` holds every task whose truth is in memory: TMP tasks (never stored), running tasks and
+stored tasks whose settle write is still queued. `recent` is an LRU of finished stored tasks read
+lately (their truth is the database; they are kept so polling them costs no query). A task is in
+at most one of the two. Runs, persistence, the inventory and the manager share one table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+from cachetools import LRUCache
+
+from server.tasks.errors import TaskConflict
+from server.tasks.records import FINISHED, READY, TMP, Task
+
+RECENT_TASKS = 1024
+
+
+class TaskTable:
+    def __init__(self, recent: int = RECENT_TASKS) -> None:
+        self.live: dict[str, Task] = {}
+        self.recent: LRUCache[str, Task] = LRUCache(maxsize=recent)
+
+    def find(self, task_id: str) -> Task | None:
+        return self.live.get(task_id) or self.recent.get(task_id)
+
+    def remember(self, t: Task) -> Task:
+        """Keep t (read from the database) as recently read, unless a copy of it is held
+        already (loaded meanwhile): that copy is returned then."""
+        cur = self.find(t.id)
+        if cur is not None:
+            return cur
+        self.recent[t.id] = t
+        return t
+
+    def claim(self, t: Task) -> Task:
+        """Mark t (or the live copy of it) as starting, synchronously, so two requests cannot
+        both start it. Raises TaskConflict when it is running."""
+        cur = self.live.get(t.id)
+        if cur is not None and cur is not t:
+            t = cur
+        if t.running:
+            raise TaskConflict(f"task {t.id} is running; stop it or wait until it finishes")
+        t.status = READY
+        t.done = asyncio.Event()
+        self.recent.pop(t.id, None)
+        self.live[t.id] = t
+        return t
+
+    def unclaim(self, t: Task, new: bool) -> None:
+        """Undo claim() after a start failed (a new task is forgotten)."""
+        if new:
+            self.live.pop(t.id, None)
+        else:
+            t.status = FINISHED
+        if t.done is not None:
+            t.done.set()
+
+    def retire(self, t: Task) -> None:
+        """A finished stored task whose writes are done leaves the live set for `recent`."""
+        if not t.running and t.pending_writes <= 0 and self.live.get(t.id) is t and t.kind != TMP:
+            self.live.pop(t.id, None)
+            if not t.deleted:
+                self.recent[t.id] = t
+
+    def forget(self, task_id: str) -> None:
+        self.live.pop(task_id, None)
+        self.recent.pop(task_id, None)
+
+    def running(self) -> Iterator[Task]:
+        return (t for t in list(self.live.values()) if t.running)
+
+    def held(self) -> list[Task]:
+        """Every task in memory (live first)."""
+        return list(self.live.values()) + list(self.recent.values())
