@@ -171,7 +171,7 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
 
 // Launch bound of 1 block per SM: ptxas uses 76 registers (no spills), and 2 blocks of 320 threads
 // (C = 2560) still fit per SM. A bound of 2 capped it at 64 registers with spills: measured on
-// the H200 at B=256, 1.5% slower per decode step (test/bench/NOTES.md, change 17).
+// the H200 at B=256, 1.5% slower per decode step (docs/performance-history.md, change 17).
 template <typename F>
 __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];

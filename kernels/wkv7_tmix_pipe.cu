@@ -7,7 +7,7 @@
 // barriers) with nothing in flight. Measured on the H200 at B=1024: 2.76 TB/s with an fp16 state
 // (7 blocks per SM x 8 KB) and 3.61 with fp32, of ~4.2 TB/s copy bandwidth; per head both take
 // ~5.5 us, i.e. latency, not bytes, sets the rate. (This kernel: 3.39 TB/s with an fp16 state;
-// with fp32 no gain, so that keeps the head kernel. test/bench/NOTES.md, change 28.)
+// with fp32 no gain, so that keeps the head kernel. docs/performance-history.md, change 28.)
 // Here grid (H, K): block (h, j) owns heads (b, h) for b = j, j + K, ... Its STAGES shared-memory
 // slots each hold one head's state (N x N, as stored) and its 8 activation vectors; thread 0 keeps
 // STAGES heads' copies in flight (cp.async.bulk, one mbarrier per slot) and refills a slot as soon

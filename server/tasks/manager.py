@@ -1,4 +1,4 @@
-"""TaskManager: the task operations of TASK-API.md over the engine, the state cache and the store.
+"""TaskManager: the task operations of docs/task-api.md over the engine, the state cache and the store.
 
 Everything runs on the event loop (no locks needed); database work is async (aiosqlite threads)
 and state (de)serialization runs in worker threads. Runs and persistence live in the mixins
