@@ -1,4 +1,4 @@
-"""Task routes over raw HTTP on a real server with API keys: the SSE format of TASK-API.md,
+"""Task routes over raw HTTP on a real server with API keys: the SSE format of docs/task-api.md,
 resuming with ?pos=, nothing lost, max_tokens=0 streams, disconnects, error codes and shapes,
 owners."""
 

@@ -1,4 +1,4 @@
-"""Task routes /v1/tasks/* (shared/TASK-API.md; compatible with the `rwkv-api` SDK 0.1.2).
+"""Task routes /v1/tasks/* (docs/task-api.md; compatible with the `rwkv-api` SDK 0.1.2).
 
 Bodies are pydantic models with extra="forbid": unknown fields and out-of-range values are 422
 (the app's validation handler names the field). Streams: `data: <compact JSON>` lines: a header

@@ -1,4 +1,4 @@
-"""TaskManager: the task operations of TASK-API.md over the engine, the state cache and the store.
+"""TaskManager: the task operations of docs/task-api.md over the engine, the state cache and the store.
 
 A facade composed of collaborators, each given what it needs at construction:
 

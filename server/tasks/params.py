@@ -61,5 +61,5 @@ def sampling_params(params: dict[str, Any], default_max_tokens: int) -> Sampling
 
 
 def fim_prompt(prefix: str, suffix: str) -> str:
-    """The RWKV-7 fill-in-the-middle prompt (TASK-API.md)."""
+    """The RWKV-7 fill-in-the-middle prompt (docs/task-api.md)."""
     return f"✿prefix✿✿suffix✿{suffix}✿middle✿{prefix}"

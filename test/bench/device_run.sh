@@ -8,7 +8,7 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 steps=${*:-info tests kernels engine}
-if [ -d .whl ]; then  # the HTTP server's dependencies (../shared/tools/gpu-wheels), installed once
+if [ -d .whl ]; then  # the HTTP server's dependencies as wheels (a GPU machine without a package index), installed once
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 for s in $steps; do
