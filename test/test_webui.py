@@ -1,0 +1,311 @@
+"""The web dashboard (server/webui) in a real browser: headless Chromium from the system's packages,
+driven by Selenium through the system's chromedriver, against a real server on the tiny model.
+
+Screenshots of every page go to test/screenshots/ (git-ignored). Skips, saying why, without
+Chromium, chromedriver or the selenium package (`.ci/run` installs them on Debian).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from util_server import running_server, server_fixture
+
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+DRIVER = shutil.which("chromedriver")
+if not CHROMIUM or not DRIVER:
+    pytest.skip("needs Chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)",
+                allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver", reason="needs the selenium package (pip install selenium)")
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
+CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,900")
+server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
+LONG = 100_000  # max_tokens of a task that must still be running while the test looks at it
+
+
+def start_browser(tmp: Path):
+    """Headless Chromium with a fresh profile; downloads go to `tmp/downloads`."""
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in (*CHROMIUM_ARGS, f"--user-data-dir={tmp / 'profile'}"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    drv = webdriver.Chrome(options=opts, service=Service(DRIVER, log_output=str(tmp / "chromedriver.log")))
+    drv.downloads = tmp / "downloads"
+    drv.downloads.mkdir()
+    drv.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(drv.downloads)})
+    return drv
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    drv = start_browser(tmp_path_factory.mktemp("browser"))
+    yield drv
+    drv.quit()
+
+
+def wait_for(drv, cond, timeout: float):
+    return WebDriverWait(drv, timeout, poll_frequency=0.05).until(cond)
+
+
+def open_page(drv, srv, hash_: str, ready: str) -> None:
+    """Load /ui at `hash_` (a real navigation) and wait for the CSS selector `ready`."""
+    drv.get("about:blank")
+    drv.get(f"{srv.url}/ui{hash_}")
+    wait_for(drv, lambda d: d.find_elements("css selector", ready), 15)
+
+
+def console_errors(drv, allow: tuple[str, ...] = ()) -> list[str]:
+    """Errors the page logged since the last call (uncaught exceptions, failed loads)."""
+    return [e["message"] for e in drv.get_log("browser")
+            if e["level"] == "SEVERE" and not any(a in e["message"] for a in allow)]
+
+
+def shot(drv, name: str) -> None:
+    SCREENSHOTS.mkdir(exist_ok=True)
+    drv.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
+
+
+def post(srv, path: str, body: dict | None = None, **params) -> dict:
+    r = httpx.post(srv.url + path, json=body if body is not None else {}, params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def get(srv, path: str, **params) -> dict:
+    r = httpx.get(srv.url + path, params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_finished(srv, task_id: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = get(srv, f"/v1/tasks/{task_id}/status")
+        if st["status"] == 3:
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"{task_id} still running after {timeout}s: {st}")
+
+
+@pytest.fixture(scope="module")
+def finished_task(server) -> str:
+    t = post(server, "/v1/tasks/create", {"prompt": "The dashboard's first task", "max_tokens": 8})
+    wait_finished(server, t["task_id"])
+    return t["task_id"]
+
+
+@pytest.fixture(scope="module")
+def template(server) -> str:
+    t = post(server, "/v1/tasks/create", {"prompt": "System: a prompt kept as a template\n\n", "max_tokens": 0})
+    wait_finished(server, t["task_id"])
+    return post(server, f"/v1/tasks/{t['task_id']}/as_template", name="ui_tpl")["task_id"]
+
+
+def test_served_files_and_redirect(server, finished_task):
+    r = httpx.get(server.url + "/", headers={"Accept": "text/html"})
+    assert r.status_code == 307 and r.headers["location"] == "/ui"
+    page = httpx.get(server.url + "/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/ui/static/js/app.js" in page.text
+    js = httpx.get(server.url + "/ui/static/js/app.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    for bad in ("/ui/static/../routes.py", "/ui/static/index.html", "/ui/static/nope.js"):
+        r = httpx.get(server.url + bad)
+        assert r.status_code == 404, bad
+        assert "error" in r.json()
+    detail = get(server, f"/v1/ui/tasks/{finished_task}")
+    assert detail["prompt"] == "The dashboard's first task"
+    assert detail["params"]["max_tokens"] == 8 and detail["kind"] == "task"
+    missing = httpx.get(server.url + "/v1/ui/tasks/TASK_" + "0" * 32)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "task_not_found"
+
+
+def test_pages_load_without_console_errors(server, browser, finished_task, template):
+    pages = {"tasks": ("#/tasks", "#task-rows tr"), "playground": ("#/playground", "#chat-template option"),
+             "batch": ("#/batch", "#batch-form"), "server": ("#/server", "#server-cards .stat"),
+             "task": (f"#/tasks/{finished_task}", "#task-output[data-done]"),
+             "template": (f"#/tasks/{template}", "#fork-form")}
+    console_errors(browser)  # drop anything logged before
+    for name, (hash_, ready) in pages.items():
+        open_page(browser, server, hash_, ready)
+        shot(browser, name)
+        assert console_errors(browser) == [], name
+    open_page(browser, server, f"#/tasks/{template}", "#task-prompt")
+    assert "a prompt kept as a template" in browser.find_element("css selector", "#task-prompt").text
+    browser.execute_script("setTimeout(() => { throw new Error('probe of the error check'); })")
+    wait_for(browser, lambda d: any("probe of the error check" in m for m in console_errors(d)), 5)
+
+
+def test_task_created_through_the_api_appears_without_reload(server, browser):
+    open_page(browser, server, "#/tasks", "#task-count")
+    browser.execute_script("window.__sameDocument = 42")
+    tid = post(server, "/v1/tasks/create", {"prompt": "appears live", "max_tokens": 4})["task_id"]
+    wait_for(browser, lambda d: d.find_elements("css selector", f'#task-rows tr[data-id="{tid}"]'), 10)
+    assert browser.execute_script("return window.__sameDocument") == 42  # no reload happened
+
+
+def test_running_task_streams_and_stop_in_the_ui_stops_it(server, browser):
+    tid = post(server, "/v1/tasks/create", {"prompt": "A long story", "max_tokens": LONG})["task_id"]
+    open_page(browser, server, f"#/tasks/{tid}", "#task-output")
+    out = browser.find_element("css selector", "#task-output")
+    wait_for(browser, lambda d: len(out.text) > 0, 15)
+    first = len(out.text)
+    wait_for(browser, lambda d: len(out.text) > first + 20, 15)
+    assert get(server, f"/v1/tasks/{tid}/status")["status"] != 3  # the text grew while it ran
+    shot(browser, "task-running")
+    browser.find_element("css selector", "#task-stop").click()
+    st = wait_finished(server, tid, 15)
+    assert st["finish_reason"] == "stopped"
+    wait_for(browser, lambda d: "stopped" in d.find_element("css selector", "#task-status").text, 10)
+    wait_for(browser, lambda d: out.get_attribute("data-done") == "1", 10)
+    assert out.text == get(server, f"/v1/tasks/{tid}/get_result")["result"]
+    assert console_errors(browser) == []
+
+
+def _record_growth(browser) -> None:
+    """Record, in the page, every length the newest assistant message's text takes."""
+    browser.execute_script("""
+        window.__lengths = [];
+        new MutationObserver(() => {
+          const msgs = document.querySelectorAll('#chat-log .msg.assistant .text');
+          if (msgs.length) window.__lengths.push(msgs[msgs.length - 1].textContent.length);
+        }).observe(document.getElementById('chat-log'), {childList: true, subtree: true, characterData: true});
+    """)
+
+
+def _chat(browser, text: str) -> str:
+    """Send one message; returns the finished reply's facts line."""
+    n = len(browser.find_elements("css selector", "#chat-log .msg.assistant .meta"))
+    browser.find_element("css selector", "#chat-input").send_keys(text)
+    browser.find_element("css selector", "#chat-send").click()
+    metas = lambda d: d.find_elements("css selector", "#chat-log .msg.assistant .meta")  # noqa: E731
+    wait_for(browser, lambda d: len(metas(d)) > n and metas(d)[-1].text.strip(), 30)
+    return metas(browser)[-1].text
+
+
+def _set(browser, form: str, name: str, value) -> None:
+    el = browser.find_element("css selector", f"{form} [name={name}]")
+    el.clear()
+    el.send_keys(str(value))
+
+
+def test_playground_streams_a_chat(server, browser):
+    open_page(browser, server, "#/playground", "#chat-template option")
+    _set(browser, "#chat-settings", "max_tokens", 300)
+    _set(browser, "#chat-settings", "seed", 7)
+    _record_growth(browser)
+    facts = _chat(browser, "Tell me a long story")
+    lengths = browser.execute_script("return window.__lengths")
+    grew = sorted(set(v for v in lengths if v > 0))
+    assert len(grew) >= 3, f"the reply arrived in {len(grew)} steps: {lengths[:20]}"
+    assert "tok/s" in facts and "prompt tokens" in facts, facts
+    assert browser.find_element("css selector", "#chat-state-field").get_attribute("hidden") is not None
+    shot(browser, "playground")
+    second = _chat(browser, "And then?")  # the history goes with the second turn
+    assert "prompt tokens" in second
+    assert console_errors(browser) == []
+
+
+def test_playground_from_a_template_forks_it(server, browser, template):
+    open_page(browser, server, "#/playground", f'#chat-template option[value="{template}"]')
+    browser.find_element("css selector", f'#chat-template option[value="{template}"]').click()
+    _set(browser, "#chat-settings", "max_tokens", 40)
+    _chat(browser, "Hello from a template")
+    forks = [t for t in get(server, "/v1/tasks/list", kind="tmp", limit=1000)["tasks"]
+             if t["parent_id"] == template]
+    assert len(forks) == 1, forks
+    reply = browser.find_elements("css selector", "#chat-log .msg.assistant .text")[-1].text
+    assert reply and reply in get(server, f"/v1/tasks/{forks[0]['task_id']}/get_result")["result"]
+    _chat(browser, "Second turn")  # continues the same task: no new fork
+    forks2 = [t for t in get(server, "/v1/tasks/list", kind="tmp", limit=1000)["tasks"]
+              if t["parent_id"] == template]
+    assert [t["task_id"] for t in forks2] == [forks[0]["task_id"]]
+
+
+def test_batch_of_four_prompts_and_its_jsonl(server, browser):
+    open_page(browser, server, "#/batch", "#batch-form")
+    prompts = ["first prompt", "second prompt", "third prompt", "fourth prompt"]
+    browser.find_element("css selector", "#batch-prompts").send_keys("\n".join(prompts))
+    _set(browser, "#batch-form", "max_tokens", 40)
+    browser.find_element("css selector", "#batch-run").click()
+    wait_for(browser, lambda d: d.find_element("css selector", "#batch-summary").text == "4 of 4 done", 60)
+    rows = browser.find_elements("css selector", "#batch-rows tr[data-done]")
+    assert len(rows) == 4
+    shot(browser, "batch")
+    browser.find_element("css selector", "#batch-download").click()
+    path = browser.downloads / "batch-results.jsonl"
+    wait_for(browser, lambda d: path.exists() and path.read_text().count("\n") == 4, 10)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == prompts
+    for x in lines:
+        api = get(server, f"/v1/tasks/{x['task_id']}/get_result")
+        assert x["text"] == api["result"] and x["finish_reason"] == api["finish_reason"]
+        assert x["completion_tokens"] == api["completion_tokens"] > 0
+    assert console_errors(browser) == []
+
+
+def test_server_page_charts_update(server, browser):
+    open_page(browser, server, "#/server", "#chart-throughput[data-points]")
+    chart = browser.find_element("css selector", "#chart-throughput")
+    wait_for(browser, lambda d: int(chart.get_attribute("data-points")) >= 1, 10)
+    before = int(chart.get_attribute("data-points"))
+    tid = post(server, "/v1/tasks/create", {"prompt": "load for the charts", "max_tokens": 150})["task_id"]
+    wait_finished(server, tid, 60)
+    wait_for(browser, lambda d: int(chart.get_attribute("data-points")) >= before + 3, 15)
+    assert float(chart.get_attribute("data-max")) > 0  # the generation showed as throughput
+    running = browser.find_element("css selector", "#chart-requests")
+    assert int(running.get_attribute("data-points")) == int(chart.get_attribute("data-points"))
+    shot(browser, "server")
+    assert console_errors(browser) == []
+
+
+def test_with_keys_another_keys_tasks_never_show(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("keys"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
+        as_k1, as_k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+        k1 = httpx.post(srv.url + "/v1/tasks/create", headers=as_k1,
+                        json={"prompt": "secret of key one", "max_tokens": LONG}).json()["task_id"]
+        k1_tpl = httpx.post(srv.url + "/v1/tasks/create", headers=as_k1, json={"prompt": "k1 tpl", "max_tokens": 0}).json()
+        time.sleep(0.3)
+        k1_tpl = httpx.post(srv.url + f"/v1/tasks/{k1_tpl['task_id']}/as_template", headers=as_k1, json={},
+                            params={"name": "k1_private"}).json()["task_id"]
+        drv = start_browser(tmp_path_factory.mktemp("browser-keys"))
+        try:
+            drv.get(f"{srv.url}/ui#/tasks")
+            wait_for(drv, lambda d: d.find_elements("css selector", "#key-dialog[open]"), 15)
+            shot(drv, "api-key")
+            drv.execute_script("""window.__shown = ''; new MutationObserver(() => {
+                window.__shown += document.getElementById('view').textContent; })
+                .observe(document.getElementById('view'), {childList: true, subtree: true, characterData: true});""")
+            drv.find_element("css selector", "#key-input").send_keys("k2")
+            drv.find_element("css selector", "#key-save").click()
+            k2 = httpx.post(srv.url + "/v1/tasks/create", headers=as_k2,
+                            json={"prompt": "of key two", "max_tokens": 4}).json()["task_id"]
+            wait_for(drv, lambda d: d.find_elements("css selector", f'#task-rows tr[data-id="{k2}"]'), 15)
+            Select(drv.find_element("css selector", "#filter-kind")).select_by_value("template")
+            time.sleep(1.5)  # a refresh or two of the template list
+            shown = drv.execute_script("return window.__shown + document.body.textContent")
+            assert k2 in shown and k1 not in shown and k1_tpl not in shown
+            assert drv.execute_script("return localStorage.getItem('rwkv.apiKey')") == "k2"
+            open_page(drv, srv, f"#/tasks/{k1}", "#task-message .error")
+            assert "not found" in drv.find_element("css selector", "#task-message").text
+            assert "secret of key one" not in drv.page_source
+            open_page(drv, srv, "#/playground", "#chat-template option")  # the key is kept: no dialog
+            time.sleep(0.5)
+            options = [o.get_attribute("value") for o in drv.find_elements("css selector", "#chat-template option")]
+            assert k1_tpl not in options and not drv.find_elements("css selector", "#key-dialog[open]")
+            assert console_errors(drv, allow=("status of 401", "status of 404")) == []
+        finally:
+            drv.quit()
