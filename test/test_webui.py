@@ -23,6 +23,7 @@ if not CHROMIUM or not DRIVER:
     pytest.skip("needs Chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)",
                 allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs the selenium package (pip install selenium)")
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
@@ -57,7 +58,9 @@ def browser(tmp_path_factory):
 
 
 def wait_for(drv, cond, timeout: float):
-    return WebDriverWait(drv, timeout, poll_frequency=0.05).until(cond)
+    """Poll `cond(driver)` until truthy; an element replaced by a re-render meanwhile is polled again."""
+    return WebDriverWait(drv, timeout, poll_frequency=0.05,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(cond)
 
 
 def open_page(drv, srv, hash_: str, ready: str) -> None:
@@ -155,6 +158,11 @@ def test_task_created_through_the_api_appears_without_reload(server, browser):
     tid = post(server, "/v1/tasks/create", {"prompt": "appears live", "max_tokens": 4})["task_id"]
     wait_for(browser, lambda d: d.find_elements("css selector", f'#task-rows tr[data-id="{tid}"]'), 10)
     assert browser.execute_script("return window.__sameDocument") == 42  # no reload happened
+    browser.find_element("css selector", "#filter-search").send_keys(tid[-8:])
+    wait_for(browser, lambda d: len(d.find_elements("css selector", "#task-rows tr")) == 1, 5)
+    assert browser.find_element("css selector", "#task-rows tr").get_attribute("data-id") == tid
+    Select(browser.find_element("css selector", "#filter-kind")).select_by_value("template")
+    wait_for(browser, lambda d: not d.find_elements("css selector", "#task-rows tr"), 5)
 
 
 def test_running_task_streams_and_stop_in_the_ui_stops_it(server, browser):
@@ -172,6 +180,40 @@ def test_running_task_streams_and_stop_in_the_ui_stops_it(server, browser):
     wait_for(browser, lambda d: "stopped" in d.find_element("css selector", "#task-status").text, 10)
     wait_for(browser, lambda d: out.get_attribute("data-done") == "1", 10)
     assert out.text == get(server, f"/v1/tasks/{tid}/get_result")["result"]
+    assert console_errors(browser) == []
+
+
+def test_task_page_actions(server, browser, finished_task):
+    """make template (named) -> fork it with a prompt -> continue with a prompt -> delete."""
+    open_page(browser, server, f"#/tasks/{finished_task}", "#template-form")
+    _set(browser, "#template-form", "name", "from_ui")
+    browser.find_element("css selector", "#template-form button").click()
+    wait_for(browser, lambda d: d.current_url.endswith("#/tasks/_from_ui"), 10)
+    wait_for(browser, lambda d: d.find_elements("css selector", "#fork-form"), 10)
+    assert browser.find_element("css selector", "#task-kind").text == "template"
+    _set(browser, "#fork-form", "prompt", " and a fork")
+    _set(browser, "#fork-form", "max_tokens", 12)
+    browser.find_element("css selector", "#fork-form button[type=submit]").click()
+    wait_for(browser, lambda d: "#/tasks/TASK_" in d.current_url, 10)
+    fork = browser.current_url.rsplit("/", 1)[1]
+    wait_for(browser, lambda d: d.find_elements("css selector", "#task-output[data-done]"), 20)
+    detail = get(server, f"/v1/ui/tasks/{fork}")
+    assert detail["parent_id"] == "_from_ui" and detail["prompt"] == " and a fork"
+    assert get(server, f"/v1/tasks/{fork}/status")["generated_buf"] == 12
+    _set(browser, "#continue-form", "prompt", " then more")
+    _set(browser, "#continue-form", "max_tokens", 5)
+    browser.find_element("css selector", "#continue-form button[type=submit]").click()
+    wait_for(browser, lambda d: "then more" in d.find_element("css selector", "#task-prompt").text, 10)
+    wait_for(browser, lambda d: d.find_elements("css selector", "#task-output[data-done]"), 20)
+    result = get(server, f"/v1/tasks/{fork}/get_result")
+    assert result["completion_tokens"] == 5
+    assert browser.find_element("css selector", "#task-output").text == result["result"]
+    delete = browser.find_element("css selector", "#task-delete")
+    delete.click()
+    assert httpx.get(f"{server.url}/v1/tasks/{fork}/status").status_code == 200  # the first click only arms it
+    delete.click()
+    wait_for(browser, lambda d: d.current_url.endswith("#/tasks"), 10)
+    assert httpx.get(f"{server.url}/v1/tasks/{fork}/status").status_code == 404
     assert console_errors(browser) == []
 
 
@@ -235,10 +277,15 @@ def test_playground_from_a_template_forks_it(server, browser, template):
     assert [t["task_id"] for t in forks2] == [forks[0]["task_id"]]
 
 
-def test_batch_of_four_prompts_and_its_jsonl(server, browser):
+def test_batch_of_four_prompts_and_its_jsonl(server, browser, tmp_path):
     open_page(browser, server, "#/batch", "#batch-form")
     prompts = ["first prompt", "second prompt", "third prompt", "fourth prompt"]
-    browser.find_element("css selector", "#batch-prompts").send_keys("\n".join(prompts))
+    upload = tmp_path / "prompts.jsonl"  # JSON lines with a "prompt", and plain lines
+    upload.write_text(json.dumps({"prompt": prompts[0]}) + "\n" + json.dumps({"prompt": prompts[1]}) + "\n\n"
+                      + "\n".join(prompts[2:]) + "\n")
+    browser.find_element("css selector", "#batch-file").send_keys(str(upload))
+    box = browser.find_element("css selector", "#batch-prompts")
+    wait_for(browser, lambda d: box.get_property("value") == "\n".join(prompts), 5)
     _set(browser, "#batch-form", "max_tokens", 40)
     browser.find_element("css selector", "#batch-run").click()
     wait_for(browser, lambda d: d.find_element("css selector", "#batch-summary").text == "4 of 4 done", 60)
