@@ -2,83 +2,26 @@
 driven by Selenium through the system's chromedriver, against a real server on the tiny model.
 
 Screenshots of every page go to test/screenshots/ (git-ignored). Skips, saying why, without
-Chromium, chromedriver or the selenium package (`.ci/run` installs them on Debian).
+Chromium, chromedriver or the selenium package (`.ci/run` installs them on Debian). API keys:
+test_webui_keys.py.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from util_server import running_server, server_fixture
+from util_browser import browser_fixture, console_errors, open_page, require_browser, select, shot, wait_for
+from util_server import server_fixture
 
-CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-DRIVER = shutil.which("chromedriver")
-if not CHROMIUM or not DRIVER:
-    pytest.skip("needs Chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)",
-                allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver", reason="needs the selenium package (pip install selenium)")
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+require_browser()
 
-SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
-CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,900")
 server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
+browser = browser_fixture()
 LONG = 100_000  # max_tokens of a task that must still be running while the test looks at it
-
-
-def start_browser(tmp: Path):
-    """Headless Chromium with a fresh profile; downloads go to `tmp/downloads`."""
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in (*CHROMIUM_ARGS, f"--user-data-dir={tmp / 'profile'}"):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    drv = webdriver.Chrome(options=opts, service=Service(DRIVER, log_output=str(tmp / "chromedriver.log")))
-    drv.downloads = tmp / "downloads"
-    drv.downloads.mkdir()
-    drv.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(drv.downloads)})
-    return drv
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    drv = start_browser(tmp_path_factory.mktemp("browser"))
-    yield drv
-    drv.quit()
-
-
-def wait_for(drv, cond, timeout: float):
-    """Poll `cond(driver)` until truthy; an element replaced by a re-render meanwhile is polled again."""
-    return WebDriverWait(drv, timeout, poll_frequency=0.05,
-                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(cond)
-
-
-def open_page(drv, srv, hash_: str, ready: str) -> None:
-    """Load /ui at `hash_` (a real navigation) and wait for the CSS selector `ready`."""
-    drv.get("about:blank")
-    drv.get(f"{srv.url}/ui{hash_}")
-    wait_for(drv, lambda d: d.find_elements("css selector", ready), 15)
-
-
-def console_errors(drv, allow: tuple[str, ...] = ()) -> list[str]:
-    """Errors the page logged since the last call (uncaught exceptions, failed loads)."""
-    return [e["message"] for e in drv.get_log("browser")
-            if e["level"] == "SEVERE" and not any(a in e["message"] for a in allow)]
-
-
-def shot(drv, name: str) -> None:
-    SCREENSHOTS.mkdir(exist_ok=True)
-    drv.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
 
 
 def post(srv, path: str, body: dict | None = None, **params) -> dict:
@@ -137,7 +80,7 @@ def test_served_files_and_redirect(server, finished_task):
 
 
 def test_pages_load_without_console_errors(server, browser, finished_task, template):
-    pages = {"tasks": ("#/tasks", "#task-rows tr"), "playground": ("#/playground", "#chat-template option"),
+    pages = {"tasks": ("#/tasks", "#task-rows tr"), "playground": ("#/playground", "#chat-template[data-loaded]"),
              "batch": ("#/batch", "#batch-form"), "server": ("#/server", "#server-cards .stat"),
              "task": (f"#/tasks/{finished_task}", "#task-output[data-done]"),
              "template": (f"#/tasks/{template}", "#fork-form")}
@@ -161,7 +104,7 @@ def test_task_created_through_the_api_appears_without_reload(server, browser):
     browser.find_element("css selector", "#filter-search").send_keys(tid[-8:])
     wait_for(browser, lambda d: len(d.find_elements("css selector", "#task-rows tr")) == 1, 5)
     assert browser.find_element("css selector", "#task-rows tr").get_attribute("data-id") == tid
-    Select(browser.find_element("css selector", "#filter-kind")).select_by_value("template")
+    select(browser, "#filter-kind", "template")
     wait_for(browser, lambda d: not d.find_elements("css selector", "#task-rows tr"), 5)
 
 
@@ -245,7 +188,7 @@ def _set(browser, form: str, name: str, value) -> None:
 
 
 def test_playground_streams_a_chat(server, browser):
-    open_page(browser, server, "#/playground", "#chat-template option")
+    open_page(browser, server, "#/playground", "#chat-template[data-loaded]")
     _set(browser, "#chat-settings", "max_tokens", 300)
     _set(browser, "#chat-settings", "seed", 7)
     _record_growth(browser)
@@ -318,41 +261,3 @@ def test_server_page_charts_update(server, browser):
     shot(browser, "server")
     assert console_errors(browser) == []
 
-
-def test_with_keys_another_keys_tasks_never_show(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("keys"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
-        as_k1, as_k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
-        k1 = httpx.post(srv.url + "/v1/tasks/create", headers=as_k1,
-                        json={"prompt": "secret of key one", "max_tokens": LONG}).json()["task_id"]
-        k1_tpl = httpx.post(srv.url + "/v1/tasks/create", headers=as_k1, json={"prompt": "k1 tpl", "max_tokens": 0}).json()
-        time.sleep(0.3)
-        k1_tpl = httpx.post(srv.url + f"/v1/tasks/{k1_tpl['task_id']}/as_template", headers=as_k1, json={},
-                            params={"name": "k1_private"}).json()["task_id"]
-        drv = start_browser(tmp_path_factory.mktemp("browser-keys"))
-        try:
-            drv.get(f"{srv.url}/ui#/tasks")
-            wait_for(drv, lambda d: d.find_elements("css selector", "#key-dialog[open]"), 15)
-            shot(drv, "api-key")
-            drv.execute_script("""window.__shown = ''; new MutationObserver(() => {
-                window.__shown += document.getElementById('view').textContent; })
-                .observe(document.getElementById('view'), {childList: true, subtree: true, characterData: true});""")
-            drv.find_element("css selector", "#key-input").send_keys("k2")
-            drv.find_element("css selector", "#key-save").click()
-            k2 = httpx.post(srv.url + "/v1/tasks/create", headers=as_k2,
-                            json={"prompt": "of key two", "max_tokens": 4}).json()["task_id"]
-            wait_for(drv, lambda d: d.find_elements("css selector", f'#task-rows tr[data-id="{k2}"]'), 15)
-            Select(drv.find_element("css selector", "#filter-kind")).select_by_value("template")
-            time.sleep(1.5)  # a refresh or two of the template list
-            shown = drv.execute_script("return window.__shown + document.body.textContent")
-            assert k2 in shown and k1 not in shown and k1_tpl not in shown
-            assert drv.execute_script("return localStorage.getItem('rwkv.apiKey')") == "k2"
-            open_page(drv, srv, f"#/tasks/{k1}", "#task-message .error")
-            assert "not found" in drv.find_element("css selector", "#task-message").text
-            assert "secret of key one" not in drv.page_source
-            open_page(drv, srv, "#/playground", "#chat-template option")  # the key is kept: no dialog
-            time.sleep(0.5)
-            options = [o.get_attribute("value") for o in drv.find_elements("css selector", "#chat-template option")]
-            assert k1_tpl not in options and not drv.find_elements("css selector", "#key-dialog[open]")
-            assert console_errors(drv, allow=("status of 401", "status of 404")) == []
-        finally:
-            drv.quit()

@@ -68,6 +68,7 @@ export function mount(el) {
 
   api("/v1/tasks/list", { query: { kind: "template", limit: 500 }, signal: ctl.signal }).then((list) => {
     template.append(...(list.tasks || []).map((t) => h("option", { value: t.task_id }, t.task_id)));
+    template.dataset.loaded = "1";
   }).catch((err) => { if (!aborted(err)) message.replaceChildren(errorBox(err)); });
   listStates(ctl.signal).then((names) => {
     if (!names.length) return;

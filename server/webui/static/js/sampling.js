@@ -5,29 +5,31 @@ import { field, formFields, h } from "./dom.js";
 
 const COMMON = [
   { name: "max_tokens", label: "max tokens", min: 0, step: 1 },
-  { name: "temperature", label: "temperature", min: 0, max: 5, step: 0.05 },
-  { name: "top_p", label: "top p", min: 0, max: 1, step: 0.05 },
+  { name: "temperature", label: "temperature", min: 0, max: 5, step: "any" },
+  { name: "top_p", label: "top p", min: 0, max: 1, step: "any" },
   { name: "top_k", label: "top k", min: -1, step: 1 },
+];
+const LAST = [
+  { name: "seed", label: "seed", min: 0, step: 1 },
+  { name: "stop", label: "stop strings (one a line, \\n = newline)", text: true },
 ];
 
 /** Task API (/v1/tasks/*) generation parameters. */
 export const TASK_FIELDS = [
   ...COMMON,
-  { name: "presence_penalty", label: "presence penalty", min: -10, max: 10, step: 0.1 },
-  { name: "repetition_penalty", label: "repetition penalty", min: -10, max: 10, step: 0.1 },
-  { name: "penalty_decay", label: "penalty decay", min: 0, max: 1, step: 0.001 },
-  { name: "seed", label: "seed", min: 0, step: 1 },
-  { name: "stop", label: "stop strings (one a line, \\n = newline)", text: true },
+  { name: "presence_penalty", label: "presence penalty", min: -10, max: 10, step: "any" },
+  { name: "repetition_penalty", label: "repetition penalty", min: -10, max: 10, step: "any" },
+  { name: "penalty_decay", label: "penalty decay", min: 0, max: 1, step: "any" },
+  ...LAST,
 ];
 
 /** OpenAI API (/v1/chat/completions, /v1/completions) sampling fields. */
 export const OPENAI_FIELDS = [
   ...COMMON,
-  { name: "presence_penalty", label: "presence penalty", min: -2, max: 2, step: 0.1 },
-  { name: "frequency_penalty", label: "frequency penalty", min: -2, max: 2, step: 0.1 },
-  { name: "penalty_decay", label: "penalty decay", min: 0.001, max: 1, step: 0.001 },
-  { name: "seed", label: "seed", min: 0, step: 1 },
-  { name: "stop", label: "stop strings (one a line, \\n = newline)", text: true },
+  { name: "presence_penalty", label: "presence penalty", min: -2, max: 2, step: "any" },
+  { name: "frequency_penalty", label: "frequency penalty", min: -2, max: 2, step: "any" },
+  { name: "penalty_decay", label: "penalty decay", min: 0.001, max: 1, step: "any" },
+  ...LAST,
 ];
 
 /** Inputs for `fields`, pre-filled from `defaults` ({name: value}). */
