@@ -70,7 +70,7 @@ export function formFields(form, names) {
 export function every(ms, fn) {
   let timer = null, stopped = false;
   const tick = async () => {
-    try { await fn(); } catch (err) { console.warn(err); }
+    try { await fn(); } catch (err) { if (err.name !== "AbortError") console.warn(err); }
     if (!stopped) timer = setTimeout(tick, ms);
   };
   tick();

@@ -98,6 +98,7 @@ async function turn(chat, text, log, { template, state, settings }) {
   const events = template
     ? taskTurn(chat, template, text, params, signal)
     : chatTurn(chat, text, params, settings.elements.system.value.trim(), state, signal);
+  const history = chat.messages; // a "New chat" meanwhile starts another list: this turn stays out of it
   const stats = { t0: performance.now(), first: null, last: null, chunks: 0, usage: null, reply: "" };
   try {
     for await (const piece of events) {
@@ -113,7 +114,7 @@ async function turn(chat, text, log, { template, state, settings }) {
   } finally {
     reply.el.classList.remove("streaming");
     reply.meta.textContent = turnFacts(stats);
-    if (!template) chat.messages.push({ role: "user", content: text }, { role: "assistant", content: stats.reply });
+    if (!template) history.push({ role: "user", content: text }, { role: "assistant", content: stats.reply });
   }
 }
 
