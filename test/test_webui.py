@@ -189,7 +189,7 @@ def _set(browser, form: str, name: str, value) -> None:
 
 def test_playground_streams_a_chat(server, browser):
     open_page(browser, server, "#/playground", "#chat-template[data-loaded]")
-    _set(browser, "#chat-settings", "max_tokens", 300)
+    _set(browser, "#chat-settings", "max_tokens", 100)
     _set(browser, "#chat-settings", "seed", 7)
     _record_growth(browser)
     facts = _chat(browser, "Tell me a long story")
