@@ -89,11 +89,13 @@ def begin_drain(app: FastAPI) -> None:
 
 
 def _include_routes(app: FastAPI) -> None:
+    import server.webui
     from server.api import openai_routes, ops_routes, tasks_routes
 
     app.include_router(ops_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(tasks_routes.router)
+    app.include_router(server.webui.router)
 
 
 async def _load(app: FastAPI, services: Services, exit_on_error: bool) -> None:

@@ -1,0 +1,80 @@
+"""Routes of the dashboard.
+
+- GET /ui: the single page (index.html); its views are hash routes (#/tasks, #/playground, ...).
+- GET /ui/static/{name}: the page's CSS and JavaScript, from this package (no build step, nothing
+  fetched from elsewhere at run time).
+- GET /: redirects to /ui, so a browser pointed at the server lands on the dashboard.
+- GET /v1/ui/tasks/{task_id}: what the task API does not return and the task and template pages
+  show: the task's last prompt and its stored parameters. Under /v1, so API keys and ownership
+  apply as on the task routes (another key's task is a 404).
+
+The pages need no key to load; every /v1 call they make carries the key the user typed.
+"""
+
+from __future__ import annotations
+
+import mimetypes
+from pathlib import Path
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, RedirectResponse, Response
+
+from server.api.errors import ApiError
+from server.tasks.errors import TaskError
+
+STATIC = Path(__file__).resolve().parent / "static"
+_NO_CACHE = {"Cache-Control": "no-cache"}  # revalidate (ETag) so an upgraded server's files load
+
+router = APIRouter()
+
+
+def _assets() -> dict[str, Path]:
+    """Served files by URL name ("style.css", "js/app.js"): only what the package ships."""
+    return {p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*")
+            if p.is_file() and p.name != "index.html"}
+
+
+ASSETS = _assets()
+
+
+@router.get("/", include_in_schema=False)
+async def root() -> Response:
+    return RedirectResponse("/ui", status_code=307)
+
+
+@router.get("/ui", include_in_schema=False)
+async def index() -> Response:
+    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
+
+
+@router.get("/ui/static/{name:path}", include_in_schema=False)
+async def asset(name: str) -> Response:
+    path = ASSETS.get(name)
+    if path is None:
+        raise ApiError(404, f"no dashboard file {name!r}", code="not_found")
+    media = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    if media.startswith("text/") or media.endswith("javascript"):
+        media += "; charset=utf-8"
+    return FileResponse(path, media_type=media, headers=_NO_CACHE)
+
+
+@router.get("/v1/ui/tasks/{task_id}", tags=["dashboard"])
+async def task_detail(task_id: str, request: Request) -> Response:
+    """A task's or template's last prompt, parameters and counters (the dashboard's task and
+    template pages). Same visibility as GET /v1/tasks/{id}/status: 404 for another key's task."""
+    services = request.app.state.services
+    if not services.ready or services.tasks is None:
+        raise ApiError(503, "the model is still loading; retry shortly", code="loading",
+                       headers={"Retry-After": "5"})
+    try:
+        t = await services.tasks.get(task_id, getattr(request.state, "owner", None))
+    except TaskError as exc:
+        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+    return Response(orjson.dumps(_detail(t)), media_type="application/json")
+
+
+def _detail(t: Any) -> dict[str, Any]:
+    return {**t.summary(), "prompt": t.prompt, "params": t.params, "prompt_tokens": t.prompt_tokens,
+            "completion_tokens": t.completion_tokens, "speed": t.speed()}

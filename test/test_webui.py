@@ -1,0 +1,263 @@
+"""The web dashboard (server/webui) in a real browser: headless Chromium from the system's packages,
+driven by Selenium through the system's chromedriver, against a real server on the tiny model.
+
+Screenshots of every page go to test/screenshots/ (git-ignored). Skips, saying why, without
+Chromium, chromedriver or the selenium package (`.ci/run` installs them on Debian). API keys:
+test_webui_keys.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from util_browser import browser_fixture, console_errors, open_page, require_browser, select, shot, wait_for
+from util_server import server_fixture
+
+require_browser()
+
+server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
+browser = browser_fixture()
+LONG = 100_000  # max_tokens of a task that must still be running while the test looks at it
+
+
+def post(srv, path: str, body: dict | None = None, **params) -> dict:
+    r = httpx.post(srv.url + path, json=body if body is not None else {}, params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def get(srv, path: str, **params) -> dict:
+    r = httpx.get(srv.url + path, params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_finished(srv, task_id: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = get(srv, f"/v1/tasks/{task_id}/status")
+        if st["status"] == 3:
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"{task_id} still running after {timeout}s: {st}")
+
+
+@pytest.fixture(scope="module")
+def finished_task(server) -> str:
+    t = post(server, "/v1/tasks/create", {"prompt": "The dashboard's first task", "max_tokens": 8})
+    wait_finished(server, t["task_id"])
+    return t["task_id"]
+
+
+@pytest.fixture(scope="module")
+def template(server) -> str:
+    t = post(server, "/v1/tasks/create", {"prompt": "System: a prompt kept as a template\n\n", "max_tokens": 0})
+    wait_finished(server, t["task_id"])
+    return post(server, f"/v1/tasks/{t['task_id']}/as_template", name="ui_tpl")["task_id"]
+
+
+def test_served_files_and_redirect(server, finished_task):
+    r = httpx.get(server.url + "/", headers={"Accept": "text/html"})
+    assert r.status_code == 307 and r.headers["location"] == "/ui"
+    page = httpx.get(server.url + "/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/ui/static/js/app.js" in page.text
+    js = httpx.get(server.url + "/ui/static/js/app.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    for bad in ("/ui/static/../routes.py", "/ui/static/index.html", "/ui/static/nope.js"):
+        r = httpx.get(server.url + bad)
+        assert r.status_code == 404, bad
+        assert "error" in r.json()
+    detail = get(server, f"/v1/ui/tasks/{finished_task}")
+    assert detail["prompt"] == "The dashboard's first task"
+    assert detail["params"]["max_tokens"] == 8 and detail["kind"] == "task"
+    missing = httpx.get(server.url + "/v1/ui/tasks/TASK_" + "0" * 32)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "task_not_found"
+
+
+def test_pages_load_without_console_errors(server, browser, finished_task, template):
+    pages = {"tasks": ("#/tasks", "#task-rows tr"), "playground": ("#/playground", "#chat-template[data-loaded]"),
+             "batch": ("#/batch", "#batch-form"), "server": ("#/server", "#server-cards .stat"),
+             "task": (f"#/tasks/{finished_task}", "#task-output[data-done]"),
+             "template": (f"#/tasks/{template}", "#fork-form")}
+    console_errors(browser)  # drop anything logged before
+    for name, (hash_, ready) in pages.items():
+        open_page(browser, server, hash_, ready)
+        shot(browser, name)
+        assert console_errors(browser) == [], name
+    open_page(browser, server, f"#/tasks/{template}", "#task-prompt")
+    assert "a prompt kept as a template" in browser.find_element("css selector", "#task-prompt").text
+    browser.execute_script("setTimeout(() => { throw new Error('probe of the error check'); })")
+    wait_for(browser, lambda d: any("probe of the error check" in m for m in console_errors(d)), 5)
+
+
+def test_task_created_through_the_api_appears_without_reload(server, browser):
+    open_page(browser, server, "#/tasks", "#task-count")
+    browser.execute_script("window.__sameDocument = 42")
+    tid = post(server, "/v1/tasks/create", {"prompt": "appears live", "max_tokens": 4})["task_id"]
+    wait_for(browser, lambda d: d.find_elements("css selector", f'#task-rows tr[data-id="{tid}"]'), 10)
+    assert browser.execute_script("return window.__sameDocument") == 42  # no reload happened
+    browser.find_element("css selector", "#filter-search").send_keys(tid[-8:])
+    wait_for(browser, lambda d: len(d.find_elements("css selector", "#task-rows tr")) == 1, 5)
+    assert browser.find_element("css selector", "#task-rows tr").get_attribute("data-id") == tid
+    select(browser, "#filter-kind", "template")
+    wait_for(browser, lambda d: not d.find_elements("css selector", "#task-rows tr"), 5)
+
+
+def test_running_task_streams_and_stop_in_the_ui_stops_it(server, browser):
+    tid = post(server, "/v1/tasks/create", {"prompt": "A long story", "max_tokens": LONG})["task_id"]
+    open_page(browser, server, f"#/tasks/{tid}", "#task-output")
+    out = browser.find_element("css selector", "#task-output")
+    wait_for(browser, lambda d: len(out.text) > 0, 15)
+    first = len(out.text)
+    wait_for(browser, lambda d: len(out.text) > first + 20, 15)
+    assert get(server, f"/v1/tasks/{tid}/status")["status"] != 3  # the text grew while it ran
+    shot(browser, "task-running")
+    browser.find_element("css selector", "#task-stop").click()
+    st = wait_finished(server, tid, 15)
+    assert st["finish_reason"] == "stopped"
+    wait_for(browser, lambda d: "stopped" in d.find_element("css selector", "#task-status").text, 10)
+    wait_for(browser, lambda d: out.get_attribute("data-done") == "1", 10)
+    assert out.text == get(server, f"/v1/tasks/{tid}/get_result")["result"]
+    assert console_errors(browser) == []
+
+
+def test_task_page_actions(server, browser, finished_task):
+    """make template (named) -> fork it with a prompt -> continue with a prompt -> delete."""
+    open_page(browser, server, f"#/tasks/{finished_task}", "#template-form")
+    _set(browser, "#template-form", "name", "from_ui")
+    browser.find_element("css selector", "#template-form button").click()
+    wait_for(browser, lambda d: d.current_url.endswith("#/tasks/_from_ui"), 10)
+    wait_for(browser, lambda d: d.find_elements("css selector", "#fork-form"), 10)
+    assert browser.find_element("css selector", "#task-kind").text == "template"
+    _set(browser, "#fork-form", "prompt", " and a fork")
+    _set(browser, "#fork-form", "max_tokens", 12)
+    browser.find_element("css selector", "#fork-form button[type=submit]").click()
+    wait_for(browser, lambda d: "#/tasks/TASK_" in d.current_url, 10)
+    fork = browser.current_url.rsplit("/", 1)[1]
+    wait_for(browser, lambda d: d.find_elements("css selector", "#task-output[data-done]"), 20)
+    detail = get(server, f"/v1/ui/tasks/{fork}")
+    assert detail["parent_id"] == "_from_ui" and detail["prompt"] == " and a fork"
+    assert get(server, f"/v1/tasks/{fork}/status")["generated_buf"] == 12
+    _set(browser, "#continue-form", "prompt", " then more")
+    _set(browser, "#continue-form", "max_tokens", 5)
+    browser.find_element("css selector", "#continue-form button[type=submit]").click()
+    wait_for(browser, lambda d: "then more" in d.find_element("css selector", "#task-prompt").text, 10)
+    wait_for(browser, lambda d: d.find_elements("css selector", "#task-output[data-done]"), 20)
+    result = get(server, f"/v1/tasks/{fork}/get_result")
+    assert result["completion_tokens"] == 5
+    assert browser.find_element("css selector", "#task-output").text == result["result"]
+    delete = browser.find_element("css selector", "#task-delete")
+    delete.click()
+    assert httpx.get(f"{server.url}/v1/tasks/{fork}/status").status_code == 200  # the first click only arms it
+    delete.click()
+    wait_for(browser, lambda d: d.current_url.endswith("#/tasks"), 10)
+    assert httpx.get(f"{server.url}/v1/tasks/{fork}/status").status_code == 404
+    assert console_errors(browser) == []
+
+
+def _record_growth(browser) -> None:
+    """Record, in the page, every length the newest assistant message's text takes."""
+    browser.execute_script("""
+        window.__lengths = [];
+        new MutationObserver(() => {
+          const msgs = document.querySelectorAll('#chat-log .msg.assistant .text');
+          if (msgs.length) window.__lengths.push(msgs[msgs.length - 1].textContent.length);
+        }).observe(document.getElementById('chat-log'), {childList: true, subtree: true, characterData: true});
+    """)
+
+
+def _chat(browser, text: str) -> str:
+    """Send one message; returns the finished reply's facts line."""
+    n = len(browser.find_elements("css selector", "#chat-log .msg.assistant .meta"))
+    browser.find_element("css selector", "#chat-input").send_keys(text)
+    browser.find_element("css selector", "#chat-send").click()
+    metas = lambda d: d.find_elements("css selector", "#chat-log .msg.assistant .meta")  # noqa: E731
+    wait_for(browser, lambda d: len(metas(d)) > n and metas(d)[-1].text.strip(), 30)
+    return metas(browser)[-1].text
+
+
+def _set(browser, form: str, name: str, value) -> None:
+    el = browser.find_element("css selector", f"{form} [name={name}]")
+    el.clear()
+    el.send_keys(str(value))
+
+
+def test_playground_streams_a_chat(server, browser):
+    open_page(browser, server, "#/playground", "#chat-template[data-loaded]")
+    _set(browser, "#chat-settings", "max_tokens", 100)
+    _set(browser, "#chat-settings", "seed", 7)
+    _record_growth(browser)
+    facts = _chat(browser, "Tell me a long story")
+    lengths = browser.execute_script("return window.__lengths")
+    grew = sorted(set(v for v in lengths if v > 0))
+    assert len(grew) >= 3, f"the reply arrived in {len(grew)} steps: {lengths[:20]}"
+    assert "tok/s" in facts and "prompt tokens" in facts, facts
+    assert browser.find_element("css selector", "#chat-state-field").get_attribute("hidden") is not None
+    shot(browser, "playground")
+    second = _chat(browser, "And then?")  # the history goes with the second turn
+    assert "prompt tokens" in second
+    assert console_errors(browser) == []
+
+
+def test_playground_from_a_template_forks_it(server, browser, template):
+    open_page(browser, server, "#/playground", f'#chat-template option[value="{template}"]')
+    browser.find_element("css selector", f'#chat-template option[value="{template}"]').click()
+    _set(browser, "#chat-settings", "max_tokens", 40)
+    _chat(browser, "Hello from a template")
+    forks = [t for t in get(server, "/v1/tasks/list", kind="tmp", limit=1000)["tasks"]
+             if t["parent_id"] == template]
+    assert len(forks) == 1, forks
+    reply = browser.find_elements("css selector", "#chat-log .msg.assistant .text")[-1].text
+    assert reply and reply in get(server, f"/v1/tasks/{forks[0]['task_id']}/get_result")["result"]
+    _chat(browser, "Second turn")  # continues the same task: no new fork
+    forks2 = [t for t in get(server, "/v1/tasks/list", kind="tmp", limit=1000)["tasks"]
+              if t["parent_id"] == template]
+    assert [t["task_id"] for t in forks2] == [forks[0]["task_id"]]
+
+
+def test_batch_of_four_prompts_and_its_jsonl(server, browser, tmp_path):
+    open_page(browser, server, "#/batch", "#batch-form")
+    prompts = ["first prompt", "second prompt", "third prompt", "fourth prompt"]
+    upload = tmp_path / "prompts.jsonl"  # JSON lines with a "prompt", and plain lines
+    upload.write_text(json.dumps({"prompt": prompts[0]}) + "\n" + json.dumps({"prompt": prompts[1]}) + "\n\n"
+                      + "\n".join(prompts[2:]) + "\n")
+    browser.find_element("css selector", "#batch-file").send_keys(str(upload))
+    box = browser.find_element("css selector", "#batch-prompts")
+    wait_for(browser, lambda d: box.get_property("value") == "\n".join(prompts), 5)
+    _set(browser, "#batch-form", "max_tokens", 40)
+    browser.find_element("css selector", "#batch-run").click()
+    wait_for(browser, lambda d: d.find_element("css selector", "#batch-summary").text == "4 of 4 done", 60)
+    rows = browser.find_elements("css selector", "#batch-rows tr[data-done]")
+    assert len(rows) == 4
+    shot(browser, "batch")
+    browser.find_element("css selector", "#batch-download").click()
+    path = browser.downloads / "batch-results.jsonl"
+    wait_for(browser, lambda d: path.exists() and path.read_text().count("\n") == 4, 10)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == prompts
+    for x in lines:
+        api = get(server, f"/v1/tasks/{x['task_id']}/get_result")
+        assert x["text"] == api["result"] and x["finish_reason"] == api["finish_reason"]
+        assert x["completion_tokens"] == api["completion_tokens"] > 0
+    assert console_errors(browser) == []
+
+
+def test_server_page_charts_update(server, browser):
+    open_page(browser, server, "#/server", "#chart-throughput[data-points]")
+    chart = browser.find_element("css selector", "#chart-throughput")
+    wait_for(browser, lambda d: int(chart.get_attribute("data-points")) >= 1, 10)
+    before = int(chart.get_attribute("data-points"))
+    tid = post(server, "/v1/tasks/create", {"prompt": "load for the charts", "max_tokens": 150})["task_id"]
+    wait_finished(server, tid, 60)
+    wait_for(browser, lambda d: int(chart.get_attribute("data-points")) >= before + 3, 15)
+    assert float(chart.get_attribute("data-max")) > 0  # the generation showed as throughput
+    running = browser.find_element("css selector", "#chart-requests")
+    assert int(running.get_attribute("data-points")) == int(chart.get_attribute("data-points"))
+    shot(browser, "server")
+    assert console_errors(browser) == []
+
