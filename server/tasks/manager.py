@@ -265,7 +265,7 @@ class TaskManager:
     # --- inventory -------------------------------------------------------------------------------
     async def list(self, owner: str | None = None, *, limit: int = 100, offset: int = 0,
                    kind: str | None = None) -> dict[str, Any]:
-        """A page of the tasks `owner` may see (None: all), newest first (TASK-API.md)."""
+        """A page of the tasks `owner` may see (None: all), newest first (docs/task-api.md)."""
         return await self.inventory.list(self.owner_id(owner), all_owners=owner is None, limit=limit,
                                          offset=offset, kind=kind)
 
