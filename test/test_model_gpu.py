@@ -100,7 +100,7 @@ def test_capture_in_a_fresh_process_with_large_buckets():
         "pool = m.zero_state(64)\n"
         "smp = SamplerSlots(64, m.shape.vocab_size, 'cuda')\n"
         "smp.reset(range(64), [SamplingParams()] * 64, list(range(64)))\n"
-        "g = DecodeGraphs(m, pool, smp, max_batch=64)\n"
+        "g = DecodeGraphs(m, pool, smp, buckets=[1, 2, 4, 8, 16, 32, 64])\n"
         "g.capture()\n"
         "tok = g.step(64, torch.ones(64, dtype=torch.long, device='cuda'))\n"
         "torch.cuda.synchronize()\n"
@@ -135,7 +135,7 @@ def test_pdl_launches_equal_plain_launches(pair, B):
         for mode, early in ((0, 3), (1, 3), (1, 2)):
             lib.pdl_mode(mode), lib.pdl_mode(early)
             pool = pool0.clone()
-            g = DecodeGraphs(gpu, pool, None, max_batch=B)
+            g = DecodeGraphs(gpu, pool, None, buckets=[B])
             g.capture([B])
             outs = [g.step(B, tok + step).clone() for step in range(3)]
             runs.append((torch.stack(outs), g.logits(B).clone(), [t.clone() for t in pool.tensors()]))
@@ -163,7 +163,7 @@ def test_two_lanes_equal_two_half_batches(pair, B, monkeypatch):
     tok = torch.arange(B, device="cuda") + 10  # (B,)
     eager, ref = pool0.clone(), pool0.clone()
     graph_pool = pool0.clone()
-    g = DecodeGraphs(gpu, graph_pool, None, max_batch=B)
+    g = DecodeGraphs(gpu, graph_pool, None, buckets=[B])
     g.capture([B])
     for t, src in zip(graph_pool.tensors(), pool0.tensors()):  # the warm-up wrote the slots
         t.copy_(src)
