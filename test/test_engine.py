@@ -12,7 +12,6 @@ import torch
 
 from server.config import Settings
 from server.engine import Engine, EngineDeadError, PromptTooLongError, QueueFullError, SamplingParams
-from server.engine import engine as engine_mod
 from server.model import State, load_model
 from server.tokenizer import get_tokenizer
 
@@ -138,10 +137,10 @@ def test_continue_after_stop_equals_never_stopping(engine):
 def test_a_failing_request_fails_only_itself(engine, model, monkeypatch):
     bad_state = model.zero_state(1)
     meta = State(*(torch.empty_like(t, device="meta") for t in bad_state.tensors()))  # cannot be copied
-    real = engine_mod._decoder
+    real = engine.output.new_decoder
 
     class Broken:
-        def push(self, ids):
+        def push_one(self, token):
             raise RuntimeError("decoder broke")
 
         def flush(self):
@@ -150,9 +149,9 @@ def test_a_failing_request_fails_only_itself(engine, model, monkeypatch):
     ps = prompts(6, seed=5)
     params = SamplingParams(max_tokens=5, **GREEDY)
     ref = [engine.submit(p, params).result(30).token_ids for p in ps]
-    monkeypatch.setattr(engine_mod, "_decoder", lambda t, v: Broken())
+    monkeypatch.setattr(engine.output, "new_decoder", Broken)
     broken = engine.submit(ps[0], params)
-    monkeypatch.setattr(engine_mod, "_decoder", real)
+    monkeypatch.setattr(engine.output, "new_decoder", real)
     handles = [engine.submit(p, params) for p in ps]
     bad = engine.submit(ps[1], params, init_state=meta)
     assert broken.result(30).finish_reason == "error" and "decoder broke" in broken.result().error

@@ -1,20 +1,15 @@
 """RequestHandle.next_batch / batches: every pending event in one wake-up, order kept, errors after events."""
 
 import asyncio
-import threading
 
 import pytest
 
-from server.engine.handle import Deliveries, RequestHandle
+from server.engine.handle import Deliveries, RequestHandle, fail_handles
 from server.engine.types import EngineDeadError, Event, Result
 
 
-class _Eng:
-    def __init__(self):
-        self._thread, self._stopping, self._dead = threading.current_thread(), False, None
-
-    def _gone(self):
-        return False
+def _handle(loop) -> RequestHandle:
+    return RequestHandle("r", loop, alive=lambda: True, abort=lambda rid: False)
 
 
 def _ev(i, finished=False):
@@ -29,7 +24,7 @@ def _res():
 
 def test_batches_take_all_pending_events_in_order():
     async def main():
-        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        h = _handle(asyncio.get_running_loop())
         got = []
 
         async def consume():
@@ -55,7 +50,7 @@ def test_batches_take_all_pending_events_in_order():
 
 def test_error_comes_after_the_pending_events():
     async def main():
-        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        h = _handle(asyncio.get_running_loop())
         h._push(_ev(0))
         h._fail(EngineDeadError("gone"))
         assert [e.n_tokens for e in await h.next_batch()] == [1]
@@ -67,7 +62,7 @@ def test_error_comes_after_the_pending_events():
 
 def test_a_listener_replaces_the_loop_wake_up_and_can_hand_back():
     async def main():
-        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        h = _handle(asyncio.get_running_loop())
         calls: list[list[int]] = []
 
         def listener():  # runs where deliver() runs (the engine thread), drains the events itself
@@ -92,7 +87,7 @@ def test_a_listener_replaces_the_loop_wake_up_and_can_hand_back():
 
 def test_a_failing_listener_is_dropped_and_the_consumer_woken():
     async def main():
-        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        h = _handle(asyncio.get_running_loop())
         h.set_listener(lambda: 1 / 0)
         waiter = asyncio.create_task(h.next_batch())
         await asyncio.sleep(0)
@@ -106,17 +101,11 @@ def test_a_failing_listener_is_dropped_and_the_consumer_woken():
 
 
 def test_engine_failure_reaches_the_listener():
-    from server.engine.delivery import DeliveryMixin
-
-    class _Dying(DeliveryMixin):
-        def __init__(self, handles):
-            self._lock, self._live, self._inbox, self._inbox_adds = threading.Lock(), handles, [], 0
-
     async def main():
-        h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+        h = _handle(asyncio.get_running_loop())
         seen = []
         h.set_listener(lambda: seen.append(type(h._error).__name__))
-        _Dying({"r": h})._fail_all(EngineDeadError("the engine loop died"))
+        fail_handles([h], EngineDeadError("the engine loop died"))
         assert seen == ["EngineDeadError"]
 
     asyncio.run(main())

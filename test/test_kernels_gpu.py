@@ -210,7 +210,7 @@ def test_decode_graphs_replay_equals_eager(dev, state_dtype):
         smp = SamplerSlots(M, V, dev)
         smp.reset(range(M), params, list(range(M)))
         pools.append(pool), samplers.append(smp)
-    graphs = DecodeGraphs(model, pools[0], samplers[0], max_batch=M)
+    graphs = DecodeGraphs(model, pools[0], samplers[0], buckets=[1, 2, 4, 8])
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
     for p in pools:  # the warm-up wrote slot 0; start both from the same random states
@@ -251,7 +251,7 @@ def test_decode_graphs_step_cont_equals_explicit_inputs(dev, n):
         pool = State.zeros(model.shape, M, dev, model.dtype, torch.float32)
         smp = SamplerSlots(M, V, dev)
         smp.reset(range(M), params, list(range(M)))
-        g = DecodeGraphs(model, pool, smp, max_batch=M)
+        g = DecodeGraphs(model, pool, smp, buckets=[1, 2, 4, 8])
         g.capture([8])
         for t in pool.tensors():  # the warm-up wrote slot 0: the same random states in both
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(5)).to(t) * 0.1)

@@ -98,7 +98,7 @@ def test_capture_in_a_fresh_process_with_large_buckets():
         "pool = m.zero_state(64)\n"
         "smp = SamplerSlots(64, m.shape.vocab_size, 'cuda')\n"
         "smp.reset(range(64), [SamplingParams()] * 64, list(range(64)))\n"
-        "g = DecodeGraphs(m, pool, smp, max_batch=64)\n"
+        "g = DecodeGraphs(m, pool, smp, buckets=[1, 2, 4, 8, 16, 32, 64])\n"
         "g.capture()\n"
         "tok = g.step(64, torch.ones(64, dtype=torch.long, device='cuda'))\n"
         "torch.cuda.synchronize()\n"
@@ -132,7 +132,7 @@ def test_pdl_launches_equal_plain_launches(pair, B):
         for mode in (0, 1):
             lib.pdl_mode(mode)
             pool = pool0.clone()
-            g = DecodeGraphs(gpu, pool, None, max_batch=B)
+            g = DecodeGraphs(gpu, pool, None, buckets=[B])
             g.capture([B])
             outs = [g.step(B, tok + step).clone() for step in range(3)]
             runs.append((torch.stack(outs), g.logits(B).clone(), [t.clone() for t in pool.tensors()]))

@@ -1,36 +1,61 @@
-"""Scheduler unit tests: no model, no torch. A fake runner keeps a token list per physical slot
-(its "state") and samples a token that is a pure function of that list, so every move, copy-out
-and chunk boundary is checked against what a real recurrent model would see."""
+"""Scheduler and engine-step tests: no model, no torch.
+
+The scheduler alone is checked on its plain data (plans, outputs, Finished records). The whole
+step is checked through the real `Engine.step` with a fake runner that keeps a token list per
+physical slot (its "state") and samples a token that is a pure function of that list, so every
+move, copy-out and chunk boundary is checked against what a real recurrent model would see.
+Engine-level tests run twice: as on the CPU (full plans, text at once) and as on CUDA
+(continuation plans, text and deliveries after the next launch)."""
 
 from __future__ import annotations
 
+import ast
 import random
+import subprocess
 import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from server.engine.scheduler import CopyOutOp, MoveOp, Scheduler, bucket_for
-from server.engine.sequence import Sequence, StopMatcher
-from server.engine.types import ABORT, ERROR, LENGTH, STOP, QueueFullError, SamplingParams
+from server.config import Settings
+from server.engine import Engine
+from server.engine.plan import (
+    Admission,
+    CopyOutOp,
+    MoveOp,
+    StepPlan,
+    bucket_for,
+    bucket_sizes,
+)
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence
+from server.engine.text import StopMatcher, open_stream
+from server.engine.types import (
+    ABORT,
+    ERROR,
+    LENGTH,
+    STOP,
+    QueueFullError,
+    SamplingParams,
+)
 
 VOCAB = {1: "He", 2: "llo", 3: "\n", 4: "\nUs", 5: "er", 6: ":", 7: " wo", 8: "rld", 9: "!"}
 
 
-class FakeDecoder:
-    def __init__(self, vocab=None):
-        self.vocab = vocab or {}
-
-    def push(self, ids):
-        return "".join(self.vocab.get(i, chr(0x4E00 + i % 200)) for i in ids)
-
-    def flush(self):
-        return ""
+def _piece(i: int) -> str:
+    return VOCAB.get(i, chr(0x4E00 + i % 200)) if i else ""
 
 
-def make_seq(rid, prompt, max_tokens=5, vocab=None, **kw):
-    ret = kw.pop("return_state", False)
-    params = SamplingParams(max_tokens=max_tokens, **kw)
-    return Sequence(rid, list(prompt), params, FakeDecoder(vocab), return_state=ret)
+class FakeTokenizer:
+    """What the engine's detokenizer reads: one byte string per id."""
+
+    vocab_size = 4096
+    token_table = tuple(_piece(i).encode() for i in range(vocab_size))
+
+    def decode_bytes(self, ids):
+        return b"".join(self.token_table[i] for i in ids)
 
 
 class FakeRunner:
@@ -39,104 +64,112 @@ class FakeRunner:
     def __init__(self, max_batch, sampler=None):
         self.slots: list[list[int] | None] = [None] * max_batch
         self.owner: list[str | None] = [None] * max_batch
-        self.states: dict[str, list[int]] = {}
         self.sampler = sampler or (lambda fed: 10 + hash(tuple(fed)) % 1000)
-
+        self.model_time = self.sample_time = 0.0
+        self.plans: list[StepPlan] = []
+        self.copies: list[tuple[str, list[int]]] = []
         self.last: list[int] = []  # the previous step's samples (a continuation plan feeds them)
-        self.fed: list[int] = []  # what the last step fed (checked against the rows afterwards)
+        self.on_plan = None  # a test's check of each plan
 
-    def run(self, plan):
+    def prepare(self, plan):
+        self.plans.append(plan)
+        if self.on_plan:
+            self.on_plan(plan)
         for op in plan.ops:
             if isinstance(op, CopyOutOp):
-                assert self.owner[op.slot] == op.seq.request_id
-                self.states[op.seq.request_id] = list(self.slots[op.slot])
+                assert self.owner[op.slot] == op.request_id
+                self.copies.append((op.request_id, list(self.slots[op.slot])))
             else:
                 moved = [(d, list(self.slots[s]), self.owner[s]) for d, s in op.pairs]
                 for d, fed, who in moved:
                     self.slots[d], self.owner[d] = fed, who
-        for slot, seq in plan.admits:
-            self.slots[slot], self.owner[slot] = [], seq.request_id
+        for a in plan.admits:
+            self.slots[a.slot], self.owner[a.slot] = list(a.init_state or []), a.request_id
+        return []
+
+    def prefill(self, plan):
         for slot, toks in plan.prefill:
             self.slots[slot].extend(toks)
-        out = []
+
+    def launch(self, plan):
+        if not plan.request_ids:
+            return None
         if plan.cont:  # like the device: the previous step's samples, no host round trip
             assert not plan.decode_tokens and len(self.last) == plan.n_active
         feed = self.last if plan.cont else plan.decode_tokens
-        for i, seq in enumerate(plan.rows):
-            assert self.owner[i] == seq.request_id, "rows must be the active prefix"
+        out = []
+        for i, rid in enumerate(plan.request_ids):
+            assert self.owner[i] == rid, "rows must be the active prefix"
             self.slots[i].append(feed[i])
             out.append(self.sampler(self.slots[i]))
-        self.fed, self.last = list(feed), list(out)
+        self.last = out
         return out
 
+    def finish(self, job):
+        return job
 
-MODE = "plain"
+    def poll_copies(self, wait=False):
+        out, self.copies = self.copies, []
+        return out
+
+    @property
+    def copies_pending(self):
+        return bool(self.copies)
+
+    def detached_state(self, init_state):
+        return list(init_state or [])
+
+    def check_state(self, state):
+        pass
 
 
-@pytest.fixture(autouse=True, params=["plain", "engine"])
-def _mode(request):
-    """Every test twice: plan()/apply() as is, and the engine's way (continuation plans, ids-only
-    apply with the text emitted after the next step ran)."""
-    global MODE
-    MODE = request.param
-    yield
-    MODE = "plain"
+@pytest.fixture(params=["cpu", "cuda"])
+def mode(request):
+    return request.param
 
 
-def run_all(sched, runner, max_steps=10_000, check=None):
-    if MODE == "engine":
-        return run_all_engine(sched, runner, max_steps, check)
-    events, steps = {}, 0
-    while sched.has_work():
-        plan = sched.plan()
-        for seq, ev in plan.early:
-            events.setdefault(seq.request_id, []).append(ev)
-        if check:
-            check(plan)
-        out = sched.apply(plan, runner.run(plan))
-        for seq, ev in out.events:
-            events.setdefault(seq.request_id, []).append(ev)
+def make_engine(mode, max_batch=8, budget=64, chunk=16, sampler=None):
+    model = SimpleNamespace(device="cpu", shape=SimpleNamespace(vocab_size=FakeTokenizer.vocab_size))
+    settings = Settings(max_batch=max_batch, step_token_budget=budget, prefill_chunk=chunk, stats_interval=0.0)
+    e = Engine(model, FakeTokenizer(), settings, runner=FakeRunner(max_batch, sampler))
+    e.scheduler.continuation = e.defer_delivery = mode == "cuda"
+    return e
+
+
+def run_all(engine, max_steps=10_000):
+    """Turn the engine's loop by hand until nothing is left; every step's rows must be the
+    output processor's rows (it follows the plan's slot moves)."""
+    steps = 0
+    while engine.run_once():
         steps += 1
         assert steps < max_steps
-    return events
+        last = engine.runner.plans[-1] if engine.runner.plans else None
+        if last is not None and not last.cont:
+            assert [st.request_id for st in engine.output._rows] == last.request_ids
+    return steps
 
 
-def run_all_engine(sched, runner, max_steps=10_000, check=None):
-    """The engine's order: plan (continuations allowed), run, THEN the previous step's deferred
-    text (materialize + emit), then the ids-only apply of this step."""
-    events, steps, pending = {}, 0, []
-    sched.n_cont = 0
-
-    def flush():
-        sched.materialize()
-        for seq, token in pending:
-            events.setdefault(seq.request_id, []).append(seq.emit(token))
-        pending.clear()
-
-    while sched.has_work():
-        plan = sched.plan(allow_cont=True)
-        for seq, ev in plan.early:
-            events.setdefault(seq.request_id, []).append(ev)
-        if check:
-            check(plan)
-        tokens = runner.run(plan)
-        flush()
-        if plan.cont:  # what it fed == what the plan would have fed from the rows
-            sched.n_cont += 1
-            assert runner.fed == [q.output_ids[-1] for q in plan.rows]
-        out = sched.apply(plan, tokens, defer_text=True)
-        for seq, ev in out.events:
-            events.setdefault(seq.request_id, []).append(ev)
-        pending = list(out.deferred)
-        steps += 1
-        assert steps < max_steps
-    flush()
-    return events
+def submit(engine, rid, prompt, max_tokens=5, **kw):
+    ret = kw.pop("return_state", False)
+    init = kw.pop("init_state", None)
+    return engine.submit(list(prompt), SamplingParams(max_tokens=max_tokens, **kw), request_id=rid,
+                         return_state=ret, init_state=init)  # fmt: skip
 
 
+def make_seq(rid, prompt, max_tokens=5, **kw):
+    ret = kw.pop("return_state", False)
+    return Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **kw), return_state=ret)
+
+
+def ended(sched):
+    return {f.request_id: f for f in sched.take_finished()}
+
+
+# --- the scheduler's plain data -------------------------------------------------------------
 def test_bucket_for():
     assert [bucket_for(n, 64) for n in (0, 1, 2, 3, 4, 5, 33, 64)] == [0, 1, 2, 4, 4, 8, 64, 64]
     assert bucket_for(5, 6) == 6 and bucket_for(3, 6) == 4
+    assert bucket_sizes(6) == [1, 2, 4, 6] and bucket_sizes(8) == [1, 2, 4, 8] and bucket_sizes(1) == [1]
 
 
 def test_admission_is_fifo_and_slots_are_reused_next_step():
@@ -145,35 +178,34 @@ def test_admission_is_fifo_and_slots_are_reused_next_step():
     for q in (a, b, c):
         s.add(q)
     plan = s.plan()
-    assert [q.request_id for q in plan.rows] == ["a", "b"] and s.num_waiting == 1
-    out = s.apply(plan, [20, 21])
-    assert [q.request_id for q in out.finished] == ["a"]
+    assert plan.request_ids == ["a", "b"] and s.num_waiting == 1
+    s.apply(plan, [20, 21])
+    assert list(ended(s)) == ["a"]
     plan = s.plan()  # the freed slot is taken at once: b moved to slot 0, c admitted to slot 1
-    assert plan.ops == [MoveOp([(0, 1)])] and plan.admits == [(1, c)]
-    assert [q.request_id for q in plan.rows] == ["b", "c"] and b.slot == 0
+    assert plan.ops == [MoveOp([(0, 1)])] and plan.admits == [Admission(1, "c", c.params, c.seed)]
+    assert plan.request_ids == ["b", "c"] and b.slot == 0
 
 
-def test_budget_chunking_and_contiguous_prefix_under_load():
-    rng = random.Random(0)
-    budget, chunk, mb = 40, 16, 8
-    s = Scheduler(max_batch=mb, step_token_budget=budget, prefill_chunk=chunk)
-    seqs = [make_seq(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 90))],
-                     max_tokens=rng.randrange(0, 12)) for i in range(40)]  # fmt: skip
-    for q in seqs:
-        s.add(q)
+def test_plans_are_plain_data():
+    """Plans carry ids, numbers, token lists and parameters: never a live sequence."""
+    s = Scheduler(max_batch=4, step_token_budget=8, prefill_chunk=4)
+    for i in range(6):
+        s.add(make_seq(f"r{i}", [1, 2, 3, 4, 5, 6][: i + 1], max_tokens=2, return_state=i % 2 == 0))
+    plain = (str, int, float, bool, type(None), SamplingParams)
 
-    def check(plan):
-        assert plan.n_tokens <= budget
-        assert len(plan.rows) <= mb and all(q.slot == i for i, q in enumerate(plan.rows))
-        assert plan.bucket == bucket_for(len(plan.rows), mb)
-        assert all(1 <= len(t) < chunk for _, t in plan.prefill)
-        assert all(0 <= t <= chunk for t in plan.takes)
+    def check(v):
+        if isinstance(v, (list, tuple)):
+            return all(check(x) for x in v)
+        if is_dataclass(v) and not isinstance(v, SamplingParams):
+            return all(check(getattr(v, f.name)) for f in fields(v))
+        return isinstance(v, plain)
 
-    events = run_all(s, FakeRunner(mb), check=check)
-    for q in seqs:
-        assert q.finish_reason == LENGTH and len(q.output_ids) == q.params.max_tokens
-        evs = events[q.request_id]
-        assert evs[-1].finished and sum(len(e.token_ids) for e in evs) == len(q.output_ids)
+    for _ in range(12):
+        plan = s.plan()
+        assert check(plan), plan
+        if plan.request_ids:
+            s.apply(plan, [7] * plan.n_active)
+        assert all(check(f) for f in s.take_finished())
 
 
 def test_burst_of_short_prompts_prefills_in_one_step():
@@ -181,7 +213,7 @@ def test_burst_of_short_prompts_prefills_in_one_step():
     for i in range(10):
         s.add(make_seq(f"r{i}", [1, 2, 3, 4, 5]))
     plan = s.plan()
-    assert len(plan.rows) == 10 and plan.n_tokens == 50 and all(plan.commit) and plan.bucket == 16
+    assert plan.n_active == 10 and plan.n_tokens == 50 and all(plan.commit) and plan.bucket == 16
 
 
 def test_decode_rows_come_before_a_long_prefill():
@@ -201,65 +233,119 @@ def test_free_in_the_middle_moves_the_last_slots_in():
     s.apply(s.plan(), [11, 12, 13, 14, 15])  # a and c finish
     assert [q.request_id for q in s.slots] == ["e", "b", "d"]
     plan = s.plan()
-    assert isinstance(plan.ops[0], CopyOutOp) and plan.ops[0].slot == 2
-    assert plan.ops[1] == MoveOp([(0, 4), (2, 3)])
-    assert [q.slot for q in plan.rows] == [0, 1, 2] and plan.bucket == 4
+    assert plan.ops == [CopyOutOp(2, "c"), MoveOp([(0, 4), (2, 3)])]
+    assert plan.request_ids == ["e", "b", "d"] and plan.bucket == 4
 
 
-def test_state_plus_pending_is_prompt_plus_output():
-    rng = random.Random(1)
-    s = Scheduler(max_batch=4, step_token_budget=12, prefill_chunk=5)
-    seqs = [make_seq(f"r{i}", [rng.randrange(1, 9) for _ in range(rng.randrange(1, 30))],
-                     max_tokens=rng.randrange(0, 6), return_state=True, stop_token_ids=(17,))
-            for i in range(20)]  # fmt: skip
-    for q in seqs:
+def test_eos_and_stop_token_ids_and_ignore_eos():
+    s = Scheduler(max_batch=4, step_token_budget=16, prefill_chunk=16)
+    a, b = make_seq("a", [1], max_tokens=5), make_seq("b", [1], max_tokens=5, stop_token_ids=(42,))
+    c = make_seq("c", [1], max_tokens=2, ignore_eos=True)
+    for q in (a, b, c):
         s.add(q)
-    runner = FakeRunner(4, sampler=lambda fed: 10 + sum(fed) % 9)
-    run_all(s, runner)
-    for q in seqs:
-        assert runner.states[q.request_id] + q.pending_tokens() == q.prompt + q.output_ids
-        assert q.pending_tokens() == ([] if q.finish_reason == STOP or q.params.max_tokens == 0 else q.output_ids[-1:])
+    out = s.apply(s.plan(), [0, 42, 0])
+    fin = ended(s)
+    assert (fin["a"].reason, fin["a"].token, fin["a"].token_ids, fin["a"].pending_tokens) == (STOP, None, [], [])
+    assert (fin["b"].reason, fin["b"].token_ids) == (STOP, []) and "c" not in fin
+    assert c.output_ids == [0] and out.emitted == [2] and out.decode_tokens == 3
 
 
-def test_outputs_do_not_depend_on_batching():
-    rng = random.Random(2)
-    prompts = [[rng.randrange(1, 9) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
-
-    def outputs(mb, budget, chunk, together):
-        res = {}
-        s = Scheduler(max_batch=mb, step_token_budget=budget, prefill_chunk=chunk)
-        batches = [list(range(12))] if together else [[i] for i in range(12)]
-        for batch in batches:
-            seqs = [make_seq(f"r{i}", prompts[i], max_tokens=4 + i % 5) for i in batch]
-            for q in seqs:
-                s.add(q)
-            run_all(s, FakeRunner(mb))
-            res.update({q.request_id: q.output_ids for q in seqs})
-        return res
-
-    assert outputs(4, 9, 3, True) == outputs(1, 64, 64, False) == outputs(16, 1000, 7, True)
-
-
-def test_stop_string_split_across_tokens_never_leaks():
+def test_max_tokens_ends_with_the_token_and_its_pending():
     s = Scheduler(max_batch=2, step_token_budget=16, prefill_chunk=16)
-    q = make_seq("q", [1], max_tokens=20, vocab=VOCAB, stop=("\nUser:",))
-    s.add(q)
-    script = iter([1, 2, 3, 4, 5, 6, 9])  # "He" "llo" "\n" "\nUs" "er" ":" -> stop
-    events = run_all(s, FakeRunner(2, sampler=lambda fed: next(script)))["q"]
-    texts = [e.text for e in events]
-    assert "".join(texts) == q.text == "Hello\n"
-    assert texts[:3] == ["He", "llo", ""]  # "\n" held back: it may start "\nUser:"
-    assert q.finish_reason == STOP and q.output_ids == [1, 2, 3, 4, 5, 6]
-    assert events[-1].finished and events[-1].token_ids == [6]
+    s.add(make_seq("a", [1, 2], max_tokens=2, return_state=True))
+    s.apply(s.plan(), [5])
+    s.apply(s.plan(), [6])
+    f = ended(s)["a"]
+    assert (f.reason, f.token, f.token_ids, f.pending_tokens, f.state) == (LENGTH, 6, [5, 6], [6], "slot")
+    assert s.plan().ops == [CopyOutOp(0, "a")]
 
 
-def test_held_back_text_is_released_when_no_stop_follows():
+def test_prefill_only_and_empty_prefill_only():
+    s = Scheduler(max_batch=2, step_token_budget=4, prefill_chunk=4)
+    a, b = make_seq("a", list(range(1, 10)), max_tokens=0), make_seq("b", [], max_tokens=0, return_state=True)
+    b.init_state = "B's start"
+    s.add(a)
+    s.add(b)
+    plans, fin = [], {}
+    while s.has_work():
+        plans.append(s.plan())
+        fin.update(ended(s))
+        if plans[-1].request_ids:
+            s.apply(plans[-1], [7] * plans[-1].n_active)
+        fin.update(ended(s))
+    assert "b" in fin and len(plans) >= 3 and "b" not in plans[0].request_ids  # ended when planned
+    assert (fin["b"].reason, fin["b"].state, fin["b"].init_state) == (LENGTH, "start", "B's start")
+    assert not any(any(p.commit) for p in plans)
+    assert fin["a"].reason == LENGTH and fin["a"].token_ids == [] and fin["a"].pending_tokens == [] and a.n_fed == 9
+
+
+def test_abort_waiting_and_running_frees_the_slot():
     s = Scheduler(max_batch=1, step_token_budget=16, prefill_chunk=16)
-    q = make_seq("q", [1], max_tokens=3, vocab=VOCAB, stop=("\nUser:",))
-    s.add(q)
-    script = iter([1, 3, 4])
-    events = run_all(s, FakeRunner(1, sampler=lambda fed: next(script)))["q"]
-    assert [e.text for e in events] == ["He", "", "\n\nUs"] and q.finish_reason == LENGTH
+    a, b, c = make_seq("a", [1], max_tokens=50), make_seq("b", [1]), make_seq("c", [1, 2])
+    for q in (a, b, c):
+        s.add(q)
+    s.apply(s.plan(), [5])
+    assert s.abort("c") and s.num_waiting == 1
+    assert (ended(s)["c"].reason, c.pending_tokens()) == (ABORT, [1, 2])
+    assert s.abort("a") and s.num_running == 0
+    f = ended(s)["a"]
+    assert (f.reason, f.token, f.token_ids, f.pending_tokens) == (ABORT, None, [5], [5])
+    assert not s.abort("zzz") and not s.abort("a")
+    assert s.plan().request_ids == ["b"]
+
+
+def test_fail_only_fails_that_sequence():
+    s = Scheduler(max_batch=4, step_token_budget=16, prefill_chunk=16)
+    a, b = make_seq("a", [1], max_tokens=3), make_seq("b", [1], max_tokens=3)
+    s.add(a)
+    s.add(b)
+    plan = s.plan()
+    assert s.fail(["a"], "boom")
+    f = ended(s)["a"]
+    assert (f.reason, f.error, f.pending_tokens) == (ERROR, "boom", [])
+    out = s.apply(plan, [5, 6])  # a's row is skipped
+    assert a.output_ids == [] and b.output_ids == [6] and b.slot == 0 and out.emitted == [1]
+
+
+def test_queue_full():
+    s = Scheduler(max_batch=1, step_token_budget=16, prefill_chunk=16, max_queue=2)
+    s.add(make_seq("a", [1]))
+    s.add(make_seq("b", [1]))
+    with pytest.raises(QueueFullError):
+        s.add(make_seq("c", [1]))
+
+
+def test_continuation_stops_when_a_request_can_be_admitted_or_a_row_ends():
+    s = Scheduler(max_batch=2, step_token_budget=16, prefill_chunk=16)
+    a, b = make_seq("a", [1], max_tokens=50, ignore_eos=True), make_seq("b", [1], max_tokens=50, ignore_eos=True)
+    s.add(a)
+    p = s.plan()
+    assert not p.cont  # an admission
+    s.apply(p, [5])
+    p = s.plan()
+    assert not p.cont and p.decode_tokens == [5]  # the first all-decode plan
+    out = s.apply(p, [6])
+    assert a.output_ids == [5] and out.emitted is None  # recorded lazily: nothing could end a row
+    p = s.plan()
+    assert p.cont and p.decode_tokens == [] and p.positions == [] and p.request_ids == ["a"]
+    s.apply(p, [7])
+    s.add(b)  # a free slot and a waiting request: a full plan (which brings a up to date)
+    p = s.plan()
+    assert not p.cont and a.output_ids == [5, 6, 7] and p.decode_tokens == [7, 1] and p.positions == [3, 0]
+    s.apply(p, [8, 9])
+    p = s.plan()
+    assert not p.cont and p.decode_tokens == [8, 9] and p.positions == [4, 1]
+    s.apply(p, [10, 11])
+    p = s.plan()
+    assert p.cont
+    s.apply(p, [12, 12])
+    s.materialize()  # what the engine does while the device runs the next step
+    assert a.output_ids[-2:] == [10, 12] and b.output_ids == [9, 11, 12]
+    assert s.abort("b") and b.pending_tokens() == [12]  # the next plan is a full one
+    p = s.plan()
+    assert not p.cont and p.decode_tokens == [12] and p.positions == [6]
+    with pytest.raises(ValueError):
+        s.apply(StepPlan(), [1])  # tokens of a plan that is not the last one
 
 
 @pytest.mark.parametrize("stops,chunks,expect", [
@@ -280,163 +366,213 @@ def test_stop_matcher(stops, chunks, expect):
     assert (out, hit) == expect
 
 
-def test_eos_and_stop_token_ids_and_ignore_eos():
-    s = Scheduler(max_batch=4, step_token_budget=16, prefill_chunk=16)
-    a, b = make_seq("a", [1], max_tokens=5), make_seq("b", [1], max_tokens=5, stop_token_ids=(42,))
-    c = make_seq("c", [1], max_tokens=2, ignore_eos=True)
-    for q in (a, b, c):
-        s.add(q)
-    out = s.apply(s.plan(), [0, 42, 0])
-    assert (a.finish_reason, a.output_ids) == (STOP, []) and (b.finish_reason, b.output_ids) == (STOP, [])
-    assert c.output_ids == [0] and not c.finished and len(out.finished) == 2
+class _Dec:
+    def push_one(self, token):
+        return _piece(token)
+
+    def flush(self):
+        return ""
 
 
-def test_prefill_only_and_empty_prefill_only():
-    s = Scheduler(max_batch=2, step_token_budget=4, prefill_chunk=4)
-    a, b = make_seq("a", list(range(1, 10)), max_tokens=0), make_seq("b", [], max_tokens=0)
-    s.add(a)
-    s.add(b)
-    plans = []
-    while s.has_work():
-        plans.append(s.plan())
-        s.apply(plans[-1], [7] * plans[-1].n_active)
-    assert not any(any(p.commit) for p in plans)
-    assert a.finish_reason == LENGTH and a.output_ids == [] and a.pending_tokens() == [] and a.n_fed == 9
-    assert b.finish_reason == LENGTH and [q for p in plans for q, _ in p.early] == [b]
+@pytest.mark.parametrize("stops", [(), ("lo\n",), ("zz",)])
+@pytest.mark.parametrize("how", ["length", "abort", "stop_id"])
+def test_stream_events_add_up_to_the_text(stops, how):
+    """A stream's events (and its last event's tail) add up to its text; a stop string's match
+    ends the text where the stop string starts."""
+    from server.engine.plan import Finished
+
+    st = open_stream("r", None, _Dec(), SamplingParams(stop=stops))
+    evs, ids = [], [1, 2, 3, 7, 8]
+    for t in ids[:-1]:
+        if stops and st.match(t):
+            end = Finished("r", STOP, t, [], [t], 1, 0.0, 0.0)
+            break
+        evs.append(st.emit(t))
+    else:
+        last = ids[-1]
+        if how == "length":
+            hit = bool(stops) and st.match(last)
+            end = Finished("r", STOP if hit else LENGTH, last, ids, [last], 1, 0.0, 0.0)
+        else:
+            end = Finished("r", ABORT if how == "abort" else STOP, None, ids[:-1], [], 1, 0.0, 0.0)
+    evs.append(st.close(end))
+    text = "".join(e.text for e in evs)
+    assert text == st.text and evs[-1].finished and not any(e.finished for e in evs[:-1])
+    full = "".join(_piece(t) for t in (ids if end.token == ids[-1] else ids[:-1]))
+    assert text == (full[: full.find("lo\n")] if stops == ("lo\n",) else full)
 
 
-def test_abort_waiting_and_running_frees_the_slot():
-    s = Scheduler(max_batch=1, step_token_budget=16, prefill_chunk=16)
-    a, b, c = make_seq("a", [1], max_tokens=50), make_seq("b", [1]), make_seq("c", [1])
-    for q in (a, b, c):
-        s.add(q)
-    s.apply(s.plan(), [5])
-    seq, ev = s.abort("c")
-    assert seq is c and ev.finish_reason == ABORT and s.num_waiting == 1
-    seq, ev = s.abort("a")
-    assert ev.finished and ev.finish_reason == ABORT and s.num_running == 0 and a.output_ids == [5]
-    assert s.abort("zzz") is None
-    plan = s.plan()
-    assert [q.request_id for q in plan.rows] == ["b"]
+# --- the engine's step (Engine.step with a fake runner) -------------------------------------
+def test_budget_chunking_and_contiguous_prefix_under_load(mode):
+    rng = random.Random(0)
+    budget, chunk, mb = 40, 16, 8
+    e = make_engine(mode, max_batch=mb, budget=budget, chunk=chunk)
+
+    def check(plan):
+        assert plan.n_tokens <= budget and plan.n_active <= mb
+        assert plan.bucket == bucket_for(plan.n_active, mb)
+        assert all(1 <= len(t) < chunk for _, t in plan.prefill)
+        assert all(0 <= t <= chunk for t in plan.takes)
+
+    e.runner.on_plan = check
+    hs = [submit(e, f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 90))], rng.randrange(0, 12))
+          for i in range(40)]  # fmt: skip
+    run_all(e)
+    for h in hs:
+        r, evs = h.result(), list(h)
+        assert r.finish_reason == LENGTH and len(r.token_ids) == r.completion_tokens
+        assert evs[-1].finished and [t for ev in evs for t in ev.token_ids] == r.token_ids
+        assert "".join(ev.text for ev in evs) == r.text == "".join(map(_piece, r.token_ids))
 
 
-def test_fail_only_fails_that_sequence():
-    s = Scheduler(max_batch=4, step_token_budget=16, prefill_chunk=16)
-    a, b = make_seq("a", [1], max_tokens=3), make_seq("b", [1], max_tokens=3)
-    s.add(a)
-    s.add(b)
-    plan = s.plan()
-    assert s.fail(a, "boom").finish_reason == ERROR and a.error == "boom"
-    s.apply(plan, [5, 6])  # a's row is skipped
-    assert a.output_ids == [] and b.output_ids == [6] and b.slot == 0
+def test_state_plus_pending_is_prompt_plus_output(mode):
+    rng = random.Random(1)
+    e = make_engine(mode, max_batch=4, budget=12, chunk=5, sampler=lambda fed: 10 + sum(fed) % 9)
+    reqs = [([rng.randrange(1, 9) for _ in range(rng.randrange(1, 30))], rng.randrange(0, 6)) for _ in range(20)]
+    hs = [submit(e, f"r{i}", p, n, return_state=True, stop_token_ids=(17,)) for i, (p, n) in enumerate(reqs)]
+    start = submit(e, "start", [3, 4], 3, return_state=True, init_state=[1, 2])
+    assert e.abort("start")  # aborted while waiting: its starting state, its whole prompt pending
+    run_all(e)
+    for h, (p, n) in zip(hs, reqs):
+        r = h.result()
+        assert r.state + r.pending_tokens == p + r.token_ids
+        assert r.pending_tokens == ([] if r.finish_reason == STOP or n == 0 else r.token_ids[-1:])
+    r = start.result()
+    assert (r.finish_reason, r.state, r.pending_tokens, r.token_ids) == (ABORT, [1, 2], [3, 4], [])
+    assert {h.result().finish_reason for h in hs} == {STOP, LENGTH}
 
 
-def test_error_while_processing_a_token_fails_only_that_sequence():
-    class Broken(FakeDecoder):
-        def push(self, ids):
+def test_outputs_do_not_depend_on_batching(mode):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 9) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
+
+    def outputs(mb, budget, chunk, together):
+        e, res = make_engine(mode, mb, budget, chunk), {}
+        batches = [list(range(12))] if together else [[i] for i in range(12)]
+        for batch in batches:
+            hs = [submit(e, f"r{i}", prompts[i], 4 + i % 5) for i in batch]
+            run_all(e)
+            res.update({h.request_id: h.result().token_ids for h in hs})
+        return res
+
+    assert outputs(4, 9, 3, True) == outputs(1, 64, 64, False) == outputs(16, 1000, 7, True)
+
+
+def test_stop_string_split_across_tokens_never_leaks(mode):
+    script = iter([1, 2, 3, 4, 5, 6, 9])  # "He" "llo" "\n" "\nUs" "er" ":" -> stop
+    e = make_engine(mode, max_batch=2, budget=16, chunk=16, sampler=lambda fed: next(script))
+    h = submit(e, "q", [1], 20, stop=("\nUser:",), return_state=True)
+    run_all(e)
+    evs, r = list(h), h.result()
+    texts = [ev.text for ev in evs]
+    assert "".join(texts) == r.text == "Hello\n"
+    assert texts[:3] == ["He", "llo", ""]  # "\n" held back: it may start "\nUser:"
+    assert r.finish_reason == STOP and r.token_ids == [1, 2, 3, 4, 5, 6] and r.pending_tokens == [6]
+    assert evs[-1].finished and evs[-1].token_ids == [6] and r.state == [1, 1, 2, 3, 4, 5]
+
+
+def test_held_back_text_is_released_when_no_stop_follows(mode):
+    script = iter([1, 3, 4])
+    e = make_engine(mode, max_batch=1, budget=16, chunk=16, sampler=lambda fed: next(script))
+    h = submit(e, "q", [1], 3, stop=("\nUser:",))
+    run_all(e)
+    assert [ev.text for ev in h] == ["He", "", "\n\nUs"] and h.result().finish_reason == LENGTH
+
+
+def test_a_stop_string_on_a_fast_step_frees_the_slot_before_the_next_plan(mode):
+    """Rows with stop strings are decided on their text before the next plan, also when the
+    ids alone cannot end any row (the scheduler's O(1) apply)."""
+    e = make_engine(mode, max_batch=4, budget=16, chunk=16, sampler=lambda fed: 7 if len(fed) < 6 else 8)
+    h = submit(e, "q", [1], 50, stop=(" world",), return_state=True)  # " wo" "rld" at the 6th token
+    others = [submit(e, f"o{i}", [2], 8) for i in range(3)]
+    run_all(e)
+    r = h.result()
+    assert r.finish_reason == STOP and r.text == " wo" * 4 and r.token_ids[-2:] == [7, 8]
+    assert r.state + r.pending_tokens == [1] + r.token_ids
+    assert all(o.result().finish_reason == LENGTH for o in others)
+    if mode == "cuda":
+        assert any(p.cont for p in e.runner.plans)
+
+
+def test_error_while_processing_a_token_fails_only_that_sequence(mode):
+    class Broken(_Dec):
+        def push_one(self, token):
             raise RuntimeError("decoder broke")
 
-    s = Scheduler(max_batch=4, step_token_budget=16, prefill_chunk=16)
-    a = Sequence("a", [1], SamplingParams(max_tokens=3), Broken())
-    b = make_seq("b", [1], max_tokens=3)
-    s.add(a)
-    s.add(b)
-    run_all(s, FakeRunner(4))
-    assert a.finish_reason == ERROR and "decoder broke" in a.error
-    assert b.finish_reason == LENGTH and len(b.output_ids) == 3
+    e = make_engine(mode, max_batch=4, budget=16, chunk=16)
+    real = e.output.new_decoder
+    e.output.new_decoder = Broken
+    a = submit(e, "a", [1], 3)
+    e.output.new_decoder = real
+    b = submit(e, "b", [1], 3)
+    run_all(e)
+    assert a.result().finish_reason == ERROR and "decoder broke" in a.result().error
+    assert b.result().finish_reason == LENGTH and len(b.result().token_ids) == 3
 
 
-def test_queue_full():
-    s = Scheduler(max_batch=1, step_token_budget=16, prefill_chunk=16, max_queue=2)
-    s.add(make_seq("a", [1]))
-    s.add(make_seq("b", [1]))
-    with pytest.raises(QueueFullError):
-        s.add(make_seq("c", [1]))
+def test_continuation_plans_and_lazy_apply_equal_full_plans():
+    """The engine's fast path (continuation plans, O(1) apply, text after the next launch) gives
+    the same tokens, text, events, states and pending tokens as full plans with text at once;
+    exact max_tokens and stop ids (another row's stop id does not end a row)."""
 
-
-def test_scheduler_imports_no_torch():
-    import subprocess
-
-    code = "import sys, server.engine.scheduler, server.engine; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_continuation_plans_and_lazy_ids_only_apply():
-    """The engine's fast path: continuation plans while nothing changes, exact max_tokens and stop
-    ids (another row's stop id does not end a row), the same tokens/text/events as plain."""
     def go(mode):
-        global MODE
-        MODE = mode
-        s = Scheduler(max_batch=8, step_token_budget=64, prefill_chunk=4)
-        seqs = [make_seq(f"r{i}", list(range(1, 2 + i)), max_tokens=3 + 7 * i, return_state=True,
-                         stop_token_ids=(10 + i, 30 + i), vocab=VOCAB, stop=("\u4e3c", "\u4e5a")[i % 3:][:1])
-                for i in range(6)]  # fmt: skip  (rows 0 and 3 have a stop string, row 1 another)
-        for q in seqs:
-            s.add(q)
-        runner = FakeRunner(8, sampler=lambda fed: 10 + hash(tuple(fed)) % 97)
-        events = run_all(s, runner)
-        return s, runner, seqs, events
+        e = make_engine(mode, max_batch=8, budget=64, chunk=4, sampler=lambda fed: 10 + hash(tuple(fed)) % 97)
+        hs = [submit(e, f"r{i}", list(range(1, 2 + i)), 3 + 7 * i, return_state=True, stop_token_ids=(10 + i, 30 + i),
+                     stop=("\u4e3c", "\u4e5a")[i % 3:][:1])
+              for i in range(6)]  # fmt: skip  (rows 0 and 3 have a stop string, row 1 another)
+        run_all(e)
+        return e, [(h.result(), list(h)) for h in hs]
 
-    s0, r0, plain, ev0 = go("plain")
-    s1, r1, fast, ev1 = go("engine")
-    assert s1.n_cont > 10
-    for a, b in zip(plain, fast):
-        assert (a.output_ids, a.text, a.finish_reason, a.pending_tokens()) == (
-            b.output_ids, b.text, b.finish_reason, b.pending_tokens())  # fmt: skip
-        assert ev0[a.request_id] == ev1[b.request_id]
-        assert r1.states[b.request_id] + b.pending_tokens() == b.prompt + b.output_ids
-        assert b.finish_reason == STOP or len(b.output_ids) == b.params.max_tokens
-    assert {q.finish_reason for q in fast} == {STOP, LENGTH}
+    e0, plain = go("cpu")
+    e1, fast = go("cuda")
+    assert sum(p.cont for p in e1.runner.plans) > 10 and not any(p.cont for p in e0.runner.plans)
+    for (a, ea), (b, eb) in zip(plain, fast):
+        assert (a.token_ids, a.text, a.finish_reason, a.pending_tokens, a.state) == (
+            b.token_ids, b.text, b.finish_reason, b.pending_tokens, b.state)  # fmt: skip
+        assert ea == eb
+        i = int(b.request_id[1:])
+        assert b.state + b.pending_tokens == list(range(1, 2 + i)) + b.token_ids
+        assert b.finish_reason == STOP or len(b.token_ids) == 3 + 7 * i
+    assert {r.finish_reason for r, _ in fast} == {STOP, LENGTH}
 
 
-def test_continuation_stops_when_a_request_can_be_admitted_or_a_row_ends():
-    s = Scheduler(max_batch=2, step_token_budget=16, prefill_chunk=16)
-    a, b = make_seq("a", [1], max_tokens=50, ignore_eos=True), make_seq("b", [1], max_tokens=50, ignore_eos=True)
-    s.add(a)
-    p = s.plan(allow_cont=True)
-    assert not p.cont  # an admission
-    s.apply(p, [5], defer_text=True)
-    p = s.plan(allow_cont=True)
-    assert not p.cont and p.decode_tokens == [5]  # the first all-decode plan
-    s.apply(p, [6], defer_text=True)
-    assert a.output_ids == [5]  # recorded lazily (nothing can end: no stop ids, far from max_tokens)
-    p = s.plan(allow_cont=True)
-    assert p.cont and p.decode_tokens == [] and p.positions == []
-    s.apply(p, [7], defer_text=True)
-    s.add(b)  # a free slot and a waiting request: a full plan (which brings a up to date)
-    p = s.plan(allow_cont=True)
-    assert not p.cont and a.output_ids == [5, 6, 7] and p.decode_tokens == [7, 1] and p.positions == [3, 0]
-    s.apply(p, [8, 9], defer_text=True)
-    p = s.plan(allow_cont=True)
-    assert not p.cont and p.decode_tokens == [8, 9] and p.positions == [4, 1]
-    s.apply(p, [10, 11], defer_text=True)
-    p = s.plan(allow_cont=True)
-    assert p.cont
-    p.fill_inputs()  # the host fallback of a continuation plan
-    assert p.decode_tokens == [10, 11] and p.positions == [5, 2]
-    s.apply(p, [12, 12], defer_text=True)
-    s.abort("b")  # ends b (after bringing it up to date): the next plan is a full one
-    assert b.output_ids == [9, 11, 12] and b.pending_tokens() == [12]
-    p = s.plan(allow_cont=True)
-    assert not p.cont and p.decode_tokens == [12] and p.positions == [6]
+# --- the package's shape ----------------------------------------------------------------------
+ENGINE = Path(__file__).resolve().parents[1] / "server" / "engine"
+TORCH_FREE = ["types", "protocol", "plan", "sequence", "scheduler", "text", "output", "handle", "stats", "engine"]
 
 
-@pytest.mark.parametrize("stops", [(), ("lo\n",)])
-def test_record_then_emit_equals_add_token(stops):
-    script = [1, 2, 3, 7, 42, 8, 9, 0, 5]
-    for max_tokens in range(1, 10):
-        for stop_ids in [(), (42,), (9,)]:
-            kw = dict(max_tokens=max_tokens, vocab=VOCAB, stop_token_ids=stop_ids, stop=stops)
-            a, b = make_seq("a", [1], **kw), make_seq("b", [1], **kw)
-            ea, eb = [], []
-            for t in script:
-                if a.finished:
-                    break
-                ea.append(a.add_token(t))
-                if b._has_stops:  # stop strings: the engine keeps add_token (text decides)
-                    eb.append(b.add_token(t))
-                else:
-                    b.record(t)
-                    eb.append(b.emit(t))
-            assert ea == eb and a.text == b.text and a.output_ids == b.output_ids
-            assert (a.finish_reason, a.status) == (b.finish_reason, b.status)
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_engine_modules_import_no_torch(module):
+    code = f"import sys, server.engine.{module}; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ENGINE.parents[1])
+
+
+def test_the_runner_is_where_torch_comes_in():  # the check above can fail: this module does import it
+    code = "import sys, server.engine.runner; assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ENGINE.parents[1])
+
+
+def test_no_import_cycle_in_the_engine():
+    graph = {}
+    for path in ENGINE.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps.add(node.module or "")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("server.engine."):
+                deps.add(node.module.removeprefix("server.engine."))
+        graph[path.stem] = deps - {""}
+    done: set[str] = set()
+
+    def visit(m, path):
+        assert m not in path, f"import cycle: {' -> '.join(path + [m])}"
+        if m in done or m not in graph:
+            return
+        for d in graph[m]:
+            visit(d, path + [m])
+        done.add(m)
+
+    for m in graph:
+        visit(m, [])
+    assert graph["handle"] <= {"types"}  # a handle knows its engine only by the callables it is given
+    assert [m for m, deps in graph.items() if "engine" in deps] == ["__init__"]

@@ -19,17 +19,13 @@ from server.engine.handle import Deliveries, RequestHandle
 from server.engine.types import Event, Result
 
 
-class _Eng:
-    def __init__(self):
-        self._thread, self._stopping, self._dead = threading.current_thread(), False, None
-        self.aborted: list[str] = []
+_aborted: list[str] = []  # the request ids whose abort() a handle asked the engine for
 
-    def _gone(self):
-        return False
 
-    def abort(self, rid):
-        self.aborted.append(rid)
-        return True
+def _handle() -> RequestHandle:
+    """A handle as the engine makes it: alive, its abort() recorded in _aborted."""
+    return RequestHandle("r", asyncio.get_running_loop(), alive=lambda: True,
+                         abort=lambda rid: _aborted.append(rid) is None)  # fmt: skip
 
 
 class _Transport:  # what DirectStream needs of the loop's transport
@@ -88,7 +84,7 @@ def _text(body: bytes) -> tuple[str, list[str], bool]:
 
 async def _loop_path(kind: str, steps) -> bytes:
     """The reference: the same deliveries through the event-loop generator (one wake-up each)."""
-    h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+    h = _handle()
     parts = _parts(kind, h)
     out: list[bytes] = []
 
@@ -125,7 +121,8 @@ def _deliver_from_a_thread(h: RequestHandle, events, per_step: int = 1) -> None:
 
 
 def _direct(kind: str, sock: socket.socket):
-    h = RequestHandle(_Eng(), "r", asyncio.get_running_loop())
+    _aborted.clear()
+    h = _handle()
     parts = _parts(kind, h)
     ds = DirectStream(parts, Recorder(None, 0.0), _Transport(), os.dup(sock.fileno()))
     return h, parts, ds
@@ -204,7 +201,7 @@ def test_a_closed_socket_aborts_the_sequence():
         b.close()
         _deliver_from_a_thread(h, _events(5)[:2])
         assert await asyncio.wait_for(ds.left, 2) == "gone"
-        assert h._engine.aborted == ["r"] and h._listener is None
+        assert _aborted == ["r"] and h._listener is None
         ds.close()  # the loop's cleanup: the sequence's abort was already asked for
         a.close()
 

@@ -220,3 +220,18 @@ def test_incremental_holds_back_only_incomplete(tok):
     assert dec.push([ord("A") + 1]) == "\ufffdA"  # can't any more: emitted, not stalled
     assert dec.push([0xE4 + 1]) == "" and dec.flush() == "\ufffd"
     assert dec.push(tok.encode("ok")) == "ok"  # reusable after flush
+
+
+def test_push_one_is_push_of_one_id(tok, corpus):
+    """The engine's per-token path (a table lookup, no range check) gives what push([id]) gives,
+    and the pieces add up to decode (valid text: never a split character)."""
+    rng = random.Random(7)
+    cases = [tok.encode(t[:2000]) for t in corpus.values()]
+    cases += [[rng.randrange(VOCAB_SIZE) for _ in range(200)], [0xF0 + 1, 0x9F + 1, ord("A") + 1, 0xE4 + 1]]
+    for ids in cases:
+        a, b = IncrementalDecoder(tok), IncrementalDecoder(tok)
+        one = [a.push_one(i) for i in ids] + [a.flush()]
+        assert one == [b.push([i]) for i in ids] + [b.flush()]
+        assert "".join(one) == tok.decode(ids)
+        if "\ufffd" not in tok.decode(ids):
+            assert not any("\ufffd" in p for p in one)

@@ -4,11 +4,20 @@
     engine = Engine(model, tokenizer, settings).start()
     result = engine.submit("Hello", SamplingParams(max_tokens=16)).result()
 
-See engine.py for the API and the state contract (Result.state + Result.pending_tokens),
-scheduler.py for the step plan, sampler.py for the sampling formula.
-`import server.engine` and `server.engine.scheduler` do not import torch (Engine loads lazily).
+Modules, in the order a request meets them:
+  types.py      parameters in, events and results out (plain data); protocol.py: the typed seams
+  engine.py     the API (submit, abort, generate, stats) and the loop; `Engine.step` is one step
+  sequence.py   a request as the scheduler sees it (token ids, progress)
+  scheduler.py  decides each step (plan.py: the plan, its output and Finished records, plain data)
+  runner.py     executes a plan on the device over the slot pool (torch); sampler.py: sampling
+  output.py     text (text.py: detokenizer, stop strings), events, results, delivery
+  handle.py     RequestHandle: a request seen from its caller; Deliveries: one wake-up per loop
+  stats.py      rates and totals
+Only runner.py and sampler.py import torch (the engine builds its runner at start()).
 """
 
+from .engine import Engine
+from .handle import RequestHandle
 from .types import (
     ABORT,
     EOS_TOKEN,
@@ -27,19 +36,21 @@ from .types import (
 )
 
 __all__ = [
-    "Engine", "RequestHandle", "SamplingParams", "Event", "Result", "EngineStats", "EngineError",
-    "QueueFullError", "PromptTooLongError", "EngineDeadError", "RequestFailedError",
-    "STOP", "LENGTH", "ABORT", "ERROR", "EOS_TOKEN",
+    "ABORT",
+    "EOS_TOKEN",
+    "ERROR",
+    "LENGTH",
+    "STOP",
+    "Engine",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStats",
+    "Event",
+    "PromptTooLongError",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestHandle",
+    "Result",
+    "SamplingParams",
 ]  # fmt: skip
 
-
-def __getattr__(name: str):
-    if name == "Engine":
-        from .engine import Engine
-
-        return Engine
-    if name == "RequestHandle":
-        from .handle import RequestHandle
-
-        return RequestHandle
-    raise AttributeError(f"module 'server.engine' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The engine: one loop thread that runs scheduler steps on the device, and the in-process API.
+"""The engine: one loop thread that runs steps on the device, and the in-process API.
 
     from server.engine import Engine, SamplingParams
     engine = Engine(model, tokenizer, settings); engine.start()
@@ -24,8 +24,11 @@ So continuing is exactly equivalent to never having stopped: submit
 Penalties and the seeded random stream restart with each request (a continuation request can
 pass the same seed; positions count from its first generated token).
 
-The critical path (CUDA, defer_delivery): only id bookkeeping runs between a step's token ids
-reaching the host and the next launch; text, events and delivery follow it (see delivery.py).
+One step (`Engine.step`): the scheduler decides (plain data), the runner executes on the device,
+the output processor turns ids into text, events and results. Between a step's token ids
+reaching the host and the next launch only id bookkeeping runs (and the text of requests with
+stop strings); on CUDA the text and the deliveries of a step run after the NEXT step was
+launched, while the device works (`defer_delivery`); on the CPU, at the end of the step.
 
 Threads. submit/abort/stats may be called from any thread (including an event loop thread:
 they never wait for the engine). Events are pushed once per step per request; asyncio consumers
@@ -43,20 +46,22 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from server.config import Settings
+from server.tokenizer import IncrementalDecoder
 
-from .delivery import DeliveryMixin
-from .handle import Deliveries, RequestHandle
-from .runner import Runner, _check_state
-from .scheduler import Scheduler, StepPlan
-from .sequence import FastDecoder, Sequence
+from .handle import RequestHandle, fail_handles
+from .output import OutputProcessor
+from .plan import StepPlan, StepRunner
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .stats import StatsTracker
+from .text import Stream
 from .types import (
     EngineDeadError,
     EngineStats,
-    Event,
     PromptTooLongError,
     QueueFullError,
     Result,
@@ -69,40 +74,40 @@ MAX_STEP_FAILURES = 3
 """Consecutive failed decode steps after which the loop declares itself dead."""
 
 
-class Engine(DeliveryMixin):
-    def __init__(self, model, tokenizer, settings: Settings | None = None):
+class Engine:
+    def __init__(self, model, tokenizer, settings: Settings | None = None, *, runner: StepRunner | None = None):
+        """runner: the device side (default: a `runner.Runner` over the model, built by start())."""
         self.model, self.tokenizer = model, tokenizer
-        self.settings = settings or Settings()
-        s = self.settings
+        self.settings = s = settings or Settings()
         on_cuda = str(model.device).startswith("cuda")
         self.max_batch = s.max_batch if s.max_batch > 0 else (256 if on_cuda else 32)
         self.scheduler = Scheduler(self.max_batch, s.step_token_budget, s.prefill_chunk)  # queue bound: submit()
-        self.runner: Runner | None = None
+        self._runner = runner
+        self.output = OutputProcessor(new_decoder=lambda: IncrementalDecoder(tokenizer),
+                                      detached_state=self._detached_state, on_done=self._done)  # fmt: skip
+        self.defer_delivery = on_cuda
+        """Flush a step's text and deliveries after the next step's launch (only worth it when the
+        launch is asynchronous: CUDA; on the CPU it would only add a step of latency)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: deque[tuple[str, object]] = deque()
+        self._inbox: deque[tuple[Sequence, Stream] | str] = deque()  # new requests; aborts (ids)
         self._inbox_adds = 0
         self._live: dict[str, RequestHandle] = {}
-        self._awaiting_state: dict[int, Event] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closed = False  # every live handle was failed: nothing may be submitted
         self._dead: BaseException | None = None
         self._step_failures = 0
         self._stats = StatsTracker(s.stats_interval)
-        self._deferred: tuple[Deliveries, list] | None = None
-        """The last step's deliveries and its deferred text work ((seq, token) to emit)."""
-        self.defer_delivery = on_cuda
-        """Detokenize, check and deliver a step's events after the NEXT step is launched (while
-        the device runs): between a step's token ids reaching the host and the next launch only
-        id bookkeeping runs (stop token ids, max_tokens; sequences with stop strings are checked
-        on text before the launch). Only worth it when the launch is asynchronous (CUDA); on the
-        CPU it would only add a step of latency."""
 
     # --- lifecycle ------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         if self._thread is not None:
             return self
-        self.runner = Runner(self.model, self.max_batch, cuda_graphs=self.settings.cuda_graphs)
+        if self._runner is None:
+            from .runner import Runner  # torch: only an engine that runs needs it
+
+            self._runner = Runner(self.model, self.max_batch, cuda_graphs=self.settings.cuda_graphs)
         self._thread = threading.Thread(target=self._run, name="rwkv-engine", daemon=True)
         self._thread.start()
         return self
@@ -116,12 +121,20 @@ class Engine(DeliveryMixin):
             self._fail_all(EngineDeadError("the engine was shut down"))
 
     @property
+    def runner(self) -> StepRunner:
+        """The device side (there once the engine started, or given at construction)."""
+        if self._runner is None:
+            raise RuntimeError("the engine has no runner before start()")
+        return self._runner
+
+    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
-    def _gone(self) -> bool:
-        """Stopped or died (a not-yet-started engine is not gone: its requests wait)."""
-        return self._dead is not None or self._stopping or (self._thread is not None and not self._thread.is_alive())
+    def _alive(self) -> bool:
+        """Handles will still get their events (an engine not started yet is alive)."""
+        gone = self._dead is not None or self._stopping or (self._thread is not None and not self._thread.is_alive())
+        return not gone
 
     # --- the API --------------------------------------------------------------------------
     def submit(
@@ -138,25 +151,27 @@ class Engine(DeliveryMixin):
             raise EngineDeadError("the engine is not running")
         params = params or SamplingParams(max_tokens=self.settings.default_max_tokens)
         ids = self._prompt_ids(prompt, params)
-        if init_state is not None and self.runner is not None:
-            _check_state(init_state, self.runner.pool)
+        if init_state is not None and self._runner is not None:
+            self._runner.check_state(init_state)
         rid = request_id or uuid.uuid4().hex
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        handle = RequestHandle(self, rid, loop)
-        seq = Sequence(rid, ids, params, _decoder(self.tokenizer, self.model.shape.vocab_size), seed=seed, init_state=init_state,
-                       return_state=return_state, sink=handle)  # fmt: skip
+        handle = RequestHandle(rid, loop, alive=self._alive, abort=self.abort)
+        seq = Sequence(rid, ids, params, seed=seed, init_state=init_state, return_state=return_state)
+        stream = self.output.new_stream(rid, handle, params)
         with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine is not running")
             if rid in self._live:
                 raise ValueError(f"request id {rid!r} is already in use")
             waiting = self._inbox_adds + self.scheduler.num_waiting
             if self.settings.max_queue and waiting >= self.settings.max_queue:
                 raise QueueFullError(f"{waiting} requests are waiting (max_queue={self.settings.max_queue})")
             self._live[rid] = handle
-            self._inbox.append(("add", seq))
+            self._inbox.append((seq, stream))
             self._inbox_adds += 1
         self._wake.set()
         return handle
@@ -166,14 +181,16 @@ class Engine(DeliveryMixin):
         with self._lock:
             if request_id not in self._live:
                 return False
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(request_id)
         self._wake.set()
         return True
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  timeout: float | None = None) -> list[Result]:  # fmt: skip
         """Submit all prompts, wait for all results (in order)."""
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        plist: list[SamplingParams | None] = (
+            list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)  # type: ignore[list-item]
+        )
         handles = [self.submit(p, q) for p, q in zip(prompts, plist)]
         return [h.result(timeout) for h in handles]
 
@@ -199,15 +216,7 @@ class Engine(DeliveryMixin):
         try:
             while not self._stopping:
                 self._wake.clear()
-                self._drain_inbox()
-                runner = self.runner
-                if self.scheduler.has_work():
-                    self._step()
-                    continue
-                self._flush_deferred()
-                if runner.copies_pending:
-                    self._deliver_states(Deliveries(), wait=True).deliver()
-                else:
+                if not self.run_once():
                     self._stats.roll(0, 0)
                     self._wake.wait(min(self._stats.interval, 1.0))
         except BaseException as exc:  # the loop itself broke: report, never hang callers
@@ -215,90 +224,119 @@ class Engine(DeliveryMixin):
             log.exception("engine loop died")
         finally:
             try:
-                self._flush_deferred()
-            except BaseException:  # noqa: BLE001 (the callers still get EngineDeadError)
+                self.output.finish(self.scheduler.take_finished())
+                self.output.flush()
+            except BaseException:
                 log.exception("could not deliver the last events")
             self._fail_all(EngineDeadError("the engine was shut down" if self._dead is None
                                            else f"the engine loop died: {self._dead!r}"))  # fmt: skip
 
-    def _drain_inbox(self) -> None:
-        d = Deliveries()
-        while True:
-            with self._lock:
-                if not self._inbox:
-                    break
-                kind, item = self._inbox.popleft()
-                if kind == "add":
-                    self._inbox_adds -= 1
-            if kind == "add":
-                self.scheduler.add(item)  # type: ignore[arg-type]
-            else:
-                self._flush_deferred()  # the sequence's text must be up to date before it ends
-                ended = self.scheduler.abort(item)  # type: ignore[arg-type]
-                if ended is not None:
-                    self._finished(ended[0], ended[1], d)
-        d.deliver()
+    def step(self) -> None:
+        """One step (the engine thread; the tests call it directly)."""
+        runner, sched, out = self.runner, self.scheduler, self.output
+        t0, m0, s0 = time.perf_counter(), runner.model_time, runner.sample_time
+        self._drain_inbox()
+        plan = sched.plan()  # plain data: rows, admissions, slot moves, bucket (or "continue")
+        out.follow(plan)  # which request decodes in which row
+        self._fail(runner.prepare(plan))  # slot moves, copy-outs, admissions
+        self._prefill(plan)
+        job = self._launch(plan)  # decode + sampling enqueued: on CUDA the device runs from here
+        sched.materialize()  # meanwhile: the last step's id bookkeeping,
+        self._flush()  # its text, events, results and their delivery
+        tokens = self._wait(plan, job)  # the sampled ids on the host
+        decoded = 0
+        if tokens:
+            step_out = sched.apply(plan, tokens, out.match_stops)  # ids decide; stop strings on text
+            out.stage(step_out)
+            decoded = step_out.decode_tokens
+        out.states_ready(runner.poll_copies())
+        if not self.defer_delivery:
+            self._flush()  # the CPU: at once (no launch to hide it behind)
+        self._stats.record(time.perf_counter() - t0, runner.model_time - m0, runner.sample_time - s0, decoded,
+                           plan.n_prefill_tokens, plan.bucket)  # fmt: skip
+        self._stats.roll(sched.num_running, sched.num_waiting)
 
-    def _step(self) -> None:
-        t0, m0, s0 = time.perf_counter(), self.runner.model_time, self.runner.sample_time
-        d = Deliveries()
-        plan = self.scheduler.plan(allow_cont=True)
-        for seq, ev in plan.early:
-            self._finished(seq, ev, d)
-        for seq, msg in self.runner.prepare(plan).failed:
-            self._fail_seq(seq, msg, d)
+    def run_once(self) -> bool:
+        """One turn of the loop: a step when there is work, else what is left to deliver (staged
+        events, final states still being copied); False when there was nothing to do."""
+        if self._inbox or self.scheduler.has_work():
+            self.step()
+        elif self.output.pending or self.scheduler.has_finished():
+            self._flush()
+        elif self.runner.copies_pending:
+            self.output.states_ready(self.runner.poll_copies(wait=True))
+        else:
+            return False
+        return True
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+            self._inbox_adds = 0
+        for item in items:
+            if isinstance(item, str):
+                self.scheduler.abort(item)
+            else:
+                self.output.open(item[1])
+                self.scheduler.add(item[0])
+
+    def _flush(self) -> None:
+        """Hand the requests that ended to the output processor; build and deliver all it staged."""
+        self.output.finish(self.scheduler.take_finished())
+        self._fail(self.output.flush())
+
+    # --- failures -------------------------------------------------------------------------
+    def _fail(self, failures: list[tuple[str, str]]) -> None:
+        for rid, msg in failures:
+            self.scheduler.fail([rid], msg)
+
+    def _prefill(self, plan: StepPlan) -> None:
         try:
             self.runner.prefill(plan)
         except Exception as exc:
             log.exception("prefill failed")
-            for slot, _ in plan.prefill:
-                self._fail_seq(plan.rows[slot], f"prefill failed: {exc!r}", d)
-        tokens = self._decode(plan, d)  # the previous step's text + events while the device runs
-        decoded = 0
-        emits: list = []
-        if tokens is not None:
-            out = self.scheduler.apply(plan, tokens, defer_text=True)  # ids only (+ stop-string rows)
-            decoded = out.decode_tokens
-            emits = out.deferred
-            for seq, ev in out.events:
-                if ev.finished:
-                    self._finished(seq, ev, d)
-                else:
-                    d.add(seq.sink, ev)
-        if self.defer_delivery:
-            self._deliver_states(d)
-            self._deferred = (d, emits)  # text + delivery once the next step is launched (or when idle)
-        else:
-            self._deferred = (d, emits)
-            self._flush_deferred()
-            self._deliver_states(Deliveries()).deliver()
-        self._stats.record(time.perf_counter() - t0, self.runner.model_time - m0, self.runner.sample_time - s0,
-                           decoded, plan.n_prefill_tokens, plan.bucket)  # fmt: skip
-        self._stats.roll(self.scheduler.num_running, self.scheduler.num_waiting)
+            self.scheduler.fail([plan.request_ids[slot] for slot, _ in plan.prefill], f"prefill failed: {exc!r}")
 
-    def _decode(self, plan: StepPlan, d: Deliveries) -> list[int] | None:
+    def _launch(self, plan: StepPlan) -> Any:
         try:
-            job = self.runner.launch(plan)
-        except Exception as exc:
-            self._flush_deferred()
-            return self._decode_failed(plan, d, exc)
-        self._flush_deferred()  # the consumers take the GIL while the device runs, not during the launch
+            return self.runner.launch(plan)
+        except Exception as exc:  # noqa: BLE001 - counted: the loop dies after MAX_STEP_FAILURES
+            self._step_failed(plan, exc)
+            return None
+
+    def _wait(self, plan: StepPlan, job: Any) -> list[int]:
+        if job is None:
+            return []
         try:
             tokens = self.runner.finish(job)
-        except Exception as exc:
-            return self._decode_failed(plan, d, exc)
+        except Exception as exc:  # noqa: BLE001 - counted: the loop dies after MAX_STEP_FAILURES
+            self._step_failed(plan, exc)
+            return []
         self._step_failures = 0
         return tokens
 
-    def _decode_failed(self, plan: StepPlan, d: Deliveries, exc: Exception) -> None:
+    def _step_failed(self, plan: StepPlan, exc: Exception) -> None:
         self._step_failures += 1
         log.exception("decode step failed (%d in a row)", self._step_failures)
         if self._step_failures >= MAX_STEP_FAILURES:
             raise exc
-        for seq in plan.rows:
-            self._fail_seq(seq, f"decode step failed: {exc!r}", d)
-        return None
+        self.scheduler.fail(plan.request_ids, f"decode step failed: {exc!r}")
 
+    # --- the output processor's dependencies ------------------------------------------------
+    def _detached_state(self, init_state: Any) -> Any:
+        return self.runner.detached_state(init_state)
 
-def _decoder(tokenizer, vocab_size: int):
-    return FastDecoder(tokenizer, vocab_size)
+    def _done(self, request_id: str) -> None:
+        with self._lock:
+            self._live.pop(request_id, None)
+        self._stats.finished_total += 1
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        with self._lock:
+            self._closed = True
+            handles = list(self._live.values())
+            self._live.clear()
+            self._inbox.clear()
+            self._inbox_adds = 0
+        fail_handles(handles, exc)

@@ -8,6 +8,10 @@ h.batches()`): a consumer that fell behind catches up in one pass (one write per
 A handle can instead have a listener (`set_listener`): a callable run ON THE ENGINE THREAD right
 after each delivery to the handle (and when it fails), in place of the event-loop wake-up; it
 takes the events itself (`take_ready`; server.api.direct writes a stream's bytes from there).
+
+A handle knows nothing of the engine but two callables given at construction: `alive()` (the
+engine will still deliver to it: not stopped, not dead; an engine not started yet is alive) and
+`abort(request_id)`.
 """
 
 from __future__ import annotations
@@ -16,12 +20,9 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from .types import EngineDeadError, Event, Result
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 log = logging.getLogger("server.engine")
 
@@ -29,9 +30,11 @@ _POLL_S = 1.0  # how often a blocked caller re-checks that the engine loop is al
 
 
 class RequestHandle:
-    def __init__(self, engine: "Engine", request_id: str, loop: asyncio.AbstractEventLoop | None):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, *, alive: Callable[[], bool],
+                 abort: Callable[[str], bool]):  # fmt: skip
         self.request_id = request_id
-        self._engine = engine
+        self._alive = alive
+        self._abort = abort
         self._cond = threading.Condition()
         self._events: deque[Event] = deque()
         self._result: Result | None = None
@@ -74,7 +77,7 @@ class RequestHandle:
         return self._result is not None or self._error is not None
 
     def _check_engine(self) -> None:
-        if not self.done and self._engine._gone():
+        if not self.done and not self._alive():
             self._error = self._error or EngineDeadError("the engine loop is not running")
 
     def __iter__(self) -> Iterator[Event]:
@@ -129,11 +132,10 @@ class RequestHandle:
         fut = self._waiter
         if fut is None or fut.done():
             fut = self._waiter = self._loop.create_future()  # type: ignore[union-attr]
-        th = self._engine._thread
-        if th is not None and th.is_alive() and not self._engine._stopping:
-            await fut  # the loop's exit (_fail_all, shutdown) always wakes us
+        if self._alive():
+            await fut  # the engine's end (fail_handles at its exit or shutdown) always wakes us
             return
-        try:  # not started / stopping: poll, the loop may never wake us
+        try:  # stopping or dead: poll, the loop may never wake us
             await asyncio.wait_for(asyncio.shield(fut), _POLL_S)
         except asyncio.TimeoutError:
             self._check_engine()
@@ -196,7 +198,7 @@ class RequestHandle:
         return self._result
 
     def abort(self) -> bool:
-        return self._engine.abort(self.request_id)
+        return self._abort(self.request_id)
 
     def set_listener(self, fn: Callable[[], None] | None) -> None:
         """fn() runs on the engine thread after every delivery of events (or a failure) to this
@@ -231,7 +233,8 @@ class Deliveries:
     def deliver(self) -> None:
         loops: dict = {}
         listened: dict[RequestHandle, Callable[[], None]] = {}
-        last_loop, last_list = None, None
+        last_loop: asyncio.AbstractEventLoop | None = None
+        last_list: list[RequestHandle] = []
         for h, ev, res in self.items:
             loop = h._push(ev, res)
             fn = h._listener
@@ -248,13 +251,28 @@ class Deliveries:
         wake_loops(loops)
 
 
+def fail_handles(handles: list[RequestHandle], exc: BaseException) -> None:
+    """End these handles with exc (the engine died or was shut down) and wake their consumers."""
+    loops: dict = {}
+    listened: dict = {}
+    for h in handles:
+        loop = h._fail(exc)
+        fn = h._listener
+        if fn is not None:
+            listened[h] = fn
+        elif loop is not None:
+            loops.setdefault(loop, []).append(h)
+    call_listeners(listened)
+    wake_loops(loops)
+
+
 def call_listeners(listened: dict) -> None:
     """Run the handles' listeners (engine thread); one that raises is logged and dropped, its
     handle goes back to loop wake-ups (and is woken now)."""
     for h, fn in listened.items():
         try:
             fn()
-        except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine loop
+        except Exception:
             log.exception("event listener of %s failed; back to event-loop delivery", h.request_id)
             h._listener = None
             if h._loop is not None:

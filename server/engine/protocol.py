@@ -7,7 +7,11 @@ per GPU behind a router) can stand in.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import (
+    Protocol,
+    runtime_checkable,
+)
 
 from .types import EngineStats, Event, Result, SamplingParams
 

@@ -17,34 +17,28 @@ States are updated in place in the pool; nothing is copied per step except moves
 
 Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
 main stream (ordered before the slot is reused) then a pinned host copy on a side stream; the
-copy is handed back by `poll_copies()` once its event completed.
+copy is handed back, by request id, by `poll_copies()` once its event completed.
+The runner reads the plan's plain data only (plan.py); it satisfies plan.StepRunner.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from server.model.state import State
 
+from .plan import CopyOutOp, MoveOp, StepPlan, bucket_sizes
 from .sampler import SamplerSlots
-from .scheduler import CopyOutOp, MoveOp, StepPlan
-from .sequence import Sequence
-
-
-GRAPH_SELF_FEED = os.environ.get("RWKV_GRAPH_SELF_FEED", "1") != "0"
-"""A continuation step with CUDA graphs is a bare replay (the graph fed itself); 0: its inputs
-are copied in from the previous step's outputs (the path before 2026-12-01, for A/B)."""
 
 
 @dataclass
 class _PendingCopy:
-    seq: Sequence
+    request_id: str
     host: State
-    done: "torch.cuda.Event"
+    done: torch.cuda.Event
     device_copy: State  # kept alive until the side-stream copy completed
 
 
@@ -52,19 +46,13 @@ class _PendingCopy:
 class _Launched:
     n: int
     tok: torch.Tensor  # (n,) on the device
-    logits: "torch.Tensor | None"  # (n, V) eager logits (None with graphs: graphs.logits(n))
-    pos: "torch.Tensor | None"  # (b,) positions on the device (None after a bare graph replay)
+    logits: torch.Tensor | None  # (n, V) eager logits (None with graphs: graphs.logits(n))
+    pos: torch.Tensor | None  # (b,) positions on the device (None after a bare graph replay)
     commit: torch.Tensor  # (b,) bool
     b: int = 0
     greedy: bool = False
     t_launch: float = 0.0  # set by _launched()
-    host_ids: "list[int] | None" = None  # set when overflow rows were re-sampled on the host
-
-
-@dataclass
-class PrepareResult:
-    failed: list[tuple[Sequence, str]] = field(default_factory=list)
-    """Admissions that failed (e.g. a starting state of the wrong shape)."""
+    host_ids: list[int] | None = None  # set when overflow rows were re-sampled on the host
 
 
 class Runner:
@@ -81,12 +69,12 @@ class Runner:
         self._d2h_done = torch.cuda.Event() if self.cuda else None
         self._copies: list[_PendingCopy] = []
         self._last: _Launched | None = None  # the previous decode (a continuation plan feeds on it)
-        self._ready: list[tuple[Sequence, State]] = []
+        self._ready: list[tuple[str, State]] = []
         self.graphs = None
         if cuda_graphs and self.cuda:
-            from server.model.graphs import DecodeGraphs  # noqa: PLC0415 (CUDA only)
+            from server.model.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.pool, sampler=self.sampler, max_batch=max_batch)
+            self.graphs = DecodeGraphs(model, self.pool, sampler=self.sampler, buckets=bucket_sizes(max_batch))
             self.graphs.capture()
         self.model_time = 0.0
         """Seconds in model.forward + launching the decode (on the CPU: the decode + sampling)."""
@@ -95,17 +83,14 @@ class Runner:
         time not hidden behind host work, plus overflow rows' exact sampling)."""
 
     # --- step phases ----------------------------------------------------------------------
-    def prepare(self, plan: StepPlan) -> PrepareResult:
-        """Ops (copy-outs, moves) then admissions."""
+    def prepare(self, plan: StepPlan) -> list[tuple[str, str]]:
+        """Ops (copy-outs, moves) then admissions; (request_id, message) of failed admissions."""
         for op in plan.ops:
             if isinstance(op, CopyOutOp):
-                self._copy_out(op.slot, op.seq)
+                self._copy_out(op.slot, op.request_id)
             elif isinstance(op, MoveOp):
                 self._move(op.pairs)
-        res = PrepareResult()
-        if plan.admits:
-            self._admit(plan, res)
-        return res
+        return self._admit(plan) if plan.admits else []
 
     def prefill(self, plan: StepPlan) -> None:
         if not plan.prefill:
@@ -118,7 +103,7 @@ class Runner:
         """Decode every active row once, sample, and return the n_active token ids."""
         return self.finish(self.launch(plan))
 
-    def launch(self, plan: StepPlan) -> "_Launched | None":
+    def launch(self, plan: StepPlan) -> _Launched | None:
         """Enqueue the step's decode + sampling and the copy of its token ids to the host; on
         CUDA this returns at once (the caller can do host work while the device runs)."""
         n, b = plan.n_active, plan.bucket
@@ -126,12 +111,13 @@ class Runner:
             return None
         t0 = time.perf_counter()
         last, self._last = self._last, None
-        cont = plan.cont and last is not None and last.n == n and last.b == b
-        if cont and self.graphs is not None and last.host_ids is None and GRAPH_SELF_FEED:
-            # the graph fed itself (ids, positions + 1): a bare replay, nothing copied in
-            job = _Launched(n, self.graphs.step_cont(n), None, None, last.commit, b, last.greedy)
-            return self._launched(job, t0)
-        if cont:
+        if plan.cont:
+            if last is None or last.n != n or last.b != b:
+                raise RuntimeError("a continuation plan must follow the launched step of the same rows")
+            if self.graphs is not None and last.host_ids is None:
+                # the graph fed itself (ids, positions + 1): a bare replay, nothing copied in
+                job = _Launched(n, self.graphs.step_cont(n), None, None, last.commit, b, last.greedy)
+                return self._launched(job, t0)
             # the previous step's sampled ids feed this one on the device (no host round trip)
             if last.host_ids is None:
                 ids = last.tok
@@ -141,14 +127,13 @@ class Runner:
                 ids = torch.cat([ids, ids.new_zeros(b - n)])
             pos, commit, greedy = self._positions(last) + 1, last.commit, last.greedy
         else:
-            plan.fill_inputs()
             h = self._h2d
             h[:, :n] = torch.tensor([plan.decode_tokens, plan.positions, plan.commit], dtype=torch.long)  # (3, n)
             if b > n:
                 h[:, n:b] = 0
             dev = h[:, :b].to(self.device, non_blocking=True)  # (3, b)
             ids, pos, commit = dev[0], dev[1], dev[2].bool()
-            greedy = self.graphs is None and all(s.params.temperature == 0 for s in plan.rows)
+            greedy = self.graphs is None and plan.greedy
         logits = None
         if self.graphs is not None:
             tok = self.graphs.step(n, ids[:n], pos[:n], commit[:n])  # (n,)
@@ -161,7 +146,7 @@ class Runner:
 
     def _launched(self, job: _Launched, t0: float) -> _Launched:
         """Enqueue the step's one device->host copy of its ids; the step becomes `_last`."""
-        if self.cuda:
+        if self._d2h_done is not None:  # CUDA
             self._d2h[: job.n].copy_(job.tok, non_blocking=True)
             self._d2h_done.record()
         job.t_launch = time.perf_counter()
@@ -171,19 +156,25 @@ class Runner:
 
     def _positions(self, job: _Launched) -> torch.Tensor:
         """The (b,) positions a launched step sampled with (a bare graph replay keeps none)."""
-        return job.pos if job.pos is not None else self.graphs.positions_of_last(job.b)
+        if job.pos is not None:
+            return job.pos
+        assert self.graphs is not None
+        return self.graphs.positions_of_last(job.b)
 
-    def finish(self, job: "_Launched | None") -> list[int]:
+    def finish(self, job: _Launched | None) -> list[int]:
         """Wait for a launched step (GIL released while waiting) and return its token ids."""
         if job is None:
             return []
-        if self.cuda:
+        if self._d2h_done is not None:  # CUDA
             self._d2h_done.synchronize()  # releases the GIL while the device works
             out = self._d2h[: job.n].tolist()
         else:
             out = job.tok.tolist()
         if out and min(out) < 0:  # rows whose kept set did not fit the sampler's candidates
-            logits = job.logits if job.logits is not None else self.graphs.logits(job.n)
+            logits = job.logits
+            if logits is None:
+                assert self.graphs is not None  # logits are kept by the eager path only
+                logits = self.graphs.logits(job.n)
             out = self._resolve(out, logits, self._positions(job), job.commit)
             job.host_ids = list(out)
         self.sample_time += time.perf_counter() - job.t_launch
@@ -204,29 +195,29 @@ class Runner:
             t.index_copy_(1, dst, t.index_select(1, src))
         self.sampler.move(pairs)
 
-    def _admit(self, plan: StepPlan, res: PrepareResult) -> None:
-        zero, ok = [], []
-        for slot, seq in plan.admits:
+    def _admit(self, plan: StepPlan) -> list[tuple[str, str]]:
+        zero, ok, failed = [], [], []
+        for a in plan.admits:
             try:
-                if seq.init_state is None:
-                    zero.append(slot)
+                if a.init_state is None:
+                    zero.append(a.slot)
                 else:
-                    self.pool.scatter(_check_state(seq.init_state, self.pool), [slot])
-                ok.append((slot, seq))
-            except Exception as exc:  # a bad starting state fails its request only
-                res.failed.append((seq, f"could not load the starting state: {exc}"))
-                zero.append(slot)
-            seq.init_state = None
+                    self.pool.scatter(_check_state(a.init_state, self.pool), [a.slot])
+                ok.append(a)
+            except Exception as exc:  # noqa: BLE001 - a bad starting state fails its request only
+                failed.append((a.request_id, f"could not load the starting state: {exc}"))
+                zero.append(a.slot)
         if zero:
             self.pool.zero_slots(zero)
         if ok:
-            self.sampler.reset([s for s, _ in ok], [q.params for _, q in ok], [q.seed for _, q in ok])
+            self.sampler.reset([a.slot for a in ok], [a.params for a in ok], [a.seed for a in ok])
+        return failed
 
     # --- final states -----------------------------------------------------------------------
-    def _copy_out(self, slot: int, seq: Sequence) -> None:
+    def _copy_out(self, slot: int, request_id: str) -> None:
         g = self.pool.gather([slot])  # device copy, ordered before the slot is reused
-        if not self.cuda:
-            self._ready.append((seq, g))
+        if self.side is None:  # the CPU: the gather is the copy
+            self._ready.append((request_id, g))
             return
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)
@@ -236,9 +227,9 @@ class Runner:
                 h.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.side)
-        self._copies.append(_PendingCopy(seq, host, done, g))
+        self._copies.append(_PendingCopy(request_id, host, done, g))
 
-    def poll_copies(self, wait: bool = False) -> list[tuple[Sequence, State]]:
+    def poll_copies(self, wait: bool = False) -> list[tuple[str, State]]:
         """Final states whose copy to the CPU completed (all of them when wait=True)."""
         ready, self._ready = self._ready, []
         keep = []
@@ -246,7 +237,7 @@ class Runner:
             if wait:
                 c.done.synchronize()
             if wait or c.done.query():
-                ready.append((c.seq, c.host))
+                ready.append((c.request_id, c.host))
             else:
                 keep.append(c)
         self._copies = keep
@@ -256,9 +247,15 @@ class Runner:
     def copies_pending(self) -> bool:
         return bool(self._copies or self._ready)
 
-    def state_template(self) -> State:
-        """A zero batch-1 state on the CPU with the pool's dtypes (for prefill-only no-ops)."""
+    def detached_state(self, init_state: State | None) -> State:
+        """A batch-1 state on the CPU for a request that never ran: a copy of its starting
+        state, or zeros with the pool's dtypes."""
+        if init_state is not None:
+            return init_state.to("cpu").clone()
         return State(*(torch.zeros_like(t[:, :1], device="cpu") for t in self.pool.tensors()))
+
+    def check_state(self, state: State) -> None:
+        _check_state(state, self.pool)
 
 
 def _check_state(st: State, pool: State) -> State:

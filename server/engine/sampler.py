@@ -35,12 +35,17 @@ The random stream depends only on (seed, pos), so a request gives the same token
 batch. Defaults (types.SamplingParams) are the ChatRWKV RWKV-7 chat demo's (API_DEMO_CHAT):
 T=1.0, top_p=0.3, top_k=0, presence 0.5, repetition (frequency) 0.5, decay 0.996
 (RWKV-Runner's: T=1, top_p=0.3, presence 0, frequency 1, decay 0.996).
+
+Where it runs: on CUDA, `SamplerSlots.sample` is one kernel (kernels/sampler.cu via
+server.model.cuda_sampler.fused_sample): exact (a stable full sort's result up to fp32 near ties,
+see the kernel's header), never -1, so no resolve. The torch code here is the CPU path, the twin
+the GPU tests compare the kernel with, and the fallback where the kernel cannot run (no kernels
+built, a vocabulary over 131072).
 """
 
 from __future__ import annotations
 
-import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -85,14 +90,6 @@ top_p=0.3 nucleus, which made K=256 resolve nearly every row outside the graph).
 () = always a full sort (the reference the candidates must equal)."""
 
 
-FUSED_KERNEL = os.environ.get("RWKV_FUSED_SAMPLER", "1") != "0"
-"""On CUDA, run the whole step as one kernel (kernels/sampler.cu via cuda_sampler.fused_sample): exact
-(a stable full sort's result up to fp32 near ties, see the kernel's header), never -1, so no
-resolve. On by default (validated on the H200: test_sampler_kernel_gpu.py; RWKV_FUSED_SAMPLER=0
-turns it off); the torch code below stays the reference twin and the fallback (no kernels,
-V > 131072, CPU)."""
-
-
 class SamplerSlots:
     """Per-slot sampling state on the device: parameters and penalties (move with their slot)."""
 
@@ -125,13 +122,15 @@ class SamplerSlots:
         resolve: bool | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Sample one token for each of the first B slots; update their penalties in place.
-        resolve (default: on the CPU only): finish overflow rows here (host syncs); otherwise they
-        come back as -1 with untouched penalties (graph-safe) and `resolve()` finishes them."""
+        On CUDA: the fused kernel (exact, never -1). The torch sampler (CPU, or CUDA without the
+        kernel) with resolve (default: on the CPU only) finishes overflow rows here (host
+        syncs); otherwise they come back as -1 with untouched penalties (graph-safe) and
+        `resolve()` finishes them."""
         B = logits.shape[0]
         if resolve is None:
             resolve = self.device.type == "cpu"
         args = (self.penalty[:B], self.seen[:B], self.fparams[:B], self.iparams[:B])
-        if FUSED_KERNEL and logits.is_cuda:
+        if logits.is_cuda:
             from server.model import cuda_sampler  # deferred: no kernel build at import
 
             tok = cuda_sampler.fused_sample(logits, *args, positions, commit, greedy_only)
@@ -210,7 +209,7 @@ def _sample_wide(z, fparams, iparams, pos) -> torch.Tensor:
 def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample from the canonically sorted probabilities sp (B, K) of tokens si; also flag rows
     whose kept set may reach tokens outside the K candidates (ties with sp[:, -1]; K < V)."""
-    B, K = sp.shape
+    K = sp.shape[1]
     temp, top_p = fparams[:, 0], fparams[:, 1]  # (B,)
     top_k, seed = iparams[:, 0], iparams[:, 1]  # (B,)
     cum = sp.cumsum(dim=-1)  # (B, K)

@@ -1,11 +1,16 @@
-"""The scheduler: decides each engine step, applies its results. Pure Python, no torch.
+"""The scheduler: decides each engine step, applies its sampled ids. Pure Python, no torch.
+
+It speaks plain data (plan.py): `plan()` returns a StepPlan, `apply(plan, tokens)` a StepOutput,
+and every request that ends becomes a `Finished` record (`take_finished()`). It never sees
+text: a request with stop strings is decided on its text by the `match_stops` callable given to
+`apply` (the output processor's), before the next plan.
 
 Slots. The runner's state pool has `max_batch` slots; running sequences always occupy the
 contiguous prefix [0, n_active). When sequences leave, the last active slots are moved into the
 holes (`MoveOp`, executed by the runner before the step's forward), so a decode step is always
-one call over the pool view [0, bucket), bucket = n_active rounded up to a power of two (capped
-at max_batch). Rows [n_active, bucket) are free slots: they decode a dummy token and their
-garbage never matters, because a slot is reset (zeros or a starting state) on admission.
+one call over the pool view [0, bucket), bucket = bucket_for(n_active). Rows [n_active, bucket)
+are free slots: they decode a dummy token and their garbage never matters, because a slot is
+reset (zeros or a starting state) on admission.
 
 One step. Every active row decodes exactly one token in a single `model.decode` call:
 - a decoding sequence feeds its last sampled token;
@@ -21,43 +26,67 @@ one per active row first (decode), then prompt chunks (each at most `prefill_chu
 sequence, oldest prefilling sequence first), then new admissions (FIFO, each needs at least one
 token of budget and a free slot). A burst of short prompts is admitted and prefilled together.
 
-The plan/result types (StepPlan, StepOutput, MoveOp, CopyOutOp, bucket_for) live in plan.py
-and are re-exported here.
+The fast path (what keeps big batches cheap). When nothing changed since the last plan (every
+row decoding, no admission, no release, no waiting request that fits), `plan()` returns a
+continuation plan: O(1), no per-row lists. When, in addition, no sampled id is any row's stop id
+and no row can reach max_tokens, `apply()` is O(1) too: the ids are recorded into the sequences
+later (`materialize()`, which the engine calls while the device runs the next step, and which
+every method that reads the sequences calls first).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Iterable
+from collections.abc import Callable, Iterable
 
-from .plan import CopyOutOp, MoveOp, StepOutput, StepPlan, bucket_for
-from .sequence import RUNNING, WAITING, Sequence
-from .types import ABORT, ERROR, LENGTH, Event, QueueFullError
+from .plan import (
+    STATE_SLOT,
+    STATE_START,
+    Admission,
+    CopyOutOp,
+    Finished,
+    MoveOp,
+    StepOutput,
+    StepPlan,
+    bucket_for,
+)
+from .sequence import FINISHED, RUNNING, WAITING, Sequence
+from .types import ABORT, ERROR, LENGTH, STOP, QueueFullError
 
-__all__ = ["Scheduler", "StepPlan", "StepOutput", "MoveOp", "CopyOutOp", "bucket_for"]
+__all__ = ["MatchStops", "Scheduler"]
+
+MatchStops = Callable[[list[int], list[int]], dict[int, "str | None"]]
+"""match_stops(rows, tokens): feed each listed row's token into its text; return {row: None} for
+rows whose text reached a stop string, {row: message} for rows whose text failed."""
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, step_token_budget: int, prefill_chunk: int, max_queue: int = 0):
+    def __init__(self, max_batch: int, step_token_budget: int, prefill_chunk: int, max_queue: int = 0,
+                 continuation: bool = True):  # fmt: skip
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.max_batch = max_batch
         self.budget = max(step_token_budget, max_batch)
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
+        self.continuation = continuation
+        """Return continuation plans when nothing changed (off: every plan is a full one)."""
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence] = []  # active prefix; slots[i].slot == i
+        self._by_id: dict[str, Sequence] = {}  # waiting and running
         self._ops: list[MoveOp | CopyOutOp] = []
+        self._finished: list[Finished] = []
+        self._n_sampling = 0  # running sequences with temperature > 0
         self._gen = 0  # bumped whenever the active slot set changes (admission, release)
         self._last: StepPlan | None = None
-        self._last_gen = -1
-        self._last_decode_only = False
-        # the id-only fast path of apply() (see apply): facts about the current row set
-        self._fast_gen = -1  # the _gen they hold for (-1: not eligible)
+        self._rows: list[Sequence] = []  # the last plan's rows (row i = slot i when planned)
+        # the O(1) apply (see apply): facts about the current row set, valid while _fast_gen == _gen
+        self._fast_gen = -1
         self._stop_union: frozenset[int] = frozenset()  # every row's stop token ids
         self._min_left = 0  # min over rows of max_tokens - tokens generated before the next apply
+        self._text_rows: list[int] = []  # rows with stop strings
         self._lazy: tuple[list[Sequence], list[int]] | None = None
-        self._text_rows: list[int] = []  # rows with stop strings (decided on text, not lazily)
 
     # --- queries --------------------------------------------------------------------------
     @property
@@ -69,7 +98,17 @@ class Scheduler:
         return len(self.waiting)
 
     def has_work(self) -> bool:
+        """A step is needed: requests to run or to admit, or slot ops (copy-outs) pending."""
         return bool(self.slots or self.waiting or self._ops)
+
+    def has_finished(self) -> bool:
+        """Finished records wait to be taken (take_finished)."""
+        return bool(self._finished)
+
+    def take_finished(self) -> list[Finished]:
+        """The requests that ended since the last call, in order."""
+        out, self._finished = self._finished, []
+        return out
 
     # --- inputs ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -77,49 +116,47 @@ class Scheduler:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queue={self.max_queue})")
         seq.status = WAITING
         self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
 
-    def abort(self, request_id: str) -> tuple[Sequence, Event] | None:
-        """End a waiting or running sequence by request identity (its slot is freed at once)."""
+    def abort(self, request_id: str) -> bool:
+        """End a waiting or running request (its slot is freed at once); False if unknown."""
+        return self._end_by_id([request_id], ABORT, None)
+
+    def fail(self, request_ids: Iterable[str], message: str) -> bool:
+        """Fail these requests (the others are untouched); their slots are freed at once."""
+        return self._end_by_id(request_ids, ERROR, message)
+
+    def _end_by_id(self, request_ids: Iterable[str], reason: str, error: str | None) -> bool:
         self.materialize()
-        for seq in self.waiting:
-            if seq.request_id == request_id:
+        ended, done = False, []
+        for rid in request_ids:
+            seq = self._by_id.get(rid)
+            if seq is None:
+                continue
+            if seq.status == WAITING:
                 self.waiting.remove(seq)
-                return seq, seq.finish(ABORT)
-        for seq in self.slots:
-            if seq.request_id == request_id:
-                ev = seq.finish(ABORT)
-                self._release([seq])
-                return seq, ev
-        return None
-
-    def fail(self, seq: Sequence, message: str) -> Event | None:
-        """Fail one sequence (the others are untouched); its slot is freed at once."""
-        self.materialize()
-        if seq.finished:
-            return None
-        if seq.status == WAITING:
-            self.waiting.remove(seq)
-            return seq.finish(ERROR, message)
-        ev = seq.finish(ERROR, message)
-        self._release([seq])
-        return ev
+            else:
+                done.append(seq)
+            self._end(seq, reason, error=error)
+            ended = True
+        self._release(done)
+        return ended
 
     # --- the step -------------------------------------------------------------------------
-    def plan(self, allow_cont: bool = False) -> StepPlan:
-        """The next step's plan (call apply() with its sampled tokens afterwards).
-        allow_cont: return a continuation plan (StepPlan.cont, no per-row work) when nothing
-        changed since the previous plan: every row was decoding (no prompt tokens), no slot was
-        admitted or released since, no ops are pending and no waiting request could be admitted."""
+    def plan(self) -> StepPlan:
+        """The next step's plan (call apply() with its sampled tokens afterwards): a
+        continuation plan when the last plan's rows were all decoding and, since then, no row
+        ended and no waiting request could be admitted."""
         last = self._last
-        if (allow_cont and last is not None and self._last_decode_only and self._gen == self._last_gen
-                and not self._ops and not (self.waiting and len(self.slots) < self.max_batch)
-                and len(last.rows) == len(self.slots)):  # fmt: skip
-            plan = StepPlan(rows=last.rows, takes=last.takes, commit=last.commit, bucket=last.bucket, cont=True,
-                            sync=self.materialize)  # fmt: skip
+        if (self.continuation and last is not None and self._fast_gen == self._gen and not self._ops
+                and not (self.waiting and len(self.slots) < self.max_batch)):  # fmt: skip
+            plan = StepPlan(request_ids=last.request_ids, takes=last.takes, commit=last.commit, bucket=last.bucket,
+                            greedy=last.greedy, cont=True)  # fmt: skip
             self._last = plan
             return plan
         self.materialize()
         plan = StepPlan(ops=self._ops)
+        rows: list[Sequence] = []
         self._ops = []
         budget = self.budget - len(self.slots)
         for seq in self.slots:
@@ -127,36 +164,43 @@ class Scheduler:
             if seq.prefilling:
                 take = self._chunk(seq, budget + 1)
                 budget -= take - 1
-            self._add_row(plan, seq, take)
+            self._add_row(plan, rows, seq, take)
         while self.waiting and len(self.slots) < self.max_batch and budget >= 1:
             seq = self.waiting.popleft()
             if not seq.prompt:  # prefill-only request with nothing to feed: done at once
-                plan.early.append((seq, seq.finish(LENGTH)))
+                self._end(seq, LENGTH)
                 continue
-            seq.status, seq.slot = RUNNING, len(self.slots)
-            self.slots.append(seq)
-            plan.admits.append((seq.slot, seq))
+            self._admit(plan, seq)
             take = self._chunk(seq, budget)
             budget -= take
-            self._add_row(plan, seq, take)
-        plan.bucket = bucket_for(len(plan.rows), self.max_batch)
+            self._add_row(plan, rows, seq, take)
+        plan.bucket = bucket_for(len(rows), self.max_batch)
+        plan.greedy = self._n_sampling == 0
         if plan.admits:
             self._gen += 1
-        self._last, self._last_gen = plan, self._gen
-        self._last_decode_only = bool(plan.rows) and not any(plan.takes)
+        self._last, self._rows = plan, rows
         self._fast_gen = -1
-        if self._last_decode_only:
+        if rows and not any(plan.takes):  # every row decodes: the fast path's facts
             self._fast_gen = self._gen
-            self._stop_union = frozenset().union(*(s.stop_ids for s in plan.rows))
-            self._min_left = min(s.params.max_tokens - p for s, p in zip(plan.rows, plan.positions))
-            self._text_rows = [i for i, s in enumerate(plan.rows) if s._has_stops]
+            self._stop_union = frozenset().union(*(s.stop_ids for s in rows))
+            self._min_left = min(s.params.max_tokens - p for s, p in zip(rows, plan.positions))
+            self._text_rows = [i for i, s in enumerate(rows) if s.has_stops]
         return plan
+
+    def _admit(self, plan: StepPlan, seq: Sequence) -> None:
+        seq.status, seq.slot = RUNNING, len(self.slots)
+        self.slots.append(seq)
+        plan.admits.append(Admission(seq.slot, seq.request_id, seq.params, seq.seed, seq.init_state))
+        seq.init_state = None  # the runner's now
+        self._n_sampling += seq.params.temperature > 0
 
     def _chunk(self, seq: Sequence, allowed: int) -> int:
         return max(1, min(len(seq.prompt) - seq.n_fed, self.prefill_chunk, allowed))
 
-    def _add_row(self, plan: StepPlan, seq: Sequence, take: int) -> None:
-        plan.rows.append(seq)
+    @staticmethod
+    def _add_row(plan: StepPlan, rows: list[Sequence], seq: Sequence, take: int) -> None:
+        rows.append(seq)
+        plan.request_ids.append(seq.request_id)
         plan.takes.append(take)
         plan.positions.append(len(seq.output_ids))
         if take:
@@ -169,97 +213,111 @@ class Scheduler:
             plan.decode_tokens.append(seq.output_ids[-1])
             plan.commit.append(True)
 
-    def apply(self, plan: StepPlan, sampled: list[int], defer_text: bool = False) -> StepOutput:
-        """Record the step's sampled tokens (row i = slot i), check stops, free finished slots.
-        defer_text: decoding rows of sequences without stop strings only record their token
-        (ids decide their end: stop token id, max_tokens); their events come from
-        `seq.emit(token)` for each of out.deferred, called later (after the next launch)."""
-        self.materialize()
-        out = StepOutput()
-        done: list[Sequence] = []
-        if defer_text and plan is self._last and self._fast_gen == self._gen:
-            # every row decodes and no row ended since the plan: if no sampled id can be a stop
-            # id and no row reaches max_tokens, only rows with stop strings can end: record the
-            # others lazily (materialize), handle those on their text now
+    def apply(self, plan: StepPlan, tokens: list[int], match_stops: MatchStops | None = None) -> StepOutput:
+        """Record the step's sampled ids (row i = slot i), decide stop ids and max_tokens, ask
+        match_stops about the rows with stop strings, free the slots of requests that ended."""
+        if plan is not self._last:
+            raise ValueError("apply() takes the tokens of the last plan")
+        self.materialize()  # (the engine did it while the device ran: nothing left to record)
+        rows = self._rows
+        if self._fast_gen == self._gen:  # every row decodes and none ended since the plan
             left = self._min_left
             self._min_left = left - 1
-            if left > 1 and self._stop_union.isdisjoint(sampled):
-                rows = plan.rows
-                self._lazy = (rows, sampled)
-                out.decode_tokens = len(rows)
-                if not self._text_rows:
-                    out.deferred = zip(rows, sampled)
-                    return out
-                for i in self._text_rows:
-                    seq = rows[i]
-                    if seq.status != RUNNING:
-                        continue
-                    seq.n_out_fed += 1
-                    ev = _fail_alone(seq, seq.add_token, sampled[i])
-                    if ev is not None:
-                        out.events.append((seq, ev))
-                        if ev.finished:
-                            done.append(seq)
-                out.deferred = ((q, t) for q, t in zip(rows, sampled) if not q._has_stops)
-                self._release(done)
-                out.finished.extend(done)
-                return out
-        if defer_text:
-            deferred = out.deferred
-            n_rec = 0
-            for seq, take, token in zip(plan.rows, plan.takes, sampled):
-                if take or seq._has_stops or seq.status != RUNNING:
-                    continue
-                seq.n_out_fed += 1  # consume(0): its pending token was fed by this step
-                n_rec += 1
-                try:
-                    if seq.record(token):
-                        done.append(seq)
-                except Exception as exc:  # one bad sequence fails alone (inline: the hot loop)
-                    out.events.append((seq, _error_finish(seq, exc)))
-                    done.append(seq)
-                    continue
-                deferred.append((seq, token))
-            out.decode_tokens += n_rec
-            if n_rec == len(plan.rows):  # every row done here (the common case)
-                self._release(done)
-                out.finished.extend(done)
-                return out
-        for i, seq in enumerate(plan.rows):
-            if seq.finished:  # failed or aborted while the step ran
-                continue
-            if defer_text and not plan.takes[i] and not seq._has_stops:
-                continue  # recorded above
-            ev = _fail_alone(seq, self._apply_row, seq, plan.takes[i], plan.commit[i], sampled[i], out)
-            if ev is not None:
-                out.events.append((seq, ev))
-                if ev.finished:
-                    done.append(seq)
-        self._release(done)
-        out.finished.extend(done)
-        return out
+            if left > 1 and self._stop_union.isdisjoint(tokens):  # no id or length can end a row
+                self._lazy = (rows, tokens)
+                text_rows = self._text_rows
+                hits = match_stops(text_rows, tokens) if text_rows and match_stops else None
+                if not hits:
+                    return StepOutput(tokens, None, len(rows))
+                self.materialize()
+                self._release(self._settle(rows, tokens, text_rows, hits))
+                return StepOutput(tokens, [i for i, s in enumerate(rows) if s.status == RUNNING], len(rows))
+        return self._apply_rows(plan, rows, tokens, match_stops)
 
-    def _apply_row(self, seq: Sequence, take: int, commit: bool, token: int, out: StepOutput) -> Event | None:
-        seq.consume(take)
-        if take and not seq.prefilling and seq.params.max_tokens == 0:
-            return seq.finish(LENGTH)
-        if not commit:
-            return None
-        out.decode_tokens += 1
-        return seq.add_token(token)
+    def _apply_rows(self, plan: StepPlan, rows: list[Sequence], tokens: list[int],
+                    match_stops: MatchStops | None) -> StepOutput:  # fmt: skip
+        emitted: list[int] = []
+        text_rows: list[int] = []
+        done: list[Sequence] = []
+        n_dec = 0
+        now = time.monotonic()
+        for i, seq in enumerate(rows):
+            if seq.status != RUNNING:  # failed or aborted while the step ran
+                continue
+            if plan.takes[i]:
+                seq.n_fed += plan.takes[i]
+                if not plan.commit[i]:
+                    if not seq.prefilling and seq.params.max_tokens == 0:  # prefill-only: done
+                        seq.t_first = now
+                        self._end(seq, LENGTH)
+                        done.append(seq)
+                    continue
+            else:
+                seq.n_out_fed += 1  # its pending token was fed by this step
+            n_dec += 1
+            tok = tokens[i]
+            if seq.t_first is None:
+                seq.t_first = now
+            if tok in seq.stop_ids:  # not output, not fed
+                self._end(seq, STOP)
+                done.append(seq)
+                continue
+            seq.output_ids.append(tok)
+            if seq.has_stops:
+                text_rows.append(i)
+            elif len(seq.output_ids) >= seq.params.max_tokens:
+                self._end(seq, LENGTH, tok)
+                done.append(seq)
+            else:
+                emitted.append(i)
+        if text_rows:
+            done += self._settle(rows, tokens, text_rows, match_stops(text_rows, tokens) if match_stops else {})
+            emitted += [i for i in text_rows if rows[i].status == RUNNING]
+        self._release(done)
+        return StepOutput(tokens, emitted, n_dec)
+
+    def _settle(self, rows: list[Sequence], tokens: list[int], text_rows: list[int],
+                hits: dict[int, str | None]) -> list[Sequence]:  # fmt: skip
+        """End the rows with stop strings whose text hit one (or failed: an error message) or
+        that reached max_tokens (their ids are recorded); return those sequences."""
+        ended = []
+        for i in text_rows:
+            seq = rows[i]
+            if i in hits:
+                msg = hits[i]
+                self._end(seq, STOP, tokens[i]) if msg is None else self._end(seq, ERROR, error=msg)
+            elif len(seq.output_ids) >= seq.params.max_tokens:
+                self._end(seq, LENGTH, tokens[i])
+            else:
+                continue
+            ended.append(seq)
+        return ended
 
     def materialize(self) -> None:
-        """Record the tokens of the last fast-path apply into their sequences (output_ids, fed
-        counts). Called by every method that reads or ends sequences, and by the engine before
-        it emits their events."""
+        """Record the ids of the last O(1) apply into their sequences (output_ids, fed counts)."""
         lazy, self._lazy = self._lazy, None
         if lazy is not None:
             for seq, token in zip(*lazy):
-                if not seq._has_stops:  # those were recorded at once (add_token)
-                    seq.n_out_fed += 1
-                    seq.output_ids.append(token)
+                seq.n_out_fed += 1
+                seq.output_ids.append(token)
 
-    # --- ending sequences ---------------------------------------------------------
+    # --- ending sequences -----------------------------------------------------------------
+    def _end(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None) -> None:
+        """Finish a sequence (its slot, if any, is freed by the caller's _release)."""
+        now = time.monotonic()
+        seq.status, seq.finish_reason = FINISHED, reason
+        self._by_id.pop(seq.request_id, None)
+        state = ""
+        if seq.return_state and reason != ERROR:
+            state = STATE_SLOT if seq.slot >= 0 else STATE_START
+        t_first = seq.t_first or now
+        self._finished.append(Finished(
+            seq.request_id, reason, token, list(seq.output_ids), seq.pending_tokens() if reason != ERROR else [],
+            len(seq.prompt), t_first - seq.t_submit, now - t_first, state,
+            seq.init_state if state == STATE_START else None, error,
+        ))  # fmt: skip
+        seq.init_state = None
+
     def _release(self, done: Iterable[Sequence]) -> None:
         """Free the slots of finished sequences; keep the active slots a contiguous prefix."""
         freed = sorted(s.slot for s in done if 0 <= s.slot < len(self.slots) and self.slots[s.slot] is s)
@@ -267,9 +325,9 @@ class Scheduler:
             return
         for slot in freed:
             seq = self.slots[slot]
+            self._n_sampling -= seq.params.temperature > 0
             if seq.return_state and seq.finish_reason != ERROR:
-                seq.state_queued = True
-                self._ops.append(CopyOutOp(slot, seq))
+                self._ops.append(CopyOutOp(slot, seq.request_id))
         n_new = len(self.slots) - len(freed)
         freed_set = set(freed)
         holes = [s for s in freed if s < n_new]
@@ -284,15 +342,3 @@ class Scheduler:
         self._gen += 1
         if pairs:
             self._ops.append(MoveOp(pairs))
-
-
-def _error_finish(seq: Sequence, exc: Exception) -> Event:
-    return seq.finish(ERROR, f"{type(exc).__name__}: {exc}")
-
-
-def _fail_alone(seq: Sequence, fn, *args) -> Event | None:
-    """fn(*args), or seq's ERROR finish event when it raises: one bad sequence fails alone."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        return _error_finish(seq, exc)

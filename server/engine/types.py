@@ -68,11 +68,11 @@ class SamplingParams:
     ignore_eos: bool = False
 
     @classmethod
-    def from_fields(cls, fields: "dict[str, Any]", default_max_tokens: int) -> "SamplingParams":
+    def from_fields(cls, fields: dict[str, Any], default_max_tokens: int) -> SamplingParams:
         """The one mapping from request / stored fields (FIELDS names; absent or None = default)
         to SamplingParams. Values are assumed checked against LIMITS (`check_fields`)."""
         d = cls()
-        get = lambda k, dv: dv if fields.get(k) is None else fields[k]  # noqa: E731
+        get = lambda k, dv: dv if fields.get(k) is None else fields[k]
         stop = get("stop", ())
         return cls(
             max_tokens=int(get("max_tokens", default_max_tokens)),
@@ -89,7 +89,7 @@ class SamplingParams:
         )
 
 
-def check_fields(fields: "dict[str, Any]", vocab_size: int) -> None:
+def check_fields(fields: dict[str, Any], vocab_size: int) -> None:
     """Raise ValueError naming the first field outside LIMITS (or a stop rule that cannot be
     used: too many, empty, not valid text, a token id outside the vocabulary)."""
     for k, (lo, hi) in LIMITS.items():

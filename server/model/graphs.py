@@ -1,12 +1,13 @@
-"""CUDA graphs of the decode step (model.decode + GPU sampling), one per power-of-two bucket.
+"""CUDA graphs of the decode step (model.decode + GPU sampling), one per batch size (bucket).
 
-    graphs = DecodeGraphs(model, pool, sampler=slots_sampler, max_batch=pool.batch_size)
+    graphs = DecodeGraphs(model, pool, sampler=slots_sampler, buckets=[1, 2, 4, 8])
     graphs.capture()                       # at start-up, while every slot is free
     tokens = graphs.step(n, token_ids, positions, commit)   # (n,) long on the device
     tokens = graphs.step_cont(n)           # the next token of the same rows, fed on the device
 
-A replay decodes rows [0, bucket) of `pool` in place (bucket = n rounded up to a power of two):
-the graph holds views of the pool's own tensors, so states are never copied in or out. Rows
+The buckets come from the caller (the engine's runner passes server.engine.plan.bucket_sizes:
+the bucketing rule lives there); a step of n rows replays the graph of the smallest bucket that
+holds them. A replay decodes rows [0, bucket) of `pool` in place: the graph holds views of the pool's own tensors, so states are never copied in or out. Rows
 [n, bucket) feed token 0 with commit False: their slots must be free (the scheduler keeps the
 active slots a prefix), and their penalties do not change. Inputs go through static buffers;
 outputs are static tensors overwritten by the next replay (copy what you keep).
@@ -19,8 +20,11 @@ All buckets share one memory pool and are captured largest first.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,21 +33,15 @@ from server.model.state import State
 log = logging.getLogger(__name__)
 
 
-def bucket_for(n: int, max_batch: int) -> int:
-    """Smallest power of two >= n, capped at max_batch."""
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, max_batch)
-
-
 class DecodeGraphs:
-    def __init__(self, model, pool: State, sampler=None, max_batch: int | None = None,
-                 greedy_only: bool = False):  # fmt: skip
+    def __init__(self, model, pool: State, sampler=None, *, buckets: Sequence[int], greedy_only: bool = False):
         """sampler: an engine SamplerSlots (sample(logits, positions, commit, greedy_only)),
-        or None for greedy argmax."""
+        or None for greedy argmax. buckets: the batch sizes of the graphs (at most the pool's)."""
         self.model, self.pool, self.sampler = model, pool, sampler
-        self.max_batch = max_batch or pool.batch_size
+        self.sizes = sorted(set(buckets))
+        if not self.sizes or self.sizes[0] < 1 or self.sizes[-1] > pool.batch_size:
+            raise ValueError(f"buckets must lie in [1, {pool.batch_size}], got {list(buckets)}")
+        self.max_batch = self.sizes[-1]
         self.greedy_only = greedy_only
         dev = pool.device
         self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # (M,)
@@ -51,16 +49,16 @@ class DecodeGraphs:
         self.commit = torch.zeros(self.max_batch, dtype=torch.bool, device=dev)  # (M,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, tokens)
-        self.mempool = None
+        self.mempool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
         self._warm = False
         self._last_bucket = 0  # the bucket of the last replay (what step_cont continues)
 
-    def buckets(self) -> list[int]:
-        out, b = [], 1
-        while b < self.max_batch:
-            out.append(b)
-            b *= 2
-        return out + [self.max_batch]
+    def bucket(self, n: int) -> int:
+        """The batch size of the graph that decodes n rows: the smallest bucket >= n."""
+        i = bisect.bisect_left(self.sizes, n)
+        if i == len(self.sizes):
+            raise ValueError(f"{n} rows do not fit the largest bucket ({self.max_batch})")
+        return self.sizes[i]
 
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         # raw logits (model dtype): the samplers widen them as they read (no (b, V) fp32 copy)
@@ -90,7 +88,7 @@ class DecodeGraphs:
         """Capture the given buckets (default all), largest first; call while slots are free."""
         if not self._warm:
             self._warmup()
-        for b in sorted(buckets or self.buckets(), reverse=True):
+        for b in sorted(buckets or self.sizes, reverse=True):
             self._capture(b)
 
     def _capture(self, b: int) -> None:
@@ -109,7 +107,7 @@ class DecodeGraphs:
     def step(self, n: int, token_ids, positions=None, commit=None) -> torch.Tensor:
         """Decode rows [0, n): inputs (n,) (device tensors or lists); returns the sampled
         tokens (n,) on the device (a view of a static output)."""
-        b = bucket_for(n, self.max_batch)
+        b = self.bucket(n)
         if b not in self.graphs:
             if not self._warm:  # the warm-up writes slot 0: only at start-up
                 raise RuntimeError("DecodeGraphs.capture() must run (at start-up) before step()")
@@ -124,7 +122,7 @@ class DecodeGraphs:
     def step_cont(self, n: int) -> torch.Tensor:
         """Decode rows [0, n) once more, fed by the previous replay (same bucket): its sampled
         ids, positions + 1, the same commit mask; nothing is copied in. (n,) on the device."""
-        b = bucket_for(n, self.max_batch)
+        b = self.bucket(n)
         if b != self._last_bucket:
             raise RuntimeError(f"step_cont({n}): the last replay was bucket {self._last_bucket}, not {b}")
         self.graphs[b].replay()
@@ -136,7 +134,7 @@ class DecodeGraphs:
 
     def logits(self, n: int) -> torch.Tensor:
         """Logits (n, V) fp32 of the last step() of n rows (widened from the static output)."""
-        return self.outputs[bucket_for(n, self.max_batch)][0][:n].float()
+        return self.outputs[self.bucket(n)][0][:n].float()
 
     @staticmethod
     def _fill(buf: torch.Tensor, b: int, n: int, src, default) -> None:

@@ -5,6 +5,7 @@
     ids = tok.encode("Hello 世界")              # list[int]
     tok.decode(ids); tok.decode_bytes(ids); tok.token_bytes(ids[0])
     dec = IncrementalDecoder(tok); text = dec.push(ids[:1]) + dec.push(ids[1:]) + dec.flush()
+    dec.push_one(ids[0])                       # the per-token path (no range check)
 
 Facts and choices:
 - Encoding is greedy longest match over the text's UTF-8 bytes, left to right, identical to the
@@ -27,7 +28,7 @@ from .incremental import IncrementalDecoder
 from .tokenizer import Tokenizer
 from .vocab import VOCAB_SIZE
 
-__all__ = ["get_tokenizer", "Tokenizer", "IncrementalDecoder", "VOCAB_SIZE"]
+__all__ = ["VOCAB_SIZE", "IncrementalDecoder", "Tokenizer", "get_tokenizer"]
 
 _instance: Tokenizer | None = None
 _lock = threading.Lock()

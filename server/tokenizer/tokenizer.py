@@ -23,12 +23,12 @@ class Tokenizer:
     vocab_size: int = VOCAB_SIZE
 
     def __init__(self, vocab_path: str | Path = DEFAULT_VOCAB) -> None:
-        self._bytes: list[bytes] = load_vocab(vocab_path)  # id -> bytes (b"" when no entry)
+        self._bytes: tuple[bytes, ...] = tuple(load_vocab(vocab_path))  # id -> bytes (b"" when no entry)
         self._ids: dict[bytes, int] = {t: i for i, t in enumerate(self._bytes) if t}
         self._pattern: re.Pattern[bytes] | None = None
         self._lock = threading.Lock()
 
-    def warm_up(self) -> "Tokenizer":
+    def warm_up(self) -> Tokenizer:
         """Build the encoder now (otherwise the first `encode` does it)."""
         self._matcher()
         return self
@@ -39,6 +39,11 @@ class Tokenizer:
                 if self._pattern is None:
                     self._pattern = compile_greedy(list(self._ids))
         return self._pattern
+
+    @property
+    def token_table(self) -> tuple[bytes, ...]:
+        """The bytes of every id in [0, vocab_size) (b"" where there is no entry)."""
+        return self._bytes
 
     # --- encode -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -71,7 +71,7 @@ def decode_graphs(model, state_dtype, batches: list[int], capture: bool = True) 
     pool = State.zeros(model.shape, M, model.device, model.dtype, state_dtype)
     sampler = SamplerSlots(M, model.shape.vocab_size, model.device)
     sampler.reset(range(M), [SamplingParams()] * M, list(range(M)))
-    g = DecodeGraphs(model, pool, sampler, max_batch=M)
+    g = DecodeGraphs(model, pool, sampler, buckets=sorted(set(batches)))
     if capture:
         t0 = time.perf_counter()
         g.capture(sorted(set(batches)))

@@ -154,7 +154,7 @@ def simulate_device(engine: Engine, gpu_ms: float, timer: CritTimer | None = Non
 
 def cpu_timed_step(engine: Engine, acc: list[float]) -> None:
     """Count the engine thread's CPU time (not its waits for the GIL or the device)."""
-    step = engine._step
+    step = engine.step
 
     def timed():
         engine._starts.append(time.perf_counter())
@@ -164,7 +164,7 @@ def cpu_timed_step(engine: Engine, acc: list[float]) -> None:
         finally:
             acc[0] += time.thread_time() - c
 
-    engine._step = timed
+    engine.step = timed
 
 
 async def consume(engine: Engine, prompt: list[int], params: SamplingParams) -> int:
@@ -272,8 +272,8 @@ def main() -> None:
 
 
 def _profile_engine_thread(engine: Engine, prof: cProfile.Profile) -> None:
-    """Wrap the engine's _step so the profile covers the engine thread only."""
-    step = engine._step
+    """Wrap the engine's step so the profile covers the engine thread only."""
+    step = engine.step
 
     def profiled():
         prof.enable()
@@ -282,7 +282,7 @@ def _profile_engine_thread(engine: Engine, prof: cProfile.Profile) -> None:
         finally:
             prof.disable()
 
-    engine._step = profiled
+    engine.step = profiled
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
     pool = State.zeros(model.shape, B, dev, model.dtype, state_dtype)
     smp = SamplerSlots(B, V, dev)
     smp.reset(range(B), [SamplingParams()] * B, list(range(B)))
-    g = DecodeGraphs(model, pool, smp, max_batch=B)
+    g = DecodeGraphs(model, pool, smp, buckets=[B])
     g.tokens[:B] = torch.randint(1, V, (B,), device=dev)
     g.commit[:B] = True
     for _ in range(2):

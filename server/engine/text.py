@@ -1,0 +1,144 @@
+"""The text of one request: its incremental detokenizer, its stop strings, the events it gets.
+Pure Python (no torch). Owned by the output processor (output.py), engine thread only.
+
+`Stream` turns the request's output token ids into `Event`s; `StopStream` (a request with stop
+strings) holds back any tail of text that could still become a stop string, and is told each
+token BEFORE the next step is planned (`match`), because a stop string ends the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol
+
+from .plan import Finished
+from .sequence import has_stop_strings
+from .types import ERROR, STOP, Event, SamplingParams
+
+
+class TextDecoder(Protocol):
+    """What a stream needs from a detokenizer (`server.tokenizer.IncrementalDecoder`)."""
+
+    def push_one(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back any tail that could still start one.
+
+    `feed(text)` returns (text safe to emit, matched). Once matched, the text from the start of
+    the stop string on is dropped. `flush()` releases the held-back tail at the end.
+    """
+
+    def __init__(self, stops: Seq[str]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            return buf[:cut], True
+        keep = self._longest_partial(buf)
+        self.held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def _longest_partial(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class Stream:
+    """The output side of one request without stop strings."""
+
+    def __init__(self, request_id: str, handle: Any, decoder: TextDecoder):
+        self.request_id = request_id
+        self.handle = handle
+        """The request's handle (handle.RequestHandle): where its events are delivered."""
+        self.decoder = decoder
+        self._push = decoder.push_one
+        self.parts: list[str] = []
+        self.n = 0  # tokens output so far
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def emit(self, token: int) -> Event:
+        """The event of one more output token of a request that goes on (the per-token path:
+        the push is inlined, StopStream overrides it)."""
+        text = self._push(token)
+        self.parts.append(text)
+        self.n += 1
+        return Event(text, [token], self.n)
+
+    def close(self, end: Finished) -> Event:
+        """The request's last event: its last token's text when end.token is set, then what the
+        decoder and the stop matcher held back (not after a matched stop string: the text ends
+        where the stop string starts). An error's event has no text."""
+        if end.reason == ERROR:
+            return Event("", [], len(end.token_ids), True, ERROR)
+        ids = [] if end.token is None else [end.token]
+        text = self._token_text(end.token) if end.token is not None else ""
+        if not (end.reason == STOP and end.token is not None):
+            text += self._tail()
+        self.parts.append(text)
+        return Event(text, ids, len(end.token_ids), True, end.reason)
+
+    def _token_text(self, token: int) -> str:
+        return self._push(token)
+
+    def _tail(self) -> str:
+        return self.decoder.flush()
+
+
+class StopStream(Stream):
+    """A request with stop strings: `match(token)` runs before the next plan (the scheduler's
+    apply asks), the event of that token comes from what it found."""
+
+    def __init__(self, request_id: str, handle: Any, decoder: TextDecoder, stops: Seq[str]):
+        super().__init__(request_id, handle, decoder)
+        self.matcher = StopMatcher(stops)
+        self._staged: str | None = None  # the safe text of the token last matched
+
+    def match(self, token: int) -> bool:
+        """Feed one token's text; True when a stop string was reached."""
+        text, hit = self.matcher.feed(self._push(token))
+        self._staged = text
+        return hit
+
+    def _token_text(self, token: int) -> str:
+        text, self._staged = self._staged, None
+        if text is None:  # the engine always matches first (Scheduler.apply's match_stops)
+            raise RuntimeError(f"the text of token {token} was not checked for stop strings")
+        return text
+
+    def emit(self, token: int) -> Event:
+        text = self._token_text(token)
+        self.parts.append(text)
+        self.n += 1
+        return Event(text, [token], self.n)
+
+    def _tail(self) -> str:
+        text, hit = self.matcher.feed(self.decoder.flush())
+        return text if hit else text + self.matcher.flush()
+
+
+def open_stream(request_id: str, handle: Any, decoder: TextDecoder, params: SamplingParams) -> Stream:
+    if has_stop_strings(params):
+        return StopStream(request_id, handle, decoder, params.stop)
+    return Stream(request_id, handle, decoder)
