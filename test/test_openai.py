@@ -7,8 +7,8 @@ import pytest
 from openai import OpenAI
 from util_server import server_fixture
 
-from server.api.chat_format import build_prompt, default_few_shot_path, load_few_shot
 from server.api.metrics import parse_metrics
+from server.api.openai.chat_format import build_prompt, default_few_shot_path, load_few_shot
 from server.tokenizer import get_tokenizer
 
 server = server_fixture()

@@ -1,31 +1,34 @@
-"""Direct SSE writes: a one-choice stream's chunks written to its socket by the engine thread.
+"""Direct writes: a stream's chunks written to its socket by the source's own notifications.
 
 Why: at hundreds of streams the event loop's work per token (a task wake-up, the generator chain,
-uvicorn's send, the write syscall: ~20-30 us, all but the syscall holding the GIL) was what held
-the HTTP path below the engine. A DirectStream is the handle's listener (RequestHandle.
-set_listener): right after the engine thread pushed a step's events it renders the stream's bytes
-(openai_stream.Parts) and writes them, chunk-framed, to a dup of the connection's socket, while
-the device runs the next step. The event loop does nothing per token. (The write keeps the GIL:
-the socket is non-blocking, and 256 GIL hand-offs a step to a busy loop cost more; see _write.)
+uvicorn's send, the write syscall, all but the syscall holding the GIL) is what holds the HTTP
+path below the engine. A DirectWriter is the source's listener (StreamSource.listen): right after
+new events arrived it takes the stream's bytes (`source.take()`) and writes them, chunk-framed,
+to the connection's socket. For a one-choice OpenAI stream the listener runs on the engine thread
+after each delivery (the loop does nothing per token); for a task stream it runs on the loop
+right after the run's pump appended a step's text (no reader task per stream).
 
-It applies (`attach`) when: Settings.direct_stream is on; the server is uvicorn's httptools
-protocol (its send is bound to a cycle that holds the transport); HTTP/1.1 with a chunked body; a
-plain TCP transport (no TLS); one job; nothing buffered in the transport at takeover. Otherwise
-the stream runs on the event loop as before (server.api.sse).
+It applies (`attach`) when Settings.direct_stream is on, the source has a `path`, the server is
+uvicorn's httptools protocol (its send is bound to a cycle that holds the transport), HTTP/1.1
+with a chunked body, a plain TCP transport (no TLS), and nothing is buffered in the transport at
+takeover. Otherwise the stream runs on the event loop (server.api.streaming.sse).
 
 One writer at a time (self._lock): the loop sends the headers and the preamble through uvicorn,
 then `start()` (listener set, first pump; if the transport still buffers the preamble, the stream
-stays on the loop as for "slow"); the engine thread pumps after each delivery, the loop
-only to ping. The stream leaves direct mode (`_leave`: listener dropped, dup closed, the loop
-told through `self.left`) when:
-  * "ended": its last bytes (finish chunk, usage, [DONE]) are written;
+stays on the loop as for "slow"); the notifications pump, the loop only pings. The stream leaves
+direct mode (`_leave`: listener dropped, the loop told through `self.left`) when:
+  * "ended": its last bytes (final chunk, usage, [DONE]) are written;
   * "slow": a write did not fit the socket buffer (a client that reads slowly): the rest of that
     write goes out through the transport (which buffers and applies flow control) and the rest of
-    the stream through the event loop (`rest()`), so a slow client never blocks the engine;
-  * "gone": the socket refused a write (the client left): its sequence is aborted;
+    the stream through the event loop (`rest()`), so a slow client never blocks the writer;
+  * "gone": the socket refused a write (the client left): the source aborts its work;
   * "stopped": the loop called stop() (disconnect seen, server draining);
   * "failed": rendering raised (logged; the loop ends the stream with an error event).
 The loop finishes the response through uvicorn in every case (the chunked terminator).
+
+A writer on another thread writes to a dup of the socket (the loop cannot close it, and its
+number cannot be reused, under the writer); a writer on the loop writes to the socket itself,
+after checking the transport is not closing (the loop closes sockets only between callbacks).
 """
 
 from __future__ import annotations
@@ -36,17 +39,19 @@ import errno
 import logging
 import os
 import threading
-from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-from server.api.generation import Job, Recorder, _record, abort_all, failed_batch
+from starlette.types import Scope
+
+from server.api.streaming.source import StreamSource
 
 log = logging.getLogger("server.sse")
 
 
 def _gil_holding_write() -> Callable[[int, bytes], int] | None:
     """write(2) called WITHOUT releasing the GIL (ctypes.PyDLL), or None where unavailable.
-    The socket is non-blocking, so a call never waits; releasing the GIL 256 times a step (as
+    The socket is non-blocking, so a call never waits; releasing the GIL at every write (as
     os.write does) would let a busy event loop take it at each write and hold it for up to the
     interpreter's switch interval, stretching the engine thread's delivery."""
     if os.name != "posix":
@@ -62,7 +67,7 @@ def _gil_holding_write() -> Callable[[int, bytes], int] | None:
         if n < 0:
             code = ctypes.get_errno()
             raise (BlockingIOError if code in (errno.EAGAIN, errno.EWOULDBLOCK) else OSError)(code, os.strerror(code))
-        return n
+        return int(n)
 
     return write
 
@@ -75,7 +80,7 @@ def chunk(body: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(body), body)
 
 
-def transport_of(send: Callable, scope: dict) -> tuple[Any | None, str]:
+def transport_of(send: Callable, scope: Scope) -> tuple[Any | None, str]:
     """(the plain-TCP transport behind uvicorn's httptools send for this HTTP/1.1 chunked
     response, "") or (None, why not)."""
     cycle = getattr(send, "__self__", None)
@@ -91,18 +96,6 @@ def transport_of(send: Callable, scope: dict) -> tuple[Any | None, str]:
     return transport, ""
 
 
-def idle_transport(send: Callable, scope: dict) -> Any | None:
-    """transport_of's transport when it can take direct writes now (nothing buffered, not
-    closing), else None (the reason it is not ours logged once)."""
-    transport, why = transport_of(send, scope)
-    if transport is None:
-        _say_once(why)
-        return None
-    if transport.get_write_buffer_size() or transport.is_closing():
-        return None
-    return transport
-
-
 _said: set[str] = set()
 
 
@@ -113,63 +106,58 @@ def _say_once(why: str) -> None:
         log.info("SSE streams on the event loop, not direct writes: %s (logged once)", why)
 
 
-class DirectStream:
-    kind = "direct"  # the metrics' stream path: direct_<why it left>
-
-    def __init__(self, parts: Any, recorder: Recorder, transport: Any, fd: int) -> None:
-        self.parts, self.recorder, self.transport, self.fd = parts, recorder, transport, fd
-        self.job: Job = parts.jobs[0]
-        self.handle = self.job.handle
+class DirectWriter:
+    def __init__(self, source: StreamSource, transport: Any, fd: int, *, own_fd: bool) -> None:
+        self.source, self.transport, self.fd, self._own_fd = source, transport, fd, own_fd
         self.loop = asyncio.get_running_loop()
-        self.left: asyncio.Future = self.loop.create_future()  # result: why direct mode ended
+        self.left: asyncio.Future[str] = self.loop.create_future()  # result: why direct mode ended
         self.sent = 0  # chunks written (the pinger's "was anything sent lately")
-        self.ended = False  # the stream's last bytes were produced
         self._lock = threading.Lock()
         self._state = "new"
         self._tail = b""  # the unsent rest of a partial write ("slow")
 
-    @property
-    def preamble(self) -> list[bytes]:
-        """The chunks the loop sends before start()."""
-        return self.parts.preamble
-
     @classmethod
-    def attach(cls, parts: Any, recorder: Recorder, send: Callable, scope: dict) -> "DirectStream | None":
-        """A DirectStream for this response once its headers went out, or None."""
-        if len(parts.jobs) != 1 or not hasattr(parts.jobs[0].handle, "set_listener"):
+    def attach(cls, source: StreamSource, send: Callable, scope: Scope) -> DirectWriter | None:
+        """A DirectWriter for this response once its headers went out, or None (the loop path)."""
+        if source.path is None:
             return None
-        transport = idle_transport(send, scope)
+        transport, why = transport_of(send, scope)
         if transport is None:
+            _say_once(why)
             return None
-        sock = transport.get_extra_info("socket")
+        if transport.get_write_buffer_size() or transport.is_closing():
+            return None
+        own = source.foreign_thread
         try:
-            fd = os.dup(sock.fileno())  # ours: the socket cannot be closed (and its number reused) under us
+            fileno = transport.get_extra_info("socket").fileno()
+            fd = os.dup(fileno) if own else fileno
         except (AttributeError, OSError, ValueError):
             return None
         if os.get_blocking(fd):  # the loop's socket is non-blocking; anything else: not ours to change
-            os.close(fd)
+            if own:
+                os.close(fd)
             return None
-        return cls(parts, recorder, transport, fd)
+        return cls(source, transport, fd, own_fd=own)
 
     # --- direct mode ------------------------------------------------------------------------
     def start(self) -> None:
-        """Loop thread, after the preamble: from now on the engine thread writes."""
+        """Loop thread, after the preamble: from now on the notifications write."""
         with self._lock:
             if self.transport.get_write_buffer_size():  # the preamble is still queued there: keep
                 self._leave("slow")  # the byte order, stay on the loop
                 return
             self._state = "live"
-        self.handle.set_listener(self.pump)
-        self.pump()  # the events that came before the listener
+        self.source.listen(self.pump)
+        self.pump()  # what came before the listener
 
     def pump(self) -> None:
-        """Write every pending event's bytes (engine thread after a delivery, or loop thread)."""
+        """Write every pending chunk (the source's listener, or the loop at start)."""
         with self._lock:
             if self._state != "live":
                 return
             try:
                 while True:
-                    item = self._next()
+                    item = self.source.take()
                     if item is None:
                         return
                     out, last = item
@@ -179,7 +167,7 @@ class DirectStream:
                         self._leave("ended")
                         return
             except Exception:  # noqa: BLE001 - a rendering bug: the loop ends the stream
-                log.exception("direct stream of %s failed", self.handle.request_id)
+                log.exception("direct stream failed")
                 self._leave("failed")
 
     def ping(self, body: bytes) -> bool:
@@ -187,39 +175,16 @@ class DirectStream:
         with self._lock:
             return self._state == "live" and self._write(body)
 
-    def stop(self) -> bool:
-        """Loop thread (disconnect, drain): leave direct mode now; True if the stream's end was
-        not written (the caller may still end it)."""
+    def stop(self) -> None:
+        """Loop thread (disconnect, drain, the end): leave direct mode now if still in it."""
         with self._lock:
             if self._state in ("new", "live"):
                 self._leave("stopped")
-            return not self.ended
-
-    def _next(self) -> tuple[bytes, bool] | None:
-        """The next pending batch's bytes (what next_batch + generation._events_one +
-        openai_stream.Parts.rest do, without waiting), None when nothing is pending."""
-        try:
-            batch = self.handle.take_ready()
-        except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
-            batch = failed_batch(self.job, exc)
-        if batch is None:
-            return None
-        if not batch:  # ended without a finishing event
-            self.ended = True
-            return self.parts.end(), True
-        return self._take(batch)
-
-    def _take(self, batch: list) -> tuple[bytes, bool]:
-        job = self.job
-        _record(job, batch, self.recorder)
-        if job.finish_reason == "error" and job.error is None:
-            res = self.handle.peek_result()  # delivered with the finishing event
-            job.error = (getattr(res, "error", None) or "generation failed")
-        out, last = self.parts.take(job, batch)
-        self.ended = self.ended or last
-        return out, last
 
     def _write(self, body: bytes) -> bool:
+        if not self._own_fd and self.transport.is_closing():  # the loop closes it: not ours any more
+            self._leave("gone")
+            return False
         data = chunk(body)
         try:
             n = _write(self.fd, data)
@@ -238,13 +203,14 @@ class DirectStream:
 
     def _leave(self, why: str) -> None:  # under self._lock
         self._state = why
-        self.handle.set_listener(None)
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        self.source.listen(None)
+        if self._own_fd:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
         if why == "gone":
-            self.handle.abort()
+            self.source.abort()
         try:
             self.loop.call_soon_threadsafe(_resolve, self.left, why)
         except RuntimeError:  # the loop is closed: nobody is waiting
@@ -253,22 +219,18 @@ class DirectStream:
     # --- after direct mode (loop thread) -------------------------------------------------------
     async def rest(self) -> AsyncIterator[bytes]:
         """After "slow": the unsent bytes straight to the transport (already framed), then the
-        stream's remaining chunks on the event loop (openai_stream.Parts.rest), for the caller to
-        send through uvicorn."""
+        stream's remaining chunks on the event loop (source.rest()), for the caller to send."""
         if self._tail:
             self.transport.write(self._tail)
             self._tail = b""
-        async with aclosing(self.parts.rest(self.recorder)) as outs:
-            async for out in outs:
+        chunks = self.source.rest()
+        try:
+            async for out in chunks:
                 yield out
-        self.ended = True
-
-    def close(self) -> None:
-        """The stream is over (any way): abort an unfinished sequence, record the duration."""
-        abort_all([self.job])
-        self.recorder.finish()
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
 
 
-def _resolve(fut: asyncio.Future, value: str) -> None:
+def _resolve(fut: asyncio.Future[str], value: str) -> None:
     if not fut.done():
         fut.set_result(value)

@@ -1,0 +1,68 @@
+"""Prefill-once states for shared chat prefixes (few-shot block + leading system turns).
+
+The first request with a given prefix prefills it through the engine (`max_tokens=0`,
+`return_state=True`); the batch-1 CPU state is kept in the task layer's byte-budgeted
+`StateCache` (server.tasks.cache), keyed by the SHA-256 of the prefix text. Every later request
+with the same prefix submits only the rest of its prompt with `init_state=` that state (the
+engine copies it; the cached object stays untouched). Concurrent first requests for one prefix
+share a single prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from server.engine.protocol import EngineAPI, StateLike
+from server.engine.types import SamplingParams
+from server.tasks.cache import StateCache
+
+log = logging.getLogger("server.prefix")
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int) -> None:
+        self.cache = StateCache(budget_bytes)
+        self._loading: dict[str, asyncio.Task[Any]] = {}  # one prefill per key at a time
+
+    @staticmethod
+    def key(text: str) -> str:
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def stats(self) -> dict[str, int]:
+        st = self.cache.stats()
+        return {"bytes": st["lru_bytes"], "entries": st["lru_count"], "hits": st["hits"], "misses": st["misses"]}
+
+    async def get(self, engine: EngineAPI, tokens: Sequence[int], text: str) -> StateLike:
+        """The state after `tokens` (= encode(text)), taken from the cache or prefilled now."""
+        k = self.key(text)
+        state = self.cache.get(k)
+        if state is not None:
+            return state
+        task = self._loading.get(k)
+        if task is None:
+            task = asyncio.create_task(self._prefill(engine, tokens, k))
+            self._loading[k] = task
+            task.add_done_callback(lambda _t, k=k: self._loading.pop(k, None))
+        # shield: a requester that goes away does not cancel the prefill others wait for
+        result: StateLike = await asyncio.shield(task)
+        return result
+
+    async def _prefill(self, engine: EngineAPI, tokens: Sequence[int], k: str) -> StateLike:
+        h = engine.submit(tokens, SamplingParams(max_tokens=0), request_id=f"prefix-{k[:12]}", return_state=True)
+        try:
+            res = await h.wait()
+        except BaseException:
+            h.abort()
+            raise
+        if res.state is None or res.finish_reason == "error":
+            raise RuntimeError(f"prefix prefill failed: {res.error or res.finish_reason}")
+        if res.pending_tokens:  # a prefill-only request feeds every token (the engine's contract)
+            raise RuntimeError(f"prefix prefill left {len(res.pending_tokens)} token(s) unfed")
+        state: StateLike = res.state
+        log.info("prefix %s prefilled: %d tokens, %d bytes of state", k[:12], len(tokens), state.nbytes())
+        self.cache.put(k, res.state)  # larger than the whole budget: used once, not kept
+        return state
