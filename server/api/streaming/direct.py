@@ -139,6 +139,11 @@ class DirectWriter:
             return None
         return cls(source, transport, fd, own_fd=own)
 
+    @property
+    def state(self) -> str:
+        """"new", "live", or why direct mode ended (ended, slow, gone, stopped, failed)."""
+        return self._state
+
     # --- direct mode ------------------------------------------------------------------------
     def start(self) -> None:
         """Loop thread, after the preamble: from now on the notifications write."""

@@ -175,7 +175,6 @@ class SSEResponse(Response):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 writer.start()
                 why = await writer.left
-                self._path = f"{self.source.path}_{why}"
                 if why == "slow":  # the client reads slowly: the rest through the loop (flow control)
                     async with aclosing(writer.rest()) as chunks:
                         await self._send_all(send, chunks)
@@ -191,8 +190,7 @@ class SSEResponse(Response):
         finally:
             self._live = False
             writer.stop()  # no write by the notifications after this line
-            if self._path == self.source.path:
-                self._path = f"{self.source.path}_stopped"
+            self._path = f"{self.source.path}_{writer.state}"
         return self._end(end)
 
     def _our_cancel(self) -> bool:
