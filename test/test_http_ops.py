@@ -89,7 +89,7 @@ def _streamed(url: str, body: dict) -> dict[int, str]:
 
 
 def test_streams_are_written_by_the_engine_thread_and_equal_the_whole_answer(slow_server):
-    """A one-choice stream goes the direct path (server.api.direct: counted direct_ended) and
+    """A one-choice stream goes the direct path (server.api.streaming.direct: counted direct_ended) and
     carries exactly the text of the same seeded request answered whole; an n=2 stream takes the
     event loop (counted loop)."""
     slow_server.wait_ready()

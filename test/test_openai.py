@@ -150,3 +150,32 @@ def test_unsupported_fields_refused(client):
     assert ei.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError):
         chat(client, max_tokens=1, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+def test_openai_names_map_onto_ours(client, server):
+    """frequency_penalty is repetition_penalty; max_completion_tokens is max_tokens (and wins)."""
+    # greedy, random weights: some token comes twice in 40; a negative repetition penalty then
+    # favours it at every later step, so the text differs from the one without the penalty
+    kw = dict(model="m", prompt="The weather today", max_tokens=40, temperature=0, presence_penalty=0)
+    ours = client.completions.create(**kw, extra_body={"repetition_penalty": -10.0, "ignore_eos": True})
+    openai_name = client.completions.create(**kw, frequency_penalty=-10.0, extra_body={"ignore_eos": True})
+    none = client.completions.create(**kw, frequency_penalty=0.0, extra_body={"ignore_eos": True})
+    assert openai_name.choices[0].text == ours.choices[0].text != none.choices[0].text
+    r = chat(client, max_tokens=9, max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_every_route_has_the_same_defaults(server):
+    """No sampling field given: the completions route and the task route sample alike."""
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "seed": 3}
+    text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    tid = httpx.post(server.url + "/v1/tasks/create", json=body, timeout=60).json()["task_id"]
+    for _ in range(600):
+        task = httpx.get(f"{server.url}/v1/tasks/{tid}/get_result", timeout=30).json()
+        if task["finished"]:
+            break
+    assert task["result"] == text and text
+
+
+def test_start_up_says_api_keys_are_off(server):
+    assert "API keys   off: every route is open" in server.log_tail(100000)

@@ -197,7 +197,7 @@ def test_a_full_socket_hands_the_rest_to_the_loop_in_order():
     asyncio.run(main())
 
 
-def _started() -> tuple[socket.socket, socket.socket, RequestHandle, DirectStream]:
+def _started() -> tuple[socket.socket, socket.socket, RequestHandle, DirectWriter]:
     a, b = socket.socketpair()
     a.setblocking(False)
     h, _, ds = _direct("completions", a)

@@ -70,8 +70,9 @@ class Metrics:
         self.aborted = 0
         self.stream_paths: dict[str, int] = {}
         """Ended SSE streams by how they were written: "loop" (the event loop), or
-        "direct_<why direct mode ended>" (server.api.direct: ended, slow, gone, stopped, failed),
-        "task_direct_<why>" (server.api.task_stream: the task routes' direct writes)."""
+        "<source path>_<why direct mode ended>" (server.api.streaming.direct; why: ended, slow, gone,
+        stopped, failed): "direct_*" for OpenAI streams (the engine thread writes), "task_direct_*"
+        for task streams (their Output's notifications write)."""
 
     def count_stream(self, path: str) -> None:
         with self._lock:
