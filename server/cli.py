@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from typing import get_type_hints
@@ -171,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          settings.resolved_model())
 
     class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             begin_drain(app)  # streams end now instead of holding the graceful shutdown
             await asyncio.sleep(0.2)
             await super().shutdown(sockets=sockets)

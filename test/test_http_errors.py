@@ -146,12 +146,13 @@ def test_a_json_body_is_read_whatever_its_content_type(http, content_type):
     """curl -d sends a form content type; some clients send none: a body that parses as JSON is
     JSON on every route."""
     headers = {} if content_type is None else {"content-type": content_type}
-    for path, body in ((CHAT, {"messages": MSG, "max_tokens": 1}), ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+    for path, body in ((CHAT, {"messages": MSG, "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
                        ("/v1/tasks/tmp", {"prompt": "x", "max_tokens": 1})):
         r = http.post(path, content=orjson.dumps(body), headers=headers)
         assert r.status_code == 200, (path, r.text)
-    err = assert_error(http.post(CHAT, content=b"messages=hi", headers={"content-type": "application/x-www-form-urlencoded"}),
-                       400, None)
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    err = assert_error(http.post(CHAT, content=b"messages=hi", headers=form), 400, None)
     assert "not valid JSON" in err["message"]
 
 

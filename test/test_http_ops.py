@@ -231,7 +231,7 @@ def test_sigterm_ends_open_streams_and_exits(slow_server):
     for t in threads:
         t.join(timeout=10)
     assert out["stream"][-2:] == [
-        'data: {"error":{"message":"the server is shutting down","type":"service_unavailable",'
-        '"param":null,"code":"shutting_down"}}', "data: [DONE]"]
+        ('data: {"error":{"message":"the server is shutting down","type":"service_unavailable",'
+         '"param":null,"code":"shutting_down"}}'), "data: [DONE]"]
     assert out["plain"].status_code == 503 and out["plain"].json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in slow_server.log_tail(200)

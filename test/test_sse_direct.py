@@ -189,7 +189,7 @@ def test_a_full_socket_hands_the_rest_to_the_loop_in_order():
         _deliver_from_a_thread(h, events[2000:])
         later = [c async for c in rest]
         got = direct_part + ds.transport.written + b"".join(_framed(c) for c in [first, *later])
-        assert 0 < len(direct_part) and ds.transport.written  # both paths carried bytes
+        assert len(direct_part) > 0 and ds.transport.written  # both paths carried bytes
         text, reasons, _ = _text(_dechunk(got))  # batching differs after the hand-back, not the content
         assert text == "".join(ev.text for ev, _ in events) and reasons == ["length"]
         assert later and source.ended

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
-from typing import AsyncIterator, Callable
 
 from test_sse_direct import _dechunk, _read_all
 

@@ -55,7 +55,7 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
     app.state.metrics = metrics
     app.state.load_error = None
     handlers.install(app)
-    app.add_middleware(ServerMiddleware, max_body_bytes=settings.max_body_bytes,  # type: ignore[arg-type]
+    app.add_middleware(ServerMiddleware, max_body_bytes=settings.max_body_bytes,
                        api_keys=settings.api_key_set(), metrics=metrics)
     _include_routes(app)
     return app
@@ -104,7 +104,7 @@ async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_erro
         services = await _start(loaded, settings, metrics)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         expected = isinstance(exc, (OSError, ValueError, KeyError)) or type(exc).__name__ == "CheckpointError"
         log.error("loading failed: %s: %s", type(exc).__name__, exc, exc_info=not expected)
         app.state.load_error = f"{type(exc).__name__}: {exc}"
@@ -140,7 +140,7 @@ async def _shutdown(services: Services) -> None:
     if services.tasks is not None:
         try:
             await services.tasks.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("task manager close failed")
     await asyncio.to_thread(services.engine.shutdown)
     log.info("shut down")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -109,19 +110,15 @@ def facts(services: Services) -> list[str]:
     """Human lines about what runs: shape, state size, slots, budgets, kernels, API keys."""
     s, shape, load = services.settings, services.shape, services.facts
     lines = [f"model      {services.model_id}",
-             f"shape      L={shape.n_layer} C={shape.n_embd} H={shape.n_head} N={shape.head_size} "
-             f"V={shape.vocab_size} ffn={shape.ffn_dim}"]
-    try:
+             (f"shape      L={shape.n_layer} C={shape.n_embd} H={shape.n_head} N={shape.head_size} "
+              f"V={shape.vocab_size} ffn={shape.ffn_dim}")]
+    with contextlib.suppress(Exception):  # a figure the start-up lines can do without
         per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.state_dtype))
         lines.append(f"state      {_mib(per_seq)} per sequence ({s.state_dtype} WKV)")
-    except Exception:  # noqa: BLE001
-        pass
     lines.append(f"device     {load.device or s.resolved_device()}, compute {s.resolved_dtype()}")
     slots = s.resolved_max_batch()
-    try:
+    with contextlib.suppress(Exception):
         slots = services.engine.stats().slots or slots
-    except Exception:  # noqa: BLE001
-        pass
     lines.append(f"slots      {slots} (step budget {s.step_token_budget} tokens, queue {s.max_queue})")
     lines.append(f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
                  f"chat prefix {_mib(prefix_budget(s))}")

@@ -45,7 +45,7 @@ class Histogram:
         lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
         with self._lock:
             acc = 0
-            for bound, c in zip(self.buckets, self.counts):
+            for bound, c in zip(self.buckets, self.counts, strict=False):  # counts: one more (+Inf)
                 acc += c
                 lines.append(f'{self.name}_bucket{{le="{bound}"}} {acc}')
             lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')

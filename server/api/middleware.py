@@ -147,7 +147,7 @@ class ServerMiddleware:
 
         try:
             await self.app(scope, limited_receive, send)
-        except Exception as exc:  # noqa: BLE001 - last resort: the error shape, never a traceback page
+        except Exception as exc:  # last resort: the error shape, never a traceback page
             if isinstance(exc, HTTPException):
                 status, msg, code = exc.status_code, str(exc.detail), None
             else:

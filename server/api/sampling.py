@@ -56,9 +56,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: Penalty = None
     penalty_decay: Annotated[float | None, _bounds("penalty_decay")] = None
     seed: Annotated[int | None, _bounds("seed")] = None
-    stop: str | list[str] | None = Field(None, description="stop strings (never part of the text)")
+    stop: Annotated[str | list[str] | None, Field(description="stop strings (never part of the text)")] = None
     stop_token_ids: Annotated[list[int] | None, Field(max_length=MAX_STOP_TOKEN_IDS)] = None
-    ignore_eos: bool | None = Field(None, description="keep generating past the end-of-text token")
+    ignore_eos: Annotated[bool | None, Field(description="keep generating past the end-of-text token")] = None
 
     def sampling_fields(self) -> dict[str, Any]:
         """The given sampling fields by our names (FIELDS), unchecked."""

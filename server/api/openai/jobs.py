@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -51,10 +51,10 @@ def submit_all(engine: EngineAPI, prompts: list[Prompt], params: list[SamplingPa
     an ApiError)."""
     jobs: list[Job] = []
     try:
-        for i, ((tokens, init_state, n_prompt), p) in enumerate(zip(prompts, params)):
+        for i, ((tokens, init_state, n_prompt), p) in enumerate(zip(prompts, params, strict=True)):
             h = engine.submit(tokens, p, init_state=init_state, request_id=f"{base_id}-{i}")
             jobs.append(Job(index=i, handle=h, prompt_tokens=n_prompt))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         abort_all(jobs)
         raise engine_error(exc) from exc
     return jobs
@@ -65,11 +65,11 @@ def abort_all(jobs: list[Job]) -> None:
         if not j.done:
             try:
                 j.handle.abort()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("abort failed")
 
 
-def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
+def events(jobs: list[Job], recorder: Recorder) -> AsyncGenerator[tuple[Job, list[Event]], None]:
     """Batches of events of all jobs, merged, in arrival order: (job, that job's events taken
     at one wake-up, in order; a finished event is the last of its job). Closing the iterator
     aborts unfinished jobs."""
@@ -88,7 +88,7 @@ def failed_batch(job: Job, exc: BaseException) -> list[Event]:
     return _error_batch(job)
 
 
-async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
+async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncGenerator[tuple[Job, list[Event]], None]:
     queue: asyncio.Queue[tuple[Job, list[Event] | None]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
@@ -123,7 +123,7 @@ async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tup
         recorder.finish()
 
 
-async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
+async def _events_one(job: Job, recorder: Recorder) -> AsyncGenerator[tuple[Job, list[Event]], None]:
     """events() for one job: the handle's batches straight from it."""
     handle = job.handle
     try:

@@ -46,7 +46,7 @@ class PrefixCache:
         if task is None:
             task = asyncio.create_task(self._prefill(engine, tokens, k))
             self._loading[k] = task
-            task.add_done_callback(lambda _t, k=k: self._loading.pop(k, None))
+            task.add_done_callback(lambda _t: self._loading.pop(k, None))
         # shield: a requester that goes away does not cancel the prefill others wait for
         result: StateLike = await asyncio.shield(task)
         return result

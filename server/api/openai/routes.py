@@ -90,7 +90,7 @@ async def _prefix_state(sv: Services, prefix: str, tokens: list[int]) -> StateLi
         return await sv.prefix_cache.get(sv.engine, tokens, prefix)
     except ApiError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise engine_error(exc) from exc
 
 
@@ -102,7 +102,7 @@ def _few_shot(sv: Services) -> str:
 
 
 def _messages(body: ChatRequest) -> list[tuple[str, str]]:
-    out = []
+    out: list[tuple[str, str]] = []
     for i, m in enumerate(body.messages):
         try:
             out.append((m.role, m.text()))

@@ -4,7 +4,7 @@ right after a delivery (`take`, one-choice streams only: server.api.streaming.di
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 from server.api.metrics import Recorder
@@ -48,7 +48,7 @@ class ChoiceStream:
             job.error = (res.error if res is not None else None) or "generation failed"
         return self._take(job, batch)
 
-    async def rest(self) -> AsyncIterator[bytes]:
+    async def rest(self) -> AsyncGenerator[bytes, None]:
         """The chunks after the preamble (and after what take() returned), one write per batch
         (all of a job's events of one wake-up), until the stream's end."""
         async with aclosing(events(self.jobs, self.recorder)) as batches:

@@ -34,12 +34,13 @@ after checking the transport is not closing (the loop closes sockets only betwee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.types import Scope
@@ -80,7 +81,7 @@ def chunk(body: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(body), body)
 
 
-def transport_of(send: Callable, scope: Scope) -> tuple[Any | None, str]:
+def transport_of(send: Callable[..., Any], scope: Scope) -> tuple[Any | None, str]:
     """(the plain-TCP transport behind uvicorn's httptools send for this HTTP/1.1 chunked
     response, "") or (None, why not)."""
     cycle = getattr(send, "__self__", None)
@@ -117,7 +118,7 @@ class DirectWriter:
         self._tail = b""  # the unsent rest of a partial write ("slow")
 
     @classmethod
-    def attach(cls, source: StreamSource, send: Callable, scope: Scope) -> DirectWriter | None:
+    def attach(cls, source: StreamSource, send: Callable[..., Any], scope: Scope) -> DirectWriter | None:
         """A DirectWriter for this response once its headers went out, or None (the loop path)."""
         if source.path is None:
             return None
@@ -171,7 +172,7 @@ class DirectWriter:
                     if last:
                         self._leave("ended")
                         return
-            except Exception:  # noqa: BLE001 - a rendering bug: the loop ends the stream
+            except Exception:  # a rendering bug (logged): the loop ends the stream
                 log.exception("direct stream failed")
                 self._leave("failed")
 
@@ -210,19 +211,15 @@ class DirectWriter:
         self._state = why
         self.source.listen(None)
         if self._own_fd:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self.fd)
-            except OSError:
-                pass
         if why == "gone":
             self.source.abort()
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self.loop.call_soon_threadsafe(_resolve, self.left, why)
-        except RuntimeError:  # the loop is closed: nobody is waiting
-            pass
 
     # --- after direct mode (loop thread) -------------------------------------------------------
-    async def rest(self) -> AsyncIterator[bytes]:
+    async def rest(self) -> AsyncGenerator[bytes, None]:
         """After "slow": the unsent bytes straight to the transport (already framed), then the
         stream's remaining chunks on the event loop (source.rest()), for the caller to send."""
         if self._tail:
@@ -233,7 +230,7 @@ class DirectWriter:
             async for out in chunks:
                 yield out
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
 
 
 def _resolve(fut: asyncio.Future[str], value: str) -> None:

@@ -16,7 +16,7 @@ per-token cost of a stream is one `take()` (or one step of `rest()`) and one wri
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 import orjson
@@ -37,11 +37,16 @@ def event(obj: Any) -> bytes:
 class StreamSource(Protocol):
     """One SSE stream's bytes, produced on demand."""
 
-    path: str | None
-    """The metrics' name of this stream's direct writes (`<path>_<why direct mode ended>`);
-    None when it cannot be written directly (it stays on the event loop)."""
-    foreign_thread: bool
-    """True when `listen`'s callback runs on another thread than the event loop (the engine's)."""
+    @property
+    def path(self) -> str | None:
+        """The metrics' name of this stream's direct writes (`<path>_<why direct mode ended>`);
+        None when it cannot be written directly (it stays on the event loop)."""
+        ...
+
+    @property
+    def foreign_thread(self) -> bool:
+        """True when `listen`'s callback runs on another thread than the event loop (the engine's)."""
+        ...
 
     @property
     def preamble(self) -> list[bytes]:
@@ -58,7 +63,7 @@ class StreamSource(Protocol):
         taken before) and whether they end the stream; None when nothing is pending."""
         ...
 
-    def rest(self) -> AsyncIterator[bytes]:
+    def rest(self) -> AsyncGenerator[bytes, None]:
         """On the event loop: the chunks after the preamble and after what `take()` returned,
         one per wake-up, until the stream's end."""
         ...

@@ -89,7 +89,7 @@ class SSEResponse(Response):
             writer = DirectWriter.attach(self.source, send, scope) if self.direct else None
             if self.ping_interval > 0:
                 helpers.append(asyncio.create_task(self._pinger(send, writer)))
-            self._path = "loop" if writer is None else self.source.path
+            self._path = "loop" if writer is None else f"{self.source.path}_{writer.state}"
             end = await (self._stream(send) if writer is None else self._stream_direct(writer, send))
             if end is not None:
                 await send({"type": "http.response.body", "body": end, "more_body": False})
@@ -103,7 +103,7 @@ class SSEResponse(Response):
             self.source.close()
             self._count()
 
-    def _start_helpers(self, scope: Scope, receive: Receive) -> list[asyncio.Task]:
+    def _start_helpers(self, scope: Scope, receive: Receive) -> list[asyncio.Task[Any]]:
         """The disconnect watcher and the drain watcher: each cancels the streaming task (only
         while it sends) and says why."""
         me = asyncio.current_task()
@@ -119,7 +119,7 @@ class SSEResponse(Response):
 
         watcher = asyncio.create_task(wait_disconnect(receive))
         watcher.add_done_callback(stop("disconnect"))
-        helpers = [watcher]
+        helpers: list[asyncio.Task[Any]] = [watcher]
         draining = draining_event(scope.get("app"))
         if draining is not None:
             drain = asyncio.create_task(draining.wait())
@@ -156,7 +156,7 @@ class SSEResponse(Response):
         except asyncio.CancelledError:
             if not self._our_cancel():
                 raise
-        except Exception:  # noqa: BLE001 - a source should not raise; say so and end cleanly
+        except Exception:  # a source should not raise: say so (logged) and end cleanly
             log.exception("stream source failed")
             end = INTERNAL_ERROR + DONE
         finally:
@@ -199,7 +199,7 @@ class SSEResponse(Response):
         if self._stop is None:
             return False
         me = asyncio.current_task()
-        if me is not None:
+        if me is not None and hasattr(me, "uncancel"):  # (Python 3.11+)
             me.uncancel()
         return True
 
@@ -223,7 +223,7 @@ class SSEResponse(Response):
         seen = -1
         while True:
             await asyncio.sleep(self.ping_interval)
-            if sent() == seen and self._live and not self.source.ended:
-                if writer is None or not writer.ping(PING):
-                    await send({"type": "http.response.body", "body": PING, "more_body": True})
+            idle = sent() == seen and self._live and not self.source.ended
+            if idle and (writer is None or not writer.ping(PING)):
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
             seen = sent()

@@ -14,7 +14,7 @@ stops before the end (`abort_on_close`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from server.api.streaming.source import DONE, event
@@ -65,7 +65,7 @@ class TaskStream:
         self._ended = self._ended or last
         return data, last
 
-    async def rest(self) -> AsyncIterator[bytes]:
+    async def rest(self) -> AsyncGenerator[bytes, None]:
         """The events from self.pos on the event loop, one write per wake-up (the end: final
         event + [DONE]). SSEResponse pings idle streams, so no timer per wait here."""
         async for batch in streaming.batches(self.t, self.pos, ping=None, out=self.out):
