@@ -14,7 +14,7 @@ the server at hundreds of streams). Three idle helpers per stream:
 With `direct=True` (Settings.direct_stream) the source's notifications write the chunks straight
 to the socket where the connection allows it (server.api.streaming.direct); the response sends
 the headers and the preamble, then waits for direct mode to end. Removing direct writes is
-deleting that module, the setting, the `direct` parameter and `_stream_direct` below.
+deleting that module, the setting, the `direct` parameter and `_direct` below.
 
 The body messages skip the middleware's send wrappers: once `http.response.start` went through
 the whole chain (status and x-request-id recorded, headers added), the body goes straight to the
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -89,8 +89,9 @@ class SSEResponse(Response):
             writer = DirectWriter.attach(self.source, send, scope) if self.direct else None
             if self.ping_interval > 0:
                 helpers.append(asyncio.create_task(self._pinger(send, writer)))
-            self._path = "loop" if writer is None else f"{self.source.path}_{writer.state}"
-            end = await (self._stream(send) if writer is None else self._stream_direct(writer, send))
+            if writer is None:
+                self._path = "loop"
+            end = await self._stream(send, writer)
             if end is not None:
                 await send({"type": "http.response.body", "body": end, "more_body": False})
         except OSError:
@@ -136,14 +137,10 @@ class SSEResponse(Response):
         if self._path:
             self.metrics.count_stream(self._path)
 
-    async def _send_all(self, send: Send, chunks: Any) -> None:
-        async for chunk in chunks:
-            self._sent += 1
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
-    async def _stream(self, send: Send) -> bytes | None:
-        """Send the preamble and every chunk on the loop; the last message's body (None: the
-        client is gone)."""
+    async def _stream(self, send: Send, writer: DirectWriter | None) -> bytes | None:
+        """Send the preamble, then the rest: on the loop, or by the direct writer until direct
+        mode ends (then what is left on the loop). The last message's body (None: the client is
+        gone)."""
         end: bytes | None = b""
         self._live = self._stop is None
         try:
@@ -151,8 +148,14 @@ class SSEResponse(Response):
                 for chunk in self.source.preamble:
                     self._sent += 1
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                async with aclosing(self.source.rest()) as chunks:
-                    await self._send_all(send, chunks)
+                rest = self.source.rest() if writer is None else None
+                if writer is not None:
+                    end, rest = await self._direct(writer)
+                if rest is not None:
+                    async with aclosing(rest) as chunks:
+                        async for chunk in chunks:
+                            self._sent += 1
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.CancelledError:
             if not self._our_cancel():
                 raise
@@ -161,37 +164,25 @@ class SSEResponse(Response):
             end = INTERNAL_ERROR + DONE
         finally:
             self._live = False
+            if writer is not None:
+                writer.stop()  # no write by the notifications after this line
+                self._path = f"{self.source.path}_{writer.state}"
         return self._end(end)
 
-    async def _stream_direct(self, writer: DirectWriter, send: Send) -> bytes | None:
-        """The preamble through the server, then the source's notifications write the stream
-        (server.api.streaming.direct) until direct mode ends; the last message's body."""
-        end: bytes | None = b""
-        self._live = self._stop is None
-        try:
-            if self._stop is None:
-                for chunk in self.source.preamble:
-                    self._sent += 1
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                writer.start()
-                why = await writer.left
-                if why == "slow":  # the client reads slowly: the rest through the loop (flow control)
-                    async with aclosing(writer.rest()) as chunks:
-                        await self._send_all(send, chunks)
-                elif why == "failed":
-                    end = INTERNAL_ERROR + DONE
-                elif why == "gone":  # the socket refused a write: make sure the connection ends
-                    end = None
-                    self.aborted = not self.source.ended
-                    writer.transport.close()
-        except asyncio.CancelledError:
-            if not self._our_cancel():
-                raise
-        finally:
-            self._live = False
-            writer.stop()  # no write by the notifications after this line
-            self._path = f"{self.source.path}_{writer.state}"
-        return self._end(end)
+    async def _direct(self, writer: DirectWriter) -> tuple[bytes | None, AsyncGenerator[bytes, None] | None]:
+        """Direct mode, from start to its end (server.api.streaming.direct): (the last message's
+        body, the chunks left for the loop or None)."""
+        writer.start()
+        why = await writer.left
+        if why == "slow":  # the client reads slowly: the rest through the loop (flow control)
+            return b"", writer.rest()
+        if why == "failed":
+            return INTERNAL_ERROR + DONE, None
+        if why == "gone":  # the socket refused a write: make sure the connection ends
+            self.aborted = not self.source.ended
+            writer.transport.close()
+            return None, None
+        return b"", None
 
     def _our_cancel(self) -> bool:
         """Whether the cancel came from our watchers (then it only ends the sending: the task

@@ -78,20 +78,21 @@ def _sse(sv: Services, t: Task, pos: int, abort_on_close: bool = False) -> SSERe
 
 
 # --- create ------------------------------------------------------------------------------------
+async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Response:
+    sv = get_services(request)
+    t = await _call(_tasks(sv).create(body.prompt, _params(sv, body), persistent=persistent,
+                                      owner=get_owner(request)))
+    return _answer(sv, t, body.stream, own=True)
+
+
 @router.post("/tmp")
 async def create_tmp(body: CreateBody, request: Request) -> Response:
-    sv = get_services(request)
-    tm = _tasks(sv)
-    t = await _call(tm.create(body.prompt, _params(sv, body), persistent=False, owner=get_owner(request)))
-    return _answer(sv, t, body.stream, own=True)
+    return await _create(body, request, persistent=False)
 
 
 @router.post("/create")
 async def create_task(body: CreateBody, request: Request) -> Response:
-    sv = get_services(request)
-    tm = _tasks(sv)
-    t = await _call(tm.create(body.prompt, _params(sv, body), persistent=True, owner=get_owner(request)))
-    return _answer(sv, t, body.stream, own=True)
+    return await _create(body, request, persistent=True)
 
 
 @router.post("/fim")
