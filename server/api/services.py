@@ -49,7 +49,7 @@ class Services:
     """None: the task routes answer 503 (an embedding without a task store)."""
     model_id: str = "rwkv7"
     facts: LoadFacts = field(default_factory=LoadFacts)
-    _few_shot: str | None = None
+    _few_shot: str | None = field(default=None, init=False, repr=False)
 
     def few_shot(self) -> str:
         """The few-shot dialogue text (read once; OSError when the file cannot be read)."""

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 from server.engine.protocol import EngineAPI, StateLike
 from server.engine.types import SamplingParams
 from server.tasks.cache import StateCache
+
+if TYPE_CHECKING:  # (imports torch at run time)
+    from server.model.state import State
 
 log = logging.getLogger("server.prefix")
 
@@ -26,7 +29,7 @@ log = logging.getLogger("server.prefix")
 class PrefixCache:
     def __init__(self, budget_bytes: int) -> None:
         self.cache = StateCache(budget_bytes)
-        self._loading: dict[str, asyncio.Task[Any]] = {}  # one prefill per key at a time
+        self._loading: dict[str, asyncio.Future[StateLike]] = {}  # one prefill per key at a time
 
     @staticmethod
     def key(text: str) -> str:
@@ -39,17 +42,30 @@ class PrefixCache:
     async def get(self, engine: EngineAPI, tokens: Sequence[int], text: str) -> StateLike:
         """The state after `tokens` (= encode(text)), taken from the cache or prefilled now."""
         k = self.key(text)
-        state = self.cache.get(k)
-        if state is not None:
-            return state
-        task = self._loading.get(k)
+        return await self._get_or_load(k, lambda: self._prefill(engine, tokens, k))
+
+    async def _get_or_load(self, key: str, load: Callable[[], Awaitable[StateLike]]) -> StateLike:
+        """StateCache.get_or_load's contract (until the task layer's cache has it): the cached
+        state, else load()'s, put in the cache; concurrent callers share one load (a caller that
+        leaves does not cancel it); a miss when this call starts the load, else a hit."""
+        if key in self.cache:
+            state: StateLike | None = self.cache.get(key)  # (counts the hit)
+            if state is not None:
+                return state
+        task = self._loading.get(key)
         if task is None:
-            task = asyncio.create_task(self._prefill(engine, tokens, k))
-            self._loading[k] = task
-            task.add_done_callback(lambda _t: self._loading.pop(k, None))
-        # shield: a requester that goes away does not cancel the prefill others wait for
-        result: StateLike = await asyncio.shield(task)
-        return result
+            self.cache.misses += 1
+            task = asyncio.ensure_future(self._load(key, load))
+            self._loading[key] = task
+            task.add_done_callback(lambda _t: self._loading.pop(key, None))
+        else:
+            self.cache.hits += 1
+        return await asyncio.shield(task)
+
+    async def _load(self, key: str, load: Callable[[], Awaitable[StateLike]]) -> StateLike:
+        state = await load()
+        self.cache.put(key, cast("State", state))  # larger than the whole budget: used once, not kept
+        return state
 
     async def _prefill(self, engine: EngineAPI, tokens: Sequence[int], k: str) -> StateLike:
         h = engine.submit(tokens, SamplingParams(max_tokens=0), request_id=f"prefix-{k[:12]}", return_state=True)
@@ -64,5 +80,4 @@ class PrefixCache:
             raise RuntimeError(f"prefix prefill left {len(res.pending_tokens)} token(s) unfed")
         state: StateLike = res.state
         log.info("prefix %s prefilled: %d tokens, %d bytes of state", k[:12], len(tokens), state.nbytes())
-        self.cache.put(k, res.state)  # larger than the whole budget: used once, not kept
         return state
