@@ -40,8 +40,14 @@ class _Source:
             self.on_last()  # the client reads it at once
         return out, last
 
-    def take(self) -> tuple[bytes, bool] | None:
-        return self._next() if self.chunks else None
+    def take(self) -> tuple[bytes, bool] | None:  # everything pending: here, the rest of the script
+        if not self.chunks:
+            return None
+        out = b""
+        while self.chunks:
+            data, last = self._next()
+            out += data
+        return out, last
 
     async def rest(self) -> AsyncIterator[bytes]:
         while self.chunks:

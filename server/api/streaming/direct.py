@@ -27,8 +27,9 @@ direct mode (`_leave`: listener dropped, the loop told through `self.left`) when
 The loop finishes the response through uvicorn in every case (the chunked terminator).
 
 A writer on another thread writes to a dup of the socket (the loop cannot close it, and its
-number cannot be reused, under the writer); a writer on the loop writes to the socket itself,
-after checking the transport is not closing (the loop closes sockets only between callbacks).
+number cannot be reused, under the writer), keeping the GIL; a writer on the loop writes to the
+socket itself with os.write, after checking the transport is not closing (the loop closes
+sockets only between callbacks).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def _say_once(why: str) -> None:
 class DirectWriter:
     def __init__(self, source: StreamSource, transport: Any, fd: int, *, own_fd: bool) -> None:
         self.source, self.transport, self.fd, self._own_fd = source, transport, fd, own_fd
+        # another thread's writes keep the GIL (see _gil_holding_write); the loop's need not
+        self._syscall = _write if source.foreign_thread else os.write
         self.loop = asyncio.get_running_loop()
         self.left: asyncio.Future[str] = self.loop.create_future()  # result: why direct mode ended
         self.sent = 0  # chunks written (the pinger's "was anything sent lately")
@@ -157,24 +160,24 @@ class DirectWriter:
         self.pump()  # what came before the listener
 
     def pump(self) -> None:
-        """Write every pending chunk (the source's listener, or the loop at start)."""
+        """Write what is pending (the source's listener, or the loop at start). One take() is
+        all: it takes everything pending, and whatever comes later notifies again."""
         with self._lock:
             if self._state != "live":
                 return
             try:
-                while True:
-                    item = self.source.take()
-                    if item is None:
-                        return
-                    out, last = item
-                    if out and not self._write(out):
-                        return
-                    if last:
-                        self._leave("ended")
-                        return
+                item = self.source.take()
             except Exception:  # a rendering bug (logged): the loop ends the stream
                 log.exception("direct stream failed")
                 self._leave("failed")
+                return
+            if item is None:
+                return
+            out, last = item
+            if out and not self._write(out):
+                return
+            if last:
+                self._leave("ended")
 
     def ping(self, body: bytes) -> bool:
         """Loop thread: write a keep-alive comment; False when not in direct mode."""
@@ -193,7 +196,7 @@ class DirectWriter:
             return False
         data = chunk(body)
         try:
-            n = _write(self.fd, data)
+            n = self._syscall(self.fd, data)
         except BlockingIOError:
             n = 0
         except OSError as exc:
