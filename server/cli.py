@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from typing import get_type_hints
@@ -88,8 +89,13 @@ def build_parser(defaults: Settings) -> argparse.ArgumentParser:
     synth.add_argument("preset", help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, optionally :seed (e.g. tiny:3)")
     synth.add_argument("out", help="output path, e.g. tiny.pth")
     synth.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="tensor dtype in the file")
-    gen = sub.add_parser("generate", help="load a model and generate from the command line (no HTTP)")
-    gen.add_argument("prompt", nargs="?", default="User: Hello!\n\nAssistant:", help="prompt text")
+    gen = sub.add_parser("generate", help="load a model and generate from the command line (no HTTP)",
+                         description="Load a model and continue a prompt (no HTTP). Backslash escapes in the "
+                                     "prompt are interpreted as in a Python string: "
+                                     "rwkv-server generate 'User: Hi\\n\\nAssistant:'")
+    gen.add_argument("prompt", nargs="?", default="User: Hello!\\n\\nAssistant:",
+                     help="prompt text; backslash escapes (\\n, \\t, \\\\, \\u00e9, ...) are interpreted; "
+                          "'-' reads the prompt from stdin as it is (default: %(default)s)")
     gen.add_argument("--model", default=defaults.model, help="checkpoint .pth or synthetic:<preset>[:seed]")
     gen.add_argument("--device", default=defaults.device)
     gen.add_argument("--dtype", default=defaults.dtype)
@@ -118,13 +124,43 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_serve(args)
 
 
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot be used on this machine (one line), or None. Checked before the port
+    is bound, so a wrong --device ends at once with that line instead of a traceback."""
+    if device in ("auto", "cpu"):
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"--device {device!r}: not a device (cpu, cuda, cuda:N or auto)"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"--device {device!r}: only cpu and cuda devices are supported"
+    if not torch.cuda.is_available():
+        return f"--device {device!r}: CUDA is not available on this machine (torch {torch.__version__}); " \
+               "use --device cpu"
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+def settings_problem(settings: Settings) -> str | None:
+    """Why the server cannot start with these settings (one line), or None."""
+    model = settings.resolved_model()
+    if not model.startswith("synthetic:") and not os.path.isfile(model):
+        return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
+    return device_problem(settings.device)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
     settings = Settings(**values)
-    model = settings.resolved_model()
-    if not model.startswith("synthetic:") and not os.path.isfile(model):
-        print(f"rwkv-server: --model {model!r}: no such file (give an RWKV-7 .pth file or "
-              "synthetic:<preset>)", file=sys.stderr)
+    problem = settings_problem(settings)
+    if problem is not None:
+        print(f"rwkv-server: {problem}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level)
     import uvicorn
@@ -136,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          settings.resolved_model())
 
     class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             begin_drain(app)  # streams end now instead of holding the graceful shutdown
             await asyncio.sleep(0.2)
             await super().shutdown(sockets=sockets)
@@ -165,8 +201,28 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def prompt_text(raw: str) -> str:
+    """The generate prompt: stdin as it is for '-', else the argument with its backslash escapes
+    interpreted (ValueError naming a bad escape)."""
+    if raw == "-":
+        return sys.stdin.read()
+    try:  # non-Latin-1 characters pass through as \\u escapes, so any text survives unicode_escape
+        return raw.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"bad backslash escape in the prompt at character {exc.start}: {exc.reason}") from None
+
+
 def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
     settings = defaults.replace(model=args.model, device=args.device, dtype=args.dtype, stats_interval=0)
+    try:
+        prompt = prompt_text(args.prompt)
+    except ValueError as exc:
+        print(f"rwkv-server generate: {exc}", file=sys.stderr)
+        return 2
+    problem = settings_problem(settings)
+    if problem is not None:
+        print(f"rwkv-server generate: {problem}", file=sys.stderr)
+        return 2
     setup_logging("warning")
     from server.api.loading import load_services
     from server.engine.types import SamplingParams
@@ -176,8 +232,8 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
                             seed=args.seed, stop=tuple(args.stop))
     try:
         t0 = time.perf_counter()
-        h = sv.engine.submit(args.prompt, params)
-        sys.stdout.write(args.prompt)
+        h = sv.engine.submit(prompt, params)
+        sys.stdout.write(prompt)
         for ev in h:
             sys.stdout.write(ev.text)
             sys.stdout.flush()

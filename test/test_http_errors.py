@@ -5,6 +5,7 @@ serving afterwards."""
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 from util_server import server_fixture
 
@@ -45,10 +46,17 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "<any>") ->
     ({"messages": MSG, "n": 0}, "n"),
     ({"messages": MSG, "n": 1000}, "n"),
     ({"messages": MSG, "max_tokens": -1}, "max_tokens"),
-    ({"messages": MSG, "presence_penalty": 3}, "presence_penalty"),
-    ({"messages": MSG, "penalty_decay": 0}, "penalty_decay"),
+    ({"messages": MSG, "max_tokens": 2_000_000}, "max_tokens"),  # the shared bound (types.LIMITS)
+    ({"messages": MSG, "max_completion_tokens": 2_000_000}, "max_completion_tokens"),
+    ({"messages": MSG, "frequency_penalty": -11}, "frequency_penalty"),
+    ({"messages": MSG, "seed": -1}, "seed"),
+    ({"messages": MSG, "presence_penalty": 11}, "presence_penalty"),
+    ({"messages": MSG, "penalty_decay": 1.5}, "penalty_decay"),
     ({"messages": MSG, "stop": ["a"] * 40}, "stop"),
     ({"messages": MSG, "stop": [""]}, "stop"),
+    ({"messages": MSG, "stop": ["x" * 300]}, "stop"),
+    ({"messages": MSG, "stop_token_ids": [70000]}, "stop_token_ids"),  # outside the vocabulary
+    ({"messages": MSG, "frequency_penalty": 1, "repetition_penalty": 1}, "frequency_penalty"),
     ({"messages": MSG, "stream": "maybe"}, "stream"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
@@ -66,6 +74,86 @@ def test_chat_bad_fields_400_naming_the_field(http, body, param):
 ])
 def test_completions_bad_fields_400(http, body, param):
     assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+def test_a_lone_surrogate_stop_string_is_refused_naming_it(http):
+    for path, body, status in ((CHAT, {"messages": MSG}, 400), ("/v1/completions", {"prompt": "x"}, 400),
+                               ("/v1/tasks/tmp", {"prompt": "x"}, 422)):
+        raw = orjson.dumps({**body, "max_tokens": 1})[:-1] + b', "stop": ["a\\ud800"]}'  # JSON text: "a\ud800"
+        err = assert_error(http.post(path, content=raw, headers={"content-type": "application/json"}), status)
+        assert err["param"] == "stop" and "surrogate" in err["message"], err
+
+
+def test_unknown_fields_are_refused_naming_them(http):
+    err = assert_error(http.post(CHAT, json={"messages": MSG, "max_tokens": 1, "bogus_field": 1}), 400, "bogus_field")
+    assert "unknown field" in err["message"] and "bogus_field" in err["message"]
+    assert_error(http.post("/v1/completions", json={"prompt": "x", "temperatur": 0}), 400, "temperatur")
+    assert_error(http.post(CHAT, json={"messages": [{"role": "user", "content": "x", "mood": 1}]}), 400,
+                 "messages[0].mood")
+    assert_error(http.post(CHAT, json={"messages": MSG, "stream": True, "stream_options": {"usage": True}}),
+                 400, "stream_options.usage")
+    assert_error(http.post("/v1/tasks/tmp", json={"prompt": "x", "n": 2}), 422, "n")  # an OpenAI field
+
+
+@pytest.mark.parametrize("extra", [
+    {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": False,
+     "prompt_cache_key": "k", "safety_identifier": "s", "reasoning_effort": "low", "verbosity": "medium",
+     "prediction": {"type": "content", "content": "x"}, "prompt_cache_retention": "in_memory"},
+    {"tool_choice": "none", "function_call": "auto", "modalities": ["text"], "response_format": {"type": "text"},
+     "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "n": None, "stream_options": None},
+    {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
+    {"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                  {"role": "user", "content": "hi", "name": "me"},
+                  {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": []},
+                  {"role": "user", "content": "again"}]},
+], ids=["ignored", "harmless", "stream_options", "message_fields"])
+def test_chat_accepts_the_openai_fields_it_can_ignore(http, extra):
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"moderation": {"mode": "block"}}, "moderation"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages[0].content"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_chat_refuses_the_openai_fields_that_would_change_the_answer(http, extra, param):
+    err = assert_error(http.post(CHAT, json={"messages": MSG, "max_tokens": 2, **extra}), 400, param)
+    assert "not supported" in err["message"]
+
+
+def test_completions_openai_fields(http):
+    ok = {"prompt": "x", "max_tokens": 2, "user": "u", "logit_bias": {}, "best_of": 1, "echo": False, "suffix": None}
+    assert http.post("/v1/completions", json=ok).status_code == 200
+    for extra, param in (({"best_of": 3}, "best_of"), ({"logit_bias": {"1": 1}}, "logit_bias"),
+                         ({"logprobs": 0}, "logprobs")):
+        assert_error(http.post("/v1/completions", json={"prompt": "x", **extra}), 400, param)
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain",
+                                          "application/json; charset=utf-8"])
+def test_a_json_body_is_read_whatever_its_content_type(http, content_type):
+    """curl -d sends a form content type; some clients send none: a body that parses as JSON is
+    JSON on every route."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path, body in ((CHAT, {"messages": MSG, "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                       ("/v1/tasks/tmp", {"prompt": "x", "max_tokens": 1})):
+        r = http.post(path, content=orjson.dumps(body), headers=headers)
+        assert r.status_code == 200, (path, r.text)
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    err = assert_error(http.post(CHAT, content=b"messages=hi", headers=form), 400, None)
+    assert "not valid JSON" in err["message"]
 
 
 def test_malformed_json(http):
@@ -154,3 +242,19 @@ def test_tasks_belong_to_the_key_that_made_them(http, server):
     other = {"Authorization": "Bearer other-key"}
     assert_error(httpx.get(f"{server.url}/v1/tasks/{task_id}/get_result", headers=other), 404)
     assert http.get(f"/v1/tasks/{task_id}/get_result").status_code == 200
+
+
+def test_the_log_says_why_requests_were_refused_and_stays_quiet_about_answers(http, server):
+    """(Runs after the battery.) Refused requests are logged at INFO with their reason; answered
+    ones only at DEBUG (the server runs at INFO); the start-up facts say API keys are on."""
+    http.post(CHAT, json={"messages": MSG, "temperature": 9})
+    httpx.get(server.url + "/v1/models")  # no key: 401
+    for _ in range(3):
+        assert http.get("/v1/models").status_code == 200
+    log = server.log_tail(100000)
+    assert "API keys   on (2 keys)" in log
+    lines = [ln for ln in log.splitlines() if '"POST /v1/chat/completions" 400' in ln]
+    assert any("invalid 'temperature'" in ln for ln in lines), lines[-5:]
+    assert any('"GET /v1/models" 401' in ln and "missing API key" in ln for ln in log.splitlines())
+    assert not [ln for ln in log.splitlines() if '"GET /v1/models" 200' in ln]
+    assert all(ln.split()[1] == "INFO" for ln in lines)

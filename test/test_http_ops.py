@@ -3,6 +3,7 @@ disconnects that free their slots."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -88,7 +89,7 @@ def _streamed(url: str, body: dict) -> dict[int, str]:
 
 
 def test_streams_are_written_by_the_engine_thread_and_equal_the_whole_answer(slow_server):
-    """A one-choice stream goes the direct path (server.api.direct: counted direct_ended) and
+    """A one-choice stream goes the direct path (server.api.streaming.direct: counted direct_ended) and
     carries exactly the text of the same seeded request answered whole; an n=2 stream takes the
     event loop (counted loop)."""
     slow_server.wait_ready()
@@ -162,6 +163,47 @@ def test_non_streaming_client_that_leaves_is_aborted(slow_server):
         time.sleep(0.02)
 
 
+async def _read_to_done_and_hang_up(port: int, body: bytes) -> bytes:
+    """One raw HTTP/1.1 stream read until [DONE], then the connection closed at once (as clients
+    that stop at [DONE] do, before the chunked terminator may have come)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%b" % (len(body), body))
+    got = b""
+    while b"data: [DONE]" not in got:
+        data = await reader.read(65536)
+        if not data:
+            break
+        got += data
+    writer.close()
+    return got
+
+
+def test_streams_closed_right_after_done_are_not_aborts(slow_server):
+    """Clients that hang up once they read [DONE] completed their streams: no abort is counted
+    or logged, on the direct path (n=1) and the loop path (n=2)."""
+    slow_server.wait_ready()
+    url, port = slow_server.url, slow_server.port
+    before, log_before = metrics(url), slow_server.log_tail(100000).count("client disconnected")
+
+    async def waves() -> list[bytes]:
+        out: list[bytes] = []
+        for n in (1, 1, 1, 2):
+            body = orjson.dumps({"prompt": "hi", "max_tokens": 8, "n": n, "stream": True, "ignore_eos": True})
+            out += await asyncio.gather(*(_read_to_done_and_hang_up(port, body) for _ in range(40)))
+        return out
+
+    answers = asyncio.run(waves())
+    assert all(a.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in a for a in answers)
+    time.sleep(0.5)
+    after = metrics(url)
+    assert after["rwkv_requests_aborted_total"] == before["rwkv_requests_aborted_total"]
+    for path, n in (("direct_ended", 120), ("loop", 40)):
+        key = f'rwkv_http_streams_total{{path="{path}"}}'
+        assert after.get(key, 0) == before.get(key, 0) + n, path
+    assert slow_server.log_tail(100000).count("client disconnected") == log_before
+
+
 def test_sigterm_ends_open_streams_and_exits(slow_server):
     """(Runs last: stops the module's server.) Open streams end with a `shutting_down` error event
     and [DONE], waiting non-streaming requests get 503, and the process exits promptly."""
@@ -189,7 +231,7 @@ def test_sigterm_ends_open_streams_and_exits(slow_server):
     for t in threads:
         t.join(timeout=10)
     assert out["stream"][-2:] == [
-        'data: {"error":{"message":"the server is shutting down","type":"service_unavailable",'
-        '"param":null,"code":"shutting_down"}}', "data: [DONE]"]
+        ('data: {"error":{"message":"the server is shutting down","type":"service_unavailable",'
+         '"param":null,"code":"shutting_down"}}'), "data: [DONE]"]
     assert out["plain"].status_code == 503 and out["plain"].json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in slow_server.log_tail(200)

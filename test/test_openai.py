@@ -7,8 +7,8 @@ import pytest
 from openai import OpenAI
 from util_server import server_fixture
 
-from server.api.chat_format import build_prompt, default_few_shot_path, load_few_shot
 from server.api.metrics import parse_metrics
+from server.api.openai.chat_format import build_prompt, default_few_shot_path, load_few_shot
 from server.tokenizer import get_tokenizer
 
 server = server_fixture()
@@ -44,7 +44,7 @@ def test_chat_non_streaming_usage_and_length(client):
 
 
 def test_chat_stream_equals_non_stream_with_include_usage(client):
-    kw = dict(max_tokens=12, seed=11, temperature=1.0, top_p=0.9)
+    kw = {"max_tokens": 12, "seed": 11, "temperature": 1.0, "top_p": 0.9}
     full = chat(client, "Tell me a story", **kw)
     chunks = list(chat(client, "Tell me a story", stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -64,7 +64,7 @@ def test_stream_without_include_usage_has_no_usage(client):
 
 
 def test_n2_independent_samples_and_seed_offsets(client):
-    kw = dict(max_tokens=10, temperature=1.0, top_p=1.0, extra_body={"ignore_eos": True})
+    kw = {"max_tokens": 10, "temperature": 1.0, "top_p": 1.0, "extra_body": {"ignore_eos": True}}
     r = chat(client, "Pick a word", n=2, seed=100, **kw)
     assert [c.index for c in r.choices] == [0, 1]
     assert r.usage.completion_tokens == sum(1 for _ in r.choices) * 10
@@ -78,8 +78,8 @@ def test_n2_independent_samples_and_seed_offsets(client):
 
 
 def test_completions_stop_string(client):
-    kw = dict(model="m", prompt="The weather today", max_tokens=40, seed=5, temperature=1.0, top_p=1.0,
-              extra_body={"ignore_eos": True})
+    kw = {"model": "m", "prompt": "The weather today", "max_tokens": 40, "seed": 5, "temperature": 1.0,
+          "top_p": 1.0, "extra_body": {"ignore_eos": True}}
     full = client.completions.create(**kw).choices[0].text
     stop = full[len(full) // 2: len(full) // 2 + 3]
     assert stop.strip(), full
@@ -105,8 +105,8 @@ def test_multibyte_characters_never_split(client):
     """Random weights emit many CJK / emoji / byte tokens: the streamed pieces must join to the
     same text as the non-streamed answer (a split character would show up as U+FFFD pieces)."""
     for seed in range(4):
-        kw = dict(model="m", prompt="你好，世界 🌍", max_tokens=40, seed=seed, temperature=1.5, top_p=1.0,
-                  extra_body={"ignore_eos": True})
+        kw = {"model": "m", "prompt": "你好，世界 🌍", "max_tokens": 40, "seed": seed,  # noqa: RUF001
+              "temperature": 1.5, "top_p": 1.0, "extra_body": {"ignore_eos": True}}
         full = client.completions.create(**kw).choices[0].text
         pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
         assert "".join(pieces) == full
@@ -150,3 +150,32 @@ def test_unsupported_fields_refused(client):
     assert ei.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError):
         chat(client, max_tokens=1, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+def test_openai_names_map_onto_ours(client, server):
+    """frequency_penalty is repetition_penalty; max_completion_tokens is max_tokens (and wins)."""
+    # greedy, random weights: some token comes twice in 40; a negative repetition penalty then
+    # favours it at every later step, so the text differs from the one without the penalty
+    kw = {"model": "m", "prompt": "The weather today", "max_tokens": 40, "temperature": 0, "presence_penalty": 0}
+    ours = client.completions.create(**kw, extra_body={"repetition_penalty": -10.0, "ignore_eos": True})
+    openai_name = client.completions.create(**kw, frequency_penalty=-10.0, extra_body={"ignore_eos": True})
+    none = client.completions.create(**kw, frequency_penalty=0.0, extra_body={"ignore_eos": True})
+    assert openai_name.choices[0].text == ours.choices[0].text != none.choices[0].text
+    r = chat(client, max_tokens=9, max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_every_route_has_the_same_defaults(server):
+    """No sampling field given: the completions route and the task route sample alike."""
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "seed": 3}
+    text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    tid = httpx.post(server.url + "/v1/tasks/create", json=body, timeout=60).json()["task_id"]
+    for _ in range(600):
+        task = httpx.get(f"{server.url}/v1/tasks/{tid}/get_result", timeout=30).json()
+        if task["finished"]:
+            break
+    assert task["result"] == text and text
+
+
+def test_start_up_says_api_keys_are_off(server):
+    assert "API keys   off: every route is open" in server.log_tail(100000)

@@ -1,7 +1,8 @@
-"""server.api.direct.DirectStream on a real socket pair: the bytes it writes from a delivering
-thread equal the event-loop path's, framed as HTTP/1.1 chunks, in order; a full socket hands the
-rest to the loop without losing or reordering a byte; a closed socket aborts the sequence; stop()
-ends the writes. (The whole path through uvicorn is in test_http_ops.)"""
+"""server.api.streaming.direct.DirectWriter on a real socket pair, writing an OpenAI stream
+(server.api.openai.stream.ChoiceStream) from a delivering thread: the bytes equal the event-loop
+path's, framed as HTTP/1.1 chunks, in order; a full socket hands the rest to the loop without
+losing or reordering a byte; a closed socket aborts the sequence; stop() ends the writes. (The
+whole path through uvicorn is in test_http_ops.)"""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import threading
 
 import orjson
 
-from server.api.direct import DirectStream
-from server.api.generation import Job, Recorder
-from server.api.openai_stream import Meta, chat_parts, completion_parts
+from server.api.metrics import Recorder
+from server.api.openai.jobs import Job
+from server.api.openai.render import Meta, chat_renderer, completion_renderer
+from server.api.openai.stream import ChoiceStream
+from server.api.streaming.direct import DirectWriter
 from server.engine.handle import Deliveries, RequestHandle
 from server.engine.types import Event, Result
 
@@ -28,7 +31,7 @@ def _handle() -> RequestHandle:
                          abort=lambda rid: _aborted.append(rid) is None)  # fmt: skip
 
 
-class _Transport:  # what DirectStream needs of the loop's transport
+class _Transport:  # what DirectWriter needs of the loop's transport
     def __init__(self, buffered: int = 0):
         self.written, self.buffered = b"", buffered
 
@@ -37,6 +40,9 @@ class _Transport:  # what DirectStream needs of the loop's transport
 
     def get_write_buffer_size(self) -> int:
         return self.buffered
+
+    def is_closing(self) -> bool:
+        return False
 
 
 def _events(n: int) -> list[tuple[Event, Result | None]]:
@@ -47,10 +53,11 @@ def _events(n: int) -> list[tuple[Event, Result | None]]:
     return out
 
 
-def _parts(kind, handle):
+def _source(kind, handle) -> ChoiceStream:
     meta = Meta(id="cmpl-x", model="m", created=1, prompt_tokens=2)
-    job = Job(index=0, handle=handle, prompt_tokens=2)
-    return (chat_parts if kind == "chat" else completion_parts)([job], meta, True)
+    jobs = [Job(index=0, handle=handle, prompt_tokens=2)]
+    renderer = (chat_renderer if kind == "chat" else completion_renderer)(jobs, meta, True)
+    return ChoiceStream(jobs, renderer, Recorder(None, 0.0))
 
 
 def _framed(body: bytes) -> bytes:  # written out here, not direct.chunk: the test's own oracle
@@ -85,11 +92,11 @@ def _text(body: bytes) -> tuple[str, list[str], bool]:
 async def _loop_path(kind: str, steps) -> bytes:
     """The reference: the same deliveries through the event-loop generator (one wake-up each)."""
     h = _handle()
-    parts = _parts(kind, h)
-    out: list[bytes] = []
+    source = _source(kind, h)
+    out: list[bytes] = [_framed(c) for c in source.preamble]
 
     async def consume():
-        async for c in parts.chunks(Recorder(None, 0.0)):
+        async for c in source.rest():
             out.append(_framed(c))
 
     task = asyncio.create_task(consume())
@@ -121,11 +128,10 @@ def _deliver_from_a_thread(h: RequestHandle, events, per_step: int = 1) -> None:
 
 
 def _direct(kind: str, sock: socket.socket):
-    _aborted.clear()
     h = _handle()
-    parts = _parts(kind, h)
-    ds = DirectStream(parts, Recorder(None, 0.0), _Transport(), os.dup(sock.fileno()))
-    return h, parts, ds
+    source = _source(kind, h)
+    ds = DirectWriter(source, _Transport(), os.dup(sock.fileno()), own_fd=True)
+    return h, source, ds
 
 
 def _read_all(sock: socket.socket) -> bytes:
@@ -147,13 +153,13 @@ def test_engine_thread_writes_equal_the_loop_path():
             events = _events(40)
             a, b = socket.socketpair()
             a.setblocking(False)
-            h, parts, ds = _direct(kind, a)
-            pre = b"".join(_framed(c) for c in parts.preamble)  # sent through uvicorn before start()
+            h, source, ds = _direct(kind, a)
+            pre = b"".join(_framed(c) for c in source.preamble)  # sent through uvicorn before start()
             ds.start()
             _deliver_from_a_thread(h, events[:10])
             _deliver_from_a_thread(h, events[10:], per_step=3)  # several events per delivery too
             assert await asyncio.wait_for(ds.left, 2) == "ended"
-            assert ds.ended and h._listener is None
+            assert source.ended and h._listener is None
             got = pre + _read_all(b)
             assert got == await _loop_path(kind, _steps(events[:10]) + _steps(events[10:], 3)), kind
             assert got.endswith(b"data: [DONE]\n\n\r\n") and b" w38" in got
@@ -169,7 +175,7 @@ def test_a_full_socket_hands_the_rest_to_the_loop_in_order():
         a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         a.setblocking(False)
-        h, parts, ds = _direct("completions", a)
+        h, source, ds = _direct("completions", a)
         ds.start()
         _deliver_from_a_thread(h, events[:2000])  # nobody reads b meanwhile: a write comes up short
         assert await asyncio.wait_for(ds.left, 2) == "slow"
@@ -179,15 +185,15 @@ def test_a_full_socket_hands_the_rest_to_the_loop_in_order():
         _deliver_from_a_thread(h, events[2000:])
         later = [c async for c in rest]
         got = direct_part + ds.transport.written + b"".join(_framed(c) for c in [first, *later])
-        assert 0 < len(direct_part) and ds.transport.written  # both paths carried bytes
+        assert len(direct_part) > 0 and ds.transport.written  # both paths carried bytes
         text, reasons, _ = _text(_dechunk(got))  # batching differs after the hand-back, not the content
         assert text == "".join(ev.text for ev, _ in events) and reasons == ["length"]
-        assert later and ds.ended
+        assert later and source.ended
 
     asyncio.run(main())
 
 
-def _started() -> tuple[socket.socket, socket.socket, RequestHandle, DirectStream]:
+def _started() -> tuple[socket.socket, socket.socket, RequestHandle, DirectWriter]:
     a, b = socket.socketpair()
     a.setblocking(False)
     h, _, ds = _direct("completions", a)
@@ -196,13 +202,15 @@ def _started() -> tuple[socket.socket, socket.socket, RequestHandle, DirectStrea
 
 
 def test_a_closed_socket_aborts_the_sequence():
+    _aborted.clear()
+
     async def main():
         a, b, h, ds = _started()
         b.close()
         _deliver_from_a_thread(h, _events(5)[:2])
         assert await asyncio.wait_for(ds.left, 2) == "gone"
         assert _aborted == ["r"] and h._listener is None
-        ds.close()  # the loop's cleanup: the sequence's abort was already asked for
+        ds.source.close()  # the loop's cleanup: the sequence's abort was already asked for
         a.close()
 
     asyncio.run(main())
@@ -215,7 +223,8 @@ def test_stop_ends_the_engine_thread_writes():
         _deliver_from_a_thread(h, events[:3])
         before = _read_all(b)
         assert before.count(b"data: ") == 3
-        assert ds.stop() is True  # the end was not written: the caller ends the stream
+        assert not ds.source.ended  # the end was not written: the caller ends the stream
+        ds.stop()
         _deliver_from_a_thread(h, events[3:])
         assert _read_all(b) == b"" and h._listener is None
         assert await asyncio.wait_for(ds.left, 2) == "stopped"
@@ -229,14 +238,14 @@ def test_a_preamble_still_buffered_keeps_the_stream_on_the_loop():
     async def main():
         a, b = socket.socketpair()
         a.setblocking(False)
-        h, parts, ds = _direct("chat", a)
+        h, source, ds = _direct("chat", a)
         ds.transport.buffered = 100  # uvicorn's transport still holds the role chunk
         ds.start()
         assert await asyncio.wait_for(ds.left, 2) == "slow" and h._listener is None
         events = _events(6)
         _deliver_from_a_thread(h, events)
         assert _read_all(b) == b""  # nothing went around the transport's queue
-        body = b"".join(_framed(c) for c in parts.preamble) + b"".join([_framed(c) async for c in ds.rest()])
+        body = b"".join(_framed(c) for c in source.preamble) + b"".join([_framed(c) async for c in ds.rest()])
         assert body == await _loop_path("chat", [events])
         a.close(), b.close()
 
@@ -244,7 +253,7 @@ def test_a_preamble_still_buffered_keeps_the_stream_on_the_loop():
 
 
 def test_direct_writes_apply_only_to_plain_http11_chunked_uvicorn_responses():
-    from server.api.direct import transport_of
+    from server.api.streaming.direct import transport_of
 
     class _T:
         def __init__(self, tls=False):
@@ -279,5 +288,5 @@ def test_a_stream_ended_by_two_paths_records_its_duration_once():
     m = Metrics()
     rec = Recorder(m, 0.0)
     rec.finish()  # e.g. the loop path's generator after a hand-back ...
-    rec.finish()  # ... and DirectStream.close()
+    rec.finish()  # ... and ChoiceStream.close()
     assert m.e2e.count == 1

@@ -79,7 +79,7 @@ def test_task_runs_count_in_the_latency_metrics(http, server):
     assert after["rwkv_request_duration_seconds_count"] == before["rwkv_request_duration_seconds_count"] + 1
     gaps = after["rwkv_inter_token_latency_seconds_count"] - before["rwkv_inter_token_latency_seconds_count"]
     assert gaps == 5  # 6 tokens: the first is TTFT, each later one one gap (batched gaps count per token)
-    key = 'rwkv_http_streams_total{path="task_direct_ended"}'  # written by server.api.task_stream
+    key = 'rwkv_http_streams_total{path="task_direct_ended"}'  # written by server.api.streaming.direct
     assert after[key] == before.get(key, 0) + 1
 
 

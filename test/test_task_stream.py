@@ -1,22 +1,26 @@
-"""server.api.task_stream: the task routes' direct writes give the bytes of the loop generator
-(framed as HTTP/1.1 chunks, in order) for any step pattern, a slow transport hands the rest to
-the loop without losing or repeating an event, an error ends with the error event, and a stream
-stopped before its end says so (its own TMP_ task is aborted). The whole path through uvicorn is
-in test_task_api_http (metrics: task_direct_ended)."""
+"""server.api.tasks.stream.TaskStream written by the direct writer (server.api.streaming.direct) on
+a real socket pair, from the task's Output notifications: the bytes equal the loop path's (framed
+as HTTP/1.1 chunks, in order) for any step pattern, a full socket hands the rest to the loop
+without losing or repeating an event, an error ends with the error event, and a stream stopped
+before its end says so (its own TMP_ task is aborted). The whole path through uvicorn is in
+test_task_api_http (metrics: task_direct_ended)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
+import orjson
 import pytest
-from test_sse_direct import _dechunk
+from test_sse_direct import _dechunk, _read_all
 
-from server.api import task_stream
-from server.api.sse import DONE
+from server.api.streaming.direct import DirectWriter
+from server.api.streaming.source import DONE
+from server.api.tasks.stream import TaskStream
 from server.tasks.records import Output, Task
 
 
-class _Transport:  # what TaskDirect needs of the loop's transport
+class _Transport:  # what DirectWriter needs of the loop's transport
     def __init__(self, buffered: int = 0):
         self.written, self.buffered, self.closing = b"", buffered, False
 
@@ -53,12 +57,13 @@ def _apply(t: Task, step, last: bool, *, error: str | None = None, tail: str = "
 
 
 async def _loop_bytes(steps, **end) -> bytes:
-    """The loop generator's bytes for the same steps (a reader woken at every notify)."""
+    """The loop path's bytes for the same steps (a reader woken at every notify)."""
     t = _task()
-    got = []
+    source = TaskStream(t, 0)
+    got = list(source.preamble)
 
     async def read():
-        async for chunk in task_stream.body(t, 0, t.out):
+        async for chunk in source.rest():
             got.append(chunk)
 
     reader = asyncio.create_task(read())
@@ -70,90 +75,119 @@ async def _loop_bytes(steps, **end) -> bytes:
     return b"".join(got)
 
 
-async def _direct_bytes(steps, transport=None, **end) -> tuple[bytes, task_stream.TaskDirect, list]:
+def _text(body: bytes) -> str:
+    events = [orjson.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    return "".join(e.get("data", "") for e in events)
+
+
+class _Pair:
+    """A direct writer on one end of a socket pair (the loop's own socket: not dup'ed)."""
+
+    def __init__(self, t: Task, pos: int = 0, *, sndbuf: int | None = None) -> None:
+        self.a, self.b = socket.socketpair()
+        if sndbuf:
+            self.a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+            self.b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf)
+        self.a.setblocking(False)
+        self.aborted: list[bool] = []
+        self.source = TaskStream(t, pos, lambda: self.aborted.append(True))
+        self.tr = _Transport()
+        self.ds = DirectWriter(self.source, self.tr, self.a.fileno(), own_fd=False)
+
+    def written(self) -> bytes:
+        return _dechunk(_read_all(self.b))
+
+    def close(self) -> None:
+        self.a.close(), self.b.close()
+
+
+async def _direct_bytes(steps, **end) -> tuple[bytes, _Pair]:
     t = _task()
-    ends: list[bool] = []
-    tr = transport or _Transport()
-    ds = task_stream.TaskDirect(t, t.out, 0, tr, ends.append)
-    ds.start()
+    p = _Pair(t)
+    p.ds.start()
     for i, step in enumerate(steps):
         _apply(t, step, i == len(steps) - 1, **end)
-    return b"".join(ds.preamble) + _dechunk(tr.written), ds, ends
+    return b"".join(p.source.preamble) + p.written(), p
 
 
 @pytest.mark.parametrize("end", [{}, {"tail": " (flushed)"}, {"error": "the engine failed"}],
                          ids=["final", "tail", "error"])
-async def test_direct_writes_equal_the_loop_generator(end):
+async def test_direct_writes_equal_the_loop_path(end):
     want = await _loop_bytes(STEPS, **end)
-    got, ds, ends = await _direct_bytes(STEPS, **end)
+    got, p = await _direct_bytes(STEPS, **end)
     assert got == want and want.endswith(DONE)
-    assert (await ds.left) == "ended" and ds.ended and not ds.stop()
+    assert (await p.ds.left) == "ended" and p.source.ended
     assert ((b'"error"' in want) == ("error" in end)) and (b'"finished":true' in want) != ("error" in end)
     assert b"(flushed)" in want or "tail" not in end
-    ds.close()
-    assert ends == [True]
-    assert ds.pump not in ds.out._listeners  # left: no more writes
+    p.source.close()
+    assert p.aborted == []  # it ended: nothing to abort
+    assert p.ds.pump not in p.source.out._listeners  # left: no more writes
+    p.close()
 
 
-async def test_a_slow_transport_hands_the_rest_to_the_loop_in_order():
-    want = await _loop_bytes(STEPS)
-    tr = _Transport()
+async def test_a_full_socket_hands_the_rest_to_the_loop_in_order():
+    big = [[(f" word{i}" * 50, 1)] for i in range(400)]  # far more than the socket buffers below
+    want = await _loop_bytes(big)
     t = _task()
-    ds = task_stream.TaskDirect(t, t.out, 0, tr, lambda finished: None)
-    ds.start()
-    _apply(t, STEPS[0], False)
-    tr.buffered = task_stream.SLOW_BYTES + 1  # the client stopped reading
-    _apply(t, STEPS[1], False)  # written (it fits the transport's buffer), then direct mode ends
-    assert (await ds.left) == "slow"
-    written = len(tr.written)
+    p = _Pair(t, sndbuf=4096)
+    p.ds.start()
+    for step in big[:300]:  # nobody reads meanwhile: a write comes up short
+        _apply(t, step, False)
+    assert (await p.ds.left) == "slow"
+    direct_part = p.written()
     rest = []
 
     async def read_rest():
-        async for chunk in ds.rest():
+        async for chunk in p.ds.rest():
             rest.append(chunk)
 
     reader = asyncio.create_task(read_rest())
     await asyncio.sleep(0)
-    for i, step in enumerate(STEPS[2:]):
-        _apply(t, step, i == len(STEPS) - 3)
+    for i, step in enumerate(big[300:]):
+        _apply(t, step, i == len(big) - 301)
         await asyncio.sleep(0)
     await reader
-    assert len(tr.written) == written  # nothing more written behind the loop's back
-    assert b"".join(ds.preamble) + _dechunk(tr.written) + b"".join(rest) == want and ds.ended
+    assert direct_part and p.tr.written  # both paths carried bytes, the tail through the transport
+    got = b"".join(p.source.preamble) + direct_part + _dechunk(p.tr.written) + b"".join(rest)
+    # batching differs after the hand-back, not the content: the same text, once, then the same end
+    assert _text(got) == _text(want) and got.endswith(DONE) and p.source.ended
+    assert got.split(b"\n\n")[-3:] == want.split(b"\n\n")[-3:]
+    p.close()
 
 
 async def test_stopped_before_the_end_says_so_and_aborts_its_own_task():
     t = _task()
-    ends: list[bool] = []
-    tr = _Transport()
-    ds = task_stream.TaskDirect(t, t.out, 0, tr, ends.append)
-    ds.start()
+    p = _Pair(t)
+    p.ds.start()
     _apply(t, STEPS[0], False)
-    assert ds.stop() is True and (await ds.left) == "stopped"  # the end was not written
-    before = tr.written
+    assert not p.source.ended
+    p.ds.stop()
+    assert (await p.ds.left) == "stopped"
+    before = p.written()
     _apply(t, STEPS[1], False)
-    assert tr.written == before  # no write after stop
-    ds.close()
-    assert ends == [False]
+    assert before and p.written() == b""  # no write after stop
+    p.source.close()
+    assert p.aborted == [True]
+    p.close()
 
 
-async def test_a_closing_transport_leaves_as_gone():
-    tr = _Transport()
+async def test_a_closing_transport_leaves_as_gone_and_aborts():
     t = _task()
-    ds = task_stream.TaskDirect(t, t.out, 0, tr, lambda finished: None)
-    ds.start()
-    tr.closing = True
+    p = _Pair(t)
+    p.ds.start()
+    p.tr.closing = True  # the loop is closing the connection: its socket is not ours any more
     _apply(t, STEPS[0], False)
-    assert (await ds.left) == "gone" and tr.written == b""
+    assert (await p.ds.left) == "gone" and p.written() == b"" and p.aborted == [True]
+    p.close()
 
 
 async def test_a_stream_from_a_position_starts_there():
     t = _task()
     for step in STEPS[:2]:
         _apply(t, step, False)
-    tr = _Transport()
-    ds = task_stream.TaskDirect(t, t.out, 1, tr, lambda finished: None)  # after token 1
-    ds.start()  # writes what is there beyond pos at once
-    body = _dechunk(tr.written).decode()
+    p = _Pair(t, pos=1)  # after token 1
+    p.ds.start()  # writes what is there beyond pos at once
+    body = p.written().decode()
     assert '"data":" w\\u00f6rld"' in body or '"data":" wörld"' in body
     assert "Hello" not in body and '"pos":3' in body
+    p.close()

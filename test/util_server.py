@@ -23,12 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import TypeVar
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+_Self = TypeVar("_Self", bound="ServerProcess")
 
 
 def free_port() -> int:
@@ -63,18 +65,17 @@ class ServerProcess:
         return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--db", self.db, "--model", self.model, *self.args]
 
-    def start(self, wait: bool = True, timeout: float = 90.0) -> "ServerProcess":
+    def start(self, wait: bool = True, timeout: float = 90.0) -> ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("server already running")
         env = {**os.environ, "RWKV_STATS_INTERVAL": "0", "RWKV_DEVICE": "cpu", **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         self.starts += 1
-        log = open(self.log_path, "ab")
-        log.write(f"\n===== start #{self.starts}: {' '.join(self.command())}\n".encode())
-        log.flush()
-        self.proc = subprocess.Popen(self.command(), cwd=str(ROOT), env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            log.write(f"\n===== start #{self.starts}: {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.command(), cwd=str(ROOT), env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
             self.wait_ready(timeout)
         return self
@@ -112,7 +113,7 @@ class ServerProcess:
             self.proc.wait(timeout=30)
         return self.proc.returncode
 
-    def restart(self, wait: bool = True, hard: bool = False) -> "ServerProcess":
+    def restart(self, wait: bool = True, hard: bool = False) -> ServerProcess:
         (self.kill if hard else self.stop)()
         return self.start(wait=wait)
 
@@ -127,7 +128,7 @@ class ServerProcess:
             return "(no log)"
         return "\n".join(lines[-n:])
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,19 +7,19 @@ import logging
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api import handlers
-from server.api.deps import Services
-from server.api.loading import facts, load_services, prefix_budget
-from server.api.generation import Recorder
-from server.api.metrics import Metrics
+from server.api.loading import Loaded, facts, load_services, prefix_budget
+from server.api.metrics import Metrics, Recorder
 from server.api.middleware import ServerMiddleware
-from server.api.prefix_cache import PrefixCache
-from server.api.sse import RAW_SEND
+from server.api.openai.prefix_cache import PrefixCache
+from server.api.services import Services
+from server.api.streaming.sse import RAW_SEND
 from server.config import Settings
 
 log = logging.getLogger("server.app")
@@ -30,17 +30,15 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
     starts the engine and the TaskManager, and stops them at shutdown. With `services` (tests,
     embedding) it uses them as given and owns nothing."""
     owned = services is None
-    services = services or Services(settings=settings)
-    metrics = services.metrics = services.metrics or Metrics()
-    services.extra.setdefault("prefix_cache", PrefixCache(prefix_budget(settings)))
+    metrics = services.metrics if services is not None else Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.draining = asyncio.Event()
         app.state.loop = asyncio.get_running_loop()
-        background = [asyncio.create_task(_http_stats_loop(services))]
+        background = [asyncio.create_task(http_stats_loop(metrics, settings.stats_interval))]
         if owned:
-            background.append(asyncio.create_task(_load(app, services, exit_on_load_error)))
+            background.append(asyncio.create_task(_load(app, settings, metrics, exit_on_load_error)))
         try:
             yield
         finally:
@@ -48,12 +46,13 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
             for t in background:
                 t.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            if owned:
-                await _shutdown(services)
+            if owned and app.state.services is not None:
+                await _shutdown(app.state.services)
 
     app = ServerApp(title="RWKV-7 task server", version="0.1.0", lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None)
-    app.state.services = services
+                    docs_url="/docs", redoc_url=None)
+    app.state.services = services  # None until loaded (routes answer 503 "loading")
+    app.state.metrics = metrics
     app.state.load_error = None
     handlers.install(app)
     app.add_middleware(ServerMiddleware, max_body_bytes=settings.max_body_bytes,
@@ -64,19 +63,19 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
 
 class RawSendLayer:
     """The outermost ASGI layer: keeps the server's own `send` in the scope, so a streaming
-    response can send its body messages without the middleware hops (see server.api.sse)."""
+    response can send its body messages without the middleware hops (server.api.streaming.sse)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope[RAW_SEND] = send
         await self.app(scope, receive, send)
 
 
 class ServerApp(FastAPI):
-    def build_middleware_stack(self) -> Any:
+    def build_middleware_stack(self) -> ASGIApp:
         return RawSendLayer(super().build_middleware_stack())
 
 
@@ -90,26 +89,24 @@ def begin_drain(app: FastAPI) -> None:
 
 def _include_routes(app: FastAPI) -> None:
     import server.webui
-    from server.api import openai_routes, ops_routes, tasks_routes
+    from server.api import ops
+    from server.api.openai import routes as openai_routes
+    from server.api.tasks import routes as tasks_routes
 
-    app.include_router(ops_routes.router)
+    app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(tasks_routes.router)
     app.include_router(server.webui.router)
 
 
-async def _load(app: FastAPI, services: Services, exit_on_error: bool) -> None:
+async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_error: bool) -> None:
     """Load the model in a thread, then start the TaskManager; /health turns 200 at the end."""
-    settings = services.settings
     try:
         loaded = await asyncio.to_thread(load_services, settings)
-        for name in ("model", "tokenizer", "engine", "model_id"):
-            setattr(services, name, getattr(loaded, name))
-        services.extra.update(loaded.extra)
-        services.tasks = await _start_tasks(services)
+        services = await _start(loaded, settings, metrics)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         expected = isinstance(exc, (OSError, ValueError, KeyError)) or type(exc).__name__ == "CheckpointError"
         log.error("loading failed: %s: %s", type(exc).__name__, exc, exc_info=not expected)
         app.state.load_error = f"{type(exc).__name__}: {exc}"
@@ -117,45 +114,52 @@ async def _load(app: FastAPI, services: Services, exit_on_error: bool) -> None:
             on_fatal = getattr(app.state, "on_fatal", None)
             on_fatal() if on_fatal else os.kill(os.getpid(), signal.SIGTERM)
         return
-    services.ready = True
+    app.state.services = services
     for line in facts(services):
         log.info("%s", line)
     log.info("ready: listening on http://%s:%s", settings.host, settings.port)
 
 
-async def _start_tasks(services: Services):
+async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Services:
+    """The TaskManager over the loaded engine, and the Services the routes use. The engine is
+    shut down if the task manager cannot start."""
     from server.tasks import TaskManager
 
-    # task runs count in the TTFT / inter-token / duration histograms, as OpenAI requests do
-    tasks = TaskManager(services.engine, services.tokenizer, services.settings, services.model.shape,
-                        latency=lambda: Recorder(services.metrics, time.perf_counter()))
-    await tasks.start()
-    return tasks
+    try:
+        # task runs count in the TTFT / inter-token / duration histograms, as OpenAI requests do
+        tasks = TaskManager(loaded.engine, loaded.tokenizer, settings, loaded.shape,
+                            latency=lambda: Recorder(metrics, time.perf_counter()))
+        await tasks.start()
+    except BaseException:
+        await asyncio.to_thread(loaded.engine.shutdown)
+        raise
+    return Services(settings=settings, engine=loaded.engine, tokenizer=loaded.tokenizer, shape=loaded.shape,
+                    metrics=metrics, prefix_cache=PrefixCache(prefix_budget(settings)), tasks=tasks,
+                    model_id=loaded.model_id, facts=loaded.facts)
 
 
 async def _shutdown(services: Services) -> None:
-    services.ready = False
     if services.tasks is not None:
         try:
             await services.tasks.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("task manager close failed")
-    if services.engine is not None:
-        await asyncio.to_thread(services.engine.shutdown)
+    await asyncio.to_thread(services.engine.shutdown)
     log.info("shut down")
 
 
-async def _http_stats_loop(services: Services) -> None:
-    """The HTTP-side stats line: requests answered, 5xx, streams open (every stats_interval s)."""
-    interval = services.settings.stats_interval
+async def http_stats_loop(metrics: Metrics, interval: float) -> None:
+    """The HTTP-side stats line (requests answered, 5xx, streams open), every `interval` seconds
+    in which something happened: monitoring probes alone (/health, /metrics) are no activity, so
+    an idle server stays quiet."""
     if interval <= 0:
         return
-    last_total, t_last = 0, time.monotonic()
+    last_total, t_last = metrics.http_totals()[0], time.monotonic()
     while True:
         await asyncio.sleep(interval)
-        total, errors = services.metrics.http_totals()
+        total, errors = metrics.http_totals()
         now = time.monotonic()
-        if total != last_total or services.metrics.streams_open:
+        if total != last_total or metrics.streams_open:
             log.info("http: %.1f req/s, %d requests, %d 5xx, %d streams open",
-                     (total - last_total) / (now - t_last), total, errors, services.metrics.streams_open)
+                     (total - last_total) / (now - t_last), total, errors, metrics.streams_open)
         last_total, t_last = total, now

@@ -1,4 +1,5 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}, used by every route
+family, and the mapping of the engine's errors onto them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Any
 
 import orjson
 from fastapi.responses import Response
+
+from server.engine.types import EngineDeadError, PromptTooLongError, QueueFullError, RequestFailedError
 
 # HTTP status -> OpenAI-style error type
 ERROR_TYPES = {
@@ -59,3 +62,20 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def not_found(task_id: str) -> ApiError:
     return ApiError(404, f"task {task_id!r} not found", param="task_id", code="task_not_found")
+
+
+def engine_error(exc: Exception, invalid_status: int = 400) -> ApiError:
+    """The ApiError of an engine error (a ValueError is the request's fault: `invalid_status`,
+    400 on the OpenAI routes, 422 on the task routes); anything else is re-raised."""
+    if isinstance(exc, QueueFullError):
+        return ApiError(429, f"the server is busy (queue full): {exc}; retry shortly", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, PromptTooLongError):
+        return ApiError(413, f"prompt too long: {exc}", param="prompt", code="prompt_too_long")
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"the inference engine stopped: {exc}", code="engine_dead")
+    if isinstance(exc, ValueError):
+        return ApiError(invalid_status, str(exc), code="invalid_request")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, f"generation failed: {exc}", code="generation_failed")
+    raise exc

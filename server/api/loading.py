@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from server.api.deps import Services
+from server.api.services import LoadFacts, Services
 from server.config import Settings
+from server.engine.protocol import EngineAPI
+from server.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # (imports torch at run time)
+    from server.model.state import ModelShape
 
 log = logging.getLogger("server.load")
 
@@ -35,8 +42,19 @@ def model_id_of(spec: str) -> str:
     return Path(spec).name
 
 
-def load_services(settings: Settings) -> Services:
-    """Model, tokenizer and a started engine. Logs progress and the facts."""
+@dataclass
+class Loaded:
+    """A loaded model behind a started engine, and what loading found out."""
+
+    engine: EngineAPI
+    tokenizer: Tokenizer
+    shape: ModelShape
+    model_id: str
+    facts: LoadFacts
+
+
+def load_services(settings: Settings) -> Loaded:
+    """Model, tokenizer and a started engine. Logs progress."""
     spec = settings.resolved_model()
     if spec.startswith("synthetic:"):
         log.warning(RANDOM_WARNING, spec)
@@ -58,8 +76,7 @@ def load_services(settings: Settings) -> Services:
                            kernel_cache=settings.kernel_cache)
     finally:
         logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
-    t_model = time.perf_counter() - t0
-    log.info("model loaded in %.2fs", t_model)
+    log.info("model loaded in %.2fs", time.perf_counter() - t0)
     t1 = time.perf_counter()
     tokenizer = get_tokenizer()
     tokenizer.encode("warm-up: the first encode builds lookup tables")  # not in a request's time
@@ -68,11 +85,12 @@ def load_services(settings: Settings) -> Services:
     engine = Engine(model, tokenizer, settings)
     engine.start()
     log.info("engine started in %.2fs", time.perf_counter() - t2)
-    services = Services(settings=settings, model=model, tokenizer=tokenizer, engine=engine,
-                        model_id=getattr(model, "name", None) or model_id_of(spec))
-    services.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
-    services.extra["kernel_log"] = kernel_log.lines
-    return services
+    ops = getattr(model, "ops", None)
+    kernels = sorted({getattr(fn, "__module__", "?") for fn in vars(ops).values()}) if ops is not None else []
+    load = LoadFacts(seconds=round(time.perf_counter() - t0, 3), device=str(getattr(model, "device", device)),
+                     kernel_modules=kernels, kernel_log=kernel_log.lines)
+    return Loaded(engine=engine, tokenizer=tokenizer, shape=model.shape,
+                  model_id=getattr(model, "name", None) or model_id_of(spec), facts=load)
 
 
 class _Collect(logging.Handler):
@@ -87,36 +105,34 @@ class _Collect(logging.Handler):
 
 
 def facts(services: Services) -> list[str]:
-    """Human lines about what runs: shape, state size, slots, budgets, kernels."""
-    s, model = services.settings, services.model
-    lines = [f"model      {services.model_id}"]
-    shape = getattr(model, "shape", None)
-    if shape is not None:
-        lines.append(f"shape      L={shape.n_layer} C={shape.n_embd} H={shape.n_head} N={shape.head_size} "
-                     f"V={shape.vocab_size} ffn={shape.ffn_dim}")
-        try:
-            per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.state_dtype))
-            lines.append(f"state      {_mib(per_seq)} per sequence ({s.state_dtype} WKV)")
-        except Exception:  # noqa: BLE001
-            pass
-    lines.append(f"device     {getattr(model, 'device', s.resolved_device())}, compute {s.resolved_dtype()}")
+    """Human lines about what runs: shape, state size, slots, budgets, kernels, API keys."""
+    s, shape, load = services.settings, services.shape, services.facts
+    lines = [f"model      {services.model_id}",
+             (f"shape      L={shape.n_layer} C={shape.n_embd} H={shape.n_head} N={shape.head_size} "
+              f"V={shape.vocab_size} ffn={shape.ffn_dim}")]
+    with contextlib.suppress(Exception):  # a figure the start-up lines can do without
+        per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.state_dtype))
+        lines.append(f"state      {_mib(per_seq)} per sequence ({s.state_dtype} WKV)")
+    lines.append(f"device     {load.device or s.resolved_device()}, compute {s.resolved_dtype()}")
     slots = s.resolved_max_batch()
-    try:
+    with contextlib.suppress(Exception):
         slots = services.engine.stats().slots or slots
-    except Exception:  # noqa: BLE001
-        pass
     lines.append(f"slots      {slots} (step budget {s.step_token_budget} tokens, queue {s.max_queue})")
     lines.append(f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
                  f"chat prefix {_mib(prefix_budget(s))}")
     lines.append(f"database   {s.db}")
-    ops = getattr(model, "ops", None)
-    if ops is not None:
-        mods = sorted({getattr(fn, "__module__", "?") for fn in vars(ops).values()})
-        lines.append(f"kernels    WKV ops from {', '.join(mods)}")
-    for msg in services.extra.get("kernel_log", []):
-        lines.append(f"kernels    {msg}")
-    lines.append(f"loaded in  {services.extra.get('load_seconds', 0):.2f}s")
+    if load.kernel_modules:
+        lines.append(f"kernels    WKV ops from {', '.join(load.kernel_modules)}")
+    lines += [f"kernels    {msg}" for msg in load.kernel_log]
+    lines.append(f"API keys   {api_keys_fact(s)}")
+    lines.append(f"loaded in  {load.seconds:.2f}s")
     return lines
+
+
+def api_keys_fact(settings: Settings) -> str:
+    """Whether /v1 routes need a key: "on (N keys)" or "off: every route is open"."""
+    n = len(settings.api_key_set())
+    return f"on ({n} key{'s' if n != 1 else ''})" if n else "off: every route is open"
 
 
 def prefix_budget(settings: Settings) -> int:

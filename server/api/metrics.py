@@ -1,8 +1,9 @@
 """Prometheus text-format metrics, without a client library.
 
-The HTTP side records what only it sees (requests, time to first token, inter-token latency);
-engine and cache figures are read from `engine.stats()` / `tasks.stats()` when /metrics is
-scraped. Histograms are cumulative-bucket counters as the text format expects.
+The HTTP side records what only it sees (requests, time to first token, inter-token latency:
+`Recorder`, one per request or task run); engine and cache figures are read from
+`engine.stats()` and the caches' stats when /metrics is scraped (server.api.ops). Histograms are
+cumulative-bucket counters as the text format expects.
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from __future__ import annotations
 import bisect
 import gc
 import threading
-from typing import Any, Iterable
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from server.engine.protocol import EngineAPI
+from server.engine.types import Event
+
+PROBE_ROUTES = ("/health", "/metrics")
+"""Routes of monitoring probes: counted, but no sign of activity (the HTTP stats line)."""
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -36,7 +45,7 @@ class Histogram:
         lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
         with self._lock:
             acc = 0
-            for bound, c in zip(self.buckets, self.counts):
+            for bound, c in zip(self.buckets, self.counts, strict=False):  # counts: one more (+Inf)
                 acc += c
                 lines.append(f'{self.name}_bucket{{le="{bound}"}} {acc}')
             lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
@@ -46,7 +55,7 @@ class Histogram:
 
 
 class Metrics:
-    """HTTP-side counters and histograms; `render(services)` adds engine and cache figures."""
+    """HTTP-side counters and histograms; `render(engine, tiers)` adds engine and cache figures."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -61,8 +70,9 @@ class Metrics:
         self.aborted = 0
         self.stream_paths: dict[str, int] = {}
         """Ended SSE streams by how they were written: "loop" (the event loop), or
-        "direct_<why direct mode ended>" (server.api.direct: ended, slow, gone, stopped, failed),
-        "task_direct_<why>" (server.api.task_stream: the task routes' direct writes)."""
+        "<source path>_<why direct mode ended>" (server.api.streaming.direct; why: ended, slow, gone,
+        stopped, failed): "direct_*" for OpenAI streams (the engine thread writes), "task_direct_*"
+        for task streams (their Output's notifications write)."""
 
     def count_stream(self, path: str) -> None:
         with self._lock:
@@ -74,13 +84,13 @@ class Metrics:
             self.http_requests[key] = self.http_requests.get(key, 0) + 1
 
     def http_totals(self) -> tuple[int, int]:
-        """(requests, errors >= 500) so far."""
+        """(requests, errors >= 500) so far, monitoring probes (PROBE_ROUTES) left out."""
         with self._lock:
-            total = sum(self.http_requests.values())
-            errors = sum(v for (_, _, s), v in self.http_requests.items() if s >= 500)
-        return total, errors
+            items = [(k, v) for k, v in self.http_requests.items() if k[1] not in PROBE_ROUTES]
+        return sum(v for _, v in items), sum(v for (_, _, s), v in items if s >= 500)
 
-    def render(self, services: Any = None) -> str:
+    def render(self, engine: EngineAPI | None = None, tiers: dict[str, dict[str, Any]] | None = None) -> str:
+        """The text format: HTTP figures, then (once loaded) the engine's and the cache tiers'."""
         out: list[str] = []
         with self._lock:
             items = sorted(self.http_requests.items())
@@ -99,9 +109,11 @@ class Metrics:
         for h in (self.ttft, self.itl, self.e2e):
             out.extend(h.render())
         _gc_lines(out)
-        if services is not None:
-            _engine_lines(out, services)
-            _cache_lines(out, services)
+        _sample(out, "rwkv_ready", "gauge", "1 when the model is loaded and the engine runs.", int(engine is not None))
+        if engine is not None:
+            _engine_lines(out, engine)
+        if tiers is not None:
+            _cache_lines(out, tiers)
         return "\n".join(out) + "\n"
 
 
@@ -112,12 +124,7 @@ def _gc_lines(out: list[str]) -> None:
         out.append(f'rwkv_gc_collections_total{{generation="{generation}"}} {st["collections"]}')
 
 
-def _engine_lines(out: list[str], services: Any) -> None:
-    _sample(out, "rwkv_ready", "gauge", "1 when the model is loaded and the engine runs.",
-            int(bool(services.ready)))
-    engine = services.engine
-    if engine is None:
-        return
+def _engine_lines(out: list[str], engine: EngineAPI) -> None:
     try:
         st = engine.stats()
     except Exception:  # noqa: BLE001 - a dead engine must not break /metrics
@@ -131,27 +138,14 @@ def _engine_lines(out: list[str], services: Any) -> None:
     _sample(out, "rwkv_engine_step_seconds", "gauge", "Recent mean engine step time.", st.step_ms / 1000.0)
     _sample(out, "rwkv_decode_tokens_per_second", "gauge", "Recent decode throughput.", st.decode_tok_s)
     _sample(out, "rwkv_prefill_tokens_per_second", "gauge", "Recent prefill throughput.", st.prefill_tok_s)
-    _sample(out, "rwkv_engine_alive", "gauge", "1 while the engine loop runs.",
-            int(bool(getattr(engine, "is_alive", True))))
+    _sample(out, "rwkv_engine_alive", "gauge", "1 while the engine loop runs.", int(engine.is_alive))
     for key, value in sorted((st.extra or {}).items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             _sample(out, f"rwkv_engine_{_name(key)}", "gauge", f"Engine figure {key}.", value)
 
 
-def _cache_lines(out: list[str], services: Any) -> None:
-    """State cache bytes / entries / hits / misses per tier (TaskManager tiers + prefix cache)."""
-    tiers: dict[str, dict[str, Any]] = {}
-    tasks = services.tasks
-    stats_fn = getattr(tasks, "stats", None) if tasks is not None else None
-    if callable(stats_fn):
-        try:
-            raw = stats_fn()
-            tiers.update(_tiers_of(raw))
-        except Exception:  # noqa: BLE001
-            pass
-    prefix = services.extra.get("prefix_cache")
-    if prefix is not None:
-        tiers["prefix"] = prefix.stats()
+def _cache_lines(out: list[str], tiers: dict[str, dict[str, Any]]) -> None:
+    """State cache bytes / entries / hits / misses per tier."""
     docs = {"bytes": ("gauge", "State bytes held"), "entries": ("gauge", "States held"),
             "hits": ("counter", "Lookups that found the state"),
             "misses": ("counter", "Lookups that did not find the state")}
@@ -161,23 +155,6 @@ def _cache_lines(out: list[str], services: Any) -> None:
         for tier, d in sorted(tiers.items()):
             if isinstance(d.get(key), (int, float)):
                 out.append(f'{name}{{tier="{_esc(tier)}"}} {_num(d[key])}')
-
-
-def _tiers_of(raw: Any) -> dict[str, dict[str, Any]]:
-    """Accept a TaskManager stats object/dict: {"tiers": {name: {...}}} or {name: {...}}."""
-    if hasattr(raw, "__dict__") and not isinstance(raw, dict):
-        raw = dict(vars(raw))
-    if not isinstance(raw, dict):
-        return {}
-    if isinstance(raw.get("tiers"), dict):
-        raw = raw["tiers"]
-    out: dict[str, dict[str, Any]] = {}
-    for name, d in raw.items():
-        if hasattr(d, "__dict__") and not isinstance(d, dict):
-            d = dict(vars(d))
-        if isinstance(d, dict):
-            out[str(name)] = d
-    return out
 
 
 def _family(out: list[str], name: str, kind: str, doc: str) -> None:
@@ -214,3 +191,36 @@ def parse_metrics(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return values
+
+
+class Timed(Protocol):
+    """What a Recorder keeps on each sequence it times (an OpenAI job, a task run)."""
+
+    t_last: float | None
+
+
+class Recorder:
+    """TTFT / inter-token latency / duration metrics of one request (or task run)."""
+
+    def __init__(self, metrics: Metrics | None, t_arrival: float) -> None:
+        self.metrics, self.t0, self.first = metrics, t_arrival, True
+        self._finished = False
+
+    def on_batch(self, seq: Timed, batch: Sequence[Event]) -> None:
+        """A sequence's events taken at one wake-up (their tokens arrived together)."""
+        now = time.perf_counter()
+        n_new = len(batch[0].token_ids) if len(batch) == 1 else sum(len(ev.token_ids) for ev in batch)
+        if n_new and self.metrics is not None:
+            if self.first:
+                self.metrics.ttft.observe(now - self.t0)
+                self.first = False
+            elif seq.t_last:
+                self.metrics.itl.observe((now - seq.t_last) / n_new, n_new)
+        if n_new:
+            seq.t_last = now
+
+    def finish(self) -> None:
+        """The request is over: its duration, recorded once however many paths end it."""
+        if self.metrics is not None and not self._finished:
+            self.metrics.e2e.observe(time.perf_counter() - self.t0)
+        self._finished = True

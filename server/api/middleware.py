@@ -1,7 +1,12 @@
-"""One pure-ASGI middleware: request ids, body-size limit, API keys, last-resort errors, access log.
+"""One pure-ASGI middleware: request ids, JSON bodies whatever their content type, body-size
+limit, API keys, last-resort errors, the access log.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect detection pass
 through untouched.
+
+Access log: answered requests at DEBUG (an SDK polling every half second would flood INFO; the
+HTTP stats line counts them), refused ones (4xx) at INFO and failed ones (5xx) at WARNING, each
+with the reason (the error message a handler left in the request state).
 """
 
 from __future__ import annotations
@@ -12,18 +17,21 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import error_body
+from server.api.errors import ERROR_TYPES, error_body
+from server.api.metrics import PROBE_ROUTES, Metrics
 
 log = logging.getLogger("server.http")
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = PROBE_ROUTES  # no API key needed, no access log line when healthy
+JSON = b"application/json"
 
 
 class RequestIdFilter(logging.Filter):
@@ -35,15 +43,28 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def _header(scope: dict, name: bytes) -> str | None:
+def _headers(scope: Scope) -> dict[bytes, bytes]:
+    """The request headers this middleware reads (lower-case names; the first of repeated ones)."""
+    out: dict[bytes, bytes] = {}
     for k, v in scope.get("headers") or ():
-        if k.lower() == name:
-            return v.decode("latin-1")
-    return None
+        k = k.lower()
+        if k in (b"x-request-id", b"content-length", b"authorization", b"content-type") and k not in out:
+            out[k] = v
+    return out
+
+
+def _as_json(scope: Scope, content_type: bytes | None) -> None:
+    """Every body is read as JSON, whatever its content type says (curl -d sends a form type, some
+    clients none): a body that is not JSON gets the "not valid JSON" error naming the problem."""
+    kind = (content_type or b"").split(b";")[0].strip().lower()
+    if kind == JSON or (kind.startswith(b"application/") and kind.endswith(b"+json")):
+        return
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+    scope["headers"].append((b"content-type", JSON))
 
 
 def _json_error(status: int, message: str, type_: str, code: str | None, rid: str,
-                extra: dict[str, str] | None = None) -> tuple[dict, dict]:
+                extra: dict[str, str] | None = None) -> tuple[Message, Message]:
     body = orjson.dumps(error_body(message, type_, None, code))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"x-request-id", rid.encode())]
@@ -54,18 +75,19 @@ def _json_error(status: int, message: str, type_: str, code: str | None, rid: st
 
 
 class ServerMiddleware:
-    def __init__(self, app: Callable, *, max_body_bytes: int, api_keys: frozenset[str],
-                 metrics: Any = None) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_keys: frozenset[str],
+                 metrics: Metrics | None = None) -> None:
         self.app = app
         self.max_body = max_body_bytes
         self.keys = api_keys
         self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        client_rid = _header(scope, b"x-request-id")
+        headers = _headers(scope)
+        client_rid = headers.get(b"x-request-id", b"").decode("latin-1")
         rid = client_rid if client_rid and _RID_OK.match(client_rid) else uuid.uuid4().hex
         token = request_id_var.set(rid)
         state = scope.setdefault("state", {})
@@ -73,7 +95,7 @@ class ServerMiddleware:
         t0 = time.perf_counter()
         status_box = [0]
 
-        async def send_wrapper(message: dict) -> None:
+        async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status_box[0] = message["status"]
                 headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
@@ -82,37 +104,40 @@ class ServerMiddleware:
             await send(message)
 
         try:
-            early = self._refuse(scope, state, rid)
+            early = self._refuse(scope, headers, state, rid)
             if early is not None:
                 for msg in early:
                     await send_wrapper(msg)
                 return
+            _as_json(scope, headers.get(b"content-type"))
             await self._call(scope, receive, send_wrapper, status_box, rid)
         finally:
-            self._log(scope, status_box[0], time.perf_counter() - t0)
+            self._log(scope, status_box[0], time.perf_counter() - t0, state.get("error"))
             request_id_var.reset(token)
 
-    def _refuse(self, scope: dict, state: dict, rid: str) -> tuple[dict, dict] | None:
+    def _refuse(self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any],
+                rid: str) -> tuple[Message, Message] | None:
         """Checks made before the app runs: body size by Content-Length, then the API key."""
-        length = _header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return _json_error(413, f"request body of {length} bytes exceeds the limit of "
-                               f"{self.max_body} bytes", "request_too_large", "body_too_large", rid)
+        length = headers.get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > self.max_body:
+            state["error"] = f"request body of {length} bytes exceeds the limit of {self.max_body} bytes"
+            return _json_error(413, state["error"], "request_too_large", "body_too_large", rid)
         path = scope.get("path", "")
         if self.keys and path.startswith("/v1") and path not in OPEN_PATHS:
-            key = _bearer(_header(scope, b"authorization"))
+            key = _bearer(headers.get(b"authorization", b"").decode("latin-1"))
             owner = next((k for k in self.keys if key is not None and hmac.compare_digest(k, key)), None)
             if owner is None:
                 msg = "missing API key: send 'Authorization: Bearer <key>'" if key is None else "invalid API key"
+                state["error"] = msg
                 return _json_error(401, msg, "authentication_error", "invalid_api_key", rid,
                                    {"www-authenticate": "Bearer"})
             state["owner"] = owner
         return None
 
-    async def _call(self, scope: dict, receive: Callable, send: Callable, status_box: list, rid: str) -> None:
+    async def _call(self, scope: Scope, receive: Receive, send: Send, status_box: list[int], rid: str) -> None:
         seen = [0]
 
-        async def limited_receive() -> dict:
+        async def limited_receive() -> Message:
             message = await receive()
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
@@ -122,29 +147,37 @@ class ServerMiddleware:
 
         try:
             await self.app(scope, limited_receive, send)
-        except Exception as exc:  # noqa: BLE001 - last resort: the error shape, never a traceback page
+        except Exception as exc:  # last resort: the error shape, never a traceback page
             if isinstance(exc, HTTPException):
                 status, msg, code = exc.status_code, str(exc.detail), None
             else:
                 log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
                 status, msg, code = 500, "internal server error (see the server log)", "internal_error"
+            scope.setdefault("state", {})["error"] = msg
             if status_box[0]:
                 return  # the response already started; nothing more can be said
-            from server.api.errors import ERROR_TYPES
-
             for msg_ in _json_error(status, msg, ERROR_TYPES.get(status, "server_error"), code, rid):
                 await send(msg_)
 
-    def _log(self, scope: dict, status: int, seconds: float) -> None:
+    def _log(self, scope: Scope, status: int, seconds: float, error: str | None) -> None:
         route = scope.get("route")
         route_path = getattr(route, "path", None) or "other"
         if self.metrics is not None:
             self.metrics.count_request(scope.get("method", ""), route_path, status)
         path = scope.get("path", "")
-        if path in OPEN_PATHS and status == 200:
-            return  # probes would drown the log
-        client = scope.get("client") or ("-", 0)
-        log.info('%s "%s %s" %s %.1fms', client[0], scope.get("method"), path, status, seconds * 1000)
+        if status < 400:
+            if path not in OPEN_PATHS:  # probes would drown even the debug log
+                log.debug('%s "%s %s" %s %.1fms', _client(scope), scope.get("method"), path, status,
+                          seconds * 1000)
+            return
+        level = logging.WARNING if status >= 500 else logging.INFO
+        log.log(level, '%s "%s %s" %s %.1fms: %s', _client(scope), scope.get("method"), path, status,
+                seconds * 1000, error or "(no reason given)")
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client") or ("-", 0)
+    return str(client[0])
 
 
 def _bearer(value: str | None) -> str | None:

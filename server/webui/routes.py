@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from server.api.errors import ApiError
+from server.api.services import get_owner, get_services
 from server.tasks.errors import TaskError
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -64,12 +65,11 @@ async def asset(name: str) -> Response:
 async def task_detail(task_id: str, request: Request) -> Response:
     """A task's or template's last prompt, parameters and counters (the dashboard's task and
     template pages). Same visibility as GET /v1/tasks/{id}/status: 404 for another key's task."""
-    services = request.app.state.services
-    if not services.ready or services.tasks is None:
-        raise ApiError(503, "the model is still loading; retry shortly", code="loading",
-                       headers={"Retry-After": "5"})
+    services = get_services(request)
+    if services.tasks is None:
+        raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
     try:
-        t = await services.tasks.get(task_id, getattr(request.state, "owner", None))
+        t = await services.tasks.get(task_id, get_owner(request))
     except TaskError as exc:
         raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
     return Response(orjson.dumps(_detail(t)), media_type="application/json")

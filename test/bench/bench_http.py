@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import itertools
 import json
 import math
 import os
@@ -138,14 +139,14 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     time.sleep(0.25)
     counter.halt.set()
     counter.join(10)
-    for c, (out, err) in zip(children, outs):
+    for c, (_, err) in zip(children, outs, strict=True):
         if c.returncode:
             raise RuntimeError(f"client failed: {err[-3000:]}\n{srv.log_tail()}")
     parts = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     streams = [s for p in parts for s in p["streams"]]
     toks = sum(s["tokens"] for s in streams)
     ttft = [(s["first"] - s["start"]) * 1e3 for s in streams if s["first"] is not None]
-    gaps = [(b - a) * 1e3 for s in streams for a, b in zip(s["stamps"], s["stamps"][1:])]
+    gaps = [(b - a) * 1e3 for s in streams for a, b in itertools.pairwise(s["stamps"])]
     t_all = max((s["first"] for s in streams if s["first"] is not None), default=t0)
     t_end = min(s["end"] for s in streams)
     steady = counter.rate(t_all, t_end)  # None: no window where all N streams decode (printed as such)
@@ -175,7 +176,7 @@ def delivered_rate(streams: list[dict], t_a: float) -> float | None:
     got = 0.0
     for s in streams:
         per_event = s["tokens"] / max(sum(s["counts"]), 1)
-        got += per_event * sum(c for t, c in zip(s["stamps"], s["counts"]) if t_a < t <= t_b)
+        got += per_event * sum(c for t, c in zip(s["stamps"], s["counts"], strict=True) if t_a < t <= t_b)
     return got / (t_b - t_a)
 
 
@@ -230,7 +231,8 @@ def main() -> None:
         for n in streams:
             procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
             r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, a.route)
-            steady = f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"] else "(no steady window: not all streams overlapped)"
+            steady = (f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"]
+                      else "(no steady window: not all streams overlapped)")
             got = f"{r['delivered_tok_s']:.1f}" if r["delivered_tok_s"] is not None else "-"
             print(f"  {n:4d} streams: server {steady}, delivered {got} "
                   f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
@@ -243,7 +245,8 @@ def main() -> None:
                           "delivered_tok_s": _r(r["delivered_tok_s"], 1),
                           "ttft_p50_ms": _r(r["ttft_p50"], 1), "ttft_p95_ms": _r(r["ttft_p95"], 1),
                           "itl_p50_ms": _r(r["itl_p50"], 2), "itl_p95_ms": _r(r["itl_p95"], 2),
-                          "max_tokens": a.max_tokens, "stagger_ms": a.stagger_ms or None, "dtype": a.dtype, "max_batch": max_batch,
+                          "max_tokens": a.max_tokens, "stagger_ms": a.stagger_ms or None, "dtype": a.dtype,
+                          "max_batch": max_batch,
                           "cuda_graphs": not a.no_cuda_graphs, "client_procs": r["client_procs"],
                           "client_cpu_pct": round(r["client_cpu_pct"], 1),
                           "client_us_per_tok": round(r["client_us_per_tok"], 1),
@@ -256,8 +259,8 @@ def main() -> None:
         srv.stop()
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
     write_lines(a.out, lines)
-    print(f"\n{'streams':>7} {'tok/s':>10} {'delivered':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7} "
-          f"{'client%':>8}")
+    print(f"\n{'streams':>7} {'tok/s':>10} {'delivered':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} "
+          f"{'ITL p50':>8} {'p95':>7} {'client%':>8}")
     for x in lines:
         tok_s = f"{x['decode_tok_s']:10.1f}" if x["decode_tok_s"] is not None else f"{'-':>10}"
         got = f"{x['delivered_tok_s']:10.1f}" if x["delivered_tok_s"] is not None else f"{'-':>10}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -45,9 +46,9 @@ CLK = os.sysconf("SC_CLK_TCK")
 
 # --- server side (runs in the server subprocess) --------------------------------------------
 def serve(argv: list[str], gpu_ms: float) -> int:
-    import server.model as sm
     from bench_engine_host import FakeModel, FakeSampler, simulate_device
 
+    import server.model as sm
     from server.engine import engine as eng_mod
     from server.tokenizer import get_tokenizer
 
@@ -71,7 +72,6 @@ def serve(argv: list[str], gpu_ms: float) -> int:
     if not prof_out:
         return cli_main(["serve", *argv])
     import cProfile
-
     import threading
 
     prof = cProfile.Profile()  # the main thread only: the event loop
@@ -174,11 +174,12 @@ def client_main(host: str, port: int, route: str, n: int, max_tokens: int, stagg
     c0, t0 = os.times(), time.perf_counter()
     res = asyncio.run(run_streams(host, port, path, bodies, stagger_ms))
     wall, c1 = time.perf_counter() - t0, os.times()
-    gaps = [(b - a) * 1e3 for r in res for a, b in zip(r["stamps"], r["stamps"][1:])]
+    gaps = [(b - a) * 1e3 for r in res for a, b in itertools.pairwise(r["stamps"])]
     ttft = [(r["stamps"][0] - r["start"]) * 1e3 for r in res if r["stamps"]]
     # the wait for a stream's last chunk (a task's final event comes once its final row is stored)
     last = [(r["stamps"][-1] - r["stamps"][-2]) * 1e3 for r in res if len(r["stamps"]) > 1]
-    print(json.dumps({"ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "wall": wall, "tokens": sum(r["tokens"] for r in res), "events": sum(r["events"] for r in res),
+    print(json.dumps({"ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "wall": wall,
+                      "tokens": sum(r["tokens"] for r in res), "events": sum(r["events"] for r in res),
                       "client_cpu": (c1.user + c1.system) - (c0.user + c0.system),
                       "gap_p50": pct(gaps, 0.5), "gap_p95": pct(gaps, 0.95),
                       "last_p50": pct(last, 0.5), "last_p95": pct(last, 0.95)}))
@@ -231,7 +232,9 @@ def main() -> None:
     rows = []
     try:
         def wave(route: str, n: int, mt: int) -> dict:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--client", f"127.0.0.1,{srv.port},{route},{n},{mt},{a.stagger_ms if mt > 8 else 0}"]
+            stagger = a.stagger_ms if mt > 8 else 0
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--client",
+                   f"127.0.0.1,{srv.port},{route},{n},{mt},{stagger}"]
             l0, p0 = proc_cpu(pid)
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             l1, p1 = proc_cpu(pid)
@@ -257,7 +260,8 @@ def main() -> None:
                     r = wave(route, n, a.max_tokens)
                     tok = max(r["tokens"], 1)
                     row = {"route": route, "N": n, "tok_s": tok / r["wall"], "srv_us": 1e6 * r["proc_cpu"] / tok,
-                           "loop_us": 1e6 * r["loop_cpu"] / tok, "other_us": 1e6 * (r["proc_cpu"] - r["loop_cpu"]) / tok,
+                           "loop_us": 1e6 * r["loop_cpu"] / tok,
+                           "other_us": 1e6 * (r["proc_cpu"] - r["loop_cpu"]) / tok,
                            "client_us": 1e6 * r["client_cpu"] / tok, "gap_p50": r["gap_p50"], "gap_p95": r["gap_p95"],
                            "ev_per_tok": r["events"] / tok, "tokens": tok,
                            "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"],

@@ -26,9 +26,9 @@ export const TASK_FIELDS = [
 /** OpenAI API (/v1/chat/completions, /v1/completions) sampling fields. */
 export const OPENAI_FIELDS = [
   ...COMMON,
-  { name: "presence_penalty", label: "presence penalty", min: -2, max: 2, step: "any" },
-  { name: "frequency_penalty", label: "frequency penalty", min: -2, max: 2, step: "any" },
-  { name: "penalty_decay", label: "penalty decay", min: 0.001, max: 1, step: "any" },
+  { name: "presence_penalty", label: "presence penalty", min: -10, max: 10, step: "any" },
+  { name: "frequency_penalty", label: "frequency penalty", min: -10, max: 10, step: "any" },
+  { name: "penalty_decay", label: "penalty decay", min: 0, max: 1, step: "any" },
   ...LAST,
 ];
 

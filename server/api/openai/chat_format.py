@@ -68,4 +68,4 @@ def load_few_shot(path: str | Path) -> str:
 
 def default_few_shot_path() -> Path:
     """The project's few_shot.txt (next to pyproject.toml)."""
-    return Path(__file__).resolve().parents[2] / "few_shot.txt"
+    return Path(__file__).resolve().parents[3] / "few_shot.txt"

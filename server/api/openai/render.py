@@ -1,16 +1,17 @@
-"""OpenAI response bodies and SSE chunk streams for chat and completions."""
+"""OpenAI response bodies and the bytes of their SSE streams, for chat and completions."""
 
 from __future__ import annotations
 
-from contextlib import aclosing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import orjson
 
 from server.api.errors import ApiError, error_body
-from server.api.generation import Job, Recorder, events
-from server.api.sse import DONE, event
+from server.api.openai.jobs import Job
+from server.api.streaming.source import DONE, event
+from server.engine.types import Event
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -22,6 +23,17 @@ class Meta:
     created: int
     prompt_tokens: int
     echoes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Renderer:
+    """A stream's bytes, by piece: the chunks before any event (one per job, or none),
+    render(job, batch) -> (bytes, whether the job's finish chunk is in them), end() -> the usage
+    chunk (when asked for) + [DONE]."""
+
+    preamble: list[bytes]
+    render: Callable[[Job, list[Event]], tuple[bytes, bool]]
+    end: Callable[[], bytes]
 
 
 def usage(jobs: list[Job], meta: Meta) -> dict[str, int]:
@@ -36,7 +48,8 @@ def _raise_failed(jobs: list[Job]) -> None:
             raise ApiError(500, f"generation failed: {j.error or 'unknown error'}", code="generation_failed")
 
 
-def _error_event(job: Job) -> bytes:
+def error_event(job: Job) -> bytes:
+    """The event that ends a stream whose job the engine failed."""
     return event(error_body(f"generation failed: {job.error or 'unknown error'}", "server_error", None,
                             "generation_failed"))
 
@@ -49,7 +62,7 @@ class _Template:
     `event({**base, "choices": [choice(index, text)], ["usage": None]})`, with one orjson call on
     the text only (the per-token cost of a stream)."""
 
-    def __init__(self, base: dict[str, Any], include_usage: bool, choice: Any) -> None:
+    def __init__(self, base: dict[str, Any], include_usage: bool, choice: Callable[[int], dict[str, Any]]) -> None:
         self.base, self.include_usage, self.choice = base, include_usage, choice
         self.parts: dict[int, tuple[bytes, bytes]] = {}
 
@@ -64,17 +77,38 @@ class _Template:
         return parts[0] + orjson.dumps(text) + parts[1]
 
 
+def _chunker(base: dict[str, Any], include_usage: bool) -> Callable[..., bytes]:
+    """chunk(choices, usage=None) -> one SSE event of this stream (usage key only when asked for)."""
+
+    def chunk(choices: list[dict[str, Any]], use: Any = None) -> bytes:
+        body = {**base, "choices": choices}
+        if include_usage:
+            body["usage"] = use
+        return event(body)
+
+    return chunk
+
+
+def _ender(jobs: list[Job], meta: Meta, include_usage: bool, chunk: Callable[..., bytes]) -> Callable[[], bytes]:
+    """end() -> the bytes that end a stream: the usage chunk (when asked for), then [DONE]."""
+    return lambda: (chunk([], usage(jobs, meta)) if include_usage else b"") + DONE
+
+
+def _finish(job: Job) -> str | None:
+    return FINISH.get(job.finish_reason or "", job.finish_reason)
+
+
 # --- chat ----------------------------------------------------------------------------------------
 
 def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     _raise_failed(jobs)
     choices = [{"index": j.index, "message": {"role": "assistant", "content": "".join(j.text).lstrip()},
-                "logprobs": None, "finish_reason": FINISH.get(j.finish_reason, j.finish_reason)} for j in jobs]
+                "logprobs": None, "finish_reason": _finish(j)} for j in jobs]
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
 
 
-def chat_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts":
+def chat_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
     """The pieces of a chat stream: the role chunks, render(job, batch), the end."""
     base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
             "system_fingerprint": None}
@@ -87,7 +121,7 @@ def chat_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts":
                                                         "logprobs": None, "finish_reason": None})
     started: set[int] = set()  # choices whose leading whitespace is behind them
 
-    def render(job: Job, batch: list) -> tuple[bytes, bool]:
+    def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
         text = batch[0].text if len(batch) == 1 else "".join(ev.text for ev in batch)
         if job.index not in started:
             text = text.lstrip()
@@ -96,10 +130,10 @@ def chat_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts":
         out = content(job.index, text) if text else b""
         if job.finish_reason is None:
             return out, False
-        return out + chunk([choice(job, {}, FINISH.get(job.finish_reason, job.finish_reason))]), True
+        return out + chunk([choice(job, {}, _finish(job))]), True
 
     preamble = [chunk([choice(j, {"role": "assistant", "content": ""})]) for j in jobs]
-    return Parts(jobs, preamble, render, lambda: _stream_end(jobs, meta, include_usage, chunk))
+    return Renderer(preamble, render, _ender(jobs, meta, include_usage, chunk))
 
 
 # --- completions ---------------------------------------------------------------------------------
@@ -107,7 +141,7 @@ def chat_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts":
 def completion_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     _raise_failed(jobs)
     choices = [{"index": j.index, "text": _echo(meta, j) + "".join(j.text), "logprobs": None,
-                "finish_reason": FINISH.get(j.finish_reason, j.finish_reason)} for j in jobs]
+                "finish_reason": _finish(j)} for j in jobs]
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
 
@@ -116,7 +150,7 @@ def _echo(meta: Meta, job: Job) -> str:
     return meta.echoes[job.index] if job.index < len(meta.echoes) else ""
 
 
-def completion_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts":
+def completion_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
     """The pieces of a completions stream: the echo chunks, render(job, batch), the end."""
     base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": None}
@@ -128,7 +162,7 @@ def completion_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts
     content = _Template(base, include_usage, lambda i: {"index": i, "text": _MARK, "logprobs": None,
                                                         "finish_reason": None})
 
-    def render(job: Job, batch: list) -> tuple[bytes, bool]:
+    def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
         last = batch[-1]
         if len(batch) == 1:
             text = "" if last.finished else last.text
@@ -137,67 +171,7 @@ def completion_parts(jobs: list[Job], meta: Meta, include_usage: bool) -> "Parts
         out = content(job.index, text) if text else b""
         if not last.finished:
             return out, False
-        return out + chunk([choice(job, last.text, FINISH.get(job.finish_reason, job.finish_reason))]), True
+        return out + chunk([choice(job, last.text, _finish(job))]), True
 
     preamble = [chunk([choice(j, _echo(meta, j))]) for j in jobs if _echo(meta, j)]
-    return Parts(jobs, preamble, render, lambda: _stream_end(jobs, meta, include_usage, chunk))
-
-
-@dataclass
-class Parts:
-    """A stream's bytes, by piece: the chunks before any event (one per job, or none), render
-    (job, batch) -> (bytes, whether the job's finish chunk is in them), end() -> the usage chunk
-    (when asked for) + [DONE]."""
-
-    jobs: list[Job]
-    preamble: list[bytes]
-    render: Callable[[Job, list], tuple[bytes, bool]]
-    end: Callable[[], bytes]
-
-    async def chunks(self, recorder: Recorder) -> AsyncIterator[bytes]:
-        """The stream on the event loop: the preamble, then rest()."""
-        for out in self.preamble:
-            yield out
-        async with aclosing(self.rest(recorder)) as outs:
-            async for out in outs:
-                yield out
-
-    async def rest(self, recorder: Recorder) -> AsyncIterator[bytes]:
-        """The chunks after the preamble, one write per batch (all of a job's events of one
-        wake-up, through generation.events), until the stream's end."""
-        async with aclosing(events(self.jobs, recorder)) as batches:
-            async for job, batch in batches:  # closed with this generator (a client gone: events() cleans up)
-                out, last = self.take(job, batch)
-                if out:
-                    yield out
-                if last:
-                    return
-        yield self.end()
-
-    def take(self, job: Job, batch: list) -> tuple[bytes, bool]:
-        """The bytes of one batch of a job's events (already recorded), and whether the stream
-        ends with them: an error ends it at once; the last job's finish chunk and the end of the
-        stream go out in the same write."""
-        if job.finish_reason == "error":
-            return _error_event(job) + DONE, True
-        out, finished = self.render(job, batch)
-        if finished and all(j.done for j in self.jobs):
-            return out + self.end(), True
-        return out, False
-
-
-def _chunker(base: dict[str, Any], include_usage: bool):
-    """chunk(choices, usage=None) -> one SSE event of this stream (usage key only when asked for)."""
-
-    def chunk(choices: list[dict[str, Any]], use: Any = None) -> bytes:
-        body = {**base, "choices": choices}
-        if include_usage:
-            body["usage"] = use
-        return event(body)
-
-    return chunk
-
-
-def _stream_end(jobs: list[Job], meta: Meta, include_usage: bool, chunk) -> bytes:
-    """The bytes that end a stream: the usage chunk (when asked for), then [DONE]."""
-    return (chunk([], usage(jobs, meta)) if include_usage else b"") + DONE
+    return Renderer(preamble, render, _ender(jobs, meta, include_usage, chunk))

@@ -1,18 +1,21 @@
-"""Submitting OpenAI requests to the engine and collecting their events (shared by chat and
-completions): error mapping, per-request metrics, merging n sequences, client-disconnect aborts."""
+"""The engine sequences of an OpenAI request (one per choice): submitting them, their events
+merged in arrival order with per-request metrics, and waiting for a whole answer (a client that
+leaves aborts them). Shared by chat and completions, streaming or not."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
 
-from server.api.errors import ApiError
-from server.api.sse import draining_event, wait_disconnect
-from server.engine.types import (EngineDeadError, Event, PromptTooLongError, QueueFullError,
-                                 RequestFailedError, SamplingParams)
+from fastapi import Request
+
+from server.api.errors import ApiError, engine_error
+from server.api.metrics import Recorder
+from server.api.streaming.sse import draining_event, wait_disconnect
+from server.engine.protocol import EngineAPI, Handle, StateLike
+from server.engine.types import Event, SamplingParams
 
 log = logging.getLogger("server.openai")
 
@@ -26,43 +29,32 @@ class Job:
     """One engine sequence of an OpenAI request (one choice)."""
 
     index: int
-    handle: Any
+    handle: Handle
     prompt_tokens: int
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    t_last: float = 0.0
+    t_last: float | None = None  # when its last tokens arrived (kept by the Recorder)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
 
-def engine_error(exc: Exception) -> ApiError:
-    if isinstance(exc, QueueFullError):
-        return ApiError(429, f"the server is busy (queue full): {exc}; retry shortly", code="queue_full",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, PromptTooLongError):
-        return ApiError(413, f"prompt too long: {exc}", param="prompt", code="prompt_too_long")
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, f"the inference engine stopped: {exc}", code="engine_dead")
-    if isinstance(exc, ValueError):
-        return ApiError(400, str(exc), code="invalid_request")
-    if isinstance(exc, RequestFailedError):
-        return ApiError(500, f"generation failed: {exc}", code="generation_failed")
-    raise exc
+Prompt = tuple[Sequence[int], StateLike | None, int]
+"""(tokens to submit, the state they start from or None, prompt tokens to report)."""
 
 
-def submit_all(engine: Any, prompts: list[tuple[list[int], Any, int]], params: list[SamplingParams],
-               base_id: str) -> list[Job]:
-    """prompts[i] = (tokens, init_state or None, prompt tokens to report). All or nothing."""
+def submit_all(engine: EngineAPI, prompts: list[Prompt], params: list[SamplingParams], base_id: str) -> list[Job]:
+    """One sequence per (prompt, params): all submitted, or none (the engine's error raised as
+    an ApiError)."""
     jobs: list[Job] = []
     try:
-        for i, ((tokens, init_state, n_prompt), p) in enumerate(zip(prompts, params)):
+        for i, ((tokens, init_state, n_prompt), p) in enumerate(zip(prompts, params, strict=True)):
             h = engine.submit(tokens, p, init_state=init_state, request_id=f"{base_id}-{i}")
             jobs.append(Job(index=i, handle=h, prompt_tokens=n_prompt))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         abort_all(jobs)
         raise engine_error(exc) from exc
     return jobs
@@ -73,41 +65,11 @@ def abort_all(jobs: list[Job]) -> None:
         if not j.done:
             try:
                 j.handle.abort()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("abort failed")
 
 
-class Recorder:
-    """TTFT / inter-token latency / duration metrics of one request."""
-
-    def __init__(self, metrics: Any, t_arrival: float) -> None:
-        self.metrics, self.t0, self.first = metrics, t_arrival, True
-        self._finished = False
-
-    def on_batch(self, job: Job, batch: list[Event]) -> None:
-        """A job's events taken at one wake-up (their tokens arrived together)."""
-        now = time.perf_counter()
-        n_new = len(batch[0].token_ids) if len(batch) == 1 else sum(len(ev.token_ids) for ev in batch)
-        if n_new and self.metrics is not None:
-            if self.first:
-                self.metrics.ttft.observe(now - self.t0)
-                self.first = False
-            elif job.t_last:
-                self.metrics.itl.observe((now - job.t_last) / n_new, n_new)
-        if n_new:
-            job.t_last = now
-
-    def on_event(self, job: Job, ev: Event) -> None:
-        self.on_batch(job, [ev])
-
-    def finish(self) -> None:
-        """The request is over: its duration, recorded once however many paths end it."""
-        if self.metrics is not None and not self._finished:
-            self.metrics.e2e.observe(time.perf_counter() - self.t0)
-        self._finished = True
-
-
-def events(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
+def events(jobs: list[Job], recorder: Recorder) -> AsyncGenerator[tuple[Job, list[Event]], None]:
     """Batches of events of all jobs, merged, in arrival order: (job, that job's events taken
     at one wake-up, in order; a finished event is the last of its job). Closing the iterator
     aborts unfinished jobs."""
@@ -126,8 +88,8 @@ def failed_batch(job: Job, exc: BaseException) -> list[Event]:
     return _error_batch(job)
 
 
-async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
-    queue: asyncio.Queue = asyncio.Queue()
+async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncGenerator[tuple[Job, list[Event]], None]:
+    queue: asyncio.Queue[tuple[Job, list[Event] | None]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
         try:
@@ -149,7 +111,7 @@ async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tup
             if batch is None:
                 live -= 1
                 continue
-            _record(job, batch, recorder)
+            record(job, batch, recorder)
             if job.finish_reason == "error" and job.error is None:
                 job.error = await _error_of(job)
             yield job, batch
@@ -161,7 +123,7 @@ async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncIterator[tup
         recorder.finish()
 
 
-async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, list[Event]]]:
+async def _events_one(job: Job, recorder: Recorder) -> AsyncGenerator[tuple[Job, list[Event]], None]:
     """events() for one job: the handle's batches straight from it."""
     handle = job.handle
     try:
@@ -171,7 +133,7 @@ async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, 
                 batch = await handle.next_batch()
                 if not batch:
                     return
-                _record(job, batch, recorder)
+                record(job, batch, recorder)
                 if job.finish_reason == "error" and job.error is None:
                     job.error = await _error_of(job)
                 yield job, batch
@@ -181,14 +143,15 @@ async def _events_one(job: Job, recorder: Recorder) -> AsyncIterator[tuple[Job, 
             failed = exc
         if failed is not None:
             batch = failed_batch(job, failed)
-            _record(job, batch, recorder)
+            record(job, batch, recorder)
             yield job, batch
     finally:
         abort_all([job])
         recorder.finish()
 
 
-def _record(job: Job, batch: list[Event], recorder: Recorder) -> None:
+def record(job: Job, batch: list[Event], recorder: Recorder) -> None:
+    """Account a batch of the job's events (text, token count, finish, metrics)."""
     recorder.on_batch(job, batch)
     last = batch[-1]
     if len(batch) == 1:
@@ -208,7 +171,7 @@ async def _error_of(job: Job) -> str:
         return str(exc) or "generation failed"
 
 
-async def collect(request: Any, jobs: list[Job], recorder: Recorder) -> list[Job]:
+async def collect(request: Request, jobs: list[Job], recorder: Recorder) -> list[Job]:
     """Run all jobs to the end (non-streaming). A client that leaves aborts them (ClientGone)."""
 
     async def drain() -> None:

@@ -1,0 +1,83 @@
+"""Prefill-once states for shared chat prefixes (few-shot block + leading system turns).
+
+The first request with a given prefix prefills it through the engine (`max_tokens=0`,
+`return_state=True`); the batch-1 CPU state is kept in the task layer's byte-budgeted
+`StateCache` (server.tasks.cache), keyed by the SHA-256 of the prefix text. Every later request
+with the same prefix submits only the rest of its prompt with `init_state=` that state (the
+engine copies it; the cached object stays untouched). Concurrent first requests for one prefix
+share a single prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+from server.engine.protocol import EngineAPI, StateLike
+from server.engine.types import SamplingParams
+from server.tasks.cache import StateCache
+
+if TYPE_CHECKING:  # (imports torch at run time)
+    from server.model.state import State
+
+log = logging.getLogger("server.prefix")
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int) -> None:
+        self.cache = StateCache(budget_bytes)
+        self._loading: dict[str, asyncio.Future[StateLike]] = {}  # one prefill per key at a time
+
+    @staticmethod
+    def key(text: str) -> str:
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def stats(self) -> dict[str, int]:
+        st = self.cache.stats()
+        return {"bytes": st["lru_bytes"], "entries": st["lru_count"], "hits": st["hits"], "misses": st["misses"]}
+
+    async def get(self, engine: EngineAPI, tokens: Sequence[int], text: str) -> StateLike:
+        """The state after `tokens` (= encode(text)), taken from the cache or prefilled now."""
+        k = self.key(text)
+        return await self._get_or_load(k, lambda: self._prefill(engine, tokens, k))
+
+    async def _get_or_load(self, key: str, load: Callable[[], Awaitable[StateLike]]) -> StateLike:
+        """StateCache.get_or_load's contract (until the task layer's cache has it): the cached
+        state, else load()'s, put in the cache; concurrent callers share one load (a caller that
+        leaves does not cancel it); a miss when this call starts the load, else a hit."""
+        if key in self.cache:
+            state: StateLike | None = self.cache.get(key)  # (counts the hit)
+            if state is not None:
+                return state
+        task = self._loading.get(key)
+        if task is None:
+            self.cache.misses += 1
+            task = asyncio.ensure_future(self._load(key, load))
+            self._loading[key] = task
+            task.add_done_callback(lambda _t: self._loading.pop(key, None))
+        else:
+            self.cache.hits += 1
+        return await asyncio.shield(task)
+
+    async def _load(self, key: str, load: Callable[[], Awaitable[StateLike]]) -> StateLike:
+        state = await load()
+        self.cache.put(key, cast("State", state))  # larger than the whole budget: used once, not kept
+        return state
+
+    async def _prefill(self, engine: EngineAPI, tokens: Sequence[int], k: str) -> StateLike:
+        h = engine.submit(tokens, SamplingParams(max_tokens=0), request_id=f"prefix-{k[:12]}", return_state=True)
+        try:
+            res = await h.wait()
+        except BaseException:
+            h.abort()
+            raise
+        if res.state is None or res.finish_reason == "error":
+            raise RuntimeError(f"prefix prefill failed: {res.error or res.finish_reason}")
+        if res.pending_tokens:  # a prefill-only request feeds every token (the engine's contract)
+            raise RuntimeError(f"prefix prefill left {len(res.pending_tokens)} token(s) unfed")
+        state: StateLike = res.state
+        log.info("prefix %s prefilled: %d tokens, %d bytes of state", k[:12], len(tokens), state.nbytes())
+        return state

@@ -1,0 +1,196 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.api.errors import ApiError, engine_error
+from server.api.metrics import Recorder
+from server.api.openai import render
+from server.api.openai.chat_format import CHAT_STOP, build_prompt
+from server.api.openai.jobs import ClientGone, Job, Prompt, collect, submit_all
+from server.api.openai.schemas import ChatRequest, CompletionRequest, OpenAIFields
+from server.api.openai.stream import ChoiceStream
+from server.api.services import Services, get_services
+from server.api.streaming.sse import SSEResponse
+from server.engine.protocol import StateLike
+from server.engine.types import SamplingParams
+from server.tasks.params import fim_prompt
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+_STARTED = int(time.time())
+ENCODE_INLINE_CHARS = 16_384
+
+
+async def encode(sv: Services, text: str) -> list[int]:
+    """Tokenize; long texts in a worker thread so the event loop keeps serving."""
+    if len(text) < ENCODE_INLINE_CHARS:
+        return sv.tokenizer.encode(text)
+    return await asyncio.to_thread(sv.tokenizer.encode, text)
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+@router.get("/models")
+async def list_models(request: Request) -> Response:
+    sv = get_services(request)
+    return _json({"object": "list", "data": [_model_card(sv)]})
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> Response:
+    sv = get_services(request)
+    if model_id != sv.model_id:
+        raise ApiError(404, f"model {model_id!r} not found; this server serves {sv.model_id!r}",
+                       param="model", code="model_not_found")
+    return _json(_model_card(sv))
+
+
+def _model_card(sv: Services) -> dict[str, Any]:
+    return {"id": sv.model_id, "object": "model", "created": _STARTED, "owned_by": "rwkv-server"}
+
+
+def _checked(body: OpenAIFields, sv: Services, extra_stop: tuple[str, ...] = ()) -> list[SamplingParams]:
+    """The request's SamplingParams per choice (choice i samples with seed + i), checked before
+    anything is submitted: a refused field or a bad value is a 400 naming it."""
+    refused = body.unsupported()
+    if refused is not None:
+        raise ApiError(400, refused[1], param=refused[0], code="unsupported_field")
+    p = body.sampling_params(sv.shape.vocab_size, sv.settings.default_max_tokens)
+    if extra_stop:
+        p = dataclasses.replace(p, stop=tuple(dict.fromkeys(p.stop + extra_stop)))
+    if p.seed is None:
+        return [p] * body.choices
+    return [dataclasses.replace(p, seed=(p.seed + i) % 2**63) for i in range(body.choices)]
+
+
+def _check_length(sv: Services, n_tokens: int, param: str = "messages") -> None:
+    limit = sv.settings.max_prompt_tokens
+    if n_tokens > limit:
+        raise ApiError(413, f"prompt has {n_tokens} tokens; the limit is {limit}", param=param,
+                       code="prompt_too_long")
+
+
+async def _prefix_state(sv: Services, prefix: str, tokens: list[int]) -> StateLike | None:
+    """The state after the prefix, from the prefix cache (None: no prefix)."""
+    if not prefix:
+        return None
+    try:
+        return await sv.prefix_cache.get(sv.engine, tokens, prefix)
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise engine_error(exc) from exc
+
+
+def _few_shot(sv: Services) -> str:
+    try:
+        return sv.few_shot()
+    except OSError as exc:
+        raise ApiError(400, f"this server has no few-shot file ({exc})", param="few_shot") from None
+
+
+def _messages(body: ChatRequest) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(body.messages):
+        try:
+            out.append((m.role, m.text()))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=f"messages[{i}].content") from None
+    return out
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    t0 = time.perf_counter()
+    sv = get_services(request)
+    params = _checked(body, sv, CHAT_STOP)
+    prompt = build_prompt(_messages(body), _few_shot(sv) if body.few_shot else "")
+    rest = await encode(sv, prompt.rest)
+    prefix_tokens = await encode(sv, prompt.prefix) if prompt.prefix else []
+    _check_length(sv, len(prefix_tokens) + len(rest))
+    init_state = await _prefix_state(sv, prompt.prefix, prefix_tokens)
+    n_prompt = len(prefix_tokens) + len(rest)
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    jobs = submit_all(sv.engine, [(rest, init_state, n_prompt)] * len(params), params, cid)
+    meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt)
+    return await _respond(request, sv, body, jobs, meta, t0, render.chat_renderer, render.chat_response)
+
+
+async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tuple[list[int], str]]:
+    """[(tokens, text for echo)] for each prompt in the request."""
+    p = body.prompt
+    if isinstance(p, str):
+        items: list[Any] = [p]
+    elif isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    out = []
+    vocab = sv.shape.vocab_size
+    for item in items:
+        if isinstance(item, str):
+            text = fim_prompt(item, body.suffix) if body.suffix else item
+            out.append((await encode(sv, text), item))
+            continue
+        bad = [t for t in item if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside [0, {vocab})", param="prompt")
+        out.append((list(item), sv.tokenizer.decode(item)))
+    for tokens, _ in out:
+        if not tokens:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        _check_length(sv, len(tokens), "prompt")
+    return out
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    t0 = time.perf_counter()
+    sv = get_services(request)
+    per_choice = _checked(body, sv)
+    prompts = await _completion_prompts(body, sv)
+    seqs: list[Prompt] = []
+    params: list[SamplingParams] = []
+    echoes: list[str] = []
+    for tokens, text in prompts:
+        for p in per_choice:
+            seqs.append((tokens, None, len(tokens)))
+            params.append(p)
+            echoes.append(text if body.echo else "")
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    jobs = submit_all(sv.engine, seqs, params, cid)
+    meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()),
+                       prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes)
+    return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer,
+                          render.completion_response)
+
+
+async def _respond(request: Request, sv: Services, body: OpenAIFields, jobs: list[Job], meta: render.Meta,
+                   t0: float, renderer: Callable[[list[Job], render.Meta, bool], render.Renderer],
+                   full: Callable[[list[Job], render.Meta], dict[str, Any]]) -> Response:
+    """The SSE stream or, once every job is done, the whole JSON response."""
+    recorder = Recorder(sv.metrics, t0)
+    if body.stream:
+        source = ChoiceStream(jobs, renderer(jobs, meta, body.include_usage()), recorder)
+        return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream)
+    try:
+        await collect(request, jobs, recorder)
+    except ClientGone:
+        request.state.error = "the client left before the answer"
+        return Response(status_code=499)
+    return _json(full(jobs, meta))
+
+
+__all__ = ["router"]

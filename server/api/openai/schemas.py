@@ -1,0 +1,183 @@
+"""Request bodies of the OpenAI routes, on the shared sampling base (server.api.sampling: bounds,
+defaults, the unknown-fields policy).
+
+Every field of the official OpenAI API for the endpoint is accepted (openai SDK:
+types/chat/completion_create_params.py, types/completion_create_params.py). Each is honoured,
+ignored where ignoring cannot change the answer, or refused (400 naming it) where it would:
+`unsupported()` says which. Our extras: top_k, repetition_penalty, penalty_decay,
+stop_token_ids, ignore_eos (server.api.sampling) and few_shot (chat).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from server.api.sampling import MaxTokens, Penalty, SamplingFields
+
+MAX_N = 16
+MAX_PROMPTS = 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # ignored: our chunks carry no obfuscation padding
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts can be used."""
+
+    model_config = ConfigDict(extra="allow")  # other part types carry their own keys (refused by type)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # ignored: the RWKV chat format has no speaker names
+    refusal: str | None = None  # ignored: an earlier answer's refusal text is not part of the prompt
+    audio: dict[str, Any] | None = None
+    tool_calls: list[Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        """The message's text (ValueError when it has a part or a field that is not text)."""
+        if self.audio is not None or self.tool_calls or self.function_call is not None:
+            raise ValueError("audio, tool calls and function calls in messages are not supported (text only)")
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.type != "text" or p.text is None:
+                raise ValueError(f"content part of type {p.type!r} is not supported (text only)")
+            if p.model_extra:
+                raise ValueError(f"unknown field {next(iter(p.model_extra))!r} in a text content part")
+            parts.append(p.text)
+        return "\n".join(parts)
+
+
+class OpenAIFields(SamplingFields):
+    """Fields shared by chat and completions: OpenAI names + the shared sampling fields."""
+
+    error_status: ClassVar[int] = 400
+
+    model: str | None = None  # any name: this server serves one model
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    frequency_penalty: Penalty = None
+    """OpenAI's name of repetition_penalty (RWKV alpha_frequency), with our bounds."""
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # ignored (an end-user id for abuse monitoring)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = super().sampling_fields()
+        if self.frequency_penalty is not None:
+            if self.repetition_penalty is not None:
+                raise self.invalid("give frequency_penalty or repetition_penalty (one field, two names), "
+                                   "not both", "frequency_penalty")
+            fields["repetition_penalty"] = self.frequency_penalty
+        return fields
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first given field this server cannot honour, or None."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
+
+
+class ChatRequest(OpenAIFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: MaxTokens = None
+    """OpenAI's newer name of max_tokens (it wins when both are given)."""
+    few_shot: bool = False
+    """RWKV extra: prefix the prompt with the server's few-shot dialogues."""
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # ignored: no tools are ever called
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    # ignored: they cannot change the answer
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None  # a latency hint: the answer is the same without it
+    reasoning_effort: str | None = None  # the model does not reason in hidden tokens
+    verbosity: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = super().sampling_fields()
+        if self.max_completion_tokens is not None:
+            fields["max_tokens"] = self.max_completion_tokens
+        return fields
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools or self.functions:
+            return ("tools" if self.tools else "functions"), "tools / function calling are not supported"
+        for name in ("tool_choice", "function_call"):
+            choice = getattr(self, name)
+            if choice is not None and choice not in ("none", "auto"):
+                return name, f"{name} {choice!r}: tools / function calling are not supported"
+        if self.logprobs or self.top_logprobs:
+            return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            return "response_format", f"response_format {fmt!r} is not supported (text only)"
+        if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
+            return ("audio" if self.audio is not None else "modalities"), "audio output is not supported (text only)"
+        if self.web_search_options is not None:
+            return "web_search_options", "web search is not supported"
+        if self.moderation is not None:
+            return "moderation", "moderation policies are not supported"
+        return super().unsupported()
+
+
+class CompletionRequest(OpenAIFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if isinstance(v[0], list) and any(not p for p in v):
+                raise ValueError("token id lists must not be empty")
+        return v
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        if self.best_of is not None and self.best_of != self.choices:
+            return "best_of", "best_of is not supported (use n)"
+        return super().unsupported()

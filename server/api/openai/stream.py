@@ -1,0 +1,86 @@
+"""The SSE stream of an OpenAI request as a StreamSource (server.api.streaming.source): the
+renderer's bytes for the jobs' events, on the event loop (`rest`) or taken by the engine thread
+right after a delivery (`take`, one-choice streams only: server.api.streaming.direct)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+
+from server.api.metrics import Recorder
+from server.api.openai.jobs import Job, abort_all, events, failed_batch, record
+from server.api.openai.render import Renderer, error_event
+from server.api.streaming.source import DONE
+from server.engine.types import Event
+
+
+class ChoiceStream:
+    foreign_thread = True  # a handle's listener runs on the engine thread
+
+    def __init__(self, jobs: list[Job], renderer: Renderer, recorder: Recorder) -> None:
+        self.jobs, self.renderer, self.recorder = jobs, renderer, recorder
+        self.path: str | None = "direct" if len(jobs) == 1 else None  # n > 1: merged on the loop
+        self._ended = False
+
+    @property
+    def preamble(self) -> list[bytes]:
+        return self.renderer.preamble
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def take(self) -> tuple[bytes, bool] | None:
+        """What next_batch + events() + _take do, without waiting (one-choice streams)."""
+        job = self.jobs[0]
+        try:
+            batch = job.handle.take_ready()
+        except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
+            batch = failed_batch(job, exc)
+        if batch is None:
+            return None
+        if not batch:  # ended without a finishing event
+            self._ended = True
+            return self.renderer.end(), True
+        record(job, batch, self.recorder)
+        if job.finish_reason == "error" and job.error is None:
+            res = job.handle.peek_result()  # delivered with the finishing event
+            job.error = (res.error if res is not None else None) or "generation failed"
+        return self._take(job, batch)
+
+    async def rest(self) -> AsyncGenerator[bytes, None]:
+        """The chunks after the preamble (and after what take() returned), one write per batch
+        (all of a job's events of one wake-up), until the stream's end."""
+        async with aclosing(events(self.jobs, self.recorder)) as batches:
+            async for job, batch in batches:  # closed with this generator (a client gone: events() cleans up)
+                out, last = self._take(job, batch)
+                if out:
+                    yield out
+                if last:
+                    return
+        self._ended = True
+        yield self.renderer.end()
+
+    def _take(self, job: Job, batch: list[Event]) -> tuple[bytes, bool]:
+        """The bytes of one batch of a job's events (already recorded), and whether the stream
+        ends with them: an error ends it at once; the last job's finish chunk and the end of the
+        stream go out in the same write."""
+        if job.finish_reason == "error":
+            self._ended = True
+            return error_event(job) + DONE, True
+        out, finished = self.renderer.render(job, batch)
+        if finished and all(j.done for j in self.jobs):
+            self._ended = True
+            return out + self.renderer.end(), True
+        return out, False
+
+    def listen(self, fn: Callable[[], None] | None) -> None:
+        self.jobs[0].handle.set_listener(fn)
+
+    def abort(self) -> None:
+        abort_all(self.jobs)
+
+    def close(self) -> None:
+        """Abort unfinished sequences, record the duration (once, whichever path ended it)."""
+        abort_all(self.jobs)
+        self.recorder.finish()

@@ -1,0 +1,83 @@
+"""The sampling fields every generation route accepts: one set of names, bounds and defaults, and
+the one mapping from a request to `SamplingParams`.
+
+Both route families build their request bodies on `SamplingFields`: the OpenAI routes
+(server.api.openai.schemas, errors 400) and the task routes (server.api.tasks.schemas, errors 422).
+- Bounds: `server.engine.types.LIMITS` (checked by pydantic, so the error names the field), then
+  `check_fields` before anything is submitted (stop strings: count, length, valid text;
+  stop_token_ids inside the vocabulary).
+- Defaults: a field that is absent (or null) takes `SamplingParams`' default (max_tokens:
+  `Settings.default_max_tokens`); the mapping is `SamplingParams.from_fields`.
+- The OpenAI names map onto ours: `frequency_penalty` is `repetition_penalty` (RWKV's
+  alpha_frequency), `max_completion_tokens` is `max_tokens`.
+
+Unknown fields, on every route: a field that no route knows is refused with an error that names
+it ("unknown field 'x'": 400 on the OpenAI routes, 422 on the task routes), never silently
+ignored. The OpenAI routes accept every field of the official OpenAI API for their endpoint and
+either honour it, ignore it where ignoring cannot change the answer (user, metadata, store,
+service_tier, prompt_cache_key, ...), or refuse it with a 400 naming it where ignoring would
+change the answer's meaning (tools, logprobs, a response_format other than text, a non-empty
+logit_bias, audio, ...): see server.api.openai.schemas.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.api.errors import ApiError
+from server.engine.types import FIELDS, LIMITS, MAX_STOP_TOKEN_IDS, SamplingParams, check_fields
+
+
+def _bounds(name: str, doc: str = "") -> Any:
+    lo, hi = LIMITS[name]
+    return Field(ge=lo, le=hi, description=doc or None)
+
+
+MaxTokens = Annotated[int | None, _bounds("max_tokens", "tokens to generate; 0 = prefill only")]
+Penalty = Annotated[float | None, _bounds("repetition_penalty")]
+_FIELD_IN_MESSAGE = re.compile(r"^invalid '(\w+)'")
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields (all optional: absent = the server's default)."""
+
+    model_config = ConfigDict(extra="forbid")
+    error_status: ClassVar[int] = 422
+    """HTTP status of a bad value found after parsing (the route family's validation status)."""
+
+    max_tokens: MaxTokens = None
+    temperature: Annotated[float | None, _bounds("temperature", "0 = greedy")] = None
+    top_p: Annotated[float | None, _bounds("top_p")] = None
+    top_k: Annotated[int | None, _bounds("top_k", "-1 or 0 = no top-k cut")] = None
+    presence_penalty: Annotated[float | None, _bounds("presence_penalty")] = None
+    repetition_penalty: Penalty = None
+    penalty_decay: Annotated[float | None, _bounds("penalty_decay")] = None
+    seed: Annotated[int | None, _bounds("seed")] = None
+    stop: Annotated[str | list[str] | None, Field(description="stop strings (never part of the text)")] = None
+    stop_token_ids: Annotated[list[int] | None, Field(max_length=MAX_STOP_TOKEN_IDS)] = None
+    ignore_eos: Annotated[bool | None, Field(description="keep generating past the end-of-text token")] = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The given sampling fields by our names (FIELDS), unchecked."""
+        return {k: v for k in FIELDS if (v := getattr(self, k)) is not None}
+
+    def checked_fields(self, vocab_size: int) -> dict[str, Any]:
+        """sampling_fields() once `check_fields` passed: an ApiError naming the field otherwise."""
+        fields = self.sampling_fields()
+        try:
+            check_fields(fields, vocab_size)
+        except ValueError as exc:
+            m = _FIELD_IN_MESSAGE.match(str(exc))
+            raise self.invalid(str(exc), m.group(1) if m else None) from None
+        return fields
+
+    def sampling_params(self, vocab_size: int, default_max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams (absent fields: the defaults)."""
+        return SamplingParams.from_fields(self.checked_fields(vocab_size), default_max_tokens)
+
+    @classmethod
+    def invalid(cls, message: str, param: str | None) -> ApiError:
+        return ApiError(cls.error_status, message, param=param, code="invalid_request")

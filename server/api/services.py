@@ -1,0 +1,76 @@
+"""What routes need from the running server, reached through `request.app.state.services`.
+
+The app (server/api/app.py) builds one `Services` once the model is loaded and the task manager
+started (until then `app.state.services` is None and the routes answer 503 "loading"); tests and
+embedders may pass their own. Routes use the small dependency functions below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from server.api.errors import ApiError
+from server.api.metrics import Metrics
+from server.api.openai.chat_format import default_few_shot_path, load_few_shot
+from server.api.openai.prefix_cache import PrefixCache
+from server.config import Settings
+from server.engine.protocol import EngineAPI
+from server.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # (imports torch at run time: only the type is needed here)
+    from server.model.state import ModelShape
+    from server.tasks import TaskManager
+
+
+@dataclass
+class LoadFacts:
+    """What loading found out, for the start-up lines (server.api.loading.facts)."""
+
+    seconds: float = 0.0
+    device: str = ""
+    kernel_modules: list[str] = field(default_factory=list)
+    """Modules the model's WKV ops come from."""
+    kernel_log: list[str] = field(default_factory=list)
+    """The kernel loader's messages while loading (builds, cache loads, fallbacks)."""
+
+
+@dataclass
+class Services:
+    settings: Settings
+    engine: EngineAPI
+    tokenizer: Tokenizer
+    shape: ModelShape
+    metrics: Metrics
+    prefix_cache: PrefixCache
+    tasks: TaskManager | None = None
+    """None: the task routes answer 503 (an embedding without a task store)."""
+    model_id: str = "rwkv7"
+    facts: LoadFacts = field(default_factory=LoadFacts)
+    _few_shot: str | None = field(default=None, init=False, repr=False)
+
+    def few_shot(self) -> str:
+        """The few-shot dialogue text (read once; OSError when the file cannot be read)."""
+        if self._few_shot is None:
+            self._few_shot = load_few_shot(self.settings.few_shot or default_few_shot_path())
+        return self._few_shot
+
+
+def get_services(request: Request) -> Services:
+    """The running server's services; 503 while loading or once the engine stopped."""
+    services: Services | None = getattr(request.app.state, "services", None)
+    if services is None:
+        raise ApiError(503, "the model is still loading; retry shortly", code="loading",
+                       headers={"Retry-After": "5"})
+    if not services.engine.is_alive:
+        raise ApiError(503, "the inference engine stopped; see the server log", code="engine_dead")
+    return services
+
+
+def get_owner(request: Request) -> str | None:
+    """The API key that made this request (None when the server has no keys).
+
+    Set by the auth middleware; tasks belong to it."""
+    return getattr(request.state, "owner", None)

@@ -1,0 +1,176 @@
+"""Task routes /v1/tasks/* (docs/task-api.md; compatible with the `rwkv-api` SDK 0.1.2).
+
+Bodies: server.api.tasks.schemas; unknown fields and out-of-range values are 422 naming the field
+(server.api.sampling). Streams: `data: <compact JSON>` lines: a header
+{task_id, prefill_time}, text events {data, task_id, gen_time, speed, pos}, a final event
+{finished, finish_reason, usage, ...}, then `data: [DONE]`; an error after the start is a
+`data: {"error": ...}` line, then [DONE]. A TMP_ task created by a streaming request is aborted
+when that client disconnects; a TASK_ keeps running (resume with /stream?pos=N).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from server.api.errors import ApiError, engine_error
+from server.api.services import Services, get_owner, get_services
+from server.api.streaming.sse import SSEResponse
+from server.api.tasks.schemas import CreateBody, EmptyBody, FimBody, GenParams, UpdateBody
+from server.api.tasks.stream import TaskStream
+from server.engine.types import EngineError
+from server.tasks.errors import TaskError
+
+if TYPE_CHECKING:
+    from server.tasks import TaskManager
+    from server.tasks.records import Task
+
+router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
+T = TypeVar("T")
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def _tasks(sv: Services) -> TaskManager:
+    if sv.tasks is None:
+        raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
+    return sv.tasks
+
+
+def _params(sv: Services, body: GenParams) -> dict[str, Any]:
+    """The request's sampling fields, checked (422 naming a bad one) before anything starts."""
+    return body.checked_fields(sv.shape.vocab_size)
+
+
+async def _call(aw: Awaitable[T]) -> T:
+    """Task-layer and engine errors -> ApiError (the OpenAI error shape; a bad value is 422)."""
+    try:
+        return await aw
+    except TaskError as exc:
+        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+    except (EngineError, ValueError) as exc:
+        raise engine_error(exc, invalid_status=422) from None
+
+
+def _answer(sv: Services, t: Task, stream: bool, *, own: bool = False) -> Response:
+    if not stream:
+        return _json(t.response())
+    return _sse(sv, t, 0, abort_on_close=own and t.kind == "tmp")
+
+
+def _sse(sv: Services, t: Task, pos: int, abort_on_close: bool = False) -> SSEResponse:
+    """The task's stream from token `pos` (server.api.tasks.stream). A streaming request's own
+    TMP_ task is aborted when the stream stops before its end."""
+    tm = sv.tasks
+
+    def on_abort() -> None:
+        if tm is not None and t.running:
+            tm.abort(t)
+
+    source = TaskStream(t, pos, on_abort if abort_on_close else None)
+    return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream)
+
+
+# --- create ------------------------------------------------------------------------------------
+async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Response:
+    sv = get_services(request)
+    t = await _call(_tasks(sv).create(body.prompt, _params(sv, body), persistent=persistent,
+                                      owner=get_owner(request)))
+    return _answer(sv, t, body.stream, own=True)
+
+
+@router.post("/tmp")
+async def create_tmp(body: CreateBody, request: Request) -> Response:
+    return await _create(body, request, persistent=False)
+
+
+@router.post("/create")
+async def create_task(body: CreateBody, request: Request) -> Response:
+    return await _create(body, request, persistent=True)
+
+
+@router.post("/fim")
+async def fim(body: FimBody, request: Request) -> Response:
+    sv = get_services(request)
+    tm = _tasks(sv)
+    t = await _call(tm.fim(body.prefix, body.suffix, _params(sv, body), owner=get_owner(request)))
+    return _answer(sv, t, body.stream, own=True)
+
+
+# --- read --------------------------------------------------------------------------------------
+@router.get("/list")
+async def list_tasks(request: Request, limit: int = Query(100, ge=1, le=1000),
+                     offset: int = Query(0, ge=0),
+                     kind: Literal["tmp", "task", "template"] | None = Query(None)) -> Response:
+    tm = _tasks(get_services(request))
+    return _json(await _call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
+
+
+@router.get("/{task_id}/get_result")
+async def get_result(task_id: str, request: Request) -> Response:
+    tm = _tasks(get_services(request))
+    return _json((await _call(tm.get(task_id, get_owner(request)))).response())
+
+
+@router.get("/{task_id}/status")
+async def status(task_id: str, request: Request) -> Response:
+    tm = _tasks(get_services(request))
+    return _json((await _call(tm.get(task_id, get_owner(request)))).info())
+
+
+@router.get("/{task_id}/stream")
+async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> Response:
+    sv = get_services(request)
+    tm = _tasks(sv)
+    t = await _call(tm.get(task_id, get_owner(request)))
+    return _sse(sv, t, pos)
+
+
+# --- change ------------------------------------------------------------------------------------
+@router.post("/{task_id}/fork")
+async def fork(task_id: str, request: Request, body: UpdateBody | None = None,
+               tmp: bool = Query(False)) -> Response:
+    sv, body = get_services(request), body or UpdateBody()
+    tm = _tasks(sv)
+    t = await _call(tm.fork(task_id, _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
+    return _answer(sv, t, body.stream, own=True)
+
+
+@router.post("/{task_id}/continue")
+async def continue_task(task_id: str, request: Request, body: UpdateBody | None = None,
+                        force: bool = Query(False)) -> Response:
+    sv, body = get_services(request), body or UpdateBody()
+    tm = _tasks(sv)
+    t = await _call(tm.continue_(task_id, _params(sv, body), body.prompt, owner=get_owner(request),
+                                 force=force))
+    return _answer(sv, t, body.stream)
+
+
+@router.post("/{task_id}/stop")
+async def stop(task_id: str, request: Request, body: EmptyBody | None = None,
+               force: bool = Query(False)) -> Response:
+    tm = _tasks(get_services(request))
+    t = await _call(tm.stop(task_id, get_owner(request), force=force))
+    return _json(t.info())
+
+
+@router.post("/{task_id}/as_template")
+async def as_template(task_id: str, request: Request, body: EmptyBody | None = None,
+                      name: str | None = Query(None, min_length=1, max_length=64)) -> Response:
+    tm = _tasks(get_services(request))
+    t = await _call(tm.as_template(task_id, get_owner(request), name=name))
+    return _json(t.response())
+
+
+@router.post("/{task_id}/delete")
+async def delete(task_id: str, request: Request, body: EmptyBody | None = None,
+                 force: bool = Query(False)) -> Response:
+    tm = _tasks(get_services(request))
+    t = await _call(tm.delete(task_id, get_owner(request), force=force))
+    return _json(t.info())

@@ -1,0 +1,68 @@
+"""What the command line checks and interprets before any work: a device this machine lacks ends
+at once with one line and status 2 (before the port is bound); the generate prompt's backslash
+escapes are interpreted ('-' reads stdin as it is)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.cli import device_problem, prompt_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _missing_device() -> str:
+    """A CUDA device this machine does not have."""
+    return "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+
+
+def test_a_missing_device_fails_before_binding_with_one_line(tmp_path):
+    r = run_cli("serve", "--device", _missing_device(), "--port", "0", "--db", str(tmp_path / "t.db"))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rwkv-server: --device"), r.stderr
+    assert "starting on" not in r.stderr and "Uvicorn" not in r.stderr  # never got to the server
+
+
+@pytest.mark.parametrize("device,ok", [("cpu", True), ("auto", True), ("gpu", False), ("mps", False),
+                                       ("cuda:99", False)])
+def test_device_problem(device, ok):
+    problem = device_problem(device)
+    assert (problem is None) == ok, problem
+    if problem is not None:
+        assert repr(device) in problem and "\n" not in problem
+
+
+def test_generate_checks_the_device_too():
+    r = run_cli("generate", "--device", _missing_device(), "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_escapes():
+    assert prompt_text(r"User: Hi\n\nAssistant:") == "User: Hi\n\nAssistant:"
+    assert prompt_text(r"tab\there, backslash \\n, \u00e9 and é 世界 🌍") == "tab\there, backslash \\n, é and é 世界 🌍"
+    with pytest.raises(ValueError, match="escape"):
+        prompt_text("broken \\x4")
+
+
+def test_generate_interprets_escapes_and_reads_stdin():
+    r = run_cli("generate", "--max-tokens", "2", "--seed", "1", r"User: Hi\n\nAssistant:")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("User: Hi\n\nAssistant:")
+    r = run_cli("generate", "--max-tokens", "2", "--seed", "1", "-", stdin="Line one\\n\nline two")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Line one\\n\nline two")  # stdin as it is
+    r = run_cli("generate", "--help")
+    assert "escapes" in r.stdout and "stdin" in r.stdout
