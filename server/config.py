@@ -84,8 +84,8 @@ class Settings:
     direct_stream: bool = True
     """One-choice SSE streams are written to their sockets by the engine thread (no event-loop
     work per token) when the connection allows it: uvicorn's httptools protocol, plain TCP,
-    HTTP/1.1 (server.api.direct); task streams are written by their task's updates, without a
-    reader per stream (server.api.task_stream). Off: every stream runs on the event loop."""
+    HTTP/1.1 (server.api.streaming.direct); task streams are written by their task's updates, without a
+    reader per stream (the same writer). Off: every stream runs on the event loop."""
     max_body_bytes: int = 8 * 1024**2
     """Largest request body accepted (HTTP 413 beyond)."""
     few_shot: str = ""

@@ -7,7 +7,7 @@ all the events pending at a wake-up at once (`await h.next_batch()`, `async for 
 h.batches()`): a consumer that fell behind catches up in one pass (one write per stream).
 A handle can instead have a listener (`set_listener`): a callable run ON THE ENGINE THREAD right
 after each delivery to the handle (and when it fails), in place of the event-loop wake-up; it
-takes the events itself (`take_ready`; server.api.direct writes a stream's bytes from there).
+takes the events itself (`take_ready`; server.api.streaming.direct writes a stream's bytes from there).
 
 A handle knows nothing of the engine but two callables given at construction: `alive()` (the
 engine will still deliver to it: not stopped, not dead; an engine not started yet is alive) and

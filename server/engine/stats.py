@@ -65,7 +65,7 @@ class StatsTracker:
                 return
             self._last, self._last_end = self._cur, now
             self._cur = _Window(now)
-        if self.log_enabled:
+        if self.log_enabled and (self._last.steps or running or waiting):  # an idle engine stays quiet
             s = self._rates(self._last, now)
             log.info(
                 "engine: running=%d waiting=%d decode=%.1f tok/s prefill=%.1f tok/s step=%.2f ms (model %.2f, "

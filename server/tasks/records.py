@@ -60,7 +60,7 @@ class Output:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._waiters: set[asyncio.Future[None]] = set()
-        self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.task_stream)
+        self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.streaming.direct)
 
     def __len__(self) -> int:
         return len(self.offsets)

@@ -10,18 +10,13 @@ share a single prefill.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Sequence
 
 from server.engine.protocol import EngineAPI, StateLike
 from server.engine.types import SamplingParams
 from server.tasks.cache import StateCache
-
-if TYPE_CHECKING:  # (imports torch at run time)
-    from server.model.state import State
 
 log = logging.getLogger("server.prefix")
 
@@ -29,7 +24,6 @@ log = logging.getLogger("server.prefix")
 class PrefixCache:
     def __init__(self, budget_bytes: int) -> None:
         self.cache = StateCache(budget_bytes)
-        self._loading: dict[str, asyncio.Future[StateLike]] = {}  # one prefill per key at a time
 
     @staticmethod
     def key(text: str) -> str:
@@ -42,29 +36,8 @@ class PrefixCache:
     async def get(self, engine: EngineAPI, tokens: Sequence[int], text: str) -> StateLike:
         """The state after `tokens` (= encode(text)), taken from the cache or prefilled now."""
         k = self.key(text)
-        return await self._get_or_load(k, lambda: self._prefill(engine, tokens, k))
-
-    async def _get_or_load(self, key: str, load: Callable[[], Awaitable[StateLike]]) -> StateLike:
-        """StateCache.get_or_load's contract (until the task layer's cache has it): the cached
-        state, else load()'s, put in the cache; concurrent callers share one load (a caller that
-        leaves does not cancel it); a miss when this call starts the load, else a hit."""
-        if key in self.cache:
-            state: StateLike | None = self.cache.get(key)  # (counts the hit)
-            if state is not None:
-                return state
-        task = self._loading.get(key)
-        if task is None:
-            self.cache.misses += 1
-            task = asyncio.ensure_future(self._load(key, load))
-            self._loading[key] = task
-            task.add_done_callback(lambda _t: self._loading.pop(key, None))
-        else:
-            self.cache.hits += 1
-        return await asyncio.shield(task)
-
-    async def _load(self, key: str, load: Callable[[], Awaitable[StateLike]]) -> StateLike:
-        state = await load()
-        self.cache.put(key, cast("State", state))  # larger than the whole budget: used once, not kept
+        state = await self.cache.get_or_load(k, lambda: self._prefill(engine, tokens, k))
+        assert state is not None  # a prefill returns a state or raises
         return state
 
     async def _prefill(self, engine: EngineAPI, tokens: Sequence[int], k: str) -> StateLike:
