@@ -235,3 +235,21 @@ def test_push_one_is_push_of_one_id(tok, corpus):
         assert "".join(one) == tok.decode(ids)
         if "\ufffd" not in tok.decode(ids):
             assert not any("\ufffd" in p for p in one)
+
+
+def test_compiled_encoder_agrees_with_the_regex_on_every_token_and_on_text(tok, corpus):
+    """The shipped vocabulary is encoded by pyrwkv_tokenizer; the regex encoder (raw bytes, other
+    vocabularies) must give the same ids: every token that is valid UTF-8 encodes to itself, and
+    mixed text (with a lone surrogate) encodes the same both ways."""
+    if tok._fast is None:
+        pytest.skip("pyrwkv_tokenizer is not installed (pip install '.[test]')")
+    for i, b in enumerate(tok.token_table):
+        try:
+            text = b.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if b:
+            assert tok.encode(text) == [i], i
+    for text in [*corpus.values(), "lone \ud800 surrogate", "✿prefix✿✿suffix✿x✿middle✿y"]:
+        fixed = "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)  # what encode() does
+        assert tok.encode(text) == tok.encode_bytes(fixed.encode("utf-8"))

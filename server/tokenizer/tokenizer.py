@@ -6,6 +6,7 @@ import re
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from .trie_regex import compile_greedy
 from .vocab import DEFAULT_VOCAB, VOCAB_SIZE, load_vocab
@@ -16,8 +17,11 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 class Tokenizer:
     """Greedy longest-match byte-level tokenizer (the RWKV World tokenizer).
 
-    Immutable after construction and safe to share between threads. The encoder (a compiled
-    regex, ~1 s to build) is built on first use or by `warm_up()`.
+    Immutable after construction and safe to share between threads. Text with the shipped
+    vocabulary is encoded by `pyrwkv_tokenizer` (a compiled implementation of the same greedy
+    longest match with the same vocabulary: ready at once, ~10x faster than the regex; a test
+    checks the two agree on every token and on mixed text). Raw bytes, and any other vocabulary
+    file, go through the compiled regex of trie_regex.py (built on first use or by `warm_up()`).
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -27,10 +31,13 @@ class Tokenizer:
         self._ids: dict[bytes, int] = {t: i for i, t in enumerate(self._bytes) if t}
         self._pattern: re.Pattern[bytes] | None = None
         self._lock = threading.Lock()
+        self._fast = _fast_encoder() if Path(vocab_path) == DEFAULT_VOCAB else None
 
     def warm_up(self) -> Tokenizer:
-        """Build the encoder now (otherwise the first `encode` does it)."""
-        self._matcher()
+        """Build the encoder now (otherwise the first `encode` does it; nothing to build when the
+        compiled encoder serves this vocabulary)."""
+        if self._fast is None:
+            self._matcher()
         return self
 
     def _matcher(self) -> re.Pattern[bytes]:
@@ -53,7 +60,10 @@ class Tokenizer:
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError:
-            data = _SURROGATE.sub("\ufffd", text).encode("utf-8")
+            text = _SURROGATE.sub("\ufffd", text)
+            data = text.encode("utf-8")
+        if self._fast is not None:
+            return list(self._fast.encode(text))
         return self.encode_bytes(data)
 
     def encode_bytes(self, data: bytes) -> list[int]:
@@ -80,6 +90,15 @@ class Tokenizer:
         """UTF-8 text of `ids`; byte sequences that are not valid UTF-8 become U+FFFD
         (Python's errors="replace": one U+FFFD per maximal invalid subsequence)."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def _fast_encoder() -> Any:
+    """The compiled World-vocabulary encoder, or None where the package is missing."""
+    try:
+        import pyrwkv_tokenizer
+    except ImportError:  # the regex encoder serves
+        return None
+    return pyrwkv_tokenizer.RWKVTokenizer()
 
 
 def _range_msg(token_id: object) -> str:
