@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from server.model import CheckpointError, ModelShape, State, load_model
-from server.model.checkpoint import expected_shapes, validate
+from server.model.checkpoint import SYNTHETIC_MARK, expected_shapes, validate
 from server.model.synthetic import PRESETS, parse_spec, save_synthetic, synthetic_state_dict
 
 
@@ -20,6 +20,7 @@ def tiny_pth(tmp_path_factory):
 def test_saved_file_has_the_official_keys(tiny_pth):
     sd = torch.load(tiny_pth, map_location="cpu", weights_only=True)
     shape = PRESETS["tiny"]
+    assert sd.pop(SYNTHETIC_MARK).tolist() == [3]  # the seed: loaders recognise random weights
     assert set(sd) == set(expected_shapes(shape))
     assert "blocks.0.att.v0" not in sd and "blocks.1.att.v0" in sd
     assert list(sd)[:3] == ["emb.weight", "blocks.0.ln0.weight", "blocks.0.ln0.bias"]
@@ -44,6 +45,15 @@ def test_loaded_file_equals_synthetic_spec(tiny_pth):
 def _save(sd, path):
     torch.save(sd, path)
     return str(path)
+
+
+def test_a_synthetic_file_is_recognised_and_an_official_one_is_not(tiny_pth, tmp_path):
+    assert load_model(str(tiny_pth)).synthetic
+    sd = torch.load(tiny_pth, map_location="cpu", weights_only=True)
+    del sd[SYNTHETIC_MARK]
+    torch.save(sd, tmp_path / "plain.pth")
+    assert not load_model(str(tmp_path / "plain.pth")).synthetic
+    assert load_model("synthetic:tiny").synthetic
 
 
 def test_missing_key_is_named(tmp_path):

@@ -77,6 +77,8 @@ def load_services(settings: Settings) -> Loaded:
     finally:
         logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
     log.info("model loaded in %.2fs", time.perf_counter() - t0)
+    if getattr(model, "synthetic", False) and not spec.startswith("synthetic:"):
+        log.warning(RANDOM_WARNING, spec)  # a file written by `rwkv-server synth`
     t1 = time.perf_counter()
     tokenizer = get_tokenizer()
     tokenizer.encode("warm-up: the first encode builds lookup tables")  # not in a request's time

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,12 @@ from server.model.state import ModelShape
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ATT_MIX = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+
+
+SYNTHETIC_MARK = "_synthetic_seed"
+"""A one-element tensor that `save_synthetic` adds to the files it writes (the seed of their
+random weights), so a synthetic file is recognised wherever it is loaded from. Other readers
+(the `rwkv` package) ignore it."""
 
 
 class CheckpointError(ValueError):
@@ -157,8 +163,10 @@ class Weights:
     head: torch.Tensor  # (V, C)
 
 
-def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch.dtype) -> Weights:
-    """Move and cast tensor by tensor (entries of sd are dropped as they are converted)."""
+def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch.dtype,
+            progress: Callable[[int, int], None] | None = None) -> Weights:
+    """Move and cast tensor by tensor (entries of sd are dropped as they are converted);
+    progress(layers done, layers) after each layer."""
     device = torch.device(device)
 
     def take(key: str, vector: bool = False) -> torch.Tensor:
@@ -190,6 +198,8 @@ def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch
             ffn_xk=take(p + "ffn.x_k", True), ffn_key=take(p + "ffn.key.weight"),
             ffn_value=take(p + "ffn.value.weight"),
         ))  # fmt: skip
+        if progress is not None:
+            progress(i + 1, shape.n_layer)
     return Weights(
         emb=emb,
         layers=layers,

@@ -32,14 +32,16 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         raise ValueError(f"unsupported compute dtype {dtype}")
     if kernels not in KERNELS:  # before the weights are read
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
-    if spec.startswith("synthetic:"):
+    is_synthetic = spec.startswith("synthetic:")
+    if is_synthetic:
         sd = synthetic.synthetic_state_dict(spec, device=device, dtype=dtype)
         name = spec
     else:
         sd = checkpoint.read_checkpoint(spec)
         name = os.path.basename(spec)
+        is_synthetic = sd.pop(checkpoint.SYNTHETIC_MARK, None) is not None
     shape = checkpoint.validate(sd)
-    weights = checkpoint.convert(sd, shape, device, dtype)
+    weights = checkpoint.convert(sd, shape, device, dtype, progress=_Progress(name))
     model = RWKV7(
         weights,
         shape,
@@ -52,5 +54,20 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         max_chunk_tokens=max_chunk_tokens,
         kernel_cache=kernel_cache,
     )
+    model.synthetic = is_synthetic
     log.info("loaded %s (%s) on %s %s in %.1fs", name, shape.signature(), device, dtype, time.perf_counter() - t0)
     return model
+
+
+class _Progress:
+    """Logs the conversion of a checkpoint's layers every few seconds (a 7B file takes a while)."""
+
+    def __init__(self, name: str, every: float = 5.0) -> None:
+        self.name, self.every = name, every
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every and done < total:
+            self.last = now
+            log.info("loading %s: layer %d of %d (%.0fs)", self.name, done, total, now - self.t0)

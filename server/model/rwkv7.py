@@ -73,6 +73,7 @@ class RWKV7:
         CPU_CHUNK_LEN); max_chunk_tokens: cap on sequences x chunk length per chunk (default
         max(MAX_CHUNK_TOKENS, chunk_len)); kernels, kernel_cache: see select_ops."""
         self.w, self.shape, self.name = weights, shape, name
+        self.synthetic = False  # random weights (a synthetic spec or a file written by save_synthetic)
         self.device, self.dtype, self.state_dtype = torch.device(device), dtype, state_dtype
         self.ops = select_ops(self.device, kernels, shape.head_size, kernel_cache)
         self.chunk_len = chunk_len or (CUDA_CHUNK_LEN if self._kernel_ops() else CPU_CHUNK_LEN)

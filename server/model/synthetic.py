@@ -16,6 +16,7 @@ import zlib
 
 import torch
 
+from server.model.checkpoint import SYNTHETIC_MARK
 from server.model.state import ModelShape
 
 VOCAB = 65536
@@ -139,5 +140,6 @@ def save_synthetic(preset_spec: str, path: str, dtype: torch.dtype = torch.bfloa
     spec = preset_spec if preset_spec.startswith("synthetic:") else f"synthetic:{preset_spec}"
     shape, seed = parse_spec(spec)
     sd = synthetic_state_dict((shape, seed), device="cpu", dtype=dtype)
+    sd[SYNTHETIC_MARK] = torch.tensor([seed], dtype=torch.int64)  # loaders warn: random weights
     torch.save(sd, path)
     return shape
