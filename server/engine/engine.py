@@ -301,7 +301,7 @@ class Engine:
     def _launch(self, plan: StepPlan) -> Any:
         try:
             return self.runner.launch(plan)
-        except Exception as exc:  # noqa: BLE001 - counted: the loop dies after MAX_STEP_FAILURES
+        except Exception as exc:
             self._step_failed(plan, exc)
             return None
 
@@ -310,7 +310,7 @@ class Engine:
             return []
         try:
             tokens = self.runner.finish(job)
-        except Exception as exc:  # noqa: BLE001 - counted: the loop dies after MAX_STEP_FAILURES
+        except Exception as exc:
             self._step_failed(plan, exc)
             return []
         self._step_failures = 0

@@ -84,7 +84,7 @@ class OutputProcessor:
             try:
                 if streams[i].match(tokens[i]):  # type: ignore[attr-defined]
                     out[i] = None
-            except Exception as exc:  # noqa: BLE001 - one bad request fails alone
+            except Exception as exc:
                 out[i] = _message(exc)
         return out
 
@@ -119,7 +119,7 @@ class OutputProcessor:
             for st, tok in pairs:
                 try:
                     add(st.handle, st.emit(tok))
-                except Exception as exc:  # noqa: BLE001 - one bad request fails alone
+                except Exception as exc:
                     failed.append((st.request_id, _message(exc)))
         ends, self._ends = self._ends, []
         for end in ends:
@@ -132,7 +132,7 @@ class OutputProcessor:
         st = self._streams.pop(end.request_id)
         try:
             ev = st.close(end)
-        except Exception as exc:  # noqa: BLE001 - its ids ended it; its text failed
+        except Exception as exc:
             end.reason, end.error, end.pending_tokens = ERROR, _message(exc), []
             ev = Event("", [], len(end.token_ids), True, ERROR)
         res = Result(

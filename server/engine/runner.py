@@ -204,7 +204,7 @@ class Runner:
                 else:
                     self.pool.scatter(_check_state(a.init_state, self.pool), [a.slot])
                 ok.append(a)
-            except Exception as exc:  # noqa: BLE001 - a bad starting state fails its request only
+            except Exception as exc:
                 failed.append((a.request_id, f"could not load the starting state: {exc}"))
                 zero.append(a.slot)
         if zero:

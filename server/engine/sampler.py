@@ -182,7 +182,7 @@ def sample(
 def _sample_top(z, fparams, iparams, pos, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample among the K most probable tokens of each row; also flag inexact (overflow) rows."""
     probs = torch.softmax(z, dim=-1)  # (B, V)
-    if K >= z.shape[1]:
+    if z.shape[1] <= K:
         sp, si = probs.sort(dim=-1, descending=True, stable=True)  # (B, V) ties: ids ascending
         return _pick(z, sp, si, fparams, iparams, pos)[0], torch.zeros_like(pos, dtype=torch.bool)
     sp, si = probs.topk(K, dim=-1)  # (B, K) ties in any order
@@ -219,7 +219,7 @@ def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]
     keep = (sp >= cutoff) & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))  # (B, K), a prefix
     n_keep = keep.sum(-1, keepdim=True)  # (B, 1) >= 1
     last = sp.gather(1, n_keep - 1)  # (B, 1) value of the last kept rank
-    overflow = (last <= sp[:, -1:]).squeeze(1) & (temp > 0) & (K < z.shape[1])  # (B,)
+    overflow = (last <= sp[:, -1:]).squeeze(1) & (temp > 0) & (z.shape[1] > K)  # (B,)
     zs = z.gather(1, si)  # (B, K) sorted logits
     t_safe = torch.where(temp > 0, temp, torch.ones_like(temp))  # (B,)
     w = torch.exp((zs - zs[:, :1]) / t_safe[:, None]) * keep  # (B, K)

@@ -7,9 +7,10 @@
 
 The buckets come from the caller (the engine's runner passes server.engine.plan.bucket_sizes:
 the bucketing rule lives there); a step of n rows replays the graph of the smallest bucket that
-holds them. A replay decodes rows [0, bucket) of `pool` in place: the graph holds views of the pool's own tensors, so states are never copied in or out. Rows
-[n, bucket) feed token 0 with commit False: their slots must be free (the scheduler keeps the
-active slots a prefix), and their penalties do not change. Inputs go through static buffers;
+holds them. A replay decodes rows [0, bucket) of `pool` in place: the graph holds views of the
+pool's own tensors, so states are never copied in or out. Rows [n, bucket) feed token 0 with
+commit False: their slots must be free (the scheduler keeps the active slots a prefix), and their
+penalties do not change. Inputs go through static buffers;
 outputs are static tensors overwritten by the next replay (copy what you keep).
 Each graph ends by feeding itself: its sampled ids (clamped to >= 0) become the token inputs and
 the positions advance by one, so a continuation (`step_cont`: the same rows again) is a bare

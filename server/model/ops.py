@@ -1,4 +1,5 @@
-"""Pure-PyTorch WKV-7 primitives and the decode time-mix core (the reference path; CUDA twins live in server.model.cuda_ops).
+"""Pure-PyTorch WKV-7 primitives and the decode time-mix core (the reference path; the CUDA
+twins live in server.model.cuda_ops).
 
 Conventions shared with the CUDA twins (same names, same signatures, same semantics):
 

@@ -144,7 +144,7 @@ class Runs:
         try:
             st = self.engine.stats()
             return st.waiting > 0 or (st.slots > 0 and st.running >= st.slots)
-        except Exception:  # noqa: BLE001
+        except Exception:
             return False
 
     # --- events --------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class Runs:
         except asyncio.CancelledError:
             self.abort(t)
             error = "interrupted"
-        except Exception as exc:  # noqa: BLE001 - the task ends with finish_reason "error"
+        except Exception as exc:
             log.warning("task %s failed: %s", t.id, exc)
             error = f"{type(exc).__name__}: {exc}"
         if run.recorder is not None:

@@ -6,7 +6,8 @@ reader first replays what is there, then waits for more."""
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from server.tasks.records import Output, Task
 

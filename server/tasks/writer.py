@@ -138,7 +138,7 @@ class Writer:
             await fn([e.args[0] for e in group])
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - the caller retries the items one by one
+        except Exception:
             return False
         for e in group:
             self.done += 1

@@ -97,7 +97,7 @@ async def _events_many(jobs: list[Job], recorder: Recorder) -> AsyncGenerator[tu
                 queue.put_nowait((job, batch))
                 if batch[-1].finished:
                     break
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             job.error = str(exc) or type(exc).__name__
             queue.put_nowait((job, _error_batch(job)))
         finally:
@@ -139,7 +139,7 @@ async def _events_one(job: Job, recorder: Recorder) -> AsyncGenerator[tuple[Job,
                 yield job, batch
                 if job.finish_reason is not None:
                     return
-        except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
+        except Exception as exc:
             failed = exc
         if failed is not None:
             batch = failed_batch(job, failed)
@@ -167,7 +167,7 @@ async def _error_of(job: Job) -> str:
     try:
         res = await asyncio.wait_for(job.handle.wait(), 5)
         return res.error or "generation failed"
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return str(exc) or "generation failed"
 
 

@@ -35,7 +35,7 @@ class ChoiceStream:
         job = self.jobs[0]
         try:
             batch = job.handle.take_ready()
-        except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
+        except Exception as exc:
             batch = failed_batch(job, exc)
         if batch is None:
             return None
