@@ -88,6 +88,13 @@ class Settings:
     reader per stream (the same writer). Off: every stream runs on the event loop."""
     max_body_bytes: int = 8 * 1024**2
     """Largest request body accepted (HTTP 413 beyond)."""
+    header_timeout: float = 30.0
+    """Seconds a client has to send a request's headers (from its first byte, or from the
+    connection's start); beyond: 408 and the connection is closed. 0: no limit."""
+    body_timeout: float = 30.0
+    """Seconds a client has to send a request's body once its headers came; beyond: 408. 0: no limit."""
+    max_connections: int = 4096
+    """Most connections (and requests in progress) at once; beyond them new requests get 503. 0: no bound."""
     few_shot: str = ""
     """Path of a few-shot dialogue file prefixed to chat prompts when a request asks for it;
     empty: the project's few_shot.txt."""
