@@ -51,7 +51,10 @@ class Settings:
     max_prompt_tokens: int = 65536
     """Longest prompt accepted, in tokens (longer: HTTP 413)."""
     default_max_tokens: int = 256
-    """max_tokens when a request gives none."""
+    """max_tokens when a request gives none (at most max_tokens_limit, when that is set)."""
+    max_tokens_limit: int = 0
+    """Largest max_tokens a request may ask for (beyond it: HTTP 400 / 422 naming max_tokens).
+    0: only the API's own bound (1,048,576)."""
     cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs (one per batch bucket) on cuda."""
     stats_interval: float = 10.0
@@ -100,6 +103,10 @@ class Settings:
     empty: the project's few_shot.txt."""
     log_level: str = "info"
     """Log level: debug, info, warning, error."""
+
+    def __post_init__(self) -> None:
+        if 0 < self.max_tokens_limit < self.default_max_tokens:  # the cap holds for the default too
+            object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -10,11 +10,13 @@ import time
 
 import httpx
 import pytest
-from util_server import running_server, server_fixture
+from util_server import free_port, running_server, server_fixture
 
 K1, K2 = "hard-key-1", "hard-key-2"
 A1, A2 = {"Authorization": f"Bearer {K1}"}, {"Authorization": f"Bearer {K2}"}
-server = server_fixture(env={"RWKV_API_KEYS": f"{K1},{K2}", "RWKV_MAX_BATCH": "8", "RWKV_MAX_QUEUE": "4"})
+MAX_TOKENS_LIMIT = 1_000_000  # below the API's own bound (1,048,576)
+server = server_fixture(env={"RWKV_API_KEYS": f"{K1},{K2}", "RWKV_MAX_BATCH": "8", "RWKV_MAX_QUEUE": "4",
+                             "RWKV_MAX_TOKENS_LIMIT": str(MAX_TOKENS_LIMIT)})
 RAW_JSON = {"content-type": "application/json"}
 
 
@@ -103,6 +105,85 @@ def test_bad_stop_on_continue_and_fork_leaves_the_task_usable(c1, op):
     r = c1.post(f"/v1/tasks/{tid}/{op}", json={"max_tokens": 2})  # not 409: nothing got stuck
     assert r.status_code == 200, r.text
     finished(c1, r.json()["task_id"])
+
+
+def test_max_tokens_beyond_the_server_limit_is_refused_naming_it(c1):
+    over = MAX_TOKENS_LIMIT + 1
+    e = err(c1.post("/v1/tasks/tmp", json={"prompt": "x", "max_tokens": over}), 422, "max_tokens")
+    assert str(MAX_TOKENS_LIMIT) in e["message"]
+    err(c1.post("/v1/completions", json={"prompt": "x", "max_tokens": over}), 400, "max_tokens")
+    msgs = [{"role": "user", "content": "hi"}]
+    err(c1.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": over}), 400,
+        "max_completion_tokens")
+    idle(c1)
+
+
+def test_the_max_tokens_limit_caps_the_default():
+    from server.config import Settings
+
+    assert Settings.from_env({"RWKV_MAX_TOKENS_LIMIT": "16"}).default_max_tokens == 16
+    assert Settings(max_tokens_limit=1000, default_max_tokens=300).default_max_tokens == 300
+    assert Settings().default_max_tokens == 256 and Settings().max_tokens_limit == 0
+
+
+# --- 1b. a failure after submission stops what the request started --------------------------------
+@pytest.fixture(scope="module")
+def inproc(tmp_path_factory):
+    """A real uvicorn server in this process, so a test can make a step after submission fail."""
+    import threading
+
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.config import Settings
+
+    db = tmp_path_factory.mktemp("inproc") / "tasks.db"
+    settings = Settings(device="cpu", db=str(db), stats_interval=0, max_batch=8)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
+        time.sleep(0.2)
+    yield url
+    srv.should_exit = True
+    thread.join(30)
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("injected failure after submission")
+
+
+LONG = {"max_tokens": 1_000_000, "ignore_eos": True, "stream": True}
+
+
+def test_a_failure_after_submission_aborts_every_choice(inproc, monkeypatch):
+    from server.api.openai import render
+
+    monkeypatch.setattr(render, "completion_renderer", _broken)
+    with httpx.Client(base_url=inproc, timeout=30) as c:
+        err(c.post("/v1/completions", json={"prompt": "x", "n": 4, **LONG}), 500)
+        idle(c)
+
+
+def test_a_failure_after_a_task_started_stops_and_settles_it(inproc, monkeypatch):
+    from server.api.tasks import routes
+
+    monkeypatch.setattr(routes, "TaskStream", _broken)
+    with httpx.Client(base_url=inproc, timeout=30) as c:
+        for path in ("/v1/tasks/create", "/v1/tasks/tmp"):
+            err(c.post(path, json={"prompt": "x", **LONG}), 500)
+        idle(c)
+        assert unfinished_tasks(c) == []
+        assert {t["finish_reason"] for t in c.get("/v1/tasks/list").json()["tasks"]} == {"stopped"}
 
 
 # --- 2. completions echo with a lone surrogate --------------------------------------------------
