@@ -177,8 +177,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.2)
             await super().shutdown(sockets=sockets)
 
+    from server.api.http_limits import protocol_with_deadlines
+
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=5)
+                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=5,
+                            http=protocol_with_deadlines(settings.header_timeout, settings.body_timeout),
+                            limit_concurrency=settings.max_connections or None)
     server = Server(config)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()

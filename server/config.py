@@ -51,7 +51,10 @@ class Settings:
     max_prompt_tokens: int = 65536
     """Longest prompt accepted, in tokens (longer: HTTP 413)."""
     default_max_tokens: int = 256
-    """max_tokens when a request gives none."""
+    """max_tokens when a request gives none (at most max_tokens_limit, when that is set)."""
+    max_tokens_limit: int = 0
+    """Largest max_tokens a request may ask for (beyond it: HTTP 400 / 422 naming max_tokens).
+    0: only the API's own bound (1,048,576)."""
     cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs (one per batch bucket) on cuda."""
     stats_interval: float = 10.0
@@ -88,11 +91,22 @@ class Settings:
     reader per stream (the same writer). Off: every stream runs on the event loop."""
     max_body_bytes: int = 8 * 1024**2
     """Largest request body accepted (HTTP 413 beyond)."""
+    header_timeout: float = 30.0
+    """Seconds a client has to send a request's headers (from its first byte, or from the
+    connection's start); beyond: 408 and the connection is closed. 0: no limit."""
+    body_timeout: float = 30.0
+    """Seconds a client has to send a request's body once its headers came; beyond: 408. 0: no limit."""
+    max_connections: int = 4096
+    """Most connections (and requests in progress) at once; beyond them new requests get 503. 0: no bound."""
     few_shot: str = ""
     """Path of a few-shot dialogue file prefixed to chat prompts when a request asks for it;
     empty: the project's few_shot.txt."""
     log_level: str = "info"
     """Log level: debug, info, warning, error."""
+
+    def __post_init__(self) -> None:
+        if 0 < self.max_tokens_limit < self.default_max_tokens:  # the cap holds for the default too
+            object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

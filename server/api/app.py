@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import handlers
+from server.api import handlers, openapi
 from server.api.loading import Loaded, facts, load_services, prefix_budget
 from server.api.metrics import Metrics, Recorder
 from server.api.middleware import ServerMiddleware
@@ -58,6 +58,7 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
     app.add_middleware(ServerMiddleware, max_body_bytes=settings.max_body_bytes,
                        api_keys=settings.api_key_set(), metrics=metrics)
     _include_routes(app)
+    openapi.install(app)
     return app
 
 

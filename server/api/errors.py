@@ -51,13 +51,31 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         return Response(
-            orjson.dumps(self.body()), status_code=self.status,
+            dumps_error(self.body()), status_code=self.status,
             media_type="application/json", headers=self.headers,
         )
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def dumps_error(body: dict[str, Any]) -> bytes:
+    """The JSON bytes of an error body. A message may quote the client's input, and that may hold
+    a lone surrogate (which JSON text can escape but UTF-8 cannot carry): such text is written
+    with backslash escapes rather than failing the error answer."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return orjson.dumps(_escaped(body))
+
+
+def _escaped(v: Any) -> Any:
+    if isinstance(v, str):
+        return v.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(v, dict):
+        return {_escaped(k): _escaped(x) for k, x in v.items()}
+    return v
 
 
 def not_found(task_id: str) -> ApiError:

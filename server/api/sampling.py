@@ -4,8 +4,10 @@ the one mapping from a request to `SamplingParams`.
 Both route families build their request bodies on `SamplingFields`: the OpenAI routes
 (server.api.openai.schemas, errors 400) and the task routes (server.api.tasks.schemas, errors 422).
 - Bounds: `server.engine.types.LIMITS` (checked by pydantic, so the error names the field), then
-  `check_fields` before anything is submitted (stop strings: count, length, valid text;
-  stop_token_ids inside the vocabulary).
+  `checked_fields` before anything is submitted: every string of the body is valid Unicode text
+  (no lone surrogate, which no UTF-8 byte sequence can carry), max_tokens within
+  `Settings.max_tokens_limit`, and `check_fields` (stop strings: count, length; stop_token_ids
+  inside the vocabulary).
 - Defaults: a field that is absent (or null) takes `SamplingParams`' default (max_tokens:
   `Settings.default_max_tokens`); the mapping is `SamplingParams.from_fields`.
 - The OpenAI names map onto ours: `frequency_penalty` is `repetition_penalty` (RWKV's
@@ -25,10 +27,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from server.api.errors import ApiError
 from server.engine.types import FIELDS, LIMITS, MAX_STOP_TOKEN_IDS, SamplingParams, check_fields
+from server.tokenizer.vocab import VOCAB_SIZE
 
 
 def _bounds(name: str, doc: str = "") -> Any:
@@ -37,6 +40,12 @@ def _bounds(name: str, doc: str = "") -> Any:
 
 
 MaxTokens = Annotated[int | None, _bounds("max_tokens", "tokens to generate; 0 = prefill only")]
+TokenId = Annotated[StrictInt, Field(ge=0, lt=VOCAB_SIZE)]
+"""A token id: a JSON integer (never a bool or a float) in the tokenizer's id space; the loaded
+model's vocabulary is checked too before anything is submitted."""
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+"""A prompt text: never empty."""
 Penalty = Annotated[float | None, _bounds("repetition_penalty")]
 _FIELD_IN_MESSAGE = re.compile(r"^invalid '(\w+)'")
 
@@ -57,16 +66,25 @@ class SamplingFields(BaseModel):
     penalty_decay: Annotated[float | None, _bounds("penalty_decay")] = None
     seed: Annotated[int | None, _bounds("seed")] = None
     stop: Annotated[str | list[str] | None, Field(description="stop strings (never part of the text)")] = None
-    stop_token_ids: Annotated[list[int] | None, Field(max_length=MAX_STOP_TOKEN_IDS)] = None
+    stop_token_ids: Annotated[list[TokenId] | None, Field(max_length=MAX_STOP_TOKEN_IDS)] = None
     ignore_eos: Annotated[bool | None, Field(description="keep generating past the end-of-text token")] = None
 
     def sampling_fields(self) -> dict[str, Any]:
         """The given sampling fields by our names (FIELDS), unchecked."""
         return {k: v for k in FIELDS if (v := getattr(self, k)) is not None}
 
-    def checked_fields(self, vocab_size: int) -> dict[str, Any]:
-        """sampling_fields() once `check_fields` passed: an ApiError naming the field otherwise."""
+    def checked_fields(self, vocab_size: int, max_tokens_limit: int = 0) -> dict[str, Any]:
+        """sampling_fields() once the whole body passed the checks made before anything is
+        submitted (valid text everywhere, max_tokens within `max_tokens_limit` when that is not
+        0, `check_fields`): an ApiError naming the field otherwise."""
+        bad = bad_text(self)
+        if bad is not None:
+            raise self.invalid(f"invalid '{bad[0]}': {bad[1]}", bad[0])
         fields = self.sampling_fields()
+        if max_tokens_limit and fields.get("max_tokens", 0) > max_tokens_limit:
+            name = self.max_tokens_name()
+            raise self.invalid(f"invalid '{name}': {fields['max_tokens']} is above this server's limit of "
+                               f"{max_tokens_limit} tokens", name)
         try:
             check_fields(fields, vocab_size)
         except ValueError as exc:
@@ -74,10 +92,47 @@ class SamplingFields(BaseModel):
             raise self.invalid(str(exc), m.group(1) if m else None) from None
         return fields
 
-    def sampling_params(self, vocab_size: int, default_max_tokens: int) -> SamplingParams:
+    def max_tokens_name(self) -> str:
+        """The name the request gave max_tokens under."""
+        return "max_tokens"
+
+    def sampling_params(self, vocab_size: int, default_max_tokens: int, max_tokens_limit: int = 0) -> SamplingParams:
         """The request's SamplingParams (absent fields: the defaults)."""
-        return SamplingParams.from_fields(self.checked_fields(vocab_size), default_max_tokens)
+        return SamplingParams.from_fields(self.checked_fields(vocab_size, max_tokens_limit), default_max_tokens)
 
     @classmethod
     def invalid(cls, message: str, param: str | None) -> ApiError:
         return ApiError(cls.error_status, message, param=param, code="invalid_request")
+
+
+def bad_text(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(field, why) of the first string in a parsed body that is not valid Unicode text (a lone
+    surrogate: JSON's \\ud800 escapes parse, but no UTF-8 can carry one, so it could be neither
+    tokenized faithfully nor stored nor answered), or None. A string inside a list is named by
+    the list (`stop`, `prompt`); one inside an object of a list by its place (`messages[0].content`)."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, (f"not valid UTF-8 text: a lone surrogate U+{ord(value[exc.start]):04X} at "
+                          f"character {exc.start}")
+        return None
+    if isinstance(value, BaseModel):
+        items: Any = [(k, getattr(value, k)) for k in type(value).model_fields]
+        items += list((value.model_extra or {}).items())
+        return _first(((f"{path}.{k}" if path else k), v) for k, v in items)
+    if isinstance(value, dict):  # keys are text too
+        return _first(p for k, v in value.items() for p in ((path, k), ((f"{path}.{k}" if path else str(k)), v)))
+    if isinstance(value, (list, tuple)):
+        return _first(((path if isinstance(v, str) else f"{path}[{i}]"), v) for i, v in enumerate(value))
+    return None
+
+
+def _first(pairs: Any) -> tuple[str, str] | None:
+    for p, v in pairs:
+        bad = bad_text(v, p)
+        if bad is not None:
+            return bad
+    return None

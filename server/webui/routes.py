@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from server.api.errors import ApiError
+from server.api.openapi import answers
 from server.api.services import get_owner, get_services
 from server.tasks.errors import TaskError
 
@@ -61,7 +62,7 @@ async def asset(name: str) -> Response:
     return FileResponse(path, media_type=media, headers=_NO_CACHE)
 
 
-@router.get("/v1/ui/tasks/{task_id}", tags=["dashboard"])
+@router.get("/v1/ui/tasks/{task_id}", tags=["dashboard"], responses=answers(401, 404, 503))
 async def task_detail(task_id: str, request: Request) -> Response:
     """A task's or template's last prompt, parameters and counters (the dashboard's task and
     template pages). Same visibility as GET /v1/tasks/{id}/status: 404 for another key's task."""

@@ -17,9 +17,10 @@ from server.api.errors import ApiError, engine_error
 from server.api.metrics import Recorder
 from server.api.openai import render
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
-from server.api.openai.jobs import ClientGone, Job, Prompt, collect, submit_all
+from server.api.openai.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
 from server.api.openai.schemas import ChatRequest, CompletionRequest, OpenAIFields
 from server.api.openai.stream import ChoiceStream
+from server.api.openapi import answers
 from server.api.services import Services, get_services
 from server.api.streaming.sse import SSEResponse
 from server.engine.protocol import StateLike
@@ -42,13 +43,13 @@ def _json(body: dict[str, Any]) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-@router.get("/models")
+@router.get("/models", responses=answers(401, 503))
 async def list_models(request: Request) -> Response:
     sv = get_services(request)
     return _json({"object": "list", "data": [_model_card(sv)]})
 
 
-@router.get("/models/{model_id:path}")
+@router.get("/models/{model_id:path}", responses=answers(401, 404, 503))
 async def get_model(model_id: str, request: Request) -> Response:
     sv = get_services(request)
     if model_id != sv.model_id:
@@ -63,11 +64,19 @@ def _model_card(sv: Services) -> dict[str, Any]:
 
 def _checked(body: OpenAIFields, sv: Services, extra_stop: tuple[str, ...] = ()) -> list[SamplingParams]:
     """The request's SamplingParams per choice (choice i samples with seed + i), checked before
-    anything is submitted: a refused field or a bad value is a 400 naming it."""
+    anything is submitted: a refused field or a bad value is a 400 naming it, and so is a request
+    with more sequences than the queue can ever hold (a 429 would send it back forever)."""
     refused = body.unsupported()
     if refused is not None:
         raise ApiError(400, refused[1], param=refused[0], code="unsupported_field")
-    p = body.sampling_params(sv.shape.vocab_size, sv.settings.default_max_tokens)
+    st = sv.settings
+    p = body.sampling_params(sv.shape.vocab_size, st.default_max_tokens, st.max_tokens_limit)
+    sequences = body.choices * body.prompt_count()
+    if st.max_queue and sequences > st.max_queue:
+        per = f"n={body.choices} x {body.prompt_count()} prompts" if body.prompt_count() > 1 else f"n={body.choices}"
+        raise ApiError(400, f"this request needs {sequences} sequences ({per}) but at most max_queue="
+                       f"{st.max_queue} can wait at once, so it could never be accepted; ask for fewer",
+                       param="n", code="too_many_sequences")
     if extra_stop:
         p = dataclasses.replace(p, stop=tuple(dict.fromkeys(p.stop + extra_stop)))
     if p.seed is None:
@@ -111,7 +120,10 @@ def _messages(body: ChatRequest) -> list[tuple[str, str]]:
     return out
 
 
-@router.post("/chat/completions")
+_GENERATES = answers(400, 401, 413, 429, 503, stream=True)
+
+
+@router.post("/chat/completions", responses=_GENERATES)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     t0 = time.perf_counter()
     sv = get_services(request)
@@ -123,8 +135,8 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     init_state = await _prefix_state(sv, prompt.prefix, prefix_tokens)
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    jobs = submit_all(sv.engine, [(rest, init_state, n_prompt)] * len(params), params, cid)
     meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt)
+    jobs = submit_all(sv.engine, [(rest, init_state, n_prompt)] * len(params), params, cid)
     return await _respond(request, sv, body, jobs, meta, t0, render.chat_renderer, render.chat_response)
 
 
@@ -155,7 +167,7 @@ async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tup
     return out
 
 
-@router.post("/completions")
+@router.post("/completions", responses=_GENERATES)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     t0 = time.perf_counter()
     sv = get_services(request)
@@ -170,9 +182,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             params.append(p)
             echoes.append(text if body.echo else "")
     cid = f"cmpl-{uuid.uuid4().hex}"
-    jobs = submit_all(sv.engine, seqs, params, cid)
     meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()),
                        prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes)
+    jobs = submit_all(sv.engine, seqs, params, cid)
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer,
                           render.completion_response)
 
@@ -180,17 +192,23 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def _respond(request: Request, sv: Services, body: OpenAIFields, jobs: list[Job], meta: render.Meta,
                    t0: float, renderer: Callable[[list[Job], render.Meta, bool], render.Renderer],
                    full: Callable[[list[Job], render.Meta], dict[str, Any]]) -> Response:
-    """The SSE stream or, once every job is done, the whole JSON response."""
-    recorder = Recorder(sv.metrics, t0)
-    if body.stream:
-        source = ChoiceStream(jobs, renderer(jobs, meta, body.include_usage()), recorder)
-        return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream)
+    """The SSE stream or, once every job is done, the whole JSON response. When the answer
+    cannot be made, the jobs are aborted before the error goes out: nothing runs for a request
+    that failed (a stream, once made, aborts them itself when it ends early)."""
     try:
-        await collect(request, jobs, recorder)
-    except ClientGone:
-        request.state.error = "the client left before the answer"
-        return Response(status_code=499)
-    return _json(full(jobs, meta))
+        recorder = Recorder(sv.metrics, t0)
+        if body.stream:
+            source = ChoiceStream(jobs, renderer(jobs, meta, body.include_usage()), recorder)
+            return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream)
+        try:
+            await collect(request, jobs, recorder)
+        except ClientGone:
+            request.state.error = "the client left before the answer"
+            return Response(status_code=499)
+        return _json(full(jobs, meta))
+    except BaseException:
+        abort_all(jobs)
+        raise
 
 
 __all__ = ["router"]

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from server.api.sampling import MaxTokens, Penalty, SamplingFields
+from server.api.sampling import MaxTokens, Penalty, SamplingFields, TokenId
 
 MAX_N = 16
 MAX_PROMPTS = 64
@@ -80,6 +80,10 @@ class OpenAIFields(SamplingFields):
     def choices(self) -> int:
         return self.n or 1
 
+    def prompt_count(self) -> int:
+        """How many prompts the request holds (each is sampled `choices` times)."""
+        return 1
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -135,6 +139,9 @@ class ChatRequest(OpenAIFields):
             fields["max_tokens"] = self.max_completion_tokens
         return fields
 
+    def max_tokens_name(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools or self.functions:
             return ("tools" if self.tools else "functions"), "tools / function calling are not supported"
@@ -157,7 +164,7 @@ class ChatRequest(OpenAIFields):
 
 
 class CompletionRequest(OpenAIFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     suffix: str | None = None
     echo: bool | None = None
     logprobs: int | None = None
@@ -174,6 +181,10 @@ class CompletionRequest(OpenAIFields):
             if isinstance(v[0], list) and any(not p for p in v):
                 raise ValueError("token id lists must not be empty")
         return v
+
+    def prompt_count(self) -> int:
+        p = self.prompt
+        return len(p) if isinstance(p, list) and not isinstance(p[0], int) else 1
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs is not None:

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, engine_error
+from server.api.openapi import EventStream, answers
 from server.api.services import Services, get_owner, get_services
 from server.api.streaming.sse import SSEResponse
 from server.api.tasks.schemas import CreateBody, EmptyBody, FimBody, GenParams, UpdateBody
@@ -45,7 +46,7 @@ def _tasks(sv: Services) -> TaskManager:
 
 def _params(sv: Services, body: GenParams) -> dict[str, Any]:
     """The request's sampling fields, checked (422 naming a bad one) before anything starts."""
-    return body.checked_fields(sv.shape.vocab_size)
+    return body.checked_fields(sv.shape.vocab_size, sv.settings.max_tokens_limit)
 
 
 async def _call(aw: Awaitable[T]) -> T:
@@ -59,9 +60,17 @@ async def _call(aw: Awaitable[T]) -> T:
 
 
 def _answer(sv: Services, t: Task, stream: bool, *, own: bool = False) -> Response:
-    if not stream:
-        return _json(t.response())
-    return _sse(sv, t, 0, abort_on_close=own and t.kind == "tmp")
+    """The answer to a request that started a run of t. When it cannot be made, the run is
+    stopped (and the task settles) before the error goes out: nothing runs for a request that
+    failed."""
+    try:
+        if not stream:
+            return _json(t.response())
+        return _sse(sv, t, 0, abort_on_close=own and t.kind == "tmp")
+    except BaseException:
+        if sv.tasks is not None:
+            sv.tasks.abort(t)
+        raise
 
 
 def _sse(sv: Services, t: Task, pos: int, abort_on_close: bool = False) -> SSEResponse:
@@ -85,17 +94,20 @@ async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Re
     return _answer(sv, t, body.stream, own=True)
 
 
-@router.post("/tmp")
+_STARTS = answers(401, 413, 422, 429, 503, stream=True)
+
+
+@router.post("/tmp", responses=_STARTS)
 async def create_tmp(body: CreateBody, request: Request) -> Response:
     return await _create(body, request, persistent=False)
 
 
-@router.post("/create")
+@router.post("/create", responses=_STARTS)
 async def create_task(body: CreateBody, request: Request) -> Response:
     return await _create(body, request, persistent=True)
 
 
-@router.post("/fim")
+@router.post("/fim", responses=_STARTS)
 async def fim(body: FimBody, request: Request) -> Response:
     sv = get_services(request)
     tm = _tasks(sv)
@@ -104,27 +116,30 @@ async def fim(body: FimBody, request: Request) -> Response:
 
 
 # --- read --------------------------------------------------------------------------------------
-@router.get("/list")
+@router.get("/list", responses=answers(401, 422, 503))
 async def list_tasks(request: Request, limit: int = Query(100, ge=1, le=1000),
-                     offset: int = Query(0, ge=0),
+                     offset: int = Query(0, ge=0, le=1_000_000),
                      kind: Literal["tmp", "task", "template"] | None = Query(None)) -> Response:
     tm = _tasks(get_services(request))
     return _json(await _call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
 
 
-@router.get("/{task_id}/get_result")
+_READS = answers(401, 404, 422, 503)
+
+
+@router.get("/{task_id}/get_result", responses=_READS)
 async def get_result(task_id: str, request: Request) -> Response:
     tm = _tasks(get_services(request))
     return _json((await _call(tm.get(task_id, get_owner(request)))).response())
 
 
-@router.get("/{task_id}/status")
+@router.get("/{task_id}/status", responses=_READS)
 async def status(task_id: str, request: Request) -> Response:
     tm = _tasks(get_services(request))
     return _json((await _call(tm.get(task_id, get_owner(request)))).info())
 
 
-@router.get("/{task_id}/stream")
+@router.get("/{task_id}/stream", responses=answers(401, 404, 422, 503, sse_only=True), response_class=EventStream)
 async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> Response:
     sv = get_services(request)
     tm = _tasks(sv)
@@ -133,7 +148,7 @@ async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> R
 
 
 # --- change ------------------------------------------------------------------------------------
-@router.post("/{task_id}/fork")
+@router.post("/{task_id}/fork", responses=answers(401, 404, 409, 413, 422, 429, 503, stream=True))
 async def fork(task_id: str, request: Request, body: UpdateBody | None = None,
                tmp: bool = Query(False)) -> Response:
     sv, body = get_services(request), body or UpdateBody()
@@ -142,7 +157,7 @@ async def fork(task_id: str, request: Request, body: UpdateBody | None = None,
     return _answer(sv, t, body.stream, own=True)
 
 
-@router.post("/{task_id}/continue")
+@router.post("/{task_id}/continue", responses=answers(401, 403, 404, 409, 413, 422, 429, 503, stream=True))
 async def continue_task(task_id: str, request: Request, body: UpdateBody | None = None,
                         force: bool = Query(False)) -> Response:
     sv, body = get_services(request), body or UpdateBody()
@@ -152,7 +167,7 @@ async def continue_task(task_id: str, request: Request, body: UpdateBody | None 
     return _answer(sv, t, body.stream)
 
 
-@router.post("/{task_id}/stop")
+@router.post("/{task_id}/stop", responses=answers(401, 403, 404, 413, 422, 503))
 async def stop(task_id: str, request: Request, body: EmptyBody | None = None,
                force: bool = Query(False)) -> Response:
     tm = _tasks(get_services(request))
@@ -160,7 +175,7 @@ async def stop(task_id: str, request: Request, body: EmptyBody | None = None,
     return _json(t.info())
 
 
-@router.post("/{task_id}/as_template")
+@router.post("/{task_id}/as_template", responses=answers(401, 404, 409, 413, 422, 503))
 async def as_template(task_id: str, request: Request, body: EmptyBody | None = None,
                       name: str | None = Query(None, min_length=1, max_length=64)) -> Response:
     tm = _tasks(get_services(request))
@@ -168,7 +183,7 @@ async def as_template(task_id: str, request: Request, body: EmptyBody | None = N
     return _json(t.response())
 
 
-@router.post("/{task_id}/delete")
+@router.post("/{task_id}/delete", responses=answers(401, 403, 404, 413, 422, 503))
 async def delete(task_id: str, request: Request, body: EmptyBody | None = None,
                  force: bool = Query(False)) -> Response:
     tm = _tasks(get_services(request))

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
 
-from server.api.sampling import SamplingFields
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.api.sampling import SamplingFields, Text, TokenId, TokenIds
 
 
 class GenParams(SamplingFields):
@@ -15,7 +17,7 @@ class GenParams(SamplingFields):
 
 
 class CreateBody(GenParams):
-    prompt: str | list[int]
+    prompt: Annotated[Text | TokenIds, Field(description="text, or token ids; never empty")]
 
 
 class FimBody(GenParams):
@@ -24,7 +26,8 @@ class FimBody(GenParams):
 
 
 class UpdateBody(GenParams):
-    prompt: str | list[int] | None = None
+    prompt: Annotated[str | list[TokenId] | None,
+                      Field(description="text or token ids fed after the history; empty or absent: none")] = None
 
 
 class EmptyBody(BaseModel):
