@@ -171,6 +171,8 @@ class ServerMiddleware:
                           seconds * 1000)
             return
         level = logging.WARNING if status >= 500 else logging.INFO
+        if path in OPEN_PATHS:  # a probe's 503 (loading, draining) is the probe doing its job
+            level = logging.DEBUG
         log.log(level, '%s "%s %s" %s %.1fms: %s', _client(scope), scope.get("method"), path, status,
                 seconds * 1000, error or "(no reason given)")
 
