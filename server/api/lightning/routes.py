@@ -10,7 +10,6 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError, engine_error
 from server.api.lightning import batch, chat_prompt, docs, state_routes
 from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError
@@ -26,8 +25,7 @@ from server.api.lightning.schemas import (
 from server.api.openai import routes as openai_routes
 from server.api.openai.jobs import submit_all
 from server.api.openai.render import Meta
-from server.api.services import Services, get_services
-from server.engine.protocol import StateLike
+from server.api.services import get_services
 from server.tasks.params import fim_prompt
 
 router = APIRouter(tags=["rwkv_lightning"])
@@ -106,7 +104,8 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     prefix_ids, rest_ids = await batch.encode_all(sv, [prefix, rest])
     n_prompt = len(prefix_ids) + len(rest_ids)
     batch.check_prompt(sv, prefix_ids + rest_ids, "messages")
-    state = await _prefix_state(sv, prefix, prefix_ids) if body.use_prefix_cache and prefix else None
+    # the chat-prefix cache's state after the system block (the OpenAI route's helper)
+    state = await openai_routes._prefix_state(sv, prefix, prefix_ids) if body.use_prefix_cache else None
     tokens = rest_ids if state is not None else prefix_ids + rest_ids
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(sv.engine, [(tokens, state, n_prompt)], [params], cid)
@@ -114,11 +113,3 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     stream = chat_style_renderer(meta, body.chunk_size or 1) if body.stream else None
     return await batch.respond(request, sv, jobs, t0, stream=stream, full=lambda js: chat_style_response(js[0], meta))
 
-
-async def _prefix_state(sv: Services, prefix: str, tokens: list[int]) -> StateLike:
-    try:
-        return await sv.prefix_cache.get(sv.engine, tokens, prefix)
-    except ApiError:
-        raise
-    except Exception as exc:
-        raise engine_error(exc) from exc

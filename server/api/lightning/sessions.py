@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 TAG = "\uffffrwkv_lightning session "
 MAX_NAME = 200
 """Longest session name (the tag is one stop string: server.engine.types.MAX_STOP_CHARS)."""
-SCAN_PAGE = 500
+SCAN_PAGE = 1000
 
 
 class SessionNotFound(Exception):

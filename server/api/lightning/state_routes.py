@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError, engine_error
+from server.api.errors import ApiError
 from server.api.lightning import docs
 from server.api.lightning.auth import authorize
 from server.api.lightning.batch import json_response
@@ -21,32 +20,15 @@ from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions, t
 from server.api.services import Services, get_services
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
-from server.engine.types import MAX_STOP_STRINGS, EngineError
-from server.tasks.errors import TaskError
+from server.api.tasks.routes import _call, _tasks  # (task-layer errors in our shape)
+from server.engine.types import MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
     from server.tasks.records import Task
 
 router = APIRouter(tags=["rwkv_lightning"])
-T = TypeVar("T")
 FINISH = {"stop": "stop", "length": "length", "stopped": "stop", "interrupted": "stop"}
-
-
-def _tasks(sv: Services) -> TaskManager:
-    if sv.tasks is None:
-        raise ApiError(503, "the task manager is not running (sessions are tasks)", code="tasks_unavailable")
-    return sv.tasks
-
-
-async def _call(aw: Awaitable[T]) -> T:
-    """Task-layer and engine errors in our error shape (a conflict: 409)."""
-    try:
-        return await aw
-    except TaskError as exc:
-        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
-    except (EngineError, ValueError) as exc:
-        raise engine_error(exc) from None
 
 
 def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
@@ -57,6 +39,10 @@ def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
         raise LightningError(400, "Missing session_id parameter")
     if len(sid) > MAX_NAME:
         raise LightningError(400, f"session_id has {len(sid)} characters; at most {MAX_NAME}")
+    try:
+        sid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LightningError(400, "session_id is not valid text (a lone surrogate?)") from None
     if len(body.contents) != 1 or not body.contents[0]:
         raise LightningError(400, "Request must be single prompt: 'contents' holds exactly one non-empty prompt")
     if len(body.stop_tokens) >= MAX_STOP_STRINGS:
