@@ -91,12 +91,14 @@ def begin_drain(app: FastAPI) -> None:
 def _include_routes(app: FastAPI) -> None:
     import server.webui
     from server.api import ops
+    from server.api.lightning import routes as lightning_routes
     from server.api.openai import routes as openai_routes
     from server.api.tasks import routes as tasks_routes
 
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(tasks_routes.router)
+    app.include_router(lightning_routes.router)
     app.include_router(server.webui.router)
 
 

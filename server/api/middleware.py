@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import ERROR_TYPES, error_body
+from server.api.lightning.paths import BODY_KEY_PATHS, KEY_PATHS
 from server.api.metrics import PROBE_ROUTES, Metrics
 
 log = logging.getLogger("server.http")
@@ -32,6 +33,16 @@ request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = PROBE_ROUTES  # no API key needed, no access log line when healthy
 JSON = b"application/json"
+KEY_DEFERRED = "key_deferred"
+"""Request-state key: on a path of BODY_KEY_PATHS without a valid header the middleware leaves
+the key check to the route (the body's `password`) and puts here the 401 message it would have
+sent; `API_KEYS` then holds the keys to check against (server.api.lightning.auth)."""
+API_KEYS = "api_keys"
+
+
+def match_key(keys: frozenset[str], key: str | None) -> str | None:
+    """The configured key equal to `key` (constant-time comparisons), or None."""
+    return next((k for k in keys if key is not None and hmac.compare_digest(k, key)), None)
 
 
 class RequestIdFilter(logging.Filter):
@@ -123,11 +134,14 @@ class ServerMiddleware:
             state["error"] = f"request body of {length} bytes exceeds the limit of {self.max_body} bytes"
             return _json_error(413, state["error"], "request_too_large", "body_too_large", rid)
         path = scope.get("path", "")
-        if self.keys and path.startswith("/v1") and path not in OPEN_PATHS:
+        if self.keys and (path.startswith("/v1") or path in KEY_PATHS) and path not in OPEN_PATHS:
             key = _bearer(headers.get(b"authorization", b"").decode("latin-1"))
-            owner = next((k for k in self.keys if key is not None and hmac.compare_digest(k, key)), None)
+            owner = match_key(self.keys, key)
             if owner is None:
                 msg = "missing API key: send 'Authorization: Bearer <key>'" if key is None else "invalid API key"
+                if path in BODY_KEY_PATHS and scope.get("method") == "POST":
+                    state[KEY_DEFERRED], state[API_KEYS] = msg, self.keys  # the route checks `password`
+                    return None
                 state["error"] = msg
                 return _json_error(401, msg, "authentication_error", "invalid_api_key", rid,
                                    {"www-authenticate": "Bearer"})

@@ -7,7 +7,10 @@ Each client streams one /v1/completions request (ignore_eos, fixed max_tokens, u
 --route chat: /v1/chat/completions with the prompt as the user message; --route tasks: the task
 API's /v1/tasks/create, a persistent task whose output, progress and final state are stored;
 --route tmp: /v1/tasks/tmp, a task that is never stored. The task API has no ignore_eos: a stream
-can end early on a sampled end token, which the token counts show).
+can end early on a sampled end token, which the token counts show; --route contents: rwkv_lightning's
+batch route, /v1/chat/completions with `contents` holding the one prompt, streamed, with the same
+sampling and ignore_eos, --chunk-size tokens per event (docs/lightning.md). Its native SSE has no
+usage: each stream's tokens are its max_tokens, exact with ignore_eos and no stop strings).
 The clients are bench_http_host.py's raw-socket asyncio client (HTTP/1.1, one connection per
 stream, no SSE/JSON parsing per event), split over --client-procs processes (default: one per
 128 streams) so that the client is never the bottleneck; each process's CPU time is printed.
@@ -47,9 +50,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
 sys.path.insert(0, str(HERE))
 
-from bench_engine import add_model_args, commit, write_lines  # noqa: E402
-from bench_http_host import pct, proc_cpu, run_streams  # noqa: E402
-from util_server import ServerProcess  # noqa: E402
+from bench_engine import add_model_args, commit, write_lines
+from bench_http_host import pct, proc_cpu, run_streams
+from util_server import ServerProcess
 
 STREAMS_PER_CLIENT = 128
 CLIENT_START_LEAD_S = 2.0  # client processes are started this long before their streams begin
@@ -62,20 +65,30 @@ def client_main(spec: str) -> None:
     (CLOCK_MONOTONIC: the same clock in every process, so all client processes start together);
     prints one JSON line."""
     host, port, n, max_tokens, seed0, stagger_ms, start_at, route, prompt_file = spec.split(",", 8)
+    route, _, chunk_size = route.partition(":")
     prompt = Path(prompt_file).read_text()
     what = {"messages": [{"role": "user", "content": prompt}]} if route == "chat" else {"prompt": prompt}
     common = {**what, "max_tokens": int(max_tokens), "stream": True, "temperature": 1.0, "top_p": 0.3}
-    if route in ("tasks", "tmp"):
+    if route == "contents":  # lightning's names for the same sampling (our defaults made explicit)
+        common = {"contents": [prompt], "max_tokens": int(max_tokens), "stream": True, "temperature": 1.0,
+                  "top_p": 0.3, "top_k": 0, "alpha_presence": 0.5, "alpha_frequency": 0.5, "alpha_decay": 0.996,
+                  "stop_tokens": [], "ignore_eos": True, "chunk_size": int(chunk_size or 1)}
+        extra, path = {}, "/v1/chat/completions"
+    elif route in ("tasks", "tmp"):
         extra, path = {"stop": []}, "/v1/tasks/create" if route == "tasks" else "/v1/tasks/tmp"
     else:
         extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    bodies = [json.dumps({**common, **extra, "seed": int(seed0) + i}).encode() for i in range(int(n))]
+    seed = {} if route == "contents" else {"seed": int(seed0)}  # (lightning has no seed)
+    bodies = [json.dumps({**common, **extra, **{k: v + i for k, v in seed.items()}}).encode() for i in range(int(n))]
 
     time.sleep(max(0.0, float(start_at) - time.perf_counter()))
     c0 = os.times()
     res = asyncio.run(run_streams(host, int(port), path, bodies, float(stagger_ms)))
     c1 = os.times()
+    if route == "contents":  # no usage in lightning's stream: ignore_eos, no stop strings -> max_tokens each
+        for r in res:
+            r["tokens"] = int(max_tokens) if r["stamps"] else 0
     streams = [{"start": r["start"], "first": r["stamps"][0] if r["stamps"] else None, "end": r["end"],
                 "tokens": r["tokens"], "stamps": [round(t, 6) for t in r["stamps"]], "counts": r["counts"]}
                for r in res]  # fmt: skip
@@ -200,13 +213,17 @@ def main() -> None:
     p.add_argument("--prompt", default="User: Tell me a long story about a lighthouse keeper.\n\nAssistant:")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default=None, help="a tag for the result lines (e.g. what the env changed)")
-    p.add_argument("--route", choices=["completions", "chat", "tasks", "tmp"], default="completions",
-                   help="chat: /v1/chat/completions with the prompt as one user message (its stop strings apply)")
+    p.add_argument("--route", choices=["completions", "chat", "tasks", "tmp", "contents"], default="completions",
+                   help="chat: /v1/chat/completions with the prompt as one user message (its stop strings apply); "
+                        "contents: rwkv_lightning's batch body with the one prompt")
+    p.add_argument("--chunk-size", type=int, default=1,
+                   help="--route contents: tokens per streamed event (lightning's default is 4)")
     a = p.parse_args()
     if a.client:
         client_main(a.client)
         return
     streams = [int(s) for s in a.streams.split(",")]
+    route = f"contents:{a.chunk_size}" if a.route == "contents" else a.route  # (the client spec's route field)
     max_batch = max(a.max_batch, max(streams))
     env = {"RWKV_DEVICE": a.device, "RWKV_DTYPE": a.dtype, "RWKV_STATE_DTYPE": a.state_dtype,
            "RWKV_MAX_BATCH": str(max_batch), "RWKV_CUDA_GRAPHS": "0" if a.no_cuda_graphs else "1",
@@ -227,10 +244,10 @@ def main() -> None:
     lines = []
     try:
         for n in streams:  # warm-up (HTTP path, graph buckets up to each N)
-            wave(srv, n, 8, prompt_file, 1, route=a.route)
+            wave(srv, n, 8, prompt_file, 1, route=route)
         for n in streams:
             procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
-            r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, a.route)
+            r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, route)
             steady = (f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"]
                       else "(no steady window: not all streams overlapped)")
             got = f"{r['delivered_tok_s']:.1f}" if r["delivered_tok_s"] is not None else "-"
@@ -255,6 +272,8 @@ def main() -> None:
                 lines[-1]["variant"] = a.variant
             if a.route != "completions":
                 lines[-1]["route"] = a.route
+            if a.route == "contents":
+                lines[-1]["chunk_size"] = a.chunk_size
     finally:
         srv.stop()
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])

@@ -14,6 +14,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, engine_error
+from server.api.lightning import batch as lightning_batch
+from server.api.lightning.auth import require_header_key
+from server.api.lightning.schemas import ChatOrContents
 from server.api.metrics import Recorder
 from server.api.openai import render
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
@@ -124,7 +127,12 @@ _GENERATES = answers(400, 401, 413, 429, 503, stream=True)
 
 
 @router.post("/chat/completions", responses=_GENERATES)
-async def chat_completions(body: ChatRequest, request: Request) -> Response:
+async def chat_completions(body: ChatOrContents, request: Request) -> Response:
+    """An OpenAI chat request; a body with `contents` (and no `messages`) is rwkv_lightning's
+    batch completion (server.api.lightning), whose credential may be the body's `password`."""
+    if not isinstance(body, ChatRequest):
+        return await lightning_batch.contents(body, request, answer_id="rwkv7-batch")
+    require_header_key(request)
     t0 = time.perf_counter()
     sv = get_services(request)
     params = _checked(body, sv, CHAT_STOP)

@@ -1,0 +1,104 @@
+"""A session run's answer: lightning's native SSE read from the task's output (a StreamSource,
+server.api.streaming.source), or the wait for its end when not streamed. A client that leaves
+before the end stops the run (what was generated stays in the session, as on lightning)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from server.api.errors import ApiError
+from server.api.lightning.render import native_chunk
+from server.api.streaming.source import DONE, event
+from server.api.streaming.sse import draining_event, wait_disconnect
+from server.tasks import streaming
+
+if TYPE_CHECKING:
+    from server.tasks import TaskManager
+    from server.tasks.records import Task
+
+
+class SessionStream:
+    """The run's text as native chunks of `chunk_size` tokens (index 0), then `tail` (e.g.
+    multi_state's node event) and [DONE]; an error ends it with `data: {"error": ...}` and
+    [DONE]. Sessions are chats, not the throughput path: the stream runs on the event loop."""
+
+    path = None  # no direct writes
+    foreign_thread = False
+
+    def __init__(self, t: Task, chunk_size: int, tail: bytes, on_abort: Callable[[], None]) -> None:
+        self.t, self.out = t, t.out  # this run's output, whatever the task does later
+        self.chunk_size, self.tail = chunk_size, tail
+        self.on_abort: Callable[[], None] | None = on_abort
+        self._ended = False
+
+    @property
+    def preamble(self) -> list[bytes]:
+        return []
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def take(self) -> tuple[bytes, bool] | None:
+        return None  # (only called in direct mode)
+
+    async def rest(self) -> AsyncGenerator[bytes, None]:
+        text, flushed = "", 0  # text not yet sent; output tokens at the last flush
+        async for batch in streaming.batches(self.t, 0, ping=None, out=self.out):
+            chunks = []
+            for ev in batch:
+                if streaming.is_last(ev):
+                    if text:
+                        chunks.append(native_chunk(0, text))
+                    chunks.append((event(ev) if "error" in ev else self.tail) + DONE)
+                    self._ended = True
+                elif "data" in ev:
+                    text += ev["data"]
+                    if ev["pos"] - flushed >= self.chunk_size:
+                        chunks.append(native_chunk(0, text))
+                        text, flushed = "", ev["pos"]
+            if chunks:
+                yield b"".join(chunks)
+        if not self._ended:
+            self._ended = True
+            yield DONE
+
+    def listen(self, fn: Callable[[], None] | None) -> None:
+        pass  # (direct mode only)
+
+    def abort(self) -> None:
+        if self.on_abort is not None and not self._ended:
+            on_abort, self.on_abort = self.on_abort, None
+            on_abort()
+
+    def close(self) -> None:
+        self.abort()
+
+
+async def settle(request: Request, tasks: TaskManager, t: Task, owner: str | None) -> bool:
+    """Wait until the run ended; False when the client left first (the run is stopped then).
+    503 when the server begins to shut down meanwhile."""
+    waits: dict[str, asyncio.Future[Any]] = {
+        "done": asyncio.ensure_future(tasks.wait(t.id, owner)),
+        "gone": asyncio.ensure_future(wait_disconnect(request.receive)),
+    }
+    draining = draining_event(request.app)
+    if draining is not None:
+        waits["drain"] = asyncio.ensure_future(draining.wait())
+    try:
+        await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
+        if waits["done"].done():
+            waits["done"].result()
+            return True
+        tasks.abort(t)
+        if waits["gone"].done():
+            return False
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    finally:
+        for f in waits.values():
+            f.cancel()
+        await asyncio.gather(*waits.values(), return_exceptions=True)

@@ -1,0 +1,145 @@
+"""rwkv_lightning's state sessions: /state/chat/completions, /multi_state/chat/completions,
+/state/status, /state/delete, on persistent tasks (server.api.lightning.sessions)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.api.errors import ApiError
+from server.api.lightning import docs
+from server.api.lightning.auth import authorize
+from server.api.lightning.batch import json_response
+from server.api.lightning.errors import LightningError
+from server.api.lightning.schemas import Credential, DeleteBody, MultiStateBody, StateBody, sampling_params
+from server.api.lightning.session_stream import SessionStream, settle
+from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions, tagged
+from server.api.services import Services, get_services
+from server.api.streaming.source import event
+from server.api.streaming.sse import SSEResponse
+from server.api.tasks.routes import _call, _tasks  # (task-layer errors in our shape)
+from server.engine.types import MAX_STOP_STRINGS
+
+if TYPE_CHECKING:
+    from server.tasks import TaskManager
+    from server.tasks.records import Task
+
+router = APIRouter(tags=["rwkv_lightning"])
+FINISH = {"stop": "stop", "length": "length", "stopped": "stop", "interrupted": "stop"}
+
+
+def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
+    """(session_id, the prompt, the sampling fields by our names), checked: lightning's 400s
+    for a missing session_id or not exactly one prompt, ours for a bad field."""
+    sid = body.session_id
+    if not sid:
+        raise LightningError(400, "Missing session_id parameter")
+    if len(sid) > MAX_NAME:
+        raise LightningError(400, f"session_id has {len(sid)} characters; at most {MAX_NAME}")
+    try:
+        sid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LightningError(400, "session_id is not valid text (a lone surrogate?)") from None
+    if len(body.contents) != 1 or not body.contents[0]:
+        raise LightningError(400, "Request must be single prompt: 'contents' holds exactly one non-empty prompt")
+    if len(body.stop_tokens) >= MAX_STOP_STRINGS:
+        raise ApiError(400, f"invalid 'stop_tokens': at most {MAX_STOP_STRINGS - 1} stop strings on session routes",
+                       param="stop_tokens", code="invalid_request")
+    fields = body.fields()
+    sampling_params(tagged(fields, sid), sv.shape.vocab_size)  # checked before anything starts
+    return sid, body.contents[0], fields
+
+
+async def _answer(request: Request, sv: Services, t: Task, owner: str | None, body: StateBody, answer_id: str,
+                  node: int | None = None) -> Response:
+    """The run's native SSE or JSON; `node`: the multi_state node it made (the JSON says
+    `dialogue_idx`, the stream sends its node event before [DONE])."""
+    tm = _tasks(sv)
+    named = {"dialogue_idx": node} if node is not None else {}
+    if body.stream:
+        tail = event({"object": "multi_state.dialogue_idx", "session_id": f"{body.session_id}:{node}",
+                      **named}) if node is not None else b""
+        source = SessionStream(t, body.chunk_size, tail, on_abort=lambda: tm.abort(t))
+        return SSEResponse(source, metrics=sv.metrics)
+    out = t.out  # this run's output (bound before the wait: a later call makes a new one)
+    if not await settle(request, tm, t, owner):
+        request.state.error = "the client left before the answer"
+        return Response(status_code=499)
+    if out.error or out.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {out.error or 'unknown error'}", code="generation_failed")
+    choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+              "finish_reason": FINISH.get(out.finish_reason or "", "stop")}
+    return json_response({"id": answer_id, "object": "chat.completion", "model": body.model,
+                          "choices": [choice], **named})
+
+
+@router.post("/state/chat/completions", responses=docs.SESSION)
+async def state_chat(body: StateBody, request: Request) -> Response:
+    """One prompt; the session's state goes on from its last call (created on the first)."""
+    owner = authorize(request, body.password)
+    sv = get_services(request)
+    sid, prompt, fields = _request(body, sv)
+    t = await _call(Sessions.of(_tasks(sv)).chat(owner, sid, prompt, fields))
+    return await _answer(request, sv, t, owner, body, "rwkv7-batch")
+
+
+@router.post("/multi_state/chat/completions", responses=docs.SESSION)
+async def multi_state_chat(body: MultiStateBody, request: Request) -> Response:
+    """One prompt from node `dialogue_idx` (0: a new root); the answer names the new node."""
+    owner = authorize(request, body.password)
+    if "dialogue_idx" not in body.model_fields_set or body.dialogue_idx is None:
+        raise LightningError(400, "Missing dialogue_idx parameter")
+    if body.dialogue_idx < 0:
+        raise LightningError(400, f"dialogue_idx must be 0 (a new root) or a node's number, not {body.dialogue_idx}")
+    sv = get_services(request)
+    sid, prompt, fields = _request(body, sv)
+    try:
+        t, new = await _call(Sessions.of(_tasks(sv)).branch(owner, sid, body.dialogue_idx, prompt, fields))
+    except SessionNotFound as exc:
+        raise LightningError(404, str(exc)) from None
+    return await _answer(request, sv, t, owner, body, "rwkv7-multi-state", node=new)
+
+
+def _level(tm: TaskManager, t: Task) -> str:
+    """Where the session's state is: in a slot on the device while it runs, in the task layer's
+    state cache in memory, or only in the database."""
+    if t.running:
+        return "L1 (VRAM)"
+    return "L2 (RAM)" if t.state_id and t.state_id in tm.cache else "Database (Disk)"
+
+
+@router.post("/state/status", responses=docs.responses(400, 401, 503, ok=("json",)))
+async def state_status(request: Request, body: Credential | None = None) -> Response:
+    """The caller's sessions and dialogue nodes, by where their state is now."""
+    owner = authorize(request, body.password if body is not None else None)
+    tm = _tasks(get_services(request))
+    sessions: list[dict[str, Any]] = []
+    levels: list[str] = []
+    for name, t in await _call(Sessions.of(tm).listing(owner)):
+        level = _level(tm, t)
+        stored = level.startswith("Database")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.updated_at)) if stored else "In Memory"
+        sessions.append({"session_id": name, "cache_level": level, "last_updated": when, "timestamp": t.updated_at})
+        levels.append(level.split(" ")[0])
+    counts = {lv: levels.count(lv) for lv in ("L1", "L2", "Database")}
+    return json_response({"status": "success", "total_sessions": len(sessions), "l1_cache_count": counts["L1"],
+                          "l2_cache_count": counts["L2"], "database_count": counts["Database"],
+                          "sessions": sessions})
+
+
+@router.post("/state/delete", responses=docs.responses(400, 401, 404, 503, ok=("json",)))
+async def state_delete(body: DeleteBody, request: Request) -> Response:
+    """Delete a session (or node) of the caller's; `delete_prefix` also every `<session_id>:*`."""
+    owner = authorize(request, body.password)
+    if not body.session_id:
+        raise LightningError(400, "Missing session_id parameter")
+    tm = _tasks(get_services(request))
+    found = await _call(Sessions.of(tm).delete(owner, body.session_id, body.delete_prefix))
+    if found or body.delete_prefix:
+        return json_response({"status": "success", "message": f"Session {body.session_id} deleted successfully"})
+    request.state.error = f"session {body.session_id!r} not found"
+    return json_response({"status": "not_found", "message": f"Session {body.session_id} not found"}, 404)
+

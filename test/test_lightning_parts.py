@@ -1,0 +1,135 @@
+"""The parts of the rwkv_lightning package without a server: its answer bytes, the OpenAI-style
+prompt format, the per-route defaults of its document, and the session registry on a task
+manager over a scripted engine (server.api.lightning)."""
+
+from __future__ import annotations
+
+import pytest
+from task_fakes import FakeEngine, FakeShape, FakeTokenizer
+
+from server.api.lightning import chat_prompt
+from server.api.lightning.errors import LightningError
+from server.api.lightning.render import Flushes, native_chunk
+from server.api.lightning.schemas import (
+    BigBatchBody,
+    ChatStyleBody,
+    FimBody,
+    LightningV1Body,
+    LightningV2Body,
+    StateBody,
+    TranslateBody,
+)
+from server.api.lightning.sessions import TAG, SessionNotFound, Sessions, continued, name_of, tagged
+from server.api.openai.jobs import Job
+from server.api.streaming.source import event
+from server.config import Settings
+from server.engine.types import Event
+from server.tasks import TaskManager
+
+
+@pytest.mark.parametrize("text", ["plain", 'quote " and \\ backslash', "line\nbreak", "中文 ✿ 🙂", ""])
+def test_native_chunk_is_the_event_of_lightnings_chunk(text):
+    for i in (0, 7, 1234):
+        want = event({"object": "chat.completion.chunk", "choices": [{"index": i, "delta": {"content": text}}]})
+        assert native_chunk(i, text) == want
+
+
+def test_flushes_send_every_chunk_size_tokens_and_at_the_end():
+    f = Flushes(2, chunk_size=3)
+    job = Job(index=1, handle=None, prompt_tokens=1)  # type: ignore[arg-type]
+    sent = []
+    for n, text in enumerate(["a", "b", "c", "d", "e"], start=1):
+        job.completion_tokens = n
+        job.finish_reason = "length" if n == 5 else None
+        sent.append(f.add(job, [Event(text=text, token_ids=[n], n_tokens=n)]))
+    assert sent == [None, None, "abc", None, "de"]
+    assert f.text == ["", ""]
+
+
+def test_the_documented_defaults_per_route():
+    v1 = LightningV1Body()
+    assert (v1.model, v1.max_tokens, v1.stop_tokens, v1.temperature, v1.top_k, v1.top_p, v1.alpha_presence,
+            v1.alpha_frequency, v1.alpha_decay, v1.stream, v1.chunk_size, v1.password) == (
+        "rwkv7", 8192, ["\nUser:"], 1.0, 50, 0.6, 2.0, 0.2, 0.996, False, 4, None)
+    v2 = LightningV2Body()
+    assert (v2.top_k, v2.top_p, v2.alpha_presence, v2.alpha_frequency, v2.alpha_decay) == (500, 0.5, 1.0, 0.1, 0.99)
+    assert FimBody().fields() == StateBody().fields() == v1.fields()
+    chat = ChatStyleBody()
+    assert (chat.max_tokens, chat.top_k, chat.top_p, chat.alpha_presence, chat.alpha_frequency, chat.alpha_decay,
+            chat.enable_think, chat.use_prefix_cache, chat.chunk_size) == (4096, 20, 0.6, 1.0, 0.1, 0.996, False,
+                                                                           True, None)
+    big = BigBatchBody().sampling(65536)
+    assert (big.max_tokens, big.temperature, big.top_k, big.top_p, big.presence_penalty,
+            big.repetition_penalty, big.stop) == (8192, 1.0, 0, 1.0, 0.0, 0.0, ("\nUser:",))
+    tr = TranslateBody(target_lang="en", text_list=["x"])
+    assert (tr.source_lang, tr.max_tokens) == ("auto", 2048)
+    p = v1.sampling(65536)  # lightning's names onto ours
+    assert (p.presence_penalty, p.repetition_penalty, p.penalty_decay, p.top_k) == (2.0, 0.2, 0.996, 50)
+
+
+def test_chat_style_prompt_format():
+    body = ChatStyleBody(system="Be brief.\n\n  ", contents=["From contents"], messages=[
+        {"role": "developer", "content": "Speak English."},
+        {"role": "user", "content": "Hi\n\n\nthere  "},
+        {"role": "tool", "content": "ignored"},
+        {"role": "Assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "image_url"}, " you"]},
+        {"role": "user", "content": "   "},
+    ])
+    prefix, rest = chat_prompt.build(body)
+    assert prefix == "System: Be brief.\nSpeak English.\n\n"
+    assert rest == "User: Hi\nthere\n\nAssistant: Hello you\n\nUser: From contents\n\nAssistant: <think>\n</think>\n"
+    _, rest = chat_prompt.build(ChatStyleBody(messages=[{"role": "user", "content": "Q"}], enable_think=True))
+    assert rest == "User: Q\n\nAssistant: <think"
+    assert chat_prompt.build(ChatStyleBody(system="S")) == ("System: S\n\n", "Assistant: <think>\n</think>\n")
+    with pytest.raises(LightningError) as e:
+        chat_prompt.build(ChatStyleBody(messages=[{"role": "user", "content": " \n"}]))
+    assert e.value.status == 400 and e.value.body() == {"error": "Empty prompt"}
+
+
+def test_session_tags_and_the_blank_line_rule():
+    fields = tagged({"stop": ["\nUser:"], "max_tokens": 3}, "chat:7")
+    assert fields["stop"] == ["\nUser:", TAG + "chat:7"] and name_of(fields) == "chat:7"
+    assert name_of({"stop": ["\nUser:"]}) is None and name_of({}) is None
+    assert TAG.startswith("\uffff")  # a noncharacter: the tag never matches generated text
+    assert continued("Hi") == "\n\nHi" and continued("\n\nHi") == "\n\nHi" and continued("\nHi") == "\n\n\nHi"
+
+
+@pytest.fixture
+async def tm(tmp_path):
+    m = TaskManager(FakeEngine(), FakeTokenizer(), Settings(db=str(tmp_path / "t.db"), device="cpu"), FakeShape())
+    await m.start()
+    yield m
+    await m.close()
+
+
+FIELDS = {"max_tokens": 2, "stop": ["\nUser:"]}
+
+
+async def test_registry_is_rebuilt_from_the_tasks(tm):
+    s = Sessions.of(tm)
+    assert Sessions.of(tm) is s
+    a = await s.chat("k1", "a", "hello", FIELDS)
+    t1, i1 = await s.branch("k1", "b", 0, "root", FIELDS)
+    await tm.wait(t1.id)
+    t2, i2 = await s.branch("k1", "b", 1, "more", FIELDS)
+    await tm.wait(a.id), await tm.wait(t2.id)
+    await tm.wait((await s.branch("k2", "b", 0, "theirs", FIELDS))[0].id)
+    assert (i1, i2) == (1, 2) and t2.parent_id == t1.id  # a branch is a fork of its node
+    fresh = Sessions(tm)  # what a restarted server finds in the store
+    assert await fresh.names("k1") == {"a": a.id, "b:1": t1.id, "b:2": t2.id}
+    assert set(await fresh.names("k2")) == {"b:1"}
+
+
+async def test_node_numbers_are_not_reused_and_gone_tasks_leave(tm):
+    s = Sessions.of(tm)
+    for idx in (0, 1):
+        t, _ = await s.branch(None, "n", idx, "p", FIELDS)
+        await tm.wait(t.id)
+    assert await s.delete(None, "n:2", prefix=False)
+    t, new = await s.branch(None, "n", 1, "p", FIELDS)
+    assert new == 3  # lightning: one more than any node the session has had
+    await tm.wait(t.id)
+    await tm.delete(t.id)  # deleted through the task API
+    with pytest.raises(SessionNotFound):
+        await s.branch(None, "n", 3, "p", FIELDS)
+    assert [name for name, _ in await s.listing(None)] == ["n:1"]

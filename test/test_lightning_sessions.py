@@ -1,0 +1,175 @@
+"""rwkv_lightning's state sessions through a real server: a session continues its state (the
+second call prefills only its new prompt), branches by dialogue_idx fork a node, sessions are
+listed and deleted, survive a restart, and bad input changes nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from util_lightning import GREEDY, idle, metric, sse, texts_by_index
+from util_server import running_server, server_fixture
+
+from server.tokenizer import get_tokenizer
+
+server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
+ASK = "User: Tell me about the sea.\n\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def c(server) -> httpx.Client:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def ntok(text: str) -> int:
+    return len(get_tokenizer().encode(text))
+
+
+def state(c: httpx.Client, sid: str, prompt: str, path: str = "/state/chat/completions", **kw) -> dict:
+    r = c.post(path, json={"session_id": sid, "contents": [prompt], "max_tokens": 5, **GREEDY, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prefilled(c: httpx.Client, fn) -> tuple[float, object]:
+    """(prompt tokens the engine prefilled while fn ran, fn's result)."""
+    before = metric(c, "rwkv_prompt_tokens_total")
+    out = fn()
+    return metric(c, "rwkv_prompt_tokens_total") - before, out
+
+
+def status(c: httpx.Client) -> dict:
+    r = c.post("/state/status", json={})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_session_continues_its_state(c):
+    n1, first = prefilled(c, lambda: state(c, "sea", ASK))
+    assert n1 == ntok(ASK)  # the first call starts from the zero state
+    assert set(first) == {"id", "object", "model", "choices"} and first["id"] == "rwkv7-batch"
+    more = "User: And the mountains?\n\nAssistant:"
+    n2, _ = prefilled(c, lambda: state(c, "sea", more))
+    # only the new prompt (with lightning's "\n\n" in front) and the one token the last call left pending
+    assert n2 == ntok("\n\n" + more) + 1
+    n3, _ = prefilled(c, lambda: state(c, "sea", "\n\nUser: Thanks.\n\nAssistant:"))
+    assert n3 == ntok("\n\nUser: Thanks.\n\nAssistant:") + 1  # a leading blank line is not doubled
+    fresh, _ = prefilled(c, lambda: state(c, "lake", more))
+    assert fresh == ntok(more)  # another session starts from zero
+
+
+def test_a_session_streams_native_chunks(c):
+    events = sse(c.post("/state/chat/completions", json={"session_id": "stream-s", "contents": [ASK],
+                                                         "max_tokens": 6, "stream": True, "chunk_size": 2, **GREEDY}))
+    assert events[-1] == "[DONE]"
+    assert all(set(e) == {"object", "choices"} for e in events[:-1])
+    assert set(texts_by_index(events)) == {0}
+    again = state(c, "stream-s-2", ASK, max_tokens=6)  # the same prompt from zero: the same text
+    assert texts_by_index(events)[0] == again["choices"][0]["message"]["content"]
+
+
+def test_multi_state_branches_fork_a_node(c):
+    root = state(c, "tree", ASK, path="/multi_state/chat/completions", dialogue_idx=0)
+    assert (root["id"], root["dialogue_idx"]) == ("rwkv7-multi-state", 1)
+    follow = "User: Why?\n\nAssistant:"
+    n, a = prefilled(c, lambda: state(c, "tree", follow, path="/multi_state/chat/completions", dialogue_idx=1))
+    assert a["dialogue_idx"] == 2 and n == ntok("\n\n" + follow) + 1
+    b = state(c, "tree", follow, path="/multi_state/chat/completions", dialogue_idx=1)
+    assert b["dialogue_idx"] == 3  # node 1 continued twice: two branches from the same state
+    assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    other = state(c, "tree", ASK, path="/multi_state/chat/completions", dialogue_idx=0)
+    assert other["dialogue_idx"] == 4 and other["choices"] == root["choices"]  # a new root: the zero state
+    events = sse(c.post("/multi_state/chat/completions", json={"session_id": "tree", "dialogue_idx": 3,
+                                                               "contents": [follow], "max_tokens": 3,
+                                                               "stream": True, **GREEDY}))
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {"object": "multi_state.dialogue_idx", "session_id": "tree:5", "dialogue_idx": 5}
+    names = {s["session_id"] for s in status(c)["sessions"]}
+    assert {"tree:1", "tree:2", "tree:3", "tree:4", "tree:5"} <= names
+
+
+def test_status_and_delete(c):
+    state(c, "del-me", ASK)
+    for i in (0, 1):
+        state(c, "del-tree", ASK, path="/multi_state/chat/completions", dialogue_idx=i)
+    st = status(c)
+    assert st["status"] == "success"
+    assert st["total_sessions"] == st["l1_cache_count"] + st["l2_cache_count"] + st["database_count"]
+    assert st["total_sessions"] == len(st["sessions"])
+    entry = next(s for s in st["sessions"] if s["session_id"] == "del-me")
+    assert entry["cache_level"] in ("L1 (VRAM)", "L2 (RAM)", "Database (Disk)") and entry["timestamp"] > 0
+    r = c.post("/state/delete", json={"session_id": "del-me"})
+    assert r.status_code == 200 and r.json()["status"] == "success"
+    r = c.post("/state/delete", json={"session_id": "del-me"})
+    assert r.status_code == 404 and r.json()["status"] == "not_found"
+    r = c.post("/state/delete", json={"session_id": "del-tree", "delete_prefix": True})
+    assert r.status_code == 200
+    names = {s["session_id"] for s in status(c)["sessions"]}
+    assert not any(n == "del-me" or n.startswith("del-tree:") for n in names)
+    n, _ = prefilled(c, lambda: state(c, "del-me", ASK))  # a deleted session starts over
+    assert n == ntok(ASK)
+
+
+def test_bad_session_requests_change_nothing(c):
+    state(c, "keep", ASK)
+    before = status(c)
+    tokens = metric(c, "rwkv_prompt_tokens_total")
+    cases = [
+        ("/multi_state/chat/completions", {"session_id": "keep", "dialogue_idx": 99, "contents": ["x"]}, 404,
+         {"error": "State not found for dialogue_idx=99"}),
+        ("/multi_state/chat/completions", {"session_id": "keep", "contents": ["x"]}, 400,
+         {"error": "Missing dialogue_idx parameter"}),
+        ("/state/chat/completions", {"contents": ["x"]}, 400, {"error": "Missing session_id parameter"}),
+        ("/state/chat/completions", {"session_id": "keep", "contents": ["a", "b"]}, 400, None),
+        ("/state/chat/completions", {"session_id": "keep", "contents": []}, 400, None),
+        ("/state/delete", {"session_id": "no-such-session"}, 404,
+         {"status": "not_found", "message": "Session no-such-session not found"}),
+        ("/state/delete", {}, 400, {"error": "Missing session_id parameter"}),
+        ("/state/chat/completions", {"session_id": "keep", "contents": ["x"], "stop_tokens": ["s"] * 16}, 400, None),
+    ]
+    for path, body, code, want in cases:
+        r = c.post(path, json=body)
+        assert r.status_code == code, (path, body, r.text)
+        if want is not None:
+            assert r.json() == want
+    idle(c)
+    assert metric(c, "rwkv_prompt_tokens_total") == tokens
+    assert status(c)["sessions"] == before["sessions"]
+
+
+def test_one_session_is_written_by_one_call_at_a_time(c, server):
+    body = {"session_id": "busy", "contents": [ASK], "max_tokens": 100_000, "stream": True, "chunk_size": 1, **GREEDY}
+    started = threading.Event()
+    with httpx.Client(base_url=server.url, timeout=120) as other, other.stream("POST", "/state/chat/completions",
+                                                                              json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                started.set()
+                break
+        assert started.is_set()
+        second = c.post("/state/chat/completions", json={"session_id": "busy", "contents": ["more"]})
+        assert second.status_code == 409, second.text
+    # the streaming client left: its run stopped, and the session goes on from what it generated
+    for _ in range(100):
+        if c.get("/health").json()["running"] == 0:
+            break
+        threading.Event().wait(0.1)
+    idle(c)
+    assert state(c, "busy", "User: ok\n\nAssistant:")["choices"]
+
+
+def test_sessions_survive_a_restart(tmp_path):
+    with running_server(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        first = state(c, "kept", ASK)
+        state(c, "kept-tree", ASK, path="/multi_state/chat/completions", dialogue_idx=0)
+        srv.restart()
+        levels = {s["session_id"]: s["cache_level"] for s in status(c)["sessions"]}
+        assert levels == {"kept": "Database (Disk)", "kept-tree:1": "Database (Disk)"}
+        more = "User: Again?\n\nAssistant:"
+        n, _ = prefilled(c, lambda: state(c, "kept", more))
+        assert n == ntok("\n\n" + more) + 1  # the stored state goes on: only the new prompt is prefilled
+        branch = state(c, "kept-tree", more, path="/multi_state/chat/completions", dialogue_idx=1)
+        assert branch["dialogue_idx"] == 2
+        assert first["choices"][0]["message"]["content"]
