@@ -1,0 +1,296 @@
+"""Conversation cache of the OpenAI routes: states at the end of earlier requests, keyed by the
+exact token prefix they consumed, so that a client re-sending a whole chat history each turn
+prefills only the new turn.
+
+Keys. An entry is a state that has consumed exactly the tokens `t[:n]` of a token stream
+starting at a base (the zero state, or a template's state) and nothing else (the engine's
+contract: `state + pending_tokens == prompt + output`). Its key is the SHA-256 of the partition
+and those tokens; a lookup hashes the request's tokens once, incrementally, at every length an
+entry of its partition has, and takes the longest one kept (at most len - 1 tokens: the last
+token is always fed, it gives the logits). Partitions: per API key (the key's hash) unless
+shared, and per base state (a template's state id), so no state of one key or base serves
+another.
+
+What is kept after a request (`track`):
+  - the state at the end of what it fed (prompt + output minus its pending token), when that is
+    a prefix of what the client is expected to send next (`expect`: for chat, the history plus
+    the reply text as the client re-sends it, re-tokenized);
+  - otherwise (the generated ids and the re-tokenized reply differ) a *repair*: the expected
+    tokens are prefilled in the background from the longest entry they extend, and kept at the
+    end of the prompt (minus its last token) and at the end of the expected reply turn.
+Repairs use idle engine time: one waits until nothing runs (at most REPAIR_IDLE_S, then it is
+dropped), so it neither delays nor perturbs other requests' batches. A request that extends the
+prompt of a request whose generation ended but whose entries are not kept yet waits for them (at
+most `wait_s`): a repair in flight is awaited; one not started runs at once if the engine has a
+free slot and no queue, else it is dropped and the request prefills the reply itself (no slower
+than the repair would be).
+
+The engine does not wake the event loop for a handle that has a listener (direct streams), so
+settling polls the handles (20 ms growing to 0.5 s), and a lookup that finds a finished request
+kicks its settle at once. Values live in a StateCache (byte budget, LRU). Everything runs on the
+event loop: no locks; concurrent requests extending one prefix share the entry (the engine copies
+a starting state, never writes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import uuid
+from array import array
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from server.engine.protocol import EngineAPI, Handle, StateLike
+from server.engine.types import LENGTH, STOP, EngineError, Result, SamplingParams
+from server.tasks.cache import StateCache
+
+log = logging.getLogger("server.conversation")
+
+Expect = Callable[[Result], Awaitable[list[int] | None]]
+"""The tokens (from the base) the client is expected to send next, given a choice's Result."""
+WAIT_SETTLE_S = 30.0
+REPAIR_IDLE_S = 10.0
+POLL_FIRST_S, POLL_MAX_S = 0.02, 0.5
+
+
+def _bytes(tokens: Sequence[int]) -> bytes:
+    return array("i", tokens).tobytes()
+
+
+def _is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
+    return len(a) <= len(b) and list(b[: len(a)]) == list(a)
+
+
+@dataclass(eq=False)
+class _Settling:
+    """A tracked request: its token stream and handles, until its entries are kept."""
+
+    tokens: list[int]
+    handles: list[Handle]
+    kick: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    awaited: bool = False
+    """A request that continues this one waits for its entries."""
+
+    def generated(self) -> bool:
+        return all(h.done for h in self.handles)
+
+
+class ConversationCache:
+    def __init__(self, budget_bytes: int, *, shared: bool = False, wait_s: float = WAIT_SETTLE_S) -> None:
+        self.cache: StateCache[StateLike] = StateCache(budget_bytes)
+        self.shared = shared
+        self.wait_s = wait_s
+        self.counters: Counter[str] = Counter()
+        self._lengths: dict[str, dict[int, set[str]]] = {}  # partition -> length -> keys
+        self._n_keys = 0  # keys in _lengths (some may have been evicted from the cache)
+        self._settling: dict[str, list[_Settling]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def partition(self, owner: str | None, base: str = "") -> str:
+        """Entries of one API key (all keys when shared) from one base state ("" = zero)."""
+        who = "*" if self.shared or owner is None else hashlib.sha256(owner.encode()).hexdigest()[:24]
+        return f"{who}|{base}"
+
+    # --- lookup --------------------------------------------------------------------------------
+    async def lookup(self, part: str, tokens: Sequence[int]) -> tuple[StateLike | None, int]:
+        """(state, n): the longest kept state of `part` that consumed exactly tokens[:n], n <= len - 1;
+        (None, 0) when there is none. Waits for the entries of a finished request this one extends."""
+        await self._wait_settling(part, tokens)
+        state, n = self.best(part, tokens, len(tokens) - 1)
+        self.counters["hits" if n else "misses"] += 1
+        self.counters["tokens_saved"] += n
+        return state, n
+
+    def best(self, part: str, tokens: Sequence[int], limit: int) -> tuple[StateLike | None, int]:
+        """The longest kept prefix of `tokens` of at most `limit` tokens (no waiting, no counting)."""
+        index = self._lengths.get(part)
+        lengths = sorted((n for n in index or () if 0 < n <= limit), reverse=True)
+        if not lengths or index is None:
+            return None, 0
+        keys = self._keys(part, tokens, lengths)
+        for n in lengths:
+            if keys[n] in index[n]:
+                state = self.cache.get(keys[n])  # (refreshes its LRU place)
+                if state is not None:
+                    return state, n
+                index[n].discard(keys[n])  # evicted by the budget
+        return None, 0
+
+    def _keys(self, part: str, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
+        """The key of tokens[:n] for each n in `lengths`, in one incremental hash pass."""
+        h = hashlib.sha256(part.encode() + b"\0")
+        out: dict[int, str] = {}
+        pos = 0
+        for n in sorted(lengths):
+            h.update(_bytes(tokens[pos:n]))
+            pos = n
+            out[n] = h.copy().hexdigest()
+        return out
+
+    async def _wait_settling(self, part: str, tokens: Sequence[int]) -> None:
+        waits = []
+        for s in self._settling.get(part, ()):
+            if len(s.tokens) < len(tokens) and s.generated() and _is_prefix(s.tokens, tokens):
+                s.awaited = True
+                s.kick.set()
+                waits.append(s.done.wait())
+        if waits:
+            self.counters["waits"] += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits), self.wait_s)
+
+    # --- keeping states ------------------------------------------------------------------------
+    def put(self, part: str, tokens: Sequence[int], state: StateLike) -> None:
+        """Keep `state`, which consumed exactly `tokens` from the partition's base."""
+        if not tokens:
+            return
+        key = self._keys(part, tokens, [len(tokens)])[len(tokens)]
+        self.cache.put(key, state)
+        keys = self._lengths.setdefault(part, {}).setdefault(len(tokens), set())
+        if key not in keys:
+            keys.add(key)
+            self._n_keys += 1
+        self.counters["stored"] += 1
+        if self._n_keys > 2 * len(self.cache.keys()) + 64:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget index keys whose states the budget evicted."""
+        alive = self.cache.keys()
+        n = 0
+        for part in list(self._lengths):
+            index = self._lengths[part]
+            for length in list(index):
+                index[length] &= alive
+                n += len(index[length])
+                if not index[length]:
+                    del index[length]
+            if not index:
+                del self._lengths[part]
+        self._n_keys = n
+
+    def track(self, engine: EngineAPI, part: str, tokens: Sequence[int], handles: Sequence[Handle],
+              expect: Expect | None) -> None:
+        """After the request (`tokens`: its whole stream from the base; `handles`: one per choice)
+        ends, keep its states (see the module docstring). Returns at once."""
+        s = _Settling(list(tokens), list(handles))
+        self._settling.setdefault(part, []).append(s)
+        task = asyncio.create_task(self._settle(engine, part, s, expect), name="conversation-settle")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _settle(self, engine: EngineAPI, part: str, s: _Settling, expect: Expect | None) -> None:
+        try:
+            await _until_generated(s)
+            for i, h in enumerate(s.handles):
+                res = h.peek_result()
+                if res is None or res.state is None or res.finish_reason not in (STOP, LENGTH):
+                    continue  # failed, aborted (the client did not see it all), or no state
+                fed = _fed(s.tokens, res)
+                target = await expect(res) if expect is not None else None
+                if target is None or _is_prefix(fed, target):
+                    self.put(part, fed, res.state)
+                    self.counters["continued"] += 1
+                elif i == 0 and await _engine_free(engine, s):
+                    await self._repair(engine, part, target, waypoint=len(s.tokens) - 1)
+        except Exception:
+            log.exception("conversation cache: settling a request failed")
+        finally:
+            s.done.set()
+            rest = [x for x in self._settling.get(part, ()) if x is not s]
+            if rest:
+                self._settling[part] = rest
+            else:
+                self._settling.pop(part, None)
+
+    async def _repair(self, engine: EngineAPI, part: str, target: list[int], waypoint: int) -> None:
+        """Prefill `target` from its longest kept prefix; keep the states at `waypoint` (the end
+        of the prompt but its last token) and at the end."""
+        state, m = self.best(part, target, len(target))
+        for cut in [c for c in (waypoint, len(target)) if m < c <= len(target)]:
+            try:
+                h = engine.submit(target[m:cut], SamplingParams(max_tokens=0), init_state=state, return_state=True,
+                                  request_id=f"conv-{uuid.uuid4().hex[:16]}")
+                res = await h.wait()
+            except EngineError as exc:  # busy or stopping: the next turn prefills it instead
+                log.info("conversation cache: repair skipped: %s", exc)
+                return
+            if res.state is None or res.pending_tokens or res.finish_reason not in (STOP, LENGTH):
+                return
+            self.put(part, target[:cut], res.state)
+            self.counters["repairs"] += 1
+            self.counters["repair_tokens"] += cut - m
+            state, m = res.state, cut
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- figures -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        st = self.cache.stats()
+        return {"bytes": st["lru_bytes"], "entries": st["lru_count"], "budget_bytes": st["budget_bytes"],
+                "evictions": st["evictions"], **{k: int(v) for k, v in self.counters.items()}}
+
+    def metric_lines(self) -> list[str]:
+        """Prometheus text lines of the cache's counters and size (Metrics.add_source)."""
+        st = self.stats()
+        out: list[str] = []
+        for name, kind, doc in _METRICS:
+            metric = f"rwkv_conversation_cache_{name}" + ("_total" if kind == "counter" else "")
+            out += [f"# HELP {metric} {doc}", f"# TYPE {metric} {kind}", f"{metric} {st.get(name, 0)}"]
+        return out
+
+
+_METRICS = (
+    ("hits", "counter", "OpenAI requests that started from a kept conversation state."),
+    ("misses", "counter", "OpenAI requests that found no kept conversation state."),
+    ("tokens_saved", "counter", "Prompt tokens not prefilled thanks to kept conversation states."),
+    ("continued", "counter", "Request end states kept as they were (the reply re-tokenizes to the ids generated)."),
+    ("repairs", "counter", "Background prefills of the re-tokenized reply (the generated ids differed)."),
+    ("repair_tokens", "counter", "Tokens prefilled by repairs."),
+    ("waits", "counter", "Requests that waited for the states of the request they continue."),
+    ("bytes", "gauge", "State bytes held by the conversation cache."),
+    ("entries", "gauge", "States held by the conversation cache."),
+)
+
+
+def _fed(tokens: Sequence[int], res: Result) -> list[int]:
+    """The tokens the result's state consumed: stream + output, minus the pending tail."""
+    out = list(tokens) + list(res.token_ids)
+    return out[: len(out) - len(res.pending_tokens)]
+
+
+async def _until_generated(s: _Settling) -> None:
+    """Until every handle of `s` ended (polling, or kicked by a lookup that saw them end)."""
+    delay = POLL_FIRST_S
+    while not s.generated():
+        delay = await _pause(s, delay)
+
+
+async def _engine_free(engine: EngineAPI, s: _Settling) -> bool:
+    """Whether a repair may run now: wait until the engine is idle (False after REPAIR_IDLE_S);
+    once a request waits for `s`, at once if it has a free slot and no queue (else False)."""
+    deadline = asyncio.get_running_loop().time() + REPAIR_IDLE_S
+    delay = POLL_FIRST_S
+    while True:
+        st = engine.stats()
+        if st.waiting == 0 and (st.running == 0 or (s.awaited and st.running < st.slots)):
+            return True
+        if s.awaited or asyncio.get_running_loop().time() > deadline:
+            return False
+        delay = await _pause(s, delay)
+
+
+async def _pause(s: _Settling, delay: float) -> float:
+    """Sleep `delay` (less if kicked); the next, longer delay."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(s.kick.wait(), delay)
+    s.kick.clear()
+    return min(delay * 1.5, POLL_MAX_S)
