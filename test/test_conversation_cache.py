@@ -112,25 +112,72 @@ async def test_two_requests_extending_one_prefix_at_once(parts):
         assert res.token_ids == alone.token_ids
 
 
-async def test_a_reply_that_retokenizes_differently_is_repaired(parts):
-    """The expected next prompt does not extend what was fed (as when a client re-sends a reply
-    whose text tokenizes differently): the expected tokens are prefilled in the background, and
-    a continuation that arrives meanwhile waits for them instead of missing."""
+async def _mismatched(eng, conv, part, tok):
+    """A request whose expected next prompt does not extend what it fed (as when a client re-sends
+    a reply whose text tokenizes differently from the ids generated); (t1, expected, t2)."""
+    t1 = tok.encode("User: Name a colour.\n\nAssistant:")
+    expected = t1 + tok.encode(" A colour nobody generated\n\n")
+
+    async def expect(_res):
+        return expected
+
+    await _run(eng, conv, part, t1, expect)
+    return t1, expected, expected + tok.encode("User: Another?\n\nAssistant:")
+
+
+async def test_a_reply_that_retokenizes_differently_is_repaired_in_idle_time(parts):
     model, tok, eng = parts
     conv = ConversationCache(1 << 30)
     part = conv.partition(None)
-    t1 = tok.encode("User: Name a colour.\n\nAssistant:")
-    other = tok.encode(" A colour nobody generated\n\n")
-
-    async def expect(_res):
-        return t1 + other
-
-    await _run(eng, conv, part, t1, expect)
-    t2 = t1 + other + tok.encode("User: Another?\n\nAssistant:")
-    state, n = await conv.lookup(part, t2)  # waits for the repair
-    assert n == len(t1 + other) and conv.counters["repairs"] == 2 and conv.counters["waits"] == 1
-    assert conv.best(part, t1, len(t1))[1] == len(t1) - 1  # the end of the prompt is kept too
+    t1, expected, t2 = await _mismatched(eng, conv, part, tok)
+    await _settled(conv)  # the user reads the reply: the engine is idle
+    assert conv.counters["mismatches"] == 1 and conv.counters["repairs"] == 1
+    state, n = await conv.lookup(part, t2)
+    assert n == len(expected) and conv.counters["waits"] == 0
     assert rel_err(model.forward([t2[n:]], state.clone()), model.forward([t2], model.zero_state(1))) < TOL
+
+
+async def test_a_continuation_at_once_is_not_held_up_by_a_repair(parts):
+    """A client that sends the next turn at once: it waits for the request's end state, not for
+    a repair of its reply (it prefills the reply itself: one engine round trip fewer)."""
+    _, tok, eng = parts
+    conv = ConversationCache(1 << 30)
+    part = conv.partition(None)
+    t1, expected, t2 = await _mismatched(eng, conv, part, tok)
+    _, n = await conv.lookup(part, t2)
+    assert conv.counters["waits"] == 1 and n < len(expected)
+    await _settled(conv)
+    assert conv.counters["repairs"] <= 1 and conv.best(part, t2, len(t2))[1] < len(expected)
+
+
+class CountingEngine:
+    """The engine, counting submissions."""
+
+    def __init__(self, engine):
+        self.engine, self.submits = engine, 0
+
+    def submit(self, *args, **kw):
+        self.submits += 1
+        return self.engine.submit(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+async def test_prompt_ends_are_prefilled_once_and_kept(parts):
+    """The split of a long prompt: identical prompts at once share one prefill; the state is
+    kept, and is a full prefill's within TOL."""
+    model, tok, eng = parts
+    counting = CountingEngine(eng)
+    conv = ConversationCache(1 << 30)
+    part = conv.partition(None)
+    prompt = tok.encode("User: " + "a long question about rivers and bridges " * 12 + "\n\nAssistant:")
+    states = await asyncio.gather(*(conv.prefill(counting, part, prompt[:-1], None, 0) for _ in range(3)))
+    assert counting.submits == 1 and states[0] is states[1] is states[2]
+    state, n = await conv.lookup(part, prompt)
+    assert n == len(prompt) - 1 and state is states[0]
+    logits = model.forward([prompt[-1:]], state.clone())
+    assert rel_err(logits, model.forward([prompt], model.zero_state(1))) < TOL
 
 
 # --- the 10-turn chat through the OpenAI SDK --------------------------------------------------------
@@ -204,7 +251,7 @@ def test_ten_turn_chat_reuses_the_history_and_answers_as_without_the_cache(tmp_p
     turns = len(QUESTIONS) - 1
     assert metrics["rwkv_conversation_cache_hits_total"] >= turns
     assert metrics["rwkv_conversation_cache_tokens_saved_total"] >= sum(u[2] for u in usage) - usage[0][2] - 16
-    kept = metrics["rwkv_conversation_cache_continued_total"]
+    kept = metrics["rwkv_conversation_cache_kept_total"]
     print(f"\n10-turn chat: {kept:.0f} replies kept as generated, "
           f"{metrics['rwkv_conversation_cache_repairs_total']:.0f} repair prefills "
           f"({metrics['rwkv_conversation_cache_repair_tokens_total']:.0f} tokens); cached per turn "

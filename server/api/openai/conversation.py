@@ -11,19 +11,23 @@ token is always fed, it gives the logits). Partitions: per API key (the key's ha
 shared, and per base state (a template's state id), so no state of one key or base serves
 another.
 
-What is kept after a request (`track`):
-  - the state at the end of what it fed (prompt + output minus its pending token), when that is
-    a prefix of what the client is expected to send next (`expect`: for chat, the history plus
-    the reply text as the client re-sends it, re-tokenized);
+What is kept, for each request:
+  - the end of its prompt but the last token, when the prompt has SPLIT_MIN_TOKENS or more
+    tokens not served from the cache: the route prefills them as a request of its own, then
+    generates from that state (`prefill`: one engine round trip more; concurrent identical
+    prompts share it). So a later turn never re-prefills more than the reply and its own text;
+  - after it ends (`track`), the state at the end of what it fed (prompt + output minus its
+    pending token), when that is a prefix of what the client is expected to send next
+    (`expect`: for chat, the history plus the reply text as the client re-sends it,
+    re-tokenized);
   - otherwise (the generated ids and the re-tokenized reply differ) a *repair*: the expected
-    tokens are prefilled in the background from the longest entry they extend, and kept at the
-    end of the prompt (minus its last token) and at the end of the expected reply turn.
+    tokens are prefilled in the background from the longest entry they extend, and kept.
 Repairs use idle engine time: one waits until nothing runs (at most REPAIR_IDLE_S, then it is
 dropped), so it neither delays nor perturbs other requests' batches. A request that extends the
-prompt of a request whose generation ended but whose entries are not kept yet waits for them (at
-most `wait_s`): a repair in flight is awaited; one not started runs at once if the engine has a
-free slot and no queue, else it is dropped and the request prefills the reply itself (no slower
-than the repair would be).
+prompt of a request whose generation ended but whose states are not kept yet waits for them (at
+most `wait_s`): the end state is then kept as it is (the waiting request's own tokens decide if
+it fits: no re-tokenizing on its critical path), a repair in flight is awaited, and none starts
+(the request prefills the reply itself, one engine round trip fewer than a repair).
 
 The engine does not wake the event loop for a handle that has a listener (direct streams), so
 settling polls the handles (20 ms growing to 0.5 s), and a lookup that finds a finished request
@@ -45,13 +49,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.engine.protocol import EngineAPI, Handle, StateLike
-from server.engine.types import LENGTH, STOP, EngineError, Result, SamplingParams
+from server.engine.types import LENGTH, STOP, EngineError, RequestFailedError, Result, SamplingParams
 from server.tasks.cache import StateCache
 
 log = logging.getLogger("server.conversation")
 
 Expect = Callable[[Result], Awaitable[list[int] | None]]
 """The tokens (from the base) the client is expected to send next, given a choice's Result."""
+SPLIT_MIN_TOKENS = 64
+"""Uncached prompt tokens from which a request's prompt end is prefilled (and kept) apart."""
 WAIT_SETTLE_S = 30.0
 REPAIR_IDLE_S = 10.0
 POLL_FIRST_S, POLL_MAX_S = 0.02, 0.5
@@ -151,11 +157,13 @@ class ConversationCache:
             return
         key = self._keys(part, tokens, [len(tokens)])[len(tokens)]
         self.cache.put(key, state)
-        keys = self._lengths.setdefault(part, {}).setdefault(len(tokens), set())
+        self._index(part, len(tokens), key)
+
+    def _index(self, part: str, length: int, key: str) -> None:
+        keys = self._lengths.setdefault(part, {}).setdefault(length, set())
         if key not in keys:
             keys.add(key)
             self._n_keys += 1
-        self.counters["stored"] += 1
         if self._n_keys > 2 * len(self.cache.keys()) + 64:
             self._prune()
 
@@ -192,12 +200,14 @@ class ConversationCache:
                 if res is None or res.state is None or res.finish_reason not in (STOP, LENGTH):
                     continue  # failed, aborted (the client did not see it all), or no state
                 fed = _fed(s.tokens, res)
-                target = await expect(res) if expect is not None else None
+                target = None if s.awaited or expect is None else await expect(res)
                 if target is None or _is_prefix(fed, target):
                     self.put(part, fed, res.state)
-                    self.counters["continued"] += 1
-                elif i == 0 and await _engine_free(engine, s):
-                    await self._repair(engine, part, target, waypoint=len(s.tokens) - 1)
+                    self.counters["kept"] += 1
+                    continue
+                self.counters["mismatches"] += 1
+                if i == 0 and await _engine_idle(engine, s):
+                    await self._repair(engine, part, target, s)
         except Exception:
             log.exception("conversation cache: settling a request failed")
         finally:
@@ -208,24 +218,42 @@ class ConversationCache:
             else:
                 self._settling.pop(part, None)
 
-    async def _repair(self, engine: EngineAPI, part: str, target: list[int], waypoint: int) -> None:
-        """Prefill `target` from its longest kept prefix; keep the states at `waypoint` (the end
-        of the prompt but its last token) and at the end."""
+    async def _repair(self, engine: EngineAPI, part: str, target: list[int], s: _Settling) -> None:
+        """Prefill `target` from its longest kept prefix and keep the state (unless a request
+        waits for `s` by the time it would start)."""
         state, m = self.best(part, target, len(target))
-        for cut in [c for c in (waypoint, len(target)) if m < c <= len(target)]:
+        if m == len(target) or s.awaited:
+            return
+        try:
+            await self.prefill(engine, part, target, state, m)
+        except EngineError as exc:  # busy or stopping: the next turn prefills it instead
+            log.info("conversation cache: repair skipped: %s", exc)
+            return
+        self.counters["repairs"] += 1
+        self.counters["repair_tokens"] += len(target) - m
+
+    async def prefill(self, engine: EngineAPI, part: str, tokens: list[int], state: StateLike | None,
+                      n: int) -> StateLike:
+        """The state after `tokens` (fed from `state`, which consumed tokens[:n]), kept. Concurrent
+        calls for the same tokens share one prefill. Raises the engine's errors."""
+        key = self._keys(part, tokens, [len(tokens)])[len(tokens)]
+
+        async def load() -> StateLike:
+            h = engine.submit(tokens[n:], SamplingParams(max_tokens=0), init_state=state, return_state=True,
+                              request_id=f"conv-{uuid.uuid4().hex[:16]}")
             try:
-                h = engine.submit(target[m:cut], SamplingParams(max_tokens=0), init_state=state, return_state=True,
-                                  request_id=f"conv-{uuid.uuid4().hex[:16]}")
                 res = await h.wait()
-            except EngineError as exc:  # busy or stopping: the next turn prefills it instead
-                log.info("conversation cache: repair skipped: %s", exc)
-                return
+            except BaseException:
+                h.abort()
+                raise
             if res.state is None or res.pending_tokens or res.finish_reason not in (STOP, LENGTH):
-                return
-            self.put(part, target[:cut], res.state)
-            self.counters["repairs"] += 1
-            self.counters["repair_tokens"] += cut - m
-            state, m = res.state, cut
+                raise RequestFailedError(f"prefill failed: {res.error or res.finish_reason}")
+            return res.state
+
+        kept = await self.cache.get_or_load(key, load)
+        assert kept is not None  # load() returns a state or raises
+        self._index(part, len(tokens), key)
+        return kept
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -252,7 +280,8 @@ _METRICS = (
     ("hits", "counter", "OpenAI requests that started from a kept conversation state."),
     ("misses", "counter", "OpenAI requests that found no kept conversation state."),
     ("tokens_saved", "counter", "Prompt tokens not prefilled thanks to kept conversation states."),
-    ("continued", "counter", "Request end states kept as they were (the reply re-tokenizes to the ids generated)."),
+    ("kept", "counter", "Request end states kept (their tokens are a prefix of what the client is expected to send)."),
+    ("mismatches", "counter", "Replies whose re-tokenized text differs from the ids generated."),
     ("repairs", "counter", "Background prefills of the re-tokenized reply (the generated ids differed)."),
     ("repair_tokens", "counter", "Tokens prefilled by repairs."),
     ("waits", "counter", "Requests that waited for the states of the request they continue."),
@@ -274,18 +303,19 @@ async def _until_generated(s: _Settling) -> None:
         delay = await _pause(s, delay)
 
 
-async def _engine_free(engine: EngineAPI, s: _Settling) -> bool:
-    """Whether a repair may run now: wait until the engine is idle (False after REPAIR_IDLE_S);
-    once a request waits for `s`, at once if it has a free slot and no queue (else False)."""
+async def _engine_idle(engine: EngineAPI, s: _Settling) -> bool:
+    """Wait until nothing runs in the engine: True; False after REPAIR_IDLE_S, or as soon as a
+    request waits for `s` (it prefills the reply itself)."""
     deadline = asyncio.get_running_loop().time() + REPAIR_IDLE_S
     delay = POLL_FIRST_S
-    while True:
+    while not s.awaited:
         st = engine.stats()
-        if st.waiting == 0 and (st.running == 0 or (s.awaited and st.running < st.slots)):
+        if st.waiting == 0 and st.running == 0:
             return True
-        if s.awaited or asyncio.get_running_loop().time() > deadline:
+        if asyncio.get_running_loop().time() > deadline:
             return False
         delay = await _pause(s, delay)
+    return False
 
 
 async def _pause(s: _Settling, delay: float) -> float:

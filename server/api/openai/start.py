@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from server.api.errors import ApiError, engine_error
 from server.api.openai.chat_format import TURN_SEP, normalize
-from server.api.openai.conversation import Expect
+from server.api.openai.conversation import SPLIT_MIN_TOKENS, Expect
 from server.api.openai.jobs import Job
 from server.api.services import Services
 from server.engine.protocol import StateLike
@@ -86,7 +86,8 @@ async def resolve_base(sv: Services, name: str | None, owner: str | None) -> Bas
 async def begin(sv: Services, owner: str | None, base: Base, tokens: Sequence[int],
                 prefix: tuple[str, list[int]] | None = None) -> Start:
     """The start of one prompt's sequences. `prefix`: (text, tokens) of a chat prompt's shared
-    prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer)."""
+    prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer).
+    With the cache on, a long uncached rest is prefilled (and kept) first, but its last token."""
     stream = base.tokens + list(tokens)
     state, n, part = base.state, 0, None
     conv = sv.conversations
@@ -101,6 +102,11 @@ async def begin(sv: Services, owner: str | None, base: Base, tokens: Sequence[in
         hit = sv.prefix_cache.key(text) in sv.prefix_cache.cache
         state, n = await _prefix_state(sv, text, ptokens), len(ptokens)
         cached = n if hit else 0
+    if conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
+        try:
+            state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
+        except Exception as exc:
+            raise engine_error(exc) from exc
     return Start(stream=stream, submit=stream[n:], state=state, cached=max(0, cached - len(base.tokens)),
                  part=part)
 
