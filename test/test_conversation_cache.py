@@ -129,7 +129,7 @@ async def test_a_reply_that_retokenizes_differently_is_repaired_in_idle_time(par
     model, tok, eng = parts
     conv = ConversationCache(1 << 30)
     part = conv.partition(None)
-    t1, expected, t2 = await _mismatched(eng, conv, part, tok)
+    _, expected, t2 = await _mismatched(eng, conv, part, tok)
     await _settled(conv)  # the user reads the reply: the engine is idle
     assert conv.counters["mismatches"] == 1 and conv.counters["repairs"] == 1
     state, n = await conv.lookup(part, t2)
@@ -143,7 +143,7 @@ async def test_a_continuation_at_once_is_not_held_up_by_a_repair(parts):
     _, tok, eng = parts
     conv = ConversationCache(1 << 30)
     part = conv.partition(None)
-    t1, expected, t2 = await _mismatched(eng, conv, part, tok)
+    _, expected, t2 = await _mismatched(eng, conv, part, tok)
     _, n = await conv.lookup(part, t2)
     assert conv.counters["waits"] == 1 and n < len(expected)
     await _settled(conv)

@@ -201,6 +201,23 @@ def test_fork_of_the_state_template_equals_the_rwkv_package(server, oracle):
     assert res["result"] == get_tokenizer().decode(oracle)
 
 
+def test_a_fork_of_a_tuned_state_without_a_prompt_has_nothing_to_feed(server):
+    """A tuned state has no pending token: a fork without a prompt ends at once, with no output."""
+    r = httpx.post(server.url + "/v1/tasks/_tuned/fork", json={"max_tokens": 4})
+    assert r.status_code == 200, r.text
+    res = httpx.get(f"{server.url}/v1/tasks/{r.json()['task_id']}/get_result").json()
+    assert res["finished"] and res["result"] == "" and res["completion_tokens"] == 0
+
+
+def test_chat_with_the_state_starts_from_it(server):
+    msgs = [{"role": "user", "content": "Hello"}]
+    body = {"messages": msgs, "temperature": 0, "max_tokens": 8, "presence_penalty": 0, "frequency_penalty": 0}
+    with_state = httpx.post(server.url + "/v1/chat/completions", json={**body, "state": "tuned"}, timeout=60).json()
+    without = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert with_state["choices"][0]["message"]["content"] != without["choices"][0]["message"]["content"]
+    assert with_state["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"]
+
+
 # --- upload, list, delete, bad input over HTTP -----------------------------------------------------
 def _states(server) -> list[str]:
     return [s["name"] for s in httpx.get(server.url + "/v1/states").json()["data"]]
@@ -265,8 +282,21 @@ def test_unknown_state_in_requests_is_an_openai_404(server):
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         err = _error(httpx.post(server.url + path, json={**body, "state": "nope", "max_tokens": 2}), 404, "'nope'")
         assert err["param"] == "state" and err["code"] == "state_not_found"
-    err = _error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "state": "../x"}), 400, "state name")
+    err = _error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "state": "a/b"}), 400, "state name")
     assert err["param"] == "state"
+
+
+def test_the_operator_states_follow_the_command_line_across_restarts(files, tmp_path):
+    ckpt, state_path = files
+    srv = running_server(tmp_path, model=str(ckpt), args=("--state", f"a={state_path}", "--state", f"b={state_path}"))
+    with srv as proc:
+        assert sorted(_states(proc)) == ["a", "b"]
+        assert httpx.post(proc.url + "/v1/states/up", content=_bytes(random_state_dict())).status_code == 201
+        proc.args = ("--state", f"b={state_path}", "--state", f"c={state_path}")
+        proc.restart()
+        assert sorted(_states(proc)) == ["b", "c", "up"]  # a is gone, b replaced, the upload kept
+        r = httpx.delete(proc.url + "/v1/states/a")
+        assert r.status_code == 404
 
 
 def test_a_bad_state_file_stops_the_start_naming_it(files, tmp_path):

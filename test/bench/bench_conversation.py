@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import itertools
 import os
 import sys
 import time
@@ -32,12 +33,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import httpx  # noqa: E402
-import orjson  # noqa: E402
+import httpx
+import orjson
+from bench_engine import commit, write_lines
+from util_server import ServerProcess
 
-from bench_engine import commit, write_lines  # noqa: E402
-from server.api.metrics import parse_metrics  # noqa: E402
-from util_server import ServerProcess  # noqa: E402
+from server.api.metrics import parse_metrics
 
 SYSTEM = "You are a helpful assistant."
 PARAGRAPH = ("The river runs past the old mill, under the stone bridge and through the town square, "
@@ -123,7 +124,7 @@ async def concurrent_figure(url: str, args) -> tuple[dict, list[list[dict]]]:
 def retokenize_figure(url: str, chats: list[list[dict]], args) -> dict:
     turns = hits = 0
     for chat in chats:
-        for prev, cur in zip(chat, chat[1:]):
+        for prev, cur in itertools.pairwise(chat):
             turns += 1
             full = prev["usage"]["prompt_tokens"] + prev["usage"]["completion_tokens"]
             hits += cur["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * full

@@ -49,7 +49,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.engine.protocol import EngineAPI, Handle, StateLike
-from server.engine.types import LENGTH, STOP, EngineError, RequestFailedError, Result, SamplingParams
+from server.engine.types import (
+    LENGTH,
+    STOP,
+    EngineError,
+    RequestFailedError,
+    Result,
+    SamplingParams,
+)
 from server.tasks.cache import StateCache
 
 log = logging.getLogger("server.conversation")
