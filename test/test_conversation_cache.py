@@ -5,6 +5,7 @@ entries, partitions, the byte budget, concurrent use, repairs of re-tokenized re
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import torch
@@ -258,6 +259,20 @@ def test_ten_turn_chat_reuses_the_history_and_answers_as_without_the_cache(tmp_p
           f"{[u[2] for u in usage]}; greedy margins min {min(margins):.2e}")
 
 
+def _think(url: str, requests: int) -> None:
+    """Wait as a user reading the replies would: until the server settled `requests` tracked
+    one-choice requests and ran their repairs (the /metrics counters)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = parse_metrics(httpx.get(url + "/metrics").text)
+        mismatches = m.get("rwkv_conversation_cache_mismatches_total", 0)
+        settled = m.get("rwkv_conversation_cache_kept_total", 0) + mismatches
+        if settled >= requests and m.get("rwkv_conversation_cache_repairs_total", 0) >= mismatches:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server did not settle the requests")
+
+
 def test_each_api_key_has_its_own_conversations(tmp_path):
     with running_server(tmp_path, env={"RWKV_API_KEYS": "k1,k2"}) as srv:
         def turn(key: str, history: list[dict]) -> tuple[int, str]:
@@ -270,6 +285,21 @@ def test_each_api_key_has_its_own_conversations(tmp_path):
         first = [{"role": "user", "content": "Hello there"}]
         cached, reply = turn("k1", first)
         assert cached == 0
+        _think(srv.url, 1)
         second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Tell me more"}]
         assert turn("k2", second)[0] == 0  # k1's conversation is not k2's
+        _think(srv.url, 2)
         assert turn("k1", second)[0] >= 0.9 * len(get_tokenizer().encode(f"User: Hello there\n\nAssistant: {reply}"))
+
+        def complete(prompts: list[str]) -> dict:
+            r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": "Bearer k1"}, timeout=60,
+                           json={"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        long = ["The bridge over the river " * 20, "A different story about mountains " * 20]
+        first = complete(long)
+        assert len(first["choices"]) == 4 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = complete([p + "and then" for p in long])  # each prompt extends a kept prompt end
+        n_long = sum(len(get_tokenizer().encode(p)) for p in long)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_long - 4

@@ -24,6 +24,9 @@ from server.api.streaming.sse import RAW_SEND
 from server.config import Settings
 
 log = logging.getLogger("server.app")
+REPAIR_MIN_QUEUE = 8
+"""Below this queue bound the conversation cache submits no background repairs: one could take
+the place of a client's request for the moment it waits to be admitted."""
 
 
 def create_app(settings: Settings, services: Services | None = None, *, exit_on_load_error: bool = False) -> FastAPI:
@@ -145,7 +148,8 @@ async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Servic
         raise
     conversations = None
     if settings.conversation_cache_bytes > 0:
-        conversations = ConversationCache(settings.conversation_cache_bytes, shared=settings.conversation_cache_shared)
+        conversations = ConversationCache(settings.conversation_cache_bytes, shared=settings.conversation_cache_shared,
+                                          repairs=not 0 < settings.max_queue < REPAIR_MIN_QUEUE)
         metrics.add_source(conversations.metric_lines)
     return Services(settings=settings, engine=loaded.engine, tokenizer=loaded.tokenizer, shape=loaded.shape,
                     metrics=metrics, prefix_cache=PrefixCache(prefix_budget(settings)), tasks=tasks,

@@ -94,9 +94,13 @@ class _Settling:
 
 
 class ConversationCache:
-    def __init__(self, budget_bytes: int, *, shared: bool = False, wait_s: float = WAIT_SETTLE_S) -> None:
+    def __init__(self, budget_bytes: int, *, shared: bool = False, repairs: bool = True,
+                 wait_s: float = WAIT_SETTLE_S) -> None:
+        """repairs=False: never submit a repair (e.g. a queue bound so small that one could take
+        a client's place)."""
         self.cache: StateCache[StateLike] = StateCache(budget_bytes)
         self.shared = shared
+        self.repairs = repairs
         self.wait_s = wait_s
         self.counters: Counter[str] = Counter()
         self._lengths: dict[str, dict[int, set[str]]] = {}  # partition -> length -> keys
@@ -213,7 +217,7 @@ class ConversationCache:
                     self.counters["kept"] += 1
                     continue
                 self.counters["mismatches"] += 1
-                if i == 0 and await _engine_idle(engine, s):
+                if i == 0 and self.repairs and await _engine_idle(engine, s):
                     await self._repair(engine, part, target, s)
         except Exception:
             log.exception("conversation cache: settling a request failed")

@@ -158,10 +158,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     seqs: list[Prompt] = []
     params: list[SamplingParams] = []
     echoes: list[str] = []
-    begins = []
-    for tokens, text in prompts:
-        begun = await start.begin(sv, owner, base, tokens)
-        begins.append((begun, tokens, text))
+    starts = await asyncio.gather(*(start.begin(sv, owner, base, tokens) for tokens, _ in prompts))
+    for begun, (tokens, text) in zip(starts, prompts, strict=True):
         for p in per_choice:
             seqs.append((begun.submit, begun.state, len(tokens)))
             params.append(p)
@@ -169,12 +167,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     cid = f"cmpl-{uuid.uuid4().hex}"
     jobs = submit_all(sv.engine, seqs, params, cid, return_state=sv.conversations is not None)
     k, texts = len(per_choice), _text_prompts(body)
-    for i, (begun, tokens, text) in enumerate(begins):  # a FIM prompt is not what a client re-sends
+    for i, (begun, (tokens, text)) in enumerate(zip(starts, prompts, strict=True)):  # FIM: not re-sent
         expect = start.completion_expect(sv, begun, text if texts and not body.suffix else None, len(tokens))
         begun.track(sv, jobs[i * k:(i + 1) * k], expect)
     meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()),
                        prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes,
-                       cached_tokens=sum(b.cached for b, _, _ in begins))
+                       cached_tokens=sum(b.cached for b in starts))
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer,
                           render.completion_response)
 

@@ -40,6 +40,21 @@ if TYPE_CHECKING:
 
 router = APIRouter(tags=["states"])
 T = TypeVar("T")
+_WHY = {401: "missing or wrong API key", 403: "another key's state", 404: "no such state or task",
+        409: "the name is taken, or the task is running", 413: "the file is over state_upload_bytes",
+        415: "a form instead of the raw file", 422: "an invalid name or file", 503: "loading, or stopped"}
+_ERROR = {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "object"}}}}}
+
+
+def _answers(*codes: int, ok: int = 200, ok_content: dict[str, Any] | None = None) -> dict[int | str, Any]:
+    """The OpenAPI responses of a route: its answer and its errors (the OpenAI error shape)."""
+    out: dict[int | str, Any] = {code: {"description": _WHY[code], "content": _ERROR} for code in codes}
+    if ok_content is not None:
+        out[ok] = {"description": "OK", "content": ok_content}
+    return out
+
+
+_FILE = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 MAX_LISTED = 1000
 MAX_PENDING_HEADER = 1024
 """Pending token ids listed in the export's X-RWKV-Pending-Tokens header (beyond: count only)."""
@@ -92,7 +107,8 @@ async def _state_template(tm: TaskManager, name: str, owner: str | None, *, writ
 
 
 # --- upload / import ---------------------------------------------------------------------------
-@router.post("/v1/states/{name:path}", status_code=201)
+@router.post("/v1/states/{name:path}", status_code=201, responses=_answers(401, 409, 413, 415, 422, 503),
+             openapi_extra={"requestBody": {"required": True, "content": _FILE}})
 async def upload_state(name: str, request: Request) -> Response:
     """Make the read-only template `_name` from the state file in the body (raw bytes:
     `curl --data-binary @state.pth`): a tuned state, or an export of this or another server."""
@@ -148,7 +164,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 # --- list / info / delete ----------------------------------------------------------------------
-@router.get("/v1/states")
+@router.get("/v1/states", responses=_answers(401, 503))
 async def list_states(request: Request) -> Response:
     tm = _tasks(get_services(request))
     owner = get_owner(request)
@@ -166,13 +182,13 @@ async def list_states(request: Request) -> Response:
     return _json({"object": "list", "data": states})
 
 
-@router.get("/v1/states/{name:path}")
+@router.get("/v1/states/{name:path}", responses=_answers(401, 404, 422, 503))
 async def get_state(name: str, request: Request) -> Response:
     tm = _tasks(get_services(request))
     return _json(_info(await _state_template(tm, name, get_owner(request))))
 
 
-@router.delete("/v1/states/{name:path}")
+@router.delete("/v1/states/{name:path}", responses=_answers(401, 403, 404, 422, 503))
 async def delete_state(name: str, request: Request) -> Response:
     tm = _tasks(get_services(request))
     owner = get_owner(request)
@@ -182,7 +198,8 @@ async def delete_state(name: str, request: Request) -> Response:
 
 
 # --- export ------------------------------------------------------------------------------------
-@router.get("/v1/tasks/{task_id}/state")
+@router.get("/v1/tasks/{task_id}/state", responses=_answers(401, 404, 409, 422, 503, ok_content=_FILE),
+            response_class=Response)
 async def export_state(task_id: str, request: Request,
                        format: Literal["full", "rwkv"] = Query("full")) -> Response:
     """The task's (or template's) last settled state as an RWKV-7 state file. full: with our keys
