@@ -29,9 +29,8 @@ most `wait_s`): the end state is then kept as it is (the waiting request's own t
 it fits: no re-tokenizing on its critical path), a repair in flight is awaited, and none starts
 (the request prefills the reply itself, one engine round trip fewer than a repair).
 
-The engine does not wake the event loop for a handle that has a listener (direct streams), so
-settling polls the handles (20 ms growing to 0.5 s), and a lookup that finds a finished request
-kicks its settle at once. Values live in a StateCache (byte budget, LRU). Everything runs on the
+A tracked request is polled for its end (server.api.openai.settling); a lookup that finds a
+finished one kicks its settle at once. Values live in a StateCache (byte budget, LRU). Everything runs on the
 event loop: no locks; concurrent requests extending one prefix share the entry (the engine copies
 a starting state, never writes it).
 """
@@ -46,8 +45,8 @@ import uuid
 from array import array
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 
+from server.api.openai.settling import Settling, engine_idle, until_generated
 from server.engine.protocol import EngineAPI, Handle, StateLike
 from server.engine.types import (
     LENGTH,
@@ -66,8 +65,6 @@ Expect = Callable[[Result], Awaitable[list[int] | None]]
 SPLIT_MIN_TOKENS = 64
 """Uncached prompt tokens from which a request's prompt end is prefilled (and kept) apart."""
 WAIT_SETTLE_S = 30.0
-REPAIR_IDLE_S = 10.0
-POLL_FIRST_S, POLL_MAX_S = 0.02, 0.5
 
 
 def _bytes(tokens: Sequence[int]) -> bytes:
@@ -76,21 +73,6 @@ def _bytes(tokens: Sequence[int]) -> bytes:
 
 def _is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
     return len(a) <= len(b) and list(b[: len(a)]) == list(a)
-
-
-@dataclass(eq=False)
-class _Settling:
-    """A tracked request: its token stream and handles, until its entries are kept."""
-
-    tokens: list[int]
-    handles: list[Handle]
-    kick: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    awaited: bool = False
-    """A request that continues this one waits for its entries."""
-
-    def generated(self) -> bool:
-        return all(h.done for h in self.handles)
 
 
 class ConversationCache:
@@ -105,7 +87,7 @@ class ConversationCache:
         self.counters: Counter[str] = Counter()
         self._lengths: dict[str, dict[int, set[str]]] = {}  # partition -> length -> keys
         self._n_keys = 0  # keys in _lengths (some may have been evicted from the cache)
-        self._settling: dict[str, list[_Settling]] = {}
+        self._settling: dict[str, list[Settling]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def partition(self, owner: str | None, base: str = "") -> str:
@@ -197,15 +179,15 @@ class ConversationCache:
               expect: Expect | None) -> None:
         """After the request (`tokens`: its whole stream from the base; `handles`: one per choice)
         ends, keep its states (see the module docstring). Returns at once."""
-        s = _Settling(list(tokens), list(handles))
+        s = Settling(list(tokens), list(handles))
         self._settling.setdefault(part, []).append(s)
         task = asyncio.create_task(self._settle(engine, part, s, expect), name="conversation-settle")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _settle(self, engine: EngineAPI, part: str, s: _Settling, expect: Expect | None) -> None:
+    async def _settle(self, engine: EngineAPI, part: str, s: Settling, expect: Expect | None) -> None:
         try:
-            await _until_generated(s)
+            await until_generated(s)
             for i, h in enumerate(s.handles):
                 res = h.peek_result()
                 if res is None or res.state is None or res.finish_reason not in (STOP, LENGTH):
@@ -217,7 +199,7 @@ class ConversationCache:
                     self.counters["kept"] += 1
                     continue
                 self.counters["mismatches"] += 1
-                if i == 0 and self.repairs and await _engine_idle(engine, s):
+                if i == 0 and self.repairs and await engine_idle(engine, s):
                     await self._repair(engine, part, target, s)
         except Exception:
             log.exception("conversation cache: settling a request failed")
@@ -229,7 +211,7 @@ class ConversationCache:
             else:
                 self._settling.pop(part, None)
 
-    async def _repair(self, engine: EngineAPI, part: str, target: list[int], s: _Settling) -> None:
+    async def _repair(self, engine: EngineAPI, part: str, target: list[int], s: Settling) -> None:
         """Prefill `target` from its longest kept prefix and keep the state (unless a request
         waits for `s` by the time it would start)."""
         state, m = self.best(part, target, len(target))
@@ -305,33 +287,3 @@ def _fed(tokens: Sequence[int], res: Result) -> list[int]:
     """The tokens the result's state consumed: stream + output, minus the pending tail."""
     out = list(tokens) + list(res.token_ids)
     return out[: len(out) - len(res.pending_tokens)]
-
-
-async def _until_generated(s: _Settling) -> None:
-    """Until every handle of `s` ended (polling, or kicked by a lookup that saw them end)."""
-    delay = POLL_FIRST_S
-    while not s.generated():
-        delay = await _pause(s, delay)
-
-
-async def _engine_idle(engine: EngineAPI, s: _Settling) -> bool:
-    """Wait until nothing runs in the engine: True; False after REPAIR_IDLE_S, or as soon as a
-    request waits for `s` (it prefills the reply itself)."""
-    deadline = asyncio.get_running_loop().time() + REPAIR_IDLE_S
-    delay = POLL_FIRST_S
-    while not s.awaited:
-        st = engine.stats()
-        if st.waiting == 0 and st.running == 0:
-            return True
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        delay = await _pause(s, delay)
-    return False
-
-
-async def _pause(s: _Settling, delay: float) -> float:
-    """Sleep `delay` (less if kicked); the next, longer delay."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(s.kick.wait(), delay)
-    s.kick.clear()
-    return min(delay * 1.5, POLL_MAX_S)
