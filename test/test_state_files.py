@@ -107,6 +107,19 @@ def test_bad_files_are_refused_naming_the_file_and_key(tmp_path):
         assert message in str(info.value) and "the file 'x.pth'" in str(info.value), what
 
 
+def test_state_settings_and_their_checks_before_start(tmp_path):
+    from server.cli import state_files_problem
+    from server.config import Settings
+
+    f = _save(random_state_dict(), tmp_path / "s,1.pth")  # a comma in a path
+    s = Settings.from_env({"RWKV_STATES": f"a={f},b={f}\nc={f}"})
+    assert s.state_files() == [("a", f), ("b", f), ("c", f)] and state_files_problem(s) is None
+    assert "given more than once" in state_files_problem(Settings(states=f"a={f},a={f}"))
+    assert "no path separators" in state_files_problem(Settings(states=f"x/y={f}"))
+    assert "no such file" in state_files_problem(Settings(states="a=/nonexistent.pth"))
+    assert "not NAME=PATH" in state_files_problem(Settings(states="justapath.pth"))
+
+
 def test_a_path_that_does_not_exist():
     with pytest.raises(StateFileError, match="no such file"):
         read_state_file("/nonexistent/state.pth", SHAPE)
