@@ -85,6 +85,9 @@ def build_parser(defaults: Settings) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP server (default)",
                            description="Run the HTTP server. Every flag can also be set by its RWKV_* variable.")
     add_settings_flags(serve, defaults)
+    serve.add_argument("--state", action="append", default=[], metavar="NAME=PATH",
+                       help="load an RWKV-7 state file at start as the public template _NAME (repeatable; "
+                            "added to --states)")
     synth = sub.add_parser("synth", help="write a synthetic checkpoint (random weights) as an official .pth")
     synth.add_argument("preset", help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, optionally :seed (e.g. tiny:3)")
     synth.add_argument("out", help="output path, e.g. tiny.pth")
@@ -152,11 +155,31 @@ def settings_problem(settings: Settings) -> str | None:
     model = settings.resolved_model()
     if not model.startswith("synthetic:") and not os.path.isfile(model):
         return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
-    return device_problem(settings.device)
+    return state_files_problem(settings) or device_problem(settings.device)
+
+
+def state_files_problem(settings: Settings) -> str | None:
+    """Why a --state / RWKV_STATES entry cannot be loaded, found before loading (one line), or None."""
+    from server.tasks.imports import NAME
+
+    try:
+        specs = settings.state_files()
+    except ValueError as exc:
+        return f"--state: {exc}"
+    names = [name for name, _ in specs]
+    for name, path in specs:
+        if names.count(name) > 1:
+            return f"--state {name}: given more than once"
+        if not NAME.match(name):
+            return f"--state {name}={path}: the name must be 1-64 letters, digits, '_', '-', '.' (no path separators)"
+        if not os.path.isfile(path):
+            return f"--state {name}={path}: no such file"
+    return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+    values["states"] = "\n".join(x for x in (values["states"], *args.state) if x)
     settings = Settings(**values)
     problem = settings_problem(settings)
     if problem is not None:

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
@@ -73,6 +74,21 @@ class Settings:
     """Seconds a finished TMP_ task is kept in memory."""
     writer_queue: int = 64
     """Bound of the background state-writer queue (writers wait when it is full)."""
+
+    # --- states and the conversation cache -----------------------------------------------------
+    states: str = ""
+    """RWKV-7 state files (tuned states) loaded at start as public read-only templates `_NAME`:
+    `NAME=PATH,NAME=PATH,...` (or the repeatable --state NAME=PATH). A file that does not fit the
+    model stops the start with a message naming it and the key."""
+    state_upload_bytes: int = 256 * 1024**2
+    """Largest state file accepted by the upload route (POST /v1/states/NAME; 413 beyond)."""
+    conversation_cache_bytes: int = 4 * 1024**3
+    """Budget in bytes of the OpenAI routes' conversation cache (states at the end of earlier
+    requests, by exact token prefix; a request that extends one prefills only the rest); 0 turns
+    it off."""
+    conversation_cache_shared: bool = False
+    """Let an API key's requests start from conversation states that another key's requests left
+    (default: each key has its own)."""
 
     # --- HTTP --------------------------------------------------------------------------------
     host: str = "127.0.0.1"
@@ -145,6 +161,20 @@ class Settings:
     def resolved_model(self) -> str:
         return self.model or "synthetic:tiny"
 
+    def state_files(self) -> list[tuple[str, str]]:
+        """(NAME, PATH) of `states`; ValueError for an entry that is not NAME=PATH. Entries are
+        split at newlines and at commas followed by `NAME=` (a path may hold other commas)."""
+        out = []
+        for item in _STATE_SPLIT.split(self.states):
+            item = item.strip()
+            if not item:
+                continue
+            name, eq, path = item.partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(f"states: {item!r} is not NAME=PATH")
+            out.append((name.strip(), path.strip()))
+        return out
+
     def api_key_set(self) -> frozenset[str]:
         keys = {k.strip() for k in self.api_keys.split(",") if k.strip()}
         if self.api_key_file:
@@ -154,6 +184,9 @@ class Settings:
                     if line and not line.startswith("#"):
                         keys.add(line)
         return frozenset(keys)
+
+
+_STATE_SPLIT = re.compile(r"\n|,(?=\s*[A-Za-z0-9][A-Za-z0-9_.\-]*=)")
 
 
 def _parse(typ: Any, raw: str, name: str) -> Any:

@@ -17,12 +17,16 @@ from server.api import handlers, openapi
 from server.api.loading import Loaded, facts, load_services, prefix_budget
 from server.api.metrics import Metrics, Recorder
 from server.api.middleware import ServerMiddleware
+from server.api.openai.conversation import ConversationCache
 from server.api.openai.prefix_cache import PrefixCache
 from server.api.services import Services
 from server.api.streaming.sse import RAW_SEND
 from server.config import Settings
 
 log = logging.getLogger("server.app")
+REPAIR_MIN_QUEUE = 8
+"""Below this queue bound the conversation cache submits no background repairs: one could take
+the place of a client's request for the moment it waits to be admitted."""
 
 
 def create_app(settings: Settings, services: Services | None = None, *, exit_on_load_error: bool = False) -> FastAPI:
@@ -56,7 +60,8 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
     app.state.load_error = None
     handlers.install(app)
     app.add_middleware(ServerMiddleware, max_body_bytes=settings.max_body_bytes,
-                       api_keys=settings.api_key_set(), metrics=metrics)
+                       api_keys=settings.api_key_set(), metrics=metrics,
+                       raw_bodies=(("/v1/states/", settings.state_upload_bytes),))  # state file uploads
     _include_routes(app)
     openapi.install(app)
     return app
@@ -93,12 +98,14 @@ def _include_routes(app: FastAPI) -> None:
     from server.api import ops
     from server.api.lightning import routes as lightning_routes
     from server.api.openai import routes as openai_routes
+    from server.api.states import routes as states_routes
     from server.api.tasks import routes as tasks_routes
 
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(tasks_routes.router)
     app.include_router(lightning_routes.router)
+    app.include_router(states_routes.router)
     app.include_router(server.webui.router)
 
 
@@ -126,6 +133,7 @@ async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_erro
 async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Services:
     """The TaskManager over the loaded engine, and the Services the routes use. The engine is
     shut down if the task manager cannot start."""
+    from server.api.states.startup import load_state_files
     from server.tasks import TaskManager
 
     try:
@@ -133,15 +141,27 @@ async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Servic
         tasks = TaskManager(loaded.engine, loaded.tokenizer, settings, loaded.shape,
                             latency=lambda: Recorder(metrics, time.perf_counter()))
         await tasks.start()
+        try:
+            await load_state_files(tasks, settings, loaded.shape)
+        except BaseException:
+            await tasks.close()
+            raise
     except BaseException:
         await asyncio.to_thread(loaded.engine.shutdown)
         raise
+    conversations = None
+    if settings.conversation_cache_bytes > 0:
+        conversations = ConversationCache(settings.conversation_cache_bytes, shared=settings.conversation_cache_shared,
+                                          repairs=not 0 < settings.max_queue < REPAIR_MIN_QUEUE)
+        metrics.add_source(conversations.metric_lines)
     return Services(settings=settings, engine=loaded.engine, tokenizer=loaded.tokenizer, shape=loaded.shape,
                     metrics=metrics, prefix_cache=PrefixCache(prefix_budget(settings)), tasks=tasks,
-                    model_id=loaded.model_id, facts=loaded.facts)
+                    model_id=loaded.model_id, facts=loaded.facts, conversations=conversations)
 
 
 async def _shutdown(services: Services) -> None:
+    if services.conversations is not None:
+        await services.conversations.close()
     if services.tasks is not None:
         try:
             await services.tasks.close()

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import bisect
 import gc
+import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from server.engine.protocol import EngineAPI
 from server.engine.types import Event
+
+log = logging.getLogger("server.metrics")
 
 PROBE_ROUTES = ("/health", "/metrics")
 """Routes of monitoring probes: counted, but no sign of activity (the HTTP stats line)."""
@@ -68,11 +71,18 @@ class Metrics:
         self.e2e = Histogram("rwkv_request_duration_seconds",
                              "Seconds from arrival to the end of a generation request.", LATENCY_BUCKETS)
         self.aborted = 0
+        self.sources: list[Callable[[], list[str]]] = []
+        """More lines for /metrics, each a callable giving complete families (HELP, TYPE, samples),
+        e.g. the conversation cache's counters (add_source)."""
         self.stream_paths: dict[str, int] = {}
         """Ended SSE streams by how they were written: "loop" (the event loop), or
         "<source path>_<why direct mode ended>" (server.api.streaming.direct; why: ended, slow, gone,
         stopped, failed): "direct_*" for OpenAI streams (the engine thread writes), "task_direct_*"
         for task streams (their Output's notifications write)."""
+
+    def add_source(self, lines: Callable[[], list[str]]) -> None:
+        """Render `lines()` into /metrics (once loaded); a source that fails is left out."""
+        self.sources.append(lines)
 
     def count_stream(self, path: str) -> None:
         with self._lock:
@@ -114,6 +124,11 @@ class Metrics:
             _engine_lines(out, engine)
         if tiers is not None:
             _cache_lines(out, tiers)
+        for source in list(self.sources):
+            try:
+                out.extend(source())
+            except Exception:  # a failing figure must not break /metrics
+                log.exception("a /metrics source failed")
         return "\n".join(out) + "\n"
 
 

@@ -87,11 +87,14 @@ def _json_error(status: int, message: str, type_: str, code: str | None, rid: st
 
 class ServerMiddleware:
     def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_keys: frozenset[str],
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, raw_bodies: tuple[tuple[str, int], ...] = ()) -> None:
+        """raw_bodies: (path prefix, byte limit) of routes whose bodies are files, not JSON: their
+        content type is kept and their limit replaces max_body_bytes (e.g. state file uploads)."""
         self.app = app
         self.max_body = max_body_bytes
         self.keys = api_keys
         self.metrics = metrics
+        self.raw_bodies = raw_bodies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -115,23 +118,27 @@ class ServerMiddleware:
             await send(message)
 
         try:
-            early = self._refuse(scope, headers, state, rid)
+            path = scope.get("path", "")
+            raw = next((limit for prefix, limit in self.raw_bodies if path.startswith(prefix)), None)
+            limit = self.max_body if raw is None else raw
+            early = self._refuse(scope, headers, state, rid, limit)
             if early is not None:
                 for msg in early:
                     await send_wrapper(msg)
                 return
-            _as_json(scope, headers.get(b"content-type"))
-            await self._call(scope, receive, send_wrapper, status_box, rid)
+            if raw is None:
+                _as_json(scope, headers.get(b"content-type"))
+            await self._call(scope, receive, send_wrapper, status_box, rid, limit)
         finally:
             self._log(scope, status_box[0], time.perf_counter() - t0, state.get("error"))
             request_id_var.reset(token)
 
     def _refuse(self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any],
-                rid: str) -> tuple[Message, Message] | None:
+                rid: str, limit: int) -> tuple[Message, Message] | None:
         """Checks made before the app runs: body size by Content-Length, then the API key."""
         length = headers.get(b"content-length", b"").decode("latin-1")
-        if length.isdigit() and int(length) > self.max_body:
-            state["error"] = f"request body of {length} bytes exceeds the limit of {self.max_body} bytes"
+        if length.isdigit() and int(length) > limit:
+            state["error"] = f"request body of {length} bytes exceeds the limit of {limit} bytes"
             return _json_error(413, state["error"], "request_too_large", "body_too_large", rid)
         path = scope.get("path", "")
         if self.keys and (path.startswith("/v1") or path in KEY_PATHS) and path not in OPEN_PATHS:
@@ -148,15 +155,16 @@ class ServerMiddleware:
             state["owner"] = owner
         return None
 
-    async def _call(self, scope: Scope, receive: Receive, send: Send, status_box: list[int], rid: str) -> None:
+    async def _call(self, scope: Scope, receive: Receive, send: Send, status_box: list[int], rid: str,
+                    limit: int) -> None:
         seen = [0]
 
         async def limited_receive() -> Message:
             message = await receive()
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
-                if seen[0] > self.max_body:
-                    raise HTTPException(413, f"request body exceeds the limit of {self.max_body} bytes")
+                if seen[0] > limit:
+                    raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
             return message
 
         try:

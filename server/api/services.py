@@ -15,6 +15,7 @@ from fastapi import Request
 from server.api.errors import ApiError
 from server.api.metrics import Metrics
 from server.api.openai.chat_format import default_few_shot_path, load_few_shot
+from server.api.openai.conversation import ConversationCache
 from server.api.openai.prefix_cache import PrefixCache
 from server.config import Settings
 from server.engine.protocol import EngineAPI
@@ -49,6 +50,8 @@ class Services:
     """None: the task routes answer 503 (an embedding without a task store)."""
     model_id: str = "rwkv7"
     facts: LoadFacts = field(default_factory=LoadFacts)
+    conversations: ConversationCache | None = None
+    """The OpenAI routes' conversation cache (None: off)."""
     _few_shot: str | None = field(default=None, init=False, repr=False)
 
     def few_shot(self) -> str:

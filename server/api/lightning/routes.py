@@ -23,6 +23,7 @@ from server.api.lightning.schemas import (
     sampling_params,
 )
 from server.api.openai import routes as openai_routes
+from server.api.openai import start as openai_start
 from server.api.openai.jobs import submit_all
 from server.api.openai.render import Meta
 from server.api.services import get_services
@@ -105,7 +106,7 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     n_prompt = len(prefix_ids) + len(rest_ids)
     batch.check_prompt(sv, prefix_ids + rest_ids, "messages")
     # the chat-prefix cache's state after the system block (the OpenAI route's helper)
-    state = await openai_routes._prefix_state(sv, prefix, prefix_ids) if body.use_prefix_cache else None
+    state = await openai_start.prefix_state(sv, prefix, prefix_ids) if body.use_prefix_cache else None
     tokens = rest_ids if state is not None else prefix_ids + rest_ids
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(sv.engine, [(tokens, state, n_prompt)], [params], cid)

@@ -23,6 +23,8 @@ class Meta:
     created: int
     prompt_tokens: int
     echoes: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
+    """Prompt tokens served from a kept state (usage.prompt_tokens_details.cached_tokens)."""
 
 
 @dataclass
@@ -36,10 +38,11 @@ class Renderer:
     end: Callable[[], bytes]
 
 
-def usage(jobs: list[Job], meta: Meta) -> dict[str, int]:
+def usage(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     completion = sum(j.completion_tokens for j in jobs)
     return {"prompt_tokens": meta.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": meta.prompt_tokens + completion}
+            "total_tokens": meta.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": meta.cached_tokens}}
 
 
 def _raise_failed(jobs: list[Job]) -> None:

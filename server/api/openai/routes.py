@@ -13,20 +13,19 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError, engine_error
+from server.api.errors import ApiError
 from server.api.lightning import batch as lightning_batch
 from server.api.lightning.auth import require_header_key
 from server.api.lightning.schemas import ChatOrContents
 from server.api.metrics import Recorder
-from server.api.openai import render
+from server.api.openai import render, start
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
 from server.api.openai.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
 from server.api.openai.schemas import ChatRequest, CompletionRequest, OpenAIFields
 from server.api.openai.stream import ChoiceStream
 from server.api.openapi import answers
-from server.api.services import Services, get_services
+from server.api.services import Services, get_owner, get_services
 from server.api.streaming.sse import SSEResponse
-from server.engine.protocol import StateLike
 from server.engine.types import SamplingParams
 from server.tasks.params import fim_prompt
 
@@ -94,18 +93,6 @@ def _check_length(sv: Services, n_tokens: int, param: str = "messages") -> None:
                        code="prompt_too_long")
 
 
-async def _prefix_state(sv: Services, prefix: str, tokens: list[int]) -> StateLike | None:
-    """The state after the prefix, from the prefix cache (None: no prefix)."""
-    if not prefix:
-        return None
-    try:
-        return await sv.prefix_cache.get(sv.engine, tokens, prefix)
-    except ApiError:
-        raise
-    except Exception as exc:
-        raise engine_error(exc) from exc
-
-
 def _few_shot(sv: Services) -> str:
     try:
         return sv.few_shot()
@@ -140,11 +127,16 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     rest = await encode(sv, prompt.rest)
     prefix_tokens = await encode(sv, prompt.prefix) if prompt.prefix else []
     _check_length(sv, len(prefix_tokens) + len(rest))
-    init_state = await _prefix_state(sv, prompt.prefix, prefix_tokens)
+    owner = get_owner(request)
+    base = await start.resolve_base(sv, body.state, owner)
+    begun = await start.begin(sv, owner, base, prefix_tokens + rest, (prompt.prefix, prefix_tokens))
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt)
-    jobs = submit_all(sv.engine, [(rest, init_state, n_prompt)] * len(params), params, cid)
+    jobs = submit_all(sv.engine, [(begun.submit, begun.state, n_prompt)] * len(params), params, cid,
+                      return_state=begun.part is not None)
+    begun.track(sv, jobs, start.chat_expect(sv, begun, prompt.rest, len(rest)))
+    meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt,
+                       cached_tokens=begun.cached)
     return await _respond(request, sv, body, jobs, meta, t0, render.chat_renderer, render.chat_response)
 
 
@@ -181,20 +173,34 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     sv = get_services(request)
     per_choice = _checked(body, sv)
     prompts = await _completion_prompts(body, sv)
+    owner = get_owner(request)
+    base = await start.resolve_base(sv, body.state, owner)
     seqs: list[Prompt] = []
     params: list[SamplingParams] = []
     echoes: list[str] = []
-    for tokens, text in prompts:
+    starts = await asyncio.gather(*(start.begin(sv, owner, base, tokens) for tokens, _ in prompts))
+    for begun, (tokens, text) in zip(starts, prompts, strict=True):
         for p in per_choice:
-            seqs.append((tokens, None, len(tokens)))
+            seqs.append((begun.submit, begun.state, len(tokens)))
             params.append(p)
             echoes.append(text if body.echo else "")
     cid = f"cmpl-{uuid.uuid4().hex}"
+    jobs = submit_all(sv.engine, seqs, params, cid, return_state=sv.conversations is not None)
+    k, texts = len(per_choice), _text_prompts(body)
+    for i, (begun, (tokens, text)) in enumerate(zip(starts, prompts, strict=True)):  # FIM: not re-sent
+        expect = start.completion_expect(sv, begun, text if texts and not body.suffix else None, len(tokens))
+        begun.track(sv, jobs[i * k:(i + 1) * k], expect)
     meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()),
-                       prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes)
-    jobs = submit_all(sv.engine, seqs, params, cid)
+                       prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes,
+                       cached_tokens=sum(b.cached for b in starts))
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer,
                           render.completion_response)
+
+
+def _text_prompts(body: CompletionRequest) -> bool:
+    """The prompts are text (not token ids)."""
+    p = body.prompt
+    return isinstance(p, str) or isinstance(p[0], str)
 
 
 async def _respond(request: Request, sv: Services, body: OpenAIFields, jobs: list[Job], meta: render.Meta,

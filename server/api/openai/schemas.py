@@ -5,7 +5,7 @@ Every field of the official OpenAI API for the endpoint is accepted (openai SDK:
 types/chat/completion_create_params.py, types/completion_create_params.py). Each is honoured,
 ignored where ignoring cannot change the answer, or refused (400 naming it) where it would:
 `unsupported()` says which. Our extras: top_k, repetition_penalty, penalty_decay,
-stop_token_ids, ignore_eos (server.api.sampling) and few_shot (chat).
+stop_token_ids, ignore_eos (server.api.sampling), state, and few_shot (chat).
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ class OpenAIFields(SamplingFields):
     """OpenAI's name of repetition_penalty (RWKV alpha_frequency), with our bounds."""
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # ignored (an end-user id for abuse monitoring)
+    state: str | None = Field(None, min_length=1, max_length=64)
+    """RWKV extra: start from the state template `_<state>` (a state file loaded with --state or
+    uploaded to /v1/states/<state>, or any template); its pending tokens are fed first."""
 
     @property
     def choices(self) -> int:

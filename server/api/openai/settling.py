@@ -1,0 +1,62 @@
+"""A request tracked by the conversation cache, from its submission until its states are kept.
+
+The engine does not wake the event loop for a handle that has a listener (direct streams), so
+the end of generation is polled (POLL_FIRST_S growing to POLL_MAX_S), and a lookup that finds a
+finished request kicks its settle at once; a repair waits here for an idle engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+from server.engine.protocol import EngineAPI, Handle
+
+REPAIR_IDLE_S = 10.0
+POLL_FIRST_S, POLL_MAX_S = 0.02, 0.5
+
+
+@dataclass(eq=False)
+class Settling:
+    """A tracked request: its token stream and handles, until its entries are kept."""
+
+    tokens: list[int]
+    handles: list[Handle]
+    kick: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    awaited: bool = False
+    """A request that continues this one waits for its entries."""
+
+    def generated(self) -> bool:
+        return all(h.done for h in self.handles)
+
+
+async def until_generated(s: Settling) -> None:
+    """Until every handle of `s` ended (polling, or kicked by a lookup that saw them end)."""
+    delay = POLL_FIRST_S
+    while not s.generated():
+        delay = await _pause(s, delay)
+
+
+async def engine_idle(engine: EngineAPI, s: Settling) -> bool:
+    """Wait until nothing runs in the engine: True; False after REPAIR_IDLE_S, or as soon as a
+    request waits for `s` (it prefills the reply itself)."""
+    deadline = asyncio.get_running_loop().time() + REPAIR_IDLE_S
+    delay = POLL_FIRST_S
+    while not s.awaited:
+        st = engine.stats()
+        if st.waiting == 0 and st.running == 0:
+            return True
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        delay = await _pause(s, delay)
+    return False
+
+
+async def _pause(s: Settling, delay: float) -> float:
+    """Sleep `delay` (less if kicked); the next, longer delay."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(s.kick.wait(), delay)
+    s.kick.clear()
+    return min(delay * 1.5, POLL_MAX_S)

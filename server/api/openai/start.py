@@ -1,0 +1,159 @@
+"""Where an OpenAI request starts, and what its client is expected to send next.
+
+A request's token stream starts at a base: the zero state, or (`"state": NAME`) the state of the
+template `_NAME` (a tuned state file, an imported state, or any template), whose pending tokens
+come first. From there the conversation cache (server.api.openai.conversation) gives the longest
+kept state the stream extends; a chat prompt without one falls back to the shared prefill-once
+state of its few-shot / leading system prefix (server.api.openai.prefix_cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from server.api.errors import ApiError, engine_error
+from server.api.openai.chat_format import TURN_SEP, normalize
+from server.api.openai.conversation import SPLIT_MIN_TOKENS, Expect
+from server.api.openai.jobs import Job
+from server.api.services import Services
+from server.engine.protocol import StateLike
+from server.engine.types import Result
+from server.tasks.errors import TaskError, TaskNotFound
+from server.tasks.imports import check_name
+
+ENCODE_INLINE_CHARS = 16_384
+CHAT_TURN_END = "Assistant:"
+"""A chat prompt that ends here expects the reply as the next assistant turn."""
+
+
+@dataclass
+class Base:
+    """The starting point of a token stream."""
+
+    key: str = ""
+    """Partition of the conversation cache: "" for the zero state, else the template's state id."""
+    state: StateLike | None = None
+    tokens: list[int] = field(default_factory=list)
+    """Tokens the base state has not consumed (fed before the prompt)."""
+
+
+@dataclass
+class Start:
+    """What to submit for one prompt: `submit` from `state`; `cached` prompt tokens came from a kept state."""
+
+    stream: list[int]
+    submit: list[int]
+    state: StateLike | None
+    cached: int
+    part: str | None
+    """The conversation cache partition (None: the cache is off)."""
+
+    def track(self, sv: Services, jobs: Sequence[Job], expect: Expect | None) -> None:
+        """Keep the states of these jobs (one prompt's choices) once they end."""
+        if self.part is not None and sv.conversations is not None:
+            sv.conversations.track(sv.engine, self.part, self.stream, [j.handle for j in jobs], expect)
+
+
+async def resolve_base(sv: Services, name: str | None, owner: str | None) -> Base:
+    """The base of `"state": name` (None: the zero state). 4xx in the OpenAI shape for a name that
+    is not a template this key may use."""
+    if name is None:
+        return Base()
+    tm = sv.tasks
+    if tm is None:
+        raise ApiError(503, "states are not available: the task manager is not running", param="state",
+                       code="tasks_unavailable")
+    try:
+        tid = check_name(name)
+        t = await tm.get(tid, owner)
+    except TaskNotFound:
+        raise ApiError(404, f"state {name!r} not found: load it with --state {name}=PATH or upload it "
+                       f"(POST /v1/states/{name})", param="state", code="state_not_found") from None
+    except TaskError as exc:
+        raise ApiError(400, exc.message, param="state", code="invalid_state") from None
+    if t.running:
+        raise ApiError(409, f"template {tid!r} is still being prepared; retry when it is ready", param="state",
+                       code="state_not_ready")
+    state, pos, key = await tm.persistence.resolve_state(t)
+    tm.persistence.release(key)  # a template's state stays in memory (the template tier)
+    if state is None:  # no state kept: its whole history, from the zero state
+        return Base(tokens=list(t.tokens))
+    return Base(key=t.state_id or tid, state=state, tokens=list(t.tokens[pos:]))
+
+
+async def begin(sv: Services, owner: str | None, base: Base, tokens: Sequence[int],
+                prefix: tuple[str, list[int]] | None = None) -> Start:
+    """The start of one prompt's sequences. `prefix`: (text, tokens) of a chat prompt's shared
+    prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer).
+    With the cache on, a long uncached rest is prefilled (and kept) first, but its last token."""
+    stream = base.tokens + list(tokens)
+    state, n, part = base.state, 0, None
+    conv = sv.conversations
+    if conv is not None:
+        part = conv.partition(owner, base.key)
+        kept, m = await conv.lookup(part, stream)
+        if kept is not None:
+            state, n = kept, m
+    cached = n
+    if prefix is not None and prefix[0] and not base.key and not base.tokens and n < len(prefix[1]):
+        text, ptokens = prefix
+        hit = sv.prefix_cache.key(text) in sv.prefix_cache.cache
+        state, n = await prefix_state(sv, text, ptokens), len(ptokens)
+        cached = n if hit else 0
+    if conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
+        try:
+            state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
+        except Exception as exc:
+            raise engine_error(exc) from exc
+    return Start(stream=stream, submit=stream[n:], state=state, cached=max(0, cached - len(base.tokens)),
+                 part=part)
+
+
+async def prefix_state(sv: Services, text: str, tokens: list[int]) -> StateLike:
+    """The state after the shared prefix, from the prefix cache (prefilled now on a miss)."""
+    try:
+        return await sv.prefix_cache.get(sv.engine, tokens, text)
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise engine_error(exc) from exc
+
+
+def chat_expect(sv: Services, start: Start, rest: str, n_rest: int) -> Expect | None:
+    """The next chat request's tokens: this prompt with the reply as its client re-sends it (the
+    message content, normalized, as build_prompt writes an assistant turn), re-tokenized the way
+    the route tokenizes a prompt (the prefix apart, the rest as one text)."""
+    if not rest.endswith(CHAT_TURN_END):
+        return None
+    head = start.stream[: len(start.stream) - n_rest]
+
+    async def expect(res: Result) -> list[int]:
+        return head + await _encode(sv, f"{rest} {normalize(res.text)}{TURN_SEP}")
+
+    return expect
+
+
+def completion_expect(sv: Services, start: Start, text: str | None, n_prompt: int) -> Expect:
+    """The next completion request's tokens: the prompt + the completion. A text prompt is
+    re-tokenized with it, its last token left out (it may merge with what the client appends);
+    token ids are expected back as they are."""
+    if text is None:
+
+        async def ids(res: Result) -> list[int]:
+            return start.stream + list(res.token_ids)
+
+        return ids
+    head = start.stream[: len(start.stream) - n_prompt]  # the base's pending tokens
+
+    async def retokenized(res: Result) -> list[int]:
+        return head + (await _encode(sv, text + res.text))[:-1]
+
+    return retokenized
+
+
+async def _encode(sv: Services, text: str) -> list[int]:
+    if len(text) < ENCODE_INLINE_CHARS:
+        return list(sv.tokenizer.encode(text))
+    return list(await asyncio.to_thread(sv.tokenizer.encode, text))

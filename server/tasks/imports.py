@@ -1,0 +1,102 @@
+"""A template made from a given state (a tuned state file, or a state exported by a server): the
+task-layer operation behind `--state NAME=PATH` and the state upload / import route.
+
+Such a template `_NAME` differs from one made by `as_template` in one way that matters: its state
+is its only truth. It has no token history from the zero state (only the tokens the state has
+not consumed yet: none for a tuned state, the exported task's pending tokens for an export), so
+it can never be rebuilt by prefilling its history. It is marked by `parent_id` (STATE_OPERATOR
+or STATE_UPLOAD, see `is_state_only`) so that the persistence layer can keep its rule:
+never evict it from memory (templates live in the cache's template tier) and never drop or
+defer its stored state. Its row and state are committed before it is answered.
+
+Forks of it behave as forks of any template: their history starts with the template's pending
+tokens, their first run feeds those plus the prompt, starting from a copy of the state.
+
+Built only on the TaskManager's public collaborators (its table, cache, persistence and `get` /
+`delete`), the way `TaskManager.as_template` stores a template.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from server.tasks.errors import TaskConflict, TaskInvalid, TaskNotFound
+from server.tasks.persist import SettleJob
+from server.tasks.records import TEMPLATE, Task, new_id, to_row
+
+if TYPE_CHECKING:
+    from server.model.state import State
+    from server.tasks.manager import TaskManager
+
+STATE_OPERATOR = "state:operator"
+"""parent_id of a template loaded by the operator at start (`--state`): public, replaced at each start."""
+STATE_UPLOAD = "state:upload"
+"""parent_id of a template made from an uploaded state file (owned by the uploading API key)."""
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+"""Template names (the same rule as `as_template`'s): no path separators, no leading dot."""
+
+
+def is_state_only(t: Task) -> bool:
+    """The template's state is its only truth (made from a state, not from a token history)."""
+    return t.kind == TEMPLATE and (t.parent_id or "").startswith("state:")
+
+
+def check_name(name: str) -> str:
+    """The template id `_<name>`; TaskInvalid for a name that is not 1-64 of letters, digits, '_',
+    '-', '.' (starting with a letter or digit)."""
+    if not NAME.match(name):
+        raise TaskInvalid(f"state name {name!r}: use 1-64 letters, digits, '_', '-', '.' (starting with a "
+                          "letter or digit; no path separators)", param="name")
+    return new_id(TEMPLATE, name)
+
+
+async def template_from_state(tm: TaskManager, name: str, state: State, *, pending: Sequence[int] = (),
+                              owner: str | None = None, operator: bool = False,
+                              params: dict[str, Any] | None = None) -> Task:
+    """Make the read-only template `_<name>` holding `state` (batch 1, CPU; kept as given: the
+    caller hands it over) and `pending` (tokens fed before a fork's prompt).
+
+    operator=True: a start-up template (public, owner None); one of the same name made by an
+    earlier start is replaced. Otherwise it belongs to `owner`. TaskConflict when the name is
+    taken (by any other template), TaskInvalid for a bad name or token id."""
+    tid = check_name(name)
+    bad = next((t for t in pending if not 0 <= int(t) < tm.vocab_size), None)
+    if bad is not None:
+        raise TaskInvalid(f"pending token id {bad} is outside the vocabulary [0, {tm.vocab_size})", param="pending")
+    old = await _existing(tm, tid)
+    if old is not None:
+        if not (operator and old.parent_id == STATE_OPERATOR):
+            raise TaskConflict(f"template {tid!r} already exists; delete it first or pick another name",
+                               param="name")
+        await tm.delete(tid, None, force=True)  # the operator's file of an earlier start
+    if tid in tm.live:  # made meanwhile (the awaits above)
+        raise TaskConflict(f"template {tid!r} already exists", param="name")
+    tpl = Task(id=tid, kind=TEMPLATE, owner=None if operator else tm.owner_id(owner),
+               parent_id=STATE_OPERATOR if operator else STATE_UPLOAD, params=dict(params or {}),
+               tokens=array("i", [int(t) for t in pending]), out_start=len(pending), finish_reason="stop")
+    tpl.out.finish_reason = "stop"
+    tm.live[tid] = tpl  # reserves the id (no await since the check above)
+    sid = f"{tid}:{uuid.uuid4().hex[:12]}"
+    try:
+        tpl.state_id, tpl.state_pos = sid, 0
+        tm.cache.put(sid, state, template=True)  # the template tier: never evicted
+        tpl.pending_writes += 1
+        job = SettleJob(tpl, to_row(tpl), sid, state, old_key=None, outcome=None)
+        await (await tm.persistence.queue_settled(job))  # committed before it is answered
+    except BaseException:
+        tm.table.forget(tid)
+        tpl.deleted = True
+        tm.cache.discard(sid)
+        raise
+    return tpl
+
+
+async def _existing(tm: TaskManager, tid: str) -> Task | None:
+    try:
+        return await tm.get(tid, None)
+    except TaskNotFound:
+        return None
