@@ -28,6 +28,10 @@ from a stable full sort of that row only. On the CPU this happens inside `sample
 `sample` runs inside a CUDA graph) `sample` returns -1 for those rows and leaves their penalties
 untouched, and the caller runs `resolve(...)` afterwards (eager, only when a -1 came back).
 
+Grammar masks (server.engine.grammar): a constrained row's disallowed tokens have their logits set
+to -inf before `sample` (apply_token_bitmask, on the device); they get p = 0 and weight 0, so
+no path above (greedy, top-p, top-k, the inverse CDF, the fused kernel) can pick one.
+
 Penalties count only this request's generated tokens (not the prompt), like ChatRWKV/RWKV-Runner.
 (ChatRWKV subtracts `presence + count * frequency` with a decayed count, so its presence part
 never decays; here, as the engine issue specifies, the whole penalty decays: one (V,) tensor per slot.)
