@@ -591,7 +591,7 @@ def test_logprobs_reach_events_and_results_in_both_modes():
 # --- the package's shape ----------------------------------------------------------------------
 ENGINE = Path(__file__).resolve().parents[1] / "server" / "engine"
 TORCH_FREE = ["types", "protocol", "plan", "sequence", "scheduler", "text", "output", "handle", "stats", "engine",
-              "grammar"]
+              "grammar", "constraints"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

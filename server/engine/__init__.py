@@ -9,8 +9,9 @@ Modules, in the order a request meets them:
   engine.py     the API (submit, abort, generate, stats) and the loop; `Engine.step` is one step
   sequence.py   a request as the scheduler sees it (token ids, progress)
   scheduler.py  decides each step (plan.py: the plan, its output and Finished records, plain data)
-  runner.py     executes a plan on the device over the slot pool (torch); sampler.py: sampling
-  grammar.py    constrained decoding: GrammarSpec compiled by xgrammar, per-row token masks
+  runner.py     executes a plan on the device over the slot pool (torch); sampler.py: sampling;
+                logprobs.py: logprobs of the rows that ask
+  grammar.py    constrained decoding: GrammarSpec compiled by xgrammar; constraints.py: per-row masks
   output.py     text (text.py: detokenizer, stop strings), events, results, delivery
   handle.py     RequestHandle: a request seen from its caller; Deliveries: one wake-up per loop
   stats.py      rates and totals

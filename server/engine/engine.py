@@ -52,7 +52,8 @@ from typing import Any
 from server.config import Settings
 from server.tokenizer import IncrementalDecoder
 
-from .grammar import Constraint, Constraints, GrammarCompiler
+from .constraints import Constraint, Constraints
+from .grammar import GrammarCompiler
 from .handle import RequestHandle, fail_handles
 from .output import OutputProcessor
 from .plan import StepPlan, StepRunner

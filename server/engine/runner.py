@@ -13,6 +13,10 @@ Per step (see scheduler.py for the plan's meaning), in this order:
    the device: the previous step's sampled ids (or its host-resolved ids after overflow rows),
    positions + 1, the same commit mask: no host lists, no host->device copy. With CUDA graphs
    the graph feeds itself, so such a step is one replay and the id copy (graphs.step_cont).
+   A step with constrained rows (a MaskFill) or logprob rows is split: the forward (a
+   forward-only graph replay, or the eager decode), then, while the device runs it, the host
+   fills the masks (plan.MaskFill); then the masks are copied and applied to the logits, the
+   logprob rows' logits are taken (logprobs.py), and the sampling runs eagerly.
 States are updated in place in the pool; nothing is copied per step except moves/admissions.
 
 Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
@@ -30,9 +34,10 @@ import torch
 
 from server.model.state import State
 
-from .plan import SAMPLED, CopyOutOp, MaskFill, MoveOp, StepPlan, bucket_sizes
+from .logprobs import LogprobRows, Pending
+from .plan import CopyOutOp, MaskFill, MoveOp, StepPlan, bucket_sizes
 from .sampler import SamplerSlots, apply_token_bitmask
-from .types import MAX_LOGPROBS, TokenLogprob
+from .types import TokenLogprob
 
 
 @dataclass
@@ -54,19 +59,7 @@ class _Launched:
     greedy: bool = False
     t_launch: float = 0.0  # set by _launched()
     host_ids: list[int] | None = None  # set when overflow rows were re-sampled on the host
-    lp: _Logprobs | None = None  # the plan's logprobs entries, being computed
-
-
-@dataclass
-class _Logprobs:
-    """A step's logprobs on their way to the host: per entry (row, k, target) of the plan,
-    [token, logprob, K top ids, K top logprobs] in `out` (a pinned host row on CUDA)."""
-
-    entries: list[tuple[int, int, int]]
-    x: torch.Tensor  # (R, V) fp32: the rows' raw logits (before any mask)
-    lse: torch.Tensor  # (R, 1)
-    out: torch.Tensor  # (R, 2 + 2K) on the host once the step's copy completed
-    K: int
+    lp: Pending | None = None  # the plan's logprobs entries, being computed
 
 
 class Runner:
@@ -85,8 +78,7 @@ class Runner:
         self._last: _Launched | None = None  # the previous decode (a continuation plan feeds on it)
         self._ready: list[tuple[str, State]] = []
         self._masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _apply_masks
-        self._lp_host = torch.zeros(max_batch, 2 + 2 * MAX_LOGPROBS, pin_memory=self.cuda)  # (M, 2 + 2K) fp32
-        self._lp_rows: tuple[list, torch.Tensor, torch.Tensor] | None = None  # entries -> (rows, targets) on device
+        self._lp = LogprobRows(max_batch, self.device)
         self.graphs = None
         if cuda_graphs and self.cuda:
             from server.model.graphs import DecodeGraphs
@@ -182,7 +174,7 @@ class Runner:
             pos, commit = g.positions[:b], g.commit[:b]
         else:
             logits = self.model.decode(ids, self.pool.view(0, b), raw_logits=True)  # (b, V)
-        lp = self._lp_select(plan, logits) if plan.logprobs else None  # before the masks
+        lp = self._lp.select(plan.logprobs, logits) if plan.logprobs else None  # before the masks
         if masks is not None:
             self._apply_masks(masks, logits, b)
         tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)  # (b,)
@@ -190,7 +182,7 @@ class Runner:
             g.feed(b, tok)  # what the fused graph does at its end: the next replay's inputs
         job = _Launched(n, tok[:n], logits[:n], None if g is not None else pos, commit, b, greedy)
         if lp is not None:
-            job.lp = self._lp_finish(lp, tok)
+            job.lp = self._lp.finish(lp, tok)
         return self._launched(job, t0)
 
     def _apply_masks(self, masks: MaskFill, logits: torch.Tensor, b: int) -> None:
@@ -217,52 +209,11 @@ class Runner:
             rows_d[:R].copy_(rows_h[:R], non_blocking=True)
         apply_token_bitmask(logits, dev[:R], rows_d[:R])
 
-    # --- logprobs ---------------------------------------------------------------------------
-    def _lp_select(self, plan: StepPlan, logits: torch.Tensor):
-        """The logprob rows' raw logits (a copy: masks change `logits` in place afterwards)."""
-        entries = plan.logprobs
-        if self._lp_rows is None or self._lp_rows[0] is not entries:  # a continuation keeps the list
-            rows = torch.tensor([e[0] for e in entries], dtype=torch.long).to(self.device, non_blocking=True)
-            tgt = torch.tensor([e[2] for e in entries], dtype=torch.long).to(self.device, non_blocking=True)
-            self._lp_rows = (entries, rows, tgt)
-        _, rows, tgt = self._lp_rows
-        x = logits.index_select(0, rows).float()  # (R, V)
-        return entries, x, rows, tgt
-
-    def _lp_finish(self, sel, tok: torch.Tensor) -> _Logprobs:
-        """log_softmax of the selected rows: the target's (the sampled token or a prompt token)
-        and the top K; enqueued to the host (one small copy, before the ids' event)."""
-        entries, x, rows, tgt = sel
-        K = max(e[1] for e in entries)
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (R, 1)
-        t = torch.where(tgt >= 0, tgt, tok.index_select(0, rows).clamp(min=0))  # (R,)
-        parts = [t[:, None].float(), x.gather(1, t[:, None]) - lse]
-        if K:
-            v, i = x.topk(K, dim=-1)  # (R, K)
-            parts += [i.float(), v - lse]
-        out = torch.cat(parts, dim=1)  # (R, 2 + 2K)
-        if self.cuda:
-            host = self._lp_host[: len(entries), : out.shape[1]]
-            host.copy_(out, non_blocking=True)
-            out = host
-        return _Logprobs(entries, x, lse, out, K)
-
     def logprobs(self, job: _Launched | None) -> list[TokenLogprob]:
         """After finish(job): the plan's logprobs entries' values, in the plan's order."""
         if job is None or job.lp is None:
             return []
-        lp = job.lp
-        out = lp.out.tolist()
-        res = []
-        for j, ((row, k, target), r) in enumerate(zip(lp.entries, out)):
-            tok, own = int(r[0]), r[1]
-            if target == SAMPLED and job.host_ids is not None and job.host_ids[row] != tok:
-                tok = job.host_ids[row]  # an overflow row re-sampled on the host
-                own = (lp.x[j, tok] - lp.lse[j, 0]).item()
-            K = lp.K
-            top = tuple((int(i), v) for i, v in zip(r[2 : 2 + k], r[2 + K : 2 + K + k]))
-            res.append(TokenLogprob(tok, own, top))
-        return res
+        return self._lp.values(job.lp, job.host_ids)
 
     def _launched(self, job: _Launched, t0: float) -> _Launched:
         """Enqueue the step's one device->host copy of its ids; the step becomes `_last`."""
