@@ -17,6 +17,7 @@ Module imports are light: xgrammar (which imports torch) loads on the first comp
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -48,12 +49,14 @@ class GrammarCompiler:
     """Compiles GrammarSpecs for one vocabulary (thread-safe, LRU-cached by spec). The library's
     vocabulary tables are built on the first compile (or by `warm_up()`)."""
 
-    def __init__(self, token_table: Sequence[bytes], vocab_size: int | None = None, *, threads: int = 2,
+    def __init__(self, token_table: Sequence[bytes], vocab_size: int | None = None, *, threads: int = 0,
                  cache_size: int = CACHE_SIZE):  # fmt: skip
+        """threads: the library's worker threads for compiling and for filling a step's masks
+        (0: half the CPUs, at most 8: the engine thread and the event loop keep theirs)."""
         V = vocab_size or len(token_table)
         self.table = list(token_table[:V]) + [b""] * max(0, V - len(token_table))
         self.vocab_size = V
-        self.threads = threads
+        self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self.cache_size = cache_size
         self._cache: OrderedDict[GrammarSpec, Compiled] = OrderedDict()
         self._guards: OrderedDict[str, TriggerGuard] = OrderedDict()  # by trigger, LRU as _cache
