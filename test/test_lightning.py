@@ -135,7 +135,8 @@ def test_openai_style_route_json_and_stream(c, server):
     tok = get_tokenizer()
     want = len(tok.encode("System: You are terse.\n\n")) + len(
         tok.encode("User: Hi\n\nAssistant: Hello.\n\nUser: More\n\nAssistant: <think>\n</think>\n"))
-    assert full["usage"] == {"prompt_tokens": want, "completion_tokens": 5, "total_tokens": want + 5}
+    assert full["usage"] == {"prompt_tokens": want, "completion_tokens": 5, "total_tokens": want + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # ours: OpenAI's cache field
     events = sse(c.post("/openai/v1/chat/completions", json={**body, "stream": True}))
     assert events[-1] == "[DONE]"
     chunks = events[:-1]

@@ -229,3 +229,25 @@ def test_move_and_reset_rows():
     assert torch.equal(s.penalty[0], torch.ones(V)) and s.iparams[0, 1] == 3 and s.iparams[1, 1] == 2
     s.reset([0], [SamplingParams(seed=-1 & M64)], [M64])
     assert s.penalty[0].sum() == 0 and s.iparams[0, 1] == -1
+
+
+@pytest.mark.parametrize("temp, top_p, top_k", [(1.0, 1.0, 0), (1.0, 0.3, 0), (2.0, 1.0, 5), (0.0, 0.9, 0), (0.7, 0.95, 3)])
+def test_masked_rows_sample_only_allowed_tokens_by_the_formula(temp, top_p, top_k):
+    """Grammar masks set disallowed logits to -inf before sampling: the kept set, weights and
+    draw follow the documented formula on the masked logits, never a disallowed token (also
+    with top_p = 1, where the nucleus reaches the zero-probability tokens)."""
+    from server.engine.grammar import pack_bits
+    from server.engine.sampler import apply_token_bitmask
+
+    V, B = 300, 32
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, V, generator=g) * 2
+    allowed = torch.rand(B, V, generator=g) < 0.05
+    allowed[torch.arange(B), torch.randint(0, V, (B,), generator=g)] = True
+    apply_token_bitmask(logits, torch.stack([pack_bits(a) for a in allowed]), torch.arange(B))
+    params = [SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=50 + i) for i in range(B)]
+    pos = torch.arange(B) * 3
+    tok = slots_for(params, V).sample(logits, pos, torch.ones(B, dtype=torch.bool))
+    assert allowed[torch.arange(B), tok].all()
+    for b in range(B):
+        assert tok[b].item() == reference(logits[b].tolist(), params[b], py_uniform(params[b].seed, int(pos[b]))), b

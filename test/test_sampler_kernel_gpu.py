@@ -389,3 +389,34 @@ def test_half_logits_equal_widened(dev, dtype, case):
     t32, d32 = kernel(logits.float(), s32, pos, commit)
     assert torch.equal(t16, t32) and torch.equal(d16, d32)
     assert torch.equal(s16.penalty, s32.penalty) and torch.equal(s16.seen, s32.seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("top_p", [0.3, 1.0])
+@pytest.mark.parametrize("case", ["random", "flat", "peaked"])
+def test_grammar_masked_logits(dev, case, top_p, dtype):
+    """Logits masked as the engine masks grammar rows (-inf in place, server.engine.sampler.
+    apply_token_bitmask on the device, some rows left free): the kernel equals its torch twin
+    as in test_parity, and never picks a masked token."""
+    from server.engine.grammar import pack_bits
+    from server.engine.sampler import apply_token_bitmask
+
+    B = 64
+    logits = make_logits(case, B, V, seed=11, dev=dev).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    density = torch.tensor([0.0005, 0.05, 0.5])[torch.arange(B) % 3][:, None]  # (B, 1)
+    allowed = torch.rand(B, V, generator=g) < density
+    allowed[torch.arange(B), torch.randint(0, V, (B,), generator=g)] = True
+    rows = [i for i in range(B) if i % 4 != 3]  # every 4th row is unconstrained
+    bitmask = torch.stack([pack_bits(allowed[i]) for i in rows]).to(dev)
+    masked = logits.clone()
+    apply_token_bitmask(masked, bitmask, torch.tensor(rows, device=dev))
+    cpu = logits.cpu().float()
+    apply_token_bitmask(cpu, bitmask.cpu(), torch.tensor(rows))
+    assert torch.equal(masked.float().cpu(), cpu)  # the device op equals the CPU op
+    s = make_slots(make_params(B, top_p, True, True), V, dev, True)
+    pos, commit = torch.arange(B, device=dev), torch.ones(B, dtype=torch.bool, device=dev)
+    tok, _ = kernel(masked, clone_slots(s), pos, commit)
+    assert allowed[rows, tok.cpu()[rows]].all()
+    check_step(masked, s, pos, commit, label=f"masked {case} top_p={top_p} {dtype}")

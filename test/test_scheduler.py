@@ -22,6 +22,7 @@ import pytest
 from server.config import Settings
 from server.engine import Engine
 from server.engine.plan import (
+    SAMPLED,
     Admission,
     CopyOutOp,
     MoveOp,
@@ -39,6 +40,7 @@ from server.engine.types import (
     STOP,
     QueueFullError,
     SamplingParams,
+    TokenLogprob,
 )
 
 VOCAB = {1: "He", 2: "llo", 3: "\n", 4: "\nUs", 5: "er", 6: ":", 7: " wo", 8: "rld", 9: "!"}
@@ -107,6 +109,13 @@ class FakeRunner:
 
     def finish(self, job):
         return job
+
+    def logprobs(self, job):
+        """A value per plan.logprobs entry that names its token: -(row + 1) / 10 and k fake
+        alternatives."""
+        plan = self.plans[-1]
+        return [TokenLogprob(t if t != SAMPLED else job[row], -(row + 1) / 10, ((0, -1.0),) * k)
+                for row, k, t in plan.logprobs]  # fmt: skip
 
     def poll_copies(self, wait=False):
         out, self.copies = self.copies, []
@@ -536,9 +545,53 @@ def test_continuation_plans_and_lazy_apply_equal_full_plans():
     assert {r.finish_reason for r, _ in fast} == {STOP, LENGTH}
 
 
+def test_plans_list_the_logprob_rows_and_prompt_logprobs_feed_one_token_per_step():
+    s = Scheduler(max_batch=4, step_token_budget=64, prefill_chunk=16)
+    s.add(make_seq("a", [1, 2, 3], max_tokens=10, logprobs=2))
+    s.add(make_seq("b", [4, 5, 6, 7], max_tokens=2, prompt_logprobs=1))
+    s.add(make_seq("c", [8], max_tokens=10))
+    p = s.plan()
+    assert p.takes == [3, 1, 1] and p.logprobs == [(0, 2, SAMPLED), (1, 1, 5)]  # b: scores 5 next
+    s.apply(p, [9, 9, 9])
+    p = s.plan()
+    assert p.takes == [0, 1, 0] and p.logprobs == [(0, 2, SAMPLED), (1, 1, 6)]
+    s.apply(p, [9, 9, 9])
+    p = s.plan()
+    assert p.takes == [0, 1, 0] and p.logprobs == [(0, 2, SAMPLED), (1, 1, 7)]
+    s.apply(p, [9, 9, 9])
+    p = s.plan()  # b's prompt ends: its row now samples (no logprobs asked for those)
+    assert p.takes == [0, 1, 0] and p.commit == [True, True, True] and p.logprobs == [(0, 2, SAMPLED)]
+    s.apply(p, [9, 9, 9])
+    plans = []
+    for _ in range(4):  # b ends (max_tokens 2), c moves into its row, then nothing changes
+        plans.append(s.plan())
+        s.apply(plans[-1], [9] * plans[-1].n_active)
+    assert plans[-2].cont and plans[-1].cont and plans[-1].logprobs is plans[-2].logprobs == [(0, 2, SAMPLED)]
+
+
+def test_logprobs_reach_events_and_results_in_both_modes():
+    def go(mode):
+        e = make_engine(mode, max_batch=4, budget=64, chunk=4)
+        hs = [submit(e, "a", [1, 2, 3], 6, logprobs=1), submit(e, "b", [4, 5, 6, 7, 8], 4, prompt_logprobs=0),
+              submit(e, "c", [9], 5), submit(e, "d", [3, 3], 5, logprobs=0, prompt_logprobs=2)]  # fmt: skip
+        run_all(e)
+        return [(h.result(), list(h)) for h in hs]
+
+    for (a, ea), (b, eb) in zip(go("cpu"), go("cuda")):
+        assert (a.token_ids, a.logprobs, a.prompt_logprobs) == (b.token_ids, b.logprobs, b.prompt_logprobs)
+        assert ea == eb
+    (ra, eva), (rb, evb), (rc, evc), (rd, evd) = go("cuda")
+    assert [v.token for v in ra.logprobs] == ra.token_ids and all(len(v.top) == 1 for v in ra.logprobs)
+    assert [v for ev in eva for v in ev.logprobs] == ra.logprobs and rb.logprobs is None
+    assert [v.token for v in rb.prompt_logprobs] == [5, 6, 7, 8] and evb[0].prompt_logprobs == rb.prompt_logprobs
+    assert rc.logprobs is None and rc.prompt_logprobs is None and all(ev.logprobs is None for ev in evc)
+    assert [v.token for v in rd.prompt_logprobs] == [3] and [v.token for v in rd.logprobs] == rd.token_ids
+
+
 # --- the package's shape ----------------------------------------------------------------------
 ENGINE = Path(__file__).resolve().parents[1] / "server" / "engine"
-TORCH_FREE = ["types", "protocol", "plan", "sequence", "scheduler", "text", "output", "handle", "stats", "engine"]
+TORCH_FREE = ["types", "protocol", "plan", "sequence", "scheduler", "text", "output", "handle", "stats", "engine",
+              "grammar", "constraints"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -9,11 +9,15 @@ Modules, in the order a request meets them:
   engine.py     the API (submit, abort, generate, stats) and the loop; `Engine.step` is one step
   sequence.py   a request as the scheduler sees it (token ids, progress)
   scheduler.py  decides each step (plan.py: the plan, its output and Finished records, plain data)
-  runner.py     executes a plan on the device over the slot pool (torch); sampler.py: sampling
+  runner.py     executes a plan on the device over the slot pool (torch); sampler.py: sampling;
+                logprobs.py: logprobs of the rows that ask
+  grammar.py    constrained decoding: GrammarSpec compiled by xgrammar; constraints.py: per-row masks
   output.py     text (text.py: detokenizer, stop strings), events, results, delivery
   handle.py     RequestHandle: a request seen from its caller; Deliveries: one wake-up per loop
   stats.py      rates and totals
-Only runner.py and sampler.py import torch (the engine builds its runner at start()).
+Only runner.py and sampler.py import torch (the engine builds its runner at start(); grammar.py
+loads xgrammar, which imports torch, on the first grammar compiled). docs/agents.md: grammars
+and logprobs.
 """
 
 from .engine import Engine
@@ -28,11 +32,13 @@ from .types import (
     EngineError,
     EngineStats,
     Event,
+    GrammarSpec,
     PromptTooLongError,
     QueueFullError,
     RequestFailedError,
     Result,
     SamplingParams,
+    TokenLogprob,
 )
 
 __all__ = [
@@ -46,11 +52,13 @@ __all__ = [
     "EngineError",
     "EngineStats",
     "Event",
+    "GrammarSpec",
     "PromptTooLongError",
     "QueueFullError",
     "RequestFailedError",
     "RequestHandle",
     "Result",
     "SamplingParams",
+    "TokenLogprob",
 ]  # fmt: skip
 

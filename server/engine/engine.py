@@ -52,6 +52,8 @@ from typing import Any
 from server.config import Settings
 from server.tokenizer import IncrementalDecoder
 
+from .constraints import Constraint, Constraints
+from .grammar import GrammarCompiler
 from .handle import RequestHandle, fail_handles
 from .output import OutputProcessor
 from .plan import StepPlan, StepRunner
@@ -60,8 +62,10 @@ from .sequence import Sequence
 from .stats import StatsTracker
 from .text import Stream
 from .types import (
+    MAX_LOGPROBS,
     EngineDeadError,
     EngineStats,
+    GrammarSpec,
     PromptTooLongError,
     QueueFullError,
     Result,
@@ -90,7 +94,10 @@ class Engine:
         launch is asynchronous: CUDA; on the CPU it would only add a step of latency)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: deque[tuple[Sequence, Stream] | str] = deque()  # new requests; aborts (ids)
+        self._inbox: deque[tuple[Sequence, Stream, Constraint | None] | str] = deque()  # new requests; aborts
+        self._compiler: GrammarCompiler | None = None
+        self.constraints: Constraints | None = None
+        """The constrained requests (grammar.Constraints), once the first grammar was compiled."""
         self._inbox_adds = 0
         self._live: dict[str, RequestHandle] = {}
         self._thread: threading.Thread | None = None
@@ -137,6 +144,22 @@ class Engine:
         return not gone
 
     # --- the API --------------------------------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler of this engine's vocabulary (built on first use)."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer.token_table, self.model.shape.vocab_size)
+                self.constraints = Constraints(self._compiler)
+            return self._compiler
+
+    def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile spec into the cache now; ValueError (the reason) when it cannot be compiled.
+        submit() compiles an uncached spec on the caller's thread (milliseconds, more for big
+        schemas; the first compile also builds the vocabulary tables): an event-loop caller
+        can run this in a worker thread first (`await asyncio.to_thread(...)`)."""
+        self.grammars.compile(spec)
+
     def submit(
         self,
         prompt: str | Seq[int],
@@ -146,11 +169,13 @@ class Engine:
         request_id: str | None = None,
         return_state: bool = False,
     ) -> RequestHandle:
-        """Queue a request; raises QueueFullError, PromptTooLongError, EngineDeadError, ValueError."""
+        """Queue a request; raises QueueFullError, PromptTooLongError, EngineDeadError, ValueError
+        (also for a grammar that cannot be compiled: its reason)."""
         if self._dead is not None or self._stopping:
             raise EngineDeadError("the engine is not running")
         params = params or SamplingParams(max_tokens=self.settings.default_max_tokens)
         ids = self._prompt_ids(prompt, params)
+        constraint = Constraint(self.grammars.compile(params.grammar)) if params.grammar is not None else None
         if init_state is not None and self._runner is not None:
             self._runner.check_state(init_state)
         rid = request_id or uuid.uuid4().hex
@@ -171,7 +196,7 @@ class Engine:
             if self.settings.max_queue and waiting >= self.settings.max_queue:
                 raise QueueFullError(f"{waiting} requests are waiting (max_queue={self.settings.max_queue})")
             self._live[rid] = handle
-            self._inbox.append((seq, stream))
+            self._inbox.append((seq, stream, constraint))
             self._inbox_adds += 1
         self._wake.set()
         return handle
@@ -201,6 +226,10 @@ class Engine:
     def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
         if params.max_tokens < 0 or params.temperature < 0 or not 0 <= params.top_p <= 1 or params.top_k < 0:
             raise ValueError("invalid sampling parameters (max_tokens, temperature, top_k >= 0; 0 <= top_p <= 1)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"invalid '{name}': {k!r} is outside [0, {MAX_LOGPROBS}]")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if len(ids) > self.settings.max_prompt_tokens:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens (max {self.settings.max_prompt_tokens})")
@@ -238,16 +267,22 @@ class Engine:
         self._drain_inbox()
         plan = sched.plan()  # plain data: rows, admissions, slot moves, bucket (or "continue")
         out.follow(plan)  # which request decodes in which row
+        cons = self.constraints
+        if cons is not None:
+            cons.follow(plan)
         self._fail(runner.prepare(plan))  # slot moves, copy-outs, admissions
         self._prefill(plan)
-        job = self._launch(plan)  # decode + sampling enqueued: on CUDA the device runs from here
+        job = self._launch(plan, cons)  # decode + sampling enqueued: on CUDA the device runs from here
         sched.materialize()  # meanwhile: the last step's id bookkeeping,
         self._flush()  # its text, events, results and their delivery
         tokens = self._wait(plan, job)  # the sampled ids on the host
         decoded = 0
         if tokens:
+            lps = runner.logprobs(job) if plan.logprobs else None
             step_out = sched.apply(plan, tokens, out.match_stops)  # ids decide; stop strings on text
-            out.stage(step_out)
+            out.stage(step_out, plan, lps)
+            if cons is not None and cons.in_rows:
+                cons.stage(step_out)
             decoded = step_out.decode_tokens
         out.states_ready(runner.poll_copies())
         if not self.defer_delivery:
@@ -278,12 +313,18 @@ class Engine:
             if isinstance(item, str):
                 self.scheduler.abort(item)
             else:
-                self.output.open(item[1])
-                self.scheduler.add(item[0])
+                seq, stream, constraint = item
+                self.output.open(stream)
+                if constraint is not None:
+                    self.constraints.open(seq.request_id, constraint)  # type: ignore[union-attr]
+                self.scheduler.add(seq)
 
     def _flush(self) -> None:
         """Hand the requests that ended to the output processor; build and deliver all it staged."""
-        self.output.finish(self.scheduler.take_finished())
+        ends = self.scheduler.take_finished()
+        if ends and self.constraints:
+            self.constraints.close([e.request_id for e in ends])
+        self.output.finish(ends)
         self._fail(self.output.flush())
 
     # --- failures -------------------------------------------------------------------------
@@ -298,10 +339,16 @@ class Engine:
             log.exception("prefill failed")
             self.scheduler.fail([plan.request_ids[slot] for slot, _ in plan.prefill], f"prefill failed: {exc!r}")
 
-    def _launch(self, plan: StepPlan) -> Any:
+    def _launch(self, plan: StepPlan, cons: Constraints | None) -> Any:
+        """Launch the step; with constrained rows, the runner fills their masks (cons.fill)
+        after launching the forward. Rows whose grammar failed are failed after the launch."""
         try:
-            return self.runner.launch(plan)
-        except Exception as exc:
+            if cons is None or not cons.in_rows:
+                return self.runner.launch(plan)
+            job = self.runner.launch(plan, lambda bitmask: cons.fill(plan, bitmask))
+            self._fail(cons.take_failures())
+            return job
+        except Exception as exc:  # counted: the loop dies after MAX_STEP_FAILURES
             self._step_failed(plan, exc)
             return None
 

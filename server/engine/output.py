@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .handle import Deliveries
-from .plan import STATE_SLOT, STATE_START, Finished, MoveOp, StepOutput, StepPlan
+from .plan import SAMPLED, STATE_SLOT, STATE_START, Finished, MoveOp, StepOutput, StepPlan
 from .text import Stream, TextDecoder, open_stream
-from .types import ERROR, Event, Result, SamplingParams
+from .types import ERROR, Event, Result, SamplingParams, TokenLogprob
 
 log = logging.getLogger("server.engine")
 
@@ -39,11 +39,12 @@ class OutputProcessor:
         self._rows: list[Stream] = []
         """Row i = the stream of the request in slot i as of the last plan (replaced, never
         changed in place: a staged step keeps the list it was made with)."""
-        self._emits: list[tuple[list[Stream], list[int], list[int] | None]] = []
+        self._emits: list[tuple[list[Stream], list[int], list[int] | None, list | None]] = []
         self._ends: list[Finished] = []
         self._awaiting: dict[str, tuple[Any, Event, Result]] = {}  # results waiting for their state
         self._early: dict[str, Any] = {}  # states that came before their request's record was flushed
         self._out = Deliveries()
+        self._n_lp = 0  # open streams with logprobs (0: the per-token loop skips them)
 
     # --- requests in ----------------------------------------------------------------------
     def new_stream(self, request_id: str, handle: Any, params: SamplingParams) -> Stream:
@@ -52,6 +53,8 @@ class OutputProcessor:
 
     def open(self, stream: Stream) -> None:
         self._streams[stream.request_id] = stream
+        if stream.lp is not None:
+            self._n_lp += 1
 
     @property
     def pending(self) -> bool:
@@ -88,9 +91,11 @@ class OutputProcessor:
                 out[i] = _message(exc)
         return out
 
-    def stage(self, out: StepOutput) -> None:
-        """The step's tokens: their events are built at the next flush."""
-        self._emits.append((self._rows, out.tokens, out.emitted))
+    def stage(self, out: StepOutput, plan: StepPlan | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
+        """The step's tokens: their events are built at the next flush. logprobs: the values of
+        plan.logprobs' entries (runner.logprobs), in order."""
+        lps = list(zip(plan.logprobs, logprobs)) if logprobs and plan is not None else None
+        self._emits.append((self._rows, out.tokens, out.emitted, lps))
 
     def finish(self, ends: list[Finished]) -> None:
         """Requests that ended: their last events and results are built at the next flush."""
@@ -114,12 +119,17 @@ class OutputProcessor:
         failed: list[tuple[str, str]] = []
         add = self._out.add
         emits, self._emits = self._emits, []
-        for rows, tokens, emitted in emits:
+        for rows, tokens, emitted, lps in emits:
+            if lps:
+                _set_logprobs(rows, lps)
             pairs = zip(rows, tokens) if emitted is None else ((rows[i], tokens[i]) for i in emitted)
             for st, tok in pairs:
                 try:
-                    add(st.handle, st.emit(tok))
-                except Exception as exc:
+                    if self._n_lp and st.lp is not None:
+                        add(st.handle, st.lp.annotate(st.emit(tok)))
+                    else:
+                        add(st.handle, st.emit(tok))
+                except Exception as exc:  # one bad request fails alone
                     failed.append((st.request_id, _message(exc)))
         ends, self._ends = self._ends, []
         for end in ends:
@@ -140,6 +150,10 @@ class OutputProcessor:
             completion_tokens=len(end.token_ids), finish_reason=end.reason, prefill_time=end.prefill_time,
             gen_time=end.gen_time, error=end.error, pending_tokens=end.pending_tokens,
         )  # fmt: skip
+        if st.lp is not None:
+            self._n_lp -= 1
+            st.lp.annotate(ev)
+            res.logprobs, res.prompt_logprobs = st.lp.tokens, st.lp.prompt
         if end.state == STATE_SLOT:  # the runner copies it out: wait for it (even after an error)
             self._awaiting[end.request_id] = (st.handle, ev, res)
             if end.request_id in self._early:
@@ -152,6 +166,19 @@ class OutputProcessor:
     def _deliver(self, handle: Any, ev: Event, res: Result) -> None:
         self._out.add(handle, ev, res)
         self._on_done(res.request_id)
+
+
+def _set_logprobs(rows: list[Stream], lps: list) -> None:
+    """Hand a step's logprob values to their streams: a generated token's for its event, a
+    prompt token's to the prompt list."""
+    for (row, _k, target), value in lps:
+        log = rows[row].lp
+        if log is None:
+            continue
+        if target == SAMPLED:
+            log.next = value
+        elif log.prompt is not None:
+            log.prompt.append(value)
 
 
 def _message(exc: BaseException) -> str:

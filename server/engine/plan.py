@@ -8,10 +8,20 @@ slots), the output and the records. See scheduler.py for what a plan means.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .types import SamplingParams
+from .types import SamplingParams, TokenLogprob
+
+SAMPLED = -1
+"""StepPlan.logprobs target: the token the row samples this step."""
+
+MaskFill = Callable[[Any], list[int]]
+"""fill(bitmask) -> rows: writes the token masks of this step's constrained rows into rows
+0, 1, ... of bitmask (an int32 (>= n, ceil(V/32)) CPU tensor; bit j of word w = token 32w + j)
+and returns the plan rows they belong to, in that order (grammar.Constraints.fill). The runner
+calls it after launching the step's forward, so the host fills masks while the device runs."""
 
 
 @dataclass(slots=True)
@@ -59,6 +69,10 @@ class StepPlan:
     positions: list[int] = field(default_factory=list)
     """Index of the generated token each row samples (the random stream's counter; empty in a
     continuation plan)."""
+    logprobs: list[tuple[int, int, int]] = field(default_factory=list)
+    """(row, k, target) of the rows whose logprob this step reports, with k alternatives: target
+    SAMPLED for the generated token, else the prompt token the row's logits predict (prompt
+    logprobs of a row fed one prompt token per step). A continuation plan keeps the list."""
     bucket: int = 0
     """The decode's batch: n_active rounded up by bucket_for (one CUDA graph per bucket)."""
     greedy: bool = False
@@ -137,9 +151,13 @@ class StepRunner(Protocol):
 
     def prefill(self, plan: StepPlan) -> None: ...
 
-    def launch(self, plan: StepPlan) -> Any:
+    def launch(self, plan: StepPlan, masks: MaskFill | None = None) -> Any:
         """Enqueue the decode + sampling of the plan's rows (a job for finish; None when there
-        are no rows)."""
+        are no rows). masks: this step's constrained rows (see MaskFill); None: no row is."""
+        ...
+
+    def logprobs(self, job: Any) -> list[TokenLogprob]:
+        """After finish(job): the plan's logprobs entries' values, in the plan's order."""
         ...
 
     def finish(self, job: Any) -> list[int]:

@@ -13,7 +13,7 @@ from typing import (
     runtime_checkable,
 )
 
-from .types import EngineStats, Event, Result, SamplingParams
+from .types import EngineStats, Event, GrammarSpec, Result, SamplingParams
 
 
 @runtime_checkable
@@ -70,6 +70,11 @@ class EngineAPI(Protocol):
                return_state: bool = False) -> Handle: ...
 
     def abort(self, request_id: str) -> bool: ...
+
+    def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile spec into the engine's cache (ValueError: why it cannot be); blocking: run it
+        in a worker thread from an event loop, then submit() finds it compiled."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

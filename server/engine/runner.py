@@ -13,6 +13,10 @@ Per step (see scheduler.py for the plan's meaning), in this order:
    the device: the previous step's sampled ids (or its host-resolved ids after overflow rows),
    positions + 1, the same commit mask: no host lists, no host->device copy. With CUDA graphs
    the graph feeds itself, so such a step is one replay and the id copy (graphs.step_cont).
+   A step with constrained rows (a MaskFill) or logprob rows is split: the forward (a
+   forward-only graph replay, or the eager decode), then, while the device runs it, the host
+   fills the masks (plan.MaskFill); then the masks are copied and applied to the logits, the
+   logprob rows' logits are taken (logprobs.py), and the sampling runs eagerly.
 States are updated in place in the pool; nothing is copied per step except moves/admissions.
 
 Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
@@ -30,8 +34,10 @@ import torch
 
 from server.model.state import State
 
-from .plan import CopyOutOp, MoveOp, StepPlan, bucket_sizes
-from .sampler import SamplerSlots
+from .logprobs import LogprobRows, Pending
+from .plan import CopyOutOp, MaskFill, MoveOp, StepPlan, bucket_sizes
+from .sampler import SamplerSlots, apply_token_bitmask
+from .types import TokenLogprob
 
 
 @dataclass
@@ -53,6 +59,7 @@ class _Launched:
     greedy: bool = False
     t_launch: float = 0.0  # set by _launched()
     host_ids: list[int] | None = None  # set when overflow rows were re-sampled on the host
+    lp: Pending | None = None  # the plan's logprobs entries, being computed
 
 
 class Runner:
@@ -70,6 +77,8 @@ class Runner:
         self._copies: list[_PendingCopy] = []
         self._last: _Launched | None = None  # the previous decode (a continuation plan feeds on it)
         self._ready: list[tuple[str, State]] = []
+        self._masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _apply_masks
+        self._lp = LogprobRows(max_batch, self.device)
         self.graphs = None
         if cuda_graphs and self.cuda:
             from server.model.graphs import DecodeGraphs
@@ -81,6 +90,8 @@ class Runner:
         self.sample_time = 0.0
         """Seconds from the end of the decode launch to its token ids on the host (the device's
         time not hidden behind host work, plus overflow rows' exact sampling)."""
+        self.mask_time = 0.0
+        """Seconds spent filling grammar masks (on the host, while the device runs the forward)."""
 
     # --- step phases ----------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> list[tuple[str, str]]:
@@ -103,19 +114,25 @@ class Runner:
         """Decode every active row once, sample, and return the n_active token ids."""
         return self.finish(self.launch(plan))
 
-    def launch(self, plan: StepPlan) -> _Launched | None:
+    def launch(self, plan: StepPlan, masks: MaskFill | None = None) -> _Launched | None:
         """Enqueue the step's decode + sampling and the copy of its token ids to the host; on
-        CUDA this returns at once (the caller can do host work while the device runs)."""
+        CUDA this returns at once (the caller can do host work while the device runs).
+        masks: the step's constrained rows (plan.MaskFill): the forward is launched first, the
+        masks are filled on the host while the device runs it, then copied and applied to the
+        logits before the sampling. Rows with logprobs get them from the same logits."""
         n, b = plan.n_active, plan.bucket
         if n == 0:
             return None
         t0 = time.perf_counter()
         last, self._last = self._last, None
+        split = masks is not None or bool(plan.logprobs)  # forward, then host work, then sampling
         if plan.cont:
             if last is None or last.n != n or last.b != b:
                 raise RuntimeError("a continuation plan must follow the launched step of the same rows")
             if self.graphs is not None and last.host_ids is None:
                 # the graph fed itself (ids, positions + 1): a bare replay, nothing copied in
+                if split:
+                    return self._launch_split(plan, masks, None, None, last.commit, last.greedy, t0)
                 job = _Launched(n, self.graphs.step_cont(n), None, None, last.commit, b, last.greedy)
                 return self._launched(job, t0)
             # the previous step's sampled ids feed this one on the device (no host round trip)
@@ -134,6 +151,8 @@ class Runner:
             dev = h[:, :b].to(self.device, non_blocking=True)  # (3, b)
             ids, pos, commit = dev[0], dev[1], dev[2].bool()
             greedy = self.graphs is None and plan.greedy
+        if split:
+            return self._launch_split(plan, masks, ids, pos, commit, greedy, t0)
         logits = None
         if self.graphs is not None:
             tok = self.graphs.step(n, ids[:n], pos[:n], commit[:n])  # (n,)
@@ -143,6 +162,58 @@ class Runner:
             tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)[:n]  # (n,)
             logits = logits[:n]
         return self._launched(_Launched(n, tok, logits, pos, commit, b, greedy), t0)
+
+    def _launch_split(self, plan: StepPlan, masks: MaskFill | None, ids, pos, commit, greedy: bool,
+                      t0: float) -> _Launched:  # fmt: skip
+        """The forward (a forward-only graph replay, or the eager decode), then, while the device
+        runs it, the host fills the masks; then the masks, the logprobs' logits and the
+        sampling are enqueued. ids None: a continuation the graph inputs already hold."""
+        n, b, g = plan.n_active, plan.bucket, self.graphs
+        if g is not None:
+            logits = g.forward(n) if ids is None else g.forward(n, ids[:n], pos[:n], commit[:n])  # (b, V)
+            pos, commit = g.positions[:b], g.commit[:b]
+        else:
+            logits = self.model.decode(ids, self.pool.view(0, b), raw_logits=True)  # (b, V)
+        lp = self._lp.select(plan.logprobs, logits) if plan.logprobs else None  # before the masks
+        if masks is not None:
+            self._apply_masks(masks, logits, b)
+        tok = self.sampler.sample(logits, pos, commit, greedy_only=greedy)  # (b,)
+        if g is not None:
+            g.feed(b, tok)  # what the fused graph does at its end: the next replay's inputs
+        job = _Launched(n, tok[:n], logits[:n], None if g is not None else pos, commit, b, greedy)
+        if lp is not None:
+            job.lp = self._lp.finish(lp, tok)
+        return self._launched(job, t0)
+
+    def _apply_masks(self, masks: MaskFill, logits: torch.Tensor, b: int) -> None:
+        """Fill the constrained rows' masks on the host (the device runs the forward meanwhile),
+        copy them to the device, set the disallowed tokens' logits to -inf."""
+        if self._masks is None:
+            W = (logits.shape[1] + 31) // 32
+            M = self.max_batch
+            host = torch.zeros(M, W, dtype=torch.int32, pin_memory=self.cuda)  # (M, W)
+            rows_h = torch.zeros(M, dtype=torch.long, pin_memory=self.cuda)  # (M,)
+            dev = host if not self.cuda else torch.zeros(M, W, dtype=torch.int32, device=self.device)
+            rows_d = rows_h if not self.cuda else torch.zeros(M, dtype=torch.long, device=self.device)
+            self._masks = (host, rows_h, dev, rows_d)
+        host, rows_h, dev, rows_d = self._masks
+        t = time.perf_counter()
+        rows = masks(host[:b])  # the previous step's copy of `host` completed (finish waited for it)
+        self.mask_time += time.perf_counter() - t
+        R = len(rows)
+        if R == 0:
+            return
+        rows_h[:R] = torch.tensor(rows, dtype=torch.long)
+        if self.cuda:
+            dev[:R].copy_(host[:R], non_blocking=True)
+            rows_d[:R].copy_(rows_h[:R], non_blocking=True)
+        apply_token_bitmask(logits, dev[:R], rows_d[:R])
+
+    def logprobs(self, job: _Launched | None) -> list[TokenLogprob]:
+        """After finish(job): the plan's logprobs entries' values, in the plan's order."""
+        if job is None or job.lp is None:
+            return []
+        return self._lp.values(job.lp, job.host_ids)
 
     def _launched(self, job: _Launched, t0: float) -> _Launched:
         """Enqueue the step's one device->host copy of its ids; the step becomes `_last`."""

@@ -28,6 +28,10 @@ from a stable full sort of that row only. On the CPU this happens inside `sample
 `sample` runs inside a CUDA graph) `sample` returns -1 for those rows and leaves their penalties
 untouched, and the caller runs `resolve(...)` afterwards (eager, only when a -1 came back).
 
+Grammar masks (server.engine.grammar): a constrained row's disallowed tokens have their logits set
+to -inf before `sample` (apply_token_bitmask, on the device); they get p = 0 and weight 0, so
+no path above (greedy, top-p, top-k, the inverse CDF, the fused kernel) can pick one.
+
 Penalties count only this request's generated tokens (not the prompt), like ChatRWKV/RWKV-Runner.
 (ChatRWKV subtracts `presence + count * frequency` with a decayed count, so its presence part
 never decays; here, as the engine issue specifies, the whole penalty decays: one (V,) tensor per slot.)
@@ -226,9 +230,29 @@ def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]
     cdf = w.cumsum(dim=-1)  # (B, K)
     target = uniform(seed, pos) * cdf[:, -1]  # (B,)
     idx = torch.searchsorted(cdf, target[:, None], right=True)  # (B, 1)
-    idx = torch.minimum(idx, n_keep - 1)
+    # never past the last token of positive weight (fp32 rounding of target up to the total;
+    # the weights of tokens a grammar mask forbids are exactly 0)
+    idx = torch.minimum(idx, (w > 0).sum(-1, keepdim=True).clamp(min=1) - 1)
     sampled = si.gather(1, idx).squeeze(1)  # (B,)
     return torch.where(temp > 0, sampled, z.argmax(-1)), overflow
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[rows[j], v] = -inf for every token v whose bit is 0 in bitmask[j] (in place; bit i
+    of int32 word w is token 32w + i, the grammar library's layout). logits (B, V) any float
+    dtype, bitmask (>= R, ceil(V/32)) int32, rows (R,) long, all on one device. No host sync."""
+    R, V = rows.shape[0], logits.shape[1]
+    if R == 0:
+        return
+    bits = _BITS.get(logits.device)
+    if bits is None:  # (32,) int32: 1 << i (bit 31 is the sign bit)
+        bits = _BITS[logits.device] = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32,
+                                                   device=logits.device)  # fmt: skip
+    banned = (bitmask[:R].unsqueeze(-1) & bits).eq(0).view(R, -1)[:, :V]  # (R, V)
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(banned, float("-inf")))
 
 
 def _update_penalty(

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from .plan import (
+    SAMPLED,
     STATE_SLOT,
     STATE_START,
     Admission,
@@ -151,7 +152,7 @@ class Scheduler:
         if (self.continuation and last is not None and self._fast_gen == self._gen and not self._ops
                 and not (self.waiting and len(self.slots) < self.max_batch)):  # fmt: skip
             plan = StepPlan(request_ids=last.request_ids, takes=last.takes, commit=last.commit, bucket=last.bucket,
-                            greedy=last.greedy, cont=True)  # fmt: skip
+                            greedy=last.greedy, cont=True, logprobs=last.logprobs)  # fmt: skip
             self._last = plan
             return plan
         self.materialize()
@@ -195,23 +196,31 @@ class Scheduler:
         self._n_sampling += seq.params.temperature > 0
 
     def _chunk(self, seq: Sequence, allowed: int) -> int:
+        if seq.params.prompt_logprobs is not None:  # each prompt position's logits: one per step
+            return 1
         return max(1, min(len(seq.prompt) - seq.n_fed, self.prefill_chunk, allowed))
 
     @staticmethod
     def _add_row(plan: StepPlan, rows: list[Sequence], seq: Sequence, take: int) -> None:
+        row = len(rows)
         rows.append(seq)
         plan.request_ids.append(seq.request_id)
         plan.takes.append(take)
         plan.positions.append(len(seq.output_ids))
+        commit = True
         if take:
             lo, hi = seq.n_fed, seq.n_fed + take
             if take > 1:
                 plan.prefill.append((seq.slot, seq.prompt[lo : hi - 1]))
             plan.decode_tokens.append(seq.prompt[hi - 1])
-            plan.commit.append(hi == len(seq.prompt) and seq.params.max_tokens > 0)
+            commit = hi == len(seq.prompt) and seq.params.max_tokens > 0
+            if hi < len(seq.prompt) and seq.params.prompt_logprobs is not None:
+                plan.logprobs.append((row, seq.params.prompt_logprobs, seq.prompt[hi]))
         else:
             plan.decode_tokens.append(seq.output_ids[-1])
-            plan.commit.append(True)
+        plan.commit.append(commit)
+        if commit and seq.params.logprobs is not None:
+            plan.logprobs.append((row, seq.params.logprobs, SAMPLED))
 
     def apply(self, plan: StepPlan, tokens: list[int], match_stops: MatchStops | None = None) -> StepOutput:
         """Record the step's sampled ids (row i = slot i), decide stop ids and max_tokens, ask

@@ -47,8 +47,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else frozenset((EOS_TOKEN,))
-        )
+            frozenset() if params.ignore_eos and params.grammar is None else frozenset((EOS_TOKEN,))
+        )  # a grammar allows EOS only where its text may end: there it ends the request
         self.has_stops = has_stop_strings(params)
         """Its end also depends on its text: decided by the output processor's stop check."""
         self.t_submit = time.monotonic()

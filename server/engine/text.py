@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from .plan import Finished
 from .sequence import has_stop_strings
-from .types import ERROR, STOP, Event, SamplingParams
+from .types import ERROR, STOP, Event, SamplingParams, TokenLogprob
 
 
 class TextDecoder(Protocol):
@@ -62,8 +62,35 @@ class StopMatcher:
         return out
 
 
+class LogprobLog:
+    """A request's logprobs (SamplingParams.logprobs / prompt_logprobs): the output processor
+    sets `next` to the value of the token the next event outputs, and appends prompt values."""
+
+    def __init__(self, tokens: bool, prompt: bool):
+        self.tokens: list[TokenLogprob] | None = [] if tokens else None
+        self.prompt: list[TokenLogprob] | None = [] if prompt else None
+        self.next: TokenLogprob | None = None
+        self._prompt_sent = False
+
+    def annotate(self, ev: Event) -> Event:
+        """Attach the logprob of ev's token (and, on the first event, the prompt's)."""
+        if self.tokens is not None:
+            ev.logprobs = []
+            if ev.token_ids and self.next is not None:
+                ev.logprobs.append(self.next)
+                self.tokens.append(self.next)
+            self.next = None
+        if self.prompt is not None and not self._prompt_sent:
+            ev.prompt_logprobs = list(self.prompt)
+            self._prompt_sent = True
+        return ev
+
+
 class Stream:
     """The output side of one request without stop strings."""
+
+    lp: LogprobLog | None = None
+    """Its logprobs, when the request asked for them."""
 
     def __init__(self, request_id: str, handle: Any, decoder: TextDecoder):
         self.request_id = request_id
@@ -140,5 +167,9 @@ class StopStream(Stream):
 
 def open_stream(request_id: str, handle: Any, decoder: TextDecoder, params: SamplingParams) -> Stream:
     if has_stop_strings(params):
-        return StopStream(request_id, handle, decoder, params.stop)
-    return Stream(request_id, handle, decoder)
+        st: Stream = StopStream(request_id, handle, decoder, params.stop)
+    else:
+        st = Stream(request_id, handle, decoder)
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        st.lp = LogprobLog(params.logprobs is not None, params.prompt_logprobs is not None)
+    return st

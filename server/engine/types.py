@@ -17,6 +17,9 @@ ERROR = "error"  # the request failed (the engine survives)
 
 EOS_TOKEN = 0
 
+MAX_LOGPROBS = 20
+"""The most alternatives (top logprobs) a token can report (OpenAI's bound)."""
+
 
 LIMITS: dict[str, tuple[float, float]] = {
     "max_tokens": (0, 1_048_576),
@@ -27,6 +30,8 @@ LIMITS: dict[str, tuple[float, float]] = {
     "repetition_penalty": (-10.0, 10.0),
     "penalty_decay": (0.0, 1.0),
     "seed": (0, 2**63 - 1),
+    "logprobs": (0, MAX_LOGPROBS),
+    "prompt_logprobs": (0, MAX_LOGPROBS),
 }
 """The one set of bounds (inclusive) of the sampling fields, shared by every route family.
 top_k -1 and 0 both mean "no top-k cut" (the SDK sends -1)."""
@@ -39,6 +44,72 @@ MAX_STOP_CHARS = 256
 FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty",
           "repetition_penalty", "penalty_decay", "seed", "stop", "stop_token_ids", "ignore_eos")
 """The names of SamplingParams' fields as requests and stored task parameters spell them."""
+
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf", "structural_tag")
+MAX_GRAMMAR_CHARS = 200_000
+MAX_TRIGGER_CHARS = 64
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the generated text (plain, hashable data; compiled grammars are cached by
+    it, server.engine.grammar). The text the grammar describes is the whole output, or, with a
+    trigger, the output that follows the trigger's first occurrence.
+
+    kind            source
+    json_schema     a JSON schema (JSON text); output: one JSON value valid for it
+    json_object     "" (ignored); output: one JSON object
+    regex           a regular expression the whole output matches
+    lark            a Lark grammar (the library's dialect; rule `start`)
+    ebnf            a GBNF / EBNF grammar (rule `root`)
+    structural_tag  the grammar library's structural-tag JSON (tags with begin / schema / end)
+
+    JSON output is written with the separators ", " and ": " and no other whitespace.
+    """
+
+    kind: str
+    source: str = ""
+    trigger: str = ""
+    """"" = the grammar applies from the first generated token. Otherwise the output is free
+    text until it contains `trigger`; the grammar then applies to the text after it (the trigger
+    is output, not part of the grammar's language). While free, a row pays no mask work except
+    that a token which would complete the trigger AND run past its end is not allowed (so the
+    grammar always starts on a token boundary; single-byte tokens keep every text reachable)."""
+
+    @classmethod
+    def json_schema(cls, schema: str | dict, trigger: str = "") -> GrammarSpec:
+        """A json_schema spec from a schema given as JSON text or as a dict."""
+        import json
+
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema), trigger)
+
+    def check(self) -> None:
+        """Raise ValueError for a spec that cannot be compiled whatever the library says (kind,
+        sizes); the compiler checks the source itself (server.engine.grammar)."""
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"invalid grammar kind {self.kind!r}: one of {', '.join(GRAMMAR_KINDS)}")
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the grammar has more than {MAX_GRAMMAR_CHARS} characters")
+        if not self.source and self.kind != "json_object":
+            raise ValueError(f"a {self.kind} grammar needs a source")
+        if len(self.trigger) > MAX_TRIGGER_CHARS:
+            raise ValueError(f"a grammar trigger has at most {MAX_TRIGGER_CHARS} characters")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability under the model, and the most probable alternatives.
+
+    The distribution is log_softmax of the model's raw logits for that position: before the
+    penalties, the temperature, top-p / top-k and any grammar mask (what the model thinks, as
+    OpenAI reports it). A token a grammar forced can therefore have a low logprob."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, logprob) of the k most probable tokens, most probable first (k = the
+    request's logprobs / prompt_logprobs; ties in id order)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +137,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end the sequence (EOS, id 0, always does unless ignore_eos)."""
     ignore_eos: bool = False
+    """EOS does not end the sequence (a constrained row still ends at EOS: see `grammar`)."""
+    grammar: GrammarSpec | None = None
+    """Constrained decoding: only tokens the grammar allows are sampled; EOS is allowed exactly
+    when the grammar accepts the output so far, and ends the sequence then ("stop"). A grammar
+    that allows no token at all mid-way ends it with "error"."""
+    logprobs: int | None = None
+    """None: off. k in [0, 20]: each generated token's TokenLogprob with k alternatives
+    (Event.logprobs, Result.logprobs)."""
+    prompt_logprobs: int | None = None
+    """None: off. k in [0, 20]: the TokenLogprob of every prompt token after the first, given
+    the tokens before it (Result.prompt_logprobs, and on the first event). Such a prompt is fed
+    one token per step (each position's logits come from the decode), so it prefills slower."""
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], default_max_tokens: int) -> SamplingParams:
@@ -127,6 +210,10 @@ class Event:
     """Tokens generated so far by this sequence (after this event)."""
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.logprobs: one per id of token_ids (else None)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.prompt_logprobs: on the request's first event only."""
 
 
 @dataclass
@@ -146,6 +233,11 @@ class Result:
     state: Any = None
     """Final state (a batch-1 `State` on the CPU) when it was asked for, else None."""
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.logprobs: one per id of token_ids."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.prompt_logprobs: one per prompt token after the first (entry j is the
+    logprob of prompt token j + 1 given tokens 0..j)."""
     pending_tokens: list[int] = field(default_factory=list)
     """Tokens of prompt + token_ids NOT yet fed into `state` (normally the last generated token;
     empty after a stop token or a prefill-only request). To continue exactly as if the sequence

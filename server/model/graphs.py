@@ -17,6 +17,14 @@ the positions advance by one, so a continuation (`step_cont`: the same rows agai
 replay, with no input copies between the previous step's ids and the next launch (the padding
 rows then feed their own last samples instead of token 0: still commit False, still free slots).
 All buckets share one memory pool and are captured largest first.
+
+Steps with host work between the forward and the sampling (grammar masks filled on the host
+while the device runs the forward; logprobs taken from the logits before the masks) replay a
+forward-only graph of the bucket instead (captured on first use) and sample eagerly:
+
+    logits = graphs.forward(n, token_ids, positions, commit)   # or graphs.forward(n): continue
+    ... masks ...; tok = sampler.sample(logits, graphs.positions[:b], graphs.commit[:b])
+    graphs.feed(b, tok)                    # the fused graph's self-feed, eagerly
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ class DecodeGraphs:
         self.commit = torch.zeros(self.max_batch, dtype=torch.bool, device=dev)  # (M,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, tokens)
+        self.fwd_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the decode alone
+        self.fwd_logits: dict[int, torch.Tensor] = {}  # bucket -> its (b, V) logits
         self.mempool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
         self._warm = False
         self._last_bucket = 0  # the bucket of the last replay (what step_cont continues)
@@ -104,6 +114,42 @@ class DecodeGraphs:
             self.positions[:b].add_(1)
         self.graphs[b], self.outputs[b] = g, out
         log.info("captured decode graph for bucket %d in %.2fs", b, time.perf_counter() - t0)
+
+    def _capture_forward(self, b: int) -> None:
+        t0 = time.perf_counter()
+        g = torch.cuda.CUDAGraph()
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.mempool):
+            logits = self.model.decode(self.tokens[:b], self.pool.view(0, b), raw_logits=True)  # (b, V)
+        self.fwd_graphs[b], self.fwd_logits[b] = g, logits
+        log.info("captured forward graph for bucket %d in %.2fs", b, time.perf_counter() - t0)
+
+    def forward(self, n: int, token_ids=None, positions=None, commit=None) -> torch.Tensor:
+        """Decode rows [0, n) without sampling: the (b, V) raw logits of the bucket (a static
+        output). Inputs as step(); None: continue from the previous replay (its self-feed or
+        feed()). The caller samples and then calls feed()."""
+        b = self.bucket(n)
+        if b not in self.fwd_graphs:
+            if not self._warm:
+                raise RuntimeError("DecodeGraphs.capture() must run (at start-up) before forward()")
+            self._capture_forward(b)
+        if token_ids is None:
+            if b != self._last_bucket:
+                raise RuntimeError(f"forward({n}): the last replay was bucket {self._last_bucket}, not {b}")
+        else:
+            self._fill(self.tokens, b, n, token_ids, 0)
+            self._fill(self.positions, b, n, positions, 0)
+            self._fill(self.commit, b, n, commit, True)
+        self.fwd_graphs[b].replay()
+        self._last_bucket = b
+        return self.fwd_logits[b]
+
+    def feed(self, b: int, tokens: torch.Tensor) -> None:
+        """After a forward() replay's sampling: the next replay's inputs (ids clamped to >= 0,
+        positions + 1), as the fused graph feeds itself."""
+        torch.clamp(tokens[:b], min=0, out=self.tokens[:b])
+        self.positions[:b].add_(1)
 
     def step(self, n: int, token_ids, positions=None, commit=None) -> torch.Tensor:
         """Decode rows [0, n): inputs (n,) (device tensors or lists); returns the sampled

@@ -1,0 +1,227 @@
+"""Constrained decoding (server.engine.grammar + the engine) on the tiny random-weight model,
+where only the constraint can make the output valid: JSON schemas, JSON objects, regexes,
+triggers, grammar ends and failures, bad grammars, and that unconstrained rows of the same
+batch are unaffected."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from server.config import Settings
+from server.engine import Engine, SamplingParams
+from server.engine.grammar import GrammarCompiler, TriggerGuard, check_schema, pack_bits
+from server.engine.sampler import apply_token_bitmask
+from server.engine.types import GrammarSpec
+from server.model import load_model
+from server.tokenizer import get_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    e = Engine(load_model("synthetic:tiny"), tok, Settings(max_batch=16, step_token_budget=64, prefill_chunk=16,
+                                                           stats_interval=0.0)).start()  # fmt: skip
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return GrammarCompiler(tok.token_table)
+
+
+# --- compiling ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, words", [
+    (GrammarSpec("yaml", "a: 1"), "invalid grammar kind"),
+    (GrammarSpec("regex", ""), "needs a source"),
+    (GrammarSpec("json_schema", "{not json"), "not JSON"),
+    (GrammarSpec("json_schema", "[1, 2]"), "a schema is a JSON object"),
+    (GrammarSpec("json_schema", '{"type": "strin"}'), "strin"),
+    (GrammarSpec("json_schema", '{"$ref": "#/$defs/missing"}'), "missing"),
+    (GrammarSpec("regex", "[a-"), "Unclosed"),
+    (GrammarSpec("ebnf", "root ::= foo"), "foo"),
+    (GrammarSpec("regex", "a", trigger="x" * 65), "trigger"),
+])  # fmt: skip
+def test_bad_grammars_raise_a_clear_value_error(compiler, spec, words):
+    with pytest.raises(ValueError, match=words) as ei:
+        compiler.compile(spec)
+    assert "/project/cpp" not in str(ei.value) and "Check failed" not in str(ei.value)
+
+
+def test_recursive_schemas_are_refused_others_pass():
+    node = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}}
+    with pytest.raises(ValueError, match="recursive"):
+        check_schema(json.dumps({"$defs": {"node": node}, "$ref": "#/$defs/node"}))
+    with pytest.raises(ValueError, match="recursive"):
+        check_schema(json.dumps({"type": "object", "properties": {"self": {"$ref": "#"}}}))
+    shared = {"$defs": {"pt": {"type": "integer"}},
+              "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}}  # fmt: skip
+    check_schema(json.dumps(shared))  # the same definition twice is not recursion
+
+
+def test_compiled_grammars_are_cached_by_spec_and_bounded(tok):
+    comp = GrammarCompiler(tok.token_table, cache_size=2)
+    a = comp.compile(GrammarSpec("regex", "[0-9]+"))
+    assert comp.compile(GrammarSpec("regex", "[0-9]+")) is a
+    comp.compile(GrammarSpec("regex", "x"))
+    comp.compile(GrammarSpec("regex", "y"))
+    assert comp.compile(GrammarSpec("regex", "[0-9]+")) is not a  # evicted (LRU of 2)
+
+
+def test_submit_refuses_a_bad_grammar_and_changes_nothing(engine):
+    before = engine.stats()
+    with pytest.raises(ValueError, match="recursive"):
+        engine.submit("x", SamplingParams(grammar=GrammarSpec("json_schema", '{"properties": {"a": {"$ref": "#"}}}')))
+    assert engine.stats().waiting == before.waiting and engine.stats().running == before.running
+
+
+# --- the mask pieces ---------------------------------------------------------------------------
+def test_apply_token_bitmask_matches_a_dense_reference():
+    g = torch.Generator().manual_seed(0)
+    V, B = 100, 5
+    logits = torch.randn(B, V, generator=g)
+    allowed = torch.rand(3, V, generator=g) < 0.3
+    bitmask = torch.stack([pack_bits(a) for a in allowed])  # (3, 4)
+    rows = torch.tensor([4, 0, 2])
+    out = logits.clone()
+    apply_token_bitmask(out, bitmask, rows)
+    ref = logits.clone()
+    for j, r in enumerate(rows.tolist()):
+        ref[r][~allowed[j]] = float("-inf")
+    assert torch.equal(out, ref)
+    assert torch.equal(out[[1, 3]], logits[[1, 3]])  # rows not listed are untouched
+
+
+def test_trigger_guard_forbids_exactly_the_tokens_that_run_past_the_trigger():
+    table = [b"", b"a", b"<", b"c", b">", b"<c", b"<c>", b"c>x", b">x", b"x<c>", b"b"]
+    g = TriggerGuard(b"<c>", table)
+    assert g._forbid.get(0) is None  # "x<c>" ends with the trigger: allowed
+    assert g._forbid.get(1) == [7]  # "<" matched: "c>x" would complete it and go on
+    assert g._forbid.get(2) == [8]  # "<c" matched: ">x"
+    assert g.step(0, b"a") == (0, None)
+    assert g.step(0, b"<") == (1, None)
+    assert g.step(1, b"c") == (2, None)
+    assert g.step(2, b">") == (0, b"")  # completed on the token's end
+    assert g.step(0, b"x<c>") == (0, b"")
+    assert g.step(1, b"<") == (1, None)  # "<<": the last "<" may still start it
+    assert g.step(2, b">x") == (0, b"x")  # (a forbidden token: its tail goes to the grammar)
+    row = g.mask_row(2)
+    allowed = [(int(row[t >> 5]) >> (t & 31)) & 1 for t in range(len(table))]
+    assert [t for t, a in enumerate(allowed) if not a] == [8]
+    assert g.mask_row(0) is None  # nothing forbidden: no mask at all
+
+
+# --- the engine --------------------------------------------------------------------------------
+def test_fifty_schema_constrained_generations_all_validate(engine):
+    spec = GrammarSpec.json_schema(SCHEMA)
+    handles = [engine.submit("Profile:", SamplingParams(max_tokens=200, temperature=1.0, seed=s, grammar=spec))
+               for s in range(50)]  # fmt: skip
+    results = [h.result(300) for h in handles]
+    texts = set()
+    for r in results:
+        assert r.finish_reason == "stop", (r.finish_reason, r.error, r.text)
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        texts.add(r.text)
+    assert len(texts) > 10  # different seeds, different documents: the model samples, the mask only prunes
+
+
+def test_json_object_output_always_parses(engine):
+    handles = [engine.submit("Data:", SamplingParams(max_tokens=300, seed=s, grammar=GrammarSpec("json_object")))
+               for s in range(12)]  # fmt: skip
+    for h in handles:
+        r = h.result(300)
+        assert r.finish_reason == "stop", (r.finish_reason, r.error, r.text)
+        assert isinstance(json.loads(r.text), dict)
+
+
+def test_eos_is_allowed_exactly_where_the_grammar_may_end(engine):
+    spec = GrammarSpec("regex", "(ab){1,3}")
+    texts = {engine.submit("x", SamplingParams(max_tokens=50, seed=s, grammar=spec)).result(60).text for s in range(16)}
+    assert texts <= {"ab", "abab", "ababab"} and texts
+    r = engine.submit("x", SamplingParams(max_tokens=50, seed=1, ignore_eos=True, grammar=GrammarSpec("regex", "ab")))
+    res = r.result(60)
+    assert (res.text, res.finish_reason, res.pending_tokens) == ("ab", "stop", [])  # EOS ends it, not fed
+
+
+def test_max_tokens_cuts_a_constrained_output(engine):
+    r = engine.submit("x", SamplingParams(max_tokens=3, seed=0, grammar=GrammarSpec.json_schema(SCHEMA))).result(60)
+    assert r.finish_reason == "length" and len(r.token_ids) == 3 and r.text.startswith("{")
+
+
+def test_a_constrained_row_leaves_the_unconstrained_rows_of_its_batch_unchanged(engine):
+    free = [SamplingParams(max_tokens=24, seed=100 + i) for i in range(5)]
+    alone = [h.result(120) for h in [engine.submit("Once upon a time", p) for p in free]]
+    spec = GrammarSpec.json_schema(SCHEMA)
+    mixed = [engine.submit("Once upon a time", p) for p in free[:2]]
+    mixed.append(engine.submit("Profile:", SamplingParams(max_tokens=200, seed=7, grammar=spec)))
+    mixed += [engine.submit("Once upon a time", p) for p in free[2:]]
+    res = [h.result(120) for h in mixed]
+    constrained = res.pop(2)
+    jsonschema.validate(json.loads(constrained.text), SCHEMA)
+    assert [r.token_ids for r in res] == [r.token_ids for r in alone]
+
+
+def test_a_trigger_lets_free_text_run_until_it_appears(engine, tok):
+    """Trigger "e": free text (no token with an "e" before its last byte) until a token ends
+    with "e"; then three digits and EOS."""
+    spec = GrammarSpec("regex", "[0-9]{3}", trigger="e")
+    fired = 0
+    for s in range(12):
+        r = engine.submit("List:", SamplingParams(max_tokens=60, seed=s, top_p=1.0, grammar=spec)).result(120)
+        head, sep, tail = r.text.partition("e")
+        if r.finish_reason == "stop":
+            fired += 1
+            assert sep and len(tail) == 3 and tail.isdigit(), r.text
+        else:
+            assert r.finish_reason == "length" and not sep, r.text  # never fired: free text only
+        for t in r.token_ids:  # the trigger always ends a token
+            b = tok.token_bytes(t)
+            assert b"e" not in b[:-1], (b, r.text)
+    assert fired >= 1
+
+
+def test_a_grammar_that_allows_no_token_ends_its_row_with_an_error(engine):
+    class NoToken:  # the library's batch fill, allowing nothing
+        def batch_fill_next_token_bitmask(self, matchers, bitmask, indices):
+            bitmask[: len(matchers)] = 0
+
+    spec = GrammarSpec("regex", "[a-z]+")
+    engine.compile_grammar(spec)
+    cons = engine.constraints
+    saved, cons._batch = cons._batch, NoToken()
+    try:
+        bad = engine.submit("x", SamplingParams(max_tokens=20, seed=1, grammar=spec))
+        ok = engine.submit("x", SamplingParams(max_tokens=20, seed=1))
+        r = bad.result(60)
+        assert r.finish_reason == "error" and "allows no token" in r.error
+        assert ok.result(60).finish_reason == "length"  # the batch went on
+    finally:
+        cons._batch = saved
+    assert engine.submit("x", SamplingParams(max_tokens=20, seed=1, grammar=spec)).result(60).finish_reason in ("stop", "length")
