@@ -142,11 +142,11 @@ class TaskManager:
                 self.runs.abort(t)
 
     def _state_evicted(self, key: str) -> None:
-        """A cache LRU dropped `key`: a task whose newest state it was (not stored) now says
-        its next run rebuilds from its last stored state."""
-        for t in self.table.held():
-            if t.state_id == key and key != t.stored_id and not t.running:
-                t.state_id, t.state_pos = t.stored_id, t.stored_pos
+        """A cache LRU dropped `key` (`<task id>:<hex>`): if it was its task's newest state and
+        not stored, the task now says its next run rebuilds from its last stored state."""
+        t = self.table.find(key.rsplit(":", 1)[0])
+        if t is not None and t.state_id == key and key != t.stored_id and not t.running:
+            t.state_id, t.state_pos = t.stored_id, t.stored_pos
 
     # --- lookup and access -----------------------------------------------------------------------
     @staticmethod

@@ -218,9 +218,12 @@ class Task:
 
     @property
     def state(self) -> str:
-        """STORED, CACHED or REBUILD (docs/task-api.md). A finished task whose state has not
-        consumed its history up to the pending token is REBUILD (in part: e.g. interrupted)."""
-        if self.state_id is None or (not self.running and self.state_pos < len(self.tokens) - 1):
+        """STORED, CACHED or REBUILD (docs/task-api.md). A running task's state is in the
+        engine (CACHED); a finished task whose state has not consumed its history up to the
+        pending token is REBUILD (in part: e.g. interrupted)."""
+        if self.running:
+            return CACHED
+        if self.state_id is None or self.state_pos < len(self.tokens) - 1:
             return REBUILD
         return STORED if self.state_id == self.stored_id else CACHED
 
