@@ -8,10 +8,13 @@ from server.tasks.codec import StateCodecError, decode_state, encode_state
 from server.tasks.config import TaskConfig
 from server.tasks.errors import (
     TaskConflict,
+    TaskElsewhere,
     TaskError,
     TaskForbidden,
     TaskInvalid,
     TaskNotFound,
+    TaskStale,
+    TaskUnavailable,
 )
 from server.tasks.manager import TaskManager
 from server.tasks.migrate import SchemaTooNewError
@@ -33,13 +36,13 @@ __all__ = [
     "PREFILL",
     "READY",
     "RUNNING",
-    "TASK",
-    "TEMPLATE",
-    "TMP",
     "SchemaTooNewError",
     "StateCache",
     "StateCodecError",
     "Store",
+    "TASK",
+    "TEMPLATE",
+    "TMP",
     "Task",
     "TaskConfig",
     "TaskConflict",

@@ -94,6 +94,26 @@ def unavailable(exc: BaseException) -> TaskUnavailable | None:
     return None
 
 
+_DAMAGED = ("malformed", "file is not a database", "database corrupt")
+
+
+def damaged(exc: BaseException) -> bool:
+    """A database file that is not a valid database (truncated, overwritten)."""
+    return isinstance(exc, sa.exc.DatabaseError) and any(m in str(exc.orig).lower() for m in _DAMAGED)
+
+
+class DatabaseDamaged(RuntimeError):
+    """The task database file is damaged; the server does not start on it."""
+
+    def __init__(self, url: str, exc: BaseException) -> None:
+        path = url.split(":///", 1)[-1]
+        super().__init__(
+            f"the task database {path} is damaged ({getattr(exc, 'orig', exc)}): nothing was changed. "
+            f"Restore it from a backup, or salvage what is readable with `sqlite3 {path} .recover | "
+            f"sqlite3 recovered.db` and start on recovered.db (tasks missing there are lost; states "
+            f"missing there are rebuilt from their tasks' tokens)")
+
+
 class Database:
     """An async SQLAlchemy engine on the task database, migrated to the head schema at open."""
 
@@ -127,9 +147,11 @@ class Database:
                 conn = await conn.execution_options(sqlite_immediate=True)
                 async with conn.begin():
                     self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
-        except BaseException:
+        except BaseException as exc:
             await self.engine.dispose()
             self.engine = None
+            if damaged(exc):
+                raise DatabaseDamaged(self.url, exc) from exc
             raise
         if self.revision_before != self.revision:
             log.info("task database %s: schema %s -> %s", self.url, self.revision_before or "empty", self.revision)

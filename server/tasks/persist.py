@@ -155,7 +155,14 @@ class Persistence:
         undecodable: it is dropped, and the task rebuilt). Another model's state: 409."""
         if sid.startswith("TMP_"):
             return None  # TMP states are never stored
-        row = await self.store.get_state(sid)
+        try:
+            row = await self.store.get_state(sid)
+        except Exception as exc:
+            if not damaged(exc):
+                raise
+            log.error("stored state %s is on a damaged database page (%s); its task is rebuilt", sid, exc)
+            self.counters["state_corrupt"] += 1
+            return None
         if row is None:
             return None
         try:
