@@ -94,6 +94,40 @@ async def test_a_state_of_another_model_is_still_refused(tmp_path):
     await tm.close()
 
 
+async def test_a_state_on_a_damaged_database_page_is_rebuilt(tmp_path):
+    """The page chain of a large state blob is broken (SQLite: "database disk image is
+    malformed" when it is read): the state is taken as lost and rebuilt; the rest works."""
+    import torch
+
+    from server.model.state import State
+
+    eng = FakeEngine()
+    tm = await manager(eng, tmp_path / "p.db")
+    t = await stored_task(tm)
+    big = State(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.arange(65536.0).view(1, 1, 1, 256, 256))  # 256 KiB
+    enc = encode_state(big, FakeShape().signature())
+    async with tm.store.write() as conn:
+        await conn.execute(sa.text("DELETE FROM states"))
+    await tm.store.save(None, state_row(t.stored_id, t.id, enc, False))
+    await tm.close()
+    with sqlite3.connect(tmp_path / "p.db") as conn:
+        conn.execute("pragma wal_checkpoint(truncate)")
+        page = conn.execute("pragma page_size").fetchone()[0]
+    raw = bytearray((tmp_path / "p.db").read_bytes())
+    at = raw.find(bytes(enc.data[3 * page:3 * page + 64]))  # inside one of the blob's overflow pages
+    assert at > 0
+    start = (at // page) * page
+    raw[start:start + 4] = (2**31 - 5).to_bytes(4, "big")  # the next-page pointer of the chain
+    (tmp_path / "p.db").write_bytes(bytes(raw))
+    tm = await manager(eng, tmp_path / "p.db")
+    try:
+        c = await tm.wait((await tm.continue_(t.id, {"max_tokens": 1})).id, timeout=10)
+        assert eng.submissions[-1].init_state is None and tm.counters["state_corrupt"] == 1
+        assert c.out.text == t.out.text + "<100>" and tm.counters["rebuilds"] == 1
+    finally:
+        await tm.close()
+
+
 # --- a truncated database file ---------------------------------------------------------------------
 async def test_a_truncated_database_file_is_refused_with_a_clear_error(tmp_path):
     eng = FakeEngine()

@@ -6,7 +6,8 @@ the pending states' bytes stay under `max_bytes`; beyond, the oldest task states
 from the lane (templates never): each stays in the state cache while the cache keeps it, and
 once gone its task is rebuilt from its tokens (from its last stored state, or from zero).
 Templates go first. The lane hands the writer one state at a time, so a row queued meanwhile
-(a task that just finished, a new task) waits behind at most one state write.
+(a task that just finished, a new task) waits behind at most one state write; the next state is
+encoded while the current one is committed (two encoded states in memory at most).
 
 A transient failure (TaskUnavailable: a locked or full database) keeps the state pending and
 retries after a back-off; any other failure drops it (logged): a state is a cache of its task's
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from server.tasks.errors import TaskUnavailable
@@ -43,14 +44,17 @@ class Pending:
     template: bool
     nbytes: int
     attempts: int = 0
+    prepared: asyncio.Future[Any] | None = field(default=None, repr=False)
+    """Its encoding (prepare's result), started before its turn to be written."""
 
 
 class StateLane:
-    def __init__(self, write: Callable[[Pending], Awaitable[None]], drop: Callable[[Pending, str], None],
-                 *, max_bytes: int) -> None:
-        """`write(p)`: store p (encode, commit, point the row at it); `drop(p, why)`: p will not
-        be written (release what holds it in memory)."""
-        self._write, self._drop = write, drop
+    def __init__(self, prepare: Callable[[Pending], Awaitable[Any]], write: Callable[[Pending, Any], Awaitable[None]],
+                 drop: Callable[[Pending, str], None], *, max_bytes: int) -> None:
+        """`prepare(p)`: encode p (run ahead of its turn); `write(p, prepared)`: commit it,
+        point the row at it and release p; `drop(p, why)`: p will not be written (release what
+        holds it in memory)."""
+        self._prepare, self._write, self._drop = prepare, write, drop
         self.max_bytes = max(0, int(max_bytes))
         self._items: dict[str, Pending] = {}  # task id -> its pending state, oldest first
         self._current: Pending | None = None  # being written
@@ -128,6 +132,10 @@ class StateLane:
 
     # --- internals -----------------------------------------------------------------------------
     def _remove(self, p: Pending, why: str) -> None:
+        fut, p.prepared = p.prepared, None
+        if fut is not None:
+            fut.cancel()
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.bytes -= p.nbytes
         self.dropped += why != "superseded"
         try:
@@ -135,10 +143,30 @@ class StateLane:
         except Exception:
             log.exception("dropping the pending state of %s failed", p.task.id)
 
+    def _peek(self) -> Pending | None:
+        if not self._items:
+            return None
+        return next((x for x in self._items.values() if x.template), None) or next(iter(self._items.values()))
+
     def _next(self) -> Pending:
-        p = next((x for x in self._items.values() if x.template), None) or next(iter(self._items.values()))
+        p = self._peek()
+        assert p is not None
         del self._items[p.task.id]
         return p
+
+    async def _write_one(self, p: Pending) -> None:
+        """Encode p (unless done ahead), start encoding the next one, commit p."""
+        if p.prepared is None:
+            p.prepared = asyncio.ensure_future(self._prepare(p))
+        nxt = self._peek()
+        if nxt is not None and nxt.prepared is None:
+            nxt.prepared = asyncio.ensure_future(self._prepare(nxt))
+        try:
+            prepared = await p.prepared
+        except BaseException:
+            p.prepared = None
+            raise
+        await self._write(p, prepared)
 
     def _settle_idle(self) -> None:
         if not self._items and self._current is None:
@@ -154,7 +182,7 @@ class StateLane:
             p = self._current = self._next()
             outcome = "written"
             try:
-                await self._write(p)
+                await self._write_one(p)
             except asyncio.CancelledError:
                 self._current = None
                 self._remove(p, "shutdown")
@@ -178,4 +206,5 @@ class StateLane:
                 self._remove(p, "write failed")
             else:  # written: write() released it
                 self._current = None
+                p.prepared = None
                 self.bytes -= p.nbytes
