@@ -14,7 +14,7 @@ another instance can be read (its last committed progress) but not streamed or c
 
 from __future__ import annotations
 
-from server.tasks.errors import TaskElsewhere, TaskForbidden, TaskNotFound
+from server.tasks.errors import TaskConflict, TaskElsewhere, TaskForbidden, TaskNotFound
 from server.tasks.lease import Lease
 from server.tasks.persist import Persistence
 from server.tasks.records import TEMPLATE, TMP, Task, kind_of, qualified
@@ -71,6 +71,15 @@ class Access:
         if kind_of(task_id) == TMP:
             return None
         return await self.persistence.load_task(task_id)
+
+    def finished(self, src: Task, what: str) -> None:
+        """TaskConflict (TaskElsewhere when it runs on another instance) unless `src` has
+        finished; `what`: the operation, for the message."""
+        if not src.running:
+            return
+        if self.elsewhere(src):
+            raise TaskElsewhere(src.display_id, src.instance, self.lease.url_of(src.instance), what)
+        raise TaskConflict(f"task {src.display_id} is running; {what} it once it has finished")
 
     def elsewhere(self, t: Task) -> bool:
         """t runs, but not here (another instance, or one that died and is not reaped yet)."""

@@ -13,6 +13,7 @@ A facade composed of collaborators, each given what it needs at construction:
     Lease        this server's instance row and heartbeat among replicas  (store)
     Access       which tasks a caller may see, and under which id  (below)
 
+A little over 300 lines: one short method per operation of the API, kept in one facade.
 Everything runs on the event loop (no locks needed); database work is async (aiosqlite threads)
 and state (de)serialization runs in worker threads. Stream events: streaming.py.
 """
@@ -41,7 +42,7 @@ from server.tasks.config import (
     TokenizerLike,
     server_name,
 )
-from server.tasks.errors import TaskConflict, TaskElsewhere, TaskInvalid, TaskStale
+from server.tasks.errors import TaskConflict, TaskInvalid, TaskStale
 from server.tasks.inventory import Inventory
 from server.tasks.lease import Lease
 from server.tasks.params import clean_params, fim_prompt
@@ -50,7 +51,7 @@ from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, new_id
 from server.tasks.runs import Runs
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
-from server.tasks.templates import fill_template
+from server.tasks.templates import fill_template, template_of
 from server.tasks.writer import Writer
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ class TaskManager:
         ids = await self._encode(prompt) if prompt else None
         over = self._params(params)
         src = await self.get(task_id, owner)
-        self._finished(src, "fork")
+        self.access.finished(src, "fork")
         merged = {**src.params, **over}
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
             merged.pop("max_tokens")  # a prefill-only source forks into generating tasks
@@ -254,7 +255,7 @@ class TaskManager:
         may read and fork it); a template made without keys (owner None) is public. Names are
         per key: the private `_<name>` of two keys are two templates."""
         src = await self.get(task_id, owner)
-        self._finished(src, "make a template of")
+        self.access.finished(src, "make a template of")
         if name is not None and not _NAME.match(name):
             raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
         oid = self.owner_id(owner)
@@ -262,14 +263,7 @@ class TaskManager:
         tid = new_id(TEMPLATE, name, None if public else oid)
         if tid in self.live or await self.access.find(tid) is not None or tid in self.live:
             raise TaskConflict(f"template {tid.split('@')[0]!r} already exists", param="name")
-        params = {k: v for k, v in src.params.items() if not (k == "max_tokens" and v == 0)}
-        tpl = Task(id=tid, kind=TEMPLATE, owner=oid, parent_id=src.id, public=public,
-                   params=params, prompt=src.prompt, prompt_len=src.prompt_len,
-                   tokens=array("i", src.tokens), out_start=src.out_start,
-                   out=Output(src.out.text, src.out.offsets), finish_reason=src.finish_reason,
-                   prompt_tokens=src.prompt_tokens, completion_tokens=src.completion_tokens,
-                   prefill_time=src.prefill_time, gen_time=src.gen_time)
-        tpl.out.finish_reason = src.finish_reason
+        tpl = template_of(src, tid, oid, public)
         self.live[tid] = tpl  # reserves the id (no await since the check above)
         try:
             await fill_template(tpl, src, self.persistence, self.runs, self.signature)
@@ -280,14 +274,6 @@ class TaskManager:
                 self.cache.discard(tpl.state_id)
             raise
         return tpl
-
-    def _finished(self, src: Task, what: str) -> None:
-        """TaskConflict (TaskElsewhere) unless `src` has finished."""
-        if not src.running:
-            return
-        if self.access.elsewhere(src):
-            raise TaskElsewhere(src.display_id, src.instance, self.lease.url_of(src.instance), what)
-        raise TaskConflict(f"task {src.display_id} is running; {what} it once it has finished")
 
     async def wait(self, task_id: str, owner: str | None = None, timeout: float | None = None) -> Task:
         t = await self.get(task_id, owner)

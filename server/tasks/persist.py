@@ -1,11 +1,11 @@
 """Persistence of tasks and states: state loading (and the rebuild of a missing state), the
-writer's jobs (started rows, progress rows, settle rows, deletes), states written behind, and
-the database byte budget.
+writer's jobs (started rows, claims, progress rows, settle rows, deletes); states written behind
+and the database byte budget: server.tasks.statewrites.
 
 A task's token history is its truth, its state a cache of it. A finished task is shown finished
 once its row (text, tokens, status; its state pointer still naming the last STORED state) is
-committed; its new state then goes to the write-behind lane (server.tasks.behind), which
-stores it and points the row at it. A state that is missing when a run starts (not written yet
+committed; its new state then goes to the write-behind lane, which stores it and points the
+row at it. A state that is missing when a run starts (not written yet
 at a crash, dropped by a budget, failing its checksum, undecodable) is rebuilt: the run feeds
 the history from the last stored state, or from zero. Only a state of another model shape is
 refused (the task was made with another model).
@@ -18,24 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
-from server.tasks.behind import Pending, StateLane
+from server.tasks.behind import Pending
 from server.tasks.cache import StateCache
 from server.tasks.codec import (
     StateCodecError,
     StateShapeError,
     decode_state,
-    encode_state,
 )
 from server.tasks.database import damaged
 from server.tasks.errors import (
@@ -46,7 +42,8 @@ from server.tasks.errors import (
     TaskUnavailable,
 )
 from server.tasks.records import TEMPLATE, TMP, Task, from_row, to_row, update_row
-from server.tasks.store import Store, state_row
+from server.tasks.statewrites import StateWrites
+from server.tasks.store import Store
 from server.tasks.table import TaskTable
 from server.tasks.writer import Writer
 
@@ -91,25 +88,19 @@ class Persistence:
         self.store, self.writer, self.cache, self.table = store, writer, cache, table
         self.counters = counters
         self.signature = signature
-        self.db_budget_bytes = db_budget_bytes
         self.instance = instance
         self.store_dtype = store_dtype
         self.url_of = url_of
-        self.lane = StateLane(self._encode_state, self._write_state, self._drop_pending,
-                              max_bytes=write_behind_bytes)
-        self.db_state_bytes = 0
-        """Stored non-template state bytes, kept exact by this server's writes and deletes
-        (another replica's are seen at each budget check)."""
+        self.states = StateWrites(store, writer, cache, table, counters, signature=signature,
+                                  db_budget_bytes=db_budget_bytes, write_behind_bytes=write_behind_bytes,
+                                  store_dtype=store_dtype)
+        self.lane = self.states.lane
         self._progress_queued = False  # a progress job is in the writer queue
         self._retries: dict[int, asyncio.TimerHandle] = {}  # id(job) -> its retry timer
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="task-state-encode", initializer=_background)
-        """Encodes the states written behind (a copy and a SHA-256 of 21 MB at 2.9B) in one
-        thread of lowered CPU priority: on a busy host the engine and the event loop go first."""
 
     async def start(self) -> None:
         """After the store is open: the budget's starting point; the state lane."""
-        self.db_state_bytes = await self.store.states_bytes(templates=False)
-        self.lane.start()
+        await self.states.start()
 
     async def flush(self) -> None:
         """Until the writer's queue and the pending states are written (or dropped)."""
@@ -122,8 +113,12 @@ class Persistence:
         for h in self._retries.values():
             h.cancel()
         self._retries.clear()
-        await self.lane.drain(timeout)
-        self._encoder.shutdown(wait=False)
+        await self.states.close(timeout)
+
+    @property
+    def db_state_bytes(self) -> int:
+        """Stored non-template state bytes, exact for this server's own writes and deletes."""
+        return self.states.db_state_bytes
 
     # --- reads ---------------------------------------------------------------------------------
     async def load_task(self, task_id: str) -> Task | None:
@@ -190,7 +185,7 @@ class Persistence:
         return st
 
     async def _drop_corrupt(self, sid: str) -> None:
-        self.db_state_bytes -= await self.store.drop_state(sid)
+        self.states.db_state_bytes -= await self.store.drop_state(sid)
         for x in self.table.held():
             if x.stored_id == sid:
                 x.stored_id, x.stored_pos = None, 0
@@ -306,7 +301,7 @@ class Persistence:
         elif job.outcome is not None:
             t.finish(*job.outcome)
         if key is not None and job.state is not None:
-            self.lane.add(Pending(t, key, job.state, job.pos, t.kind == TEMPLATE, job.state.nbytes()))
+            self.states.add(Pending(t, key, job.state, job.pos, t.kind == TEMPLATE, job.state.nbytes()))
         if stored:
             self.table.retire(t)
         if not job.done.done():
@@ -319,89 +314,7 @@ class Persistence:
 
     async def _delete_job(self, t: Task) -> None:
         _, dropped = await self.store.delete_task(t.id)
-        self.db_state_bytes -= dropped
-
-    # --- states written behind -----------------------------------------------------------------
-    async def _encode_state(self, p: Pending) -> dict[str, Any] | None:
-        """The lane's prepare: p's states row, encoded in the encoder thread (None: deleted)."""
-        if p.task.deleted:
-            return None
-        enc = await asyncio.get_running_loop().run_in_executor(
-            self._encoder, partial(encode_state, p.state, self.signature, wkv_dtype=self.store_dtype))
-        return state_row(p.key, p.task.id, enc, p.template)
-
-    async def _write_state(self, p: Pending, srow: dict[str, Any] | None) -> None:
-        """The lane's write: one transaction through the writer."""
-        if srow is None or p.task.deleted:
-            self._release(p)
-            return
-        await self.writer.call(self._store_state, p, srow)
-
-    async def _store_state(self, p: Pending, srow: dict[str, Any]) -> None:
-        t = p.task
-        try:
-            if t.deleted:
-                return
-            stored, dropped = await self.store.store_state(t.id, srow, p.pos)
-            self.db_state_bytes -= dropped
-            if not stored:
-                return
-            if p.pos >= t.stored_pos or t.stored_id is None:
-                t.stored_id, t.stored_pos = p.key, p.pos
-            self.counters["state_writes"] += 1
-            self.counters["state_write_bytes"] += srow["nbytes"]
-            try:  # committed: a failing budget check must not count as a failed write
-                await self._account_state(srow["nbytes"], p.template)
-            except Exception:
-                log.exception("database budget check failed")
-        finally:
-            self._release(p)
-
-    def _drop_pending(self, p: Pending, why: str) -> None:
-        """A pending state that will not be written: it stays in the cache while the cache
-        keeps it (then its task is rebuilt from its tokens)."""
-        if why != "superseded":
-            self.counters["state_writes_dropped"] += 1
-        self._release(p)
-
-    def _release(self, p: Pending) -> None:
-        if not p.template:
-            self.cache.unpin(p.key)
-        if p.task.deleted:
-            self.cache.discard(p.key)
-
-    # --- the database budget -------------------------------------------------------------------
-    async def _account_state(self, nbytes: int, is_template: bool) -> None:
-        """After a state was stored: the database budget is checked (a query over all states)
-        only when it may be exceeded (another replica's states are seen then)."""
-        grown = 0 if is_template else int(nbytes)
-        if self.db_state_bytes + grown <= self.db_budget_bytes:
-            self.db_state_bytes += grown
-            return
-        await self._enforce_db_budget()
-
-    async def _enforce_db_budget(self) -> None:
-        """Drop the least recently used stored states beyond the budget, those held only by the
-        LRU cache last (cache hits do not touch the database's last_used). A state in use (a
-        running task's, pinned) is kept. A dropped state leaves memory too, and the tasks that
-        named it say so, as the database now does: no task keeps an id that is gone."""
-        keep = self.cache.pinned_keys() | {x.state_id for x in self.table.running() if x.state_id}
-        victims, total = await self.store.enforce_budget(self.db_budget_bytes, keep,
-                                                         prefer=self.cache.keys())
-        self.db_state_bytes = total
-        if victims:
-            gone = set(victims)
-            for sid in gone:
-                self.cache.discard(sid)
-            for x in self.table.held():
-                if x.stored_id in gone:
-                    x.stored_id, x.stored_pos = None, 0
-                if x.state_id in gone and not x.running:  # a running one settles a new state
-                    x.state_id, x.state_pos = x.stored_id, x.stored_pos
-            self.counters["db_evictions"] += len(victims)
-            log.info("database budget: dropped %d states (%.1f MiB of states left)",
-                     len(victims), total / 2**20)
-
+        self.states.db_state_bytes -= dropped
 
 def _decode(meta: str, data: bytes, signature: str, checksum: str) -> State:
     try:
@@ -409,11 +322,3 @@ def _decode(meta: str, data: bytes, signature: str, checksum: str) -> State:
     except orjson.JSONDecodeError as exc:
         raise StateCodecError(f"stored state metadata is not JSON: {exc}") from None
     return decode_state(parsed, data, signature, checksum)
-
-
-def _background() -> None:
-    """Lower the calling thread's CPU priority (Linux: threads have their own nice value)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # not Linux, or not allowed: keep the normal priority
-        pass

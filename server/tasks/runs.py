@@ -47,7 +47,7 @@ from server.tasks.records import (
     Task,
     update_row,
 )
-from server.tasks.table import TaskTable
+from server.tasks.table import Snapshot, TaskTable
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -93,7 +93,7 @@ class Runs:
         """Claim, apply `update` (task fields), submit, (persistent: commit the row), and pump
         events in the background. On failure the task is as it was."""
         t = self.table.claim(t)
-        before = _Before.of(t, update or {})
+        before = Snapshot.of(t, update or {})
         for k, v in (update or {}).items():
             setattr(t, k, v)
         try:
@@ -312,24 +312,3 @@ def _reason(t: Task, res: Result | None, error: str | None) -> str:
     if t.interrupted and reason in ("stopped", "error"):
         reason, t.interrupted = "interrupted", False
     return reason
-
-
-class _Before:
-    """What a start changes on a task, to undo it when the start fails."""
-
-    FIELDS = ("status", "out_start", "prompt_len", "out", "gen_time", "finish_reason", "stop_requested",
-              "interrupted", "run", "prompt_tokens", "completion_tokens", "updated_at", "instance")
-
-    def __init__(self, t: Task, fields: dict[str, Any], out: tuple[bool, str | None, str | None]) -> None:
-        self.n_tokens, self.fields, self.out = len(t.tokens), fields, out
-
-    @classmethod
-    def of(cls, t: Task, update: dict[str, Any]) -> _Before:
-        keys = (*cls.FIELDS, *update)
-        return cls(t, {k: getattr(t, k) for k in keys}, (t.out.finished, t.out.finish_reason, t.out.error))
-
-    def restore(self, t: Task) -> None:
-        del t.tokens[self.n_tokens:]
-        for k, v in self.fields.items():
-            setattr(t, k, v)
-        t.out.finished, t.out.finish_reason, t.out.error = self.out

@@ -9,7 +9,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.tasks.records import Output, Task
+from server.tasks.output import Output
+from server.tasks.records import Task
 
 KEEPALIVE = object()  # yielded after `ping` seconds without news (the route sends `: ping`)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 from cachetools import LRUCache
 
@@ -76,3 +77,24 @@ class TaskTable:
     def held(self) -> list[Task]:
         """Every task in memory (live first)."""
         return list(self.live.values()) + list(self.recent.values())
+
+
+class Snapshot:
+    """What starting a run changes on a task (Runs.start), to undo it when the start fails."""
+
+    FIELDS = ("status", "out_start", "prompt_len", "out", "gen_time", "finish_reason", "stop_requested",
+              "interrupted", "run", "prompt_tokens", "completion_tokens", "updated_at", "instance")
+
+    def __init__(self, t: Task, fields: dict[str, Any], out: tuple[bool, str | None, str | None]) -> None:
+        self.n_tokens, self.fields, self.out = len(t.tokens), fields, out
+
+    @classmethod
+    def of(cls, t: Task, update: dict[str, Any]) -> Snapshot:
+        keys = (*cls.FIELDS, *update)
+        return cls(t, {k: getattr(t, k) for k in keys}, (t.out.finished, t.out.finish_reason, t.out.error))
+
+    def restore(self, t: Task) -> None:
+        del t.tokens[self.n_tokens:]
+        for k, v in self.fields.items():
+            setattr(t, k, v)
+        t.out.finished, t.out.finish_reason, t.out.error = self.out

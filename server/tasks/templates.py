@@ -4,12 +4,28 @@ all but the last token of its history, before the template is answered."""
 from __future__ import annotations
 
 import asyncio
+from array import array
 
 from server.tasks.codec import encode_state
+from server.tasks.output import Output
 from server.tasks.persist import Persistence
-from server.tasks.records import Task, to_row
+from server.tasks.records import TEMPLATE, Task, to_row
 from server.tasks.runs import Runs
 from server.tasks.store import state_row
+
+
+def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
+    """A new template `tid` with the finished task's history, text and parameters (less a
+    `max_tokens` of 0: forks of it generate); its state: fill_template."""
+    params = {k: v for k, v in src.params.items() if not (k == "max_tokens" and v == 0)}
+    tpl = Task(id=tid, kind=TEMPLATE, owner=owner, parent_id=src.id, public=public,
+               params=params, prompt=src.prompt, prompt_len=src.prompt_len,
+               tokens=array("i", src.tokens), out_start=src.out_start,
+               out=Output(src.out.text, src.out.offsets), finish_reason=src.finish_reason,
+               prompt_tokens=src.prompt_tokens, completion_tokens=src.completion_tokens,
+               prefill_time=src.prefill_time, gen_time=src.gen_time)
+    tpl.out.finish_reason = src.finish_reason
+    return tpl
 
 
 async def fill_template(tpl: Task, src: Task, persistence: Persistence, runs: Runs, signature: str) -> None:
