@@ -14,6 +14,7 @@ from task_fakes import FakeEngine, FakeShape, FakeTokenizer
 
 from server.tasks import TaskConfig, TaskElsewhere, TaskManager
 from server.tasks.schema import instances
+from server.tasks.streaming import events
 
 LEASE = 0.6
 
@@ -47,6 +48,8 @@ async def test_streams_and_writes_of_a_task_running_elsewhere_name_its_instance(
             assert e.value.status == 409 and e.value.instance == a.instance
             assert "http://a.internal:8000" in e.value.message
         assert (await a.get(t.id, stream=True)) is t  # its own instance streams it
+        got = [e async for e in events(seen, 0, ping=None)]  # a stream that was not refused ends at once
+        assert got[-1]["error"]["message"].endswith("(http://a.internal:8000); stream it there")
         ea.gate.set()
         await a.wait(t.id, timeout=10)
         await a.flush()

@@ -94,6 +94,18 @@ def unavailable(exc: BaseException) -> TaskUnavailable | None:
     return None
 
 
+@asynccontextmanager
+async def _transient_as_unavailable() -> AsyncIterator[None]:
+    """Re-raise a transient database error of the block as TaskUnavailable (unavailable())."""
+    try:
+        yield
+    except Exception as exc:
+        err = unavailable(exc)
+        if err is None:
+            raise
+        raise err from exc
+
+
 _DAMAGED = ("malformed", "file is not a database", "database corrupt")
 
 
@@ -170,29 +182,16 @@ class Database:
     async def write(self) -> AsyncIterator[AsyncConnection]:
         """`async with store.write() as conn`: the write lock + one committed transaction
         (SQLite: BEGIN IMMEDIATE). A transient database error becomes TaskUnavailable."""
-        async with self._wlock:
-            try:
-                async with self._db().connect() as conn:
-                    conn = await conn.execution_options(sqlite_immediate=True)
-                    async with conn.begin():
-                        yield conn
-            except Exception as exc:
-                err = unavailable(exc)
-                if err is None:
-                    raise
-                raise err from exc
+        async with self._wlock, _transient_as_unavailable(), self._db().connect() as conn:
+            conn = await conn.execution_options(sqlite_immediate=True)
+            async with conn.begin():
+                yield conn
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """`async with store.read() as conn`: a pooled connection for queries."""
-        try:
-            async with self._db().connect() as conn:
-                yield conn
-        except Exception as exc:
-            err = unavailable(exc)
-            if err is None:
-                raise
-            raise err from exc
+        async with _transient_as_unavailable(), self._db().connect() as conn:
+            yield conn
 
     async def db_now(self, conn: AsyncConnection) -> float:
         """The database's clock in epoch seconds (leases compare times of several hosts)."""

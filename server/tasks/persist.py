@@ -123,12 +123,19 @@ class Persistence:
     # --- reads ---------------------------------------------------------------------------------
     async def load_task(self, task_id: str) -> Task | None:
         """The stored task (kept as recently read when finished), or the copy loaded meanwhile.
-        A row still running elsewhere is not kept: its progress changes under it."""
+        A row still running elsewhere is not kept: its progress changes under it; its output is
+        closed here with an error naming the instance, so a stream of it ends at once (its
+        instance streams it)."""
         row = await self.store.get_task(task_id)
         if row is None:
             return self.table.find(task_id)
         t = from_row(row)
-        return t if t.running else self.table.remember(t)
+        if not t.running:
+            return self.table.remember(t)
+        t.out.finished = True
+        where = f"instance {t.instance!r}" + (f" ({self.url_of(t.instance)})" if self.url_of(t.instance) else "")
+        t.out.error = f"task {t.display_id} is running on {where}; stream it there"
+        return t
 
     async def resolve_state(self, t: Task) -> tuple[State | None, int, str | None]:
         """(state, state_pos, pinned key) to start t's next run from: its newest state, else

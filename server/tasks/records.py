@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,11 @@ class Run:
     n_out: int = 0
     saved_out: int = 0
     """n_out in the last progress row written."""
+    started: asyncio.Future[Any] | None = None
+    """A persistent run's start row commit (its settle waits for it)."""
+    undo: Callable[[], None] | None = None
+    """Undoes the start when that commit failed (Runs._discard; runs once)."""
+    discarded: bool = False
 
 
 @dataclass

@@ -9,12 +9,13 @@ last token back for the same reason. Without a usable result state (error) the o
 kept and the next run re-feeds `tokens[state_pos:]`. A run that feeds more of the history than
 the pending token rebuilds a state that is missing (counters `rebuilds`, `rebuild_tokens`).
 
-A persistent run is started only once its row is committed (a new task's row inserted, an
-existing task claimed in the database, server.tasks.persist): if that fails, its engine
-sequence is aborted unread and the task is left exactly as it was. The pump starts after the
-commit (the engine's events wait in the handle meanwhile).
+A persistent run is acknowledged only once its row is committed (a new task's row inserted, an
+existing task claimed in the database, server.tasks.persist); its pump runs meanwhile, and its
+settle waits for that commit. If the commit fails, the sequence is aborted and the task is left
+exactly as it was (the output the pump took meanwhile removed).
 
-The pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task:
+A run's whole life (start, pump, settle, abort) is kept in this one module, a little over 300
+lines. The pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task:
 it appends, counts and wakes the stream readers, nothing more.
 """
 
@@ -27,6 +28,7 @@ import uuid
 from array import array
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from server.engine.protocol import EngineAPI
@@ -102,20 +104,35 @@ class Runs:
             before.restore(t)
             self.table.unclaim(t, new)
             raise
-        if t.kind != TMP:
-            try:
-                await (await self.persistence.save_started(t, new))  # commit before acknowledging
-            except BaseException:
-                if run.handle is not None:
-                    run.handle.abort()  # never pumped: nothing of it reaches the task
-                self.persistence.release(run.key)
-                before.restore(t)
-                self.table.unclaim(t, new)
-                raise
+        run.undo = partial(self._discard, t, run, before, new)
         pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
+        if t.kind != TMP:
+            try:
+                run.started = await self.persistence.save_started(t, new)
+            except BaseException:
+                run.undo()
+                raise
+            try:
+                await asyncio.shield(run.started)  # commit before acknowledging
+            except asyncio.CancelledError:
+                raise  # the caller left; the run goes on (or its pump undoes it if the commit fails)
+            except BaseException:
+                run.undo()
+                raise
         return t
+
+    def _discard(self, t: Task, run: Run, before: Snapshot, new: bool) -> None:
+        """Undo a start whose row could not be committed: abort the sequence, restore the task."""
+        if run.discarded:
+            return
+        run.discarded = True
+        if run.handle is not None:
+            run.handle.abort()
+        self.persistence.release(run.key)
+        before.restore(t)
+        self.table.unclaim(t, new)
 
     async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> Run:
         sp = sampling_params(t.params, self.default_max_tokens)
@@ -187,9 +204,23 @@ class Runs:
             error = f"{type(exc).__name__}: {exc}"
         if run.recorder is not None:
             run.recorder.finish()
-        await self._settle(t, run, res, error)
+        if run.started is not None:  # a persistent run: its start row first
+            try:
+                await asyncio.shield(run.started)
+            except asyncio.CancelledError:
+                if not run.started.cancelled():
+                    raise  # the pump itself was cancelled
+                if run.undo is not None:
+                    run.undo()
+            except Exception:  # noqa: BLE001 - the commit failed: the start is undone
+                if run.undo is not None:
+                    run.undo()
+        if not run.discarded:
+            await self._settle(t, run, res, error)
 
     def _on_batch(self, t: Task, run: Run, batch: list[Event]) -> None:
+        if run.discarded:
+            return
         for ev in batch:
             self._on_event(t, run, ev)
         if run.recorder is not None:

@@ -85,16 +85,20 @@ class Snapshot:
     FIELDS = ("status", "out_start", "prompt_len", "out", "gen_time", "finish_reason", "stop_requested",
               "interrupted", "run", "prompt_tokens", "completion_tokens", "updated_at", "instance")
 
-    def __init__(self, t: Task, fields: dict[str, Any], out: tuple[bool, str | None, str | None]) -> None:
-        self.n_tokens, self.fields, self.out = len(t.tokens), fields, out
+    def __init__(self, t: Task, fields: dict[str, Any]) -> None:
+        self.n_tokens, self.fields = len(t.tokens), fields
+        out = t.out
+        self.out = (out.finished, out.finish_reason, out.error, len(out.text), len(out.offsets))
 
     @classmethod
     def of(cls, t: Task, update: dict[str, Any]) -> Snapshot:
-        keys = (*cls.FIELDS, *update)
-        return cls(t, {k: getattr(t, k) for k in keys}, (t.out.finished, t.out.finish_reason, t.out.error))
+        return cls(t, {k: getattr(t, k) for k in (*cls.FIELDS, *update)})
 
     def restore(self, t: Task) -> None:
         del t.tokens[self.n_tokens:]
         for k, v in self.fields.items():
             setattr(t, k, v)
-        t.out.finished, t.out.finish_reason, t.out.error = self.out
+        out = t.out  # the output as it was: text a run appended to it goes
+        out.finished, out.finish_reason, out.error, n_text, n_tokens = self.out
+        out.text = out.text[:n_text]
+        del out.offsets[n_tokens:]
