@@ -74,6 +74,31 @@ class Settings:
     """Seconds a finished TMP_ task is kept in memory."""
     writer_queue: int = 64
     """Bound of the background state-writer queue (writers wait when it is full)."""
+    tmp_state_bytes: int = 256 * 1024**2
+    """Budget in bytes of the states of finished TMP_ tasks (least recently used dropped first;
+    their text stays for tmp_task_ttl, and a fork or continue re-feeds their tokens)."""
+    write_behind_bytes: int = 8 * 1024**3
+    """Most bytes of finished tasks' states held in memory waiting to be written to the database
+    (a task is shown finished once its row is committed; its state follows). Beyond, the oldest
+    waiting states are not written: their tasks are rebuilt from their tokens when continued."""
+    state_store_dtype: str = "native"
+    """How task states are stored in the database: `native` (their working dtypes; exact) or
+    `fp16` (an fp32 WKV state down-cast: half the bytes, but a continuation from it is not exactly
+    the one the model computed; docs/deployment.md)."""
+    db_busy_timeout: float = 30.0
+    """Seconds a SQLite write waits for another process's lock (a replica on the same file)
+    before the request answers 503 with Retry-After."""
+
+    # --- replicas ----------------------------------------------------------------------------
+    instance_name: str = ""
+    """This server's name among the servers sharing one database; empty: <host>-<pid>. A random
+    suffix makes every start a new instance (docs/deployment.md)."""
+    public_url: str = ""
+    """The URL clients reach this server at (behind a load balancer: its own address); named in
+    the 409 that another replica answers for a task running here."""
+    lease_timeout: float = 30.0
+    """Seconds without a heartbeat after which a server is taken for dead and the tasks it was
+    running are marked interrupted by the others (heartbeats every third of it)."""
 
     # --- states and the conversation cache -----------------------------------------------------
     states: str = ""

@@ -109,6 +109,7 @@ class FakeEngine:
     finish: str = LENGTH  # LENGTH: runs end at max_tokens; STOP: a stop token ends them there
     error: str | None = None  # every run fails with this error
     submissions: list[Submission] = field(default_factory=list)
+    handles: list[FakeHandle] = field(default_factory=list)
 
     @property
     def is_alive(self) -> bool:
@@ -118,7 +119,8 @@ class FakeEngine:
         assert return_state and params is not None
         sub = Submission(list(prompt), params, init_state, request_id or f"r{len(self.submissions)}")
         self.submissions.append(sub)
-        return FakeHandle(self, sub)
+        self.handles.append(FakeHandle(self, sub))
+        return self.handles[-1]
 
     def abort(self, request_id: str) -> bool:
         return False

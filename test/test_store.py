@@ -129,7 +129,7 @@ async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
 
 async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url):
     store = await open_store(db_url)
-    assert store.revision_before is None and store.revision == migrate.head_revision() == "0002"
+    assert store.revision_before is None and store.revision == migrate.head_revision() == "0003"
     await store.close()
     schema = await inspect_schema(db_url)
     assert set(schema) == {t.name for t in metadata.sorted_tables} | {"alembic_version"}
@@ -138,9 +138,9 @@ async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url
         assert cols == {c.name for c in table.columns}, table.name
         assert idx == {i.name for i in table.indexes}, table.name
     store = await open_store(db_url)  # reopening: nothing to migrate
-    assert store.revision_before == store.revision == "0002"
+    assert store.revision_before == store.revision == "0003"
     await store.close()
-    assert await run_sql(db_url, "select version_num from alembic_version") == [("0002",)]
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0003",)]
 
 
 async def _v1_database(db: str) -> None:
@@ -159,11 +159,15 @@ def _v1_rows(conn) -> None:
     conn.execute(sa.text("INSERT INTO states (id, task_id, is_template, signature, meta, nbytes, checksum, "
                          "data, created_at) VALUES (:id, :task_id, :is_template, :signature, :meta, "
                          ":nbytes, :checksum, :data, :created_at)"), {**row, "created_at": 123.0})
-    t = Task(id="TASK_old", kind="task", prompt="hi", state_id="S1", state_pos=1)
+    t = Task(id="TASK_old", kind="task", prompt="hi", stored_id="S1", stored_pos=1)
     t.tokens.extend([1, 2])
     t.out.append("x", 1)
-    conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(to_row(t))}) VALUES "
-                         f"({', '.join(':' + k for k in to_row(t))})"), to_row(t))
+    row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version")}  # v1's columns
+    conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(row)}) VALUES ({', '.join(':' + k for k in row)})"), row)
+    tpl = {**row, "id": "_old_public", "kind": "template", "owner": None}
+    conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(tpl)}) VALUES ({', '.join(':' + k for k in tpl)})"), tpl)
+    own = {**row, "id": "_old_private", "kind": "template", "owner": "k" * 32}
+    conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(own)}) VALUES ({', '.join(':' + k for k in own)})"), own)
 
 
 async def test_migration_from_previous_version_upgrades_in_place(db_url):
@@ -171,9 +175,13 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     assert await run_sql(db_url, "select version_num from alembic_version") == [("0001",)]
     assert "last_used" not in (await inspect_schema(db_url))["states"][0]
     store = await open_store(db_url)
-    assert (store.revision_before, store.revision) == ("0001", "0002")
+    assert (store.revision_before, store.revision) == ("0001", "0003")
     t = from_row(await store.get_task("TASK_old"))
     assert t.prompt == "hi" and list(t.tokens) == [1, 2] and t.out.text == "x"
+    assert (t.stored_id, t.stored_pos, t.version, t.instance, t.public) == ("S1", 1, 0, None, False)
+    # templates made without keys were readable by every key: public; those of a key: private
+    assert from_row(await store.get_task("_old_public")).public
+    assert not from_row(await store.get_task("_old_private")).public
     row = await store.get_state("S1")
     assert decode_state(orjson.loads(row.meta), row.data, SIG, row.checksum).checksum() == rand_state(7).checksum()
     await store.close()
@@ -196,7 +204,7 @@ async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(db_url)
     enc = encode_state(rand_state(), SIG)
     n = enc.nbytes
     for i in range(6):
-        t = Task(id=f"TASK_{i}", kind="task", state_id=f"S{i}", state_pos=3)
+        t = Task(id=f"TASK_{i}", kind="task", stored_id=f"S{i}", stored_pos=3)
         t.out.append(f"text {i}", 1)
         row = state_row(f"S{i}", t.id, enc, is_template=(i == 0))
         row["last_used"] = 1000.0 + i
@@ -206,7 +214,7 @@ async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(db_url)
     for i in range(6):
         t = from_row(await store.get_task(f"TASK_{i}"))
         assert t.out.text == f"text {i}"
-        assert (t.state_id is None) == (f"S{i}" in victims) and (t.state_pos == 0) == (f"S{i}" in victims)
+        assert (t.stored_id is None) == (f"S{i}" in victims) and (t.stored_pos == 0) == (f"S{i}" in victims)
     assert await store.states_bytes(templates=True) == n
     await store.close()
 
@@ -219,7 +227,7 @@ async def test_db_budget_drops_preferred_states_last(db_url):
     for i in range(5):
         row = state_row(f"S{i}", f"TASK_{i}", enc, is_template=False)
         row["last_used"] = 1000.0 + i
-        await store.save(to_row(Task(id=f"TASK_{i}", kind="task", state_id=f"S{i}", state_pos=3)), row)
+        await store.save(to_row(Task(id=f"TASK_{i}", kind="task", stored_id=f"S{i}", stored_pos=3)), row)
     victims, left = await store.enforce_budget(3 * n, keep=set(), prefer={"S0", "S1"})
     assert victims == ["S2", "S3"] and left == 3 * n  # the oldest two are cached: kept
     victims, left = await store.enforce_budget(1 * n, keep={"S4"}, prefer={"S0", "S1"})
@@ -234,7 +242,7 @@ async def test_mark_interrupted_and_delete(db_url):
     assert sorted(await store.mark_interrupted()) == ["TASK_0", "TASK_1", "TASK_2"]
     rows = [from_row(await store.get_task(f"TASK_{i}")) for i in range(4)]
     assert [(r.status, r.finish_reason) for r in rows] == [(3, "interrupted")] * 3 + [(3, None)]
-    assert await store.delete_task("TASK_0") and not await store.delete_task("TASK_0")
+    assert await store.delete_task("TASK_0") == (True, 0) and await store.delete_task("TASK_0") == (False, 0)
     assert await store.get_task("TASK_0") is None
     await store.close()
 

@@ -38,6 +38,10 @@ def big_state(shape: ModelShape, seed: int) -> State:
 
 
 def task(i: int | str, **kw) -> Task:
+    """A task; `state_id`/`state_pos` name a stored state (what its row says)."""
+    if "state_id" in kw:
+        kw.setdefault("stored_id", kw["state_id"])
+        kw.setdefault("stored_pos", kw.get("state_pos", 0))
     return Task(id=kw.pop("id", f"TASK_{i}"), kind=kw.pop("kind", "task"), **kw)
 
 
@@ -69,7 +73,10 @@ async def test_store_is_on_postgresql_with_the_expected_column_types(pg_url):
             "from information_schema.columns where table_schema = 'public'")).all()
     await store.close()
     cols = {(r[0], r[1]): (r[2], r[3], r[4]) for r in rows}
-    assert cols[("tasks", "id")] == ("character varying", 80, "NO")
+    assert cols[("tasks", "id")] == ("character varying", 160, "NO")
+    assert cols[("tasks", "instance")] == ("character varying", 80, "YES")
+    assert cols[("tasks", "public")] == ("boolean", None, "NO")
+    assert cols[("instances", "heartbeat_at")] == ("double precision", None, "NO")
     assert cols[("tasks", "tokens")] == ("bytea", None, "NO")
     assert cols[("tasks", "prompt")] == ("text", None, "NO")
     assert cols[("tasks", "owner")] == ("character varying", 64, "YES")
@@ -165,9 +172,10 @@ async def test_task_rows_create_read_update_list_delete(db_url):
     enc = encode_state(rand_state(5), SIG)
     await store.save(to_row(task("a", state_id="SH", state_pos=2)), state_row("SH", "TASK_a", enc, False))
     await store.save(to_row(task("b", state_id="SH", state_pos=2)))  # a fork sharing the state
-    assert await store.delete_task("TASK_a") and (await store.get_state("SH")) is not None
-    assert await store.delete_task("TASK_b") and (await store.get_state("SH")) is None
-    assert not await store.delete_task("TASK_b")
+    n = enc.nbytes
+    assert await store.delete_task("TASK_a") == (True, 0) and (await store.get_state("SH")) is not None
+    assert await store.delete_task("TASK_b") == (True, n) and (await store.get_state("SH")) is None
+    assert await store.delete_task("TASK_b") == (False, 0)
     assert await store.counts() == {"tasks": 13, "states": 0}
     await store.close()
 
@@ -191,13 +199,13 @@ async def test_text_with_nul_characters_round_trips(db_url):
         assert t.out.text == ("progress\x00" if i == 0 else s + "!") and list(t.out.offsets)[-1] == len(s) + 1
     assert from_row(await store.get_task("TASK_100")).prompt == "\x00 upserted"
     assert await store.get_task("TASK_\x00") is None and not await store.task_exists("TASK_\x00")
-    assert not await store.delete_task("TASK_0\x00") and await store.task_exists("TASK_0")
+    assert not (await store.delete_task("TASK_0\x00"))[0] and await store.task_exists("TASK_0")
     rows, total = await store.list_tasks(None, True, "task\x00", 10, 0)
     assert (rows, total) == ([], 0)
-    long_id = "TASK_" + "x" * 75  # the column's 80 characters: a longer id is another id, not cut
+    long_id = "TASK_" + "x" * 155  # the column's 160 characters: a longer id is another id, not cut
     await store.save(to_row(task("", id=long_id)))
     assert await store.task_exists(long_id) and not await store.task_exists(long_id + "y")
-    assert await store.get_task(long_id + "\x00") is None and not await store.delete_task(long_id + "y" * 100)
+    assert await store.get_task(long_id + "\x00") is None and not (await store.delete_task(long_id + "y" * 100))[0]
     await store.close()
 
 
@@ -243,7 +251,7 @@ async def test_upserts_in_chunks_and_many_evictions(db_url):
     await store.save_rows([to_row(task(i, prompt=f"old {i}")) for i in range(0, n, 2)])
     rows = [to_row(task(i, prompt=f"new {i}", completion_tokens=i)) for i in range(n)]
     rows.append(to_row(task(7, prompt="last write wins")))
-    async with store._write() as conn:
+    async with store.write() as conn:
         await _upsert_rows(conn, rows)
     assert (await store.counts())["tasks"] == n
     got = {r.id: (r.prompt, r.completion_tokens)
@@ -291,7 +299,7 @@ async def test_concurrent_writers_and_readers_on_one_store(db_url):
                 assert (got.prompt, got.out.text) == (f"{w}/{i}", f"text {w}/{i}")
                 await store.list_tasks(None, True, None, 10, 0)
                 if i == 4:
-                    assert await store.delete_task(f"TASK_w{w}_0")
+                    assert (await store.delete_task(f"TASK_w{w}_0"))[0]
         except BaseException as exc:  # noqa: BLE001 - collected, asserted below
             errors.append(exc)
 
@@ -309,7 +317,7 @@ async def test_reopen_keeps_everything(db_url):
     store = await open_store(db_url)
     enc = encode_state(rand_state(4), SIG)
     t = full_task(3)  # FINISHED
-    t.state_id, t.state_pos = "S1", 4
+    t.state_id, t.state_pos = t.stored_id, t.stored_pos = "S1", 4
     await store.save(to_row(t), state_row("S1", t.id, enc, False))
     await store.save(to_row(task(2, status=2)))
     assert await store.mark_interrupted() == ["TASK_2"]
@@ -317,14 +325,14 @@ async def test_reopen_keeps_everything(db_url):
     assert store.engine is None
     again = Store(db_url)
     await again.open()
-    assert (again.revision_before, again.revision) == ("0002", "0002")
+    assert again.revision_before == again.revision == migrate.head_revision()
     assert to_row(from_row(await again.get_task(t.id))) == to_row(t)
     t2 = from_row(await again.get_task("TASK_2"))
     assert (t2.status, t2.finish_reason) == (3, "interrupted")
     assert (await again.get_state("S1")).data == enc.data
     assert await again.counts() == {"tasks": 2, "states": 1} and await again.mark_interrupted() == []
     await again.close()
-    assert set(await inspect_schema(db_url)) == {"tasks", "states", "alembic_version"}
+    assert set(await inspect_schema(db_url)) == {"tasks", "states", "instances", "alembic_version"}
 
 
 async def test_pg_cluster_listens_on_loopback_only(pg_cluster, pg_url):

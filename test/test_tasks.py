@@ -125,26 +125,63 @@ async def test_template_economy_and_fifty_concurrent_forks(tm):
     assert g.generated == 6 and tpl.state_pos == P - 1 and tpl.generated == 0
 
 
-async def test_templates_are_read_only_and_owned(tm):
+async def test_templates_are_read_only_and_private_to_their_key(tm):
     base = await done(tm, await tm.create("template text", {"max_tokens": 0}, persistent=True, owner="k1"))
     tpl = await tm.as_template(base.id, owner="k1")
-    assert tpl.id.startswith("_TMPL_")
+    assert tpl.id.startswith("_TMPL_") and not tpl.public
     with pytest.raises(TaskForbidden):
         await tm.continue_(tpl.id, owner="k1")
     with pytest.raises(TaskForbidden):
         await tm.delete(tpl.id, owner="k1")
     with pytest.raises(TaskNotFound):
         await tm.get(base.id, "k2")  # another key's task: not found
-    f = await done(tm, await tm.fork(tpl.id, {"max_tokens": 2}, owner="k2"))  # templates: readable by all
-    assert (await tm.get(tpl.id, "k2")).id == tpl.id
-    with pytest.raises(TaskForbidden):
-        await tm.delete(tpl.id, owner="k2", force=True)  # but writable only by their owner
+    for call in (lambda: tm.get(tpl.id, "k2"), lambda: tm.fork(tpl.id, {"max_tokens": 2}, owner="k2"),
+                 lambda: tm.fork(tpl.id, tmp=True, owner="k2"), lambda: tm.as_template(tpl.id, "k2"),
+                 lambda: tm.delete(tpl.id, owner="k2", force=True),
+                 lambda: tm.continue_(tpl.id, owner="k2", force=True)):
+        with pytest.raises(TaskNotFound):  # another key's private template: as if it did not exist
+            await call()
+    f = await done(tm, await tm.fork(tpl.id, {"max_tokens": 2}, owner="k1"))
     listing = await tm.list("k2")
-    assert f.id in listing["db_tasks"] and base.id not in listing["db_tasks"] + listing["cpu_tasks"]
+    assert tpl.id not in listing["db_tasks"] and base.id not in listing["db_tasks"] + listing["cpu_tasks"]
+    assert {f.id, tpl.id} <= set((await tm.list("k1"))["db_tasks"])
     assert (await tm.delete(tpl.id, owner="k1", force=True)).id == tpl.id
     with pytest.raises(TaskNotFound):
         await tm.get(tpl.id, "k1")
     assert not await tm.store.task_exists(tpl.id)
+
+
+async def test_template_names_are_per_key_and_published_ones_are_shared(tm):
+    a = await done(tm, await tm.create("key one's prompt", {"max_tokens": 0}, persistent=True, owner="k1"))
+    b = await done(tm, await tm.create("the prompt of key two", {"max_tokens": 0}, persistent=True, owner="k2"))
+    t1 = await tm.as_template(a.id, "k1", name="coder")
+    t2 = await tm.as_template(b.id, "k2", name="coder")  # the same name, another key: no conflict
+    assert t1.display_id == t2.display_id == "_coder" and t1.id != t2.id and "@" in t1.id
+    assert t1.response()["task_id"] == "_coder" and t1.summary()["parent_id"] == a.id
+    with pytest.raises(TaskConflict):
+        await tm.as_template(a.id, "k1", name="coder")  # k1's own name exists
+    assert (await tm.get("_coder", "k1")) is t1 and (await tm.get("_coder", "k2")) is t2
+    f = await done(tm, await tm.fork("_coder", {"max_tokens": 1}, owner="k2"))
+    assert f.parent_id == t2.id and f.summary()["parent_id"] == "_coder"
+    assert list(f.tokens[:len(b.tokens)]) == list(b.tokens)  # k2's template, not k1's
+    events_ids = {e["task_id"] async for e in events(t1, 0)}
+    assert events_ids == {"_coder"}
+    assert (await tm.list("k1"))["db_tasks"].count("_coder") == 1
+    # published: every key reads and forks it; only its owner writes it
+    pub = await tm.as_template(a.id, "k1", name="shared", public=True)
+    assert pub.id == "_shared" and pub.public
+    assert (await tm.get("_shared", "k2")) is pub and "_shared" in (await tm.list("k2"))["db_tasks"]
+    g = await done(tm, await tm.fork("_shared", {"max_tokens": 1}, owner="k2"))
+    with pytest.raises(TaskNotFound):
+        await tm.get(g.id, "k1")  # the fork is k2's own
+    for call in (lambda: tm.delete("_shared", owner="k2", force=True),
+                 lambda: tm.continue_("_shared", owner="k2", force=True)):
+        with pytest.raises(TaskForbidden):
+            await call()
+    # a template made without keys is public too
+    c = await done(tm, await tm.create("no keys", {"max_tokens": 0}, persistent=True))
+    op = await tm.as_template(c.id, name="operator")
+    assert op.public and op.id == "_operator" and (await tm.get("_operator", "k2")) is op
 
 
 async def test_stream_replays_and_attaches_from_any_position(tm):

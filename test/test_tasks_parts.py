@@ -19,7 +19,7 @@ from server.tasks import TaskConfig, TaskConflict, TaskInvalid, TaskManager
 from server.tasks.cache import StateCache
 from server.tasks.params import clean_params
 from server.tasks.persist import Outcome, Persistence, SettleJob
-from server.tasks.records import FINISHED, RUNNING, TASK, TMP, Run, Task, new_id, to_row
+from server.tasks.records import CACHED, FINISHED, RUNNING, STORED, TASK, TMP, Run, Task, new_id, to_row, update_row
 from server.tasks.runs import Runs
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
@@ -111,9 +111,16 @@ class Parts:
 
 
 def running_task(table: TaskTable, n_tokens: int = 5) -> Task:
-    t = Task(id=new_id(TASK), kind=TASK, tokens=array("i", range(1, n_tokens + 1)))
+    t = Task(id=new_id(TASK), kind=TASK, tokens=array("i", range(1, n_tokens + 1)), instance="local")
     t.status = RUNNING
     table.live[t.id] = t
+    return t
+
+
+async def started(parts: Parts, n_tokens: int = 5) -> Task:
+    """A running task whose start row is committed (this instance runs it), as Runs leaves it."""
+    t = running_task(parts.table, n_tokens)
+    await parts.store.save_rows([to_row(t)])
     return t
 
 
@@ -123,33 +130,61 @@ async def settle(parts: Parts, t: Task, n: int) -> asyncio.Future:
     t.state_id, t.state_pos = key, n
     parts.cache.pin(key, st)
     t.pending_writes += 1
-    row = {**to_row(t), "status": FINISHED, "finish_reason": "length"}
-    return await parts.p.queue_settled(SettleJob(t, row, key, st, old, Outcome("length", None)))
+    row = {**update_row(t), "status": FINISHED, "finish_reason": "length", "instance": None}
+    return await parts.p.queue_settled(SettleJob(t, row, key, st, n, old, Outcome("length", None)))
 
 
-async def test_a_settled_task_shows_finished_only_once_committed(tmp_path):
+async def test_a_task_shows_finished_once_its_row_is_committed_and_its_state_follows(tmp_path):
     async with Parts(tmp_path / "p.db") as parts:
-        t = running_task(parts.table)
+        t = await started(parts)
         gate = asyncio.Event()
         await parts.writer.put(gate.wait)  # the writer is busy
         saved = await settle(parts, t, 4)
         await asyncio.sleep(0.02)
-        assert t.running and await parts.store.get_task(t.id) is None
+        assert t.running and (await parts.store.get_task(t.id)).status == RUNNING
+        assert t.state == CACHED and t.response()["state"] == "cached"
         gate.set()
-        await saved
+        await saved  # the row is committed: shown finished, its state not written yet
         assert not t.running and t.finish_reason == "length" and t.out.finished
         row = await parts.store.get_task(t.id)
-        assert row.status == FINISHED and row.state_id == t.state_id
-        assert await parts.store.get_state(t.state_id) is not None
+        assert row.status == FINISHED and row.instance is None and row.state_id is None and row.state_pos == 0
+        assert t.state_id in parts.cache.pinned_keys()  # pinned until written
+        await parts.p.flush()
+        row = await parts.store.get_task(t.id)
+        assert (row.state_id, row.state_pos) == (t.state_id, 4) == (t.stored_id, t.stored_pos)
+        assert t.state == STORED and await parts.store.get_state(t.state_id) is not None
         assert parts.cache.pinned_keys() == set() and t.state_id in parts.cache  # unpinned, still cached
         assert t.id not in parts.table.live and parts.table.recent[t.id] is t  # retired
         assert parts.p.db_state_bytes == counted_state(0).nbytes() and parts.counters["state_writes"] == 1
 
 
+async def test_a_newer_state_supersedes_one_not_yet_written_and_replaces_the_stored_one(tmp_path):
+    async with Parts(tmp_path / "n.db") as parts:
+        t = await started(parts)
+        await (await settle(parts, t, 4))
+        await parts.p.flush()
+        first = t.stored_id
+        t.status, t.instance = RUNNING, "local"  # a continue claims it, as Runs does
+        assert await parts.store.claim(t.id, t.version, update_row(t)) is None
+        gate = asyncio.Event()
+        await parts.writer.put(gate.wait)  # both settle rows commit together, in order
+        five, six = await settle(parts, t, 5), await settle(parts, t, 6)
+        gate.set()
+        await asyncio.gather(five, six)
+        assert parts.p.lane.stats()["entries"] == 1  # coalesced: only the newest waits
+        await parts.p.flush()
+        row = await parts.store.get_task(t.id)
+        assert (row.state_id, row.state_pos) == (f"{t.id}:s6", 6)
+        assert await parts.store.get_state(first) is None  # the old stored state went with it
+        assert parts.counters["state_writes"] == 2 and parts.p.db_state_bytes == counted_state(0).nbytes()
+        assert parts.cache.pinned_keys() == set()
+
+
 async def test_a_restart_loads_the_task_and_its_state_once(tmp_path):
     async with Parts(tmp_path / "r.db") as parts:
-        t = running_task(parts.table)
+        t = await started(parts)
         await (await settle(parts, t, 4))
+        await parts.p.flush()
     async with Parts(tmp_path / "r.db") as parts:  # a new process: nothing in memory
         loaded = await parts.p.load_task(t.id)
         assert loaded is not t and loaded.state_id == t.state_id and list(loaded.tokens) == list(t.tokens)
@@ -165,8 +200,9 @@ async def test_a_restart_loads_the_task_and_its_state_once(tmp_path):
 
 async def test_a_state_of_another_model_shape_is_refused(tmp_path):
     async with Parts(tmp_path / "s.db") as parts:
-        t = running_task(parts.table)
+        t = await started(parts)
         await (await settle(parts, t, 4))
+        await parts.p.flush()
     async with Parts(tmp_path / "s.db") as parts:
         parts.p.signature = "another-shape"
         loaded = await parts.p.load_task(t.id)
@@ -178,20 +214,21 @@ async def test_a_state_of_another_model_shape_is_refused(tmp_path):
 async def test_the_database_budget_drops_the_oldest_states(tmp_path):
     one = counted_state(0).nbytes()
     async with Parts(tmp_path / "b.db", budget=int(2.5 * one)) as parts:
-        tasks = [running_task(parts.table) for _ in range(4)]
+        tasks = [await started(parts) for _ in range(4)]
         for i, t in enumerate(tasks):
             await (await settle(parts, t, i + 1))
+            await parts.p.flush()
             await parts.store.touch_states([t.state_id], when=1000.0 + i)  # a strict age order
         assert await parts.store.states_bytes(templates=False) <= 2.5 * one
         assert parts.counters["db_evictions"] == 2 and parts.p.db_state_bytes == 2 * one
+        assert [t.stored_id is None for t in tasks] == [True, True, False, False]
         assert [t.state_id is None for t in tasks] == [True, True, False, False]
         assert [t.state_pos for t in tasks[:2]] == [0, 0]  # recomputed from zero next time
 
 
 async def test_progress_rows_are_written_for_new_output_only(tmp_path):
     async with Parts(tmp_path / "g.db") as parts:
-        t = running_task(parts.table)
-        await parts.store.save_rows([to_row(t)])
+        t = await started(parts)
         t.run = Run(pos=0, n_input=5, params=SamplingParams(), key=None)
         t.out.append("hello", 1)
         t.run.n_out = 1
@@ -222,7 +259,7 @@ class MemoryPersistence:
         if key is not None:
             self.cache.unpin(key)
 
-    async def save_started(self, t):
+    async def save_started(self, t, new):
         self.started.append(t.id)
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(None)
@@ -310,7 +347,8 @@ async def test_a_persistent_run_commits_its_row_first_and_finishes_through_its_s
     (job, fut), = mem.settles
     assert t.running and not t.out.finished  # not shown finished before the write commits
     assert job.outcome == Outcome("length", None) and job.row["status"] == FINISHED and job.key == t.state_id
-    assert consumed(job.state) == t.state_pos and t.state_id in cache.pinned_keys()  # pinned until written
+    assert consumed(job.state) == t.state_pos == job.pos and t.state_id in cache.pinned_keys()  # until written
+    assert "state_id" not in job.row and job.row["instance"] is None  # the state pointer moves when it is written
     job.task.finish(*job.outcome)  # what Persistence does after the commit
     fut.set_result(None)
     assert (await finished(t)).finish_reason == "length" and t.saved is fut
@@ -346,6 +384,7 @@ async def test_a_continue_after_a_restart_starts_from_the_stored_state(tmp_path)
     tm = manager(eng, tmp_path / "c.db")
     await tm.start()
     t = await tm.wait((await tm.create("hey", {"max_tokens": 2}, persistent=True)).id, timeout=10)
+    await tm.flush()
     assert t.state_pos == 4 and tm.db_state_bytes > 0
     await tm.close()
     tm = manager(eng, tmp_path / "c.db")

@@ -91,7 +91,7 @@ async def test_byte_budgets_hold_under_churn_and_templates_survive(parts, tmp_pa
         batch = [await tm.create(f"churn {round_} {i}", {"max_tokens": 2}, persistent=True) for i in range(10)]
         await asyncio.gather(*[tm.wait(x.id) for x in batch])
         peak = max(peak, tm.cache.stats()["lru_bytes"])
-    await tm.writer.flush()
+    await tm.flush()
     assert peak <= 4 * one and tm.cache.stats()["pinned_count"] == 0
     assert await tm.store.states_bytes(templates=False) <= 6 * one and tm.counters["db_evictions"] >= 50
     size = os.path.getsize(db)
@@ -120,7 +120,7 @@ async def test_no_task_names_a_state_the_database_dropped(parts, tmp_path):
     tm = await manager(parts, tmp_path / "n.db", state_cache_bytes=8 * one, db_budget_bytes=2 * one)
     ids = [(await tm.wait((await tm.create(f"task {i}", {"max_tokens": 2}, persistent=True)).id)).id
            for i in range(6)]
-    await tm.writer.flush()
+    await tm.flush()
     assert await tm.store.states_bytes(templates=False) <= 2 * one and tm.counters["db_evictions"] >= 4
     named = []
     for i in ids:
@@ -142,7 +142,7 @@ async def test_state_of_another_model_shape_is_refused(parts, tmp_path):
     other, _ = parse_spec("synthetic:0.1b")
     tm = await manager(parts, tmp_path / "s.db")
     enc = encode_state(State.zeros(other, 1), other.signature())
-    t = Task(id="TASK_foreign", kind="task", state_id="S_foreign", state_pos=1)
+    t = Task(id="TASK_foreign", kind="task", state_id="S_foreign", state_pos=1, stored_id="S_foreign", stored_pos=1)
     t.tokens.extend([5, 6])
     await tm.store.save(to_row(t), state_row("S_foreign", t.id, enc, False))
     with pytest.raises(TaskConflict, match="rwkv7-L12-C768.*cannot be used with this model"):
@@ -184,103 +184,57 @@ async def test_budget_query_runs_only_when_the_budget_may_be_exceeded(parts, tmp
     monkeypatch.setattr(tm.store, "enforce_budget", counted)
     for i in range(3):  # three states fit: no query
         await tm.wait((await tm.create(f"fits {i}", {"max_tokens": 2, **GREEDY}, persistent=True)).id)
-    await tm.writer.flush()
+    await tm.flush()
     assert calls == [] and tm.db_state_bytes == 3 * one
     await tm.wait((await tm.create("one more", {"max_tokens": 2, **GREEDY}, persistent=True)).id)
-    await tm.writer.flush()
+    await tm.flush()
     assert calls == [3 * one]  # the fourth may exceed the budget: checked, the oldest dropped
     assert tm.db_state_bytes == await tm.store.states_bytes(templates=False) <= 3 * one
     await tm.close()
 
 
 async def test_tasks_finishing_together_commit_in_one_transaction(parts, tmp_path, monkeypatch):
-    """Six persistent tasks start and finish while the writer is busy: their six rows are one
-    save_rows call and their six settles (row + state each) one save_each call, and every
-    task then shows finished with its state stored."""
+    """Six persistent tasks start while the writer is busy: their six rows are one insert
+    transaction; they finish while it is busy again: their six settle rows are one update
+    transaction, each task shown finished at that commit; their six states follow, written
+    behind, one transaction each."""
     monkeypatch.setattr(runs, "PROGRESS_INTERVAL", 1e12)  # no progress job among them
     tm = await manager(parts, tmp_path / "g.db")
-    settles, rows = [], []
-    real_each, real_rows = tm.store.save_each, tm.store.save_rows
-
-    async def each(items):
-        seen = []
-
-        async def tap():
-            async for x in items:
-                seen.append(x)
-                yield x
-
-        await real_each(tap())
-        settles.append(len(seen))
+    calls: dict[str, list[int]] = {"rows": [], "owned": [], "states": []}
+    real_rows, real_owned, real_state = tm.store.save_rows, tm.store.update_owned, tm.store.store_state
 
     async def save_rows(batch):
-        rows.append(len(batch))
+        calls["rows"].append(len(batch))
         await real_rows(batch)
 
-    monkeypatch.setattr(tm.store, "save_each", each)
+    async def update_owned(batch, instance):
+        calls["owned"].append(len(batch))
+        return await real_owned(batch, instance)
+
+    async def store_state(*a):
+        calls["states"].append(1)
+        return await real_state(*a)
+
     monkeypatch.setattr(tm.store, "save_rows", save_rows)
-    gate = asyncio.Event()
-
-    async def hold():
-        await gate.wait()
-
-    await tm.writer.put(hold)
+    monkeypatch.setattr(tm.store, "update_owned", update_owned)
+    monkeypatch.setattr(tm.store, "store_state", store_state)
+    gate, gate2 = asyncio.Event(), asyncio.Event()
+    await tm.writer.put(gate.wait)
     creates = [asyncio.create_task(tm.create(f"burst {i}", {"max_tokens": 2, **GREEDY}, persistent=True))
                for i in range(6)]
-    for _ in range(500):  # 6 row saves + 6 settles queued behind the held job
-        if tm.writer.queue.qsize() >= 12:
-            break
+    while tm.writer.queue.qsize() < 6:
         await asyncio.sleep(0.01)
-    assert tm.writer.queue.qsize() == 12
+    await tm.writer.put(gate2.wait)  # behind the rows: the settles queue up after it
     gate.set()
-    done = [await tm.wait((await c).id) for c in creates]
-    await tm.writer.flush()
-    assert rows == [6] and settles == [6]
+    tasks = [await c for c in creates]
+    while tm.writer.queue.qsize() < 6:
+        await asyncio.sleep(0.01)
+    assert all(t.running for t in tasks)  # generated, not shown finished before the commit
+    gate2.set()
+    done = [await tm.wait(t.id) for t in tasks]
+    await tm.flush()
+    assert calls == {"rows": [6], "owned": [6], "states": [1] * 6}
     for t in done:
-        assert t.finish_reason == "length" and len(out_ids(t)) == 2
+        assert t.finish_reason == "length" and len(out_ids(t)) == 2 and t.state == "stored"
         assert await tm.store.get_state(t.state_id) is not None
-    await tm.close()
-
-
-async def test_a_failing_settle_in_a_group_fails_only_its_task(parts, tmp_path, monkeypatch, caplog):
-    """The group's transaction fails on one task's row: the writer retries the settles one by
-    one, so the others are stored; every task is shown finished exactly once."""
-    monkeypatch.setattr(runs, "PROGRESS_INTERVAL", 1e12)
-    tm = await manager(parts, tmp_path / "f.db")
-    real_each = tm.store.save_each
-
-    async def each(items):
-        async def check():
-            async for row, srow, drop in items:
-                if row["prompt"] == "bad":
-                    raise RuntimeError("disk full")
-                yield row, srow, drop
-
-        await real_each(check())
-
-    monkeypatch.setattr(tm.store, "save_each", each)
-    finals = []
-    real_finish = Task.finish
-    monkeypatch.setattr(Task, "finish", lambda t, *a: (finals.append(t.id), real_finish(t, *a)))
-    gate = asyncio.Event()
-
-    async def hold():
-        await gate.wait()
-
-    await tm.writer.put(hold)
-    prompts = ["good 0", "bad", "good 1"]
-    creates = [asyncio.create_task(tm.create(p, {"max_tokens": 2, **GREEDY}, persistent=True)) for p in prompts]
-    for _ in range(500):
-        if tm.writer.queue.qsize() >= 6:
-            break
-        await asyncio.sleep(0.01)
-    gate.set()
-    done = [await tm.wait((await c).id) for c in creates]
-    await tm.writer.flush()
-    assert sorted(finals) == sorted(t.id for t in done)  # once each
-    assert all(t.pending_writes == 0 and t.finish_reason == "length" for t in done)
-    assert [await tm.store.get_state(t.state_id) is not None for t in done] == [True, False, True]
-    assert tm.writer.failed == 1
-    failed = [r.getMessage() for r in caplog.records if "final write failed" in r.getMessage()]
-    assert len(failed) == 1 and done[1].id in failed[0] and "disk full" in failed[0]
     await tm.close()

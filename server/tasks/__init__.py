@@ -6,11 +6,29 @@ Importing this package touches no CUDA and compiles nothing."""
 from server.tasks.cache import StateCache
 from server.tasks.codec import StateCodecError, decode_state, encode_state
 from server.tasks.config import TaskConfig
-from server.tasks.errors import TaskConflict, TaskError, TaskForbidden, TaskInvalid, TaskNotFound
+from server.tasks.errors import (
+    TaskConflict,
+    TaskElsewhere,
+    TaskError,
+    TaskForbidden,
+    TaskInvalid,
+    TaskNotFound,
+    TaskStale,
+    TaskUnavailable,
+)
 from server.tasks.manager import TaskManager
 from server.tasks.migrate import SchemaTooNewError
 from server.tasks.params import fim_prompt
-from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TASK, TEMPLATE, TMP, Task
+from server.tasks.records import (
+    FINISHED,
+    PREFILL,
+    READY,
+    RUNNING,
+    TASK,
+    TEMPLATE,
+    TMP,
+    Task,
+)
 from server.tasks.store import Store
 
 __all__ = [
@@ -28,11 +46,14 @@ __all__ = [
     "Task",
     "TaskConfig",
     "TaskConflict",
+    "TaskElsewhere",
     "TaskError",
     "TaskForbidden",
     "TaskInvalid",
     "TaskManager",
     "TaskNotFound",
+    "TaskStale",
+    "TaskUnavailable",
     "decode_state",
     "encode_state",
     "fim_prompt",

@@ -1,7 +1,9 @@
 """In-memory state cache, the one of the server (task states, templates, chat prefixes): an LRU
-with a budget in BYTES (cachetools), plus two tiers outside the budget's eviction: templates
-(never evicted) and pinned values (in use by a running sequence, or waiting for their database
-write). A pinned value returns to the LRU when its last pin is released.
+with a budget in BYTES (cachetools), a second byte-bounded LRU for the states of finished TMP_
+tasks (`tmp=True`: they are dropped long before their tasks' text), plus two tiers outside the
+budgets' eviction: templates (never evicted) and pinned values (in use by a running sequence, or
+waiting for their database write). A pinned value returns to its LRU when its last pin goes.
+`on_evict(key)` is called when an LRU drops a value to make room (its owner can say so).
 
 Values are anything with `nbytes()` (`StateLike`: a `State`, or an entry that wraps one).
 `get_or_load` shares one load per key among concurrent callers (single flight): a burst of
@@ -17,7 +19,9 @@ from functools import partial
 from typing import Generic
 
 from cachetools import LRUCache
-from typing_extensions import TypeVar  # a default for the value type (PEP 696; typing has it from 3.13)
+from typing_extensions import (
+    TypeVar,  # a default for the value type (PEP 696; typing has it from 3.13)
+)
 
 from server.engine.protocol import StateLike
 
@@ -30,17 +34,36 @@ def _nbytes(value: StateLike) -> int:
     return value.nbytes()
 
 
+class _LRU(LRUCache[str, V]):
+    """An LRU in bytes that reports what it evicts to make room."""
+
+    def __init__(self, budget: int, on_evict: Callable[[str], None] | None) -> None:
+        super().__init__(maxsize=max(1, budget), getsizeof=_nbytes)
+        self.on_evict = on_evict
+
+    def popitem(self) -> tuple[str, V]:
+        key, value = super().popitem()
+        if self.on_evict is not None:
+            self.on_evict(key)
+        return key, value
+
+
 @dataclass(slots=True)
 class _Pin(Generic[V]):
     value: V
     count: int
     drop: bool = False  # discarded while pinned: forgotten at the last unpin
+    tmp: bool = False  # returns to the tmp LRU at the last unpin
 
 
 class StateCache(Generic[V]):
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, *, tmp_bytes: int | None = None,
+                 on_evict: Callable[[str], None] | None = None) -> None:
+        """`tmp_bytes`: the tmp LRU's budget (None: budget_bytes)."""
         self.budget = max(0, int(budget_bytes))
-        self._lru: LRUCache[str, V] = LRUCache(maxsize=max(1, self.budget), getsizeof=_nbytes)
+        self.tmp_budget = self.budget if tmp_bytes is None else max(0, int(tmp_bytes))
+        self._lru: _LRU[V] = _LRU(self.budget, on_evict)
+        self._tmp: _LRU[V] = _LRU(self.tmp_budget, on_evict)
         self._pinned: dict[str, _Pin[V]] = {}
         self._templates: dict[str, V] = {}
         self._loading: dict[str, asyncio.Future[V | None]] = {}
@@ -62,31 +85,38 @@ class StateCache(Generic[V]):
             v = self._pinned[key].value
         if v is None:
             v = self._lru.get(key)
+        if v is None:
+            v = self._tmp.get(key)
         return v
 
     def __contains__(self, key: str) -> bool:
-        return key in self._templates or key in self._pinned or key in self._lru
+        return key in self._templates or key in self._pinned or key in self._lru or key in self._tmp
 
-    def put(self, key: str, value: V, *, template: bool = False) -> None:
+    def put(self, key: str, value: V, *, template: bool = False, tmp: bool = False) -> None:
+        """Cache a value: in the LRU, the tmp LRU (`tmp`), or as a template (never evicted)."""
         if template:
             self.discard(key)
             self._templates[key] = value
         elif key in self._pinned:
             pin = self._pinned[key]
-            pin.value, pin.drop = value, False
+            pin.value, pin.drop, pin.tmp = value, False, tmp
         else:
-            self._lru_put(key, value)
+            self._lru_put(key, value, tmp)
 
-    def _lru_put(self, key: str, value: V) -> None:
+    def _lru_put(self, key: str, value: V, tmp: bool = False) -> None:
         self._lru.pop(key, None)
-        before = len(self._lru)
+        self._tmp.pop(key, None)
+        lru = self._tmp if tmp else self._lru
+        before = len(lru)
         try:
-            self._lru[key] = value
+            lru[key] = value
         except ValueError:  # larger than the whole budget: not cached
-            self._lru.pop(key, None)
+            lru.pop(key, None)
             self.evictions += 1
+            if lru.on_evict is not None:
+                lru.on_evict(key)
             return
-        self.evictions += max(0, before + 1 - len(self._lru))  # a new key grows it by one
+        self.evictions += max(0, before + 1 - len(lru))  # a new key grows it by one
 
     def pin(self, key: str, value: V | None = None) -> None:
         """Keep `key` in memory until unpin (the value must be given unless cached)."""
@@ -95,11 +125,14 @@ class StateCache(Generic[V]):
         if key in self._pinned:
             self._pinned[key].count += 1
             return
-        v = self._lru.pop(key, None) if value is None else value
-        self._lru.pop(key, None)
+        tmp = key in self._tmp
+        cached = self._lru.pop(key, None)
+        if cached is None:
+            cached = self._tmp.pop(key, None)
+        v = cached if value is None else value
         if v is None:
             raise KeyError(key)
-        self._pinned[key] = _Pin(v, 1)
+        self._pinned[key] = _Pin(v, 1, tmp=tmp)
 
     def unpin(self, key: str) -> None:
         pin = self._pinned.get(key)
@@ -109,12 +142,13 @@ class StateCache(Generic[V]):
         if pin.count <= 0:
             del self._pinned[key]
             if not pin.drop:
-                self._lru_put(key, pin.value)
+                self._lru_put(key, pin.value, pin.tmp)
 
     def discard(self, key: str) -> None:
         """Forget a value; one in use stays until its last unpin, then goes."""
         self._templates.pop(key, None)
         self._lru.pop(key, None)
+        self._tmp.pop(key, None)
         if key in self._pinned:
             self._pinned[key].drop = True
 
@@ -162,6 +196,8 @@ class StateCache(Generic[V]):
             "pinned_count": len(self._pinned),
             "template_bytes": sum(v.nbytes() for v in self._templates.values()),
             "template_count": len(self._templates),
+            "tmp_bytes": int(self._tmp.currsize), "tmp_count": len(self._tmp),
+            "tmp_budget_bytes": self.tmp_budget,
             "budget_bytes": self.budget, "hits": self.hits, "misses": self.misses,
             "evictions": self.evictions,
         }
@@ -170,4 +206,4 @@ class StateCache(Generic[V]):
         return set(self._pinned)
 
     def keys(self) -> set[str]:
-        return set(self._templates) | set(self._pinned) | set(self._lru.keys())
+        return set(self._templates) | set(self._pinned) | set(self._lru.keys()) | set(self._tmp.keys())

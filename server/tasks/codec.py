@@ -3,7 +3,12 @@
 Blob layout: the raw little-endian bytes of att_shift, ffn_shift, wkv (each C-contiguous), one
 after the other. The metadata names the layout, the model shape signature, and each tensor's
 dtype, shape, offset and byte count; the checksum is the SHA-256 of the blob (equal to
-`State.checksum()` of the same state).
+`State.checksum()` of the same state when it is stored in its working dtypes).
+
+`wkv_dtype="float16"` stores an fp32 WKV tensor (99% of a state's bytes) as fp16, halving the
+blob; the metadata keeps the working dtype (`as`) and decoding widens it back. Such a state is
+not the one the model computed (docs/deployment.md: a rebuilt state is exact, a down-cast one is
+not). General-purpose compressors were measured and not adopted (docs/performance.md).
 
 torch is imported when a state is first encoded or decoded, so `import server.tasks` stays light.
 """
@@ -35,6 +40,11 @@ class StateCodecError(ValueError):
     """A stored state cannot be decoded (corrupt, foreign layout, or another model's shape)."""
 
 
+class StateShapeError(StateCodecError):
+    """The stored state belongs to another model shape (not a corruption: the task was made
+    with another model)."""
+
+
 @dataclass
 class EncodedState:
     meta: dict[str, Any]
@@ -47,26 +57,35 @@ class EncodedState:
         return len(self.data)
 
 
-def encode_state(state: State, signature: str) -> EncodedState:
+def encode_state(state: State, signature: str, *, wkv_dtype: str | None = None) -> EncodedState:
     """Serialize a batch-1 state (any device) to bytes + metadata. Each tensor is copied once,
-    straight into the blob (from the device too): a 2.9B fp32 state is 21 MB."""
+    straight into the blob (from the device too): a 2.9B fp32 state is 21 MB. `wkv_dtype`
+    (one of DTYPES, e.g. "float16"): store a wider WKV tensor in that dtype (lossy)."""
     import torch
     if state.batch_size != 1:
         raise ValueError(f"only batch-1 states are stored (got batch {state.batch_size})")
+    if wkv_dtype is not None and wkv_dtype not in DTYPES:
+        raise ValueError(f"unsupported storage dtype {wkv_dtype!r} (one of {DTYPES})")
     tensors: list[dict[str, Any]] = []
+    stored: list[torch.Tensor] = []
     offset = 0
     for name, t in zip(NAMES, state.tensors()):
         dtype_name = _dtype_name(t.dtype)
         if dtype_name is None:
             raise ValueError(f"unsupported state dtype {t.dtype}")
+        spec: dict[str, Any] = {"name": name, "dtype": dtype_name, "shape": list(t.shape)}
+        if name == "wkv" and wkv_dtype is not None and _narrower(wkv_dtype, t):
+            t = t.to(getattr(torch, wkv_dtype))
+            spec.update(dtype=wkv_dtype, **{"as": dtype_name})
         n = t.numel() * t.element_size()
-        tensors.append({"name": name, "dtype": dtype_name, "shape": list(t.shape),
-                        "offset": offset, "nbytes": n})
+        spec.update(offset=offset, nbytes=n)
+        tensors.append(spec)
+        stored.append(t)
         offset += n
     data = bytearray(offset)
     if offset:
         blob = torch.frombuffer(data, dtype=torch.uint8)  # (nbytes,) a view of `data`
-        for spec, t in zip(tensors, state.tensors()):
+        for spec, t in zip(tensors, stored):
             if spec["nbytes"]:
                 raw = t.detach().contiguous().view(torch.uint8).reshape(-1)  # (nbytes,) no copy
                 blob[spec["offset"]:spec["offset"] + spec["nbytes"]].copy_(raw)
@@ -75,16 +94,32 @@ def encode_state(state: State, signature: str) -> EncodedState:
     return EncodedState(meta, data, hashlib.sha256(data).hexdigest(), signature)
 
 
+def _narrower(dtype_name: str, t: torch.Tensor) -> bool:
+    import torch
+
+    return torch.empty(0, dtype=getattr(torch, dtype_name)).element_size() < t.element_size()
+
+
 def decode_state(meta: dict[str, Any], data: bytes, expected_signature: str,
                  checksum: str | None = None) -> State:
-    """Rebuild a CPU state; refuses another model's shape, a foreign layout or a bad checksum."""
+    """Rebuild a CPU state (in its working dtypes); refuses another model's shape
+    (StateShapeError), a foreign layout, a bad checksum or inconsistent metadata."""
+    try:
+        return _decode(meta, data, expected_signature, checksum)
+    except StateCodecError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # malformed metadata
+        raise StateCodecError(f"stored state metadata is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(meta: dict[str, Any], data: bytes, expected_signature: str, checksum: str | None) -> State:
     import torch
 
     from server.model.state import State
 
     sig = meta.get("signature")
     if sig != expected_signature:
-        raise StateCodecError(
+        raise StateShapeError(
             f"stored state belongs to model shape {sig!r}, but the loaded model is "
             f"{expected_signature!r}; it cannot be used with this model")
     if meta.get("layout") != LAYOUT:
@@ -100,12 +135,18 @@ def decode_state(meta: dict[str, Any], data: bytes, expected_signature: str,
             raise StateCodecError(f"state tensor {spec.get('name')!r} where {name!r} was expected")
         if spec["dtype"] not in DTYPES:
             raise StateCodecError(f"unknown dtype {spec['dtype']!r} in a stored state")
+        working = spec.get("as", spec["dtype"])
+        if working not in DTYPES:
+            raise StateCodecError(f"unknown dtype {working!r} in a stored state")
         off, n = int(spec["offset"]), int(spec["nbytes"])
         if off < 0 or off + n > len(buf):
             raise StateCodecError("stored state is shorter than its metadata says")
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off) if n else torch.empty(0, dtype=torch.uint8)
-        t = flat.view(getattr(torch, spec["dtype"])).reshape(spec["shape"])
-        out.append(t)
+        try:
+            t = flat.view(getattr(torch, spec["dtype"])).reshape(spec["shape"])
+        except RuntimeError as exc:  # the byte count does not fit the dtype and shape
+            raise StateCodecError(f"stored tensor {name!r} does not match its metadata: {exc}") from None
+        out.append(t if working == spec["dtype"] else t.to(getattr(torch, working)))
     if len(out) != 3:
         raise StateCodecError("stored state metadata does not list three tensors")
     return State(*out)

@@ -9,6 +9,9 @@ these fields only, not on the whole settings object.
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,6 +40,34 @@ class TaskSettings(Protocol):
     @property
     def default_max_tokens(self) -> int: ...
 
+    @property
+    def tmp_state_bytes(self) -> int: ...
+
+    @property
+    def write_behind_bytes(self) -> int: ...
+
+    @property
+    def state_store_dtype(self) -> str: ...
+
+    @property
+    def instance_name(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def public_url(self) -> str: ...
+
+    @property
+    def lease_timeout(self) -> float: ...
+
+    @property
+    def db_busy_timeout(self) -> float: ...
+
+
+STORE_DTYPES = {"native": None, "fp16": "float16"}
+"""Settings.state_store_dtype -> the codec's wkv_dtype (None: the working dtype)."""
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -54,6 +85,28 @@ class TaskConfig:
     """Bound of the background writer's queue."""
     default_max_tokens: int = 256
     """max_tokens of a run whose parameters give none."""
+    tmp_state_bytes: int = 256 * 1024**2
+    """Budget of the states of finished TMP_ tasks (their text stays for tmp_task_ttl)."""
+    write_behind_bytes: int = 8 * 1024**3
+    """Most bytes of finished tasks' states waiting to be written to the database."""
+    state_store_dtype: str = "native"
+    """How states are stored: "native" (their working dtypes, exact) or "fp16" (the WKV part
+    down-cast: half the bytes, not exact)."""
+    instance_name: str = ""
+    """This server's stable name among the servers of one database (server.tasks.lease); ""
+    here: a name of its own (host-pid-random). `of(settings)` fills in `<host>:<port>`."""
+    public_url: str = ""
+    """The URL clients reach this server at, named to them when a task runs here (replicas)."""
+    lease_timeout: float = 30.0
+    """Seconds without a heartbeat after which an instance's running tasks are interrupted."""
+    db_busy_timeout: float = 30.0
+    """Seconds a SQLite write waits for another process's lock before answering 503."""
+
+    def __post_init__(self) -> None:
+        if self.state_store_dtype not in STORE_DTYPES:
+            raise ValueError(f"state_store_dtype {self.state_store_dtype!r}: one of {sorted(STORE_DTYPES)}")
+        if self.lease_timeout <= 0:
+            raise ValueError("lease_timeout must be positive")
 
     @classmethod
     def of(cls, settings: TaskSettings) -> TaskConfig:
@@ -62,7 +115,12 @@ class TaskConfig:
             return settings
         return cls(db=settings.db, state_cache_bytes=int(settings.state_cache_bytes),
                    db_budget_bytes=int(settings.db_budget_bytes), tmp_task_ttl=float(settings.tmp_task_ttl),
-                   writer_queue=int(settings.writer_queue), default_max_tokens=int(settings.default_max_tokens))
+                   writer_queue=int(settings.writer_queue), default_max_tokens=int(settings.default_max_tokens),
+                   tmp_state_bytes=int(settings.tmp_state_bytes), write_behind_bytes=int(settings.write_behind_bytes),
+                   state_store_dtype=settings.state_store_dtype,
+                   instance_name=server_name(settings.instance_name, int(settings.port)),
+                   public_url=settings.public_url, lease_timeout=float(settings.lease_timeout),
+                   db_busy_timeout=float(settings.db_busy_timeout))
 
 
 class ModelShapeLike(Protocol):
@@ -97,3 +155,13 @@ class LatencyRecorder(Protocol):
 
 LatencyFactory = Callable[[], LatencyRecorder]
 """Makes the recorder of each new run."""
+
+
+def server_name(name: str = "", port: int | None = None) -> str:
+    """This server's stable name: `name`, else `<host>:<port>`, else (no port: an in-process
+    manager) `<host>-<pid>-<random>`, a name of its own."""
+    if name:
+        return name[:72]
+    if port is not None:
+        return f"{socket.gethostname()}:{port}"[:72]
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"[:72]

@@ -6,6 +6,8 @@ from __future__ import annotations
 class TaskError(Exception):
     status = 400
     code = "task_error"
+    retry_after: float | None = None
+    """Seconds a client should wait before retrying (the route's Retry-After header), if any."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -25,5 +27,31 @@ class TaskConflict(TaskError):
     status, code = 409, "task_conflict"
 
 
+class TaskElsewhere(TaskConflict):
+    """The task runs on another server of the same database (a replica): stream, continue or
+    stop it there. Names the instance and, when that server advertises one, its URL."""
+
+    code = "task_running_elsewhere"
+
+    def __init__(self, task_id: str, instance: str | None, url: str | None, what: str) -> None:
+        where = f"instance {instance!r}" + (f" ({url})" if url else "")
+        super().__init__(f"task {task_id} is running on {where}; {what} it there, or once it has finished")
+        self.instance, self.url = instance, url
+
+
+class TaskStale(TaskConflict):
+    """The task changed in the database since this server read it (another replica ran it)."""
+
+    code = "task_changed"
+
+
 class TaskInvalid(TaskError):
     status, code = 422, "invalid_task_request"
+
+
+class TaskUnavailable(TaskError):
+    """The task database cannot take the write now (locked beyond the busy timeout, disk full,
+    unreachable): nothing was stored or changed; retry after `retry_after` seconds."""
+
+    status, code = 503, "database_unavailable"
+    retry_after = 1.0

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from server.tasks.cache import StateCache
-from server.tasks.records import TMP, Task
+from server.tasks.records import REBUILD, STORED, TEMPLATE, TMP, Task, display_id
 from server.tasks.schema import DbRow
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
@@ -20,11 +20,13 @@ if TYPE_CHECKING:
 
 class Inventory:
     def __init__(self, table: TaskTable, store: Store, cache: StateCache[State], counters: Counter[str], *,
-                 tmp_task_ttl: float, db_state_bytes: Callable[[], int], writer_backlog: Callable[[], int]) -> None:
+                 tmp_task_ttl: float, db_state_bytes: Callable[[], int], writer_backlog: Callable[[], int],
+                 lane: Callable[[], dict[str, Any]] = dict) -> None:
         self.table, self.store, self.cache, self.counters = table, store, cache, counters
         self.tmp_task_ttl = float(tmp_task_ttl)
         self._db_state_bytes = db_state_bytes  # Persistence.db_state_bytes, read when asked
         self._writer_backlog = writer_backlog  # jobs in the writer's queue
+        self._lane = lane  # the write-behind lane's stats (bytes, entries, dropped)
         self._janitor: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -36,11 +38,12 @@ class Inventory:
 
     async def list(self, owner_id: str | None, *, all_owners: bool, limit: int = 100, offset: int = 0,
                    kind: str | None = None) -> dict[str, Any]:
-        """A page of the tasks `owner_id` may see (all_owners: every task), newest first: the
-        TMP tasks in memory and the stored tasks."""
+        """A page of the tasks `owner_id` may list (all_owners: every task), newest first: the
+        TMP tasks in memory and the stored tasks; its own and the public templates."""
 
         def visible(t: Task) -> bool:
-            return (all_owners or t.owner == owner_id) and (kind is None or t.kind == kind) and not t.deleted
+            mine = all_owners or t.owner == owner_id or (t.kind == TEMPLATE and t.public)
+            return mine and (kind is None or t.kind == kind) and not t.deleted
 
         mem = [t for t in self.table.held() if visible(t)]
         mem_only = [t for t in mem if t.kind == TMP]
@@ -53,8 +56,8 @@ class Inventory:
             items.setdefault(r.id, _row_summary(r, self.table.find(r.id)))
         page = sorted(items.values(), key=lambda d: (-d["created_at"], d["task_id"]))[offset:offset + limit]
         return {"cpu_cache_count": len(mem), "database_count": db_total,
-                "total_count": db_total + len(mem_only), "cpu_tasks": [t.id for t in mem],
-                "db_tasks": [r.id for r in rows][offset:offset + limit], "tasks": page,
+                "total_count": db_total + len(mem_only), "cpu_tasks": [t.display_id for t in mem],
+                "db_tasks": [display_id(r.id) for r in rows][offset:offset + limit], "tasks": page,
                 "limit": limit, "offset": offset}
 
     async def _sweep_loop(self) -> None:
@@ -76,17 +79,23 @@ class Inventory:
         return len(old)
 
     def stats(self) -> dict[str, Any]:
-        """Cache tiers and counters. tiers.database.bytes: the stored non-template state bytes,
-        exact at start-up and at each budget check, an upper bound in between (stored states
-        add to it; replaced and deleted states are only subtracted by the next check)."""
+        """Cache tiers and counters. tiers.database.bytes: the stored non-template state bytes
+        (this server's writes and deletes count at once; another replica's at the next budget
+        check). tiers.tmp: the states of finished TMP_ tasks (Settings.tmp_state_bytes);
+        tiers.write_behind: finished tasks' states waiting to be written (pinned meanwhile, so
+        also in tasks_pinned). counters.rebuilds / rebuild_tokens: runs that re-fed history a
+        missing state had consumed, and those tokens."""
         c = self.cache.stats()
         running = sum(1 for t in self.table.live.values() if t.running)
+        lane = self._lane()
         return {
             "tiers": {
                 "tasks_lru": {"bytes": c["lru_bytes"], "entries": c["lru_count"],
                               "hits": c["hits"], "misses": c["misses"]},
                 "tasks_pinned": {"bytes": c["pinned_bytes"], "entries": c["pinned_count"]},
                 "templates": {"bytes": c["template_bytes"], "entries": c["template_count"]},
+                "tmp": {"bytes": c["tmp_bytes"], "entries": c["tmp_count"]},
+                "write_behind": {"bytes": lane.get("bytes", 0), "entries": lane.get("entries", 0)},
                 "database": {"bytes": self._db_state_bytes(), "hits": self.counters["db_state_loads"],
                              "misses": self.counters["state_misses"]},
             },
@@ -98,6 +107,7 @@ class Inventory:
 def _row_summary(r: DbRow, t: Task | None) -> dict[str, Any]:
     if t is not None:
         return t.summary()
-    return {"task_id": r.id, "kind": r.kind, "status": r.status, "finish_reason": r.finish_reason,
+    return {"task_id": display_id(r.id), "kind": r.kind, "status": r.status, "finish_reason": r.finish_reason,
             "generated_buf": r.completion_tokens, "created_at": r.created_at,
-            "updated_at": r.updated_at, "parent_id": r.parent_id}
+            "updated_at": r.updated_at, "parent_id": display_id(r.parent_id),
+            "state": STORED if r.state_id else REBUILD, "instance": r.instance, "public": bool(r.public)}

@@ -3,13 +3,17 @@
 A facade composed of collaborators, each given what it needs at construction:
 
     TaskTable    the tasks in memory (live, recently read)
-    StateCache   task and template states in memory (byte budget, pins)
+    StateCache   task, TMP and template states in memory (byte budgets, pins)
     Writer       the background database writer (group commits)
-    Persistence  state loading, writer jobs, the database budget  (store, writer, cache, table)
+    Persistence  state loading and rebuilds, writer jobs, states written behind, the database
+                 budget  (store, writer, cache, table)
     Runs         engine submissions: claim, start, pump, settle, abort  (engine, table,
                  persistence, cache)
     Inventory    list, stats, the TMP_ janitor  (table, store, cache)
+    Lease        this server's instance row and heartbeat among replicas  (store)
+    Access       which tasks a caller may see, and under which id  (below)
 
+A little over 300 lines: one short method per operation of the API, kept in one facade.
 Everything runs on the event loop (no locks needed); database work is async (aiosqlite threads)
 and state (de)serialization runs in worker threads. Stream events: streaming.py.
 """
@@ -27,16 +31,27 @@ from typing import TYPE_CHECKING, Any
 
 from server.engine.protocol import EngineAPI
 from server.tasks import streaming
+from server.tasks.access import Access
 from server.tasks.cache import StateCache
-from server.tasks.config import LatencyFactory, ModelShapeLike, TaskConfig, TaskSettings, TokenizerLike
-from server.tasks.errors import TaskConflict, TaskForbidden, TaskInvalid, TaskNotFound
+from server.tasks.config import (
+    STORE_DTYPES,
+    LatencyFactory,
+    ModelShapeLike,
+    TaskConfig,
+    TaskSettings,
+    TokenizerLike,
+    server_name,
+)
+from server.tasks.errors import TaskConflict, TaskInvalid, TaskStale
 from server.tasks.inventory import Inventory
+from server.tasks.lease import Lease
 from server.tasks.params import clean_params, fim_prompt
-from server.tasks.persist import Persistence, SettleJob
-from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, kind_of, new_id, to_row
+from server.tasks.persist import Persistence
+from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, new_id
 from server.tasks.runs import Runs
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
+from server.tasks.templates import fill_template, template_of
 from server.tasks.writer import Writer
 
 if TYPE_CHECKING:
@@ -56,46 +71,83 @@ class TaskManager:
         """`settings`: server.config.Settings or a TaskConfig (the fields the task layer reads).
         `latency`: optional factory of a latency recorder per run (the HTTP layer's Recorder)."""
         self.engine, self.tokenizer = engine, tokenizer
-        self.config = TaskConfig.of(settings)
+        cfg = self.config = TaskConfig.of(settings)
         self.signature = model_shape.signature()
         self.vocab_size = int(model_shape.vocab_size)
-        self.store = store or Store(self.config.db)
-        self.cache: StateCache[State] = StateCache(self.config.state_cache_bytes)
-        self.writer = Writer(self.config.writer_queue)
+        self.store = store or Store(cfg.db, busy_timeout=cfg.db_busy_timeout)
+        self.lease = Lease(self.store, server_name(cfg.instance_name), cfg.public_url, cfg.lease_timeout)
+        self.instance = self.lease.instance
         self.table = TaskTable()
         self.live = self.table.live  # TMP tasks, running tasks, tasks with writes pending
+        self.cache: StateCache[State] = StateCache(cfg.state_cache_bytes, tmp_bytes=cfg.tmp_state_bytes,
+                                                   on_evict=self._state_evicted)
+        self.writer = Writer(cfg.writer_queue)
         self.counters: Counter[str] = Counter()
-        self.persistence = persistence = Persistence(self.store, self.writer, self.cache, self.table, self.counters,
-                                       signature=self.signature, db_budget_bytes=self.config.db_budget_bytes)
-        self.runs = Runs(engine, self.table, self.persistence, self.cache, self.counters,
-                         default_max_tokens=self.config.default_max_tokens, latency=latency)
+        self.persistence = persistence = Persistence(
+            self.store, self.writer, self.cache, self.table, self.counters, signature=self.signature,
+            db_budget_bytes=cfg.db_budget_bytes, instance=self.instance,
+            write_behind_bytes=cfg.write_behind_bytes, store_dtype=STORE_DTYPES[cfg.state_store_dtype],
+            url_of=self.lease.url_of)
+        self.runs = Runs(engine, self.table, persistence, self.cache, self.counters,
+                         default_max_tokens=cfg.default_max_tokens, latency=latency, instance=self.instance)
         self.inventory = Inventory(self.table, self.store, self.cache, self.counters,
-                                   tmp_task_ttl=self.config.tmp_task_ttl,
+                                   tmp_task_ttl=cfg.tmp_task_ttl,
                                    db_state_bytes=lambda: persistence.db_state_bytes,
-                                   writer_backlog=self.writer.queue.qsize)
+                                   writer_backlog=self.writer.queue.qsize, lane=persistence.lane.stats)
+        self.access = Access(self.table, self.store, persistence, self.lease)
         self.interrupted: list[str] = []
 
     @property
     def db_state_bytes(self) -> int:
-        """Stored non-template state bytes (an upper bound between budget checks)."""
+        """Stored non-template state bytes."""
         return self.persistence.db_state_bytes
 
     # --- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         await self.store.open()
-        self.interrupted = await self.store.mark_interrupted()
+        self.interrupted = await self.lease.start()
         if self.interrupted:
-            log.warning("%d task(s) were running when the server stopped; marked interrupted",
+            log.warning("%d task(s) were running when their server stopped; marked interrupted",
                         len(self.interrupted))
         await self.persistence.start()
         self.writer.start()
         self.inventory.start()
+        self.lease.run(self._reaped, self._lease_lost)
 
     async def close(self) -> None:
         self.inventory.close()
         await self.runs.close()  # runs end as "interrupted", their state kept
+        await self.writer.flush()  # their rows first, then their states (within a deadline)
+        await self.persistence.close()
         await self.writer.close()
+        await self.lease.close()
         await self.store.close()
+
+    async def flush(self) -> None:
+        """Until every queued row and every finished task's state are in the database (or the
+        state was dropped by the write-behind budget)."""
+        await self.persistence.flush()
+
+    def _reaped(self, ids: list[str]) -> None:
+        """Another instance died: the copies of its tasks held here are out of date."""
+        for task_id in ids:
+            if task_id not in self.live:
+                self.table.forget(task_id)
+
+    def _lease_lost(self) -> None:
+        """This instance's lease had expired: the others marked its running tasks interrupted
+        (and may run them now). Stop them here; their final writes are refused anyway."""
+        for t in list(self.table.running()):
+            if t.kind != TMP:
+                t.interrupted = True
+                self.runs.abort(t)
+
+    def _state_evicted(self, key: str) -> None:
+        """A cache LRU dropped `key` (`<task id>:<hex>`): if it was its task's newest state and
+        not stored, the task now says its next run rebuilds from its last stored state."""
+        t = self.table.find(key.rsplit(":", 1)[0])
+        if t is not None and t.state_id == key and key != t.stored_id and not t.running:
+            t.state_id, t.state_pos = t.stored_id, t.stored_pos
 
     # --- lookup and access -----------------------------------------------------------------------
     @staticmethod
@@ -103,27 +155,13 @@ class TaskManager:
         """Tasks store a hash of the API key, never the key."""
         return None if owner is None else hashlib.sha256(owner.encode()).hexdigest()[:32]
 
-    async def _lookup(self, task_id: str) -> Task | None:
-        t = self.table.find(task_id)
-        if t is not None or kind_of(task_id) == TMP:
-            return t
-        return await self.persistence.load_task(task_id)
-
     async def get(self, task_id: str, owner: str | None = None, *, write: bool = False,
-                  force: bool = False) -> Task:
-        """The task, if `owner` may see it (write: may change it). 404/403 otherwise."""
-        t = await self._lookup(task_id)
-        oid = self.owner_id(owner)
-        if t is None or t.deleted:
-            raise TaskNotFound(f"task {task_id!r} not found", param="task_id")
-        if oid is not None and t.owner != oid:
-            if t.kind != TEMPLATE:
-                raise TaskNotFound(f"task {task_id!r} not found", param="task_id")
-            if write:
-                raise TaskForbidden(f"template {task_id!r} belongs to another API key")
-        if write and t.kind == TEMPLATE and not force:
-            raise TaskForbidden(f"{task_id!r} is a template (read-only); pass force=true to change it")
-        return t
+                  force: bool = False, stream: bool = False) -> Task:
+        """The task, if `owner` may see it (write: may change it). 404 for a task `owner` may
+        not see (another key's task, or private template), 403 for a write to a template
+        (without `force`, or another key's public one), 409 (TaskElsewhere) for a write or a
+        `stream` of a task that runs on another instance."""
+        return await self.access.get(task_id, self.owner_id(owner), write=write, force=force, stream=stream)
 
     # --- operations ------------------------------------------------------------------------------
     async def create(self, prompt: Prompt, params: dict[str, Any] | None = None, *,
@@ -148,8 +186,7 @@ class TaskManager:
         ids = await self._encode(prompt) if prompt else None
         over = self._params(params)
         src = await self.get(task_id, owner)
-        if src.running:
-            raise TaskConflict(f"task {task_id} is running; fork it once it has finished")
+        self.access.finished(src, "fork")
         merged = {**src.params, **over}
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
             merged.pop("max_tokens")  # a prefill-only source forks into generating tasks
@@ -158,6 +195,8 @@ class TaskManager:
                  params=merged, prompt=prompt if isinstance(prompt, str) else "",
                  tokens=array("i", src.tokens), out_start=len(src.tokens),
                  state_id=src.state_id, state_pos=src.state_pos, out=Output())
+        if kind == TASK:  # its row names a stored state only
+            t.stored_id, t.stored_pos = src.stored_id, src.stored_pos
         self.counters["forks"] += 1
         return await self.runs.start(t, ids, new=True)
 
@@ -168,11 +207,18 @@ class TaskManager:
         without, keep generating (the output grows)."""
         ids = await self._encode(prompt) if prompt else None
         over = self._params(params)
-        t = await self.get(task_id, owner, write=True, force=force)
-        update: dict[str, Any] = {"params": {**t.params, **over}}
-        if ids is not None:
-            update["prompt"] = prompt if isinstance(prompt, str) else ""
-        return await self.runs.start(t, ids, new=False, update=update)
+        for attempt in range(2):
+            t = await self.get(task_id, owner, write=True, force=force)
+            update: dict[str, Any] = {"params": {**t.params, **over}}
+            if ids is not None:
+                update["prompt"] = prompt if isinstance(prompt, str) else ""
+            try:
+                return await self.runs.start(t, ids, new=False, update=update)
+            except TaskStale:  # another replica ran it since it was read here: read it again
+                self.table.forget(t.id)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     async def stop(self, task_id: str, owner: str | None = None, *, force: bool = False,
                    wait: float = 5.0) -> Task:
@@ -203,27 +249,24 @@ class TaskManager:
         return t
 
     async def as_template(self, task_id: str, owner: str | None = None,
-                          name: str | None = None) -> Task:
-        """A read-only, persisted template `_TMPL_<hex>` (or `_<name>`) with the task's state."""
+                          name: str | None = None, *, public: bool = False) -> Task:
+        """A read-only, persisted template `_TMPL_<hex>` (or `_<name>`) with the task's state,
+        answered once its state is stored. Private to `owner`'s key unless `public` (every key
+        may read and fork it); a template made without keys (owner None) is public. Names are
+        per key: the private `_<name>` of two keys are two templates."""
         src = await self.get(task_id, owner)
-        if src.running:
-            raise TaskConflict(f"task {task_id} is running; make a template once it has finished")
+        self.access.finished(src, "make a template of")
         if name is not None and not _NAME.match(name):
             raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
-        tid = new_id(TEMPLATE, name)
-        if tid in self.live or await self._lookup(tid) is not None or tid in self.live:
-            raise TaskConflict(f"template {tid!r} already exists", param="name")
-        params = {k: v for k, v in src.params.items() if not (k == "max_tokens" and v == 0)}
-        tpl = Task(id=tid, kind=TEMPLATE, owner=self.owner_id(owner), parent_id=src.id,
-                   params=params, prompt=src.prompt, prompt_len=src.prompt_len,
-                   tokens=array("i", src.tokens), out_start=src.out_start,
-                   out=Output(src.out.text, src.out.offsets), finish_reason=src.finish_reason,
-                   prompt_tokens=src.prompt_tokens, completion_tokens=src.completion_tokens,
-                   prefill_time=src.prefill_time, gen_time=src.gen_time)
-        tpl.out.finish_reason = src.finish_reason
+        oid = self.owner_id(owner)
+        public = public or oid is None
+        tid = new_id(TEMPLATE, name, None if public else oid)
+        if tid in self.live or await self.access.find(tid) is not None or tid in self.live:
+            raise TaskConflict(f"template {tid.split('@')[0]!r} already exists", param="name")
+        tpl = template_of(src, tid, oid, public)
         self.live[tid] = tpl  # reserves the id (no await since the check above)
         try:
-            await self._fill_template(tpl, src)
+            await fill_template(tpl, src, self.persistence, self.runs, self.signature)
         except BaseException:
             self.table.forget(tid)
             tpl.deleted = True
@@ -231,27 +274,6 @@ class TaskManager:
                 self.cache.discard(tpl.state_id)
             raise
         return tpl
-
-    async def _fill_template(self, tpl: Task, src: Task) -> None:
-        """Give the template a stored state that has consumed all but the last token."""
-        state, pos, key = await self.persistence.resolve_state(src)
-        try:
-            if state is not None and key is not None and pos >= len(src.tokens) - 1:
-                sid = f"{tpl.id}:{key.rsplit(':', 1)[-1]}"
-                tpl.state_id, tpl.state_pos = sid, pos
-                self.cache.put(sid, state, template=True)
-                tpl.pending_writes += 1
-                job = SettleJob(tpl, to_row(tpl), sid, state, old_key=None, outcome=None)
-                await (await self.persistence.queue_settled(job))
-                return
-        finally:
-            self.persistence.release(key)
-        # no usable state: prefill the template's history once (forks then start at no cost)
-        tpl.state_id, tpl.state_pos = src.state_id, src.state_pos
-        await self.runs.start(tpl, None, new=True, max_tokens=0)
-        await _wait_done(tpl, None)
-        if tpl.saved is not None:
-            await tpl.saved
 
     async def wait(self, task_id: str, owner: str | None = None, timeout: float | None = None) -> Task:
         t = await self.get(task_id, owner)
@@ -274,8 +296,10 @@ class TaskManager:
         return self.inventory.sweep(cutoff)
 
     def stats(self) -> dict[str, Any]:
-        """Cache tiers and counters (Inventory.stats)."""
-        return self.inventory.stats()
+        """Cache tiers and counters (Inventory.stats), and this instance's replicas."""
+        out = self.inventory.stats()
+        out.update(instance=self.instance, peers=sorted(self.lease.peers))
+        return out
 
     # --- helpers ---------------------------------------------------------------------------------
     def _params(self, params: dict[str, Any] | None) -> dict[str, Any]:

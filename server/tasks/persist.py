@@ -1,9 +1,17 @@
-"""Persistence of tasks and states: state loading, the writer's jobs (started rows, progress rows,
-settle commits, deletes) and the database byte budget.
+"""Persistence of tasks and states: state loading (and the rebuild of a missing state), the
+writer's jobs (started rows, claims, progress rows, settle rows, deletes); states written behind
+and the database byte budget: server.tasks.statewrites.
 
-Every database write of a task goes through the one background writer, so writes of one task land
-in order; a deleted task's queued writes are skipped. Needs no engine: the store, the writer, the
-state cache, the task table and the counters are all it works with.
+A task's token history is its truth, its state a cache of it. A finished task is shown finished
+once its row (text, tokens, status; its state pointer still naming the last STORED state) is
+committed; its new state then goes to the write-behind lane, which stores it and points the
+row at it. A state that is missing when a run starts (not written yet
+at a crash, dropped by a budget, failing its checksum, undecodable) is rebuilt: the run feeds
+the history from the last stored state, or from zero. Only a state of another model shape is
+refused (the task was made with another model).
+
+Every database write of a task goes through the one background writer, so writes of one task
+land in order; a deleted task's queued writes are skipped. Needs no engine.
 """
 
 from __future__ import annotations
@@ -11,18 +19,31 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
+from server.tasks.behind import Pending
 from server.tasks.cache import StateCache
-from server.tasks.codec import EncodedState, StateCodecError, decode_state, encode_state
-from server.tasks.errors import TaskConflict
-from server.tasks.records import TEMPLATE, TMP, Task, from_row, to_row
-from server.tasks.store import Store, state_row
+from server.tasks.codec import (
+    StateCodecError,
+    StateShapeError,
+    decode_state,
+)
+from server.tasks.database import damaged
+from server.tasks.errors import (
+    TaskConflict,
+    TaskElsewhere,
+    TaskNotFound,
+    TaskStale,
+    TaskUnavailable,
+)
+from server.tasks.records import TEMPLATE, TMP, Task, from_row, to_row, update_row
+from server.tasks.statewrites import StateWrites
+from server.tasks.store import Store
 from server.tasks.table import TaskTable
 from server.tasks.writer import Writer
 
@@ -30,73 +51,110 @@ if TYPE_CHECKING:
     from server.model.state import State
 
 log = logging.getLogger("server.tasks")
+RETRY_MAX_S = 5.0
 
 
 class Outcome(NamedTuple):
-    """How a run ended: shown on its task once the settle write is committed."""
+    """How a run ended: shown on its task once the settle row is committed."""
 
     reason: str
     error: str | None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SettleJob:
-    """A settle write: the task's final row with its new state, its old state dropped."""
+    """A settle write: the task's final row; then its new state goes behind."""
 
     task: Task
     row: dict[str, Any]
     key: str | None
-    """Id of the new state to store (None: no new state)."""
+    """Id of the run's new state (None: no new state)."""
     state: State | None
+    pos: int
+    """Tokens of the history the new state has consumed."""
     old_key: str | None
-    """The state it replaces (dropped from the database once no task names it)."""
+    """The state it replaces in memory (dropped from the cache)."""
     outcome: Outcome | None
-    """Shown on the task after the commit (None: nothing to show, e.g. a template's state)."""
-
-    @property
-    def weight(self) -> int:
-        """The bytes it writes (the writer's group budget)."""
-        return self.state.nbytes() if self.key is not None and self.state is not None else 0
+    """Shown on the task after the commit (None: nothing to show)."""
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    attempts: int = 0
 
 
 class Persistence:
     def __init__(self, store: Store, writer: Writer, cache: StateCache[State], table: TaskTable,
-                 counters: Counter[str], *, signature: str, db_budget_bytes: int) -> None:
+                 counters: Counter[str], *, signature: str, db_budget_bytes: int, instance: str = "local",
+                 write_behind_bytes: int = 8 * 1024**3, store_dtype: str | None = None,
+                 url_of: Callable[[str | None], str | None] = lambda _: None) -> None:
         self.store, self.writer, self.cache, self.table = store, writer, cache, table
         self.counters = counters
         self.signature = signature
-        self.db_budget_bytes = db_budget_bytes
-        self.db_state_bytes = 0
-        """Stored non-template state bytes: exact at start and after each budget check, an
-        upper bound in between (see _account_state)."""
+        self.instance = instance
+        self.store_dtype = store_dtype
+        self.url_of = url_of
+        self.states = StateWrites(store, writer, cache, table, counters, signature=signature,
+                                  db_budget_bytes=db_budget_bytes, write_behind_bytes=write_behind_bytes,
+                                  store_dtype=store_dtype)
+        self.lane = self.states.lane
         self._progress_queued = False  # a progress job is in the writer queue
+        self._retries: dict[int, asyncio.TimerHandle] = {}  # id(job) -> its retry timer
 
     async def start(self) -> None:
-        """After the store is open: the budget's starting point."""
-        self.db_state_bytes = await self.store.states_bytes(templates=False)
+        """After the store is open: the budget's starting point; the state lane."""
+        await self.states.start()
+
+    async def flush(self) -> None:
+        """Until the writer's queue and the pending states are written (or dropped)."""
+        await self.writer.flush()
+        await self.lane.idle()
+        await self.writer.flush()
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Write the pending states (within `timeout`), stop retrying settles."""
+        for h in self._retries.values():
+            h.cancel()
+        self._retries.clear()
+        await self.states.close(timeout)
+
+    @property
+    def db_state_bytes(self) -> int:
+        """Stored non-template state bytes, exact for this server's own writes and deletes."""
+        return self.states.db_state_bytes
 
     # --- reads ---------------------------------------------------------------------------------
     async def load_task(self, task_id: str) -> Task | None:
-        """The stored task (kept as recently read), or the copy loaded meanwhile."""
+        """The stored task (kept as recently read when finished), or the copy loaded meanwhile.
+        A row still running elsewhere is not kept: its progress changes under it; its output is
+        closed here with an error naming the instance, so a stream of it ends at once (its
+        instance streams it)."""
         row = await self.store.get_task(task_id)
         if row is None:
             return self.table.find(task_id)
-        return self.table.remember(from_row(row))
+        t = from_row(row)
+        if not t.running:
+            return self.table.remember(t)
+        t.out.finished = True
+        where = f"instance {t.instance!r}" + (f" ({self.url_of(t.instance)})" if self.url_of(t.instance) else "")
+        t.out.error = f"task {t.display_id} is running on {where}; stream it there"
+        return t
 
     async def resolve_state(self, t: Task) -> tuple[State | None, int, str | None]:
-        """(state, state_pos, pinned key) to start t's next run from; (None, 0, None) when the
-        state is gone (budget, restart of a TMP parent): the run then recomputes from zero."""
-        sid = t.state_id
-        if not sid:
-            return None, 0, None
-        st = await self.cache.get_or_load(sid, partial(self._load_state, sid))
-        if st is None or t.state_id != sid:
+        """(state, state_pos, pinned key) to start t's next run from: its newest state, else
+        its last stored one, else (None, 0, None): the run rebuilds from zero."""
+        tried: set[str] = set()
+        while t.state_id and t.state_id not in tried:
+            sid, pos = t.state_id, t.state_pos
+            tried.add(sid)
+            st = await self.cache.get_or_load(sid, partial(self._load_state, sid))
+            if t.state_id != sid:
+                continue  # it changed while loading
+            if st is not None:
+                self.cache.pin(sid, st)
+                return st, pos, sid
             self.counters["state_misses"] += 1
-            if t.state_id == sid:  # gone (budget, or a TMP parent's state): recompute from zero
-                t.state_id, t.state_pos = None, 0
-            return None, 0, None
-        self.cache.pin(sid, st)
-        return st, t.state_pos, sid
+            if t.stored_id == sid:
+                t.stored_id, t.stored_pos = None, 0  # gone from the database too
+            t.state_id, t.state_pos = t.stored_id, t.stored_pos
+        return None, 0, None
 
     def release(self, key: str | None) -> None:
         """Unpin a state resolve_state pinned."""
@@ -104,28 +162,64 @@ class Persistence:
             self.cache.unpin(key)
 
     async def _load_state(self, sid: str) -> State | None:
-        row = await self.store.get_state(sid)
+        """A stored state, decoded; None when there is none or it is unusable (corrupt,
+        undecodable: it is dropped, and the task rebuilt). Another model's state: 409."""
+        if sid.startswith("TMP_"):
+            return None  # TMP states are never stored
+        try:
+            row = await self.store.get_state(sid)
+        except Exception as exc:
+            if not damaged(exc):
+                raise
+            log.error("stored state %s is on a damaged database page (%s); its task is rebuilt", sid, exc)
+            self.counters["state_corrupt"] += 1
+            return None
         if row is None:
             return None
         try:
-            st = await asyncio.to_thread(decode_state, orjson.loads(row.meta), row.data,
-                                         self.signature, row.checksum)
-        except StateCodecError as exc:
+            st = await asyncio.to_thread(_decode, row.meta, row.data, self.signature, row.checksum)
+        except StateShapeError as exc:
             raise TaskConflict(str(exc)) from exc
+        except StateCodecError as exc:
+            log.warning("stored state %s is unusable (%s); its task is rebuilt from its tokens", sid, exc)
+            self.counters["state_corrupt"] += 1
+            self.writer.offer(self._drop_corrupt, sid)
+            return None
         self.counters["db_state_loads"] += 1
         self.writer.offer(self.store.touch_states, [sid])  # budget eviction is least recently used
         if row.is_template and sid not in self.cache:
             self.cache.put(sid, st, template=True)
         return st
 
-    # --- writer jobs ---------------------------------------------------------------------------
-    async def save_started(self, t: Task) -> asyncio.Future[None]:
-        """Queue the row of a task that started; the future is set once it is committed (the
-        writer merges a burst of starts into one transaction)."""
-        return await self.writer.put_many(self._persist_rows, to_row(t))
+    async def _drop_corrupt(self, sid: str) -> None:
+        self.states.db_state_bytes -= await self.store.drop_state(sid)
+        for x in self.table.held():
+            if x.stored_id == sid:
+                x.stored_id, x.stored_pos = None, 0
+
+    # --- rows ----------------------------------------------------------------------------------
+    async def save_started(self, t: Task, new: bool) -> asyncio.Future[Any]:
+        """Queue the row of a run that started; the future is set once it is committed. A new
+        task's row is inserted (a burst of starts is one transaction); an existing task is
+        claimed: refused (TaskElsewhere, TaskStale, TaskNotFound) when another instance runs it,
+        changed it since this server read it, or deleted it."""
+        if new:
+            return await self.writer.put_many(self._persist_rows, to_row(t))
+        return await self.writer.put(self._claim, t, update_row(t))
 
     async def _persist_rows(self, rows: list[dict[str, Any]]) -> None:
         await self.store.save_rows(rows)
+
+    async def _claim(self, t: Task, row: dict[str, Any]) -> None:
+        miss = await self.store.claim(t.id, t.version, row)
+        if miss is None:
+            t.version += 1
+            return
+        if miss.status is None:
+            raise TaskNotFound(f"task {t.display_id!r} not found", param="task_id")
+        if miss.status != 3:
+            raise TaskElsewhere(t.display_id, miss.instance, self.url_of(miss.instance), "continue")
+        raise TaskStale(f"task {t.display_id} was changed by another server; read it again")
 
     def offer_progress(self) -> None:
         """Queue one progress job for all running persistent tasks (unless one is queued: it
@@ -147,127 +241,91 @@ class Persistence:
             if run is None or t.kind == TMP or t.deleted or not t.running or run.n_out == run.saved_out:
                 continue
             run.saved_out = run.n_out
-            rows.append(to_row(t))
+            rows.append(update_row(t))
         if rows:
-            await self.store.save_progress(rows)
+            lost = await self.store.update_owned(rows, self.instance)
+            if lost:
+                log.warning("%d running task(s) were taken over by another instance: %s", len(lost), sorted(lost))
             self.counters["progress_writes"] += 1
             self.counters["progress_rows"] += len(rows)
 
     async def queue_settled(self, job: SettleJob) -> asyncio.Future[None]:
-        """Queue a settle write; it weighs its state's bytes in the writer's group."""
-        return await self.writer.put_many(self._persist_settled, job, weight=job.weight)
+        """Queue a settle row; the future is set once it is committed and the task shown
+        finished (a transient failure is retried: until then the task shows as running)."""
+        await self.writer.put_many(self._persist_settled, job)
+        return job.done
 
     async def _persist_settled(self, jobs: list[SettleJob]) -> None:
-        """Commit settled tasks: each row with its new state, the old state dropped, all in ONE
-        transaction (a burst of tasks finishing together is one commit, up to the writer's
-        GROUP_BYTES); then show each finished. The states are encoded in turn, the next while
-        the current one is written, and their bytes are dropped once written. The writer may
-        call this with a group and, if that raises, once per job: so after a failed group
-        nothing is undone or shown (the single calls do it); a single call cleans up even when
-        it fails."""
-        stored: list[tuple[int, bool]] = []  # (nbytes, is_template) of each state written
-        ok = False
+        """Commit settle rows (a burst of tasks finishing together is one transaction), then
+        show each finished and queue its new state behind. The writer retries a failed group
+        one job at a time; a single job that fails is retried later (transient) or shown
+        finished with an error (anything else), and never raises."""
         try:
-            await self.store.save_each(self._settle_rows(jobs, stored))
-            ok = True
-            for nbytes, _ in stored:
-                self.counters["state_writes"] += 1
-                self.counters["state_write_bytes"] += nbytes
-            try:  # committed: a failing budget check must not make the writer retry the jobs
-                for nbytes, is_template in stored:
-                    await self._account_state(nbytes, is_template)
-            except Exception:
-                log.exception("database budget check failed")
-        finally:
-            if ok or len(jobs) == 1:
-                for job in jobs:
-                    self._settled(job)
+            lost = await self.store.update_owned([j.row for j in jobs if not j.task.deleted], self.instance)
+        except Exception as exc:
+            if len(jobs) > 1:
+                raise
+            self._settle_failed(jobs[0], exc)
+            return
+        for job in jobs:
+            self._settled(job, lost=job.task.id in lost)
 
-    async def _settle_rows(self, jobs: list[SettleJob], stored: list[tuple[int, bool]]
-                           ) -> AsyncIterator[tuple[dict[str, Any], dict[str, Any] | None, list[str]]]:
-        """(task row, state row, states to drop) of each job for Store.save_each. The next
-        job's state is encoded while this one is written: at most two states' bytes in memory
-        (2 x 21 MB at 2.9B fp32)."""
-        nxt = self._encode(jobs, 0)
-        try:
-            for i, job in enumerate(jobs):
-                cur, nxt = nxt, self._encode(jobs, i + 1)
-                t = job.task
-                if t.deleted:
-                    _discard(cur)
-                    continue
-                srow = None
-                if cur is not None and job.key is not None:
-                    srow = state_row(job.key, t.id, await cur, t.kind == TEMPLATE)
-                    stored.append((srow["nbytes"], srow["is_template"]))
-                old = job.old_key
-                yield job.row, srow, [old] if old and old != job.key else []
-        finally:
-            _discard(nxt)  # the write failed or stopped early: drop the prefetch
+    def _settle_failed(self, job: SettleJob, exc: Exception) -> None:
+        job.attempts += 1
+        t = job.task
+        if isinstance(exc, TaskUnavailable):
+            log.warning("task %s: its final row could not be committed (%s); retrying, the task "
+                        "shows as running until then", t.id, exc.message)
+            self._retries[id(job)] = asyncio.get_running_loop().call_later(
+                min(RETRY_MAX_S, 0.05 * 2 ** job.attempts), self._retry_settle, job)
+            return
+        log.error("task %s: its final row could not be stored: %s", t.id, exc)
+        job.outcome = Outcome("error", f"its final row could not be stored: {exc}")
+        job.key, job.state = None, None
+        self._settled(job, lost=False, stored=False)
 
-    def _encode(self, jobs: list[SettleJob], i: int) -> asyncio.Future[EncodedState] | None:
-        """Job i's state encoding, started in a thread (None: no state, or no job i)."""
-        if i >= len(jobs):
-            return None
-        job = jobs[i]
-        if job.key is None or job.state is None or job.task.deleted:
-            return None
-        return asyncio.ensure_future(asyncio.to_thread(encode_state, job.state, self.signature))
+    def _retry_settle(self, job: SettleJob) -> None:
+        self._retries.pop(id(job), None)
+        fut = asyncio.ensure_future(self.writer.put_many(self._persist_settled, job))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def _settled(self, job: SettleJob) -> None:
-        """After a settle commit (or its failure): release the states, show the task finished."""
-        t, key, old_key = job.task, job.key, job.old_key
-        if key is not None and t.kind != TEMPLATE:
-            self.cache.unpin(key)
-        if key is not None and old_key and old_key != key and old_key.startswith(t.id + ":"):
-            self.cache.discard(old_key)
+    def _settled(self, job: SettleJob, *, lost: bool, stored: bool = True) -> None:
+        """After a settle commit (or a failure that ends it): show the task finished, hand its
+        new state to the lane. `lost`: the row was gone or taken over by another instance
+        (this instance's lease had expired): the task shows interrupted and is read again."""
+        t, key = job.task, job.key
         t.pending_writes -= 1
-        if job.outcome is not None:
+        t.instance = None
+        if key is not None and (lost or t.deleted or job.state is None):
+            if t.kind != TEMPLATE:
+                self.cache.unpin(key)
+            key = None
+        if job.old_key and job.old_key != job.key and job.old_key.startswith(t.id + ":"):
+            self.cache.discard(job.old_key)
+        if lost and not t.deleted:
+            t.finish("interrupted", None)
+            self.table.forget(t.id)
+        elif job.outcome is not None:
             t.finish(*job.outcome)
-        self.table.retire(t)
+        if key is not None and job.state is not None:
+            self.states.add(Pending(t, key, job.state, job.pos, t.kind == TEMPLATE, job.state.nbytes()))
+        if stored:
+            self.table.retire(t)
+        if not job.done.done():
+            job.done.set_result(None)
 
     async def delete(self, t: Task) -> None:
         """Delete t's row (and its state when no other task names it); waits for the commit."""
+        self.lane.discard(t.id)
         await self.writer.call(self._delete_job, t)
 
     async def _delete_job(self, t: Task) -> None:
-        await self.store.delete_task(t.id)
+        _, dropped = await self.store.delete_task(t.id)
+        self.states.db_state_bytes -= dropped
 
-    # --- the database budget -------------------------------------------------------------------
-    async def _account_state(self, nbytes: int, is_template: bool) -> None:
-        """After a state was stored: the database budget is checked (a query over all states)
-        only when it may be exceeded. db_state_bytes stays an upper bound of the stored
-        non-template bytes: it grows by every stored state and is set to the true total by each
-        check, while dropped and deleted states only lower the true total."""
-        grown = 0 if is_template else int(nbytes)
-        if self.db_state_bytes + grown <= self.db_budget_bytes:
-            self.db_state_bytes += grown
-            return
-        await self._enforce_db_budget()
-
-    async def _enforce_db_budget(self) -> None:
-        """Drop the least recently used stored states beyond the budget, those held only by the
-        LRU cache last (cache hits do not touch the database's last_used). A state in use (a
-        running task's, pinned) is kept. A dropped state leaves memory too, and the tasks that
-        named it say state_id None, as the database now does: no task keeps an id that is gone."""
-        keep = self.cache.pinned_keys() | {x.state_id for x in self.table.running() if x.state_id}
-        victims, total = await self.store.enforce_budget(self.db_budget_bytes, keep,
-                                                         prefer=self.cache.keys())
-        self.db_state_bytes = total
-        if victims:
-            gone = set(victims)
-            for sid in gone:
-                self.cache.discard(sid)
-            for x in self.table.held():
-                if x.state_id in gone and not x.running:  # a running one settles a new state
-                    x.state_id, x.state_pos = None, 0
-            self.counters["db_evictions"] += len(victims)
-            log.info("database budget: dropped %d states (%.1f MiB of states left)",
-                     len(victims), total / 2**20)
-
-
-def _discard(fut: asyncio.Future[Any] | None) -> None:
-    """Cancel an encoding nobody will use (its exception, if any, retrieved: no asyncio warning)."""
-    if fut is not None:
-        fut.cancel()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+def _decode(meta: str, data: bytes, signature: str, checksum: str) -> State:
+    try:
+        parsed = orjson.loads(meta)
+    except orjson.JSONDecodeError as exc:
+        raise StateCodecError(f"stored state metadata is not JSON: {exc}") from None
+    return decode_state(parsed, data, signature, checksum)

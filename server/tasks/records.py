@@ -6,6 +6,14 @@ those inherited from the task it was forked from). `state_id` names its last set
 what must be fed before anything new. That one rule covers templates, forks, continues, tasks
 interrupted by a crash and states dropped by a budget (state_pos = 0: recompute from zero).
 
+The history only grows (a continue appends), so any state of a task is a valid starting point
+for its later history. States are written behind the row: `stored_id`/`stored_pos` name the
+last state in the database (what the row says), `state_id`/`state_pos` the newest one, which
+may be in memory only until it is written (or dropped: then it is rebuilt from the tokens).
+
+Ids: a private named template of an API key is stored as `_<name>@<owner hash prefix>` (names
+are per key); clients always see `display_id` (`_<name>`).
+
 A `Run` is one engine submission of a task (server.tasks.runs), attached to the task while it runs.
 """
 
@@ -26,92 +34,46 @@ from sqlalchemy import Row
 from server.engine.protocol import Handle
 from server.engine.types import SamplingParams
 from server.tasks.config import LatencyRecorder
+from server.tasks.output import Output
 from server.tasks.schema import DbRow
 
 PREFILL, READY, RUNNING, FINISHED = 0, 1, 2, 3
 TMP, TASK, TEMPLATE = "tmp", "task", "template"
 FINISH_REASONS = ("stop", "length", "stopped", "error", "interrupted")
+STORED, CACHED, REBUILD = "stored", "cached", "rebuild"
+"""Task.state: its newest state is in the database / only in memory / gone (the next run
+prefills the history from the last stored state, or from zero)."""
+OWNER_TAG = 12
+"""Hex characters of the owner hash in a private named template's id."""
 
 
-def new_id(kind: str, name: str | None = None) -> str:
+def new_id(kind: str, name: str | None = None, owner: str | None = None) -> str:
+    """A new id. A named template with an `owner` (private) is `_<name>@<owner prefix>`."""
     if kind == TMP:
         return "TMP_" + uuid.uuid4().hex
     if kind == TASK:
         return "TASK_" + uuid.uuid4().hex
-    return "_" + name if name else "_TMPL_" + uuid.uuid4().hex
+    if not name:
+        return "_TMPL_" + uuid.uuid4().hex
+    return f"_{name}@{owner[:OWNER_TAG]}" if owner else "_" + name
+
+
+def qualified(task_id: str, owner: str | None) -> str | None:
+    """The id `owner`'s private template of that plain name has (None: not a plain template id)."""
+    if owner is None or not task_id.startswith("_") or "@" in task_id:
+        return None
+    return f"{task_id}@{owner[:OWNER_TAG]}"
+
+
+def display_id(task_id: str | None) -> str | None:
+    """The id a client sees (a private template's plain name)."""
+    return task_id.split("@", 1)[0] if task_id else task_id
 
 
 def kind_of(task_id: str) -> str:
     if task_id.startswith("_"):
         return TEMPLATE
     return TMP if task_id.startswith("TMP_") else TASK
-
-
-class Output:
-    """The text a task produced since its last prompt, shared with stream readers.
-
-    offsets[i] = characters of `text` available once output token i has been produced (text of
-    one engine event is credited to the event's last token)."""
-
-    def __init__(self, text: str = "", offsets: Iterable[int] = (), finished: bool = True) -> None:
-        self.text = text
-        self.offsets = array("q", offsets)
-        self.finished = finished
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self._waiters: set[asyncio.Future[None]] = set()
-        self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.streaming.direct)
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def append(self, text: str, n_tokens: int) -> None:
-        if n_tokens <= 0:
-            if text:  # text with no new token (a final flush): credit it to the last token
-                self.text += text
-                if self.offsets:
-                    self.offsets[-1] = len(self.text)
-            return
-        before = len(self.text)
-        self.text += text
-        self.offsets.extend([before] * (n_tokens - 1))
-        self.offsets.append(len(self.text))
-
-    def char_at(self, pos: int) -> int:
-        """Characters of text that come before output token `pos`."""
-        if pos <= 0 or not self.offsets:
-            return 0
-        return self.offsets[min(pos, len(self.offsets)) - 1]
-
-    def notify(self) -> None:
-        for fut in self._waiters:
-            if not fut.done():
-                fut.set_result(None)
-        self._waiters.clear()
-        if self._listeners:
-            for fn in list(self._listeners):  # a listener may leave while called
-                fn()
-
-    def listen(self, fn: Callable[[], None]) -> None:
-        """fn() runs at every notify, on the event loop (it must not block or raise)."""
-        self._listeners.append(fn)
-
-    def unlisten(self, fn: Callable[[], None]) -> None:
-        if fn in self._listeners:
-            self._listeners.remove(fn)
-
-    async def wait_change(self, timeout: float | None) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.add(fut)
-        try:
-            if timeout is None:
-                await fut
-            else:
-                await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            self._waiters.discard(fut)
 
 
 @dataclass
@@ -137,6 +99,11 @@ class Run:
     n_out: int = 0
     saved_out: int = 0
     """n_out in the last progress row written."""
+    started: asyncio.Future[Any] | None = None
+    """A persistent run's start row commit (its settle waits for it)."""
+    undo: Callable[[], None] | None = None
+    """Undoes the start when that commit failed (Runs._discard; runs once)."""
+    discarded: bool = False
 
 
 @dataclass
@@ -162,6 +129,15 @@ class Task:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     finished_at: float | None = None
+    public: bool = False
+    """A template every API key may read and fork."""
+    stored_id: str | None = None
+    """The last state written to the database (the row's state_id), or None."""
+    stored_pos: int = 0
+    instance: str | None = None
+    """The server instance running it (None: not running)."""
+    version: int = 0
+    """The row's version (+1 at each claim of a run)."""
     # runtime only
     run: Run | None = None  # the current run while running
     saved: asyncio.Future[None] | None = None  # the last queued settle write of this task
@@ -174,6 +150,21 @@ class Task:
     @property
     def running(self) -> bool:
         return self.status != FINISHED
+
+    @property
+    def display_id(self) -> str:
+        return self.id.split("@", 1)[0]
+
+    @property
+    def state(self) -> str:
+        """STORED, CACHED or REBUILD (docs/task-api.md). A running task's state is in the
+        engine (CACHED); a finished task whose state has not consumed its history up to the
+        pending token is REBUILD (in part: e.g. interrupted)."""
+        if self.running:
+            return CACHED
+        if self.state_id is None or self.state_pos < len(self.tokens) - 1:
+            return REBUILD
+        return STORED if self.state_id == self.stored_id else CACHED
 
     @property
     def generated(self) -> int:
@@ -197,21 +188,23 @@ class Task:
     def response(self) -> dict[str, Any]:
         """TaskResponse (the SDK's keys + ours)."""
         return {
-            "task_id": self.id, "result": self.out.text, "prefill_time": self.prefill_time,
+            "task_id": self.display_id, "result": self.out.text, "prefill_time": self.prefill_time,
             "gen_time": self.gen_time, "speed": self.speed(), "finished": not self.running,
             "status": self.status, "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "state": self.state, "instance": self.instance,
         }
 
     def info(self) -> dict[str, Any]:
-        return {"task_id": self.id, "generated_buf": self.generated, "status": self.status,
+        return {"task_id": self.display_id, "generated_buf": self.generated, "status": self.status,
                 "finish_reason": self.finish_reason}
 
     def summary(self) -> dict[str, Any]:
-        return {"task_id": self.id, "kind": self.kind, "status": self.status,
+        return {"task_id": self.display_id, "kind": self.kind, "status": self.status,
                 "finish_reason": self.finish_reason, "generated_buf": self.generated,
                 "created_at": self.created_at, "updated_at": self.updated_at,
-                "parent_id": self.parent_id}
+                "parent_id": display_id(self.parent_id), "state": self.state,
+                "instance": self.instance, "public": self.public}
 
 
 def _ints_to_blob(values: Iterable[int]) -> bytes:
@@ -236,15 +229,30 @@ _LITTLE = sys.byteorder == "little"
 
 
 def to_row(t: Task) -> dict[str, Any]:
+    """The whole row of a new task (its state pointer: the last STORED state)."""
     return {
         "id": t.id, "kind": t.kind, "status": t.status, "finish_reason": t.finish_reason,
         "owner": t.owner, "parent_id": t.parent_id, "params": orjson.dumps(t.params).decode(),
         "prompt": t.prompt, "prompt_len": t.prompt_len, "tokens": _ints_to_blob(t.tokens),
         "out_start": t.out_start, "text": t.out.text, "offsets": _ints_to_blob(t.out.offsets),
-        "state_id": t.state_id, "state_pos": t.state_pos, "prompt_tokens": t.prompt_tokens,
+        "state_id": t.stored_id, "state_pos": t.stored_pos, "prompt_tokens": t.prompt_tokens,
         "completion_tokens": t.completion_tokens, "prefill_time": t.prefill_time,
         "gen_time": t.gen_time, "created_at": t.created_at, "updated_at": t.updated_at,
+        "public": t.public, "instance": t.instance, "version": t.version,
     }
+
+
+UPDATE_COLUMNS = ("id", "status", "finish_reason", "params", "prompt", "prompt_len", "tokens",
+                  "out_start", "text", "offsets", "prompt_tokens", "completion_tokens",
+                  "prefill_time", "gen_time", "updated_at", "instance")
+"""What a run changes in an existing row: never its identity, owner or version (claims own
+those) nor its state pointer (only a state write or the database budget moves that)."""
+
+
+def update_row(t: Task) -> dict[str, Any]:
+    """The columns of t a run's writes (start, progress, settle) update."""
+    row = to_row(t)
+    return {k: row[k] for k in UPDATE_COLUMNS}
 
 
 def from_row(r: DbRow | Mapping[str, Any]) -> Task:
@@ -260,4 +268,6 @@ def from_row(r: DbRow | Mapping[str, Any]) -> Task:
         completion_tokens=m["completion_tokens"], prefill_time=m["prefill_time"],
         gen_time=m["gen_time"], created_at=m["created_at"], updated_at=m["updated_at"],
         finished_at=m["updated_at"] if m["status"] == FINISHED else None,
+        public=bool(m["public"]), stored_id=m["state_id"], stored_pos=m["state_pos"],
+        instance=m["instance"], version=m["version"],
     )

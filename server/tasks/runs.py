@@ -6,9 +6,16 @@ A run therefore leaves `state_pos = len(tokens) - 1` and the next run feeds the 
 (which yields the logits to continue from). A stop token is neither emitted nor fed; we append
 EOS to the history so the same rule holds. A prefill-only run (max_tokens=0) holds the prompt's
 last token back for the same reason. Without a usable result state (error) the old state is
-kept and the next run re-feeds `tokens[state_pos:]`.
+kept and the next run re-feeds `tokens[state_pos:]`. A run that feeds more of the history than
+the pending token rebuilds a state that is missing (counters `rebuilds`, `rebuild_tokens`).
 
-The pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task:
+A persistent run is acknowledged only once its row is committed (a new task's row inserted, an
+existing task claimed in the database, server.tasks.persist); its pump runs meanwhile, and its
+settle waits for that commit. If the commit fails, the sequence is aborted and the task is left
+exactly as it was (the output the pump took meanwhile removed).
+
+A run's whole life (start, pump, settle, abort) is kept in this one module, a little over 300
+lines. The pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task:
 it appends, counts and wakes the stream readers, nothing more.
 """
 
@@ -30,8 +37,19 @@ from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory
 from server.tasks.params import sampling_params
 from server.tasks.persist import Outcome, SettleJob
-from server.tasks.records import FINISHED, PREFILL, READY, RUNNING, TEMPLATE, TMP, Output, Run, Task, to_row
-from server.tasks.table import TaskTable
+from server.tasks.records import (
+    FINISHED,
+    PREFILL,
+    READY,
+    RUNNING,
+    TEMPLATE,
+    TMP,
+    Output,
+    Run,
+    Task,
+    update_row,
+)
+from server.tasks.table import Snapshot, TaskTable
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -49,7 +67,7 @@ class RunPersistence(Protocol):
 
     def release(self, key: str | None) -> None: ...
 
-    async def save_started(self, t: Task) -> asyncio.Future[None]: ...
+    async def save_started(self, t: Task, new: bool) -> asyncio.Future[Any]: ...
 
     async def queue_settled(self, job: SettleJob) -> asyncio.Future[None]: ...
 
@@ -59,9 +77,11 @@ class RunPersistence(Protocol):
 class Runs:
     def __init__(self, engine: EngineAPI, table: TaskTable, persistence: RunPersistence,
                  cache: StateCache[State], counters: Counter[str], *, default_max_tokens: int,
-                 latency: LatencyFactory | None = None) -> None:
+                 latency: LatencyFactory | None = None, instance: str | None = None) -> None:
         self.engine, self.table, self.persistence, self.cache = engine, table, persistence, cache
         self.counters = counters
+        self.instance = instance
+        """This server's instance id, recorded on the rows of the runs it starts."""
         self.default_max_tokens = default_max_tokens
         self.latency = latency
         """Optional factory of a latency recorder per run (the HTTP layer's Recorder)."""
@@ -75,29 +95,44 @@ class Runs:
         """Claim, apply `update` (task fields), submit, (persistent: commit the row), and pump
         events in the background. On failure the task is as it was."""
         t = self.table.claim(t)
-        old = {k: getattr(t, k) for k in update or {}}
+        before = Snapshot.of(t, update or {})
         for k, v in (update or {}).items():
             setattr(t, k, v)
         try:
             run = await self._launch(t, prompt_ids, max_tokens)
         except BaseException:
-            for k, v in old.items():
-                setattr(t, k, v)
+            before.restore(t)
             self.table.unclaim(t, new)
             raise
-        saved = None
-        if t.kind != TMP:
-            saved = await self.persistence.save_started(t)
+        run.undo = partial(self._discard, t, run, before, new)
         pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
-        if saved is not None:
+        if t.kind != TMP:
             try:
-                await saved  # commit before acknowledging
+                run.started = await self.persistence.save_started(t, new)
             except BaseException:
-                self.abort(t)
+                run.undo()
+                raise
+            try:
+                await asyncio.shield(run.started)  # commit before acknowledging
+            except asyncio.CancelledError:
+                raise  # the caller left; the run goes on (or its pump undoes it if the commit fails)
+            except BaseException:
+                run.undo()
                 raise
         return t
+
+    def _discard(self, t: Task, run: Run, before: Snapshot, new: bool) -> None:
+        """Undo a start whose row could not be committed: abort the sequence, restore the task."""
+        if run.discarded:
+            return
+        run.discarded = True
+        if run.handle is not None:
+            run.handle.abort()
+        self.persistence.release(run.key)
+        before.restore(t)
+        self.table.unclaim(t, new)
 
     async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> Run:
         sp = sampling_params(t.params, self.default_max_tokens)
@@ -107,6 +142,7 @@ class Runs:
         try:
             hist = t.tokens + array("i", prompt_ids or ())
             inp = hist[pos:].tolist()
+            rebuilt = len(t.tokens) - 1 - pos  # history beyond the pending token: no state had it
             if sp.max_tokens == 0:
                 inp = inp[:-1]  # hold the last token back: a fork can then generate at once
             elif not inp:  # cannot happen by the invariant; recompute rather than fail
@@ -127,6 +163,9 @@ class Runs:
             raise
         self.counters["runs"] += 1
         self.counters["prefill_tokens"] += len(inp)
+        if rebuilt > 0:
+            self.counters["rebuilds"] += 1
+            self.counters["rebuild_tokens"] += rebuilt
         if prompt_ids is not None:  # a new prompt: the output starts over
             t.tokens.extend(prompt_ids)
             t.out_start, t.prompt_len = len(t.tokens), len(prompt_ids)
@@ -135,6 +174,7 @@ class Runs:
             t.out.finished, t.out.finish_reason, t.out.error = False, None, None
             run.gen_base = t.gen_time
         t.finish_reason, t.stop_requested, t.interrupted, t.run = None, False, False, run
+        t.instance = self.instance
         t.prompt_tokens, t.completion_tokens = len(inp), len(t.out)
         t.updated_at = time.time()
         return run
@@ -164,9 +204,23 @@ class Runs:
             error = f"{type(exc).__name__}: {exc}"
         if run.recorder is not None:
             run.recorder.finish()
-        await self._settle(t, run, res, error)
+        if run.started is not None:  # a persistent run: its start row first
+            try:
+                await asyncio.shield(run.started)
+            except asyncio.CancelledError:
+                if not run.started.cancelled():
+                    raise  # the pump itself was cancelled
+                if run.undo is not None:
+                    run.undo()
+            except Exception:  # noqa: BLE001 - the commit failed: the start is undone
+                if run.undo is not None:
+                    run.undo()
+        if not run.discarded:
+            await self._settle(t, run, res, error)
 
     def _on_batch(self, t: Task, run: Run, batch: list[Event]) -> None:
+        if run.discarded:
+            return
         for ev in batch:
             self._on_event(t, run, ev)
         if run.recorder is not None:
@@ -193,7 +247,8 @@ class Runs:
     # --- settle --------------------------------------------------------------------------------
     async def _settle(self, t: Task, run: Run, res: Result | None, error: str | None) -> None:
         """Record the run's outcome. A persistent task shows as finished only once its final
-        row and state are committed (a client that saw `finished` can rely on it)."""
+        row is committed (a client that saw `finished` can rely on it); its new state is
+        written behind (server.tasks.persist)."""
         if res is not None and res.finish_reason == ERROR:
             error = res.error or "generation failed"
         reason = _reason(t, res, error)
@@ -207,6 +262,8 @@ class Runs:
         if new_key is not None and state is not None and covered is not None:
             t.state_id, t.state_pos = new_key, run.pos + covered
             self._cache_new_state(t, new_key, state)
+        else:
+            new_key = state = None
         if res is not None:
             t.prefill_time = res.prefill_time
             t.gen_time = run.gen_base + res.gen_time
@@ -214,14 +271,14 @@ class Runs:
         if t.kind == TMP:
             if old_key and new_key and old_key != new_key and old_key.startswith(t.id + ":"):
                 self.cache.discard(old_key)
+            t.instance = None
             t.finish(reason, error)
             return
-        row = to_row(t)
-        row.update(status=FINISHED, finish_reason=reason)
+        row = update_row(t)
+        row.update(status=FINISHED, finish_reason=reason, instance=None)
         t.pending_writes += 1
         t.saved = await self.persistence.queue_settled(
-            SettleJob(t, row, new_key, state, old_key, Outcome(reason, error)))
-        t.saved.add_done_callback(partial(_log_failed_settle, task_id=t.id))
+            SettleJob(t, row, new_key, state, t.state_pos, old_key, Outcome(reason, error)))
 
     def _covered(self, t: Task, run: Run, res: Result | None) -> int | None:
         """Tokens of the run (input + output) the returned state has consumed, by the engine's
@@ -245,9 +302,9 @@ class Runs:
         if t.kind == TEMPLATE:
             self.cache.put(key, state, template=True)
         elif t.kind == TMP:
-            self.cache.put(key, state)
+            self.cache.put(key, state, tmp=True)
         else:
-            self.cache.pin(key, state)  # until written (Persistence._settled unpins)
+            self.cache.pin(key, state)  # until written behind (or dropped: Persistence unpins)
 
     # --- stop ----------------------------------------------------------------------------------
     def abort(self, t: Task) -> None:
@@ -286,11 +343,3 @@ def _reason(t: Task, res: Result | None, error: str | None) -> str:
     if t.interrupted and reason in ("stopped", "error"):
         reason, t.interrupted = "interrupted", False
     return reason
-
-
-def _log_failed_settle(fut: asyncio.Future[None], *, task_id: str) -> None:
-    """A settle write that failed (its task shows finished, but its final row and state are not
-    in the database): say so once, and retrieve the exception so asyncio does not warn."""
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("task %s: its final write failed, the database keeps its last progress row: %s",
-                  task_id, fut.exception())

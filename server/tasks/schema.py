@@ -53,14 +53,17 @@ def _text() -> sa.types.TypeEngine[str]:
     return sa.Text().with_variant(_PgNulSafeText(), "postgresql")
 
 
+ID_LEN = 160
+"""Task and state ids (v3: a private named template's id carries its owner, `_name@<hash>`)."""
+
 tasks = sa.Table(
     "tasks", metadata,
-    sa.Column("id", _str(80), primary_key=True),
+    sa.Column("id", _str(ID_LEN), primary_key=True),
     sa.Column("kind", _str(16), nullable=False),  # task | template
     sa.Column("status", sa.Integer, nullable=False),  # 0 PREFILL, 1 READY, 2 RUNNING, 3 FINISHED
     sa.Column("finish_reason", _str(16)),
     sa.Column("owner", _str(64)),  # hash of the API key that made it (None: no keys)
-    sa.Column("parent_id", _str(80)),  # fork lineage
+    sa.Column("parent_id", _str(ID_LEN)),  # fork lineage
     sa.Column("params", _text(), nullable=False),  # JSON: generation parameters
     sa.Column("prompt", _text(), nullable=False),  # text of the last prompt ("" when ids)
     sa.Column("prompt_len", sa.Integer, nullable=False),  # tokens of the last prompt
@@ -68,7 +71,7 @@ tasks = sa.Table(
     sa.Column("out_start", sa.Integer, nullable=False),  # index in tokens where the output starts
     sa.Column("text", _text(), nullable=False),  # output text since the last prompt
     sa.Column("offsets", sa.LargeBinary, nullable=False),  # char end after each output token
-    sa.Column("state_id", _str(80)),  # states.id of the last settled state
+    sa.Column("state_id", _str(ID_LEN)),  # states.id of the last STORED state (v3: written behind)
     sa.Column("state_pos", sa.Integer, nullable=False),  # tokens[:state_pos] are in that state
     sa.Column("prompt_tokens", sa.Integer, nullable=False),
     sa.Column("completion_tokens", sa.Integer, nullable=False),
@@ -76,14 +79,17 @@ tasks = sa.Table(
     sa.Column("gen_time", sa.Float, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("public", sa.Boolean, nullable=False),  # v3: a template every key may read and fork
+    sa.Column("instance", _str(80)),  # v3: the server instance running it (NULL: not running)
+    sa.Column("version", sa.Integer, nullable=False),  # v3: +1 at each claim of a run (replicas)
     sa.Index("ix_tasks_status", "status"),
     sa.Index("ix_tasks_owner_created", "owner", "created_at"),  # v2
 )
 
 states = sa.Table(
     "states", metadata,
-    sa.Column("id", _str(80), primary_key=True),
-    sa.Column("task_id", _str(80), nullable=False),  # the task that produced it
+    sa.Column("id", _str(ID_LEN), primary_key=True),
+    sa.Column("task_id", _str(ID_LEN), nullable=False),  # the task that produced it
     sa.Column("is_template", sa.Boolean, nullable=False),
     sa.Column("signature", _str(128), nullable=False),  # model shape signature
     sa.Column("meta", _text(), nullable=False),  # JSON: layout, dtypes, shapes, offsets
@@ -94,4 +100,13 @@ states = sa.Table(
     sa.Column("last_used", sa.Float, nullable=False),  # v2: eviction order
     sa.Index("ix_states_task", "task_id"),
     sa.Index("ix_states_evict", "is_template", "last_used"),  # v2
+)
+
+instances = sa.Table(  # v3: one row per running server on this database (replicas)
+    "instances", metadata,
+    sa.Column("id", _str(80), primary_key=True),
+    sa.Column("name", _str(80), nullable=False),  # the server's name; a new start of it: a new id
+    sa.Column("url", _text()),  # the URL it advertises (Settings.public_url), or NULL
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("heartbeat_at", sa.Float, nullable=False),  # database clock, epoch seconds
 )

@@ -1,151 +1,70 @@
 """The task database: SQLAlchemy 2 async (aiosqlite by default; any async URL, e.g. asyncpg).
 
-SQLite runs in WAL mode with synchronous=FULL: a commit that returned is on disk even after a
-power loss, so a task the server acknowledged is never lost. Writes are serialized by one lock
-(one writer per process is what SQLite wants anyway); reads run concurrently on the pool. All
-SQL here is plain SQLAlchemy Core that PostgreSQL runs too.
+The connection (WAL + synchronous=FULL on SQLite, so an acknowledged task survives a power
+loss; IMMEDIATE write transactions; transient errors as TaskUnavailable, HTTP 503): database.py.
+All SQL here is plain SQLAlchemy Core that PostgreSQL runs too.
+
+Run writes of existing rows are fenced: a claim (`claim`) moves a finished row to this instance
+only if nobody else runs it and it is the version this server read; later writes of the run
+(`update_owned`) touch only rows this instance still holds. Instance leases: server/tasks/lease.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 import time
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import sqlalchemy as sa
-from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from server.tasks import migrate
 from server.tasks.codec import EncodedState
+from server.tasks.database import Database, database_url, unavailable
 from server.tasks.schema import DbRow, states, tasks
 
-log = logging.getLogger("server.tasks.store")
+__all__ = ["ClaimMiss", "Database", "Store", "database_url", "state_row", "unavailable"]
 
 _CHUNK = 500  # ids per IN (...) list
+FINISHED = 3
 
 
-_ASYNC_SCHEMES = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
-                  "postgres": "postgresql+asyncpg"}
+class ClaimMiss(NamedTuple):
+    """Why a claim failed: the row as it is (status None: the row is gone)."""
+
+    status: int | None
+    version: int | None
+    instance: str | None
 
 
-def database_url(db: str) -> str:
-    """A settings value (path or URL) -> an async SQLAlchemy URL."""
-    if "://" in db:  # the blocking drivers' schemes name their async twins here
-        scheme, rest = db.split("://", 1)
-        return f"{_ASYNC_SCHEMES.get(scheme, scheme)}://{rest}"
-    if db in ("", ":memory:"):
-        return "sqlite+aiosqlite://"
-    path = os.path.abspath(os.path.expanduser(db))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return f"sqlite+aiosqlite:///{path}"
-
-
-def _sqlite_setup(engine: AsyncEngine) -> None:
-    @event.listens_for(engine.sync_engine, "connect")
-    def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
-        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (transactional DDL)
-        cur = dbapi_conn.cursor()
-        # page_size first: it only applies to a database not yet written (a new file). States
-        # are blobs of megabytes (21 MB for 2.9B in fp32), stored as chains of overflow pages:
-        # a 21 MB commit took 126 ms with 4 KiB pages and 27 ms with 64 KiB ones (WAL,
-        # synchronous=FULL, same disk, interleaved); one-row updates were no slower.
-        # busy_timeout before journal_mode: switching a new file to WAL takes a lock that another
-        # process opening the same file at the same time may hold.
-        for pragma in ("busy_timeout=30000", "page_size=65536", "journal_mode=WAL", "synchronous=FULL",
-                       "journal_size_limit=67108864", "temp_store=MEMORY"):
-            cur.execute(f"PRAGMA {pragma}")
-        cur.close()
-
-    @event.listens_for(engine.sync_engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        # IMMEDIATE takes the write lock up front (waiting up to busy_timeout for it); a deferred
-        # transaction that read first and then writes fails at once if another process wrote.
-        immediate = conn.get_execution_options().get("sqlite_immediate", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-
-class Store:
-    def __init__(self, db: str) -> None:
-        self.url = database_url(db)
-        self.engine: AsyncEngine | None = None
-        self.is_sqlite = self.url.startswith("sqlite")
-        self.revision_before: str | None = None
-        self.revision: str = ""
-        self._wlock = asyncio.Lock()
-
-    # --- life cycle ----------------------------------------------------------------------------
-    async def open(self) -> None:
-        kw: dict[str, Any] = {} if self.is_sqlite else {"pool_pre_ping": True}  # survives a server restart
-        if self.url == "sqlite+aiosqlite://":
-            kw = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
-        try:
-            self.engine = create_async_engine(self.url, **kw)
-        except ModuleNotFoundError as exc:  # e.g. postgresql:// without asyncpg installed
-            raise RuntimeError(f"the task database {self.url.split('://')[0]}:// needs the {exc.name} "
-                               f"package (pip install {exc.name}; for PostgreSQL: pip install "
-                               f"'rwkv-task-server[postgres]')") from exc
-        if self.is_sqlite:
-            _sqlite_setup(self.engine)
-        try:
-            # migrations hold the database's write lock from the start (SQLite: BEGIN IMMEDIATE;
-            # PostgreSQL: an advisory lock in migrate.upgrade), so servers opening one new
-            # database together run them one after the other instead of failing on each other
-            async with self.engine.connect() as conn:
-                conn = await conn.execution_options(sqlite_immediate=True)
-                async with conn.begin():
-                    self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
-        except BaseException:
-            await self.engine.dispose()
-            self.engine = None
-            raise
-        if self.revision_before != self.revision:
-            log.info("task database %s: schema %s -> %s", self.url, self.revision_before or "empty", self.revision)
-
-    async def close(self) -> None:
-        if self.engine is not None:
-            await self.engine.dispose()
-            self.engine = None
-
-    def _db(self) -> AsyncEngine:
-        if self.engine is None:
-            raise RuntimeError("the task store is not open")
-        return self.engine
-
-    @asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        """`async with store._write() as conn`: the write lock + one committed transaction."""
-        async with self._wlock, self._db().begin() as conn:
-            yield conn
+class Store(Database):
+    """Task and state queries (the connection, locking and errors: Database)."""
 
     # --- tasks ---------------------------------------------------------------------------------
     async def save(self, task_row: dict[str, Any] | None = None, state: dict[str, Any] | None = None,
-                   drop_states: Iterable[str] = ()) -> None:
+                   drop_states: Iterable[str] = ()) -> int:
         """One transaction: insert `state` (a states row), upsert `task_row`, then drop the
-        states in `drop_states` that no task references any more."""
-        async with self._write() as conn:
-            await _save_one(conn, task_row, state, drop_states)
+        states in `drop_states` that no task references any more. Returns the non-template
+        state bytes dropped."""
+        async with self.write() as conn:
+            return await _save_one(conn, task_row, state, drop_states)
 
     async def save_each(self, items: AsyncIterator[tuple[dict[str, Any] | None, dict[str, Any] | None,
-                                                        Iterable[str]]]) -> None:
+                                                        Iterable[str]]]) -> int:
         """save(task_row, state, drop_states) for each item `items` yields, all in ONE
         transaction (items are taken one at a time, so they may be produced lazily)."""
-        async with self._write() as conn:
+        dropped = 0
+        async with self.write() as conn:
             async for task_row, state, drop_states in items:
-                await _save_one(conn, task_row, state, drop_states)
+                dropped += await _save_one(conn, task_row, state, drop_states)
+        return dropped
 
     async def save_rows(self, rows: list[dict[str, Any]]) -> None:
         """Upsert whole task rows (to_row's columns) in one transaction (_upsert_rows). The same
         id twice: the later row wins, as if the rows were saved one after the other."""
         if not rows:
             return
-        async with self._write() as conn:
+        async with self.write() as conn:
             await _upsert_rows(conn, rows)
 
     async def save_progress(self, rows: list[dict[str, Any]]) -> None:
@@ -153,65 +72,129 @@ class Store:
         executemany; rows no longer in the table (deleted) are left alone."""
         if not rows:
             return
-        async with self._write() as conn:
+        async with self.write() as conn:
             await _update_rows(conn, rows)
 
+    async def update_owned(self, rows: list[dict[str, Any]], instance: str) -> set[str]:
+        """Update the rows (same columns) that `instance` still runs (tasks.instance), in one
+        transaction; returns the ids it does not (deleted, or marked interrupted by a replica
+        after this instance's lease expired): those rows are left alone."""
+        if not rows:
+            return set()
+        async with self.write() as conn:
+            ids, held = [r["id"] for r in rows], set[str]()
+            for i in range(0, len(ids), _CHUNK):
+                q = (sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
+                     .where(tasks.c.instance == instance).with_for_update())
+                held.update((await conn.execute(q)).scalars().all())
+            await _update_rows(conn, [r for r in rows if r["id"] in held])
+            return set(ids) - held
+
+    async def claim(self, task_id: str, version: int, row: dict[str, Any]) -> ClaimMiss | None:
+        """Start a run of a finished task: update its row (row's columns, version + 1) only if
+        it is finished and still at `version`. Returns None when claimed, else what it found."""
+        async with self.write() as conn:
+            q = (sa.select(tasks.c.status, tasks.c.version, tasks.c.instance)
+                 .where(tasks.c.id == task_id).with_for_update())
+            cur = (await conn.execute(q)).first()
+            if cur is None:
+                return ClaimMiss(None, None, None)
+            if cur.status != FINISHED or cur.version != version:
+                return ClaimMiss(cur.status, cur.version, cur.instance)
+            values = {k: v for k, v in row.items() if k != "id"}
+            await conn.execute(sa.update(tasks).where(tasks.c.id == task_id)
+                               .values(**values, version=version + 1))
+            return None
+
     async def get_task(self, task_id: str) -> DbRow | None:
-        async with self._db().connect() as conn:
+        async with self.read() as conn:
             return (await conn.execute(sa.select(tasks).where(tasks.c.id == task_id))).first()
 
+    async def task_head(self, task_id: str) -> DbRow | None:
+        """(version, status, updated_at, instance) of a row: is a copy held in memory current?"""
+        async with self.read() as conn:
+            q = sa.select(tasks.c.version, tasks.c.status, tasks.c.updated_at, tasks.c.instance)
+            return (await conn.execute(q.where(tasks.c.id == task_id))).first()
+
     async def task_exists(self, task_id: str) -> bool:
-        async with self._db().connect() as conn:
+        async with self.read() as conn:
             q = sa.select(tasks.c.id).where(tasks.c.id == task_id)
             return (await conn.execute(q)).first() is not None
 
-    async def delete_task(self, task_id: str) -> bool:
-        async with self._write() as conn:
+    async def delete_task(self, task_id: str) -> tuple[bool, int]:
+        """Delete a row and its state when no other task names it: (found, non-template state
+        bytes dropped)."""
+        async with self.write() as conn:
             row = (await conn.execute(sa.select(tasks.c.state_id).where(tasks.c.id == task_id))).first()
             if row is None:
-                return False
+                return False, 0
             await conn.execute(sa.delete(tasks).where(tasks.c.id == task_id))
-            if row.state_id:
-                await _drop_state_if_unused(conn, row.state_id)
-            return True
+            return True, (await _drop_state_if_unused(conn, row.state_id) if row.state_id else 0)
 
     async def list_tasks(self, owner: str | None, all_owners: bool, kind: str | None,
                          limit: int, offset: int) -> tuple[list[DbRow], int]:
+        """A page of the rows `owner` may list (its own and the public templates), newest first."""
         cols = [tasks.c.id, tasks.c.kind, tasks.c.status, tasks.c.finish_reason, tasks.c.created_at,
-                tasks.c.updated_at, tasks.c.parent_id, tasks.c.completion_tokens]
+                tasks.c.updated_at, tasks.c.parent_id, tasks.c.completion_tokens, tasks.c.state_id,
+                tasks.c.instance, tasks.c.public, tasks.c.state_pos]
         cond = []
         if not all_owners:
-            cond.append(tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None))
+            own = tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None)
+            cond.append(sa.or_(own, sa.and_(tasks.c.kind == "template", tasks.c.public == sa.true())))
         if kind:
             cond.append(tasks.c.kind == kind)
-        async with self._db().connect() as conn:
+        async with self.read() as conn:
             total = (await conn.execute(sa.select(sa.func.count()).select_from(tasks).where(*cond))).scalar_one()
             q = (sa.select(*cols).where(*cond).order_by(tasks.c.created_at.desc(), tasks.c.id)
                  .limit(limit).offset(offset))
             return list((await conn.execute(q)).all()), int(total)
 
-    async def mark_interrupted(self) -> list[str]:
-        """Tasks that were PREFILL/READY/RUNNING when the last process died -> FINISHED,
-        finish_reason 'interrupted' (text and last stored state kept)."""
-        async with self._write() as conn:
-            ids = [r.id for r in await conn.execute(sa.select(tasks.c.id).where(tasks.c.status != 3))]
-            if ids:
-                await conn.execute(sa.update(tasks).where(tasks.c.status != 3).values(
-                    status=3, finish_reason="interrupted", updated_at=time.time()))
-            return ids
+    async def mark_interrupted(self, live: Iterable[str] = ()) -> list[str]:
+        """Tasks running (PREFILL/READY/RUNNING) on no instance in `live` -> FINISHED with
+        finish_reason 'interrupted' (text and last stored state kept). Returns their ids."""
+        async with self.write() as conn:
+            return await interrupt_orphans(conn, set(live))
 
     # --- states --------------------------------------------------------------------------------
     async def get_state(self, state_id: str) -> DbRow | None:
-        async with self._db().connect() as conn:
+        async with self.read() as conn:
             q = sa.select(states.c.meta, states.c.data, states.c.checksum, states.c.signature,
                           states.c.nbytes, states.c.is_template).where(states.c.id == state_id)
             return (await conn.execute(q)).first()
+
+    async def store_state(self, task_id: str, state: dict[str, Any], pos: int) -> tuple[bool, int]:
+        """Write a state behind its task's row: insert it and point the row at it (state_pos =
+        pos), dropping the state the row named before if no task names it any more. Skipped
+        when the row is gone or already names a state of a longer history (histories only
+        grow). Returns (stored, non-template state bytes dropped)."""
+        async with self.write() as conn:
+            q = (sa.select(tasks.c.state_id, tasks.c.state_pos).where(tasks.c.id == task_id)
+                 .with_for_update())
+            cur = (await conn.execute(q)).first()
+            if cur is None or (cur.state_id is not None and cur.state_pos > pos):
+                return False, 0
+            await conn.execute(sa.insert(states).values(**state))
+            await conn.execute(sa.update(tasks).where(tasks.c.id == task_id)
+                               .values(state_id=state["id"], state_pos=pos))
+            dropped = await _drop_state_if_unused(conn, cur.state_id) if cur.state_id else 0
+            return True, dropped
+
+    async def drop_state(self, state_id: str) -> int:
+        """Delete a state (a corrupt one) and clear the rows that name it (state_pos 0: their
+        next run rebuilds from zero). Returns the non-template bytes dropped."""
+        async with self.write() as conn:
+            row = (await conn.execute(sa.select(states.c.nbytes, states.c.is_template)
+                                      .where(states.c.id == state_id))).first()
+            await conn.execute(sa.update(tasks).where(tasks.c.state_id == state_id)
+                               .values(state_id=None, state_pos=0))
+            await conn.execute(sa.delete(states).where(states.c.id == state_id))
+            return 0 if row is None or row.is_template else int(row.nbytes)
 
     async def touch_states(self, state_ids: Iterable[str], when: float | None = None) -> None:
         ids = list(state_ids)
         if not ids:
             return
-        async with self._write() as conn:
+        async with self.write() as conn:
             for i in range(0, len(ids), _CHUNK):
                 await conn.execute(sa.update(states).where(states.c.id.in_(ids[i:i + _CHUNK]))
                                    .values(last_used=when or time.time()))
@@ -220,7 +203,7 @@ class Store:
         q = sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0))
         if templates is not None:
             q = q.where(states.c.is_template == templates)
-        async with self._db().connect() as conn:
+        async with self.read() as conn:
             return int((await conn.execute(q)).scalar_one())
 
     async def enforce_budget(self, budget: int, keep: set[str],
@@ -229,7 +212,7 @@ class Store:
         one in `keep`, one in `prefer` only when the others do not suffice; tasks that pointed
         at them keep their text (state_id NULL, state_pos 0).
         Returns (dropped state ids, non-template state bytes left)."""
-        async with self._write() as conn:
+        async with self.write() as conn:
             nt = states.c.is_template == sa.false()
             total = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0)).where(nt))).scalar_one())
             if total <= budget:
@@ -253,7 +236,7 @@ class Store:
             return victims, total
 
     async def counts(self) -> dict[str, int]:
-        async with self._db().connect() as conn:
+        async with self.read() as conn:
             n_tasks = (await conn.execute(sa.select(sa.func.count()).select_from(tasks))).scalar_one()
             n_states = (await conn.execute(sa.select(sa.func.count()).select_from(states))).scalar_one()
         return {"tasks": int(n_tasks), "states": int(n_states)}
@@ -267,14 +250,26 @@ def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool)
             "created_at": now, "last_used": now}
 
 
+async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
+    """In a write transaction: mark the running tasks of no instance in `live` interrupted."""
+    q = sa.select(tasks.c.id, tasks.c.instance).where(tasks.c.status != FINISHED)
+    ids = [r.id for r in await conn.execute(q) if r.instance is None or r.instance not in live]
+    for i in range(0, len(ids), _CHUNK):
+        await conn.execute(sa.update(tasks).where(tasks.c.id.in_(ids[i:i + _CHUNK])).values(
+            status=FINISHED, finish_reason="interrupted", instance=None, updated_at=time.time()))
+    return ids
+
+
 async def _save_one(conn: AsyncConnection, task_row: dict[str, Any] | None, state: dict[str, Any] | None,
-                    drop_states: Iterable[str]) -> None:
+                    drop_states: Iterable[str]) -> int:
     if state is not None:
         await conn.execute(sa.insert(states).values(**state))
     if task_row is not None:
         await _upsert_rows(conn, [task_row])
+    dropped = 0
     for sid in drop_states:
-        await _drop_state_if_unused(conn, sid)
+        dropped += await _drop_state_if_unused(conn, sid)
+    return dropped
 
 
 async def _update_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
@@ -301,6 +296,12 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
         await conn.execute(sa.insert(tasks), new)
 
 
-async def _drop_state_if_unused(conn: AsyncConnection, state_id: str) -> None:
+async def _drop_state_if_unused(conn: AsyncConnection, state_id: str) -> int:
+    """Delete a state no task names; returns its bytes if it was a non-template one, else 0."""
     used = sa.select(tasks.c.id).where(tasks.c.state_id == state_id).exists()
-    await conn.execute(sa.delete(states).where(states.c.id == state_id).where(~used))
+    row = (await conn.execute(sa.select(states.c.nbytes, states.c.is_template)
+                              .where(states.c.id == state_id).where(~used))).first()
+    if row is None:
+        return 0
+    await conn.execute(sa.delete(states).where(states.c.id == state_id))
+    return 0 if row.is_template else int(row.nbytes)

@@ -9,13 +9,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.tasks.records import Output, Task
+from server.tasks.output import Output
+from server.tasks.records import Task
 
 KEEPALIVE = object()  # yielded after `ping` seconds without news (the route sends `: ping`)
 
 
 def header(t: Task) -> dict[str, Any]:
-    return {"task_id": t.id, "prefill_time": round(_prefill_time(t), 6)}
+    return {"task_id": t.display_id, "prefill_time": round(_prefill_time(t), 6)}
 
 
 async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0,
@@ -84,7 +85,7 @@ def is_last(ev: Any) -> bool:
 
 def text_event(t: Task, text: str, pos: int) -> dict[str, Any]:
     gen = _gen_time(t)
-    return {"data": text, "task_id": t.id, "gen_time": round(gen, 6),
+    return {"data": text, "task_id": t.display_id, "gen_time": round(gen, 6),
             "speed": round(t.completion_tokens / gen, 3) if gen > 0 else 0.0, "pos": pos}
 
 
@@ -92,7 +93,7 @@ def final_event(t: Task, out: Output) -> dict[str, Any]:
     done = out is t.out
     completion = len(out)
     return {
-        "task_id": t.id, "finished": True,
+        "task_id": t.display_id, "finished": True,
         "finish_reason": out.finish_reason if not done else t.finish_reason,
         "pos": completion, "prefill_time": round(_prefill_time(t), 6),
         "gen_time": round(t.gen_time, 6), "speed": round(t.speed(), 3),

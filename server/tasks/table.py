@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 from cachetools import LRUCache
 
@@ -76,3 +77,28 @@ class TaskTable:
     def held(self) -> list[Task]:
         """Every task in memory (live first)."""
         return list(self.live.values()) + list(self.recent.values())
+
+
+class Snapshot:
+    """What starting a run changes on a task (Runs.start), to undo it when the start fails."""
+
+    FIELDS = ("status", "out_start", "prompt_len", "out", "gen_time", "finish_reason", "stop_requested",
+              "interrupted", "run", "prompt_tokens", "completion_tokens", "updated_at", "instance")
+
+    def __init__(self, t: Task, fields: dict[str, Any]) -> None:
+        self.n_tokens, self.fields = len(t.tokens), fields
+        out = t.out
+        self.out = (out.finished, out.finish_reason, out.error, len(out.text), len(out.offsets))
+
+    @classmethod
+    def of(cls, t: Task, update: dict[str, Any]) -> Snapshot:
+        return cls(t, {k: getattr(t, k) for k in (*cls.FIELDS, *update)})
+
+    def restore(self, t: Task) -> None:
+        del t.tokens[self.n_tokens:]
+        for k, v in self.fields.items():
+            setattr(t, k, v)
+        out = t.out  # the output as it was: text a run appended to it goes
+        out.finished, out.finish_reason, out.error, n_text, n_tokens = self.out
+        out.text = out.text[:n_text]
+        del out.offsets[n_tokens:]

@@ -1,8 +1,12 @@
-"""Task-layer figures: fork-then-generate vs full prefill for a long template, and state
-write/read throughput to SQLite.
+"""Task-layer figures: fork-then-generate vs full prefill for a long template, state
+write/read throughput to SQLite, and what a smaller storage dtype or a compressor saves.
 
     python test/bench/bench_tasks.py                       # 0.1b preset on CPU, 2,000-token template
     python test/bench/bench_tasks.py --model synthetic:tiny --template-tokens 500 --states 1.5b
+    python test/bench/bench_tasks.py --skip-fork --skip-io --storage 2.9b
+        # bytes and encode/decode ms per state: working dtype, fp16 WKV, zstd / lz4 (when
+        # installed: pip install zstandard lz4), on a random state of that shape and on a state
+        # the 0.1b preset computed from a 300-token prompt
 
 Prints one line per figure. Synthetic weights: timings only, never quality.
 """
@@ -102,6 +106,67 @@ async def state_io(args) -> None:
               f"read {n * mb / t_r:.0f} MiB/s ({t_r / n * 1000:.1f} ms/state, read + checksum + decode)")
 
 
+def _real_state():
+    """A state the synthetic 0.1b model computed (value ranges of a recurrence, not noise)."""
+    from server.model import load_model
+    from server.tokenizer import get_tokenizer
+
+    model = load_model("synthetic:0.1b", device="cpu", dtype=torch.float32, state_dtype=torch.float32)
+    text = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(30))
+    st = model.zero_state(1)
+    model.forward([get_tokenizer().encode(text)[:300]], st)
+    return st
+
+
+def _best_ms(fn, n: int = 3) -> tuple[object, float]:
+    best, out = float("inf"), None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best * 1000
+
+
+def storage(args) -> None:
+    """Bytes per state and encode/decode time (one thread) for each way of storing it."""
+    from server.model.synthetic import parse_spec
+
+    torch.set_num_threads(1)
+    comps = []
+    try:
+        import zstandard
+
+        comps += [(f"zstd-{lvl}", zstandard.ZstdCompressor(level=lvl).compress, zstandard.ZstdDecompressor().decompress)
+                  for lvl in (1, 3)]
+    except ImportError:
+        print("(zstandard not installed: no zstd rows)")
+    try:
+        import lz4.frame
+
+        comps.append(("lz4", lz4.frame.compress, lz4.frame.decompress))
+    except ImportError:
+        print("(lz4 not installed: no lz4 rows)")
+    cases = [("0.1b, computed from a 300-token prompt", _real_state(), "s")]
+    for preset in args.storage.split(","):
+        shape, _ = parse_spec(f"synthetic:{preset}")
+        st = State.zeros(shape, 1)
+        for t in st.tensors():
+            t.normal_()
+        cases.append((f"{preset}, random normal", st, shape.signature()))
+    for label, st, sig in cases:
+        base = st.nbytes()
+        print(f"{label}: {base / 2**20:.1f} MiB in fp32")
+        for dtype in (None, "float16"):
+            enc, t_enc = _best_ms(lambda: encode_state(st, sig, wkv_dtype=dtype))
+            _, t_dec = _best_ms(lambda: decode_state(enc.meta, enc.data, sig, enc.checksum))
+            name = "working dtype" if dtype is None else "fp16 WKV"
+            print(f"  {name:14s} {enc.nbytes / base:6.1%}  encode {t_enc:6.1f} ms  decode {t_dec:6.1f} ms")
+            for cname, comp, dec in comps:
+                z, t_z = _best_ms(lambda: comp(bytes(enc.data)))
+                _, t_dz = _best_ms(lambda: dec(z))
+                print(f"    + {cname:10s} {len(z) / base:6.1%}  +{t_z:6.1f} ms  +{t_dz:6.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:0.1b")
@@ -111,10 +176,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--states", default="0.1b,1.5b,2.9b", help="presets for the state I/O figure")
     ap.add_argument("--skip-fork", action="store_true")
+    ap.add_argument("--skip-io", action="store_true")
+    ap.add_argument("--storage", default="", help="presets for the storage dtype / compression figure")
     args = ap.parse_args()
     if not args.skip_fork:
         asyncio.run(fork_vs_prefill(args))
-    asyncio.run(state_io(args))
+    if not args.skip_io:
+        asyncio.run(state_io(args))
+    if args.storage:
+        storage(args)
 
 
 if __name__ == "__main__":

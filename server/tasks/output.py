@@ -1,0 +1,75 @@
+"""A task's output since its last prompt: its text, where each token's text ends, and the
+readers waiting for more (stream readers, server.api.task_stream's listeners)."""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections.abc import Callable, Iterable
+
+
+class Output:
+    """The text a task produced since its last prompt, shared with stream readers.
+
+    offsets[i] = characters of `text` available once output token i has been produced (text of
+    one engine event is credited to the event's last token)."""
+
+    def __init__(self, text: str = "", offsets: Iterable[int] = (), finished: bool = True) -> None:
+        self.text = text
+        self.offsets = array("q", offsets)
+        self.finished = finished
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.task_stream)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def append(self, text: str, n_tokens: int) -> None:
+        if n_tokens <= 0:
+            if text:  # text with no new token (a final flush): credit it to the last token
+                self.text += text
+                if self.offsets:
+                    self.offsets[-1] = len(self.text)
+            return
+        before = len(self.text)
+        self.text += text
+        self.offsets.extend([before] * (n_tokens - 1))
+        self.offsets.append(len(self.text))
+
+    def char_at(self, pos: int) -> int:
+        """Characters of text that come before output token `pos`."""
+        if pos <= 0 or not self.offsets:
+            return 0
+        return self.offsets[min(pos, len(self.offsets)) - 1]
+
+    def notify(self) -> None:
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
+        if self._listeners:
+            for fn in list(self._listeners):  # a listener may leave while called
+                fn()
+
+    def listen(self, fn: Callable[[], None]) -> None:
+        """fn() runs at every notify, on the event loop (it must not block or raise)."""
+        self._listeners.append(fn)
+
+    def unlisten(self, fn: Callable[[], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    async def wait_change(self, timeout: float | None) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        try:
+            if timeout is None:
+                await fut
+            else:
+                await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(fut)

@@ -1,0 +1,119 @@
+"""Two server processes on one database (issue 22), on one SQLite file and on one PostgreSQL
+database (test/pg_util.py): A's running tasks keep running when B starts; B reads A's tasks (a
+running one with its last committed progress and the instance running it), lists them,
+continues A's finished ones; writes to a task running on A answer 409 naming A; A's tasks are
+marked interrupted only after A dies, within the lease timeout; no "database is locked", no 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from util_server import ServerProcess
+
+from pg_util import pg_cluster, pg_url  # noqa: F401 - fixtures
+
+G = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
+LEASE = 3.0
+
+
+def wait_done(c: httpx.Client, tid: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = c.get(f"/{tid}/get_result").json()
+        if body.get("finished"):
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.05)
+
+
+def replica(tmp_path, name: str, db: str) -> ServerProcess:
+    srv = ServerProcess(tmp_path / name, db=db)
+    srv.env.update(RWKV_LEASE_TIMEOUT=str(LEASE), RWKV_INSTANCE_NAME=f"replica-{name}",
+                   RWKV_PUBLIC_URL=srv.url, RWKV_MAX_BATCH="16")
+    return srv
+
+
+async def creates_on_both(a: str, b: str, n: int) -> list[int]:
+    async with httpx.AsyncClient(timeout=60) as c:
+        async def one(i: int) -> int:
+            r = await c.post((a if i % 2 else b) + "/v1/tasks/create", json={"prompt": f"x{i}", "max_tokens": 1})
+            return r.status_code
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def two_servers_one_database(tmp_path, db: str) -> None:
+    a = replica(tmp_path, "a", db).start()
+    b = None
+    try:
+        ca = httpx.Client(base_url=a.url + "/v1/tasks", timeout=30)
+        done = [ca.post("/create", json={"prompt": f"finished {i}", "max_tokens": 6, **G}).json()["task_id"]
+                for i in range(2)]
+        twin = ca.post("/create", json={"prompt": "finished 0", "max_tokens": 6, **G}).json()["task_id"]
+        for t in (*done, twin):
+            wait_done(ca, t)
+        running = [ca.post("/create", json={"prompt": f"long {i}", "max_tokens": 100000}).json()["task_id"]
+                   for i in range(2)]
+        time.sleep(1.3)  # a progress row lands
+        b = replica(tmp_path, "b", db).start()
+        cb = httpx.Client(base_url=b.url + "/v1/tasks", timeout=30)
+        a_instance = ca.get(f"/{running[0]}/get_result").json()["instance"]
+        assert a_instance.startswith("replica-a-")
+        before = [ca.get(f"/{t}/status").json()["generated_buf"] for t in running]
+        time.sleep(LEASE * 1.5)  # longer than a lease: A heartbeats, B must not take its tasks
+        for t, n in zip(running, before):
+            seen_a = ca.get(f"/{t}/get_result").json()
+            assert not seen_a["finished"] and seen_a["completion_tokens"] > n  # still generating on A
+            seen_b = cb.get(f"/{t}/get_result").json()  # B: A's last committed progress, and who runs it
+            assert not seen_b["finished"] and seen_b["instance"] == a_instance and seen_b["result"]
+            assert seen_a["result"].startswith(seen_b["result"])
+            for op in ("continue", "stop", "delete"):
+                r = cb.post(f"/{t}/{op}", json={})
+                assert r.status_code == 409, r.text
+                err = r.json()["error"]
+                assert err["code"] == "task_running_elsewhere" and a_instance in err["message"] and a.url in err["message"]
+            assert cb.post(f"/{t}/fork", json={"max_tokens": 1}).status_code == 409
+        listed = {x["task_id"] for x in cb.get("/list", params={"limit": 1000}).json()["tasks"]}
+        assert set(done + running) <= listed
+        # B continues A's finished task from the stored state; A continues its twin: the same
+        r1 = cb.post(f"/{done[0]}/continue", json={"max_tokens": 5})
+        assert r1.status_code == 200, r1.text
+        r2 = ca.post(f"/{twin}/continue", json={"max_tokens": 5})
+        assert wait_done(cb, done[0])["result"] == wait_done(ca, twin)["result"]
+        assert ca.get(f"/{done[0]}/get_result").json()["result"] == cb.get(f"/{done[0]}/get_result").json()["result"]
+        assert r2.status_code == 200
+        # writes from both at once: they wait for each other, none fails
+        codes = asyncio.run(creates_on_both(a.url, b.url, 80))
+        assert codes == [200] * 80, sorted(set(codes))
+        # A dies: B marks its tasks interrupted, but only once A's lease has expired
+        a.kill()
+        killed = time.monotonic()
+        assert all(not cb.get(f"/{t}/get_result").json()["finished"] for t in running)
+        while not all(cb.get(f"/{t}/get_result").json()["finished"] for t in running):
+            assert time.monotonic() - killed < LEASE * 4 / 3 + 5, "A's tasks were never interrupted"
+            time.sleep(0.1)
+        # not before its lease expired: A's last heartbeat was at most a third of it before the kill
+        assert time.monotonic() - killed > LEASE * 2 / 3 - 0.2
+        for t in running:
+            r = cb.get(f"/{t}/get_result").json()
+            assert r["finish_reason"] == "interrupted" and r["instance"] is None
+            assert cb.post(f"/{t}/continue", json={"max_tokens": 2}).status_code == 200
+            assert wait_done(cb, t)["finish_reason"] in ("length", "stop")
+        logs = a.log_tail(2000) + b.log_tail(2000)
+        assert "database is locked" not in logs and "Traceback" not in logs, logs[-3000:]
+        assert not [ln for ln in logs.splitlines() if '" 50' in ln and "/health" not in ln], logs[-3000:]
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_two_servers_on_one_sqlite_file(tmp_path):
+    two_servers_one_database(tmp_path, str(tmp_path / "shared.db"))
+
+
+@pytest.mark.slow
+def test_two_servers_on_one_postgresql_database(tmp_path, pg_url):  # noqa: F811
+    two_servers_one_database(tmp_path, pg_url)

@@ -1,0 +1,123 @@
+"""Replicas at the TaskManager level: two managers (two "servers", scripted engines) on one
+SQLite file. A stream of a task running elsewhere is refused naming the instance; a copy of a
+task that another replica changed is not used (read again; a continue from an old copy is
+refused by the database and retried on the fresh one); an instance whose lease expired cannot
+overwrite what the others did with its tasks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import sqlalchemy as sa
+from task_fakes import FakeEngine, FakeShape, FakeTokenizer
+
+from server.tasks import TaskConfig, TaskElsewhere, TaskManager
+from server.tasks.schema import instances
+from server.tasks.streaming import events
+
+LEASE = 0.6
+
+
+async def replica(eng: FakeEngine, path, name: str) -> TaskManager:
+    cfg = TaskConfig(db=str(path), default_max_tokens=3, lease_timeout=LEASE, instance_name=name,
+                     public_url=f"http://{name}.internal:8000")
+    tm = TaskManager(eng, FakeTokenizer(), cfg, FakeShape())
+    await tm.start()
+    return tm
+
+
+async def until(cond, timeout: float = 10.0) -> None:
+    async def loop():
+        while not await cond():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def test_streams_and_writes_of_a_task_running_elsewhere_name_its_instance(tmp_path):
+    ea, eb = FakeEngine(gate=asyncio.Event()), FakeEngine()
+    a, b = await replica(ea, tmp_path / "r.db", "a"), await replica(eb, tmp_path / "r.db", "b")
+    try:
+        t = await a.create("runs on a", persistent=True)
+        seen = await b.get(t.id)  # readable: the row a committed, and who runs it
+        assert seen.running and seen.instance == a.instance and seen.response()["instance"] == a.instance
+        for call in (lambda: b.get(t.id, stream=True), lambda: b.continue_(t.id),
+                     lambda: b.stop(t.id), lambda: b.delete(t.id), lambda: b.fork(t.id)):
+            with pytest.raises(TaskElsewhere) as e:
+                await call()
+            assert e.value.status == 409 and e.value.instance == a.instance
+            assert "http://a.internal:8000" in e.value.message
+        assert (await a.get(t.id, stream=True)) is t  # its own instance streams it
+        got = [e async for e in events(seen, 0, ping=None)]  # a stream that was not refused ends at once
+        assert got[-1]["error"]["message"].endswith("(http://a.internal:8000); stream it there")
+        ea.gate.set()
+        await a.wait(t.id, timeout=10)
+        await a.flush()
+        await until(lambda: _finished_on(b, t.id))
+        c = await b.wait((await b.continue_(t.id, {"max_tokens": 2})).id, timeout=10)  # now b may
+        assert c.out.text == "<100><101><102><100><101>" and eb.submissions[-1].init_state is not None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _finished_on(tm: TaskManager, task_id: str) -> bool:
+    return not (await tm.get(task_id)).running
+
+
+async def test_a_copy_changed_by_another_replica_is_not_used(tmp_path):
+    ea, eb = FakeEngine(), FakeEngine()
+    a = await replica(ea, tmp_path / "s.db", "a")
+    t = await a.wait((await a.create("shared", persistent=True)).id, timeout=10)
+    await a.flush()
+    b = await replica(eb, tmp_path / "s.db", "b")
+    try:
+        a.lease._task.cancel()  # no heartbeat for now: a has not seen b yet, and trusts its copy
+        a.lease.peers = {}
+        await b.wait((await b.continue_(t.id, {"max_tokens": 2})).id, timeout=10)
+        assert (await a.get(t.id)) is t and t.out.text == "<100><101><102>"  # the old copy
+        # a continues from its old copy: the database refuses the claim, a reads the task again
+        c = await a.wait((await a.continue_(t.id, {"max_tokens": 1})).id, timeout=10)
+        assert c is not t and c.out.text == "<100><101><102><100><101><100>" and c.version == 2
+        await a.lease.beat()  # once a knows b, every read checks its copy against the row
+        assert a.lease.shared
+        await b.wait((await b.continue_(t.id, {"max_tokens": 1})).id, timeout=10)
+        fresh = await a.get(t.id)
+        assert fresh is not c and fresh.out.text.endswith("<100><100>") and fresh.version == 3
+        await b.delete(t.id)
+        with pytest.raises(Exception, match="not found"):
+            await a.get(t.id)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_an_instance_whose_lease_expired_cannot_overwrite_its_tasks(tmp_path):
+    ea, eb = FakeEngine(gate=asyncio.Event()), FakeEngine()
+    a = await replica(ea, tmp_path / "l.db", "a")
+    b = await replica(eb, tmp_path / "l.db", "b")
+    try:
+        t = await a.create("a stalls", persistent=True)
+        a.lease._task.cancel()  # a stops heartbeating (a stalled process, a database outage)
+        async with a.store.write() as conn:  # ... long enough for b to take a for dead
+            await conn.execute(sa.update(instances).where(instances.c.id == a.instance).values(heartbeat_at=0))
+        assert t.id in await b.lease.beat()
+        seen = await b.get(t.id)
+        assert seen.finish_reason == "interrupted" and not seen.running
+        c = await b.wait((await b.continue_(t.id, {"max_tokens": 2})).id, timeout=10)  # b goes on with it
+        ea.gate.set()  # a's run ends: its final row is refused, it shows the task interrupted
+        await until(lambda: _not_running(t))
+        assert t.finish_reason == "interrupted" and t.id not in a.live
+        await a.flush()
+        row = await a.store.get_task(t.id)
+        assert row.text == c.out.text and row.instance is None  # b's result stands
+        assert (await a.get(t.id)).out.text == c.out.text  # a reads it again from the database
+        await a.lease.beat()  # a finds its lease gone and registers again
+        assert a.lease.lost == 1
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _not_running(t) -> bool:
+    return not t.running
