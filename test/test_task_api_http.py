@@ -81,6 +81,8 @@ def test_task_runs_count_in_the_latency_metrics(http, server):
     assert gaps == 5  # 6 tokens: the first is TTFT, each later one one gap (batched gaps count per token)
     key = 'rwkv_http_streams_total{path="task_direct_ended"}'  # written by server.api.streaming.direct
     assert after[key] == before.get(key, 0) + 1
+    runs = 'rwkv_task_events_total{event="runs"}'  # the task layer's counters
+    assert after[runs] == before.get(runs, 0) + 1
 
 
 def test_nothing_lost_when_the_task_finishes_before_the_client_reads(http):
@@ -152,11 +154,14 @@ def test_tasks_belong_to_their_key(http, server):
     assert k2.get(f"/{tid}/get_result").status_code == 404
     assert tid not in str(k2.get("/list").json()) and tid in http.get("/list").json()["db_tasks"]
     tpl = http.post(f"/{tid}/as_template", json={}).json()["task_id"]
-    assert k2.get(f"/{tpl}/get_result").status_code == 200  # templates: readable by every key
-    f = k2.post(f"/{tpl}/fork", params={"tmp": "true"}, json={"prompt": " x", "max_tokens": 2}).json()
+    assert k2.get(f"/{tpl}/get_result").status_code == 404  # templates: private to their key by default
+    assert k2.post(f"/{tpl}/fork", params={"tmp": "true"}, json={"prompt": " x"}).status_code == 404
+    pub = http.post(f"/{tid}/as_template", params={"public": "true"}, json={}).json()["task_id"]
+    assert k2.get(f"/{pub}/get_result").status_code == 200  # published: readable by every key
+    f = k2.post(f"/{pub}/fork", params={"tmp": "true"}, json={"prompt": " x", "max_tokens": 2}).json()
     assert f["task_id"].startswith("TMP_") and wait_done(k2, f["task_id"])["finished"]
-    assert k2.post(f"/{tpl}/delete", params={"force": "true"}, json={}).status_code == 403
+    assert k2.post(f"/{pub}/delete", params={"force": "true"}, json={}).status_code == 403
     page = http.get("/list", params={"limit": 1, "kind": "template"}).json()
-    assert page["tasks"][0]["task_id"] == tpl and page["database_count"] >= 1 and len(page["tasks"]) == 1
+    assert page["tasks"][0]["task_id"] == pub and page["database_count"] >= 1 and len(page["tasks"]) == 1
     assert http.get("/list", params={"limit": 0}).status_code == 422
     k2.close()

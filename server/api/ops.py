@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import orjson
@@ -12,6 +13,8 @@ from fastapi.responses import Response
 from server.api.errors import error_body
 from server.api.metrics import Metrics
 from server.api.services import Services
+
+log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -49,7 +52,24 @@ async def metrics(request: Request) -> Response:
     services: Services | None = request.app.state.services
     m: Metrics = request.app.state.metrics
     text = m.render() if services is None else m.render(services.engine, _tiers(services))
+    if services is not None and services.tasks is not None:
+        text += _task_counters(services)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _task_counters(services: Services) -> str:
+    """The task layer's event counters (runs, rebuilds, rebuild_tokens, state_misses, ...)."""
+    try:
+        counters = services.tasks.stats().get("counters", {}) if services.tasks is not None else {}
+    except Exception:  # a failing figure must not break /metrics
+        log.exception("task counters for /metrics failed")
+        return ""
+    lines = ["# HELP rwkv_task_events_total Task-layer events: runs, rebuilds (runs that re-fed history "
+             "a missing state had consumed) and their tokens, state loads and misses, ...",
+             "# TYPE rwkv_task_events_total counter"]
+    lines += [f'rwkv_task_events_total{{event="{k}"}} {v}' for k, v in sorted(counters.items())
+              if isinstance(v, (int, float))]
+    return "\n".join(lines) + "\n"
 
 
 def _tiers(services: Services) -> dict[str, dict[str, Any]]:

@@ -24,7 +24,7 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.tasks.errors import TaskConflict, TaskInvalid, TaskNotFound
+from server.tasks.errors import TaskConflict, TaskInvalid
 from server.tasks.persist import SettleJob
 from server.tasks.records import TEMPLATE, Task, new_id, to_row
 
@@ -63,7 +63,9 @@ async def template_from_state(tm: TaskManager, name: str, state: State, *, pendi
     operator=True: a start-up template (public, owner None); one of the same name made by an
     earlier start is replaced. Otherwise it belongs to `owner`. TaskConflict when the name is
     taken (by any other template), TaskInvalid for a bad name or token id."""
-    tid = check_name(name)
+    check_name(name)
+    oid = None if operator else tm.owner_id(owner)
+    tid = new_id(TEMPLATE, name, oid)  # public when made by the operator or without keys; else `_name@key`
     bad = next((t for t in pending if not 0 <= int(t) < tm.vocab_size), None)
     if bad is not None:
         raise TaskInvalid(f"pending token id {bad} is outside the vocabulary [0, {tm.vocab_size})", param="pending")
@@ -75,7 +77,7 @@ async def template_from_state(tm: TaskManager, name: str, state: State, *, pendi
         await tm.delete(tid, None, force=True)  # the operator's file of an earlier start
     if tid in tm.live:  # made meanwhile (the awaits above)
         raise TaskConflict(f"template {tid!r} already exists", param="name")
-    tpl = Task(id=tid, kind=TEMPLATE, owner=None if operator else tm.owner_id(owner),
+    tpl = Task(id=tid, kind=TEMPLATE, owner=oid, public=oid is None,
                parent_id=STATE_OPERATOR if operator else STATE_UPLOAD, params=dict(params or {}),
                tokens=array("i", [int(t) for t in pending]), out_start=len(pending), finish_reason="stop")
     tpl.out.finish_reason = "stop"
@@ -85,7 +87,7 @@ async def template_from_state(tm: TaskManager, name: str, state: State, *, pendi
         tpl.state_id, tpl.state_pos = sid, 0
         tm.cache.put(sid, state, template=True)  # the template tier: never evicted
         tpl.pending_writes += 1
-        job = SettleJob(tpl, to_row(tpl), sid, state, old_key=None, outcome=None)
+        job = SettleJob(tpl, to_row(tpl), sid, state, 0, old_key=None, outcome=None)
         await (await tm.persistence.queue_settled(job))  # committed before it is answered
     except BaseException:
         tm.table.forget(tid)
@@ -96,7 +98,5 @@ async def template_from_state(tm: TaskManager, name: str, state: State, *, pendi
 
 
 async def _existing(tm: TaskManager, tid: str) -> Task | None:
-    try:
-        return await tm.get(tid, None)
-    except TaskNotFound:
-        return None
+    t = await tm.access.find(tid)
+    return None if t is None or t.deleted else t

@@ -34,6 +34,7 @@ from server.tasks.imports import (
     is_state_only,
     template_from_state,
 )
+from server.tasks.records import qualified
 
 if TYPE_CHECKING:
     from server.tasks import Task, TaskManager
@@ -85,7 +86,7 @@ def _template_id(name: str) -> str:
 
 
 def _info(t: Task) -> dict[str, Any]:
-    return {"name": t.id[1:], "template_id": t.id, "origin": _origin(t.parent_id),
+    return {"name": t.display_id[1:], "template_id": t.display_id, "origin": _origin(t.parent_id),
             "pending_tokens": len(t.tokens) - t.state_pos, "created_at": t.created_at}
 
 
@@ -119,7 +120,7 @@ async def upload_state(name: str, request: Request) -> Response:
         raise ApiError(415, "send the state file as the raw request body (curl --data-binary @state.pth "
                        "-H 'Content-Type: application/octet-stream'), not as a form", code="unsupported_media_type",
                        type="invalid_request_error")
-    if await _exists(tm, tid):  # before reading a large body
+    if await _exists(tm, tid, get_owner(request)):  # before reading a large body
         raise ApiError(409, f"template {tid!r} already exists; delete it first or pick another name", param="name",
                        code="task_conflict")
     data = await _read_body(request, sv.settings.state_upload_bytes)
@@ -136,12 +137,11 @@ async def upload_state(name: str, request: Request) -> Response:
                  status=201)
 
 
-async def _exists(tm: TaskManager, tid: str) -> bool:
-    try:
-        await tm.get(tid, None)
-    except TaskNotFound:
-        return False
-    return True
+async def _exists(tm: TaskManager, tid: str, owner: str | None) -> bool:
+    """The id an upload by this key would take is taken (its own `_name`; without keys the public one)."""
+    oid = tm.owner_id(owner)
+    t = await tm.access.find(qualified(tid, oid) or tid)
+    return t is not None and not t.deleted
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -54,7 +54,8 @@ async def _call(aw: Awaitable[T]) -> T:
     try:
         return await aw
     except TaskError as exc:
-        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
+        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code, headers=headers) from None
     except (EngineError, ValueError) as exc:
         raise engine_error(exc, invalid_status=422) from None
 
@@ -139,11 +140,12 @@ async def status(task_id: str, request: Request) -> Response:
     return _json((await _call(tm.get(task_id, get_owner(request)))).info())
 
 
-@router.get("/{task_id}/stream", responses=answers(401, 404, 422, 503, sse_only=True), response_class=EventStream)
+@router.get("/{task_id}/stream", responses=answers(401, 404, 409, 422, 503, sse_only=True),
+            response_class=EventStream)
 async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> Response:
     sv = get_services(request)
     tm = _tasks(sv)
-    t = await _call(tm.get(task_id, get_owner(request)))
+    t = await _call(tm.get(task_id, get_owner(request), stream=True))  # 409 while another instance runs it
     return _sse(sv, t, pos)
 
 
@@ -177,9 +179,11 @@ async def stop(task_id: str, request: Request, body: EmptyBody | None = None,
 
 @router.post("/{task_id}/as_template", responses=answers(401, 404, 409, 413, 422, 503))
 async def as_template(task_id: str, request: Request, body: EmptyBody | None = None,
-                      name: str | None = Query(None, min_length=1, max_length=64)) -> Response:
+                      name: str | None = Query(None, min_length=1, max_length=64),
+                      public: bool = Query(False)) -> Response:
+    """public=true: every API key may read and fork the template (default: private to this key)."""
     tm = _tasks(get_services(request))
-    t = await _call(tm.as_template(task_id, get_owner(request), name=name))
+    t = await _call(tm.as_template(task_id, get_owner(request), name=name, public=public))
     return _json(t.response())
 
 
