@@ -33,8 +33,10 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
             finished[tid] = wait_done(c, tid)
         running = c.post("/create", json={"prompt": "running", "max_tokens": 100000, **G}).json()["task_id"]
         tmp = c.post("/tmp", json={"prompt": "temporary", "max_tokens": 100000}).json()["task_id"]
-        time.sleep(1.6)  # generating; at least one progress write has landed
-        seen = c.get(f"/{running}/get_result").json()
+        deadline = time.monotonic() + 30  # generating (a loaded CI machine may take a while to start)
+        while not (seen := c.get(f"/{running}/get_result").json())["result"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.6)  # at least one progress write has landed
         assert not seen["finished"] and seen["result"]
         srv.kill()  # SIGKILL: no shutdown code runs
         c.close()

@@ -71,7 +71,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         started = cycle is not None and not cycle.response_complete and cycle.response_started
-        client = "%s:%d" % self.client if self.client else "-"
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
         log.info("%s: request not received in time; closing the connection", client)
         if not started:
             self.transport.write(TIMEOUT_RESPONSE % (len(TIMEOUT_BODY), TIMEOUT_BODY))

@@ -49,6 +49,9 @@ WHY = {
     503: "The model is loading (Retry-After), the engine stopped, or the task manager is not running",
 }
 _ERROR_CONTENT = {JSON: {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
+LIGHTNING_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}},
+                   "description": "rwkv_lightning's error shape (lightning's own errors on its routes)"}
+_EITHER_CONTENT = {JSON: {"schema": {"oneOf": [{"$ref": _REF.format(model="ErrorResponse")}, LIGHTNING_ERROR]}}}
 SSE_EVENT = {
     "type": "object", "required": ["data"],
     "description": "One server-sent event (OpenAPI 3.1: the schema of a text/event-stream describes each event)",
@@ -63,12 +66,14 @@ class EventStream(Response):
     media_type = SSE
 
 
-def answers(*statuses: int, stream: bool = False, sse_only: bool = False) -> dict[int | str, dict[str, Any]]:
+def answers(*statuses: int, stream: bool = False, sse_only: bool = False,
+            lightning: bool = False) -> dict[int | str, dict[str, Any]]:
     """A route's `responses=`: each error status with the error model; with `stream`, the 200
     answer is SSE (`stream: true`) as well as JSON; `sse_only`: always SSE (with EventStream as
-    the route's response class)."""
-    out: dict[int | str, dict[str, Any]] = {
-        s: {"description": WHY[s], "content": _ERROR_CONTENT} for s in statuses}
+    the route's response class); `lightning`: the route also serves rwkv_lightning's requests,
+    whose own errors keep lightning's shape `{"error": "<text>"}`."""
+    content = _EITHER_CONTENT if lightning else _ERROR_CONTENT
+    out: dict[int | str, dict[str, Any]] = {s: {"description": WHY[s], "content": content} for s in statuses}
     if stream or sse_only:
         events = "server-sent events (`data: {...}` lines, then `data: [DONE]`)"
         out[200] = {"description": events.capitalize() if sse_only else f"JSON, or with `stream: true` {events}",

@@ -125,7 +125,11 @@ class Constraints:
         take_failures()."""
         import xgrammar as xgr
 
-        rows, matchers, m_rows, bans, out = self._rows, [], [], [], []
+        rows = self._rows
+        matchers: list[Any] = []  # xgr.GrammarMatcher, one per constrained row
+        m_rows: list[int] = []
+        bans: list[tuple[int, Any]] = []
+        out: list[int] = []
         guards: list[tuple[int, Any]] = []
         for i in self._idx:
             c = rows[i]
@@ -162,7 +166,7 @@ class Constraints:
 
     def _drop_empty(self, plan: StepPlan, bitmask, m_rows: list[int], ok: list[bool], guards) -> list[int]:
         """Rows whose grammar allows no token fail; the others' masks move up to stay in order."""
-        out = []
+        out: list[int] = []
         for j, (i, good) in enumerate(zip(m_rows, ok)):
             if not good:
                 rows_c = self._rows[i]

@@ -113,7 +113,7 @@ class GrammarCompiler:
             if kind == "ebnf":
                 return comp.compile_grammar(src)
             return comp.compile_structural_tag(src)
-        except Exception as exc:  # noqa: BLE001 - the library's errors are RuntimeError/ValueError/...
+        except Exception as exc:
             raise ValueError(f"invalid {kind} grammar: {_clean(exc)}") from None
 
     def _json_ban(self):
@@ -167,8 +167,8 @@ def check_schema(source: str) -> None:
                 todo.extend(n)
         return out
 
-    def resolve(ptr: str):
-        node = schema
+    def resolve(ptr: str) -> Any:
+        node: Any = schema
         for part in [p for p in ptr[1:].split("/") if p]:
             part = part.replace("~1", "/").replace("~0", "~")
             node = node.get(part) if isinstance(node, dict) else None

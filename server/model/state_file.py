@@ -77,7 +77,7 @@ def read_state_file(data: bytes | str | Path, shape: ModelShape, *, source: str 
             sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise StateFileError(f"{src}: no such file") from None
-    except Exception as exc:  # noqa: BLE001 - zip / pickle errors: truncated, not a torch file, a foreign object
+    except Exception as exc:
         raise StateFileError(f"{src}: cannot be read as a torch state file (truncated, or not a "
                              f".pth written by torch.save?): {_short(exc)}") from None
     return state_from_dict(sd, shape, source=src, shift_dtype=shift_dtype, wkv_dtype=wkv_dtype)

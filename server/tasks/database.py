@@ -13,6 +13,8 @@ import asyncio
 import errno
 import logging
 import os
+import random
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -70,6 +72,10 @@ _BUSY = ("database is locked", "database table is locked", "database is busy")
 _FULL = ("database or disk is full", "no space left")
 _PG_BUSY = {"55P03", "40P01", "40001"}  # lock not available, deadlock, serialization failure
 _PG_FULL = {"53100"}
+
+
+def _locked(exc: BaseException) -> bool:
+    return isinstance(exc, sa.exc.DBAPIError) and any(m in str(exc.orig).lower() for m in _BUSY)
 
 
 def unavailable(exc: BaseException) -> TaskUnavailable | None:
@@ -152,13 +158,7 @@ class Database:
         if self.is_sqlite:
             _sqlite_setup(self.engine, int(self.busy_timeout * 1000))
         try:
-            # migrations hold the database's write lock from the start (SQLite: BEGIN IMMEDIATE;
-            # PostgreSQL: an advisory lock in migrate.upgrade), so servers opening one new
-            # database together run them one after the other instead of failing on each other
-            async with self.engine.connect() as conn:
-                conn = await conn.execution_options(sqlite_immediate=True)
-                async with conn.begin():
-                    self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
+            await self._migrate()
         except BaseException as exc:
             await self.engine.dispose()
             self.engine = None
@@ -167,6 +167,27 @@ class Database:
             raise
         if self.revision_before != self.revision:
             log.info("task database %s: schema %s -> %s", self.url, self.revision_before or "empty", self.revision)
+
+    async def _migrate(self) -> None:
+        """Bring the schema to head. Migrations hold the database's write lock from the start
+        (SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock in migrate.upgrade), so servers
+        opening one new database together run them one after the other instead of failing on
+        each other. SQLite can still answer "locked" without waiting (a new file switching to
+        WAL while another process opens it): such an attempt is retried until busy_timeout."""
+        assert self.engine is not None
+        deadline = time.monotonic() + self.busy_timeout
+        while True:
+            try:
+                async with self.engine.connect() as conn:
+                    conn = await conn.execution_options(sqlite_immediate=True)
+                    async with conn.begin():
+                        self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
+                return
+            except Exception as exc:
+                if not (self.is_sqlite and _locked(exc)) or time.monotonic() > deadline:
+                    raise
+                log.info("task database %s is locked by another process opening it; retrying", self.url)
+                await asyncio.sleep(0.05 + random.random() * 0.2)
 
     async def close(self) -> None:
         if self.engine is not None:

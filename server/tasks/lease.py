@@ -82,7 +82,7 @@ class Lease:
         try:
             async with self.store.write() as conn:
                 await conn.execute(sa.delete(instances).where(instances.c.id == self.instance))
-        except Exception as exc:  # noqa: BLE001 - the lease expires by itself
+        except Exception as exc:
             log.warning("could not remove this instance's lease row: %s", exc)
 
     async def beat(self, first: bool = False) -> list[str]:
@@ -123,7 +123,7 @@ class Lease:
             lost = self.lost
             try:
                 reaped = await self.beat()
-            except Exception as exc:  # noqa: BLE001 - a database outage: try again next time
+            except Exception as exc:
                 log.warning("instance %s: heartbeat failed: %s", self.instance, exc)
                 continue
             if self.lost != lost:

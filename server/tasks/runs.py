@@ -212,7 +212,7 @@ class Runs:
                     raise  # the pump itself was cancelled
                 if run.undo is not None:
                     run.undo()
-            except Exception:  # noqa: BLE001 - the commit failed: the start is undone
+            except Exception:
                 if run.undo is not None:
                     run.undo()
         if not run.discarded:

@@ -214,7 +214,8 @@ class Store(Database):
         Returns (dropped state ids, non-template state bytes left)."""
         async with self.write() as conn:
             nt = states.c.is_template == sa.false()
-            total = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0)).where(nt))).scalar_one())
+            q = sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0)).where(nt)
+            total = int((await conn.execute(q)).scalar_one())
             if total <= budget:
                 return [], total
             victims: list[str] = []

@@ -22,7 +22,7 @@ from server.api.errors import ApiError
 from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError, bsz_overflow
 from server.api.lightning.render import native_renderer, native_response
-from server.api.lightning.schemas import LightningV1Body
+from server.api.lightning.schemas import LightningV1Body, limits
 from server.api.metrics import Recorder
 from server.api.openai.jobs import ClientGone, Job, Prompt, collect, submit_all
 from server.api.openai.render import Renderer
@@ -109,7 +109,7 @@ async def contents(body: LightningV1Body, request: Request, *, answer_id: str) -
     t0 = time.perf_counter()
     authorize(request, body.password)
     sv = get_services(request)
-    jobs = await submit(sv, body.contents, body.sampling(sv.shape.vocab_size), "contents")
+    jobs = await submit(sv, body.contents, body.sampling(*limits(sv)), "contents")
     renderer = native_renderer(jobs, body.chunk_size) if body.stream else None
     return await respond(request, sv, jobs, t0, stream=renderer,
                          full=lambda js: native_response(js, id=answer_id, object="chat.completion", model=body.model))

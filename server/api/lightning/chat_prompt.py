@@ -1,6 +1,7 @@
 """The prompt of lightning's OpenAI-style route (/openai/v1/chat/completions), in its format:
 
-    System: <system texts, one per line>\\n\\nUser: ...\\n\\nAssistant: ...\\n\\nUser: ...\\n\\nAssistant: <think>\\n</think>\\n
+    System: <system texts, one per line>\\n\\nUser: ...\\n\\nAssistant: ...\\n\\n
+    User: ...\\n\\nAssistant: <think>\\n</think>\\n   (one line, wrapped here)
 
 (ending `Assistant: <think` when `enable_think`). The system texts are the `system` field and
 the system / developer messages; the first of `contents` is one more user message. In every

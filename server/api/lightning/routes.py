@@ -20,6 +20,7 @@ from server.api.lightning.schemas import (
     FimBody,
     LightningV2Body,
     TranslateBody,
+    limits,
     sampling_params,
 )
 from server.api.openai import routes as openai_routes
@@ -49,7 +50,7 @@ async def big_batch(body: BigBatchBody, request: Request) -> Response:
     t0 = time.perf_counter()
     authorize(request, body.password)
     sv = get_services(request)
-    jobs = await batch.submit(sv, body.contents, body.sampling(sv.shape.vocab_size), "contents")
+    jobs = await batch.submit(sv, body.contents, body.sampling(*limits(sv)), "contents")
     return batch.sse(sv, jobs, t0, native_renderer(jobs, body.chunk_size))
 
 
@@ -63,7 +64,7 @@ async def batch_fim(body: FimBody, request: Request) -> Response:
                                   f"and {len(body.suffix)} suffixes")
     sv = get_services(request)
     prompts = [fim_prompt(p, s) for p, s in zip(body.prefix, body.suffix, strict=True)]
-    jobs = await batch.submit(sv, prompts, body.sampling(sv.shape.vocab_size, stop=[]), "prefix")
+    jobs = await batch.submit(sv, prompts, body.sampling(*limits(sv), stop=[]), "prefix")
     return await batch.respond(
         request, sv, jobs, t0, stream=native_renderer(jobs, body.chunk_size) if body.stream else None,
         full=lambda js: native_response(js, id="rwkv7-batch", object="FIM.completion", model=body.model))
@@ -79,7 +80,7 @@ async def batch_translate(body: TranslateBody, request: Request) -> Response:
     src, tgt = (LANGUAGES.get(c, c) for c in (body.source_lang, body.target_lang))
     prompts = [f"{src}: {text}\n\n{tgt}:" for text in body.text_list]
     params = sampling_params({"max_tokens": body.max_tokens, "temperature": 0.0, "presence_penalty": 0.0,
-                              "repetition_penalty": 0.0, "stop": []}, sv.shape.vocab_size)
+                              "repetition_penalty": 0.0, "stop": []}, *limits(sv))
     jobs = await batch.submit(sv, prompts, params, "text_list")
     detected = body.source_lang if body.source_lang != "auto" else "en"
     return await batch.respond(request, sv, jobs, t0, stream=None, full=lambda js: {"translations": [
@@ -100,7 +101,7 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     t0 = time.perf_counter()
     authorize(request, body.password)
     sv = get_services(request)
-    params = body.sampling(sv.shape.vocab_size)
+    params = body.sampling(*limits(sv))
     prefix, rest = chat_prompt.build(body)
     prefix_ids, rest_ids = await batch.encode_all(sv, [prefix, rest])
     n_prompt = len(prefix_ids) + len(rest_ids)

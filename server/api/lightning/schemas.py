@@ -11,13 +11,16 @@ repetition_penalty, alpha_decay = penalty_decay, stop_tokens = stop (strings).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from server.api.errors import ApiError
 from server.api.openai.schemas import ChatRequest
 from server.engine.types import LIMITS, SamplingParams, check_fields
+
+if TYPE_CHECKING:
+    from server.api.services import Services
 
 MAX_CHUNK_SIZE = 4096
 
@@ -39,9 +42,24 @@ OUR_NAMES = {"stop": "stop_tokens", "presence_penalty": "alpha_presence",
              "repetition_penalty": "alpha_frequency", "penalty_decay": "alpha_decay"}
 
 
-def sampling_params(fields: dict[str, Any], vocab_size: int) -> SamplingParams:
+def limits(sv: Services) -> tuple[int, int]:
+    """(vocab_size, max_tokens_limit): what `sampling()` checks a request against."""
+    return sv.shape.vocab_size, sv.settings.max_tokens_limit
+
+
+def capped(fields: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
+    """fields with max_tokens at most the server's Settings.max_tokens_limit (0: no limit).
+    lightning has no such bound and its defaults are large (8192), so its clients get the
+    limit rather than an error they would not expect."""
+    if max_tokens_limit and int(fields.get("max_tokens", 0)) > max_tokens_limit:
+        return {**fields, "max_tokens": max_tokens_limit}
+    return fields
+
+
+def sampling_params(fields: dict[str, Any], vocab_size: int, max_tokens_limit: int = 0) -> SamplingParams:
     """SamplingParams from fields by our names (all given), checked: a 400 naming the field by
     lightning's name when one cannot be used (e.g. an empty or too long stop string)."""
+    fields = capped(fields, max_tokens_limit)
     try:
         check_fields(fields, vocab_size)
     except ValueError as exc:
@@ -82,8 +100,8 @@ class NativeFields(Credential):
                 "repetition_penalty": self.alpha_frequency, "penalty_decay": self.alpha_decay,
                 "stop": list(self.stop_tokens if stop is None else stop), "ignore_eos": self.ignore_eos}
 
-    def sampling(self, vocab_size: int, stop: list[str] | None = None) -> SamplingParams:
-        return sampling_params(self.fields(stop), vocab_size)
+    def sampling(self, vocab_size: int, max_tokens_limit: int = 0, stop: list[str] | None = None) -> SamplingParams:
+        return sampling_params(self.fields(stop), vocab_size, max_tokens_limit)
 
 
 class LightningV1Body(NativeFields):
@@ -128,10 +146,11 @@ class BigBatchBody(Credential):
     stream: bool = Field(True, description="ignored: this route always streams")
     ignore_eos: bool = Field(False, description="(ours) keep generating past the end-of-text token")
 
-    def sampling(self, vocab_size: int) -> SamplingParams:
+    def sampling(self, vocab_size: int, max_tokens_limit: int = 0) -> SamplingParams:
         return sampling_params({"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": 0,
                                 "top_p": 1.0, "presence_penalty": 0.0, "repetition_penalty": 0.0,
-                                "stop": list(self.stop_tokens), "ignore_eos": self.ignore_eos}, vocab_size)
+                                "stop": list(self.stop_tokens), "ignore_eos": self.ignore_eos}, vocab_size,
+                               max_tokens_limit)
 
 
 class FimBody(NativeFields):

@@ -14,7 +14,7 @@ from server.api.lightning import docs
 from server.api.lightning.auth import authorize
 from server.api.lightning.batch import json_response
 from server.api.lightning.errors import LightningError
-from server.api.lightning.schemas import Credential, DeleteBody, MultiStateBody, StateBody, sampling_params
+from server.api.lightning.schemas import Credential, DeleteBody, MultiStateBody, StateBody, capped, sampling_params
 from server.api.lightning.session_stream import SessionStream, settle
 from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions, tagged
 from server.api.services import Services, get_services
@@ -48,7 +48,7 @@ def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
     if len(body.stop_tokens) >= MAX_STOP_STRINGS:
         raise ApiError(400, f"invalid 'stop_tokens': at most {MAX_STOP_STRINGS - 1} stop strings on session routes",
                        param="stop_tokens", code="invalid_request")
-    fields = body.fields()
+    fields = capped(body.fields(), sv.settings.max_tokens_limit)
     sampling_params(tagged(fields, sid), sv.shape.vocab_size)  # checked before anything starts
     return sid, body.contents[0], fields
 

@@ -113,7 +113,7 @@ def _messages(body: ChatRequest) -> list[tuple[str, str]]:
 _GENERATES = answers(400, 401, 413, 429, 503, stream=True)
 
 
-@router.post("/chat/completions", responses=_GENERATES)
+@router.post("/chat/completions", responses=answers(400, 401, 413, 429, 503, stream=True, lightning=True))
 async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     """An OpenAI chat request; a body with `contents` (and no `messages`) is rwkv_lightning's
     batch completion (server.api.lightning), whose credential may be the body's `password`."""
