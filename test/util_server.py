@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +46,8 @@ class ServerProcess:
     def __init__(self, tmp_dir: str | Path | None = None, *, model: str = "synthetic:tiny",
                  db: str | None = None, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
                  port: int | None = None, stop_timeout: float = 10.0) -> None:
+        self.owns_tmp = tmp_dir is None
+        """The directory is ours (made here): `cleanup()` removes it (a bench's states can be GBs)."""
         self.tmp_dir = Path(tmp_dir or tempfile.mkdtemp(prefix="rwkv-srv-"))
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.model = model
@@ -128,11 +131,17 @@ class ServerProcess:
             return "(no log)"
         return "\n".join(lines[-n:])
 
+    def cleanup(self) -> None:
+        """Stop, and remove the temporary directory this object made (none given)."""
+        self.stop()
+        if self.owns_tmp:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
     def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.cleanup()
 
 
 @contextlib.contextmanager
@@ -143,7 +152,7 @@ def running_server(tmp_dir: str | Path | None = None, *, wait: bool = True, **kw
         srv.start(wait=wait)
         yield srv
     finally:
-        srv.stop()
+        srv.cleanup()
 
 
 def server_fixture(scope: str = "module", **kwargs):

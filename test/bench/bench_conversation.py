@@ -168,7 +168,7 @@ def main() -> None:
         lines = asyncio.run(main_async(url, args))
     finally:
         if srv is not None:
-            srv.stop()
+            srv.cleanup()  # stops it; removes its temporary directory
     base = {"date": dt.date.today().isoformat(), "commit": commit(), "model": args.model, "device": args.device,
             "max_tokens": args.max_tokens}
     write_lines(args.out, [{**base, **line} for line in lines])

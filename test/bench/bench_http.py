@@ -275,7 +275,7 @@ def main() -> None:
             if a.route == "contents":
                 lines[-1]["chunk_size"] = a.chunk_size
     finally:
-        srv.stop()
+        srv.cleanup()  # stops it; removes its temporary directory
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
     write_lines(a.out, lines)
     print(f"\n{'streams':>7} {'tok/s':>10} {'delivered':>10} {'wave':>10} {'TTFT p50':>9} {'p95':>7} "

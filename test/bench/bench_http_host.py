@@ -276,7 +276,7 @@ def main() -> None:
         if spy is not None:
             spy.send_signal(2)
             spy.wait(30)
-        srv.stop()
+        srv.cleanup()  # stops it; removes its temporary directory
 
 
 if __name__ == "__main__":
