@@ -91,8 +91,8 @@ class Settings:
 
     # --- replicas ----------------------------------------------------------------------------
     instance_name: str = ""
-    """This server's name among the servers sharing one database; empty: <host>-<pid>. A random
-    suffix makes every start a new instance (docs/deployment.md)."""
+    """This server's name among the servers sharing one database; empty: <host>:<port>, the
+    same across restarts, so a restarted server takes its own running tasks back (docs/deployment.md)."""
     public_url: str = ""
     """The URL clients reach this server at (behind a load balancer: its own address); named in
     the 409 that another replica answers for a task running here."""

@@ -20,9 +20,10 @@ import json
 import os
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+from cachetools import LRUCache
 
 from .types import EOS_TOKEN, GrammarSpec
 
@@ -58,8 +59,8 @@ class GrammarCompiler:
         self.vocab_size = V
         self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self.cache_size = cache_size
-        self._cache: OrderedDict[GrammarSpec, Compiled] = OrderedDict()
-        self._guards: OrderedDict[str, TriggerGuard] = OrderedDict()  # by trigger, LRU as _cache
+        self._cache: LRUCache[GrammarSpec, Compiled] = LRUCache(maxsize=cache_size)
+        self._guards: LRUCache[str, TriggerGuard] = LRUCache(maxsize=cache_size)  # by trigger
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._no_control: Any = None  # the JSON kinds' ban row
@@ -82,18 +83,15 @@ class GrammarCompiler:
         """The compiled grammar of spec (cached); ValueError with the reason when it cannot be
         compiled (bad kind or source, a recursive JSON schema, a library error)."""
         with self._lock:
-            hit = self._cache.get(spec)
+            hit = self._cache.get(spec)  # a hit becomes the most recently used
             if hit is not None:
-                self._cache.move_to_end(spec)
                 return hit
         spec.check()
         grammar = self._compile(spec)
         guard = self._guard(spec.trigger) if spec.trigger else None
         out = Compiled(spec, grammar, guard, self._json_ban() if spec.kind in JSON_KINDS else None)
         with self._lock:
-            self._cache[spec] = out
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cache[spec] = out  # evicts the least recently used beyond cache_size
         return out
 
     def _compile(self, spec: GrammarSpec):
@@ -132,9 +130,6 @@ class GrammarCompiler:
             g = TriggerGuard(trigger.encode("utf-8"), self.table)
         with self._lock:
             self._guards[trigger] = g
-            self._guards.move_to_end(trigger)
-            while len(self._guards) > self.cache_size:
-                self._guards.popitem(last=False)
         return g
 
 

@@ -1,5 +1,5 @@
 """A task's output since its last prompt: its text, where each token's text ends, and the
-readers waiting for more (stream readers, server.api.task_stream's listeners)."""
+readers waiting for more (stream readers, server.api.streaming.direct's listeners)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Output:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._waiters: set[asyncio.Future[None]] = set()
-        self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.task_stream)
+        self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.streaming.direct)
 
     def __len__(self) -> int:
         return len(self.offsets)
