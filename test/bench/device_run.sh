@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests kernels tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks
+# steps: info build tests kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -37,6 +37,12 @@ for s in $steps; do
               --kernels torch --batches 1,64,256 --prefill '' --variant torch-wkv --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/engine_torch.log" ;;
     e2e) timeout 300 python3 test/bench/bench_engine_e2e.py --model synthetic:2.9b --batches 1,64,256,1024 \
               --state-dtype ${STATE_DTYPE:-fp32} --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/e2e.log" ;;
+    e2e_constrained) timeout 300 python3 test/bench/bench_engine_e2e.py --model synthetic:2.9b --batches 256 \
+              --constrained 0.25 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/e2e_constrained.log" ;;
+    conversation) timeout 400 python3 test/bench/bench_conversation.py --model synthetic:2.9b --concurrency 256 \
+              --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/conversation.log" ;;
+    http_contents) timeout 200 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 256 --route contents \
+              --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http_contents.log" ;;
     sampler) timeout 200 python3 test/bench/bench_sampler.py --B 1 32 64 128 256 512 1024 2>&1 | tee "$OUT/sampler.log" ;;
     ab_sampler) timeout 400 python3 test/bench/ab_sampler.py ${AB_SAMPLER_ARGS:---ref main} 2>&1 | tee "$OUT/ab_sampler.log" | tail -12 ;;
     partition) for r in ${PARTITION_ROWS:-512 1024}; do timeout 150 python3 test/bench/bench_partition.py --rows $r; done 2>&1 | tee "$OUT/partition.log" ;;
