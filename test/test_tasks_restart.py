@@ -238,3 +238,34 @@ async def test_tasks_finishing_together_commit_in_one_transaction(parts, tmp_pat
         assert t.finish_reason == "length" and len(out_ids(t)) == 2 and t.state == "stored"
         assert await tm.store.get_state(t.state_id) is not None
     await tm.close()
+
+
+async def test_a_lower_limit_after_restart_caps_inherited_max_tokens(parts, tmp_path):
+    """A task made under no limit keeps max_tokens=40 in its parameters; after a restart with
+    max_tokens_limit=5 its continue (no max_tokens given) and its fork generate 5, not 40."""
+    db = tmp_path / "lim.db"
+    tm = await manager(parts, db)
+    t = await tm.wait((await tm.create("Limits", {"max_tokens": 40, "ignore_eos": True, **GREEDY},
+                                       persistent=True)).id)
+    assert t.generated == 40
+    await tm.close()
+    tm = await manager(parts, db, max_tokens_limit=5)
+    c = await tm.wait((await tm.continue_(t.id, {})).id)
+    assert c.generated == 40 + 5  # a continue without a prompt extends the output
+    f = await tm.wait((await tm.fork(t.id, {}, " more")).id)
+    assert f.generated == 5
+    await tm.close()
+
+
+async def test_a_prompt_that_is_not_text_is_refused_before_anything_starts(parts, tmp_path):
+    from server.tasks import TaskInvalid
+
+    tm = await manager(parts, tmp_path / "bad.db")
+    with pytest.raises(TaskInvalid, match="not valid text"):
+        await tm.create("a\ud800b", {"max_tokens": 2}, persistent=True)
+    t = await tm.wait((await tm.create("fine", {"max_tokens": 1}, persistent=True)).id)
+    with pytest.raises(TaskInvalid):
+        await tm.continue_(t.id, {}, "x\udfff")
+    listed = await tm.list(None)
+    assert [x["task_id"] for x in listed["tasks"]] == [t.id] and tm.engine.stats().running == 0
+    await tm.close()

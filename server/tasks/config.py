@@ -41,6 +41,9 @@ class TaskSettings(Protocol):
     def default_max_tokens(self) -> int: ...
 
     @property
+    def max_tokens_limit(self) -> int: ...
+
+    @property
     def tmp_state_bytes(self) -> int: ...
 
     @property
@@ -85,6 +88,9 @@ class TaskConfig:
     """Bound of the background writer's queue."""
     default_max_tokens: int = 256
     """max_tokens of a run whose parameters give none."""
+    max_tokens_limit: int = 0
+    """Most tokens one run generates (0: no limit): a run's max_tokens, given or inherited from
+    its task (made when the server's limit was higher), is capped at it."""
     tmp_state_bytes: int = 256 * 1024**2
     """Budget of the states of finished TMP_ tasks (their text stays for tmp_task_ttl)."""
     write_behind_bytes: int = 8 * 1024**3
@@ -116,6 +122,7 @@ class TaskConfig:
         return cls(db=settings.db, state_cache_bytes=int(settings.state_cache_bytes),
                    db_budget_bytes=int(settings.db_budget_bytes), tmp_task_ttl=float(settings.tmp_task_ttl),
                    writer_queue=int(settings.writer_queue), default_max_tokens=int(settings.default_max_tokens),
+                   max_tokens_limit=int(settings.max_tokens_limit),
                    tmp_state_bytes=int(settings.tmp_state_bytes), write_behind_bytes=int(settings.write_behind_bytes),
                    state_store_dtype=settings.state_store_dtype,
                    instance_name=server_name(settings.instance_name, int(settings.port)),

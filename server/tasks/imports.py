@@ -18,15 +18,17 @@ Built only on the TaskManager's public collaborators (its table, cache, persiste
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from server.tasks.codec import encode_state
 from server.tasks.errors import TaskConflict, TaskInvalid
-from server.tasks.persist import SettleJob
 from server.tasks.records import TEMPLATE, Task, new_id, to_row
+from server.tasks.store import state_row
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -86,9 +88,11 @@ async def template_from_state(tm: TaskManager, name: str, state: State, *, pendi
     try:
         tpl.state_id, tpl.state_pos = sid, 0
         tm.cache.put(sid, state, template=True)  # the template tier: never evicted
-        tpl.pending_writes += 1
-        job = SettleJob(tpl, to_row(tpl), sid, state, 0, old_key=None, outcome=None)
-        await (await tm.persistence.queue_settled(job))  # committed before it is answered
+        # stored exact (never the fp16 storage dtype): this state is the template's only truth
+        enc = await asyncio.to_thread(encode_state, state, tm.signature)
+        tpl.stored_id, tpl.stored_pos = sid, 0
+        p = tm.persistence  # row and state in one transaction, committed before it is answered
+        await p.writer.call(p.store.save, to_row(tpl), state_row(sid, tid, enc, True))
     except BaseException:
         tm.table.forget(tid)
         tpl.deleted = True

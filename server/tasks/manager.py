@@ -89,7 +89,8 @@ class TaskManager:
             write_behind_bytes=cfg.write_behind_bytes, store_dtype=STORE_DTYPES[cfg.state_store_dtype],
             url_of=self.lease.url_of)
         self.runs = Runs(engine, self.table, persistence, self.cache, self.counters,
-                         default_max_tokens=cfg.default_max_tokens, latency=latency, instance=self.instance)
+                         default_max_tokens=cfg.default_max_tokens, max_tokens_limit=cfg.max_tokens_limit,
+                         latency=latency, instance=self.instance)
         self.inventory = Inventory(self.table, self.store, self.cache, self.counters,
                                    tmp_task_ttl=cfg.tmp_task_ttl,
                                    db_state_bytes=lambda: persistence.db_state_bytes,
@@ -307,6 +308,11 @@ class TaskManager:
 
     async def _encode(self, prompt: Prompt) -> TokenIds:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")  # the stored prompt and its text must be valid UTF-8
+            except UnicodeEncodeError as exc:
+                raise TaskInvalid(f"prompt is not valid text at character {exc.start} (a lone surrogate?)",
+                                  param="prompt") from None
             if len(prompt) > 20000:
                 return list(await asyncio.to_thread(self.tokenizer.encode, prompt))
             return list(self.tokenizer.encode(prompt))

@@ -77,12 +77,15 @@ class RunPersistence(Protocol):
 class Runs:
     def __init__(self, engine: EngineAPI, table: TaskTable, persistence: RunPersistence,
                  cache: StateCache[State], counters: Counter[str], *, default_max_tokens: int,
-                 latency: LatencyFactory | None = None, instance: str | None = None) -> None:
+                 max_tokens_limit: int = 0, latency: LatencyFactory | None = None,
+                 instance: str | None = None) -> None:
         self.engine, self.table, self.persistence, self.cache = engine, table, persistence, cache
         self.counters = counters
         self.instance = instance
         """This server's instance id, recorded on the rows of the runs it starts."""
         self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit
+        """Most tokens a run generates (0: none): caps a max_tokens a task inherited."""
         self.latency = latency
         """Optional factory of a latency recorder per run (the HTTP layer's Recorder)."""
         self._pumps: set[asyncio.Task[None]] = set()
@@ -138,6 +141,8 @@ class Runs:
         sp = sampling_params(t.params, self.default_max_tokens)
         if max_tokens is not None:
             sp = replace(sp, max_tokens=max_tokens)
+        elif self.max_tokens_limit and sp.max_tokens > self.max_tokens_limit:
+            sp = replace(sp, max_tokens=self.max_tokens_limit)  # inherited from before a lower limit
         state, pos, key = await self.persistence.resolve_state(t)
         try:
             hist = t.tokens + array("i", prompt_ids or ())
