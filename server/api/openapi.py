@@ -40,7 +40,7 @@ WHY = {
          "a body that is not JSON, a field this server cannot honour, or more sequences than the queue holds",
     401: "API keys are configured and the request has none, or a wrong one",
     403: "A write to a template without force=true, or to another key's template",
-    404: "No such task (or another key's), or no such model",
+    404: "No such task (or another key's), no such model, or no such state (the OpenAI routes' `state`)",
     409: "The task is running, the template name exists, or a stored state cannot be used",
     413: "The body is over --max-body-bytes, or the prompt over --max-prompt-tokens",
     422: "Invalid request (task routes): a field or query value missing, unknown, of the wrong type or out "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.api.openapi import SSE_EVENT
+
 _WHY = {
     400: "an invalid field (our error shape), or one of lightning's: an empty batch, a batch beyond "
          "the queue (bsz overflow), a missing session_id / dialogue_idx",
@@ -17,7 +19,7 @@ _WHY = {
 }
 _ERROR = {"application/json": {"schema": {"type": "object", "properties": {"error": {}}}}}
 _OK = {"json": {"application/json": {"schema": {"type": "object"}}},
-       "sse": {"text/event-stream": {"schema": {"type": "string"}}}}
+       "sse": {"text/event-stream": {"schema": SSE_EVENT}}}
 
 
 def responses(*errors: int, ok: tuple[str, ...] = ("json", "sse")) -> dict[int | str, dict[str, Any]]:

@@ -110,10 +110,10 @@ def _messages(body: ChatRequest) -> list[tuple[str, str]]:
     return out
 
 
-_GENERATES = answers(400, 401, 413, 429, 503, stream=True)
+_GENERATES = answers(400, 401, 404, 413, 429, 503, stream=True)  # 404: an unknown `state`
 
 
-@router.post("/chat/completions", responses=answers(400, 401, 413, 429, 503, stream=True, lightning=True))
+@router.post("/chat/completions", responses=answers(400, 401, 404, 413, 429, 503, stream=True, lightning=True))
 async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     """An OpenAI chat request; a body with `contents` (and no `messages`) is rwkv_lightning's
     batch completion (server.api.lightning), whose credential may be the body's `password`."""
