@@ -18,7 +18,7 @@ _WHY = {
     503: "the model is loading, the engine stopped, or the server is shutting down",
 }
 _ERROR = {"application/json": {"schema": {"type": "object", "properties": {"error": {}}}}}
-_OK = {"json": {"application/json": {"schema": {"type": "object"}}},
+_OK: dict[str, dict[str, Any]] = {"json": {"application/json": {"schema": {"type": "object"}}},
        "sse": {"text/event-stream": {"schema": SSE_EVENT}}}
 
 
