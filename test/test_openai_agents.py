@@ -135,7 +135,8 @@ def test_tool_round_trip(client, stream):
     if stream:
         chunks = list(client.chat.completions.create(messages=USER, tool_choice="required", stream=True, **kw))
         calls = streamed_calls(chunks)
-        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["tool_calls"]
         for c in calls:
             assert c["id"].startswith("call_")
             jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
@@ -170,7 +171,8 @@ def test_auto_tool_choice_answers(client):
 @pytest.fixture(scope="module")
 def oracle(checkpoint):
     os.environ.update(RWKV_V7_ON="1", RWKV_JIT_ON="0", RWKV_CUDA_ON="0")
-    mod = importlib.reload(sys.modules["rwkv.model"]) if "rwkv.model" in sys.modules else importlib.import_module("rwkv.model")
+    loaded = sys.modules.get("rwkv.model")
+    mod = importlib.reload(loaded) if loaded is not None else importlib.import_module("rwkv.model")
     return mod.RWKV_x070(checkpoint[: -len(".pth")], "cpu fp32")
 
 
