@@ -82,6 +82,22 @@ def test_doc_route_reader() -> None:
                                      ("POST", "/v1/tasks/tmp")}
 
 
+AGENTS_DOC = ROOT / "docs" / "agents.md"
+RESPONSES = "/v1/responses"
+
+
+def test_the_responses_routes_are_documented_in_agents_md() -> None:
+    """Every /v1/responses route of the app is named in docs/agents.md, and only those."""
+    app = create_app(Settings())
+    found = {(m.upper(), p) for p, ops in app.openapi()["paths"].items() for m in ops if m.upper() in METHODS}
+    found |= set(_walk(app.routes))
+    routes = {(m, p) for m, p in found if p == RESPONSES or p.startswith(RESPONSES + "/")}
+    assert ("POST", RESPONSES) in routes
+    pattern = re.compile(r"\b(" + "|".join(METHODS) + r") (" + re.escape(RESPONSES) + r"[^\s`'\"?)|,]*)")
+    documented = {(m, p.rstrip(".:;")) for m, p in pattern.findall(AGENTS_DOC.read_text(encoding="utf-8"))}
+    assert documented == routes, (sorted(routes - documented), sorted(documented - routes))
+
+
 # --- references to files outside the repository ------------------------------------------------
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".cu", ".cuh", ".toml", ".cfg", ".ini", ".yml", ".yaml",
                  ".mako", ".rst"}

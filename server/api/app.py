@@ -98,11 +98,13 @@ def _include_routes(app: FastAPI) -> None:
     from server.api import ops
     from server.api.lightning import routes as lightning_routes
     from server.api.openai import routes as openai_routes
+    from server.api.responses import routes as responses_routes
     from server.api.states import routes as states_routes
     from server.api.tasks import routes as tasks_routes
 
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(tasks_routes.router)
     app.include_router(lightning_routes.router)
     app.include_router(states_routes.router)

@@ -18,8 +18,8 @@ it ("unknown field 'x'": 400 on the OpenAI routes, 422 on the task routes), neve
 ignored. The OpenAI routes accept every field of the official OpenAI API for their endpoint and
 either honour it, ignore it where ignoring cannot change the answer (user, metadata, store,
 service_tier, prompt_cache_key, ...), or refuse it with a 400 naming it where ignoring would
-change the answer's meaning (tools, logprobs, a response_format other than text, a non-empty
-logit_bias, audio, ...): see server.api.openai.schemas.
+change the answer's meaning (the legacy functions, a non-empty logit_bias, audio, ...): see
+server.api.openai.schemas (tools, response_format and logprobs are honoured: docs/agents.md).
 """
 
 from __future__ import annotations

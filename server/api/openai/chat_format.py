@@ -21,7 +21,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+"""A tool message is a "Tool:" turn (server.api.openai.tools writes its text)."""
 TURN_SEP = "\n\n"
 CHAT_STOP = ("\n\n",)
 _BLANK_RUNS = re.compile(r"\n(?:[ \t]*\n)+")

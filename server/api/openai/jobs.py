@@ -15,7 +15,7 @@ from server.api.errors import ApiError, engine_error
 from server.api.metrics import Recorder
 from server.api.streaming.sse import draining_event, wait_disconnect
 from server.engine.protocol import EngineAPI, Handle, StateLike
-from server.engine.types import Event, SamplingParams
+from server.engine.types import Event, SamplingParams, TokenLogprob
 
 log = logging.getLogger("server.openai")
 
@@ -36,6 +36,10 @@ class Job:
     finish_reason: str | None = None
     error: str | None = None
     t_last: float | None = None  # when its last tokens arrived (kept by the Recorder)
+    logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.logprobs: one per generated token so far."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.prompt_logprobs: the prompt's (from the first event)."""
 
     @property
     def done(self) -> bool:
@@ -161,8 +165,21 @@ def record(job: Job, batch: list[Event], recorder: Recorder) -> None:
     else:
         job.text.extend(ev.text for ev in batch)
     job.completion_tokens = last.n_tokens
+    first = batch[0]
+    if first.logprobs is not None or first.prompt_logprobs is not None:
+        _record_logprobs(job, batch)
     if last.finished:
         job.finish_reason = last.finish_reason or "stop"
+
+
+def _record_logprobs(job: Job, batch: list[Event]) -> None:
+    for ev in batch:
+        if ev.prompt_logprobs is not None:
+            job.prompt_logprobs = ev.prompt_logprobs
+        if ev.logprobs is not None:
+            if job.logprobs is None:
+                job.logprobs = []
+            job.logprobs.extend(ev.logprobs)
 
 
 async def _error_of(job: Job) -> str:

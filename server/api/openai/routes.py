@@ -18,9 +18,11 @@ from server.api.lightning import batch as lightning_batch
 from server.api.lightning.auth import require_header_key
 from server.api.lightning.schemas import ChatOrContents
 from server.api.metrics import Recorder
-from server.api.openai import render, start
+from server.api.openai import agent_render, render, start
+from server.api.openai.agents import Agent, chat_agent, completion_agent
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
 from server.api.openai.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
+from server.api.openai.messages import turns
 from server.api.openai.schemas import ChatRequest, CompletionRequest, OpenAIFields
 from server.api.openai.stream import ChoiceStream
 from server.api.openapi import answers
@@ -100,16 +102,6 @@ def _few_shot(sv: Services) -> str:
         raise ApiError(400, f"this server has no few-shot file ({exc})", param="few_shot") from None
 
 
-def _messages(body: ChatRequest) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    for i, m in enumerate(body.messages):
-        try:
-            out.append((m.role, m.text()))
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=f"messages[{i}].content") from None
-    return out
-
-
 _GENERATES = answers(400, 401, 404, 413, 429, 503, stream=True)  # 404: an unknown `state`
 
 
@@ -123,7 +115,11 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     t0 = time.perf_counter()
     sv = get_services(request)
     params = _checked(body, sv, CHAT_STOP)
-    prompt = build_prompt(_messages(body), _few_shot(sv) if body.few_shot else "")
+    agent = await chat_agent(sv, body)
+    params = agent.apply(params)
+    prompt = build_prompt(turns(body.messages, agent.tool_plan), _few_shot(sv) if body.few_shot else "")
+    if agent.tool_plan is not None:
+        prompt.rest += agent.tool_plan.prompt_suffix()
     rest = await encode(sv, prompt.rest)
     prefix_tokens = await encode(sv, prompt.prefix) if prompt.prefix else []
     _check_length(sv, len(prefix_tokens) + len(rest))
@@ -134,9 +130,13 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(sv.engine, [(begun.submit, begun.state, n_prompt)] * len(params), params, cid,
                       return_state=begun.part is not None)
-    begun.track(sv, jobs, start.chat_expect(sv, begun, prompt.rest, len(rest)))
+    begun.track(sv, jobs, None if agent.tool_plan else start.chat_expect(sv, begun, prompt.rest, len(rest)))
     meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt,
                        cached_tokens=begun.cached)
+    if agent.any:
+        ex = agent_render.Extras(sv.tokenizer, agent.tool_plan, agent.logprobs)
+        return await _respond(request, sv, body, jobs, meta, t0, agent_render.chat_renderer(ex),
+                              agent_render.chat_response(ex))
     return await _respond(request, sv, body, jobs, meta, t0, render.chat_renderer, render.chat_response)
 
 
@@ -171,14 +171,15 @@ async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tup
 async def completions(body: CompletionRequest, request: Request) -> Response:
     t0 = time.perf_counter()
     sv = get_services(request)
-    per_choice = _checked(body, sv)
+    agent = await completion_agent(sv, body)
+    per_choice = agent.apply(_checked(body, sv))
     prompts = await _completion_prompts(body, sv)
     owner = get_owner(request)
     base = await start.resolve_base(sv, body.state, owner)
     seqs: list[Prompt] = []
     params: list[SamplingParams] = []
     echoes: list[str] = []
-    starts = await asyncio.gather(*(start.begin(sv, owner, base, tokens) for tokens, _ in prompts))
+    starts = await asyncio.gather(*(_begin(sv, owner, base, tokens, agent) for tokens, _ in prompts))
     for begun, (tokens, text) in zip(starts, prompts, strict=True):
         for p in per_choice:
             seqs.append((begun.submit, begun.state, len(tokens)))
@@ -193,8 +194,22 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()),
                        prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes,
                        cached_tokens=sum(b.cached for b in starts))
+    if agent.logprobs is not None:
+        scored = [tokens for tokens, _ in prompts for _ in per_choice] if agent.prompt_logprobs is not None else []
+        ex = agent_render.Extras(sv.tokenizer, logprobs=agent.logprobs, prompts=scored)
+        return await _respond(request, sv, body, jobs, meta, t0, agent_render.completion_renderer(ex),
+                              agent_render.completion_response(ex))
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer,
                           render.completion_response)
+
+
+async def _begin(sv: Services, owner: str | None, base: start.Base, tokens: list[int], agent: Agent) -> start.Start:
+    """A prompt's start. Scoring the prompt (echo + logprobs) needs its every token fed, so
+    it starts from the base, not from a kept conversation state."""
+    if agent.prompt_logprobs is None:
+        return await start.begin(sv, owner, base, tokens)
+    stream = base.tokens + list(tokens)
+    return start.Start(stream=stream, submit=stream, state=base.state, cached=0, part=None)
 
 
 def _text_prompts(body: CompletionRequest) -> bool:

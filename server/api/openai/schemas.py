@@ -4,7 +4,8 @@ defaults, the unknown-fields policy).
 Every field of the official OpenAI API for the endpoint is accepted (openai SDK:
 types/chat/completion_create_params.py, types/completion_create_params.py). Each is honoured,
 ignored where ignoring cannot change the answer, or refused (400 naming it) where it would:
-`unsupported()` says which. Our extras: top_k, repetition_penalty, penalty_decay,
+`unsupported()` says which. tools, tool_choice, response_format and logprobs are honoured
+(docs/agents.md). Our extras: top_k, repetition_penalty, penalty_decay,
 stop_token_ids, ignore_eos (server.api.sampling), state, and few_shot (chat).
 """
 
@@ -15,9 +16,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.api.sampling import MaxTokens, Penalty, SamplingFields, TokenId
+from server.engine.types import MAX_LOGPROBS
 
 MAX_N = 16
 MAX_PROMPTS = 64
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's bound on the legacy completions' logprobs."""
 
 
 class StreamOptions(BaseModel):
@@ -36,18 +40,21 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # ignored: the RWKV chat format has no speaker names
     refusal: str | None = None  # ignored: an earlier answer's refusal text is not part of the prompt
     audio: dict[str, Any] | None = None
     tool_calls: list[Any] | None = None
+    """An assistant message's calls (rendered in the tool-call envelope: server.api.openai.tools)."""
+    tool_call_id: str | None = None
+    """A tool message: the id of the call it answers (an earlier assistant message's)."""
     function_call: dict[str, Any] | None = None
 
     def text(self) -> str:
         """The message's text (ValueError when it has a part or a field that is not text)."""
-        if self.audio is not None or self.tool_calls or self.function_call is not None:
-            raise ValueError("audio, tool calls and function calls in messages are not supported (text only)")
+        if self.audio is not None or self.function_call is not None:
+            raise ValueError("audio and (legacy) function calls in messages are not supported (text only)")
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -113,13 +120,15 @@ class ChatRequest(OpenAIFields):
     few_shot: bool = False
     """RWKV extra: prefix the prompt with the server's few-shot dialogues."""
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    """Function tools (server.api.openai.tools; checked there: 400 naming the tool)."""
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # ignored: no tools are ever called
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    """text, json_object or json_schema (server.tasks.params.format_grammar)."""
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     web_search_options: dict[str, Any] | None = None
@@ -145,18 +154,19 @@ class ChatRequest(OpenAIFields):
     def max_tokens_name(self) -> str:
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
+    def top(self) -> int | None:
+        """The engine's logprobs (None: off): top_logprobs alternatives when logprobs is true."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools or self.functions:
-            return ("tools" if self.tools else "functions"), "tools / function calling are not supported"
-        for name in ("tool_choice", "function_call"):
-            choice = getattr(self, name)
-            if choice is not None and choice not in ("none", "auto"):
-                return name, f"{name} {choice!r}: tools / function calling are not supported"
-        if self.logprobs or self.top_logprobs:
-            return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            return "response_format", f"response_format {fmt!r} is not supported (text only)"
+        if self.functions:
+            return "functions", "the legacy functions field is not supported (use tools)"
+        if self.function_call is not None and self.function_call not in ("none", "auto"):
+            return "function_call", "the legacy function_call field is not supported (use tool_choice)"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true (not supported without it)"
+        if self.tools and self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "response_format with tools is not supported (one grammar per answer)"
         if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
             return ("audio" if self.audio is not None else "modalities"), "audio output is not supported (text only)"
         if self.web_search_options is not None:
@@ -170,8 +180,11 @@ class CompletionRequest(OpenAIFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     suffix: str | None = None
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    """The legacy completions' logprobs: this many alternatives per token (0..5)."""
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    """RWKV extra on completions: text, json_object or json_schema, as on chat."""
 
     @field_validator("prompt")
     @classmethod
@@ -190,8 +203,6 @@ class CompletionRequest(OpenAIFields):
         return len(p) if isinstance(p, list) and not isinstance(p[0], int) else 1
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
         if self.best_of is not None and self.best_of != self.choices:
             return "best_of", "best_of is not supported (use n)"
         return super().unsupported()

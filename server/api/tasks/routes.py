@@ -18,6 +18,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, engine_error
+from server.api.grammar import response_grammar
 from server.api.openapi import EventStream, answers
 from server.api.services import Services, get_owner, get_services
 from server.api.streaming.sse import SSEResponse
@@ -44,9 +45,14 @@ def _tasks(sv: Services) -> TaskManager:
     return sv.tasks
 
 
-def _params(sv: Services, body: GenParams) -> dict[str, Any]:
-    """The request's sampling fields, checked (422 naming a bad one) before anything starts."""
-    return body.checked_fields(sv.shape.vocab_size, sv.settings.max_tokens_limit)
+async def _params(sv: Services, body: GenParams) -> dict[str, Any]:
+    """The request's sampling fields and response_format, checked (422 naming a bad one; the
+    engine compiles the format's grammar) before anything starts."""
+    fields = body.checked_fields(sv.shape.vocab_size, sv.settings.max_tokens_limit)
+    if body.response_format is not None:  # {"type": "text"} too: it overrides a fork source's format
+        await response_grammar(sv, body.response_format, status=422)
+        fields["response_format"] = body.response_format
+    return fields
 
 
 async def _call(aw: Awaitable[T]) -> T:
@@ -90,7 +96,7 @@ def _sse(sv: Services, t: Task, pos: int, abort_on_close: bool = False) -> SSERe
 # --- create ------------------------------------------------------------------------------------
 async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Response:
     sv = get_services(request)
-    t = await _call(_tasks(sv).create(body.prompt, _params(sv, body), persistent=persistent,
+    t = await _call(_tasks(sv).create(body.prompt, await _params(sv, body), persistent=persistent,
                                       owner=get_owner(request)))
     return _answer(sv, t, body.stream, own=True)
 
@@ -112,7 +118,7 @@ async def create_task(body: CreateBody, request: Request) -> Response:
 async def fim(body: FimBody, request: Request) -> Response:
     sv = get_services(request)
     tm = _tasks(sv)
-    t = await _call(tm.fim(body.prefix, body.suffix, _params(sv, body), owner=get_owner(request)))
+    t = await _call(tm.fim(body.prefix, body.suffix, await _params(sv, body), owner=get_owner(request)))
     return _answer(sv, t, body.stream, own=True)
 
 
@@ -155,7 +161,7 @@ async def fork(task_id: str, request: Request, body: UpdateBody | None = None,
                tmp: bool = Query(False)) -> Response:
     sv, body = get_services(request), body or UpdateBody()
     tm = _tasks(sv)
-    t = await _call(tm.fork(task_id, _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
+    t = await _call(tm.fork(task_id, await _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
     return _answer(sv, t, body.stream, own=True)
 
 
@@ -164,7 +170,7 @@ async def continue_task(task_id: str, request: Request, body: UpdateBody | None 
                         force: bool = Query(False)) -> Response:
     sv, body = get_services(request), body or UpdateBody()
     tm = _tasks(sv)
-    t = await _call(tm.continue_(task_id, _params(sv, body), body.prompt, owner=get_owner(request),
+    t = await _call(tm.continue_(task_id, await _params(sv, body), body.prompt, owner=get_owner(request),
                                  force=force))
     return _answer(sv, t, body.stream)
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +14,9 @@ class GenParams(SamplingFields):
     """Generation parameters (all optional; absent = the task's / the server's defaults)."""
 
     stream: bool = False
+    response_format: Annotated[dict[str, Any] | None, Field(
+        description='constrain the output: {"type": "json_object"} or {"type": "json_schema", '
+                    '"json_schema": {"name", "schema"}} (OpenAI\'s shape; {"type": "text"}: free)')] = None
 
 
 class CreateBody(GenParams):

@@ -1,0 +1,198 @@
+"""Response bodies and streams of OpenAI requests that use tools or logprobs (render.py keeps
+the plain requests' pre-encoded fast path): chat `message.tool_calls` / `delta.tool_calls`,
+finish_reason "tool_calls", chat `logprobs.content` and the legacy completions' `logprobs`
+({tokens, token_logprobs, top_logprobs, text_offset}), echoed prompts scored too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from server.api.openai.jobs import Job
+from server.api.openai.render import Meta, Renderer, _chunker, _echo, _ender, _finish, _raise_failed, usage
+from server.api.openai.tools import ToolPlan, held_back, split
+from server.engine.types import Event, TokenLogprob
+
+
+class TokenBytes(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a request asked for beyond text."""
+
+    tokenizer: TokenBytes
+    tool_plan: ToolPlan | None = None
+    logprobs: int | None = None
+    """Chat: top_logprobs (when logprobs is true); completions: logprobs. None: off."""
+    prompts: Sequence[Sequence[int]] = field(default_factory=list)
+    """Completions with echo and logprobs: each job's prompt ids (scored too)."""
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.token_bytes(token).decode("utf-8", "replace")
+
+
+# --- chat ----------------------------------------------------------------------------------------
+
+def _entry(ex: Extras, token: int, lp: float) -> dict[str, Any]:
+    return {"token": ex.text(token), "logprob": lp, "bytes": list(ex.tokenizer.token_bytes(token))}
+
+
+def chat_logprobs(ex: Extras, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{**_entry(ex, v.token, v.logprob), "top_logprobs": [_entry(ex, t, lp) for t, lp in v.top]}
+            for v in lps]
+
+
+def _message(job: Job, ex: Extras) -> tuple[dict[str, Any], str | None]:
+    raw = "".join(job.text)
+    plan = ex.tool_plan
+    content, calls = split(raw, plan.forced) if plan is not None else (raw, None)
+    msg: dict[str, Any] = {"role": "assistant", "content": content.lstrip()}
+    if calls is None:
+        return msg, _finish(job)
+    msg.update(content=(content.strip() and content.lstrip()) or None, tool_calls=calls)
+    return msg, "tool_calls"
+
+
+def chat_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any]]:
+    def full(jobs: list[Job], meta: Meta) -> dict[str, Any]:
+        _raise_failed(jobs)
+        choices = []
+        for j in jobs:
+            msg, finish = _message(j, ex)
+            lp = None if ex.logprobs is None else {"content": chat_logprobs(ex, j.logprobs or []), "refusal": None}
+            choices.append({"index": j.index, "message": msg, "logprobs": lp, "finish_reason": finish})
+        return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+                "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+
+    return full
+
+
+@dataclass
+class _ChatState:
+    sent: int = 0  # characters of content streamed
+    lps: list[TokenLogprob] = field(default_factory=list)  # logprobs not sent yet
+
+
+def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
+    def make(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
+        base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+                "system_fingerprint": None}
+        chunk = _chunker(base, include_usage)
+        states = {j.index: _ChatState() for j in jobs}
+        plan = ex.tool_plan
+
+        def choice(job: Job, delta: dict[str, Any], st: _ChatState, finish: str | None = None) -> dict[str, Any]:
+            lp = None
+            if ex.logprobs is not None and st.lps:
+                lp, st.lps = {"content": chat_logprobs(ex, st.lps), "refusal": None}, []
+            return {"index": job.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+        def content(job: Job, st: _ChatState, text: str) -> bytes:
+            new, st.sent = text.lstrip()[st.sent:], max(st.sent, len(text.lstrip()))
+            return chunk([choice(job, {"content": new}, st)]) if new else b""
+
+        def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
+            st = states[job.index]
+            for ev in batch:
+                st.lps.extend(ev.logprobs or ())
+            raw = "".join(job.text)
+            if job.finish_reason is None:
+                if plan is None:
+                    return content(job, st, raw), False
+                at = -1 if plan.forced else raw.find("<tool_call>")
+                end = 0 if plan.forced else at if at >= 0 else len(raw) - held_back(raw)
+                return content(job, st, raw[:end]), False
+            msg, finish = _message(job, ex)
+            out = content(job, st, msg["content"] or "")
+            for i, call in enumerate(msg.get("tool_calls") or ()):
+                fn = call["function"]
+                head = {"index": i, "id": call["id"], "type": "function",
+                        "function": {"name": fn["name"], "arguments": ""}}
+                out += chunk([choice(job, {"tool_calls": [head]}, st)])
+                out += chunk([choice(job, {"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]},
+                                     st)])
+            return out + chunk([choice(job, {}, st, finish)]), True
+
+        preamble = [chunk([choice(j, {"role": "assistant", "content": ""}, states[j.index])]) for j in jobs]
+        return Renderer(preamble, render, _ender(jobs, meta, include_usage, chunk))
+
+    return make
+
+
+# --- completions ---------------------------------------------------------------------------------
+
+def _legacy(ex: Extras, values: Sequence[TokenLogprob | None], tokens: Sequence[int], offset: int) -> dict[str, Any]:
+    """{tokens, token_logprobs, top_logprobs, text_offset}; a None value: a token without one."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, v in zip(tokens, values, strict=True):
+        s = ex.text(tok)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(None if v is None else v.logprob)
+        out["top_logprobs"].append(None if v is None else {ex.text(t): lp for t, lp in v.top})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def _echoed(ex: Extras, job: Job) -> tuple[list[TokenLogprob | None], list[int]]:
+    """The scored prompt of an echo: its logprobs (the first token's None) and ids."""
+    if job.index >= len(ex.prompts):
+        return [], []
+    ids = list(ex.prompts[job.index])
+    scored = list(job.prompt_logprobs or [])[-(len(ids) - 1):] if len(ids) > 1 else []
+    return [None, *scored][: len(ids)], ids
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] + b[k] for k in a}
+
+
+def completion_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any]]:
+    def full(jobs: list[Job], meta: Meta) -> dict[str, Any]:
+        _raise_failed(jobs)
+        choices = []
+        for j in jobs:
+            echo = _echo(meta, j)
+            pv, pids = _echoed(ex, j)
+            lps = j.logprobs or []
+            lp = _merge(_legacy(ex, pv, pids, 0), _legacy(ex, lps, [v.token for v in lps], len(echo)))
+            choices.append({"index": j.index, "text": echo + "".join(j.text), "logprobs": lp,
+                            "finish_reason": _finish(j)})
+        return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+                "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+
+    return full
+
+
+def completion_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
+    """Each batch is one chunk with its tokens' logprobs; an echo (text and scored prompt) comes
+    with the first, where the prompt's logprobs are known."""
+
+    def make(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
+        base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+                "system_fingerprint": None}
+        chunk = _chunker(base, include_usage)
+        offsets: dict[int, int] = {}
+
+        def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
+            text = "".join(ev.text for ev in batch)
+            lps = [v for ev in batch for v in ev.logprobs or ()]
+            if job.index not in offsets:
+                echo = _echo(meta, job)
+                pv, pids = _echoed(ex, job)
+                lp = _merge(_legacy(ex, pv, pids, 0), _legacy(ex, lps, [v.token for v in lps], len(echo)))
+                text = echo + text
+            else:
+                lp = _legacy(ex, lps, [v.token for v in lps], offsets[job.index])
+            offsets[job.index] = offsets.get(job.index, 0) + len(text)
+            done = job.finish_reason is not None
+            finish = _finish(job) if done else None
+            choice = {"index": job.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            return chunk([choice]), done
+
+        return Renderer([], render, _ender(jobs, meta, include_usage, chunk))
+
+    return make

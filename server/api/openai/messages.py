@@ -1,0 +1,44 @@
+"""A chat request's messages -> (role, text) turns for the RWKV chat prompt (chat_format):
+text parts joined, an assistant message's tool calls written in the call envelope, a tool
+message as a Tool turn naming the call it answers (its tool_call_id must be an earlier call's),
+and with tools the system turn that describes them (first: it is part of the cached prefix)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from server.api.errors import ApiError
+from server.api.openai.schemas import ChatMessage
+from server.api.openai.tools import ToolError, ToolPlan, assistant_text, tool_text
+
+
+def turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[tuple[str, str]]:
+    """The turns; a 400 naming the message's field for anything that cannot be rendered."""
+    try:
+        return _turns(messages, tool_plan)
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
+
+
+def _turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = [("system", tool_plan.system_text())] if tool_plan is not None else []
+    calls: dict[str, str] = {}  # id -> function name, of the calls made so far
+    for i, m in enumerate(messages):
+        try:
+            text = m.text()
+        except ValueError as exc:
+            raise ToolError(f"messages[{i}].content", str(exc)) from None
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ToolError(f"messages[{i}].tool_calls", "only assistant messages carry tool_calls")
+            text, ids = assistant_text(text, m.tool_calls, i)
+            calls.update(ids)
+        if m.role == "tool":
+            if m.tool_call_id is None or m.tool_call_id not in calls:
+                raise ToolError(f"messages[{i}].tool_call_id", f"tool_call_id {m.tool_call_id!r} is not the id "
+                                "of a call in an earlier assistant message")
+            text = tool_text(calls[m.tool_call_id], text)
+        elif m.tool_call_id is not None:
+            raise ToolError(f"messages[{i}].tool_call_id", "only tool messages carry a tool_call_id")
+        out.append((m.role, text))
+    return out

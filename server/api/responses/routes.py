@@ -1,0 +1,147 @@
+"""/v1/responses: create (optionally continuing a previous response), get, delete.
+
+A response is a task of the task layer (server.tasks.TaskManager): `store: true` (the default)
+makes a persistent task (in the database, so a chain survives a restart), `store: false` a TMP
+task (never readable back). `previous_response_id` forks the previous response's task: the new
+one starts from its state (the history is never prefilled again) and the previous response
+stays readable. The prompt is the RWKV chat format (server.api.openai.chat_format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from server.api.errors import ApiError, engine_error
+from server.api.grammar import response_grammar
+from server.api.openai.chat_format import CHAT_STOP, build_prompt
+from server.api.openapi import answers
+from server.api.responses import render
+from server.api.responses.schemas import ResponseRequest, TextFormat
+from server.api.sampling import bad_text
+from server.api.services import Services, get_owner, get_services
+from server.engine.types import EOS_TOKEN, EngineError, SamplingParams
+from server.tasks.errors import TaskError, TaskNotFound
+
+if TYPE_CHECKING:
+    from server.tasks import TaskManager
+    from server.tasks.records import Task
+
+router = APIRouter(prefix="/v1", tags=["responses"])
+T = TypeVar("T")
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def _tasks(sv: Services) -> TaskManager:
+    if sv.tasks is None:
+        raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
+    return sv.tasks
+
+
+async def _call(aw: Awaitable[T]) -> T:
+    """Task-layer and engine errors -> ApiError (a bad value is a 400, as on the OpenAI routes)."""
+    try:
+        return await aw
+    except TaskError as exc:
+        raise ApiError(400 if exc.status == 422 else exc.status, exc.message, param=exc.param,
+                       code=exc.code) from None
+    except (EngineError, ValueError) as exc:
+        raise engine_error(exc) from None
+
+
+async def _stored(tm: TaskManager, rid: str, owner: str | None, param: str | None = None) -> Task:
+    """The task of a stored response `owner` may see; 404 otherwise (unknown, another key's)."""
+    tid = render.task_id(rid)
+    try:
+        if tid is None:
+            raise TaskNotFound(rid)
+        return await tm.get(tid, owner)
+    except TaskNotFound:
+        raise ApiError(404, f"response {rid!r} not found (unknown, not stored, or another API key's)",
+                       param=param, code="response_not_found") from None
+
+
+def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[str, Any]:
+    """Every generation field, explicit: a response never inherits its previous one's."""
+    d, limit = SamplingParams(), sv.settings.max_tokens_limit
+    max_tokens = sv.settings.default_max_tokens if body.max_output_tokens is None else body.max_output_tokens
+    if limit and max_tokens > limit:
+        raise ApiError(400, f"invalid 'max_output_tokens': {max_tokens} is above this server's limit of {limit}",
+                       param="max_output_tokens", code="invalid_request")
+    out = {"max_tokens": max_tokens, "temperature": d.temperature if body.temperature is None else body.temperature,
+           "top_p": d.top_p if body.top_p is None else body.top_p, "stop": list(CHAT_STOP), "response_format": fmt}
+    if body.seed is not None:
+        out["seed"] = body.seed
+    return out
+
+
+def _turns(body: ResponseRequest) -> list[tuple[str, str]]:
+    turns = [("system", body.instructions)] if body.instructions else []
+    if isinstance(body.input, str):
+        return [*turns, ("user", body.input)]
+    return turns + [(m.role, m.text()) for m in body.input]
+
+
+def _separator(sv: Services, src: Task) -> str:
+    """What goes between the previous response's history and the new turns: nothing after EOS
+    or a turn break the model wrote, else the turn break."""
+    tail = list(src.tokens[-2:])
+    if not tail or tail[-1] == EOS_TOKEN or sv.tokenizer.decode(tail).endswith("\n\n"):
+        return ""
+    return "\n\n"
+
+
+@router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True))
+async def create_response(body: ResponseRequest, request: Request) -> Response:
+    sv, owner = get_services(request), get_owner(request)
+    tm = _tasks(sv)
+    bad = bad_text(body)
+    if bad is not None:
+        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+    if body.tools or body.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tools on /v1/responses are not supported yet (use /v1/chat/completions)",
+                       param="tools", code="unsupported_field")
+    fmt = (body.text.format if body.text is not None else TextFormat()).response_format()
+    await response_grammar(sv, fmt, param="text.format")
+    params = _params(sv, body, fmt)
+    prompt = build_prompt(_turns(body)).text
+    if body.previous_response_id is not None:
+        src = await _stored(tm, body.previous_response_id, owner, "previous_response_id")
+        if src.running:
+            raise ApiError(409, f"response {body.previous_response_id!r} is still in progress",
+                           param="previous_response_id", code="response_in_progress")
+        t = await _call(tm.fork(src.id, params, _separator(sv, src) + prompt, tmp=not body.store, owner=owner))
+    else:
+        t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner))
+    if body.stream:
+        return StreamingResponse(render.events(t, sv.model_id), media_type="text/event-stream")
+    if t.running and t.done is not None:
+        await asyncio.shield(t.done.wait())
+    return _json(render.response(t, sv.model_id))
+
+
+_READS = answers(401, 404, 503)
+
+
+@router.get("/responses/{response_id}", responses=_READS)
+async def get_response(response_id: str, request: Request) -> Response:
+    sv = get_services(request)
+    t = await _stored(_tasks(sv), response_id, get_owner(request), "response_id")
+    return _json(render.response(t, sv.model_id))
+
+
+@router.delete("/responses/{response_id}", responses=_READS)
+async def delete_response(response_id: str, request: Request) -> Response:
+    sv, owner = get_services(request), get_owner(request)
+    tm = _tasks(sv)
+    t = await _stored(tm, response_id, owner, "response_id")
+    await _call(tm.delete(t.id, owner))
+    return _json({"id": response_id, "object": "response.deleted", "deleted": True})

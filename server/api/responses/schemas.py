@@ -1,0 +1,90 @@
+"""Request body of POST /v1/responses (the fields of the official API this server honours or
+can ignore; an unknown field is a 400 naming it, server.api.sampling's policy)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.api.sampling import MaxTokens
+from server.engine.types import LIMITS
+
+MAX_INPUT_ITEMS = 1024
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None  # ignored (output_text parts sent back)
+
+
+class InputMessage(BaseModel):
+    """A message item ({"role", "content"}, optionally "type": "message")."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+    id: str | None = None  # ignored (an output item sent back)
+    status: str | None = None  # ignored
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class TextFormat(BaseModel):
+    """text.format: {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        """OpenAI chat's response_format of this format (what tasks store)."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "json_schema": {"name": self.name or "output", "schema": self.schema_}}
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat = TextFormat()
+    verbosity: str | None = None  # ignored
+
+
+def _bounds(name: str) -> Any:
+    lo, hi = LIMITS[name]
+    return Field(None, ge=lo, le=hi)
+
+
+class ResponseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    error_status: ClassVar[int] = 400
+
+    model: str | None = None  # any name: this server serves one model
+    input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    instructions: str | None = None
+    """A system turn before the input (not carried to a later response, as OpenAI does)."""
+    max_output_tokens: MaxTokens = None
+    temperature: Annotated[float | None, _bounds("temperature")] = None
+    top_p: Annotated[float | None, _bounds("top_p")] = None
+    seed: Annotated[int | None, _bounds("seed")] = None  # RWKV extra
+    store: bool = True
+    previous_response_id: str | None = Field(None, min_length=1, max_length=80)
+    stream: bool = False
+    text: TextOptions | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # ignored: they cannot change the answer
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None

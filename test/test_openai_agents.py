@@ -1,0 +1,281 @@
+"""Agents on the OpenAI routes, with the official SDK against a real server (a tiny random-weight
+fp32 checkpoint, where only the grammar makes an output valid): response_format json_schema
+(50 outputs validate), forced tool calls, a tool round trip (streamed and not), logprobs equal to
+log_softmax of the `rwkv` package's logits, and bad input refused with 400 before anything runs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from openai import OpenAI
+from util_server import running_server
+
+from server.api.metrics import parse_metrics
+from server.model.synthetic import save_synthetic
+from server.tokenizer import get_tokenizer
+
+TOL = 1e-4
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "kind": {"enum": ["a", "b", "c"]}, "ok": {"type": "boolean"}},
+          "required": ["n", "kind", "ok"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+PARAMS = {"get_weather": WEATHER, "get_time": TOOLS[1]["function"]["parameters"]}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agents") / "model.pth"
+    save_synthetic("tiny", str(path), dtype=torch.float32)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    # the conversation cache off: logprobs compared with a full prefill, prompts counted exactly
+    with running_server(tmp_path_factory.mktemp("srv"), model=checkpoint,
+                        env={"RWKV_CONVERSATION_CACHE_BYTES": "0"}) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def prompt_tokens_total(server) -> float:
+    return parse_metrics(httpx.get(server.url + "/metrics").text)["rwkv_prompt_tokens_total"]
+
+
+def test_50_json_schema_responses_all_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
+    t0 = time.monotonic()
+
+    def one(i: int):
+        return client.chat.completions.create(model="m", messages=USER, n=10, seed=100 * i, temperature=1.0,
+                                              top_p=1.0, max_tokens=60, response_format=fmt)
+
+    with ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(one, range(5)))
+    took = time.monotonic() - t0
+    choices = [c for r in answers for c in r.choices]
+    assert len(choices) == 50
+    for c in choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    assert len({c.message.content for c in choices}) > 5  # sampled, not one answer
+    print(f"50 json_schema answers in {took:.1f}s")
+
+
+def test_json_object_on_completions_and_streamed_chat(client):
+    r = client.completions.create(model="m", prompt="Data:", max_tokens=120, seed=3,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    chunks = list(client.chat.completions.create(model="m", messages=USER, max_tokens=60, seed=5, stream=True,
+                                                 response_format={"type": "json_schema", "json_schema": {
+                                                     "name": "x", "schema": SCHEMA}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def check_calls(calls, names=None):
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_parse_and_validate(client, choice):
+    names = ["get_time"] if isinstance(choice, dict) else None
+    for seed in range(4):
+        r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice=choice, seed=seed,
+                                           parallel_tool_calls=False, max_tokens=60)
+        (c,) = r.choices
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        check_calls(c.message.tool_calls, names)
+        assert len(c.message.tool_calls) == 1
+
+
+def streamed_calls(chunks):
+    """The tool calls assembled from delta.tool_calls chunks (as an SDK user does)."""
+    calls: dict[int, dict] = {}
+    for ch in chunks:
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            c = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            c["id"] = d.id or c["id"]
+            c["name"] = (d.function.name if d.function else None) or c["name"]
+            c["arguments"] += (d.function.arguments if d.function else "") or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_round_trip(client, stream):
+    kw = {"model": "m", "tools": TOOLS, "seed": 7, "max_tokens": 60, "parallel_tool_calls": False}
+    if stream:
+        chunks = list(client.chat.completions.create(messages=USER, tool_choice="required", stream=True, **kw))
+        calls = streamed_calls(chunks)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["tool_calls"]
+        for c in calls:
+            assert c["id"].startswith("call_")
+            jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
+        call = {"id": calls[0]["id"], "type": "function",
+                "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}
+    else:
+        first = client.chat.completions.create(messages=USER, tool_choice="required", **kw)
+        check_calls(first.choices[0].message.tool_calls)
+        call = first.choices[0].message.tool_calls[0].model_dump()
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(messages=history, tool_choice="none", **kw)
+    (c,) = answer.choices
+    assert c.finish_reason in ("stop", "length") and isinstance(c.message.content, str)
+    # the history is in the prompt, in the documented format
+    args = json.dumps(json.loads(call["function"]["arguments"]), ensure_ascii=False, separators=(", ", ": "))
+    expected = (f"User: What is the weather in Paris?\n\nAssistant: <tool_call>[{{\"name\": "
+                f"\"{call['function']['name']}\", \"arguments\": {args}}}]\n\nTool: "
+                '{"name": "' + call["function"]["name"] + '", "content": "Sunny, 21 C"}\n\nAssistant:')
+    assert answer.usage.prompt_tokens == len(get_tokenizer().encode(expected))
+
+
+def test_auto_tool_choice_answers(client):
+    r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, seed=1, max_tokens=40)
+    c = r.choices[0]
+    if c.finish_reason == "tool_calls":
+        check_calls(c.message.tool_calls)
+    else:
+        assert c.message.tool_calls is None and isinstance(c.message.content, str)
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint):
+    os.environ.update(RWKV_V7_ON="1", RWKV_JIT_ON="0", RWKV_CUDA_ON="0")
+    loaded = sys.modules.get("rwkv.model")
+    mod = importlib.reload(loaded) if loaded is not None else importlib.import_module("rwkv.model")
+    return mod.RWKV_x070(checkpoint[: -len(".pth")], "cpu fp32")
+
+
+def ref_logprobs(oracle, tokens: list[int]) -> torch.Tensor:
+    """Row j: log_softmax of the reference logits after tokens[: j + 1]."""
+    out, state = [], None
+    for t in tokens:
+        logits, state = oracle.forward([t], state)
+        out.append(torch.log_softmax(logits.float(), -1))
+    return torch.stack(out)
+
+
+def test_logprobs_equal_log_softmax_of_the_reference_logits(client, oracle):
+    tok = get_tokenizer()
+    ids_of = {b: i for i, b in enumerate(tok.token_table) if b}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+                                       seed=3, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    ids = [ids_of[bytes(e.bytes)] for e in content]
+    prompt = tok.encode("User: Hello\n\nAssistant:")
+    ref = ref_logprobs(oracle, prompt + ids)
+    for i, e in enumerate(content):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(e.logprob - row[ids[i]].item()) < TOL
+        assert len(e.top_logprobs) == 3
+        for alt, want in zip(e.top_logprobs, row.topk(3).values.tolist()):
+            assert abs(alt.logprob - want) < TOL
+    # completions: echo scores the prompt (its first token has none), then the generated tokens
+    p = [5, 300, 65000, 17, 9, 1234]
+    c = client.completions.create(model="m", prompt=p, max_tokens=3, seed=1, logprobs=2, echo=True,
+                                  extra_body={"ignore_eos": True}).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(p) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    gen = [ids_of.get(s.encode("utf-8"), -1) for s in lp.tokens[len(p):]]  # a token that is part of a
+    ref = ref_logprobs(oracle, p + [max(g, 0) for g in gen])  # character shows as U+FFFD: skipped
+    for j in range(1, len(p)):
+        assert abs(lp.token_logprobs[j] - ref[j - 1][p[j]].item()) < TOL
+        assert len(lp.top_logprobs[j]) <= 2
+    for i, g in enumerate(gen[: next((k for k, x in enumerate(gen) if x < 0), len(gen))]):
+        assert abs(lp.token_logprobs[len(p) + i] - ref[len(p) - 1 + i][g].item()) < TOL
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    chunks = list(client.chat.completions.create(model="m", messages=USER, max_tokens=8, seed=2, stream=True,
+                                                 logprobs=True, top_logprobs=1, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens
+    assert all(len(e.top_logprobs) == 1 for e in entries)
+
+
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+    "a": {"$ref": "#"}}}}}
+DEEP = {"type": "object"}
+for _ in range(40):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
+
+def tool(name, params=None):
+    return {"type": "function", "function": {"name": name, "parameters": params or {"type": "object"}}}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": BAD_SCHEMA}, "response_format"),  # recursive
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tools": [tool(f"f{i}") for i in range(129)]}, "tools"),
+    ({"tools": [tool("f"), tool("f")]}, "tools"),
+    ({"tools": [tool("f", {"type": "object", "properties": {"x": {"type": "nonsense"}}})]}, "tools"),
+    ({"tools": [tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "r"}]}, "messages[1].tool_call_id"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_agent_input_is_a_400_and_starts_nothing(server, body, param):
+    before = prompt_tokens_total(server)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 5, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert prompt_tokens_total(server) == before
+
+
+def test_bad_logprobs_on_completions(client):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="m", prompt="x", max_tokens=1, logprobs=6)
+    assert ei.value.body["param"] == "logprobs"
+
+
+def test_task_routes_take_response_format(server):
+    http = httpx.Client(base_url=server.url, timeout=60)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    r = http.post("/v1/tasks/tmp", json={"prompt": "Data:", "max_tokens": 60, "seed": 1, "response_format": fmt})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while not (res := http.get(f"/v1/tasks/{r.json()['task_id']}/get_result").json())["finished"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert res["finish_reason"] == "stop", res
+    jsonschema.validate(json.loads(res["result"]), SCHEMA)
+    listed = http.get("/v1/tasks/list").json()
+    r = http.post("/v1/tasks/create", json={"prompt": "x", "response_format": BAD_SCHEMA})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "response_format", r.text
+    assert http.get("/v1/tasks/list").json() == listed  # nothing created

@@ -1,0 +1,113 @@
+"""The Responses API (/v1/responses) with the official SDK against a real server: a 5-step chain
+with previous_response_id whose every step starts from the previous state (cached_tokens) across
+a server restart, streaming events, get/delete, and bad input refused with nothing created."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from openai import OpenAI
+from util_server import running_server
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}
+# the grammar ends each answer with EOS, which the state consumes: the next step's cached tokens
+# are then exactly the previous step's input + output
+TEXT = {"format": {"type": "json_schema", "name": "n", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("resp"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
+        yield srv
+
+
+def sdk(server, key: str = "k1") -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def tasks(server, key: str = "k1") -> list:
+    r = httpx.get(server.url + "/v1/tasks/list", headers={"Authorization": f"Bearer {key}"})
+    return r.json()["tasks"]
+
+
+def test_a_chain_of_five_continues_from_state_across_a_restart(server):
+    client = sdk(server)
+    prev = client.responses.create(model="m", input="Pick a number.", instructions="Answer in JSON.", text=TEXT,
+                                   max_output_tokens=30)
+    chain = [prev]
+    for step in range(4):
+        if step == 2:
+            server.restart()  # the chain lives in the database
+            client = sdk(server)
+        r = client.responses.create(model="m", input=f"Another one ({step}).", previous_response_id=prev.id,
+                                    text=TEXT, max_output_tokens=30)
+        assert r.status == "completed" and r.previous_response_id == prev.id
+        jsonschema.validate(json.loads(r.output_text), SCHEMA)
+        u, pu = r.usage, prev.usage
+        assert u.input_tokens_details.cached_tokens >= pu.input_tokens + pu.output_tokens
+        assert u.input_tokens > pu.input_tokens + pu.output_tokens and u.output_tokens_details.reasoning_tokens == 0
+        assert u.total_tokens == u.input_tokens + u.output_tokens
+        chain.append(r)
+        prev = r
+    for r in chain:  # every step stays readable (forks, not continues)
+        got = client.responses.retrieve(r.id)
+        assert got.output_text == r.output_text and got.usage.input_tokens == r.usage.input_tokens
+
+
+def test_streamed_response_events(server):
+    client = sdk(server)
+    events = list(client.responses.create(model="m", input="Hello", max_output_tokens=8, temperature=1.0,
+                                          stream=True))  # (the SDK's stream helper wants response.completed)
+    final = events[-1].response
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if final.status == "incomplete" else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text == client.responses.retrieve(final.id).output_text
+
+
+def test_delete_and_store_false(server):
+    client = sdk(server)
+    r = client.responses.create(model="m", input="x", max_output_tokens=2)
+    client.responses.delete(r.id)
+    with pytest.raises(Exception) as ei:
+        client.responses.retrieve(r.id)
+    assert getattr(ei.value, "status_code", None) == 404
+    tmp = client.responses.create(model="m", input="x", max_output_tokens=2, store=False)
+    assert httpx.get(f"{server.url}/v1/responses/{tmp.id}", headers={"Authorization": "Bearer k1"}).status_code == 404
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"previous_response_id": "resp_" + "0" * 32}, 404, "previous_response_id"),
+    ({"previous_response_id": "nonsense"}, 404, "previous_response_id"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, 400, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"properties": {"a": {"$ref": "#"}}}}}},
+     400, "text.format"),
+    ({"tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+    ({"temperature": 9}, 400, "temperature"),
+    ({"bogus": 1}, 400, "bogus"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_input_creates_nothing(server, body, status, param):
+    before = tasks(server)
+    r = httpx.post(server.url + "/v1/responses", json={"input": "x", "max_output_tokens": 2, **body},
+                   headers={"Authorization": "Bearer k1"})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert tasks(server) == before
+
+
+def test_another_keys_response_is_not_found(server):
+    mine = sdk(server, "k1").responses.create(model="m", input="x", max_output_tokens=2)
+    before = tasks(server, "k2")
+    r = httpx.post(server.url + "/v1/responses", json={"input": "y", "previous_response_id": mine.id},
+                   headers={"Authorization": "Bearer k2"})
+    assert r.status_code == 404, r.text
+    assert httpx.get(f"{server.url}/v1/responses/{mine.id}", headers={"Authorization": "Bearer k2"}).status_code == 404
+    assert tasks(server, "k2") == before
