@@ -134,8 +134,10 @@ def test_completions_openai_fields(http):
     ok = {"prompt": "x", "max_tokens": 2, "user": "u", "logit_bias": {}, "best_of": 1, "echo": False, "suffix": None}
     assert http.post("/v1/completions", json=ok).status_code == 200
     for extra, param in (({"best_of": 3}, "best_of"), ({"logit_bias": {"1": 1}}, "logit_bias"),
-                         ({"logprobs": 0}, "logprobs")):
+                         ({"logprobs": 6}, "logprobs")):  # OpenAI's bound: at most 5
         assert_error(http.post("/v1/completions", json={"prompt": "x", **extra}), 400, param)
+    scored = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 0}).json()
+    assert len(scored["choices"][0]["logprobs"]["token_logprobs"]) == 2
 
 
 @pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain",
