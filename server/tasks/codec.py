@@ -61,6 +61,7 @@ def encode_state(state: State, signature: str, *, wkv_dtype: str | None = None) 
     """Serialize a batch-1 state (any device) to bytes + metadata. Each tensor is copied once,
     straight into the blob (from the device too): a 2.9B fp32 state is 21 MB. `wkv_dtype`
     (one of DTYPES, e.g. "float16"): store a wider WKV tensor in that dtype (lossy)."""
+    import numpy
     import torch
     if state.batch_size != 1:
         raise ValueError(f"only batch-1 states are stored (got batch {state.batch_size})")
@@ -75,7 +76,7 @@ def encode_state(state: State, signature: str, *, wkv_dtype: str | None = None) 
             raise ValueError(f"unsupported state dtype {t.dtype}")
         spec: dict[str, Any] = {"name": name, "dtype": dtype_name, "shape": list(t.shape)}
         if name == "wkv" and wkv_dtype is not None and _narrower(wkv_dtype, t):
-            t = t.to(getattr(torch, wkv_dtype))
+            t = _convert(t, wkv_dtype)
             spec.update(dtype=wkv_dtype, **{"as": dtype_name})
         n = t.numel() * t.element_size()
         spec.update(offset=offset, nbytes=n)
@@ -85,13 +86,34 @@ def encode_state(state: State, signature: str, *, wkv_dtype: str | None = None) 
     data = bytearray(offset)
     if offset:
         blob = torch.frombuffer(data, dtype=torch.uint8)  # (nbytes,) a view of `data`
+        host = numpy.frombuffer(data, dtype=numpy.uint8)  # (nbytes,) the same bytes
         for spec, t in zip(tensors, stored):
             if spec["nbytes"]:
                 raw = t.detach().contiguous().view(torch.uint8).reshape(-1)  # (nbytes,) no copy
-                blob[spec["offset"]:spec["offset"] + spec["nbytes"]].copy_(raw)
+                dst = slice(spec["offset"], spec["offset"] + spec["nbytes"])
+                if raw.device.type == "cpu":
+                    # numpy copies on this thread (GIL released): torch's CPU copy would wake its
+                    # whole intra-op pool, whose spinning threads took cores from the engine
+                    host[dst] = raw.numpy()
+                else:
+                    blob[dst].copy_(raw)  # from the device
     meta = {"layout": LAYOUT, "signature": signature, "byteorder": sys.byteorder,
             "tensors": tensors}
     return EncodedState(meta, data, hashlib.sha256(data).hexdigest(), signature)
+
+
+def _convert(t: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """t in another dtype; a CPU tensor numpy knows is converted by numpy (one thread, as the
+    copies above), anything else by torch."""
+    import torch
+
+    if t.device.type == "cpu" and dtype_name in _NUMPY and _dtype_name(t.dtype) in _NUMPY:
+        return torch.from_numpy(t.detach().contiguous().numpy().astype(dtype_name))
+    return t.to(getattr(torch, dtype_name))
+
+
+_NUMPY = ("float32", "float16", "float64")
+"""The stored dtypes numpy has (not bfloat16)."""
 
 
 def _narrower(dtype_name: str, t: torch.Tensor) -> bool:
