@@ -24,6 +24,9 @@ Figures per N:
 - TTFT p50/p95 (request sent -> first content bytes), inter-token p50/p95: the gaps between the
   reads that carried `data:` events of one stream (a read that carries several events counts once);
 - client CPU (all client processes: seconds, % of one core, us per token) and server CPU.
+Before each measured wave the bench waits until no state waits to be written behind (the
+warm-up's task states would otherwise be written during it; `drain_s` in the line says how long
+that took, --drain-timeout 0 measures with the writes overlapping).
 Prints a table and appends one JSON line per N to test/bench/results.jsonl (mode "http").
 The server runs with max_batch >= N (RWKV_MAX_BATCH) and CUDA graphs on.
 """
@@ -96,6 +99,23 @@ def client_main(spec: str) -> None:
 
 
 # --- driver -----------------------------------------------------------------------------------
+def drain_writes(url: str, timeout: float) -> float:
+    """Wait until the server's write-behind tier is empty (/metrics
+    rwkv_state_cache_entries{tier="write_behind"}), at most `timeout` s; returns the seconds
+    waited (0.0 when nothing was pending or timeout is 0)."""
+    t0 = time.perf_counter()
+    while timeout > 0 and time.perf_counter() - t0 < timeout:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        pending = [ln for ln in text.splitlines()
+                   if ln.startswith('rwkv_state_cache_entries{tier="write_behind"}')]
+        if not pending or float(pending[0].split()[-1]) == 0:
+            break
+        time.sleep(0.2)
+    waited = time.perf_counter() - t0
+    return waited if waited > 0.25 else 0.0
+
+
 class TokenCounter(threading.Thread):
     """Polls the server's generated-token counter: [(perf_counter, tokens)]."""
 
@@ -212,6 +232,10 @@ def main() -> None:
                         "measured against a server that is already decoding the earlier streams")
     p.add_argument("--prompt", default="User: Tell me a long story about a lighthouse keeper.\n\nAssistant:")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
+    p.add_argument("--drain-timeout", type=float, default=180,
+                   help="before a wave, wait up to this long until no state waits to be written behind "
+                        "(task routes: the previous wave's 21 MB states would otherwise be written during "
+                        "this one); 0: do not wait")
     p.add_argument("--variant", default=None, help="a tag for the result lines (e.g. what the env changed)")
     p.add_argument("--route", choices=["completions", "chat", "tasks", "tmp", "contents"], default="completions",
                    help="chat: /v1/chat/completions with the prompt as one user message (its stop strings apply); "
@@ -247,7 +271,9 @@ def main() -> None:
             wave(srv, n, 8, prompt_file, 1, route=route)
         for n in streams:
             procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
+            drained = drain_writes(srv.url, a.drain_timeout)
             r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, route)
+            r["drain_s"] = drained
             steady = (f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"]
                       else "(no steady window: not all streams overlapped)")
             got = f"{r['delivered_tok_s']:.1f}" if r["delivered_tok_s"] is not None else "-"
@@ -268,6 +294,9 @@ def main() -> None:
                           "client_cpu_pct": round(r["client_cpu_pct"], 1),
                           "client_us_per_tok": round(r["client_us_per_tok"], 1),
                           "server_us_per_tok": round(r["server_us_per_tok"], 1)})  # fmt: skip
+            if r["drain_s"]:
+                lines[-1]["drain_s"] = round(r["drain_s"], 2)
+                print(f"        (waited {r['drain_s']:.1f} s for the previous waves' states to be written)")
             if a.variant:
                 lines[-1]["variant"] = a.variant
             if a.route != "completions":
