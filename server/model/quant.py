@@ -1,0 +1,120 @@
+"""Weight-only 8-bit quantization in pure torch: int8 and fp8 (e4m3), per-output-channel scales.
+
+These functions are the torch twins the future GPU GEMM paths (issue 27: fp8 e4m3 and int8
+weight-only GEMMs over the large linears) are to be tested against. A real 8-bit GEMM computes
+x @ (q * scale[:, None])^T up to accumulation order; `fake_quantize` leaves exactly
+dequantize(quantize(w)) in the model's weights, so the pure-torch forward computes the same
+function and the quality harness (test/bench/quality.py) can measure what the 8-bit weights
+cost without any new kernel.
+
+Layout: weights in the nn.Linear layout (out, in); one fp32 scale per output row, symmetric
+(no zero point): int8 scale = absmax / 127, fp8 scale = absmax / 448 (e4m3fn's largest finite
+value). An all-zero row gets scale 1 (its codes are 0, no division by zero, no NaN).
+
+Quantized: the large linears, per layer r/k/v/o of the time mix and the FFN key/value, and the
+head. Kept: the embedding (a lookup, not a GEMM), the low-rank LoRA matrices and every vector.
+Quantizing a model loaded in fp32 from an official .pth quantizes the checkpoint's own values
+(the bf16/fp16 -> fp32 cast is exact); a model loaded in fp16/bf16 is quantized from its
+rounded weights and dequantized back into that dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from server.model.checkpoint import Weights
+
+MODES = ("int8", "fp8")
+INT8_MAX = 127.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+LAYER_LINEARS = ("wr", "wk", "wv", "wo", "ffn_key", "ffn_value")
+
+
+def _row_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:
+    """(out, in) -> (out,) fp32: absmax / qmax per row, 1 for an all-zero row."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D (out, in) weight, got shape {tuple(w.shape)}")
+    amax = w.detach().float().abs().amax(dim=1)  # (out,)
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (out, in) -> (q (out, in) int8 in [-127, 127], scale (out,) fp32); round to nearest."""
+    scale = _row_scales(w, INT8_MAX)  # (out,)
+    q = torch.round(w.detach().float() / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)  # (out, in)
+    return q.to(torch.int8), scale
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (out, in) -> (q (out, in) float8_e4m3fn, scale (out,) fp32). The clamp keeps a row's
+    absmax, which w / scale may overshoot by an ulp of fp32, off e4m3fn's NaN encoding."""
+    scale = _row_scales(w, FP8_MAX)  # (out,)
+    q = (w.detach().float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)  # (out, in)
+    return q.to(FP8_DTYPE), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q (out, in) int8 or fp8, scale (out,) -> q * scale per row (computed in fp32) in dtype."""
+    return (q.float() * scale.float()[:, None]).to(dtype)  # (out, in)
+
+
+QUANTIZERS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    "int8": quantize_int8,
+    "fp8": quantize_fp8,
+}
+
+
+def round_trip(w: torch.Tensor, mode: str) -> torch.Tensor:
+    """dequantize(quantize(w)) in w's dtype: what an 8-bit GEMM multiplies by."""
+    if mode not in QUANTIZERS:
+        raise ValueError(f"unknown quantization mode {mode!r}: use one of {', '.join(MODES)}")
+    q, scale = QUANTIZERS[mode](w)
+    return dequantize(q, scale, w.dtype)
+
+
+def large_linears(weights: Weights) -> list[tuple[str, torch.Tensor]]:
+    """(name, weight) of every linear an 8-bit GEMM path would take, in model order."""
+    out = [(f"layers.{i}.{n}", getattr(lw, n)) for i, lw in enumerate(weights.layers) for n in LAYER_LINEARS]
+    return out + [("head", weights.head)]
+
+
+@dataclass
+class QuantReport:
+    mode: str
+    tensors: list[str] = field(default_factory=list)
+    bytes_16bit: int = 0  # the quantized tensors at 2 bytes per weight
+    bytes_8bit: int = 0  # 1 byte per weight plus the fp32 scales
+    max_rel_err: float = 0.0  # max over rows of max |w - deq| / the row's absmax
+
+    def as_dict(self) -> dict[str, object]:
+        return {"mode": self.mode, "tensors": len(self.tensors), "bytes_16bit": self.bytes_16bit,
+                "bytes_8bit": self.bytes_8bit, "max_rel_err": self.max_rel_err}  # fmt: skip
+
+
+class HasWeights(Protocol):
+    """The one attribute fake_quantize needs (RWKV7 has it)."""
+
+    w: Weights
+
+
+@torch.no_grad()
+def fake_quantize(model: HasWeights, mode: str) -> QuantReport:
+    """Replace every large linear of model.w by its quantize -> dequantize round trip, in place
+    (copy_ into the existing storage, so views such as the decode packs' stacked weights see
+    it); everything else stays bit-identical. Returns what was touched and the error."""
+    report = QuantReport(mode)
+    for name, w in large_linears(model.w):
+        deq = round_trip(w, mode)  # (out, in) in w.dtype
+        amax = w.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
+        err = ((w.float() - deq.float()).abs().amax(dim=1) / amax).max().item()
+        w.copy_(deq)
+        report.tensors.append(name)
+        report.bytes_16bit += 2 * w.numel()
+        report.bytes_8bit += w.numel() + 4 * w.shape[0]
+        report.max_rel_err = max(report.max_rel_err, err)
+    return report
