@@ -45,6 +45,13 @@ class TaskStale(TaskConflict):
     code = "task_changed"
 
 
+class TaskStateLost(TaskConflict):
+    """The task's history starts from a state template's state (a state file), and both its own
+    state and that template's are lost or corrupt: it cannot be rebuilt from its tokens."""
+
+    code = "state_lost"
+
+
 class TaskInvalid(TaskError):
     status, code = 422, "invalid_task_request"
 

@@ -5,9 +5,10 @@ Such a template `_NAME` differs from one made by `as_template` in one way that m
 is its only truth. It has no token history from the zero state (only the tokens the state has
 not consumed yet: none for a tuned state, the exported task's pending tokens for an export), so
 it can never be rebuilt by prefilling its history. It is marked by `parent_id` (STATE_OPERATOR
-or STATE_UPLOAD, see `is_state_only`) so that the persistence layer can keep its rule:
-never evict it from memory (templates live in the cache's template tier) and never drop or
-defer its stored state. Its row and state are committed before it is answered.
+or STATE_UPLOAD, see `lineage.is_state_only`) so that the persistence layer can keep its rules:
+never evict it from memory (templates live in the cache's template tier), never drop or defer
+its stored state, and rebuild a lost state of a task descending from it from its state, never
+from the zero state (server.tasks.lineage). Its row and state are committed before it is answered.
 
 Forks of it behave as forks of any template: their history starts with the template's pending
 tokens, their first run feeds those plus the prompt, starting from a copy of the state.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.tasks.codec import encode_state
 from server.tasks.errors import TaskConflict, TaskInvalid
+from server.tasks.lineage import STATE_ORIGIN, is_state_only
 from server.tasks.records import TEMPLATE, Task, new_id, to_row
 from server.tasks.store import state_row
 
@@ -34,17 +36,13 @@ if TYPE_CHECKING:
     from server.model.state import State
     from server.tasks.manager import TaskManager
 
-STATE_OPERATOR = "state:operator"
+STATE_OPERATOR = STATE_ORIGIN + "operator"
 """parent_id of a template loaded by the operator at start (`--state`): public, replaced at each start."""
-STATE_UPLOAD = "state:upload"
+STATE_UPLOAD = STATE_ORIGIN + "upload"
 """parent_id of a template made from an uploaded state file (owned by the uploading API key)."""
+__all__ = ["STATE_OPERATOR", "STATE_UPLOAD", "check_name", "is_state_only", "template_from_state"]
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 """Template names (the same rule as `as_template`'s): no path separators, no leading dot."""
-
-
-def is_state_only(t: Task) -> bool:
-    """The template's state is its only truth (made from a state, not from a token history)."""
-    return t.kind == TEMPLATE and (t.parent_id or "").startswith("state:")
 
 
 def check_name(name: str) -> str:

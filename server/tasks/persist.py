@@ -39,8 +39,10 @@ from server.tasks.errors import (
     TaskElsewhere,
     TaskNotFound,
     TaskStale,
+    TaskStateLost,
     TaskUnavailable,
 )
+from server.tasks.lineage import state_base
 from server.tasks.records import TEMPLATE, TMP, Task, from_row, to_row, update_row
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import Store
@@ -154,7 +156,28 @@ class Persistence:
             if t.stored_id == sid:
                 t.stored_id, t.stored_pos = None, 0  # gone from the database too
             t.state_id, t.state_pos = t.stored_id, t.stored_pos
-        return None, 0, None
+        return await self._resolve_base(t, tried)
+
+    async def _resolve_base(self, t: Task, tried: set[str]) -> tuple[State | None, int, str | None]:
+        """t has no usable state of its own: (None, 0, None) rebuilds it from the zero state,
+        unless its history starts at a state template's state (server.tasks.lineage): then from
+        that state, and TaskStateLost when that one is gone too."""
+        base = await state_base(t, self._lookup)
+        if base is None:
+            return None, 0, None
+        sid = base.stored_id or base.state_id
+        if sid is not None and sid not in tried:
+            st = await self.cache.get_or_load(sid, partial(self._load_state, sid))
+            if st is not None:
+                self.cache.pin(sid, st)
+                return st, base.state_pos, sid
+        raise TaskStateLost(
+            f"task {t.display_id} starts from the state of template {base.display_id}, and that state is "
+            "lost or corrupt (its own too): it cannot be rebuilt from its tokens. Load the state file again "
+            "under a new name and fork that")
+
+    async def _lookup(self, task_id: str) -> Task | None:
+        return self.table.find(task_id) or await self.load_task(task_id)
 
     def release(self, key: str | None) -> None:
         """Unpin a state resolve_state pinned."""
