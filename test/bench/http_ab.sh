@@ -13,7 +13,8 @@ b() {  # one bench_http run at 256 streams: its summary lines only
   timeout "${T:-150}" python3 test/bench/bench_http.py --model synthetic:2.9b --out "$OUT/results.jsonl" \
     --streams 256 "$@" 2>&1 | grep -E "streams|tok/s|rror|waited" | tail -6
 }
-cp test/bench/bench_http.py "$BASE_DIR/test/bench/bench_http.py"  # one measurement for both trees
+# one measurement for both trees: the base runs this tree's bench and its server helper
+cp test/bench/bench_http.py test/bench/bench_http_host.py "$BASE_DIR/test/bench/" && cp test/util_server.py "$BASE_DIR/test/"
 for route in ${ROUTES:-completions tasks tmp}; do  # base and this tree alternate per route
   echo "=== $route: base $BASE_COMMIT $(date +%T)"
   (cd "$BASE_DIR" && export COMMIT=$BASE_COMMIT PYTHONPATH=/tmp/site:$PWD && b --route "$route")
