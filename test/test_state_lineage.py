@@ -41,33 +41,40 @@ def test_a_fork_of_a_state_template_is_rebuilt_from_that_state(files, tmp_path):
     with running_server(tmp_path, model=str(ckpt)) as srv:
         assert httpx.post(srv.url + "/v1/states/up", content=_bytes(random_state_dict())).status_code == 201
         c = httpx.Client(base_url=srv.url + "/v1/tasks", timeout=60)
-        twins = [c.post("/_up/fork", json={"prompt": PROMPT, "max_tokens": 12, **G}).json()["task_id"]
-                 for _ in range(3)]
-        first = [done(c, t, stored=True)["result"] for t in twins]
-        assert first[0] == first[1] == first[2]
-        assert c.post(f"/{twins[0]}/continue", json={"max_tokens": 8}).status_code == 200
-        expected = done(c, twins[0])["result"]  # from its own state, in memory
+        a, b, lost = (c.post("/_up/fork", json={"prompt": PROMPT, "max_tokens": 12, **G}).json()["task_id"]
+                      for _ in range(3))
+        assert len({done(c, t, stored=True)["result"] for t in (a, b, lost)}) == 1  # three twins
+        # forks of a fork, whose parent is deleted below: their base is recorded, not only traced
+        d1, d2 = (c.post(f"/{a}/fork", json={"max_tokens": 6, **G}).json()["task_id"] for _ in range(2))
+        assert done(c, d1, stored=True)["result"] == done(c, d2, stored=True)["result"]
+        expected = {}
+        for t in (a, d1):  # continued from their own states, in memory
+            assert c.post(f"/{t}/continue", json={"max_tokens": 8}).status_code == 200
+            expected[t] = done(c, t)["result"]
+        assert c.post(f"/{a}/delete").status_code == 200
 
         srv.stop()
-        corrupt(srv.db, twins[1])
+        corrupt(srv.db, b)
+        corrupt(srv.db, d2)
         srv.start()
         c = httpx.Client(base_url=srv.url + "/v1/tasks", timeout=60)
-        r = c.post(f"/{twins[1]}/continue", json={"max_tokens": 8})
-        assert r.status_code == 200, r.text
-        assert done(c, twins[1])["result"] == expected  # rebuilt from the template's state + its tokens
+        for t, twin in ((b, a), (d2, d1)):  # rebuilt from the template's state + their tokens
+            r = c.post(f"/{t}/continue", json={"max_tokens": 8})
+            assert r.status_code == 200, r.text
+            assert done(c, t)["result"] == expected[twin], t
         assert "is unusable" in srv.log_tail(200)
 
         srv.stop()
-        corrupt(srv.db, twins[2])
+        corrupt(srv.db, lost)
         corrupt(srv.db, "_up")
         srv.start()
         c = httpx.Client(base_url=srv.url + "/v1/tasks", timeout=60)
-        before = c.get(f"/{twins[2]}/get_result").json()
-        r = c.post(f"/{twins[2]}/continue", json={"max_tokens": 8})
+        before = c.get(f"/{lost}/get_result").json()
+        r = c.post(f"/{lost}/continue", json={"max_tokens": 8})
         assert r.status_code == 409, r.text
         err = r.json()["error"]
         assert err["code"] == "state_lost" and "_up" in err["message"], err
-        after = c.get(f"/{twins[2]}/get_result").json()
+        after = c.get(f"/{lost}/get_result").json()
         assert after.pop("state") in {"stored", "rebuild"} and before.pop("state") == "stored"
         assert after == before  # nothing changed, nothing is running
         assert c.post("/_up/fork", json={"prompt": PROMPT, "max_tokens": 4, **G}).status_code == 409

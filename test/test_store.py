@@ -129,7 +129,7 @@ async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
 
 async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url):
     store = await open_store(db_url)
-    assert store.revision_before is None and store.revision == migrate.head_revision() == "0003"
+    assert store.revision_before is None and store.revision == migrate.head_revision() == "0004"
     await store.close()
     schema = await inspect_schema(db_url)
     assert set(schema) == {t.name for t in metadata.sorted_tables} | {"alembic_version"}
@@ -138,9 +138,9 @@ async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url
         assert cols == {c.name for c in table.columns}, table.name
         assert idx == {i.name for i in table.indexes}, table.name
     store = await open_store(db_url)  # reopening: nothing to migrate
-    assert store.revision_before == store.revision == "0003"
+    assert store.revision_before == store.revision == "0004"
     await store.close()
-    assert await run_sql(db_url, "select version_num from alembic_version") == [("0003",)]
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0004",)]
 
 
 async def _v1_database(db: str) -> None:
@@ -162,7 +162,7 @@ def _v1_rows(conn) -> None:
     t = Task(id="TASK_old", kind="task", prompt="hi", stored_id="S1", stored_pos=1)
     t.tokens.extend([1, 2])
     t.out.append("x", 1)
-    row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version")}  # v1's columns
+    row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version", "base_id")}  # v1's
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(row)}) VALUES ({', '.join(':' + k for k in row)})"), row)
     tpl = {**row, "id": "_old_public", "kind": "template", "owner": None}
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(tpl)}) VALUES ({', '.join(':' + k for k in tpl)})"), tpl)
@@ -175,10 +175,10 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     assert await run_sql(db_url, "select version_num from alembic_version") == [("0001",)]
     assert "last_used" not in (await inspect_schema(db_url))["states"][0]
     store = await open_store(db_url)
-    assert (store.revision_before, store.revision) == ("0001", "0003")
+    assert (store.revision_before, store.revision) == ("0001", "0004")
     t = from_row(await store.get_task("TASK_old"))
     assert t.prompt == "hi" and list(t.tokens) == [1, 2] and t.out.text == "x"
-    assert (t.stored_id, t.stored_pos, t.version, t.instance, t.public) == ("S1", 1, 0, None, False)
+    assert (t.stored_id, t.stored_pos, t.version, t.instance, t.public, t.base_id) == ("S1", 1, 0, None, False, None)
     # templates made without keys were readable by every key: public; those of a key: private
     assert from_row(await store.get_task("_old_public")).public
     assert not from_row(await store.get_task("_old_private")).public

@@ -45,6 +45,7 @@ from server.tasks.config import (
 from server.tasks.errors import TaskConflict, TaskInvalid, TaskStale
 from server.tasks.inventory import Inventory
 from server.tasks.lease import Lease
+from server.tasks.lineage import base_of
 from server.tasks.params import clean_params, fim_prompt
 from server.tasks.persist import Persistence
 from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, new_id
@@ -195,7 +196,7 @@ class TaskManager:
         t = Task(id=new_id(kind), kind=kind, owner=self.owner_id(owner), parent_id=src.id,
                  params=merged, prompt=prompt if isinstance(prompt, str) else "",
                  tokens=array("i", src.tokens), out_start=len(src.tokens),
-                 state_id=src.state_id, state_pos=src.state_pos, out=Output())
+                 state_id=src.state_id, state_pos=src.state_pos, out=Output(), base_id=base_of(src))
         if kind == TASK:  # its row names a stored state only
             t.stored_id, t.stored_pos = src.stored_id, src.stored_pos
         self.counters["forks"] += 1

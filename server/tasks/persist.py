@@ -43,7 +43,7 @@ from server.tasks.errors import (
     TaskUnavailable,
 )
 from server.tasks.lineage import state_base
-from server.tasks.records import TEMPLATE, TMP, Task, from_row, to_row, update_row
+from server.tasks.records import TEMPLATE, TMP, Task, display_id, from_row, to_row, update_row
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
@@ -163,18 +163,20 @@ class Persistence:
         unless its history starts at a state template's state (server.tasks.lineage): then from
         that state, and TaskStateLost when that one is gone too."""
         base = await state_base(t, self._lookup)
-        if base is None:
+        if not base.from_template:
             return None, 0, None
-        sid = base.stored_id or base.state_id
-        if sid is not None and sid not in tried:
+        tpl = base.template
+        sid = None if tpl is None else (tpl.stored_id or tpl.state_id)
+        if tpl is not None and sid is not None and sid not in tried:
             st = await self.cache.get_or_load(sid, partial(self._load_state, sid))
             if st is not None:
                 self.cache.pin(sid, st)
-                return st, base.state_pos, sid
+                return st, tpl.state_pos, sid
+        why = "was deleted" if tpl is None else "is lost or corrupt"
         raise TaskStateLost(
-            f"task {t.display_id} starts from the state of template {base.display_id}, and that state is "
-            "lost or corrupt (its own too): it cannot be rebuilt from its tokens. Load the state file again "
-            "under a new name and fork that")
+            f"task {t.display_id} starts from the state of template {display_id(base.template_id)}, which "
+            f"{why} (and its own state is lost): it cannot be rebuilt from its tokens. Load the state file "
+            "again and fork that")
 
     async def _lookup(self, task_id: str) -> Task | None:
         return self.table.find(task_id) or await self.load_task(task_id)

@@ -138,6 +138,9 @@ class Task:
     """The server instance running it (None: not running)."""
     version: int = 0
     """The row's version (+1 at each claim of a run)."""
+    base_id: str | None = None
+    """The template made from a state file whose state the history starts from (None: the zero
+    state; server.tasks.lineage)."""
     # runtime only
     run: Run | None = None  # the current run while running
     saved: asyncio.Future[None] | None = None  # the last queued settle write of this task
@@ -238,7 +241,7 @@ def to_row(t: Task) -> dict[str, Any]:
         "state_id": t.stored_id, "state_pos": t.stored_pos, "prompt_tokens": t.prompt_tokens,
         "completion_tokens": t.completion_tokens, "prefill_time": t.prefill_time,
         "gen_time": t.gen_time, "created_at": t.created_at, "updated_at": t.updated_at,
-        "public": t.public, "instance": t.instance, "version": t.version,
+        "public": t.public, "instance": t.instance, "version": t.version, "base_id": t.base_id,
     }
 
 
@@ -269,5 +272,5 @@ def from_row(r: DbRow | Mapping[str, Any]) -> Task:
         gen_time=m["gen_time"], created_at=m["created_at"], updated_at=m["updated_at"],
         finished_at=m["updated_at"] if m["status"] == FINISHED else None,
         public=bool(m["public"]), stored_id=m["state_id"], stored_pos=m["state_pos"],
-        instance=m["instance"], version=m["version"],
+        instance=m["instance"], version=m["version"], base_id=m.get("base_id"),
     )

@@ -82,6 +82,7 @@ tasks = sa.Table(
     sa.Column("public", sa.Boolean, nullable=False),  # v3: a template every key may read and fork
     sa.Column("instance", _str(80)),  # v3: the server instance running it (NULL: not running)
     sa.Column("version", sa.Integer, nullable=False),  # v3: +1 at each claim of a run (replicas)
+    sa.Column("base_id", _str(ID_LEN)),  # v4: the state-file template its history starts from (lineage.py)
     sa.Index("ix_tasks_status", "status"),
     sa.Index("ix_tasks_owner_created", "owner", "created_at"),  # v2
 )

@@ -7,6 +7,7 @@ import asyncio
 from array import array
 
 from server.tasks.codec import encode_state
+from server.tasks.lineage import base_of
 from server.tasks.output import Output
 from server.tasks.persist import Persistence
 from server.tasks.records import TEMPLATE, Task, to_row
@@ -23,7 +24,7 @@ def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
                tokens=array("i", src.tokens), out_start=src.out_start,
                out=Output(src.out.text, src.out.offsets), finish_reason=src.finish_reason,
                prompt_tokens=src.prompt_tokens, completion_tokens=src.completion_tokens,
-               prefill_time=src.prefill_time, gen_time=src.gen_time)
+               prefill_time=src.prefill_time, gen_time=src.gen_time, base_id=base_of(src))
     tpl.out.finish_reason = src.finish_reason
     return tpl
 
