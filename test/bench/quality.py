@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +43,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import commit, write_lines  # noqa: E402
 
 from server.model import load_model  # noqa: E402
 from server.model.quant import MODES as QUANT_MODES  # noqa: E402
@@ -213,16 +213,6 @@ def table(model: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def commit() -> str:
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:tiny", help="synthetic spec or an official .pth path")
@@ -244,9 +234,7 @@ def main() -> None:
     print(table(args.model, rows))
     stamp = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": "cpu", "model": args.model,
              "mode": "quality", "batch": 1}  # fmt: skip
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({**stamp, **{k: v for k, v in r.items() if v is not None}}) + "\n")
+    write_lines(args.out, [{**stamp, **r} for r in rows])
 
 
 if __name__ == "__main__":
