@@ -4,14 +4,15 @@
 # route by route (ROUTES, default "completions tasks tmp"), then optionally this tree's lightning
 # contents route (CONTENTS=1) and the conversation cache (CONV=1).
 # Each bench_http run is ~40 s on a warm machine (the first one also builds the kernels: ~40 s more).
+# STREAMS=1024 measures at 1,024 streams (T: seconds per run, default 150).
 # Usage (repo root, GPU machine): OUT=/dir BASE_DIR=.base BASE_COMMIT=abc COMMIT=def bash test/bench/http_ab.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 here=$PWD
-b() {  # one bench_http run at 256 streams: its summary lines only
+b() {  # one bench_http run at STREAMS (default 256) streams: its summary lines only
   timeout "${T:-150}" python3 test/bench/bench_http.py --model synthetic:2.9b --out "$OUT/results.jsonl" \
-    --streams 256 "$@" 2>&1 | grep -E "streams|tok/s|rror|waited" | tail -6
+    --streams "${STREAMS:-256}" "$@" 2>&1 | grep -E "streams|tok/s|rror|waited" | tail -6
 }
 # one measurement for both trees: the base runs this tree's bench and its server helper
 cp test/bench/bench_http.py test/bench/bench_http_host.py "$BASE_DIR/test/bench/" && cp test/util_server.py "$BASE_DIR/test/"
