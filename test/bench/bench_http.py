@@ -185,7 +185,14 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     steady = counter.rate(t_all, t_end)  # None: no window where all N streams decode (printed as such)
     delivered = delivered_rate(streams, t_all)
     client_cpu = sum(p["cpu"] for p in parts)
-    return {"streams": n, "tokens": toks, "wall_s": wall, "wave_tok_s": toks / wall,
+    # where the wave's wall time goes: until every stream has its first token, the window where
+    # all decode, and the tail after the first stream's next-to-last read (final events, exits)
+    t_b = min((s["stamps"][-2] for s in streams if len(s["stamps"]) > 1), default=t_all)
+    t_last = max(s["end"] for s in streams)
+    phases = {"first_s": t_all - t0, "steady_s": max(0.0, t_b - t_all), "tail_s": t_last - t_b,
+              "exit_s": t0 + wall - t_last,
+              "last_event_p95_ms": max(p.get("last_p95", 0.0) for p in parts)}
+    return {"streams": n, "tokens": toks, "wall_s": wall, "wave_tok_s": toks / wall, **phases,
             "decode_tok_s": steady, "steady": steady is not None, "delivered_tok_s": delivered,
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
             "itl_p50": pct(gaps, 0.5), "itl_p95": pct(gaps, 0.95),
@@ -297,6 +304,9 @@ def main() -> None:
             if r["drain_s"]:
                 lines[-1]["drain_s"] = round(r["drain_s"], 2)
                 print(f"        (waited {r['drain_s']:.1f} s for the previous waves' states to be written)")
+            print(f"        wave {r['wall_s']:.2f} s: first tokens {r['first_s']:.2f}, all decoding "
+                  f"{r['steady_s']:.2f}, tail {r['tail_s']:.2f}, clients' exit {r['exit_s']:.2f} (last event p95 {r['last_event_p95_ms']:.0f} ms)")
+            lines[-1].update({k: round(r[k], 2) for k in ("first_s", "steady_s", "tail_s", "exit_s")})
             if a.variant:
                 lines[-1]["variant"] = a.variant
             if a.route != "completions":

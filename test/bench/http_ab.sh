@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1
 here=$PWD
 b() {  # one bench_http run at STREAMS (default 256) streams: its summary lines only
   timeout "${T:-150}" python3 test/bench/bench_http.py --model synthetic:2.9b --out "$OUT/results.jsonl" \
-    --streams "${STREAMS:-256}" "$@" 2>&1 | grep -E "streams|tok/s|rror|waited" | tail -6
+    --streams "${STREAMS:-256}" "$@" 2>&1 | grep -E "streams|tok/s|rror|waited|first tokens" | tail -6
 }
 # one measurement for both trees: the base runs this tree's bench and its server helper
 cp test/bench/bench_http.py test/bench/bench_http_host.py "$BASE_DIR/test/bench/" && cp test/util_server.py "$BASE_DIR/test/"
