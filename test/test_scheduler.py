@@ -125,6 +125,9 @@ class FakeRunner:
     def copies_pending(self):
         return bool(self.copies)
 
+    def close(self):
+        pass
+
     def detached_state(self, init_state):
         return list(init_state or [])
 

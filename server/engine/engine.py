@@ -126,6 +126,8 @@ class Engine:
             self._thread.join(timeout)
         if self._thread is None or self._thread.is_alive():  # never started, or stuck: fail callers now
             self._fail_all(EngineDeadError("the engine was shut down"))
+        elif self._runner is not None:
+            self._runner.close()
 
     @property
     def runner(self) -> StepRunner:

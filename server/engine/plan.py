@@ -171,6 +171,10 @@ class StepRunner(Protocol):
     @property
     def copies_pending(self) -> bool: ...
 
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (its copy thread); after the last step."""
+        ...
+
     def detached_state(self, init_state: Any) -> Any:
         """A batch-1 state on the CPU: a copy of init_state, or zeros when None."""
         ...

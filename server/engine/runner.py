@@ -20,8 +20,8 @@ Per step (see scheduler.py for the plan's meaning), in this order:
 States are updated in place in the pool; nothing is copied per step except moves/admissions.
 
 Finished states are copied out as batch-1 States on the CPU: on CUDA a device-side gather on the
-main stream (ordered before the slot is reused) then a pinned host copy on a side stream; the
-copy is handed back, by request id, by `poll_copies()` once its event completed.
+main stream (ordered before the slot is reused), then a host copy on a thread of its own
+(copyout.HostCopies); the copy is handed back, by request id, by `poll_copies()` once complete.
 The runner reads the plan's plain data only (plan.py); it satisfies plan.StepRunner.
 """
 
@@ -34,18 +34,11 @@ import torch
 
 from server.model.state import State
 
+from .copyout import HostCopies
 from .logprobs import LogprobRows, Pending
 from .plan import CopyOutOp, MaskFill, MoveOp, StepPlan, bucket_sizes
 from .sampler import SamplerSlots, apply_token_bitmask
 from .types import TokenLogprob
-
-
-@dataclass
-class _PendingCopy:
-    request_id: str
-    host: State
-    done: torch.cuda.Event
-    device_copy: State  # kept alive until the side-stream copy completed
 
 
 @dataclass
@@ -70,13 +63,12 @@ class Runner:
         self.pool: State = model.zero_state(max_batch)
         self.sampler = SamplerSlots(max_batch, model.shape.vocab_size, self.device)
         self.cuda = self.device.type == "cuda"
-        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self.copies = HostCopies(self.device) if self.cuda else None
         self._h2d = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=self.cuda)  # (3, M)
         self._d2h = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.cuda)  # (M,) sampled ids
         self._d2h_done = torch.cuda.Event() if self.cuda else None
-        self._copies: list[_PendingCopy] = []
         self._last: _Launched | None = None  # the previous decode (a continuation plan feeds on it)
-        self._ready: list[tuple[str, State]] = []
+        self._ready: list[tuple[str, State | None]] = []  # the CPU's copy-outs (done at once)
         self._masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _apply_masks
         self._lp = LogprobRows(max_batch, self.device)
         self.graphs = None
@@ -287,36 +279,26 @@ class Runner:
     # --- final states -----------------------------------------------------------------------
     def _copy_out(self, slot: int, request_id: str) -> None:
         g = self.pool.gather([slot])  # device copy, ordered before the slot is reused
-        if self.side is None:  # the CPU: the gather is the copy
+        if self.copies is None:  # the CPU: the gather is the copy
             self._ready.append((request_id, g))
-            return
-        main = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            host = State(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in g.tensors()))
-            for h, t in zip(host.tensors(), g.tensors()):
-                h.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.side)
-        self._copies.append(_PendingCopy(request_id, host, done, g))
+        else:
+            self.copies.submit(request_id, g)
 
-    def poll_copies(self, wait: bool = False) -> list[tuple[str, State]]:
-        """Final states whose copy to the CPU completed (all of them when wait=True)."""
+    def poll_copies(self, wait: bool = False) -> list[tuple[str, State | None]]:
+        """Final states whose copy to the CPU completed (all of them when wait=True); None for
+        a copy that failed (logged)."""
         ready, self._ready = self._ready, []
-        keep = []
-        for c in self._copies:
-            if wait:
-                c.done.synchronize()
-            if wait or c.done.query():
-                ready.append((c.request_id, c.host))
-            else:
-                keep.append(c)
-        self._copies = keep
+        if self.copies is not None:
+            ready += self.copies.take(wait)
         return ready
 
     @property
     def copies_pending(self) -> bool:
-        return bool(self._copies or self._ready)
+        return bool(self._ready or (self.copies is not None and self.copies.pending))
+
+    def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
 
     def detached_state(self, init_state: State | None) -> State:
         """A batch-1 state on the CPU for a request that never ran: a copy of its starting

@@ -224,6 +224,57 @@ def _r(x: float, nd: int) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
 
 
+ROUTES = ("completions", "chat", "tasks", "tmp", "contents")
+
+
+def run_route(srv: ServerProcess, a: argparse.Namespace, route: str, streams: list[int], prompt_file: str,
+              gpu: str, max_batch: int) -> list[dict]:
+    """One route on a running server: a warm-up wave per stream count, then the measured ones."""
+    spec = f"contents:{a.chunk_size}" if route == "contents" else route  # (the client spec's route field)
+    lines: list[dict] = []
+    for n in streams:  # warm-up (HTTP path, graph buckets up to each N)
+        wave(srv, n, 8, prompt_file, 1, route=spec)
+    for n in streams:
+        procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
+        drained = drain_writes(srv.url, a.drain_timeout)
+        r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, spec)
+        r["drain_s"] = drained
+        steady = (f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"]
+                  else "(no steady window: not all streams overlapped)")
+        got = f"{r['delivered_tok_s']:.1f}" if r["delivered_tok_s"] is not None else "-"
+        print(f"  {route} {n:4d} streams: server {steady}, delivered {got} "
+              f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
+              f"ITL p50 {r['itl_p50']:.1f} p95 {r['itl_p95']:.1f} ms  client CPU {r['client_cpu_pct']:.0f}% "
+              f"of a core in {r['client_procs']} proc(s) ({r['client_us_per_tok']:.1f} us/tok)  "
+              f"server CPU {r['server_us_per_tok']:.1f} us/tok", flush=True)
+        lines.append({"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": a.model,
+                      "state_dtype": a.state_dtype, "mode": "http", "batch": n,
+                      "decode_tok_s": _r(r["decode_tok_s"], 1), "wave_tok_s": round(r["wave_tok_s"], 1),
+                      "delivered_tok_s": _r(r["delivered_tok_s"], 1),
+                      "ttft_p50_ms": _r(r["ttft_p50"], 1), "ttft_p95_ms": _r(r["ttft_p95"], 1),
+                      "itl_p50_ms": _r(r["itl_p50"], 2), "itl_p95_ms": _r(r["itl_p95"], 2),
+                      "max_tokens": a.max_tokens, "stagger_ms": a.stagger_ms or None, "dtype": a.dtype,
+                      "max_batch": max_batch,
+                      "cuda_graphs": not a.no_cuda_graphs, "client_procs": r["client_procs"],
+                      "client_cpu_pct": round(r["client_cpu_pct"], 1),
+                      "client_us_per_tok": round(r["client_us_per_tok"], 1),
+                      "server_us_per_tok": round(r["server_us_per_tok"], 1)})  # fmt: skip
+        if r["drain_s"]:
+            lines[-1]["drain_s"] = round(r["drain_s"], 2)
+            print(f"        (waited {r['drain_s']:.1f} s for the previous waves' states to be written)")
+        print(f"        wave {r['wall_s']:.2f} s: first tokens {r['first_s']:.2f}, all decoding "
+              f"{r['steady_s']:.2f}, tail {r['tail_s']:.2f}, clients' exit {r['exit_s']:.2f} "
+              f"(last event p95 {r['last_event_p95_ms']:.0f} ms)")
+        lines[-1].update({k: round(r[k], 2) for k in ("first_s", "steady_s", "tail_s", "exit_s")})
+        if a.variant:
+            lines[-1]["variant"] = a.variant
+        if a.route != "completions":
+            lines[-1]["route"] = a.route
+        if route == "contents":
+            lines[-1]["chunk_size"] = a.chunk_size
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
@@ -244,8 +295,10 @@ def main() -> None:
                         "(task routes: the previous wave's 21 MB states would otherwise be written during "
                         "this one); 0: do not wait")
     p.add_argument("--variant", default=None, help="a tag for the result lines (e.g. what the env changed)")
-    p.add_argument("--route", choices=["completions", "chat", "tasks", "tmp", "contents"], default="completions",
-                   help="chat: /v1/chat/completions with the prompt as one user message (its stop strings apply); "
+    p.add_argument("--route", default="completions",
+                   help="one or more of completions, chat, tasks, tmp, contents, comma-separated (one server "
+                        "runs them in that order). chat: /v1/chat/completions with the prompt as one user "
+                        "message (its stop strings apply); "
                         "contents: rwkv_lightning's batch body with the one prompt")
     p.add_argument("--chunk-size", type=int, default=1,
                    help="--route contents: tokens per streamed event (lightning's default is 4)")
@@ -254,7 +307,9 @@ def main() -> None:
         client_main(a.client)
         return
     streams = [int(s) for s in a.streams.split(",")]
-    route = f"contents:{a.chunk_size}" if a.route == "contents" else a.route  # (the client spec's route field)
+    routes = a.route.split(",")
+    if bad := [r for r in routes if r not in ROUTES]:
+        p.error(f"--route: unknown {bad} (one or more of {', '.join(ROUTES)}, comma-separated)")
     max_batch = max(a.max_batch, max(streams))
     env = {"RWKV_DEVICE": a.device, "RWKV_DTYPE": a.dtype, "RWKV_STATE_DTYPE": a.state_dtype,
            "RWKV_MAX_BATCH": str(max_batch), "RWKV_CUDA_GRAPHS": "0" if a.no_cuda_graphs else "1",
@@ -274,45 +329,8 @@ def main() -> None:
         gpu = torch.cuda.get_device_name(0)
     lines = []
     try:
-        for n in streams:  # warm-up (HTTP path, graph buckets up to each N)
-            wave(srv, n, 8, prompt_file, 1, route=route)
-        for n in streams:
-            procs = a.client_procs or math.ceil(n / STREAMS_PER_CLIENT)
-            drained = drain_writes(srv.url, a.drain_timeout)
-            r = wave(srv, n, a.max_tokens, prompt_file, procs, a.stagger_ms, route)
-            r["drain_s"] = drained
-            steady = (f"{r['decode_tok_s']:9.1f} tok/s" if r["steady"]
-                      else "(no steady window: not all streams overlapped)")
-            got = f"{r['delivered_tok_s']:.1f}" if r["delivered_tok_s"] is not None else "-"
-            print(f"  {n:4d} streams: server {steady}, delivered {got} "
-                  f"(wave {r['wave_tok_s']:.1f})  TTFT p50 {r['ttft_p50']:.0f} p95 {r['ttft_p95']:.0f} ms  "
-                  f"ITL p50 {r['itl_p50']:.1f} p95 {r['itl_p95']:.1f} ms  client CPU {r['client_cpu_pct']:.0f}% "
-                  f"of a core in {r['client_procs']} proc(s) ({r['client_us_per_tok']:.1f} us/tok)  "
-                  f"server CPU {r['server_us_per_tok']:.1f} us/tok", flush=True)
-            lines.append({"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": a.model,
-                          "state_dtype": a.state_dtype, "mode": "http", "batch": n,
-                          "decode_tok_s": _r(r["decode_tok_s"], 1), "wave_tok_s": round(r["wave_tok_s"], 1),
-                          "delivered_tok_s": _r(r["delivered_tok_s"], 1),
-                          "ttft_p50_ms": _r(r["ttft_p50"], 1), "ttft_p95_ms": _r(r["ttft_p95"], 1),
-                          "itl_p50_ms": _r(r["itl_p50"], 2), "itl_p95_ms": _r(r["itl_p95"], 2),
-                          "max_tokens": a.max_tokens, "stagger_ms": a.stagger_ms or None, "dtype": a.dtype,
-                          "max_batch": max_batch,
-                          "cuda_graphs": not a.no_cuda_graphs, "client_procs": r["client_procs"],
-                          "client_cpu_pct": round(r["client_cpu_pct"], 1),
-                          "client_us_per_tok": round(r["client_us_per_tok"], 1),
-                          "server_us_per_tok": round(r["server_us_per_tok"], 1)})  # fmt: skip
-            if r["drain_s"]:
-                lines[-1]["drain_s"] = round(r["drain_s"], 2)
-                print(f"        (waited {r['drain_s']:.1f} s for the previous waves' states to be written)")
-            print(f"        wave {r['wall_s']:.2f} s: first tokens {r['first_s']:.2f}, all decoding "
-                  f"{r['steady_s']:.2f}, tail {r['tail_s']:.2f}, clients' exit {r['exit_s']:.2f} (last event p95 {r['last_event_p95_ms']:.0f} ms)")
-            lines[-1].update({k: round(r[k], 2) for k in ("first_s", "steady_s", "tail_s", "exit_s")})
-            if a.variant:
-                lines[-1]["variant"] = a.variant
-            if a.route != "completions":
-                lines[-1]["route"] = a.route
-            if a.route == "contents":
-                lines[-1]["chunk_size"] = a.chunk_size
+        for route in routes:  # one server: the task routes last (their states are written behind)
+            lines += run_route(srv, a, route, streams, prompt_file, gpu, max_batch)
     finally:
         srv.cleanup()  # stops it; removes its temporary directory
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])
