@@ -52,11 +52,13 @@ class RequestHandle:
         """Run on the engine thread after each delivery instead of waking the loop (set_listener)."""
 
     # --- engine side (engine thread) --------------------------------------------------------
-    def _push(self, ev: Event, result: Result | None = None) -> asyncio.AbstractEventLoop | None:
-        """Add an event (and the result); return the event loop to wake, if any.
+    def _push(self, ev: Event | None, result: Result | None = None) -> asyncio.AbstractEventLoop | None:
+        """Add an event and/or the result (a result that waited for its final state comes after
+        the finishing event, alone); return the event loop to wake, if any.
         Lock-free unless a thread waits: deque.append is atomic, and a waiter registers itself
         under _cond BEFORE checking for events, so it either sees them or gets notified."""
-        self._events.append(ev)
+        if ev is not None:
+            self._events.append(ev)
         if result is not None:
             self._result = result
         if self._sync_waiters:
@@ -194,7 +196,8 @@ class RequestHandle:
         return self._result
 
     def peek_result(self) -> Result | None:
-        """The Result once it was delivered (with the finishing event), else None. No waiting."""
+        """The Result once it was delivered (with the finishing event, or after it when the result
+        waits for its final state to be copied out), else None. No waiting."""
         return self._result
 
     def abort(self) -> bool:
@@ -225,9 +228,9 @@ class Deliveries:
     """One step's events and results, pushed in order, then one wake-up per event loop."""
 
     def __init__(self):
-        self.items: list[tuple[RequestHandle, Event, Result | None]] = []
+        self.items: list[tuple[RequestHandle, Event | None, Result | None]] = []
 
-    def add(self, handle: RequestHandle, ev: Event, result: Result | None = None) -> None:
+    def add(self, handle: RequestHandle, ev: Event | None, result: Result | None = None) -> None:
         self.items.append((handle, ev, result))
 
     def deliver(self) -> None:
