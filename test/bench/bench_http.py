@@ -268,8 +268,8 @@ def run_route(srv: ServerProcess, a: argparse.Namespace, route: str, streams: li
         lines[-1].update({k: round(r[k], 2) for k in ("first_s", "steady_s", "tail_s", "exit_s")})
         if a.variant:
             lines[-1]["variant"] = a.variant
-        if a.route != "completions":
-            lines[-1]["route"] = a.route
+        if route != "completions":
+            lines[-1]["route"] = route
         if route == "contents":
             lines[-1]["chunk_size"] = a.chunk_size
     return lines
