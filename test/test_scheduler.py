@@ -454,6 +454,24 @@ def test_state_plus_pending_is_prompt_plus_output(mode):
     assert {h.result().finish_reason for h in hs} == {STOP, LENGTH}
 
 
+def test_finishing_event_does_not_wait_for_the_state_copy(mode):
+    """A request that keeps its state: its last event goes out while the copy of that state is
+    still running (a wave's copies queue up); the Result, with the state, follows alone."""
+    e = make_engine(mode)
+    copy_done = e.runner.poll_copies
+    e.runner.poll_copies = lambda wait=False: []  # the device-to-host copy has not finished
+    h = submit(e, "a", [1, 2, 3], 2, return_state=True)
+    for _ in range(30):
+        e.run_once()
+    evs = h.take_ready()
+    assert evs and evs[-1].finished and evs[-1].finish_reason == LENGTH
+    assert not h.done and h.peek_result() is None
+    e.runner.poll_copies = copy_done
+    run_all(e)
+    r = h.result(1)
+    assert h.take_ready() == [] and r.state + r.pending_tokens == [1, 2, 3] + r.token_ids
+
+
 def test_outputs_do_not_depend_on_batching(mode):
     rng = random.Random(2)
     prompts = [[rng.randrange(1, 9) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
