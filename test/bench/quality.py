@@ -27,7 +27,9 @@ Figures per mode:
 Sequence (--source): `random` (default) draws uniform token ids: for random weights that is what
 sampling the model itself gives (its distribution is near-uniform), at no cost. `model` samples it
 from the reference at temperature 1 (in-distribution: use it for a trained checkpoint; one
-extra token-by-token pass). Prints a markdown table and appends one JSON line per mode
+extra token-by-token pass). `bytes` reads the held-out end of the byte-level model's corpus
+(test/data/train_bytes.py: Python's standard library sources), and its greedy prompts are cut
+from there too: the text the trained byte model was made for. Prints a markdown table and appends one JSON line per mode
 (`mode: "quality"`, `gpu: "cpu"`) to --out. The commit comes from $COMMIT, else git.
 """
 
@@ -46,6 +48,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import commit, write_lines  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "test" / "data"))
+from train_bytes import held_out  # noqa: E402
 
 from server.model import load_model  # noqa: E402
 from server.model.quant import MODES as QUANT_MODES  # noqa: E402
@@ -164,7 +169,15 @@ def measure(spec: str, modes: list[str], tokens: int, prompts: int, gen: int, st
     variants = [parse_variant(m) for m in modes]
     ref, _ = load_variant(spec, Variant("ref"))
     V = ref.shape.vocab_size
-    seq = sample_tokens(ref, tokens, seed) if source == "model" else random_tokens(V, tokens, seed)
+    if source == "bytes":
+        if V != 256:
+            raise SystemExit(f"--source bytes needs a byte-level model (vocabulary 256, not {V})")
+        seq = held_out(tokens + prompts * prompt_len)
+        plist = [seq[tokens + i * prompt_len : tokens + (i + 1) * prompt_len] for i in range(prompts)]
+        seq = seq[:tokens]
+    else:
+        seq = sample_tokens(ref, tokens, seed) if source == "model" else random_tokens(V, tokens, seed)
+        plist = [random_tokens(V, prompt_len, seed + 1 + i) for i in range(prompts)]
     models, reports = [ref], [None]
     for v in variants:  # an fp32 variant of the reference's weights only differs in its state
         if v.dtype == torch.float32 and v.quant is None and v.name != "ref":
@@ -179,7 +192,6 @@ def measure(spec: str, modes: list[str], tokens: int, prompts: int, gen: int, st
     kls, top1, n = f.kl, f.top1, max(1, len(f.gap))
     ref_stats = {"near_tie_pct": 100.0 * sum(g < NEAR_TIE for g in f.gap) / n,
                  "ref_gap_p50": percentile(f.gap, 0.5), "ref_top1_prob_mean": sum(f.p1) / n}  # fmt: skip
-    plist = [random_tokens(V, prompt_len, seed + 1 + i) for i in range(prompts)]
     ref_gen = greedy(ref, plist, gen) if prompts and gen else None
     rows = []
     for i, v in enumerate(variants, start=1):
@@ -222,7 +234,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="greedy tokens per run (G)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--modes", default=DEFAULT_MODES)
-    ap.add_argument("--source", choices=("random", "model"), default="random")
+    ap.add_argument("--source", choices=("random", "model", "bytes"), default="random")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--out", default=str(ROOT / "test" / "bench" / "results.jsonl"))
