@@ -28,8 +28,10 @@ class Settings:
     """Torch device: `cpu`, `cuda`, `cuda:1`, or `auto` (cuda when available, else cpu)."""
     dtype: str = "auto"
     """Compute dtype: fp32, fp16, bf16, or auto (fp16 on cuda, fp32 on cpu)."""
-    state_dtype: str = "fp32"
-    """Precision of the WKV state kept per sequence: fp32 or fp16 (fp16 halves state memory)."""
+    state_dtype: str = "auto"
+    """Precision of the WKV state kept per sequence: fp32, fp16, or auto (fp16 on cuda, fp32 on
+    cpu). fp16 halves state memory and is faster at large batches; its error is smaller than the
+    fp16 activations' (docs/performance.md, "fp16 or fp32 state")."""
     kernels: str = "auto"
     """Which ops run the model on cuda: `auto` (the CUDA kernels of kernels/, built at first start,
     else pure torch), `torch` (pure-torch ops and the torch sampler everywhere), `cuda` (the kernels,
@@ -176,6 +178,11 @@ class Settings:
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
             return self.dtype
+        return "fp16" if self.resolved_device().startswith("cuda") else "fp32"
+
+    def resolved_state_dtype(self) -> str:
+        if self.state_dtype != "auto":
+            return self.state_dtype
         return "fp16" if self.resolved_device().startswith("cuda") else "fp32"
 
     def resolved_max_batch(self) -> int:

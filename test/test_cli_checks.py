@@ -66,3 +66,13 @@ def test_generate_interprets_escapes_and_reads_stdin():
     assert r.stdout.startswith("Line one\\n\nline two")  # stdin as it is
     r = run_cli("generate", "--help")
     assert "escapes" in r.stdout and "stdin" in r.stdout
+
+
+@pytest.mark.parametrize("device,state,expect", [("cuda", "auto", "fp16"), ("cuda:1", "auto", "fp16"),
+                                                 ("cpu", "auto", "fp32"), ("cuda", "fp32", "fp32"),
+                                                 ("cpu", "fp16", "fp16")])  # fmt: skip
+def test_state_dtype_auto_is_fp16_on_cuda_only(device, state, expect):
+    from server.config import Settings
+
+    s = Settings.from_env({"RWKV_DEVICE": device, "RWKV_STATE_DTYPE": state})
+    assert s.state_dtype == state and s.resolved_state_dtype() == expect

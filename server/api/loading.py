@@ -66,13 +66,13 @@ def load_services(settings: Settings) -> Loaded:
     from server.tokenizer import get_tokenizer
 
     device, dtype = settings.resolved_device(), settings.resolved_dtype()
-    log.info("loading %s on %s (%s compute, %s state) ...", spec, device, dtype, settings.state_dtype)
+    log.info("loading %s on %s (%s compute, %s state) ...", spec, device, dtype, settings.resolved_state_dtype())
     t0 = time.perf_counter()
     kernel_log = _Collect()
     logging.getLogger("rwkv.kernels").addHandler(kernel_log)
     try:
         model = load_model(spec, device=device, dtype=torch_dtype(dtype),
-                           state_dtype=torch_dtype(settings.state_dtype), kernels=settings.kernels,
+                           state_dtype=torch_dtype(settings.resolved_state_dtype()), kernels=settings.kernels,
                            kernel_cache=settings.kernel_cache)
     finally:
         logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
@@ -113,8 +113,8 @@ def facts(services: Services) -> list[str]:
              (f"shape      L={shape.n_layer} C={shape.n_embd} H={shape.n_head} N={shape.head_size} "
               f"V={shape.vocab_size} ffn={shape.ffn_dim}")]
     with contextlib.suppress(Exception):  # a figure the start-up lines can do without
-        per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.state_dtype))
-        lines.append(f"state      {_mib(per_seq)} per sequence ({s.state_dtype} WKV)")
+        per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.resolved_state_dtype()))
+        lines.append(f"state      {_mib(per_seq)} per sequence ({s.resolved_state_dtype()} WKV)")
     lines.append(f"device     {load.device or s.resolved_device()}, compute {s.resolved_dtype()}")
     slots = s.resolved_max_batch()
     with contextlib.suppress(Exception):

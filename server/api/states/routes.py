@@ -129,7 +129,7 @@ async def upload_state(name: str, request: Request) -> Response:
     try:
         sf = await asyncio.to_thread(read_state_file, data, sv.shape, source=f"state file {name!r}",
                                      shift_dtype=torch_dtype(sv.settings.resolved_dtype()),
-                                     wkv_dtype=torch_dtype(sv.settings.state_dtype))
+                                     wkv_dtype=torch_dtype(sv.settings.resolved_state_dtype()))
     except StateFileError as exc:
         raise ApiError(422, str(exc), param="file", code="invalid_state_file") from None
     tpl = await _call(template_from_state(tm, name, sf.state, pending=sf.pending, owner=get_owner(request)))

@@ -28,7 +28,7 @@ async def load_state_files(tm: TaskManager, settings: Settings, shape: ModelShap
     specs = settings.state_files()
     names = {name for name, _ in specs}
     await _drop_unnamed(tm, names)
-    shift, wkv = torch_dtype(settings.resolved_dtype()), torch_dtype(settings.state_dtype)
+    shift, wkv = torch_dtype(settings.resolved_dtype()), torch_dtype(settings.resolved_state_dtype())
     for name, path in specs:
         source = f"--state {name}={path}"
         sf = await asyncio.to_thread(read_state_file, path, shape, source=source, shift_dtype=shift, wkv_dtype=wkv)
