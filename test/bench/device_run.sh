@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks
+# steps: info build tests kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -47,6 +47,15 @@ for s in $steps; do
     ab_sampler) timeout 400 python3 test/bench/ab_sampler.py ${AB_SAMPLER_ARGS:---ref main} 2>&1 | tee "$OUT/ab_sampler.log" | tail -12 ;;
     partition) for r in ${PARTITION_ROWS:-512 1024}; do timeout 150 python3 test/bench/bench_partition.py --rows $r; done 2>&1 | tee "$OUT/partition.log" ;;
     http) timeout 400 python3 test/bench/bench_http.py --model synthetic:2.9b --streams ${HTTP_STREAMS:-64,256} --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http.log" ;;
+    http_routes)  # completions, tmp and tasks on one 256-stream server, with a py-spy record of it (.whl has py-spy)
+             spy=/tmp/site/bin/py-spy
+             if [ -x $spy ]; then (for i in $(seq 300); do p=$(pgrep -f '[s]erver.cli serve' | head -1); [ -n "$p" ] && break; sleep 0.2; done
+               $spy record --pid $p --nonblocking -r 50 -f raw --threads -o "$OUT/spy_routes.txt" >/dev/null 2>&1) & fi
+             timeout 300 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 256 --route completions,tmp,tasks \
+               --out "$OUT/results.jsonl" 2>&1 | grep -E "streams:|first tokens|waited|rror" | tee "$OUT/http_routes.log"; wait
+             [ -f "$OUT/spy_routes.txt" ] && python3 test/bench/spy_top.py "$OUT/spy_routes.txt" --top 25 ;;
+    http1024) timeout 300 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 1024 --route completions \
+              --out "$OUT/results.jsonl" 2>&1 | grep -E "streams:|first tokens|rror" | tee "$OUT/http1024.log" ;;
     http_tasks) for r in ${HTTP_ROUTES:-tasks tmp}; do timeout 200 python3 test/bench/bench_http.py --model synthetic:2.9b \
               --streams 256 --route $r --out "$OUT/results.jsonl"; done 2>&1 | tee "$OUT/http_tasks.log" ;;
   esac
