@@ -62,6 +62,10 @@ class FakeHandle:
     def done(self) -> bool:
         return self._result is not None
 
+    @property
+    def ended(self) -> bool:
+        return self.done
+
     async def batches(self):
         n = self.sub.params.max_tokens
         for i in range(n):
@@ -115,7 +119,8 @@ class FakeEngine:
     def is_alive(self) -> bool:
         return True
 
-    def submit(self, prompt, params=None, *, init_state=None, request_id=None, return_state=False) -> FakeHandle:
+    def submit(self, prompt, params=None, *, init_state=None, request_id=None, return_state=False,
+               end_before_state=False) -> FakeHandle:
         assert return_state and params is not None
         sub = Submission(list(prompt), params, init_state, request_id or f"r{len(self.submissions)}")
         self.submissions.append(sub)

@@ -151,6 +151,43 @@ async def test_a_continuation_at_once_is_not_held_up_by_a_repair(parts):
     assert conv.counters["repairs"] <= 1 and conv.best(part, t2, len(t2))[1] < len(expected)
 
 
+class LateResult:
+    """A finished request's handle whose last event went out but whose Result, with its state,
+    is still on its way (its copy to the host queued behind others) until release()."""
+
+    def __init__(self, handle):
+        self.handle, self.request_id, self.released = handle, handle.request_id, False
+
+    ended = True
+
+    @property
+    def done(self):
+        return self.released
+
+    def peek_result(self):
+        return self.handle.peek_result() if self.released else None
+
+    def release(self):
+        self.released = True
+
+
+async def test_a_continuation_sent_before_the_state_arrived_waits_for_it(parts):
+    """The client saw the reply's end and sent the next turn while the reply's state was still
+    being copied off the device: the lookup waits for that state instead of missing it."""
+    _, tok, eng = parts
+    conv = ConversationCache(1 << 30)
+    part = conv.partition(None)
+    t1 = tok.encode("User: Name a colour.\n\nAssistant:")
+    h = eng.submit(t1, GREEDY, return_state=True)
+    res = await h.wait()
+    late = LateResult(h)
+    conv.track(eng, part, t1, [late], None)
+    t2 = t1 + res.token_ids + tok.encode("\n\nUser: Another?\n\nAssistant:")
+    asyncio.get_running_loop().call_later(0.2, late.release)
+    _, n = await conv.lookup(part, t2)
+    assert conv.counters["waits"] == 1 and n == len(t1) + len(res.token_ids) - 1
+
+
 class CountingEngine:
     """The engine, counting submissions."""
 

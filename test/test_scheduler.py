@@ -164,8 +164,9 @@ def run_all(engine, max_steps=10_000):
 def submit(engine, rid, prompt, max_tokens=5, **kw):
     ret = kw.pop("return_state", False)
     init = kw.pop("init_state", None)
+    early = kw.pop("end_before_state", False)
     return engine.submit(list(prompt), SamplingParams(max_tokens=max_tokens, **kw), request_id=rid,
-                         return_state=ret, init_state=init)  # fmt: skip
+                         return_state=ret, init_state=init, end_before_state=early)  # fmt: skip
 
 
 def make_seq(rid, prompt, max_tokens=5, **kw):
@@ -454,22 +455,26 @@ def test_state_plus_pending_is_prompt_plus_output(mode):
     assert {h.result().finish_reason for h in hs} == {STOP, LENGTH}
 
 
-def test_finishing_event_does_not_wait_for_the_state_copy(mode):
-    """A request that keeps its state: its last event goes out while the copy of that state is
-    still running (a wave's copies queue up); the Result, with the state, follows alone."""
+def test_finishing_event_before_the_state_copy_when_asked(mode):
+    """end_before_state: the last event goes out while the copy of the request's state is still
+    running (a wave's copies queue up); the Result, with the state, follows alone. Without it
+    the last event waits with the Result (a task is settled when its stream ends)."""
     e = make_engine(mode)
     copy_done = e.runner.poll_copies
-    e.runner.poll_copies = lambda wait=False: []  # the device-to-host copy has not finished
-    h = submit(e, "a", [1, 2, 3], 2, return_state=True)
+    e.runner.poll_copies = lambda wait=False: []  # the device-to-host copies have not finished
+    early = submit(e, "a", [1, 2, 3], 2, return_state=True, end_before_state=True)
+    late = submit(e, "b", [1, 2, 4], 2, return_state=True)
     for _ in range(30):
         e.run_once()
-    evs = h.take_ready()
-    assert evs and evs[-1].finished and evs[-1].finish_reason == LENGTH
-    assert not h.done and h.peek_result() is None
+    evs = early.take_ready()
+    assert evs and evs[-1].finished and evs[-1].finish_reason == LENGTH and early.ended
+    assert not early.done and early.peek_result() is None
+    assert not any(ev.finished for ev in late.take_ready() or []) and not late.ended
     e.runner.poll_copies = copy_done
     run_all(e)
-    r = h.result(1)
-    assert h.take_ready() == [] and r.state + r.pending_tokens == [1, 2, 3] + r.token_ids
+    r = early.result(1)
+    assert early.take_ready() == [] and r.state + r.pending_tokens == [1, 2, 3] + r.token_ids
+    assert late.take_ready()[-1].finished and late.result(1).state is not None
 
 
 def test_outputs_do_not_depend_on_batching(mode):

@@ -8,7 +8,8 @@ released; two threads keep a wave of streams that end together from queueing beh
 
 Why not pinned host buffers: allocating one per state (cudaHostAlloc, ~21 MB for a 2.9B fp32
 state) held the engine thread for longer than the copy itself, and a wave of streams ending
-together then waited seconds for their last events (docs/performance.md, "Final states").
+together then waited seconds for their last events (docs/performance.md, "Final states and the
+end of a wave").
 """
 
 from __future__ import annotations

@@ -170,9 +170,13 @@ class Engine:
         init_state=None,
         request_id: str | None = None,
         return_state: bool = False,
+        end_before_state: bool = False,
     ) -> RequestHandle:
         """Queue a request; raises QueueFullError, PromptTooLongError, EngineDeadError, ValueError
-        (also for a grammar that cannot be compiled: its reason)."""
+        (also for a grammar that cannot be compiled: its reason). end_before_state (with
+        return_state): deliver the finishing event without waiting for the final state's copy
+        to the host; the Result follows with it. For callers whose next request does not need
+        this one settled (a stream that only keeps the state for later)."""
         if self._dead is not None or self._stopping:
             raise EngineDeadError("the engine is not running")
         params = params or SamplingParams(max_tokens=self.settings.default_max_tokens)
@@ -186,7 +190,8 @@ class Engine:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        handle = RequestHandle(rid, loop, alive=self._alive, abort=self.abort)
+        handle = RequestHandle(rid, loop, alive=self._alive, abort=self.abort,
+                               end_before_state=end_before_state and return_state)
         seq = Sequence(rid, ids, params, seed=seed, init_state=init_state, return_state=return_state)
         stream = self.output.new_stream(rid, handle, params)
         with self._lock:

@@ -31,13 +31,17 @@ _POLL_S = 1.0  # how often a blocked caller re-checks that the engine loop is al
 
 class RequestHandle:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, *, alive: Callable[[], bool],
-                 abort: Callable[[str], bool]):  # fmt: skip
+                 abort: Callable[[str], bool], end_before_state: bool = False):  # fmt: skip
         self.request_id = request_id
+        self.end_before_state = end_before_state
+        """The finishing event is delivered at once, the Result when its final state has been
+        copied out (else both together)."""
         self._alive = alive
         self._abort = abort
         self._cond = threading.Condition()
         self._events: deque[Event] = deque()
         self._result: Result | None = None
+        self._ended = False  # the finishing event was pushed (the result may still wait for its state)
         self._error: BaseException | None = None
         self._loop = loop
         self._bound = False  # _bind_loop() done (next_batch checks once, not per call)
@@ -59,6 +63,7 @@ class RequestHandle:
         under _cond BEFORE checking for events, so it either sees them or gets notified."""
         if ev is not None:
             self._events.append(ev)
+            self._ended = self._ended or ev.finished
         if result is not None:
             self._result = result
         if self._sync_waiters:
@@ -77,6 +82,12 @@ class RequestHandle:
     @property
     def done(self) -> bool:
         return self._result is not None or self._error is not None
+
+    @property
+    def ended(self) -> bool:
+        """The finishing event was delivered (or the request failed); the Result may still be
+        on its way (it waits for the final state's copy to the host)."""
+        return self._ended or self.done
 
     def _check_engine(self) -> None:
         if not self.done and not self._alive():

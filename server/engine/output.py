@@ -41,7 +41,7 @@ class OutputProcessor:
         changed in place: a staged step keeps the list it was made with)."""
         self._emits: list[tuple[list[Stream], list[int], list[int] | None, list | None]] = []
         self._ends: list[Finished] = []
-        self._awaiting: dict[str, tuple[Any, Result]] = {}  # results waiting for their state
+        self._awaiting: dict[str, tuple[Any, Event | None, Result]] = {}  # results waiting for their state
         self._early: dict[str, Any] = {}  # states that came before their request's record was flushed
         self._out = Deliveries()
         self._n_lp = 0  # open streams with logprobs (0: the per-token loop skips them)
@@ -108,10 +108,10 @@ class OutputProcessor:
             if entry is None:  # its record is still staged (ended by an abort before this plan)
                 self._early[rid] = state
                 continue
-            handle, res = entry
+            handle, ev, res = entry
             if res.finish_reason != ERROR:
                 res.state = state
-            self._deliver(handle, None, res)
+            self._deliver(handle, ev, res)
 
     def flush(self) -> list[tuple[str, str]]:
         """Build the staged events and results, deliver everything. Returns (request_id, error)
@@ -154,10 +154,11 @@ class OutputProcessor:
             self._n_lp -= 1
             st.lp.annotate(ev)
             res.logprobs, res.prompt_logprobs = st.lp.tokens, st.lp.prompt
-        if end.state == STATE_SLOT:  # the runner copies it out: the result waits for it, the
-            # finishing event does not (a stream ends at once; copies can queue at a wave's end)
-            self._out.add(st.handle, ev)
-            self._awaiting[end.request_id] = (st.handle, res)
+        if end.state == STATE_SLOT:  # the runner copies it out: the result waits for it, and so
+            # does the finishing event unless the caller asked for it at once (copies can queue)
+            if st.handle.end_before_state:
+                self._out.add(st.handle, ev)
+            self._awaiting[end.request_id] = (st.handle, None if st.handle.end_before_state else ev, res)
             if end.request_id in self._early:
                 self.states_ready([(end.request_id, self._early.pop(end.request_id))])
             return

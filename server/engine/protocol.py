@@ -31,6 +31,11 @@ class Handle(Protocol):
     @property
     def done(self) -> bool: ...
 
+    @property
+    def ended(self) -> bool:
+        """The finishing event was delivered; the Result may come after it (with its state)."""
+        ...
+
     def take_ready(self) -> list[Event] | None:
         """The events pending now; [] once ended and drained; None when nothing is there yet."""
         ...
@@ -46,7 +51,8 @@ class Handle(Protocol):
     def result(self, timeout: float | None = None) -> Result: ...
 
     def peek_result(self) -> Result | None:
-        """The Result once it was delivered (with the finishing event), else None. No waiting."""
+        """The Result once it was delivered (with the finishing event, or after it when it waits
+        for its final state), else None. No waiting."""
         ...
 
     def abort(self) -> bool: ...
@@ -67,7 +73,7 @@ class EngineAPI(Protocol):
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                init_state: StateLike | None = None, request_id: str | None = None,
-               return_state: bool = False) -> Handle: ...
+               return_state: bool = False, end_before_state: bool = False) -> Handle: ...
 
     def abort(self, request_id: str) -> bool: ...
 

@@ -134,7 +134,7 @@ class ConversationCache:
     async def _wait_settling(self, part: str, tokens: Sequence[int]) -> None:
         waits = []
         for s in self._settling.get(part, ()):
-            if len(s.tokens) < len(tokens) and s.generated() and _is_prefix(s.tokens, tokens):
+            if len(s.tokens) < len(tokens) and s.ended() and _is_prefix(s.tokens, tokens):
                 s.awaited = True
                 s.kick.set()
                 waits.append(s.done.wait())

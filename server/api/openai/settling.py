@@ -31,12 +31,16 @@ class Settling:
     def generated(self) -> bool:
         return all(h.done for h in self.handles)
 
+    def ended(self) -> bool:
+        """Every handle's finishing event went out (their results, with the states, may follow)."""
+        return all(h.ended for h in self.handles)
+
 
 async def until_generated(s: Settling) -> None:
     """Until every handle of `s` ended (polling, or kicked by a lookup that saw them end)."""
     delay = POLL_FIRST_S
     while not s.generated():
-        delay = await _pause(s, delay)
+        delay = await _pause(s, POLL_FIRST_S if s.awaited else delay)  # a request waits: look often
 
 
 async def engine_idle(engine: EngineAPI, s: Settling) -> bool:
