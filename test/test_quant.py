@@ -116,7 +116,7 @@ def _all_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int8g128", "fp8g128"])
 def test_fake_quantize_touches_exactly_the_large_linears(mode: str) -> None:
     model = load_model("synthetic:tiny")
     before = {n: t.clone() for n, t in _all_tensors(model).items()}
@@ -134,7 +134,8 @@ def test_fake_quantize_touches_exactly_the_large_linears(mode: str) -> None:
             assert torch.equal(t, before[name]), name
     numel = sum(before[n].numel() for n in want)
     assert report.bytes_16bit == 2 * numel
-    assert report.bytes_8bit == numel + 4 * sum(before[n].shape[0] for n in want)
+    per = (lambda n: before[n].numel() // 128) if mode.endswith("g128") else (lambda n: before[n].shape[0])
+    assert report.bytes_8bit == numel + 4 * sum(per(n) for n in want)
     assert 0 < report.max_rel_err <= (1 / 254 if mode == "int8" else 2.0**-4) * (1 + 1e-5)
 
 
@@ -186,3 +187,22 @@ def test_harness_modes_and_divergence() -> None:
     assert q.first_divergence(a, b) == [3, 1]
     kl, same = q.kl_and_top1(torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0]]))
     assert kl[0] > 0 and not bool(same[0])
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_fp8])
+def test_group_scales_follow_each_group_of_columns(quantize) -> None:
+    """One scale per 128 input columns: a group of tiny weights next to a group of large ones
+    keeps its own precision. One scale per row loses it in int8 (fixed steps); fp8's exponent
+    keeps small values' relative precision either way."""
+    w = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    w[:, 128:] *= 1e-3
+    q, scale = quantize(w, 128)
+    assert scale.shape == (4, 2) and q.shape == w.shape
+    deq = dequantize(q, scale)
+    row = dequantize(*quantize(w))
+    small = w[:, 128:].abs().max()
+    assert (deq[:, 128:] - w[:, 128:]).abs().max() < 0.07 * small
+    if quantize is quantize_int8:
+        assert (row[:, 128:] - w[:, 128:]).abs().max() > 0.2 * small
+    with pytest.raises(ValueError, match="groups of 128"):
+        quantize(torch.randn(4, 200), 128)
