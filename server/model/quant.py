@@ -12,6 +12,8 @@ Layout: weights in the nn.Linear layout (out, in); one fp32 scale per output row
 value). An all-zero row gets scale 1 (its codes are 0, no division by zero, no NaN). The modes
 `int8g128` / `fp8g128` give each row one scale per group of 128 input columns instead
 (scale (out, in / 128)): finer scales for the formats' few bits, at 1/32 more bytes in fp32.
+`int8_head16` / `fp8_head16` quantize the layers' linears and leave the head (the logits' own
+projection, 5% of a 2.9B model's weights) as it is.
 
 Quantized: the large linears, per layer r/k/v/o of the time mix and the FFN key/value, and the
 head. Kept: the embedding (a lookup, not a GEMM), the low-rank LoRA matrices and every vector.
@@ -30,7 +32,9 @@ import torch
 
 from server.model.checkpoint import Weights
 
-MODES = ("int8", "fp8", "int8g128", "fp8g128")
+MODES = ("int8", "fp8", "int8g128", "fp8g128", "int8_head16", "fp8_head16")
+HEAD16 = "_head16"
+"""A mode's suffix: the head stays in 16 bit (only the layers' linears are quantized)."""
 GROUP = 128
 """Input columns per scale in the g128 modes."""
 INT8_MAX = 127.0
@@ -127,13 +131,16 @@ def fake_quantize(model: HasWeights, mode: str) -> QuantReport:
     (copy_ into the existing storage, so views such as the decode packs' stacked weights see
     it); everything else stays bit-identical. Returns what was touched and the error."""
     report = QuantReport(mode)
+    base = mode.removesuffix(HEAD16)
     for name, w in large_linears(model.w):
-        deq = round_trip(w, mode)  # (out, in) in w.dtype
+        if name == "head" and mode.endswith(HEAD16):
+            continue
+        deq = round_trip(w, base)  # (out, in) in w.dtype
         amax = w.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
         err = ((w.float() - deq.float()).abs().amax(dim=1) / amax).max().item()
         w.copy_(deq)
         report.tensors.append(name)
         report.bytes_16bit += 2 * w.numel()
-        report.bytes_8bit += w.numel() + 4 * w.numel() // (GROUP if mode.endswith("g128") else w.shape[1])
+        report.bytes_8bit += w.numel() + 4 * w.numel() // (GROUP if base.endswith("g128") else w.shape[1])
         report.max_rel_err = max(report.max_rel_err, err)
     return report
