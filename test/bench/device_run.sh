@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024
+# steps: info build tests kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024 quality
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -56,6 +56,8 @@ for s in $steps; do
              [ -f "$OUT/spy_routes.txt" ] && python3 test/bench/spy_top.py "$OUT/spy_routes.txt" --top 25 ;;
     http1024) timeout 300 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 1024 --route completions \
               --out "$OUT/results.jsonl" 2>&1 | grep -E "streams:|first tokens|rror" | tee "$OUT/http1024.log" ;;
+    quality) timeout 500 python3 test/bench/quality.py --model synthetic:2.9b --device cuda --tokens 4096 --stride 16 \
+              --prompts 8 --gen 64 --modes ref,state_fp16,act_fp16,int8,fp8,fp8_head16 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/quality.log" ;;
     http_tasks) for r in ${HTTP_ROUTES:-tasks tmp}; do timeout 200 python3 test/bench/bench_http.py --model synthetic:2.9b \
               --streams 256 --route $r --out "$OUT/results.jsonl"; done 2>&1 | tee "$OUT/http_tasks.log" ;;
   esac

@@ -30,7 +30,8 @@ from the reference at temperature 1 (in-distribution: use it for a trained check
 extra token-by-token pass). `bytes` reads the held-out end of the byte-level model's corpus
 (test/data/train_bytes.py: Python's standard library sources), and its greedy prompts are cut
 from there too: the text the trained byte model was made for. Prints a markdown table and appends one JSON line per mode
-(`mode: "quality"`, `gpu: "cpu"`) to --out. The commit comes from $COMMIT, else git.
+(`mode: "quality"`, `gpu`: "cpu" or the GPU's name) to --out. `--device cuda` runs the models there
+(pure-torch ops all the same: the 2.9B runs are too slow on a CPU). The commit comes from $COMMIT, else git.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def parse_variant(name: str) -> Variant:
     return Variant(name, dtype, state, quant[0] if quant else None)
 
 
-def load_variant(spec: str, v: Variant) -> tuple[RWKV7, dict | None]:
-    """The model of a variant on CPU (pure torch) and its quantization report, if any."""
-    model = load_model(spec, "cpu", v.dtype, v.state_dtype, kernels="torch")
+def load_variant(spec: str, v: Variant, device: str = "cpu") -> tuple[RWKV7, dict | None]:
+    """The model of a variant (pure-torch ops, on `device`) and its quantization report, if any."""
+    model = load_model(spec, device, v.dtype, v.state_dtype, kernels="torch")
     report = fake_quantize(model, v.quant).as_dict() if v.quant else None
     return model, report
 
@@ -100,8 +101,8 @@ def sample_tokens(model: RWKV7, n: int, seed: int, temperature: float = 1.0) -> 
     toks = [int(torch.randint(0, model.shape.vocab_size, (1,), generator=g))]
     state = model.zero_state(1)
     while len(toks) < n:
-        logits = model.decode(torch.tensor(toks[-1:]), state)  # (1, V)
-        probs = torch.softmax(logits.double() / temperature, -1)
+        logits = model.decode(torch.tensor(toks[-1:], device=model.device), state)  # (1, V)
+        probs = torch.softmax(logits.double().cpu() / temperature, -1)
         toks.append(int(torch.multinomial(probs, 1, generator=g)))
     return toks
 
@@ -164,10 +165,11 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def measure(spec: str, modes: list[str], tokens: int, prompts: int, gen: int, stride: int = 1,
-            prompt_len: int = 16, seed: int = 0, source: str = "random") -> list[dict]:  # fmt: skip
+            prompt_len: int = 16, seed: int = 0, source: str = "random",
+            device: str = "cpu") -> list[dict]:  # fmt: skip
     """One figure dict per mode (see the module doc)."""
     variants = [parse_variant(m) for m in modes]
-    ref, _ = load_variant(spec, Variant("ref"))
+    ref, _ = load_variant(spec, Variant("ref"), device)
     V = ref.shape.vocab_size
     if source == "bytes":
         if V != 256:
@@ -181,11 +183,11 @@ def measure(spec: str, modes: list[str], tokens: int, prompts: int, gen: int, st
     models, reports = [ref], [None]
     for v in variants:  # an fp32 variant of the reference's weights only differs in its state
         if v.dtype == torch.float32 and v.quant is None and v.name != "ref":
-            m = RWKV7(ref.w, ref.shape, ref.name, "cpu", ref.dtype, v.state_dtype, kernels="torch")
+            m = RWKV7(ref.w, ref.shape, ref.name, device, ref.dtype, v.state_dtype, kernels="torch")
             models.append(m)
             reports.append(None)
         else:
-            m, rep = load_variant(spec, v)
+            m, rep = load_variant(spec, v, device)
             models.append(m)
             reports.append(rep)
     f = teacher_forced(models, seq, stride)
@@ -237,14 +239,16 @@ def main() -> None:
     ap.add_argument("--source", choices=("random", "model", "bytes"), default="random")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--device", default="cpu", help="where the models run (pure-torch ops): cpu or cuda")
     ap.add_argument("--out", default=str(ROOT / "test" / "bench" / "results.jsonl"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(args.model, args.modes.split(","), args.tokens, args.prompts, args.gen, args.stride,
-                   args.prompt_len, args.seed, args.source)  # fmt: skip
+                   args.prompt_len, args.seed, args.source, args.device)  # fmt: skip
     print(table(args.model, rows))
-    stamp = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": "cpu", "model": args.model,
+    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    stamp = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": args.model,
              "mode": "quality", "batch": 1}  # fmt: skip
     write_lines(args.out, [{**stamp, **r} for r in rows])
 
