@@ -158,7 +158,8 @@ class OutputProcessor:
             # does the finishing event unless the caller asked for it at once (copies can queue)
             if st.handle.end_before_state:
                 self._out.add(st.handle, ev)
-            self._awaiting[end.request_id] = (st.handle, None if st.handle.end_before_state else ev, res)
+                ev = None  # delivered: the Result follows alone
+            self._awaiting[end.request_id] = (st.handle, ev, res)
             if end.request_id in self._early:
                 self.states_ready([(end.request_id, self._early.pop(end.request_id))])
             return
