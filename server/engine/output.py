@@ -156,10 +156,11 @@ class OutputProcessor:
             res.logprobs, res.prompt_logprobs = st.lp.tokens, st.lp.prompt
         if end.state == STATE_SLOT:  # the runner copies it out: the result waits for it, and so
             # does the finishing event unless the caller asked for it at once (copies can queue)
+            last: Event | None = ev
             if st.handle.end_before_state:
                 self._out.add(st.handle, ev)
-                ev = None  # delivered: the Result follows alone
-            self._awaiting[end.request_id] = (st.handle, ev, res)
+                last = None  # delivered: the Result follows alone
+            self._awaiting[end.request_id] = (st.handle, last, res)
             if end.request_id in self._early:
                 self.states_ready([(end.request_id, self._early.pop(end.request_id))])
             return
