@@ -28,7 +28,13 @@
 // (their outputs are written as 0 without loading them), 2: weight columns k >= width are zero
 // (the loads of x and w stop there). The caller promises the padding is zero, so the result is
 // the padded product's (bitwise for finite x: a skipped product would have added exactly 0).
-// Requirements (else GEMV_UNSUPPORTED, the caller falls back to cuBLAS): K % 8 == 0, x and w
+// 8-bit weights (w_dt 1 int8, 2 fp8 e4m3; x and out fp16 only): w holds codes q (N, K), one byte
+// each, and scale (N,) fp32 per row (plane p: scale + p*s_ps); out = (x @ q^T) * scale[n], the
+// codes converted to fp16 exactly in registers (int8 by the 0x6400 magic-number trick, e4m3 by the
+// sm_89+ cvt instruction). A lane's 16-byte weight load then holds 16 k (a "chunk" is 16 k, a
+// k-tile 64 k) and feeds 4 MMAs against two 16-byte x loads: half the weight bytes per product.
+// Requirements (else GEMV_UNSUPPORTED, the caller falls back to cuBLAS): K % 8 == 0 (16 for 8-bit
+// weights), x and w
 // 16-byte aligned, x row/plane strides and the w plane stride multiples of 8 elements, 1 <= M
 // <= 8, sm_80 or newer. out: any strides (2-byte stores).
 #include <cuda_bf16.h>
@@ -46,11 +52,13 @@ constexpr int MAX_M = 8;
 constexpr int MAX_WARPS = 16;
 constexpr int UNSUPPORTED = -2;  // layout/dtype/arch not covered: use the fallback
 enum Dtype { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum WType { W_SAME = 0, W_INT8 = 1, W_FP8 = 2 };  // the weights' element type
 
 struct Args {
     const void *x, *w;
     void *out;
-    long long x_s, x_ps, w_ps, o_s, o_ps;
+    const float *scale;  // 8-bit weights: per-row scales (plane stride s_ps); else unused
+    long long x_s, x_ps, w_ps, o_s, o_ps, s_ps;
     int M, N, K;
     unsigned long long lim;  // per-plane widths / 8 (8 bits each, planes 0..7; 0 = whole plane)
     int lim_kind;            // 0 none, 1 rows (N), 2 columns (K)
@@ -129,6 +137,30 @@ __device__ __forceinline__ uint4 relu2_8(uint4 v) {
     return make_uint4(relu2_pair<F>(v.x), relu2_pair<F>(v.y), relu2_pair<F>(v.z), relu2_pair<F>(v.w));
 }
 
+// 4 weight codes (one byte each, k order) -> 4 fp16 values as two half2 registers (lo: codes 0, 1).
+// int8: the bytes with their sign bit flipped sit under exponent byte 0x64: 1024 + (q + 128)
+// exactly, minus 1152 -> q. e4m3: the hardware conversion (sm_89+), exact in fp16.
+template <int WQ>
+__device__ __forceinline__ uint2 codes_to_h4(uint32_t u) {
+    uint2 r;
+    if constexpr (WQ == W_INT8) {
+        const uint32_t v = u ^ 0x80808080u;
+        uint32_t lo = __byte_perm(v, 0x64646464u, 0x4140), hi = __byte_perm(v, 0x64646464u, 0x4342);
+        const __half2 bias = __half2half2(__ushort_as_half((unsigned short)0x6480));  // 1152
+        const __half2 l = __hsub2(*reinterpret_cast<const __half2 *>(&lo), bias);
+        const __half2 h = __hsub2(*reinterpret_cast<const __half2 *>(&hi), bias);
+        r.x = *reinterpret_cast<const uint32_t *>(&l), r.y = *reinterpret_cast<const uint32_t *>(&h);
+    } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r.x) : "h"((unsigned short)(u & 0xffffu)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r.y) : "h"((unsigned short)(u >> 16)));
+#else
+        r.x = r.y = 0u;  // never launched: dispatch refuses fp8 below sm_89
+#endif
+    }
+    return r;
+}
+
 template <typename F>
 __device__ __forceinline__ F from_f(float v);
 template <>
@@ -136,37 +168,40 @@ __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// grid (ceil(N / (8*RT)), P), block 32*W threads (W <= MAX_WARPS).
-template <typename F, int RT, int U, bool RELU2>
+// grid (ceil(N / (8*RT)), P), block 32*W threads (W <= MAX_WARPS). WQ: the weights' WType.
+template <typename F, int RT, int U, bool RELU2, int WQ>
 __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     constexpr bool BF = sizeof(F) == 2 && !std::is_same<F, __half>::value;
+    constexpr int E = WQ == W_SAME ? 8 : 16;  // k per chunk (one 16-byte weight load)
+    constexpr int XL = E / 8;                 // 16-byte x loads per chunk
+    constexpr int WB = WQ == W_SAME ? (int)sizeof(F) : 1;  // bytes per weight
     __shared__ float red[MAX_WARPS][MAX_M][8 * RT];  // per-warp partials: [warp][m][row]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * (8 * RT);
-    const int KC = a.K >> 3;          // 16-byte chunks per row
+    const int KC = a.K / E;           // chunks per row
     const int KT = (KC + 3) >> 2;     // k-tiles (4 chunks) per row (the split, as for any plane)
-    const int KCv = a.lim_kind == LIM_COLS ? plane_limit(a, blockIdx.y, a.K) >> 3 : KC;  // chunks read
-    const int Nv = a.lim_kind == LIM_ROWS ? plane_limit(a, blockIdx.y, a.N) : a.N;      // rows read
+    const int KCv = a.lim_kind == LIM_COLS ? plane_limit(a, blockIdx.y, a.K) / E : KC;  // chunks read
+    const int Nv = a.lim_kind == LIM_ROWS ? plane_limit(a, blockIdx.y, a.N) : a.N;     // rows read
     const int per = (KT + W - 1) / W; // k-tiles per warp
     const int kb = warp * per;
     const int ke = min(KT, kb + per);
 
-    const F *w = static_cast<const F *>(a.w) + (long long)blockIdx.y * a.w_ps;
+    const char *w = static_cast<const char *>(a.w) + (long long)blockIdx.y * a.w_ps * WB;
     const F *x = static_cast<const F *>(a.x) + (long long)blockIdx.y * a.x_ps;
-    const F *wr[RT];
+    const char *wr[RT];
     bool rok[RT];
 #pragma unroll
     for (int r = 0; r < RT; r++) {
         const int n = n0 + r * 8 + g;
         rok[r] = n < Nv;  // rows in [Nv, N) load nothing: their outputs are 0
-        wr[r] = w + (long long)(rok[r] ? n : 0) * a.K + t * 8;
+        wr[r] = w + ((long long)(rok[r] ? n : 0) * a.K + t * E) * WB;
     }
     const bool xok = g < a.M;
-    const F *xr = x + (xok ? g : 0) * a.x_s + t * 8;
+    const F *xr = x + (xok ? g : 0) * a.x_s + t * E;
 
     // acc[r][c]: NC independent MMA chains per row tile (4 chains per thread in all), so a step's
-    // 2*U*RT MMAs are not one dependent chain; summed at the end.
+    // 2*XL*U*RT MMAs are not one dependent chain; summed at the end.
     constexpr int NC = RT >= 4 ? 1 : 4 / RT;
     float acc[RT][NC][4];
 #pragma unroll
@@ -174,25 +209,28 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
 #pragma unroll
         for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = acc[r][c][2] = acc[r][c][3] = 0.f;
 
-    // One step = U k-tiles: RT*U weight + U x 16-byte loads. The loads of the next step are issued
-    // at the END of the loop body (after this step's MMAs): with nothing after them in the block,
-    // ptxas keeps them together (loads followed by their consumers in one block get interleaved
-    // with the MMAs, one load in flight at a time).
-    uint4 wv[U][RT], xv[U];
+    // One step = U k-tiles: RT*U weight + XL*U x 16-byte loads. The loads of the next step are
+    // issued at the END of the loop body (after this step's MMAs): with nothing after them in the
+    // block, ptxas keeps them together (loads followed by their consumers in one block get
+    // interleaved with the MMAs, one load in flight at a time). A k-tile is 64 weight bytes.
+    uint4 wv[U][RT], xv[U][XL];
     auto load_w = [&](int kt) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const bool ok = kt + u < ke && (kt + u) * 4 + t < KCv;
 #pragma unroll
-            for (int r = 0; r < RT; r++) wv[u][r] = ld_stream(wr[r] + (long long)(kt + u) * 32, ok && rok[r]);
+            for (int r = 0; r < RT; r++) wv[u][r] = ld_stream(wr[r] + (long long)(kt + u) * 64, ok && rok[r]);
         }
     };
     auto load_x = [&](int kt) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const bool ok = xok && kt + u < ke && (kt + u) * 4 + t < KCv;
-            xv[u] = ld_ro(xr + (long long)(kt + u) * 32, ok);
-            if constexpr (RELU2) xv[u] = relu2_8<F>(xv[u]);
+#pragma unroll
+            for (int l = 0; l < XL; l++) {
+                xv[u][l] = ld_ro(xr + (long long)(kt + u) * 4 * E + 8 * l, ok);
+                if constexpr (RELU2) xv[u][l] = relu2_8<F>(xv[u][l]);
+            }
         }
     };
     auto load_step = [&](int kt) { load_w(kt), load_x(kt); };
@@ -207,8 +245,18 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
         for (int u = 0; u < U; u++) {
 #pragma unroll
             for (int r = 0; r < RT; r++) {
-                mma<BF>(acc[r][(2 * u) % NC], xv[u].x, xv[u].y, wv[u][r].x, wv[u][r].y);      // elements 0-3
-                mma<BF>(acc[r][(2 * u + 1) % NC], xv[u].z, xv[u].w, wv[u][r].z, wv[u][r].w);  // elements 4-7
+                if constexpr (WQ == W_SAME) {
+                    mma<BF>(acc[r][(2 * u) % NC], xv[u][0].x, xv[u][0].y, wv[u][r].x, wv[u][r].y);      // 0-3
+                    mma<BF>(acc[r][(2 * u + 1) % NC], xv[u][0].z, xv[u][0].w, wv[u][r].z, wv[u][r].w);  // 4-7
+                } else {  // 16 codes: k 0-7 against x load 0, k 8-15 against x load 1
+                    const uint32_t wc[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const uint2 h = codes_to_h4<WQ>(wc[q]);
+                        const uint4 &xq = xv[u][q >> 1];
+                        mma<false>(acc[r][(4 * u + q) % NC], (q & 1) ? xq.z : xq.x, (q & 1) ? xq.w : xq.y, h.x, h.y);
+                    }
+                }
             }
         }
         if (kt + U < ke) load_step(kt + U);
@@ -226,17 +274,19 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     }
     __syncthreads();
     F *out = static_cast<F *>(a.out) + (long long)blockIdx.y * a.o_ps;
+    const float *scale = WQ == W_SAME ? nullptr : a.scale + (long long)blockIdx.y * a.s_ps;
     for (int i = threadIdx.x; i < a.M * 8 * RT; i += blockDim.x) {
         const int m = i / (8 * RT), j = i % (8 * RT);
         if (n0 + j >= a.N) continue;
         float s = 0.f;
         for (int v = 0; v < W; v++) s += red[v][m][j];
+        if constexpr (WQ != W_SAME) s *= scale[n0 + j];
         out[m * a.o_s + n0 + j] = from_f<F>(s);
     }
 }
 
-// cfg 1: 16 rows per warp, 4 k-tiles per step (8 weight + 4 x loads in flight per lane);
-// cfg 2: 8 rows, 8 k-tiles (8 + 8); cfg 3: 32 rows, 2 k-tiles (8 + 2; never picked, kept for sweeps).
+// cfg 1: 16 rows per warp, 4 k-tiles per step (8 weight + 4 x loads in flight per lane; 8-bit
+// weights: 8 + 8); cfg 2: 8 rows, 8 k-tiles (8 + 8; 8-bit weights: 4 k-tiles, 4 + 8); cfg 3: 32 rows, 2 k-tiles (8 + 2; never picked, kept for sweeps).
 constexpr int NCFG = 3;
 
 inline int sm_count() {
@@ -278,71 +328,98 @@ inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
     return w < 1 ? 1 : (w > MAX_WARPS ? MAX_WARPS : w);
 }
 
-template <typename F, int RT, int U, bool RELU2>
+template <typename F, int RT, int U, bool RELU2, int WQ>
 int launch(const Args &a, int P, int warps, cudaStream_t s) {
-    const int KT = (a.K / 8 + 3) / 4;
+    constexpr int E = WQ == W_SAME ? 8 : 16;
+    const int KT = (a.K / E + 3) / 4;
     const int bx = (a.N + 8 * RT - 1) / (8 * RT);
     if (P > 65535) return UNSUPPORTED;
     if (warps <= 0) {
         static const int regs = [] {
             cudaFuncAttributes fa;
-            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, RELU2>) == cudaSuccess ? fa.numRegs : 128;
+            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, RELU2, WQ>) == cudaSuccess ? fa.numRegs : 128;
         }();
         static const int sms = sm_count();
         warps = pick_warps(KT, (long long)bx * P, U, regs, sms);
     }
     if (warps > MAX_WARPS) return UNSUPPORTED;
-    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2>, dim3(bx, P), dim3(warps * 32), 0, s, a);
+    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2, WQ>, dim3(bx, P), dim3(warps * 32), 0, s, a);
 }
 
-template <typename F, bool RELU2>
+template <typename F, bool RELU2, int WQ>
 int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
     if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
         static const int sms = sm_count();
         cfg = (long long)((a.N + 15) / 16) * P >= 2LL * sms ? 1 : 2;
     }
+    constexpr int U2 = WQ == W_SAME ? 8 : 4;  // 8-bit weights: twice the x registers per k-tile
     switch (cfg) {
-        case 1: return launch<F, 2, 4, RELU2>(a, P, warps, s);
-        case 2: return launch<F, 1, 8, RELU2>(a, P, warps, s);
-        case 3: return launch<F, 4, 2, RELU2>(a, P, warps, s);
+        case 1: return launch<F, 2, 4, RELU2, WQ>(a, P, warps, s);
+        case 2: return launch<F, 1, U2, RELU2, WQ>(a, P, warps, s);
+        case 3: return launch<F, 4, 2, RELU2, WQ>(a, P, warps, s);
     }
     return UNSUPPORTED;
+}
+
+template <typename F, int WQ>
+int dispatch_act(const Args &a, int P, int warps, int cfg, int act, cudaStream_t s) {
+    return act ? dispatch<F, true, WQ>(a, P, warps, cfg, s) : dispatch<F, false, WQ>(a, P, warps, cfg, s);
 }
 
 // The MMA needs sm_80 and this library's kernels to come from PTX >= 8.0 (the loader's generic
 // compute_75 fallback build compiles the kernel body out: report unsupported, never run it).
 inline int device_ok() {
     cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, W_SAME>) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
     return fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
 }
 
+// e4m3 codes need the cvt of sm_89+ in the code that runs here (PTX and binary)
+inline int fp8_ok() {
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, W_FP8>) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return fa.ptxVersion >= 89 && fa.binaryVersion >= 89;
+}
+
 }  // namespace gemv_k
 
 // out (M, N) [P planes] = act(x (M, K)) @ w (N, K)^T. f_dt: 1 fp16, 2 bf16 (x, w, out alike).
-// act: 0 = x as is, 1 = round(relu(x)^2). warps / cfg: 0 = automatic (nonzero: tuning, see
-// test/bench/bench_gemm.py --sweep). lim / lim_kind: zero padding not to read (see the top).
-// Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the fallback) or a CUDA error.
-extern "C" int gemv(int f_dt, int M, int N, int K, int P, const void *x, long long x_s, long long x_ps,
-                    const void *w, long long w_ps, void *out, long long o_s, long long o_ps, int warps, int cfg,
-                    int act, long long lim, int lim_kind, void *stream) {
+// w_dt: 0 = w in f_dt; 1 int8 / 2 fp8 e4m3 codes with per-row fp32 scales (scale, plane stride
+// s_ps; f_dt fp16 only). act: 0 = x as is, 1 = round(relu(x)^2). warps / cfg: 0 = automatic
+// (nonzero: tuning, see test/bench/bench_gemm.py --sweep). lim / lim_kind: zero padding not to
+// read (see the top). Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the
+// fallback) or a CUDA error.
+extern "C" int gemv(int f_dt, int w_dt, int M, int N, int K, int P, const void *x, long long x_s, long long x_ps,
+                    const void *w, long long w_ps, const void *scale, long long s_ps, void *out, long long o_s,
+                    long long o_ps, int warps, int cfg, int act, long long lim, int lim_kind, void *stream) {
     using namespace gemv_k;
     if (M == 0 || N == 0 || P == 0) return 0;
-    if (M < 0 || M > MAX_M || N < 0 || K <= 0 || P < 0 || K % 8) return UNSUPPORTED;
+    const int E = w_dt == W_SAME ? 8 : 16;
+    if (M < 0 || M > MAX_M || N < 0 || K <= 0 || P < 0 || K % E) return UNSUPPORTED;
+    if (w_dt < W_SAME || w_dt > W_FP8 || (w_dt != W_SAME && (f_dt != DT_F16 || scale == nullptr || s_ps < 0)))
+        return UNSUPPORTED;
     auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
-    if (!al16(x) || !al16(w) || (M > 1 && x_s % 8) || (P > 1 && (x_ps % 8 || w_ps % 8))) return UNSUPPORTED;
+    if (!al16(x) || !al16(w) || (M > 1 && x_s % 8) || (P > 1 && (x_ps % 8 || w_ps % (w_dt == W_SAME ? 8 : 16)))) return UNSUPPORTED;
     if (x_s < 0 || x_ps < 0 || w_ps < 0) return UNSUPPORTED;
     static const int ok = device_ok();
     if (!ok) return UNSUPPORTED;
+    if (w_dt == W_FP8) {
+        static const int ok8 = fp8_ok();
+        if (!ok8) return UNSUPPORTED;
+    }
     if (cfg < 0 || cfg > NCFG || act < 0 || act > 1 || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
-    Args a{x, w, out, M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0, o_s, o_ps, M, N, K,
-           (unsigned long long)lim, lim ? lim_kind : (int)LIM_NONE};
+    Args a{x, w, out, static_cast<const float *>(scale), M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0,
+           o_s, o_ps, P > 1 ? s_ps : 0, M, N, K, (unsigned long long)lim, lim ? lim_kind : (int)LIM_NONE};
     cudaStream_t s = (cudaStream_t)stream;
-    if (f_dt == DT_F16) return act ? dispatch<__half, true>(a, P, warps, cfg, s) : dispatch<__half, false>(a, P, warps, cfg, s);
-    if (f_dt == DT_BF16)
-        return act ? dispatch<__nv_bfloat16, true>(a, P, warps, cfg, s) : dispatch<__nv_bfloat16, false>(a, P, warps, cfg, s);
+    if (w_dt == W_INT8) return dispatch_act<__half, W_INT8>(a, P, warps, cfg, act, s);
+    if (w_dt == W_FP8) return dispatch_act<__half, W_FP8>(a, P, warps, cfg, act, s);
+    if (f_dt == DT_F16) return dispatch_act<__half, W_SAME>(a, P, warps, cfg, act, s);
+    if (f_dt == DT_BF16) return dispatch_act<__nv_bfloat16, W_SAME>(a, P, warps, cfg, act, s);
     return UNSUPPORTED;
 }

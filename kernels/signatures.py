@@ -17,6 +17,7 @@ SOURCES = (
     "wkv7_tmix_pipe.cu",
     "fused_elementwise.cu",
     "gemv.cu",
+    "quant.cu",
     "sampler.cu",
 )
 HEADERS = (
@@ -47,10 +48,13 @@ SIGNATURES: dict[str, list[str]] = {
     "fused_add_ln_mix": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, P, LL, P, LL, LL, P],
     "fused_relu_square": [I, P, LL, P],  # f_dt, h, n, stream
     "fused_lora_act": [I, P, LL, P, LL, P],  # f_dt, a, na, g, ng, stream
-    # gemv.cu: f_dt, M, N, K, P, x, x_stride, x_pstride, w, w_pstride, out, o_stride, o_pstride,
+    # gemv.cu: f_dt, w_dt (0 as f_dt, 1 int8, 2 fp8 e4m3), M, N, K, P, x, x_stride, x_pstride, w,
+    # w_pstride, scale (8-bit weights' fp32 per-row scales), s_pstride, out, o_stride, o_pstride,
     # warps, cfg, act (0 none, 1 relu^2 on x), lim (per-plane widths / 8, 8 bits each), lim_kind (0 none,
     # 1 rows, 2 columns), stream (returns -2 = layout not covered: use the fallback)
-    "gemv": [I, I, I, I, I, P, LL, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
+    "gemv": [I, I, I, I, I, I, P, LL, LL, P, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
+    # quant.cu: f_dt, rows, K, x, x_stride, act (1: relu^2 first), q, q_stride, scale, stream
+    "quant_rows_fp8": [I, I, I, P, LL, I, P, LL, P, P],
     # fused_elementwise.cu, a test hook: mode (0 plain launches, 1 programmatic dependent launch
     # where supported, -1 query); returns the previous state (0 / 1)
     "pdl_mode": [I],

@@ -23,6 +23,7 @@ from server.config import Settings, field_docs
 SUBCOMMANDS = ("serve", "synth", "generate")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
 CHOICES = {"dtype": ("auto", "fp32", "fp16", "bf16"), "state_dtype": ("auto", "fp32", "fp16"),
+           "quant": ("none", "int8", "fp8"),
            "kernels": ("auto", "torch", "cuda"), "log_level": ("debug", "info", "warning", "error")}
 _SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 

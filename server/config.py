@@ -32,6 +32,12 @@ class Settings:
     """Precision of the WKV state kept per sequence: fp32, fp16, or auto (fp16 on cuda, fp32 on
     cpu). fp16 halves state memory and is faster at large batches; its error is smaller than the
     fp16 activations' (docs/performance.md, "fp16 or fp32 state")."""
+    quant: str = "none"
+    """8-bit weights for the layers' r/k/v/o and FFN linears, quantized as the checkpoint loads
+    (per-output-channel scales; the embedding, LoRAs and head stay 16-bit): `none`, `int8`
+    (weight-only: half the weight memory, faster small batches on any CUDA GPU of compute
+    capability 8.0+), `fp8` (e4m3; on 8.9+ larger batches also run fp8 tensor-core GEMMs with
+    per-token activation scales). Quality and speed: docs/performance.md, "8-bit weights"."""
     kernels: str = "auto"
     """Which ops run the model on cuda: `auto` (the CUDA kernels of kernels/, built at first start,
     else pure torch), `torch` (pure-torch ops and the torch sampler everywhere), `cuda` (the kernels,

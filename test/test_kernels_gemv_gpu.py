@@ -136,7 +136,7 @@ def test_refused_layouts_fall_back(dev, dtype):
     lib = cuda_ops._lib(dev)
     out = torch.empty(1, N, device=dev, dtype=dtype)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    rc = lib.gemv(cuda_ops._GEMV_DT[dtype], 1, N, K, 1, x1.data_ptr(), x1.stride(0), 0, w.data_ptr(), 0,
+    rc = lib.gemv(cuda_ops._GEMV_DT[dtype], 0, 1, N, K, 1, x1.data_ptr(), x1.stride(0), 0, w.data_ptr(), 0, 0, 0,
                   out.data_ptr(), N, N, 0, 0, 0, 0, 0, stream)  # fmt: skip
     assert rc == cuda_ops.GEMV_UNSUPPORTED
     xk = _data((2, 100), dtype, dev, seed=8)  # K % 8 != 0

@@ -179,7 +179,8 @@ def test_kernel_path_slots_and_lengths(tiny):
     from server.model import cuda_ops, ops
 
     k = load_model("synthetic:tiny:1", chunk_len=5)
-    k.ops = types.SimpleNamespace(wkv_decode=ops.wkv_decode, wkv_chunk=cuda_ops.wkv_chunk, tmix_decode=ops.tmix_decode)
+    k.ops = types.SimpleNamespace(wkv_decode=ops.wkv_decode, wkv_chunk=cuda_ops.wkv_chunk, tmix_decode=ops.tmix_decode,
+                                  dense=ops.dense)  # fmt: skip
     assert k._kernel_ops() and not tiny._kernel_ops()
     prompts = _prompts()
     p1, p2 = tiny.zero_state(6), k.zero_state(6)

@@ -66,14 +66,15 @@ def load_services(settings: Settings) -> Loaded:
     from server.tokenizer import get_tokenizer
 
     device, dtype = settings.resolved_device(), settings.resolved_dtype()
-    log.info("loading %s on %s (%s compute, %s state) ...", spec, device, dtype, settings.resolved_state_dtype())
+    log.info("loading %s on %s (%s compute, %s state, %s weights) ...", spec, device, dtype,
+             settings.resolved_state_dtype(), settings.quant if settings.quant != "none" else "16-bit")
     t0 = time.perf_counter()
     kernel_log = _Collect()
     logging.getLogger("rwkv.kernels").addHandler(kernel_log)
     try:
         model = load_model(spec, device=device, dtype=torch_dtype(dtype),
                            state_dtype=torch_dtype(settings.resolved_state_dtype()), kernels=settings.kernels,
-                           kernel_cache=settings.kernel_cache)
+                           kernel_cache=settings.kernel_cache, quant=settings.quant)
     finally:
         logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
     log.info("model loaded in %.2fs", time.perf_counter() - t0)
@@ -116,6 +117,8 @@ def facts(services: Services) -> list[str]:
         per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.resolved_state_dtype()))
         lines.append(f"state      {_mib(per_seq)} per sequence ({s.resolved_state_dtype()} WKV)")
     lines.append(f"device     {load.device or s.resolved_device()}, compute {s.resolved_dtype()}")
+    if s.quant != "none":
+        lines.append(f"weights    {s.quant}: the layers' r/k/v/o and FFN linears (per-channel scales)")
     slots = s.resolved_max_batch()
     with contextlib.suppress(Exception):
         slots = services.engine.stats().slots or slots

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.model.qlinear import Weight
 from server.model.state import ModelShape
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -143,15 +144,15 @@ class LayerWeights:
     k_a: torch.Tensor  # (C,)
     k_a1: torch.Tensor  # (C,) 1 - k_a
     r_k: torch.Tensor  # (H, N)
-    wr: torch.Tensor  # (C, C) nn.Linear layout (out, in)
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
+    wr: Weight  # (C, C) nn.Linear layout (out, in); 8-bit (QWeight) when quantized at load
+    wk: Weight
+    wv: Weight
+    wo: Weight
     lnx_w: torch.Tensor  # (C,)
     lnx_b: torch.Tensor
     ffn_xk: torch.Tensor  # (C,)
-    ffn_key: torch.Tensor  # (F, C)
-    ffn_value: torch.Tensor  # (C, F)
+    ffn_key: Weight  # (F, C)
+    ffn_value: Weight  # (C, F)
 
 
 @dataclass
@@ -164,14 +165,21 @@ class Weights:
 
 
 def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch.dtype,
-            progress: Callable[[int, int], None] | None = None) -> Weights:
+            progress: Callable[[int, int], None] | None = None,
+            quantize: Callable[[torch.Tensor], Weight] | None = None) -> Weights:  # fmt: skip
     """Move and cast tensor by tensor (entries of sd are dropped as they are converted);
-    progress(layers done, layers) after each layer."""
+    progress(layers done, layers) after each layer. quantize (e.g. qlinear.quantize for a mode):
+    applied to each layer's r/k/v/o and FFN linears as they arrive, so an 8-bit model never
+    holds more than one of its matrices in 16 bits."""
     device = torch.device(device)
 
     def take(key: str, vector: bool = False) -> torch.Tensor:
         t = sd.pop(key).to(device=device).to(dtype=dtype)  # device first: casts run there
         return t.reshape(-1) if vector else t.contiguous()
+
+    def linear(key: str) -> Weight:
+        t = take(key)
+        return quantize(t) if quantize is not None else t
 
     emb = _fold_ln0(
         sd.pop("emb.weight"), take("blocks.0.ln0.weight", True), take("blocks.0.ln0.bias", True), device, dtype
@@ -192,11 +200,11 @@ def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch
             g1=take(a + "g1"), g2=take(a + "g2"),
             k_k=take(a + "k_k", True), k_a=(k_a := take(a + "k_a", True)), k_a1=1 - k_a,
             r_k=take(a + "r_k"),
-            wr=take(a + "receptance.weight"), wk=take(a + "key.weight"),
-            wv=take(a + "value.weight"), wo=take(a + "output.weight"),
+            wr=linear(a + "receptance.weight"), wk=linear(a + "key.weight"),
+            wv=linear(a + "value.weight"), wo=linear(a + "output.weight"),
             lnx_w=take(a + "ln_x.weight", True), lnx_b=take(a + "ln_x.bias", True),
-            ffn_xk=take(p + "ffn.x_k", True), ffn_key=take(p + "ffn.key.weight"),
-            ffn_value=take(p + "ffn.value.weight"),
+            ffn_xk=take(p + "ffn.x_k", True), ffn_key=linear(p + "ffn.key.weight"),
+            ffn_value=linear(p + "ffn.value.weight"),
         ))  # fmt: skip
         if progress is not None:
             progress(i + 1, shape.n_layer)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from server.model import ops
+from server.model import cuda_quant, ops
+from server.model.qlinear import QWeight, Weight
 
 IDENTITY_W = ops.IDENTITY_W
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -252,17 +253,19 @@ GEMV_MAX_M = 8
 weights streamed once); larger M goes to cuBLAS (ops.linear)."""
 GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (nothing launched)
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
+_GEMV_WDT = {"int8": 1, "fp8": 2}  # gemv.cu WType of a QWeight's codes
 _LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
     """ops.linear (see there): x (M, K), w (N, K) -> (M, N); stacked x (P, M, K), w (P, N, K) ->
     (P, M, N). CUDA fp16/bf16 with M <= GEMV_MAX_M: one gemv launch (x may be a strided view:
     rows stride(-2) apart, unit column stride; weight rows contiguous); anything else, or a
     layout the kernel refuses (K % 8, 16-byte alignment), falls back to ops.linear (cuBLAS).
     rows / cols (ops.linear's zero-padding hints): the gemv does not read plane p's weight rows
     from rows[p] on (their outputs are 0) or its columns from cols[p] on (planes 0..7).
-    warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark."""
+    warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark. A QWeight w (8-bit
+    codes, fp16 x) runs the gemv's 8-bit path, or server.model.cuda_quant past GEMV_MAX_M."""
     hint = rows is not None or cols is not None
     lim = _gemv_lim(rows and tuple(rows), cols and tuple(cols)) if hint else (0, 0)
     return _linear(x, w, warps, cfg, 0, lim)
@@ -284,30 +287,49 @@ def _gemv_lim(rows, cols) -> tuple[int, int]:
     return (lim - (1 << 64) if lim >= 1 << 63 else lim), kind  # as a signed long long
 
 
-def relu2_linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
     """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
     as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
     return _linear(h, w, 0, 0, 1, (0, 0))
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, warps: int, cfg: int, act: int, lim: tuple[int, int]):
+def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """ops.dense: x (..., K) @ w^T for a 2-D weight. A QWeight takes the 8-bit paths (the gemv
+    at <= GEMV_MAX_M rows, server.model.cuda_quant past it); a 16-bit weight F.linear."""
+    if not isinstance(w, QWeight) or not x.is_cuda:
+        return ops.dense(x, w)
+    y = _linear(x.reshape(-1, x.shape[-1]), w, 0, 0, 0, (0, 0))  # (rows, N)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tuple[int, int]):
     M = x.shape[-2] if x.dim() >= 2 else 0
-    fallback = (lambda: ops.linear(relu_square(x), w)) if act else (lambda: ops.linear(x, w))
+    q = isinstance(w, QWeight)
+    wt = w.q if isinstance(w, QWeight) else w  # what the kernel reads: codes or 16-bit weights
+    if isinstance(w, QWeight):
+        fallback = lambda: cuda_quant.large(x, w, bool(act))
+    else:
+        fallback = (lambda: ops.linear(relu_square(x), w)) if act else (lambda: ops.linear(x, w))
     lib = _lib(x.device) if x.is_cuda and 1 <= M <= GEMV_MAX_M else None
-    ok = lib is not None and x.dtype in _GEMV_DT and w.dtype == x.dtype and w.device == x.device
-    ok = ok and x.dim() == w.dim() and x.dim() in (2, 3) and x.shape[-1] == w.shape[-1]
-    ok = ok and (x.dim() == 2 or x.shape[0] == w.shape[0])
-    ok = ok and x.stride(-1) == 1 and w.stride(-1) == 1 and w.stride(-2) == w.shape[-1]
+    ok = lib is not None and x.dtype in _GEMV_DT and wt.device == x.device
+    ok = ok and (x.dtype == torch.float16 if q else wt.dtype == x.dtype)
+    ok = ok and x.dim() == wt.dim() and x.dim() in (2, 3) and x.shape[-1] == wt.shape[-1]
+    ok = ok and (x.dim() == 2 or x.shape[0] == wt.shape[0])
+    ok = ok and x.stride(-1) == 1 and wt.stride(-1) == 1 and wt.stride(-2) == wt.shape[-1]
     if lib is None or not ok:
         return fallback()
-    K, N = x.shape[-1], w.shape[-2]
+    K, N = x.shape[-1], wt.shape[-2]
     P = x.shape[0] if x.dim() == 3 else 1
     x_ps = x.stride(0) if x.dim() == 3 else 0
-    w_ps = w.stride(0) if w.dim() == 3 else 0
+    w_ps = wt.stride(0) if wt.dim() == 3 else 0
+    w_dt, sp, s_ps = 0, 0, 0
+    if isinstance(w, QWeight):
+        w_dt, sp = _GEMV_WDT[w.mode], w.scale.data_ptr()
+        s_ps = w.scale.stride(0) if w.scale.dim() == 2 else 0
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    rc = lib.gemv(_GEMV_DT[x.dtype], M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, w.data_ptr(), w_ps,
-                  out.data_ptr(), N, M * N, warps, cfg, act, *lim, stream)  # fmt: skip
+    rc = lib.gemv(_GEMV_DT[x.dtype], w_dt, M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, wt.data_ptr(), w_ps,
+                  sp, s_ps, out.data_ptr(), N, M * N, warps, cfg, act, *lim, stream)  # fmt: skip
     if rc == GEMV_UNSUPPORTED:
         return fallback()
     _check(rc, "gemv")

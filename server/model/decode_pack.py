@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from server.model import qlinear
 from server.model.checkpoint import LayerWeights
+from server.model.qlinear import QWeight, Weight
 
 PLANE_ORDER = (5, 1, 4, 3, 2, 0)
 """Rows of LayerWeights.mix (x_r, x_w, x_k, x_v, x_a, x_g) in decode plane order g, w, a, v, k, r."""
@@ -35,7 +37,7 @@ PLANE_ORDER = (5, 1, 4, 3, 2, 0)
 @dataclass
 class DecodePack:
     mix: torch.Tensor  # (6, C) mix rows in plane order
-    vkr: torch.Tensor  # (3, C, C)
+    vkr: Weight  # (3, C, C); 8-bit codes with (3, C) scales when the model is quantized
     lora1: torch.Tensor  # (Q, D, C) gate, decay, a[, v-mix]
     lora2: torch.Tensor  # (Q, C, D)
     widths: tuple[int, ...] = ()  # each plane's own LoRA width (<= D; the rest is zero padding)
@@ -43,8 +45,18 @@ class DecodePack:
 
 def pack_layer(lw: LayerWeights) -> DecodePack:
     """Stack one layer's decode projections; lw's fields are re-pointed at the stacked storage."""
-    vkr = torch.stack([lw.wv, lw.wk, lw.wr])  # (3, C, C)
-    lw.wv, lw.wk, lw.wr = vkr.unbind(0)
+    vkr: Weight
+    ws = (lw.wv, lw.wk, lw.wr)
+    qs = [w for w in ws if isinstance(w, QWeight)]
+    ts = [w for w in ws if not isinstance(w, QWeight)]
+    if len(qs) == 3:
+        vkr = qlinear.stack(qs)  # (3, C, C) codes, (3, C) scales
+        lw.wv, lw.wk, lw.wr = (vkr.plane(p) for p in range(3))
+    elif len(ts) == 3:
+        vkr = torch.stack(ts)  # (3, C, C)
+        lw.wv, lw.wk, lw.wr = vkr.unbind(0)
+    else:
+        raise ValueError("r, k and v must be quantized alike")
     names = ["g", "w", "a"] + (["v"] if lw.v1 is not None else [])
     firsts = [getattr(lw, n + "1") for n in names]  # each (C, d)
     seconds = [getattr(lw, n + "2") for n in names]  # each (d, C)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from server.model import checkpoint, synthetic
+from server.model import checkpoint, qlinear, synthetic
+from server.model.qlinear import Weight
 from server.model.rwkv7 import KERNELS, RWKV7
 
 log = logging.getLogger(__name__)
@@ -18,13 +19,14 @@ log = logging.getLogger(__name__)
 def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
                state_dtype: torch.dtype = torch.float32, *, chunk_len: int | None = None,
                kernels: str = "auto", max_chunk_tokens: int | None = None,
-               kernel_cache: str | Path | None = None) -> RWKV7:  # fmt: skip
+               kernel_cache: str | Path | None = None, quant: str = "none") -> RWKV7:  # fmt: skip
     """spec: a path to an official RWKV-7 .pth, or 'synthetic:<preset>[:seed]'.
 
     Tensors are converted one at a time onto `device` in `dtype` (no full fp32 copy).
     kernels: auto (CUDA kernels when on cuda and built), torch (pure torch), cuda (required).
     kernel_cache: the kernels' build folder (default kernels.loader.DEFAULT_CACHE_ROOT).
     chunk_len / max_chunk_tokens: prefill chunking (defaults: see RWKV7).
+    quant: none, or a qlinear.WEIGHT_MODES mode: the layers' large linears quantized as they load.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -32,6 +34,8 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         raise ValueError(f"unsupported compute dtype {dtype}")
     if kernels not in KERNELS:  # before the weights are read
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
+    if quant != "none" and quant not in qlinear.WEIGHT_MODES:
+        raise ValueError(f"quant must be none or one of {', '.join(qlinear.WEIGHT_MODES)}, not {quant!r}")
     is_synthetic = spec.startswith("synthetic:")
     if is_synthetic:
         sd = synthetic.synthetic_state_dict(spec, device=device, dtype=dtype)
@@ -41,7 +45,8 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         name = os.path.basename(spec)
         is_synthetic = sd.pop(checkpoint.SYNTHETIC_MARK, None) is not None
     shape = checkpoint.validate(sd)
-    weights = checkpoint.convert(sd, shape, device, dtype, progress=_Progress(name))
+    quantizer = _Quantizer(quant) if quant != "none" else None
+    weights = checkpoint.convert(sd, shape, device, dtype, progress=_Progress(name), quantize=quantizer)
     model = RWKV7(
         weights,
         shape,
@@ -55,6 +60,9 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         kernel_cache=kernel_cache,
     )
     model.synthetic = is_synthetic
+    model.quant = quant
+    if quantizer is not None:
+        quantizer.log(name, device)
     log.info("loaded %s (%s) on %s %s in %.1fs", name, shape.signature(), device, dtype, time.perf_counter() - t0)
     return model
 
@@ -71,3 +79,28 @@ class _Progress:
         if now - self.last >= self.every and done < total:
             self.last = now
             log.info("loading %s: layer %d of %d (%.0fs)", self.name, done, total, now - self.t0)
+
+
+class _Quantizer:
+    """qlinear.quantize for one mode, with the time and bytes it took (logged once at the end)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.seconds, self.count, self.before, self.after = mode, 0.0, 0, 0, 0
+
+    def __call__(self, w: torch.Tensor) -> Weight:
+        t0 = time.perf_counter()
+        qw = qlinear.quantize(w, self.mode)
+        if w.is_cuda:
+            torch.cuda.synchronize(w.device)  # the time logged is the work's, not its launches'
+        self.seconds += time.perf_counter() - t0
+        self.count += 1
+        self.before += w.numel() * w.element_size()
+        self.after += qw.nbytes()
+        return qw
+
+    def log(self, name: str, device: torch.device) -> None:
+        log.info("quantized %d linears of %s to %s in %.1fs: %.2f GB -> %.2f GB", self.count, name, self.mode,
+                 self.seconds, self.before / 1e9, self.after / 1e9)  # fmt: skip
+        if device.type != "cuda":
+            log.warning("--quant %s on %s: the weights are smaller, but each product dequantizes its matrix "
+                        "first (slower than 16-bit); the 8-bit kernels are CUDA only", self.mode, device)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server.model.qlinear import QWeight, Weight, dense_native
+
 IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
 
 
@@ -148,7 +150,7 @@ def relu_square(h: torch.Tensor) -> torch.Tensor:
     return torch.relu(h).square()
 
 
-def relu2_linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
     """linear(relu_square(h), w): the channel-mix's second projection with its activation (the
     CUDA twin fuses the activation into the small-batch projection; h may be changed in place)."""
     return linear(relu_square(h), w)
@@ -160,13 +162,22 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return hw.tanh_(), hg.sigmoid_()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, rows=None, cols=None) -> torch.Tensor:
+def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x (..., K) @ w^T -> (..., N) for a 2-D weight (N, K), 16-bit or 8-bit (QWeight: its
+    dequantized value; the CUDA twin multiplies the codes)."""
+    return dense_native(x, w)
+
+
+def linear(x: torch.Tensor, w: Weight, rows=None, cols=None) -> torch.Tensor:
     """x @ w^T with w in the nn.Linear layout (out, in):
     x (M, K), w (N, K) -> (M, N);  stacked: x (P, M, K), w (P, N, K) -> (P, M, N) (plane p
     uses weight p). The CUDA twin takes a hand-written matrix-vector kernel for small M.
     rows / cols: zero-padding hints for stacked planes of different widths: plane p's weight
     rows from rows[p] on (or its columns from cols[p] on) are zero. The product here is the same
-    with or without them; the CUDA twin's kernel skips reading the padding."""
+    with or without them; the CUDA twin's kernel skips reading the padding. An 8-bit w (QWeight)
+    is dequantized first."""
+    if isinstance(w, QWeight):
+        w = w.dequantize()
     if x.dim() == 2:
         return F.linear(x, w)
     return torch.bmm(x, w.transpose(1, 2))  # (P, M, N)

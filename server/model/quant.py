@@ -26,11 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from server.model.checkpoint import Weights
+if TYPE_CHECKING:  # checkpoint imports qlinear, which imports this module
+    from server.model.checkpoint import Weights
 
 MODES = ("int8", "fp8", "int8g128", "fp8g128", "int8_head16", "fp8_head16")
 HEAD16 = "_head16"

@@ -31,7 +31,8 @@ from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
 from server.model.state import ModelShape, State
 
-OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear", "relu2_linear")
+OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear", "relu2_linear",
+            "dense")
 KERNELS = ("auto", "torch", "cuda")
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: long chunks keep the chunk kernel's GEMMs large
 CPU_CHUNK_LEN = 256
@@ -74,6 +75,7 @@ class RWKV7:
         max(MAX_CHUNK_TOKENS, chunk_len)); kernels, kernel_cache: see select_ops."""
         self.w, self.shape, self.name = weights, shape, name
         self.synthetic = False  # random weights (a synthetic spec or a file written by save_synthetic)
+        self.quant = "none"  # the layers' large linears in 8 bits (qlinear.WEIGHT_MODES), set by load_model
         self.device, self.dtype, self.state_dtype = torch.device(device), dtype, state_dtype
         self.ops = select_ops(self.device, kernels, shape.head_size, kernel_cache)
         self.chunk_len = chunk_len or (CUDA_CHUNK_LEN if self._kernel_ops() else CPU_CHUNK_LEN)
@@ -272,9 +274,10 @@ class RWKV7:
         H, N, C = self.shape.n_head, self.shape.head_size, self.shape.n_embd
         mix = lw.mix.view(6, *([1] * (x.dim() - 1)), C)  # (6, 1.., C)
         xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev.to(x.dtype) - x, mix).unbind(0)
-        r = F.linear(xr, lw.wr)
-        k = F.linear(xk, lw.wk)
-        v = F.linear(xv, lw.wv)
+        dense = self.ops.dense  # F.linear, or an 8-bit weight's product
+        r = dense(xr, lw.wr)
+        k = dense(xk, lw.wk)
+        v = dense(xv, lw.wv)
         # log-log decay: -softplus(-z) - 0.5 == logsigmoid(z) - 0.5
         w = F.logsigmoid(lw.w0 + torch.tanh(xw @ lw.w1) @ lw.w2) - 0.5
         a = torch.sigmoid(lw.a0 + (xa @ lw.a1) @ lw.a2)
@@ -294,12 +297,11 @@ class RWKV7:
         y = wkv_fn(wkv, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(b), **(wkv_kw or {}))  # (..., H, N)
         y = F.group_norm(y.reshape(-1, C), H, lw.lnx_w, lw.lnx_b, eps=64e-5).view_as(x)
         y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
-        return F.linear(y * g, lw.wo), v_first
+        return dense(y * g, lw.wo), v_first
 
-    @staticmethod
-    def _channel_mix(lw: LayerWeights, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    def _channel_mix(self, lw: LayerWeights, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         xk = torch.addcmul(x, prev.to(x.dtype) - x, lw.ffn_xk)
-        return F.linear(torch.relu(F.linear(xk, lw.ffn_key)).square(), lw.ffn_value)
+        return self.ops.dense(torch.relu(self.ops.dense(xk, lw.ffn_key)).square(), lw.ffn_value)
 
     def _head(self, x: torch.Tensor, raw: bool = False) -> torch.Tensor:
         x = self._ln(x, self.w.ln_out_w, self.w.ln_out_b)

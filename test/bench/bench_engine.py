@@ -199,17 +199,19 @@ def main() -> None:
     p.add_argument("--accuracy", type=int, default=0, help="steps of the fp16-vs-fp32 state check")
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default="", help="free-text tag stored with each line")
+    p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights (load_model quant)")
     a = p.parse_args()
     dev = torch.device(a.device)
     t0 = time.perf_counter()
-    model = load_model(a.model, device=dev, dtype=DTYPES[a.dtype], kernels=a.kernels, chunk_len=a.chunk_len)
+    model = load_model(a.model, device=dev, dtype=DTYPES[a.dtype], kernels=a.kernels, chunk_len=a.chunk_len,
+                       quant=a.quant)  # fmt: skip
     if a.no_fused:
         model.fused_decode = False
     wkv = getattr(model.ops.wkv_decode, "__module__", "?").rsplit(".", 1)[-1]
     print(f"loaded {a.model} on {gpu_name(dev)} in {time.perf_counter() - t0:.1f}s; wkv ops: {wkv}", flush=True)
     base = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu_name(dev), "model": a.model,
             "mode": "engine", "dtype": a.dtype, "wkv": wkv, "graphs": not a.no_graphs, "fused_tmix": model._fused(),
-            "chunk_len": model.chunk_len}  # fmt: skip
+            "chunk_len": model.chunk_len, "quant": a.quant}  # fmt: skip
     if a.variant:
         base["variant"] = a.variant
     if a.feed != "device":

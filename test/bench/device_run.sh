@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024 quality
+# steps: info build tests quant_tests quant_gemm engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024 quality
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -15,7 +15,15 @@ for s in $steps; do
   echo "=== $s $(date +%T)"
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv; python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'; which nvcc ;;
-    tests) timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_kernels_gemv_gpu.py test/test_model_gpu.py test/test_engine_gpu.py test/test_kernel_loader.py test/test_sampler_kernel_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_kernels_gemv_gpu.py test/test_model_gpu.py test/test_engine_gpu.py test/test_kernel_loader.py test/test_sampler_kernel_gpu.py test/test_quant_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    quant_tests) timeout 300 python3 -m pytest -q -m gpu test/test_quant_gpu.py test/test_kernels_gemv_gpu.py -p no:cacheprovider -x \
+              2>&1 | tee "$OUT/quant_tests.log" | tail -25 ;;
+    quant_gemm) timeout 150 python3 test/bench/bench_quant_gemm.py 2>&1 | tee "$OUT/quant_gemm.log" ;;
+    engine_quant) for q in ${QUANTS:-none int8 fp8}; do timeout 200 python3 test/bench/bench_engine.py --model synthetic:2.9b \
+              --state-dtypes fp16 --batches ${QUANT_BATCHES:-1,64,256,1024} --prefill 1x4096 --quant $q \
+              --out "$OUT/results.jsonl" 2>&1 | tail -7; done | tee "$OUT/engine_quant.log" ;;
+    mem72) timeout 200 python3 test/bench/bench_engine.py --model synthetic:7.2b --state-dtypes fp16 --batches 1,64 \
+              --prefill '' --quant int8 --out "$OUT/results.jsonl" 2>&1 | tail -6 | tee "$OUT/mem72.log" ;;
     kernels) timeout 200 python3 test/bench/bench_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
     tmix) timeout 200 python3 test/bench/bench_kernels.py --tmix 2>&1 | tee "$OUT/tmix.log" ;;
     gemm) timeout 200 python3 test/bench/bench_gemm.py --batches 1,8,64,256 2>&1 | tee "$OUT/gemm.log" ;;

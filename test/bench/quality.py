@@ -7,6 +7,10 @@ The reference is the most exact thing the CPU model runs: fp32 weights, fp32 act
 WKV state. A mode is "+"-joined parts over it: state_fp16 (fp16 WKV state), act_fp16 / act_bf16
 (model dtype: activations, weights and token-shift state), int8 / fp8 (the large linears
 replaced by their quantize -> dequantize round trip, server/model/quant.py); e.g. int8+act_fp16.
+What the server runs: `served` (fp16 activations, fp16 state, the CUDA kernels where there are
+any) and `wint8` / `wfp8` (the 8-bit weights of --quant, loaded as the server loads them: on a
+GPU the 8-bit gemv for batches up to 8, and for fp8 the fp8 x fp8 GEMMs beyond, which also
+quantize activations per token); e.g. served+wfp8.
 `ref` is the reference loaded again: its row must read KL 0, 100% top-1 (a self-check).
 
 Figures per mode:
@@ -60,7 +64,8 @@ from server.model.rwkv7 import RWKV7  # noqa: E402
 
 DEFAULT_MODES = "ref,state_fp16,act_fp16,act_bf16,int8,fp8"
 NEAR_TIE = 1e-3
-PARTS = {"ref", "state_fp16", "act_fp16", "act_bf16", *QUANT_MODES}
+LOAD_QUANT = {"wint8": "int8", "wfp8": "fp8"}
+PARTS = {"ref", "state_fp16", "act_fp16", "act_bf16", "served", *LOAD_QUANT, *QUANT_MODES}
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class Variant:
     dtype: torch.dtype = torch.float32  # model dtype: activations and weights
     state_dtype: torch.dtype = torch.float32  # WKV state
     quant: str | None = None  # int8 | fp8: fake-quantized large linears
+    kernels: str = "torch"  # the model's ops (load_model kernels=)
+    load_quant: str = "none"  # the --quant weights (load_model quant=)
 
 
 def parse_variant(name: str) -> Variant:
@@ -77,16 +84,19 @@ def parse_variant(name: str) -> Variant:
     if bad or len(set(parts)) != len(parts):
         raise ValueError(f"bad mode {name!r}: '+'-join distinct parts of {', '.join(sorted(PARTS))}")
     quant = [p for p in parts if p in QUANT_MODES]
-    if len(quant) > 1 or ("act_fp16" in parts and "act_bf16" in parts):
+    real = [LOAD_QUANT[p] for p in parts if p in LOAD_QUANT]
+    if len(quant) + len(real) > 1 or ("act_fp16" in parts and "act_bf16" in parts):
         raise ValueError(f"bad mode {name!r}: one weight format and one activation dtype at most")
-    dtype = torch.float16 if "act_fp16" in parts else torch.bfloat16 if "act_bf16" in parts else torch.float32
-    state = torch.float16 if "state_fp16" in parts else torch.float32
-    return Variant(name, dtype, state, quant[0] if quant else None)
+    served = "served" in parts
+    dtype = torch.float16 if "act_fp16" in parts or served else torch.bfloat16 if "act_bf16" in parts else torch.float32
+    state = torch.float16 if "state_fp16" in parts or served else torch.float32
+    kernels = "auto" if served else "torch"
+    return Variant(name, dtype, state, quant[0] if quant else None, kernels, real[0] if real else "none")
 
 
 def load_variant(spec: str, v: Variant, device: str = "cpu") -> tuple[RWKV7, dict | None]:
     """The model of a variant (pure-torch ops, on `device`) and its quantization report, if any."""
-    model = load_model(spec, device, v.dtype, v.state_dtype, kernels="torch")
+    model = load_model(spec, device, v.dtype, v.state_dtype, kernels=v.kernels, quant=v.load_quant)
     report = fake_quantize(model, v.quant).as_dict() if v.quant else None
     return model, report
 
@@ -182,7 +192,7 @@ def measure(spec: str, modes: list[str], tokens: int, prompts: int, gen: int, st
         plist = [random_tokens(V, prompt_len, seed + 1 + i) for i in range(prompts)]
     models, reports = [ref], [None]
     for v in variants:  # an fp32 variant of the reference's weights only differs in its state
-        if v.dtype == torch.float32 and v.quant is None and v.name != "ref":
+        if v.dtype == torch.float32 and v.quant is None and v.load_quant == "none" and v.name != "ref":
             m = RWKV7(ref.w, ref.shape, ref.name, device, ref.dtype, v.state_dtype, kernels="torch")
             models.append(m)
             reports.append(None)
@@ -197,7 +207,7 @@ def measure(spec: str, modes: list[str], tokens: int, prompts: int, gen: int, st
     ref_gen = greedy(ref, plist, gen) if prompts and gen else None
     rows = []
     for i, v in enumerate(variants, start=1):
-        row: dict = {"variant": v.name, "quant": v.quant, "dtype": _dt(v.dtype), "state_dtype": _dt(v.state_dtype),
+        row: dict = {"variant": v.name, "quant": v.quant or v.load_quant, "dtype": _dt(v.dtype), "state_dtype": _dt(v.state_dtype),
                      "tokens": tokens, "stride": stride, "positions": len(kls[i]), "source": source, "seed": seed,
                      "kl_mean": sum(kls[i]) / max(1, len(kls[i])), "kl_p99": percentile(kls[i], 0.99),
                      "top1_agree_pct": 100.0 * sum(top1[i]) / max(1, len(top1[i])),

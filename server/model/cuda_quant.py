@@ -1,0 +1,97 @@
+"""The CUDA products of 8-bit weights (server.model.qlinear.QWeight) past the gemv kernel's
+batch sizes. server.model.cuda_ops.linear sends a QWeight here when the gemv (M <= 8, fp16
+activations: weight-only, codes converted in registers) does not take it:
+
+  * fp8 on sm_89+: each row of x quantized to e4m3 (kernels/quant.cu, one launch for all planes;
+    relu^2 folded in for the FFN's value projection), then torch._scaled_mm (cuBLASLt's fp8
+    tensor cores) with the per-row scales of both sides, out in the model dtype. Twin:
+    qlinear.dense_fp8_native.
+  * int8 (and fp8 where _scaled_mm cannot run): the weight dequantized into the model dtype
+    (a temporary of one weight's size), then cuBLAS. Twin: qlinear.dense_native.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from server.model import ops, qlinear
+from server.model.qlinear import QWeight
+
+UNSUPPORTED = -2
+_DT = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def _lib(device: torch.device):
+    """The kernel module the model's start-up loaded (never builds; None: pure torch)."""
+    from kernels import loader  # deferred: importing this module must not build anything
+
+    return loader.loaded_any(device)
+
+
+@functools.lru_cache(maxsize=8)
+def fp8_gemm_ok(device: torch.device) -> bool:
+    """True when torch._scaled_mm runs fp8 on this GPU (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quant_rows(x: torch.Tensor, act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x (R, K) -> e4m3 codes (R, K), fp32 scales (R, 1) (act: of round(relu(x)^2));
+    one kernel launch, else the pure-torch twin."""
+    R, K = x.shape
+    lib = _lib(x.device) if x.is_cuda else None
+    if lib is not None and x.dtype in _DT and x.stride(-1) == 1:
+        q = torch.empty(R, K, device=x.device, dtype=qlinear.quant.FP8_DTYPE)  # (R, K)
+        s = torch.empty(R, 1, device=x.device, dtype=torch.float32)  # (R, 1)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        rc = lib.quant_rows_fp8(_DT[x.dtype], R, K, x.data_ptr(), x.stride(0), int(act), q.data_ptr(), K,
+                                s.data_ptr(), stream)  # fmt: skip
+        if rc == 0:
+            return q, s
+        if rc != UNSUPPORTED:
+            raise RuntimeError(f"quant_rows_fp8: CUDA kernel failed (code {rc})")
+    return qlinear.quant_rows_native(ops.relu_square(x) if act else x)
+
+
+def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
+    """act(x) @ w^T for x (M, K) and w (N, K), or planes x (P, M, K) and w (P, N, K) -> (M, N) /
+    (P, M, N) in x's dtype. act: relu^2 on x first (x is left as it is)."""
+    K, N = x.shape[-1], w.shape[-2]
+    if w.mode == "fp8" and x.dtype in _DT and K % 16 == 0 and N % 16 == 0 and fp8_gemm_ok(x.device):
+        return _fp8(x, w, act)
+    h = ops.relu_square(x) if act else x
+    return ops.linear(h, w.dequantize())
+
+
+def _fp8(x: torch.Tensor, w: QWeight, act: bool) -> torch.Tensor:
+    M, K = x.shape[-2], x.shape[-1]
+    N = w.shape[-2]
+    xq, sx = quant_rows(x.reshape(-1, K), act)  # (P*M, K), (P*M, 1)
+    if x.dim() == 2:
+        return _mm(xq, sx, w, None)
+    out = torch.empty(x.shape[0], M, N, device=x.device, dtype=x.dtype)  # (P, M, N)
+    for p in range(x.shape[0]):
+        _mm(xq[p * M : (p + 1) * M], sx[p * M : (p + 1) * M], w.plane(p), out[p])
+    return out
+
+
+_BF16_ONLY: set[torch.device] = set()
+"""Devices whose _scaled_mm refused per-row scales with a non-bf16 output (older cuBLAS): there
+the product comes out in bf16 and is cast (found on the first, eager call: never under capture)."""
+
+
+def _mm(xq: torch.Tensor, sx: torch.Tensor, w: QWeight, out: torch.Tensor | None) -> torch.Tensor:
+    """(M, K) e4m3 rows with scales (M, 1) @ w (N, K) e4m3 with scales (N,) -> (M, N) in w.dtype."""
+    wt, sw = w.q.t(), w.scale.view(1, -1)  # (K, N) column-major, (1, N)
+    if w.dtype == torch.bfloat16 or xq.device not in _BF16_ONLY:
+        try:
+            if out is None:
+                return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype)
+            return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype, out=out)
+        except RuntimeError:
+            if w.dtype == torch.bfloat16:
+                raise
+            _BF16_ONLY.add(xq.device)
+    y = torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16).to(w.dtype)
+    return y if out is None else out.copy_(y)

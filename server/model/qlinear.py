@@ -1,0 +1,103 @@
+"""8-bit weights as the model holds them (`--quant int8|fp8`), and their pure-torch twins.
+
+A QWeight is what a large linear becomes when the model is quantized at load: the codes q
+(N, K) (or P stacked planes (P, N, K)) in int8 or float8_e4m3fn, and one fp32 scale per output
+row (N,) / (P, N); its value is q * scale[..., None] (server.model.quant has the rounding rules).
+The products come out in the model dtype.
+
+Two products, each with a pure-torch twin here (the CUDA paths in server.model.cuda_quant are
+tested against them):
+  * weight-only: x @ (q * scale)^T with x as it is (int8 at any batch; fp8 at decode batches,
+    the gemv kernel's path): `dense_native`.
+  * fp8 x fp8 (the fp8 path at larger batches, torch._scaled_mm): each row of x quantized to e4m3
+    with its own scale (absmax / 448) first: `dense_fp8_native`, with `quant_rows_native` the
+    twin of the activation-quantization kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from server.model import quant
+
+WEIGHT_MODES = ("int8", "fp8")
+"""What --quant accepts besides none: the layers' r/k/v/o and FFN linears become 8-bit; the
+embedding, the LoRAs, the vectors and the head stay in the model dtype (docs/performance.md:
+a 16-bit head halves both formats' KL divergence for 5% of a 2.9B model's bytes)."""
+CODE_DTYPES = {"int8": torch.int8, "fp8": quant.FP8_DTYPE}
+
+
+@dataclass
+class QWeight:
+    q: torch.Tensor  # (N, K) or (P, N, K) int8 / float8_e4m3fn codes
+    scale: torch.Tensor  # (N,) or (P, N) fp32 per-row scales
+    dtype: torch.dtype  # the model dtype: what products come out in
+
+    @property
+    def mode(self) -> str:
+        return "fp8" if self.q.dtype == quant.FP8_DTYPE else "int8"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dim(self) -> int:
+        return self.q.dim()
+
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        """q * scale in the model dtype (computed in fp32): (N, K) or (P, N, K)."""
+        return (self.q.float() * self.scale.float().unsqueeze(-1)).to(self.dtype)
+
+    def plane(self, p: int) -> QWeight:
+        """Plane p of a stacked weight (views, no copy)."""
+        return QWeight(self.q[p], self.scale[p], self.dtype)
+
+
+def quantize(w: torch.Tensor, mode: str) -> QWeight:
+    """A 16/32-bit weight (N, K) or stacked (P, N, K) -> its QWeight (per-row scales)."""
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"unknown weight quantization {mode!r}: use one of {', '.join(WEIGHT_MODES)}")
+    flat = w.reshape(-1, w.shape[-1])  # (P*N, K)
+    q, scale = quant.QUANTIZERS[mode](flat)
+    return QWeight(q.view(w.shape), scale.view(w.shape[:-1]), w.dtype)
+
+
+def stack(ws: list[QWeight]) -> QWeight:
+    """Planes (N, K) each -> one stacked (P, N, K) QWeight (new storage)."""
+    return QWeight(torch.stack([w.q for w in ws]), torch.stack([w.scale for w in ws]), ws[0].dtype)
+
+
+Weight = torch.Tensor | QWeight
+"""A large linear's weight: the model dtype's tensor, or its 8-bit form."""
+
+
+def dense_native(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x (..., K) @ w^T -> (..., N): F.linear, with an 8-bit weight dequantized first."""
+    return F.linear(x, w.dequantize() if isinstance(w, QWeight) else w)
+
+
+def quant_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x (M, K) -> e4m3 codes (M, K) and fp32 scales (M, 1): code = sat(x * (448 /
+    absmax)) rounded to nearest even, scale = absmax / 448 (1 for an all-zero row)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()  # (M, 1)
+    nz = amax > 0
+    inv = torch.where(nz, quant.FP8_MAX / amax, torch.ones_like(amax))
+    q = (x.float() * inv).clamp_(-quant.FP8_MAX, quant.FP8_MAX).to(quant.FP8_DTYPE)
+    return q, torch.where(nz, amax / quant.FP8_MAX, torch.ones_like(amax))
+
+
+def dense_fp8_native(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """The fp8 x fp8 product's twin: (quantized rows of x) @ (q * scale)^T in fp32, cast to the
+    model dtype. x (M, K), w (N, K) fp8 -> (M, N)."""
+    xq, sx = quant_rows_native(x)
+    return ((xq.float() @ w.q.float().t()) * sx * w.scale.float()).to(w.dtype)

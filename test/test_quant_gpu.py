@@ -1,0 +1,162 @@
+"""The 8-bit weight paths of --quant on the GPU against their pure-torch twins
+(server.model.qlinear): the gemv kernel's int8 / fp8 codes (M <= 8, plain, stacked, relu^2),
+the per-token fp8 activation quantization kernel (bitwise), the fp8 x fp8 _scaled_mm path and the
+int8 dequantize path past M = 8, CUDA-graph replay, and a quantized model's decode and prefill
+against the same weights on the pure-torch ops.
+
+Supported layouts run with the fallbacks patched to raise, so a silent fallback fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.model import cuda_ops, cuda_quant, load_model, qlinear
+from server.model.qlinear import QWeight
+
+MODES = ["int8", "fp8"]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    if not cuda_ops.available("cuda"):
+        pytest.fail("CUDA is present but the kernels did not build (see the log)")
+    return torch.device("cuda")
+
+
+@pytest.fixture
+def no_large(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the 8-bit gemv fell back for a layout it covers")
+
+    monkeypatch.setattr(cuda_quant, "large", boom)
+
+
+def _data(shape, dev, seed, scale=1.0, dtype=torch.float16):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=dtype)
+
+
+def _qweight(shape, mode, dev, seed) -> QWeight:
+    return qlinear.quantize(_data(shape, dev, seed, 0.05), mode)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 2.0**-10) -> None:
+    """got (model dtype) vs an fp32/fp64 reference: its own rounding plus 1e-3 of the scale."""
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    err = (got.double() - ref.double()).abs()
+    bound = rel * ref.double().abs() + 1e-3 * ref.double().abs().amax().clamp_min(1e-30)
+    bad = err > bound
+    assert not bad.any(), f"{bad.sum().item()} of {err.numel()} off, max err {err.max().item():.3e}"
+
+
+def _weight_only_ref(x: torch.Tensor, w: QWeight, relu2: bool = False) -> torch.Tensor:
+    """x @ (q * scale)^T in fp64 (planes: per plane)."""
+    h = torch.relu(x).square() if relu2 else x
+    deq = w.q.double() * w.scale.double().unsqueeze(-1)
+    return torch.matmul(h.double(), deq.transpose(-1, -2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("N,K", [(2560, 2560), (10240, 2560), (2560, 10240), (96, 2560), (40, 48)])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_gemv_8bit_matches_its_twin(dev, no_large, mode, N, K, M):
+    x, w = _data((M, K), dev, 1), _qweight((N, K), mode, dev, 2)
+    _close(cuda_ops.linear(x, w), _weight_only_ref(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("M", [1, 5])
+def test_gemv_8bit_stacked_and_relu2(dev, no_large, mode, M):
+    x3, w3 = _data((3, M, 2560), dev, 3), _qweight((3, 2560, 2560), mode, dev, 4)
+    _close(cuda_ops.linear(x3, w3), _weight_only_ref(x3, w3))
+    h, wv = _data((M, 10240), dev, 5), _qweight((2560, 10240), mode, dev, 6)
+    before = h.clone()
+    _close(cuda_ops.relu2_linear(h, wv), _weight_only_ref(h, wv, relu2=True))
+    assert torch.equal(h, before)  # the gemv squares as it loads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_activation_quantization_kernel_is_bitwise_its_twin(dev, act, dtype):
+    x = _data((37, 2560), dev, 7, 3.0, dtype)
+    x[5] = 0  # an all-zero row: scale 1, codes 0
+    q, s = cuda_quant.quant_rows(x, act)
+    h = cuda_ops.ops.relu_square(x) if act else x
+    q_ref, s_ref = qlinear.quant_rows_native(h)
+    assert torch.equal(s, s_ref) and s[5].item() == 1.0
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [9, 64, 256])
+def test_fp8_gemm_past_the_gemv_matches_its_twin(dev, M):
+    assert cuda_quant.fp8_gemm_ok(dev), "the H200 runs fp8 GEMMs"
+    x, w = _data((M, 2560), dev, 8), _qweight((10240, 2560), "fp8", dev, 9)
+    got = cuda_ops.linear(x, w)
+    ref = qlinear.dense_fp8_native(x.float(), QWeight(w.q, w.scale, torch.float32))
+    _close(got, ref)
+    x3, w3 = _data((3, M, 2560), dev, 10), _qweight((3, 2560, 2560), "fp8", dev, 11)
+    got3 = cuda_ops.linear(x3, w3)
+    for p in range(3):
+        _close(got3[p], qlinear.dense_fp8_native(x3[p].float(), QWeight(w3.q[p], w3.scale[p], torch.float32)))
+    h, wv = _data((M, 10240), dev, 12), _qweight((2560, 10240), "fp8", dev, 13)
+    ref_h = qlinear.dense_fp8_native(cuda_ops.ops.relu_square(h).float(), QWeight(wv.q, wv.scale, torch.float32))
+    _close(cuda_ops.relu2_linear(h.clone(), wv), ref_h)
+
+
+@pytest.mark.gpu
+def test_int8_past_the_gemv_is_the_dequantized_product(dev):
+    x, w = _data((64, 2560), dev, 14), _qweight((2560, 2560), "int8", dev, 15)
+    _close(cuda_ops.linear(x, w), _weight_only_ref(x, w), rel=2.0**-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("M", [2, 16])
+def test_cuda_graph_replay_matches_eager(dev, mode, M):
+    x, w = _data((M, 2560), dev, 16), _qweight((10240, 2560), mode, dev, 17)
+    eager = cuda_ops.linear(x, w)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):  # warm-up off the capture
+        cuda_ops.linear(x, w)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_ops.linear(x, w)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_model_matches_the_same_weights_on_pure_torch(dev, mode):
+    """Kernels + 8-bit paths vs pure-torch ops over the same 8-bit weights (dequantized products),
+    prefill of 40-token prompts then decode at B = 4 (the 8-bit gemv) and B = 12 (past it). int8
+    computes the same function both ways (fp16 rounding apart); fp8's prefill and B = 12 products
+    also quantize activations per token, which the pure-torch ops do not: looser bounds."""
+    spec = "synthetic:L4-C512:3"
+    fast = load_model(spec, device=dev, dtype=torch.float16, state_dtype=torch.float16, quant=mode)
+    slow = load_model(spec, device=dev, dtype=torch.float16, state_dtype=torch.float16, kernels="torch", quant=mode)
+    assert isinstance(fast.w.layers[1].wr, QWeight) and fast._fused() and not slow._fused()
+    bound, agree = (2e-2, 0.9) if mode == "int8" else (0.3, 0.5)
+    for B in (4, 12):
+        sf, ss = fast.zero_state(B), slow.zero_state(B)
+        prompts = [[(7 * b + t) % 1000 + 1 for t in range(40)] for b in range(B)]
+        lf, ls = fast.forward(prompts, sf), slow.forward(prompts, ss)
+        assert _rel(lf, ls) < bound, f"prefill B={B}: {_rel(lf, ls):.3e}"
+        tok = ls.argmax(-1)
+        df, ds = fast.decode(tok, sf), slow.decode(tok, ss)
+        assert _rel(df, ds) < bound, f"decode B={B}: {_rel(df, ds):.3e}"
+        assert (df.argmax(-1) == ds.argmax(-1)).float().mean().item() >= agree
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
