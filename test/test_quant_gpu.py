@@ -82,14 +82,20 @@ def test_gemv_8bit_stacked_and_relu2(dev, no_large, mode, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_activation_quantization_kernel_is_bitwise_its_twin(dev, act, dtype):
+def test_activation_quantization_kernel_matches_its_twin(dev, act, dtype):
+    """Scales within an ulp (torch divides by a scalar through its reciprocal, the kernel does not)
+    and the same codes but for the rare value on a rounding boundary (one code step apart)."""
     x = _data((37, 2560), dev, 7, 3.0, dtype)
     x[5] = 0  # an all-zero row: scale 1, codes 0
     q, s = cuda_quant.quant_rows(x, act)
     h = cuda_ops.ops.relu_square(x) if act else x
     q_ref, s_ref = qlinear.quant_rows_native(h)
-    assert torch.equal(s, s_ref) and s[5].item() == 1.0
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert s.shape == (37, 1) and s[5].item() == 1.0 and not q[5].float().any()
+    torch.testing.assert_close(s, s_ref, rtol=2.0**-22, atol=0)
+    diff = q.view(torch.uint8).int() != q_ref.view(torch.uint8).int()
+    assert diff.float().mean().item() < 1e-3
+    steps = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
+    assert steps.max().item() <= 1  # e4m3 codes of one sign are ordered: 1 = the next value
 
 
 @pytest.mark.gpu

@@ -6,8 +6,11 @@ activations: weight-only, codes converted in registers) does not take it:
     relu^2 folded in for the FFN's value projection), then torch._scaled_mm (cuBLASLt's fp8
     tensor cores) with the per-row scales of both sides, out in the model dtype. Twin:
     qlinear.dense_fp8_native.
-  * int8 (and fp8 where _scaled_mm cannot run): the weight dequantized into the model dtype
-    (a temporary of one weight's size), then cuBLAS. Twin: qlinear.dense_native.
+  * int8: a Triton GEMM that reads the int8 codes and converts them to the activations' dtype
+    in its tiles (weight-only, one configuration for every batch so that no new specialization
+    is compiled while a CUDA graph captures). Twin: qlinear.dense_native.
+  * anything else (no Triton, fp8 where _scaled_mm cannot run, odd shapes): the weight
+    dequantized into the model dtype (a temporary of one weight's size), then cuBLAS.
 """
 
 from __future__ import annotations
@@ -61,7 +64,57 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
     if w.mode == "fp8" and x.dtype in _DT and K % 16 == 0 and N % 16 == 0 and fp8_gemm_ok(x.device):
         return _fp8(x, w, act)
     h = ops.relu_square(x) if act else x
+    if w.mode == "int8" and x.dtype in _DT and x.is_cuda and _w8_kernel() is not None:
+        return _int8_triton(h, w)
     return ops.linear(h, w.dequantize())
+
+
+@functools.cache
+def _w8_kernel():
+    """The Triton weight-only int8 GEMM, compiled on first use; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit(do_not_specialize=["M"])
+    def w8_mm(x, q, s, out, M, N, K, sx, so, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # out[m, n] = sum_k x[m, k] * q[n, k] * s[n]: x (M, K) fp16/bf16, q (N, K) int8, s (N,) fp32
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(x + rm[:, None] * sx + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(q + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0)
+            acc += tl.dot(a, tl.trans(b.to(a.dtype)))
+        acc = acc * tl.load(s + rn, mask=rn < N, other=0.0)[None, :]
+        tl.store(out + rm[:, None] * so + rn[None, :], acc.to(out.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
+
+    return w8_mm
+
+
+W8_TILE = (64, 128, 64)
+"""BM, BN, BK of the int8 Triton GEMM (the one configuration: see the module doc)."""
+
+
+def _int8_triton(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    kern = _w8_kernel()
+    M, K = x.shape[-2], x.shape[-1]
+    N = w.shape[-2]
+    BM, BN, BK = W8_TILE
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
+    planes = [(x, w, out)] if x.dim() == 2 else [(x[p], w.plane(p), out[p]) for p in range(x.shape[0])]
+    for xp, wp, op in planes:
+        xp = xp if xp.stride(-1) == 1 else xp.contiguous()
+        grid = (-(-M // BM), -(-N // BN))
+        kern[grid](xp, wp.q, wp.scale, op, M, N, K, xp.stride(0), op.stride(0), BM=BM, BN=BN, BK=BK,
+                   num_warps=4, num_stages=4)  # fmt: skip
+    return out
 
 
 def _fp8(x: torch.Tensor, w: QWeight, act: bool) -> torch.Tensor:

@@ -95,21 +95,24 @@ def _weights(P: int, N: int, K: int, copies_bytes: int = 256 << 20, dev="cuda") 
     return [w[0] if P == 1 else w for w in ws]
 
 
-def gemv_sweep(batches: list[int], dev="cuda") -> None:
+def gemv_sweep(batches: list[int], dev="cuda", quant: str = "") -> None:
     """Every gemv variant (cfg 1-3) x warp split on each shape (and rkvo stacked P=3), timed as
     graph replays over cold weights: weight GB/s, vs cuBLAS timed the same way, and the automatic
-    choice."""
-    from server.model import cuda_ops
+    choice. quant int8 / fp8: the 8-bit weights' path (GB/s of their codes; "cublas" is then the
+    16-bit product of the dequantized weights)."""
+    from server.model import cuda_ops, qlinear
 
     cases = [(n, 1) for n in SHAPES] + [("rkvo", 3)]
     for M in batches:
         for name, P in cases:
             N, K = SHAPES[name]
             ws = _weights(P, N, K, dev=dev)
+            if quant:
+                ws = [qlinear.quantize(w, quant) for w in ws]
             x = torch.randn(P, M, K, device=dev, dtype=torch.float16)
             x = x[0] if P == 1 else x
             ref = cuda_ops.ops.linear(x, ws[0]).float()
-            wbytes = P * N * K * 2
+            wbytes = P * N * K * (1 if quant else 2)
             res = {}
             for cfg in (1, 2, 3):
                 for warps in (1, 2, 4, 5, 8, 10, 16):
@@ -119,7 +122,8 @@ def gemv_sweep(batches: list[int], dev="cuda") -> None:
                         lambda i, c=cfg, wp=warps: lambda: cuda_ops.linear(x, ws[i], warps=wp, cfg=c), wbytes
                     )
             auto = bench_graph(lambda i: lambda: cuda_ops.linear(x, ws[i]), wbytes)
-            cub = bench_graph(lambda i: lambda: cuda_ops.ops.linear(x, ws[i]), wbytes)
+            wd = [w.dequantize() if quant else w for w in ws]
+            cub = bench_graph(lambda i: lambda: cuda_ops.ops.linear(x, wd[i]), wbytes)
             best = min(res, key=res.get)
             top = sorted(res, key=res.get)[:4]
             txt = "  ".join(f"c{c}w{wp} {wbytes / res[(c, wp)] / 1e6:5.0f}" for c, wp in top)
@@ -129,7 +133,7 @@ def gemv_sweep(batches: list[int], dev="cuda") -> None:
             for cfg in (1, 2, 3):
                 row = " ".join(f"w{wp}:{wbytes / res[(c, wp)] / 1e6:5.0f}" for c, wp in res if c == cfg)
                 print(f"      cfg{cfg} GB/s {row}")
-            del ws
+            del ws, wd
 
 
 def main() -> None:
@@ -137,11 +141,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64,256,1024")
     p.add_argument("--triton", action="store_true")
     p.add_argument("--sweep", action="store_true", help="gemv kernel variants x warps only")
+    p.add_argument("--quant", default="", choices=("", "int8", "fp8"), help="--sweep over 8-bit weights")
     a = p.parse_args()
     dev = "cuda"
     if a.sweep:
         print(torch.cuda.get_device_name(), torch.__version__)
-        gemv_sweep([int(b) for b in a.batches.split(",")], dev)
+        gemv_sweep([int(b) for b in a.batches.split(",")], dev, a.quant)
         return
     from server.model import cuda_ops
 
@@ -175,7 +180,7 @@ def main() -> None:
                                                       3 * N * K * 2) / 3  # fmt: skip
                     row["graph:gemv3/3"] = bench_graph(lambda i: lambda: cuda_ops.linear(x3g, ws3[i]), 3 * N * K * 2) / 3
                     del ws3
-                del ws
+                del ws, wd
                 row["gemv"] = bench(lambda: cuda_ops.linear(x, w))
                 wb = N * K * 2
                 if name == "rkvo":
