@@ -93,7 +93,7 @@ def test_activation_quantization_kernel_matches_its_twin(dev, act, dtype):
     assert s.shape == (37, 1) and s[5].item() == 1.0 and not q[5].float().any()
     torch.testing.assert_close(s, s_ref, rtol=2.0**-22, atol=0)
     diff = q.view(torch.uint8).int() != q_ref.view(torch.uint8).int()
-    assert diff.float().mean().item() < 1e-3
+    assert diff.float().mean().item() < 1e-2
     steps = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
     assert steps.max().item() <= 1  # e4m3 codes of one sign are ordered: 1 = the next value
 

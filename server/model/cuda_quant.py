@@ -98,23 +98,33 @@ def _w8_kernel():
     return w8_mm
 
 
-W8_TILE = (64, 128, 64)
-"""BM, BN, BK of the int8 Triton GEMM (the one configuration: see the module doc)."""
+W8_CONFIGS = ((32, 16, 32, 128, 2, 5), (256, 64, 64, 128, 4, 4), (1 << 62, 128, 128, 64, 8, 3))
+"""(most rows, BM, BN, BK, warps, stages) of the int8 Triton GEMM by batch: narrow tiles and many
+blocks while the weights' bytes dominate, square ones once the FLOPs do."""
 
 
 def _int8_triton(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """The planes of x (M, K) / (P, M, K) through the Triton GEMM. The first call launches every
+    configuration once (each compiles then, in an eager call: never while a graph captures)."""
     kern = _w8_kernel()
     M, K = x.shape[-2], x.shape[-1]
     N = w.shape[-2]
-    BM, BN, BK = W8_TILE
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     planes = [(x, w, out)] if x.dim() == 2 else [(x[p], w.plane(p), out[p]) for p in range(x.shape[0])]
-    for xp, wp, op in planes:
-        xp = xp if xp.stride(-1) == 1 else xp.contiguous()
-        grid = (-(-M // BM), -(-N // BN))
-        kern[grid](xp, wp.q, wp.scale, op, M, N, K, xp.stride(0), op.stride(0), BM=BM, BN=BN, BK=BK,
-                   num_warps=4, num_stages=4)  # fmt: skip
+    right = next(c for c in W8_CONFIGS if c[0] >= M)
+    configs = [right] if x.device in _W8_WARM else [*W8_CONFIGS, right]  # the right one last
+    _W8_WARM.add(x.device)
+    for _, BM, BN, BK, warps, stages in configs:
+        for xp, wp, op in planes:
+            xp = xp if xp.stride(-1) == 1 else xp.contiguous()
+            grid = (-(-M // BM), -(-N // BN))
+            kern[grid](xp, wp.q, wp.scale, op, M, N, K, xp.stride(0), op.stride(0), BM=BM, BN=BN, BK=BK,
+                       num_warps=warps, num_stages=stages)  # fmt: skip
     return out
+
+
+_W8_WARM: set[torch.device] = set()
+"""Devices whose first int8 call compiled every configuration."""
 
 
 def _fp8(x: torch.Tensor, w: QWeight, act: bool) -> torch.Tensor:

@@ -106,7 +106,7 @@ def gemv_sweep(batches: list[int], dev="cuda", quant: str = "") -> None:
     for M in batches:
         for name, P in cases:
             N, K = SHAPES[name]
-            ws = _weights(P, N, K, dev=dev)
+            ws = _weights(P, N, K, copies_bytes=(512 if quant else 256) << 20, dev=dev)  # bench_graph's copies
             if quant:
                 ws = [qlinear.quantize(w, quant) for w in ws]
             x = torch.randn(P, M, K, device=dev, dtype=torch.float16)
