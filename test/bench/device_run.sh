@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests quant_tests quant_gemm engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024 quality
+# steps: info build tests quant_tests quant_gemm quant_sweep engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024 quality
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -19,6 +19,8 @@ for s in $steps; do
     quant_tests) timeout 300 python3 -m pytest -q -m gpu test/test_quant_gpu.py test/test_kernels_gemv_gpu.py -p no:cacheprovider -x \
               2>&1 | tee "$OUT/quant_tests.log" | tail -25 ;;
     quant_gemm) timeout 150 python3 test/bench/bench_quant_gemm.py 2>&1 | tee "$OUT/quant_gemm.log" ;;
+    quant_sweep) for q in int8 fp8; do timeout 150 python3 test/bench/bench_gemm.py --sweep --batches 1 --quant $q; done 2>&1 \
+              | tee "$OUT/quant_sweep.log" | grep -v "cfg[123] GB" ;;
     engine_quant) for q in ${QUANTS:-none int8 fp8}; do timeout 200 python3 test/bench/bench_engine.py --model synthetic:2.9b \
               --state-dtypes fp16 --batches ${QUANT_BATCHES:-1,64,256,1024} --prefill 1x4096 --quant $q \
               --out "$OUT/results.jsonl" 2>&1 | tail -7; done | tee "$OUT/engine_quant.log" ;;
@@ -65,7 +67,7 @@ for s in $steps; do
     http1024) timeout 300 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 1024 --route completions \
               --out "$OUT/results.jsonl" 2>&1 | grep -E "streams:|first tokens|rror" | tee "$OUT/http1024.log" ;;
     quality) timeout 500 python3 test/bench/quality.py --model synthetic:2.9b --device cuda --tokens 4096 --stride 16 \
-              --prompts 8 --gen 64 --modes ref,state_fp16,act_fp16,int8,fp8,fp8_head16 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/quality.log" ;;
+              --prompts 8 --gen 64 --modes ${QUALITY_MODES:-ref,state_fp16,act_fp16,act_bf16,served,served+wint8,served+wfp8} --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/quality.log" ;;
     http_tasks) for r in ${HTTP_ROUTES:-tasks tmp}; do timeout 200 python3 test/bench/bench_http.py --model synthetic:2.9b \
               --streams 256 --route $r --out "$OUT/results.jsonl"; done 2>&1 | tee "$OUT/http_tasks.log" ;;
   esac
