@@ -127,14 +127,27 @@ _W8_WARM: set[torch.device] = set()
 """Devices whose first int8 call compiled every configuration."""
 
 
+MM_ROWS = 16
+"""cuBLASLt's fp8 GEMM with per-row scales wants the rows in multiples of 16 (9 rows:
+CUBLAS_STATUS_NOT_SUPPORTED on the H200): other counts are padded with zero rows."""
+
+
 def _fp8(x: torch.Tensor, w: QWeight, act: bool) -> torch.Tensor:
     M, K = x.shape[-2], x.shape[-1]
     N = w.shape[-2]
     xq, sx = quant_rows(x.reshape(-1, K), act)  # (P*M, K), (P*M, 1)
+    planes = 1 if x.dim() == 2 else x.shape[0]
+    if M % MM_ROWS:  # zero rows (scale 1) to the next multiple of 16, per plane
+        R = -(-M // MM_ROWS) * MM_ROWS
+        xq = torch.cat([xq.view(planes, M, K), xq.new_zeros(planes, R - M, K)], 1).view(-1, K)  # (P*R, K)
+        sx = torch.cat([sx.view(planes, M, 1), sx.new_ones(planes, R - M, 1)], 1).view(-1, 1)
+        ys = [_mm(xq[p * R : (p + 1) * R], sx[p * R : (p + 1) * R], w if x.dim() == 2 else w.plane(p), None)[:M]
+              for p in range(planes)]  # fmt: skip
+        return ys[0] if x.dim() == 2 else torch.stack(ys)
     if x.dim() == 2:
         return _mm(xq, sx, w, None)
-    out = torch.empty(x.shape[0], M, N, device=x.device, dtype=x.dtype)  # (P, M, N)
-    for p in range(x.shape[0]):
+    out = torch.empty(planes, M, N, device=x.device, dtype=x.dtype)  # (P, M, N)
+    for p in range(planes):
         _mm(xq[p * M : (p + 1) * M], sx[p * M : (p + 1) * M], w.plane(p), out[p])
     return out
 
@@ -152,8 +165,8 @@ def _mm(xq: torch.Tensor, sx: torch.Tensor, w: QWeight, out: torch.Tensor | None
             if out is None:
                 return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype)
             return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype, out=out)
-        except RuntimeError:
-            if w.dtype == torch.bfloat16:
+        except RuntimeError as e:
+            if w.dtype == torch.bfloat16 or "bf16" not in str(e).lower().replace("bfloat16", "bf16"):
                 raise
             _BF16_ONLY.add(xq.device)
     y = torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16).to(w.dtype)
