@@ -151,6 +151,45 @@ async def test_a_continuation_at_once_is_not_held_up_by_a_repair(parts):
     assert conv.counters["repairs"] <= 1 and conv.best(part, t2, len(t2))[1] < len(expected)
 
 
+async def test_a_burst_of_repairs_runs_a_few_at_a_time(parts, monkeypatch):
+    """Many mismatched replies settling together: every one is repaired, never more than
+    REPAIR_CONCURRENCY at once (else the engine would be flooded the moment it went idle)."""
+    from server.api.openai import conversation
+
+    _, tok, eng = parts
+    conv = ConversationCache(1 << 30)
+    part = conv.partition(None)
+    running, peak = 0, 0
+    real = conv.prefill
+
+    async def counted(*a, **k):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        try:
+            await asyncio.sleep(0.05)  # hold the slot long enough for the others to pile up
+            return await real(*a, **k)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(conv, "prefill", counted)
+    n = 3 * conversation.REPAIR_CONCURRENCY
+    t1 = tok.encode("User: Name a colour.\n\nAssistant:")
+
+    async def one(i):
+        expected = t1 + tok.encode(f" colour number {i}\n\n")
+
+        async def expect(_res):
+            return expected
+
+        await _run(eng, conv, part, t1 + tok.encode(f" {i}"), expect, params=SamplingParams(max_tokens=2))
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    await _settled(conv)
+    assert conv.counters["mismatches"] == n and conv.counters["repairs"] == n
+    assert 1 < peak <= conversation.REPAIR_CONCURRENCY
+
+
 class LateResult:
     """A finished request's handle whose last event went out but whose Result, with its state,
     is still on its way (its copy to the host queued behind others) until release()."""

@@ -23,7 +23,8 @@ What is kept, for each request:
   - otherwise (the generated ids and the re-tokenized reply differ) a *repair*: the expected
     tokens are prefilled in the background from the longest entry they extend, and kept.
 Repairs use idle engine time: one waits until nothing runs (at most REPAIR_IDLE_S, then it is
-dropped), so it neither delays nor perturbs other requests' batches. A request that extends the
+dropped), so it neither delays nor perturbs other requests' batches; at most REPAIR_CONCURRENCY
+wait or run at once, so a burst of them cannot fill the engine when it goes idle. A request that extends the
 prompt of a request whose generation ended but whose states are not kept yet waits for them (at
 most `wait_s`): the end state is then kept as it is (the waiting request's own tokens decide if
 it fits: no re-tokenizing on its critical path), a repair in flight is awaited, and none starts
@@ -65,6 +66,11 @@ Expect = Callable[[Result], Awaitable[list[int] | None]]
 SPLIT_MIN_TOKENS = 64
 """Uncached prompt tokens from which a request's prompt end is prefilled (and kept) apart."""
 WAIT_SETTLE_S = 30.0
+REPAIR_CONCURRENCY = 4
+"""Repairs in flight (or waiting for an idle engine) at once. A wave of requests ending together
+would otherwise start as many repair prefills as it had requests the moment the engine went idle,
+and the next wave would queue behind all of them (the H200's single-turn HTTP bench: every reply
+of a synthetic model re-tokenizes differently, 256 repairs after each wave)."""
 
 
 def _bytes(tokens: Sequence[int]) -> bytes:
@@ -89,6 +95,7 @@ class ConversationCache:
         self._n_keys = 0  # keys in _lengths (some may have been evicted from the cache)
         self._settling: dict[str, list[Settling]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._repair_slots = asyncio.Semaphore(REPAIR_CONCURRENCY)
 
     def partition(self, owner: str | None, base: str = "") -> str:
         """Entries of one API key (all keys when shared) from one base state ("" = zero)."""
@@ -199,8 +206,10 @@ class ConversationCache:
                     self.counters["kept"] += 1
                     continue
                 self.counters["mismatches"] += 1
-                if i == 0 and self.repairs and await engine_idle(engine, s):
-                    await self._repair(engine, part, target, s)
+                if i == 0 and self.repairs:
+                    async with self._repair_slots:  # the idle wait too: a burst queues here
+                        if await engine_idle(engine, s):
+                            await self._repair(engine, part, target, s)
         except Exception:
             log.exception("conversation cache: settling a request failed")
         finally:
