@@ -156,6 +156,8 @@ def settings_problem(settings: Settings) -> str | None:
     model = settings.resolved_model()
     if not model.startswith("synthetic:") and not os.path.isfile(model):
         return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
+    if settings.quant not in CHOICES["quant"]:  # RWKV_QUANT (the flag's choices are checked by argparse)
+        return f"--quant {settings.quant!r}: use one of {', '.join(CHOICES['quant'])}"
     return state_files_problem(settings) or device_problem(settings.device)
 
 

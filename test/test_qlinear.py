@@ -1,0 +1,82 @@
+"""8-bit weights as --quant loads them (server/model/qlinear.py) on the pure-torch path: the
+QWeight container, the twins the CUDA paths are tested against (test_quant_gpu.py), a model
+quantized at load computing exactly what the fake-quantized model of the quality harness
+computes, and the setting's checks. The CUDA products themselves need a GPU (test_quant_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.cli import build_parser, settings_problem
+from server.config import Settings
+from server.model import load_model, qlinear
+from server.model.quant import FP8_DTYPE, fake_quantize, round_trip
+from server.model.qlinear import QWeight
+
+MODES = ["int8", "fp8"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_qweight_holds_the_round_trip_of_its_weight(mode):
+    w = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(1)) * 0.1  # (P, N, K)
+    qw = qlinear.quantize(w, mode)
+    assert qw.q.dtype == (torch.int8 if mode == "int8" else FP8_DTYPE) and qw.scale.shape == (3, 40)
+    assert qw.mode == mode and qw.shape == w.shape and qw.nbytes() == 3 * 40 * 32 + 4 * 3 * 40
+    for p in range(3):  # planes quantized row by row, as each plane alone would be
+        assert torch.equal(qw.plane(p).dequantize(), round_trip(w[p], mode))
+    again = qlinear.stack([qw.plane(p) for p in range(3)])
+    assert torch.equal(again.q.view(torch.uint8), qw.q.view(torch.uint8)) and torch.equal(again.scale, qw.scale)
+    x = torch.randn(5, 32)
+    assert torch.equal(qlinear.dense_native(x, qw.plane(1)), F.linear(x, round_trip(w[1], mode)))
+    with pytest.raises(ValueError, match="int8, fp8"):
+        qlinear.quantize(w, "int4")
+
+
+def test_per_token_fp8_codes_and_their_product():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 64, generator=g) * torch.logspace(-3, 3, 6)[:, None]  # rows over 6 decades
+    x[2] = 0
+    q, s = qlinear.quant_rows_native(x)
+    assert q.dtype == FP8_DTYPE and s.shape == (6, 1) and s[2].item() == 1.0 and not q[2].float().any()
+    amax_codes = q.float().abs().amax(dim=1)
+    assert torch.equal(amax_codes[[0, 1, 3, 4, 5]], torch.full((5,), 448.0))  # each row's absmax -> 448
+    back = q.float() * s
+    assert ((back - x).abs() <= x.abs() * 2.0**-4 + s * 2.0**-9).all()  # e4m3: half an ulp, or subnormal step
+    w = qlinear.quantize(torch.randn(16, 64, generator=g) * 0.05, "fp8")
+    got = qlinear.dense_fp8_native(x, w)
+    assert torch.allclose(got, back @ w.dequantize().t(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_quantized_at_load_computes_the_fake_quantized_function(mode):
+    """load_model(quant=) keeps 8-bit codes; on the pure-torch path it computes exactly what the
+    quality harness's fake quantization (same round trip, 16-bit head) computes: prefill, the
+    unfused and the fused (stacked-weight) decode."""
+    q = load_model("synthetic:tiny:3", quant=mode)
+    ref = load_model("synthetic:tiny:3")
+    fake_quantize(ref, f"{mode}_head16")
+    lw = q.w.layers[1]
+    assert all(isinstance(getattr(lw, n), QWeight) for n in ("wr", "wk", "wv", "wo", "ffn_key", "ffn_value"))
+    assert isinstance(q.w.head, torch.Tensor) and q.quant == mode
+    toks = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
+    for fused in (False, True):
+        q.fused_decode = ref.fused_decode = fused
+        sq, sr = q.zero_state(2), ref.zero_state(2)
+        assert torch.equal(q.forward(toks, sq), ref.forward(toks, sr))
+        nxt = torch.tensor([3, 4])
+        assert torch.equal(q.decode(nxt, sq), ref.decode(nxt, sr))
+    pk = q._decode_packs()[1]  # the stacked r/k/v share the layer's codes
+    assert isinstance(pk.vkr, QWeight) and pk.vkr.q.data_ptr() == lw.wv.q.data_ptr()
+
+
+def test_quant_setting_is_checked_before_loading():
+    with pytest.raises(ValueError, match="quant must be none or one of int8, fp8"):
+        load_model("synthetic:tiny", quant="int4")
+    assert Settings.from_env({"RWKV_QUANT": "fp8"}).quant == "fp8"
+    assert "--quant 'int4'" in (settings_problem(Settings(quant="int4")) or "")
+    assert settings_problem(Settings(quant="int8")) is None
+    parser = build_parser(Settings())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quant", "int4"])
