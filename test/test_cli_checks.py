@@ -76,3 +76,20 @@ def test_state_dtype_auto_is_fp16_on_cuda_only(device, state, expect):
 
     s = Settings.from_env({"RWKV_DEVICE": device, "RWKV_STATE_DTYPE": state})
     assert s.state_dtype == state and s.resolved_state_dtype() == expect
+
+
+def test_a_bad_quant_in_the_environment_fails_before_loading(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RWKV_QUANT": "int4"}
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--db", str(tmp_path / "t.db")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["rwkv-server: --quant 'int4': use one of none, int8, fp8"]
+
+
+def test_generate_with_int8_weights_quantizes_at_load():
+    """RWKV_QUANT reaches the model (on a CPU the loader warns that 8-bit weights only save
+    memory there), and it generates."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RWKV_QUANT": "int8"}
+    r = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--max-tokens", "4", "--seed", "1", "Hi"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "--quant int8 on cpu" in r.stderr and "[4 tokens, finish length" in r.stderr
