@@ -69,6 +69,8 @@ def test_a_model_quantized_at_load_computes_the_fake_quantized_function(mode):
         assert torch.equal(q.decode(nxt, sq), ref.decode(nxt, sr))
     pk = q._decode_packs()[1]  # the stacked r/k/v share the layer's codes
     assert isinstance(pk.vkr, QWeight) and pk.vkr.q.data_ptr() == lw.wv.q.data_ptr()
+    with pytest.raises(ValueError, match="already 8-bit"):
+        fake_quantize(q, mode)
 
 
 def test_quant_setting_is_checked_before_loading():
