@@ -137,7 +137,7 @@ def fake_quantize(model: HasWeights, mode: str) -> QuantReport:
         if name == "head" and mode.endswith(HEAD16):
             continue
         if not isinstance(w, torch.Tensor):
-            raise ValueError(f"{name} is already 8-bit (a model loaded with quant=): fake_quantize needs 16-bit weights")
+            raise ValueError(f"{name} is already 8-bit (a model loaded with quant=): fake_quantize needs 16-bit ones")
         deq = round_trip(w, base)  # (out, in) in w.dtype
         amax = w.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
         err = ((w.float() - deq.float()).abs().amax(dim=1) / amax).max().item()
