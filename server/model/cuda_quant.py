@@ -7,8 +7,8 @@ activations: weight-only, codes converted in registers) does not take it:
     tensor cores) with the per-row scales of both sides, out in the model dtype. Twin:
     qlinear.dense_fp8_native.
   * int8: a Triton GEMM that reads the int8 codes and converts them to the activations' dtype
-    in its tiles (weight-only, one configuration for every batch so that no new specialization
-    is compiled while a CUDA graph captures). Twin: qlinear.dense_native.
+    in its tiles (weight-only; three tile shapes by batch, all compiled on the first call, which
+    is eager, so that nothing compiles while a CUDA graph captures). Twin: qlinear.dense_native.
   * anything else (no Triton, fp8 where _scaled_mm cannot run, odd shapes): the weight
     dequantized into the model dtype (a temporary of one weight's size), then cuBLAS.
 """
@@ -21,6 +21,7 @@ import torch
 
 from server.model import ops, qlinear
 from server.model.qlinear import QWeight
+from server.model.quant import FP8_DTYPE
 
 UNSUPPORTED = -2
 _DT = {torch.float16: 1, torch.bfloat16: 2}
@@ -45,7 +46,7 @@ def quant_rows(x: torch.Tensor, act: bool = False) -> tuple[torch.Tensor, torch.
     R, K = x.shape
     lib = _lib(x.device) if x.is_cuda else None
     if lib is not None and x.dtype in _DT and x.stride(-1) == 1:
-        q = torch.empty(R, K, device=x.device, dtype=qlinear.quant.FP8_DTYPE)  # (R, K)
+        q = torch.empty(R, K, device=x.device, dtype=FP8_DTYPE)  # (R, K)
         s = torch.empty(R, 1, device=x.device, dtype=torch.float32)  # (R, 1)
         stream = torch.cuda.current_stream(x.device).cuda_stream
         rc = lib.quant_rows_fp8(_DT[x.dtype], R, K, x.data_ptr(), x.stride(0), int(act), q.data_ptr(), K,
