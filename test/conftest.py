@@ -20,6 +20,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
+def dev():
+    """The CUDA device for the kernel tests (gpu-marked: skipped without CUDA); fails when CUDA is
+    present but the kernels did not build, which a skip would hide."""
+    import torch
+
+    from server.model import cuda_ops
+
+    if not cuda_ops.available("cuda"):
+        pytest.fail("CUDA is present but the kernels did not build (see the log)")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
 def parts():
     """(model, tokenizer, started engine) on the tiny synthetic model, shared by a test module."""
     import torch

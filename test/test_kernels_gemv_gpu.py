@@ -18,13 +18,6 @@ DTYPES = [torch.float16, torch.bfloat16]
 SHAPES = [(2560, 2560), (10240, 2560), (2560, 10240), (96, 2560), (100, 2560), (320, 4096), (24, 40), (8, 8)]
 
 
-@pytest.fixture(scope="module")
-def dev():
-    if not cuda_ops.available("cuda"):
-        pytest.fail("CUDA is present but the kernels did not build (see the log)")
-    return torch.device("cuda")
-
-
 @pytest.fixture
 def no_fallback(monkeypatch):
     def boom(*a, **k):

@@ -47,13 +47,6 @@ def _state_tol(dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-3
 
 
-@pytest.fixture(scope="module")
-def dev():
-    if not cuda_ops.available("cuda"):
-        pytest.fail("CUDA is present but the WKV-7 kernels did not build (see the log)")
-    return torch.device("cuda")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 3, 64, 257])
 @pytest.mark.parametrize("dtype", DTYPES)

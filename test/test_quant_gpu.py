@@ -18,13 +18,6 @@ from server.model.qlinear import QWeight
 MODES = ["int8", "fp8"]
 
 
-@pytest.fixture(scope="module")
-def dev():
-    if not cuda_ops.available("cuda"):
-        pytest.fail("CUDA is present but the kernels did not build (see the log)")
-    return torch.device("cuda")
-
-
 @pytest.fixture
 def no_large(monkeypatch):
     def boom(*a, **k):

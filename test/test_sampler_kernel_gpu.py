@@ -34,16 +34,9 @@ import torch
 import server.engine.sampler as S
 from server.engine.sampler import SamplerSlots, uniform
 from server.engine.types import SamplingParams
-from server.model import cuda_ops, cuda_sampler
+from server.model import cuda_sampler
 
 V = 65536
-
-
-@pytest.fixture(scope="module")
-def dev():
-    if not cuda_ops.available("cuda"):
-        pytest.fail("CUDA is present but the kernels did not build (see the log)")
-    return torch.device("cuda")
 
 
 def make_logits(case: str, B: int, vocab: int, seed: int, dev) -> torch.Tensor:
