@@ -180,7 +180,7 @@ def main() -> None:
                                                       3 * N * K * 2) / 3  # fmt: skip
                     row["graph:gemv3/3"] = bench_graph(lambda i: lambda: cuda_ops.linear(x3g, ws3[i]), 3 * N * K * 2) / 3
                     del ws3
-                del ws, wd
+                del ws
                 row["gemv"] = bench(lambda: cuda_ops.linear(x, w))
                 wb = N * K * 2
                 if name == "rkvo":
