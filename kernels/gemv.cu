@@ -366,25 +366,17 @@ int dispatch_act(const Args &a, int P, int warps, int cfg, int act, cudaStream_t
     return act ? dispatch<F, true, WQ>(a, P, warps, cfg, s) : dispatch<F, false, WQ>(a, P, warps, cfg, s);
 }
 
-// The MMA needs sm_80 and this library's kernels to come from PTX >= 8.0 (the loader's generic
-// compute_75 fallback build compiles the kernel body out: report unsupported, never run it).
-inline int device_ok() {
+// The arch this build of kernel WQ runs as: min(PTX version, binary version) x 10, 0 if it cannot
+// be queried. The MMA needs sm_80 (the loader's generic compute_75 fallback build compiles the
+// kernel body out: report unsupported, never run it); e4m3 codes need the cvt of sm_89+.
+template <int WQ>
+inline int built_arch() {
     cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, W_SAME>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, WQ>) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
-    return fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
-}
-
-// e4m3 codes need the cvt of sm_89+ in the code that runs here (PTX and binary)
-inline int fp8_ok() {
-    cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, W_FP8>) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    return fa.ptxVersion >= 89 && fa.binaryVersion >= 89;
+    return fa.ptxVersion < fa.binaryVersion ? fa.ptxVersion : fa.binaryVersion;
 }
 
 }  // namespace gemv_k
@@ -407,11 +399,11 @@ extern "C" int gemv(int f_dt, int w_dt, int M, int N, int K, int P, const void *
     auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
     if (!al16(x) || !al16(w) || (M > 1 && x_s % 8) || (P > 1 && (x_ps % 8 || w_ps % (w_dt == W_SAME ? 8 : 16)))) return UNSUPPORTED;
     if (x_s < 0 || x_ps < 0 || w_ps < 0) return UNSUPPORTED;
-    static const int ok = device_ok();
-    if (!ok) return UNSUPPORTED;
+    static const int arch = built_arch<W_SAME>();
+    if (arch < 80) return UNSUPPORTED;
     if (w_dt == W_FP8) {
-        static const int ok8 = fp8_ok();
-        if (!ok8) return UNSUPPORTED;
+        static const int arch8 = built_arch<W_FP8>();
+        if (arch8 < 89) return UNSUPPORTED;
     }
     if (cfg < 0 || cfg > NCFG || act < 0 || act > 1 || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
     Args a{x, w, out, static_cast<const float *>(scale), M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0,
