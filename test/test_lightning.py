@@ -12,7 +12,9 @@ from util_server import server_fixture
 
 from server.tokenizer import get_tokenizer
 
-server = server_fixture(env={"RWKV_MAX_BATCH": "64"})
+# No conversation cache: its background repair of an OpenAI-style reply would show as a running
+# sequence to the idle checks after refused requests.
+server = server_fixture(env={"RWKV_MAX_BATCH": "64", "RWKV_CONVERSATION_CACHE_BYTES": "0"})
 PROMPTS = ["User: What is the capital of France?\n\nAssistant: <think>\n</think>\n",
            "User: Count to three.\n\nAssistant:", "Once upon a time"]
 

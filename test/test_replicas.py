@@ -64,9 +64,10 @@ def two_servers_one_database(tmp_path, db: str) -> None:
         before = [ca.get(f"/{t}/status").json()["generated_buf"] for t in running]
         time.sleep(LEASE * 1.5)  # longer than a lease: A heartbeats, B must not take its tasks
         for t, n in zip(running, before):
+            # B first: a progress row that lands between the two reads is then already in A's text
+            seen_b = cb.get(f"/{t}/get_result").json()  # B: A's last committed progress, and who runs it
             seen_a = ca.get(f"/{t}/get_result").json()
             assert not seen_a["finished"] and seen_a["completion_tokens"] > n  # still generating on A
-            seen_b = cb.get(f"/{t}/get_result").json()  # B: A's last committed progress, and who runs it
             assert not seen_b["finished"] and seen_b["instance"] == a_instance and seen_b["result"]
             assert seen_a["result"].startswith(seen_b["result"])
             for op in ("continue", "stop", "delete"):
