@@ -22,9 +22,13 @@ from server.config import Settings, field_docs
 
 SUBCOMMANDS = ("serve", "synth", "generate")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
-CHOICES = {"dtype": ("auto", "fp32", "fp16", "bf16"), "state_dtype": ("auto", "fp32", "fp16"),
-           "quant": ("none", "int8", "fp8"),
-           "kernels": ("auto", "torch", "cuda"), "log_level": ("debug", "info", "warning", "error")}
+CHOICES = {
+    "dtype": ("auto", "fp32", "fp16", "bf16"),
+    "state_dtype": ("auto", "fp32", "fp16"),
+    "quant": ("none", "int8", "fp8"),
+    "kernels": ("auto", "torch", "cuda"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
 _SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -56,7 +60,8 @@ def setup_logging(level: str) -> None:
     if root.level > logging.DEBUG:  # Alembic's per-plugin/per-context chatter: keep the upgrades only
         logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
         logging.getLogger("alembic.runtime.migration").addFilter(
-            lambda r: "Context impl" not in r.getMessage() and "Will assume" not in r.getMessage())
+            lambda r: "Context impl" not in r.getMessage() and "Will assume" not in r.getMessage()
+        )
 
 
 def add_settings_flags(p: argparse.ArgumentParser, defaults: Settings) -> None:
@@ -68,38 +73,61 @@ def add_settings_flags(p: argparse.ArgumentParser, defaults: Settings) -> None:
         doc = docs.get(f.name, "").replace("%", "%%")
         typ = hints[f.name]
         if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                           help=f"{doc} [env {env}; now: {default}]")
+            p.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=f"{doc} [env {env}; now: {default}]"
+            )
             continue
         conv = parse_int if typ is int else typ
         shown = default if default != "" else '""'
-        p.add_argument(flag, type=conv, default=default, metavar=f.name.upper(), choices=CHOICES.get(f.name),
-                       help=f"{doc} [env {env}; now: {shown}]")
+        p.add_argument(
+            flag,
+            type=conv,
+            default=default,
+            metavar=f.name.upper(),
+            choices=CHOICES.get(f.name),
+            help=f"{doc} [env {env}; now: {shown}]",
+        )
 
 
 def build_parser(defaults: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rwkv-server", description="RWKV-7 inference server (task API + OpenAI API).",
+        prog="rwkv-server",
+        description="RWKV-7 inference server (task API + OpenAI API).",
         epilog="Without a subcommand, `serve` runs: `rwkv-server --model x.pth` == `rwkv-server serve --model "
-               "x.pth`. See `rwkv-server serve --help` for every server flag.")
+        "x.pth`. See `rwkv-server serve --help` for every server flag.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="{serve,synth,generate}")
-    serve = sub.add_parser("serve", help="run the HTTP server (default)",
-                           description="Run the HTTP server. Every flag can also be set by its RWKV_* variable.")
+    serve = sub.add_parser(
+        "serve",
+        help="run the HTTP server (default)",
+        description="Run the HTTP server. Every flag can also be set by its RWKV_* variable.",
+    )
     add_settings_flags(serve, defaults)
-    serve.add_argument("--state", action="append", default=[], metavar="NAME=PATH",
-                       help="load an RWKV-7 state file at start as the public template _NAME (repeatable; "
-                            "added to --states)")
+    serve.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="load an RWKV-7 state file at start as the public template _NAME (repeatable; added to --states)",
+    )
     synth = sub.add_parser("synth", help="write a synthetic checkpoint (random weights) as an official .pth")
     synth.add_argument("preset", help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, optionally :seed (e.g. tiny:3)")
     synth.add_argument("out", help="output path, e.g. tiny.pth")
     synth.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="tensor dtype in the file")
-    gen = sub.add_parser("generate", help="load a model and generate from the command line (no HTTP)",
-                         description="Load a model and continue a prompt (no HTTP). Backslash escapes in the "
-                                     "prompt are interpreted as in a Python string: "
-                                     "rwkv-server generate 'User: Hi\\n\\nAssistant:'")
-    gen.add_argument("prompt", nargs="?", default="User: Hello!\\n\\nAssistant:",
-                     help="prompt text; backslash escapes (\\n, \\t, \\\\, \\u00e9, ...) are interpreted; "
-                          "'-' reads the prompt from stdin as it is (default: %(default)s)")
+    gen = sub.add_parser(
+        "generate",
+        help="load a model and generate from the command line (no HTTP)",
+        description="Load a model and continue a prompt (no HTTP). Backslash escapes in the "
+        "prompt are interpreted as in a Python string: "
+        "rwkv-server generate 'User: Hi\\n\\nAssistant:'",
+    )
+    gen.add_argument(
+        "prompt",
+        nargs="?",
+        default="User: Hello!\\n\\nAssistant:",
+        help="prompt text; backslash escapes (\\n, \\t, \\\\, \\u00e9, ...) are interpreted; "
+        "'-' reads the prompt from stdin as it is (default: %(default)s)",
+    )
     gen.add_argument("--model", default=defaults.model, help="checkpoint .pth or synthetic:<preset>[:seed]")
     gen.add_argument("--device", default=defaults.device)
     gen.add_argument("--dtype", default=defaults.dtype)
@@ -144,8 +172,9 @@ def device_problem(device: str) -> str | None:
     if dev.type != "cuda":
         return f"--device {device!r}: only cpu and cuda devices are supported"
     if not torch.cuda.is_available():
-        return f"--device {device!r}: CUDA is not available on this machine (torch {torch.__version__}); " \
-               "use --device cpu"
+        return (
+            f"--device {device!r}: CUDA is not available on this machine (torch {torch.__version__}); use --device cpu"
+        )
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         return f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
     return None
@@ -194,8 +223,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.api.app import begin_drain, create_app
 
     app = create_app(settings, exit_on_load_error=True)
-    logging.getLogger("server.cli").info("starting on http://%s:%d (model %s)", settings.host, settings.port,
-                                         settings.resolved_model())
+    logging.getLogger("server.cli").info(
+        "starting on http://%s:%d (model %s)", settings.host, settings.port, settings.resolved_model()
+    )
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -205,10 +235,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from server.api.http_limits import protocol_with_deadlines
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=5,
-                            http=protocol_with_deadlines(settings.header_timeout, settings.body_timeout),
-                            limit_concurrency=settings.max_connections or None)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=5,
+        http=protocol_with_deadlines(settings.header_timeout, settings.body_timeout),
+        limit_concurrency=settings.max_connections or None,
+    )
     server = Server(config)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
@@ -226,8 +263,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     shape = save_synthetic(args.preset, args.out, dtype=dtype)
-    print(f"wrote {args.out}: {shape.signature()} V={shape.vocab_size} ({args.dtype}, "
-          f"{time.perf_counter() - t0:.1f}s). Random weights: outputs are random text.")
+    print(
+        f"wrote {args.out}: {shape.signature()} V={shape.vocab_size} ({args.dtype}, "
+        f"{time.perf_counter() - t0:.1f}s). Random weights: outputs are random text."
+    )
     return 0
 
 
@@ -258,8 +297,13 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
     from server.engine.types import SamplingParams
 
     sv = load_services(settings)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, stop=tuple(args.stop))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
     try:
         t0 = time.perf_counter()
         h = sv.engine.submit(prompt, params)
@@ -269,8 +313,11 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
             sys.stdout.flush()
         res = h.result()
         dt = time.perf_counter() - t0
-        print(f"\n[{res.completion_tokens} tokens, finish {res.finish_reason}, {dt:.2f}s, "
-              f"prompt {res.prompt_tokens} tokens]", file=sys.stderr)
+        print(
+            f"\n[{res.completion_tokens} tokens, finish {res.finish_reason}, {dt:.2f}s, "
+            f"prompt {res.prompt_tokens} tokens]",
+            file=sys.stderr,
+        )
     finally:
         sv.engine.shutdown()
     return 0

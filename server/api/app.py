@@ -53,15 +53,18 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
             if owned and app.state.services is not None:
                 await _shutdown(app.state.services)
 
-    app = ServerApp(title="RWKV-7 task server", version="0.1.0", lifespan=lifespan,
-                    docs_url="/docs", redoc_url=None)
+    app = ServerApp(title="RWKV-7 task server", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.services = services  # None until loaded (routes answer 503 "loading")
     app.state.metrics = metrics
     app.state.load_error = None
     handlers.install(app)
-    app.add_middleware(ServerMiddleware, max_body_bytes=settings.max_body_bytes,
-                       api_keys=settings.api_key_set(), metrics=metrics,
-                       raw_bodies=(("/v1/states/", settings.state_upload_bytes),))  # state file uploads
+    app.add_middleware(
+        ServerMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        api_keys=settings.api_key_set(),
+        metrics=metrics,
+        raw_bodies=(("/v1/states/", settings.state_upload_bytes),),  # state file uploads
+    )
     _include_routes(app)
     openapi.install(app)
     return app
@@ -140,8 +143,13 @@ async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Servic
 
     try:
         # task runs count in the TTFT / inter-token / duration histograms, as OpenAI requests do
-        tasks = TaskManager(loaded.engine, loaded.tokenizer, settings, loaded.shape,
-                            latency=lambda: Recorder(metrics, time.perf_counter()))
+        tasks = TaskManager(
+            loaded.engine,
+            loaded.tokenizer,
+            settings,
+            loaded.shape,
+            latency=lambda: Recorder(metrics, time.perf_counter()),
+        )
         await tasks.start()
         try:
             await load_state_files(tasks, settings, loaded.shape)
@@ -153,12 +161,24 @@ async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Servic
         raise
     conversations = None
     if settings.conversation_cache_bytes > 0:
-        conversations = ConversationCache(settings.conversation_cache_bytes, shared=settings.conversation_cache_shared,
-                                          repairs=not 0 < settings.max_queue < REPAIR_MIN_QUEUE)
+        conversations = ConversationCache(
+            settings.conversation_cache_bytes,
+            shared=settings.conversation_cache_shared,
+            repairs=not 0 < settings.max_queue < REPAIR_MIN_QUEUE,
+        )
         metrics.add_source(conversations.metric_lines)
-    return Services(settings=settings, engine=loaded.engine, tokenizer=loaded.tokenizer, shape=loaded.shape,
-                    metrics=metrics, prefix_cache=PrefixCache(prefix_budget(settings)), tasks=tasks,
-                    model_id=loaded.model_id, facts=loaded.facts, conversations=conversations)
+    return Services(
+        settings=settings,
+        engine=loaded.engine,
+        tokenizer=loaded.tokenizer,
+        shape=loaded.shape,
+        metrics=metrics,
+        prefix_cache=PrefixCache(prefix_budget(settings)),
+        tasks=tasks,
+        model_id=loaded.model_id,
+        facts=loaded.facts,
+        conversations=conversations,
+    )
 
 
 async def _shutdown(services: Services) -> None:
@@ -185,6 +205,11 @@ async def http_stats_loop(metrics: Metrics, interval: float) -> None:
         total, errors = metrics.http_totals()
         now = time.monotonic()
         if total != last_total or metrics.streams_open:
-            log.info("http: %.1f req/s, %d requests, %d 5xx, %d streams open",
-                     (total - last_total) / (now - t_last), total, errors, metrics.streams_open)
+            log.info(
+                "http: %.1f req/s, %d requests, %d 5xx, %d streams open",
+                (total - last_total) / (now - t_last),
+                total,
+                errors,
+                metrics.streams_open,
+            )
         last_total, t_last = total, now

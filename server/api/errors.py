@@ -51,8 +51,10 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         return Response(
-            dumps_error(self.body()), status_code=self.status,
-            media_type="application/json", headers=self.headers,
+            dumps_error(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
         )
 
 
@@ -86,8 +88,12 @@ def engine_error(exc: Exception, invalid_status: int = 400) -> ApiError:
     """The ApiError of an engine error (a ValueError is the request's fault: `invalid_status`,
     400 on the OpenAI routes, 422 on the task routes); anything else is re-raised."""
     if isinstance(exc, QueueFullError):
-        return ApiError(429, f"the server is busy (queue full): {exc}; retry shortly", code="queue_full",
-                        headers={"Retry-After": "1"})
+        return ApiError(
+            429,
+            f"the server is busy (queue full): {exc}; retry shortly",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
     if isinstance(exc, PromptTooLongError):
         return ApiError(413, f"prompt too long: {exc}", param="prompt", code="prompt_too_long")
     if isinstance(exc, EngineDeadError):

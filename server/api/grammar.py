@@ -25,14 +25,16 @@ async def compiled(sv: Services, spec: GrammarSpec, *, param: str, status: int =
     return spec
 
 
-async def response_grammar(sv: Services, fmt: Any, *, param: str = "response_format",
-                           status: int = 400) -> GrammarSpec | None:
+async def response_grammar(
+    sv: Services, fmt: Any, *, param: str = "response_format", status: int = 400
+) -> GrammarSpec | None:
     """The compiled grammar of a response_format (None: plain text, or no format given)."""
     if fmt is None:
         return None
     try:
         spec = format_grammar(fmt)
     except ValueError as exc:
-        raise ApiError(status, str(exc).replace("'response_format'", f"'{param}'"), param=param,
-                       code="invalid_request") from None
+        raise ApiError(
+            status, str(exc).replace("'response_format'", f"'{param}'"), param=param, code="invalid_request"
+        ) from None
     return None if spec is None else await compiled(sv, spec, param=param, status=status)

@@ -28,8 +28,10 @@ def _json(request: Request, status: int, body: dict[str, Any], headers: dict[str
     return Response(dumps_error(body), status_code=status, media_type="application/json", headers=headers)
 
 
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|bytes|constrained-\w+|[a-z-]+\[.*\]|function-.*|json-.*"
-                       r"|[A-Z]\w*)$")
+_TYPE_TAG = re.compile(
+    r"^(str|int|float|bool|none|bytes|constrained-\w+|[a-z-]+\[.*\]|function-.*|json-.*"
+    r"|[A-Z]\w*)$"
+)
 
 
 def param_of(loc: Sequence[Any]) -> str | None:
@@ -41,7 +43,7 @@ def param_of(loc: Sequence[Any]) -> str | None:
         if i == 0 and p in ("body", "query", "path", "header"):
             continue
         if isinstance(p, int):
-            out += f"[{p}]" if out and any(not _is_tag(q) for q in loc[i + 1:]) else ""
+            out += f"[{p}]" if out and any(not _is_tag(q) for q in loc[i + 1 :]) else ""
         elif not _is_tag(p):
             out += ("." if out else "") + str(p)
     return out or None
@@ -130,14 +132,19 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
         msg, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
     else:
         msg, code = str(exc.detail), None
-    return _json(request, status, error_body(msg, ERROR_TYPES.get(status, "invalid_request_error"), None, code),
-                 headers=getattr(exc, "headers", None))
+    return _json(
+        request,
+        status,
+        error_body(msg, ERROR_TYPES.get(status, "invalid_request_error"), None, code),
+        headers=getattr(exc, "headers", None),
+    )
 
 
 async def unhandled_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _json(request, 500, error_body("internal server error (see the server log)", "server_error", None,
-                                          "internal_error"))
+    return _json(
+        request, 500, error_body("internal server error (see the server log)", "server_error", None, "internal_error")
+    )
 
 
 def install(app: FastAPI) -> None:

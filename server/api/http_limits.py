@@ -22,10 +22,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("server.http")
 
-TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                    b"connection: close\r\ncontent-length: %d\r\n\r\n%b")
-TIMEOUT_BODY = (b'{"error":{"message":"the request was not received in time","type":"invalid_request_error",'
-                b'"param":null,"code":"request_timeout"}}')
+TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%b"
+)
+TIMEOUT_BODY = (
+    b'{"error":{"message":"the request was not received in time","type":"invalid_request_error",'
+    b'"param":null,"code":"request_timeout"}}'
+)
 
 
 class TimedHttpToolsProtocol(HttpToolsProtocol):
@@ -80,5 +84,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
 def protocol_with_deadlines(header_timeout: float, body_timeout: float) -> type[TimedHttpToolsProtocol]:
     """The protocol class for `uvicorn.Config(http=...)` with these deadlines (0: none)."""
-    return type("HttpProtocolWithDeadlines", (TimedHttpToolsProtocol,),
-                {"header_timeout": float(header_timeout), "body_timeout": float(body_timeout)})
+    return type(
+        "HttpProtocolWithDeadlines",
+        (TimedHttpToolsProtocol,),
+        {"header_timeout": float(header_timeout), "body_timeout": float(body_timeout)},
+    )

@@ -66,15 +66,27 @@ def load_services(settings: Settings) -> Loaded:
     from server.tokenizer import get_tokenizer
 
     device, dtype = settings.resolved_device(), settings.resolved_dtype()
-    log.info("loading %s on %s (%s compute, %s state, %s weights) ...", spec, device, dtype,
-             settings.resolved_state_dtype(), settings.quant if settings.quant != "none" else "16-bit")
+    log.info(
+        "loading %s on %s (%s compute, %s state, %s weights) ...",
+        spec,
+        device,
+        dtype,
+        settings.resolved_state_dtype(),
+        settings.quant if settings.quant != "none" else "16-bit",
+    )
     t0 = time.perf_counter()
     kernel_log = _Collect()
     logging.getLogger("rwkv.kernels").addHandler(kernel_log)
     try:
-        model = load_model(spec, device=device, dtype=torch_dtype(dtype),
-                           state_dtype=torch_dtype(settings.resolved_state_dtype()), kernels=settings.kernels,
-                           kernel_cache=settings.kernel_cache, quant=settings.quant)
+        model = load_model(
+            spec,
+            device=device,
+            dtype=torch_dtype(dtype),
+            state_dtype=torch_dtype(settings.resolved_state_dtype()),
+            kernels=settings.kernels,
+            kernel_cache=settings.kernel_cache,
+            quant=settings.quant,
+        )
     finally:
         logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
     log.info("model loaded in %.2fs", time.perf_counter() - t0)
@@ -90,10 +102,19 @@ def load_services(settings: Settings) -> Loaded:
     log.info("engine started in %.2fs", time.perf_counter() - t2)
     ops = getattr(model, "ops", None)
     kernels = sorted({getattr(fn, "__module__", "?") for fn in vars(ops).values()}) if ops is not None else []
-    load = LoadFacts(seconds=round(time.perf_counter() - t0, 3), device=str(getattr(model, "device", device)),
-                     kernel_modules=kernels, kernel_log=kernel_log.lines)
-    return Loaded(engine=engine, tokenizer=tokenizer, shape=model.shape,
-                  model_id=getattr(model, "name", None) or model_id_of(spec), facts=load)
+    load = LoadFacts(
+        seconds=round(time.perf_counter() - t0, 3),
+        device=str(getattr(model, "device", device)),
+        kernel_modules=kernels,
+        kernel_log=kernel_log.lines,
+    )
+    return Loaded(
+        engine=engine,
+        tokenizer=tokenizer,
+        shape=model.shape,
+        model_id=getattr(model, "name", None) or model_id_of(spec),
+        facts=load,
+    )
 
 
 class _Collect(logging.Handler):
@@ -110,9 +131,13 @@ class _Collect(logging.Handler):
 def facts(services: Services) -> list[str]:
     """Human lines about what runs: shape, state size, slots, budgets, kernels, API keys."""
     s, shape, load = services.settings, services.shape, services.facts
-    lines = [f"model      {services.model_id}",
-             (f"shape      L={shape.n_layer} C={shape.n_embd} H={shape.n_head} N={shape.head_size} "
-              f"V={shape.vocab_size} ffn={shape.ffn_dim}")]
+    lines = [
+        f"model      {services.model_id}",
+        (
+            f"shape      L={shape.n_layer} C={shape.n_embd} H={shape.n_head} N={shape.head_size} "
+            f"V={shape.vocab_size} ffn={shape.ffn_dim}"
+        ),
+    ]
     with contextlib.suppress(Exception):  # a figure the start-up lines can do without
         per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.resolved_state_dtype()))
         lines.append(f"state      {_mib(per_seq)} per sequence ({s.resolved_state_dtype()} WKV)")
@@ -123,8 +148,10 @@ def facts(services: Services) -> list[str]:
     with contextlib.suppress(Exception):
         slots = services.engine.stats().slots or slots
     lines.append(f"slots      {slots} (step budget {s.step_token_budget} tokens, queue {s.max_queue})")
-    lines.append(f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
-                 f"chat prefix {_mib(prefix_budget(s))}")
+    lines.append(
+        f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
+        f"chat prefix {_mib(prefix_budget(s))}"
+    )
     lines.append(f"database   {s.db}")
     if load.kernel_modules:
         lines.append(f"kernels    WKV ops from {', '.join(load.kernel_modules)}")

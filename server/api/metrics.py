@@ -64,12 +64,19 @@ class Metrics:
         self._lock = threading.Lock()
         self.http_requests: dict[tuple[str, str, int], int] = {}
         self.streams_open = 0
-        self.ttft = Histogram("rwkv_time_to_first_token_seconds",
-                              "Seconds from request arrival to its first generated token.", LATENCY_BUCKETS)
-        self.itl = Histogram("rwkv_inter_token_latency_seconds",
-                             "Seconds between consecutive generated tokens of one request.", ITL_BUCKETS)
-        self.e2e = Histogram("rwkv_request_duration_seconds",
-                             "Seconds from arrival to the end of a generation request.", LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "rwkv_time_to_first_token_seconds",
+            "Seconds from request arrival to its first generated token.",
+            LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "rwkv_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of one request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "rwkv_request_duration_seconds", "Seconds from arrival to the end of a generation request.", LATENCY_BUCKETS
+        )
         self.aborted = 0
         self.sources: list[Callable[[], list[str]]] = []
         """More lines for /metrics, each a callable giving complete families (HELP, TYPE, samples),
@@ -109,11 +116,20 @@ class Metrics:
         for (method, route, status), v in items:
             out.append(f'rwkv_http_requests_total{{method="{method}",route="{_esc(route)}",code="{status}"}} {v}')
         _sample(out, "rwkv_http_streams_open", "gauge", "SSE streams open now.", self.streams_open)
-        _sample(out, "rwkv_requests_aborted_total", "counter",
-                "Generations aborted because the client went away.", self.aborted)
-        _family(out, "rwkv_http_streams_total", "counter",
-                "SSE streams ended, by writer: the event loop, the engine thread (direct_*, by how it ended), "
-                "or the task streams' direct writes (task_direct_*).")
+        _sample(
+            out,
+            "rwkv_requests_aborted_total",
+            "counter",
+            "Generations aborted because the client went away.",
+            self.aborted,
+        )
+        _family(
+            out,
+            "rwkv_http_streams_total",
+            "counter",
+            "SSE streams ended, by writer: the event loop, the engine thread (direct_*, by how it ended), "
+            "or the task streams' direct writes (task_direct_*).",
+        )
         for path, v in paths:
             out.append(f'rwkv_http_streams_total{{path="{path}"}} {v}')
         for h in (self.ttft, self.itl, self.e2e):
@@ -161,9 +177,12 @@ def _engine_lines(out: list[str], engine: EngineAPI) -> None:
 
 def _cache_lines(out: list[str], tiers: dict[str, dict[str, Any]]) -> None:
     """State cache bytes / entries / hits / misses per tier."""
-    docs = {"bytes": ("gauge", "State bytes held"), "entries": ("gauge", "States held"),
-            "hits": ("counter", "Lookups that found the state"),
-            "misses": ("counter", "Lookups that did not find the state")}
+    docs = {
+        "bytes": ("gauge", "State bytes held"),
+        "entries": ("gauge", "States held"),
+        "hits": ("counter", "Lookups that found the state"),
+        "misses": ("counter", "Lookups that did not find the state"),
+    }
     for key, (kind, doc) in docs.items():
         name = f"rwkv_state_cache_{key}" + ("_total" if kind == "counter" else "")
         _family(out, name, kind, f"{doc}, per cache tier.")

@@ -74,20 +74,33 @@ def _as_json(scope: Scope, content_type: bytes | None) -> None:
     scope["headers"].append((b"content-type", JSON))
 
 
-def _json_error(status: int, message: str, type_: str, code: str | None, rid: str,
-                extra: dict[str, str] | None = None) -> tuple[Message, Message]:
+def _json_error(
+    status: int, message: str, type_: str, code: str | None, rid: str, extra: dict[str, str] | None = None
+) -> tuple[Message, Message]:
     body = orjson.dumps(error_body(message, type_, None, code))
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"x-request-id", rid.encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", rid.encode()),
+    ]
     for k, v in (extra or {}).items():
         headers.append((k.lower().encode(), v.encode()))
-    return ({"type": "http.response.start", "status": status, "headers": headers},
-            {"type": "http.response.body", "body": body})
+    return (
+        {"type": "http.response.start", "status": status, "headers": headers},
+        {"type": "http.response.body", "body": body},
+    )
 
 
 class ServerMiddleware:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_keys: frozenset[str],
-                 metrics: Metrics | None = None, raw_bodies: tuple[tuple[str, int], ...] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        api_keys: frozenset[str],
+        metrics: Metrics | None = None,
+        raw_bodies: tuple[tuple[str, int], ...] = (),
+    ) -> None:
         """raw_bodies: (path prefix, byte limit) of routes whose bodies are files, not JSON: their
         content type is kept and their limit replaces max_body_bytes (e.g. state file uploads)."""
         self.app = app
@@ -133,8 +146,9 @@ class ServerMiddleware:
             self._log(scope, status_box[0], time.perf_counter() - t0, state.get("error"))
             request_id_var.reset(token)
 
-    def _refuse(self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any],
-                rid: str, limit: int) -> tuple[Message, Message] | None:
+    def _refuse(
+        self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any], rid: str, limit: int
+    ) -> tuple[Message, Message] | None:
         """Checks made before the app runs: body size by Content-Length, then the API key."""
         length = headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > limit:
@@ -150,13 +164,15 @@ class ServerMiddleware:
                     state[KEY_DEFERRED], state[API_KEYS] = msg, self.keys  # the route checks `password`
                     return None
                 state["error"] = msg
-                return _json_error(401, msg, "authentication_error", "invalid_api_key", rid,
-                                   {"www-authenticate": "Bearer"})
+                return _json_error(
+                    401, msg, "authentication_error", "invalid_api_key", rid, {"www-authenticate": "Bearer"}
+                )
             state["owner"] = owner
         return None
 
-    async def _call(self, scope: Scope, receive: Receive, send: Send, status_box: list[int], rid: str,
-                    limit: int) -> None:
+    async def _call(
+        self, scope: Scope, receive: Receive, send: Send, status_box: list[int], rid: str, limit: int
+    ) -> None:
         seen = [0]
 
         async def limited_receive() -> Message:
@@ -189,14 +205,21 @@ class ServerMiddleware:
         path = scope.get("path", "")
         if status < 400:
             if path not in OPEN_PATHS:  # probes would drown even the debug log
-                log.debug('%s "%s %s" %s %.1fms', _client(scope), scope.get("method"), path, status,
-                          seconds * 1000)
+                log.debug('%s "%s %s" %s %.1fms', _client(scope), scope.get("method"), path, status, seconds * 1000)
             return
         level = logging.WARNING if status >= 500 else logging.INFO
         if path in OPEN_PATHS:  # a probe's 503 (loading, draining) is the probe doing its job
             level = logging.DEBUG
-        log.log(level, '%s "%s %s" %s %.1fms: %s', _client(scope), scope.get("method"), path, status,
-                seconds * 1000, error or "(no reason given)")
+        log.log(
+            level,
+            '%s "%s %s" %s %.1fms: %s',
+            _client(scope),
+            scope.get("method"),
+            path,
+            status,
+            seconds * 1000,
+            error or "(no reason given)",
+        )
 
 
 def _client(scope: Scope) -> str:

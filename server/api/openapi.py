@@ -37,23 +37,28 @@ class ErrorResponse(BaseModel):
 
 WHY = {
     400: "Invalid request (OpenAI routes): a field missing, unknown, of the wrong type or out of bounds, "
-         "a body that is not JSON, a field this server cannot honour, or more sequences than the queue holds",
+    "a body that is not JSON, a field this server cannot honour, or more sequences than the queue holds",
     401: "API keys are configured and the request has none, or a wrong one",
     403: "A write to a template without force=true, or to another key's template",
     404: "No such task (or another key's), no such model, or no such state (the OpenAI routes' `state`)",
     409: "The task is running, the template name exists, or a stored state cannot be used",
     413: "The body is over --max-body-bytes, or the prompt over --max-prompt-tokens",
     422: "Invalid request (task routes): a field or query value missing, unknown, of the wrong type or out "
-         "of bounds, or a body that is not JSON",
+    "of bounds, or a body that is not JSON",
     429: "The queue is full: retry after Retry-After seconds",
     503: "The model is loading (Retry-After), the engine stopped, or the task manager is not running",
 }
 _ERROR_CONTENT = {JSON: {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
-LIGHTNING_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}},
-                   "description": "rwkv_lightning's error shape (lightning's own errors on its routes)"}
+LIGHTNING_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+    "description": "rwkv_lightning's error shape (lightning's own errors on its routes)",
+}
 _EITHER_CONTENT = {JSON: {"schema": {"oneOf": [{"$ref": _REF.format(model="ErrorResponse")}, LIGHTNING_ERROR]}}}
 SSE_EVENT = {
-    "type": "object", "required": ["data"],
+    "type": "object",
+    "required": ["data"],
     "description": "One server-sent event (OpenAPI 3.1: the schema of a text/event-stream describes each event)",
     "properties": {"data": {"type": "string", "description": "a compact JSON object, or [DONE] at the end"}},
 }
@@ -66,8 +71,9 @@ class EventStream(Response):
     media_type = SSE
 
 
-def answers(*statuses: int, stream: bool = False, sse_only: bool = False,
-            lightning: bool = False) -> dict[int | str, dict[str, Any]]:
+def answers(
+    *statuses: int, stream: bool = False, sse_only: bool = False, lightning: bool = False
+) -> dict[int | str, dict[str, Any]]:
     """A route's `responses=`: each error status with the error model; with `stream`, the 200
     answer is SSE (`stream: true`) as well as JSON; `sse_only`: always SSE (with EventStream as
     the route's response class); `lightning`: the route also serves rwkv_lightning's requests,
@@ -76,8 +82,10 @@ def answers(*statuses: int, stream: bool = False, sse_only: bool = False,
     out: dict[int | str, dict[str, Any]] = {s: {"description": WHY[s], "content": content} for s in statuses}
     if stream or sse_only:
         events = "server-sent events (`data: {...}` lines, then `data: [DONE]`)"
-        out[200] = {"description": events.capitalize() if sse_only else f"JSON, or with `stream: true` {events}",
-                    "content": {SSE: {"schema": SSE_EVENT}}}
+        out[200] = {
+            "description": events.capitalize() if sse_only else f"JSON, or with `stream: true` {events}",
+            "content": {SSE: {"schema": SSE_EVENT}},
+        }
     return out
 
 

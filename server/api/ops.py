@@ -64,11 +64,14 @@ def _task_counters(services: Services) -> str:
     except Exception:  # a failing figure must not break /metrics
         log.exception("task counters for /metrics failed")
         return ""
-    lines = ["# HELP rwkv_task_events_total Task-layer events: runs, rebuilds (runs that re-fed history "
-             "a missing state had consumed) and their tokens, state loads and misses, ...",
-             "# TYPE rwkv_task_events_total counter"]
-    lines += [f'rwkv_task_events_total{{event="{k}"}} {v}' for k, v in sorted(counters.items())
-              if isinstance(v, (int, float))]
+    lines = [
+        "# HELP rwkv_task_events_total Task-layer events: runs, rebuilds (runs that re-fed history "
+        "a missing state had consumed) and their tokens, state loads and misses, ...",
+        "# TYPE rwkv_task_events_total counter",
+    ]
+    lines += [
+        f'rwkv_task_events_total{{event="{k}"}} {v}' for k, v in sorted(counters.items()) if isinstance(v, (int, float))
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -83,8 +83,10 @@ class SamplingFields(BaseModel):
         fields = self.sampling_fields()
         if max_tokens_limit and fields.get("max_tokens", 0) > max_tokens_limit:
             name = self.max_tokens_name()
-            raise self.invalid(f"invalid '{name}': {fields['max_tokens']} is above this server's limit of "
-                               f"{max_tokens_limit} tokens", name)
+            raise self.invalid(
+                f"invalid '{name}': {fields['max_tokens']} is above this server's limit of {max_tokens_limit} tokens",
+                name,
+            )
         try:
             check_fields(fields, vocab_size)
         except ValueError as exc:
@@ -116,8 +118,9 @@ def bad_text(value: Any, path: str = "") -> tuple[str, str] | None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            return path, (f"not valid UTF-8 text: a lone surrogate U+{ord(value[exc.start]):04X} at "
-                          f"character {exc.start}")
+            return path, (
+                f"not valid UTF-8 text: a lone surrogate U+{ord(value[exc.start]):04X} at character {exc.start}"
+            )
         return None
     if isinstance(value, BaseModel):
         items: Any = [(k, getattr(value, k)) for k in type(value).model_fields]

@@ -65,8 +65,7 @@ def get_services(request: Request) -> Services:
     """The running server's services; 503 while loading or once the engine stopped."""
     services: Services | None = getattr(request.app.state, "services", None)
     if services is None:
-        raise ApiError(503, "the model is still loading; retry shortly", code="loading",
-                       headers={"Retry-After": "5"})
+        raise ApiError(503, "the model is still loading; retry shortly", code="loading", headers={"Retry-After": "5"})
     if not services.engine.is_alive:
         raise ApiError(503, "the inference engine stopped; see the server log", code="engine_dead")
     return services

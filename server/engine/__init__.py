@@ -61,4 +61,3 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
 ]  # fmt: skip
-

@@ -32,8 +32,12 @@ class HostCopies:
         self._done: list[tuple[str, State | None]] = []
         self._cond = threading.Condition()
         self._inflight = 0
-        self._threads = [threading.Thread(target=self._run, args=(torch.cuda.Stream(device),),
-                                          name=f"rwkv-state-copy-{i}", daemon=True) for i in range(threads)]
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(torch.cuda.Stream(device),), name=f"rwkv-state-copy-{i}", daemon=True
+            )
+            for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 

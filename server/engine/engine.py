@@ -190,8 +190,9 @@ class Engine:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        handle = RequestHandle(rid, loop, alive=self._alive, abort=self.abort,
-                               end_before_state=end_before_state and return_state)
+        handle = RequestHandle(
+            rid, loop, alive=self._alive, abort=self.abort, end_before_state=end_before_state and return_state
+        )
         seq = Sequence(rid, ids, params, seed=seed, init_state=init_state, return_state=return_state)
         stream = self.output.new_stream(rid, handle, params)
         with self._lock:

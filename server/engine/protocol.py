@@ -71,9 +71,16 @@ class EngineAPI(Protocol):
     @property
     def is_alive(self) -> bool: ...
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               init_state: StateLike | None = None, request_id: str | None = None,
-               return_state: bool = False, end_before_state: bool = False) -> Handle: ...
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        init_state: StateLike | None = None,
+        request_id: str | None = None,
+        return_state: bool = False,
+        end_before_state: bool = False,
+    ) -> Handle: ...
 
     def abort(self, request_id: str) -> bool: ...
 

@@ -41,8 +41,19 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_CHARS = 256
 """Bounds on stop rules (count of strings, count of token ids, characters per string)."""
 
-FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty",
-          "repetition_penalty", "penalty_decay", "seed", "stop", "stop_token_ids", "ignore_eos")
+FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "presence_penalty",
+    "repetition_penalty",
+    "penalty_decay",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
 """The names of SamplingParams' fields as requests and stored task parameters spell them."""
 
 

@@ -102,5 +102,9 @@ class _Quantizer:
         log.info("quantized %d linears of %s to %s in %.1fs: %.2f GB -> %.2f GB", self.count, name, self.mode,
                  self.seconds, self.before / 1e9, self.after / 1e9)  # fmt: skip
         if device.type != "cuda":
-            log.warning("--quant %s on %s: the weights are smaller, but each product dequantizes its matrix "
-                        "first (slower than 16-bit); the 8-bit kernels are CUDA only", self.mode, device)
+            log.warning(
+                "--quant %s on %s: the weights are smaller, but each product dequantizes its matrix "
+                "first (slower than 16-bit); the 8-bit kernels are CUDA only",
+                self.mode,
+                device,
+            )

@@ -31,8 +31,17 @@ from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
 from server.model.state import ModelShape, State
 
-OP_NAMES = ("wkv_decode", "wkv_chunk", "tmix_decode", "add_ln_mix", "relu_square", "lora_act", "linear", "relu2_linear",
-            "dense")
+OP_NAMES = (
+    "wkv_decode",
+    "wkv_chunk",
+    "tmix_decode",
+    "add_ln_mix",
+    "relu_square",
+    "lora_act",
+    "linear",
+    "relu2_linear",
+    "dense",
+)
 KERNELS = ("auto", "torch", "cuda")
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: long chunks keep the chunk kernel's GEMMs large
 CPU_CHUNK_LEN = 256

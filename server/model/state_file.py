@@ -64,9 +64,14 @@ class StateFile:
     """The dtype of the file's time_state tensors (e.g. "bfloat16")."""
 
 
-def read_state_file(data: bytes | str | Path, shape: ModelShape, *, source: str | None = None,
-                    shift_dtype: torch.dtype = torch.float32,
-                    wkv_dtype: torch.dtype = torch.float32) -> StateFile:
+def read_state_file(
+    data: bytes | str | Path,
+    shape: ModelShape,
+    *,
+    source: str | None = None,
+    shift_dtype: torch.dtype = torch.float32,
+    wkv_dtype: torch.dtype = torch.float32,
+) -> StateFile:
     """Read and validate a state file (bytes, or a path) for a model of `shape`. `source` names
     it in errors (default: the path, or "the upload"). Raises StateFileError."""
     src = source or (str(data) if isinstance(data, (str, Path)) else "the upload")
@@ -78,13 +83,21 @@ def read_state_file(data: bytes | str | Path, shape: ModelShape, *, source: str 
     except FileNotFoundError:
         raise StateFileError(f"{src}: no such file") from None
     except Exception as exc:
-        raise StateFileError(f"{src}: cannot be read as a torch state file (truncated, or not a "
-                             f".pth written by torch.save?): {_short(exc)}") from None
+        raise StateFileError(
+            f"{src}: cannot be read as a torch state file (truncated, or not a "
+            f".pth written by torch.save?): {_short(exc)}"
+        ) from None
     return state_from_dict(sd, shape, source=src, shift_dtype=shift_dtype, wkv_dtype=wkv_dtype)
 
 
-def state_from_dict(sd: Any, shape: ModelShape, *, source: str, shift_dtype: torch.dtype = torch.float32,
-                    wkv_dtype: torch.dtype = torch.float32) -> StateFile:
+def state_from_dict(
+    sd: Any,
+    shape: ModelShape,
+    *,
+    source: str,
+    shift_dtype: torch.dtype = torch.float32,
+    wkv_dtype: torch.dtype = torch.float32,
+) -> StateFile:
     """Validate a loaded state dict against the model and build its State (see read_state_file)."""
     layers = check_state_dict(sd, shape, source)
     wkv = torch.stack([layers[i] for i in range(shape.n_layer)]).unsqueeze(1)  # (L, 1, H, N, N)
@@ -110,8 +123,10 @@ def check_state_dict(sd: Any, shape: ModelShape, source: str) -> dict[int, torch
         raise StateFileError(f"{source}: not a state file (a dict of tensors), but a {type(sd).__name__}")
     ckpt = next((k for k in _CHECKPOINT_KEYS if k in sd), None)
     if ckpt is not None:
-        raise StateFileError(f"{source}: this is a model checkpoint (it has the key {ckpt!r}), not a "
-                             "state file; a model is given with --model")
+        raise StateFileError(
+            f"{source}: this is a model checkpoint (it has the key {ckpt!r}), not a "
+            "state file; a model is given with --model"
+        )
     H, N, L = shape.n_head, shape.head_size, shape.n_layer
     layers: dict[int, torch.Tensor] = {}
     for key, value in sd.items():
@@ -119,38 +134,48 @@ def check_state_dict(sd: Any, shape: ModelShape, source: str) -> dict[int, torch
         if m is None:
             if key in (ATT_SHIFT, FFN_SHIFT, PENDING, META):
                 continue
-            raise StateFileError(f"{source}: unexpected key {key!r} (an RWKV-7 state file has only "
-                                 "'blocks.<i>.att.time_state' keys)")
+            raise StateFileError(
+                f"{source}: unexpected key {key!r} (an RWKV-7 state file has only 'blocks.<i>.att.time_state' keys)"
+            )
         layers[int(m.group(1))] = _tensor(value, key, source)
     if not layers:
         raise StateFileError(f"{source}: no 'blocks.<i>.att.time_state' key: not an RWKV-7 state file")
     if max(layers) >= L:
-        raise StateFileError(f"{source}: has layers up to {max(layers)} (key 'blocks.{max(layers)}.att.time_state'), "
-                             f"this model has {L} layers: a state of another model")
+        raise StateFileError(
+            f"{source}: has layers up to {max(layers)} (key 'blocks.{max(layers)}.att.time_state'), "
+            f"this model has {L} layers: a state of another model"
+        )
     missing = [i for i in range(L) if i not in layers]
     if missing:
-        raise StateFileError(f"{source}: missing key 'blocks.{missing[0]}.att.time_state' "
-                             f"({len(layers)} of the model's {L} layers are in the file)")
+        raise StateFileError(
+            f"{source}: missing key 'blocks.{missing[0]}.att.time_state' "
+            f"({len(layers)} of the model's {L} layers are in the file)"
+        )
     for i in range(L):
         t = layers[i]
         if tuple(t.shape) != (H, N, N):
-            raise StateFileError(f"{source}: key 'blocks.{i}.att.time_state' has shape {tuple(t.shape)}; this "
-                                 f"model needs ({H}, {N}, {N}) (heads, head size, head size): a state of "
-                                 "another model size")
+            raise StateFileError(
+                f"{source}: key 'blocks.{i}.att.time_state' has shape {tuple(t.shape)}; this "
+                f"model needs ({H}, {N}, {N}) (heads, head size, head size): a state of "
+                "another model size"
+            )
         if not torch.isfinite(t).all():
             raise StateFileError(f"{source}: key 'blocks.{i}.att.time_state' holds NaN or infinite values")
     return layers
 
 
-def write_state_file(state: State, *, full: bool = True, pending: Sequence[int] = (),
-                     meta: Mapping[str, Any] | None = None) -> bytes:
+def write_state_file(
+    state: State, *, full: bool = True, pending: Sequence[int] = (), meta: Mapping[str, Any] | None = None
+) -> bytes:
     """The bytes of a state file of a batch-1 state, in the state's own dtypes (bit-exact).
     full=False: the bare RWKV-7 file (time_state keys only)."""
     if state.batch_size != 1:
         raise ValueError(f"a state file holds one sequence, got a batch of {state.batch_size}")
     wkv = state.wkv.detach().cpu()
-    sd: dict[str, torch.Tensor] = {f"blocks.{i}.att.time_state": wkv[i, 0].clone()  # (H, N, N)
-                                   for i in range(wkv.shape[0])}
+    sd: dict[str, torch.Tensor] = {
+        f"blocks.{i}.att.time_state": wkv[i, 0].clone()  # (H, N, N)
+        for i in range(wkv.shape[0])
+    }
     if full:
         sd[ATT_SHIFT] = state.att_shift.detach().cpu()[:, 0].clone()  # (L, C)
         sd[FFN_SHIFT] = state.ffn_shift.detach().cpu()[:, 0].clone()  # (L, C)
@@ -195,8 +220,9 @@ def _pending(value: Any, shape: ModelShape, source: str) -> list[int]:
     ids = [int(x) for x in value.tolist()]
     bad = next((x for x in ids if not 0 <= x < shape.vocab_size), None)
     if bad is not None:
-        raise StateFileError(f"{source}: key {PENDING!r} holds token id {bad}, outside the vocabulary "
-                             f"[0, {shape.vocab_size})")
+        raise StateFileError(
+            f"{source}: key {PENDING!r} holds token id {bad}, outside the vocabulary [0, {shape.vocab_size})"
+        )
     return ids
 
 
@@ -211,8 +237,7 @@ def _meta(value: Any, shape: ModelShape, source: str) -> dict[str, Any]:
         raise StateFileError(f"{source}: key {META!r} is not {FORMAT!r} metadata")
     sig = meta.get("signature")
     if sig is not None and sig != shape.signature():
-        raise StateFileError(f"{source}: exported from a model of shape {sig!r}; this model is "
-                             f"{shape.signature()!r}")
+        raise StateFileError(f"{source}: exported from a model of shape {sig!r}; this model is {shape.signature()!r}")
     return meta
 
 
@@ -222,5 +247,13 @@ def _short(exc: BaseException) -> str:
     return first if len(first) <= 200 else first[:200] + "..."
 
 
-__all__ = ["FORMAT", "StateFile", "StateFileError", "check_state_dict", "expected_bytes", "read_state_file",
-           "state_from_dict", "write_state_file"]
+__all__ = [
+    "FORMAT",
+    "StateFile",
+    "StateFileError",
+    "check_state_dict",
+    "expected_bytes",
+    "read_state_file",
+    "state_from_dict",
+    "write_state_file",
+]

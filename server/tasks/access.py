@@ -31,8 +31,9 @@ class Access:
     def __init__(self, table: TaskTable, store: Store, persistence: Persistence, lease: Lease) -> None:
         self.table, self.store, self.persistence, self.lease = table, store, persistence, lease
 
-    async def get(self, task_id: str, owner: str | None, *, write: bool = False, force: bool = False,
-                  stream: bool = False) -> Task:
+    async def get(
+        self, task_id: str, owner: str | None, *, write: bool = False, force: bool = False, stream: bool = False
+    ) -> Task:
         """TaskManager.get, for an owner hash."""
         t = await self.lookup(task_id, owner)
         if t is None:

@@ -49,8 +49,14 @@ class Pending:
 
 
 class StateLane:
-    def __init__(self, prepare: Callable[[Pending], Awaitable[Any]], write: Callable[[Pending, Any], Awaitable[None]],
-                 drop: Callable[[Pending, str], None], *, max_bytes: int) -> None:
+    def __init__(
+        self,
+        prepare: Callable[[Pending], Awaitable[Any]],
+        write: Callable[[Pending, Any], Awaitable[None]],
+        drop: Callable[[Pending, str], None],
+        *,
+        max_bytes: int,
+    ) -> None:
         """`prepare(p)`: encode p (run ahead of its turn); `write(p, prepared)`: commit it,
         point the row at it and release p; `drop(p, why)`: p will not be written (release what
         holds it in memory)."""
@@ -103,9 +109,11 @@ class StateLane:
 
     async def wait_written(self, task_id: str, timeout: float | None = None) -> None:
         """Until the task has no state pending (written or dropped)."""
+
         async def until() -> None:
             while self.pending(task_id):
                 await asyncio.sleep(0.005)
+
         await asyncio.wait_for(until(), timeout)
 
     async def idle(self) -> None:
@@ -117,8 +125,12 @@ class StateLane:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
-            log.warning("state writes: %d states (%.1f MiB) not written at shutdown; their tasks "
-                        "will be rebuilt from their tokens", len(self), self.bytes / 2**20)
+            log.warning(
+                "state writes: %d states (%.1f MiB) not written at shutdown; their tasks "
+                "will be rebuilt from their tokens",
+                len(self),
+                self.bytes / 2**20,
+            )
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -195,7 +207,7 @@ class StateLane:
                 outcome = "failed"
                 log.exception("state write of %s failed; its task will be rebuilt from its tokens", p.task.id)
             if outcome == "retry":
-                await asyncio.sleep(min(RETRY_MAX_S, 0.05 * 2 ** p.attempts))  # still _current
+                await asyncio.sleep(min(RETRY_MAX_S, 0.05 * 2**p.attempts))  # still _current
                 self._current = None
                 if p.task.id not in self._items and not p.task.deleted:
                     self._items = {p.task.id: p, **self._items}  # first again: the oldest

@@ -57,8 +57,9 @@ class _Pin(Generic[V]):
 
 
 class StateCache(Generic[V]):
-    def __init__(self, budget_bytes: int, *, tmp_bytes: int | None = None,
-                 on_evict: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, budget_bytes: int, *, tmp_bytes: int | None = None, on_evict: Callable[[str], None] | None = None
+    ) -> None:
         """`tmp_bytes`: the tmp LRU's budget (None: budget_bytes)."""
         self.budget = max(0, int(budget_bytes))
         self.tmp_budget = self.budget if tmp_bytes is None else max(0, int(tmp_bytes))
@@ -191,14 +192,18 @@ class StateCache(Generic[V]):
 
     def stats(self) -> dict[str, int]:
         return {
-            "lru_bytes": int(self._lru.currsize), "lru_count": len(self._lru),
+            "lru_bytes": int(self._lru.currsize),
+            "lru_count": len(self._lru),
             "pinned_bytes": sum(p.value.nbytes() for p in self._pinned.values()),
             "pinned_count": len(self._pinned),
             "template_bytes": sum(v.nbytes() for v in self._templates.values()),
             "template_count": len(self._templates),
-            "tmp_bytes": int(self._tmp.currsize), "tmp_count": len(self._tmp),
+            "tmp_bytes": int(self._tmp.currsize),
+            "tmp_count": len(self._tmp),
             "tmp_budget_bytes": self.tmp_budget,
-            "budget_bytes": self.budget, "hits": self.hits, "misses": self.misses,
+            "budget_bytes": self.budget,
+            "hits": self.hits,
+            "misses": self.misses,
             "evictions": self.evictions,
         }
 

@@ -63,6 +63,7 @@ def encode_state(state: State, signature: str, *, wkv_dtype: str | None = None) 
     (one of DTYPES, e.g. "float16"): store a wider WKV tensor in that dtype (lossy)."""
     import numpy
     import torch
+
     if state.batch_size != 1:
         raise ValueError(f"only batch-1 states are stored (got batch {state.batch_size})")
     if wkv_dtype is not None and wkv_dtype not in DTYPES:
@@ -97,8 +98,7 @@ def encode_state(state: State, signature: str, *, wkv_dtype: str | None = None) 
                     host[dst] = raw.numpy()
                 else:
                     blob[dst].copy_(raw)  # from the device
-    meta = {"layout": LAYOUT, "signature": signature, "byteorder": sys.byteorder,
-            "tensors": tensors}
+    meta = {"layout": LAYOUT, "signature": signature, "byteorder": sys.byteorder, "tensors": tensors}
     return EncodedState(meta, data, hashlib.sha256(data).hexdigest(), signature)
 
 
@@ -122,8 +122,7 @@ def _narrower(dtype_name: str, t: torch.Tensor) -> bool:
     return torch.empty(0, dtype=getattr(torch, dtype_name)).element_size() < t.element_size()
 
 
-def decode_state(meta: dict[str, Any], data: bytes, expected_signature: str,
-                 checksum: str | None = None) -> State:
+def decode_state(meta: dict[str, Any], data: bytes, expected_signature: str, checksum: str | None = None) -> State:
     """Rebuild a CPU state (in its working dtypes); refuses another model's shape
     (StateShapeError), a foreign layout, a bad checksum or inconsistent metadata."""
     try:
@@ -143,7 +142,8 @@ def _decode(meta: dict[str, Any], data: bytes, expected_signature: str, checksum
     if sig != expected_signature:
         raise StateShapeError(
             f"stored state belongs to model shape {sig!r}, but the loaded model is "
-            f"{expected_signature!r}; it cannot be used with this model")
+            f"{expected_signature!r}; it cannot be used with this model"
+        )
     if meta.get("layout") != LAYOUT:
         raise StateCodecError(f"unknown state layout {meta.get('layout')!r} (expected {LAYOUT!r})")
     if meta.get("byteorder", "little") != sys.byteorder:

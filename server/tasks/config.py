@@ -119,15 +119,22 @@ class TaskConfig:
         """The task layer's fields of `settings` (a TaskConfig is returned as it is)."""
         if isinstance(settings, TaskConfig):
             return settings
-        return cls(db=settings.db, state_cache_bytes=int(settings.state_cache_bytes),
-                   db_budget_bytes=int(settings.db_budget_bytes), tmp_task_ttl=float(settings.tmp_task_ttl),
-                   writer_queue=int(settings.writer_queue), default_max_tokens=int(settings.default_max_tokens),
-                   max_tokens_limit=int(settings.max_tokens_limit),
-                   tmp_state_bytes=int(settings.tmp_state_bytes), write_behind_bytes=int(settings.write_behind_bytes),
-                   state_store_dtype=settings.state_store_dtype,
-                   instance_name=server_name(settings.instance_name, int(settings.port)),
-                   public_url=settings.public_url, lease_timeout=float(settings.lease_timeout),
-                   db_busy_timeout=float(settings.db_busy_timeout))
+        return cls(
+            db=settings.db,
+            state_cache_bytes=int(settings.state_cache_bytes),
+            db_budget_bytes=int(settings.db_budget_bytes),
+            tmp_task_ttl=float(settings.tmp_task_ttl),
+            writer_queue=int(settings.writer_queue),
+            default_max_tokens=int(settings.default_max_tokens),
+            max_tokens_limit=int(settings.max_tokens_limit),
+            tmp_state_bytes=int(settings.tmp_state_bytes),
+            write_behind_bytes=int(settings.write_behind_bytes),
+            state_store_dtype=settings.state_store_dtype,
+            instance_name=server_name(settings.instance_name, int(settings.port)),
+            public_url=settings.public_url,
+            lease_timeout=float(settings.lease_timeout),
+            db_busy_timeout=float(settings.db_busy_timeout),
+        )
 
 
 class ModelShapeLike(Protocol):

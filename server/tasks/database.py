@@ -29,8 +29,7 @@ from server.tasks.errors import TaskError, TaskUnavailable
 
 log = logging.getLogger("server.tasks.store")
 
-_ASYNC_SCHEMES = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
-                  "postgres": "postgresql+asyncpg"}
+_ASYNC_SCHEMES = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 
 
 def database_url(db: str) -> str:
@@ -55,8 +54,14 @@ def _sqlite_setup(engine: AsyncEngine, busy_ms: int) -> None:
         # 64 KiB pages commit them several times faster than 4 KiB ones; one-row updates are
         # no slower. busy_timeout before journal_mode: switching a new file to WAL takes a lock
         # that another process opening the same file at the same time may hold.
-        for pragma in (f"busy_timeout={busy_ms}", "page_size=65536", "journal_mode=WAL", "synchronous=FULL",
-                       "journal_size_limit=67108864", "temp_store=MEMORY"):
+        for pragma in (
+            f"busy_timeout={busy_ms}",
+            "page_size=65536",
+            "journal_mode=WAL",
+            "synchronous=FULL",
+            "journal_size_limit=67108864",
+            "temp_store=MEMORY",
+        ):
             cur.execute(f"PRAGMA {pragma}")
         cur.close()
 
@@ -91,8 +96,9 @@ def unavailable(exc: BaseException) -> TaskUnavailable | None:
     orig = exc.orig
     msg, state = str(orig).lower(), getattr(orig, "sqlstate", None) or ""
     if any(m in msg for m in _BUSY) or state in _PG_BUSY:
-        return TaskUnavailable("the task database is locked by another writer beyond the busy "
-                               "timeout; nothing was stored, retry shortly")
+        return TaskUnavailable(
+            "the task database is locked by another writer beyond the busy timeout; nothing was stored, retry shortly"
+        )
     if any(m in msg for m in _FULL) or state in _PG_FULL:
         return TaskUnavailable("the task database's disk is full; nothing was stored, retry later")
     if exc.connection_invalidated or state[:2] in ("08", "57", "53"):
@@ -129,7 +135,8 @@ class DatabaseDamaged(RuntimeError):
             f"the task database {path} is damaged ({getattr(exc, 'orig', exc)}): nothing was changed. "
             f"Restore it from a backup, or salvage what is readable with `sqlite3 {path} .recover | "
             f"sqlite3 recovered.db` and start on recovered.db (tasks missing there are lost; states "
-            f"missing there are rebuilt from their tasks' tokens)")
+            f"missing there are rebuilt from their tasks' tokens)"
+        )
 
 
 class Database:
@@ -152,9 +159,11 @@ class Database:
         try:
             self.engine = create_async_engine(self.url, **kw)
         except ModuleNotFoundError as exc:  # e.g. postgresql:// without asyncpg installed
-            raise RuntimeError(f"the task database {self.url.split('://')[0]}:// needs the {exc.name} "
-                               f"package (pip install {exc.name}; for PostgreSQL: pip install "
-                               f"'rwkv-task-server[postgres]')") from exc
+            raise RuntimeError(
+                f"the task database {self.url.split('://')[0]}:// needs the {exc.name} "
+                f"package (pip install {exc.name}; for PostgreSQL: pip install "
+                f"'rwkv-task-server[postgres]')"
+            ) from exc
         if self.is_sqlite:
             _sqlite_setup(self.engine, int(self.busy_timeout * 1000))
         try:
@@ -221,4 +230,3 @@ class Database:
         else:
             q = "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS double precision)"
         return float((await conn.exec_driver_sql(q)).scalar_one())
-

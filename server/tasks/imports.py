@@ -49,14 +49,24 @@ def check_name(name: str) -> str:
     """The template id `_<name>`; TaskInvalid for a name that is not 1-64 of letters, digits, '_',
     '-', '.' (starting with a letter or digit)."""
     if not NAME.match(name):
-        raise TaskInvalid(f"state name {name!r}: use 1-64 letters, digits, '_', '-', '.' (starting with a "
-                          "letter or digit; no path separators)", param="name")
+        raise TaskInvalid(
+            f"state name {name!r}: use 1-64 letters, digits, '_', '-', '.' (starting with a "
+            "letter or digit; no path separators)",
+            param="name",
+        )
     return new_id(TEMPLATE, name)
 
 
-async def template_from_state(tm: TaskManager, name: str, state: State, *, pending: Sequence[int] = (),
-                              owner: str | None = None, operator: bool = False,
-                              params: dict[str, Any] | None = None) -> Task:
+async def template_from_state(
+    tm: TaskManager,
+    name: str,
+    state: State,
+    *,
+    pending: Sequence[int] = (),
+    owner: str | None = None,
+    operator: bool = False,
+    params: dict[str, Any] | None = None,
+) -> Task:
     """Make the read-only template `_<name>` holding `state` (batch 1, CPU; kept as given: the
     caller hands it over) and `pending` (tokens fed before a fork's prompt).
 
@@ -72,14 +82,21 @@ async def template_from_state(tm: TaskManager, name: str, state: State, *, pendi
     old = await _existing(tm, tid)
     if old is not None:
         if not (operator and old.parent_id == STATE_OPERATOR):
-            raise TaskConflict(f"template {tid!r} already exists; delete it first or pick another name",
-                               param="name")
+            raise TaskConflict(f"template {tid!r} already exists; delete it first or pick another name", param="name")
         await tm.delete(tid, None, force=True)  # the operator's file of an earlier start
     if tid in tm.live:  # made meanwhile (the awaits above)
         raise TaskConflict(f"template {tid!r} already exists", param="name")
-    tpl = Task(id=tid, kind=TEMPLATE, owner=oid, public=oid is None,
-               parent_id=STATE_OPERATOR if operator else STATE_UPLOAD, params=dict(params or {}),
-               tokens=array("i", [int(t) for t in pending]), out_start=len(pending), finish_reason="stop")
+    tpl = Task(
+        id=tid,
+        kind=TEMPLATE,
+        owner=oid,
+        public=oid is None,
+        parent_id=STATE_OPERATOR if operator else STATE_UPLOAD,
+        params=dict(params or {}),
+        tokens=array("i", [int(t) for t in pending]),
+        out_start=len(pending),
+        finish_reason="stop",
+    )
     tpl.out.finish_reason = "stop"
     tm.live[tid] = tpl  # reserves the id (no await since the check above)
     sid = f"{tid}:{uuid.uuid4().hex[:12]}"

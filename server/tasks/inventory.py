@@ -19,9 +19,18 @@ if TYPE_CHECKING:
 
 
 class Inventory:
-    def __init__(self, table: TaskTable, store: Store, cache: StateCache[State], counters: Counter[str], *,
-                 tmp_task_ttl: float, db_state_bytes: Callable[[], int], writer_backlog: Callable[[], int],
-                 lane: Callable[[], dict[str, Any]] = dict) -> None:
+    def __init__(
+        self,
+        table: TaskTable,
+        store: Store,
+        cache: StateCache[State],
+        counters: Counter[str],
+        *,
+        tmp_task_ttl: float,
+        db_state_bytes: Callable[[], int],
+        writer_backlog: Callable[[], int],
+        lane: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
         self.table, self.store, self.cache, self.counters = table, store, cache, counters
         self.tmp_task_ttl = float(tmp_task_ttl)
         self._db_state_bytes = db_state_bytes  # Persistence.db_state_bytes, read when asked
@@ -36,8 +45,9 @@ class Inventory:
         if self._janitor is not None:
             self._janitor.cancel()
 
-    async def list(self, owner_id: str | None, *, all_owners: bool, limit: int = 100, offset: int = 0,
-                   kind: str | None = None) -> dict[str, Any]:
+    async def list(
+        self, owner_id: str | None, *, all_owners: bool, limit: int = 100, offset: int = 0, kind: str | None = None
+    ) -> dict[str, Any]:
         """A page of the tasks `owner_id` may list (all_owners: every task), newest first: the
         TMP tasks in memory and the stored tasks; its own and the public templates."""
 
@@ -54,11 +64,17 @@ class Inventory:
         items = {t.id: t.summary() for t in mem_only}
         for r in rows:
             items.setdefault(r.id, _row_summary(r, self.table.find(r.id)))
-        page = sorted(items.values(), key=lambda d: (-d["created_at"], d["task_id"]))[offset:offset + limit]
-        return {"cpu_cache_count": len(mem), "database_count": db_total,
-                "total_count": db_total + len(mem_only), "cpu_tasks": [t.display_id for t in mem],
-                "db_tasks": [display_id(r.id) for r in rows][offset:offset + limit], "tasks": page,
-                "limit": limit, "offset": offset}
+        page = sorted(items.values(), key=lambda d: (-d["created_at"], d["task_id"]))[offset : offset + limit]
+        return {
+            "cpu_cache_count": len(mem),
+            "database_count": db_total,
+            "total_count": db_total + len(mem_only),
+            "cpu_tasks": [t.display_id for t in mem],
+            "db_tasks": [display_id(r.id) for r in rows][offset : offset + limit],
+            "tasks": page,
+            "limit": limit,
+            "offset": offset,
+        }
 
     async def _sweep_loop(self) -> None:
         ttl = self.tmp_task_ttl
@@ -69,8 +85,11 @@ class Inventory:
 
     def sweep(self, cutoff: float) -> int:
         """Drop TMP tasks that finished before `cutoff` (epoch seconds)."""
-        old = [t for t in self.table.live.values() if t.kind == TMP and not t.running
-               and t.finished_at is not None and t.finished_at < cutoff]
+        old = [
+            t
+            for t in self.table.live.values()
+            if t.kind == TMP and not t.running and t.finished_at is not None and t.finished_at < cutoff
+        ]
         for t in old:
             self.table.live.pop(t.id, None)
             t.deleted = True
@@ -90,24 +109,42 @@ class Inventory:
         lane = self._lane()
         return {
             "tiers": {
-                "tasks_lru": {"bytes": c["lru_bytes"], "entries": c["lru_count"],
-                              "hits": c["hits"], "misses": c["misses"]},
+                "tasks_lru": {
+                    "bytes": c["lru_bytes"],
+                    "entries": c["lru_count"],
+                    "hits": c["hits"],
+                    "misses": c["misses"],
+                },
                 "tasks_pinned": {"bytes": c["pinned_bytes"], "entries": c["pinned_count"]},
                 "templates": {"bytes": c["template_bytes"], "entries": c["template_count"]},
                 "tmp": {"bytes": c["tmp_bytes"], "entries": c["tmp_count"]},
                 "write_behind": {"bytes": lane.get("bytes", 0), "entries": lane.get("entries", 0)},
-                "database": {"bytes": self._db_state_bytes(), "hits": self.counters["db_state_loads"],
-                             "misses": self.counters["state_misses"]},
+                "database": {
+                    "bytes": self._db_state_bytes(),
+                    "hits": self.counters["db_state_loads"],
+                    "misses": self.counters["state_misses"],
+                },
             },
-            "tasks_live": len(self.table.live), "tasks_running": running,
-            "writer_queue": self._writer_backlog(), "counters": dict(self.counters),
+            "tasks_live": len(self.table.live),
+            "tasks_running": running,
+            "writer_queue": self._writer_backlog(),
+            "counters": dict(self.counters),
         }
 
 
 def _row_summary(r: DbRow, t: Task | None) -> dict[str, Any]:
     if t is not None:
         return t.summary()
-    return {"task_id": display_id(r.id), "kind": r.kind, "status": r.status, "finish_reason": r.finish_reason,
-            "generated_buf": r.completion_tokens, "created_at": r.created_at,
-            "updated_at": r.updated_at, "parent_id": display_id(r.parent_id),
-            "state": STORED if r.state_id else REBUILD, "instance": r.instance, "public": bool(r.public)}
+    return {
+        "task_id": display_id(r.id),
+        "kind": r.kind,
+        "status": r.status,
+        "finish_reason": r.finish_reason,
+        "generated_buf": r.completion_tokens,
+        "created_at": r.created_at,
+        "updated_at": r.updated_at,
+        "parent_id": display_id(r.parent_id),
+        "state": STORED if r.state_id else REBUILD,
+        "instance": r.instance,
+        "public": bool(r.public),
+    }

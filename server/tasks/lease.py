@@ -98,8 +98,12 @@ class Lease:
             reaped = await interrupt_orphans(conn, set(live))
         if not renewed and self.renewals:
             self.lost += 1
-            log.error("instance %s: its lease had expired (no heartbeat for over %.0f s); the tasks "
-                      "it was running were marked interrupted; registered again", self.instance, self.timeout)
+            log.error(
+                "instance %s: its lease had expired (no heartbeat for over %.0f s); the tasks "
+                "it was running were marked interrupted; registered again",
+                self.instance,
+                self.timeout,
+            )
         self.renewals += 1
         live.pop(self.instance, None)
         self.peers = live
@@ -109,12 +113,16 @@ class Lease:
 
     async def _renew(self, conn: AsyncConnection, now: float) -> bool:
         """Renew this instance's row; insert it when missing. True when it was there."""
-        res = await conn.execute(sa.update(instances).where(instances.c.id == self.instance)
-                                 .values(heartbeat_at=now, url=self.url))
+        res = await conn.execute(
+            sa.update(instances).where(instances.c.id == self.instance).values(heartbeat_at=now, url=self.url)
+        )
         if res.rowcount:
             return True
-        await conn.execute(sa.insert(instances).values(id=self.instance, name=self.name, url=self.url,
-                                                       started_at=time.time(), heartbeat_at=now))
+        await conn.execute(
+            sa.insert(instances).values(
+                id=self.instance, name=self.name, url=self.url, started_at=time.time(), heartbeat_at=now
+            )
+        )
         return False
 
     async def _loop(self, on_reaped: Callable[[list[str]], None], on_lost: Callable[[], None]) -> None:

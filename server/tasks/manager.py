@@ -66,9 +66,16 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
 class TaskManager:
-    def __init__(self, engine: EngineAPI, tokenizer: TokenizerLike, settings: TaskSettings,
-                 model_shape: ModelShapeLike, *, store: Store | None = None,
-                 latency: LatencyFactory | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineAPI,
+        tokenizer: TokenizerLike,
+        settings: TaskSettings,
+        model_shape: ModelShapeLike,
+        *,
+        store: Store | None = None,
+        latency: LatencyFactory | None = None,
+    ) -> None:
         """`settings`: server.config.Settings or a TaskConfig (the fields the task layer reads).
         `latency`: optional factory of a latency recorder per run (the HTTP layer's Recorder)."""
         self.engine, self.tokenizer = engine, tokenizer
@@ -80,22 +87,45 @@ class TaskManager:
         self.instance = self.lease.instance
         self.table = TaskTable()
         self.live = self.table.live  # TMP tasks, running tasks, tasks with writes pending
-        self.cache: StateCache[State] = StateCache(cfg.state_cache_bytes, tmp_bytes=cfg.tmp_state_bytes,
-                                                   on_evict=self._state_evicted)
+        self.cache: StateCache[State] = StateCache(
+            cfg.state_cache_bytes, tmp_bytes=cfg.tmp_state_bytes, on_evict=self._state_evicted
+        )
         self.writer = Writer(cfg.writer_queue)
         self.counters: Counter[str] = Counter()
         self.persistence = persistence = Persistence(
-            self.store, self.writer, self.cache, self.table, self.counters, signature=self.signature,
-            db_budget_bytes=cfg.db_budget_bytes, instance=self.instance,
-            write_behind_bytes=cfg.write_behind_bytes, store_dtype=STORE_DTYPES[cfg.state_store_dtype],
-            url_of=self.lease.url_of)
-        self.runs = Runs(engine, self.table, persistence, self.cache, self.counters,
-                         default_max_tokens=cfg.default_max_tokens, max_tokens_limit=cfg.max_tokens_limit,
-                         latency=latency, instance=self.instance)
-        self.inventory = Inventory(self.table, self.store, self.cache, self.counters,
-                                   tmp_task_ttl=cfg.tmp_task_ttl,
-                                   db_state_bytes=lambda: persistence.db_state_bytes,
-                                   writer_backlog=self.writer.queue.qsize, lane=persistence.lane.stats)
+            self.store,
+            self.writer,
+            self.cache,
+            self.table,
+            self.counters,
+            signature=self.signature,
+            db_budget_bytes=cfg.db_budget_bytes,
+            instance=self.instance,
+            write_behind_bytes=cfg.write_behind_bytes,
+            store_dtype=STORE_DTYPES[cfg.state_store_dtype],
+            url_of=self.lease.url_of,
+        )
+        self.runs = Runs(
+            engine,
+            self.table,
+            persistence,
+            self.cache,
+            self.counters,
+            default_max_tokens=cfg.default_max_tokens,
+            max_tokens_limit=cfg.max_tokens_limit,
+            latency=latency,
+            instance=self.instance,
+        )
+        self.inventory = Inventory(
+            self.table,
+            self.store,
+            self.cache,
+            self.counters,
+            tmp_task_ttl=cfg.tmp_task_ttl,
+            db_state_bytes=lambda: persistence.db_state_bytes,
+            writer_backlog=self.writer.queue.qsize,
+            lane=persistence.lane.stats,
+        )
         self.access = Access(self.table, self.store, persistence, self.lease)
         self.interrupted: list[str] = []
 
@@ -109,8 +139,7 @@ class TaskManager:
         await self.store.open()
         self.interrupted = await self.lease.start()
         if self.interrupted:
-            log.warning("%d task(s) were running when their server stopped; marked interrupted",
-                        len(self.interrupted))
+            log.warning("%d task(s) were running when their server stopped; marked interrupted", len(self.interrupted))
         await self.persistence.start()
         self.writer.start()
         self.inventory.start()
@@ -157,8 +186,9 @@ class TaskManager:
         """Tasks store a hash of the API key, never the key."""
         return None if owner is None else hashlib.sha256(owner.encode()).hexdigest()[:32]
 
-    async def get(self, task_id: str, owner: str | None = None, *, write: bool = False,
-                  force: bool = False, stream: bool = False) -> Task:
+    async def get(
+        self, task_id: str, owner: str | None = None, *, write: bool = False, force: bool = False, stream: bool = False
+    ) -> Task:
         """The task, if `owner` may see it (write: may change it). 404 for a task `owner` may
         not see (another key's task, or private template), 403 for a write to a template
         (without `force`, or another key's public one), 409 (TaskElsewhere) for a write or a
@@ -166,23 +196,47 @@ class TaskManager:
         return await self.access.get(task_id, self.owner_id(owner), write=write, force=force, stream=stream)
 
     # --- operations ------------------------------------------------------------------------------
-    async def create(self, prompt: Prompt, params: dict[str, Any] | None = None, *,
-                     persistent: bool = False, owner: str | None = None) -> Task:
+    async def create(
+        self,
+        prompt: Prompt,
+        params: dict[str, Any] | None = None,
+        *,
+        persistent: bool = False,
+        owner: str | None = None,
+    ) -> Task:
         ids = await self._encode(prompt)
         if not ids:
             raise TaskInvalid("prompt must not be empty", param="prompt")
         kind = TASK if persistent else TMP
-        t = Task(id=new_id(kind), kind=kind, owner=self.owner_id(owner),
-                 params=self._params(params), prompt=prompt if isinstance(prompt, str) else "")
+        t = Task(
+            id=new_id(kind),
+            kind=kind,
+            owner=self.owner_id(owner),
+            params=self._params(params),
+            prompt=prompt if isinstance(prompt, str) else "",
+        )
         return await self.runs.start(t, ids, new=True)
 
-    async def fim(self, prefix: str, suffix: str = "", params: dict[str, Any] | None = None, *,
-                  persistent: bool = False, owner: str | None = None) -> Task:
+    async def fim(
+        self,
+        prefix: str,
+        suffix: str = "",
+        params: dict[str, Any] | None = None,
+        *,
+        persistent: bool = False,
+        owner: str | None = None,
+    ) -> Task:
         return await self.create(fim_prompt(prefix, suffix), params, persistent=persistent, owner=owner)
 
-    async def fork(self, task_id: str, params: dict[str, Any] | None = None,
-                   prompt: Prompt | None = None, *, tmp: bool = False,
-                   owner: str | None = None) -> Task:
+    async def fork(
+        self,
+        task_id: str,
+        params: dict[str, Any] | None = None,
+        prompt: Prompt | None = None,
+        *,
+        tmp: bool = False,
+        owner: str | None = None,
+    ) -> Task:
         """A new task from a copy of the source's state and parameters, then the overrides
         (max_tokens included), then the prompt. The source is untouched."""
         ids = await self._encode(prompt) if prompt else None
@@ -193,18 +247,34 @@ class TaskManager:
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
             merged.pop("max_tokens")  # a prefill-only source forks into generating tasks
         kind = TMP if tmp else TASK
-        t = Task(id=new_id(kind), kind=kind, owner=self.owner_id(owner), parent_id=src.id,
-                 params=merged, prompt=prompt if isinstance(prompt, str) else "",
-                 tokens=array("i", src.tokens), out_start=len(src.tokens),
-                 state_id=src.state_id, state_pos=src.state_pos, out=Output(), base_id=base_of(src))
+        t = Task(
+            id=new_id(kind),
+            kind=kind,
+            owner=self.owner_id(owner),
+            parent_id=src.id,
+            params=merged,
+            prompt=prompt if isinstance(prompt, str) else "",
+            tokens=array("i", src.tokens),
+            out_start=len(src.tokens),
+            state_id=src.state_id,
+            state_pos=src.state_pos,
+            out=Output(),
+            base_id=base_of(src),
+        )
         if kind == TASK:  # its row names a stored state only
             t.stored_id, t.stored_pos = src.stored_id, src.stored_pos
         self.counters["forks"] += 1
         return await self.runs.start(t, ids, new=True)
 
-    async def continue_(self, task_id: str, params: dict[str, Any] | None = None,
-                        prompt: Prompt | None = None, *, owner: str | None = None,
-                        force: bool = False) -> Task:
+    async def continue_(
+        self,
+        task_id: str,
+        params: dict[str, Any] | None = None,
+        prompt: Prompt | None = None,
+        *,
+        owner: str | None = None,
+        force: bool = False,
+    ) -> Task:
         """The same task goes on: with a prompt, prefill it then generate (new output);
         without, keep generating (the output grows)."""
         ids = await self._encode(prompt) if prompt else None
@@ -222,8 +292,7 @@ class TaskManager:
                     raise
         raise AssertionError("unreachable")
 
-    async def stop(self, task_id: str, owner: str | None = None, *, force: bool = False,
-                   wait: float = 5.0) -> Task:
+    async def stop(self, task_id: str, owner: str | None = None, *, force: bool = False, wait: float = 5.0) -> Task:
         """Stop a running task by identity (engine abort); it ends with finish_reason "stopped"."""
         t = await self.get(task_id, owner, write=True, force=force)
         if t.running:
@@ -250,8 +319,9 @@ class TaskManager:
         t.out.notify()
         return t
 
-    async def as_template(self, task_id: str, owner: str | None = None,
-                          name: str | None = None, *, public: bool = False) -> Task:
+    async def as_template(
+        self, task_id: str, owner: str | None = None, name: str | None = None, *, public: bool = False
+    ) -> Task:
         """A read-only, persisted template `_TMPL_<hex>` (or `_<name>`) with the task's state,
         answered once its state is stored. Private to `owner`'s key unless `public` (every key
         may read and fork it); a template made without keys (owner None) is public. Names are
@@ -287,11 +357,13 @@ class TaskManager:
         return streaming.events(t, pos, ping=ping)
 
     # --- inventory -------------------------------------------------------------------------------
-    async def list(self, owner: str | None = None, *, limit: int = 100, offset: int = 0,
-                   kind: str | None = None) -> dict[str, Any]:
+    async def list(
+        self, owner: str | None = None, *, limit: int = 100, offset: int = 0, kind: str | None = None
+    ) -> dict[str, Any]:
         """A page of the tasks `owner` may see (None: all), newest first (docs/task-api.md)."""
-        return await self.inventory.list(self.owner_id(owner), all_owners=owner is None, limit=limit,
-                                         offset=offset, kind=kind)
+        return await self.inventory.list(
+            self.owner_id(owner), all_owners=owner is None, limit=limit, offset=offset, kind=kind
+        )
 
     def sweep(self, cutoff: float) -> int:
         """Drop TMP tasks that finished before `cutoff` (epoch seconds)."""
@@ -312,16 +384,16 @@ class TaskManager:
             try:
                 prompt.encode("utf-8")  # the stored prompt and its text must be valid UTF-8
             except UnicodeEncodeError as exc:
-                raise TaskInvalid(f"prompt is not valid text at character {exc.start} (a lone surrogate?)",
-                                  param="prompt") from None
+                raise TaskInvalid(
+                    f"prompt is not valid text at character {exc.start} (a lone surrogate?)", param="prompt"
+                ) from None
             if len(prompt) > 20000:
                 return list(await asyncio.to_thread(self.tokenizer.encode, prompt))
             return list(self.tokenizer.encode(prompt))
         ids = [int(x) for x in prompt]
         bad = next((x for x in ids if not 0 <= x < self.vocab_size), None)
         if bad is not None:
-            raise TaskInvalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                              param="prompt")
+            raise TaskInvalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         return ids
 
 

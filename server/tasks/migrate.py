@@ -63,7 +63,8 @@ def upgrade(connection: Connection, target: str = "head") -> tuple[str | None, s
             raise SchemaTooNewError(
                 f"the task database has schema revision {before!r}, which this server does not "
                 f"know (newest known: {script.get_current_head()!r}); it was written by a newer "
-                f"server. Run that server version, or point --db at another database.")
+                f"server. Run that server version, or point --db at another database."
+            )
     command.upgrade(cfg, target)
     return before, current_revision(connection) or ""
 

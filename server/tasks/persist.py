@@ -83,19 +83,38 @@ class SettleJob:
 
 
 class Persistence:
-    def __init__(self, store: Store, writer: Writer, cache: StateCache[State], table: TaskTable,
-                 counters: Counter[str], *, signature: str, db_budget_bytes: int, instance: str = "local",
-                 write_behind_bytes: int = 8 * 1024**3, store_dtype: str | None = None,
-                 url_of: Callable[[str | None], str | None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        writer: Writer,
+        cache: StateCache[State],
+        table: TaskTable,
+        counters: Counter[str],
+        *,
+        signature: str,
+        db_budget_bytes: int,
+        instance: str = "local",
+        write_behind_bytes: int = 8 * 1024**3,
+        store_dtype: str | None = None,
+        url_of: Callable[[str | None], str | None] = lambda _: None,
+    ) -> None:
         self.store, self.writer, self.cache, self.table = store, writer, cache, table
         self.counters = counters
         self.signature = signature
         self.instance = instance
         self.store_dtype = store_dtype
         self.url_of = url_of
-        self.states = StateWrites(store, writer, cache, table, counters, signature=signature,
-                                  db_budget_bytes=db_budget_bytes, write_behind_bytes=write_behind_bytes,
-                                  store_dtype=store_dtype)
+        self.states = StateWrites(
+            store,
+            writer,
+            cache,
+            table,
+            counters,
+            signature=signature,
+            db_budget_bytes=db_budget_bytes,
+            write_behind_bytes=write_behind_bytes,
+            store_dtype=store_dtype,
+        )
         self.lane = self.states.lane
         self._progress_queued = False  # a progress job is in the writer queue
         self._retries: dict[int, asyncio.TimerHandle] = {}  # id(job) -> its retry timer
@@ -176,7 +195,8 @@ class Persistence:
         raise TaskStateLost(
             f"task {t.display_id} starts from the state of template {display_id(base.template_id)}, which "
             f"{why} (and its own state is lost): it cannot be rebuilt from its tokens. Load the state file "
-            "again and fork that")
+            "again and fork that"
+        )
 
     async def _lookup(self, task_id: str) -> Task | None:
         return self.table.find(task_id) or await self.load_task(task_id)
@@ -299,10 +319,14 @@ class Persistence:
         job.attempts += 1
         t = job.task
         if isinstance(exc, TaskUnavailable):
-            log.warning("task %s: its final row could not be committed (%s); retrying, the task "
-                        "shows as running until then", t.id, exc.message)
+            log.warning(
+                "task %s: its final row could not be committed (%s); retrying, the task shows as running until then",
+                t.id,
+                exc.message,
+            )
             self._retries[id(job)] = asyncio.get_running_loop().call_later(
-                min(RETRY_MAX_S, 0.05 * 2 ** job.attempts), self._retry_settle, job)
+                min(RETRY_MAX_S, 0.05 * 2**job.attempts), self._retry_settle, job
+            )
             return
         log.error("task %s: its final row could not be stored: %s", t.id, exc)
         job.outcome = Outcome("error", f"its final row could not be stored: {exc}")
@@ -347,6 +371,7 @@ class Persistence:
     async def _delete_job(self, t: Task) -> None:
         _, dropped = await self.store.delete_task(t.id)
         self.states.db_state_bytes -= dropped
+
 
 def _decode(meta: str, data: bytes, signature: str, checksum: str) -> State:
     try:

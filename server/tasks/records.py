@@ -191,23 +191,42 @@ class Task:
     def response(self) -> dict[str, Any]:
         """TaskResponse (the SDK's keys + ours)."""
         return {
-            "task_id": self.display_id, "result": self.out.text, "prefill_time": self.prefill_time,
-            "gen_time": self.gen_time, "speed": self.speed(), "finished": not self.running,
-            "status": self.status, "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "state": self.state, "instance": self.instance,
+            "task_id": self.display_id,
+            "result": self.out.text,
+            "prefill_time": self.prefill_time,
+            "gen_time": self.gen_time,
+            "speed": self.speed(),
+            "finished": not self.running,
+            "status": self.status,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "state": self.state,
+            "instance": self.instance,
         }
 
     def info(self) -> dict[str, Any]:
-        return {"task_id": self.display_id, "generated_buf": self.generated, "status": self.status,
-                "finish_reason": self.finish_reason}
+        return {
+            "task_id": self.display_id,
+            "generated_buf": self.generated,
+            "status": self.status,
+            "finish_reason": self.finish_reason,
+        }
 
     def summary(self) -> dict[str, Any]:
-        return {"task_id": self.display_id, "kind": self.kind, "status": self.status,
-                "finish_reason": self.finish_reason, "generated_buf": self.generated,
-                "created_at": self.created_at, "updated_at": self.updated_at,
-                "parent_id": display_id(self.parent_id), "state": self.state,
-                "instance": self.instance, "public": self.public}
+        return {
+            "task_id": self.display_id,
+            "kind": self.kind,
+            "status": self.status,
+            "finish_reason": self.finish_reason,
+            "generated_buf": self.generated,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "parent_id": display_id(self.parent_id),
+            "state": self.state,
+            "instance": self.instance,
+            "public": self.public,
+        }
 
 
 def _ints_to_blob(values: Iterable[int]) -> bytes:
@@ -234,20 +253,52 @@ _LITTLE = sys.byteorder == "little"
 def to_row(t: Task) -> dict[str, Any]:
     """The whole row of a new task (its state pointer: the last STORED state)."""
     return {
-        "id": t.id, "kind": t.kind, "status": t.status, "finish_reason": t.finish_reason,
-        "owner": t.owner, "parent_id": t.parent_id, "params": orjson.dumps(t.params).decode(),
-        "prompt": t.prompt, "prompt_len": t.prompt_len, "tokens": _ints_to_blob(t.tokens),
-        "out_start": t.out_start, "text": t.out.text, "offsets": _ints_to_blob(t.out.offsets),
-        "state_id": t.stored_id, "state_pos": t.stored_pos, "prompt_tokens": t.prompt_tokens,
-        "completion_tokens": t.completion_tokens, "prefill_time": t.prefill_time,
-        "gen_time": t.gen_time, "created_at": t.created_at, "updated_at": t.updated_at,
-        "public": t.public, "instance": t.instance, "version": t.version, "base_id": t.base_id,
+        "id": t.id,
+        "kind": t.kind,
+        "status": t.status,
+        "finish_reason": t.finish_reason,
+        "owner": t.owner,
+        "parent_id": t.parent_id,
+        "params": orjson.dumps(t.params).decode(),
+        "prompt": t.prompt,
+        "prompt_len": t.prompt_len,
+        "tokens": _ints_to_blob(t.tokens),
+        "out_start": t.out_start,
+        "text": t.out.text,
+        "offsets": _ints_to_blob(t.out.offsets),
+        "state_id": t.stored_id,
+        "state_pos": t.stored_pos,
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "prefill_time": t.prefill_time,
+        "gen_time": t.gen_time,
+        "created_at": t.created_at,
+        "updated_at": t.updated_at,
+        "public": t.public,
+        "instance": t.instance,
+        "version": t.version,
+        "base_id": t.base_id,
     }
 
 
-UPDATE_COLUMNS = ("id", "status", "finish_reason", "params", "prompt", "prompt_len", "tokens",
-                  "out_start", "text", "offsets", "prompt_tokens", "completion_tokens",
-                  "prefill_time", "gen_time", "updated_at", "instance")
+UPDATE_COLUMNS = (
+    "id",
+    "status",
+    "finish_reason",
+    "params",
+    "prompt",
+    "prompt_len",
+    "tokens",
+    "out_start",
+    "text",
+    "offsets",
+    "prompt_tokens",
+    "completion_tokens",
+    "prefill_time",
+    "gen_time",
+    "updated_at",
+    "instance",
+)
 """What a run changes in an existing row: never its identity, owner or version (claims own
 those) nor its state pointer (only a state write or the database budget moves that)."""
 
@@ -263,14 +314,31 @@ def from_row(r: DbRow | Mapping[str, Any]) -> Task:
     out = Output(m["text"], _blob_to_ints(m["offsets"]), finished=m["status"] == FINISHED)
     out.finish_reason = m["finish_reason"]
     return Task(
-        id=m["id"], kind=m["kind"], owner=m["owner"], parent_id=m["parent_id"],
-        params=orjson.loads(m["params"]), prompt=m["prompt"], prompt_len=m["prompt_len"],
-        tokens=_blob_to_ints(m["tokens"]), out_start=m["out_start"], out=out,
-        state_id=m["state_id"], state_pos=m["state_pos"], status=m["status"],
-        finish_reason=m["finish_reason"], prompt_tokens=m["prompt_tokens"],
-        completion_tokens=m["completion_tokens"], prefill_time=m["prefill_time"],
-        gen_time=m["gen_time"], created_at=m["created_at"], updated_at=m["updated_at"],
+        id=m["id"],
+        kind=m["kind"],
+        owner=m["owner"],
+        parent_id=m["parent_id"],
+        params=orjson.loads(m["params"]),
+        prompt=m["prompt"],
+        prompt_len=m["prompt_len"],
+        tokens=_blob_to_ints(m["tokens"]),
+        out_start=m["out_start"],
+        out=out,
+        state_id=m["state_id"],
+        state_pos=m["state_pos"],
+        status=m["status"],
+        finish_reason=m["finish_reason"],
+        prompt_tokens=m["prompt_tokens"],
+        completion_tokens=m["completion_tokens"],
+        prefill_time=m["prefill_time"],
+        gen_time=m["gen_time"],
+        created_at=m["created_at"],
+        updated_at=m["updated_at"],
         finished_at=m["updated_at"] if m["status"] == FINISHED else None,
-        public=bool(m["public"]), stored_id=m["state_id"], stored_pos=m["state_pos"],
-        instance=m["instance"], version=m["version"], base_id=m.get("base_id"),
+        public=bool(m["public"]),
+        stored_id=m["state_id"],
+        stored_pos=m["state_pos"],
+        instance=m["instance"],
+        version=m["version"],
+        base_id=m.get("base_id"),
     )

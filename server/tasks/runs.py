@@ -75,10 +75,19 @@ class RunPersistence(Protocol):
 
 
 class Runs:
-    def __init__(self, engine: EngineAPI, table: TaskTable, persistence: RunPersistence,
-                 cache: StateCache[State], counters: Counter[str], *, default_max_tokens: int,
-                 max_tokens_limit: int = 0, latency: LatencyFactory | None = None,
-                 instance: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineAPI,
+        table: TaskTable,
+        persistence: RunPersistence,
+        cache: StateCache[State],
+        counters: Counter[str],
+        *,
+        default_max_tokens: int,
+        max_tokens_limit: int = 0,
+        latency: LatencyFactory | None = None,
+        instance: str | None = None,
+    ) -> None:
         self.engine, self.table, self.persistence, self.cache = engine, table, persistence, cache
         self.counters = counters
         self.instance = instance
@@ -93,8 +102,15 @@ class Runs:
         self._seq = 0
 
     # --- start ---------------------------------------------------------------------------------
-    async def start(self, t: Task, prompt_ids: list[int] | None, *, new: bool,
-                    max_tokens: int | None = None, update: dict[str, Any] | None = None) -> Task:
+    async def start(
+        self,
+        t: Task,
+        prompt_ids: list[int] | None,
+        *,
+        new: bool,
+        max_tokens: int | None = None,
+        update: dict[str, Any] | None = None,
+    ) -> Task:
         """Claim, apply `update` (task fields), submit, (persistent: commit the row), and pump
         events in the background. On failure the task is as it was."""
         t = self.table.claim(t)
@@ -158,11 +174,13 @@ class Runs:
             if inp:
                 self._seq += 1
                 queued = self._engine_full()  # before submitting: it counts itself as waiting
-                handle = self.engine.submit(inp, sp, init_state=state, return_state=True,
-                                            request_id=f"{t.id}.{self._seq}")
+                handle = self.engine.submit(
+                    inp, sp, init_state=state, return_state=True, request_id=f"{t.id}.{self._seq}"
+                )
                 t.status = READY if queued else PREFILL
-            run = Run(pos=pos, n_input=len(inp), params=sp, key=key, handle=handle, t_submit=t_submit,
-                      recorder=recorder)
+            run = Run(
+                pos=pos, n_input=len(inp), params=sp, key=key, handle=handle, t_submit=t_submit, recorder=recorder
+            )
         except BaseException:
             self.persistence.release(key)
             raise
@@ -283,7 +301,8 @@ class Runs:
         row.update(status=FINISHED, finish_reason=reason, instance=None)
         t.pending_writes += 1
         t.saved = await self.persistence.queue_settled(
-            SettleJob(t, row, new_key, state, t.state_pos, old_key, Outcome(reason, error)))
+            SettleJob(t, row, new_key, state, t.state_pos, old_key, Outcome(reason, error))
+        )
 
     def _covered(self, t: Task, run: Run, res: Result | None) -> int | None:
         """Tokens of the run (input + output) the returned state has consumed, by the engine's
@@ -293,8 +312,9 @@ class Runs:
         if res.state is None:
             return None
         if run.n_out != len(res.token_ids):
-            log.warning("task %s: %d tokens streamed but the result has %d; state dropped",
-                        t.id, run.n_out, len(res.token_ids))
+            log.warning(
+                "task %s: %d tokens streamed but the result has %d; state dropped", t.id, run.n_out, len(res.token_ids)
+            )
             return None
         covered = run.n_input + len(res.token_ids) - len(res.pending_tokens)
         if not res.pending_tokens and res.finish_reason == STOP and run.params.max_tokens > 0:

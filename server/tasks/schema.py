@@ -57,7 +57,8 @@ ID_LEN = 160
 """Task and state ids (v3: a private named template's id carries its owner, `_name@<hash>`)."""
 
 tasks = sa.Table(
-    "tasks", metadata,
+    "tasks",
+    metadata,
     sa.Column("id", _str(ID_LEN), primary_key=True),
     sa.Column("kind", _str(16), nullable=False),  # task | template
     sa.Column("status", sa.Integer, nullable=False),  # 0 PREFILL, 1 READY, 2 RUNNING, 3 FINISHED
@@ -88,7 +89,8 @@ tasks = sa.Table(
 )
 
 states = sa.Table(
-    "states", metadata,
+    "states",
+    metadata,
     sa.Column("id", _str(ID_LEN), primary_key=True),
     sa.Column("task_id", _str(ID_LEN), nullable=False),  # the task that produced it
     sa.Column("is_template", sa.Boolean, nullable=False),
@@ -104,7 +106,8 @@ states = sa.Table(
 )
 
 instances = sa.Table(  # v3: one row per running server on this database (replicas)
-    "instances", metadata,
+    "instances",
+    metadata,
     sa.Column("id", _str(80), primary_key=True),
     sa.Column("name", _str(80), nullable=False),  # the server's name; a new start of it: a new id
     sa.Column("url", _text()),  # the URL it advertises (Settings.public_url), or NULL

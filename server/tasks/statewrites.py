@@ -32,16 +32,25 @@ log = logging.getLogger("server.tasks")
 
 
 class StateWrites:
-    def __init__(self, store: Store, writer: Writer, cache: StateCache[State], table: TaskTable,
-                 counters: Counter[str], *, signature: str, db_budget_bytes: int, write_behind_bytes: int,
-                 store_dtype: str | None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        writer: Writer,
+        cache: StateCache[State],
+        table: TaskTable,
+        counters: Counter[str],
+        *,
+        signature: str,
+        db_budget_bytes: int,
+        write_behind_bytes: int,
+        store_dtype: str | None,
+    ) -> None:
         self.store, self.writer, self.cache, self.table = store, writer, cache, table
         self.counters = counters
         self.signature = signature
         self.db_budget_bytes = db_budget_bytes
         self.store_dtype = store_dtype
-        self.lane = StateLane(self._encode_state, self._write_state, self._drop_pending,
-                              max_bytes=write_behind_bytes)
+        self.lane = StateLane(self._encode_state, self._write_state, self._drop_pending, max_bytes=write_behind_bytes)
         self.db_state_bytes = 0
         """Stored non-template state bytes."""
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="task-state-encode", initializer=_background)
@@ -64,7 +73,8 @@ class StateWrites:
         if p.task.deleted:
             return None
         enc = await asyncio.get_running_loop().run_in_executor(
-            self._encoder, partial(encode_state, p.state, self.signature, wkv_dtype=self.store_dtype))
+            self._encoder, partial(encode_state, p.state, self.signature, wkv_dtype=self.store_dtype)
+        )
         return state_row(p.key, p.task.id, enc, p.template)
 
     async def _write_state(self, p: Pending, srow: dict[str, Any] | None) -> None:
@@ -123,8 +133,7 @@ class StateWrites:
         running task's, pinned) is kept. A dropped state leaves memory too, and the tasks that
         named it say so, as the database now does: no task keeps an id that is gone."""
         keep = self.cache.pinned_keys() | {x.state_id for x in self.table.running() if x.state_id}
-        victims, total = await self.store.enforce_budget(self.db_budget_bytes, keep,
-                                                         prefer=self.cache.keys())
+        victims, total = await self.store.enforce_budget(self.db_budget_bytes, keep, prefer=self.cache.keys())
         self.db_state_bytes = total
         if victims:
             gone = set(victims)
@@ -136,9 +145,7 @@ class StateWrites:
                 if x.state_id in gone and not x.running:  # a running one settles a new state
                     x.state_id, x.state_pos = x.stored_id, x.stored_pos
             self.counters["db_evictions"] += len(victims)
-            log.info("database budget: dropped %d states (%.1f MiB of states left)",
-                     len(victims), total / 2**20)
-
+            log.info("database budget: dropped %d states (%.1f MiB of states left)", len(victims), total / 2**20)
 
 
 def _background() -> None:

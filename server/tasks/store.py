@@ -41,16 +41,21 @@ class Store(Database):
     """Task and state queries (the connection, locking and errors: Database)."""
 
     # --- tasks ---------------------------------------------------------------------------------
-    async def save(self, task_row: dict[str, Any] | None = None, state: dict[str, Any] | None = None,
-                   drop_states: Iterable[str] = ()) -> int:
+    async def save(
+        self,
+        task_row: dict[str, Any] | None = None,
+        state: dict[str, Any] | None = None,
+        drop_states: Iterable[str] = (),
+    ) -> int:
         """One transaction: insert `state` (a states row), upsert `task_row`, then drop the
         states in `drop_states` that no task references any more. Returns the non-template
         state bytes dropped."""
         async with self.write() as conn:
             return await _save_one(conn, task_row, state, drop_states)
 
-    async def save_each(self, items: AsyncIterator[tuple[dict[str, Any] | None, dict[str, Any] | None,
-                                                        Iterable[str]]]) -> int:
+    async def save_each(
+        self, items: AsyncIterator[tuple[dict[str, Any] | None, dict[str, Any] | None, Iterable[str]]]
+    ) -> int:
         """save(task_row, state, drop_states) for each item `items` yields, all in ONE
         transaction (items are taken one at a time, so they may be produced lazily)."""
         dropped = 0
@@ -84,8 +89,12 @@ class Store(Database):
         async with self.write() as conn:
             ids, held = [r["id"] for r in rows], set[str]()
             for i in range(0, len(ids), _CHUNK):
-                q = (sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
-                     .where(tasks.c.instance == instance).with_for_update())
+                q = (
+                    sa.select(tasks.c.id)
+                    .where(tasks.c.id.in_(ids[i : i + _CHUNK]))
+                    .where(tasks.c.instance == instance)
+                    .with_for_update()
+                )
                 held.update((await conn.execute(q)).scalars().all())
             await _update_rows(conn, [r for r in rows if r["id"] in held])
             return set(ids) - held
@@ -94,16 +103,18 @@ class Store(Database):
         """Start a run of a finished task: update its row (row's columns, version + 1) only if
         it is finished and still at `version`. Returns None when claimed, else what it found."""
         async with self.write() as conn:
-            q = (sa.select(tasks.c.status, tasks.c.version, tasks.c.instance)
-                 .where(tasks.c.id == task_id).with_for_update())
+            q = (
+                sa.select(tasks.c.status, tasks.c.version, tasks.c.instance)
+                .where(tasks.c.id == task_id)
+                .with_for_update()
+            )
             cur = (await conn.execute(q)).first()
             if cur is None:
                 return ClaimMiss(None, None, None)
             if cur.status != FINISHED or cur.version != version:
                 return ClaimMiss(cur.status, cur.version, cur.instance)
             values = {k: v for k, v in row.items() if k != "id"}
-            await conn.execute(sa.update(tasks).where(tasks.c.id == task_id)
-                               .values(**values, version=version + 1))
+            await conn.execute(sa.update(tasks).where(tasks.c.id == task_id).values(**values, version=version + 1))
             return None
 
     async def get_task(self, task_id: str) -> DbRow | None:
@@ -131,12 +142,24 @@ class Store(Database):
             await conn.execute(sa.delete(tasks).where(tasks.c.id == task_id))
             return True, (await _drop_state_if_unused(conn, row.state_id) if row.state_id else 0)
 
-    async def list_tasks(self, owner: str | None, all_owners: bool, kind: str | None,
-                         limit: int, offset: int) -> tuple[list[DbRow], int]:
+    async def list_tasks(
+        self, owner: str | None, all_owners: bool, kind: str | None, limit: int, offset: int
+    ) -> tuple[list[DbRow], int]:
         """A page of the rows `owner` may list (its own and the public templates), newest first."""
-        cols = [tasks.c.id, tasks.c.kind, tasks.c.status, tasks.c.finish_reason, tasks.c.created_at,
-                tasks.c.updated_at, tasks.c.parent_id, tasks.c.completion_tokens, tasks.c.state_id,
-                tasks.c.instance, tasks.c.public, tasks.c.state_pos]
+        cols = [
+            tasks.c.id,
+            tasks.c.kind,
+            tasks.c.status,
+            tasks.c.finish_reason,
+            tasks.c.created_at,
+            tasks.c.updated_at,
+            tasks.c.parent_id,
+            tasks.c.completion_tokens,
+            tasks.c.state_id,
+            tasks.c.instance,
+            tasks.c.public,
+            tasks.c.state_pos,
+        ]
         cond = []
         if not all_owners:
             own = tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None)
@@ -145,8 +168,13 @@ class Store(Database):
             cond.append(tasks.c.kind == kind)
         async with self.read() as conn:
             total = (await conn.execute(sa.select(sa.func.count()).select_from(tasks).where(*cond))).scalar_one()
-            q = (sa.select(*cols).where(*cond).order_by(tasks.c.created_at.desc(), tasks.c.id)
-                 .limit(limit).offset(offset))
+            q = (
+                sa.select(*cols)
+                .where(*cond)
+                .order_by(tasks.c.created_at.desc(), tasks.c.id)
+                .limit(limit)
+                .offset(offset)
+            )
             return list((await conn.execute(q)).all()), int(total)
 
     async def mark_interrupted(self, live: Iterable[str] = ()) -> list[str]:
@@ -158,8 +186,14 @@ class Store(Database):
     # --- states --------------------------------------------------------------------------------
     async def get_state(self, state_id: str) -> DbRow | None:
         async with self.read() as conn:
-            q = sa.select(states.c.meta, states.c.data, states.c.checksum, states.c.signature,
-                          states.c.nbytes, states.c.is_template).where(states.c.id == state_id)
+            q = sa.select(
+                states.c.meta,
+                states.c.data,
+                states.c.checksum,
+                states.c.signature,
+                states.c.nbytes,
+                states.c.is_template,
+            ).where(states.c.id == state_id)
             return (await conn.execute(q)).first()
 
     async def store_state(self, task_id: str, state: dict[str, Any], pos: int) -> tuple[bool, int]:
@@ -168,14 +202,14 @@ class Store(Database):
         when the row is gone or already names a state of a longer history (histories only
         grow). Returns (stored, non-template state bytes dropped)."""
         async with self.write() as conn:
-            q = (sa.select(tasks.c.state_id, tasks.c.state_pos).where(tasks.c.id == task_id)
-                 .with_for_update())
+            q = sa.select(tasks.c.state_id, tasks.c.state_pos).where(tasks.c.id == task_id).with_for_update()
             cur = (await conn.execute(q)).first()
             if cur is None or (cur.state_id is not None and cur.state_pos > pos):
                 return False, 0
             await conn.execute(sa.insert(states).values(**state))
-            await conn.execute(sa.update(tasks).where(tasks.c.id == task_id)
-                               .values(state_id=state["id"], state_pos=pos))
+            await conn.execute(
+                sa.update(tasks).where(tasks.c.id == task_id).values(state_id=state["id"], state_pos=pos)
+            )
             dropped = await _drop_state_if_unused(conn, cur.state_id) if cur.state_id else 0
             return True, dropped
 
@@ -183,10 +217,10 @@ class Store(Database):
         """Delete a state (a corrupt one) and clear the rows that name it (state_pos 0: their
         next run rebuilds from zero). Returns the non-template bytes dropped."""
         async with self.write() as conn:
-            row = (await conn.execute(sa.select(states.c.nbytes, states.c.is_template)
-                                      .where(states.c.id == state_id))).first()
-            await conn.execute(sa.update(tasks).where(tasks.c.state_id == state_id)
-                               .values(state_id=None, state_pos=0))
+            row = (
+                await conn.execute(sa.select(states.c.nbytes, states.c.is_template).where(states.c.id == state_id))
+            ).first()
+            await conn.execute(sa.update(tasks).where(tasks.c.state_id == state_id).values(state_id=None, state_pos=0))
             await conn.execute(sa.delete(states).where(states.c.id == state_id))
             return 0 if row is None or row.is_template else int(row.nbytes)
 
@@ -196,8 +230,9 @@ class Store(Database):
             return
         async with self.write() as conn:
             for i in range(0, len(ids), _CHUNK):
-                await conn.execute(sa.update(states).where(states.c.id.in_(ids[i:i + _CHUNK]))
-                                   .values(last_used=when or time.time()))
+                await conn.execute(
+                    sa.update(states).where(states.c.id.in_(ids[i : i + _CHUNK])).values(last_used=when or time.time())
+                )
 
     async def states_bytes(self, templates: bool | None = False) -> int:
         q = sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0))
@@ -206,8 +241,7 @@ class Store(Database):
         async with self.read() as conn:
             return int((await conn.execute(q)).scalar_one())
 
-    async def enforce_budget(self, budget: int, keep: set[str],
-                             prefer: Iterable[str] = ()) -> tuple[list[str], int]:
+    async def enforce_budget(self, budget: int, keep: set[str], prefer: Iterable[str] = ()) -> tuple[list[str], int]:
         """Drop least recently used non-template states until they fit in `budget` bytes, never
         one in `keep`, one in `prefer` only when the others do not suffice; tasks that pointed
         at them keep their text (state_id NULL, state_pos 0).
@@ -220,8 +254,11 @@ class Store(Database):
                 return [], total
             victims: list[str] = []
             prefer = set(prefer)
-            rows = (await conn.execute(sa.select(states.c.id, states.c.nbytes).where(nt)
-                                       .order_by(states.c.last_used, states.c.created_at))).all()
+            rows = (
+                await conn.execute(
+                    sa.select(states.c.id, states.c.nbytes).where(nt).order_by(states.c.last_used, states.c.created_at)
+                )
+            ).all()
             for r in [r for r in rows if r.id not in prefer] + [r for r in rows if r.id in prefer]:
                 if total <= budget:
                     break
@@ -230,10 +267,11 @@ class Store(Database):
                 victims.append(r.id)
                 total -= int(r.nbytes)
             for i in range(0, len(victims), _CHUNK):
-                part = victims[i:i + _CHUNK]
+                part = victims[i : i + _CHUNK]
                 await conn.execute(sa.delete(states).where(states.c.id.in_(part)))
-                await conn.execute(sa.update(tasks).where(tasks.c.state_id.in_(part))
-                                   .values(state_id=None, state_pos=0))
+                await conn.execute(
+                    sa.update(tasks).where(tasks.c.state_id.in_(part)).values(state_id=None, state_pos=0)
+                )
             return victims, total
 
     async def counts(self) -> dict[str, int]:
@@ -245,10 +283,18 @@ class Store(Database):
 
 def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool) -> dict[str, Any]:
     now = time.time()
-    return {"id": state_id, "task_id": task_id, "is_template": is_template,
-            "signature": enc.signature, "meta": orjson.dumps(enc.meta).decode(),
-            "nbytes": enc.nbytes, "checksum": enc.checksum, "data": enc.data,
-            "created_at": now, "last_used": now}
+    return {
+        "id": state_id,
+        "task_id": task_id,
+        "is_template": is_template,
+        "signature": enc.signature,
+        "meta": orjson.dumps(enc.meta).decode(),
+        "nbytes": enc.nbytes,
+        "checksum": enc.checksum,
+        "data": enc.data,
+        "created_at": now,
+        "last_used": now,
+    }
 
 
 async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
@@ -256,13 +302,17 @@ async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
     q = sa.select(tasks.c.id, tasks.c.instance).where(tasks.c.status != FINISHED)
     ids = [r.id for r in await conn.execute(q) if r.instance is None or r.instance not in live]
     for i in range(0, len(ids), _CHUNK):
-        await conn.execute(sa.update(tasks).where(tasks.c.id.in_(ids[i:i + _CHUNK])).values(
-            status=FINISHED, finish_reason="interrupted", instance=None, updated_at=time.time()))
+        await conn.execute(
+            sa.update(tasks)
+            .where(tasks.c.id.in_(ids[i : i + _CHUNK]))
+            .values(status=FINISHED, finish_reason="interrupted", instance=None, updated_at=time.time())
+        )
     return ids
 
 
-async def _save_one(conn: AsyncConnection, task_row: dict[str, Any] | None, state: dict[str, Any] | None,
-                    drop_states: Iterable[str]) -> int:
+async def _save_one(
+    conn: AsyncConnection, task_row: dict[str, Any] | None, state: dict[str, Any] | None, drop_states: Iterable[str]
+) -> int:
     if state is not None:
         await conn.execute(sa.insert(states).values(**state))
     if task_row is not None:
@@ -278,8 +328,7 @@ async def _update_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
     if not rows:
         return
     cols = [k for k in rows[0] if k != "id"]
-    stmt = (sa.update(tasks).where(tasks.c.id == sa.bindparam("b_id"))
-            .values({c: sa.bindparam(f"b_{c}") for c in cols}))
+    stmt = sa.update(tasks).where(tasks.c.id == sa.bindparam("b_id")).values({c: sa.bindparam(f"b_{c}") for c in cols})
     await conn.execute(stmt, [{f"b_{k}": v for k, v in r.items()} for r in rows])
 
 
@@ -289,7 +338,7 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
     last = list({r["id"]: r for r in rows}.values())
     ids, have = [r["id"] for r in last], set[str]()
     for i in range(0, len(ids), _CHUNK):
-        q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i:i + _CHUNK]))
+        q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i : i + _CHUNK]))
         have.update((await conn.execute(q)).scalars().all())
     await _update_rows(conn, [r for r in last if r["id"] in have])
     new = [r for r in last if r["id"] not in have]
@@ -300,8 +349,9 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
 async def _drop_state_if_unused(conn: AsyncConnection, state_id: str) -> int:
     """Delete a state no task names; returns its bytes if it was a non-template one, else 0."""
     used = sa.select(tasks.c.id).where(tasks.c.state_id == state_id).exists()
-    row = (await conn.execute(sa.select(states.c.nbytes, states.c.is_template)
-                              .where(states.c.id == state_id).where(~used))).first()
+    row = (
+        await conn.execute(sa.select(states.c.nbytes, states.c.is_template).where(states.c.id == state_id).where(~used))
+    ).first()
     if row is None:
         return 0
     await conn.execute(sa.delete(states).where(states.c.id == state_id))

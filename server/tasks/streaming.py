@@ -19,8 +19,7 @@ def header(t: Task) -> dict[str, Any]:
     return {"task_id": t.display_id, "prefill_time": round(_prefill_time(t), 6)}
 
 
-async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0,
-                 out: Output | None = None) -> AsyncIterator[Any]:
+async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0, out: Output | None = None) -> AsyncIterator[Any]:
     """Text events from token index `pos`, then the final event (or an error event).
     Each wake-up yields all the text that came since the last one (a slow reader gets it in
     fewer, larger events). `ping=None`: never yield KEEPALIVE (no timer per wait; the HTTP
@@ -30,8 +29,9 @@ async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0,
             yield ev
 
 
-async def batches(t: Task, pos: int = 0, *, ping: float | None = 15.0,
-                  out: Output | None = None) -> AsyncIterator[list[Any]]:
+async def batches(
+    t: Task, pos: int = 0, *, ping: float | None = 15.0, out: Output | None = None
+) -> AsyncIterator[list[Any]]:
     """events() as the list of what one wake-up has: [text event], [KEEPALIVE], and at the end
     [text event?, tail text event?, final or error event] (the last batch; `is_last` says so)."""
     out = out if out is not None else t.out
@@ -59,7 +59,7 @@ async def batches(t: Task, pos: int = 0, *, ping: float | None = 15.0,
 
 def new_text(t: Task, out: Output, pos: int, n: int) -> list[Any]:
     """[the text event of output tokens pos..n] ([] when they brought no text)."""
-    text = out.text[out.char_at(pos):out.char_at(n)]
+    text = out.text[out.char_at(pos) : out.char_at(n)]
     return [text_event(t, text, n)] if text else []
 
 
@@ -67,12 +67,13 @@ def closing_events(t: Task, out: Output, pos: int) -> list[Any]:
     """The end of a finished output read up to token `pos` (its last): the text that came with
     no token at all (a final flush), then the final event or the error event."""
     batch = []
-    tail = out.text[out.char_at(pos):]
+    tail = out.text[out.char_at(pos) :]
     if tail:
         batch.append(text_event(t, tail, pos))
     if out.error:
-        batch.append({"error": {"message": out.error, "type": "server_error", "param": None,
-                                "code": "generation_failed"}})
+        batch.append(
+            {"error": {"message": out.error, "type": "server_error", "param": None, "code": "generation_failed"}}
+        )
     else:
         batch.append(final_event(t, out))
     return batch
@@ -85,20 +86,31 @@ def is_last(ev: Any) -> bool:
 
 def text_event(t: Task, text: str, pos: int) -> dict[str, Any]:
     gen = _gen_time(t)
-    return {"data": text, "task_id": t.display_id, "gen_time": round(gen, 6),
-            "speed": round(t.completion_tokens / gen, 3) if gen > 0 else 0.0, "pos": pos}
+    return {
+        "data": text,
+        "task_id": t.display_id,
+        "gen_time": round(gen, 6),
+        "speed": round(t.completion_tokens / gen, 3) if gen > 0 else 0.0,
+        "pos": pos,
+    }
 
 
 def final_event(t: Task, out: Output) -> dict[str, Any]:
     done = out is t.out
     completion = len(out)
     return {
-        "task_id": t.display_id, "finished": True,
+        "task_id": t.display_id,
+        "finished": True,
         "finish_reason": out.finish_reason if not done else t.finish_reason,
-        "pos": completion, "prefill_time": round(_prefill_time(t), 6),
-        "gen_time": round(t.gen_time, 6), "speed": round(t.speed(), 3),
-        "usage": {"prompt_tokens": t.prompt_tokens, "completion_tokens": completion,
-                  "total_tokens": t.prompt_tokens + completion},
+        "pos": completion,
+        "prefill_time": round(_prefill_time(t), 6),
+        "gen_time": round(t.gen_time, 6),
+        "speed": round(t.speed(), 3),
+        "usage": {
+            "prompt_tokens": t.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": t.prompt_tokens + completion,
+        },
     }
 
 

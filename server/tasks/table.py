@@ -82,8 +82,21 @@ class TaskTable:
 class Snapshot:
     """What starting a run changes on a task (Runs.start), to undo it when the start fails."""
 
-    FIELDS = ("status", "out_start", "prompt_len", "out", "gen_time", "finish_reason", "stop_requested",
-              "interrupted", "run", "prompt_tokens", "completion_tokens", "updated_at", "instance")
+    FIELDS = (
+        "status",
+        "out_start",
+        "prompt_len",
+        "out",
+        "gen_time",
+        "finish_reason",
+        "stop_requested",
+        "interrupted",
+        "run",
+        "prompt_tokens",
+        "completion_tokens",
+        "updated_at",
+        "instance",
+    )
 
     def __init__(self, t: Task, fields: dict[str, Any]) -> None:
         self.n_tokens, self.fields = len(t.tokens), fields
@@ -95,7 +108,7 @@ class Snapshot:
         return cls(t, {k: getattr(t, k) for k in (*cls.FIELDS, *update)})
 
     def restore(self, t: Task) -> None:
-        del t.tokens[self.n_tokens:]
+        del t.tokens[self.n_tokens :]
         for k, v in self.fields.items():
             setattr(t, k, v)
         out = t.out  # the output as it was: text a run appended to it goes

@@ -19,12 +19,25 @@ def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
     """A new template `tid` with the finished task's history, text and parameters (less a
     `max_tokens` of 0: forks of it generate); its state: fill_template."""
     params = {k: v for k, v in src.params.items() if not (k == "max_tokens" and v == 0)}
-    tpl = Task(id=tid, kind=TEMPLATE, owner=owner, parent_id=src.id, public=public,
-               params=params, prompt=src.prompt, prompt_len=src.prompt_len,
-               tokens=array("i", src.tokens), out_start=src.out_start,
-               out=Output(src.out.text, src.out.offsets), finish_reason=src.finish_reason,
-               prompt_tokens=src.prompt_tokens, completion_tokens=src.completion_tokens,
-               prefill_time=src.prefill_time, gen_time=src.gen_time, base_id=base_of(src))
+    tpl = Task(
+        id=tid,
+        kind=TEMPLATE,
+        owner=owner,
+        parent_id=src.id,
+        public=public,
+        params=params,
+        prompt=src.prompt,
+        prompt_len=src.prompt_len,
+        tokens=array("i", src.tokens),
+        out_start=src.out_start,
+        out=Output(src.out.text, src.out.offsets),
+        finish_reason=src.finish_reason,
+        prompt_tokens=src.prompt_tokens,
+        completion_tokens=src.completion_tokens,
+        prefill_time=src.prefill_time,
+        gen_time=src.gen_time,
+        base_id=base_of(src),
+    )
     tpl.out.finish_reason = src.finish_reason
     return tpl
 
@@ -41,8 +54,7 @@ async def fill_template(tpl: Task, src: Task, persistence: Persistence, runs: Ru
             persistence.cache.put(sid, state, template=True)
             enc = await asyncio.to_thread(encode_state, state, signature, wkv_dtype=persistence.store_dtype)
             tpl.stored_id, tpl.stored_pos = sid, pos
-            await persistence.writer.call(persistence.store.save, to_row(tpl),
-                                          state_row(sid, tpl.id, enc, True))
+            await persistence.writer.call(persistence.store.save, to_row(tpl), state_row(sid, tpl.id, enc, True))
             return
     finally:
         persistence.release(key)

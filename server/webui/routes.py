@@ -34,8 +34,7 @@ router = APIRouter()
 
 def _assets() -> dict[str, Path]:
     """Served files by URL name ("style.css", "js/app.js"): only what the package ships."""
-    return {p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*")
-            if p.is_file() and p.name != "index.html"}
+    return {p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*") if p.is_file() and p.name != "index.html"}
 
 
 ASSETS = _assets()
@@ -77,5 +76,11 @@ async def task_detail(task_id: str, request: Request) -> Response:
 
 
 def _detail(t: Any) -> dict[str, Any]:
-    return {**t.summary(), "prompt": t.prompt, "params": t.params, "prompt_tokens": t.prompt_tokens,
-            "completion_tokens": t.completion_tokens, "speed": t.speed()}
+    return {
+        **t.summary(),
+        "prompt": t.prompt,
+        "params": t.params,
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "speed": t.speed(),
+    }

@@ -64,12 +64,14 @@ def check_prompt(sv: Services, tokens: list[int], field: str) -> None:
         raise LightningError(400, f"'{field}' is an empty prompt")
     limit = sv.settings.max_prompt_tokens
     if len(tokens) > limit:
-        raise ApiError(413, f"'{field}' has {len(tokens)} tokens; the limit is {limit}", param=field,
-                       code="prompt_too_long")
+        raise ApiError(
+            413, f"'{field}' has {len(tokens)} tokens; the limit is {limit}", param=field, code="prompt_too_long"
+        )
 
 
-async def submit(sv: Services, prompts: list[str], params: SamplingParams, field: str,
-                 init_state: StateLike | None = None) -> list[Job]:
+async def submit(
+    sv: Services, prompts: list[str], params: SamplingParams, field: str, init_state: StateLike | None = None
+) -> list[Job]:
     """One engine sequence per prompt (raw text, never rewritten), in order; 400 / 413 / 429
     before anything runs when the batch or a prompt cannot be taken."""
     check_batch(sv, len(prompts), field)
@@ -86,8 +88,15 @@ def sse(sv: Services, jobs: list[Job], t0: float, renderer: Renderer) -> SSEResp
     return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream)
 
 
-async def respond(request: Request, sv: Services, jobs: list[Job], t0: float, *, stream: Renderer | None,
-                  full: Callable[[list[Job]], dict[str, Any]]) -> Response:
+async def respond(
+    request: Request,
+    sv: Services,
+    jobs: list[Job],
+    t0: float,
+    *,
+    stream: Renderer | None,
+    full: Callable[[list[Job]], dict[str, Any]],
+) -> Response:
     """The SSE stream of `stream`'s bytes, or (None) the JSON `full(jobs)` once every job is
     done; a client that leaves first aborts the jobs (499)."""
     if stream is not None:
@@ -111,5 +120,11 @@ async def contents(body: LightningV1Body, request: Request, *, answer_id: str) -
     sv = get_services(request)
     jobs = await submit(sv, body.contents, body.sampling(*limits(sv)), "contents")
     renderer = native_renderer(jobs, body.chunk_size) if body.stream else None
-    return await respond(request, sv, jobs, t0, stream=renderer,
-                         full=lambda js: native_response(js, id=answer_id, object="chat.completion", model=body.model))
+    return await respond(
+        request,
+        sv,
+        jobs,
+        t0,
+        stream=renderer,
+        full=lambda js: native_response(js, id=answer_id, object="chat.completion", model=body.model),
+    )

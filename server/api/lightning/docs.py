@@ -9,7 +9,7 @@ from server.api.openapi import SSE_EVENT
 
 _WHY = {
     400: "an invalid field (our error shape), or one of lightning's: an empty batch, a batch beyond "
-         "the queue (bsz overflow), a missing session_id / dialogue_idx",
+    "the queue (bsz overflow), a missing session_id / dialogue_idx",
     401: "API keys are configured and neither `password` nor `Authorization: Bearer` holds one",
     404: "unknown session or dialogue node",
     409: "the session is generating (one write to a session at a time)",
@@ -18,14 +18,17 @@ _WHY = {
     503: "the model is loading, the engine stopped, or the server is shutting down",
 }
 _ERROR = {"application/json": {"schema": {"type": "object", "properties": {"error": {}}}}}
-_OK: dict[str, dict[str, Any]] = {"json": {"application/json": {"schema": {"type": "object"}}},
-       "sse": {"text/event-stream": {"schema": SSE_EVENT}}}
+_OK: dict[str, dict[str, Any]] = {
+    "json": {"application/json": {"schema": {"type": "object"}}},
+    "sse": {"text/event-stream": {"schema": SSE_EVENT}},
+}
 
 
 def responses(*errors: int, ok: tuple[str, ...] = ("json", "sse")) -> dict[int | str, dict[str, Any]]:
     """200 with the given content types, and the given error statuses."""
     out: dict[int | str, dict[str, Any]] = {
-        200: {"description": "the answer", "content": {k: v for o in ok for k, v in _OK[o].items()}}}
+        200: {"description": "the answer", "content": {k: v for o in ok for k, v in _OK[o].items()}}
+    }
     for status in errors:
         out[status] = {"description": _WHY[status], "content": _ERROR}
     return out

@@ -16,8 +16,7 @@ UNAUTHORIZED = "Unauthorized: invalid or missing password"
 class LightningError(ApiError):
     """Raise from a lightning route; the app's ApiError handler sends `body()`."""
 
-    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None,
-                 **extra: Any) -> None:
+    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None, **extra: Any) -> None:
         super().__init__(status, message, headers=headers)
         self.extra = extra
 
@@ -28,5 +27,9 @@ class LightningError(ApiError):
 def bsz_overflow(requested: int, bound: int) -> LightningError:
     """lightning's answer to a batch larger than it can hold (its message, then why)."""
     return LightningError(
-        400, f"bsz overflow, Max bsz={bound} (a request's prompts all wait in the engine's queue, which "
-             f"holds at most {bound} sequences: the server's max_queue)", request_bsz=requested, max_bsz=bound)
+        400,
+        f"bsz overflow, Max bsz={bound} (a request's prompts all wait in the engine's queue, which "
+        f"holds at most {bound} sequences: the server's max_queue)",
+        request_bsz=requested,
+        max_bsz=bound,
+    )

@@ -8,18 +8,20 @@ API keys (server.api.lightning.auth); every other path needs the header as befor
 
 from __future__ import annotations
 
-BODY_KEY_PATHS = frozenset({
-    "/v1/chat/completions",  # shared with the OpenAI route; a `messages` body still needs the header
-    "/v2/chat/completions",
-    "/translate/v1/batch-translate",
-    "/FIM/v1/batch-FIM",
-    "/big_batch/completions",
-    "/state/chat/completions",
-    "/multi_state/chat/completions",
-    "/state/status",
-    "/state/delete",
-    "/openai/v1/chat/completions",
-})
+BODY_KEY_PATHS = frozenset(
+    {
+        "/v1/chat/completions",  # shared with the OpenAI route; a `messages` body still needs the header
+        "/v2/chat/completions",
+        "/translate/v1/batch-translate",
+        "/FIM/v1/batch-FIM",
+        "/big_batch/completions",
+        "/state/chat/completions",
+        "/multi_state/chat/completions",
+        "/state/status",
+        "/state/delete",
+        "/openai/v1/chat/completions",
+    }
+)
 """POST paths whose credential may be the body's `password`."""
 
 KEY_PATHS = BODY_KEY_PATHS | {"/openai/v1/models"}

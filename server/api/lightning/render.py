@@ -30,8 +30,10 @@ def text_of(job: Job) -> str:
 
 
 def native_response(jobs: list[Job], *, id: str, object: str, model: str, **extra: Any) -> dict[str, Any]:
-    choices = [{"index": j.index, "message": {"role": "assistant", "content": text_of(j)},
-                "finish_reason": finish_reason(j)} for j in jobs]
+    choices = [
+        {"index": j.index, "message": {"role": "assistant", "content": text_of(j)}, "finish_reason": finish_reason(j)}
+        for j in jobs
+    ]
     return {"id": id, "object": object, "model": model, "choices": choices, **extra}
 
 
@@ -41,7 +43,7 @@ _HEAD = b'data: {"object":"chat.completion.chunk","choices":[{"index":'
 def native_chunk(index: int, text: str) -> bytes:
     """The bytes of one native SSE event: `event({"object": "chat.completion.chunk", "choices":
     [{"index": index, "delta": {"content": text}}]})`, with one orjson call on the text."""
-    return b"%s%d,\"delta\":{\"content\":%s}}]}\n\n" % (_HEAD, index, orjson.dumps(text))
+    return b'%s%d,"delta":{"content":%s}}]}\n\n' % (_HEAD, index, orjson.dumps(text))
 
 
 class Flushes:
@@ -76,11 +78,18 @@ def native_renderer(jobs: list[Job], chunk_size: int, tail: bytes = b"") -> Rend
 
 # --- the OpenAI-style route (/openai/v1/chat/completions) ---------------------------------------
 
+
 def chat_style_response(job: Job, meta: Meta) -> dict[str, Any]:
-    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text_of(job)},
-                         "finish_reason": finish_reason(job)}],
-            "usage": usage([job], meta)}
+    return {
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text_of(job)}, "finish_reason": finish_reason(job)}
+        ],
+        "usage": usage([job], meta),
+    }
 
 
 def chat_style_renderer(meta: Meta, chunk_size: int) -> Renderer:

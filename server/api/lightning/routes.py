@@ -33,9 +33,22 @@ from server.tasks.params import fim_prompt
 router = APIRouter(tags=["rwkv_lightning"])
 router.include_router(state_routes.router)
 
-LANGUAGES = {"zh-CN": "Chinese", "zh-TW": "Chinese", "en": "English", "ja": "Japanese", "ko": "Korean",
-             "fr": "French", "de": "German", "es": "Spanish", "it": "Italian", "pt": "Portuguese",
-             "ru": "Russian", "ar": "Arabic", "vi": "Vietnamese", "th": "Thai"}
+LANGUAGES = {
+    "zh-CN": "Chinese",
+    "zh-TW": "Chinese",
+    "en": "English",
+    "ja": "Japanese",
+    "ko": "Korean",
+    "fr": "French",
+    "de": "German",
+    "es": "Spanish",
+    "it": "Italian",
+    "pt": "Portuguese",
+    "ru": "Russian",
+    "ar": "Arabic",
+    "vi": "Vietnamese",
+    "th": "Thai",
+}
 """Language codes named in translation prompts (any other code is written as given)."""
 
 
@@ -60,14 +73,22 @@ async def batch_fim(body: FimBody, request: Request) -> Response:
     t0 = time.perf_counter()
     authorize(request, body.password)
     if len(body.prefix) != len(body.suffix):
-        raise LightningError(400, f"prefix and suffix are paired by position: got {len(body.prefix)} prefixes "
-                                  f"and {len(body.suffix)} suffixes")
+        raise LightningError(
+            400,
+            f"prefix and suffix are paired by position: got {len(body.prefix)} prefixes "
+            f"and {len(body.suffix)} suffixes",
+        )
     sv = get_services(request)
     prompts = [fim_prompt(p, s) for p, s in zip(body.prefix, body.suffix, strict=True)]
     jobs = await batch.submit(sv, prompts, body.sampling(*limits(sv), stop=[]), "prefix")
     return await batch.respond(
-        request, sv, jobs, t0, stream=native_renderer(jobs, body.chunk_size) if body.stream else None,
-        full=lambda js: native_response(js, id="rwkv7-batch", object="FIM.completion", model=body.model))
+        request,
+        sv,
+        jobs,
+        t0,
+        stream=native_renderer(jobs, body.chunk_size) if body.stream else None,
+        full=lambda js: native_response(js, id="rwkv7-batch", object="FIM.completion", model=body.model),
+    )
 
 
 @router.post("/translate/v1/batch-translate", responses=docs.responses(400, 401, 413, 429, 503, ok=("json",)))
@@ -79,12 +100,28 @@ async def batch_translate(body: TranslateBody, request: Request) -> Response:
     sv = get_services(request)
     src, tgt = (LANGUAGES.get(c, c) for c in (body.source_lang, body.target_lang))
     prompts = [f"{src}: {text}\n\n{tgt}:" for text in body.text_list]
-    params = sampling_params({"max_tokens": body.max_tokens, "temperature": 0.0, "presence_penalty": 0.0,
-                              "repetition_penalty": 0.0, "stop": []}, *limits(sv))
+    params = sampling_params(
+        {
+            "max_tokens": body.max_tokens,
+            "temperature": 0.0,
+            "presence_penalty": 0.0,
+            "repetition_penalty": 0.0,
+            "stop": [],
+        },
+        *limits(sv),
+    )
     jobs = await batch.submit(sv, prompts, params, "text_list")
     detected = body.source_lang if body.source_lang != "auto" else "en"
-    return await batch.respond(request, sv, jobs, t0, stream=None, full=lambda js: {"translations": [
-        {"detected_source_lang": detected, "text": "".join(j.text).strip()} for j in js]})
+    return await batch.respond(
+        request,
+        sv,
+        jobs,
+        t0,
+        stream=None,
+        full=lambda js: {
+            "translations": [{"detected_source_lang": detected, "text": "".join(j.text).strip()} for j in js]
+        },
+    )
 
 
 # --- its OpenAI-style routes -----------------------------------------------------------------------
@@ -114,4 +151,3 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     meta = Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt)
     stream = chat_style_renderer(meta, body.chunk_size or 1) if body.stream else None
     return await batch.respond(request, sv, jobs, t0, stream=stream, full=lambda js: chat_style_response(js[0], meta))
-

@@ -38,8 +38,12 @@ Alpha = Annotated[float, _bounded("presence_penalty")]
 Decay = Annotated[float, _bounded("penalty_decay")]
 ChunkSize = Annotated[int, Field(ge=1, le=MAX_CHUNK_SIZE, description="tokens per streamed flush")]
 USER_STOP = ["\nUser:"]
-OUR_NAMES = {"stop": "stop_tokens", "presence_penalty": "alpha_presence",
-             "repetition_penalty": "alpha_frequency", "penalty_decay": "alpha_decay"}
+OUR_NAMES = {
+    "stop": "stop_tokens",
+    "presence_penalty": "alpha_presence",
+    "repetition_penalty": "alpha_frequency",
+    "penalty_decay": "alpha_decay",
+}
 
 
 def limits(sv: Services) -> tuple[int, int]:
@@ -95,10 +99,17 @@ class NativeFields(Credential):
 
     def fields(self, stop: list[str] | None = None) -> dict[str, Any]:
         """The sampling fields by our names (stop: these strings instead of stop_tokens)."""
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-                "top_p": self.top_p, "presence_penalty": self.alpha_presence,
-                "repetition_penalty": self.alpha_frequency, "penalty_decay": self.alpha_decay,
-                "stop": list(self.stop_tokens if stop is None else stop), "ignore_eos": self.ignore_eos}
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "presence_penalty": self.alpha_presence,
+            "repetition_penalty": self.alpha_frequency,
+            "penalty_decay": self.alpha_decay,
+            "stop": list(self.stop_tokens if stop is None else stop),
+            "ignore_eos": self.ignore_eos,
+        }
 
     def sampling(self, vocab_size: int, max_tokens_limit: int = 0, stop: list[str] | None = None) -> SamplingParams:
         return sampling_params(self.fields(stop), vocab_size, max_tokens_limit)
@@ -147,10 +158,20 @@ class BigBatchBody(Credential):
     ignore_eos: bool = Field(False, description="(ours) keep generating past the end-of-text token")
 
     def sampling(self, vocab_size: int, max_tokens_limit: int = 0) -> SamplingParams:
-        return sampling_params({"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": 0,
-                                "top_p": 1.0, "presence_penalty": 0.0, "repetition_penalty": 0.0,
-                                "stop": list(self.stop_tokens), "ignore_eos": self.ignore_eos}, vocab_size,
-                               max_tokens_limit)
+        return sampling_params(
+            {
+                "max_tokens": self.max_tokens,
+                "temperature": self.temperature,
+                "top_k": 0,
+                "top_p": 1.0,
+                "presence_penalty": 0.0,
+                "repetition_penalty": 0.0,
+                "stop": list(self.stop_tokens),
+                "ignore_eos": self.ignore_eos,
+            },
+            vocab_size,
+            max_tokens_limit,
+        )
 
 
 class FimBody(NativeFields):

@@ -43,7 +43,7 @@ def name_of(params: dict[str, Any]) -> str | None:
     """The session name a task's parameters carry, or None (not a session task)."""
     for s in params.get("stop") or ():
         if isinstance(s, str) and s.startswith(TAG):
-            return s[len(TAG):]
+            return s[len(TAG) :]
     return None
 
 
@@ -138,8 +138,9 @@ class Sessions:
                 return t
             return await self.tasks.continue_(t.id, params, continued(prompt), owner=owner)
 
-    async def branch(self, owner: str | None, session_id: str, dialogue_idx: int, prompt: str,
-                     fields: dict[str, Any]) -> tuple[Task, int]:
+    async def branch(
+        self, owner: str | None, session_id: str, dialogue_idx: int, prompt: str, fields: dict[str, Any]
+    ) -> tuple[Task, int]:
         """/multi_state: a new node from node `dialogue_idx` (0: the zero state); (its task, its
         dialogue_idx). SessionNotFound for an unknown non-zero dialogue_idx."""
         oid = self.tasks.owner_id(owner)

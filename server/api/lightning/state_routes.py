@@ -46,22 +46,30 @@ def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
     if len(body.contents) != 1 or not body.contents[0]:
         raise LightningError(400, "Request must be single prompt: 'contents' holds exactly one non-empty prompt")
     if len(body.stop_tokens) >= MAX_STOP_STRINGS:
-        raise ApiError(400, f"invalid 'stop_tokens': at most {MAX_STOP_STRINGS - 1} stop strings on session routes",
-                       param="stop_tokens", code="invalid_request")
+        raise ApiError(
+            400,
+            f"invalid 'stop_tokens': at most {MAX_STOP_STRINGS - 1} stop strings on session routes",
+            param="stop_tokens",
+            code="invalid_request",
+        )
     fields = capped(body.fields(), sv.settings.max_tokens_limit)
     sampling_params(tagged(fields, sid), sv.shape.vocab_size)  # checked before anything starts
     return sid, body.contents[0], fields
 
 
-async def _answer(request: Request, sv: Services, t: Task, owner: str | None, body: StateBody, answer_id: str,
-                  node: int | None = None) -> Response:
+async def _answer(
+    request: Request, sv: Services, t: Task, owner: str | None, body: StateBody, answer_id: str, node: int | None = None
+) -> Response:
     """The run's native SSE or JSON; `node`: the multi_state node it made (the JSON says
     `dialogue_idx`, the stream sends its node event before [DONE])."""
     tm = _tasks(sv)
     named = {"dialogue_idx": node} if node is not None else {}
     if body.stream:
-        tail = event({"object": "multi_state.dialogue_idx", "session_id": f"{body.session_id}:{node}",
-                      **named}) if node is not None else b""
+        tail = (
+            event({"object": "multi_state.dialogue_idx", "session_id": f"{body.session_id}:{node}", **named})
+            if node is not None
+            else b""
+        )
         source = SessionStream(t, body.chunk_size, tail, on_abort=lambda: tm.abort(t))
         return SSEResponse(source, metrics=sv.metrics)
     out = t.out  # this run's output (bound before the wait: a later call makes a new one)
@@ -70,10 +78,14 @@ async def _answer(request: Request, sv: Services, t: Task, owner: str | None, bo
         return Response(status_code=499)
     if out.error or out.finish_reason == "error":
         raise ApiError(500, f"generation failed: {out.error or 'unknown error'}", code="generation_failed")
-    choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-              "finish_reason": FINISH.get(out.finish_reason or "", "stop")}
-    return json_response({"id": answer_id, "object": "chat.completion", "model": body.model,
-                          "choices": [choice], **named})
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": out.text},
+        "finish_reason": FINISH.get(out.finish_reason or "", "stop"),
+    }
+    return json_response(
+        {"id": answer_id, "object": "chat.completion", "model": body.model, "choices": [choice], **named}
+    )
 
 
 @router.post("/state/chat/completions", responses=docs.SESSION)
@@ -125,9 +137,16 @@ async def state_status(request: Request, body: Credential | None = None) -> Resp
         sessions.append({"session_id": name, "cache_level": level, "last_updated": when, "timestamp": t.updated_at})
         levels.append(level.split(" ")[0])
     counts = {lv: levels.count(lv) for lv in ("L1", "L2", "Database")}
-    return json_response({"status": "success", "total_sessions": len(sessions), "l1_cache_count": counts["L1"],
-                          "l2_cache_count": counts["L2"], "database_count": counts["Database"],
-                          "sessions": sessions})
+    return json_response(
+        {
+            "status": "success",
+            "total_sessions": len(sessions),
+            "l1_cache_count": counts["L1"],
+            "l2_cache_count": counts["L2"],
+            "database_count": counts["Database"],
+            "sessions": sessions,
+        }
+    )
 
 
 @router.post("/state/delete", responses=docs.responses(400, 401, 404, 503, ok=("json",)))
@@ -142,4 +161,3 @@ async def state_delete(body: DeleteBody, request: Request) -> Response:
         return json_response({"status": "success", "message": f"Session {body.session_id} deleted successfully"})
     request.state.error = f"session {body.session_id!r} not found"
     return json_response({"status": "not_found", "message": f"Session {body.session_id} not found"}, 404)
-

@@ -36,13 +36,13 @@ class Extras:
 
 # --- chat ----------------------------------------------------------------------------------------
 
+
 def _entry(ex: Extras, token: int, lp: float) -> dict[str, Any]:
     return {"token": ex.text(token), "logprob": lp, "bytes": list(ex.tokenizer.token_bytes(token))}
 
 
 def chat_logprobs(ex: Extras, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    return [{**_entry(ex, v.token, v.logprob), "top_logprobs": [_entry(ex, t, lp) for t, lp in v.top]}
-            for v in lps]
+    return [{**_entry(ex, v.token, v.logprob), "top_logprobs": [_entry(ex, t, lp) for t, lp in v.top]} for v in lps]
 
 
 def _message(job: Job, ex: Extras) -> tuple[dict[str, Any], str | None]:
@@ -64,8 +64,15 @@ def chat_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any]]:
             msg, finish = _message(j, ex)
             lp = None if ex.logprobs is None else {"content": chat_logprobs(ex, j.logprobs or []), "refusal": None}
             choices.append({"index": j.index, "message": msg, "logprobs": lp, "finish_reason": finish})
-        return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-                "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+        return {
+            "id": meta.id,
+            "object": "chat.completion",
+            "created": meta.created,
+            "model": meta.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage(jobs, meta),
+        }
 
     return full
 
@@ -78,8 +85,13 @@ class _ChatState:
 
 def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
     def make(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
-        base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-                "system_fingerprint": None}
+        base = {
+            "id": meta.id,
+            "object": "chat.completion.chunk",
+            "created": meta.created,
+            "model": meta.model,
+            "system_fingerprint": None,
+        }
         chunk = _chunker(base, include_usage)
         states = {j.index: _ChatState() for j in jobs}
         plan = ex.tool_plan
@@ -91,7 +103,7 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
             return {"index": job.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         def content(job: Job, st: _ChatState, text: str) -> bytes:
-            new, st.sent = text.lstrip()[st.sent:], max(st.sent, len(text.lstrip()))
+            new, st.sent = text.lstrip()[st.sent :], max(st.sent, len(text.lstrip()))
             return chunk([choice(job, {"content": new}, st)]) if new else b""
 
         def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
@@ -109,11 +121,16 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
             out = content(job, st, msg["content"] or "")
             for i, call in enumerate(msg.get("tool_calls") or ()):
                 fn = call["function"]
-                head = {"index": i, "id": call["id"], "type": "function",
-                        "function": {"name": fn["name"], "arguments": ""}}
+                head = {
+                    "index": i,
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": ""},
+                }
                 out += chunk([choice(job, {"tool_calls": [head]}, st)])
-                out += chunk([choice(job, {"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]},
-                                     st)])
+                out += chunk(
+                    [choice(job, {"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}, st)]
+                )
             return out + chunk([choice(job, {}, st, finish)]), True
 
         preamble = [chunk([choice(j, {"role": "assistant", "content": ""}, states[j.index])]) for j in jobs]
@@ -123,6 +140,7 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
 
 
 # --- completions ---------------------------------------------------------------------------------
+
 
 def _legacy(ex: Extras, values: Sequence[TokenLogprob | None], tokens: Sequence[int], offset: int) -> dict[str, Any]:
     """{tokens, token_logprobs, top_logprobs, text_offset}; a None value: a token without one."""
@@ -142,7 +160,7 @@ def _echoed(ex: Extras, job: Job) -> tuple[list[TokenLogprob | None], list[int]]
     if job.index >= len(ex.prompts):
         return [], []
     ids = list(ex.prompts[job.index])
-    scored = list(job.prompt_logprobs or [])[-(len(ids) - 1):] if len(ids) > 1 else []
+    scored = list(job.prompt_logprobs or [])[-(len(ids) - 1) :] if len(ids) > 1 else []
     return [None, *scored][: len(ids)], ids
 
 
@@ -159,10 +177,18 @@ def completion_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any
             pv, pids = _echoed(ex, j)
             lps = j.logprobs or []
             lp = _merge(_legacy(ex, pv, pids, 0), _legacy(ex, lps, [v.token for v in lps], len(echo)))
-            choices.append({"index": j.index, "text": echo + "".join(j.text), "logprobs": lp,
-                            "finish_reason": _finish(j)})
-        return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-                "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+            choices.append(
+                {"index": j.index, "text": echo + "".join(j.text), "logprobs": lp, "finish_reason": _finish(j)}
+            )
+        return {
+            "id": meta.id,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": meta.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage(jobs, meta),
+        }
 
     return full
 
@@ -172,8 +198,13 @@ def completion_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Rendere
     with the first, where the prompt's logprobs are known."""
 
     def make(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
-        base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-                "system_fingerprint": None}
+        base = {
+            "id": meta.id,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": meta.model,
+            "system_fingerprint": None,
+        }
         chunk = _chunker(base, include_usage)
         offsets: dict[int, int] = {}
 

@@ -31,8 +31,10 @@ class Agent:
     def apply(self, params: Sequence[SamplingParams]) -> list[SamplingParams]:
         if self.grammar is None and self.logprobs is None and self.prompt_logprobs is None:
             return list(params)
-        return [dataclasses.replace(p, grammar=self.grammar, logprobs=self.logprobs,
-                                    prompt_logprobs=self.prompt_logprobs) for p in params]
+        return [
+            dataclasses.replace(p, grammar=self.grammar, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+            for p in params
+        ]
 
 
 async def chat_agent(sv: Services, body: ChatRequest) -> Agent:

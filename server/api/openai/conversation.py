@@ -82,8 +82,9 @@ def _is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
 
 
 class ConversationCache:
-    def __init__(self, budget_bytes: int, *, shared: bool = False, repairs: bool = True,
-                 wait_s: float = WAIT_SETTLE_S) -> None:
+    def __init__(
+        self, budget_bytes: int, *, shared: bool = False, repairs: bool = True, wait_s: float = WAIT_SETTLE_S
+    ) -> None:
         """repairs=False: never submit a repair (e.g. a queue bound so small that one could take
         a client's place)."""
         self.cache: StateCache[StateLike] = StateCache(budget_bytes)
@@ -182,8 +183,9 @@ class ConversationCache:
                 del self._lengths[part]
         self._n_keys = n
 
-    def track(self, engine: EngineAPI, part: str, tokens: Sequence[int], handles: Sequence[Handle],
-              expect: Expect | None) -> None:
+    def track(
+        self, engine: EngineAPI, part: str, tokens: Sequence[int], handles: Sequence[Handle], expect: Expect | None
+    ) -> None:
         """After the request (`tokens`: its whole stream from the base; `handles`: one per choice)
         ends, keep its states (see the module docstring). Returns at once."""
         s = Settling(list(tokens), list(handles))
@@ -234,15 +236,21 @@ class ConversationCache:
         self.counters["repairs"] += 1
         self.counters["repair_tokens"] += len(target) - m
 
-    async def prefill(self, engine: EngineAPI, part: str, tokens: list[int], state: StateLike | None,
-                      n: int) -> StateLike:
+    async def prefill(
+        self, engine: EngineAPI, part: str, tokens: list[int], state: StateLike | None, n: int
+    ) -> StateLike:
         """The state after `tokens` (fed from `state`, which consumed tokens[:n]), kept. Concurrent
         calls for the same tokens share one prefill. Raises the engine's errors."""
         key = self._keys(part, tokens, [len(tokens)])[len(tokens)]
 
         async def load() -> StateLike:
-            h = engine.submit(tokens[n:], SamplingParams(max_tokens=0), init_state=state, return_state=True,
-                              request_id=f"conv-{uuid.uuid4().hex[:16]}")
+            h = engine.submit(
+                tokens[n:],
+                SamplingParams(max_tokens=0),
+                init_state=state,
+                return_state=True,
+                request_id=f"conv-{uuid.uuid4().hex[:16]}",
+            )
             try:
                 res = await h.wait()
             except BaseException:
@@ -265,8 +273,13 @@ class ConversationCache:
     # --- figures -------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         st = self.cache.stats()
-        return {"bytes": st["lru_bytes"], "entries": st["lru_count"], "budget_bytes": st["budget_bytes"],
-                "evictions": st["evictions"], **{k: int(v) for k, v in self.counters.items()}}
+        return {
+            "bytes": st["lru_bytes"],
+            "entries": st["lru_count"],
+            "budget_bytes": st["budget_bytes"],
+            "evictions": st["evictions"],
+            **{k: int(v) for k, v in self.counters.items()},
+        }
 
     def metric_lines(self) -> list[str]:
         """Prometheus text lines of the cache's counters and size (Metrics.add_source)."""

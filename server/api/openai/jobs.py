@@ -50,16 +50,23 @@ Prompt = tuple[Sequence[int], StateLike | None, int]
 """(tokens to submit, the state they start from or None, prompt tokens to report)."""
 
 
-def submit_all(engine: EngineAPI, prompts: list[Prompt], params: list[SamplingParams], base_id: str, *,
-               return_state: bool = False) -> list[Job]:
+def submit_all(
+    engine: EngineAPI, prompts: list[Prompt], params: list[SamplingParams], base_id: str, *, return_state: bool = False
+) -> list[Job]:
     """One sequence per (prompt, params): all submitted, or none (the engine's error raised as
     an ApiError). return_state: their Results carry the final states (the conversation cache);
     their streams end without waiting for them."""
     jobs: list[Job] = []
     try:
         for i, ((tokens, init_state, n_prompt), p) in enumerate(zip(prompts, params, strict=True)):
-            h = engine.submit(tokens, p, init_state=init_state, request_id=f"{base_id}-{i}",
-                              return_state=return_state, end_before_state=return_state)
+            h = engine.submit(
+                tokens,
+                p,
+                init_state=init_state,
+                request_id=f"{base_id}-{i}",
+                return_state=return_state,
+                end_before_state=return_state,
+            )
             jobs.append(Job(index=i, handle=h, prompt_tokens=n_prompt))
     except Exception as exc:
         abort_all(jobs)
@@ -203,8 +210,9 @@ async def collect(request: Request, jobs: list[Job], recorder: Recorder) -> list
     draining = draining_event(request.app)
     stop = asyncio.create_task(draining.wait()) if draining is not None else None
     try:
-        done, _ = await asyncio.wait({t for t in (work, watcher, stop) if t is not None},
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {t for t in (work, watcher, stop) if t is not None}, return_when=asyncio.FIRST_COMPLETED
+        )
         if work in done:
             work.result()
             return jobs

@@ -35,8 +35,10 @@ def _turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[
             calls.update(ids)
         if m.role == "tool":
             if m.tool_call_id is None or m.tool_call_id not in calls:
-                raise ToolError(f"messages[{i}].tool_call_id", f"tool_call_id {m.tool_call_id!r} is not the id "
-                                "of a call in an earlier assistant message")
+                raise ToolError(
+                    f"messages[{i}].tool_call_id",
+                    f"tool_call_id {m.tool_call_id!r} is not the id of a call in an earlier assistant message",
+                )
             text = tool_text(calls[m.tool_call_id], text)
         elif m.tool_call_id is not None:
             raise ToolError(f"messages[{i}].tool_call_id", "only tool messages carry a tool_call_id")

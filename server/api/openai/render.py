@@ -40,9 +40,12 @@ class Renderer:
 
 def usage(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     completion = sum(j.completion_tokens for j in jobs)
-    return {"prompt_tokens": meta.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": meta.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": meta.cached_tokens}}
+    return {
+        "prompt_tokens": meta.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": meta.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": meta.cached_tokens},
+    }
 
 
 def _raise_failed(jobs: list[Job]) -> None:
@@ -53,8 +56,9 @@ def _raise_failed(jobs: list[Job]) -> None:
 
 def error_event(job: Job) -> bytes:
     """The event that ends a stream whose job the engine failed."""
-    return event(error_body(f"generation failed: {job.error or 'unknown error'}", "server_error", None,
-                            "generation_failed"))
+    return event(
+        error_body(f"generation failed: {job.error or 'unknown error'}", "server_error", None, "generation_failed")
+    )
 
 
 _MARK = "\x00text\x00"
@@ -103,25 +107,48 @@ def _finish(job: Job) -> str | None:
 
 # --- chat ----------------------------------------------------------------------------------------
 
+
 def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     _raise_failed(jobs)
-    choices = [{"index": j.index, "message": {"role": "assistant", "content": "".join(j.text).lstrip()},
-                "logprobs": None, "finish_reason": _finish(j)} for j in jobs]
-    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+    choices = [
+        {
+            "index": j.index,
+            "message": {"role": "assistant", "content": "".join(j.text).lstrip()},
+            "logprobs": None,
+            "finish_reason": _finish(j),
+        }
+        for j in jobs
+    ]
+    return {
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": usage(jobs, meta),
+    }
 
 
 def chat_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
     """The pieces of a chat stream: the role chunks, render(job, batch), the end."""
-    base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-            "system_fingerprint": None}
+    base = {
+        "id": meta.id,
+        "object": "chat.completion.chunk",
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": None,
+    }
     chunk = _chunker(base, include_usage)
 
     def choice(job: Job, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {"index": job.index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
-    content = _Template(base, include_usage, lambda i: {"index": i, "delta": {"content": _MARK},
-                                                        "logprobs": None, "finish_reason": None})
+    content = _Template(
+        base,
+        include_usage,
+        lambda i: {"index": i, "delta": {"content": _MARK}, "logprobs": None, "finish_reason": None},
+    )
     started: set[int] = set()  # choices whose leading whitespace is behind them
 
     def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
@@ -141,12 +168,22 @@ def chat_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
 
 # --- completions ---------------------------------------------------------------------------------
 
+
 def completion_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     _raise_failed(jobs)
-    choices = [{"index": j.index, "text": _echo(meta, j) + "".join(j.text), "logprobs": None,
-                "finish_reason": _finish(j)} for j in jobs]
-    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "system_fingerprint": None, "choices": choices, "usage": usage(jobs, meta)}
+    choices = [
+        {"index": j.index, "text": _echo(meta, j) + "".join(j.text), "logprobs": None, "finish_reason": _finish(j)}
+        for j in jobs
+    ]
+    return {
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": usage(jobs, meta),
+    }
 
 
 def _echo(meta: Meta, job: Job) -> str:
@@ -155,15 +192,21 @@ def _echo(meta: Meta, job: Job) -> str:
 
 def completion_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
     """The pieces of a completions stream: the echo chunks, render(job, batch), the end."""
-    base = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "system_fingerprint": None}
+    base = {
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": None,
+    }
     chunk = _chunker(base, include_usage)
 
     def choice(job: Job, text: str, finish: str | None = None) -> dict[str, Any]:
         return {"index": job.index, "text": text, "logprobs": None, "finish_reason": finish}
 
-    content = _Template(base, include_usage, lambda i: {"index": i, "text": _MARK, "logprobs": None,
-                                                        "finish_reason": None})
+    content = _Template(
+        base, include_usage, lambda i: {"index": i, "text": _MARK, "logprobs": None, "finish_reason": None}
+    )
 
     def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
         last = batch[-1]

@@ -57,8 +57,12 @@ async def list_models(request: Request) -> Response:
 async def get_model(model_id: str, request: Request) -> Response:
     sv = get_services(request)
     if model_id != sv.model_id:
-        raise ApiError(404, f"model {model_id!r} not found; this server serves {sv.model_id!r}",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"model {model_id!r} not found; this server serves {sv.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
     return _json(_model_card(sv))
 
 
@@ -78,9 +82,13 @@ def _checked(body: OpenAIFields, sv: Services, extra_stop: tuple[str, ...] = ())
     sequences = body.choices * body.prompt_count()
     if st.max_queue and sequences > st.max_queue:
         per = f"n={body.choices} x {body.prompt_count()} prompts" if body.prompt_count() > 1 else f"n={body.choices}"
-        raise ApiError(400, f"this request needs {sequences} sequences ({per}) but at most max_queue="
-                       f"{st.max_queue} can wait at once, so it could never be accepted; ask for fewer",
-                       param="n", code="too_many_sequences")
+        raise ApiError(
+            400,
+            f"this request needs {sequences} sequences ({per}) but at most max_queue="
+            f"{st.max_queue} can wait at once, so it could never be accepted; ask for fewer",
+            param="n",
+            code="too_many_sequences",
+        )
     if extra_stop:
         p = dataclasses.replace(p, stop=tuple(dict.fromkeys(p.stop + extra_stop)))
     if p.seed is None:
@@ -91,8 +99,7 @@ def _checked(body: OpenAIFields, sv: Services, extra_stop: tuple[str, ...] = ())
 def _check_length(sv: Services, n_tokens: int, param: str = "messages") -> None:
     limit = sv.settings.max_prompt_tokens
     if n_tokens > limit:
-        raise ApiError(413, f"prompt has {n_tokens} tokens; the limit is {limit}", param=param,
-                       code="prompt_too_long")
+        raise ApiError(413, f"prompt has {n_tokens} tokens; the limit is {limit}", param=param, code="prompt_too_long")
 
 
 def _few_shot(sv: Services) -> str:
@@ -128,15 +135,22 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     begun = await start.begin(sv, owner, base, prefix_tokens + rest, (prompt.prefix, prefix_tokens))
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    jobs = submit_all(sv.engine, [(begun.submit, begun.state, n_prompt)] * len(params), params, cid,
-                      return_state=begun.part is not None)
+    jobs = submit_all(
+        sv.engine,
+        [(begun.submit, begun.state, n_prompt)] * len(params),
+        params,
+        cid,
+        return_state=begun.part is not None,
+    )
     begun.track(sv, jobs, None if agent.tool_plan else start.chat_expect(sv, begun, prompt.rest, len(rest)))
-    meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt,
-                       cached_tokens=begun.cached)
+    meta = render.Meta(
+        id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt, cached_tokens=begun.cached
+    )
     if agent.any:
         ex = agent_render.Extras(sv.tokenizer, agent.tool_plan, agent.logprobs)
-        return await _respond(request, sv, body, jobs, meta, t0, agent_render.chat_renderer(ex),
-                              agent_render.chat_response(ex))
+        return await _respond(
+            request, sv, body, jobs, meta, t0, agent_render.chat_renderer(ex), agent_render.chat_response(ex)
+        )
     return await _respond(request, sv, body, jobs, meta, t0, render.chat_renderer, render.chat_response)
 
 
@@ -190,17 +204,29 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     k, texts = len(per_choice), _text_prompts(body)
     for i, (begun, (tokens, text)) in enumerate(zip(starts, prompts, strict=True)):  # FIM: not re-sent
         expect = start.completion_expect(sv, begun, text if texts and not body.suffix else None, len(tokens))
-        begun.track(sv, jobs[i * k:(i + 1) * k], expect)
-    meta = render.Meta(id=cid, model=sv.model_id, created=int(time.time()),
-                       prompt_tokens=sum(len(t) for t, _ in prompts), echoes=echoes,
-                       cached_tokens=sum(b.cached for b in starts))
+        begun.track(sv, jobs[i * k : (i + 1) * k], expect)
+    meta = render.Meta(
+        id=cid,
+        model=sv.model_id,
+        created=int(time.time()),
+        prompt_tokens=sum(len(t) for t, _ in prompts),
+        echoes=echoes,
+        cached_tokens=sum(b.cached for b in starts),
+    )
     if agent.logprobs is not None:
         scored = [tokens for tokens, _ in prompts for _ in per_choice] if agent.prompt_logprobs is not None else []
         ex = agent_render.Extras(sv.tokenizer, logprobs=agent.logprobs, prompts=scored)
-        return await _respond(request, sv, body, jobs, meta, t0, agent_render.completion_renderer(ex),
-                              agent_render.completion_response(ex))
-    return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer,
-                          render.completion_response)
+        return await _respond(
+            request,
+            sv,
+            body,
+            jobs,
+            meta,
+            t0,
+            agent_render.completion_renderer(ex),
+            agent_render.completion_response(ex),
+        )
+    return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer, render.completion_response)
 
 
 async def _begin(sv: Services, owner: str | None, base: start.Base, tokens: list[int], agent: Agent) -> start.Start:
@@ -218,9 +244,16 @@ def _text_prompts(body: CompletionRequest) -> bool:
     return isinstance(p, str) or isinstance(p[0], str)
 
 
-async def _respond(request: Request, sv: Services, body: OpenAIFields, jobs: list[Job], meta: render.Meta,
-                   t0: float, renderer: Callable[[list[Job], render.Meta, bool], render.Renderer],
-                   full: Callable[[list[Job], render.Meta], dict[str, Any]]) -> Response:
+async def _respond(
+    request: Request,
+    sv: Services,
+    body: OpenAIFields,
+    jobs: list[Job],
+    meta: render.Meta,
+    t0: float,
+    renderer: Callable[[list[Job], render.Meta, bool], render.Renderer],
+    full: Callable[[list[Job], render.Meta], dict[str, Any]],
+) -> Response:
     """The SSE stream or, once every job is done, the whole JSON response. When the answer
     cannot be made, the jobs are aborted before the error goes out: nothing runs for a request
     that failed (a stream, once made, aborts them itself when it ends early)."""

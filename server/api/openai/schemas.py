@@ -101,8 +101,9 @@ class OpenAIFields(SamplingFields):
         fields = super().sampling_fields()
         if self.frequency_penalty is not None:
             if self.repetition_penalty is not None:
-                raise self.invalid("give frequency_penalty or repetition_penalty (one field, two names), "
-                                   "not both", "frequency_penalty")
+                raise self.invalid(
+                    "give frequency_penalty or repetition_penalty (one field, two names), not both", "frequency_penalty"
+                )
             fields["repetition_penalty"] = self.frequency_penalty
         return fields
 

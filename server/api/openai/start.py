@@ -63,19 +63,28 @@ async def resolve_base(sv: Services, name: str | None, owner: str | None) -> Bas
         return Base()
     tm = sv.tasks
     if tm is None:
-        raise ApiError(503, "states are not available: the task manager is not running", param="state",
-                       code="tasks_unavailable")
+        raise ApiError(
+            503, "states are not available: the task manager is not running", param="state", code="tasks_unavailable"
+        )
     try:
         tid = check_name(name)
         t = await tm.get(tid, owner)
     except TaskNotFound:
-        raise ApiError(404, f"state {name!r} not found: load it with --state {name}=PATH or upload it "
-                       f"(POST /v1/states/{name})", param="state", code="state_not_found") from None
+        raise ApiError(
+            404,
+            f"state {name!r} not found: load it with --state {name}=PATH or upload it (POST /v1/states/{name})",
+            param="state",
+            code="state_not_found",
+        ) from None
     except TaskError as exc:
         raise ApiError(400, exc.message, param="state", code="invalid_state") from None
     if t.running:
-        raise ApiError(409, f"template {tid!r} is still being prepared; retry when it is ready", param="state",
-                       code="state_not_ready")
+        raise ApiError(
+            409,
+            f"template {tid!r} is still being prepared; retry when it is ready",
+            param="state",
+            code="state_not_ready",
+        )
     state, pos, key = await tm.persistence.resolve_state(t)
     tm.persistence.release(key)  # a template's state stays in memory (the template tier)
     if state is None:  # no state kept: its whole history, from the zero state
@@ -83,8 +92,9 @@ async def resolve_base(sv: Services, name: str | None, owner: str | None) -> Bas
     return Base(key=t.state_id or tid, state=state, tokens=list(t.tokens[pos:]))
 
 
-async def begin(sv: Services, owner: str | None, base: Base, tokens: Sequence[int],
-                prefix: tuple[str, list[int]] | None = None) -> Start:
+async def begin(
+    sv: Services, owner: str | None, base: Base, tokens: Sequence[int], prefix: tuple[str, list[int]] | None = None
+) -> Start:
     """The start of one prompt's sequences. `prefix`: (text, tokens) of a chat prompt's shared
     prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer).
     With the cache on, a long uncached rest is prefilled (and kept) first, but its last token."""
@@ -107,8 +117,7 @@ async def begin(sv: Services, owner: str | None, base: Base, tokens: Sequence[in
             state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
         except Exception as exc:
             raise engine_error(exc) from exc
-    return Start(stream=stream, submit=stream[n:], state=state, cached=max(0, cached - len(base.tokens)),
-                 part=part)
+    return Start(stream=stream, submit=stream[n:], state=state, cached=max(0, cached - len(base.tokens)), part=part)
 
 
 async def prefix_state(sv: Services, text: str, tokens: list[int]) -> StateLike:

@@ -57,17 +57,24 @@ class ToolPlan:
     parallel: bool
 
     def grammar(self) -> GrammarSpec:
-        schema = {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL if self.parallel else 1,
-                  "items": {"anyOf": [_call_schema(t) for t in self.tools]}}
+        schema = {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_PARALLEL if self.parallel else 1,
+            "items": {"anyOf": [_call_schema(t) for t in self.tools]},
+        }
         return GrammarSpec.json_schema(json.dumps(schema), trigger="" if self.forced else MARKER)
 
     def system_text(self) -> str:
         """The system turn describing the tools (single newlines: one turn)."""
-        lines = [f"You can call tools. To call them, write {MARKER} followed by a JSON list of calls, "
-                 'each {"name": <tool name>, "arguments": <an object valid for its parameters>}. '
-                 "Each result comes back in a Tool turn. The tools:"]
-        lines += [_dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
-                  for t in self.tools]
+        lines = [
+            f"You can call tools. To call them, write {MARKER} followed by a JSON list of calls, "
+            'each {"name": <tool name>, "arguments": <an object valid for its parameters>}. '
+            "Each result comes back in a Tool turn. The tools:"
+        ]
+        lines += [
+            _dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in self.tools
+        ]
         return "\n".join(lines)
 
     def prompt_suffix(self) -> str:
@@ -76,8 +83,12 @@ class ToolPlan:
 
 
 def _call_schema(t: Tool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _dumps(v: Any) -> str:
@@ -112,8 +123,9 @@ def plan(tools: Sequence[Any] | None, choice: Any, parallel: bool | None) -> Too
 def _named(choice: Any) -> str:
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ToolError("tool_choice", 'tool_choice: "auto", "none", "required" or '
-                        '{"type": "function", "function": {"name": ...}}')
+        raise ToolError(
+            "tool_choice", 'tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+        )
     return fn["name"]
 
 
@@ -135,6 +147,7 @@ def _tool(i: int, raw: Any) -> Tool:
 
 # --- the model's output ---------------------------------------------------------------------------
 
+
 def split(text: str, forced: bool) -> tuple[str, list[dict[str, Any]] | None]:
     """(content, calls): the text before the envelope, and the calls in it (None when the output
     holds no complete call list: no marker, or cut by max_tokens)."""
@@ -144,7 +157,7 @@ def split(text: str, forced: bool) -> tuple[str, list[dict[str, Any]] | None]:
         at = text.find(MARKER)
         if at < 0:
             return text, None
-        head, body = text[:at], text[at + len(MARKER):]
+        head, body = text[:at], text[at + len(MARKER) :]
     try:
         calls = json.loads(body)
     except ValueError:
@@ -155,8 +168,11 @@ def split(text: str, forced: bool) -> tuple[str, list[dict[str, Any]] | None]:
 
 
 def _openai_call(c: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+    }
 
 
 def held_back(text: str) -> int:
@@ -168,6 +184,7 @@ def held_back(text: str) -> int:
 
 
 # --- the history ----------------------------------------------------------------------------------
+
 
 def assistant_text(content: str, calls: Sequence[Any], index: int) -> tuple[str, dict[str, str]]:
     """An assistant message with tool_calls as the model would have written it, and its calls'

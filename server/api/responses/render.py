@@ -18,8 +18,13 @@ from server.tasks import streaming
 from server.tasks.records import Task
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")
-STATUS = {"stop": "completed", "length": "incomplete", "stopped": "cancelled", "interrupted": "incomplete",
-          "error": "failed"}
+STATUS = {
+    "stop": "completed",
+    "length": "incomplete",
+    "stopped": "cancelled",
+    "interrupted": "incomplete",
+    "error": "failed",
+}
 
 
 def task_id(response_id: str) -> str | None:
@@ -38,16 +43,24 @@ def _status(t: Task) -> str:
 
 def message(t: Task, text: str | None = None, status: str | None = None) -> dict[str, Any]:
     text = t.out.text.lstrip() if text is None else text
-    return {"type": "message", "id": "msg_" + t.id.split("_", 1)[1], "status": status or
-            ("in_progress" if t.running else "completed"), "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "type": "message",
+        "id": "msg_" + t.id.split("_", 1)[1],
+        "status": status or ("in_progress" if t.running else "completed"),
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
 def usage(t: Task) -> dict[str, Any]:
     out = t.completion_tokens
-    return {"input_tokens": t.out_start, "output_tokens": out, "total_tokens": t.out_start + out,
-            "input_tokens_details": {"cached_tokens": max(0, t.out_start - t.prompt_tokens)},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+    return {
+        "input_tokens": t.out_start,
+        "output_tokens": out,
+        "total_tokens": t.out_start + out,
+        "input_tokens_details": {"cached_tokens": max(0, t.out_start - t.prompt_tokens)},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 def response(t: Task, model: str, *, output: bool = True) -> dict[str, Any]:
@@ -59,16 +72,33 @@ def response(t: Task, model: str, *, output: bool = True) -> dict[str, Any]:
     status = _status(t)
     parent = t.parent_id
     return {
-        "id": response_id(t), "object": "response", "created_at": int(t.created_at), "status": status,
-        "model": model, "output": [message(t)] if output else [],
-        "previous_response_id": "resp_" + parent.split("_", 1)[1] if parent and parent[:4] in ("TASK", "TMP_")
+        "id": response_id(t),
+        "object": "response",
+        "created_at": int(t.created_at),
+        "status": status,
+        "model": model,
+        "output": [message(t)] if output else [],
+        "previous_response_id": "resp_" + parent.split("_", 1)[1]
+        if parent and parent[:4] in ("TASK", "TMP_")
         else None,
-        "instructions": None, "max_output_tokens": p.get("max_tokens"), "temperature": p.get("temperature"),
-        "top_p": p.get("top_p"), "text": {"format": fmt}, "tools": [], "tool_choice": "auto",
-        "parallel_tool_calls": False, "store": t.kind != "tmp", "metadata": {}, "error":
-        {"code": "server_error", "message": t.out.error or "generation failed"} if status == "failed" else None,
-        "incomplete_details": {"reason": "max_output_tokens"} if t.finish_reason == "length" else
-        {"reason": "interrupted"} if status == "incomplete" else None,
+        "instructions": None,
+        "max_output_tokens": p.get("max_tokens"),
+        "temperature": p.get("temperature"),
+        "top_p": p.get("top_p"),
+        "text": {"format": fmt},
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "store": t.kind != "tmp",
+        "metadata": {},
+        "error": {"code": "server_error", "message": t.out.error or "generation failed"}
+        if status == "failed"
+        else None,
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if t.finish_reason == "length"
+        else {"reason": "interrupted"}
+        if status == "incomplete"
+        else None,
         "usage": None if t.running else usage(t),
     }
 

@@ -51,8 +51,7 @@ async def _call(aw: Awaitable[T]) -> T:
     try:
         return await aw
     except TaskError as exc:
-        raise ApiError(400 if exc.status == 422 else exc.status, exc.message, param=exc.param,
-                       code=exc.code) from None
+        raise ApiError(400 if exc.status == 422 else exc.status, exc.message, param=exc.param, code=exc.code) from None
     except (EngineError, ValueError) as exc:
         raise engine_error(exc) from None
 
@@ -65,8 +64,12 @@ async def _stored(tm: TaskManager, rid: str, owner: str | None, param: str | Non
             raise TaskNotFound(rid)
         return await tm.get(tid, owner)
     except TaskNotFound:
-        raise ApiError(404, f"response {rid!r} not found (unknown, not stored, or another API key's)",
-                       param=param, code="response_not_found") from None
+        raise ApiError(
+            404,
+            f"response {rid!r} not found (unknown, not stored, or another API key's)",
+            param=param,
+            code="response_not_found",
+        ) from None
 
 
 def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[str, Any]:
@@ -74,10 +77,19 @@ def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[st
     d, limit = SamplingParams(), sv.settings.max_tokens_limit
     max_tokens = sv.settings.default_max_tokens if body.max_output_tokens is None else body.max_output_tokens
     if limit and max_tokens > limit:
-        raise ApiError(400, f"invalid 'max_output_tokens': {max_tokens} is above this server's limit of {limit}",
-                       param="max_output_tokens", code="invalid_request")
-    out = {"max_tokens": max_tokens, "temperature": d.temperature if body.temperature is None else body.temperature,
-           "top_p": d.top_p if body.top_p is None else body.top_p, "stop": list(CHAT_STOP), "response_format": fmt}
+        raise ApiError(
+            400,
+            f"invalid 'max_output_tokens': {max_tokens} is above this server's limit of {limit}",
+            param="max_output_tokens",
+            code="invalid_request",
+        )
+    out = {
+        "max_tokens": max_tokens,
+        "temperature": d.temperature if body.temperature is None else body.temperature,
+        "top_p": d.top_p if body.top_p is None else body.top_p,
+        "stop": list(CHAT_STOP),
+        "response_format": fmt,
+    }
     if body.seed is not None:
         out["seed"] = body.seed
     return out
@@ -107,8 +119,12 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
     if body.tools or body.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tools on /v1/responses are not supported yet (use /v1/chat/completions)",
-                       param="tools", code="unsupported_field")
+        raise ApiError(
+            400,
+            "tools on /v1/responses are not supported yet (use /v1/chat/completions)",
+            param="tools",
+            code="unsupported_field",
+        )
     fmt = (body.text.format if body.text is not None else TextFormat()).response_format()
     await response_grammar(sv, fmt, param="text.format")
     params = _params(sv, body, fmt)
@@ -116,8 +132,12 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     if body.previous_response_id is not None:
         src = await _stored(tm, body.previous_response_id, owner, "previous_response_id")
         if src.running:
-            raise ApiError(409, f"response {body.previous_response_id!r} is still in progress",
-                           param="previous_response_id", code="response_in_progress")
+            raise ApiError(
+                409,
+                f"response {body.previous_response_id!r} is still in progress",
+                param="previous_response_id",
+                code="response_in_progress",
+            )
         t = await _call(tm.fork(src.id, params, _separator(sv, src) + prompt, tmp=not body.store, owner=owner))
     else:
         t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner))

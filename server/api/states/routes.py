@@ -41,9 +41,16 @@ if TYPE_CHECKING:
 
 router = APIRouter(tags=["states"])
 T = TypeVar("T")
-_WHY = {401: "missing or wrong API key", 403: "another key's state", 404: "no such state or task",
-        409: "the name is taken, or the task is running", 413: "the file is over state_upload_bytes",
-        415: "a form instead of the raw file", 422: "an invalid name or file", 503: "loading, or stopped"}
+_WHY = {
+    401: "missing or wrong API key",
+    403: "another key's state",
+    404: "no such state or task",
+    409: "the name is taken, or the task is running",
+    413: "the file is over state_upload_bytes",
+    415: "a form instead of the raw file",
+    422: "an invalid name or file",
+    503: "loading, or stopped",
+}
 _ERROR = {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "object"}}}}}
 
 
@@ -86,8 +93,13 @@ def _template_id(name: str) -> str:
 
 
 def _info(t: Task) -> dict[str, Any]:
-    return {"name": t.display_id[1:], "template_id": t.display_id, "origin": _origin(t.parent_id),
-            "pending_tokens": len(t.tokens) - t.state_pos, "created_at": t.created_at}
+    return {
+        "name": t.display_id[1:],
+        "template_id": t.display_id,
+        "origin": _origin(t.parent_id),
+        "pending_tokens": len(t.tokens) - t.state_pos,
+        "created_at": t.created_at,
+    }
 
 
 def _origin(parent_id: str | None) -> str:
@@ -108,8 +120,12 @@ async def _state_template(tm: TaskManager, name: str, owner: str | None, *, writ
 
 
 # --- upload / import ---------------------------------------------------------------------------
-@router.post("/v1/states/{name:path}", status_code=201, responses=_answers(401, 409, 413, 415, 422, 503),
-             openapi_extra={"requestBody": {"required": True, "content": _FILE}})
+@router.post(
+    "/v1/states/{name:path}",
+    status_code=201,
+    responses=_answers(401, 409, 413, 415, 422, 503),
+    openapi_extra={"requestBody": {"required": True, "content": _FILE}},
+)
 async def upload_state(name: str, request: Request) -> Response:
     """Make the read-only template `_name` from the state file in the body (raw bytes:
     `curl --data-binary @state.pth`): a tuned state, or an export of this or another server."""
@@ -117,24 +133,38 @@ async def upload_state(name: str, request: Request) -> Response:
     tm = _tasks(sv)
     tid = _template_id(name)
     if (request.headers.get("content-type") or "").lower().startswith("multipart/"):
-        raise ApiError(415, "send the state file as the raw request body (curl --data-binary @state.pth "
-                       "-H 'Content-Type: application/octet-stream'), not as a form", code="unsupported_media_type",
-                       type="invalid_request_error")
+        raise ApiError(
+            415,
+            "send the state file as the raw request body (curl --data-binary @state.pth "
+            "-H 'Content-Type: application/octet-stream'), not as a form",
+            code="unsupported_media_type",
+            type="invalid_request_error",
+        )
     if await _exists(tm, tid, get_owner(request)):  # before reading a large body
-        raise ApiError(409, f"template {tid!r} already exists; delete it first or pick another name", param="name",
-                       code="task_conflict")
+        raise ApiError(
+            409,
+            f"template {tid!r} already exists; delete it first or pick another name",
+            param="name",
+            code="task_conflict",
+        )
     data = await _read_body(request, sv.settings.state_upload_bytes)
     from server.model.state_file import StateFileError, read_state_file
 
     try:
-        sf = await asyncio.to_thread(read_state_file, data, sv.shape, source=f"state file {name!r}",
-                                     shift_dtype=torch_dtype(sv.settings.resolved_dtype()),
-                                     wkv_dtype=torch_dtype(sv.settings.resolved_state_dtype()))
+        sf = await asyncio.to_thread(
+            read_state_file,
+            data,
+            sv.shape,
+            source=f"state file {name!r}",
+            shift_dtype=torch_dtype(sv.settings.resolved_dtype()),
+            wkv_dtype=torch_dtype(sv.settings.resolved_state_dtype()),
+        )
     except StateFileError as exc:
         raise ApiError(422, str(exc), param="file", code="invalid_state_file") from None
     tpl = await _call(template_from_state(tm, name, sf.state, pending=sf.pending, owner=get_owner(request)))
-    return _json({**_info(tpl), "format": "full" if sf.full else "rwkv", "dtype": sf.dtype, "bytes": len(data)},
-                 status=201)
+    return _json(
+        {**_info(tpl), "format": "full" if sf.full else "rwkv", "dtype": sf.dtype, "bytes": len(data)}, status=201
+    )
 
 
 async def _exists(tm: TaskManager, tid: str, owner: str | None) -> bool:
@@ -148,18 +178,27 @@ async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) beyond `limit` bytes: by Content-Length at once, else while it streams."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"state file of {length} bytes exceeds the limit of {limit} bytes "
-                       "(Settings.state_upload_bytes)", param="file", code="file_too_large")
+        raise ApiError(
+            413,
+            f"state file of {length} bytes exceeds the limit of {limit} bytes (Settings.state_upload_bytes)",
+            param="file",
+            code="file_too_large",
+        )
     chunks, n = [], 0
     async for chunk in request.stream():
         n += len(chunk)
         if n > limit:
-            raise ApiError(413, f"state file exceeds the limit of {limit} bytes (Settings.state_upload_bytes)",
-                           param="file", code="file_too_large")
+            raise ApiError(
+                413,
+                f"state file exceeds the limit of {limit} bytes (Settings.state_upload_bytes)",
+                param="file",
+                code="file_too_large",
+            )
         chunks.append(chunk)
     if not n:
-        raise ApiError(422, "empty body: send the state file as the raw request body", param="file",
-                       code="invalid_state_file")
+        raise ApiError(
+            422, "empty body: send the state file as the raw request body", param="file", code="invalid_state_file"
+        )
     return b"".join(chunks)
 
 
@@ -177,8 +216,10 @@ async def list_states(request: Request) -> Response:
     for s in own["tasks"]:
         if s.get("parent_id") == STATE_UPLOAD:
             items[s["task_id"]] = s
-    states = [{"name": tid[1:], "template_id": tid, "origin": _origin(s["parent_id"]), "created_at": s["created_at"]}
-              for tid, s in sorted(items.items())]
+    states = [
+        {"name": tid[1:], "template_id": tid, "origin": _origin(s["parent_id"]), "created_at": s["created_at"]}
+        for tid, s in sorted(items.items())
+    ]
     return _json({"object": "list", "data": states})
 
 
@@ -198,10 +239,10 @@ async def delete_state(name: str, request: Request) -> Response:
 
 
 # --- export ------------------------------------------------------------------------------------
-@router.get("/v1/tasks/{task_id}/state", responses=_answers(401, 404, 409, 422, 503, ok_content=_FILE),
-            response_class=Response)
-async def export_state(task_id: str, request: Request,
-                       format: Literal["full", "rwkv"] = Query("full")) -> Response:
+@router.get(
+    "/v1/tasks/{task_id}/state", responses=_answers(401, 404, 409, 422, 503, ok_content=_FILE), response_class=Response
+)
+async def export_state(task_id: str, request: Request, format: Literal["full", "rwkv"] = Query("full")) -> Response:
     """The task's (or template's) last settled state as an RWKV-7 state file. full: with our keys
     (token shifts, pending tokens, metadata; a bit-exact round trip); rwkv: the bare file
     RWKV-Runner and the rwkv package load (the metadata in the X-RWKV-* headers)."""
@@ -209,23 +250,40 @@ async def export_state(task_id: str, request: Request,
     tm = _tasks(sv)
     t = await _call(tm.get(task_id, get_owner(request)))
     if t.running:
-        raise ApiError(409, f"task {task_id} is running; export its state once it has finished", param="task_id",
-                       code="task_conflict")
+        raise ApiError(
+            409,
+            f"task {task_id} is running; export its state once it has finished",
+            param="task_id",
+            code="task_conflict",
+        )
     state, pos, key = await tm.persistence.resolve_state(t)
     try:
         if state is None:
-            raise ApiError(409, f"task {task_id} has no kept state (dropped by a budget); continue or fork it "
-                           "to compute one", param="task_id", code="state_not_kept")
+            raise ApiError(
+                409,
+                f"task {task_id} has no kept state (dropped by a budget); continue or fork it to compute one",
+                param="task_id",
+                code="state_not_kept",
+            )
         pending = list(t.tokens[pos:])
-        meta = {"signature": sv.shape.signature(), "task_id": t.id, "state_pos": pos,
-                "history_tokens": len(t.tokens), "exported_at": time.time()}
+        meta = {
+            "signature": sv.shape.signature(),
+            "task_id": t.id,
+            "state_pos": pos,
+            "history_tokens": len(t.tokens),
+            "exported_at": time.time(),
+        }
         from server.model.state_file import write_state_file
 
         data = await asyncio.to_thread(write_state_file, state, full=format == "full", pending=pending, meta=meta)
     finally:
         tm.persistence.release(key)
-    headers = {"Content-Disposition": f'attachment; filename="{t.id}.pth"', "X-RWKV-State-Format": format,
-               "X-RWKV-Model": sv.shape.signature(), "X-RWKV-Pending-Count": str(len(pending))}
+    headers = {
+        "Content-Disposition": f'attachment; filename="{t.id}.pth"',
+        "X-RWKV-State-Format": format,
+        "X-RWKV-Model": sv.shape.signature(),
+        "X-RWKV-Pending-Count": str(len(pending)),
+    }
     if len(pending) <= MAX_PENDING_HEADER:
         headers["X-RWKV-Pending-Tokens"] = ",".join(map(str, pending))
     return Response(data, media_type="application/octet-stream", headers=headers)

@@ -36,8 +36,14 @@ async def load_state_files(tm: TaskManager, settings: Settings, shape: ModelShap
             await template_from_state(tm, name, sf.state, pending=sf.pending, operator=True)
         except TaskError as exc:
             raise ValueError(f"{source}: {exc.message}") from None
-        log.info("state %s: loaded %s (%s, %s) as template _%s", name, path, sf.dtype,
-                 "full export" if sf.full else "tuned state, zero token shift", name)
+        log.info(
+            "state %s: loaded %s (%s, %s) as template _%s",
+            name,
+            path,
+            sf.dtype,
+            "full export" if sf.full else "tuned state, zero token shift",
+            name,
+        )
     return sorted(names)
 
 

@@ -145,7 +145,7 @@ class DirectWriter:
 
     @property
     def state(self) -> str:
-        """"new", "live", or why direct mode ended (ended, slow, gone, stopped, failed)."""
+        """Its mode: "new", "live", or why direct mode ended (ended, slow, gone, stopped, failed)."""
         return self._state
 
     # --- direct mode ------------------------------------------------------------------------

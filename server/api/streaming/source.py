@@ -23,10 +23,14 @@ import orjson
 
 DONE = b"data: [DONE]\n\n"
 PING = b": ping\n\n"
-SHUTDOWN = (b'data: {"error":{"message":"the server is shutting down","type":"service_unavailable",'
-            b'"param":null,"code":"shutting_down"}}\n\n')
-INTERNAL_ERROR = (b'data: {"error":{"message":"internal error while streaming","type":"server_error",'
-                  b'"param":null,"code":"internal_error"}}\n\n')
+SHUTDOWN = (
+    b'data: {"error":{"message":"the server is shutting down","type":"service_unavailable",'
+    b'"param":null,"code":"shutting_down"}}\n\n'
+)
+INTERNAL_ERROR = (
+    b'data: {"error":{"message":"internal error while streaming","type":"server_error",'
+    b'"param":null,"code":"internal_error"}}\n\n'
+)
 
 
 def event(obj: Any) -> bytes:

@@ -61,8 +61,15 @@ async def wait_disconnect(receive: Receive) -> None:
 class SSEResponse(Response):
     """A starlette Response (so FastAPI passes it through) with its own ASGI __call__."""
 
-    def __init__(self, source: StreamSource, *, metrics: Metrics | None = None, ping_interval: float = 15.0,
-                 headers: dict[str, str] | None = None, direct: bool = False) -> None:
+    def __init__(
+        self,
+        source: StreamSource,
+        *,
+        metrics: Metrics | None = None,
+        ping_interval: float = 15.0,
+        headers: dict[str, str] | None = None,
+        direct: bool = False,
+    ) -> None:
         self.source = source
         self.direct = direct
         self.status_code = 200
@@ -77,8 +84,11 @@ class SSEResponse(Response):
         self._path = ""  # how the body was written (metrics): "loop" or "<source.path>_<why it left>"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
         helpers = self._start_helpers(scope, receive)
         if self.metrics is not None:
@@ -116,6 +126,7 @@ class SSEResponse(Response):
                 self._stop = reason
                 if self._live and me is not None:
                     me.cancel()
+
             return cb
 
         watcher = asyncio.create_task(wait_disconnect(receive))

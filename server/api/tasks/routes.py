@@ -96,8 +96,9 @@ def _sse(sv: Services, t: Task, pos: int, abort_on_close: bool = False) -> SSERe
 # --- create ------------------------------------------------------------------------------------
 async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Response:
     sv = get_services(request)
-    t = await _call(_tasks(sv).create(body.prompt, await _params(sv, body), persistent=persistent,
-                                      owner=get_owner(request)))
+    t = await _call(
+        _tasks(sv).create(body.prompt, await _params(sv, body), persistent=persistent, owner=get_owner(request))
+    )
     return _answer(sv, t, body.stream, own=True)
 
 
@@ -124,9 +125,12 @@ async def fim(body: FimBody, request: Request) -> Response:
 
 # --- read --------------------------------------------------------------------------------------
 @router.get("/list", responses=answers(401, 422, 503))
-async def list_tasks(request: Request, limit: int = Query(100, ge=1, le=1000),
-                     offset: int = Query(0, ge=0, le=1_000_000),
-                     kind: Literal["tmp", "task", "template"] | None = Query(None)) -> Response:
+async def list_tasks(
+    request: Request,
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=1_000_000),
+    kind: Literal["tmp", "task", "template"] | None = Query(None),
+) -> Response:
     tm = _tasks(get_services(request))
     return _json(await _call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
 
@@ -146,8 +150,7 @@ async def status(task_id: str, request: Request) -> Response:
     return _json((await _call(tm.get(task_id, get_owner(request)))).info())
 
 
-@router.get("/{task_id}/stream", responses=answers(401, 404, 409, 422, 503, sse_only=True),
-            response_class=EventStream)
+@router.get("/{task_id}/stream", responses=answers(401, 404, 409, 422, 503, sse_only=True), response_class=EventStream)
 async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> Response:
     sv = get_services(request)
     tm = _tasks(sv)
@@ -157,8 +160,7 @@ async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> R
 
 # --- change ------------------------------------------------------------------------------------
 @router.post("/{task_id}/fork", responses=answers(401, 404, 409, 413, 422, 429, 503, stream=True))
-async def fork(task_id: str, request: Request, body: UpdateBody | None = None,
-               tmp: bool = Query(False)) -> Response:
+async def fork(task_id: str, request: Request, body: UpdateBody | None = None, tmp: bool = Query(False)) -> Response:
     sv, body = get_services(request), body or UpdateBody()
     tm = _tasks(sv)
     t = await _call(tm.fork(task_id, await _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
@@ -166,27 +168,30 @@ async def fork(task_id: str, request: Request, body: UpdateBody | None = None,
 
 
 @router.post("/{task_id}/continue", responses=answers(401, 403, 404, 409, 413, 422, 429, 503, stream=True))
-async def continue_task(task_id: str, request: Request, body: UpdateBody | None = None,
-                        force: bool = Query(False)) -> Response:
+async def continue_task(
+    task_id: str, request: Request, body: UpdateBody | None = None, force: bool = Query(False)
+) -> Response:
     sv, body = get_services(request), body or UpdateBody()
     tm = _tasks(sv)
-    t = await _call(tm.continue_(task_id, await _params(sv, body), body.prompt, owner=get_owner(request),
-                                 force=force))
+    t = await _call(tm.continue_(task_id, await _params(sv, body), body.prompt, owner=get_owner(request), force=force))
     return _answer(sv, t, body.stream)
 
 
 @router.post("/{task_id}/stop", responses=answers(401, 403, 404, 413, 422, 503))
-async def stop(task_id: str, request: Request, body: EmptyBody | None = None,
-               force: bool = Query(False)) -> Response:
+async def stop(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
     tm = _tasks(get_services(request))
     t = await _call(tm.stop(task_id, get_owner(request), force=force))
     return _json(t.info())
 
 
 @router.post("/{task_id}/as_template", responses=answers(401, 404, 409, 413, 422, 503))
-async def as_template(task_id: str, request: Request, body: EmptyBody | None = None,
-                      name: str | None = Query(None, min_length=1, max_length=64),
-                      public: bool = Query(False)) -> Response:
+async def as_template(
+    task_id: str,
+    request: Request,
+    body: EmptyBody | None = None,
+    name: str | None = Query(None, min_length=1, max_length=64),
+    public: bool = Query(False),
+) -> Response:
     """public=true: every API key may read and fork the template (default: private to this key)."""
     tm = _tasks(get_services(request))
     t = await _call(tm.as_template(task_id, get_owner(request), name=name, public=public))
@@ -194,8 +199,7 @@ async def as_template(task_id: str, request: Request, body: EmptyBody | None = N
 
 
 @router.post("/{task_id}/delete", responses=answers(401, 403, 404, 413, 422, 503))
-async def delete(task_id: str, request: Request, body: EmptyBody | None = None,
-                 force: bool = Query(False)) -> Response:
+async def delete(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
     tm = _tasks(get_services(request))
     t = await _call(tm.delete(task_id, get_owner(request), force=force))
     return _json(t.info())

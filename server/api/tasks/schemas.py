@@ -14,9 +14,13 @@ class GenParams(SamplingFields):
     """Generation parameters (all optional; absent = the task's / the server's defaults)."""
 
     stream: bool = False
-    response_format: Annotated[dict[str, Any] | None, Field(
-        description='constrain the output: {"type": "json_object"} or {"type": "json_schema", '
-                    '"json_schema": {"name", "schema"}} (OpenAI\'s shape; {"type": "text"}: free)')] = None
+    response_format: Annotated[
+        dict[str, Any] | None,
+        Field(
+            description='constrain the output: {"type": "json_object"} or {"type": "json_schema", '
+            '"json_schema": {"name", "schema"}} (OpenAI\'s shape; {"type": "text"}: free)'
+        ),
+    ] = None
 
 
 class CreateBody(GenParams):
@@ -29,8 +33,9 @@ class FimBody(GenParams):
 
 
 class UpdateBody(GenParams):
-    prompt: Annotated[str | list[TokenId] | None,
-                      Field(description="text or token ids fed after the history; empty or absent: none")] = None
+    prompt: Annotated[
+        str | list[TokenId] | None, Field(description="text or token ids fed after the history; empty or absent: none")
+    ] = None
 
 
 class EmptyBody(BaseModel):
