@@ -20,7 +20,7 @@ from typing import get_type_hints
 
 from server.config import Settings, field_docs
 
-SUBCOMMANDS = ("serve", "synth", "generate")
+SUBCOMMANDS = ("serve", "synth", "quantize", "generate")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
 CHOICES = {
     "dtype": ("auto", "fp32", "fp16", "bf16"),
@@ -96,7 +96,7 @@ def build_parser(defaults: Settings) -> argparse.ArgumentParser:
         epilog="Without a subcommand, `serve` runs: `rwkv-server --model x.pth` == `rwkv-server serve --model "
         "x.pth`. See `rwkv-server serve --help` for every server flag.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{serve,synth,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,synth,quantize,generate}")
     serve = sub.add_parser(
         "serve",
         help="run the HTTP server (default)",
@@ -114,6 +114,17 @@ def build_parser(defaults: Settings) -> argparse.ArgumentParser:
     synth.add_argument("preset", help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, optionally :seed (e.g. tiny:3)")
     synth.add_argument("out", help="output path, e.g. tiny.pth")
     synth.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="tensor dtype in the file")
+    qz = sub.add_parser(
+        "quantize",
+        help="write an 8-bit copy of a checkpoint (later loads skip the quantization, read ~half the bytes)",
+        description="Quantize a 16-bit RWKV-7 .pth as --quant does at load and write the result: "
+        "`serve --model OUT` then loads it without quantizing (docs/performance.md, 8-bit weights).",
+    )
+    qz.add_argument("model", help="the official 16-bit checkpoint (.pth)")
+    qz.add_argument("out", help="output path, e.g. model-int8.pth")
+    qz.add_argument("--quant", required=True, choices=("int8", "fp8"))
+    qz.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"), help="the serving compute dtype")
+    qz.add_argument("--device", default="auto", help="where to quantize: auto (cuda if available), cpu, cuda")
     gen = sub.add_parser(
         "generate",
         help="load a model and generate from the command line (no HTTP)",
@@ -151,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(defaults).parse_args(argv)
     if args.command == "synth":
         return cmd_synth(args)
+    if args.command == "quantize":
+        return cmd_quantize(args)
     if args.command == "generate":
         return cmd_generate(args, defaults)
     return cmd_serve(args)
@@ -256,17 +269,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    import torch
-
+    from server.api.loading import torch_dtype
     from server.model.synthetic import save_synthetic
 
     t0 = time.perf_counter()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     shape = save_synthetic(args.preset, args.out, dtype=dtype)
     print(
         f"wrote {args.out}: {shape.signature()} V={shape.vocab_size} ({args.dtype}, "
         f"{time.perf_counter() - t0:.1f}s). Random weights: outputs are random text."
     )
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from server.api.loading import torch_dtype
+    from server.model.checkpoint import CheckpointError
+    from server.model.qfile import save_quantized
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if problem := device_problem(device):
+        print(f"rwkv-server: {problem}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    dtype = torch_dtype(args.dtype)
+    try:
+        shape, nbytes = save_quantized(args.model, args.out, args.quant, dtype, device)
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"rwkv-server: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {shape.signature()}, {args.quant} linears, {nbytes / 1e9:.2f} GB of tensors "
+          f"({time.perf_counter() - t0:.1f}s on {device}). Serve it with --model {args.out}.")  # fmt: skip
     return 0
 
 

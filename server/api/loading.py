@@ -107,6 +107,7 @@ def load_services(settings: Settings) -> Loaded:
         device=str(getattr(model, "device", device)),
         kernel_modules=kernels,
         kernel_log=kernel_log.lines,
+        quant=getattr(model, "quant", settings.quant),
     )
     return Loaded(
         engine=engine,
@@ -142,8 +143,9 @@ def facts(services: Services) -> list[str]:
         per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.resolved_state_dtype()))
         lines.append(f"state      {_mib(per_seq)} per sequence ({s.resolved_state_dtype()} WKV)")
     lines.append(f"device     {load.device or s.resolved_device()}, compute {s.resolved_dtype()}")
-    if s.quant != "none":
-        lines.append(f"weights    {s.quant}: the layers' r/k/v/o and FFN linears (per-channel scales)")
+    if load.quant != "none":
+        how = "" if s.quant == load.quant else ", as the checkpoint holds them"
+        lines.append(f"weights    {load.quant}: the layers' r/k/v/o and FFN linears (per-channel scales{how})")
     slots = s.resolved_max_batch()
     with contextlib.suppress(Exception):
         slots = services.engine.stats().slots or slots

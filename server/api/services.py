@@ -36,6 +36,8 @@ class LoadFacts:
     """Modules the model's WKV ops come from."""
     kernel_log: list[str] = field(default_factory=list)
     """The kernel loader's messages while loading (builds, cache loads, fallbacks)."""
+    quant: str = "none"
+    """The layers' linears' 8-bit mode: --quant's, or a pre-quantized checkpoint's own."""
 
 
 @dataclass

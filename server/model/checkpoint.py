@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from server.model.qlinear import Weight
+from server.model.qlinear import QWeight, Weight
 from server.model.state import ModelShape
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -166,18 +166,24 @@ class Weights:
 
 def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch.dtype,
             progress: Callable[[int, int], None] | None = None,
-            quantize: Callable[[torch.Tensor], Weight] | None = None) -> Weights:  # fmt: skip
+            quantize: Callable[[torch.Tensor], Weight] | None = None,
+            prequantized: Mapping[str, QWeight] | None = None) -> Weights:  # fmt: skip
     """Move and cast tensor by tensor (entries of sd are dropped as they are converted);
     progress(layers done, layers) after each layer. quantize (e.g. qlinear.quantize for a mode):
     applied to each layer's r/k/v/o and FFN linears as they arrive, so an 8-bit model never
-    holds more than one of its matrices in 16 bits."""
+    holds more than one of its matrices in 16 bits. prequantized: those linears as a
+    pre-quantized file holds them (server.model.qfile; sd has placeholders for their keys)."""
     device = torch.device(device)
+    pre = prequantized or {}
 
     def take(key: str, vector: bool = False) -> torch.Tensor:
         t = sd.pop(key).to(device=device).to(dtype=dtype)  # device first: casts run there
         return t.reshape(-1) if vector else t.contiguous()
 
     def linear(key: str) -> Weight:
+        if key in pre:
+            del sd[key]  # its placeholder
+            return pre[key].to(device)
         t = take(key)
         return quantize(t) if quantize is not None else t
 

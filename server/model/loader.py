@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from server.model import checkpoint, qlinear, synthetic
+from server.model import checkpoint, qfile, qlinear, synthetic
 from server.model.qlinear import Weight
 from server.model.rwkv7 import KERNELS, RWKV7
 
@@ -37,6 +37,7 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     if quant != "none" and quant not in qlinear.WEIGHT_MODES:
         raise ValueError(f"quant must be none or one of {', '.join(qlinear.WEIGHT_MODES)}, not {quant!r}")
     is_synthetic = spec.startswith("synthetic:")
+    pre: dict[str, qlinear.QWeight] = {}
     if is_synthetic:
         sd = synthetic.synthetic_state_dict(spec, device=device, dtype=dtype)
         name = spec
@@ -44,9 +45,14 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         sd = checkpoint.read_checkpoint(spec)
         name = os.path.basename(spec)
         is_synthetic = sd.pop(checkpoint.SYNTHETIC_MARK, None) is not None
+        quant = _file_quant(sd, name, quant, dtype, pre)
     shape = checkpoint.validate(sd)
-    quantizer = _Quantizer(quant) if quant != "none" else None
-    weights = checkpoint.convert(sd, shape, device, dtype, progress=_Progress(name), quantize=quantizer)
+    if pre and set(pre) != set(qfile.linear_keys(shape)):
+        raise checkpoint.CheckpointError(f"{name}: its 8-bit linears are not those `--quant` quantizes")
+    quantizer = _Quantizer(quant) if quant != "none" and not pre else None
+    weights = checkpoint.convert(
+        sd, shape, device, dtype, progress=_Progress(name), quantize=quantizer, prequantized=pre
+    )
     model = RWKV7(
         weights,
         shape,
@@ -62,9 +68,33 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     model.synthetic = is_synthetic
     model.quant = quant
     if quantizer is not None:
-        quantizer.log(name, device)
+        quantizer.log(name)
+    if quant != "none" and device.type != "cuda":
+        log.warning(
+            "--quant %s on %s: the weights are smaller, but each product dequantizes its matrix "
+            "first (slower than 16-bit); the 8-bit kernels are CUDA only",
+            quant,
+            device,
+        )
     log.info("loaded %s (%s) on %s %s in %.1fs", name, shape.signature(), device, dtype, time.perf_counter() - t0)
     return model
+
+
+def _file_quant(sd: dict[str, torch.Tensor], name: str, quant: str, dtype: torch.dtype,
+                pre: dict[str, qlinear.QWeight]) -> str:  # fmt: skip
+    """The quant mode of the model a checkpoint gives: a pre-quantized file's own (its QWeights
+    moved into `pre`), which `quant` must be none or equal to; else `quant`."""
+    mode, weights = qfile.take_quantized(sd, dtype)
+    if mode is None:
+        return quant
+    if quant not in ("none", mode):
+        raise checkpoint.CheckpointError(
+            f"{name} holds {mode} weights (written by `rwkv-server quantize`): it cannot be loaded with "
+            f"--quant {quant}; give the 16-bit checkpoint, or --quant {mode}"
+        )
+    pre.update(weights)
+    log.info("%s: pre-quantized %s weights (%d linears): no quantization at load", name, mode, len(weights))
+    return mode
 
 
 class _Progress:
@@ -98,13 +128,6 @@ class _Quantizer:
         self.after += qw.nbytes()
         return qw
 
-    def log(self, name: str, device: torch.device) -> None:
+    def log(self, name: str) -> None:
         log.info("quantized %d linears of %s to %s in %.1fs: %.2f GB -> %.2f GB", self.count, name, self.mode,
                  self.seconds, self.before / 1e9, self.after / 1e9)  # fmt: skip
-        if device.type != "cuda":
-            log.warning(
-                "--quant %s on %s: the weights are smaller, but each product dequantizes its matrix "
-                "first (slower than 16-bit); the 8-bit kernels are CUDA only",
-                self.mode,
-                device,
-            )

@@ -58,6 +58,9 @@ class QWeight:
         """q * scale in the model dtype (computed in fp32): (N, K) or (P, N, K)."""
         return (self.q.float() * self.scale.float().unsqueeze(-1)).to(self.dtype)
 
+    def to(self, device: torch.device) -> QWeight:
+        return QWeight(self.q.to(device), self.scale.to(device), self.dtype)
+
     def plane(self, p: int) -> QWeight:
         """Plane p of a stacked weight (views, no copy)."""
         return QWeight(self.q[p], self.scale[p], self.dtype)
