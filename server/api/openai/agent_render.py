@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from server.api.openai.jobs import Job
-from server.api.openai.render import Meta, Renderer, _chunker, _echo, _ender, _finish, _raise_failed, usage
+from server.api.openai.render import Meta, Renderer, _chunker, _echo, _ender, _finish, _raise_failed, head, response
 from server.api.openai.tools import ToolPlan, held_back, split
 from server.engine.types import Event, TokenLogprob
 
@@ -64,15 +64,7 @@ def chat_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any]]:
             msg, finish = _message(j, ex)
             lp = None if ex.logprobs is None else {"content": chat_logprobs(ex, j.logprobs or []), "refusal": None}
             choices.append({"index": j.index, "message": msg, "logprobs": lp, "finish_reason": finish})
-        return {
-            "id": meta.id,
-            "object": "chat.completion",
-            "created": meta.created,
-            "model": meta.model,
-            "system_fingerprint": None,
-            "choices": choices,
-            "usage": usage(jobs, meta),
-        }
+        return response(meta, "chat.completion", choices, jobs)
 
     return full
 
@@ -85,13 +77,7 @@ class _ChatState:
 
 def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
     def make(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
-        base = {
-            "id": meta.id,
-            "object": "chat.completion.chunk",
-            "created": meta.created,
-            "model": meta.model,
-            "system_fingerprint": None,
-        }
+        base = head(meta, "chat.completion.chunk")
         chunk = _chunker(base, include_usage)
         states = {j.index: _ChatState() for j in jobs}
         plan = ex.tool_plan
@@ -180,15 +166,7 @@ def completion_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any
             choices.append(
                 {"index": j.index, "text": echo + "".join(j.text), "logprobs": lp, "finish_reason": _finish(j)}
             )
-        return {
-            "id": meta.id,
-            "object": "text_completion",
-            "created": meta.created,
-            "model": meta.model,
-            "system_fingerprint": None,
-            "choices": choices,
-            "usage": usage(jobs, meta),
-        }
+        return response(meta, "text_completion", choices, jobs)
 
     return full
 
@@ -198,13 +176,7 @@ def completion_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Rendere
     with the first, where the prompt's logprobs are known."""
 
     def make(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
-        base = {
-            "id": meta.id,
-            "object": "text_completion",
-            "created": meta.created,
-            "model": meta.model,
-            "system_fingerprint": None,
-        }
+        base = head(meta, "text_completion")
         chunk = _chunker(base, include_usage)
         offsets: dict[int, int] = {}
 

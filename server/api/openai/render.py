@@ -48,6 +48,16 @@ def usage(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     }
 
 
+def head(meta: Meta, obj: str) -> dict[str, Any]:
+    """The fields every response and stream chunk of the OpenAI routes starts with."""
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "system_fingerprint": None}
+
+
+def response(meta: Meta, obj: str, choices: list[dict[str, Any]], jobs: list[Job]) -> dict[str, Any]:
+    """A whole (non-streamed) response: the head, its choices and the usage."""
+    return {**head(meta, obj), "choices": choices, "usage": usage(jobs, meta)}
+
+
 def _raise_failed(jobs: list[Job]) -> None:
     for j in jobs:
         if j.finish_reason == "error":
@@ -119,26 +129,12 @@ def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
         }
         for j in jobs
     ]
-    return {
-        "id": meta.id,
-        "object": "chat.completion",
-        "created": meta.created,
-        "model": meta.model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": usage(jobs, meta),
-    }
+    return response(meta, "chat.completion", choices, jobs)
 
 
 def chat_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
     """The pieces of a chat stream: the role chunks, render(job, batch), the end."""
-    base = {
-        "id": meta.id,
-        "object": "chat.completion.chunk",
-        "created": meta.created,
-        "model": meta.model,
-        "system_fingerprint": None,
-    }
+    base = head(meta, "chat.completion.chunk")
     chunk = _chunker(base, include_usage)
 
     def choice(job: Job, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -175,15 +171,7 @@ def completion_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
         {"index": j.index, "text": _echo(meta, j) + "".join(j.text), "logprobs": None, "finish_reason": _finish(j)}
         for j in jobs
     ]
-    return {
-        "id": meta.id,
-        "object": "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": usage(jobs, meta),
-    }
+    return response(meta, "text_completion", choices, jobs)
 
 
 def _echo(meta: Meta, job: Job) -> str:
@@ -192,13 +180,7 @@ def _echo(meta: Meta, job: Job) -> str:
 
 def completion_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
     """The pieces of a completions stream: the echo chunks, render(job, batch), the end."""
-    base = {
-        "id": meta.id,
-        "object": "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "system_fingerprint": None,
-    }
+    base = head(meta, "text_completion")
     chunk = _chunker(base, include_usage)
 
     def choice(job: Job, text: str, finish: str | None = None) -> dict[str, Any]:
