@@ -37,7 +37,7 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     if quant != "none" and quant not in qlinear.WEIGHT_MODES:
         raise ValueError(f"quant must be none or one of {', '.join(qlinear.WEIGHT_MODES)}, not {quant!r}")
     is_synthetic = spec.startswith("synthetic:")
-    pre: dict[str, qlinear.QWeight] = {}
+    pre: dict[str, qlinear.QWeight] = {}  # a pre-quantized file's linears
     if is_synthetic:
         sd = synthetic.synthetic_state_dict(spec, device=device, dtype=dtype)
         name = spec
@@ -45,7 +45,7 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         sd = checkpoint.read_checkpoint(spec)
         name = os.path.basename(spec)
         is_synthetic = sd.pop(checkpoint.SYNTHETIC_MARK, None) is not None
-        quant = _file_quant(sd, name, quant, dtype, pre)
+        quant, pre = _file_quant(sd, name, quant, dtype)
     shape = checkpoint.validate(sd)
     if pre and set(pre) != set(qfile.linear_keys(shape)):
         raise checkpoint.CheckpointError(f"{name}: its 8-bit linears are not those `--quant` quantizes")
@@ -80,21 +80,21 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     return model
 
 
-def _file_quant(sd: dict[str, torch.Tensor], name: str, quant: str, dtype: torch.dtype,
-                pre: dict[str, qlinear.QWeight]) -> str:  # fmt: skip
-    """The quant mode of the model a checkpoint gives: a pre-quantized file's own (its QWeights
-    moved into `pre`), which `quant` must be none or equal to; else `quant`."""
+def _file_quant(
+    sd: dict[str, torch.Tensor], name: str, quant: str, dtype: torch.dtype
+) -> tuple[str, dict[str, qlinear.QWeight]]:
+    """(the model's quant mode, the file's 8-bit linears): a pre-quantized file's own mode and
+    QWeights (taken out of sd), which `quant` must be none or equal to; else (quant, {})."""
     mode, weights = qfile.take_quantized(sd, dtype)
     if mode is None:
-        return quant
+        return quant, weights
     if quant not in ("none", mode):
         raise checkpoint.CheckpointError(
             f"{name} holds {mode} weights (written by `rwkv-server quantize`): it cannot be loaded with "
             f"--quant {quant}; give the 16-bit checkpoint, or --quant {mode}"
         )
-    pre.update(weights)
     log.info("%s: pre-quantized %s weights (%d linears): no quantization at load", name, mode, len(weights))
-    return mode
+    return mode, weights
 
 
 class _Progress:
