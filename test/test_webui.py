@@ -151,7 +151,7 @@ def test_task_page_actions(server, browser, finished_task):
     wait_for(browser, lambda d: d.find_elements("css selector", "#task-output[data-done]"), 20)
     result = get(server, f"/v1/tasks/{fork}/get_result")
     assert result["completion_tokens"] == 5
-    assert browser.find_element("css selector", "#task-output").text == result["result"]
+    assert browser.find_element("css selector", "#task-output").get_attribute("textContent") == result["result"]
     delete = browser.find_element("css selector", "#task-delete")
     delete.click()
     assert httpx.get(f"{server.url}/v1/tasks/{fork}/status").status_code == 200  # the first click only arms it
@@ -213,7 +213,8 @@ def test_playground_from_a_template_forks_it(server, browser, template):
     forks = [t for t in get(server, "/v1/tasks/list", kind="tmp", limit=1000)["tasks"]
              if t["parent_id"] == template]
     assert len(forks) == 1, forks
-    reply = browser.find_elements("css selector", "#chat-log .msg.assistant .text")[-1].text
+    # textContent, not .text: WebDriver's rendered text turns a no-break space into a space
+    reply = browser.find_elements("css selector", "#chat-log .msg.assistant .text")[-1].get_attribute("textContent")
     assert reply and reply in get(server, f"/v1/tasks/{forks[0]['task_id']}/get_result")["result"]
     _chat(browser, "Second turn")  # continues the same task: no new fork
     forks2 = [t for t in get(server, "/v1/tasks/list", kind="tmp", limit=1000)["tasks"]
