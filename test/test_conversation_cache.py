@@ -322,10 +322,13 @@ def test_ten_turn_chat_reuses_the_history_and_answers_as_without_the_cache(tmp_p
     assert [u[:2] for u in usage] == [u[:2] for u in ref_usage]
     n_system = len(get_tokenizer().encode(f"System: {SYSTEM}\n\n"))  # the shared prefix cache, on in both
     assert [u[2] for u in ref_usage] == [0] + [n_system] * (len(QUESTIONS) - 1) and usage[0][2] == 0
-    for i in range(1, len(usage)):
+    # the first turn is short and holds no reply: not kept (min_tokens), so turn 2 starts from
+    # the shared system prefix; turn 2 holds a reply, so from then on every turn is kept
+    assert usage[1][2] == n_system
+    for i in range(2, len(usage)):
         prev = usage[i - 1][0] + usage[i - 1][1]
         assert usage[i][2] >= 0.9 * prev, f"turn {i + 1}: cached {usage[i][2]} of {prev}"
-    turns = len(QUESTIONS) - 1
+    turns = len(QUESTIONS) - 2
     assert metrics["rwkv_conversation_cache_hits_total"] >= turns
     assert metrics["rwkv_conversation_cache_tokens_saved_total"] >= sum(u[2] for u in usage) - usage[0][2] - 16
     kept = metrics["rwkv_conversation_cache_kept_total"]
@@ -350,7 +353,8 @@ def _think(url: str, requests: int) -> None:
 
 
 def test_each_api_key_has_its_own_conversations(tmp_path):
-    with running_server(tmp_path, env={"RWKV_API_KEYS": "k1,k2"}) as srv:
+    env = {"RWKV_API_KEYS": "k1,k2", "RWKV_CONVERSATION_CACHE_MIN_TOKENS": "0"}  # short exchanges kept too
+    with running_server(tmp_path, env=env) as srv:
         def turn(key: str, history: list[dict]) -> tuple[int, str]:
             r = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                            json={"messages": history, **CHAT}, timeout=60)
@@ -379,3 +383,32 @@ def test_each_api_key_has_its_own_conversations(tmp_path):
         again = complete([p + "and then" for p in long])  # each prompt extends a kept prompt end
         n_long = sum(len(get_tokenizer().encode(p)) for p in long)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_long - 4
+
+
+def test_only_exchanges_worth_keeping_keep_their_states(tmp_path):
+    """min_tokens (default 512): a one-off short completion or first chat turn keeps nothing (no
+    state copied out, nothing settled); a long one, and a chat that holds an earlier reply, are
+    kept, and the next turn starts from the kept state."""
+    def counters(url: str) -> tuple[float, float]:
+        m = parse_metrics(httpx.get(url + "/metrics").text)
+        return m.get("rwkv_conversation_cache_kept_total", 0), m.get("rwkv_conversation_cache_mismatches_total", 0)
+
+    with running_server(tmp_path) as srv:
+        post = lambda path, body: httpx.post(srv.url + path, json={**body, **CHAT}, timeout=60).json()  # noqa: E731
+        short = post("/v1/completions", {"prompt": "Once upon a time"})
+        first = [{"role": "user", "content": "Hello there"}]
+        reply = post("/v1/chat/completions", {"messages": first})["choices"][0]["message"]["content"]
+        time.sleep(1.0)  # a settle would have polled the ends by now
+        assert counters(srv.url) == (0, 0) and short["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        ongoing = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Tell me more"}]
+        body = post("/v1/chat/completions", {"messages": ongoing})
+        _think(srv.url, 1)  # kept as generated or repaired: settled either way
+        again = [*ongoing, {"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And then?"}]
+        n_prev = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        assert post("/v1/chat/completions", {"messages": again})["usage"]["prompt_tokens_details"]["cached_tokens"] \
+            >= 0.9 * n_prev
+        _think(srv.url, 2)
+        long_prompt = "The bridge over the river " * 100  # 500+ tokens with max_tokens 24: kept
+        post("/v1/completions", {"prompt": long_prompt})
+        _think(srv.url, 3)

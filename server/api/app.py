@@ -164,6 +164,7 @@ async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Servic
         conversations = ConversationCache(
             settings.conversation_cache_bytes,
             shared=settings.conversation_cache_shared,
+            min_tokens=settings.conversation_cache_min_tokens,
             repairs=not 0 < settings.max_queue < REPAIR_MIN_QUEUE,
         )
         metrics.add_source(conversations.metric_lines)

@@ -83,12 +83,19 @@ def _is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
 
 class ConversationCache:
     def __init__(
-        self, budget_bytes: int, *, shared: bool = False, repairs: bool = True, wait_s: float = WAIT_SETTLE_S
+        self,
+        budget_bytes: int,
+        *,
+        shared: bool = False,
+        repairs: bool = True,
+        wait_s: float = WAIT_SETTLE_S,
+        min_tokens: int = 0,
     ) -> None:
         """repairs=False: never submit a repair (e.g. a queue bound so small that one could take
-        a client's place)."""
+        a client's place). min_tokens: see worth_keeping."""
         self.cache: StateCache[StateLike] = StateCache(budget_bytes)
         self.shared = shared
+        self.min_tokens = min_tokens
         self.repairs = repairs
         self.wait_s = wait_s
         self.counters: Counter[str] = Counter()
@@ -152,6 +159,13 @@ class ConversationCache:
                 await asyncio.wait_for(asyncio.gather(*waits), self.wait_s)
 
     # --- keeping states ------------------------------------------------------------------------
+    def worth_keeping(self, stream_tokens: int, reply_tokens: int, ongoing: bool) -> bool:
+        """Whether a request's states are kept: it is part of a conversation in progress (it
+        extends a kept state, or its chat holds an earlier reply), or its stream (from the base)
+        plus the most it may generate reaches min_tokens. A one-off short exchange is cheaper to
+        prefill again than its state is to copy to host memory and back."""
+        return ongoing or stream_tokens + reply_tokens >= self.min_tokens
+
     def put(self, part: str, tokens: Sequence[int], state: StateLike) -> None:
         """Keep `state`, which consumed exactly `tokens` from the partition's base."""
         if not tokens:

@@ -51,21 +51,27 @@ Prompt = tuple[Sequence[int], StateLike | None, int]
 
 
 def submit_all(
-    engine: EngineAPI, prompts: list[Prompt], params: list[SamplingParams], base_id: str, *, return_state: bool = False
+    engine: EngineAPI,
+    prompts: list[Prompt],
+    params: list[SamplingParams],
+    base_id: str,
+    *,
+    return_state: bool | Sequence[bool] = False,
 ) -> list[Job]:
     """One sequence per (prompt, params): all submitted, or none (the engine's error raised as
-    an ApiError). return_state: their Results carry the final states (the conversation cache);
-    their streams end without waiting for them."""
+    an ApiError). return_state (one for all, or one per sequence): their Results carry the final
+    states (the conversation cache); their streams end without waiting for them."""
+    keeps = [return_state] * len(prompts) if isinstance(return_state, bool) else list(return_state)
     jobs: list[Job] = []
     try:
-        for i, ((tokens, init_state, n_prompt), p) in enumerate(zip(prompts, params, strict=True)):
+        for i, ((tokens, init_state, n_prompt), p, keep) in enumerate(zip(prompts, params, keeps, strict=True)):
             h = engine.submit(
                 tokens,
                 p,
                 init_state=init_state,
                 request_id=f"{base_id}-{i}",
-                return_state=return_state,
-                end_before_state=return_state,
+                return_state=keep,
+                end_before_state=keep,
             )
             jobs.append(Job(index=i, handle=h, prompt_tokens=n_prompt))
     except Exception as exc:

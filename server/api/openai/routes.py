@@ -132,7 +132,11 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     _check_length(sv, len(prefix_tokens) + len(rest))
     owner = get_owner(request)
     base = await start.resolve_base(sv, body.state, owner)
-    begun = await start.begin(sv, owner, base, prefix_tokens + rest, (prompt.prefix, prefix_tokens))
+    reply = max(p.max_tokens for p in params)
+    ongoing = any(m.role == "assistant" for m in body.messages)
+    begun = await start.begin(
+        sv, owner, base, prefix_tokens + rest, (prompt.prefix, prefix_tokens), reply_tokens=reply, ongoing=ongoing
+    )
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(
@@ -140,7 +144,7 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
         [(begun.submit, begun.state, n_prompt)] * len(params),
         params,
         cid,
-        return_state=begun.part is not None,
+        return_state=begun.keep,
     )
     begun.track(sv, jobs, None if agent.tool_plan else start.chat_expect(sv, begun, prompt.rest, len(rest)))
     meta = render.Meta(
@@ -193,14 +197,16 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     seqs: list[Prompt] = []
     params: list[SamplingParams] = []
     echoes: list[str] = []
-    starts = await asyncio.gather(*(_begin(sv, owner, base, tokens, agent) for tokens, _ in prompts))
+    reply = max(p.max_tokens for p in per_choice)
+    starts = await asyncio.gather(*(_begin(sv, owner, base, tokens, agent, reply) for tokens, _ in prompts))
     for begun, (tokens, text) in zip(starts, prompts, strict=True):
         for p in per_choice:
             seqs.append((begun.submit, begun.state, len(tokens)))
             params.append(p)
             echoes.append(text if body.echo else "")
     cid = f"cmpl-{uuid.uuid4().hex}"
-    jobs = submit_all(sv.engine, seqs, params, cid, return_state=sv.conversations is not None)
+    keeps = [b.keep for b in starts for _ in per_choice]
+    jobs = submit_all(sv.engine, seqs, params, cid, return_state=keeps)
     k, texts = len(per_choice), _text_prompts(body)
     for i, (begun, (tokens, text)) in enumerate(zip(starts, prompts, strict=True)):  # FIM: not re-sent
         expect = start.completion_expect(sv, begun, text if texts and not body.suffix else None, len(tokens))
@@ -229,11 +235,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer, render.completion_response)
 
 
-async def _begin(sv: Services, owner: str | None, base: start.Base, tokens: list[int], agent: Agent) -> start.Start:
+async def _begin(
+    sv: Services, owner: str | None, base: start.Base, tokens: list[int], agent: Agent, reply_tokens: int
+) -> start.Start:
     """A prompt's start. Scoring the prompt (echo + logprobs) needs its every token fed, so
     it starts from the base, not from a kept conversation state."""
     if agent.prompt_logprobs is None:
-        return await start.begin(sv, owner, base, tokens)
+        return await start.begin(sv, owner, base, tokens, reply_tokens=reply_tokens)
     stream = base.tokens + list(tokens)
     return start.Start(stream=stream, submit=stream, state=base.state, cached=0, part=None)
 

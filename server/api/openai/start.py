@@ -49,10 +49,12 @@ class Start:
     cached: int
     part: str | None
     """The conversation cache partition (None: the cache is off)."""
+    keep: bool = False
+    """Keep the states of this prompt's sequences (their Results carry them: return_state)."""
 
     def track(self, sv: Services, jobs: Sequence[Job], expect: Expect | None) -> None:
         """Keep the states of these jobs (one prompt's choices) once they end."""
-        if self.part is not None and sv.conversations is not None:
+        if self.keep and self.part is not None and sv.conversations is not None:
             sv.conversations.track(sv.engine, self.part, self.stream, [j.handle for j in jobs], expect)
 
 
@@ -93,31 +95,42 @@ async def resolve_base(sv: Services, name: str | None, owner: str | None) -> Bas
 
 
 async def begin(
-    sv: Services, owner: str | None, base: Base, tokens: Sequence[int], prefix: tuple[str, list[int]] | None = None
+    sv: Services,
+    owner: str | None,
+    base: Base,
+    tokens: Sequence[int],
+    prefix: tuple[str, list[int]] | None = None,
+    *,
+    reply_tokens: int = 0,
+    ongoing: bool = False,
 ) -> Start:
     """The start of one prompt's sequences. `prefix`: (text, tokens) of a chat prompt's shared
     prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer).
-    With the cache on, a long uncached rest is prefilled (and kept) first, but its last token."""
+    reply_tokens: the most tokens a sequence may generate; ongoing: the prompt holds an earlier
+    reply (a chat with an assistant turn), so the client is likely to send the next turn. With
+    the cache on, the states of an exchange worth keeping are kept, and its long uncached rest
+    is prefilled (and kept) first, but its last token."""
     stream = base.tokens + list(tokens)
-    state, n, part = base.state, 0, None
+    state, n, part, keep = base.state, 0, None, False
     conv = sv.conversations
     if conv is not None:
         part = conv.partition(owner, base.key)
         kept, m = await conv.lookup(part, stream)
         if kept is not None:
             state, n = kept, m
+        keep = conv.worth_keeping(len(stream), reply_tokens, ongoing=ongoing or kept is not None)
     cached = n
     if prefix is not None and prefix[0] and not base.key and not base.tokens and n < len(prefix[1]):
         text, ptokens = prefix
         hit = sv.prefix_cache.key(text) in sv.prefix_cache.cache
         state, n = await prefix_state(sv, text, ptokens), len(ptokens)
         cached = n if hit else 0
-    if conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
+    if conv is not None and part is not None and keep and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
         try:
             state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
         except Exception as exc:
             raise engine_error(exc) from exc
-    return Start(stream=stream, submit=stream[n:], state=state, cached=max(0, cached - len(base.tokens)), part=part)
+    return Start(stream, stream[n:], state, max(0, cached - len(base.tokens)), part, keep)
 
 
 async def prefix_state(sv: Services, text: str, tokens: list[int]) -> StateLike:
