@@ -166,6 +166,10 @@ def main() -> None:
         url = srv.url
     try:
         lines = asyncio.run(main_async(url, args))
+    except Exception:
+        if srv is not None:  # what the server said before the client failed
+            print(f"server log (last lines):\n{srv.log_tail()}", file=sys.stderr)
+        raise
     finally:
         if srv is not None:
             srv.cleanup()  # stops it; removes its temporary directory

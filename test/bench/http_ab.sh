@@ -43,6 +43,6 @@ fi
 if [ "${CONV:-0}" = 1 ]; then
   echo "=== conversation $(date +%T)"
   timeout "$(left)" python3 test/bench/bench_conversation.py --model synthetic:2.9b --concurrency 256 \
-    --out "$OUT/results.jsonl" 2>&1 | tail -4
+    --out "$OUT/results.jsonl" 2>&1 | tail -40
 fi
 echo "=== done $(date +%T)"
