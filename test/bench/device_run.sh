@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests quant_tests quant_gemm quant_sweep engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes http1024 quality
+# steps: info build tests quant_tests quant_gemm quant_sweep engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes tasks_spy http1024 quality
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -64,6 +64,16 @@ for s in $steps; do
              timeout 300 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 256 --route completions,tmp,tasks \
                --out "$OUT/results.jsonl" 2>&1 | grep -E "streams:|first tokens|waited|rror" | tee "$OUT/http_routes.log"; wait
              [ -f "$OUT/spy_routes.txt" ] && python3 test/bench/spy_top.py "$OUT/spy_routes.txt" --top 25 ;;
+    tasks_spy)  # issue 22's open question: tasks and tmp at 512 tokens on one server, with a py-spy
+             # record (threads, GIL idle included), vmstat each second and the server's page faults
+             spy=/tmp/site/bin/py-spy
+             (for i in $(seq 300); do p=$(pgrep -f '[s]erver.cli serve' | head -1); [ -n "$p" ] && break; sleep 0.2; done
+              (while kill -0 $p 2>/dev/null; do echo "$(date +%T.%N | cut -c1-12) $(awk '{print $10, $12, $14, $15}' /proc/$p/stat)"; sleep 0.5; done) > "$OUT/faults.txt" &
+              [ -x $spy ] && $spy record --pid $p --nonblocking --idle -r 50 -f raw --threads -o "$OUT/spy_tasks.txt" >/dev/null 2>&1) &
+             (vmstat -t 1 > "$OUT/vmstat.txt" 2>&1 &) ; echo "faults.txt: time minflt majflt utime stime (ticks)"
+             timeout 300 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 256 --route tasks,tmp --max-tokens 512 \
+               --out "$OUT/results.jsonl" 2>&1 | grep -E "streams:|first tokens|waited|rror" | tee "$OUT/tasks_spy.log"; wait; pkill vmstat
+             [ -f "$OUT/spy_tasks.txt" ] && python3 test/bench/spy_top.py "$OUT/spy_tasks.txt" --top 30 ;;
     http1024) timeout 300 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 1024 --route completions \
               --out "$OUT/results.jsonl" 2>&1 | grep -E "streams:|first tokens|rror" | tee "$OUT/http1024.log" ;;
     quality) timeout 500 python3 test/bench/quality.py --model synthetic:2.9b --device cuda --tokens 4096 --stride 16 \
