@@ -75,6 +75,15 @@ def test_metrics_families(slow_server):
     assert after["rwkv_prompt_tokens_total"] > before["rwkv_prompt_tokens_total"]
 
 
+def _counted(url: str, key: str, want: float, timeout: float = 10.0) -> float:
+    """The metric `key` once it reaches `want` (or its value after `timeout` s): a stream is
+    counted after its last bytes went out, so the client can read /metrics before that."""
+    deadline = time.monotonic() + timeout
+    while (got := metrics(url).get(key, 0)) < want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
 def _streamed(url: str, body: dict) -> dict[int, str]:
     """{choice index: its streamed text} of a streamed completion (well ended)."""
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -98,14 +107,13 @@ def test_streams_are_written_by_the_engine_thread_and_equal_the_whole_answer(slo
     before = metrics(url)
     whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert _streamed(url, body) == {0: whole} and len(whole) > 0
-    mid = metrics(url)
     key = 'rwkv_http_streams_total{path="direct_ended"}'
-    assert mid.get(key, 0) == before.get(key, 0) + 1
+    assert _counted(url, key, before.get(key, 0) + 1) == before.get(key, 0) + 1
+    mid = metrics(url)
     two = _streamed(url, {**body, "n": 2})
     assert two[0] == whole and len(two[1]) > 0  # choice 0 has the same seed
-    after = metrics(url)
     key = 'rwkv_http_streams_total{path="loop"}'
-    assert after.get(key, 0) == mid.get(key, 0) + 1
+    assert _counted(url, key, mid.get(key, 0) + 1) == mid.get(key, 0) + 1
 
 
 def _stream_then_drop(url: str, started: threading.Barrier, release: threading.Event, errors: list) -> None:
@@ -195,12 +203,11 @@ def test_streams_closed_right_after_done_are_not_aborts(slow_server):
 
     answers = asyncio.run(waves())
     assert all(a.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in a for a in answers)
-    time.sleep(0.5)
-    after = metrics(url)
-    assert after["rwkv_requests_aborted_total"] == before["rwkv_requests_aborted_total"]
     for path, n in (("direct_ended", 120), ("loop", 40)):
         key = f'rwkv_http_streams_total{{path="{path}"}}'
-        assert after.get(key, 0) == before.get(key, 0) + n, path
+        assert _counted(url, key, before.get(key, 0) + n) == before.get(key, 0) + n, path
+    time.sleep(0.5)  # an abort (none expected) would be counted by now
+    assert metrics(url)["rwkv_requests_aborted_total"] == before["rwkv_requests_aborted_total"]
     assert slow_server.log_tail(100000).count("client disconnected") == log_before
 
 

@@ -74,12 +74,14 @@ def test_task_runs_count_in_the_latency_metrics(http, server):
     before = metrics()
     ev = sse(http.post("/create", json={"prompt": "Latency", "max_tokens": 6, "stream": True, **G}))
     wait_done(http, ev[0]["task_id"])
-    after = metrics()
+    key = 'rwkv_http_streams_total{path="task_direct_ended"}'  # written by server.api.streaming.direct
+    deadline = time.monotonic() + 10  # a stream is counted after its last bytes went out
+    while (after := metrics()).get(key, 0) < before.get(key, 0) + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1
     assert after["rwkv_request_duration_seconds_count"] == before["rwkv_request_duration_seconds_count"] + 1
     gaps = after["rwkv_inter_token_latency_seconds_count"] - before["rwkv_inter_token_latency_seconds_count"]
     assert gaps == 5  # 6 tokens: the first is TTFT, each later one one gap (batched gaps count per token)
-    key = 'rwkv_http_streams_total{path="task_direct_ended"}'  # written by server.api.streaming.direct
     assert after[key] == before.get(key, 0) + 1
     runs = 'rwkv_task_events_total{event="runs"}'  # the task layer's counters
     assert after[runs] == before.get(runs, 0) + 1
