@@ -149,6 +149,11 @@ class Settings:
     connection's start); beyond: 408 and the connection is closed. 0: no limit."""
     body_timeout: float = 30.0
     """Seconds a client has to send a request's body once its headers came; beyond: 408. 0: no limit."""
+    keep_alive_timeout: int = 75
+    """Seconds an idle HTTP/1.1 connection is kept open for its next request. Longer than the
+    clients' own idle expiry (httpx and the OpenAI SDK: 5 s) and a load balancer's (often 60 s),
+    so that a client never sends a request on a connection the server is closing that moment
+    (the request would fail with a read error, and a POST is not retried)."""
     max_connections: int = 4096
     """Most connections (and requests in progress) at once; beyond them new requests get 503. 0: no bound."""
     few_shot: str = ""

@@ -4,13 +4,14 @@ disconnects that free their slots."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
 import httpx
 import orjson
 import pytest
-from util_server import ServerProcess
+from util_server import ServerProcess, running_server
 
 from server.api.metrics import parse_metrics
 
@@ -242,3 +243,45 @@ def test_sigterm_ends_open_streams_and_exits(slow_server):
          '"param":null,"code":"shutting_down"}}'), "data: [DONE]"]
     assert out["plain"].status_code == 503 and out["plain"].json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in slow_server.log_tail(200)
+
+
+def _get_health(sock: socket.socket) -> bytes:
+    """One GET /health on an open keep-alive connection: the response's bytes (b"" if the server
+    closed the connection)."""
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    except OSError:
+        return b""
+    got = b""
+    while b"\r\n\r\n" not in got or len(got.split(b"\r\n\r\n", 1)[1]) < _length(got):
+        data = sock.recv(65536)
+        if not data:
+            break
+        got += data
+    return got
+
+
+def _length(head: bytes) -> int:
+    for line in head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_an_idle_connection_outlives_the_clients_own_expiry(tmp_path):
+    """httpx and the OpenAI SDK drop an idle connection after 5 s; the server keeps one open
+    longer (--keep-alive-timeout, 75 s), so a request sent on a connection idle for 6 s is
+    answered, not lost to a close racing it."""
+    with running_server(tmp_path) as srv, socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_keep_alive_timeout_closes_idle_connections(tmp_path):
+    with running_server(tmp_path, env={"RWKV_KEEP_ALIVE_TIMEOUT": "1"}) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+            assert _get_health(sock).startswith(b"HTTP/1.1 200")
+            time.sleep(2.5)
+            assert sock.recv(65536) == b""  # closed by the server
