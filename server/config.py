@@ -120,9 +120,11 @@ class Settings:
     requests, by exact token prefix; a request that extends one prefills only the rest); 0 turns
     it off."""
     conversation_cache_min_tokens: int = 512
-    """Keep a request's states only when its prompt plus its max_tokens reach this many tokens (or
-    it continues a kept state): keeping costs a state's copy to host memory and back, which for a
-    short exchange costs more than prefilling its tokens again (docs/states.md). 0: keep every one."""
+    """Keep a request's states only when its prompt plus its max_tokens reach this many tokens, or
+    it is part of a conversation in progress (a chat with an earlier reply, or a request that
+    started from a kept state): keeping costs a state's copy to host memory and back, which for a
+    one-off short exchange costs more than prefilling its tokens again (docs/states.md). 0: keep
+    every one."""
     conversation_cache_shared: bool = False
     """Let an API key's requests start from conversation states that another key's requests left
     (default: each key has its own)."""

@@ -125,7 +125,7 @@ async def begin(
         hit = sv.prefix_cache.key(text) in sv.prefix_cache.cache
         state, n = await prefix_state(sv, text, ptokens), len(ptokens)
         cached = n if hit else 0
-    if conv is not None and part is not None and keep and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
+    if keep and conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
         try:
             state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
         except Exception as exc:
