@@ -120,3 +120,31 @@ def test_grammar_and_logprob_rows_graphs_equal_eager(model):
     for r, f, (_, q) in zip(graphs, free, reqs):
         if q.grammar is None:
             assert r.token_ids == f.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_host_copies_equal_their_device_states_byte_for_byte(dtype):
+    """Copies through the threads' pinned staging: every state comes back whole, in its dtype and
+    shape, under its own id, while later (larger) states grow the staging buffers."""
+    from server.engine.copyout import HostCopies
+    from server.model.state import State
+
+    copies = HostCopies(torch.device("cuda"), threads=3)
+    sent = {}
+    try:
+        for i in range(24):
+            c = 64 + 32 * (i % 5)  # sizes vary, so a thread's staging is reused and grown
+            shapes = [(2, 1, c), (2, 1, c), (2, 1, 4, 8, 8)]
+            s = State(*(torch.randn(shape, device="cuda").to(dtype) for shape in shapes))
+            sent[f"r{i}"] = s
+            copies.submit(f"r{i}", s.clone())  # the clone is the copy's own, as the engine's gather
+        got = dict(copies.take(wait=True))
+    finally:
+        copies.close()
+    assert set(got) == set(sent)
+    for rid, s in sent.items():
+        h = got[rid]
+        assert h is not None and h.device.type == "cpu"
+        for a, b in zip(s.tensors(), h.tensors(), strict=True):
+            assert b.dtype == dtype and b.shape == a.shape and not b.is_pinned()
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), rid
