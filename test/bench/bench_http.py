@@ -191,6 +191,8 @@ def wave(srv: ServerProcess, n: int, max_tokens: int, prompt_file: str, procs: i
     t_last = max(s["end"] for s in streams)
     phases = {"first_s": t_all - t0, "steady_s": max(0.0, t_b - t_all), "tail_s": t_last - t_b,
               "exit_s": t0 + wall - t_last,
+              "sent_s": max(s["start"] for s in streams) - t0,  # the last request left its client
+              "ttft_max_ms": max(ttft, default=0.0),
               "last_event_p95_ms": max(p.get("last_p95", 0.0) for p in parts)}
     return {"streams": n, "tokens": toks, "wall_s": wall, "wave_tok_s": toks / wall, **phases,
             "decode_tok_s": steady, "steady": steady is not None, "delivered_tok_s": delivered,
@@ -264,8 +266,10 @@ def run_route(srv: ServerProcess, a: argparse.Namespace, route: str, streams: li
             print(f"        (waited {r['drain_s']:.1f} s for the previous waves' states to be written)")
         print(f"        wave {r['wall_s']:.2f} s: first tokens {r['first_s']:.2f}, all decoding "
               f"{r['steady_s']:.2f}, tail {r['tail_s']:.2f}, clients' exit {r['exit_s']:.2f} "
-              f"(last event p95 {r['last_event_p95_ms']:.0f} ms)")
-        lines[-1].update({k: round(r[k], 2) for k in ("first_s", "steady_s", "tail_s", "exit_s")})
+              f"(last event p95 {r['last_event_p95_ms']:.0f} ms); last request sent at {r['sent_s']:.2f} s, "
+              f"TTFT max {r['ttft_max_ms']:.0f} ms")
+        lines[-1].update({k: round(r[k], 2) for k in ("first_s", "steady_s", "tail_s", "exit_s", "sent_s")})
+        lines[-1]["ttft_max_ms"] = round(r["ttft_max_ms"], 1)
         if a.variant:
             lines[-1]["variant"] = a.variant
         if route != "completions":
