@@ -19,6 +19,7 @@ from server.tasks import TaskConfig, TaskConflict, TaskInvalid, TaskManager
 from server.tasks.cache import StateCache
 from server.tasks.params import clean_params
 from server.tasks.persist import Outcome, Persistence, SettleJob
+from server.tasks.statewrites import StateWrites
 from server.tasks.records import CACHED, FINISHED, RUNNING, STORED, TASK, TMP, Run, Task, new_id, to_row, update_row
 from server.tasks.runs import Runs
 from server.tasks.store import Store
@@ -96,8 +97,10 @@ class Parts:
         self.store, self.writer = Store(str(path)), Writer(16)
         self.cache: StateCache = StateCache(10**6)
         self.table, self.counters = TaskTable(), Counter()
-        self.p = Persistence(self.store, self.writer, self.cache, self.table, self.counters,
-                             signature=FakeShape().signature(), db_budget_bytes=budget)
+        states = StateWrites(self.store, self.writer, self.cache, self.table, self.counters,
+                             signature=FakeShape().signature(), db_budget_bytes=budget,
+                             write_behind_bytes=8 * 1024**3, store_dtype=None)
+        self.p = Persistence(states)
 
     async def __aenter__(self):
         await self.store.open()

@@ -50,6 +50,7 @@ from server.tasks.params import clean_params, fim_prompt
 from server.tasks.persist import Persistence
 from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, new_id
 from server.tasks.runs import Runs
+from server.tasks.statewrites import StateWrites
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
 from server.tasks.templates import fill_template, template_of
@@ -92,7 +93,7 @@ class TaskManager:
         )
         self.writer = Writer(cfg.writer_queue)
         self.counters: Counter[str] = Counter()
-        self.persistence = persistence = Persistence(
+        states = StateWrites(
             self.store,
             self.writer,
             self.cache,
@@ -100,11 +101,10 @@ class TaskManager:
             self.counters,
             signature=self.signature,
             db_budget_bytes=cfg.db_budget_bytes,
-            instance=self.instance,
             write_behind_bytes=cfg.write_behind_bytes,
             store_dtype=STORE_DTYPES[cfg.state_store_dtype],
-            url_of=self.lease.url_of,
         )
+        self.persistence = persistence = Persistence(states, instance=self.instance, url_of=self.lease.url_of)
         self.runs = Runs(
             engine,
             self.table,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,7 +26,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import orjson
 
 from server.tasks.behind import Pending
-from server.tasks.cache import StateCache
 from server.tasks.codec import (
     StateCodecError,
     StateShapeError,
@@ -45,9 +43,6 @@ from server.tasks.errors import (
 from server.tasks.lineage import state_base
 from server.tasks.records import TEMPLATE, TMP, Task, display_id, from_row, to_row, update_row
 from server.tasks.statewrites import StateWrites
-from server.tasks.store import Store
-from server.tasks.table import TaskTable
-from server.tasks.writer import Writer
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -85,36 +80,20 @@ class SettleJob:
 class Persistence:
     def __init__(
         self,
-        store: Store,
-        writer: Writer,
-        cache: StateCache[State],
-        table: TaskTable,
-        counters: Counter[str],
+        states: StateWrites,
         *,
-        signature: str,
-        db_budget_bytes: int,
         instance: str = "local",
-        write_behind_bytes: int = 8 * 1024**3,
-        store_dtype: str | None = None,
         url_of: Callable[[str | None], str | None] = lambda _: None,
     ) -> None:
-        self.store, self.writer, self.cache, self.table = store, writer, cache, table
-        self.counters = counters
-        self.signature = signature
+        """`states` writes the final states behind; this object shares its store, writer, cache,
+        table, counters and model signature, and commits the task rows."""
+        self.states = states
+        self.store, self.writer, self.cache, self.table = states.store, states.writer, states.cache, states.table
+        self.counters = states.counters
+        self.signature = states.signature
+        self.store_dtype = states.store_dtype
         self.instance = instance
-        self.store_dtype = store_dtype
         self.url_of = url_of
-        self.states = StateWrites(
-            store,
-            writer,
-            cache,
-            table,
-            counters,
-            signature=signature,
-            db_budget_bytes=db_budget_bytes,
-            write_behind_bytes=write_behind_bytes,
-            store_dtype=store_dtype,
-        )
         self.lane = self.states.lane
         self._progress_queued = False  # a progress job is in the writer queue
         self._retries: dict[int, asyncio.TimerHandle] = {}  # id(job) -> its retry timer
