@@ -141,23 +141,32 @@ def test_bad_session_requests_change_nothing(c):
 
 def test_one_session_is_written_by_one_call_at_a_time(c, server):
     body = {"session_id": "busy", "contents": [ASK], "max_tokens": 100_000, "stream": True, "chunk_size": 1, **GREEDY}
-    started = threading.Event()
-    with httpx.Client(base_url=server.url, timeout=120) as other, other.stream("POST", "/state/chat/completions",
-                                                                              json=body) as r:
+    started, leave = threading.Event(), threading.Event()
+
+    def read(r: httpx.Response) -> None:  # keeps reading (a client that stopped reading is gone)
         for line in r.iter_lines():
             if line.startswith("data: "):
                 started.set()
-                break
-        assert started.is_set()
+            if leave.is_set():
+                break  # httpx closes the connection: the client left
+
+    with httpx.Client(base_url=server.url, timeout=120) as other, other.stream("POST", "/state/chat/completions",
+                                                                              json=body) as r:
+        reader = threading.Thread(target=read, args=(r,), daemon=True)
+        reader.start()
+        assert started.wait(60)
         second = c.post("/state/chat/completions", json={"session_id": "busy", "contents": ["more"]})
         assert second.status_code == 409, second.text
+        leave.set()
+        reader.join(60)
     # the streaming client left: its run stopped, and the session goes on from what it generated
+    # (a call while that run still settles waits for it)
     for _ in range(100):
         if c.get("/health").json()["running"] == 0:
             break
         threading.Event().wait(0.1)
-    idle(c)
     assert state(c, "busy", "User: ok\n\nAssistant:")["choices"]
+    idle(c)
 
 
 def test_sessions_survive_a_restart(tmp_path):

@@ -100,6 +100,22 @@ async def test_running_task_conflicts_and_stop_by_identity(tm):
     assert t.generated == n + 3 and t.finish_reason == "length"
 
 
+async def test_continue_of_a_stopping_task_waits_for_it_to_settle(tm):
+    """A run whose stop was asked for (its streaming client left) but has not settled yet: a
+    continue waits for it instead of answering 409, and a running task still conflicts."""
+    t = await tm.create("Run for a while", {"max_tokens": 100000, **GREEDY}, persistent=True)
+    while t.generated < 3:
+        await asyncio.sleep(0.01)
+    with pytest.raises(TaskConflict):
+        await tm.continue_(t.id)
+    tm.abort(t)  # as a stream route does when its client goes away: no wait
+    assert t.running  # not settled yet
+    again = await tm.continue_(t.id, {"max_tokens": 2})
+    assert again is t and t.finish_reason is None and t.running  # the new run
+    done_t = await done(tm, t)
+    assert done_t.finish_reason == "length"
+
+
 async def test_template_economy_and_fifty_concurrent_forks(tm):
     doc = " ".join(f"line {i} of a long shared document." for i in range(40))
     base = await done(tm, await tm.create(doc, {"max_tokens": 0, **GREEDY}, persistent=True))

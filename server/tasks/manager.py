@@ -281,6 +281,8 @@ class TaskManager:
         over = self._params(params)
         for attempt in range(2):
             t = await self.get(task_id, owner, write=True, force=force)
+            if t.running and t.stop_requested:  # stopping (e.g. its streaming client left): let it settle
+                await _wait_done(t, STOPPING_WAIT_S)
             update: dict[str, Any] = {"params": {**t.params, **over}}
             if ids is not None:
                 update["prompt"] = prompt if isinstance(prompt, str) else ""
@@ -395,6 +397,10 @@ class TaskManager:
         if bad is not None:
             raise TaskInvalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         return ids
+
+
+STOPPING_WAIT_S = 5.0
+"""How long `continue` waits for a task whose run is being stopped to settle, before 409."""
 
 
 async def _wait_done(t: Task, timeout: float | None) -> None:
