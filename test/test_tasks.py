@@ -100,9 +100,9 @@ async def test_running_task_conflicts_and_stop_by_identity(tm):
     assert t.generated == n + 3 and t.finish_reason == "length"
 
 
-async def test_continue_of_a_stopping_task_waits_for_it_to_settle(tm):
+async def test_calls_on_a_stopping_task_wait_for_it_to_settle(tm):
     """A run whose stop was asked for (its streaming client left) but has not settled yet: a
-    continue waits for it instead of answering 409, and a running task still conflicts."""
+    continue or a fork waits for it instead of answering 409; a running task still conflicts."""
     t = await tm.create("Run for a while", {"max_tokens": 100000, **GREEDY}, persistent=True)
     while t.generated < 3:
         await asyncio.sleep(0.01)
@@ -110,10 +110,16 @@ async def test_continue_of_a_stopping_task_waits_for_it_to_settle(tm):
         await tm.continue_(t.id)
     tm.abort(t)  # as a stream route does when its client goes away: no wait
     assert t.running  # not settled yet
-    again = await tm.continue_(t.id, {"max_tokens": 2})
+    again = await tm.continue_(t.id, {"max_tokens": 100000})
     assert again is t and t.finish_reason is None and t.running  # the new run
-    done_t = await done(tm, t)
-    assert done_t.finish_reason == "length"
+    n = t.generated
+    while t.generated < n + 3:
+        await asyncio.sleep(0.01)
+    tm.abort(t)
+    assert t.running
+    f = await tm.fork(t.id, {"max_tokens": 2})
+    assert t.finish_reason == "stopped" and not t.running and f.parent_id == t.id
+    assert (await done(tm, f)).finish_reason == "length"
 
 
 async def test_template_economy_and_fifty_concurrent_forks(tm):

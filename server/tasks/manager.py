@@ -66,6 +66,10 @@ Prompt = str | TokenIds
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
+STOPPING_WAIT_S = 5.0
+"""How long a stop, a delete, or a call on a task whose run is being stopped waits for that run to settle."""
+
+
 class TaskManager:
     def __init__(
         self,
@@ -241,7 +245,7 @@ class TaskManager:
         (max_tokens included), then the prompt. The source is untouched."""
         ids = await self._encode(prompt) if prompt else None
         over = self._params(params)
-        src = await self.get(task_id, owner)
+        src = await _settled_if_stopping(await self.get(task_id, owner))
         self.access.finished(src, "fork")
         merged = {**src.params, **over}
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
@@ -280,9 +284,7 @@ class TaskManager:
         ids = await self._encode(prompt) if prompt else None
         over = self._params(params)
         for attempt in range(2):
-            t = await self.get(task_id, owner, write=True, force=force)
-            if t.running and t.stop_requested:  # stopping (e.g. its streaming client left): let it settle
-                await _wait_done(t, STOPPING_WAIT_S)
+            t = await _settled_if_stopping(await self.get(task_id, owner, write=True, force=force))
             update: dict[str, Any] = {"params": {**t.params, **over}}
             if ids is not None:
                 update["prompt"] = prompt if isinstance(prompt, str) else ""
@@ -294,7 +296,9 @@ class TaskManager:
                     raise
         raise AssertionError("unreachable")
 
-    async def stop(self, task_id: str, owner: str | None = None, *, force: bool = False, wait: float = 5.0) -> Task:
+    async def stop(
+        self, task_id: str, owner: str | None = None, *, force: bool = False, wait: float = STOPPING_WAIT_S
+    ) -> Task:
         """Stop a running task by identity (engine abort); it ends with finish_reason "stopped"."""
         t = await self.get(task_id, owner, write=True, force=force)
         if t.running:
@@ -311,7 +315,7 @@ class TaskManager:
         t = await self.get(task_id, owner, write=True, force=force)
         if t.running:
             self.runs.abort(t)
-            await _wait_done(t, 5.0)
+            await _wait_done(t, STOPPING_WAIT_S)
         t.deleted = True
         self.table.forget(t.id)
         if t.kind != TMP:
@@ -328,7 +332,7 @@ class TaskManager:
         answered once its state is stored. Private to `owner`'s key unless `public` (every key
         may read and fork it); a template made without keys (owner None) is public. Names are
         per key: the private `_<name>` of two keys are two templates."""
-        src = await self.get(task_id, owner)
+        src = await _settled_if_stopping(await self.get(task_id, owner))
         self.access.finished(src, "make a template of")
         if name is not None and not _NAME.match(name):
             raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
@@ -399,8 +403,13 @@ class TaskManager:
         return ids
 
 
-STOPPING_WAIT_S = 5.0
-"""How long `continue` waits for a task whose run is being stopped to settle, before 409."""
+async def _settled_if_stopping(t: Task) -> Task:
+    """t, once its run has settled if that run's stop was asked for (`stop`, or its streaming
+    client left): continue, fork and as_template then go on instead of answering 409. A run
+    that still runs is left alone (the caller refuses it)."""
+    if t.running and t.stop_requested:
+        await _wait_done(t, STOPPING_WAIT_S)
+    return t
 
 
 async def _wait_done(t: Task, timeout: float | None) -> None:
