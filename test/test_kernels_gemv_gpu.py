@@ -291,3 +291,58 @@ def test_padding_hints_on_cpu_and_both_refused():
     with pytest.raises(ValueError):
         cuda_ops.linear(x, w, rows=(16, 8), cols=(64, 64))
     assert cuda_ops._gemv_lim((320, 96, 100, 2100), None) == (40 | 12 << 8 | 13 << 16, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["", "fp8"])
+def test_l2_prefetch_changes_no_result(dev, no_fallback, quant):
+    """The next projection's L2 prefetch is a hint: outputs with it are bitwise those without it,
+    eager and in a graph, for 16-bit and 8-bit weights; a span the kernel cannot take (not a
+    multiple of 16 bytes) is refused before anything launches."""
+    from server.model import qlinear
+
+    if quant == "fp8" and torch.cuda.get_device_capability(dev) < (8, 9):
+        pytest.skip("fp8 codes need compute capability 8.9")
+    x = _data((1, 2560), torch.float16, dev, seed=21)
+    w = _data((10240, 2560), torch.float16, dev, seed=22, scale=0.05)
+    nxt = _data((2560, 10240), torch.float16, dev, seed=23, scale=0.05)
+    if quant:
+        w, nxt = qlinear.quantize(w, quant), qlinear.quantize(nxt, quant)
+    plain = cuda_ops.linear(x, w)
+    assert torch.equal(cuda_ops.linear(x, w, prefetch=nxt), plain)
+    graph = torch.cuda.CUDAGraph()
+    cuda_ops.linear(x, w, prefetch=nxt)  # warm-up off the capture
+    with torch.cuda.graph(graph):
+        out = cuda_ops.linear(x, w, prefetch=nxt)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out, plain)
+    lib, wt = cuda_ops._lib(dev), (w.q if quant else w)
+    res = torch.empty(1, 10240, device=dev, dtype=torch.float16)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    args = [1, 2 if quant else 0, 1, 10240, 2560, 1, x.data_ptr(), 2560, 0, wt.data_ptr(), 0,
+            w.scale.data_ptr() if quant else 0, 0, res.data_ptr(), 10240, 10240, 0, 0, 0, 0, 0]  # fmt: skip
+    nq = nxt.q if quant else nxt
+    assert lib.gemv(*args, nq.data_ptr(), 1000, stream) == 0  # a multiple of 16: launched
+    assert lib.gemv(*args, nq.data_ptr(), 1001, stream) == cuda_ops.GEMV_UNSUPPORTED
+    assert lib.gemv(*args, nq.data_ptr() + 8, 1008, stream) == cuda_ops.GEMV_UNSUPPORTED
+
+
+@pytest.mark.gpu
+def test_decode_with_and_without_l2_prefetch_is_bitwise_equal(dev, monkeypatch):
+    """The model's decode at batch 1 and 8 (the gemv path, each projection prefetching the next
+    one's weight) gives the logits and states it gives with the prefetch off."""
+    from server.model import State, load_model
+
+    model = load_model("synthetic:tiny", device="cuda", dtype=torch.float16)
+    toks = torch.randint(1, model.shape.vocab_size, (8,), device=dev)
+    outs = []
+    for cap in (cuda_ops.L2_PREFETCH_MAX, 0):
+        monkeypatch.setattr(cuda_ops, "L2_PREFETCH_MAX", cap)
+        for B in (1, 8):
+            st = State.zeros(model.shape, B, dev, model.dtype, torch.float32)
+            logits = [model.decode(toks[:B], st) for _ in range(3)]
+            outs.append((torch.stack(logits), st.wkv.clone()))
+    for (la, sa), (lb, sb) in zip(outs[:2], outs[2:]):
+        assert torch.equal(la, lb) and torch.equal(sa, sb)

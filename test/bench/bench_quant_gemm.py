@@ -1,6 +1,7 @@
 """8-bit GEMM candidates on this GPU at the 2.9B decode shapes, per batch size: fp16 cuBLAS
 (the baseline), fp8 e4m3 through torch._scaled_mm with per-row scales (activations quantized per
-token), int8 weight-only as dequantize-then-cuBLAS, and int8 x int8 through torch._int_mm.
+token; also with fast accumulation, and transposed), int8 weight-only as dequantize-then-cuBLAS,
+and int8 x int8 through torch._int_mm.
 Prints microseconds per GEMM and what each costs per decode step of the whole model. Answers
 "which GEMM path for --quant" before any kernel is written (issue 27).
 
@@ -62,6 +63,12 @@ def main() -> None:
             row = {
                 "fp16": bench(lambda: F.linear(x, w)),
                 "fp8_mm": bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=s_w[None, :], out_dtype=out_dt)),
+                # the same product without cuBLASLt's periodic fp32 promotion of the accumulators
+                "fp8_fast": bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=s_w[None, :],
+                                                           out_dtype=out_dt, use_fast_accum=True)),
+                # its transpose (weights as the left operand: other tiles for a short N)
+                "fp8_t": bench(lambda: torch._scaled_mm(wq, xq.t(), scale_a=s_w[:, None], scale_b=sx.t(),
+                                                        out_dtype=out_dt)),
                 "fp8_quant_x": bench(lambda: quant_rows(x)),
                 "int8_deq": bench(lambda: F.linear(x, wi.to(torch.float16) * s_i16[:, None])),
                 "int8_out_scale": bench(lambda: F.linear(x, wi.to(torch.float16)) * s_i16),

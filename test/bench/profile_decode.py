@@ -21,7 +21,8 @@ from server.engine.types import SamplingParams  # noqa: E402
 from server.model import State, load_model  # noqa: E402
 from server.model.graphs import DecodeGraphs  # noqa: E402
 
-CATS = (("wkv7", ("wkv7",)), ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "gemv", "splitk")),
+CATS = (("wkv7", ("wkv7",)), ("quant", ("quant_rows",)),
+        ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "gemv", "splitk", "w8_mm")),
         ("sort/scan", ("sort", "radix", "scan", "cub::")), ("softmax", ("softmax",)))  # fmt: skip
 
 
@@ -68,12 +69,13 @@ def main() -> None:
     p.add_argument("--state-dtype", default="fp32")
     p.add_argument("--top", type=int, default=14, help="kernel names listed per batch")
     p.add_argument("--no-fused", action="store_true", help="decode without the fused time-mix")
+    p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights")
     a = p.parse_args()
-    model = load_model(a.model, device="cuda", dtype=torch.float16)
+    model = load_model(a.model, device="cuda", dtype=torch.float16, quant=a.quant)
     if a.no_fused:
         model.fused_decode = False
     sd = {"fp32": torch.float32, "fp16": torch.float16}[a.state_dtype]
-    print(f"profile {a.model} state {a.state_dtype} fused={model._fused()}")
+    print(f"profile {a.model} state {a.state_dtype} quant {a.quant} fused={model._fused()}")
     for B in (int(b) for b in a.batches.split(",")):
         profile(model, B, sd, top=a.top)
 
