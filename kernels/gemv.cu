@@ -33,11 +33,6 @@
 // codes converted to fp16 exactly in registers (int8 by the 0x6400 magic-number trick, e4m3 by the
 // sm_89+ cvt instruction). A lane's 16-byte weight load then holds 16 k (a "chunk" is 16 k, a
 // k-tile 64 k) and feeds 4 MMAs against two 16-byte x loads: half the weight bytes per product.
-// L2 prefetch (pf, pf_bytes; sm_90+, else ignored): the bytes of the weight the NEXT projection
-// reads (its start: the caller caps pf_bytes below the L2's size). Each block, once its own loads
-// are all issued and consumed, asks the L2 for its share by one bulk prefetch (a hint; no effect on
-// results). At decode batches the kernels between two projections (LayerNorm, time-mix) and each
-// gemv's tail leave HBM idle: this moves the next projection's first round trips into that time.
 // Requirements (else GEMV_UNSUPPORTED, the caller falls back to cuBLAS): K % 8 == 0 (16 for 8-bit
 // weights), x and w
 // 16-byte aligned, x row/plane strides and the w plane stride multiples of 8 elements, 1 <= M
@@ -67,21 +62,7 @@ struct Args {
     int M, N, K;
     unsigned long long lim;  // per-plane widths / 8 (8 bits each, planes 0..7; 0 = whole plane)
     int lim_kind;            // 0 none, 1 rows (N), 2 columns (K)
-    const char *pf;          // L2 prefetch of the next projection's weight bytes (nullptr: none)
-    long long pf_bytes;      // a multiple of 16; pf 16-byte aligned
 };
-
-// This block's share of the L2 prefetch: one bulk prefetch of ~pf_bytes / blocks (sm_90+).
-__device__ __forceinline__ void prefetch_share(const Args &a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (a.pf == nullptr || threadIdx.x != 0) return;
-    const long long blocks = (long long)gridDim.x * gridDim.y, b = blockIdx.y * (long long)gridDim.x + blockIdx.x;
-    const long long share = ((a.pf_bytes + blocks - 1) / blocks + 15) / 16 * 16;
-    const long long lo = b * share, hi = min(a.pf_bytes, lo + share);
-    if (lo < hi)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.pf + lo), "r"((unsigned)(hi - lo)) : "memory");
-#endif
-}
 
 enum LimKind { LIM_NONE = 0, LIM_ROWS = 1, LIM_COLS = 2 };
 
@@ -280,7 +261,6 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
         }
         if (kt + U < ke) load_step(kt + U);
     }
-    prefetch_share(a);
 #pragma unroll
     for (int r = 0; r < RT; r++)
 #pragma unroll
@@ -405,12 +385,11 @@ inline int built_arch() {
 // w_dt: 0 = w in f_dt; 1 int8 / 2 fp8 e4m3 codes with per-row fp32 scales (scale, plane stride
 // s_ps; f_dt fp16 only). act: 0 = x as is, 1 = round(relu(x)^2). warps / cfg: 0 = automatic
 // (nonzero: tuning, see test/bench/bench_gemm.py --sweep). lim / lim_kind: zero padding not to
-// read (see the top). pf / pf_bytes: an L2 prefetch hint (see the top; 0 / 0 = none). Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the
+// read (see the top). Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the
 // fallback) or a CUDA error.
 extern "C" int gemv(int f_dt, int w_dt, int M, int N, int K, int P, const void *x, long long x_s, long long x_ps,
                     const void *w, long long w_ps, const void *scale, long long s_ps, void *out, long long o_s,
-                    long long o_ps, int warps, int cfg, int act, long long lim, int lim_kind, const void *pf,
-                    long long pf_bytes, void *stream) {
+                    long long o_ps, int warps, int cfg, int act, long long lim, int lim_kind, void *stream) {
     using namespace gemv_k;
     if (M == 0 || N == 0 || P == 0) return 0;
     const int E = w_dt == W_SAME ? 8 : 16;
@@ -426,11 +405,9 @@ extern "C" int gemv(int f_dt, int w_dt, int M, int N, int K, int P, const void *
         static const int arch8 = built_arch<W_FP8>();
         if (arch8 < 89) return UNSUPPORTED;
     }
-    if (pf_bytes < 0 || pf_bytes % 16 || ((uintptr_t)pf & 15)) return UNSUPPORTED;
     if (cfg < 0 || cfg > NCFG || act < 0 || act > 1 || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
     Args a{x, w, out, static_cast<const float *>(scale), M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0,
-           o_s, o_ps, P > 1 ? s_ps : 0, M, N, K, (unsigned long long)lim, lim ? lim_kind : (int)LIM_NONE,
-           pf_bytes > 0 ? static_cast<const char *>(pf) : nullptr, pf_bytes};
+           o_s, o_ps, P > 1 ? s_ps : 0, M, N, K, (unsigned long long)lim, lim ? lim_kind : (int)LIM_NONE};
     cudaStream_t s = (cudaStream_t)stream;
     if (w_dt == W_INT8) return dispatch_act<__half, W_INT8>(a, P, warps, cfg, act, s);
     if (w_dt == W_FP8) return dispatch_act<__half, W_FP8>(a, P, warps, cfg, act, s);

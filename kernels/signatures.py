@@ -51,9 +51,8 @@ SIGNATURES: dict[str, list[str]] = {
     # gemv.cu: f_dt, w_dt (0 as f_dt, 1 int8, 2 fp8 e4m3), M, N, K, P, x, x_stride, x_pstride, w,
     # w_pstride, scale (8-bit weights' fp32 per-row scales), s_pstride, out, o_stride, o_pstride,
     # warps, cfg, act (0 none, 1 relu^2 on x), lim (per-plane widths / 8, 8 bits each), lim_kind (0 none,
-    # 1 rows, 2 columns), pf, pf_bytes (an L2 prefetch hint: the next projection's weight bytes),
-    # stream (returns -2 = layout not covered: use the fallback)
-    "gemv": [I, I, I, I, I, I, P, LL, LL, P, LL, P, LL, P, LL, LL, I, I, I, LL, I, P, LL, P],
+    # 1 rows, 2 columns), stream (returns -2 = layout not covered: use the fallback)
+    "gemv": [I, I, I, I, I, I, P, LL, LL, P, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
     # quant.cu: f_dt, rows, K, x, x_stride, act (1: relu^2 first), q, q_stride, scale, stream
     "quant_rows_fp8": [I, I, I, P, LL, I, P, LL, P, P],
     # fused_elementwise.cu, a test hook: mode (0 plain launches, 1 programmatic dependent launch

@@ -255,14 +255,9 @@ GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (noth
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
 _GEMV_WDT = {"int8": 1, "fp8": 2}  # gemv.cu WType of a QWeight's codes
 _LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
-L2_PREFETCH_MAX = 24 << 20
-"""The most bytes of the next projection's weight a gemv asks the L2 for as it ends (about half
-the H200's 50 MB L2, so the prefetched bytes and the running projection's tail fit together;
-0: no prefetch). A module constant so that benchmarks can compare values in one process."""
 
 
-def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, prefetch: Weight | None = None, warps: int = 0,
-           cfg: int = 0) -> torch.Tensor:  # fmt: skip
+def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
     """ops.linear (see there): x (M, K), w (N, K) -> (M, N); stacked x (P, M, K), w (P, N, K) ->
     (P, M, N). CUDA fp16/bf16 with M <= GEMV_MAX_M: one gemv launch (x may be a strided view:
     rows stride(-2) apart, unit column stride; weight rows contiguous); anything else, or a
@@ -270,12 +265,10 @@ def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, prefetch: Weight
     rows / cols (ops.linear's zero-padding hints): the gemv does not read plane p's weight rows
     from rows[p] on (their outputs are 0) or its columns from cols[p] on (planes 0..7).
     warps / cfg: kernel tuning overrides (0 = automatic), for the benchmark. A QWeight w (8-bit
-    codes, fp16 x) runs the gemv's 8-bit path, or server.model.cuda_quant past GEMV_MAX_M.
-    prefetch: the next projection's weight; the gemv asks the L2 for its first L2_PREFETCH_MAX
-    bytes as it ends (a hint; cuBLAS ignores it)."""
+    codes, fp16 x) runs the gemv's 8-bit path, or server.model.cuda_quant past GEMV_MAX_M."""
     hint = rows is not None or cols is not None
     lim = _gemv_lim(rows and tuple(rows), cols and tuple(cols)) if hint else (0, 0)
-    return _linear(x, w, warps, cfg, 0, lim, prefetch)
+    return _linear(x, w, warps, cfg, 0, lim)
 
 
 @functools.lru_cache(maxsize=256)
@@ -294,10 +287,10 @@ def _gemv_lim(rows, cols) -> tuple[int, int]:
     return (lim - (1 << 64) if lim >= 1 << 63 else lim), kind  # as a signed long long
 
 
-def relu2_linear(h: torch.Tensor, w: Weight, prefetch: Weight | None = None) -> torch.Tensor:
+def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
     """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
     as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
-    return _linear(h, w, 0, 0, 1, (0, 0), prefetch)
+    return _linear(h, w, 0, 0, 1, (0, 0))
 
 
 def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -309,16 +302,7 @@ def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _prefetch_span(w: Weight | None, device: torch.device) -> tuple[int, int]:
-    """(address, bytes) of the L2 prefetch of w's first bytes, or (0, 0)."""
-    t = w.q if isinstance(w, QWeight) else w
-    if t is None or L2_PREFETCH_MAX <= 0 or t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
-        return 0, 0
-    return t.data_ptr(), min(t.numel() * t.element_size(), L2_PREFETCH_MAX) // 16 * 16
-
-
-def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tuple[int, int],
-            prefetch: Weight | None = None):  # fmt: skip
+def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tuple[int, int]):
     M = x.shape[-2] if x.dim() >= 2 else 0
     q = isinstance(w, QWeight)
     wt = w.q if isinstance(w, QWeight) else w  # what the kernel reads: codes or 16-bit weights
@@ -345,8 +329,7 @@ def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tup
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.gemv(_GEMV_DT[x.dtype], w_dt, M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, wt.data_ptr(), w_ps,
-                  sp, s_ps, out.data_ptr(), N, M * N, warps, cfg, act, *lim, *_prefetch_span(prefetch, x.device),
-                  stream)  # fmt: skip
+                  sp, s_ps, out.data_ptr(), N, M * N, warps, cfg, act, *lim, stream)  # fmt: skip
     if rc == GEMV_UNSUPPORTED:
         return fallback()
     _check(rc, "gemv")

@@ -153,6 +153,11 @@ def _fp8(x: torch.Tensor, w: QWeight, act: bool) -> torch.Tensor:
     return out
 
 
+FP8_FAST_ACCUM = False
+"""torch._scaled_mm's use_fast_accum: cuBLASLt keeps the fp8 products in the tensor cores'
+accumulators for the whole K instead of promoting them to fp32 every few k-steps. A module
+constant so that benchmarks and quality.py can compare both in one process (docs/performance.md)."""
+
 _BF16_ONLY: set[torch.device] = set()
 """Devices whose _scaled_mm refused per-row scales with a non-bf16 output (older cuBLAS): there
 the product comes out in bf16 and is cast (found on the first, eager call: never under capture)."""
@@ -163,12 +168,14 @@ def _mm(xq: torch.Tensor, sx: torch.Tensor, w: QWeight, out: torch.Tensor | None
     wt, sw = w.q.t(), w.scale.view(1, -1)  # (K, N) column-major, (1, N)
     if w.dtype == torch.bfloat16 or xq.device not in _BF16_ONLY:
         try:
+            fast = FP8_FAST_ACCUM
             if out is None:
-                return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype)
-            return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype, out=out)
+                return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype, use_fast_accum=fast)
+            return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype, use_fast_accum=fast, out=out)
         except RuntimeError as e:
             if w.dtype == torch.bfloat16 or "bf16" not in str(e).lower().replace("bfloat16", "bf16"):
                 raise
             _BF16_ONLY.add(xq.device)
-    y = torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16).to(w.dtype)
+    y = torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=FP8_FAST_ACCUM)
+    y = y.to(w.dtype)
     return y if out is None else out.copy_(y)

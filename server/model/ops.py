@@ -150,10 +150,9 @@ def relu_square(h: torch.Tensor) -> torch.Tensor:
     return torch.relu(h).square()
 
 
-def relu2_linear(h: torch.Tensor, w: Weight, prefetch: Weight | None = None) -> torch.Tensor:
+def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
     """linear(relu_square(h), w): the channel-mix's second projection with its activation (the
-    CUDA twin fuses the activation into the small-batch projection; h may be changed in place).
-    prefetch: as for linear."""
+    CUDA twin fuses the activation into the small-batch projection; h may be changed in place)."""
     return linear(relu_square(h), w)
 
 
@@ -169,15 +168,14 @@ def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return dense_native(x, w)
 
 
-def linear(x: torch.Tensor, w: Weight, rows=None, cols=None, prefetch: Weight | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, rows=None, cols=None) -> torch.Tensor:
     """x @ w^T with w in the nn.Linear layout (out, in):
     x (M, K), w (N, K) -> (M, N);  stacked: x (P, M, K), w (P, N, K) -> (P, M, N) (plane p
     uses weight p). The CUDA twin takes a hand-written matrix-vector kernel for small M.
     rows / cols: zero-padding hints for stacked planes of different widths: plane p's weight
     rows from rows[p] on (or its columns from cols[p] on) are zero. The product here is the same
     with or without them; the CUDA twin's kernel skips reading the padding. An 8-bit w (QWeight)
-    is dequantized first. prefetch: the weight the next projection reads, a hint (the CUDA
-    twin's small-batch kernel asks the L2 for its first bytes as it ends); no effect here."""
+    is dequantized first."""
     if isinstance(w, QWeight):
         w = w.dequantize()
     if x.dim() == 2:

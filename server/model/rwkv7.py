@@ -156,16 +156,13 @@ class RWKV7:
         stacked (server.model.decode_pack)."""
         lin, C = self.ops.linear, self.shape.n_embd
         dx, v_first = None, x
-        packs = self._decode_packs()
-        # prefetch=: the weight the next projection on this stream reads (a hint for the L2)
-        nexts = [pk.vkr for pk in packs[1:]] + [self.w.head]
-        for i, (lw, pk) in enumerate(zip(self.w.layers, packs)):
+        for i, (lw, pk) in enumerate(zip(self.w.layers, self._decode_packs())):
             # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift
             x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i])  # (6, B, C) g w a v k r
             side = self._fork()  # the LoRAs run beside the big projection (CUDA: a side stream)
             with side:
                 z, gz = self._decode_loras(xs, pk)  # (P, B, C) wz, az[, vz]; (B, C) gate
-            v, k, r = lin(xs[3:6], pk.vkr, prefetch=lw.wo).unbind(0)  # each (B, C)
+            v, k, r = lin(xs[3:6], pk.vkr).unbind(0)  # each (B, C)
             side.join()
             if i == 0:
                 v_first = v
@@ -173,12 +170,11 @@ class RWKV7:
             y = self.ops.tmix_decode(
                 state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw, layer0=i == 0, bias=True
             )
-            x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo, prefetch=lw.ffn_key), lw.ln2_w, lw.ln2_b,
-                                        lw.ffn_xk.view(1, C), state.ffn_shift[i])  # fmt: skip
-            h = lin(xk[0], lw.ffn_key, prefetch=lw.ffn_value)  # (B, 4C)
-            dx = self.ops.relu2_linear(h, lw.ffn_value, prefetch=nexts[i])
+            x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
+                                        state.ffn_shift[i])  # fmt: skip
+            dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
-        return lin(xn, self.w.head, prefetch=packs[0].vkr)  # (B, V) model dtype
+        return lin(xn, self.w.head)  # (B, V) model dtype
 
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked

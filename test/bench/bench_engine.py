@@ -200,9 +200,9 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default="", help="free-text tag stored with each line")
     p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights (load_model quant)")
-    p.add_argument("--l2-prefetch-mb", default="",
-                   help="decode runs at each of these cuda_ops.L2_PREFETCH_MAX values, MB, alternating (A/B in one "
-                        "process; '' = the module's value)")  # fmt: skip
+    p.add_argument("--fp8-fast-accum", default="",
+                   help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
+                        "one process ('' = the module's value)")  # fmt: skip
     a = p.parse_args()
     dev = torch.device(a.device)
     t0 = time.perf_counter()
@@ -227,12 +227,12 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         graphs = not a.no_graphs and dev.type == "cuda"
-        for pf in [float(v) for v in a.l2_prefetch_mb.split(",") if v] or [None]:
-            tag = {} if pf is None else {"l2_prefetch_mb": pf}
-            if pf is not None:
-                from server.model import cuda_ops
+        for fa in [bool(int(v)) for v in a.fp8_fast_accum.split(",") if v] or [None]:
+            tag = {} if fa is None else {"fp8_fast_accum": fa}
+            if fa is not None:
+                from server.model import cuda_quant
 
-                cuda_ops.L2_PREFETCH_MAX = int(pf * (1 << 20)) // 16 * 16
+                cuda_quant.FP8_FAST_ACCUM = fa
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
         for r in bench_prefill(model, DTYPES[sd], cases, a.reps):
@@ -253,7 +253,7 @@ def print_table(lines: list[dict]) -> None:
         what = "decode" if "decode_tok_s" in r else "prefill " + r["prompt"]
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
-        pf = f"  l2 prefetch {r['l2_prefetch_mb']:g} MB" if "l2_prefetch_mb" in r else ""
+        pf = f"  fp8 fast accumulation {r['fp8_fast_accum']}" if "fp8_fast_accum" in r else ""
         peak = r.get("peak_mem_gb") or 0
         print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {peak:8.2f}{pf}")
 

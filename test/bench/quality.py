@@ -251,7 +251,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--device", default="cpu", help="where the models run (pure-torch ops): cpu or cuda")
     ap.add_argument("--out", default=str(ROOT / "test" / "bench" / "results.jsonl"))
+    ap.add_argument("--fp8-fast-accum", action="store_true",
+                    help="the wfp8 GEMMs past 8 rows with cuBLASLt's fast accumulation (cuda_quant.FP8_FAST_ACCUM)")
     args = ap.parse_args()
+    if args.fp8_fast_accum:
+        from server.model import cuda_quant
+
+        cuda_quant.FP8_FAST_ACCUM = True
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(args.model, args.modes.split(","), args.tokens, args.prompts, args.gen, args.stride,
@@ -259,7 +265,7 @@ def main() -> None:
     print(table(args.model, rows))
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     stamp = {"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": args.model,
-             "mode": "quality", "batch": 1}  # fmt: skip
+             "mode": "quality", "batch": 1, **({"fp8_fast_accum": True} if args.fp8_fast_accum else {})}  # fmt: skip
     write_lines(args.out, [{**stamp, **r} for r in rows])
 
 
