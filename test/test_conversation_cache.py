@@ -190,6 +190,50 @@ async def test_a_burst_of_repairs_runs_a_few_at_a_time(parts, monkeypatch):
     assert 1 < peak <= conversation.REPAIR_CONCURRENCY
 
 
+async def test_a_continuation_never_waits_behind_other_requests_repairs(parts, monkeypatch):
+    """Every repair slot is held by a repair waiting for an idle engine that never comes (a busy
+    server), and one more mismatched request settles behind them. Its next turn must not wait
+    for a slot (the 4 in use may hold it for REPAIR_IDLE_S each): the queued repair is dropped at
+    once and the turn prefills the reply itself."""
+    from server.api.openai import conversation
+
+    async def busy(engine, s):  # the engine never goes idle: a repair waits until it is dropped
+        while not s.awaited:
+            await asyncio.sleep(0.01)
+        return False
+
+    monkeypatch.setattr(conversation, "engine_idle", busy)
+    _, tok, eng = parts
+    conv = ConversationCache(1 << 30, wait_s=5.0)
+    part = conv.partition(None)
+    t1 = tok.encode("User: Name a colour.\n\nAssistant:")
+
+    async def mismatched(i):
+        stream = t1 + tok.encode(f" {i}")
+        expected = stream + tok.encode(f" colour number {i}\n\n")
+
+        async def expect(_res):
+            return expected
+
+        await _run(eng, conv, part, stream, expect, params=SamplingParams(max_tokens=2))
+        return expected
+
+    for i in range(conversation.REPAIR_CONCURRENCY):  # each takes a slot and waits for idle
+        await mismatched(i)
+    last = await mismatched(99)
+    for _ in range(200):  # until every settle reached its slot or the queue
+        if conv.counters["mismatches"] == conversation.REPAIR_CONCURRENCY + 1:
+            break
+        await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    _, n = await conv.lookup(part, last + tok.encode("User: Another?\n\nAssistant:"))
+    assert time.perf_counter() - t0 < 1.0 and conv.counters["waits"] == 1
+    for ss in conv._settling.get(part, []):  # let the held repairs go
+        ss.awaited = True
+        ss.kick.set()
+    await _settled(conv)
+    assert conv._repair_slots.free == conversation.REPAIR_CONCURRENCY and conv.counters["repairs"] == 0
+
 class LateResult:
     """A finished request's handle whose last event went out but whose Result, with its state,
     is still on its way (its copy to the host queued behind others) until release()."""

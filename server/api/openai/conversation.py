@@ -24,8 +24,9 @@ What is kept, for each request:
     tokens are prefilled in the background from the longest entry they extend, and kept.
 Repairs use idle engine time: one waits until nothing runs (at most REPAIR_IDLE_S, then it is
 dropped), so it neither delays nor perturbs other requests' batches; at most REPAIR_CONCURRENCY
-wait or run at once, so a burst of them cannot fill the engine when it goes idle. A request that extends the
-prompt of a request whose generation ended but whose states are not kept yet waits for them (at
+wait or run at once, so a burst of them cannot fill the engine when it goes idle (the others
+queue; a queued or waiting one is dropped as soon as the next turn waits for it). A request that
+extends the prompt of a request whose generation ended but whose states are not kept yet waits for them (at
 most `wait_s`): the end state is then kept as it is (the waiting request's own tokens decide if
 it fits: no re-tokenizing on its critical path), a repair in flight is awaited, and none starts
 (the request prefills the reply itself, one engine round trip fewer than a repair).
@@ -47,7 +48,7 @@ from array import array
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
-from server.api.openai.settling import Settling, engine_idle, until_generated
+from server.api.openai.settling import RepairSlots, Settling, engine_idle, until_generated
 from server.engine.protocol import EngineAPI, Handle, StateLike
 from server.engine.types import (
     LENGTH,
@@ -103,7 +104,7 @@ class ConversationCache:
         self._n_keys = 0  # keys in _lengths (some may have been evicted from the cache)
         self._settling: dict[str, list[Settling]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._repair_slots = asyncio.Semaphore(REPAIR_CONCURRENCY)
+        self._repair_slots = RepairSlots(REPAIR_CONCURRENCY)
 
     def partition(self, owner: str | None, base: str = "") -> str:
         """Entries of one API key (all keys when shared) from one base state ("" = zero)."""
@@ -222,10 +223,12 @@ class ConversationCache:
                     self.counters["kept"] += 1
                     continue
                 self.counters["mismatches"] += 1
-                if i == 0 and self.repairs:
-                    async with self._repair_slots:  # the idle wait too: a burst queues here
+                if i == 0 and self.repairs and await self._repair_slots.take(s):  # a burst queues here
+                    try:
                         if await engine_idle(engine, s):
                             await self._repair(engine, part, target, s)
+                    finally:
+                        self._repair_slots.give()
         except Exception:
             log.exception("conversation cache: settling a request failed")
         finally:

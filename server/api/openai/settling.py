@@ -2,13 +2,14 @@
 
 The engine does not wake the event loop for a handle that has a listener (direct streams), so
 the end of generation is polled (POLL_FIRST_S growing to POLL_MAX_S), and a lookup that finds a
-finished request kicks its settle at once; a repair waits here for an idle engine.
+finished request kicks its settle at once; a repair waits here for a slot and an idle engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field
 
 from server.engine.protocol import EngineAPI, Handle
@@ -34,6 +35,39 @@ class Settling:
     def ended(self) -> bool:
         """Every handle's finishing event went out (their results, with the states, may follow)."""
         return all(h.ended for h in self.handles)
+
+
+class RepairSlots:
+    """At most `n` repairs waiting for an idle engine or running at once, taken in arrival order.
+    A request gives up its place as soon as a later request waits for it (that request prefills
+    the reply itself): a continuation never waits behind other requests' repairs."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._queue: deque[Settling] = deque()
+
+    async def take(self, s: Settling) -> bool:
+        """True with a slot (give() it back), False once a request waits for `s`."""
+        self._queue.append(s)
+        try:
+            delay = POLL_FIRST_S
+            while not s.awaited:
+                if self.free > 0 and self._queue[0] is s:
+                    self.free -= 1
+                    return True
+                delay = await _pause(s, delay)
+            return False
+        finally:
+            self._queue.remove(s)
+            self._wake()
+
+    def give(self) -> None:
+        self.free += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._queue and self.free > 0:
+            self._queue[0].kick.set()
 
 
 async def until_generated(s: Settling) -> None:
