@@ -82,3 +82,24 @@ def test_quant_setting_is_checked_before_loading():
     parser = build_parser(Settings())
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quant", "int4"])
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_fast_accumulation_switch_reaches_the_gemm(monkeypatch, fast):
+    """cuda_quant.FP8_FAST_ACCUM is what torch._scaled_mm is asked for (the switch benchmarks and
+    quality.py flip; its effect is measured on the GPU). No GPU needed: the GEMM is recorded."""
+    from server.model import cuda_quant
+
+    seen = []
+
+    def fake_mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False, out=None):
+        seen.append(use_fast_accum)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_mm)
+    monkeypatch.setattr(cuda_quant, "FP8_FAST_ACCUM", fast)
+    w = qlinear.quantize(torch.randn(32, 64), "fp8")
+    xq, sx = qlinear.quant_rows_native(torch.randn(16, 64))
+    assert cuda_quant._mm(xq, sx, w, None).shape == (16, 32)
+    cuda_quant._mm(xq, sx, w, torch.empty(16, 32))
+    assert seen == [fast, fast]
