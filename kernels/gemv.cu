@@ -169,11 +169,7 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // grid (ceil(N / (8*RT)), P), block 32*W threads (W <= MAX_WARPS). WQ: the weights' WType.
-// XS (8-bit weights, M <= XS_MAX_M): the block's x rows (act applied) are staged in dynamic shared
-// memory once after the PDL wait and each step reads its fragments there, so no x registers are
-// held across a step's weight loads: fewer registers, more resident warps, more weight bytes in
-// flight per SM (the 8-bit path's matrices are half the bytes, so the latency of each step shows).
-template <typename F, int RT, int U, bool RELU2, int WQ, bool XS = false>
+template <typename F, int RT, int U, bool RELU2, int WQ>
 __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     constexpr bool BF = sizeof(F) == 2 && !std::is_same<F, __half>::value;
     constexpr int E = WQ == W_SAME ? 8 : 16;  // k per chunk (one 16-byte weight load)
@@ -218,8 +214,6 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     // block, ptxas keeps them together (loads followed by their consumers in one block get
     // interleaved with the MMAs, one load in flight at a time). A k-tile is 64 weight bytes.
     uint4 wv[U][RT], xv[U][XL];
-    extern __shared__ __align__(16) unsigned char xs_raw[];  // XS: x rows [m][k], a.M * a.K of F
-    F *xs = reinterpret_cast<F *>(xs_raw);
     auto load_w = [&](int kt) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -239,39 +233,14 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
             }
         }
     };
-    auto load_step = [&](int kt) {
-        load_w(kt);
-        if constexpr (!XS) load_x(kt);
-    };
-    auto x_frags = [&](int kt) {  // XS: this step's x fragments from shared memory (zeros past M)
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const bool ok = xok && kt + u < ke && (kt + u) * 4 + t < KCv;
-#pragma unroll
-            for (int l = 0; l < XL; l++)
-                xv[u][l] = ok ? *reinterpret_cast<const uint4 *>(xs + g * a.K + (kt + u) * 4 * E + t * E + 8 * l)
-                              : make_uint4(0u, 0u, 0u, 0u);
-        }
-    };
+    auto load_step = [&](int kt) { load_w(kt), load_x(kt); };
     // the weights are never written: the first step's weight loads go out before the wait for
     // the predecessor's x (programmatic dependent launch, pdl.cuh)
     if (kb < ke) load_w(kb);
     rwkv_pdl::pdl_wait();
     rwkv_pdl::pdl_trigger();
-    if constexpr (XS) {  // the block's x rows once (16 bytes a thread a pass), act applied
-        const int per_row = a.K / 8;
-        for (int i = threadIdx.x; i < a.M * per_row; i += blockDim.x) {
-            const int m = i / per_row, c = i - m * per_row;
-            uint4 v = ld_ro(x + (long long)m * a.x_s + c * 8, true);
-            if constexpr (RELU2) v = relu2_8<F>(v);
-            *reinterpret_cast<uint4 *>(xs + m * a.K + c * 8) = v;
-        }
-        __syncthreads();
-    } else {
-        if (kb < ke) load_x(kb);
-    }
+    if (kb < ke) load_x(kb);
     for (int kt = kb; kt < ke; kt += U) {
-        if constexpr (XS) x_frags(kt);
 #pragma unroll
         for (int u = 0; u < U; u++) {
 #pragma unroll
@@ -318,14 +287,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
 
 // cfg 1: 16 rows per warp, 4 k-tiles per step (8 weight + 4 x loads in flight per lane; 8-bit
 // weights: 8 + 8); cfg 2: 8 rows, 8 k-tiles (8 + 8; 8-bit weights: 4 k-tiles, 4 + 8); cfg 3: 32 rows, 2 k-tiles (8 + 2; never picked, kept for sweeps).
-// With 8-bit weights and M <= XS_MAX_M the automatic choice (cfg 0) runs cfg 1 / 2 with x staged
-// in shared memory (XS: 74 / 54 registers instead of 108 / 86 on sm_90).
-constexpr int NCFG = 4;
-// cfg 4: the automatic choice with x in registers (XS off): the A/B twin of the default for 8-bit
-// weights, whose automatic choice (cfg 0) stages x in shared memory when M <= XS_MAX_M.
-constexpr int XS_MAX_M = 2;
-constexpr size_t XS_MAX_BYTES = 48 * 1024;  // no opt-in to more dynamic shared memory needed
-constexpr size_t SMEM_PER_SM = 227 * 1024;
+constexpr int NCFG = 3;
 
 inline int sm_count() {
     int dev = 0, n = 0;
@@ -338,15 +300,11 @@ inline int sm_count() {
 // found: (1) the largest W whose warps all get whole steps (k-tiles per warp % U == 0) and whose
 // grid is resident in ONE wave (a second, partial wave adds a whole tail); (2) if no such W (big grids:
 // the head), whole steps with k-tiles per warp closest to 4 steps; (3) else the largest one-wave W.
-inline int pick_warps(int KT, long long blocks, int U, int regs, int sms, size_t smem = 0) {
+inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
     const int ra = (regs + 7) / 8 * 8;  // allocation granularity
     auto resident = [&](int W) {
         int b = 65536 / (ra * 32 * W), t = 2048 / (32 * W);
         b = b < t ? b : t;
-        if (smem) {  // dynamic shared memory (the static red[] array is small next to it)
-            const int sb = (int)(SMEM_PER_SM / (smem + 1024));
-            b = b < sb ? b : sb;
-        }
         return (long long)(b < 32 ? b : 32) * sms;
     };
     int best = 0, dist = 1 << 30;
@@ -370,43 +328,31 @@ inline int pick_warps(int KT, long long blocks, int U, int regs, int sms, size_t
     return w < 1 ? 1 : (w > MAX_WARPS ? MAX_WARPS : w);
 }
 
-template <typename F, int RT, int U, bool RELU2, int WQ, bool XS = false>
+template <typename F, int RT, int U, bool RELU2, int WQ>
 int launch(const Args &a, int P, int warps, cudaStream_t s) {
     constexpr int E = WQ == W_SAME ? 8 : 16;
     const int KT = (a.K / E + 3) / 4;
     const int bx = (a.N + 8 * RT - 1) / (8 * RT);
-    const size_t smem = XS ? (size_t)a.M * a.K * sizeof(F) : 0;
-    if (P > 65535 || smem > XS_MAX_BYTES) return UNSUPPORTED;
+    if (P > 65535) return UNSUPPORTED;
     if (warps <= 0) {
         static const int regs = [] {
             cudaFuncAttributes fa;
-            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, RELU2, WQ, XS>) == cudaSuccess ? fa.numRegs : 128;
+            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, RELU2, WQ>) == cudaSuccess ? fa.numRegs : 128;
         }();
         static const int sms = sm_count();
-        warps = pick_warps(KT, (long long)bx * P, U, regs, sms, smem);
+        warps = pick_warps(KT, (long long)bx * P, U, regs, sms);
     }
     if (warps > MAX_WARPS) return UNSUPPORTED;
-    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2, WQ, XS>, dim3(bx, P), dim3(warps * 32), smem, s, a);
+    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2, WQ>, dim3(bx, P), dim3(warps * 32), 0, s, a);
 }
 
 template <typename F, bool RELU2, int WQ>
 int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
-    const bool xs = WQ != W_SAME && cfg == 0 && a.M <= XS_MAX_M;  // 8-bit weights: x in shared memory
-    if (cfg == 0 || cfg == 4) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
+    if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
         static const int sms = sm_count();
         cfg = (long long)((a.N + 15) / 16) * P >= 2LL * sms ? 1 : 2;
     }
     constexpr int U2 = WQ == W_SAME ? 8 : 4;  // 8-bit weights: twice the x registers per k-tile
-    if constexpr (WQ != W_SAME) {
-        if (xs && cfg == 1) {
-            const int rc = launch<F, 2, 4, RELU2, WQ, true>(a, P, warps, s);
-            if (rc != UNSUPPORTED) return rc;
-        }
-        if (xs && cfg == 2) {
-            const int rc = launch<F, 1, U2, RELU2, WQ, true>(a, P, warps, s);
-            if (rc != UNSUPPORTED) return rc;
-        }
-    }
     switch (cfg) {
         case 1: return launch<F, 2, 4, RELU2, WQ>(a, P, warps, s);
         case 2: return launch<F, 1, U2, RELU2, WQ>(a, P, warps, s);

@@ -73,25 +73,6 @@ def test_gemv_8bit_stacked_and_relu2(dev, no_large, mode, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("M", [1, 2])
-def test_gemv_8bit_x_in_shared_memory_equals_x_in_registers(dev, no_large, monkeypatch, mode, M):
-    """At M <= 2 the 8-bit gemv stages x in shared memory (GEMV8_X_SHARED); its outputs are
-    bitwise those of the register-x kernel: plain (a K whose last k-tile is partial, odd N),
-    stacked planes, and relu^2 folded in. Both match the fp64 twin."""
-    cases = [(_data((M, 2576), dev, 30), _qweight((100, 2576), mode, dev, 31), False),
-             (_data((3, M, 2560), dev, 32), _qweight((3, 2560, 2560), mode, dev, 33), False),
-             (_data((M, 10240), dev, 34), _qweight((2560, 10240), mode, dev, 35), True)]  # fmt: skip
-    for x, w, act in cases:
-        run = (lambda: cuda_ops.relu2_linear(x, w)) if act else (lambda: cuda_ops.linear(x, w))
-        monkeypatch.setattr(cuda_ops, "GEMV8_X_SHARED", True)
-        shared = run()
-        monkeypatch.setattr(cuda_ops, "GEMV8_X_SHARED", False)
-        regs = run()
-        assert torch.equal(shared, regs)
-        _close(shared, _weight_only_ref(x, w, relu2=act))
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("act", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_activation_quantization_kernel_matches_its_twin(dev, act, dtype):

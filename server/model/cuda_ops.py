@@ -255,11 +255,6 @@ GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (noth
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
 _GEMV_WDT = {"int8": 1, "fp8": 2}  # gemv.cu WType of a QWeight's codes
 _LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
-GEMV8_X_SHARED = True
-"""8-bit weights at M <= 2: the gemv stages x in shared memory (kernels/gemv.cu, XS; fewer
-registers, more weight bytes in flight). False runs the register-x kernel (gemv cfg 4), the A/B
-twin; a module constant so that benchmarks compare both in one process."""
-_CFG_X_REGISTERS = 4
 
 
 def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
@@ -331,8 +326,6 @@ def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tup
     if isinstance(w, QWeight):
         w_dt, sp = _GEMV_WDT[w.mode], w.scale.data_ptr()
         s_ps = w.scale.stride(0) if w.scale.dim() == 2 else 0
-    if q and cfg == 0 and not GEMV8_X_SHARED:
-        cfg = _CFG_X_REGISTERS
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.gemv(_GEMV_DT[x.dtype], w_dt, M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, wt.data_ptr(), w_ps,

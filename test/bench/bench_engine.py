@@ -203,9 +203,6 @@ def main() -> None:
     p.add_argument("--fp8-fast-accum", default="",
                    help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
                         "one process ('' = the module's value)")  # fmt: skip
-    p.add_argument("--gemv8-x-shared", default="",
-                   help="decode runs at each of these cuda_ops.GEMV8_X_SHARED values (0/1), alternating ('' = the "
-                        "module's value)")  # fmt: skip
     a = p.parse_args()
     dev = torch.device(a.device)
     t0 = time.perf_counter()
@@ -230,17 +227,12 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         graphs = not a.no_graphs and dev.type == "cuda"
-        fas = [("fp8_fast_accum", bool(int(v))) for v in a.fp8_fast_accum.split(",") if v]
-        xss = [("gemv8_x_shared", bool(int(v))) for v in a.gemv8_x_shared.split(",") if v]
-        for knob in fas + xss or [None]:
-            tag = {} if knob is None else {knob[0]: knob[1]}
-            if knob is not None:
-                from server.model import cuda_ops, cuda_quant
+        for fa in [bool(int(v)) for v in a.fp8_fast_accum.split(",") if v] or [None]:
+            tag = {} if fa is None else {"fp8_fast_accum": fa}
+            if fa is not None:
+                from server.model import cuda_quant
 
-                if knob[0] == "fp8_fast_accum":
-                    cuda_quant.FP8_FAST_ACCUM = knob[1]
-                else:
-                    cuda_ops.GEMV8_X_SHARED = knob[1]
+                cuda_quant.FP8_FAST_ACCUM = fa
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
         for r in bench_prefill(model, DTYPES[sd], cases, a.reps):
@@ -261,7 +253,7 @@ def print_table(lines: list[dict]) -> None:
         what = "decode" if "decode_tok_s" in r else "prefill " + r["prompt"]
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
-        pf = "".join(f"  {k} {r[k]}" for k in ("fp8_fast_accum", "gemv8_x_shared") if k in r)
+        pf = f"  fp8 fast accumulation {r['fp8_fast_accum']}" if "fp8_fast_accum" in r else ""
         peak = r.get("peak_mem_gb") or 0
         print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {peak:8.2f}{pf}")
 
