@@ -103,3 +103,29 @@ def test_fp8_fast_accumulation_switch_reaches_the_gemm(monkeypatch, fast):
     assert cuda_quant._mm(xq, sx, w, None).shape == (16, 32)
     cuda_quant._mm(xq, sx, w, torch.empty(16, 32))
     assert seen == [fast, fast]
+
+
+def test_fp8_gemm_falls_back_to_a_bf16_output_where_cublas_refuses_fp16(monkeypatch):
+    """An older cuBLAS refuses per-row scales with an fp16 output: the product is then asked for in
+    bf16 (with the same fast-accumulation setting) and cast, and the device is remembered."""
+    from server.model import cuda_quant
+
+    calls = []
+
+    def fake_mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False, out=None):
+        calls.append((out_dtype, use_fast_accum))
+        if out_dtype != torch.bfloat16:
+            raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+        return torch.ones(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_mm)
+    monkeypatch.setattr(cuda_quant, "FP8_FAST_ACCUM", True)
+    monkeypatch.setattr(cuda_quant, "_BF16_ONLY", set())
+    w = qlinear.quantize(torch.randn(32, 64).half(), "fp8")
+    xq, sx = qlinear.quant_rows_native(torch.randn(16, 64))
+    y = cuda_quant._mm(xq, sx, w, None)
+    assert y.dtype == torch.float16 and bool((y == 1).all())
+    assert calls == [(torch.float16, True), (torch.bfloat16, True)]
+    dst = torch.zeros(16, 32, dtype=torch.float16)
+    assert cuda_quant._mm(xq, sx, w, dst) is dst and bool((dst == 1).all())
+    assert calls[2:] == [(torch.bfloat16, True)]  # the device is remembered: no fp16 attempt

@@ -166,16 +166,19 @@ the product comes out in bf16 and is cast (found on the first, eager call: never
 def _mm(xq: torch.Tensor, sx: torch.Tensor, w: QWeight, out: torch.Tensor | None) -> torch.Tensor:
     """(M, K) e4m3 rows with scales (M, 1) @ w (N, K) e4m3 with scales (N,) -> (M, N) in w.dtype."""
     wt, sw = w.q.t(), w.scale.view(1, -1)  # (K, N) column-major, (1, N)
+
+    def scaled_mm(dtype: torch.dtype, dst: torch.Tensor | None = None) -> torch.Tensor:
+        if dst is None:
+            return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=dtype, use_fast_accum=FP8_FAST_ACCUM)
+        return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=dtype, use_fast_accum=FP8_FAST_ACCUM,
+                                out=dst)  # fmt: skip
+
     if w.dtype == torch.bfloat16 or xq.device not in _BF16_ONLY:
         try:
-            fast = FP8_FAST_ACCUM
-            if out is None:
-                return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype, use_fast_accum=fast)
-            return torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=w.dtype, use_fast_accum=fast, out=out)
+            return scaled_mm(w.dtype, out)
         except RuntimeError as e:
             if w.dtype == torch.bfloat16 or "bf16" not in str(e).lower().replace("bfloat16", "bf16"):
                 raise
             _BF16_ONLY.add(xq.device)
-    y = torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=FP8_FAST_ACCUM)
-    y = y.to(w.dtype)
+    y = scaled_mm(torch.bfloat16).to(w.dtype)
     return y if out is None else out.copy_(y)
