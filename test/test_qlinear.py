@@ -52,25 +52,41 @@ def test_per_token_fp8_codes_and_their_product():
 @pytest.mark.parametrize("mode", MODES)
 def test_a_model_quantized_at_load_computes_the_fake_quantized_function(mode):
     """load_model(quant=) keeps 8-bit codes; on the pure-torch path it computes exactly what the
-    quality harness's fake quantization (same round trip, 16-bit head) computes: prefill, the
-    unfused and the fused (stacked-weight) decode."""
+    quality harness's fake quantization (same round trip, 16-bit head) computes, but for the head
+    of products of at most HEAD8_MAX_ROWS rows, which is the int8 round trip of the 16-bit head:
+    prefill, the unfused and the fused (stacked-weight) decode, on both sides of that limit."""
     q = load_model("synthetic:tiny:3", quant=mode)
     ref = load_model("synthetic:tiny:3")
     fake_quantize(ref, f"{mode}_head16")
+    head16, head8 = ref.w.head, round_trip(ref.w.head, "int8")
     lw = q.w.layers[1]
     assert all(isinstance(getattr(lw, n), QWeight) for n in ("wr", "wk", "wv", "wo", "ffn_key", "ffn_value"))
     assert isinstance(q.w.head, torch.Tensor) and q.quant == mode
-    toks = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
-    for fused in (False, True):
-        q.fused_decode = ref.fused_decode = fused
-        sq, sr = q.zero_state(2), ref.zero_state(2)
-        assert torch.equal(q.forward(toks, sq), ref.forward(toks, sr))
-        nxt = torch.tensor([3, 4])
-        assert torch.equal(q.decode(nxt, sq), ref.decode(nxt, sr))
+    assert q.w.head8 is not None and q.w.head8.mode == "int8" and torch.equal(q.w.head8.dequantize(), head8)
+    assert not torch.equal(head8, head16)  # else the small-batch cases below would prove nothing
+    small, big = [[1, 2, 3, 4, 5, 6, 7], [9, 8]], [[(5 * b + t) % 60 + 1 for t in range(3 + b % 4)] for b in range(9)]
+    assert len(big) == qlinear.HEAD8_MAX_ROWS + 1
+    for toks, head in ((small, head8), (big, head16)):
+        ref.w.head = head
+        for fused in (False, True):
+            q.fused_decode = ref.fused_decode = fused
+            sq, sr = q.zero_state(len(toks)), ref.zero_state(len(toks))
+            assert torch.equal(q.forward(toks, sq), ref.forward(toks, sr))
+            nxt = torch.arange(3, 3 + len(toks))
+            assert torch.equal(q.decode(nxt, sq), ref.decode(nxt, sr))
     pk = q._decode_packs()[1]  # the stacked r/k/v share the layer's codes
     assert isinstance(pk.vkr, QWeight) and pk.vkr.q.data_ptr() == lw.wv.q.data_ptr()
     with pytest.raises(ValueError, match="already 8-bit"):
         fake_quantize(q, mode)
+    assert load_model("synthetic:tiny:3").w.head8 is None  # no --quant: one 16-bit head
+
+
+def test_the_int8_head_covers_exactly_the_gemv_kernels_rows():
+    """Past the gemv's rows an int8 head would take the Triton / dequantizing paths, slower than
+    the 16-bit head on cuBLAS; below them the gemv would read 16-bit bytes it need not."""
+    from server.model import cuda_ops
+
+    assert qlinear.HEAD8_MAX_ROWS == cuda_ops.GEMV_MAX_M
 
 
 def test_quant_setting_is_checked_before_loading():

@@ -162,6 +162,9 @@ class Weights:
     ln_out_w: torch.Tensor  # (C,)
     ln_out_b: torch.Tensor
     head: torch.Tensor  # (V, C)
+    head8: QWeight | None = None
+    """--quant int8|fp8: the head's int8 codes (V, C), which products of at most
+    qlinear.HEAD8_MAX_ROWS rows use (the gemv reads half the bytes); None without --quant."""
 
 
 def convert(sd: dict[str, torch.Tensor], shape: ModelShape, device, dtype: torch.dtype,

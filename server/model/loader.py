@@ -53,6 +53,8 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     weights = checkpoint.convert(
         sd, shape, device, dtype, progress=_Progress(name), quantize=quantizer, prequantized=pre
     )
+    if quant != "none":
+        weights.head8 = _head8(weights.head, name)
     model = RWKV7(
         weights,
         shape,
@@ -95,6 +97,15 @@ def _file_quant(
         )
     log.info("%s: pre-quantized %s weights (%d linears): no quantization at load", name, mode, len(weights))
     return mode, weights
+
+
+def _head8(head: torch.Tensor, name: str) -> qlinear.QWeight:
+    """The int8 copy of the head that small products read (qlinear.HEAD8_MAX_ROWS), logged."""
+    t0 = time.perf_counter()
+    head8 = qlinear.quantize(head, "int8")
+    log.info("%s: int8 copy of the head for products of <= %d rows: +%.2f GB in %.1fs", name,
+             qlinear.HEAD8_MAX_ROWS, head8.nbytes() / 1e9, time.perf_counter() - t0)  # fmt: skip
+    return head8
 
 
 class _Progress:

@@ -25,9 +25,15 @@ from server.model import quant
 
 WEIGHT_MODES = ("int8", "fp8")
 """What --quant accepts besides none: the layers' r/k/v/o and FFN linears become 8-bit; the
-embedding, the LoRAs, the vectors and the head stay in the model dtype (docs/performance.md:
-a 16-bit head halves both formats' KL divergence for 5% of a 2.9B model's bytes)."""
+embedding, the LoRAs and the vectors stay in the model dtype, and so does the head, but for an
+int8 copy that small products read (HEAD8_MAX_ROWS; docs/performance.md: an fp8 head doubles
+fp8's KL divergence, an int8 one adds a twentieth to it)."""
 CODE_DTYPES = {"int8": torch.int8, "fp8": quant.FP8_DTYPE}
+HEAD8_MAX_ROWS = 8
+"""With --quant, head products of at most this many rows (decode batches and prefills of up to 8
+sequences: the gemv kernel's rows, cuda_ops.GEMV_MAX_M) read an int8 copy of the head: half the
+bytes of the B=1 step's largest matrix, for int8's small error (docs/performance.md). Larger
+products keep the 16-bit head on cuBLAS, which an int8 weight-only GEMM would only slow down."""
 
 
 @dataclass

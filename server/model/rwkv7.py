@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
+from server.model.qlinear import HEAD8_MAX_ROWS, Weight
 from server.model.state import ModelShape, State
 
 OP_NAMES = (
@@ -174,7 +175,7 @@ class RWKV7:
                                         state.ffn_shift[i])  # fmt: skip
             dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
-        return lin(xn, self.w.head)  # (B, V) model dtype
+        return lin(xn, self._head_weight(xn.shape[0]))  # (B, V) model dtype
 
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
@@ -314,8 +315,15 @@ class RWKV7:
 
     def _head(self, x: torch.Tensor, raw: bool = False) -> torch.Tensor:
         x = self._ln(x, self.w.ln_out_w, self.w.ln_out_b)
-        logits = F.linear(x, self.w.head)  # (B, V) model dtype
+        head = self._head_weight(x.shape[0])
+        logits = F.linear(x, head) if isinstance(head, torch.Tensor) else self.ops.linear(x, head)  # (B, V)
         return logits if raw else logits.float()
+
+    def _head_weight(self, rows: int) -> Weight:
+        """The head for a product of `rows` rows: the int8 copy (--quant) up to HEAD8_MAX_ROWS."""
+        if self.w.head8 is not None and rows <= HEAD8_MAX_ROWS:
+            return self.w.head8
+        return self.w.head
 
 
 def _rows(t: torch.Tensor, sidx: torch.Tensor | None) -> torch.Tensor:
