@@ -285,7 +285,6 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     }
 }
 
-// cfg 4 (not automatic yet): 8-bit weights through a bulk-copy ring (gemv_bulk.cuh).
 // cfg 1: 16 rows per warp, 4 k-tiles per step (8 weight + 4 x loads in flight per lane; 8-bit
 // weights: 8 + 8); cfg 2: 8 rows, 8 k-tiles (8 + 8; 8-bit weights: 4 k-tiles, 4 + 8); cfg 3: 32 rows, 2 k-tiles (8 + 2; never picked, kept for sweeps).
 constexpr int NCFG = 3;
@@ -347,37 +346,8 @@ int launch(const Args &a, int P, int warps, cudaStream_t s) {
     return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2, WQ>, dim3(bx, P), dim3(warps * 32), 0, s, a);
 }
 
-// The arch this build of kernel WQ runs as: min(PTX version, binary version) x 10, 0 if it cannot
-// be queried. The MMA needs sm_80 (the loader's generic compute_75 fallback build compiles the
-// kernel body out: report unsupported, never run it); e4m3 codes need the cvt of sm_89+.
-template <int WQ>
-inline int built_arch() {
-    cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, WQ>) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    return fa.ptxVersion < fa.binaryVersion ? fa.ptxVersion : fa.binaryVersion;
-}
-
-}  // namespace gemv_k
-
-#include "gemv_bulk.cuh"  // cfg 4: the bulk-copy ring for 8-bit weights (uses the definitions above)
-
-namespace gemv_k {
-
 template <typename F, bool RELU2, int WQ>
 int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
-    if (cfg == 4) {  // 8-bit weights on sm_90+ without padding limits; else the automatic choice
-        if constexpr (WQ != W_SAME) {
-            static const int arch = built_arch<WQ>();
-            if (arch >= 90 && a.lim_kind == LIM_NONE && warps == 0) {
-                const int rc = bulkv::launch<RELU2, WQ>(a, P, s);
-                if (rc != UNSUPPORTED) return rc;
-            }
-        }
-        cfg = 0;
-    }
     if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
         static const int sms = sm_count();
         cfg = (long long)((a.N + 15) / 16) * P >= 2LL * sms ? 1 : 2;
@@ -394,6 +364,19 @@ int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
 template <typename F, int WQ>
 int dispatch_act(const Args &a, int P, int warps, int cfg, int act, cudaStream_t s) {
     return act ? dispatch<F, true, WQ>(a, P, warps, cfg, s) : dispatch<F, false, WQ>(a, P, warps, cfg, s);
+}
+
+// The arch this build of kernel WQ runs as: min(PTX version, binary version) x 10, 0 if it cannot
+// be queried. The MMA needs sm_80 (the loader's generic compute_75 fallback build compiles the
+// kernel body out: report unsupported, never run it); e4m3 codes need the cvt of sm_89+.
+template <int WQ>
+inline int built_arch() {
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, WQ>) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return fa.ptxVersion < fa.binaryVersion ? fa.ptxVersion : fa.binaryVersion;
 }
 
 }  // namespace gemv_k
@@ -422,7 +405,7 @@ extern "C" int gemv(int f_dt, int w_dt, int M, int N, int K, int P, const void *
         static const int arch8 = built_arch<W_FP8>();
         if (arch8 < 89) return UNSUPPORTED;
     }
-    if (cfg < 0 || cfg > NCFG + 1 || act < 0 || act > 1 || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
+    if (cfg < 0 || cfg > NCFG || act < 0 || act > 1 || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
     Args a{x, w, out, static_cast<const float *>(scale), M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0,
            o_s, o_ps, P > 1 ? s_ps : 0, M, N, K, (unsigned long long)lim, lim ? lim_kind : (int)LIM_NONE};
     cudaStream_t s = (cudaStream_t)stream;

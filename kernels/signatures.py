@@ -26,8 +26,6 @@ HEADERS = (
     "wkv7_tmix_head.cuh",
     "wkv7_tmix_mma.cuh",
     "pdl.cuh",
-    "bulk.cuh",
-    "gemv_bulk.cuh",
     "sampler_common.cuh",
     "sampler_select.cuh",
     "sampler_walk.cuh",

@@ -19,7 +19,6 @@
 //   (head n's slot is free: refill it) -> 4b. head n's output.
 // The small per-head vectors (MmaCols) are triple-buffered by head (n % 3) so that head n + 1's
 // column work never overwrites what head n's rows or output still read.
-#include "bulk.cuh"
 #include "pdl.cuh"
 #include "wkv7_tmix_head.cuh"
 #include "wkv7_tmix_mma.cuh"
@@ -40,10 +39,37 @@ constexpr int MIN_BLOCKS = 6;
 template <typename S>
 __host__ __device__ constexpr bool pipe_ok() { return sizeof(S) == 2 && N == MN && head_ok<RPT>(); }
 
-using rwkv_bulk::bulk_load;
-using rwkv_bulk::mbar_expect_tx;
-using rwkv_bulk::mbar_init;
-using rwkv_bulk::mbar_wait;
+__device__ __forceinline__ uint32_t saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\n"
+        "bra WAIT;\n"
+        "DONE:\n"
+        "}\n" ::"r"(saddr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(saddr(bar))
+                 : "memory");
+}
 
 template <typename F, typename S>
 struct Slot {
@@ -87,7 +113,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; s++) mbar_init(&bars[s], 1);
-        rwkv_bulk::mbar_init_fence();
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     if (tid == 0)

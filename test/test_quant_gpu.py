@@ -58,25 +58,6 @@ def _weight_only_ref(x: torch.Tensor, w: QWeight, relu2: bool = False) -> torch.
 def test_gemv_8bit_matches_its_twin(dev, no_large, mode, N, K, M):
     x, w = _data((M, K), dev, 1), _qweight((N, K), mode, dev, 2)
     _close(cuda_ops.linear(x, w), _weight_only_ref(x, w))
-    _close(cuda_ops.linear(x, w, cfg=4), _weight_only_ref(x, w))  # the bulk-copy ring (K % 64: else cfg 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("N,K,P", [(2560, 2560, 3), (10240, 2560, 1), (2565, 10240, 1), (65536, 2560, 1), (12, 128, 2)])
-@pytest.mark.parametrize("M", [1, 2, 8])
-def test_gemv_8bit_bulk_ring_matches_the_register_kernel(dev, no_large, mode, N, K, P, M):
-    """cfg 4 (kernels/gemv_bulk.cuh) against its twin and against the register kernel: planes,
-    a row count that is not a multiple of 8 (a partial last tile), tiles beyond one per SM, a
-    K of two k-tiles; with relu^2 on the loads for one plane."""
-    x, w = _data((P, M, K), dev, 7), _qweight((P, N, K), mode, dev, 8)
-    x, w = (x[0], w.plane(0)) if P == 1 else (x, w)
-    got = cuda_ops.linear(x, w, cfg=4)
-    _close(got, _weight_only_ref(x, w))
-    assert (got.float() - cuda_ops.linear(x, w).float()).abs().max() <= 2e-3 * got.float().abs().max()
-    if P == 1:
-        h = _data((M, K), dev, 9)
-        _close(cuda_ops._linear(h, w, 0, 4, 1, (0, 0)), _weight_only_ref(h, w, relu2=True))
 
 
 @pytest.mark.gpu

@@ -255,11 +255,6 @@ GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (noth
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
 _GEMV_WDT = {"int8": 1, "fp8": 2}  # gemv.cu WType of a QWeight's codes
 _LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
-GEMV8_BULK = False
-"""8-bit weights at M <= GEMV_MAX_M take gemv.cu's cfg 4 (kernels/gemv_bulk.cuh: the weights
-streamed through a shared-memory ring by bulk copies, sm_90+) instead of the register kernel's
-automatic choice. A module constant so that benchmarks can compare both in one process."""
-_GEMV_BULK_CFG = 4
 
 
 def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
@@ -331,8 +326,6 @@ def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tup
     if isinstance(w, QWeight):
         w_dt, sp = _GEMV_WDT[w.mode], w.scale.data_ptr()
         s_ps = w.scale.stride(0) if w.scale.dim() == 2 else 0
-        if GEMV8_BULK and cfg == 0 and warps == 0:
-            cfg = _GEMV_BULK_CFG
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.gemv(_GEMV_DT[x.dtype], w_dt, M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, wt.data_ptr(), w_ps,

@@ -203,9 +203,6 @@ def main() -> None:
     p.add_argument("--fp8-fast-accum", default="",
                    help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
                         "one process ('' = the module's value)")  # fmt: skip
-    p.add_argument("--gemv8-bulk", default="",
-                   help="decode runs at each of these cuda_ops.GEMV8_BULK values (0/1), alternating ('' = the "
-                        "module's value)")  # fmt: skip
     a = p.parse_args()
     dev = torch.device(a.device)
     t0 = time.perf_counter()
@@ -230,7 +227,12 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         graphs = not a.no_graphs and dev.type == "cuda"
-        for tag in switch_runs(a):
+        for fa in [bool(int(v)) for v in a.fp8_fast_accum.split(",") if v] or [None]:
+            tag = {} if fa is None else {"fp8_fast_accum": fa}
+            if fa is not None:
+                from server.model import cuda_quant
+
+                cuda_quant.FP8_FAST_ACCUM = fa
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
         for r in bench_prefill(model, DTYPES[sd], cases, a.reps):
@@ -243,25 +245,6 @@ def main() -> None:
     print_table(lines)
 
 
-def switch_runs(a):
-    """Set each A/B switch of the command line in turn (FP8_FAST_ACCUM, GEMV8_BULK) and yield the
-    tag its lines carry: one run with no tag when neither is given."""
-    fast = [bool(int(v)) for v in a.fp8_fast_accum.split(",") if v]
-    bulk = [bool(int(v)) for v in a.gemv8_bulk.split(",") if v]
-    if not fast and not bulk:
-        yield {}
-        return
-    from server.model import cuda_ops, cuda_quant
-
-    for i in range(max(len(fast), len(bulk))):
-        tag = {}
-        if fast:
-            cuda_quant.FP8_FAST_ACCUM = tag["fp8_fast_accum"] = fast[i % len(fast)]
-        if bulk:
-            cuda_ops.GEMV8_BULK = tag["gemv8_bulk"] = bulk[i % len(bulk)]
-        yield tag
-
-
 def print_table(lines: list[dict]) -> None:
     print(f"\n{'state':6} {'batch':>6} {'what':10} {'tok/s':>12} {'ms':>9} {'peak GB':>8}")
     for r in lines:
@@ -271,7 +254,6 @@ def print_table(lines: list[dict]) -> None:
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
         pf = f"  fp8 fast accumulation {r['fp8_fast_accum']}" if "fp8_fast_accum" in r else ""
-        pf += f"  gemv8 bulk {r['gemv8_bulk']}" if "gemv8_bulk" in r else ""
         peak = r.get("peak_mem_gb") or 0
         print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {peak:8.2f}{pf}")
 
