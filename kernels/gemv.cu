@@ -22,10 +22,6 @@
 // act = 1 (relu2): x is read as round(max(x, 0)^2) (the channel-mix activation, as
 // ops.relu_square rounds it), so ffn_value's gemv consumes ffn_key's raw output and the separate
 // relu_square launch goes away at small batch; every block applies it to its own x loads.
-// act = 2 (lora, 16-bit weights): plane 0's x is read as round(sigmoid(x)) and plane 1's as
-// round(tanh(x)), the rest as it is: the decode LoRAs' gate and decay activations (as
-// lora_act_kernel rounds them), so the second LoRA stage consumes the first's raw output and the
-// lora_act launch leaves the LoRA branch at small batch.
 // Zero padding (lim, lim_kind): stacked planes of different widths zero-padded to one shape (the
 // decode LoRAs) need not be read past their width. lim packs, for planes 0..7, 8 bits each: the
 // plane's width in units of 8 (0 = the whole plane); lim_kind 1: weight rows n >= width are zero
@@ -141,29 +137,6 @@ __device__ __forceinline__ uint4 relu2_8(uint4 v) {
     return make_uint4(relu2_pair<F>(v.x), relu2_pair<F>(v.y), relu2_pair<F>(v.z), relu2_pair<F>(v.w));
 }
 
-// sigmoid (TANH false) or tanh of the 8 16-bit values in v, each rounded to F once: the values
-// lora_act_kernel writes (1 / (1 + expf(-x)), tanhf).
-template <typename F, bool TANH>
-__device__ __forceinline__ uint32_t lora_pair(uint32_t u) {
-    float2 f;
-    if constexpr (std::is_same<F, __half>::value) f = __half22float2(*reinterpret_cast<const __half2 *>(&u));
-    else f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u));
-    if constexpr (TANH) f.x = tanhf(f.x), f.y = tanhf(f.y);
-    else f.x = 1.f / (1.f + expf(-f.x)), f.y = 1.f / (1.f + expf(-f.y));
-    if constexpr (std::is_same<F, __half>::value) {
-        const __half2 h = __floats2half2_rn(f.x, f.y);
-        return *reinterpret_cast<const uint32_t *>(&h);
-    } else {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(f.x, f.y);
-        return *reinterpret_cast<const uint32_t *>(&h);
-    }
-}
-template <typename F, bool TANH>
-__device__ __forceinline__ uint4 lora_8(uint4 v) {
-    return make_uint4(lora_pair<F, TANH>(v.x), lora_pair<F, TANH>(v.y), lora_pair<F, TANH>(v.z),
-                      lora_pair<F, TANH>(v.w));
-}
-
 // 4 weight codes (one byte each, k order) -> 4 fp16 values as two half2 registers (lo: codes 0, 1).
 // int8: the bytes with their sign bit flipped sit under exponent byte 0x64: 1024 + (q + 128)
 // exactly, minus 1152 -> q. e4m3: the hardware conversion (sm_89+), exact in fp16.
@@ -196,9 +169,7 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // grid (ceil(N / (8*RT)), P), block 32*W threads (W <= MAX_WARPS). WQ: the weights' WType.
-enum Act { ACT_NONE = 0, ACT_RELU2 = 1, ACT_LORA = 2 };
-
-template <typename F, int RT, int U, int ACT, int WQ>
+template <typename F, int RT, int U, bool RELU2, int WQ>
 __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     constexpr bool BF = sizeof(F) == 2 && !std::is_same<F, __half>::value;
     constexpr int E = WQ == W_SAME ? 8 : 16;  // k per chunk (one 16-byte weight load)
@@ -258,11 +229,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
 #pragma unroll
             for (int l = 0; l < XL; l++) {
                 xv[u][l] = ld_ro(xr + (long long)(kt + u) * 4 * E + 8 * l, ok);
-                if constexpr (ACT == ACT_RELU2) xv[u][l] = relu2_8<F>(xv[u][l]);
-                if constexpr (ACT == ACT_LORA) {
-                    if (blockIdx.y == 0) xv[u][l] = lora_8<F, false>(xv[u][l]);
-                    else if (blockIdx.y == 1) xv[u][l] = lora_8<F, true>(xv[u][l]);
-                }
+                if constexpr (RELU2) xv[u][l] = relu2_8<F>(xv[u][l]);
             }
         }
     };
@@ -361,7 +328,7 @@ inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
     return w < 1 ? 1 : (w > MAX_WARPS ? MAX_WARPS : w);
 }
 
-template <typename F, int RT, int U, int ACT, int WQ>
+template <typename F, int RT, int U, bool RELU2, int WQ>
 int launch(const Args &a, int P, int warps, cudaStream_t s) {
     constexpr int E = WQ == W_SAME ? 8 : 16;
     const int KT = (a.K / E + 3) / 4;
@@ -370,16 +337,16 @@ int launch(const Args &a, int P, int warps, cudaStream_t s) {
     if (warps <= 0) {
         static const int regs = [] {
             cudaFuncAttributes fa;
-            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, ACT, WQ>) == cudaSuccess ? fa.numRegs : 128;
+            return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, RELU2, WQ>) == cudaSuccess ? fa.numRegs : 128;
         }();
         static const int sms = sm_count();
         warps = pick_warps(KT, (long long)bx * P, U, regs, sms);
     }
     if (warps > MAX_WARPS) return UNSUPPORTED;
-    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, ACT, WQ>, dim3(bx, P), dim3(warps * 32), 0, s, a);
+    return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2, WQ>, dim3(bx, P), dim3(warps * 32), 0, s, a);
 }
 
-template <typename F, int ACT, int WQ>
+template <typename F, bool RELU2, int WQ>
 int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
     if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
         static const int sms = sm_count();
@@ -387,20 +354,16 @@ int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
     }
     constexpr int U2 = WQ == W_SAME ? 8 : 4;  // 8-bit weights: twice the x registers per k-tile
     switch (cfg) {
-        case 1: return launch<F, 2, 4, ACT, WQ>(a, P, warps, s);
-        case 2: return launch<F, 1, U2, ACT, WQ>(a, P, warps, s);
-        case 3: return launch<F, 4, 2, ACT, WQ>(a, P, warps, s);
+        case 1: return launch<F, 2, 4, RELU2, WQ>(a, P, warps, s);
+        case 2: return launch<F, 1, U2, RELU2, WQ>(a, P, warps, s);
+        case 3: return launch<F, 4, 2, RELU2, WQ>(a, P, warps, s);
     }
     return UNSUPPORTED;
 }
 
 template <typename F, int WQ>
 int dispatch_act(const Args &a, int P, int warps, int cfg, int act, cudaStream_t s) {
-    if (act == ACT_LORA) {  // the LoRAs' weights are 16-bit: no 8-bit instances
-        if constexpr (WQ == W_SAME) return dispatch<F, ACT_LORA, WQ>(a, P, warps, cfg, s);
-        return UNSUPPORTED;
-    }
-    return act ? dispatch<F, ACT_RELU2, WQ>(a, P, warps, cfg, s) : dispatch<F, ACT_NONE, WQ>(a, P, warps, cfg, s);
+    return act ? dispatch<F, true, WQ>(a, P, warps, cfg, s) : dispatch<F, false, WQ>(a, P, warps, cfg, s);
 }
 
 // The arch this build of kernel WQ runs as: min(PTX version, binary version) x 10, 0 if it cannot
@@ -409,7 +372,7 @@ int dispatch_act(const Args &a, int P, int warps, int cfg, int act, cudaStream_t
 template <int WQ>
 inline int built_arch() {
     cudaFuncAttributes fa;
-    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, ACT_NONE, WQ>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&fa, gemv_kernel<__half, 2, 4, false, WQ>) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
@@ -420,8 +383,7 @@ inline int built_arch() {
 
 // out (M, N) [P planes] = act(x (M, K)) @ w (N, K)^T. f_dt: 1 fp16, 2 bf16 (x, w, out alike).
 // w_dt: 0 = w in f_dt; 1 int8 / 2 fp8 e4m3 codes with per-row fp32 scales (scale, plane stride
-// s_ps; f_dt fp16 only). act: 0 = x as is, 1 = round(relu(x)^2), 2 = the LoRA activations
-// (plane 0 sigmoid, plane 1 tanh, each rounded; 16-bit weights only). warps / cfg: 0 = automatic
+// s_ps; f_dt fp16 only). act: 0 = x as is, 1 = round(relu(x)^2). warps / cfg: 0 = automatic
 // (nonzero: tuning, see test/bench/bench_gemm.py --sweep). lim / lim_kind: zero padding not to
 // read (see the top). Returns 0 (launched), GEMV_UNSUPPORTED (-2: nothing launched, use the
 // fallback) or a CUDA error.
@@ -443,7 +405,7 @@ extern "C" int gemv(int f_dt, int w_dt, int M, int N, int K, int P, const void *
         static const int arch8 = built_arch<W_FP8>();
         if (arch8 < 89) return UNSUPPORTED;
     }
-    if (cfg < 0 || cfg > NCFG || act < ACT_NONE || act > ACT_LORA || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
+    if (cfg < 0 || cfg > NCFG || act < 0 || act > 1 || lim_kind < LIM_NONE || lim_kind > LIM_COLS) return UNSUPPORTED;
     Args a{x, w, out, static_cast<const float *>(scale), M > 1 ? x_s : 0, P > 1 ? x_ps : 0, P > 1 ? w_ps : 0,
            o_s, o_ps, P > 1 ? s_ps : 0, M, N, K, (unsigned long long)lim, lim ? lim_kind : (int)LIM_NONE};
     cudaStream_t s = (cudaStream_t)stream;

@@ -255,7 +255,6 @@ GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (noth
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
 _GEMV_WDT = {"int8": 1, "fp8": 2}  # gemv.cu WType of a QWeight's codes
 _LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
-_ACT_LORA = 2  # gemv.cu Act: the LoRA activations on planes 0 (sigmoid) and 1 (tanh)
 
 
 def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
@@ -288,20 +287,6 @@ def _gemv_lim(rows, cols) -> tuple[int, int]:
     return (lim - (1 << 64) if lim >= 1 << 63 else lim), kind  # as a signed long long
 
 
-def lora2_linear(mid: torch.Tensor, w: torch.Tensor, cols=None) -> torch.Tensor:
-    """ops.lora2_linear: at M <= GEMV_MAX_M one gemv launch that applies the gate's sigmoid and
-    the decay's tanh as it loads planes 0 and 1 of mid (mid is left as it is, and the lora_act
-    launch goes away); otherwise lora_act in place on mid, then linear."""
-    lim = _gemv_lim(None, tuple(cols)) if cols is not None else (0, 0)
-    return _linear(mid, w, 0, 0, _ACT_LORA, lim)
-
-
-def _lora_acted(mid: torch.Tensor) -> torch.Tensor:
-    """mid (Q, B, D) with lora_act applied in place to its gate (0) and decay (1) planes."""
-    lora_act(mid[1], mid[0])
-    return mid
-
-
 def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
     """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
     as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
@@ -321,9 +306,7 @@ def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tup
     M = x.shape[-2] if x.dim() >= 2 else 0
     q = isinstance(w, QWeight)
     wt = w.q if isinstance(w, QWeight) else w  # what the kernel reads: codes or 16-bit weights
-    if act == _ACT_LORA:
-        fallback = lambda: ops.linear(_lora_acted(x), w)
-    elif isinstance(w, QWeight):
+    if isinstance(w, QWeight):
         fallback = lambda: cuda_quant.large(x, w, bool(act))
     else:
         fallback = (lambda: ops.linear(relu_square(x), w)) if act else (lambda: ops.linear(x, w))

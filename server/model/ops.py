@@ -162,15 +162,6 @@ def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return hw.tanh_(), hg.sigmoid_()
 
 
-def lora2_linear(mid: torch.Tensor, w: torch.Tensor, cols=None) -> torch.Tensor:
-    """The decode LoRAs' second stage with its activations: linear(mid, w, cols=cols) after
-    lora_act(mid[1], mid[0]) (decay plane tanh, gate plane sigmoid). mid (Q, B, D) stacked
-    planes, w (Q, C, D). The CUDA twin applies the activations inside the small-batch
-    projection's loads; mid may be changed in place."""
-    lora_act(mid[1], mid[0])
-    return linear(mid, w, cols=cols)
-
-
 def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x (..., K) @ w^T -> (..., N) for a 2-D weight (N, K), 16-bit or 8-bit (QWeight: its
     dequantized value; the CUDA twin multiplies the codes)."""

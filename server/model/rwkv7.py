@@ -7,8 +7,7 @@ layer as one GEMM.
 
 With the CUDA twins: decode runs the fused path (_decode_fused): per layer one kernel for
 residual add + ln1 + the six token-shift mixes + att_shift write (ops.add_ln_mix), the LoRA
-activations inside the second LoRA projection's loads at batch <= 8 (ops.lora2_linear; else one
-ops.lora_act launch), the fused time-mix core (ops.tmix_decode, one kernel
+activations in one launch (ops.lora_act), the fused time-mix core (ops.tmix_decode, one kernel
 between the projections and the output projection, LoRA biases added inside), one kernel for
 residual add + ln2 + ffn mix + ffn_shift write, and relu^2 with the value projection
 (ops.relu2_linear: inside the gemv's x loads at batch <= 8, else relu_square in place); the
@@ -42,7 +41,6 @@ OP_NAMES = (
     "lora_act",
     "linear",
     "relu2_linear",
-    "lora2_linear",
     "dense",
 )
 KERNELS = ("auto", "torch", "cuda")
@@ -181,12 +179,11 @@ class RWKV7:
 
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
-        (P, B, C) without their biases, and the gate (B, C); one launch per stage (at batch > 8 the
-        activations take a launch of their own)."""
+        (P, B, C) without their biases, and the gate (B, C); one launch per stage."""
         lin, Q = self.ops.linear, pk.lora1.shape[0]
         mid = lin(xs[:Q], pk.lora1, rows=pk.widths)  # (Q, B, D) gate, decay, a[, v-mix] hidden
-        # sigmoid on the gate plane, tanh on the decay's (inside the projection's loads at B <= 8)
-        out = self.ops.lora2_linear(mid, pk.lora2, cols=pk.widths)  # (Q, B, C) gate, wz, az[, vz]
+        self.ops.lora_act(mid[1], mid[0])  # tanh on the decay plane, sigmoid on the gate's; in place
+        out = lin(mid, pk.lora2, cols=pk.widths)  # (Q, B, C) gate, wz, az[, vz]
         return out[1:], out[0]
 
     def _fork(self) -> SideStream:
