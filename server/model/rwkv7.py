@@ -315,8 +315,7 @@ class RWKV7:
 
     def _head(self, x: torch.Tensor, raw: bool = False) -> torch.Tensor:
         x = self._ln(x, self.w.ln_out_w, self.w.ln_out_b)
-        head = self._head_weight(x.shape[0])
-        logits = F.linear(x, head) if isinstance(head, torch.Tensor) else self.ops.linear(x, head)  # (B, V)
+        logits = self.ops.dense(x, self._head_weight(x.shape[0]))  # (B, V) model dtype; 8-bit: its product
         return logits if raw else logits.float()
 
     def _head_weight(self, rows: int) -> Weight:
