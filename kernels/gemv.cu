@@ -285,18 +285,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
     }
 }
 
-}  // namespace gemv_k
-
-#include "gemv_async.cuh"
-
-namespace gemv_k {
-
 // cfg 1: 16 rows per warp, 4 k-tiles per step (8 weight + 4 x loads in flight per lane; 8-bit
 // weights: 8 + 8); cfg 2: 8 rows, 8 k-tiles (8 + 8; 8-bit weights: 4 k-tiles, 4 + 8); cfg 3: 32 rows, 2 k-tiles (8 + 2; never picked, kept for sweeps).
-// cfg 4 / 5: the cp.async ring kernel (gemv_async.cuh): 16 rows per warp, 2 k-tiles a stage, 4
-// stages / 8 rows, 4 k-tiles a stage, 4 stages; cfg 6: 4 or 5 by the rule of cfg 0.
-constexpr int NCFG = 6;
-constexpr int ASYNC_WARPS_PER_SM = 16;  // the warps a grid of the ring kernel aims for per SM
+constexpr int NCFG = 3;
 
 inline int sm_count() {
     int dev = 0, n = 0;
@@ -355,70 +346,17 @@ int launch(const Args &a, int P, int warps, cudaStream_t s) {
     return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2, WQ>, dim3(bx, P), dim3(warps * 32), 0, s, a);
 }
 
-// The ring kernel's warps per block: about ASYNC_WARPS_PER_SM warps per SM over the grid, at least
-// two stages per warp where K allows, no warp left without k-tiles, and the grid resident in one
-// wave (registers, threads and shared memory per SM); 0 if no split fits.
-inline int pick_async_warps(int KT, int U, long long blocks, int regs, int per_warp, int stat, int sms, int smem_sm) {
-    const int ra = (regs + 7) / 8 * 8, ns = (KT + U - 1) / U;
-    auto resident = [&](int W) {
-        int b = 65536 / (ra * 32 * W), t = 2048 / (32 * W), m = smem_sm / (W * per_warp + stat + 1024);
-        b = b < t ? b : t;
-        b = b < m ? b : m;
-        return (long long)(b < 32 ? b : 32) * sms;
-    };
-    const long long want = ((long long)ASYNC_WARPS_PER_SM * sms + blocks - 1) / blocks;
-    int W = (int)(want < MAX_WARPS ? want : MAX_WARPS);
-    W = W < ns / 2 ? W : (ns / 2 > 0 ? ns / 2 : 1);
-    for (; W >= 1; W--) {
-        const int per = (KT + W - 1) / W;
-        if ((KT + per - 1) / per == W && blocks <= resident(W)) return W;
-    }
-    return 0;
-}
-
-template <typename F, int RT, int U, int S, bool RELU2, int WQ>
-int launch_async(const Args &a, int P, int warps, cudaStream_t s) {
-    constexpr int E = WQ == W_SAME ? 8 : 16;
-    const int KT = (a.K / E + 3) / 4;
-    const int bx = (a.N + 8 * RT - 1) / (8 * RT);
-    if (P > 65535) return UNSUPPORTED;
-    auto kern = gemv_async_kernel<F, RT, U, S, RELU2, WQ>;
-    struct Info { int regs, stat, optin, smem_sm, sms; cudaError_t e; };
-    static const Info info = [&] {  // once per instantiation: the eager warm-up runs it before capture
-        Info r{128, 0, 0, 0, sm_count(), cudaSuccess};
-        int dev = 0;
-        cudaFuncAttributes fa;
-        r.e = cudaGetDevice(&dev);
-        if (r.e == cudaSuccess) r.e = cudaFuncGetAttributes(&fa, kern);
-        if (r.e == cudaSuccess) r.regs = fa.numRegs, r.stat = (int)fa.sharedSizeBytes;
-        if (r.e == cudaSuccess) r.e = cudaDeviceGetAttribute(&r.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-        if (r.e == cudaSuccess) r.e = cudaDeviceGetAttribute(&r.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-        if (r.e == cudaSuccess)
-            r.e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, r.optin - r.stat);
-        if (r.e != cudaSuccess) cudaGetLastError();
-        return r;
-    }();
-    if (info.e != cudaSuccess) return UNSUPPORTED;
-    const int per_warp = S * (async_w_bytes<RT, U, WQ>() + async_x_bytes<U, WQ>(a.M));
-    if (warps <= 0) warps = pick_async_warps(KT, U, (long long)bx * P, info.regs, per_warp, info.stat, info.sms, info.smem_sm);
-    if (warps <= 0 || warps > MAX_WARPS || (long long)warps * per_warp + info.stat > info.optin) return UNSUPPORTED;
-    return (int)rwkv_pdl::launch_pdl(kern, dim3(bx, P), dim3(warps * 32), (size_t)warps * per_warp, s, a);
-}
-
 template <typename F, bool RELU2, int WQ>
 int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
-    if (cfg == 0 || cfg == 6) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
+    if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
         static const int sms = sm_count();
-        const bool wide = (long long)((a.N + 15) / 16) * P >= 2LL * sms;
-        cfg = cfg == 6 ? (wide ? 4 : 5) : (wide ? 1 : 2);
+        cfg = (long long)((a.N + 15) / 16) * P >= 2LL * sms ? 1 : 2;
     }
     constexpr int U2 = WQ == W_SAME ? 8 : 4;  // 8-bit weights: twice the x registers per k-tile
     switch (cfg) {
         case 1: return launch<F, 2, 4, RELU2, WQ>(a, P, warps, s);
         case 2: return launch<F, 1, U2, RELU2, WQ>(a, P, warps, s);
         case 3: return launch<F, 4, 2, RELU2, WQ>(a, P, warps, s);
-        case 4: return launch_async<F, 2, 2, 4, RELU2, WQ>(a, P, warps, s);
-        case 5: return launch_async<F, 1, 4, 4, RELU2, WQ>(a, P, warps, s);
     }
     return UNSUPPORTED;
 }

@@ -73,30 +73,6 @@ def test_gemv_8bit_stacked_and_relu2(dev, no_large, mode, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("M", [1, 3, 8])
-def test_gemv_8bit_ring_kernel_sums_as_the_register_kernel(dev, no_large, mode, M):
-    """The 8-bit codes through the cp.async ring (cfg 4 / 5, cuda_ops.GEMV8_ASYNC's kernel) at the
-    register kernel's warp split (cfg 1 / 2): bitwise equal, plain, stacked, relu^2, partial last
-    stages; and the automatic choice of either switch setting stays at the twin."""
-    for N, K, warps in [(2560, 2560, 2), (10240, 2560, 3), (2560, 10240, 5), (40, 48, 1), (96, 2560, 16)]:
-        x, w = _data((M, K), dev, N), _qweight((N, K), mode, dev, K)
-        for reg, ring in ((1, 4), (2, 5)):
-            got = cuda_ops.linear(x, w, warps=warps, cfg=ring)
-            assert torch.equal(got, cuda_ops.linear(x, w, warps=warps, cfg=reg)), (N, K, warps, ring)
-            h = cuda_ops.relu2_linear(x, w, warps=warps, cfg=ring)
-            assert torch.equal(h, cuda_ops.relu2_linear(x, w, warps=warps, cfg=reg)), (N, K, warps, ring)
-    x3, w3 = _data((3, M, 2560), dev, 7), _qweight((3, 2560, 2560), mode, dev, 8)
-    assert torch.equal(cuda_ops.linear(x3, w3, warps=2, cfg=4), cuda_ops.linear(x3, w3, warps=2, cfg=1))
-    for on in (False, True):
-        cuda_ops.GEMV8_ASYNC = on
-        try:
-            _close(cuda_ops.linear(x3, w3), _weight_only_ref(x3, w3))
-        finally:
-            cuda_ops.GEMV8_ASYNC = True
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("act", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_activation_quantization_kernel_matches_its_twin(dev, act, dtype):
