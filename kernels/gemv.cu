@@ -287,11 +287,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) gemv_kernel(Args a) {
 
 // cfg 1: 16 rows per warp, 4 k-tiles per step (8 weight + 4 x loads in flight per lane; 8-bit
 // weights: 8 + 8); cfg 2: 8 rows, 8 k-tiles (8 + 8; 8-bit weights: 4 k-tiles, 4 + 8); cfg 3: 32 rows, 2 k-tiles (8 + 2; never picked, kept for sweeps).
-// cfg 4 (8-bit weights, an A/B of the automatic choice, cuda_ops.GEMV8_SHAPE_RULE): 8-row warps
-// for one matrix wider than deep whose 8-row grid stays within ~10 blocks per SM (FFN key), 16-row
-// warps at the largest one-wave split for deeper-than-wide or stacked planes (FFN value, r/k/v),
-// else cfg 0: the sweep's best splits at M = 1 (bench_gemm.py --sweep --quant fp8).
-constexpr int NCFG = 4;
+constexpr int NCFG = 3;
 
 inline int sm_count() {
     int dev = 0, n = 0;
@@ -300,29 +296,17 @@ inline int sm_count() {
     return n > 0 ? n : 132;
 }
 
-// Blocks of W warps resident at once on the device (registers, threads, 32 blocks per SM).
-inline long long resident_blocks(int W, int regs, int sms) {
-    const int ra = (regs + 7) / 8 * 8;  // allocation granularity
-    int b = 65536 / (ra * 32 * W), t = 2048 / (32 * W);
-    b = b < t ? b : t;
-    return (long long)(b < 32 ? b : 32) * sms;
-}
-
-// The largest W that leaves no warp without k-tiles and keeps the grid in one wave; 0 if none.
-inline int one_wave_warps(int KT, long long blocks, int regs, int sms) {
-    for (int W = MAX_WARPS; W >= 1; W--) {
-        const int per = (KT + W - 1) / W;
-        if ((KT + per - 1) / per == W && blocks <= resident_blocks(W, regs, sms)) return W;
-    }
-    return 0;
-}
-
 // Warps per block (split of K), the rule a sweep (bench_gemm.py --sweep, graph-timed, cold weights)
 // found: (1) the largest W whose warps all get whole steps (k-tiles per warp % U == 0) and whose
 // grid is resident in ONE wave (a second, partial wave adds a whole tail); (2) if no such W (big grids:
 // the head), whole steps with k-tiles per warp closest to 4 steps; (3) else the largest one-wave W.
 inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
-    auto resident = [&](int W) { return resident_blocks(W, regs, sms); };
+    const int ra = (regs + 7) / 8 * 8;  // allocation granularity
+    auto resident = [&](int W) {
+        int b = 65536 / (ra * 32 * W), t = 2048 / (32 * W);
+        b = b < t ? b : t;
+        return (long long)(b < 32 ? b : 32) * sms;
+    };
     int best = 0, dist = 1 << 30;
     for (int W = MAX_WARPS; W >= 1; W--) {
         const int per = (KT + W - 1) / W;
@@ -336,8 +320,10 @@ inline int pick_warps(int KT, long long blocks, int U, int regs, int sms) {
         if (d < dist) best = W, dist = d;
     }
     if (best) return best;
-    const int W = one_wave_warps(KT, blocks, regs, sms);
-    if (W) return W;
+    for (int W = MAX_WARPS; W >= 1; W--) {
+        const int per = (KT + W - 1) / W;
+        if ((KT + per - 1) / per == W && blocks <= resident(W)) return W;
+    }
     const int w = (KT + U - 1) / U;
     return w < 1 ? 1 : (w > MAX_WARPS ? MAX_WARPS : w);
 }
@@ -348,14 +334,13 @@ int launch(const Args &a, int P, int warps, cudaStream_t s) {
     const int KT = (a.K / E + 3) / 4;
     const int bx = (a.N + 8 * RT - 1) / (8 * RT);
     if (P > 65535) return UNSUPPORTED;
-    if (warps <= 0) {  // 0: pick_warps; -1: the largest one-wave split (one_wave_warps)
+    if (warps <= 0) {
         static const int regs = [] {
             cudaFuncAttributes fa;
             return cudaFuncGetAttributes(&fa, gemv_kernel<F, RT, U, RELU2, WQ>) == cudaSuccess ? fa.numRegs : 128;
         }();
         static const int sms = sm_count();
-        const int w1 = warps < 0 ? one_wave_warps(KT, (long long)bx * P, regs, sms) : 0;
-        warps = w1 ? w1 : pick_warps(KT, (long long)bx * P, U, regs, sms);
+        warps = pick_warps(KT, (long long)bx * P, U, regs, sms);
     }
     if (warps > MAX_WARPS) return UNSUPPORTED;
     return (int)rwkv_pdl::launch_pdl(gemv_kernel<F, RT, U, RELU2, WQ>, dim3(bx, P), dim3(warps * 32), 0, s, a);
@@ -363,15 +348,10 @@ int launch(const Args &a, int P, int warps, cudaStream_t s) {
 
 template <typename F, bool RELU2, int WQ>
 int dispatch(const Args &a, int P, int warps, int cfg, cudaStream_t s) {
-    static const int sms = sm_count();
-    if (cfg == 4) {  // 8-bit shape rule: see gemv() below
-        const bool key_shaped = a.K < a.N && P == 1 && (long long)((a.N + 7) / 8) <= 10LL * sms;
-        if (key_shaped) cfg = 2;
-        else if (a.K > a.N || P > 1) cfg = 1, warps = warps ? warps : -1;
-        else cfg = 0;
-    }
-    if (cfg == 0)  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
+    if (cfg == 0) {  // 16-row warps when the grid still has >= 2 blocks per SM, else 8-row warps
+        static const int sms = sm_count();
         cfg = (long long)((a.N + 15) / 16) * P >= 2LL * sms ? 1 : 2;
+    }
     constexpr int U2 = WQ == W_SAME ? 8 : 4;  // 8-bit weights: twice the x registers per k-tile
     switch (cfg) {
         case 1: return launch<F, 2, 4, RELU2, WQ>(a, P, warps, s);

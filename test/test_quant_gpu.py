@@ -62,21 +62,6 @@ def test_gemv_8bit_matches_its_twin(dev, no_large, mode, N, K, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("M", [1, 3, 8])
-def test_gemv_8bit_shape_rule_matches_the_twin(dev, no_large, mode, M):
-    """cuda_ops.GEMV8_SHAPE_RULE's choice (gemv cfg 4: 8-row warps for the FFN key's shape, the
-    one-wave split for deeper and stacked ones, cfg 0 otherwise) on the 2.9B decode shapes, the
-    head's and odd ones, plain, stacked and with relu^2."""
-    for N, K in [(10240, 2560), (2560, 10240), (2560, 2560), (65536, 2560), (40, 48)]:
-        x, w = _data((M, K), dev, N), _qweight((N, K), mode, dev, K)
-        _close(cuda_ops.linear(x, w, cfg=4), _weight_only_ref(x, w))
-        _close(cuda_ops.relu2_linear(x, w, cfg=4), _weight_only_ref(x, w, relu2=True))
-    x3, w3 = _data((3, M, 2560), dev, 7), _qweight((3, 2560, 2560), mode, dev, 8)
-    _close(cuda_ops.linear(x3, w3, cfg=4), _weight_only_ref(x3, w3))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M", [1, 5])
 def test_gemv_8bit_stacked_and_relu2(dev, no_large, mode, M):
     x3, w3 = _data((3, M, 2560), dev, 3), _qweight((3, 2560, 2560), mode, dev, 4)

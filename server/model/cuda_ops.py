@@ -255,11 +255,6 @@ GEMV_UNSUPPORTED = -2  # gemv's return code for a layout it does not cover (noth
 _GEMV_DT = {torch.float16: 1, torch.bfloat16: 2}
 _GEMV_WDT = {"int8": 1, "fp8": 2}  # gemv.cu WType of a QWeight's codes
 _LIM_ROWS, _LIM_COLS = 1, 2  # gemv.cu LimKind
-GEMV8_SHAPE_RULE = False
-"""8-bit weights: the gemv's kernel shape and warp split by the matrix's shape (gemv cfg 4: the
-M = 1 sweep's best splits) instead of the 16-bit rule (cfg 0). A module constant so that
-benchmarks compare both in one process."""
-_CFG_SHAPE_RULE = 4
 
 
 def linear(x: torch.Tensor, w: Weight, *, rows=None, cols=None, warps: int = 0, cfg: int = 0) -> torch.Tensor:
@@ -292,11 +287,10 @@ def _gemv_lim(rows, cols) -> tuple[int, int]:
     return (lim - (1 << 64) if lim >= 1 << 63 else lim), kind  # as a signed long long
 
 
-def relu2_linear(h: torch.Tensor, w: Weight, *, warps: int = 0, cfg: int = 0) -> torch.Tensor:
+def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
     """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
-    as it loads (h is left as it is); otherwise relu_square in place on h, then linear. warps /
-    cfg: as linear's."""
-    return _linear(h, w, warps, cfg, 1, (0, 0))
+    as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
+    return _linear(h, w, 0, 0, 1, (0, 0))
 
 
 def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -332,7 +326,6 @@ def _linear(x: torch.Tensor, w: Weight, warps: int, cfg: int, act: int, lim: tup
     if isinstance(w, QWeight):
         w_dt, sp = _GEMV_WDT[w.mode], w.scale.data_ptr()
         s_ps = w.scale.stride(0) if w.scale.dim() == 2 else 0
-        cfg = _CFG_SHAPE_RULE if cfg == 0 and GEMV8_SHAPE_RULE else cfg
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.gemv(_GEMV_DT[x.dtype], w_dt, M, N, K, P, x.data_ptr(), x.stride(-2), x_ps, wt.data_ptr(), w_ps,

@@ -203,9 +203,6 @@ def main() -> None:
     p.add_argument("--fp8-fast-accum", default="",
                    help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
                         "one process ('' = the module's value)")  # fmt: skip
-    p.add_argument("--gemv8-shape-rule", default="",
-                   help="decode runs at each of these cuda_ops.GEMV8_SHAPE_RULE values (0/1), alternating ('' = the "
-                        "module's value)")  # fmt: skip
     a = p.parse_args()
     dev = torch.device(a.device)
     t0 = time.perf_counter()
@@ -230,12 +227,12 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         graphs = not a.no_graphs and dev.type == "cuda"
-        knobs = [("fp8_fast_accum", bool(int(v))) for v in a.fp8_fast_accum.split(",") if v]
-        knobs += [("gemv8_shape_rule", bool(int(v))) for v in a.gemv8_shape_rule.split(",") if v]
-        for knob in knobs or [None]:
-            tag = {} if knob is None else {knob[0]: knob[1]}
-            if knob is not None:
-                set_knob(*knob)
+        for fa in [bool(int(v)) for v in a.fp8_fast_accum.split(",") if v] or [None]:
+            tag = {} if fa is None else {"fp8_fast_accum": fa}
+            if fa is not None:
+                from server.model import cuda_quant
+
+                cuda_quant.FP8_FAST_ACCUM = fa
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
         for r in bench_prefill(model, DTYPES[sd], cases, a.reps):
@@ -248,16 +245,6 @@ def main() -> None:
     print_table(lines)
 
 
-def set_knob(name: str, value: bool) -> None:
-    """An A/B switch of the decode kernels (module constants read when the graphs are captured)."""
-    from server.model import cuda_ops, cuda_quant
-
-    if name == "fp8_fast_accum":
-        cuda_quant.FP8_FAST_ACCUM = value
-    else:
-        cuda_ops.GEMV8_SHAPE_RULE = value
-
-
 def print_table(lines: list[dict]) -> None:
     print(f"\n{'state':6} {'batch':>6} {'what':10} {'tok/s':>12} {'ms':>9} {'peak GB':>8}")
     for r in lines:
@@ -266,7 +253,7 @@ def print_table(lines: list[dict]) -> None:
         what = "decode" if "decode_tok_s" in r else "prefill " + r["prompt"]
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
-        pf = "".join(f"  {k} {r[k]}" for k in ("fp8_fast_accum", "gemv8_shape_rule") if k in r)
+        pf = f"  fp8 fast accumulation {r['fp8_fast_accum']}" if "fp8_fast_accum" in r else ""
         peak = r.get("peak_mem_gb") or 0
         print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {peak:8.2f}{pf}")
 
