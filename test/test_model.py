@@ -124,6 +124,25 @@ def test_non_contiguous_slots_and_untouched_slots(tiny):
     _assert_states_close(pool.view(0, 1), ref_state)
 
 
+def test_forward_padded_equals_forward(tiny):
+    """forward_padded (the prefill graphs' function: right-padded ids, lengths, slots, all on the
+    device) updates the given slots and returns the logits as forward() does, and leaves the
+    padding and the other slots out."""
+    prompts = _prompts()[1:4]  # 7, 3 and 12 tokens, padded to 16
+    pool, ref_pool = tiny.zero_state(5), tiny.zero_state(5)
+    pool.wkv[:, 0].fill_(0.5)
+    ref_pool.wkv[:, 0].fill_(0.5)
+    ids = torch.full((3, 16), 65535, dtype=torch.long)  # padding: a valid id, never read as a token
+    for j, p in enumerate(prompts):
+        ids[j, : len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    got = tiny.forward_padded(ids, lengths, torch.tensor([4, 1, 2], dtype=torch.int32), pool)
+    want = tiny.forward(prompts, ref_pool, slots=[4, 1, 2])
+    assert got.shape == want.shape and rel_err(got, want) < TOL
+    for slot in range(5):
+        _assert_states_close(pool.view(slot, slot + 1), ref_pool.view(slot, slot + 1))
+
+
 def test_forward_rejects_bad_input(tiny):
     state = tiny.zero_state(2)
     with pytest.raises(ValueError):
@@ -181,7 +200,7 @@ def test_kernel_path_slots_and_lengths(tiny):
     k = load_model("synthetic:tiny:1", chunk_len=5)
     k.ops = types.SimpleNamespace(wkv_decode=ops.wkv_decode, wkv_chunk=cuda_ops.wkv_chunk, tmix_decode=ops.tmix_decode,
                                   dense=ops.dense)  # fmt: skip
-    assert k._kernel_ops() and not tiny._kernel_ops()
+    assert k.kernel_ops() and not tiny.kernel_ops()
     prompts = _prompts()
     p1, p2 = tiny.zero_state(6), k.zero_state(6)
     for pool in (p1, p2):

@@ -71,7 +71,7 @@ def test_long_chunks_slots_and_lengths_on_cuda(pair):
     equals the CPU fp32 reference for a ragged batch on non-contiguous slots."""
     cpu, gpu16 = pair
     gpu = type(gpu16)(gpu16.w, gpu16.shape, gpu16.name, "cuda", torch.float16)
-    assert gpu._kernel_ops() and gpu._fused() and gpu.chunk_len == 4096
+    assert gpu.kernel_ops() and gpu._fused() and gpu.chunk_len == 4096
     prompts = [list(range(200, 300)), [5, 6, 7], list(range(1000, 1040))]
     slots = [4, 1, 2]
     pc, pg = cpu.zero_state(6), gpu.zero_state(6)

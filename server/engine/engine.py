@@ -114,7 +114,8 @@ class Engine:
         if self._runner is None:
             from .runner import Runner  # torch: only an engine that runs needs it
 
-            self._runner = Runner(self.model, self.max_batch, cuda_graphs=self.settings.cuda_graphs)
+            self._runner = Runner(self.model, self.max_batch, cuda_graphs=self.settings.cuda_graphs,
+                                  prefill_graph_len=self.settings.prefill_graph_len)  # fmt: skip
         self._thread = threading.Thread(target=self._run, name="rwkv-engine", daemon=True)
         self._thread.start()
         return self

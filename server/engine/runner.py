@@ -4,7 +4,8 @@ Per step (see scheduler.py for the plan's meaning), in this order:
 1. ops: copy finished states out of their slots, move slots to keep the active prefix;
 2. admissions: reset each new slot to zeros or its starting state (pool.scatter converts
    device/dtype), reset its penalties and sampling parameters;
-3. prefill: one `model.forward(chunks, pool, slots)` for all prompt chunks of the step;
+3. prefill: one `model.forward(chunks, pool, slots)` for all prompt chunks of the step (up to
+   4 chunks of up to --prefill-graph-len tokens: one graph replay, model/prefill_graphs.py);
 4. decode + sampling: one `model.decode(ids, pool.view(0, bucket))` and one sampler call over
    the bucket (or one CUDA-graph replay of both), then ONE device->host copy of the token ids
    into a pinned buffer (`launch`); `finish` waits for it with the GIL released (the engine
@@ -56,7 +57,7 @@ class _Launched:
 
 
 class Runner:
-    def __init__(self, model, max_batch: int, *, cuda_graphs: bool = False):
+    def __init__(self, model, max_batch: int, *, cuda_graphs: bool = False, prefill_graph_len: int = 0):
         self.model = model
         self.max_batch = max_batch
         self.device = torch.device(model.device)
@@ -77,6 +78,11 @@ class Runner:
 
             self.graphs = DecodeGraphs(model, self.pool, sampler=self.sampler, buckets=bucket_sizes(max_batch))
             self.graphs.capture()
+        self.prefill_graphs = None  # short prefills as graph replays (captured on first use)
+        if cuda_graphs and self.cuda and prefill_graph_len > 0 and model.kernel_ops():
+            from server.model.prefill_graphs import PrefillGraphs
+
+            self.prefill_graphs = PrefillGraphs(model, self.pool, max_len=prefill_graph_len)
         self.model_time = 0.0
         """Seconds in model.forward + launching the decode (on the CPU: the decode + sampling)."""
         self.sample_time = 0.0
@@ -99,7 +105,11 @@ class Runner:
         if not plan.prefill:
             return
         t0 = time.perf_counter()
-        self.model.forward([t for _, t in plan.prefill], self.pool, slots=[s for s, _ in plan.prefill])
+        tokens, slots = [t for _, t in plan.prefill], [s for s, _ in plan.prefill]
+        if self.prefill_graphs is not None and self.prefill_graphs.covers(tokens):
+            self.prefill_graphs.run(tokens, slots)
+        else:
+            self.model.forward(tokens, self.pool, slots=slots)
         self.model_time += time.perf_counter() - t0
 
     def decode(self, plan: StepPlan) -> list[int]:

@@ -88,7 +88,7 @@ class RWKV7:
         self.quant = "none"  # the layers' large linears in 8 bits (qlinear.WEIGHT_MODES), set by load_model
         self.device, self.dtype, self.state_dtype = torch.device(device), dtype, state_dtype
         self.ops = select_ops(self.device, kernels, shape.head_size, kernel_cache)
-        self.chunk_len = chunk_len or (CUDA_CHUNK_LEN if self._kernel_ops() else CPU_CHUNK_LEN)
+        self.chunk_len = chunk_len or (CUDA_CHUNK_LEN if self.kernel_ops() else CPU_CHUNK_LEN)
         self.max_chunk_tokens = max_chunk_tokens or max(MAX_CHUNK_TOKENS, self.chunk_len)
         self.fused_decode: bool | None = None
         """None: decode runs the fused path (_decode_fused) when ops.tmix_decode is the CUDA twin;
@@ -108,7 +108,7 @@ class RWKV7:
         logits after each sequence's last token: (B, V) fp32."""
         B = len(tokens)
         slots = list(range(B)) if slots is None else [int(s) for s in slots]
-        self._check_forward(tokens, state, slots)
+        self.check_forward(tokens, state, slots)
         lens = [len(t) for t in tokens]
         last_x = torch.empty(B, self.shape.n_embd, device=self.device, dtype=self.dtype)  # (B, C)
         c0, end = 0, max(lens)
@@ -203,7 +203,7 @@ class RWKV7:
             self._packs = [pack_layer(lw) for lw in self.w.layers]
         return self._packs
 
-    def _check_forward(self, tokens, state: State, slots: list[int]) -> None:
+    def check_forward(self, tokens, state: State, slots: list[int]) -> None:
         if not tokens:
             raise ValueError("forward() needs at least one sequence")
         if any(len(t) == 0 for t in tokens):
@@ -216,7 +216,7 @@ class RWKV7:
         if min(min(t) for t in tokens) < 0 or max(max(t) for t in tokens) >= V:
             raise ValueError(f"token id out of range [0, {V})")  # on CUDA it would kill the context
 
-    def _kernel_ops(self) -> bool:
+    def kernel_ops(self) -> bool:
         """True when self.ops are the CUDA twins (wkv_chunk takes slots=/lengths=)."""
         return self.ops.wkv_chunk is not torch_ops.wkv_chunk
 
@@ -231,7 +231,7 @@ class RWKV7:
         s0 = slots[0]
         if slots == list(range(s0, s0 + len(slots))):
             return self._run_chunk(chunk, state.view(s0, s0 + len(slots)))
-        if self._kernel_ops():
+        if self.kernel_ops():
             return self._run_chunk(chunk, state, torch.tensor(slots, device=self.device))
         sub = state.gather(slots)
         x_end = self._run_chunk(chunk, sub)
@@ -248,13 +248,38 @@ class RWKV7:
             ids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
         ids = ids.to(self.device)
         pad, kw = None, {}
-        if self._kernel_ops():  # the kernel skips t >= lengths and indexes the pool by slot
+        if self.kernel_ops():  # the kernel skips t >= lengths and indexes the pool by slot
             if any(len(t) != T for t in chunk):
                 kw["lengths"] = lens.to(torch.int32)
             if sidx is not None:
                 kw["slots"] = sidx.to(torch.int32)
         elif any(len(t) != T for t in chunk):
             pad = (torch.arange(T, device=self.device) >= lens[:, None]).unsqueeze(-1)  # (B, T, 1)
+        return self._run_tokens(ids, lens, state, sidx, pad, kw)
+
+    @torch.no_grad()
+    def forward_padded(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, state: State):
+        """forward() from device tensors, with no host sync (CUDA-graph capturable: the prefill
+        graphs of server.model.prefill_graphs): ids (B, T) long, right-padded; lengths (B,)
+        int32, each in [1, T]; slots (B,) int32, distinct rows of `state`, each updated as by
+        its lengths[b] tokens. Returns the logits after each last token: (B, V) fp32. On the
+        pure-torch ops (no graphs there) the rows are gathered and the padding masked, with a
+        host sync: the same function, for the CPU tests."""
+        lens = lengths.long()
+        if self.kernel_ops():
+            kw = {"lengths": lengths, "slots": slots}
+            return self._head(self._run_tokens(ids, lens, state, slots.long(), None, kw))
+        rows = [int(s) for s in slots.tolist()]
+        sub = state.gather(rows)
+        pad = (torch.arange(ids.shape[1], device=self.device) >= lens[:, None]).unsqueeze(-1)  # (B, T, 1)
+        x_end = self._run_tokens(ids, lens, sub, None, pad, {})
+        state.scatter(sub, rows)
+        return self._head(x_end)
+
+    def _run_tokens(self, ids, lens, state: State, sidx, pad, kw) -> torch.Tensor:
+        """_run_chunk's layers from device tensors: ids (B, T), lens (B,) long; pad / kw: the
+        padding as a mask (pure torch) or as the kernels' lengths (and slots)."""
+        B = ids.shape[0]
         rows = torch.arange(B, device=self.device)
         last = lens - 1  # (B,)
         x = F.embedding(ids, self.w.emb)  # (B, T, C)

@@ -123,24 +123,35 @@ def bench_decode(model, state_dtype, batches: list[int], steps: int, graphs: boo
     return out
 
 
-def bench_prefill(model, state_dtype, cases: list[tuple[int, int]], reps: int) -> list[dict]:
+def bench_prefill(model, state_dtype, cases: list[tuple[int, int]], reps: int, graph_len: int = 0) -> list[dict]:
+    """Prefill tok/s per case NxT; graph_len > 0: through server.model.prefill_graphs where it
+    covers the case (its capture is in the untimed first run), as the engine's runner does."""
     dev, V = model.device, model.shape.vocab_size
     out = []
     for n, T in cases:
         state = State.zeros(model.shape, n, dev, model.dtype, state_dtype)
         gen = torch.Generator().manual_seed(n * T)
         prompts = torch.randint(1, V, (n, T), generator=gen).tolist()
+        run = lambda: model.forward(prompts, state)  # noqa: E731
+        if graph_len > 0:
+            from server.model.prefill_graphs import PrefillGraphs
+
+            pg = PrefillGraphs(model, state, max_len=graph_len)
+            if pg.covers(prompts):
+                run = lambda: pg.run(prompts, range(n))  # noqa: E731
         times = []
         for _ in range(reps + 1):
             sync(dev)
             t0 = time.perf_counter()
-            model.forward(prompts, state)
+            run()
             sync(dev)
             times.append(time.perf_counter() - t0)
         med = statistics.median(times[1:])
         out.append({"batch": n, "prompt": f"{n}x{T}", "prefill_tok_s": round(n * T / med, 1),
-                    "ttft_p50_ms": round(med * 1e3, 2), "peak_mem_gb": peak_gb(dev)})  # fmt: skip
-        print(f"  prefill {n}x{T}: {n * T / med:10.1f} tok/s  ({med * 1e3:.1f} ms)", flush=True)
+                    "ttft_p50_ms": round(med * 1e3, 2), "peak_mem_gb": peak_gb(dev),
+                    **({"prefill_graph_len": graph_len} if graph_len else {})})  # fmt: skip
+        print(f"  prefill {n}x{T}: {n * T / med:10.1f} tok/s  ({med * 1e3:.1f} ms)"
+              f"{f'  graph_len {graph_len}' if graph_len else ''}", flush=True)  # fmt: skip
         del state
     return out
 
@@ -203,6 +214,8 @@ def main() -> None:
     p.add_argument("--fp8-fast-accum", default="",
                    help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
                         "one process ('' = the module's value)")  # fmt: skip
+    p.add_argument("--prefill-graph-len", default="",
+                   help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
     dev = torch.device(a.device)
     t0 = time.perf_counter()
@@ -235,8 +248,9 @@ def main() -> None:
                 cuda_quant.FP8_FAST_ACCUM = fa
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
-        for r in bench_prefill(model, DTYPES[sd], cases, a.reps):
-            lines.append({**base, "state_dtype": sd, **r})
+        for gl in [int(v) for v in a.prefill_graph_len.split(",") if v] or [0]:
+            for r in bench_prefill(model, DTYPES[sd], cases, a.reps, gl):
+                lines.append({**base, "state_dtype": sd, **r})
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if a.accuracy:
@@ -251,6 +265,8 @@ def print_table(lines: list[dict]) -> None:
         if "accuracy" in r:
             continue
         what = "decode" if "decode_tok_s" in r else "prefill " + r["prompt"]
+        if "prefill_graph_len" in r:
+            what += f" g{r['prefill_graph_len']}"
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
         pf = f"  fp8 fast accumulation {r['fp8_fast_accum']}" if "fp8_fast_accum" in r else ""

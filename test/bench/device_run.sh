@@ -15,7 +15,7 @@ for s in $steps; do
   echo "=== $s $(date +%T)"
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv; python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'; which nvcc ;;
-    tests) timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_kernels_gemv_gpu.py test/test_model_gpu.py test/test_engine_gpu.py test/test_kernel_loader.py test/test_sampler_kernel_gpu.py test/test_quant_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -m gpu test/test_kernels_gpu.py test/test_kernels_fused_gpu.py test/test_kernels_gemv_gpu.py test/test_model_gpu.py test/test_engine_gpu.py test/test_kernel_loader.py test/test_sampler_kernel_gpu.py test/test_quant_gpu.py test/test_prefill_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     quant_tests) timeout 300 python3 -m pytest -q -m gpu test/test_quant_gpu.py test/test_kernels_gemv_gpu.py -p no:cacheprovider -rf \
               2>&1 | tee "$OUT/quant_tests.log" | tail -25 ;;
     quant_gemm) timeout 150 python3 test/bench/bench_quant_gemm.py 2>&1 | tee "$OUT/quant_gemm.log" ;;
