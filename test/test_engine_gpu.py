@@ -24,14 +24,21 @@ def model():
     return load_model("synthetic:L4-C512:3", device="cuda", dtype=torch.float32)
 
 
-def run_engine(model, reqs, graphs: bool, alone: bool = False, max_batch: int = 16):
-    s = Settings(max_batch=max_batch, step_token_budget=256, prefill_chunk=64, cuda_graphs=graphs, stats_interval=0.0)
+def run_engine(model, reqs, graphs: bool, alone: bool = False, max_batch: int = 16, prefill_graph_len: int = 0,
+               captured: list | None = None):  # fmt: skip
+    """The engine's results for reqs. prefill_graph_len: 0 by default, so that graphs=True and
+    False differ only in the decode step (padded prefill graphs change GEMM shapes, so last bits);
+    captured: gets the prefill graphs' (count, length) keys."""
+    s = Settings(max_batch=max_batch, step_token_budget=256, prefill_chunk=64, cuda_graphs=graphs, stats_interval=0.0,
+                 prefill_graph_len=prefill_graph_len)  # fmt: skip
     e = Engine(model, get_tokenizer(), s).start()
     try:
         if alone:
             return [e.submit(p, q).result(120) for p, q in reqs]
         return [h.result(120) for h in [e.submit(p, q) for p, q in reqs]]
     finally:
+        if captured is not None and e._runner.prefill_graphs is not None:  # the runner is private: a test's look
+            captured.extend(e._runner.prefill_graphs.graphs)
         e.shutdown()
 
 
@@ -90,6 +97,20 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
           "required": ["name", "n", "tags"], "additionalProperties": False}  # fmt: skip
+
+
+def test_prefill_graphs_in_the_engine(model):
+    """With --prefill-graph-len the engine's short prefills replay graphs (chunks of up to 64
+    tokens here: the 16- to 64-token buckets, several sequences a step); greedy outputs equal
+    the eager prefill's but for rare last-bit flips (a padded GEMM has another shape)."""
+    reqs = requests(40, lambda i: SamplingParams(max_tokens=6, **GREEDY))
+    keys: list = []
+    on = run_engine(model, reqs, graphs=True, prefill_graph_len=512, captured=keys)
+    off = run_engine(model, reqs, graphs=True, prefill_graph_len=0)
+    assert {(1, T) for T in (16, 32, 64, 128, 256, 512)} <= set(keys)  # captured at start-up
+    assert any(B > 1 for B, _ in keys)  # and on first use
+    same = sum(a.token_ids == b.token_ids for a, b in zip(on, off))
+    assert same >= 36, same
 
 
 def test_grammar_and_logprob_rows_graphs_equal_eager(model):

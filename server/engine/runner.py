@@ -83,6 +83,7 @@ class Runner:
             from server.model.prefill_graphs import PrefillGraphs
 
             self.prefill_graphs = PrefillGraphs(model, self.pool, max_len=prefill_graph_len)
+            self.prefill_graphs.capture((1,))  # the others on first use
         self.model_time = 0.0
         """Seconds in model.forward + launching the decode (on the CPU: the decode + sampling)."""
         self.sample_time = 0.0
