@@ -77,3 +77,21 @@ def test_the_runner_builds_them_when_asked(model):
     assert Runner(model, 4, cuda_graphs=True, prefill_graph_len=256).prefill_graphs is not None
     assert Runner(model, 4, cuda_graphs=True, prefill_graph_len=0).prefill_graphs is None
     assert Runner(model, 4, cuda_graphs=False, prefill_graph_len=256).prefill_graphs is None
+
+
+def test_a_failed_capture_leaves_that_shape_eager(model, monkeypatch):
+    pool, ref = model.zero_state(2), model.zero_state(2)
+    graphs = PrefillGraphs(model, pool, max_len=64)
+    calls = []
+
+    def fail(B, T):
+        calls.append((B, T))
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(graphs, "_capture", fail)
+    for seed in (1, 2):  # the second call does not try the capture again
+        p = _prompts([20], seed)
+        _close(graphs.run(p, [1]), model.forward(p, ref, slots=[1]))
+    assert calls == [(1, 32)] and not graphs.graphs
+    for a, b in zip(pool.tensors(), ref.tensors()):
+        _close(a, b)

@@ -49,6 +49,7 @@ class PrefillGraphs:
         self.lengths = [n for n in LENGTHS if n <= max_len]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.lengths else None
+        self._failed: set[tuple[int, int]] = set()  # shapes whose capture failed: eager from then on
 
     def capture(self, batches: Sequence[int] = (1,)) -> None:
         """Capture the graphs of these sequence counts at every length bucket now (at start-up:
@@ -56,7 +57,7 @@ class PrefillGraphs:
         for B in batches:
             for T in self.lengths:
                 if (B, T) not in self.graphs and B * T <= MAX_TOKENS:
-                    self._capture(B, T)
+                    self._try_capture(B, T)
 
     def covers(self, tokens: Sequence[Sequence[int]]) -> bool:
         """Whether run() replays a graph for these sequences (else the caller runs them eagerly)."""
@@ -72,7 +73,10 @@ class PrefillGraphs:
         slots = [int(s) for s in slots]
         self.model.check_forward(tokens, self.pool, slots)
         B, T = len(tokens), self._bucket(max(len(t) for t in tokens))
-        graph, buf, logits = self.graphs.get((B, T)) or self._capture(B, T)
+        entry = self.graphs.get((B, T)) or self._try_capture(B, T)
+        if entry is None:  # its capture failed once: this shape stays eager
+            return self.model.forward(tokens, self.pool, slots)
+        graph, buf, logits = entry
         host = torch.zeros(B * T + 2 * B, dtype=torch.long, pin_memory=True)  # ids, lengths, slots
         for j, t in enumerate(tokens):
             host[j * T : j * T + len(t)] = torch.tensor(t, dtype=torch.long)
@@ -81,6 +85,20 @@ class PrefillGraphs:
         buf.copy_(host, non_blocking=True)
         graph.replay()
         return logits
+
+    def _try_capture(self, B: int, T: int):
+        """_capture, or None (logged, and not tried again) if the capture fails: a graph is an
+        optimisation, so a failure leaves that shape to the eager forward instead of failing
+        the request. Nothing is replayed or written to the pool by a failed capture."""
+        if (B, T) in self._failed:
+            return None
+        try:
+            return self._capture(B, T)
+        except RuntimeError as e:  # torch.AcceleratorError is one
+            self._failed.add((B, T))
+            log.warning("prefill graph for %d x %d tokens: capture failed (%s); that shape runs eagerly", B, T, e)
+            torch.cuda.synchronize(self.pool.device)
+            return None
 
     def _bucket(self, n: int) -> int:
         return self.lengths[bisect.bisect_left(self.lengths, n)]
