@@ -78,12 +78,12 @@ class Runner:
 
             self.graphs = DecodeGraphs(model, self.pool, sampler=self.sampler, buckets=bucket_sizes(max_batch))
             self.graphs.capture()
-        self.prefill_graphs = None  # short prefills as graph replays (captured on first use)
+        self.prefill_graphs = None  # short prefills as graph replays (all captured here)
         if cuda_graphs and self.cuda and prefill_graph_len > 0 and model.kernel_ops():
-            from server.model.prefill_graphs import PrefillGraphs
+            from server.model.prefill_graphs import MAX_BATCH, PrefillGraphs
 
             self.prefill_graphs = PrefillGraphs(model, self.pool, max_len=prefill_graph_len)
-            self.prefill_graphs.capture((1,))  # the others on first use
+            self.prefill_graphs.capture(range(1, MAX_BATCH + 1))  # all now: none while copies run
         self.model_time = 0.0
         """Seconds in model.forward + launching the decode (on the CPU: the decode + sampling)."""
         self.sample_time = 0.0

@@ -1,8 +1,8 @@
 """CUDA graphs of short prefills: model.forward_padded for B sequences right-padded to a length
-bucket, one graph per (B, bucket), captured on first use.
+bucket, one graph per (B, bucket).
 
     graphs = PrefillGraphs(model, pool, max_len=512)
-    graphs.capture((1,))                   # at start-up: single sequences at every length bucket
+    graphs.capture(range(1, MAX_BATCH + 1))  # at start-up (else each shape on first use)
     if graphs.covers(tokens):
         graphs.run(tokens, slots)          # == model.forward(tokens, pool, slots), states alike
 
@@ -13,12 +13,12 @@ long. A replay issues it in one launch.
 
 The graphs index the pool by slot (the kernels' slots= path), so one graph serves every slot; the
 padding is skipped by the kernels' lengths= (padded tokens change no state) and only costs the
-dense layers' extra rows, at most 2x for lengths just past a bucket. The runner captures the
-single-sequence graphs at start-up and the others on first use. Inputs go through one static
-device buffer per graph (ids, lengths and slots, one host-to-device copy from pinned memory). A
+dense layers' extra rows, at most 2x for lengths just past a bucket. The runner captures every
+graph at start-up; run() captures a missing one on first use. Inputs go through one static
+device buffer per graph (ids, lengths and slots: one host-to-device copy from pinned memory). A
 capture is preceded by one eager run on a scratch state (lazy initialisation: cuBLAS, Triton
-compiles), never on the pool. All graphs share one memory pool and capture in thread-local mode,
-so the copy-out threads' device work is not caught up in a capture.
+compiles), never on the pool. All graphs share one memory pool. A capture that fails leaves its
+shape to the eager forward.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ class PrefillGraphs:
         self._failed: set[tuple[int, int]] = set()  # shapes whose capture failed: eager from then on
 
     def capture(self, batches: Sequence[int] = (1,)) -> None:
-        """Capture the graphs of these sequence counts at every length bucket now (at start-up:
-        a capture on first use adds ~0.1 s to that request's time to first token)."""
+        """Capture the graphs of these sequence counts at every length bucket now. The runner
+        captures all of them at start-up: a capture on first use adds ~0.1 s to that request's
+        time to first token, and a capture while other threads touch the device (the runner's
+        copy-out threads grow pinned buffers) can be invalidated by them (seen on the H200)."""
         for B in batches:
             for T in self.lengths:
                 if (B, T) not in self.graphs and B * T <= MAX_TOKENS:
@@ -122,7 +124,7 @@ class PrefillGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         del scratch
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._mempool):
             logits = call(self.pool)  # (B, V) static output
         self.graphs[(B, T)] = (graph, buf, logits)
         log.info("prefill graph for %d x %d tokens captured in %.2f s", B, T, time.perf_counter() - t0)
