@@ -24,6 +24,9 @@ def model():
     return load_model("synthetic:L4-C512:3", device="cuda", dtype=torch.float32)
 
 
+KEEP: list = []
+
+
 def run_engine(model, reqs, graphs: bool, alone: bool = False, max_batch: int = 16, prefill_graph_len: int = 0,
                captured: list | None = None):  # fmt: skip
     """The engine's results for reqs. prefill_graph_len: 0 by default, so that graphs=True and
@@ -39,6 +42,7 @@ def run_engine(model, reqs, graphs: bool, alone: bool = False, max_batch: int = 
     finally:
         if captured is not None and e._runner.prefill_graphs is not None:  # the runner is private: a test's look
             captured.extend(e._runner.prefill_graphs.graphs)
+            KEEP.append(e._runner.prefill_graphs)  # alive to the end, as a server's (test_prefill_graphs_gpu.KEEP)
         e.shutdown()
 
 

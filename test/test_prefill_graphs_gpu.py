@@ -14,6 +14,15 @@ from server.model.synthetic import save_synthetic
 
 pytestmark = pytest.mark.gpu
 
+KEEP: list = []
+"""Every PrefillGraphs a test made, alive to the end of the process, as a server's are: on the H200
+a decode-graph capture later in the same process failed after such graphs had been destroyed."""
+
+
+def _graphs(model, pool, **kw) -> PrefillGraphs:
+    KEEP.append(PrefillGraphs(model, pool, **kw))
+    return KEEP[-1]
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -38,7 +47,7 @@ def test_a_graph_replay_equals_the_eager_forward(model, lengths):
     for st in (pool, ref):
         st.wkv[:, 5].fill_(0.25)  # a slot no prompt touches
         model.forward([[7, 8, 9]] * len(lengths), st, slots=list(range(len(lengths))))  # prior history
-    graphs = PrefillGraphs(model, pool, max_len=512)
+    graphs = _graphs(model, pool, max_len=512)
     prompts, slots = _prompts(lengths, sum(lengths)), [4, 0, 2][: len(lengths)]
     assert graphs.covers(prompts)
     got = graphs.run(prompts, slots).clone()
@@ -51,7 +60,7 @@ def test_a_graph_replay_equals_the_eager_forward(model, lengths):
 
 def test_one_graph_serves_other_slots_and_prompts(model):
     pool, ref = model.zero_state(4), model.zero_state(4)
-    graphs = PrefillGraphs(model, pool, max_len=64)
+    graphs = _graphs(model, pool, max_len=64)
     for i, (n, slot) in enumerate([(20, 3), (30, 1), (17, 3)]):  # all in the 32-token bucket
         p = _prompts([n], 40 + i)
         _close(graphs.run(p, [slot]).clone(), model.forward(p, ref, slots=[slot]))
@@ -62,11 +71,11 @@ def test_one_graph_serves_other_slots_and_prompts(model):
 
 def test_what_the_graphs_leave_to_the_eager_path(model):
     pool = model.zero_state(8)
-    graphs = PrefillGraphs(model, pool, max_len=128)
+    graphs = _graphs(model, pool, max_len=128)
     assert not graphs.covers(_prompts([129], 1))  # longer than max_len
     assert not graphs.covers(_prompts([8] * 5, 2))  # more sequences than MAX_BATCH
     assert graphs.covers(_prompts([128] * 4, 3))
-    assert not PrefillGraphs(model, pool, max_len=0).covers(_prompts([4], 4))
+    assert not _graphs(model, pool, max_len=0).covers(_prompts([4], 4))
     with pytest.raises(ValueError, match="distinct"):
         graphs.run(_prompts([4, 4], 5), [1, 1])
     with pytest.raises(ValueError, match="token id"):
@@ -81,7 +90,7 @@ def test_the_runner_builds_them_when_asked(model):
 
 def test_a_failed_capture_leaves_that_shape_eager(model, monkeypatch):
     pool, ref = model.zero_state(2), model.zero_state(2)
-    graphs = PrefillGraphs(model, pool, max_len=64)
+    graphs = _graphs(model, pool, max_len=64)
     calls = []
 
     def fail(B, T):
