@@ -68,7 +68,7 @@ class Settings:
     """Capture decode steps as CUDA graphs (one per batch bucket) on cuda."""
     prefill_graph_len: int = 512
     """With cuda_graphs: a step's prefill of up to 4 sequences of at most this many tokens each
-    replays a CUDA graph (one per count and length bucket, captured on first use) instead of
+    replays a CUDA graph (one per count and length bucket, all captured at start-up) instead of
     issuing its ~55 launches a layer from Python; 0 = always eager."""
     stats_interval: float = 10.0
     """Seconds between engine stats log lines (0 disables the line)."""
