@@ -254,7 +254,7 @@ class RWKV7:
             if sidx is not None:
                 kw["slots"] = sidx.to(torch.int32)
         elif any(len(t) != T for t in chunk):
-            pad = (torch.arange(T, device=self.device) >= lens[:, None]).unsqueeze(-1)  # (B, T, 1)
+            pad = self._pad_mask(T, lens)
         return self._run_tokens(ids, lens, state, sidx, pad, kw)
 
     @torch.no_grad()
@@ -271,10 +271,14 @@ class RWKV7:
             return self._head(self._run_tokens(ids, lens, state, slots.long(), None, kw))
         rows = [int(s) for s in slots.tolist()]
         sub = state.gather(rows)
-        pad = (torch.arange(ids.shape[1], device=self.device) >= lens[:, None]).unsqueeze(-1)  # (B, T, 1)
+        pad = self._pad_mask(ids.shape[1], lens)
         x_end = self._run_tokens(ids, lens, sub, None, pad, {})
         state.scatter(sub, rows)
         return self._head(x_end)
+
+    def _pad_mask(self, T: int, lens: torch.Tensor) -> torch.Tensor:
+        """(B, T, 1) True at the padding: positions t >= lens[b] of right-padded sequences."""
+        return (torch.arange(T, device=self.device) >= lens[:, None]).unsqueeze(-1)
 
     def _run_tokens(self, ids, lens, state: State, sidx, pad, kw) -> torch.Tensor:
         """_run_chunk's layers from device tensors: ids (B, T), lens (B,) long; pad / kw: the
