@@ -135,6 +135,37 @@ def test_int8_past_the_gemv_is_the_dequantized_product(dev):
     _close(cuda_ops.linear(x, w), _weight_only_ref(x, w), rel=2.0**-9)
 
 
+W8_PRODUCTS = {"stack": (3, 2560, 2560), "square": (1, 2560, 2560), "wide": (1, 10240, 2560),
+               "deep": (1, 2560, 10240)}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("product", list(W8_PRODUCTS))
+@pytest.mark.parametrize("M", [9, 16, 24, 32, 64, 100, 128, 256, 300])
+def test_weight_only_triton_gemm_past_the_gemv(dev, monkeypatch, mode, product, M):
+    """cuda_quant.large takes server.model.w8_gemm wherever its TABLE names a configuration
+    (counted: no silent fallback), the product is x @ (q * scale)^T (relu^2 on x for the FFN's
+    value shape) within fp16 rounding, and a second run is bitwise the same (the split-K sum's
+    order is fixed)."""
+    from server.model import w8_gemm
+
+    P, N, K = W8_PRODUCTS[product]
+    act = product == "deep"
+    x = _data((P, M, K) if P > 1 else (M, K), dev, 30 + M)
+    w = _qweight((P, N, K) if P > 1 else (N, K), mode, dev, 31)
+    cfg = w8_gemm.pick(mode, M, N, K, P)
+    if cfg is None:
+        pytest.skip(f"{mode} {product} at {M} rows takes torch._scaled_mm (w8_gemm.TABLE)")
+    calls = []
+    real = w8_gemm.mm
+    monkeypatch.setattr(w8_gemm, "mm", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    got = cuda_quant.large(x, w, act)
+    assert calls and calls[-1] == cfg
+    _close(got, _weight_only_ref(x, w, act), rel=2.0**-9)
+    assert torch.equal(cuda_quant.large(x, w, act), got)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M", [2, 16])

@@ -2,13 +2,14 @@
 batch sizes. server.model.cuda_ops.linear sends a QWeight here when the gemv (M <= 8, fp16
 activations: weight-only, codes converted in registers) does not take it:
 
-  * fp8 on sm_89+: each row of x quantized to e4m3 (kernels/quant.cu, one launch for all planes;
-    relu^2 folded in for the FFN's value projection), then torch._scaled_mm (cuBLASLt's fp8
-    tensor cores) with the per-row scales of both sides, out in the model dtype. Twin:
-    qlinear.dense_fp8_native.
-  * int8: a Triton GEMM that reads the int8 codes and converts them to the activations' dtype
-    in its tiles (weight-only; three tile shapes by batch, all compiled on the first call, which
-    is eager, so that nothing compiles while a CUDA graph captures). Twin: qlinear.dense_native.
+  * int8 at any rows, fp8 at the rows where it measured faster than the next path (decode
+    batches up to 64, the stacked r/k/v up to 128): the weight-only Triton GEMM of
+    server.model.w8_gemm (codes converted to fp16 in its tiles, tile shapes per batch from its
+    TABLE). Twin: qlinear.dense_native.
+  * fp8 past those rows, on sm_89+: each row of x quantized to e4m3 (kernels/quant.cu, one launch
+    for all planes; relu^2 folded in for the FFN's value projection), then torch._scaled_mm
+    (cuBLASLt's fp8 tensor cores) with the per-row scales of both sides, out in the model dtype.
+    Twin: qlinear.dense_fp8_native.
   * anything else (no Triton, fp8 where _scaled_mm cannot run, odd shapes): the weight
     dequantized into the model dtype (a temporary of one weight's size), then cuBLAS.
 """
@@ -19,7 +20,7 @@ import functools
 
 import torch
 
-from server.model import ops, qlinear
+from server.model import ops, qlinear, w8_gemm
 from server.model.qlinear import QWeight
 from server.model.quant import FP8_DTYPE
 
@@ -62,70 +63,14 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
     """act(x) @ w^T for x (M, K) and w (N, K), or planes x (P, M, K) and w (P, N, K) -> (M, N) /
     (P, M, N) in x's dtype. act: relu^2 on x first (x is left as it is)."""
     K, N = x.shape[-1], w.shape[-2]
-    if w.mode == "fp8" and x.dtype in _DT and K % 16 == 0 and N % 16 == 0 and fp8_gemm_ok(x.device):
+    fp8_mm = w.mode == "fp8" and K % 16 == 0 and N % 16 == 0 and fp8_gemm_ok(x.device)
+    if x.is_cuda and x.dtype in _DT and (w.mode == "int8" or fp8_mm):
+        y = w8_gemm.run(x, w, act)  # weight-only, where its TABLE says it is the fastest
+        if y is not None:
+            return y
+    if fp8_mm and x.dtype in _DT:
         return _fp8(x, w, act)
-    h = ops.relu_square(x) if act else x
-    if w.mode == "int8" and x.dtype in _DT and x.is_cuda and _w8_kernel() is not None:
-        return _int8_triton(h, w)
-    return ops.linear(h, w.dequantize())
-
-
-@functools.cache
-def _w8_kernel():
-    """The Triton weight-only int8 GEMM, compiled on first use; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit(do_not_specialize=["M"])
-    def w8_mm(x, q, s, out, M, N, K, sx, so, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # out[m, n] = sum_k x[m, k] * q[n, k] * s[n]: x (M, K) fp16/bf16, q (N, K) int8, s (N,) fp32
-        pm, pn = tl.program_id(0), tl.program_id(1)
-        rm = pm * BM + tl.arange(0, BM)
-        rn = pn * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            a = tl.load(x + rm[:, None] * sx + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(q + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0)
-            acc += tl.dot(a, tl.trans(b.to(a.dtype)))
-        acc = acc * tl.load(s + rn, mask=rn < N, other=0.0)[None, :]
-        tl.store(out + rm[:, None] * so + rn[None, :], acc.to(out.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
-
-    return w8_mm
-
-
-W8_CONFIGS = ((32, 16, 32, 128, 2, 5), (256, 64, 64, 128, 4, 4), (1 << 62, 128, 128, 64, 8, 3))
-"""(most rows, BM, BN, BK, warps, stages) of the int8 Triton GEMM by batch: narrow tiles and many
-blocks while the weights' bytes dominate, square ones once the FLOPs do."""
-
-
-def _int8_triton(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """The planes of x (M, K) / (P, M, K) through the Triton GEMM. The first call launches every
-    configuration once (each compiles then, in an eager call: never while a graph captures)."""
-    kern = _w8_kernel()
-    M, K = x.shape[-2], x.shape[-1]
-    N = w.shape[-2]
-    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
-    planes = [(x, w, out)] if x.dim() == 2 else [(x[p], w.plane(p), out[p]) for p in range(x.shape[0])]
-    right = next(c for c in W8_CONFIGS if c[0] >= M)
-    configs = [right] if x.device in _W8_WARM else [*W8_CONFIGS, right]  # the right one last
-    _W8_WARM.add(x.device)
-    for _, BM, BN, BK, warps, stages in configs:
-        for xp, wp, op in planes:
-            xp = xp if xp.stride(-1) == 1 else xp.contiguous()
-            grid = (-(-M // BM), -(-N // BN))
-            kern[grid](xp, wp.q, wp.scale, op, M, N, K, xp.stride(0), op.stride(0), BM=BM, BN=BN, BK=BK,
-                       num_warps=warps, num_stages=stages)  # fmt: skip
-    return out
-
-
-_W8_WARM: set[torch.device] = set()
-"""Devices whose first int8 call compiled every configuration."""
+    return ops.linear(ops.relu_square(x) if act else x, w.dequantize())
 
 
 MM_ROWS = 16

@@ -1,0 +1,245 @@
+"""The weight-only GEMM of 8-bit codes past the gemv kernel's rows: out = x @ (q * scale)^T with
+x (M, K) fp16/bf16 as it is and q (N, K) int8 or fp8 e4m3 codes converted to x's dtype in the
+tiles (exact for both), fp32 accumulation, the per-row scales applied to the sums. P stacked
+planes (x (P, M, K), q (P, N, K)) run in one launch. Pure-torch twin: qlinear.dense_native.
+
+A Triton kernel (written once for both code types), because at decode batches the product is
+bound by the weights' bytes, which neither cuBLAS (16-bit weights only) nor torch._scaled_mm (it
+wants the activations in fp8 too, one more launch per projection and their rounding) reads as
+8-bit: see docs/performance.md for the measurements that chose it and its tile shapes.
+
+Shapes of a launch (W8Config): BM x BN output tiles; SWAP computes each tile transposed (the
+weights as the MMA's row operand: a skinny batch then needs no 64-row padding); SPLIT > 1 cuts K
+into SPLIT slices, one program each, whose fp32 partial tiles the last program of the tile to
+finish sums in slice order (a per-tile arrival counter; the sum's order is fixed, so the result
+does not depend on which program finishes last).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from server.model.qlinear import QWeight
+
+
+@dataclass(frozen=True)
+class W8Config:
+    bm: int  # batch rows per tile
+    bn: int  # output columns per tile
+    bk: int  # k per step
+    split: int = 1  # K slices (programs) per tile
+    swap: bool = False  # tiles computed transposed (weights as the MMA's M side)
+    warps: int = 4
+    stages: int = 3
+
+
+@functools.cache
+def kernel():
+    """The Triton kernel, compiled per configuration on first use; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit(do_not_specialize=["M"])
+    def w8_mm(x, q, s, out, part, cnt, M, N, K, sxm, sxp, sqp, ssp, som, sop, n_tiles,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+              SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
+              I8_MAGIC: tl.constexpr):  # fmt: skip
+        # program (tile n * SPLIT + slice, tile m, plane)
+        pid, tm, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        tn, sl = pid // SPLIT, pid % SPLIT
+        x += p * sxp
+        q += p * sqp
+        s += p * ssp
+        out += p * sop
+        rm = tm * BM + tl.arange(0, BM)
+        rn = tn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        kc = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK  # k per slice, whole steps
+        k_lo = sl * kc
+        k_hi = tl.minimum(K, k_lo + kc)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            kk = k0 + rk
+            xm = rm[:, None] < M
+            wm = rn[:, None] < N
+            if not EVEN_K:
+                xm = xm & (kk[None, :] < k_hi)
+                wm = wm & (kk[None, :] < k_hi)
+            a = tl.load(x + rm[:, None] * sxm + kk[None, :], mask=xm, other=0.0)  # (BM, BK)
+            if ACT:  # relu(x)^2, squared in fp32 and rounded once (as ops.relu_square)
+                af = tl.maximum(a.to(tl.float32), 0.0)
+                a = (af * af).to(a.dtype)
+            if EVEN_N and EVEN_K:
+                b = tl.load(q + rn[:, None] * K + kk[None, :])  # (BN, BK) codes
+            else:
+                b = tl.load(q + rn[:, None] * K + kk[None, :], mask=wm, other=0.0)
+            if I8_MAGIC:  # int8 -> fp16 by bits: 0x6480 + q is the fp16 1152 + q (exact)
+                b = (b.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+            else:
+                b = b.to(a.dtype)  # int8 and e4m3 codes are exact in fp16 / bf16
+            if SWAP:
+                acc += tl.dot(b, tl.trans(a))  # (BN, BM)
+            else:
+                acc += tl.dot(a, tl.trans(b))  # (BM, BN)
+        if SWAP:
+            acc = tl.trans(acc)  # (BM, BN)
+        om = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT > 1:
+            # this slice's partial tile, then the tile's arrival count; the last program sums
+            # the SPLIT partials in slice order and resets the count for the next launch
+            tile = (p * tl.num_programs(1) + tm) * n_tiles + tn
+            ti = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            base = part + tile * (SPLIT * BM * BN) + ti
+            tl.store(base + sl * (BM * BN), acc)
+            tl.debug_barrier()
+            seen = tl.atomic_add(cnt + tile, 1, sem="acq_rel")
+            if seen == SPLIT - 1:
+                acc = tl.load(base, cache_modifier=".cg")
+                for j in tl.static_range(1, SPLIT):
+                    acc += tl.load(base + j * (BM * BN), cache_modifier=".cg")
+                tl.store(cnt + tile, 0)
+                sc = tl.load(s + rn, mask=rn < N, other=0.0)
+                tl.store(out + rm[:, None] * som + rn[None, :], (acc * sc[None, :]).to(out.dtype.element_ty), mask=om)
+        else:
+            sc = tl.load(s + rn, mask=rn < N, other=0.0)
+            tl.store(out + rm[:, None] * som + rn[None, :], (acc * sc[None, :]).to(out.dtype.element_ty), mask=om)
+
+    return w8_mm
+
+
+INT8_MAGIC = True
+"""int8 codes become fp16 by integer adds on their bits instead of conversion instructions (a
+module switch for the benchmark's A/B)."""
+
+
+def _c(bm: int, bn: int, bk: int, split: int = 1, swap: bool = False, warps: int = 4, stages: int = 4) -> W8Config:
+    return W8Config(bm, bn, bk, split, swap, warps, stages)
+
+
+# The fastest configuration per (mode, rows up to, product), from test/bench/bench_w8_gemm.py on
+# the H200 (2.9B shapes; docs/performance.md). Products: "stack" = the r/k/v planes in one
+# launch, "square" = N == K (output), "wide" = N > K (FFN key), "deep" = N < K (FFN value).
+# None: this path is not the fastest there (fp8 takes torch._scaled_mm instead).
+TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
+    "fp8": (
+        (16, {"stack": _c(16, 32, 256, 1, True), "square": _c(16, 32, 128, 4, True),
+              "wide": _c(16, 128, 256), "deep": _c(16, 128, 256, 4)}),
+        (32, {"stack": _c(32, 64, 128, 1, True, stages=6), "square": _c(32, 64, 256, 2, True),
+              "wide": _c(32, 64, 128, 2), "deep": _c(32, 128, 128, 4)}),
+        (64, {"stack": _c(64, 64, 256, 1, True), "square": _c(64, 64, 128, 2, True), "wide": None,
+              "deep": _c(64, 32, 128, 4, True)}),
+        (128, {"stack": _c(128, 64, 128), "square": None, "wide": None, "deep": None}),
+    ),
+    "int8": (
+        (16, {"stack": _c(16, 32, 256), "square": _c(16, 32, 128, 4), "wide": _c(16, 32, 128, 2),
+              "deep": _c(16, 128, 256, 4, stages=6)}),
+        (32, {"stack": _c(32, 64, 128, 2), "square": _c(32, 64, 128, 2), "wide": _c(32, 64, 128, 2),
+              "deep": _c(32, 128, 128, 4)}),
+        (64, {"stack": _c(64, 64, 128, 2, True), "square": _c(64, 64, 128, 2, True),
+              "wide": _c(64, 128, 128, stages=6), "deep": _c(64, 64, 128, 4)}),
+        (128, {"stack": _c(128, 64, 128, warps=8, stages=3), "square": _c(128, 64, 128, 2),
+               "wide": _c(128, 128, 128, warps=8, stages=3), "deep": _c(128, 128, 128, 4, warps=8, stages=3)}),
+        (1 << 62, {"stack": _c(128, 128, 128, stages=3), "square": _c(128, 64, 128, warps=8, stages=3),
+                   "wide": _c(128, 64, 128, warps=8, stages=3), "deep": _c(128, 64, 128, 2, warps=8, stages=3)}),
+    ),
+}  # fmt: skip
+
+
+def product(N: int, K: int, planes: int) -> str:
+    """The TABLE's name for a product's shape."""
+    return "stack" if planes > 1 else "square" if N == K else "wide" if N > K else "deep"
+
+
+def pick(mode: str, M: int, N: int, K: int, planes: int) -> W8Config | None:
+    """The configuration for M rows of this product, or None (not this path: rows past the
+    table, or a mode / product whose other path is faster there)."""
+    for most, row in TABLE.get(mode, ()):
+        if most >= M:
+            return row[product(N, K, planes)]
+    return None
+
+
+COUNTERS = 1 << 16
+"""Arrival counters per device (int32, zero between launches): a launch of SPLIT > 1 needs one
+per output tile. Launches on one device must not overlap in time (the server runs its 8-bit
+products on one stream)."""
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, made (zeroed) on the first call, which must be eager."""
+    c = _counters.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("w8_gemm: the first split-K launch on a device must be eager, not captured")
+        c = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return c
+
+
+def run(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor | None:
+    """act(x) @ w^T through this path when the TABLE has it for x's rows, else None. The first
+    call for a product (shape, mode, act, dtype) compiles every configuration the TABLE holds for
+    it, eagerly: later calls, CUDA-graph captures included, find them compiled."""
+    P = x.shape[0] if x.dim() == 3 else 1
+    M, K, N = x.shape[-2], x.shape[-1], w.shape[-2]
+    cfg = pick(w.mode, M, N, K, P)
+    if cfg is None or kernel() is None:
+        return None
+    key = (x.device, w.mode, N, K, P, act, x.dtype)
+    if key not in _warm:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"w8_gemm: first call for {key} under CUDA-graph capture: warm up eagerly first")
+        for _, row in TABLE[w.mode]:
+            c = row[product(N, K, P)]
+            if c is not None:
+                mm(x.new_zeros(*x.shape[:-2], c.bm, K), w, c, act)
+        _warm.add(key)
+    return mm(x, w, cfg, act)
+
+
+_warm: set[tuple] = set()
+"""Products whose configurations are compiled (run())."""
+
+
+def mm(x: torch.Tensor, w: QWeight, cfg: W8Config, act: bool = False) -> torch.Tensor:
+    """act(x) (M, K) / (P, M, K) fp16 or bf16 @ w (N, K) / (P, N, K) -> (M, N) / (P, M, N) in x's
+    dtype, one launch of configuration cfg. x rows may be strided (unit column stride). act:
+    relu(x)^2 as x is read (x itself is left as it is)."""
+    kern = kernel()
+    if kern is None:
+        raise RuntimeError("w8_gemm needs Triton")
+    P = x.shape[0] if x.dim() == 3 else 1
+    M, K = x.shape[-2], x.shape[-1]
+    N = w.shape[-2]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
+    n_tiles, m_tiles = -(-N // cfg.bn), -(-M // cfg.bm)
+    part, cnt = out, out  # unused unless split
+    if cfg.split > 1:
+        cnt = counters(x.device)
+        if P * m_tiles * n_tiles > cnt.numel():
+            raise ValueError(f"w8_gemm: {P * m_tiles * n_tiles} tiles for {cnt.numel()} counters")
+        part = torch.empty(P * m_tiles * n_tiles * cfg.split * cfg.bm * cfg.bn, device=x.device,
+                           dtype=torch.float32)  # fmt: skip
+    sxp = x.stride(0) if x.dim() == 3 else 0
+    sqp = w.q.stride(0) if w.q.dim() == 3 else 0
+    ssp = w.scale.stride(0) if w.scale.dim() == 2 else 0
+    sop = out.stride(0) if out.dim() == 3 else 0
+    even_k = K % (cfg.bk * cfg.split) == 0
+    magic = INT8_MAGIC and w.mode == "int8" and x.dtype == torch.float16
+    grid = (n_tiles * cfg.split, m_tiles, P)
+    kern[grid](x, w.q, w.scale, out, part, cnt, M, N, K, x.stride(-2), sxp, sqp, ssp, out.stride(-2), sop, n_tiles,
+               BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, SWAP=cfg.swap, EVEN_K=even_k,
+               EVEN_N=N % cfg.bn == 0, ACT=act,
+               I8_MAGIC=magic, num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
+    return out

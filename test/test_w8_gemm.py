@@ -1,0 +1,88 @@
+"""server.model.w8_gemm without a GPU: its configuration table, and the Triton kernel itself run
+by Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the switch is read when the kernel
+is defined) against the pure-torch twin, for the tile shapes the table uses: split-K slices
+summed by the last program, transposed tiles, stacked planes, relu^2 on x, int8 codes made fp16
+by their bits, rows and K that do not fill a tile. The GPU runs and timings are in
+test_quant_gpu.py and test/bench/bench_w8_gemm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from server.model import w8_gemm
+from server.model.w8_gemm import W8Config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_table_names_each_product_by_its_shape():
+    assert w8_gemm.product(2560, 2560, 3) == "stack"
+    assert w8_gemm.product(2560, 2560, 1) == "square"
+    assert w8_gemm.product(10240, 2560, 1) == "wide"
+    assert w8_gemm.product(2560, 10240, 1) == "deep"
+    # rows pick the first bucket that holds them; int8 has this path at any rows, fp8 up to 128
+    assert w8_gemm.pick("int8", 9, 2560, 2560, 1) == w8_gemm.TABLE["int8"][0][1]["square"]
+    assert w8_gemm.pick("int8", 17, 2560, 2560, 1) == w8_gemm.TABLE["int8"][1][1]["square"]
+    assert w8_gemm.pick("int8", 100_000, 10240, 2560, 1) is not None
+    assert w8_gemm.pick("fp8", 16, 10240, 2560, 1) is not None
+    assert w8_gemm.pick("fp8", 64, 10240, 2560, 1) is None  # _scaled_mm measured faster there
+    assert w8_gemm.pick("fp8", 129, 2560, 2560, 3) is None
+    assert w8_gemm.pick("none", 16, 2560, 2560, 1) is None
+    for mode, rows in w8_gemm.TABLE.items():
+        assert [most for most, _ in rows] == sorted(most for most, _ in rows), mode
+        for most, row in rows:
+            assert set(row) == {"stack", "square", "wide", "deep"}, (mode, most)
+            for cfg in row.values():  # one tile of rows holds a bucket's rows (up to 128)
+                assert cfg is None or cfg.bm >= min(most, 128)
+
+
+CASES = [  # (mode, planes, M, N, K, act, config)
+    ("int8", 1, 5, 64, 256, False, W8Config(16, 32, 64)),
+    ("int8", 3, 20, 96, 512, False, W8Config(32, 32, 128, split=2, swap=True)),
+    ("int8", 1, 33, 128, 384, True, W8Config(64, 64, 64, split=3)),  # K slices of unequal length
+    ("fp8", 1, 7, 64, 256, False, W8Config(16, 64, 128, split=2)),
+    ("fp8", 3, 16, 40, 256, False, W8Config(16, 32, 64, swap=True)),  # N not a multiple of the tile
+    ("fp8", 1, 18, 96, 512, True, W8Config(32, 32, 128, split=4, swap=True)),
+]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from server.model import qlinear, w8_gemm
+    from server.model.w8_gemm import W8Config
+    out = []
+    for mode, P, M, N, K, act, cfg in json.loads(sys.argv[1]):
+        g = torch.Generator().manual_seed(M * N + K)
+        x = torch.randn(*((P,) if P > 1 else ()), M, K, generator=g).half()
+        w = qlinear.quantize(torch.randn(*((P,) if P > 1 else ()), N, K, generator=g) * 0.05, mode)
+        w = qlinear.QWeight(w.q, w.scale, torch.float16)
+        h = torch.relu(x.float()).square().half() if act else x
+        ref = torch.matmul(h.double(), w.dequantize().double().transpose(-1, -2))
+        y = w8_gemm.mm(x, w, W8Config(*cfg), act)
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        again = torch.equal(w8_gemm.mm(x, w, W8Config(*cfg), act), y)
+        out.append([list(y.shape), list(ref.shape), err, again])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_interpreted_kernel_matches_its_twin():
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
+    cases = [[m, p, M, N, K, a, list(c.__dict__.values())] for m, p, M, N, K, a, c in CASES]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.strip().splitlines()[-1])
+    for case, (shape, ref_shape, err, again) in zip(CASES, results, strict=True):
+        assert shape == ref_shape, case
+        assert err < 2e-3, f"{case}: max error {err:.2e} of the output scale"  # fp16 output rounding
+        assert again, f"{case}: a second run differs"
