@@ -38,14 +38,10 @@ def configs(M: int) -> list:
         for bn, bk, split, swap, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (False, True),
                                                              (4, 6)):  # fmt: skip
             out.append(W8Config(max(16, M), bn, bk, split, swap, 4, stages))
-    elif M > 128:
-        for bn, split, warps in itertools.product((64, 128), (1, 2), (4, 8)):
-            out.append(W8Config(128, bn, 128, split, False, warps, 3))
-    else:
-        for bm, bn, bk, split, (warps, stages) in itertools.product((64, 128),
-                                                                      (32, 64, 128), (128, 256), (1, 2, 4),
-                                                                      ((4, 4), (8, 3))):  # fmt: skip
-            out.append(W8Config(bm, bn, bk, split, False, warps, stages))
+    else:  # compute counts here: square-ish tiles, either orientation
+        shapes = itertools.product((64, 128), (64, 128), (64, 128), (1, 2), (False, True), ((4, 3), (8, 3), (4, 4)))
+        for bm, bn, bk, split, swap, (warps, stages) in shapes:
+            out.append(W8Config(bm, bn, bk, split, swap, warps, stages))
     return out
 
 
