@@ -3,7 +3,7 @@ batch sizes. server.model.cuda_ops.linear sends a QWeight here when the gemv (M 
 activations: weight-only, codes converted in registers) does not take it:
 
   * int8 at any rows, fp8 at the rows where it measured faster than the next path (decode
-    batches up to 64, the stacked r/k/v up to 128): the weight-only Triton GEMM of
+    batches up to 64, the stacked r/k/v up to 256): the weight-only Triton GEMM of
     server.model.w8_gemm (codes converted to fp16 in its tiles, tile shapes per batch from its
     TABLE). Twin: qlinear.dense_native.
   * fp8 past those rows, on sm_89+: each row of x quantized to e4m3 (kernels/quant.cu, one launch

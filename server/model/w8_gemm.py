@@ -137,7 +137,8 @@ TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
               "wide": _c(32, 64, 128, 2), "deep": _c(32, 128, 128, 4)}),
         (64, {"stack": _c(64, 64, 256, 1, True), "square": _c(64, 64, 128, 2, True), "wide": None,
               "deep": _c(64, 32, 128, 4, True)}),
-        (128, {"stack": _c(128, 64, 128), "square": None, "wide": None, "deep": None}),
+        (128, {"stack": _c(128, 64, 128, 1, True), "square": None, "wide": None, "deep": None}),
+        (256, {"stack": _c(128, 128, 128, 1, True, warps=8, stages=3), "square": None, "wide": None, "deep": None}),
     ),
     "int8": (
         (16, {"stack": _c(16, 32, 256), "square": _c(16, 32, 128, 4), "wide": _c(16, 32, 128, 2),
@@ -146,10 +147,12 @@ TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
               "deep": _c(32, 128, 128, 4)}),
         (64, {"stack": _c(64, 64, 128, 2, True), "square": _c(64, 64, 128, 2, True),
               "wide": _c(64, 128, 128, stages=6), "deep": _c(64, 64, 128, 4)}),
-        (128, {"stack": _c(128, 64, 128, warps=8, stages=3), "square": _c(128, 64, 128, 2),
-               "wide": _c(128, 128, 128, warps=8, stages=3), "deep": _c(128, 128, 128, 4, warps=8, stages=3)}),
-        (1 << 62, {"stack": _c(128, 128, 128, stages=3), "square": _c(128, 64, 128, warps=8, stages=3),
-                   "wide": _c(128, 64, 128, warps=8, stages=3), "deep": _c(128, 64, 128, 2, warps=8, stages=3)}),
+        (128, {"stack": _c(128, 64, 128, 1, True), "square": _c(128, 64, 64, 2, True),
+               "wide": _c(128, 128, 128, 1, True, warps=8, stages=3), "deep": _c(128, 128, 128, 4, warps=8, stages=3)}),
+        (256, {"stack": _c(128, 128, 128, 1, True, warps=8, stages=3), "square": _c(128, 64, 128, 1, True, stages=3),
+               "wide": _c(128, 64, 64, stages=3), "deep": _c(64, 64, 64, 2)}),
+        (1 << 62, {"stack": _c(128, 128, 64, stages=3), "square": _c(128, 64, 64, stages=3),
+                   "wide": _c(128, 128, 64, 1, True, warps=8, stages=3), "deep": _c(64, 128, 64, 2, stages=3)}),
     ),
 }  # fmt: skip
 
