@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests quant_tests quant_gemm quant_sweep engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes tasks_spy http1024 quality
+# steps: info build tests quant_tests quant_gemm quant_sweep w8_gemm engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes tasks_spy http1024 quality
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -21,6 +21,8 @@ for s in $steps; do
     quant_gemm) timeout 150 python3 test/bench/bench_quant_gemm.py 2>&1 | tee "$OUT/quant_gemm.log" ;;
     quant_sweep) for q in int8 fp8; do timeout 150 python3 test/bench/bench_gemm.py --sweep --batches 1 --quant $q; done 2>&1 \
               | tee "$OUT/quant_sweep.log" | grep -v "cfg[123] GB" ;;
+    w8_gemm) timeout 500 python3 test/bench/bench_w8_gemm.py --batches ${W8_BATCHES:-16,32,64,128,256,1024} --modes int8,fp8 \
+              --json "$OUT/w8_gemm.json" 2>&1 | grep -v "OutOfResources\|Reducing block" | tee "$OUT/w8_gemm.log" ;;
     engine_quant) for q in ${QUANTS:-none int8 fp8}; do timeout 200 python3 test/bench/bench_engine.py --model synthetic:2.9b \
               --state-dtypes fp16 --batches ${QUANT_BATCHES:-1,64,256,1024} --prefill 1x4096 --quant $q \
               --out "$OUT/results.jsonl" 2>&1 | tail -7; done | tee "$OUT/engine_quant.log" ;;
