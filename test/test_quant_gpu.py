@@ -173,6 +173,25 @@ def test_weight_only_triton_gemm_past_the_gemv(dev, monkeypatch, mode, product, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("M", [16, 100])
+def test_weight_only_triton_gemm_with_bf16_activations(dev, mode, M):
+    """A bf16 model's 8-bit products on the Triton path: the codes converted to bf16 (no fp16
+    bit trick), the output in bf16 (its own rounding: 2^-8)."""
+    from server.model import w8_gemm
+
+    x = _data((M, 2560), dev, 50, dtype=torch.bfloat16)
+    q = _qweight((2560, 2560), mode, dev, 51)
+    w = QWeight(q.q, q.scale, torch.bfloat16)
+    cfg = w8_gemm.pick(mode, M, 2560, 2560, 1)
+    if cfg is None:
+        pytest.skip(f"{mode} square at {M} rows takes torch._scaled_mm (w8_gemm.TABLE)")
+    got = w8_gemm.run(x, w)
+    assert got is not None and got.dtype == torch.bfloat16
+    _close(got, _weight_only_ref(x, w), rel=2.0**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M", [2, 16])
 def test_cuda_graph_replay_matches_eager(dev, mode, M):
     x, w = _data((M, 2560), dev, 16), _qweight((10240, 2560), mode, dev, 17)
