@@ -86,3 +86,50 @@ def test_interpreted_kernel_matches_its_twin():
         assert shape == ref_shape, case
         assert err < 2e-3, f"{case}: max error {err:.2e} of the output scale"  # fp16 output rounding
         assert again, f"{case}: a second run differs"
+
+
+RUN_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from server.model import qlinear, w8_gemm
+    g = torch.Generator().manual_seed(5)
+    w = qlinear.quantize(torch.randn(96, 256, generator=g) * 0.05, "int8")  # N < K: a "deep" product
+    w = qlinear.QWeight(w.q, w.scale, torch.float16)
+    x = torch.randn(300, 256, generator=g).half()
+    calls = []
+    real = w8_gemm.mm
+    w8_gemm.mm = lambda x, w, cfg, act=False: calls.append((x.shape[0], cfg)) or real(x, w, cfg, act)
+    y = w8_gemm.run(x, w)
+    n_first = len(calls)
+    y2 = w8_gemm.run(x, w)
+    ref = x.double() @ w.dequantize().double().t()
+    out = {
+        "warm_calls": n_first, "second_calls": len(calls) - n_first,
+        "warm_rows": [c[0] for c in calls[: n_first - 1]],
+        "table_configs": sum(r[w8_gemm.product(96, 256, 1)] is not None for _, r in w8_gemm.TABLE["int8"]),
+        "last_is_pick": calls[-1][1] == w8_gemm.pick("int8", 300, 96, 256, 1),
+        "err": ((y.double() - ref).abs().max() / ref.abs().max()).item(), "same": torch.equal(y, y2),
+        "strided_codes": w8_gemm.run(x, qlinear.QWeight(w.q.t().contiguous().t(), w.scale, w.dtype)) is None,
+    }
+    w8_gemm.COUNTERS = 1  # more tiles than counters: the other path
+    out["no_counters"] = w8_gemm.pick("int8", 300, 96, 256, 1).split > 1 and w8_gemm.run(x, w) is None
+    print(json.dumps(out))
+    """
+)
+
+
+def test_run_compiles_every_table_shape_on_the_first_call_then_takes_its_row():
+    """w8_gemm.run (interpreted): the first call for a product launches each of the TABLE's
+    configurations for it once on a few rows of x (so that later calls, CUDA-graph captures
+    among them, find them compiled), then the one pick() names; later calls launch that one
+    alone. Codes whose rows are not contiguous, or more tiles than counters, take the other path."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", RUN_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["warm_calls"] == out["table_configs"] + 1 and out["second_calls"] == 1, out
+    assert all(rows <= 128 for rows in out["warm_rows"]), out  # a few rows each, not all of x
+    assert out["last_is_pick"] and out["same"] and out["err"] < 2e-3, out
+    assert out["strided_codes"] and out["no_counters"], out

@@ -18,11 +18,14 @@ does not depend on which program finishes last).
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from server.model.qlinear import QWeight
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -194,19 +197,22 @@ def run(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor | None:
     it, eagerly: later calls, CUDA-graph captures included, find them compiled."""
     P = x.shape[0] if x.dim() == 3 else 1
     M, K, N = x.shape[-2], x.shape[-1], w.shape[-2]
-    if w.mode not in TABLE or kernel() is None:
+    if w.mode not in TABLE or kernel() is None or w.q.stride(-1) != 1 or w.q.stride(-2) != K:
         return None
     key = (x.device, w.mode, N, K, P, act, x.dtype)
     if key not in _warm:  # on the first call, whether or not its own rows take this path
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"w8_gemm: first call for {key} under CUDA-graph capture: warm up eagerly first")
+            log.warning("w8_gemm: first call for %s under CUDA-graph capture: the slower path runs there", key)
+            return None
         for _, row in TABLE[w.mode]:
             c = row[product(N, K, P)]
-            if c is not None:
-                mm(x, w, c, act)  # x itself: its strides and alignment specialize the kernel
+            if c is not None:  # rows of x itself: its strides and alignment specialize the kernel
+                mm(x[..., : c.bm, :], w, c, act)
         _warm.add(key)
     cfg = pick(w.mode, M, N, K, P)
-    return None if cfg is None else mm(x, w, cfg, act)
+    if cfg is None or (cfg.split > 1 and P * -(-M // cfg.bm) * -(-N // cfg.bn) > COUNTERS):
+        return None  # more tiles than arrival counters: only past ~100k rows
+    return mm(x, w, cfg, act)
 
 
 _warm: set[tuple] = set()
