@@ -133,3 +133,37 @@ def test_run_compiles_every_table_shape_on_the_first_call_then_takes_its_row():
     assert all(rows <= 128 for rows in out["warm_rows"]), out  # a few rows each, not all of x
     assert out["last_is_pick"] and out["same"] and out["err"] < 2e-3, out
     assert out["strided_codes"] and out["no_counters"], out
+
+
+def test_a_table_shape_that_does_not_run_here_gives_way_to_its_stand_in(monkeypatch):
+    """On a GPU with less shared memory than the H200 the TABLE was measured on, a shape fails to
+    compile (Triton's OutOfResources): run() then uses its small-tile stand-in, and where that
+    fails too, the other path (None), instead of failing the server's start."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
+    import torch
+
+    from server.model import qlinear
+
+    monkeypatch.setattr(w8_gemm, "_warm", set())
+    monkeypatch.setattr(w8_gemm, "_usable", {})
+    w = qlinear.quantize(torch.randn(96, 256) * 0.05, "int8")  # N < K: "deep"
+    x = torch.randn(20, 256).half()
+    big = w8_gemm.pick("int8", 20, 96, 256, 1)
+    refused = {big}
+    launched = []
+
+    def fake_mm(x, w, cfg, act=False):
+        if cfg in refused:
+            raise RuntimeError("out of resource: shared memory")
+        launched.append(cfg)
+        return torch.zeros(x.shape[0], 96, dtype=x.dtype)
+
+    monkeypatch.setattr(w8_gemm, "mm", fake_mm)
+    assert w8_gemm.run(x, w) is not None
+    assert launched[-1] == w8_gemm.stand_in(big) and big not in launched
+    others = [c for _, r in w8_gemm.TABLE["int8"] if (c := r["deep"]) is not None and c != big]
+    assert all(c in launched for c in others)  # the shapes that run are kept as they are
+
+    refused.add(w8_gemm.stand_in(big))  # a new product: neither runs
+    w2 = qlinear.quantize(torch.randn(96, 512) * 0.05, "int8")
+    assert w8_gemm.run(torch.randn(20, 512).half(), w2) is None

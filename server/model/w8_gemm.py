@@ -206,10 +206,11 @@ def run(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor | None:
             return None
         for _, row in TABLE[w.mode]:
             c = row[product(N, K, P)]
-            if c is not None:  # rows of x itself: its strides and alignment specialize the kernel
-                mm(x[..., : c.bm, :], w, c, act)
+            if c is not None:
+                _usable[(key, c)] = _first_that_runs(x, w, (c, stand_in(c)), act)
         _warm.add(key)
     cfg = pick(w.mode, M, N, K, P)
+    cfg = None if cfg is None else _usable[(key, cfg)]
     if cfg is None or (cfg.split > 1 and P * -(-M // cfg.bm) * -(-N // cfg.bn) > COUNTERS):
         return None  # more tiles than arrival counters: only past ~100k rows
     return mm(x, w, cfg, act)
@@ -217,6 +218,27 @@ def run(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor | None:
 
 _warm: set[tuple] = set()
 """Products whose configurations are compiled (run())."""
+_usable: dict[tuple, W8Config | None] = {}
+"""(product, TABLE configuration) -> what runs in its place on this GPU (itself, its stand-in,
+or None: the other path)."""
+
+
+def stand_in(cfg: W8Config) -> W8Config:
+    """Small tiles (~30 KB of shared memory at 3 stages) for a TABLE shape that does not fit a
+    GPU with less shared memory than the H200 the TABLE was measured on."""
+    return W8Config(min(cfg.bm, 64), 32, 64)
+
+
+def _first_that_runs(x: torch.Tensor, w: QWeight, cfgs: tuple[W8Config, ...], act: bool) -> W8Config | None:
+    """The first of cfgs that compiles and runs on a tile of x's rows (its strides and alignment
+    specialize the kernel as the later calls' will); the failures are logged."""
+    for cfg in cfgs:
+        try:
+            mm(x[..., : cfg.bm, :], w, cfg, act)
+            return cfg
+        except Exception as e:  # Triton's OutOfResources and compile errors alike
+            log.warning("w8_gemm: %s does not run on this GPU (%s: %s)", cfg, type(e).__name__, str(e)[:200])
+    return None
 
 
 def mm(x: torch.Tensor, w: QWeight, cfg: W8Config, act: bool = False) -> torch.Tensor:
