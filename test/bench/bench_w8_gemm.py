@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 SHAPES = {"vkr": (3, 2560, 2560, False), "wo": (1, 2560, 2560, False), "ffn_key": (1, 10240, 2560, False),
           "ffn_value": (1, 2560, 10240, True)}  # fmt: skip
 """name: (planes, N, K, relu^2 on x) at 2.9B; each runs once per layer (32 per step)."""
-COLD_BYTES = 160 << 20  # weight copies per graph: more than the 50 MB L2
+COLD_BYTES = 256 << 20  # weight copies: bench_gemm.bench_graph's (far more than the 50 MB L2)
 
 
 def configs(M: int) -> list:
@@ -75,31 +75,13 @@ def _compile(job) -> int:
     return n
 
 
-def graph_us(fn, ws: list, reps: int = 3) -> float:
-    """us per launch of fn(w) over the cold copies ws, captured in one graph, best of reps."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for w in ws[:2]:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in ws:
-            fn(w)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1000.0 / len(ws))
-    del g
-    return best
+def graph_us(fn, ws: list) -> float:
+    """us per launch of fn(w) over the cold copies ws (QWeights or 16-bit tensors), as
+    bench_gemm.bench_graph's graph replays."""
+    from bench_gemm import bench_graph  # test/bench is the script's directory
+
+    w = ws[0].q if hasattr(ws[0], "q") else ws[0]
+    return bench_graph(lambda i: lambda: fn(ws[i % len(ws)]), w.numel() * w.element_size()) * 1000.0
 
 
 def main() -> None:
