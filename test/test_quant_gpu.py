@@ -171,6 +171,65 @@ def test_weight_only_triton_gemm_past_the_gemv(dev, monkeypatch, mode, product, 
     assert torch.equal(cuda_quant.large(x, w, act), got)
 
 
+A8_CONFIGS = [  # (bm, bn, bk, split, swap, warps, stages): both orientations, split-K, 8 warps, K tails
+    (128, 128, 128, 1, False, 8, 3), (64, 256, 128, 1, True, 8, 4), (128, 64, 64, 2, False, 4, 4),
+    (64, 128, 128, 2, True, 4, 3),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("product", list(W8_PRODUCTS))
+@pytest.mark.parametrize("M", [16, 200, 1024])
+@pytest.mark.parametrize("cfg", A8_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_fp8a8_triton_gemm_is_the_fp8_product(dev, product, M, cfg):
+    """w8_gemm on e4m3 rows (the fp8a8 kernel: fp8 tensor cores, promoted to fp32 every
+    w8_gemm.PROMOTE k, as cuBLASLt's default): within fp16 rounding of the exact product of the
+    same codes, as close as torch._scaled_mm gets, and bitwise the same on a second run."""
+    from server.model import w8_gemm
+    from server.model.w8_gemm import W8Config
+
+    P, N, K = W8_PRODUCTS[product]
+    act = product == "deep"
+    x = _data((P, M, K) if P > 1 else (M, K), dev, 60 + M)
+    w = _qweight((P, N, K) if P > 1 else (N, K), "fp8", dev, 61)
+    xq, sx = cuda_quant.quant_rows(x.reshape(-1, K), act)
+    xq, sx = xq.view(x.shape), sx.view(*x.shape[:-1], 1)
+    got = w8_gemm.mm(xq, w, W8Config(*cfg), xs=sx)
+    assert got.dtype == torch.float16 and got.shape == (*x.shape[:-1], N)
+    ref = torch.matmul(xq.double(), w.q.double().transpose(-1, -2)) * sx.double() * w.scale.double().unsqueeze(-2)
+    scaled = cuda_quant.fp8_scaled(x, w, act)
+    _close(got, ref, rel=2.0**-9)
+    err = (got.double() - ref).abs().max().item()
+    print(f"fp8a8 max error {err:.3e}, _scaled_mm {(scaled.double() - ref).abs().max().item():.3e}")
+    assert torch.equal(w8_gemm.mm(xq, w, W8Config(*cfg), xs=sx), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("product", list(W8_PRODUCTS))
+@pytest.mark.parametrize("M", [65, 128, 256, 512, 1024])
+def test_fp8_past_the_weight_only_rows_takes_the_table(dev, monkeypatch, product, M):
+    """cuda_quant.large's fp8 x fp8 products take w8_gemm's fp8a8 tiles where its TABLE names
+    them (counted), else torch._scaled_mm; both are the product of the same activation codes."""
+    from server.model import w8_gemm
+
+    P, N, K = W8_PRODUCTS[product]
+    act = product == "deep"
+    x = _data((P, M, K) if P > 1 else (M, K), dev, 70 + M)
+    w = _qweight((P, N, K) if P > 1 else (N, K), "fp8", dev, 71)
+    if w8_gemm.pick("fp8", M, N, K, P) is not None:
+        pytest.skip(f"fp8 {product} at {M} rows is weight-only (w8_gemm.TABLE)")
+    calls = []
+    real = w8_gemm.mm
+    monkeypatch.setattr(w8_gemm, "mm", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    cuda_quant.large(x, w, act)  # the first call compiles the product's TABLE shapes
+    calls.clear()
+    got = cuda_quant.large(x, w, act)
+    cfg = w8_gemm.pick("fp8a8", M, N, K, P)
+    assert calls == ([] if cfg is None else [cfg])
+    for p in range(P):
+        _close(got[p] if P > 1 else got, _fp8_ref(x[p] if P > 1 else x, w.plane(p) if P > 1 else w, act), rel=2.0**-9)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M", [16, 100])

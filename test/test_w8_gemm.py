@@ -34,6 +34,11 @@ def test_table_names_each_product_by_its_shape():
     assert w8_gemm.pick("fp8", 16, 10240, 2560, 1) is not None
     assert w8_gemm.pick("fp8", 64, 10240, 2560, 1) is None  # _scaled_mm measured faster there
     assert w8_gemm.pick("fp8", 257, 2560, 2560, 3) is None
+    # past 64 rows fp8 quantizes its activations: e4m3 tiles where they beat torch._scaled_mm
+    assert w8_gemm.pick("fp8", 65, 2560, 2560, 3) is None
+    assert w8_gemm.pick("fp8a8", 65, 2560, 2560, 3) == w8_gemm.TABLE["fp8a8"][0][1]["stack"] is not None
+    assert w8_gemm.pick("fp8a8", 1024, 10240, 2560, 1) is None  # FFN key: _scaled_mm
+    assert w8_gemm.pick("fp8a8", 1025, 2560, 2560, 3) is None  # past the rows measured
     assert w8_gemm.pick("none", 16, 2560, 2560, 1) is None
     for mode, rows in w8_gemm.TABLE.items():
         assert [most for most, _ in rows] == sorted(most for most, _ in rows), mode
@@ -50,6 +55,9 @@ CASES = [  # (mode, planes, M, N, K, act, config)
     ("fp8", 1, 7, 64, 256, False, W8Config(16, 64, 128, split=2)),
     ("fp8", 3, 16, 40, 256, False, W8Config(16, 32, 64, swap=True)),  # N not a multiple of the tile
     ("fp8", 1, 18, 96, 512, True, W8Config(32, 32, 128, split=4, swap=True)),
+    ("fp8a8", 1, 20, 64, 256, False, W8Config(32, 32, 64)),  # e4m3 rows with their scales
+    ("fp8a8", 3, 16, 40, 256, False, W8Config(16, 32, 64, swap=True)),
+    ("fp8a8", 1, 33, 96, 512, False, W8Config(64, 32, 128, split=3)),
 ]
 
 SCRIPT = textwrap.dedent(
@@ -61,13 +69,18 @@ SCRIPT = textwrap.dedent(
     for mode, P, M, N, K, act, cfg in json.loads(sys.argv[1]):
         g = torch.Generator().manual_seed(M * N + K)
         x = torch.randn(*((P,) if P > 1 else ()), M, K, generator=g).half()
-        w = qlinear.quantize(torch.randn(*((P,) if P > 1 else ()), N, K, generator=g) * 0.05, mode)
+        w = qlinear.quantize(torch.randn(*((P,) if P > 1 else ()), N, K, generator=g) * 0.05, mode.removesuffix("a8"))
         w = qlinear.QWeight(w.q, w.scale, torch.float16)
         h = torch.relu(x.float()).square().half() if act else x
+        xs = None
+        if mode == "fp8a8":  # the exact product of the rows' codes
+            x, xs = qlinear.quant_rows_native(x.reshape(-1, K))
+            x, xs = x.view(*h.shape), xs.view(*h.shape[:-1], 1)
+            h = x.double() * xs.double()
         ref = torch.matmul(h.double(), w.dequantize().double().transpose(-1, -2))
-        y = w8_gemm.mm(x, w, W8Config(*cfg), act)
+        y = w8_gemm.mm(x, w, W8Config(*cfg), act, xs)
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-        again = torch.equal(w8_gemm.mm(x, w, W8Config(*cfg), act), y)
+        again = torch.equal(w8_gemm.mm(x, w, W8Config(*cfg), act, xs), y)
         out.append([list(y.shape), list(ref.shape), err, again])
     print(json.dumps(out))
     """
@@ -98,7 +111,7 @@ RUN_SCRIPT = textwrap.dedent(
     x = torch.randn(300, 256, generator=g).half()
     calls = []
     real = w8_gemm.mm
-    w8_gemm.mm = lambda x, w, cfg, act=False: calls.append((x.shape[0], cfg)) or real(x, w, cfg, act)
+    w8_gemm.mm = lambda x, w, cfg, act=False, xs=None: calls.append((x.shape[0], cfg)) or real(x, w, cfg, act, xs)
     y = w8_gemm.run(x, w)
     n_first = len(calls)
     y2 = w8_gemm.run(x, w)
@@ -152,7 +165,7 @@ def test_a_table_shape_that_does_not_run_here_gives_way_to_its_stand_in(monkeypa
     refused = {big}
     launched = []
 
-    def fake_mm(x, w, cfg, act=False):
+    def fake_mm(x, w, cfg, act=False, xs=None):
         if cfg in refused:
             raise RuntimeError("out of resource: shared memory")
         launched.append(cfg)

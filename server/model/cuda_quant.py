@@ -69,8 +69,16 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
         if y is not None:
             return y
     if fp8_mm and x.dtype in _DT:
-        return _fp8(x, w, act)
+        xq, sx = quant_rows(x.reshape(-1, K), act)  # (P*M, K), (P*M, 1)
+        y = w8_gemm.run(xq.view(x.shape), w, xs=sx.view(*x.shape[:-1], 1))  # e4m3 x e4m3 tiles
+        return y if y is not None else _scaled(xq, sx, x.shape, w)
     return ops.linear(ops.relu_square(x) if act else x, w.dequantize())
+
+
+def fp8_scaled(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
+    """large()'s fp8 x fp8 product through torch._scaled_mm alone (benchmarks compare it)."""
+    xq, sx = quant_rows(x.reshape(-1, x.shape[-1]), act)
+    return _scaled(xq, sx, x.shape, w)
 
 
 MM_ROWS = 16
@@ -78,21 +86,23 @@ MM_ROWS = 16
 CUBLAS_STATUS_NOT_SUPPORTED on the H200): other counts are padded with zero rows."""
 
 
-def _fp8(x: torch.Tensor, w: QWeight, act: bool) -> torch.Tensor:
-    M, K = x.shape[-2], x.shape[-1]
+def _scaled(xq: torch.Tensor, sx: torch.Tensor, shape: torch.Size, w: QWeight) -> torch.Tensor:
+    """Quantized rows xq (P*M, K) with scales sx (P*M, 1) of an x of this shape ((M, K) or
+    (P, M, K)) @ w^T through torch._scaled_mm, one call per plane."""
+    M, K = shape[-2], shape[-1]
     N = w.shape[-2]
-    xq, sx = quant_rows(x.reshape(-1, K), act)  # (P*M, K), (P*M, 1)
-    planes = 1 if x.dim() == 2 else x.shape[0]
+    planes = 1 if len(shape) == 2 else shape[0]
+    dim = len(shape)
     if M % MM_ROWS:  # zero rows (scale 1) to the next multiple of 16, per plane
         R = -(-M // MM_ROWS) * MM_ROWS
         xq = torch.cat([xq.view(planes, M, K), xq.new_zeros(planes, R - M, K)], 1).view(-1, K)  # (P*R, K)
         sx = torch.cat([sx.view(planes, M, 1), sx.new_ones(planes, R - M, 1)], 1).view(-1, 1)
-        ys = [_mm(xq[p * R : (p + 1) * R], sx[p * R : (p + 1) * R], w if x.dim() == 2 else w.plane(p), None)[:M]
+        ys = [_mm(xq[p * R : (p + 1) * R], sx[p * R : (p + 1) * R], w if dim == 2 else w.plane(p), None)[:M]
               for p in range(planes)]  # fmt: skip
-        return ys[0] if x.dim() == 2 else torch.stack(ys)
-    if x.dim() == 2:
+        return ys[0] if dim == 2 else torch.stack(ys)
+    if dim == 2:
         return _mm(xq, sx, w, None)
-    out = torch.empty(planes, M, N, device=x.device, dtype=x.dtype)  # (P, M, N)
+    out = torch.empty(planes, M, N, device=xq.device, dtype=w.dtype)  # (P, M, N)
     for p in range(planes):
         _mm(xq[p * M : (p + 1) * M], sx[p * M : (p + 1) * M], w.plane(p), out[p])
     return out

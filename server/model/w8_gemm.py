@@ -49,16 +49,17 @@ def kernel():
         return None
 
     @triton.jit(do_not_specialize=["M"])
-    def w8_mm(x, q, s, out, part, cnt, M, N, K, sxm, sxp, sqp, ssp, som, sop, n_tiles,
+    def w8_mm(x, q, s, xs, out, part, cnt, M, N, K, sxm, sxp, sqp, ssp, sxsp, som, sop, n_tiles,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
               SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
-              I8_MAGIC: tl.constexpr):  # fmt: skip
+              I8_MAGIC: tl.constexpr, XQ: tl.constexpr, PROMOTE: tl.constexpr):  # fmt: skip
         # program (tile n * SPLIT + slice, tile m, plane)
         pid, tm, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tn, sl = pid // SPLIT, pid % SPLIT
         x += p * sxp
         q += p * sqp
         s += p * ssp
+        xs += p * sxsp
         out += p * sop
         rm = tm * BM + tl.arange(0, BM)
         rn = tn * BN + tl.arange(0, BN)
@@ -85,14 +86,20 @@ def kernel():
                 b = tl.load(q + rn[:, None] * K + kk[None, :])  # (BN, BK) codes
             else:
                 b = tl.load(q + rn[:, None] * K + kk[None, :], mask=wm, other=0.0)
-            if I8_MAGIC:  # int8 -> fp16 by bits: 0x6480 + q is the fp16 1152 + q (exact)
-                b = (b.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+            if XQ:  # e4m3 x e4m3 on the fp8 tensor cores; PROMOTE: k per fp32 promotion
+                if SWAP:
+                    acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)  # (BN, BM)
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)  # (BM, BN)
             else:
-                b = b.to(a.dtype)  # int8 and e4m3 codes are exact in fp16 / bf16
-            if SWAP:
-                acc += tl.dot(b, tl.trans(a))  # (BN, BM)
-            else:
-                acc += tl.dot(a, tl.trans(b))  # (BM, BN)
+                if I8_MAGIC:  # int8 -> fp16 by bits: 0x6480 + q is the fp16 1152 + q (exact)
+                    b = (b.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+                else:
+                    b = b.to(a.dtype)  # int8 and e4m3 codes are exact in fp16 / bf16
+                if SWAP:
+                    acc += tl.dot(b, tl.trans(a))  # (BN, BM)
+                else:
+                    acc += tl.dot(a, tl.trans(b))  # (BM, BN)
         if SWAP:
             acc = tl.trans(acc)  # (BM, BN)
         om = (rm[:, None] < M) & (rn[None, :] < N)
@@ -110,9 +117,13 @@ def kernel():
                 for j in tl.static_range(1, SPLIT):
                     acc += tl.load(base + j * (BM * BN), cache_modifier=".cg")
                 tl.store(cnt + tile, 0)
+                if XQ:  # the rows' scales first, as qlinear.dense_fp8_native
+                    acc = acc * tl.load(xs + rm, mask=rm < M, other=0.0)[:, None]
                 sc = tl.load(s + rn, mask=rn < N, other=0.0)
                 tl.store(out + rm[:, None] * som + rn[None, :], (acc * sc[None, :]).to(out.dtype.element_ty), mask=om)
         else:
+            if XQ:
+                acc = acc * tl.load(xs + rm, mask=rm < M, other=0.0)[:, None]
             sc = tl.load(s + rn, mask=rn < N, other=0.0)
             tl.store(out + rm[:, None] * som + rn[None, :], (acc * sc[None, :]).to(out.dtype.element_ty), mask=om)
 
@@ -129,9 +140,10 @@ def _c(bm: int, bn: int, bk: int, split: int = 1, swap: bool = False, warps: int
 
 
 # The fastest configuration per (mode, rows up to, product), from test/bench/bench_w8_gemm.py on
-# the H200 (2.9B shapes; docs/performance.md). Products: "stack" = the r/k/v planes in one
-# launch, "square" = N == K (output), "wide" = N > K (FFN key), "deep" = N < K (FFN value).
-# None: this path is not the fastest there (fp8 takes torch._scaled_mm instead).
+# the H200 (2.9B shapes; docs/performance.md); "fp8a8": x holds e4m3 codes, run(..., xs=scales).
+# Products: "stack" = the r/k/v planes in one launch, "square" = N == K (output), "wide" = N > K
+# (FFN key), "deep" = N < K (FFN value). None: this path is not the fastest there (fp8 takes
+# torch._scaled_mm instead). Rows past a mode's last bucket take the other path too.
 TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
     "fp8": (
         (16, {"stack": _c(16, 32, 256, 1, True), "square": _c(16, 32, 128, 4, True),
@@ -140,8 +152,14 @@ TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
               "wide": _c(32, 64, 128, 2), "deep": _c(32, 128, 128, 4)}),
         (64, {"stack": _c(64, 64, 256, 1, True), "square": _c(64, 64, 128, 2, True), "wide": None,
               "deep": _c(64, 32, 128, 4, True)}),
-        (128, {"stack": _c(128, 64, 128, 1, True), "square": None, "wide": None, "deep": None}),
-        (256, {"stack": _c(128, 128, 128, 1, True, warps=8, stages=3), "square": None, "wide": None, "deep": None}),
+    ),
+    # e4m3 activations (quantized per row first) on the fp8 tensor cores: fp8 past 64 rows, where
+    # they beat torch._scaled_mm (the same codes); None: _scaled_mm measured faster
+    "fp8a8": (
+        (128, {"stack": _c(64, 64, 128), "square": _c(64, 64, 128), "wide": None, "deep": _c(64, 64, 128, 2)}),
+        (256, {"stack": _c(128, 64, 128, 1, True, warps=8), "square": _c(64, 64, 128, 1, True, warps=8), "wide": None,
+               "deep": _c(64, 64, 128, 2)}),
+        (1024, {"stack": _c(128, 256, 128, 1, True, warps=8), "square": None, "wide": None, "deep": None}),
     ),
     "int8": (
         (16, {"stack": _c(16, 32, 256), "square": _c(16, 32, 128, 4), "wide": _c(16, 32, 128, 2),
@@ -191,29 +209,31 @@ def counters(device: torch.device) -> torch.Tensor:
     return c
 
 
-def run(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor | None:
-    """act(x) @ w^T through this path when the TABLE has it for x's rows, else None. The first
-    call for a product (shape, mode, act, dtype) compiles every configuration the TABLE holds for
-    it, eagerly: later calls, CUDA-graph captures included, find them compiled."""
+def run(x: torch.Tensor, w: QWeight, act: bool = False, xs: torch.Tensor | None = None) -> torch.Tensor | None:
+    """act(x) @ w^T through this path when the TABLE has it for x's rows, else None. xs: x holds
+    e4m3 codes of rows with these scales ((M, 1) / (P, M, 1) fp32), the "fp8a8" rows of the TABLE.
+    The first call for a product (shape, mode, act, dtype) compiles every configuration the TABLE
+    holds for it, eagerly: later calls, CUDA-graph captures included, find them compiled."""
     P = x.shape[0] if x.dim() == 3 else 1
     M, K, N = x.shape[-2], x.shape[-1], w.shape[-2]
-    if w.mode not in TABLE or kernel() is None or w.q.stride(-1) != 1 or w.q.stride(-2) != K:
+    mode = w.mode if xs is None else w.mode + "a8"
+    if mode not in TABLE or kernel() is None or w.q.stride(-1) != 1 or w.q.stride(-2) != K:
         return None
-    key = (x.device, w.mode, N, K, P, act, x.dtype)
+    key = (x.device, mode, N, K, P, act, x.dtype)
     if key not in _warm:  # on the first call, whether or not its own rows take this path
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             log.warning("w8_gemm: first call for %s under CUDA-graph capture: the slower path runs there", key)
             return None
-        for _, row in TABLE[w.mode]:
+        for _, row in TABLE[mode]:
             c = row[product(N, K, P)]
             if c is not None:
-                _usable[(key, c)] = _first_that_runs(x, w, (c, stand_in(c)), act)
+                _usable[(key, c)] = _first_that_runs(x, w, (c, stand_in(c)), act, xs)
         _warm.add(key)
-    cfg = pick(w.mode, M, N, K, P)
+    cfg = pick(mode, M, N, K, P)
     cfg = None if cfg is None else _usable[(key, cfg)]
     if cfg is None or (cfg.split > 1 and P * -(-M // cfg.bm) * -(-N // cfg.bn) > COUNTERS):
         return None  # more tiles than arrival counters: only past ~100k rows
-    return mm(x, w, cfg, act)
+    return mm(x, w, cfg, act, xs)
 
 
 _warm: set[tuple] = set()
@@ -229,31 +249,45 @@ def stand_in(cfg: W8Config) -> W8Config:
     return W8Config(min(cfg.bm, 64), 32, 64)
 
 
-def _first_that_runs(x: torch.Tensor, w: QWeight, cfgs: tuple[W8Config, ...], act: bool) -> W8Config | None:
+def _first_that_runs(
+    x: torch.Tensor, w: QWeight, cfgs: tuple[W8Config, ...], act: bool, xs: torch.Tensor | None
+) -> W8Config | None:
     """The first of cfgs that compiles and runs on a tile of x's rows (its strides and alignment
     specialize the kernel as the later calls' will); the failures are logged."""
     for cfg in cfgs:
         try:
-            mm(x[..., : cfg.bm, :], w, cfg, act)
+            mm(x[..., : cfg.bm, :], w, cfg, act, None if xs is None else xs[..., : cfg.bm, :])
             return cfg
         except Exception as e:  # Triton's OutOfResources and compile errors alike
             log.warning("w8_gemm: %s does not run on this GPU (%s: %s)", cfg, type(e).__name__, str(e)[:200])
     return None
 
 
-def mm(x: torch.Tensor, w: QWeight, cfg: W8Config, act: bool = False) -> torch.Tensor:
+PROMOTE = 128
+"""fp8a8: k of e4m3 products that the tensor cores sum in their own (narrower than fp32)
+accumulator before the kernel adds them to its fp32 sum, as cuBLASLt's default (not "fast
+accumulation") fp8 GEMM does (docs/performance.md: fast accumulation failed the quality bound)."""
+
+
+def mm(x: torch.Tensor, w: QWeight, cfg: W8Config, act: bool = False, xs: torch.Tensor | None = None) -> torch.Tensor:
     """act(x) (M, K) / (P, M, K) fp16 or bf16 @ w (N, K) / (P, N, K) -> (M, N) / (P, M, N) in x's
     dtype, one launch of configuration cfg. x rows may be strided (unit column stride). act:
-    relu(x)^2 as x is read (x itself is left as it is)."""
+    relu(x)^2 as x is read (x itself is left as it is). xs: x holds e4m3 codes (fp8 weights only)
+    of rows with scales xs (M, 1) / (P, M, 1) fp32, and the product comes out in w.dtype."""
     kern = kernel()
     if kern is None:
         raise RuntimeError("w8_gemm needs Triton")
     P = x.shape[0] if x.dim() == 3 else 1
     M, K = x.shape[-2], x.shape[-1]
     N = w.shape[-2]
+    if xs is not None and (w.mode != "fp8" or act or xs.shape != (*x.shape[:-1], 1)):
+        raise ValueError("w8_gemm: e4m3 rows need fp8 weights, no act and one scale per row")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)  # (M, N) or (P, M, N)
+    xs = None if xs is None else xs.contiguous()
+    out = torch.empty(
+        *x.shape[:-1], N, device=x.device, dtype=x.dtype if xs is None else w.dtype
+    )  # (M, N) or (P, M, N)
     n_tiles, m_tiles = -(-N // cfg.bn), -(-M // cfg.bm)
     part, cnt = out, out  # unused unless split
     if cfg.split > 1:
@@ -265,12 +299,13 @@ def mm(x: torch.Tensor, w: QWeight, cfg: W8Config, act: bool = False) -> torch.T
     sxp = x.stride(0) if x.dim() == 3 else 0
     sqp = w.q.stride(0) if w.q.dim() == 3 else 0
     ssp = w.scale.stride(0) if w.scale.dim() == 2 else 0
+    sxsp = xs.stride(0) if xs is not None and xs.dim() == 3 else 0
     sop = out.stride(0) if out.dim() == 3 else 0
     even_k = K % (cfg.bk * cfg.split) == 0
     magic = INT8_MAGIC and w.mode == "int8" and x.dtype == torch.float16
     grid = (n_tiles * cfg.split, m_tiles, P)
-    kern[grid](x, w.q, w.scale, out, part, cnt, M, N, K, x.stride(-2), sxp, sqp, ssp, out.stride(-2), sop, n_tiles,
-               BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, SWAP=cfg.swap, EVEN_K=even_k,
-               EVEN_N=N % cfg.bn == 0, ACT=act,
-               I8_MAGIC=magic, num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
+    kern[grid](x, w.q, w.scale, w.scale if xs is None else xs, out, part, cnt, M, N, K, x.stride(-2), sxp, sqp, ssp,
+               sxsp, out.stride(-2), sop, n_tiles, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, SWAP=cfg.swap,
+               EVEN_K=even_k, EVEN_N=N % cfg.bn == 0, ACT=act, I8_MAGIC=magic, XQ=xs is not None,
+               PROMOTE=min(PROMOTE, cfg.bk), num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
     return out

@@ -1,6 +1,8 @@
 """Tile shapes of the 8-bit weight-only Triton GEMM (server.model.w8_gemm) at the 2.9B decode
 shapes, per batch size, against what the server ran there before: fp16 cuBLAS (16-bit weights),
 fp8 activations + torch._scaled_mm, and int8 through the first Triton GEMM (cuda_quant.large).
+Mode fp8a8: the same kernel on e4m3 activations (quantized per row, as torch._scaled_mm's; the
+quantization launch is timed with both).
 
 Timed as the decode step runs them: one CUDA graph of back-to-back launches over enough copies of
 the weights that every launch reads them cold from HBM. Prints, per (mode, rows, shape), the
@@ -30,10 +32,14 @@ SHAPES = {"vkr": (3, 2560, 2560, False), "wo": (1, 2560, 2560, False), "ffn_key"
 COLD_BYTES = 256 << 20  # weight copies: bench_gemm.bench_graph's (far more than the 50 MB L2)
 
 
-def configs(M: int) -> list:
+def configs(M: int, mode: str = "") -> list:
     from server.model.w8_gemm import W8Config
 
     out = []
+    if mode == "fp8a8":  # the fp8 tensor cores: wider tiles, more stages
+        shapes = itertools.product((64, 128), (64, 128, 256), (64, 128), (1, 2), (False, True),
+                                   ((4, 3), (4, 4), (8, 3), (8, 4)))  # fmt: skip
+        return [W8Config(bm, bn, bk, split, swap, warps, stages) for bm, bn, bk, split, swap, (warps, stages) in shapes]
     if M <= 64:
         for bn, bk, split, swap, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (False, True),
                                                              (4, 6)):  # fmt: skip
@@ -48,6 +54,7 @@ def configs(M: int) -> list:
 def _weights(mode: str, P: int, N: int, K: int, dev) -> list:
     from server.model import qlinear
 
+    mode = mode.removesuffix("a8")
     w = qlinear.quantize(torch.randn(P, N, K, device=dev) * 0.02 if P > 1 else torch.randn(N, K, device=dev) * 0.02,
                          mode)  # fmt: skip
     w = qlinear.QWeight(w.q, w.scale, torch.float16)
@@ -55,19 +62,35 @@ def _weights(mode: str, P: int, N: int, K: int, dev) -> list:
     return [qlinear.QWeight(w.q.clone(), w.scale.clone(), w.dtype) for _ in range(copies)]
 
 
+def product(mode: str, x: torch.Tensor, act: bool, cfg):
+    """The timed call of one configuration: w -> act(x) @ w^T (fp8a8: x's rows quantized first)."""
+    from server.model import cuda_quant
+    from server.model.w8_gemm import mm
+
+    if mode != "fp8a8":
+        return lambda w: mm(x, w, cfg, act)
+
+    def a8(w):
+        xq, sx = cuda_quant.quant_rows(x.reshape(-1, x.shape[-1]), act)
+        return mm(xq.view(x.shape), w, cfg, False, sx.view(*x.shape[:-1], 1))
+
+    return a8
+
+
 def _compile(job) -> int:
     """Compile (and run once) every configuration of one mode: fills Triton's on-disk cache."""
     mode, cfgs = job
-    from server.model.w8_gemm import mm
+    from server.model import cuda_ops
 
     dev = torch.device("cuda")
+    cuda_ops.available(dev)  # loads the project's kernels (fp8a8's quantization)
     n = 0
     for name, (P, N, K, act) in SHAPES.items():
         w = _weights(mode, P, N, K, dev)[0]
         for cfg in cfgs:
             x = torch.randn(*((P,) if P > 1 else ()), cfg.bm, K, device=dev, dtype=torch.float16)
             try:
-                mm(x, w, cfg, act)
+                product(mode, x, act, cfg)(w)
                 n += 1
             except Exception:  # noqa: BLE001  (out of shared memory: the timing pass skips it too)
                 pass
@@ -102,9 +125,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(dev), flush=True)
-    cfgs = sorted({c for M in batches for c in configs(M)}, key=str)
     if args.jobs > 0:  # compile in parallel, each process a slice of the configurations
-        jobs = [(m, cfgs[i :: args.jobs]) for m in modes for i in range(args.jobs)]
+        jobs = []
+        for m in modes:
+            cfgs = sorted({c for M in batches for c in configs(M, m)}, key=str)
+            jobs += [(m, cfgs[i :: args.jobs]) for i in range(args.jobs)]
         with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as ex:
             print(f"compiled {sum(ex.map(_compile, jobs))} launches", flush=True)
     best: dict[str, dict] = {}
@@ -120,19 +145,21 @@ def main() -> None:
                 base = {"fp16": graph_us(lambda w: cuda_ops.relu2_linear(xs, w) if act else F.linear(x, w) if P == 1
                                          else torch.bmm(x, w.transpose(1, 2)), w16),
                         "before": graph_us(lambda w: cuda_quant.large(x, w, act), ws)}  # fmt: skip
+                if mode.startswith("fp8"):
+                    base["scaled_mm"] = graph_us(lambda w: cuda_quant.fp8_scaled(x, w, act), ws)
                 del w16
                 rows, failed = [], 0
-                for cfg in configs(M):
+                for cfg in configs(M, mode):
                     try:
-                        rows.append((graph_us(lambda w: mm(x, w, cfg, act), ws), cfg))
+                        rows.append((graph_us(product(mode, x, act, cfg), ws), cfg))
                     except Exception:  # noqa: BLE001  (out of shared memory)
                         failed += 1
                 rows.sort(key=lambda r: r[0])
                 for k, v in base.items():
                     step[k] = step.get(k, 0.0) + v * 32
                 step["w8"] = step.get("w8", 0.0) + rows[0][0] * 32
-                print(f"{mode} M={M:4d} {name:9s} ({failed} out of resources) fp16 {base['fp16']:7.1f}us  "
-                      f"before {base['before']:7.1f}us  "
+                print(f"{mode} M={M:4d} {name:9s} ({failed} out of resources) "
+                      + "  ".join(f"{k} {v:7.1f}us" for k, v in base.items()) + "  "
                       + "  ".join(f"{us:7.1f}us {nbytes / us / 1e3:5.0f}GB/s {c}" for us, c in rows[: args.top]),
                       flush=True)  # fmt: skip
                 best[f"{mode},{M},{name}"] = {"us": rows[0][0], **base, **rows[0][1].__dict__}
