@@ -6,8 +6,6 @@
 // ops.relu_square rounds it: ffn_value's input is quantized without a separate relu_square).
 // Pure-torch twin: server.model.qlinear.quant_rows_native (bitwise the same codes and scales).
 // One block per row: the row is read twice (absmax, then codes; the second read hits L1/L2).
-// Launched with programmatic dependent launch (pdl.cuh): the blocks are resident before their
-// predecessor (add_ln_mix, the time-mix) ends, and wait for it before they read x.
 // Requirements (else -2, nothing launched): K % 8 == 0, x and q 16-byte aligned, row strides
 // multiples of 8 (x) and 16 (q) elements, f_dt fp16 or bf16.
 #include <cuda_bf16.h>
@@ -17,8 +15,6 @@
 #include <stdint.h>
 
 #include <type_traits>
-
-#include "pdl.cuh"
 
 namespace quant_k {
 
@@ -47,8 +43,6 @@ template <typename F>
 __global__ void __launch_bounds__(THREADS) quant_rows_kernel(const F *x, long long x_s, int K, int relu2,
                                                               uint8_t *q, long long q_s, float *scale) {
     __shared__ float red[THREADS / 32];
-    rwkv_pdl::pdl_wait();
-    rwkv_pdl::pdl_trigger();
     const int row = blockIdx.x;
     const F *xr = x + row * x_s;
     float amax = 0.f, v[8];
@@ -91,10 +85,11 @@ extern "C" int quant_rows_fp8(int f_dt, int rows, int K, const void *x, long lon
     auto *qq = static_cast<uint8_t *>(q);
     auto *sc = static_cast<float *>(scale);
     if (f_dt == 1)
-        return (int)rwkv_pdl::launch_pdl(quant_rows_kernel<__half>, dim3(rows), dim3(THREADS), 0, s,
-                                         static_cast<const __half *>(x), x_s, K, act, qq, q_s, sc);
-    if (f_dt == 2)
-        return (int)rwkv_pdl::launch_pdl(quant_rows_kernel<__nv_bfloat16>, dim3(rows), dim3(THREADS), 0, s,
-                                         static_cast<const __nv_bfloat16 *>(x), x_s, K, act, qq, q_s, sc);
-    return -2;
+        quant_rows_kernel<__half><<<rows, THREADS, 0, s>>>(static_cast<const __half *>(x), x_s, K, act, qq, q_s, sc);
+    else if (f_dt == 2)
+        quant_rows_kernel<__nv_bfloat16>
+            <<<rows, THREADS, 0, s>>>(static_cast<const __nv_bfloat16 *>(x), x_s, K, act, qq, q_s, sc);
+    else
+        return -2;
+    return (int)cudaGetLastError();
 }

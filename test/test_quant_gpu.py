@@ -231,36 +231,6 @@ def test_fp8_past_the_weight_only_rows_takes_the_table(dev, monkeypatch, product
 
 
 @pytest.mark.gpu
-def test_triton_gemm_waits_for_its_programmatic_predecessor(dev):
-    """w8_gemm's launches are programmatic dependents on the H200 (w8_gemm.PDL): in a CUDA graph
-    whose activation quantization (itself a programmatic dependent that lets its successor start
-    early) writes the last rows of a large batch just before the product reads them, the first
-    replay equals the eager product: the kernel waits for x before it reads it."""
-    from server.model import w8_gemm
-    from server.model.w8_gemm import W8Config
-
-    assert w8_gemm.PDL and w8_gemm._pdl(dev), "this GPU's Triton launches programmatic dependents"
-    R, M, K, N = 1 << 16, 128, 2560, 2560
-    x = _data((R, K), dev, 80)
-    w = _qweight((N, K), "fp8", dev, 81)
-    cfg = W8Config(64, 64, 128)
-
-    def body():
-        xq, sx = cuda_quant.quant_rows(x)  # (R, K), (R, 1): the last rows are written last
-        return w8_gemm.mm(xq[-M:], w, cfg, xs=sx[-M:])
-
-    eager = body()
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        out = body()
-    g.replay()
-    torch.cuda.synchronize(dev)
-    assert torch.equal(out, eager)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M", [16, 100])
 def test_weight_only_triton_gemm_with_bf16_activations(dev, mode, M):

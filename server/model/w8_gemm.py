@@ -52,10 +52,7 @@ def kernel():
     def w8_mm(x, q, s, xs, out, part, cnt, M, N, K, sxm, sxp, sqp, ssp, sxsp, som, sop, n_tiles,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
               SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
-              I8_MAGIC: tl.constexpr, XQ: tl.constexpr, PROMOTE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        if PDL:  # launched as a programmatic dependent (kernels/pdl.cuh): x is ready after the wait
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+              I8_MAGIC: tl.constexpr, XQ: tl.constexpr, PROMOTE: tl.constexpr):  # fmt: skip
         # program (tile n * SPLIT + slice, tile m, plane)
         pid, tm, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tn, sl = pid // SPLIT, pid % SPLIT
@@ -136,25 +133,6 @@ def kernel():
 INT8_MAGIC = True
 """int8 codes become fp16 by integer adds on their bits instead of conversion instructions (a
 module switch for the benchmark's A/B)."""
-PDL = True
-"""On sm_90+, launches are programmatic dependents, as the project's CUDA kernels (pdl.cuh): the
-programs start while the kernel before them (add_ln_mix, the time-mix, the activation
-quantization) finishes, wait for it before they read x, and let the kernel after them start as
-they begin (a module switch for the benchmark's A/B: bench_engine.py --w8-pdl)."""
-
-
-@functools.cache
-def _pdl(device: torch.device) -> bool:
-    """PDL on this device: sm_90+, and a Triton that launches that way (3.4 and newer)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    try:
-        import triton.language as tl
-        from triton.backends.nvidia.compiler import CUDAOptions
-
-        return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
-    except (ImportError, AttributeError):
-        return False
 
 
 def _c(bm: int, bn: int, bk: int, split: int = 1, swap: bool = False, warps: int = 4, stages: int = 4) -> W8Config:
@@ -241,7 +219,7 @@ def run(x: torch.Tensor, w: QWeight, act: bool = False, xs: torch.Tensor | None 
     mode = w.mode if xs is None else w.mode + "a8"
     if mode not in TABLE or kernel() is None or w.q.stride(-1) != 1 or w.q.stride(-2) != K:
         return None
-    key = (x.device, mode, N, K, P, act, x.dtype, PDL)  # PDL: another compiled kernel
+    key = (x.device, mode, N, K, P, act, x.dtype)
     if key not in _warm:  # on the first call, whether or not its own rows take this path
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             log.warning("w8_gemm: first call for %s under CUDA-graph capture: the slower path runs there", key)
@@ -325,11 +303,9 @@ def mm(x: torch.Tensor, w: QWeight, cfg: W8Config, act: bool = False, xs: torch.
     sop = out.stride(0) if out.dim() == 3 else 0
     even_k = K % (cfg.bk * cfg.split) == 0
     magic = INT8_MAGIC and w.mode == "int8" and x.dtype == torch.float16
-    pdl = PDL and _pdl(x.device)
     grid = (n_tiles * cfg.split, m_tiles, P)
     kern[grid](x, w.q, w.scale, w.scale if xs is None else xs, out, part, cnt, M, N, K, x.stride(-2), sxp, sqp, ssp,
                sxsp, out.stride(-2), sop, n_tiles, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, SWAP=cfg.swap,
                EVEN_K=even_k, EVEN_N=N % cfg.bn == 0, ACT=act, I8_MAGIC=magic, XQ=xs is not None,
-               PROMOTE=min(PROMOTE, cfg.bk), PDL=pdl, num_warps=cfg.warps, num_stages=cfg.stages,
-               **({"launch_pdl": True} if pdl else {}))  # fmt: skip
+               PROMOTE=min(PROMOTE, cfg.bk), num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
     return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib
 import json
 import os
 import statistics
@@ -212,10 +211,9 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default="", help="free-text tag stored with each line")
     p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights (load_model quant)")
-    for flag, (mod, name) in SWITCHES.items():
-        p.add_argument("--" + flag.replace("_", "-"), default="",
-                       help=f"decode runs at each of these {mod}.{name} values (0/1), alternating: an A/B in one "
-                            "process ('' = the module's value)")  # fmt: skip
+    p.add_argument("--fp8-fast-accum", default="",
+                   help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
+                        "one process ('' = the module's value)")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -242,10 +240,12 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         graphs = not a.no_graphs and dev.type == "cuda"
-        for tag in switch_values(a):
-            for flag, v in tag.items():
-                mod, name = SWITCHES[flag]
-                setattr(importlib.import_module(f"server.model.{mod}"), name, v)
+        for fa in [bool(int(v)) for v in a.fp8_fast_accum.split(",") if v] or [None]:
+            tag = {} if fa is None else {"fp8_fast_accum": fa}
+            if fa is not None:
+                from server.model import cuda_quant
+
+                cuda_quant.FP8_FAST_ACCUM = fa
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
         for gl in [int(v) for v in a.prefill_graph_len.split(",") if v] or [0]:
@@ -259,19 +259,6 @@ def main() -> None:
     print_table(lines)
 
 
-SWITCHES = {"fp8_fast_accum": ("cuda_quant", "FP8_FAST_ACCUM"), "w8_pdl": ("w8_gemm", "PDL")}
-"""--flag: the module constant that it sets (server.model.<module>.<name>) for an A/B."""
-
-
-def switch_values(a: argparse.Namespace) -> list[dict]:
-    """The decode runs the SWITCHES flags ask for, each a {flag: value} to set (at most one flag
-    given: its values in turn; none: one run with the modules' values)."""
-    given = [(flag, getattr(a, flag)) for flag in SWITCHES if getattr(a, flag)]
-    if len(given) > 1:
-        raise SystemExit(f"bench_engine: one of {', '.join('--' + f for f, _ in given)} at a time")
-    return [{given[0][0]: bool(int(v))} for v in given[0][1].split(",") if v] if given else [{}]
-
-
 def print_table(lines: list[dict]) -> None:
     print(f"\n{'state':6} {'batch':>6} {'what':10} {'tok/s':>12} {'ms':>9} {'peak GB':>8}")
     for r in lines:
@@ -282,7 +269,7 @@ def print_table(lines: list[dict]) -> None:
             what += f" g{r['prefill_graph_len']}"
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
-        pf = "".join(f"  {flag} {r[flag]}" for flag in SWITCHES if flag in r)
+        pf = f"  fp8 fast accumulation {r['fp8_fast_accum']}" if "fp8_fast_accum" in r else ""
         peak = r.get("peak_mem_gb") or 0
         print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {peak:8.2f}{pf}")
 
