@@ -140,6 +140,26 @@ def test_int8_past_the_gemv_is_the_dequantized_product(dev):
     _close(cuda_ops.linear(x, w), _weight_only_ref(x, w), rel=2.0**-9)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("product", ["stack", "wide", "deep"])
+def test_int8_past_the_table_dequantizes_then_runs_cublas(dev, product):
+    """Past w8_gemm's int8 rows the product is its twin's own formula, F.linear(act(x),
+    w.dequantize()): w8_gemm.dequantize's one launch is bitwise QWeight.dequantize(), so the
+    product is bitwise the twin's (the same cuBLAS call on the same operands)."""
+    from server.model import ops, w8_gemm
+
+    P, N, K = W8_PRODUCTS[product]
+    act = product == "deep"
+    M = 512
+    assert w8_gemm.pick("int8", M, N, K, P) is None
+    x = _data((P, M, K) if P > 1 else (M, K), dev, 90)
+    w = _qweight((P, N, K) if P > 1 else (N, K), "int8", dev, 91)
+    assert torch.equal(w8_gemm.dequantize(w), w.dequantize())
+    twin = ops.linear(ops.relu_square(x) if act else x, w.dequantize())
+    assert torch.equal(cuda_quant.large(x, w, act), twin)
+    _close(twin, _weight_only_ref(x, w, act), rel=2.0**-9)
+
+
 W8_PRODUCTS = {"stack": (3, 2560, 2560), "square": (1, 2560, 2560), "wide": (1, 10240, 2560),
                "deep": (1, 2560, 10240)}  # fmt: skip
 

@@ -2,16 +2,19 @@
 batch sizes. server.model.cuda_ops.linear sends a QWeight here when the gemv (M <= 8, fp16
 activations: weight-only, codes converted in registers) does not take it:
 
-  * int8 at any rows, fp8 at the rows where it measured faster than the next path (decode
-    batches up to 64, the stacked r/k/v up to 256): the weight-only Triton GEMM of
-    server.model.w8_gemm (codes converted to fp16 in its tiles, tile shapes per batch from its
-    TABLE). Twin: qlinear.dense_native.
+  * int8 up to the rows of w8_gemm's TABLE, fp8 at the rows where it measured faster than the
+    next path (decode batches up to 64): the weight-only Triton GEMM of server.model.w8_gemm
+    (codes converted to fp16 in its tiles, tile shapes per batch from its TABLE). Twin:
+    qlinear.dense_native.
   * fp8 past those rows, on sm_89+: each row of x quantized to e4m3 (kernels/quant.cu, one launch
-    for all planes; relu^2 folded in for the FFN's value projection), then torch._scaled_mm
-    (cuBLASLt's fp8 tensor cores) with the per-row scales of both sides, out in the model dtype.
-    Twin: qlinear.dense_fp8_native.
-  * anything else (no Triton, fp8 where _scaled_mm cannot run, odd shapes): the weight
-    dequantized into the model dtype (a temporary of one weight's size), then cuBLAS.
+    for all planes; relu^2 folded in for the FFN's value projection), then the e4m3 x e4m3
+    product on the fp8 tensor cores: w8_gemm's fp8a8 tiles where its TABLE has them (the r/k/v
+    planes in one launch), else torch._scaled_mm (cuBLASLt), with the per-row scales of both
+    sides, out in the model dtype. Twin: qlinear.dense_fp8_native.
+  * anything else (int8 past the rows of w8_gemm's TABLE, fp8 where _scaled_mm cannot run, odd
+    shapes): the weight dequantized into the model dtype (a temporary of one weight's size, one
+    launch), then cuBLAS. At a thousand rows the product is bound by the tensor cores, where
+    cuBLAS's fp16 GEMM beats the Triton kernel's by more than the dequantization costs.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
         xq, sx = quant_rows(x.reshape(-1, K), act)  # (P*M, K), (P*M, 1)
         y = w8_gemm.run(xq.view(x.shape), w, xs=sx.view(*x.shape[:-1], 1))  # e4m3 x e4m3 tiles
         return y if y is not None else _scaled(xq, sx, x.shape, w)
-    return ops.linear(ops.relu_square(x) if act else x, w.dequantize())
+    return ops.linear(ops.relu_square(x) if act else x, w8_gemm.dequantize(w))
 
 
 def fp8_scaled(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:

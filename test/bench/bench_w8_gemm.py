@@ -112,7 +112,9 @@ def main() -> None:
     ap.add_argument("--batches", default="16,32,64,128,256")
     ap.add_argument("--modes", default="int8,fp8")
     ap.add_argument("--jobs", type=int, default=12, help="processes compiling the configurations first")
-    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument(
+        "--top", type=int, default=3, help="configurations printed per shape (0: none timed, baselines only)"
+    )
     ap.add_argument("--json", default="", help="write the best configuration per (mode, rows, shape) here")
     args = ap.parse_args()
     import torch.nn.functional as F
@@ -125,7 +127,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(dev), flush=True)
-    if args.jobs > 0:  # compile in parallel, each process a slice of the configurations
+    if args.jobs > 0 and args.top:  # compile in parallel, each process a slice of the configurations
         jobs = []
         for m in modes:
             cfgs = sorted({c for M in batches for c in configs(M, m)}, key=str)
@@ -147,9 +149,13 @@ def main() -> None:
                         "before": graph_us(lambda w: cuda_quant.large(x, w, act), ws)}  # fmt: skip
                 if mode.startswith("fp8"):
                     base["scaled_mm"] = graph_us(lambda w: cuda_quant.fp8_scaled(x, w, act), ws)
+                if mode == "int8":  # large() without the Triton path: dequantize, then cuBLAS
+                    table, w8_gemm.TABLE = w8_gemm.TABLE, {}
+                    base["dequant"] = graph_us(lambda w: cuda_quant.large(x, w, act), ws)
+                    w8_gemm.TABLE = table
                 del w16
                 rows, failed = [], 0
-                for cfg in configs(M, mode):
+                for cfg in configs(M, mode) if args.top else ():
                     try:
                         rows.append((graph_us(product(mode, x, act, cfg), ws), cfg))
                     except Exception:  # noqa: BLE001  (out of shared memory)
@@ -157,6 +163,9 @@ def main() -> None:
                 rows.sort(key=lambda r: r[0])
                 for k, v in base.items():
                     step[k] = step.get(k, 0.0) + v * 32
+                if not rows:  # --top 0: the baselines alone
+                    print(f"{mode} M={M:4d} {name:9s} " + "  ".join(f"{k} {v:7.1f}us" for k, v in base.items()))
+                    continue
                 step["w8"] = step.get("w8", 0.0) + rows[0][0] * 32
                 print(f"{mode} M={M:4d} {name:9s} ({failed} out of resources) "
                       + "  ".join(f"{k} {v:7.1f}us" for k, v in base.items()) + "  "
