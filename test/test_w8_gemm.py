@@ -27,7 +27,7 @@ def test_table_names_each_product_by_its_shape():
     assert w8_gemm.product(2560, 2560, 1) == "square"
     assert w8_gemm.product(10240, 2560, 1) == "wide"
     assert w8_gemm.product(2560, 10240, 1) == "deep"
-    # rows pick the first bucket that holds them; int8 has this path at any rows, fp8 up to 128
+    # rows pick the first bucket that holds them; int8 has this path up to 256 rows, fp8 up to 64
     assert w8_gemm.pick("int8", 9, 2560, 2560, 1) == w8_gemm.TABLE["int8"][0][1]["square"]
     assert w8_gemm.pick("int8", 17, 2560, 2560, 1) == w8_gemm.TABLE["int8"][1][1]["square"]
     assert w8_gemm.pick("int8", 256, 10240, 2560, 1) is not None

@@ -2,8 +2,8 @@
 batch sizes. server.model.cuda_ops.linear sends a QWeight here when the gemv (M <= 8, fp16
 activations: weight-only, codes converted in registers) does not take it:
 
-  * int8 up to the rows of w8_gemm's TABLE, fp8 at the rows where it measured faster than the
-    next path (decode batches up to 64): the weight-only Triton GEMM of server.model.w8_gemm
+  * int8 and fp8 at the rows and products where w8_gemm's TABLE names it (int8 up to 256 rows,
+    fp8 up to 64: where it measured faster than the next path): the weight-only Triton GEMM of server.model.w8_gemm
     (codes converted to fp16 in its tiles, tile shapes per batch from its TABLE). Twin:
     qlinear.dense_native.
   * fp8 past those rows, on sm_89+: each row of x quantized to e4m3 (kernels/quant.cu, one launch
@@ -11,9 +11,9 @@ activations: weight-only, codes converted in registers) does not take it:
     product on the fp8 tensor cores: w8_gemm's fp8a8 tiles where its TABLE has them (the r/k/v
     planes in one launch), else torch._scaled_mm (cuBLASLt), with the per-row scales of both
     sides, out in the model dtype. Twin: qlinear.dense_fp8_native.
-  * anything else (int8 past the rows of w8_gemm's TABLE, fp8 where _scaled_mm cannot run, odd
+  * anything else (int8 where the TABLE has no shape, fp8 where _scaled_mm cannot run, odd
     shapes): the weight dequantized into the model dtype (a temporary of one weight's size, one
-    launch), then cuBLAS. At a thousand rows the product is bound by the tensor cores, where
+    launch), then cuBLAS. From a few hundred rows the product is bound by the tensor cores, where
     cuBLAS's fp16 GEMM beats the Triton kernel's by more than the dequantization costs.
 """
 

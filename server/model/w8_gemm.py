@@ -170,7 +170,8 @@ def _c(bm: int, bn: int, bk: int, split: int = 1, swap: bool = False, warps: int
 # the H200 (2.9B shapes; docs/performance.md); "fp8a8": x holds e4m3 codes, run(..., xs=scales).
 # Products: "stack" = the r/k/v planes in one launch, "square" = N == K (output), "wide" = N > K
 # (FFN key), "deep" = N < K (FFN value). None: this path is not the fastest there (fp8 takes
-# torch._scaled_mm instead). Rows past a mode's last bucket take the other path too.
+# torch._scaled_mm instead, int8 the weight dequantized, then cuBLAS). Rows past a mode's last
+# bucket take the other path too.
 TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
     "fp8": (
         (16, {"stack": _c(16, 32, 256, 1, True), "square": _c(16, 32, 128, 4, True),
@@ -195,10 +196,10 @@ TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
               "deep": _c(32, 128, 128, 4)}),
         (64, {"stack": _c(64, 64, 128, 2, True), "square": _c(64, 64, 128, 2, True),
               "wide": _c(64, 128, 128, stages=6), "deep": _c(64, 64, 128, 4)}),
-        (128, {"stack": _c(128, 64, 128, 1, True), "square": _c(128, 64, 64, 2, True),
+        (128, {"stack": _c(128, 64, 128, 1, True), "square": None,
                "wide": _c(128, 128, 128, 1, True, warps=8, stages=3), "deep": _c(128, 128, 128, 4, warps=8, stages=3)}),
-        (256, {"stack": _c(128, 128, 128, 1, True, warps=8, stages=3), "square": _c(128, 64, 128, 1, True, stages=3),
-               "wide": _c(128, 64, 64, stages=3), "deep": _c(64, 64, 64, 2)}),
+        (256, {"stack": _c(128, 128, 128, 1, True, warps=8, stages=3), "square": None,
+               "wide": _c(128, 64, 64, stages=3), "deep": None}),
     ),
 }  # fmt: skip
 
