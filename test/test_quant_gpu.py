@@ -1,8 +1,9 @@
 """The 8-bit weight paths of --quant on the GPU against their pure-torch twins
 (server.model.qlinear): the gemv kernel's int8 / fp8 codes (M <= 8, plain, stacked, relu^2),
-the per-token fp8 activation quantization kernel (bitwise), the fp8 x fp8 _scaled_mm path and the
-int8 dequantize path past M = 8, CUDA-graph replay, and a quantized model's decode and prefill
-against the same weights on the pure-torch ops.
+the per-token fp8 activation quantization kernel (bitwise), the weight-only Triton GEMM, the fp8 x
+fp8 products (w8_gemm's e4m3 tiles and torch._scaled_mm), int8's dequantize-then-cuBLAS path,
+CUDA-graph replay, and a quantized model's decode and prefill against the same weights on the
+pure-torch ops.
 
 Supported layouts run with the fallbacks patched to raise, so a silent fallback fails the test.
 """
@@ -181,7 +182,8 @@ def test_weight_only_triton_gemm_past_the_gemv(dev, monkeypatch, mode, product, 
     w = _qweight((P, N, K) if P > 1 else (N, K), mode, dev, 31)
     cfg = w8_gemm.pick(mode, M, N, K, P)
     if cfg is None:
-        pytest.skip(f"{mode} {product} at {M} rows takes torch._scaled_mm (w8_gemm.TABLE)")
+        other = "torch._scaled_mm" if mode == "fp8" else "the weight dequantized, then cuBLAS"
+        pytest.skip(f"{mode} {product} at {M} rows takes {other} (w8_gemm.TABLE)")
     calls = []
     real = w8_gemm.mm
     monkeypatch.setattr(w8_gemm, "mm", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
@@ -263,7 +265,7 @@ def test_weight_only_triton_gemm_with_bf16_activations(dev, mode, M):
     w = QWeight(q.q, q.scale, torch.bfloat16)
     cfg = w8_gemm.pick(mode, M, 2560, 2560, 1)
     if cfg is None:
-        pytest.skip(f"{mode} square at {M} rows takes torch._scaled_mm (w8_gemm.TABLE)")
+        pytest.skip(f"{mode} square at {M} rows takes another path (w8_gemm.TABLE)")
     got = w8_gemm.run(x, w)
     assert got is not None and got.dtype == torch.bfloat16
     _close(got, _weight_only_ref(x, w), rel=2.0**-7)
