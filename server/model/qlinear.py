@@ -9,9 +9,9 @@ Two products, each with a pure-torch twin here (the CUDA paths in server.model.c
 tested against them):
   * weight-only: x @ (q * scale)^T with x as it is (int8 at any batch; fp8 at decode batches up
     to 64, the gemv kernel's and server.model.w8_gemm's paths): `dense_native`.
-  * fp8 x fp8 (the fp8 path at larger batches, torch._scaled_mm): each row of x quantized to e4m3
-    with its own scale (absmax / 448) first: `dense_fp8_native`, with `quant_rows_native` the
-    twin of the activation-quantization kernel.
+  * fp8 x fp8 (the fp8 path at larger batches: w8_gemm's e4m3 tiles, torch._scaled_mm): each row
+    of x quantized to e4m3 with its own scale (absmax / 448) first: `dense_fp8_native`, with
+    `quant_rows_native` the twin of the activation-quantization kernel.
 """
 
 from __future__ import annotations
