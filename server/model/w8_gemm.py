@@ -1,7 +1,10 @@
-"""The weight-only GEMM of 8-bit codes past the gemv kernel's rows: out = x @ (q * scale)^T with
-x (M, K) fp16/bf16 as it is and q (N, K) int8 or fp8 e4m3 codes converted to x's dtype in the
+"""The GEMM of 8-bit weight codes past the gemv kernel's rows: out = x @ (q * scale)^T with x
+(M, K) fp16/bf16 as it is and q (N, K) int8 or fp8 e4m3 codes converted to x's dtype in the
 tiles (exact for both), fp32 accumulation, the per-row scales applied to the sums. P stacked
 planes (x (P, M, K), q (P, N, K)) run in one launch. Pure-torch twin: qlinear.dense_native.
+With fp8 codes, x may also be e4m3 rows with their scales ("fp8a8": the fp8 tensor cores, the
+sums promoted to fp32 every PROMOTE k; twin: qlinear.dense_fp8_native). dequantize() is int8's
+path past the TABLE's rows: the weight in the model dtype in one launch, for cuBLAS.
 
 A Triton kernel (written once for both code types), because at decode batches the product is
 bound by the weights' bytes, which neither cuBLAS (16-bit weights only) nor torch._scaled_mm (it
@@ -13,6 +16,9 @@ weights as the MMA's row operand: a skinny batch then needs no 64-row padding); 
 into SPLIT slices, one program each, whose fp32 partial tiles the last program of the tile to
 finish sums in slice order (a per-tile arrival counter; the sum's order is fixed, so the result
 does not depend on which program finishes last).
+
+Over 300 lines because of TABLE, the measured tile shapes: data that belongs next to the kernel
+whose parameters it holds.
 """
 
 from __future__ import annotations
