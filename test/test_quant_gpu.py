@@ -193,6 +193,26 @@ def test_weight_only_triton_gemm_past_the_gemv(dev, monkeypatch, mode, product, 
     assert torch.equal(cuda_quant.large(x, w, act), got)
 
 
+@pytest.mark.gpu
+def test_dequantize_first_called_under_capture_takes_torch_ops(dev, monkeypatch):
+    """A first dequantize() under CUDA-graph capture (its kernel not compiled and loaded yet)
+    records QWeight.dequantize()'s torch ops instead, with the same bits; eager calls launch the
+    kernel and mark it ready."""
+    from server.model import w8_gemm
+
+    monkeypatch.setattr(w8_gemm, "_dequant_ready", set())
+    w = _qweight((256, 512), "int8", dev, 95)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        out = w8_gemm.dequantize(w)
+    g.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out, w.dequantize()) and not w8_gemm._dequant_ready
+    assert torch.equal(w8_gemm.dequantize(w), w.dequantize()) and w8_gemm._dequant_ready
+
+
 A8_CONFIGS = [  # (bm, bn, bk, split, swap, warps, stages): both orientations, split-K, 8 warps, K tails
     (128, 128, 128, 1, False, 8, 3), (64, 256, 128, 1, True, 8, 4), (128, 64, 64, 2, False, 4, 4),
     (64, 128, 128, 2, True, 4, 3),

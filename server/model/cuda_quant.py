@@ -3,9 +3,8 @@ batch sizes. server.model.cuda_ops.linear sends a QWeight here when the gemv (M 
 activations: weight-only, codes converted in registers) does not take it:
 
   * int8 and fp8 at the rows and products where w8_gemm's TABLE names it (int8 up to 256 rows,
-    fp8 up to 64: where it measured faster than the next path): the weight-only Triton GEMM of server.model.w8_gemm
-    (codes converted to fp16 in its tiles, tile shapes per batch from its TABLE). Twin:
-    qlinear.dense_native.
+    fp8 up to 64: where it measured faster than the next path): the weight-only Triton GEMM of
+    server.model.w8_gemm (codes converted to fp16 in its tiles). Twin: qlinear.dense_native.
   * fp8 past those rows, on sm_89+: each row of x quantized to e4m3 (kernels/quant.cu, one launch
     for all planes; relu^2 folded in for the FFN's value projection), then the e4m3 x e4m3
     product on the fp8 tensor cores: w8_gemm's fp8a8 tiles where its TABLE has them (the r/k/v

@@ -141,7 +141,7 @@ def _dequant_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "K"])
     def dequant(q, s, out, n, K, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
@@ -154,13 +154,23 @@ def _dequant_kernel():
 def dequantize(w: QWeight) -> torch.Tensor:
     """w.dequantize() (q * scale computed in fp32, rounded once to the model dtype) in one launch
     that reads the codes once and writes the result once, for contiguous codes on a GPU; else
-    w.dequantize() itself."""
+    w.dequantize() itself (also for a first call under CUDA-graph capture, where the kernel
+    could not be compiled and loaded)."""
     if not w.q.is_cuda or not w.q.is_contiguous() or not w.scale.is_contiguous() or kernel() is None:
+        return w.dequantize()
+    key = (w.q.device, w.q.dtype, w.dtype)
+    if key not in _dequant_ready and torch.cuda.is_current_stream_capturing():
+        log.warning("w8_gemm: first dequantize for %s under CUDA-graph capture: torch ops run there", key)
         return w.dequantize()
     out = torch.empty(w.q.shape, device=w.q.device, dtype=w.dtype)  # (N, K) or (P, N, K)
     n, block = w.q.numel(), 4096
     _dequant_kernel()[(-(-n // block),)](w.q, w.scale, out, n, w.q.shape[-1], BLOCK=block)
+    _dequant_ready.add(key)
     return out
+
+
+_dequant_ready: set[tuple] = set()
+"""(device, code dtype, model dtype) whose dequantize kernel is compiled and loaded."""
 
 
 INT8_MAGIC = True
