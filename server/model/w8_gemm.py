@@ -141,7 +141,7 @@ def _dequant_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n", "K"])
+    @triton.jit
     def dequant(q, s, out, n, K, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
@@ -158,19 +158,21 @@ def dequantize(w: QWeight) -> torch.Tensor:
     could not be compiled and loaded)."""
     if not w.q.is_cuda or not w.q.is_contiguous() or not w.scale.is_contiguous() or kernel() is None:
         return w.dequantize()
-    key = (w.q.device, w.q.dtype, w.dtype)
+    n, K = w.q.numel(), w.q.shape[-1]
+    key = (w.q.device, w.q.dtype, w.dtype, n % 16 == 0, K % 16 == 0)  # what Triton compiles for
     if key not in _dequant_ready and torch.cuda.is_current_stream_capturing():
         log.warning("w8_gemm: first dequantize for %s under CUDA-graph capture: torch ops run there", key)
         return w.dequantize()
     out = torch.empty(w.q.shape, device=w.q.device, dtype=w.dtype)  # (N, K) or (P, N, K)
-    n, block = w.q.numel(), 4096
-    _dequant_kernel()[(-(-n // block),)](w.q, w.scale, out, n, w.q.shape[-1], BLOCK=block)
+    block = 4096
+    _dequant_kernel()[(-(-n // block),)](w.q, w.scale, out, n, K, BLOCK=block)
     _dequant_ready.add(key)
     return out
 
 
 _dequant_ready: set[tuple] = set()
-"""(device, code dtype, model dtype) whose dequantize kernel is compiled and loaded."""
+"""The dequantize kernel's compiled variants (device, dtypes, the sizes' divisibility by 16, on
+which Triton specializes: vector loads under the mask), loaded by an eager launch."""
 
 
 INT8_MAGIC = True
