@@ -8,9 +8,11 @@ embedders may pass their own. Routes use the small dependency functions below.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import orjson
 from fastapi import Request
+from fastapi.responses import Response
 
 from server.api.errors import ApiError
 from server.api.metrics import Metrics
@@ -78,3 +80,15 @@ def get_owner(request: Request) -> str | None:
 
     Set by the auth middleware; tasks belong to it."""
     return getattr(request.state, "owner", None)
+
+
+def task_manager(sv: Services) -> TaskManager:
+    """The task manager, for the routes that need one; 503 when the server runs without it."""
+    if sv.tasks is None:
+        raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
+    return sv.tasks
+
+
+def json_response(body: dict[str, Any], status: int = 200) -> Response:
+    """A JSON body (orjson) with its status."""
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")

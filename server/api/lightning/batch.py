@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -27,16 +26,12 @@ from server.api.metrics import Recorder
 from server.api.openai.jobs import ClientGone, Job, Prompt, collect, submit_all
 from server.api.openai.render import Renderer
 from server.api.openai.stream import ChoiceStream
-from server.api.services import Services, get_services
+from server.api.services import Services, get_services, json_response
 from server.api.streaming.sse import SSEResponse
 from server.engine.protocol import StateLike
 from server.engine.types import SamplingParams
 
 ENCODE_INLINE_CHARS = 16_384
-
-
-def json_response(body: dict[str, Any], status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
 def new_id(kind: str) -> str:

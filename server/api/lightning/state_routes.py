@@ -12,15 +12,14 @@ from fastapi.responses import Response
 from server.api.errors import ApiError
 from server.api.lightning import docs
 from server.api.lightning.auth import authorize
-from server.api.lightning.batch import json_response
 from server.api.lightning.errors import LightningError
 from server.api.lightning.schemas import Credential, DeleteBody, MultiStateBody, StateBody, capped, sampling_params
 from server.api.lightning.session_stream import SessionStream, settle
 from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions, tagged
-from server.api.services import Services, get_services
+from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
-from server.api.tasks.routes import _call, _tasks  # (task-layer errors in our shape)
+from server.api.tasks.routes import _call  # (task-layer errors in our shape)
 from server.engine.types import MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ async def _answer(
 ) -> Response:
     """The run's native SSE or JSON; `node`: the multi_state node it made (the JSON says
     `dialogue_idx`, the stream sends its node event before [DONE])."""
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     named = {"dialogue_idx": node} if node is not None else {}
     if body.stream:
         tail = (
@@ -94,7 +93,7 @@ async def state_chat(body: StateBody, request: Request) -> Response:
     owner = authorize(request, body.password)
     sv = get_services(request)
     sid, prompt, fields = _request(body, sv)
-    t = await _call(Sessions.of(_tasks(sv)).chat(owner, sid, prompt, fields))
+    t = await _call(Sessions.of(task_manager(sv)).chat(owner, sid, prompt, fields))
     return await _answer(request, sv, t, owner, body, "rwkv7-batch")
 
 
@@ -109,7 +108,7 @@ async def multi_state_chat(body: MultiStateBody, request: Request) -> Response:
     sv = get_services(request)
     sid, prompt, fields = _request(body, sv)
     try:
-        t, new = await _call(Sessions.of(_tasks(sv)).branch(owner, sid, body.dialogue_idx, prompt, fields))
+        t, new = await _call(Sessions.of(task_manager(sv)).branch(owner, sid, body.dialogue_idx, prompt, fields))
     except SessionNotFound as exc:
         raise LightningError(404, str(exc)) from None
     return await _answer(request, sv, t, owner, body, "rwkv7-multi-state", node=new)
@@ -127,7 +126,7 @@ def _level(tm: TaskManager, t: Task) -> str:
 async def state_status(request: Request, body: Credential | None = None) -> Response:
     """The caller's sessions and dialogue nodes, by where their state is now."""
     owner = authorize(request, body.password if body is not None else None)
-    tm = _tasks(get_services(request))
+    tm = task_manager(get_services(request))
     sessions: list[dict[str, Any]] = []
     levels: list[str] = []
     for name, t in await _call(Sessions.of(tm).listing(owner)):
@@ -155,7 +154,7 @@ async def state_delete(body: DeleteBody, request: Request) -> Response:
     owner = authorize(request, body.password)
     if not body.session_id:
         raise LightningError(400, "Missing session_id parameter")
-    tm = _tasks(get_services(request))
+    tm = task_manager(get_services(request))
     found = await _call(Sessions.of(tm).delete(owner, body.session_id, body.delete_prefix))
     if found or body.delete_prefix:
         return json_response({"status": "success", "message": f"Session {body.session_id} deleted successfully"})

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -26,7 +25,7 @@ from server.api.openai.messages import turns
 from server.api.openai.schemas import ChatRequest, CompletionRequest, OpenAIFields
 from server.api.openai.stream import ChoiceStream
 from server.api.openapi import answers
-from server.api.services import Services, get_owner, get_services
+from server.api.services import Services, get_owner, get_services, json_response
 from server.api.streaming.sse import SSEResponse
 from server.engine.types import SamplingParams
 from server.tasks.params import fim_prompt
@@ -43,14 +42,10 @@ async def encode(sv: Services, text: str) -> list[int]:
     return await asyncio.to_thread(sv.tokenizer.encode, text)
 
 
-def _json(body: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")
-
-
 @router.get("/models", responses=answers(401, 503))
 async def list_models(request: Request) -> Response:
     sv = get_services(request)
-    return _json({"object": "list", "data": [_model_card(sv)]})
+    return json_response({"object": "list", "data": [_model_card(sv)]})
 
 
 @router.get("/models/{model_id:path}", responses=answers(401, 404, 503))
@@ -63,7 +58,7 @@ async def get_model(model_id: str, request: Request) -> Response:
             param="model",
             code="model_not_found",
         )
-    return _json(_model_card(sv))
+    return json_response(_model_card(sv))
 
 
 def _model_card(sv: Services) -> dict[str, Any]:
@@ -275,7 +270,7 @@ async def _respond(
         except ClientGone:
             request.state.error = "the client left before the answer"
             return Response(status_code=499)
-        return _json(full(jobs, meta))
+        return json_response(full(jobs, meta))
     except BaseException:
         abort_all(jobs)
         raise

@@ -13,7 +13,6 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -24,7 +23,7 @@ from server.api.openapi import answers
 from server.api.responses import render
 from server.api.responses.schemas import ResponseRequest, TextFormat
 from server.api.sampling import bad_text
-from server.api.services import Services, get_owner, get_services
+from server.api.services import Services, get_owner, get_services, json_response, task_manager
 from server.engine.types import EOS_TOKEN, EngineError, SamplingParams
 from server.tasks.errors import TaskError, TaskNotFound
 
@@ -34,16 +33,6 @@ if TYPE_CHECKING:
 
 router = APIRouter(prefix="/v1", tags=["responses"])
 T = TypeVar("T")
-
-
-def _json(body: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")
-
-
-def _tasks(sv: Services) -> TaskManager:
-    if sv.tasks is None:
-        raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
-    return sv.tasks
 
 
 async def _call(aw: Awaitable[T]) -> T:
@@ -114,7 +103,7 @@ def _separator(sv: Services, src: Task) -> str:
 @router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True))
 async def create_response(body: ResponseRequest, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     bad = bad_text(body)
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
@@ -145,7 +134,7 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
         return StreamingResponse(render.events(t, sv.model_id), media_type="text/event-stream")
     if t.running and t.done is not None:
         await asyncio.shield(t.done.wait())
-    return _json(render.response(t, sv.model_id))
+    return json_response(render.response(t, sv.model_id))
 
 
 _READS = answers(401, 404, 503)
@@ -154,14 +143,14 @@ _READS = answers(401, 404, 503)
 @router.get("/responses/{response_id}", responses=_READS)
 async def get_response(response_id: str, request: Request) -> Response:
     sv = get_services(request)
-    t = await _stored(_tasks(sv), response_id, get_owner(request), "response_id")
-    return _json(render.response(t, sv.model_id))
+    t = await _stored(task_manager(sv), response_id, get_owner(request), "response_id")
+    return json_response(render.response(t, sv.model_id))
 
 
 @router.delete("/responses/{response_id}", responses=_READS)
 async def delete_response(response_id: str, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     t = await _stored(tm, response_id, owner, "response_id")
     await _call(tm.delete(t.id, owner))
-    return _json({"id": response_id, "object": "response.deleted", "deleted": True})
+    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})

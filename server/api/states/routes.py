@@ -19,13 +19,12 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError
 from server.api.loading import torch_dtype
-from server.api.services import Services, get_owner, get_services
+from server.api.services import get_owner, get_services, json_response, task_manager
 from server.tasks.errors import TaskError, TaskNotFound
 from server.tasks.imports import (
     STATE_OPERATOR,
@@ -66,16 +65,6 @@ _FILE = {"application/octet-stream": {"schema": {"type": "string", "format": "bi
 MAX_LISTED = 1000
 MAX_PENDING_HEADER = 1024
 """Pending token ids listed in the export's X-RWKV-Pending-Tokens header (beyond: count only)."""
-
-
-def _json(body: dict[str, Any], status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-def _tasks(sv: Services) -> TaskManager:
-    if sv.tasks is None:
-        raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
-    return sv.tasks
 
 
 async def _call(aw: Awaitable[T]) -> T:
@@ -130,7 +119,7 @@ async def upload_state(name: str, request: Request) -> Response:
     """Make the read-only template `_name` from the state file in the body (raw bytes:
     `curl --data-binary @state.pth`): a tuned state, or an export of this or another server."""
     sv = get_services(request)
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     tid = _template_id(name)
     if (request.headers.get("content-type") or "").lower().startswith("multipart/"):
         raise ApiError(
@@ -162,7 +151,7 @@ async def upload_state(name: str, request: Request) -> Response:
     except StateFileError as exc:
         raise ApiError(422, str(exc), param="file", code="invalid_state_file") from None
     tpl = await _call(template_from_state(tm, name, sf.state, pending=sf.pending, owner=get_owner(request)))
-    return _json(
+    return json_response(
         {**_info(tpl), "format": "full" if sf.full else "rwkv", "dtype": sf.dtype, "bytes": len(data)}, status=201
     )
 
@@ -205,7 +194,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 # --- list / info / delete ----------------------------------------------------------------------
 @router.get("/v1/states", responses=_answers(401, 503))
 async def list_states(request: Request) -> Response:
-    tm = _tasks(get_services(request))
+    tm = task_manager(get_services(request))
     owner = get_owner(request)
     everyone = await _call(tm.list(None, kind="template", limit=MAX_LISTED))
     own = everyone if owner is None else await _call(tm.list(owner, kind="template", limit=MAX_LISTED))
@@ -220,22 +209,22 @@ async def list_states(request: Request) -> Response:
         {"name": tid[1:], "template_id": tid, "origin": _origin(s["parent_id"]), "created_at": s["created_at"]}
         for tid, s in sorted(items.items())
     ]
-    return _json({"object": "list", "data": states})
+    return json_response({"object": "list", "data": states})
 
 
 @router.get("/v1/states/{name:path}", responses=_answers(401, 404, 422, 503))
 async def get_state(name: str, request: Request) -> Response:
-    tm = _tasks(get_services(request))
-    return _json(_info(await _state_template(tm, name, get_owner(request))))
+    tm = task_manager(get_services(request))
+    return json_response(_info(await _state_template(tm, name, get_owner(request))))
 
 
 @router.delete("/v1/states/{name:path}", responses=_answers(401, 403, 404, 422, 503))
 async def delete_state(name: str, request: Request) -> Response:
-    tm = _tasks(get_services(request))
+    tm = task_manager(get_services(request))
     owner = get_owner(request)
     t = await _state_template(tm, name, owner, write=True)
     await _call(tm.delete(t.id, owner, force=True))
-    return _json({"name": name, "template_id": t.id, "deleted": True})
+    return json_response({"name": name, "template_id": t.id, "deleted": True})
 
 
 # --- export ------------------------------------------------------------------------------------
@@ -247,7 +236,7 @@ async def export_state(task_id: str, request: Request, format: Literal["full", "
     (token shifts, pending tokens, metadata; a bit-exact round trip); rwkv: the bare file
     RWKV-Runner and the rwkv package load (the metadata in the X-RWKV-* headers)."""
     sv = get_services(request)
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     t = await _call(tm.get(task_id, get_owner(request)))
     if t.running:
         raise ApiError(

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, engine_error
 from server.api.grammar import response_grammar
 from server.api.openapi import EventStream, answers
-from server.api.services import Services, get_owner, get_services
+from server.api.services import Services, get_owner, get_services, json_response, task_manager
 from server.api.streaming.sse import SSEResponse
 from server.api.tasks.schemas import CreateBody, EmptyBody, FimBody, GenParams, UpdateBody
 from server.api.tasks.stream import TaskStream
@@ -28,21 +27,10 @@ from server.engine.types import EngineError
 from server.tasks.errors import TaskError
 
 if TYPE_CHECKING:
-    from server.tasks import TaskManager
     from server.tasks.records import Task
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 T = TypeVar("T")
-
-
-def _json(body: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")
-
-
-def _tasks(sv: Services) -> TaskManager:
-    if sv.tasks is None:
-        raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
-    return sv.tasks
 
 
 async def _params(sv: Services, body: GenParams) -> dict[str, Any]:
@@ -72,7 +60,7 @@ def _answer(sv: Services, t: Task, stream: bool, *, own: bool = False) -> Respon
     failed."""
     try:
         if not stream:
-            return _json(t.response())
+            return json_response(t.response())
         return _sse(sv, t, 0, abort_on_close=own and t.kind == "tmp")
     except BaseException:
         if sv.tasks is not None:
@@ -97,7 +85,7 @@ def _sse(sv: Services, t: Task, pos: int, abort_on_close: bool = False) -> SSERe
 async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Response:
     sv = get_services(request)
     t = await _call(
-        _tasks(sv).create(body.prompt, await _params(sv, body), persistent=persistent, owner=get_owner(request))
+        task_manager(sv).create(body.prompt, await _params(sv, body), persistent=persistent, owner=get_owner(request))
     )
     return _answer(sv, t, body.stream, own=True)
 
@@ -118,7 +106,7 @@ async def create_task(body: CreateBody, request: Request) -> Response:
 @router.post("/fim", responses=_STARTS)
 async def fim(body: FimBody, request: Request) -> Response:
     sv = get_services(request)
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     t = await _call(tm.fim(body.prefix, body.suffix, await _params(sv, body), owner=get_owner(request)))
     return _answer(sv, t, body.stream, own=True)
 
@@ -131,8 +119,8 @@ async def list_tasks(
     offset: int = Query(0, ge=0, le=1_000_000),
     kind: Literal["tmp", "task", "template"] | None = Query(None),
 ) -> Response:
-    tm = _tasks(get_services(request))
-    return _json(await _call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
+    tm = task_manager(get_services(request))
+    return json_response(await _call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
 
 
 _READS = answers(401, 404, 422, 503)
@@ -140,20 +128,20 @@ _READS = answers(401, 404, 422, 503)
 
 @router.get("/{task_id}/get_result", responses=_READS)
 async def get_result(task_id: str, request: Request) -> Response:
-    tm = _tasks(get_services(request))
-    return _json((await _call(tm.get(task_id, get_owner(request)))).response())
+    tm = task_manager(get_services(request))
+    return json_response((await _call(tm.get(task_id, get_owner(request)))).response())
 
 
 @router.get("/{task_id}/status", responses=_READS)
 async def status(task_id: str, request: Request) -> Response:
-    tm = _tasks(get_services(request))
-    return _json((await _call(tm.get(task_id, get_owner(request)))).info())
+    tm = task_manager(get_services(request))
+    return json_response((await _call(tm.get(task_id, get_owner(request)))).info())
 
 
 @router.get("/{task_id}/stream", responses=answers(401, 404, 409, 422, 503, sse_only=True), response_class=EventStream)
 async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> Response:
     sv = get_services(request)
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     t = await _call(tm.get(task_id, get_owner(request), stream=True))  # 409 while another instance runs it
     return _sse(sv, t, pos)
 
@@ -162,7 +150,7 @@ async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> R
 @router.post("/{task_id}/fork", responses=answers(401, 404, 409, 413, 422, 429, 503, stream=True))
 async def fork(task_id: str, request: Request, body: UpdateBody | None = None, tmp: bool = Query(False)) -> Response:
     sv, body = get_services(request), body or UpdateBody()
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     t = await _call(tm.fork(task_id, await _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
     return _answer(sv, t, body.stream, own=True)
 
@@ -172,16 +160,16 @@ async def continue_task(
     task_id: str, request: Request, body: UpdateBody | None = None, force: bool = Query(False)
 ) -> Response:
     sv, body = get_services(request), body or UpdateBody()
-    tm = _tasks(sv)
+    tm = task_manager(sv)
     t = await _call(tm.continue_(task_id, await _params(sv, body), body.prompt, owner=get_owner(request), force=force))
     return _answer(sv, t, body.stream)
 
 
 @router.post("/{task_id}/stop", responses=answers(401, 403, 404, 413, 422, 503))
 async def stop(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
-    tm = _tasks(get_services(request))
+    tm = task_manager(get_services(request))
     t = await _call(tm.stop(task_id, get_owner(request), force=force))
-    return _json(t.info())
+    return json_response(t.info())
 
 
 @router.post("/{task_id}/as_template", responses=answers(401, 404, 409, 413, 422, 503))
@@ -193,13 +181,13 @@ async def as_template(
     public: bool = Query(False),
 ) -> Response:
     """public=true: every API key may read and fork the template (default: private to this key)."""
-    tm = _tasks(get_services(request))
+    tm = task_manager(get_services(request))
     t = await _call(tm.as_template(task_id, get_owner(request), name=name, public=public))
-    return _json(t.response())
+    return json_response(t.response())
 
 
 @router.post("/{task_id}/delete", responses=answers(401, 403, 404, 413, 422, 503))
 async def delete(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
-    tm = _tasks(get_services(request))
+    tm = task_manager(get_services(request))
     t = await _call(tm.delete(task_id, get_owner(request), force=force))
-    return _json(t.info())
+    return json_response(t.info())
