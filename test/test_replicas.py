@@ -54,8 +54,10 @@ def two_servers_one_database(tmp_path, db: str) -> None:
         twin = ca.post("/create", json={"prompt": "finished 0", "max_tokens": 6, **G}).json()["task_id"]
         for t in (*done, twin):
             wait_done(ca, t)
-        running = [ca.post("/create", json={"prompt": f"long {i}", "max_tokens": 100000}).json()["task_id"]
-                   for i in range(2)]
+        # ignore_eos: a sampled end-of-text would finish them (a CI run saw one finished on A
+        # before the checks below); they must run until A is killed
+        running = [ca.post("/create", json={"prompt": f"long {i}", "max_tokens": 100000, "ignore_eos": True})
+                   .json()["task_id"] for i in range(2)]  # fmt: skip
         time.sleep(1.3)  # a progress row lands
         b = replica(tmp_path, "b", db).start()
         cb = httpx.Client(base_url=b.url + "/v1/tasks", timeout=30)
