@@ -234,8 +234,7 @@ def test_fp8a8_triton_gemm_is_the_fp8_product(dev, product, M, cfg):
     act = product == "deep"
     x = _data((P, M, K) if P > 1 else (M, K), dev, 60 + M)
     w = _qweight((P, N, K) if P > 1 else (N, K), "fp8", dev, 61)
-    xq, sx = cuda_quant.quant_rows(x.reshape(-1, K), act)
-    xq, sx = xq.view(x.shape), sx.view(*x.shape[:-1], 1)
+    xq, sx = cuda_quant.quant_like(x, act)
     got = w8_gemm.mm(xq, w, W8Config(*cfg), xs=sx)
     assert got.dtype == torch.float16 and got.shape == (*x.shape[:-1], N)
     ref = torch.matmul(xq.double(), w.q.double().transpose(-1, -2)) * sx.double() * w.scale.double().unsqueeze(-2)

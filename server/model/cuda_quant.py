@@ -71,16 +71,21 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
         if y is not None:
             return y
     if fp8_mm and x.dtype in _DT:
-        xq, sx = quant_rows(x.reshape(-1, K), act)  # (P*M, K), (P*M, 1)
-        y = w8_gemm.run(xq.view(x.shape), w, xs=sx.view(*x.shape[:-1], 1))  # e4m3 x e4m3 tiles
-        return y if y is not None else _scaled(xq, sx, x.shape, w)
+        xq, sx = quant_like(x, act)
+        y = w8_gemm.run(xq, w, xs=sx)  # e4m3 x e4m3 tiles, where its TABLE has them
+        return y if y is not None else _scaled(xq, sx, w)
     return ops.linear(ops.relu_square(x) if act else x, w8_gemm.dequantize(w))
+
+
+def quant_like(x: torch.Tensor, act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_rows over x's last dimension, shaped as x: codes (..., K) e4m3, scales (..., 1)."""
+    xq, sx = quant_rows(x.reshape(-1, x.shape[-1]), act)  # (R, K), (R, 1)
+    return xq.view(x.shape), sx.view(*x.shape[:-1], 1)
 
 
 def fp8_scaled(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
     """large()'s fp8 x fp8 product through torch._scaled_mm alone (benchmarks compare it)."""
-    xq, sx = quant_rows(x.reshape(-1, x.shape[-1]), act)
-    return _scaled(xq, sx, x.shape, w)
+    return _scaled(*quant_like(x, act), w)
 
 
 MM_ROWS = 16
@@ -88,25 +93,25 @@ MM_ROWS = 16
 CUBLAS_STATUS_NOT_SUPPORTED on the H200): other counts are padded with zero rows."""
 
 
-def _scaled(xq: torch.Tensor, sx: torch.Tensor, shape: torch.Size, w: QWeight) -> torch.Tensor:
-    """Quantized rows xq (P*M, K) with scales sx (P*M, 1) of an x of this shape ((M, K) or
-    (P, M, K)) @ w^T through torch._scaled_mm, one call per plane."""
-    M, K = shape[-2], shape[-1]
+def _scaled(xq: torch.Tensor, sx: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """Quantized rows xq (M, K) / (P, M, K) with scales sx (M, 1) / (P, M, 1) @ w^T through
+    torch._scaled_mm, one call per plane."""
+    M, K = xq.shape[-2], xq.shape[-1]
     N = w.shape[-2]
-    planes = 1 if len(shape) == 2 else shape[0]
-    dim = len(shape)
+    flat = xq.dim() == 2
+    xq3, sx3 = xq.view(-1, M, K), sx.view(-1, M, 1)  # (P, M, K), (P, M, 1)
+    planes = xq3.shape[0]
     if M % MM_ROWS:  # zero rows (scale 1) to the next multiple of 16, per plane
         R = -(-M // MM_ROWS) * MM_ROWS
-        xq = torch.cat([xq.view(planes, M, K), xq.new_zeros(planes, R - M, K)], 1).view(-1, K)  # (P*R, K)
-        sx = torch.cat([sx.view(planes, M, 1), sx.new_ones(planes, R - M, 1)], 1).view(-1, 1)
-        ys = [_mm(xq[p * R : (p + 1) * R], sx[p * R : (p + 1) * R], w if dim == 2 else w.plane(p), None)[:M]
-              for p in range(planes)]  # fmt: skip
-        return ys[0] if dim == 2 else torch.stack(ys)
-    if dim == 2:
+        xq3 = torch.cat([xq3, xq3.new_zeros(planes, R - M, K)], 1)  # (P, R, K)
+        sx3 = torch.cat([sx3, sx3.new_ones(planes, R - M, 1)], 1)  # (P, R, 1)
+        ys = [_mm(xq3[p], sx3[p], w if flat else w.plane(p), None)[:M] for p in range(planes)]
+        return ys[0] if flat else torch.stack(ys)
+    if flat:
         return _mm(xq, sx, w, None)
     out = torch.empty(planes, M, N, device=xq.device, dtype=w.dtype)  # (P, M, N)
     for p in range(planes):
-        _mm(xq[p * M : (p + 1) * M], sx[p * M : (p + 1) * M], w.plane(p), out[p])
+        _mm(xq3[p], sx3[p], w.plane(p), out[p])
     return out
 
 

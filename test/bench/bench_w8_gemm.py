@@ -71,8 +71,8 @@ def product(mode: str, x: torch.Tensor, act: bool, cfg):
         return lambda w: mm(x, w, cfg, act)
 
     def a8(w):
-        xq, sx = cuda_quant.quant_rows(x.reshape(-1, x.shape[-1]), act)
-        return mm(xq.view(x.shape), w, cfg, False, sx.view(*x.shape[:-1], 1))
+        xq, sx = cuda_quant.quant_like(x, act)
+        return mm(xq, w, cfg, False, sx)
 
     return a8
 
@@ -151,8 +151,10 @@ def main() -> None:
                     base["scaled_mm"] = graph_us(lambda w: cuda_quant.fp8_scaled(x, w, act), ws)
                 if mode == "int8":  # large() without the Triton path: dequantize, then cuBLAS
                     table, w8_gemm.TABLE = w8_gemm.TABLE, {}
-                    base["dequant"] = graph_us(lambda w: cuda_quant.large(x, w, act), ws)
-                    w8_gemm.TABLE = table
+                    try:
+                        base["dequant"] = graph_us(lambda w: cuda_quant.large(x, w, act), ws)
+                    finally:
+                        w8_gemm.TABLE = table
                 del w16
                 rows, failed = [], 0
                 for cfg in configs(M, mode) if args.top else ():
