@@ -17,6 +17,7 @@ SOURCES = (
     "wkv7_tmix_pipe.cu",
     "fused_elementwise.cu",
     "gemv.cu",
+    "gemv_sparse.cu",
     "quant.cu",
     "sampler.cu",
 )
@@ -53,6 +54,10 @@ SIGNATURES: dict[str, list[str]] = {
     # warps, cfg, act (0 none, 1 relu^2 on x), lim (per-plane widths / 8, 8 bits each), lim_kind (0 none,
     # 1 rows, 2 columns), stream (returns -2 = layout not covered: use the fallback)
     "gemv": [I, I, I, I, I, I, P, LL, LL, P, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
+    # gemv_sparse.cu: w_dt (1 int8, 2 fp8 e4m3), N, K, x, wt (K, N codes), scale, out, part (workspace
+    # slices x N fp32), count (workspace, ceil(N / 512) uint32), slices, ks (inputs per slice), warps,
+    # stream (returns -2 = not covered: use the gemv)
+    "gemv_sparse": [I, I, I, P, P, P, P, P, P, I, I, I, P],
     # quant.cu: f_dt, rows, K, x, x_stride, act (1: relu^2 first), q, q_stride, scale, stream
     "quant_rows_fp8": [I, I, I, P, LL, I, P, LL, P, P],
     # fused_elementwise.cu, a test hook: mode (0 plain launches, 1 programmatic dependent launch

@@ -288,8 +288,14 @@ def _gemv_lim(rows, cols) -> tuple[int, int]:
 
 
 def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
-    """ops.relu2_linear: linear(relu_square(h), w). At M <= GEMV_MAX_M one gemv launch that squares
-    as it loads (h is left as it is); otherwise relu_square in place on h, then linear."""
+    """ops.relu2_linear: linear(relu_square(h), w). One row with an 8-bit weight that carries its
+    transposed codes: cuda_quant.sparse_relu2 (reads only the nonzero inputs' weights). At M <=
+    GEMV_MAX_M one gemv launch that squares as it loads (h is left as it is); otherwise
+    relu_square in place on h, then linear."""
+    if isinstance(w, QWeight) and w.sparse is not None and h.dim() == 2 and h.shape[0] == 1:
+        y = cuda_quant.sparse_relu2(h, w)
+        if y is not None:
+            return y
     return _linear(h, w, 0, 0, 1, (0, 0))
 
 

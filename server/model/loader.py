@@ -69,6 +69,8 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     )
     model.synthetic = is_synthetic
     model.quant = quant
+    if quant == "fp8" and model.kernel_ops() and device.type == "cuda":
+        _sparse_values(model, name)
     if quantizer is not None:
         quantizer.log(name)
     if quant != "none" and device.type != "cuda":
@@ -106,6 +108,23 @@ def _head8(head: torch.Tensor, name: str) -> qlinear.QWeight:
     log.info("%s: int8 copy of the head for products of <= %d rows: +%.2f GB in %.1fs", name,
              qlinear.HEAD8_MAX_ROWS, head8.nbytes() / 1e9, time.perf_counter() - t0)  # fmt: skip
     return head8
+
+
+def _sparse_values(model: RWKV7, name: str) -> None:
+    """Each layer's FFN value codes transposed for the one-row product that skips relu^2's zeros
+    (cuda_quant.sparse_relu2): B=1 decode reads only the nonzero inputs' weight rows, for the
+    memory of a second copy of those codes (docs/performance.md, "Skipping relu^2's zeros").
+    fp8 only: int8 is the mode chosen to fit a model in less memory."""
+    from server.model import cuda_quant  # CUDA paths: imported when the model runs on CUDA
+
+    t0, extra = time.perf_counter(), 0
+    for lw in model.w.layers:
+        if isinstance(lw.ffn_value, qlinear.QWeight) and lw.ffn_value.dim() == 2:
+            lw.ffn_value.sparse = cuda_quant.sparse_codes(lw.ffn_value)
+            extra += lw.ffn_value.sparse.qt.numel() + lw.ffn_value.sparse.part.numel() * 4
+    torch.cuda.synchronize(model.device)
+    log.info("%s: FFN value codes transposed for one-row decode (zero inputs skipped): +%.2f GB in %.1fs", name,
+             extra / 1e9, time.perf_counter() - t0)  # fmt: skip
 
 
 class _Progress:

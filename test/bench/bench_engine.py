@@ -214,6 +214,9 @@ def main() -> None:
     p.add_argument("--fp8-fast-accum", default="",
                    help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
                         "one process ('' = the module's value)")  # fmt: skip
+    p.add_argument("--sparse-value", default="",
+                   help="decode runs at each of these cuda_quant.SPARSE_VALUE values (0/1: B=1's FFN value skips "
+                        "relu^2's zeros), alternating ('' = the module's value)")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -240,12 +243,7 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         graphs = not a.no_graphs and dev.type == "cuda"
-        for fa in [bool(int(v)) for v in a.fp8_fast_accum.split(",") if v] or [None]:
-            tag = {} if fa is None else {"fp8_fast_accum": fa}
-            if fa is not None:
-                from server.model import cuda_quant
-
-                cuda_quant.FP8_FAST_ACCUM = fa
+        for tag in _switches(a):
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
         for gl in [int(v) for v in a.prefill_graph_len.split(",") if v] or [0]:
@@ -259,6 +257,24 @@ def main() -> None:
     print_table(lines)
 
 
+SWITCHES = {"fp8_fast_accum": "FP8_FAST_ACCUM", "sparse_value": "SPARSE_VALUE"}
+"""bench arguments that set a server.model.cuda_quant switch per decode run: argument -> attribute"""
+
+
+def _switches(a: argparse.Namespace):
+    """Each decode run's switch settings, set in cuda_quant before it runs, yielded as the tag that
+    its result lines carry ({} once when no switch is given)."""
+    runs = [(k, bool(int(v))) for k in SWITCHES for v in getattr(a, k).split(",") if v]
+    if not runs:
+        yield {}
+        return
+    from server.model import cuda_quant
+
+    for key, on in runs:
+        setattr(cuda_quant, SWITCHES[key], on)
+        yield {key: on}
+
+
 def print_table(lines: list[dict]) -> None:
     print(f"\n{'state':6} {'batch':>6} {'what':10} {'tok/s':>12} {'ms':>9} {'peak GB':>8}")
     for r in lines:
@@ -269,7 +285,7 @@ def print_table(lines: list[dict]) -> None:
             what += f" g{r['prefill_graph_len']}"
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
-        pf = f"  fp8 fast accumulation {r['fp8_fast_accum']}" if "fp8_fast_accum" in r else ""
+        pf = "".join(f"  {k} {r[k]}" for k in SWITCHES if k in r)
         peak = r.get("peak_mem_gb") or 0
         print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {peak:8.2f}{pf}")
 

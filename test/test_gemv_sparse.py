@@ -1,0 +1,138 @@
+"""The one-row FFN value product that skips relu^2's zeros (kernels/gemv_sparse.cu through
+server.model.cuda_quant.sparse_relu2): its slice plan on any machine, and on the GPU against the
+dequantized product, the gemv it replaces, itself (the same bits on every launch, under a CUDA
+graph too) and in a --quant fp8 model's B=1 decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.model import cuda_ops, cuda_quant, load_model, qlinear
+from server.model.qlinear import QWeight
+
+SHAPES = [(2560, 10240), (4096, 16384), (1024, 4096), (768, 3072), (256, 1024), (16, 96)]
+
+
+@pytest.mark.parametrize("N,K", SHAPES + [(2560, 40)])
+@pytest.mark.parametrize("sms", [132, 78, 1])
+def test_sparse_plan_covers_k_in_whole_slices(N, K, sms):
+    slices, ks = cuda_quant.sparse_plan(N, K, sms)
+    assert ks % 32 == 0 and 32 <= ks <= cuda_quant.SPARSE_MAX_KS
+    assert slices * ks >= K > (slices - 1) * ks  # every input in a slice, no empty slice
+    groups = -(-N // cuda_quant.SPARSE_GROUP)
+    if cuda_quant.SPARSE_MAX_KS > ks > 32 and sms >= 2 * groups:  # not clamped: about one block per SM
+        assert sms / 2 <= groups * slices <= 2 * sms, (groups, slices)
+
+
+def test_sparse_codes_are_the_transposed_codes():
+    w = qlinear.quantize(torch.randn(48, 96), "int8")
+    sp = cuda_quant.sparse_codes(w, blocks=4)
+    assert torch.equal(sp.qt, w.q.t()) and sp.qt.is_contiguous()
+    assert sp.part.shape == (sp.part.shape[0], 48) and not sp.count.any() and sp.ks % 32 == 0
+    w.sparse = sp
+    assert cuda_quant.sparse_relu2(torch.randn(1, 96), w) is None  # CPU: not this kernel's
+
+
+def _data(shape, dev, seed, scale=1.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=torch.float16)
+
+
+def _sparse_weight(N, K, mode, dev, seed) -> QWeight:
+    w = qlinear.quantize(_data((N, K), dev, seed, 0.05), mode)
+    w.sparse = cuda_quant.sparse_codes(w)
+    return w
+
+
+def _ref(h: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """round(relu(h)^2) @ (q * scale)^T in fp64, the square rounded to fp16 as the kernel reads it."""
+    x = torch.relu(h).square().to(torch.float16).double()
+    return x @ (w.q.double() * w.scale.double().unsqueeze(-1)).t()
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (got.double() - ref.double()).abs()
+    bound = 2.0**-10 * ref.double().abs() + 1e-4 * ref.double().abs().amax().clamp_min(1e-30)
+    assert torch.isfinite(got).all() and not (err > bound).any(), f"max err {err.max().item():.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("neg", [0.5, 0.9, 0.0])
+def test_sparse_value_matches_the_dequantized_product(dev, mode, N, K, neg):
+    """neg: the share of x shifted below zero (relu^2's zeros); 0.0 leaves about half."""
+    w = _sparse_weight(N, K, mode, dev, 1)
+    h = _data((1, K), dev, 2).abs() if neg else _data((1, K), dev, 2)
+    if neg:
+        h[:, torch.randperm(K, generator=torch.Generator().manual_seed(3))[: int(neg * K)].to(dev)] *= -1
+    before = h.clone()
+    got = cuda_quant.sparse_relu2(h, w)
+    assert got is not None and got.shape == (1, N) and got.dtype == torch.float16
+    _close(got, _ref(h, w))
+    assert torch.equal(h, before) and not w.sparse.count.any()  # counters back at zero
+    gemv = cuda_ops._linear(h, w, 0, 0, 1, (0, 0))  # the gemv this replaces, within fp16 rounding
+    torch.testing.assert_close(got, gemv, rtol=2e-3, atol=1e-3 * gemv.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_sparse_value_all_zero_inputs_and_the_routing(dev, monkeypatch):
+    w = _sparse_weight(2560, 10240, "fp8", dev, 4)
+    h = -_data((1, 10240), dev, 5).abs()  # every relu^2 zero: no weight row read
+    assert not cuda_quant.sparse_relu2(h, w).any()
+    calls = []
+    real = cuda_quant.sparse_relu2
+    monkeypatch.setattr(cuda_quant, "sparse_relu2", lambda *a: calls.append(1) or real(*a))
+    x = _data((1, 10240), dev, 6)
+    y1 = cuda_ops.relu2_linear(x, w)  # one row: the sparse kernel
+    cuda_ops.relu2_linear(_data((2, 10240), dev, 6), w)  # two rows: the gemv
+    assert calls == [1]
+    monkeypatch.setattr(cuda_quant, "SPARSE_VALUE", False)
+    y0 = cuda_ops.relu2_linear(x, w)  # switched off: the gemv
+    torch.testing.assert_close(y1, y0, rtol=2e-3, atol=1e-3 * y0.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_sparse_value_is_deterministic_and_graph_safe(dev):
+    """The slices are summed in order whichever block arrives last: every launch, eager or replayed
+    from a CUDA graph, gives the same bits; the counters wrap back to zero after each."""
+    w = _sparse_weight(2560, 10240, "fp8", dev, 7)
+    x = _data((1, 10240), dev, 8)
+    first = cuda_quant.sparse_relu2(x, w)
+    for _ in range(20):
+        assert torch.equal(cuda_quant.sparse_relu2(x, w), first)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        out = cuda_quant.sparse_relu2(x, w)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    for _ in range(5):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize(dev)
+        assert torch.equal(out, first) and not w.sparse.count.any()
+
+
+@pytest.mark.gpu
+def test_fp8_model_decodes_b1_through_the_sparse_value(dev, monkeypatch):
+    """--quant fp8 on CUDA gives each layer's FFN value its transposed codes; B=1 decode reads them
+    (counted) and matches the same model with the sparse path off (the gemv) within fp16 rounding."""
+    model = load_model("synthetic:L4-C512:3", device=dev, dtype=torch.float16, state_dtype=torch.float16,
+                       quant="fp8")  # fmt: skip
+    assert all(isinstance(lw.ffn_value, QWeight) and lw.ffn_value.sparse is not None for lw in model.w.layers)
+    calls = []
+    real = cuda_quant.sparse_relu2
+    monkeypatch.setattr(cuda_quant, "sparse_relu2", lambda *a: (calls.append(1), real(*a))[1])
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(cuda_quant, "SPARSE_VALUE", on)
+        st, tok = model.zero_state(1), torch.tensor([17], device=dev)
+        out = [model.decode(tok, st) for _ in range(4)]
+        logits[on] = torch.stack(out)
+    assert len(calls) >= 4 * 4  # every layer of the 4 steps with the path on
+    a, b = logits[True].float(), logits[False].float()
+    assert ((a - b).norm() / b.norm()).item() < 1e-2
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
