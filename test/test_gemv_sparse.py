@@ -35,6 +35,12 @@ def test_sparse_codes_are_the_transposed_codes():
     assert cuda_quant.sparse_relu2(torch.randn(1, 96), w) is None  # CPU: not this kernel's
 
 
+def test_transposed_codes_are_made_for_fp8_on_cuda_only():
+    """On the CPU a --quant fp8 model carries no transposed copy (the products dequantize there)."""
+    model = load_model("synthetic:L2-C128", quant="fp8")
+    assert all(isinstance(lw.ffn_value, QWeight) and lw.ffn_value.sparse is None for lw in model.w.layers)
+
+
 def _data(shape, dev, seed, scale=1.0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=torch.float16)
