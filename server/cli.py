@@ -26,6 +26,7 @@ CHOICES = {
     "dtype": ("auto", "fp32", "fp16", "bf16"),
     "state_dtype": ("auto", "fp32", "fp16"),
     "quant": ("none", "int8", "fp8"),
+    "sparse_ffn": ("auto", "on", "off"),
     "kernels": ("auto", "torch", "cuda"),
     "log_level": ("debug", "info", "warning", "error"),
 }

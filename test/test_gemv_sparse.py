@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.config import Settings
 from server.model import cuda_ops, cuda_quant, load_model, qlinear
 from server.model.qlinear import QWeight
 
@@ -35,10 +36,15 @@ def test_sparse_codes_are_the_transposed_codes():
     assert cuda_quant.sparse_relu2(torch.randn(1, 96), w) is None  # CPU: not this kernel's
 
 
-def test_transposed_codes_are_made_for_fp8_on_cuda_only():
-    """On the CPU a --quant fp8 model carries no transposed copy (the products dequantize there)."""
-    model = load_model("synthetic:L2-C128", quant="fp8")
-    assert all(isinstance(lw.ffn_value, QWeight) and lw.ffn_value.sparse is None for lw in model.w.layers)
+def test_transposed_codes_are_made_for_cuda_only():
+    """On the CPU a --quant model carries no transposed copy (the products dequantize there),
+    whatever sparse_ffn says; a value sparse_ffn does not know is refused before any load."""
+    for sparse_ffn in ("auto", "on"):
+        model = load_model("synthetic:L2-C128", quant="fp8", sparse_ffn=sparse_ffn)
+        assert all(isinstance(lw.ffn_value, QWeight) and lw.ffn_value.sparse is None for lw in model.w.layers)
+    with pytest.raises(ValueError, match="sparse_ffn must be one of auto, on, off"):
+        load_model("synthetic:L2-C128", quant="fp8", sparse_ffn="yes")
+    assert Settings.from_env({"RWKV_SPARSE_FFN": "off"}).sparse_ffn == "off" and Settings().sparse_ffn == "auto"
 
 
 def _data(shape, dev, seed, scale=1.0):
@@ -123,12 +129,15 @@ def test_sparse_value_is_deterministic_and_graph_safe(dev):
 
 
 @pytest.mark.gpu
-def test_fp8_model_decodes_b1_through_the_sparse_value(dev, monkeypatch):
-    """--quant fp8 on CUDA gives each layer's FFN value its transposed codes; B=1 decode reads them
-    (counted) and matches the same model with the sparse path off (the gemv) within fp16 rounding."""
+@pytest.mark.parametrize("quant,sparse_ffn,made", [("fp8", "auto", True), ("int8", "on", True),
+                                                   ("int8", "auto", False), ("fp8", "off", False)])  # fmt: skip
+def test_model_decodes_b1_through_the_sparse_value(dev, monkeypatch, quant, sparse_ffn, made):
+    """--sparse-ffn on CUDA: auto gives fp8's FFN value weights their transposed codes (int8's only
+    with on; off: none). With them, B=1 decode reads them (counted) and matches the same model
+    with the sparse path switched off (the gemv) within fp16 rounding."""
     model = load_model("synthetic:L4-C512:3", device=dev, dtype=torch.float16, state_dtype=torch.float16,
-                       quant="fp8")  # fmt: skip
-    assert all(isinstance(lw.ffn_value, QWeight) and lw.ffn_value.sparse is not None for lw in model.w.layers)
+                       quant=quant, sparse_ffn=sparse_ffn)  # fmt: skip
+    assert all(isinstance(lw.ffn_value, QWeight) and (lw.ffn_value.sparse is not None) == made for lw in model.w.layers)
     calls = []
     real = cuda_quant.sparse_relu2
     monkeypatch.setattr(cuda_quant, "sparse_relu2", lambda *a: (calls.append(1), real(*a))[1])
@@ -138,7 +147,7 @@ def test_fp8_model_decodes_b1_through_the_sparse_value(dev, monkeypatch):
         st, tok = model.zero_state(1), torch.tensor([17], device=dev)
         out = [model.decode(tok, st) for _ in range(4)]
         logits[on] = torch.stack(out)
-    assert len(calls) >= 4 * 4  # every layer of the 4 steps with the path on
+    assert (len(calls) >= 4 * 4) == made  # every layer of the 4 steps with the path on
     a, b = logits[True].float(), logits[False].float()
     assert ((a - b).norm() / b.norm()).item() < 1e-2
     assert torch.equal(a.argmax(-1), b.argmax(-1))

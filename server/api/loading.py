@@ -86,6 +86,7 @@ def load_services(settings: Settings) -> Loaded:
             kernels=settings.kernels,
             kernel_cache=settings.kernel_cache,
             quant=settings.quant,
+            sparse_ffn=settings.sparse_ffn,
         )
     finally:
         logging.getLogger("rwkv.kernels").removeHandler(kernel_log)

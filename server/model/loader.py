@@ -14,12 +14,15 @@ from server.model.qlinear import Weight
 from server.model.rwkv7 import KERNELS, RWKV7
 
 log = logging.getLogger(__name__)
+SPARSE_FFN = ("auto", "on", "off")
+"""load_model's sparse_ffn values (Settings.sparse_ffn)."""
 
 
 def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
                state_dtype: torch.dtype = torch.float32, *, chunk_len: int | None = None,
                kernels: str = "auto", max_chunk_tokens: int | None = None,
-               kernel_cache: str | Path | None = None, quant: str = "none") -> RWKV7:  # fmt: skip
+               kernel_cache: str | Path | None = None, quant: str = "none",
+               sparse_ffn: str = "auto") -> RWKV7:  # fmt: skip
     """spec: a path to an official RWKV-7 .pth, or 'synthetic:<preset>[:seed]'.
 
     Tensors are converted one at a time onto `device` in `dtype` (no full fp32 copy).
@@ -27,6 +30,8 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     kernel_cache: the kernels' build folder (default kernels.loader.DEFAULT_CACHE_ROOT).
     chunk_len / max_chunk_tokens: prefill chunking (defaults: see RWKV7).
     quant: none, or a qlinear.WEIGHT_MODES mode: the layers' large linears quantized as they load.
+    sparse_ffn: auto | on | off: the FFN value codes transposed for one-row products that skip
+    relu^2's zeros (_sparse_values): auto with fp8 weights, on with int8 or fp8, off never.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -36,6 +41,8 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
     if quant != "none" and quant not in qlinear.WEIGHT_MODES:
         raise ValueError(f"quant must be none or one of {', '.join(qlinear.WEIGHT_MODES)}, not {quant!r}")
+    if sparse_ffn not in SPARSE_FFN:
+        raise ValueError(f"sparse_ffn must be one of {', '.join(SPARSE_FFN)}, not {sparse_ffn!r}")
     is_synthetic = spec.startswith("synthetic:")
     pre: dict[str, qlinear.QWeight] = {}  # a pre-quantized file's linears
     if is_synthetic:
@@ -69,7 +76,8 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     )
     model.synthetic = is_synthetic
     model.quant = quant
-    if quant == "fp8" and model.kernel_ops() and device.type == "cuda":
+    sparse = quant == "fp8" if sparse_ffn == "auto" else sparse_ffn == "on" and quant != "none"
+    if sparse and model.kernel_ops() and device.type == "cuda":
         _sparse_values(model, name)
     if quantizer is not None:
         quantizer.log(name)
@@ -114,7 +122,8 @@ def _sparse_values(model: RWKV7, name: str) -> None:
     """Each layer's FFN value codes transposed for the one-row product that skips relu^2's zeros
     (cuda_quant.sparse_relu2): B=1 decode reads only the nonzero inputs' weight rows, for the
     memory of a second copy of those codes (docs/performance.md, "Skipping relu^2's zeros").
-    fp8 only: int8 is the mode chosen to fit a model in less memory."""
+    With fp8 by default; with int8 only when asked (sparse_ffn=on): int8 is the mode chosen to fit
+    a model in less memory."""
     from server.model import cuda_quant  # CUDA paths: imported when the model runs on CUDA
 
     t0, extra = time.perf_counter(), 0

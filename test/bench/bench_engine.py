@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default="", help="free-text tag stored with each line")
     p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights (load_model quant)")
+    p.add_argument("--sparse-ffn", default="auto", choices=("auto", "on", "off"), help="load_model sparse_ffn")
     p.add_argument("--fp8-fast-accum", default="",
                    help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
                         "one process ('' = the module's value)")  # fmt: skip
@@ -223,7 +224,7 @@ def main() -> None:
     dev = torch.device(a.device)
     t0 = time.perf_counter()
     model = load_model(a.model, device=dev, dtype=DTYPES[a.dtype], kernels=a.kernels, chunk_len=a.chunk_len,
-                       quant=a.quant)  # fmt: skip
+                       quant=a.quant, sparse_ffn=a.sparse_ffn)  # fmt: skip
     if a.no_fused:
         model.fused_decode = False
     wkv = getattr(model.ops.wkv_decode, "__module__", "?").rsplit(".", 1)[-1]
