@@ -11,7 +11,7 @@ activations: weight-only, codes converted in registers) does not take it:
     planes in one launch), else torch._scaled_mm (cuBLASLt), with the per-row scales of both
     sides, out in the model dtype. Twin: qlinear.dense_fp8_native.
   * the FFN value projection of ONE row (B = 1 decode) with relu^2, when the weight carries its
-    transposed codes (QWeight.sparse, made at load for --quant fp8): kernels/gemv_sparse.cu, which
+    transposed codes (QWeight.sparse, made at load per --sparse-ffn): kernels/gemv_sparse.cu, which
     reads only the weight rows of the nonzero inputs (relu^2 zeroes about half of a random model's
     and most of a trained one's). Twin: qlinear.dense_native of ops.relu_square(x).
   * anything else (int8 where the TABLE has no shape, fp8 where _scaled_mm cannot run, odd

@@ -55,8 +55,9 @@ class QWeight:
     scale: torch.Tensor  # (N,) or (P, N) fp32 per-row scales
     dtype: torch.dtype  # the model dtype: what products come out in
     sparse: SparseCodes | None = None
-    """--quant fp8 FFN value weights on CUDA: the codes transposed, read by one-row products
-    (server.model.cuda_quant.sparse_relu2); not counted in nbytes(), not moved by to()."""
+    """FFN value weights on CUDA (--sparse-ffn: with fp8 by default): the codes transposed, read
+    by one-row products (server.model.cuda_quant.sparse_relu2); not counted in nbytes(), not moved
+    by to()."""
 
     @property
     def mode(self) -> str:
