@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from server.model.qlinear import QWeight, Weight
+from server.model.qlinear import QWeight, SparseCodes, Weight
 from server.model.state import ModelShape
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -153,6 +153,9 @@ class LayerWeights:
     ffn_xk: torch.Tensor  # (C,)
     ffn_key: Weight  # (F, C)
     ffn_value: Weight  # (C, F)
+    ffn_value_t: SparseCodes | None = None
+    """ffn_value transposed for one-row decode that skips relu^2's zero inputs (--sparse-ffn;
+    set by the loader on CUDA); not read by anything else."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from server.model import cuda_quant, ops
-from server.model.qlinear import QWeight, Weight
+from server.model.qlinear import QWeight, SparseCodes, Weight
 
 IDENTITY_W = ops.IDENTITY_W
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -287,13 +287,13 @@ def _gemv_lim(rows, cols) -> tuple[int, int]:
     return (lim - (1 << 64) if lim >= 1 << 63 else lim), kind  # as a signed long long
 
 
-def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
-    """ops.relu2_linear: linear(relu_square(h), w). One row with an 8-bit weight that carries its
-    transposed codes: cuda_quant.sparse_relu2 (reads only the nonzero inputs' weights). At M <=
-    GEMV_MAX_M one gemv launch that squares as it loads (h is left as it is); otherwise
-    relu_square in place on h, then linear."""
-    if isinstance(w, QWeight) and w.sparse is not None and h.dim() == 2 and h.shape[0] == 1:
-        y = cuda_quant.sparse_relu2(h, w)
+def relu2_linear(h: torch.Tensor, w: Weight, wt: SparseCodes | None = None) -> torch.Tensor:
+    """ops.relu2_linear: linear(relu_square(h), w). One row with w's transposed copy wt:
+    cuda_quant.sparse_relu2 (reads only the nonzero inputs' weights). At M <= GEMV_MAX_M one gemv
+    launch that squares as it loads (h is left as it is); otherwise relu_square in place on h,
+    then linear."""
+    if wt is not None and h.dim() == 2 and h.shape[0] == 1:
+        y = cuda_quant.sparse_relu2(h, w, wt)
         if y is not None:
             return y
     return _linear(h, w, 0, 0, 1, (0, 0))

@@ -10,10 +10,11 @@ activations: weight-only, codes converted in registers) does not take it:
     product on the fp8 tensor cores: w8_gemm's fp8a8 tiles where its TABLE has them (the r/k/v
     planes in one launch), else torch._scaled_mm (cuBLASLt), with the per-row scales of both
     sides, out in the model dtype. Twin: qlinear.dense_fp8_native.
-  * the FFN value projection of ONE row (B = 1 decode) with relu^2, when the weight carries its
-    transposed codes (QWeight.sparse, made at load per --sparse-ffn): kernels/gemv_sparse.cu, which
-    reads only the weight rows of the nonzero inputs (relu^2 zeroes about half of a random model's
-    and most of a trained one's). Twin: qlinear.dense_native of ops.relu_square(x).
+  * the FFN value projection of ONE row (B = 1 decode) with relu^2, when the layer has its
+    transposed copy (LayerWeights.ffn_value_t, made at load per --sparse-ffn; 8-bit codes, or
+    fp16 weights with --sparse-ffn on): kernels/gemv_sparse.cu, which reads only the weight rows
+    of the nonzero inputs (relu^2 zeroes about half of a random model's and most of a trained
+    one's). Twin: qlinear.dense_native of ops.relu_square(x).
   * anything else (int8 where the TABLE has no shape, fp8 where _scaled_mm cannot run, odd
     shapes): the weight dequantized into the model dtype (a temporary of one weight's size, one
     launch), then cuBLAS. From a few hundred rows the product is bound by the tensor cores, where
@@ -27,7 +28,7 @@ import functools
 import torch
 
 from server.model import ops, qlinear, w8_gemm
-from server.model.qlinear import QWeight, SparseCodes
+from server.model.qlinear import QWeight, SparseCodes, Weight
 from server.model.quant import FP8_DTYPE
 
 UNSUPPORTED = -2
@@ -153,48 +154,56 @@ def _mm(xq: torch.Tensor, sx: torch.Tensor, w: QWeight, out: torch.Tensor | None
 SPARSE_VALUE = True
 """Route one-row FFN value products to the sparse kernel where the weight has its transposed codes
 (a module switch so that benchmarks compare both paths in one process)."""
-SPARSE_GROUP = 512  # outputs per block group (kernels/gemv_sparse.cu GW)
-SPARSE_MAX_KS = 1024  # inputs per slice at most (MAX_KS)
+SPARSE_MAX_KS = 1024  # inputs per slice at most (kernels/gemv_sparse.cu MAX_KS)
+_SPARSE_DT = {torch.float16: 0, torch.int8: 1, FP8_DTYPE: 2}  # gemv_sparse.cu WType of the stored values
 
 
-def sparse_plan(N: int, K: int, sms: int, blocks: int = 0) -> tuple[int, int]:
+def sparse_group(dtype: torch.dtype) -> int:
+    """Outputs per block group of gemv_sparse: a lane's 16-byte load holds 16 codes or 8 halves."""
+    return 256 if dtype.itemsize == 2 else 512
+
+
+def sparse_plan(N: int, K: int, sms: int, blocks: int = 0, group: int = 512) -> tuple[int, int]:
     """(slices, inputs per slice) for gemv_sparse: about `blocks` blocks in all (default one per
-    SM), slices of a multiple of 32 inputs."""
-    groups = -(-N // SPARSE_GROUP)
+    SM) over ceil(N / group) groups, slices of a multiple of 32 inputs."""
+    groups = -(-N // group)
     want = max(1, round((blocks or sms) / groups))
     per = -(-K // want)  # inputs per slice for `want` slices
     ks = min(SPARSE_MAX_KS, -(-per // 32) * 32)
     return -(-K // ks), ks
 
 
-def sparse_codes(w: QWeight, blocks: int = 0, warps: int = 16) -> SparseCodes:
-    """w's codes transposed (K, N) and gemv_sparse's workspace, on w's device."""
-    N, K = w.q.shape
-    dev = w.q.device
+def sparse_codes(w: Weight, blocks: int = 0, warps: int = 16) -> SparseCodes:
+    """w (N, K) transposed (K, N), its codes or its fp16 values, and gemv_sparse's workspace, on
+    w's device."""
+    src = w.q if isinstance(w, QWeight) else w  # (N, K)
+    N, K = src.shape
+    dev = src.device
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-    slices, ks = sparse_plan(N, K, sms, blocks)
-    qt = w.q.t().contiguous()  # (K, N)
+    group = sparse_group(src.dtype)
+    slices, ks = sparse_plan(N, K, sms, blocks, group)
+    qt = src.t().contiguous()  # (K, N)
     part = torch.empty(slices, N, device=dev, dtype=torch.float32)  # (S, N)
-    count = torch.zeros(-(-N // SPARSE_GROUP), device=dev, dtype=torch.int32)  # (G,)
+    count = torch.zeros(-(-N // group), device=dev, dtype=torch.int32)  # (G,)
     return SparseCodes(qt, part, count, ks, warps)
 
 
-def sparse_relu2(x: torch.Tensor, w: QWeight) -> torch.Tensor | None:
+def sparse_relu2(x: torch.Tensor, w: Weight, sp: SparseCodes) -> torch.Tensor | None:
     """relu(x)^2 @ w^T for one row x (1, K) fp16 through kernels/gemv_sparse.cu, reading only the
-    transposed weight rows of x's nonzero inputs; None where it does not run (no transposed
-    codes, another dtype or shape, no kernel library)."""
-    sp = w.sparse
-    if sp is None or not SPARSE_VALUE or not x.is_cuda or x.dtype != torch.float16 or x.shape[0] != 1:
+    rows of sp.qt (w transposed) of x's nonzero inputs; None where it does not run (switched off,
+    another dtype or shape, no kernel library)."""
+    if not SPARSE_VALUE or not x.is_cuda or x.dtype != torch.float16 or x.shape[0] != 1 or x.stride(-1) != 1:
         return None
     lib = _lib(x.device)
-    if lib is None or x.stride(-1) != 1 or sp.qt.device != x.device:
+    w_dt = _SPARSE_DT.get(sp.qt.dtype)
+    if lib is None or w_dt is None or sp.qt.device != x.device:
         return None
-    N, K = w.shape
+    K, N = sp.qt.shape
+    scale = w.scale.data_ptr() if isinstance(w, QWeight) else 0
     out = torch.empty(1, N, device=x.device, dtype=x.dtype)  # (1, N)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    rc = lib.gemv_sparse({"int8": 1, "fp8": 2}[w.mode], N, K, x.data_ptr(), sp.qt.data_ptr(), w.scale.data_ptr(),
-                         out.data_ptr(), sp.part.data_ptr(), sp.count.data_ptr(), sp.part.shape[0], sp.ks, sp.warps,
-                         stream)  # fmt: skip
+    rc = lib.gemv_sparse(w_dt, N, K, x.data_ptr(), sp.qt.data_ptr(), scale, out.data_ptr(), sp.part.data_ptr(),
+                         sp.count.data_ptr(), sp.part.shape[0], sp.ks, sp.warps, stream)  # fmt: skip
     if rc == UNSUPPORTED:
         return None
     if rc != 0:

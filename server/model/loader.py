@@ -30,8 +30,9 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     kernel_cache: the kernels' build folder (default kernels.loader.DEFAULT_CACHE_ROOT).
     chunk_len / max_chunk_tokens: prefill chunking (defaults: see RWKV7).
     quant: none, or a qlinear.WEIGHT_MODES mode: the layers' large linears quantized as they load.
-    sparse_ffn: auto | on | off: the FFN value codes transposed for one-row products that skip
-    relu^2's zeros (_sparse_values): auto with fp8 weights, on with int8 or fp8, off never.
+    sparse_ffn: auto | on | off: the FFN value weights transposed for one-row products that skip
+    relu^2's zeros (_sparse_values): auto with fp8 weights, on with any (16-bit: fp16 only), off
+    never.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -76,7 +77,7 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     )
     model.synthetic = is_synthetic
     model.quant = quant
-    sparse = quant == "fp8" if sparse_ffn == "auto" else sparse_ffn == "on" and quant != "none"
+    sparse = quant == "fp8" if sparse_ffn == "auto" else sparse_ffn == "on"
     if sparse and model.kernel_ops() and device.type == "cuda":
         _sparse_values(model, name)
     if quantizer is not None:
@@ -119,20 +120,22 @@ def _head8(head: torch.Tensor, name: str) -> qlinear.QWeight:
 
 
 def _sparse_values(model: RWKV7, name: str) -> None:
-    """Each layer's FFN value codes transposed for the one-row product that skips relu^2's zeros
-    (cuda_quant.sparse_relu2): B=1 decode reads only the nonzero inputs' weight rows, for the
-    memory of a second copy of those codes (docs/performance.md, "Skipping relu^2's zeros").
-    With fp8 by default; with int8 only when asked (sparse_ffn=on): int8 is the mode chosen to fit
-    a model in less memory."""
+    """Each layer's FFN value weights transposed (LayerWeights.ffn_value_t) for the one-row product
+    that skips relu^2's zeros (cuda_quant.sparse_relu2): B=1 decode reads only the nonzero inputs'
+    weight rows, for the memory of a second copy of those weights (docs/performance.md, "Skipping
+    relu^2's zeros"). By default with fp8 alone (sparse_ffn=auto): int8 is the mode chosen to fit
+    a model in less memory, and a 16-bit copy costs twice the bytes."""
     from server.model import cuda_quant  # CUDA paths: imported when the model runs on CUDA
 
+    if model.quant == "none" and model.dtype != torch.float16:
+        log.warning("%s: --sparse-ffn on needs fp16 or 8-bit weights, not %s: no transposed copy", name, model.dtype)
+        return
     t0, extra = time.perf_counter(), 0
     for lw in model.w.layers:
-        if isinstance(lw.ffn_value, qlinear.QWeight) and lw.ffn_value.dim() == 2:
-            lw.ffn_value.sparse = cuda_quant.sparse_codes(lw.ffn_value)
-            extra += lw.ffn_value.sparse.qt.numel() + lw.ffn_value.sparse.part.numel() * 4
+        lw.ffn_value_t = cuda_quant.sparse_codes(lw.ffn_value)
+        extra += lw.ffn_value_t.qt.numel() * lw.ffn_value_t.qt.element_size() + lw.ffn_value_t.part.numel() * 4
     torch.cuda.synchronize(model.device)
-    log.info("%s: FFN value codes transposed for one-row decode (zero inputs skipped): +%.2f GB in %.1fs", name,
+    log.info("%s: FFN value weights transposed for one-row decode (zero inputs skipped): +%.2f GB in %.1fs", name,
              extra / 1e9, time.perf_counter() - t0)  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model.qlinear import QWeight, Weight, dense_native
+from server.model.qlinear import QWeight, SparseCodes, Weight, dense_native
 
 IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
 
@@ -150,9 +150,11 @@ def relu_square(h: torch.Tensor) -> torch.Tensor:
     return torch.relu(h).square()
 
 
-def relu2_linear(h: torch.Tensor, w: Weight) -> torch.Tensor:
+def relu2_linear(h: torch.Tensor, w: Weight, wt: SparseCodes | None = None) -> torch.Tensor:
     """linear(relu_square(h), w): the channel-mix's second projection with its activation (the
-    CUDA twin fuses the activation into the small-batch projection; h may be changed in place)."""
+    CUDA twin fuses the activation into the small-batch projection; h may be changed in place).
+    wt: w transposed (LayerWeights.ffn_value_t), which the CUDA twin's one-row product reads
+    skipping the zero inputs; the same product, not read here."""
     return linear(relu_square(h), w)
 
 

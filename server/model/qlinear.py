@@ -38,11 +38,11 @@ products keep the 16-bit head on cuBLAS, which an int8 weight-only GEMM would on
 
 @dataclass
 class SparseCodes:
-    """A 2-D QWeight's codes transposed, for the one-row product that skips zero inputs
+    """A 2-D weight (N, K) transposed, for the one-row product that skips zero inputs
     (kernels/gemv_sparse.cu: the FFN value projection after relu^2), with that kernel's
     workspace. Made by server.model.cuda_quant.sparse_codes; only its caller's stream uses it."""
 
-    qt: torch.Tensor  # (K, N) codes, rows contiguous
+    qt: torch.Tensor  # (K, N) 8-bit codes or fp16 values, rows contiguous
     part: torch.Tensor  # (slices, N) fp32: each slice's partial sums
     count: torch.Tensor  # (ceil(N / 512),) int32 arrival counters, zero between launches
     ks: int  # inputs per slice
@@ -54,10 +54,6 @@ class QWeight:
     q: torch.Tensor  # (N, K) or (P, N, K) int8 / float8_e4m3fn codes
     scale: torch.Tensor  # (N,) or (P, N) fp32 per-row scales
     dtype: torch.dtype  # the model dtype: what products come out in
-    sparse: SparseCodes | None = None
-    """FFN value weights on CUDA (--sparse-ffn: with fp8 by default): the codes transposed, read
-    by one-row products (server.model.cuda_quant.sparse_relu2); not counted in nbytes(), not moved
-    by to()."""
 
     @property
     def mode(self) -> str:

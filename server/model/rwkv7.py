@@ -173,7 +173,7 @@ class RWKV7:
             )
             x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
                                         state.ffn_shift[i])  # fmt: skip
-            dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value)
+            dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value, lw.ffn_value_t)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self._head_weight(xn.shape[0]))  # (B, V) model dtype
 
