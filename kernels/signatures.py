@@ -54,9 +54,9 @@ SIGNATURES: dict[str, list[str]] = {
     # warps, cfg, act (0 none, 1 relu^2 on x), lim (per-plane widths / 8, 8 bits each), lim_kind (0 none,
     # 1 rows, 2 columns), stream (returns -2 = layout not covered: use the fallback)
     "gemv": [I, I, I, I, I, I, P, LL, LL, P, LL, P, LL, P, LL, LL, I, I, I, LL, I, P],
-    # gemv_sparse.cu: w_dt (1 int8, 2 fp8 e4m3), N, K, x, wt (K, N codes), scale, out, part (workspace
-    # slices x N fp32), count (workspace, ceil(N / 512) uint32), slices, ks (inputs per slice), warps,
-    # stream (returns -2 = not covered: use the gemv)
+    # gemv_sparse.cu: w_dt (0 fp16, 1 int8, 2 fp8 e4m3), N, K, x, wt (K, N), scale (0 for fp16), out,
+    # part (workspace slices x N fp32), count (workspace, one uint32 per group of 256 (fp16) / 512
+    # outputs), slices, ks (inputs per slice), warps, stream (returns -2 = not covered: use the gemv)
     "gemv_sparse": [I, I, I, P, P, P, P, P, P, I, I, I, P],
     # quant.cu: f_dt, rows, K, x, x_stride, act (1: relu^2 first), q, q_stride, scale, stream
     "quant_rows_fp8": [I, I, I, P, LL, I, P, LL, P, P],

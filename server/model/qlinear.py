@@ -44,7 +44,7 @@ class SparseCodes:
 
     qt: torch.Tensor  # (K, N) 8-bit codes or fp16 values, rows contiguous
     part: torch.Tensor  # (slices, N) fp32: each slice's partial sums
-    count: torch.Tensor  # (ceil(N / 512),) int32 arrival counters, zero between launches
+    count: torch.Tensor  # (groups,) int32 arrival counters (cuda_quant.sparse_group), zero between launches
     ks: int  # inputs per slice
     warps: int  # per block
 
