@@ -8,7 +8,7 @@
 // owns tokens [r*n_loc, (r+1)*n_loc) and keeps them in shared memory for the whole step:
 // z = logits - penalty (fp32) and key = the fp32 bits of p = softmax(z) (p >= 0, so the bits
 // order like the values). CL = 4 for V <= 65536 (128 KiB of z + keys per CTA), 8 up to 131072;
-// CL = 3 for V <= 65538 at large batch (175 KiB per CTA, 10-bit digits: Cfg).
+// CL = 3 for V <= 65544 at large batch (175 KiB per CTA, 10-bit digits: Cfg).
 // Cross-CTA reductions and histograms go through distributed shared memory (cluster.sync).
 // The grid is at most one wave of clusters (rows_per_wave); a cluster takes rows blockIdx.y,
 // + gridDim.y, ... and, once a row's inputs are in shared memory, asks the L2 for its next row's
@@ -57,6 +57,48 @@
 
 namespace sampler_k {
 
+__device__ __forceinline__ void max_at(MaxArg &mx, float z, int i) {
+    if (z > mx.v || (z == mx.v && i < mx.i)) mx = {z, i};  // first index of the max
+}
+
+__device__ __forceinline__ void load_one(const Args &a, long long lg0, float *pen, float *zs, int base, int i,
+                                         bool decayed, float decay, MaxArg &mx) {
+    const float p = pen[i];
+    const float z = load_logit(a.logits, a.lg_dt, lg0 + i) - p;
+    zs[i] = z;
+    if (decayed && p != 0.f) pen[i] = p * decay;
+    max_at(mx, z, base + i);
+}
+
+// The load pass of one CTA's slice [base, base + cnt) of a row: z = logit - penalty (exact
+// widening, as logits.float()) into zs; the penalty decayed in place (decayed: commit rows whose
+// decay is not 1; a zero penalty stays zero, so it is not rewritten: most of the row is zero);
+// returns this thread's (max z, first index). a.vec: 4 tokens per load (one 16-byte penalty load,
+// one 8- or 16-byte logit load), the last cnt % 4 one at a time.
+__device__ __forceinline__ MaxArg load_row(const Args &a, long long lg0, float *pen, float *zs, int base, int cnt,
+                                           bool decayed, float decay) {
+    MaxArg mx{-INFINITY, 0x7fffffff};
+    if (a.vec) {
+        const int n4 = cnt & ~3;
+#pragma unroll 2
+        for (int i = 4 * threadIdx.x; i < n4; i += 4 * THREADS) {
+            const float4 p = *reinterpret_cast<const float4 *>(pen + i);
+            const float4 l = load_logit4(a.logits, a.lg_dt, lg0 + i);
+            const float4 z = make_float4(l.x - p.x, l.y - p.y, l.z - p.z, l.w - p.w);
+            *reinterpret_cast<float4 *>(zs + i) = z;
+            if (decayed && (p.x != 0.f || p.y != 0.f || p.z != 0.f || p.w != 0.f))
+                *reinterpret_cast<float4 *>(pen + i) = make_float4(p.x * decay, p.y * decay, p.z * decay, p.w * decay);
+            max_at(mx, z.x, base + i), max_at(mx, z.y, base + i + 1);
+            max_at(mx, z.z, base + i + 2), max_at(mx, z.w, base + i + 3);
+        }
+        if ((int)threadIdx.x < cnt - n4) load_one(a, lg0, pen, zs, base, n4 + threadIdx.x, decayed, decay, mx);
+        return mx;
+    }
+#pragma unroll 4
+    for (int i = threadIdx.x; i < cnt; i += THREADS) load_one(a, lg0, pen, zs, base, i, decayed, decay, mx);
+    return mx;
+}
+
 template <int CL>
 __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler_kernel(Args a) {
     using Shared = typename Cfg<CL>::Shared;
@@ -88,15 +130,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
                 for (int j = 0; j < 2; j++) sh.hcnt[j][b] = sh.hlo[j][b] = sh.hhi[j][b] = 0;
         const long long lg0 = row * a.lg_s + base;
         float *pen = a.penalty + row * a.pen_s + base;
-        MaxArg mx{-INFINITY, 0x7fffffff};
-#pragma unroll 4
-        for (int i = threadIdx.x; i < cnt; i += THREADS) {
-            const float p = pen[i];
-            const float z = load_logit(a.logits, a.lg_dt, lg0 + i) - p;  // exact widening, as logits.float()
-            zs[i] = z;
-            if (commit) pen[i] = p * decay;
-            if (z > mx.v || (z == mx.v && base + i < mx.i)) mx = {z, base + i};
-        }
+        MaxArg mx = load_row(a, lg0, pen, zs, base, cnt, commit && decay != 1.f, decay);
         if (a.prefetch && row + gridDim.y < a.B && threadIdx.x < 32) {  // this CTA's slice of the next row
             const long long nr = row + gridDim.y, es = a.lg_dt ? 2 : 4;
             prefetch_l2(static_cast<const char *>(a.logits) + (nr * a.lg_s + base) * es, cnt * es, threadIdx.x);
@@ -232,6 +266,9 @@ int launch(const Args &a, int B, cudaStream_t st) {
     const int G = wave > 0 && wave < B ? wave : B;
     Args b = a;
     b.B = B, b.prefetch = G < B;
+    // every CTA's slice starts 16-byte aligned: 4-token vectors in the load pass (n_loc % 4 == 0)
+    const bool al = (uintptr_t)a.logits % 16 == 0 && (uintptr_t)a.penalty % 16 == 0;
+    b.vec = al && a.lg_s % 4 == 0 && a.pen_s % 4 == 0 && a.n_loc % 4 == 0;
     sampler_kernel<CL><<<dim3(CL, G), THREADS, bytes, st>>>(b);
     return (int)cudaGetLastError();
 }
@@ -268,14 +305,15 @@ extern "C" int sampler_step(void *logits, long long lg_s, void *penalty, long lo
            greedy_only, V, 0, lg_dt, B, 0};
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (cl == 0 && V <= 4 * MAX_LOCAL) cl = auto_cluster(B);
+    // n_loc rounded up to 4 tokens (the vector load pass); MAX_LOCAL of every shape is a multiple of 4
     if (cl == 3 && V <= 3 * Cfg<3>::MAX_LOCAL) {
-        a.n_loc = (V + 2) / 3;
+        a.n_loc = ((V + 2) / 3 + 3) & ~3;
         return launch<3>(a, B, st);
     }
     if (V <= 4 * MAX_LOCAL) {
-        a.n_loc = (V + 3) / 4;
+        a.n_loc = ((V + 3) / 4 + 3) & ~3;
         return launch<4>(a, B, st);
     }
-    a.n_loc = (V + 7) / 8;
+    a.n_loc = ((V + 7) / 8 + 3) & ~3;
     return launch<8>(a, B, st);
 }

@@ -38,6 +38,8 @@ struct Args {
     float *dbg;             // (B, 8) or null
     int greedy_only, V, n_loc, lg_dt;
     int B, prefetch;        // rows; 1: ask the L2 for the cluster's next row during this one
+    int vec;                // 1: every CTA's slice of the logits / penalty rows is 16-byte aligned (load pass
+                            // in 4-token vectors); set by the launcher from the pointers, strides and n_loc
 };
 
 template <int BINS>
@@ -54,14 +56,14 @@ struct alignas(16) SharedT {
 };
 
 // Per cluster size: 4 CTAs (V <= 65536) or 8 (V <= 131072) with 11-bit radix digits; 3 CTAs
-// (V <= 65538, the large-batch shape: a 3-CTA cluster fits every SM of a GPC where 4-CTA ones
+// (V <= 65544, the large-batch shape: a 3-CTA cluster fits every SM of a GPC where 4-CTA ones
 // leave some idle) with 10-bit digits, so a third of the row (175 KiB) fits beside the histograms.
 // The digits only narrow the searches: every shape gives the same results.
 template <int CL>
 struct Cfg {
     static constexpr int DIGIT = CL == 3 ? 10 : 11;  // radix digit bits (at most)
     static constexpr int BINS = 1 << DIGIT;
-    static constexpr int MAX_LOCAL = CL == 3 ? 21846 : sampler_k::MAX_LOCAL;  // tokens per CTA
+    static constexpr int MAX_LOCAL = CL == 3 ? 21848 : sampler_k::MAX_LOCAL;  // tokens per CTA (a multiple of 4)
     using Shared = SharedT<BINS>;
 };
 
@@ -71,6 +73,21 @@ __device__ __forceinline__ float load_logit(const void *lg, int dt, long long i)
     if (dt == 1) return __half2float(__ldg(static_cast<const __half *>(lg) + i));
     if (dt == 2) return __bfloat162float(__ldg(static_cast<const __nv_bfloat16 *>(lg) + i));
     return __ldg(static_cast<const float *>(lg) + i);
+}
+// Logits i .. i + 3 widened to fp32 (i a multiple of 4 and the row 16-byte aligned: one 8- or
+// 16-byte load).
+__device__ __forceinline__ float4 load_logit4(const void *lg, int dt, long long i) {
+    if (dt == 0) return __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(lg) + i));
+    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(static_cast<const unsigned short *>(lg) + i));
+    float2 lo, hi;
+    if (dt == 1) {
+        lo = __half22float2(*reinterpret_cast<const __half2 *>(&u.x));
+        hi = __half22float2(*reinterpret_cast<const __half2 *>(&u.y));
+    } else {
+        lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
+        hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
+    }
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 struct MinTok { int i; float z; unsigned kmin; };
 struct CW { unsigned c; u64 w; };

@@ -40,10 +40,10 @@ __device__ CW block_scan(Shared &sh, CW v, CW *tot) {
     return {off.c + inc.c - v.c, off.w + inc.w - v.w};
 }
 
-// Walk the row in id order: wgt = weight of keys > g; inside the group key == g, members of
-// ordinal < lim are kept (a prefix in id order); wgrp = their weight; found = the first kept
-// member whose cumulative group weight (from gbase) exceeds target (INT_MAX: none), last = the
-// last kept member. find = false: only the sums (wgt, wgrp). FIRST: compute the weights of the keys >= g
+// Walk the row in id order: wgt = weight of keys > g (sums only: 0 when find); inside the group
+// key == g, members of ordinal < lim are kept (a prefix in id order); wgrp = their weight; found =
+// the first kept member whose cumulative group weight (from gbase) exceeds target (INT_MAX: none),
+// last = the last kept member. find = false: only the sums (wgt, wgrp). FIRST: compute the weights of the keys >= g
 // from z and store them in place of z (the first walk, g = kthr); otherwise they are cached.
 template <int CL, bool FIRST>
 __device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, const Row &r, unsigned g,
@@ -59,7 +59,7 @@ __device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, 
         const int i = i0 + (jj + rot < per ? jj + rot : jj + rot - per);
         if (i >= i1) continue;
         const unsigned k = r.key[i];
-        if (k < g) continue;
+        if (k < g || (find && k > g)) continue;  // a find walk needs only the group's members
         u64 w;
         if (FIRST) {
             const float wf = weight_of(r, r.z[i]);
