@@ -353,6 +353,36 @@ def test_cluster_sizes_agree(dev, case, vocab, B):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cl", [3, 4])
+def test_vector_load_pass_equals_scalar(dev, dtype, cl):
+    """The load pass reads 4 tokens a load when every CTA's slice of the rows is 16-byte aligned,
+    one token at a time otherwise: the same logits through a view one element off alignment (rows
+    V + 1 apart) take the scalar path and give the same bits (tokens, debug values, penalties,
+    seen flags). Rows with decay 1 and uncommitted rows leave their penalties unwritten."""
+    B = 40
+    logits = make_logits("flat", B, V, seed=21, dev=dev).to(dtype)  # (B, V)
+    wide = torch.zeros(B, V + 1, device=dev, dtype=dtype)
+    wide[:, 1:] = logits
+    shifted = wide[:, 1:]  # (B, V) view: 2 or 4 bytes past 16-byte alignment
+    params = [dataclasses.replace(p, penalty_decay=(0.996, 1.0)[i % 2])
+              for i, p in enumerate(make_params(B, 0.3, True, True))]  # fmt: skip
+    s = make_slots(params, V, dev, True, seed=5)
+    pos = torch.arange(B, device=dev) + 3
+    commit = torch.arange(B, device=dev) % 3 != 2
+    sa, sb = clone_slots(s), clone_slots(s)
+    ta, da = kernel(logits, sa, pos, commit, cl=cl)
+    tb, db = kernel(shifted, sb, pos, commit, cl=cl)
+    assert torch.equal(ta, tb)
+    assert torch.equal(da.view(torch.int32), db.view(torch.int32))
+    assert torch.equal(sa.penalty.view(torch.int32), sb.penalty.view(torch.int32)) and torch.equal(sa.seen, sb.seen)
+    decayed = (commit & (torch.arange(B, device=dev) % 2 == 0))[:, None]  # (B, 1)
+    want = torch.where(decayed, s.penalty[:B] * 0.996, s.penalty[:B])  # before the chosen tokens' update
+    want.scatter_(1, ta[:, None], sa.penalty[:B].gather(1, ta[:, None]))
+    assert torch.equal(sa.penalty[:B].view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.gpu
 def test_sampler_slots_switch(dev, monkeypatch):
     B = 8
     logits = make_logits("peaked", B, V, seed=2, dev=dev)
