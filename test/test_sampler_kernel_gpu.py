@@ -324,7 +324,8 @@ def test_row_alone_equals_in_batch(dev, case):
     batch, _ = kernel(logits, clone_slots(s), pos, commit)
     for b in (0, 1, 2, 3, 150, 299):
         one = SamplerSlots(1, V, dev)
-        for a, src in ((one.penalty, s.penalty), (one.seen, s.seen), (one.fparams, s.fparams), (one.iparams, s.iparams)):
+        pairs = ((one.penalty, s.penalty), (one.seen, s.seen), (one.fparams, s.fparams), (one.iparams, s.iparams))
+        for a, src in pairs:
             a.copy_(src[b : b + 1])
         alone, _ = kernel(logits[b : b + 1].clone(), one, pos[b : b + 1], commit[b : b + 1])
         assert alone.item() == batch[b].item(), b
