@@ -189,16 +189,14 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
             }
             if (d) d[4] = __uint_as_float(kthr), d[5] = (float)(lim > (1ll << 40) ? -1 : lim);
             // 5. total kept weight, target, crossing
-            // the weight select's first pass is built by this walk, which computes the weights anyway
-            const Pass0 p0 = kthr < kmax ? pass0<CL>(sh, hs, kthr + 1, kmax) : Pass0{};
-            const Walk tw = group_walk<CL, true>(cl, sh, xs, r, kthr, lim, 0ull, false, p0);
+            const Walk tw = group_walk<CL, true>(cl, sh, xs, r, kthr, lim, 0ull, false);
             const u64 W = tw.wgt + tw.wgrp;
             const u64 zz = splitmix64(splitmix64((u64)seed) + (u64)a.pos[row]);
             const float u = (float)(zz >> 40) * (1.0f / 16777216.0f);
             const u64 t = (u64)floor((double)W * (double)u);
             if (d) d[6] = (float)((double)W / 70368744177664.0), d[7] = (float)((double)t / 70368744177664.0);
             if (t < tw.wgt) {  // the crossing is among the tokens with p > kthr (all kept)
-                const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, kmax, t, true, true);
+                const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, kmax, t, true);
                 const Walk f = group_walk<CL, false>(cl, sh, xs, r, s.key, 0x7fffffffffffffffll, t - s.w_above, true);
                 tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
             } else {

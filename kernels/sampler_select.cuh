@@ -14,48 +14,6 @@ struct Sel {
 
 enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
 
-// The digits of a select over keys in [lo, khi]: the bits below their common prefix (at least 5),
-// in npass digits of at most Cfg<CL>::DIGIT bits (the first hi % npass one bit longer).
-struct Digits {
-    int hi, npass;
-    __device__ __forceinline__ int bits(int pass) const { return hi / npass + (pass < hi % npass); }
-};
-template <int CL>
-__device__ __forceinline__ Digits digits(unsigned lo, unsigned khi) {
-    const int hi = max(32 - __clz(lo ^ khi), 5);  // keys in [lo, khi] share the bits >= hi
-    return {hi, (hi + Cfg<CL>::DIGIT - 1) / Cfg<CL>::DIGIT};
-}
-
-// One key into a local histogram slot: its count, and (mode != COUNT) its 64-bit fixed-point
-// value v as two 32-bit atomics, the high word taking the low word's carry (an exact sum).
-__device__ __forceinline__ void hist_add(unsigned *hc, unsigned *hl, unsigned *hh, unsigned bin, u64 v, int mode) {
-    atomicAdd(&hc[bin], 1u);
-    if (mode != COUNT) {
-        const unsigned vl = (unsigned)v, vh = (unsigned)(v >> 32);
-        const unsigned old = atomicAdd(&hl[bin], vl);
-        const unsigned carry = (old + vl) < old;
-        if (vh + carry) atomicAdd(&hh[bin], vh + carry);
-    }
-}
-
-// The first pass of a WEIGHT select over keys in [lo, khi], for a walk that computes the weights
-// anyway to build (the first group_walk): the histogram slot it fills and its digit.
-struct Pass0 {
-    unsigned *hc, *hl, *hh;
-    unsigned lo;
-    int shift;
-    unsigned mask;
-    __device__ __forceinline__ void add(unsigned k, u64 w) const {
-        if (k >= lo) hist_add(hc, hl, hh, (k >> shift) & mask, w, WEIGHT);
-    }
-};
-template <int CL>
-__device__ __forceinline__ Pass0 pass0(typename Cfg<CL>::Shared &sh, int hs, unsigned lo, unsigned khi) {
-    const Digits d = digits<CL>(lo, khi);
-    const int bits = d.bits(0);
-    return {sh.hcnt[hs], sh.hlo[hs], sh.hhi[hs], lo, d.hi - bits, (1u << bits) - 1};
-}
-
 // Cluster-combined bins [b0, b0 + NB) (NB = 1 or 2 consecutive bins) of histogram slot (hc, hl,
 // hh) into cc / cw; returns their count / weight totals.
 template <int CL, int NB>
@@ -112,31 +70,34 @@ __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, typename Cfg<C
 // after this pass's cluster.sync (every CTA has then finished reading it, in the previous pass)
 // and the __syncthreads after the combine orders the zeroing before that pass's atomics, so a
 // pass needs one cluster.sync and one __syncthreads. Both slots are zeroed at kernel start.
-// built: the first pass's local histograms are already in slot hs (Pass0, filled by the caller's
-// walk over the row) and a cluster barrier has passed since: that pass skips its loop and barrier.
 template <int CL>
 __device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &hs, const Row &r, int mode,
-                            unsigned lo, unsigned khi, u64 target, bool strict, bool built = false) {
+                            unsigned lo, unsigned khi, u64 target, bool strict) {
     Sel s{0u, 0u, 0u, 0ull, 1};
     const int lane = threadIdx.x & 31;
-    constexpr int BINS = Cfg<CL>::BINS;
-    const Digits dg = digits<CL>(lo, khi);
-    const int hi = dg.hi, npass = dg.npass;
+    const int hi = max(32 - __clz(lo ^ khi), 5);  // keys in [lo, khi] share the bits >= hi
+    constexpr int DIGIT = Cfg<CL>::DIGIT, BINS = Cfg<CL>::BINS;
+    const int npass = (hi + DIGIT - 1) / DIGIT;
     unsigned pref = khi >> hi;
     int pshift = hi;
     for (int pass = 0; pass < npass; pass++) {
-        const int bits = dg.bits(pass);
+        const int bits = hi / npass + (pass < hi % npass);
         const int shift = pshift - bits, nb = 1 << bits;  // 32 <= nb <= 2048
         unsigned *hc = sh.hcnt[hs], *hl = sh.hlo[hs], *hh = sh.hhi[hs];
-        if (!(built && pass == 0)) {
-            for (int i = threadIdx.x; i < r.cnt; i += THREADS) {
-                const unsigned k = r.key[i];
-                if (k < lo || (k >> pshift) != pref) continue;
-                hist_add(hc, hl, hh, (k >> shift) & (nb - 1), mode == MASS ? fix_p(k) : mode == WEIGHT ? fix_w(r, i) : 0ull,
-                         mode);  // fmt: skip
+        for (int i = threadIdx.x; i < r.cnt; i += THREADS) {
+            const unsigned k = r.key[i];
+            if (k < lo || (k >> pshift) != pref) continue;
+            const unsigned bin = (k >> shift) & (nb - 1);
+            atomicAdd(&hc[bin], 1u);
+            if (mode != COUNT) {
+                const u64 v = mode == MASS ? fix_p(k) : fix_w(r, i);
+                const unsigned vl = (unsigned)v, vh = (unsigned)(v >> 32);
+                const unsigned old = atomicAdd(&hl[bin], vl);
+                const unsigned carry = (old + vl) < old;  // exact 64-bit sum: hi gets the carries
+                if (vh + carry) atomicAdd(&hh[bin], vh + carry);
             }
-            cl.sync();
         }
+        cl.sync();
         hs ^= 1;
         for (int b = threadIdx.x; b < BINS; b += THREADS) sh.hcnt[hs][b] = sh.hlo[hs][b] = sh.hhi[hs][b] = 0;
         // combine: thread t holds bins [t * bpt, (t + 1) * bpt), so a chunk of nb / 32 bins is

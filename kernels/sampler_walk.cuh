@@ -3,7 +3,6 @@
 // cumulative weight crosses a target and the last kept member, with the cluster prefix exchange.
 #pragma once
 #include "sampler_common.cuh"
-#include "sampler_select.cuh"
 
 namespace sampler_k {
 
@@ -44,12 +43,11 @@ __device__ CW block_scan(Shared &sh, CW v, CW *tot) {
 // Walk the row in id order: wgt = weight of keys > g (sums only: 0 when find); inside the group
 // key == g, members of ordinal < lim are kept (a prefix in id order); wgrp = their weight; found =
 // the first kept member whose cumulative group weight (from gbase) exceeds target (INT_MAX: none),
-// last = the last kept member. find = false: only the sums (wgt, wgrp). p0 (FIRST walks; hc null:
-// none): also the first pass of the weight select that follows, over the keys it covers (Pass0). FIRST: compute the weights of the keys >= g
+// last = the last kept member. find = false: only the sums (wgt, wgrp). FIRST: compute the weights of the keys >= g
 // from z and store them in place of z (the first walk, g = kthr); otherwise they are cached.
 template <int CL, bool FIRST>
 __device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, const Row &r, unsigned g,
-                           long long lim, u64 target, bool find, Pass0 p0 = {}) {
+                           long long lim, u64 target, bool find) {
     const int per = (r.cnt + THREADS - 1) / THREADS;
     const int i0 = min(r.cnt, (int)threadIdx.x * per), i1 = min(r.cnt, i0 + per);
     CW mine{0u, 0ull};
@@ -67,7 +65,6 @@ __device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, 
             const float wf = weight_of(r, r.z[i]);
             r.z[i] = wf;  // this thread's own chunk: re-read below by this thread only
             w = fix_f(wf);
-            if (p0.hc) p0.add(k, w);
         } else {
             w = fix_w(r, i);
         }
