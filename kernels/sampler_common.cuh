@@ -1,7 +1,8 @@
 // Fused sampler (kernels/sampler.cu, whose header documents the algorithm): the shared pieces --
-// constants, the kernel arguments (Args), the per-cluster-size config (Cfg, SharedT), the warp
-// shuffles and the cluster reduction (cl_reduce), the row view (Row) with its fixed-point weights,
-// and two small device helpers (the splitmix64 random stream, the L2 bulk prefetch).
+// constants, the kernel arguments (Args), the per-cluster-size config (Cfg, SharedT), the load
+// pass (load_row: logits and penalties into shared memory, scalar or in 4-token vectors), the
+// warp shuffles and the cluster reduction (cl_reduce), the row view (Row) with its fixed-point
+// weights, and two small device helpers (the splitmix64 random stream, the L2 bulk prefetch).
 #pragma once
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -89,6 +90,48 @@ __device__ __forceinline__ float4 load_logit4(const void *lg, int dt, long long 
     }
     return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
+__device__ __forceinline__ void max_at(MaxArg &mx, float z, int i) {
+    if (z > mx.v || (z == mx.v && i < mx.i)) mx = {z, i};  // first index of the max
+}
+
+__device__ __forceinline__ void load_one(const Args &a, long long lg0, float *pen, float *zs, int base, int i,
+                                         bool decayed, float decay, MaxArg &mx) {
+    const float p = pen[i];
+    const float z = load_logit(a.logits, a.lg_dt, lg0 + i) - p;
+    zs[i] = z;
+    if (decayed && p != 0.f) pen[i] = p * decay;
+    max_at(mx, z, base + i);
+}
+
+// The load pass of one CTA's slice [base, base + cnt) of a row: z = logit - penalty (exact
+// widening, as logits.float()) into zs; the penalty decayed in place (decayed: commit rows whose
+// decay is not 1; a zero penalty stays zero, so it is not rewritten: most of the row is zero);
+// returns this thread's (max z, first index). a.vec: 4 tokens per load (one 16-byte penalty load,
+// one 8- or 16-byte logit load), the last cnt % 4 one at a time.
+__device__ __forceinline__ MaxArg load_row(const Args &a, long long lg0, float *pen, float *zs, int base, int cnt,
+                                           bool decayed, float decay) {
+    MaxArg mx{-INFINITY, 0x7fffffff};
+    if (a.vec) {
+        const int n4 = cnt & ~3;
+#pragma unroll 2
+        for (int i = 4 * threadIdx.x; i < n4; i += 4 * THREADS) {
+            const float4 p = *reinterpret_cast<const float4 *>(pen + i);
+            const float4 l = load_logit4(a.logits, a.lg_dt, lg0 + i);
+            const float4 z = make_float4(l.x - p.x, l.y - p.y, l.z - p.z, l.w - p.w);
+            *reinterpret_cast<float4 *>(zs + i) = z;
+            if (decayed && (p.x != 0.f || p.y != 0.f || p.z != 0.f || p.w != 0.f))
+                *reinterpret_cast<float4 *>(pen + i) = make_float4(p.x * decay, p.y * decay, p.z * decay, p.w * decay);
+            max_at(mx, z.x, base + i), max_at(mx, z.y, base + i + 1);
+            max_at(mx, z.z, base + i + 2), max_at(mx, z.w, base + i + 3);
+        }
+        if ((int)threadIdx.x < cnt - n4) load_one(a, lg0, pen, zs, base, n4 + threadIdx.x, decayed, decay, mx);
+        return mx;
+    }
+#pragma unroll 4
+    for (int i = threadIdx.x; i < cnt; i += THREADS) load_one(a, lg0, pen, zs, base, i, decayed, decay, mx);
+    return mx;
+}
+
 struct MinTok { int i; float z; unsigned kmin; };
 struct CW { unsigned c; u64 w; };
 struct Walk { u64 wgt, wgrp; int found, last; };
