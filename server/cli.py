@@ -199,9 +199,17 @@ def settings_problem(settings: Settings) -> str | None:
     model = settings.resolved_model()
     if not model.startswith("synthetic:") and not os.path.isfile(model):
         return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
-    if settings.quant not in CHOICES["quant"]:  # RWKV_QUANT (the flag's choices are checked by argparse)
-        return f"--quant {settings.quant!r}: use one of {', '.join(CHOICES['quant'])}"
-    return state_files_problem(settings) or device_problem(settings.device)
+    return choices_problem(settings) or state_files_problem(settings) or device_problem(settings.device)
+
+
+def choices_problem(settings: Settings) -> str | None:
+    """A setting of CHOICES outside its values, as the environment can give it (RWKV_QUANT=int4:
+    argparse checks only the flags' own values), or None. The log level is read in any case."""
+    for name, options in CHOICES.items():
+        value = getattr(settings, name)
+        if (value.lower() if name == "log_level" else value) not in options:
+            return f"--{name.replace('_', '-')} {value!r}: use one of {', '.join(options)}"
+    return None
 
 
 def state_files_problem(settings: Settings) -> str | None:

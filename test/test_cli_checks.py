@@ -78,11 +78,24 @@ def test_state_dtype_auto_is_fp16_on_cuda_only(device, state, expect):
     assert s.state_dtype == state and s.resolved_state_dtype() == expect
 
 
-def test_a_bad_quant_in_the_environment_fails_before_loading(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RWKV_QUANT": "int4"}
+@pytest.mark.parametrize("var,value,line", [
+    ("RWKV_QUANT", "int4", "--quant 'int4': use one of none, int8, fp8"),
+    ("RWKV_SPARSE_FFN", "maybe", "--sparse-ffn 'maybe': use one of auto, on, off"),
+    ("RWKV_KERNELS", "triton", "--kernels 'triton': use one of auto, torch, cuda"),
+])  # fmt: skip
+def test_a_bad_choice_in_the_environment_fails_before_loading(tmp_path, var, value, line):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), var: value}
     r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--db", str(tmp_path / "t.db")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["rwkv-server: --quant 'int4': use one of none, int8, fp8"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"rwkv-server: {line}"]
+
+
+def test_the_log_level_from_the_environment_is_read_in_any_case():
+    from server.cli import settings_problem
+    from server.config import Settings
+
+    assert settings_problem(Settings(log_level="INFO")) is None
+    assert "--log-level 'loud'" in (settings_problem(Settings(log_level="loud")) or "")
 
 
 def test_generate_with_int8_weights_quantizes_at_load():
