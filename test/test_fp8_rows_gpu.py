@@ -18,13 +18,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 70, 1024])
-@pytest.mark.parametrize("Cn", [768, 1000, 2560, 4096, 4100])
+@pytest.mark.parametrize("Cn", [784, 1000, 2560, 4096, 4100])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("K,keep,q0", [(6, 4, 3), (6, 0, 0), (6, 6, 5), (1, 0, 0), (1, 1, 0)])
 @pytest.mark.parametrize("with_dx", [False, True])
 def test_e4m3_rows_are_add_ln_mix_then_quant_rows(monkeypatch, B, Cn, dtype, K, keep, q0, with_dx):
-    """C = 1000: idle threads in the block (they still meet the absmax barrier); C = 4100: not
-    the kernel's layout, so the two launches run (the same bits by construction)."""
+    """C = 784: idle threads in the block (they still meet the absmax barrier); C = 1000 and 4100:
+    not the kernel's layout (codes rows not 16-byte multiples, C % 8), so the two launches run."""
     dev = torch.device("cuda")
     assert cuda_ops.available(dev)
     g = torch.Generator().manual_seed(B + Cn + 10 * K + keep + q0)
@@ -38,7 +38,7 @@ def test_e4m3_rows_are_add_ln_mix_then_quant_rows(monkeypatch, B, Cn, dtype, K, 
     sh_ref, sh_cu = pool.clone(), pool.clone()
     xr, planes = cuda_ops.add_ln_mix(x, dx, ln_w, ln_b, mix, sh_ref[1])
     qr, sr = cuda_quant.quant_like(planes[q0:])
-    if Cn % 8 == 0:  # the kernel's layout: the two-launch path must not run
+    if Cn % 16 == 0:  # the kernel's layout: the two-launch path must not run
         monkeypatch.setattr(cuda_quant, "quant_like", lambda *a: pytest.fail("fell back to quant_rows"))
     xc, out, rows = cuda_ops.add_ln_mix_fp8(x, dx, ln_w, ln_b, mix, sh_cu[1], keep, q0)
     assert torch.equal(xc, xr) and torch.equal(sh_cu, sh_ref)
