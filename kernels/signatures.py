@@ -47,8 +47,6 @@ SIGNATURES: dict[str, list[str]] = {
     # fused_elementwise.cu: f_dt, B, C, x, x_bs, dx, dx_bs, ln_w, ln_b, eps, shift, shift_bs, mix, K,
     # x_out, xo_bs, out, out_bs, out_plane, stream
     "fused_add_ln_mix": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, P, LL, P, LL, LL, P],
-    # ... then keep, q0, q, q_bs, q_plane, qs, qs_plane, stream (e4m3 planes q0..K-1)
-    "fused_add_ln_mix_fp8": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, P, LL, P, LL, LL, I, I, P, LL, LL, P, LL, P],
     "fused_relu_square": [I, P, LL, P],  # f_dt, h, n, stream
     "fused_lora_act": [I, P, LL, P, LL, P],  # f_dt, a, na, g, ng, stream
     # gemv.cu: f_dt, w_dt (0 as f_dt, 1 int8, 2 fp8 e4m3), M, N, K, P, x, x_stride, x_pstride, w,

@@ -198,7 +198,7 @@ def _tol(dtype) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 5, 130, 1030])  # 1030 rows at C = 2560: the staged kernel (more rows than blocks)
+@pytest.mark.parametrize("B", [1, 5, 130])
 @pytest.mark.parametrize("Cn", [256, 2560, 4100])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K", [0, 1, 6])

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from server.cli import build_parser, settings_problem
 from server.config import Settings
 from server.model import load_model, qlinear
-from server.model.qlinear import QWeight
 from server.model.quant import FP8_DTYPE, fake_quantize, round_trip
+from server.model.qlinear import QWeight
 
 MODES = ["int8", "fp8"]
 
@@ -145,36 +145,3 @@ def test_fp8_gemm_falls_back_to_a_bf16_output_where_cublas_refuses_fp16(monkeypa
     dst = torch.zeros(16, 32, dtype=torch.float16)
     assert cuda_quant._mm(xq, sx, w, dst) is dst and bool((dst == 1).all())
     assert calls[2:] == [(torch.bfloat16, True)]  # the device is remembered: no fp16 attempt
-
-
-def test_fp8_rows_from_add_ln_mix_reach_the_products(monkeypatch):
-    """Where the fp8 products quantize their input rows (ops.fp8_rows: on the GPU past 64 rows),
-    the fused decode takes the r/k/v and FFN key rows from add_ln_mix_fp8 already in e4m3: the
-    same logits and states as quantizing inside each product. On CPU, with the pure-torch twins:
-    both models' 8-bit products quantize their rows past 8 rows, and one has fp8_rows forced on."""
-    rows, ref = load_model("synthetic:tiny:3", quant="fp8"), load_model("synthetic:tiny:3", quant="fp8")
-    plain = rows.ops.linear
-
-    def quantizing(x, w, rows=None, cols=None):  # the CUDA dispatch's fp8 x fp8 products
-        if isinstance(w, QWeight) and x.shape[-2] > 8:
-            return qlinear.dense_fp8_native(x, w)
-        return plain(x, w, rows, cols)
-
-    calls = []
-    fp8_ln = rows.ops.add_ln_mix_fp8
-    for m in (rows, ref):
-        m.fused_decode = True
-        monkeypatch.setattr(m.ops, "linear", quantizing)
-    monkeypatch.setattr(rows.ops, "fp8_rows", lambda w, M, dt: isinstance(w, QWeight) and M > 8)
-    monkeypatch.setattr(rows.ops, "add_ln_mix_fp8", lambda *a: calls.append(1) or fp8_ln(*a))
-    B = 10
-    toks = [[(5 * b + t) % 60 + 1 for t in range(2 + b % 3)] for b in range(B)]
-    s1, s2 = rows.zero_state(B), ref.zero_state(B)
-    rows.forward(toks, s1), ref.forward(toks, s2)
-    nxt = torch.arange(3, 3 + B)
-    for _ in range(2):
-        a, b = rows.decode(nxt, s1), ref.decode(nxt, s2)
-        assert torch.equal(a, b)
-        nxt = a.argmax(-1)
-    assert len(calls) == 2 * 2 * rows.shape.n_layer
-    assert all(torch.equal(x, y) for x, y in zip(s1.tensors(), s2.tensors()))

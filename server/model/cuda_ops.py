@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 from server.model import cuda_quant, ops
-from server.model.qlinear import QRows, QWeight, SparseCodes, Weight
-from server.model.quant import FP8_DTYPE
+from server.model.qlinear import QWeight, SparseCodes, Weight
 
 IDENTITY_W = ops.IDENTITY_W
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -201,72 +200,30 @@ def _rows_ok(t: torch.Tensor, dtype, C: int) -> bool:
             and t.data_ptr() % al == 0 and (t.stride(0) % 4 == 0 or t.shape[0] == 1))  # fmt: skip
 
 
-def _ln_args(x, dx, ln_w, ln_b, mix, shift):
-    """The kernel library when add_ln_mix's kernels take these tensors, else None."""
-    C = x.shape[1]
+def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5):
+    """One launch for residual add + LayerNorm + token-shift mixes + shift write (see
+    ops.add_ln_mix, the pure-torch twin)."""
+    B, C = x.shape
     lib = _lib(x.device) if x.is_cuda else None
     dt = x.dtype
     ok = lib is not None and dt in _DT and C % 4 == 0 and C <= LN_MAX_C and _rows_ok(x, dt, C)
     ok = ok and (dx is None or _rows_ok(dx, dt, C)) and (shift is None or _rows_ok(shift, dt, C))
     ok = ok and all(t.dtype == dt and t.is_contiguous() and t.numel() == C for t in (ln_w, ln_b))
     ok = ok and (mix is None or (mix.dtype == dt and mix.is_contiguous() and mix.dim() == 2 and mix.shape[1] == C))
-    return lib if ok and (mix is None or shift is not None) else None
-
-
-def _ln_common(x, dx, ln_w, ln_b, eps, shift, mix):
-    """fused_add_ln_mix's arguments from x through K; x_out: a new tensor when dx is given."""
-    B, C = x.shape
-    x_out = torch.empty(B, C, device=x.device, dtype=x.dtype) if dx is not None else x  # (B, C)
-    args = (_DT[x.dtype], B, C, x.data_ptr(), x.stride(0), dx.data_ptr() if dx is not None else 0,
-            dx.stride(0) if dx is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
-            shift.data_ptr() if shift is not None else 0, shift.stride(0) if shift is not None else 0,
-            mix.data_ptr() if mix is not None else 0, 0 if mix is None else mix.shape[0])  # fmt: skip
-    return x_out, args
-
-
-def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5):
-    """One launch for residual add + LayerNorm + token-shift mixes + shift write (see
-    ops.add_ln_mix, the pure-torch twin)."""
-    lib = _ln_args(x, dx, ln_w, ln_b, mix, shift)
-    if lib is None:
+    ok = ok and (mix is None or shift is not None)
+    if lib is None or not ok:
         return ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)
-    B, C = x.shape
     K = 0 if mix is None else mix.shape[0]
-    out = torch.empty(*((K,) if K else ()), B, C, device=x.device, dtype=x.dtype)  # (K, B, C) or (B, C)
-    x_out, args = _ln_common(x, dx, ln_w, ln_b, eps, shift, mix)
+    out = torch.empty(*((K,) if K else ()), B, C, device=x.device, dtype=dt)  # (K, B, C) or (B, C)
+    x_out = torch.empty(B, C, device=x.device, dtype=dt) if dx is not None else x  # (B, C)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    _check(lib.fused_add_ln_mix(*args, x_out.data_ptr(), C, out.data_ptr(), C, B * C, stream), "fused_add_ln_mix")
+    _check(lib.fused_add_ln_mix(
+        _DT[dt], B, C, x.data_ptr(), x.stride(0), dx.data_ptr() if dx is not None else 0,
+        dx.stride(0) if dx is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
+        shift.data_ptr() if shift is not None else 0, shift.stride(0) if shift is not None else 0,
+        mix.data_ptr() if mix is not None else 0, K, x_out.data_ptr(), C, out.data_ptr(), C, B * C, stream,
+    ), "fused_add_ln_mix")  # fmt: skip
     return x_out, out
-
-
-def add_ln_mix_fp8(x, dx, ln_w, ln_b, mix, shift, keep: int, q0: int, eps: float = 1e-5):
-    """ops.add_ln_mix_fp8 in one launch: planes from q0 on written only as e4m3 codes (16-bit
-    only below keep). Where that kernel declines (layout, fp32): add_ln_mix, then quant_rows on
-    its planes: the same bits either way."""
-    lib = _ln_args(x, dx, ln_w, ln_b, mix, shift)
-    B, C = x.shape
-    K = mix.shape[0]
-    if lib is not None:
-        out = torch.empty(keep, B, C, device=x.device, dtype=x.dtype)  # (keep, B, C)
-        q = torch.empty(K - q0, B, C, device=x.device, dtype=FP8_DTYPE)  # (K - q0, B, C)
-        s = torch.empty(K - q0, B, 1, device=x.device, dtype=torch.float32)  # (K - q0, B, 1)
-        x_out, args = _ln_common(x, dx, ln_w, ln_b, eps, shift, mix)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        rc = lib.fused_add_ln_mix_fp8(*args, x_out.data_ptr(), C, out.data_ptr(), C, B * C, keep, q0,
-                                      q.data_ptr(), C, B * C, s.data_ptr(), B, stream)  # fmt: skip
-        if rc != cuda_quant.UNSUPPORTED:
-            _check(rc, "fused_add_ln_mix_fp8")
-            return x_out, out, QRows(q, s)
-    x_out, planes = add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)  # (K, B, C)
-    return x_out, planes[:keep], QRows(*cuda_quant.quant_like(planes[q0:]))
-
-
-def fp8_rows(w: Weight, M: int, dtype: torch.dtype) -> bool:
-    """ops.fp8_rows for this module's linear(): past the gemv's rows, cuda_quant.fp8_rows."""
-    return M > GEMV_MAX_M and cuda_quant.fp8_rows(w, M, dtype)
-
-
-linear_rows = cuda_quant.linear_rows
 
 
 def relu_square(h: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import functools
 import torch
 
 from server.model import ops, qlinear, w8_gemm
-from server.model.qlinear import QRows, QWeight, SparseCodes, Weight
+from server.model.qlinear import QWeight, SparseCodes, Weight
 from server.model.quant import FP8_DTYPE
 
 UNSUPPORTED = -2
@@ -76,29 +76,10 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
         if y is not None:
             return y
     if fp8_mm and x.dtype in _DT:
-        return linear_rows(QRows(*quant_like(x, act)), w)
+        xq, sx = quant_like(x, act)
+        y = w8_gemm.run(xq, w, xs=sx)  # e4m3 x e4m3 tiles, where its TABLE has them
+        return y if y is not None else _scaled(xq, sx, w)
     return ops.linear(ops.relu_square(x) if act else x, w8_gemm.dequantize(w))
-
-
-def fp8_rows(w: Weight, M: int, dtype: torch.dtype) -> bool:
-    """Whether large() quantizes M rows of dtype to e4m3 for w: fp8 codes on sm_89+ past the
-    weight-only TABLE's rows (a producer may hand it QRows instead: linear_rows). False where
-    w8_gemm's tiles would run weight-only, and on the few GPUs where the TABLE's tile does not
-    fit and large() quantizes after all: there the producer's 16-bit rows go through large()."""
-    if not isinstance(w, QWeight) or w.mode != "fp8" or dtype not in _DT:
-        return False
-    N, K = w.shape[-2], w.shape[-1]
-    P = w.q.shape[0] if w.q.dim() == 3 else 1
-    return K % 16 == 0 and N % 16 == 0 and fp8_gemm_ok(w.device) and w8_gemm.pick("fp8", M, N, K, P) is None
-
-
-def linear_rows(xr: QRows, w: QWeight) -> torch.Tensor:
-    """Rows already in e4m3 @ w^T (fp8 w): w8_gemm's e4m3 tiles where its TABLE has them, else
-    torch._scaled_mm; the pure-torch twin off sm_89+. (M, K) / (P, M, K) -> (M, N) / (P, M, N)."""
-    if not (xr.q.is_cuda and fp8_gemm_ok(xr.q.device)):
-        return qlinear.dense_fp8_rows_native(xr, w)
-    y = w8_gemm.run(xr.q, w, xs=xr.scale)
-    return y if y is not None else _scaled(xr.q, xr.scale, w)
 
 
 def quant_like(x: torch.Tensor, act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

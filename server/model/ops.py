@@ -25,15 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model.qlinear import (
-    QRows,
-    QWeight,
-    SparseCodes,
-    Weight,
-    dense_fp8_rows_native,
-    dense_native,
-    quant_rows_native,
-)
+from server.model.qlinear import QWeight, SparseCodes, Weight, dense_native
 
 IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
 
@@ -151,30 +143,6 @@ def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5) -> tuple[torch.
     out = torch.addcmul(xn, prev, mix.view(mix.shape[0], 1, -1))  # (K, B, C)
     shift.copy_(xn)
     return x, out
-
-
-def add_ln_mix_fp8(x, dx, ln_w, ln_b, mix, shift, keep: int, q0: int,
-                   eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor, QRows]:  # fmt: skip
-    """add_ln_mix for an fp8 x fp8 product's input: returns (x', out[:keep] (keep, B, C), the
-    planes out[q0:] as per-row e4m3 codes (K - q0, B, C) with scales (K - q0, B, 1)). The CUDA
-    twin writes planes from q0 on only as codes (no 16-bit copy unless k < keep); its codes are
-    the bits quant_rows makes of its own 16-bit planes."""
-    x, out = add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)  # (K, B, C)
-    K, B, C = out.shape
-    q, s = quant_rows_native(out[q0:].reshape(-1, C))  # (P * B, C), (P * B, 1)
-    return x, out[:keep], QRows(q.view(K - q0, B, C), s.view(K - q0, B, 1))
-
-
-def fp8_rows(w: Weight, M: int, dtype: torch.dtype) -> bool:
-    """Whether linear(x, w) with M rows of dtype quantizes x per row to e4m3 first (then a
-    producer may hand it QRows: add_ln_mix_fp8, linear_rows). Never here: this module's
-    products are weight-only; the CUDA twin answers per its dispatch."""
-    return False
-
-
-def linear_rows(xr: QRows, w: QWeight) -> torch.Tensor:
-    """linear() of rows quantized ahead, for an fp8 w: (M, K) / (P, M, K) -> (M, N) / (P, M, N)."""
-    return dense_fp8_rows_native(xr, w)
 
 
 def relu_square(h: torch.Tensor) -> torch.Tensor:

@@ -11,15 +11,12 @@ tested against them):
     to 64, the gemv kernel's and server.model.w8_gemm's paths): `dense_native`.
   * fp8 x fp8 (the fp8 path at larger batches: w8_gemm's e4m3 tiles, torch._scaled_mm): each row
     of x quantized to e4m3 with its own scale (absmax / 448) first: `dense_fp8_native`, with
-    `quant_rows_native` the twin of the activation-quantization kernel. Rows quantized ahead
-    (by the kernel that makes them: ops.add_ln_mix_fp8) travel as QRows to
-    `dense_fp8_rows_native`.
+    `quant_rows_native` the twin of the activation-quantization kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -121,21 +118,8 @@ def quant_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.where(nz, amax / quant.FP8_MAX, torch.ones_like(amax))
 
 
-class QRows(NamedTuple):
-    """Activation rows already in e4m3 (quant_rows_native's form), for an fp8 x fp8 product."""
-
-    q: torch.Tensor  # (M, K) or (P, M, K) float8_e4m3fn codes
-    scale: torch.Tensor  # (M, 1) or (P, M, 1) fp32 per-row scales
-
-
 def dense_fp8_native(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """The fp8 x fp8 product's twin: (quantized rows of x) @ (q * scale)^T in fp32, cast to the
     model dtype. x (M, K), w (N, K) fp8 -> (M, N)."""
-    return dense_fp8_rows_native(QRows(*quant_rows_native(x)), w)
-
-
-def dense_fp8_rows_native(xr: QRows, w: QWeight) -> torch.Tensor:
-    """dense_fp8_native on rows quantized ahead: xr (M, K) / (P, M, K) codes with their scales,
-    w (N, K) / (P, N, K) fp8 -> (M, N) / (P, M, N) in the model dtype."""
-    y = xr.q.float() @ w.q.float().transpose(-1, -2)  # (M, N) / (P, M, N)
-    return (y * xr.scale * w.scale.float().unsqueeze(-2)).to(w.dtype)
+    xq, sx = quant_rows_native(x)
+    return ((xq.float() @ w.q.float().t()) * sx * w.scale.float()).to(w.dtype)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
-from server.model.qlinear import HEAD8_MAX_ROWS, QRows, Weight
+from server.model.qlinear import HEAD8_MAX_ROWS, Weight
 from server.model.state import ModelShape, State
 
 OP_NAMES = (
@@ -37,9 +37,6 @@ OP_NAMES = (
     "wkv_chunk",
     "tmix_decode",
     "add_ln_mix",
-    "add_ln_mix_fp8",
-    "fp8_rows",
-    "linear_rows",
     "relu_square",
     "lora_act",
     "linear",
@@ -158,20 +155,15 @@ class RWKV7:
         model dtype. The same arithmetic as the unfused loop, with the elementwise work in
         self.ops' fused ops (one launch each on CUDA) and the projections that share a launch
         stacked (server.model.decode_pack)."""
-        lin, C, B = self.ops.linear, self.shape.n_embd, x.shape[0]
+        lin, C = self.ops.linear, self.shape.n_embd
         dx, v_first = None, x
-        packs = self._decode_packs()
-        # where the fp8 products quantize their input rows, add_ln_mix hands them over in e4m3
-        q_vkr = self.ops.fp8_rows(packs[0].vkr, B, x.dtype)
-        q_key = self.ops.fp8_rows(self.w.layers[0].ffn_key, B, x.dtype)
-        for i, (lw, pk) in enumerate(zip(self.w.layers, packs)):
-            # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift:
-            # planes g w a v (the LoRAs' input) and v k r (the projection's rows)
-            x, xs, vkr = self._mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i], 4, 3, q_vkr)
+        for i, (lw, pk) in enumerate(zip(self.w.layers, self._decode_packs())):
+            # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift
+            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i])  # (6, B, C) g w a v k r
             side = self._fork()  # the LoRAs run beside the big projection (CUDA: a side stream)
             with side:
                 z, gz = self._decode_loras(xs, pk)  # (P, B, C) wz, az[, vz]; (B, C) gate
-            v, k, r = self._proj(vkr, pk.vkr).unbind(0)  # each (B, C)
+            v, k, r = lin(xs[3:6], pk.vkr).unbind(0)  # each (B, C)
             side.join()
             if i == 0:
                 v_first = v
@@ -179,27 +171,11 @@ class RWKV7:
             y = self.ops.tmix_decode(
                 state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw, layer0=i == 0, bias=True
             )
-            x, _, xk = self._mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C), state.ffn_shift[i],
-                                 0, 0, q_key)  # fmt: skip
-            dx = self.ops.relu2_linear(self._proj(xk, lw.ffn_key), lw.ffn_value, lw.ffn_value_t)
+            x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
+                                        state.ffn_shift[i])  # fmt: skip
+            dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value, lw.ffn_value_t)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self._head_weight(xn.shape[0]))  # (B, V) model dtype
-
-    def _mix(self, x, dx, ln_w, ln_b, mix, shift, keep: int, q0: int, fp8: bool):
-        """ops.add_ln_mix as (x', planes[:keep], planes[q0:]: a projection's input rows). fp8: those
-        rows come as e4m3 codes straight from the kernel (QRows; ops.add_ln_mix_fp8)."""
-        if fp8:
-            return self.ops.add_ln_mix_fp8(x, dx, ln_w, ln_b, mix, shift, keep, q0)
-        x, xs = self.ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift)  # (K, B, C)
-        return x, xs[:keep], xs[q0:]
-
-    def _proj(self, rows: torch.Tensor | QRows, w: Weight) -> torch.Tensor:
-        """rows (P, B, K) @ w^T: stacked planes and weights -> (P, B, N), or the one plane of a
-        2-D w -> (B, N); 16-bit rows through ops.linear, e4m3 ones through ops.linear_rows."""
-        flat = w.dim() == 2
-        if isinstance(rows, QRows):
-            return self.ops.linear_rows(QRows(rows.q[0], rows.scale[0]) if flat else rows, w)
-        return self.ops.linear(rows[0] if flat else rows, w)
 
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
