@@ -171,7 +171,12 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
 // Launch bound of 1 block per SM: ptxas uses 76-80 registers (no spills), and 2 blocks of 320
 // threads (C = 2560) still fit per SM. A bound of 2 would cap it at 64 registers with spills (a
 // slower decode step: docs/performance.md).
-template <typename F>
+// HOLD (16-bit F): the mix rows are read with the LN weights before the PDL wait and held in
+// registers (76-80 of them), off the row's path: the faster kernel while every row has a block of
+// its own on the GPU. Past that (more rows than resident blocks) the launcher takes HOLD = false:
+// mix rows read after the reduction (54 registers, 3 blocks of 320 threads per SM instead of 2),
+// more rows in flight for a kernel that waits on memory latency.
+template <typename F, bool HOLD>
 __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];
     const int b = blockIdx.x, tid = threadIdx.x;
@@ -184,7 +189,7 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs 
     // reduction): 76 registers, 2 blocks of 320 threads per SM (at 107 registers, with the mixes
     // unpacked to fp32, only one fit). The weights (LN w / b, mix rows) go out before the wait
     // for the predecessor (pdl.cuh); x, dx and the shift state after it.
-    constexpr bool EARLY = sizeof(F) == 2;
+    constexpr bool EARLY = HOLD && sizeof(F) == 2;
     uint4 mraw[LN_KMAX];
     auto load_weights = [&] {
         load8<F>((const F *)p.ln_w + c, w);
@@ -300,6 +305,25 @@ __global__ void lora_act_kernel(F *__restrict__ a, long long na, F *__restrict__
     }
 }
 
+// Blocks of kern (threads each, no dynamic shared memory) resident on the current device at once;
+// cached per device and block size. A failed query answers "all of them" (the launcher keeps HOLD).
+template <typename K>
+inline int resident(K kern, int threads) {
+    constexpr int DEVS = 16, SIZES = LN_V2_THREADS / 32 + 1;
+    static int cache[DEVS][SIZES] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev >= DEVS || threads / 32 >= SIZES) return 1 << 30;
+    int &n = cache[dev][threads / 32];
+    if (n == 0) {
+        int sms = 0, per = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, threads, 0) != cudaSuccess)
+            return 1 << 30;
+        n = per * sms;
+    }
+    return n;
+}
+
 }  // namespace wkv7
 
 // All tensors in dtype f_dt; rows of C with the given strides (elements); C % 4 == 0; 16-byte
@@ -328,7 +352,9 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     if (fast) {
         const int t2 = ((C / VW) + 31) / 32 * 32;
         return WKV7_F_DISPATCH(f_dt, {
-            return (int)rwkv_pdl::launch_pdl(add_ln_mix_v2_kernel<F>, dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
+            const bool hold = B <= wkv7::resident(add_ln_mix_v2_kernel<F, true>, t2);
+            return (int)rwkv_pdl::launch_pdl(hold ? add_ln_mix_v2_kernel<F, true> : add_ln_mix_v2_kernel<F, false>,
+                                             dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
         });
     }
     return WKV7_F_DISPATCH(f_dt, {
