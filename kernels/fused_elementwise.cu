@@ -172,10 +172,10 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
 // threads (C = 2560) still fit per SM. A bound of 2 would cap it at 64 registers with spills (a
 // slower decode step: docs/performance.md).
 // HOLD (16-bit F): the mix rows are read with the LN weights before the PDL wait and held in
-// registers (76-80 of them), off the row's path: the faster kernel while every row has a block of
-// its own on the GPU. Past that (more rows than resident blocks) the launcher takes HOLD = false:
-// mix rows read after the reduction (54 registers, 3 blocks of 320 threads per SM instead of 2),
-// more rows in flight for a kernel that waits on memory latency.
+// registers (76-80 of them), off the row's path. HOLD = false reads them after the reduction: 54
+// registers, 3 blocks of 320 threads per SM instead of 2, more rows in flight for a kernel that
+// waits on memory latency. The launcher takes it only where that means fewer waves of blocks
+// (2.9B: B=1,024 runs 3 waves instead of 4; at B=512 both run 2, and the held rows win).
 template <typename F, bool HOLD>
 __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs p) {
     __shared__ float red[3][32];
@@ -306,7 +306,7 @@ __global__ void lora_act_kernel(F *__restrict__ a, long long na, F *__restrict__
 }
 
 // Blocks of kern (threads each, no dynamic shared memory) resident on the current device at once;
-// cached per device and block size. A failed query answers "all of them" (the launcher keeps HOLD).
+// cached per device and block size. A failed query answers "any number" (the launcher keeps HOLD).
 template <typename K>
 inline int resident(K kern, int threads) {
     constexpr int DEVS = 16, SIZES = LN_V2_THREADS / 32 + 1;
@@ -352,7 +352,10 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     if (fast) {
         const int t2 = ((C / VW) + 31) / 32 * 32;
         return WKV7_F_DISPATCH(f_dt, {
-            const bool hold = B <= wkv7::resident(add_ln_mix_v2_kernel<F, true>, t2);
+            // HOLD unless the lean kernel's extra resident blocks take a wave of rows off
+            const int rh = wkv7::resident(add_ln_mix_v2_kernel<F, true>, t2);
+            const int rl = wkv7::resident(add_ln_mix_v2_kernel<F, false>, t2);
+            const bool hold = (B + rh - 1) / rh <= (B + rl - 1) / rl;
             return (int)rwkv_pdl::launch_pdl(hold ? add_ln_mix_v2_kernel<F, true> : add_ln_mix_v2_kernel<F, false>,
                                              dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
         });
