@@ -305,10 +305,11 @@ __global__ void lora_act_kernel(F *__restrict__ a, long long na, F *__restrict__
     }
 }
 
-// Blocks of kern (threads each, no dynamic shared memory) resident on the current device at once;
-// cached per device and block size. A failed query answers "any number" (the launcher keeps HOLD).
-template <typename K>
-inline int resident(K kern, int threads) {
+// Blocks of add_ln_mix_v2_kernel<F, HOLD> (threads each) resident on the current device at once;
+// cached per instantiation, device and block size. A failed query answers "any number" (the
+// launcher keeps HOLD).
+template <typename F, bool HOLD>
+inline int ln_resident(int threads) {
     constexpr int DEVS = 16, SIZES = LN_V2_THREADS / 32 + 1;
     static int cache[DEVS][SIZES] = {};
     int dev = 0;
@@ -317,7 +318,7 @@ inline int resident(K kern, int threads) {
     if (n == 0) {
         int sms = 0, per = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, threads, 0) != cudaSuccess)
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, add_ln_mix_v2_kernel<F, HOLD>, threads, 0) != cudaSuccess)
             return 1 << 30;
         n = per * sms;
     }
@@ -353,8 +354,7 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
         const int t2 = ((C / VW) + 31) / 32 * 32;
         return WKV7_F_DISPATCH(f_dt, {
             // HOLD unless the lean kernel's extra resident blocks take a wave of rows off
-            const int rh = wkv7::resident(add_ln_mix_v2_kernel<F, true>, t2);
-            const int rl = wkv7::resident(add_ln_mix_v2_kernel<F, false>, t2);
+            const int rh = wkv7::ln_resident<F, true>(t2), rl = wkv7::ln_resident<F, false>(t2);
             const bool hold = (B + rh - 1) / rh <= (B + rl - 1) / rl;
             return (int)rwkv_pdl::launch_pdl(hold ? add_ln_mix_v2_kernel<F, true> : add_ln_mix_v2_kernel<F, false>,
                                              dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);

@@ -227,6 +227,30 @@ def test_add_ln_mix_matches_twin(B, Cn, dtype, K, with_dx):
 
 
 @pytest.mark.gpu
+def test_add_ln_mix_reads_the_mix_rows_late_only_where_that_saves_a_wave():
+    """2.9B's rows (C = 2,560, fp16): two blocks per SM fit with the mix rows held in registers,
+    three without. At 4 * SMs - 8 rows both kernels take two waves (the held rows win); at 6 * SMs
+    the held kernel takes three and the lean one two. The kernel's name says which ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    Cn, dt = 2560, torch.float16
+    for B, hold in ((4 * sms - 8, "true"), (6 * sms, "false")):
+        x, dx, shift = (torch.randn(B, Cn, device=dev, dtype=dt) for _ in range(3))
+        ln_w, ln_b, mix = (
+            torch.ones(Cn, device=dev, dtype=dt),
+            torch.zeros(Cn, device=dev, dtype=dt),
+            torch.rand(6, Cn, device=dev, dtype=dt),
+        )
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cuda_ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift)
+            torch.cuda.synchronize(dev)
+        names = {e.name for e in prof.events() if "add_ln_mix" in e.name}
+        assert names == {f"void wkv7::add_ln_mix_v2_kernel<__half, {hold}>(wkv7::LnArgs)"}, (B, names)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 7, 4096, 2560 * 4 * 3 + 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_relu_square_and_lora_act_match_twins(n, dtype):
