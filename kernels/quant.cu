@@ -5,10 +5,7 @@
 // where a = x, or with act = 1 a = round(relu(x)^2) in x's dtype (the channel mix's activation, as
 // ops.relu_square rounds it: ffn_value's input is quantized without a separate relu_square).
 // Pure-torch twin: server.model.qlinear.quant_rows_native (bitwise the same codes and scales).
-// One block per row. Rows of K = 8 * J * T (J = 1 or 2 groups of 8 per thread, T a multiple of 32
-// up to 1024 threads: 2.9B's 2,560 and 10,240) are read once and held in registers
-// (quant_rows_reg_kernel); other widths are read twice (absmax, then codes; the second read hits
-// L1/L2). The same codes and scales either way.
+// One block per row: the row is read twice (absmax, then codes; the second read hits L1/L2).
 // Requirements (else -2, nothing launched): K % 8 == 0, x and q 16-byte aligned, row strides
 // multiples of 8 (x) and 16 (q) elements, f_dt fp16 or bf16.
 #include <cuda_bf16.h>
@@ -42,15 +39,6 @@ __device__ __forceinline__ void load8(const F *p, float *v, bool relu2) {
     }
 }
 
-// The codes of 8 values v with multiplier inv, stored at p (8 bytes).
-__device__ __forceinline__ void store_codes8(uint8_t *p, const float *v, float inv) {
-    uint16_t c[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        c[i] = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * i] * inv, v[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
-    *reinterpret_cast<uint2 *>(p) = make_uint2(c[0] | (uint32_t)c[1] << 16, c[2] | (uint32_t)c[3] << 16);
-}
-
 template <typename F>
 __global__ void __launch_bounds__(THREADS) quant_rows_kernel(const F *x, long long x_s, int K, int relu2,
                                                               uint8_t *q, long long q_s, float *scale) {
@@ -75,34 +63,12 @@ __global__ void __launch_bounds__(THREADS) quant_rows_kernel(const F *x, long lo
     uint8_t *qr = q + row * q_s;
     for (int k = threadIdx.x * 8; k < K; k += THREADS * 8) {
         load8(xr + k, v, relu2);
-        store_codes8(qr + k, v, inv);
+        uint16_t c[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            c[i] = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * i] * inv, v[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+        *reinterpret_cast<uint2 *>(qr + k) = make_uint2(c[0] | (uint32_t)c[1] << 16, c[2] | (uint32_t)c[3] << 16);
     }
-}
-
-// quant_rows_kernel with the row in registers: K == 8 * J * blockDim.x, read once.
-template <typename F, int J>
-__global__ void __launch_bounds__(1024) quant_rows_reg_kernel(const F *x, long long x_s, int relu2, uint8_t *q,
-                                                              long long q_s, float *scale) {
-    __shared__ float red[32];
-    const int row = blockIdx.x, T = blockDim.x;
-    const F *xr = x + row * x_s;
-    float v[J][8], amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        load8(xr + (j * T + threadIdx.x) * 8, v[j], relu2);
-#pragma unroll
-        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[j][i]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    amax = red[0];
-    for (int i = 1; i < T / 32; i++) amax = fmaxf(amax, red[i]);
-    const float inv = amax > 0.f ? FP8_MAX / amax : 1.f;
-    if (threadIdx.x == 0) scale[row] = amax > 0.f ? amax / FP8_MAX : 1.f;
-#pragma unroll
-    for (int j = 0; j < J; j++) store_codes8(q + row * q_s + (j * T + threadIdx.x) * 8, v[j], inv);
 }
 
 }  // namespace quant_k
@@ -118,23 +84,6 @@ extern "C" int quant_rows_fp8(int f_dt, int rows, int K, const void *x, long lon
     cudaStream_t s = (cudaStream_t)stream;
     auto *qq = static_cast<uint8_t *>(q);
     auto *sc = static_cast<float *>(scale);
-    for (int J = 1; J <= 2; J++) {  // the row in registers: K = 8 * J * T, T a multiple of 32 <= 1024
-        const int T = K / (8 * J);
-        if (K % (8 * J) || T % 32 || T > 1024) continue;
-        if (f_dt == 1 && J == 1)
-            quant_rows_reg_kernel<__half, 1><<<rows, T, 0, s>>>(static_cast<const __half *>(x), x_s, act, qq, q_s, sc);
-        else if (f_dt == 1)
-            quant_rows_reg_kernel<__half, 2><<<rows, T, 0, s>>>(static_cast<const __half *>(x), x_s, act, qq, q_s, sc);
-        else if (f_dt == 2 && J == 1)
-            quant_rows_reg_kernel<__nv_bfloat16, 1>
-                <<<rows, T, 0, s>>>(static_cast<const __nv_bfloat16 *>(x), x_s, act, qq, q_s, sc);
-        else if (f_dt == 2)
-            quant_rows_reg_kernel<__nv_bfloat16, 2>
-                <<<rows, T, 0, s>>>(static_cast<const __nv_bfloat16 *>(x), x_s, act, qq, q_s, sc);
-        else
-            return -2;
-        return (int)cudaGetLastError();
-    }
     if (f_dt == 1)
         quant_rows_kernel<__half><<<rows, THREADS, 0, s>>>(static_cast<const __half *>(x), x_s, K, act, qq, q_s, sc);
     else if (f_dt == 2)

@@ -92,32 +92,6 @@ def test_activation_quantization_kernel_matches_its_twin(dev, act, dtype):
     assert steps.max().item() <= 1  # e4m3 codes of one sign are ordered: 1 = the next value
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("K", [2560, 10240])
-@pytest.mark.parametrize("act", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_one_read_quantization_is_the_two_read_kernels_bits(dev, K, act, dtype):
-    """Rows of 8 * 32 * n values (2.9B's 2,560 and 10,240) are held in registers and read once;
-    eight zero columns more (K + 8) send the same rows to the two-read kernel: the same codes and
-    scales. The profiler's kernel names say which kernel ran."""
-    from torch.profiler import ProfilerActivity, profile
-
-    x = _data((300, K), dev, 11, 3.0, dtype)
-    x[7] = 0
-    wide = torch.cat([x, x.new_zeros(300, 8)], 1)  # (300, K + 8)
-    out, kernels = [], []
-    for rows in (x, wide):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out.append(cuda_quant.quant_rows(rows, act))
-            torch.cuda.synchronize(dev)
-        kernels.append({e.name.split("<")[0] for e in prof.events() if "quant_rows" in e.name})
-    assert kernels == [{"void quant_k::quant_rows_reg_kernel"}, {"void quant_k::quant_rows_kernel"}], kernels
-    (q1, s1), (q2, s2) = out
-    assert torch.equal(s1, s2) and s1[7].item() == 1.0
-    assert torch.equal(q1.view(torch.uint8), q2[:, :K].view(torch.uint8))
-    assert not q2[:, K:].float().any()
-
-
 def _fp8_ref(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
     """The fp8 product of the kernel's own activation codes, in fp32: the GEMM alone is compared
     (the codes may differ from quant_rows_native's by one step on rounding boundaries, which
