@@ -41,9 +41,9 @@ class Settings:
     sparse_ffn: str = "auto"
     """One-stream decode's FFN value projection reads only the weight rows of relu^2's nonzero
     inputs (about half of a random model's, most of a trained one's) from a transposed copy of its
-    weights (CUDA): `auto` (with `--quant fp8`: +0.84 GB at 2.9B, B=1 +6-7%), `on` (also int8
-    and fp16 weights: +1.68 GB for fp16 at 2.9B, worth it where most inputs are zero), `off`.
-    docs/performance.md, "Skipping relu^2's zeros"."""
+    weights (CUDA, fp16 models: the product takes fp16 activations): `auto` (with `--quant fp8`:
+    +0.84 GB at 2.9B, B=1 +6-7%), `on` (also int8 and 16-bit weights: +1.68 GB for fp16 at 2.9B,
+    worth it where most inputs are zero), `off`. docs/performance.md, "Skipping relu^2's zeros"."""
     kernels: str = "auto"
     """Which ops run the model on cuda: `auto` (the CUDA kernels of kernels/, built at first start,
     else pure torch), `torch` (pure-torch ops and the torch sampler everywhere), `cuda` (the kernels,

@@ -6,6 +6,8 @@ graph too) and in a --quant fp8 model's B=1 decode.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -50,6 +52,20 @@ def test_transposed_copies_are_made_on_cuda_only():
     with pytest.raises(ValueError, match="sparse_ffn must be one of auto, on, off"):
         load_model("synthetic:L2-C128", quant="fp8", sparse_ffn="yes")
     assert Settings.from_env({"RWKV_SPARSE_FFN": "off"}).sparse_ffn == "off" and Settings().sparse_ffn == "auto"
+
+
+def test_the_transposed_copy_is_only_for_fp16_models(caplog):
+    """The one-row product takes fp16 activations: a bf16 or fp32 model gets no copy whatever
+    sparse_ffn says (said in the log: a warning when asked for with on), an fp16 one per sparse_ffn."""
+    from server.model.loader import sparse_wanted
+
+    fp16, bf16 = torch.float16, torch.bfloat16
+    assert sparse_wanted("fp8", "auto", fp16, "m") and sparse_wanted("none", "on", fp16, "m")
+    assert not sparse_wanted("int8", "auto", fp16, "m") and not sparse_wanted("fp8", "off", fp16, "m")
+    with caplog.at_level(logging.INFO, logger="server.model.loader"):
+        assert not sparse_wanted("fp8", "auto", bf16, "m") and not sparse_wanted("int8", "on", torch.float32, "m")
+    levels = [(r.levelno, "needs fp16 activations" in r.getMessage()) for r in caplog.records]
+    assert levels == [(logging.INFO, True), (logging.WARNING, True)]
 
 
 def _data(shape, dev, seed, scale=1.0):

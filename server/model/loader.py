@@ -77,8 +77,7 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     )
     model.synthetic = is_synthetic
     model.quant = quant
-    sparse = quant == "fp8" if sparse_ffn == "auto" else sparse_ffn == "on"
-    if sparse and model.kernel_ops() and device.type == "cuda":
+    if device.type == "cuda" and model.kernel_ops() and sparse_wanted(quant, sparse_ffn, dtype, name):
         _sparse_values(model, name)
     if quantizer is not None:
         quantizer.log(name)
@@ -119,6 +118,20 @@ def _head8(head: torch.Tensor, name: str) -> qlinear.QWeight:
     return head8
 
 
+def sparse_wanted(quant: str, sparse_ffn: str, dtype: torch.dtype, name: str) -> bool:
+    """Whether the FFN value weights get their transposed copy (_sparse_values): sparse_ffn auto
+    with fp8 weights, on with any. Never for a model dtype other than fp16: the one-row product
+    takes fp16 activations only, so the copy would be memory that nothing reads."""
+    if not (quant == "fp8" if sparse_ffn == "auto" else sparse_ffn == "on"):
+        return False
+    if dtype != torch.float16:
+        level = logging.WARNING if sparse_ffn == "on" else logging.INFO
+        log.log(level, "%s: no transposed FFN value copy (--sparse-ffn): it needs fp16 activations, not %s", name,
+                dtype)  # fmt: skip
+        return False
+    return True
+
+
 def _sparse_values(model: RWKV7, name: str) -> None:
     """Each layer's FFN value weights transposed (LayerWeights.ffn_value_t) for the one-row product
     that skips relu^2's zeros (cuda_quant.sparse_relu2): B=1 decode reads only the nonzero inputs'
@@ -127,9 +140,6 @@ def _sparse_values(model: RWKV7, name: str) -> None:
     a model in less memory, and a 16-bit copy costs twice the bytes."""
     from server.model import cuda_quant  # CUDA paths: imported when the model runs on CUDA
 
-    if model.quant == "none" and model.dtype != torch.float16:
-        log.warning("%s: --sparse-ffn on needs fp16 or 8-bit weights, not %s: no transposed copy", name, model.dtype)
-        return
     t0, extra = time.perf_counter(), 0
     for lw in model.w.layers:
         lw.ffn_value_t = cuda_quant.sparse_codes(lw.ffn_value)
