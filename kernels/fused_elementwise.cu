@@ -316,9 +316,10 @@ inline int ln_resident(int threads) {
     if (cudaGetDevice(&dev) != cudaSuccess || dev >= DEVS || threads / 32 >= SIZES) return 1 << 30;
     int &n = cache[dev][threads / 32];
     if (n == 0) {
-        int sms = 0, per = 0;
-        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, add_ln_mix_v2_kernel<F, HOLD>, threads, 0) != cudaSuccess)
+        int per = 0;
+        const int sms = num_sms();
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, add_ln_mix_v2_kernel<F, HOLD>, threads, 0) != cudaSuccess ||
+            per * sms <= 0)
             return 1 << 30;
         n = per * sms;
     }

@@ -23,6 +23,16 @@
 
 namespace wkv7 {
 
+// Multiprocessors of the current device (host side; cached per device, 0 when the query fails).
+inline int num_sms() {
+    static int sms[64] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    int &n = sms[dev & 63];
+    if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) n = 0;
+    return n;
+}
+
 constexpr int N = RWKV_HEAD_SIZE;
 constexpr int TPR = 8;                // threads per state row
 constexpr int EPT = N / TPR;          // state values per thread

@@ -167,15 +167,6 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
     }
 }
 
-inline int num_sms() {
-    static int sms[64] = {};
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    int &n = sms[dev & 63];
-    if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) n = 0;
-    return n;
-}
-
 // Blocks per head K: at most one full wave (occupancy x SMs), then as few as give every block the
 // same number of heads (ceil(B / K) each).
 template <typename F, typename S>

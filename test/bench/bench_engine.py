@@ -30,6 +30,7 @@ from server.engine.sampler import SamplerSlots  # noqa: E402
 from server.engine.types import SamplingParams  # noqa: E402
 from server.model import State, load_model  # noqa: E402
 from server.model.graphs import DecodeGraphs  # noqa: E402
+from server.model.loader import SPARSE_FFN  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -211,7 +212,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "test/bench/results.jsonl"))
     p.add_argument("--variant", default="", help="free-text tag stored with each line")
     p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights (load_model quant)")
-    p.add_argument("--sparse-ffn", default="auto", choices=("auto", "on", "off"), help="load_model sparse_ffn")
+    p.add_argument("--sparse-ffn", default="auto", choices=SPARSE_FFN, help="load_model sparse_ffn")
     p.add_argument("--fp8-fast-accum", default="",
                    help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
                         "one process ('' = the module's value)")  # fmt: skip
