@@ -245,3 +245,37 @@ def test_fused_decode_path_equals_unfused():
     # the layers' own fields are views into the stacked storage (prefill reads them)
     lw = fused.w.layers[1]
     assert lw.g1.untyped_storage().data_ptr() == pk[1].lora1.untyped_storage().data_ptr()
+
+
+def test_capture_graph_pauses_the_collector_and_restores_it(monkeypatch):
+    """graphs.capture_graph: no automatic collection inside torch.cuda.graph (it could destroy a
+    dead object's CUDA resources mid-capture), the collector's state restored after, also when the
+    capture raises, and left off when it was off."""
+    import contextlib
+    import gc
+
+    from server.model import graphs
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(g, pool=None):
+        seen.append((g, pool, gc.isenabled()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with graphs.capture_graph("g", "pool"):
+            assert not gc.isenabled()
+        assert gc.isenabled() and seen == [("g", "pool", False)]
+        with pytest.raises(ValueError), graphs.capture_graph("g", None):
+            raise ValueError("capture failed")
+        assert gc.isenabled()
+        gc.disable()
+        with graphs.capture_graph("g", None):
+            pass
+        assert not gc.isenabled() and [s[2] for s in seen] == [False, False, False]
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -141,3 +141,44 @@ def test_pdl_launches_equal_plain_launches(pair, B):
     (t0, l0, s0), (t1, l1, s1) = runs
     assert torch.equal(t0, t1) and torch.equal(l0, l1)
     assert all(torch.equal(a, b) for a, b in zip(s0, s1))
+
+
+def test_a_collection_during_a_capture_leaves_it_whole(pair, monkeypatch):
+    """An earlier test's captured decode graphs, garbage in a reference cycle, meet Python's
+    automatic collection while a later decode graph captures (the captured code allocates):
+    graphs.capture_graph pauses the collector, so they are not destroyed inside the capture (which
+    invalidated it: the GPU tests' engine start-up failed so when an earlier engine was collected
+    there), and the new graph replays as the eager step computes."""
+    import gc
+
+    from server.model.graphs import DecodeGraphs
+
+    _, gpu = pair
+    B = 2
+    old = DecodeGraphs(gpu, gpu.zero_state(B), None, buckets=[B])
+    old.capture([B])
+    holder = [{"graphs": old}]
+    holder[0]["cycle"] = holder[0]  # freed only by a collection
+    del old
+    pool = gpu.zero_state(B)
+    g = DecodeGraphs(gpu, pool, None, buckets=[B])
+    begin, thresholds = torch.cuda.CUDAGraph.capture_begin, gc.get_threshold()
+
+    def begin_then_drop(self, *a, **kw):  # inside the capture: the cycle becomes garbage, and
+        begin(self, *a, **kw)  # every allocation may start a collection of every generation
+        holder.clear()
+        gc.set_threshold(1, 1, 1)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_drop)
+    try:
+        g.capture([B])
+    finally:
+        gc.set_threshold(*thresholds)
+    monkeypatch.undo()
+    gc.collect()  # the old graphs go now, outside any capture
+    ref = pool.clone()
+    tok = torch.arange(B, device="cuda") + 10
+    got = g.step(B, tok).clone()
+    want = gpu.decode(tok, ref).argmax(-1)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(pool.tensors(), ref.tensors()))

@@ -30,9 +30,11 @@ forward-only graph of the bucket instead (captured on first use) and sample eage
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +42,24 @@ import torch
 from server.model.state import State
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """torch.cuda.graph(graph, pool=pool) with Python's cyclic garbage collector paused. A
+    collection that runs inside a capture (the captured Python code allocates) can destroy a dead
+    object's CUDA graphs, events or pinned buffers, and a destroy or free call while the stream
+    captures invalidates the capture: the GPU tests saw an engine's start-up capture fail when an
+    earlier test's engine was collected during it. torch 2.11 no longer collects before a capture
+    (torch.compiler.config.force_cudagraph_gc); dead objects wait for the next collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -107,7 +127,7 @@ class DecodeGraphs:
         g = torch.cuda.CUDAGraph()
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self.mempool):
+        with capture_graph(g, self.mempool):
             out = self._body(b)
             # feed the next replay: ids (an overflow row's -1 as token 0) and positions + 1
             torch.clamp(out[1], min=0, out=self.tokens[:b])
@@ -120,7 +140,7 @@ class DecodeGraphs:
         g = torch.cuda.CUDAGraph()
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self.mempool):
+        with capture_graph(g, self.mempool):
             logits = self.model.decode(self.tokens[:b], self.pool.view(0, b), raw_logits=True)  # (b, V)
         self.fwd_graphs[b], self.fwd_logits[b] = g, logits
         log.info("captured forward graph for bucket %d in %.2fs", b, time.perf_counter() - t0)

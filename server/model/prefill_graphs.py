@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from server.model.graphs import capture_graph
 from server.model.state import State
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class PrefillGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         del scratch
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        with capture_graph(graph, self._mempool):
             logits = call(self.pool)  # (B, V) static output
         self.graphs[(B, T)] = (graph, buf, logits)
         log.info("prefill graph for %d x %d tokens captured in %.2f s", B, T, time.perf_counter() - t0)
