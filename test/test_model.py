@@ -247,10 +247,10 @@ def test_fused_decode_path_equals_unfused():
     assert lw.g1.untyped_storage().data_ptr() == pk[1].lora1.untyped_storage().data_ptr()
 
 
-def test_capture_graph_pauses_the_collector_and_restores_it(monkeypatch):
-    """graphs.capture_graph: no automatic collection inside torch.cuda.graph (it could destroy a
-    dead object's CUDA resources mid-capture), the collector's state restored after, also when the
-    capture raises, and left off when it was off."""
+def test_capture_graph_is_thread_local_and_pauses_the_collector(monkeypatch):
+    """graphs.capture_graph: a thread-local capture with no automatic collection inside it (it
+    could destroy a dead object's CUDA resources mid-capture), the collector's state restored
+    after, also when the capture raises, and left off when it was off."""
     import contextlib
     import gc
 
@@ -259,7 +259,8 @@ def test_capture_graph_pauses_the_collector_and_restores_it(monkeypatch):
     seen = []
 
     @contextlib.contextmanager
-    def fake_graph(g, pool=None):
+    def fake_graph(g, pool=None, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"  # other threads' CUDA calls are theirs
         seen.append((g, pool, gc.isenabled()))
         yield
 

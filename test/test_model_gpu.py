@@ -182,3 +182,58 @@ def test_a_collection_during_a_capture_leaves_it_whole(pair, monkeypatch):
     want = gpu.decode(tok, ref).argmax(-1)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(pool.tensors(), ref.tensors()))
+
+
+@pytest.mark.parametrize("call", ["pinned", "stream_sync"])
+def test_another_threads_cuda_calls_leave_a_capture_whole(pair, monkeypatch, call):
+    """Forward graphs are captured on first use while the server runs, beside copy-out threads
+    that allocate pinned staging and wait on their streams: a call of that kind from another
+    thread, made while a decode graph captures, neither fails nor invalidates the capture
+    (graphs.capture_graph: thread-local capture mode), and the graph replays as eager decodes."""
+    import threading
+
+    from server.model.graphs import DecodeGraphs
+
+    _, gpu = pair
+    B = 2
+    pool = gpu.zero_state(B)
+    g = DecodeGraphs(gpu, pool, None, buckets=[B])
+    inside, done, errors = threading.Event(), threading.Event(), []
+    side = torch.cuda.Stream()
+
+    def other():
+        inside.wait(30)
+        try:
+            if call == "pinned":  # a size no cached block holds: a fresh host allocation
+                torch.empty((97 << 20) + 4096, dtype=torch.uint8, pin_memory=True)
+            else:  # work on a stream of its own, then wait for it (HostCopies.to_host)
+                with torch.cuda.stream(side):
+                    torch.ones(1024, device="cuda").sum()
+                side.synchronize()
+        except Exception as e:  # whatever failed, reported by the assertion below
+            errors.append(e)
+        finally:
+            done.set()
+
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_then_wait(self, *a, **kw):  # the other thread's call lands inside the capture
+        begin(self, *a, **kw)
+        inside.set()
+        done.wait(30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_wait)
+    try:
+        g.capture([B])
+    finally:
+        monkeypatch.undo()
+        inside.set()
+        t.join(30)
+    assert done.is_set() and errors == []
+    ref = pool.clone()
+    tok = torch.arange(B, device="cuda") + 10
+    got = g.step(B, tok).clone()
+    assert torch.equal(got, gpu.decode(tok, ref).argmax(-1))
+    assert all(torch.equal(a, b) for a, b in zip(pool.tensors(), ref.tensors()))

@@ -46,16 +46,21 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
-    """torch.cuda.graph(graph, pool=pool) with Python's cyclic garbage collector paused. A
-    collection that runs inside a capture (the captured Python code allocates) can destroy a dead
-    object's CUDA graphs, events or pinned buffers, and a destroy or free call while the stream
-    captures invalidates the capture: the GPU tests saw an engine's start-up capture fail when an
-    earlier test's engine was collected during it. torch 2.11 no longer collects before a capture
-    (torch.compiler.config.force_cudagraph_gc); dead objects wait for the next collection."""
+    """torch.cuda.graph(graph, pool=pool), guarded against what other code may do meanwhile:
+    - Python's cyclic garbage collector is paused. A collection inside a capture (the captured
+      Python code allocates) can destroy a dead object's CUDA graphs, events or pinned buffers,
+      and such a call while the stream captures invalidates the capture: the GPU tests saw an
+      engine's start-up capture fail when an earlier test's engine was collected during it.
+      torch 2.11 no longer collects before a capture (torch.compiler.config.force_cudagraph_gc);
+      dead objects wait for the next collection.
+    - The capture is thread-local (cudaStreamCaptureModeThreadLocal): forward graphs are captured
+      on first use while the server runs, and the copy-out threads' pinned allocations and
+      stream waits must neither fail nor invalidate it, as they would under torch's default
+      global mode. This thread's own unsafe calls still fail the capture."""
     was = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             yield
     finally:
         if was:
