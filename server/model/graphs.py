@@ -54,9 +54,9 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
       torch 2.11 no longer collects before a capture (torch.compiler.config.force_cudagraph_gc);
       dead objects wait for the next collection.
     - The capture is thread-local (cudaStreamCaptureModeThreadLocal): forward graphs are captured
-      on first use while the server runs, and the copy-out threads' pinned allocations and
-      stream waits must neither fail nor invalidate it, as they would under torch's default
-      global mode. This thread's own unsafe calls still fail the capture."""
+      on first use while the server runs, beside the copy-out threads' pinned allocations and
+      stream waits; under torch's default global mode such a call from another thread
+      invalidated the capture (test_model_gpu). This thread's own unsafe calls still fail it."""
     was = gc.isenabled()
     gc.disable()
     try:
