@@ -52,8 +52,9 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
       and such a call while the stream captures invalidates the capture: the GPU tests saw an
       engine's start-up capture fail when an earlier test's engine was collected during it.
       torch 2.11 no longer collects before a capture (torch.compiler.config.force_cudagraph_gc);
-      dead objects wait for the next collection. The switch is process-wide, and captures run on
-      one thread (the engine's), so no other capture can turn it back on midway.
+      dead objects wait for the next collection. The switch is process-wide, and captures never
+      overlap (start-up captures end before the engine's thread starts; it makes the rest), so
+      no other capture turns it back on midway.
     - The capture is thread-local (cudaStreamCaptureModeThreadLocal): forward graphs are captured
       on first use while the server runs, beside the copy-out threads' pinned allocations and
       stream waits; under torch's default global mode such a call from another thread
