@@ -18,18 +18,10 @@ import sys
 import time
 from typing import get_type_hints
 
-from server.config import Settings, field_docs
+from server.config import CHOICES, Settings, field_docs
 
 SUBCOMMANDS = ("serve", "synth", "quantize", "generate")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
-CHOICES = {
-    "dtype": ("auto", "fp32", "fp16", "bf16"),
-    "state_dtype": ("auto", "fp32", "fp16"),
-    "quant": ("none", "int8", "fp8"),
-    "sparse_ffn": ("auto", "on", "off"),
-    "kernels": ("auto", "torch", "cuda"),
-    "log_level": ("debug", "info", "warning", "error"),
-}
 _SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 

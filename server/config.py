@@ -17,6 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("auto", "fp32", "fp16", "bf16"),
+    "state_dtype": ("auto", "fp32", "fp16"),
+    "quant": ("none", "int8", "fp8"),
+    "sparse_ffn": ("auto", "on", "off"),
+    "kernels": ("auto", "torch", "cuda"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+"""The values of the settings that take one of a few (the CLI's flag choices, checked again for
+values from the environment; the model loader's arguments of the same names)."""
+
 
 @dataclass(frozen=True)
 class Settings:

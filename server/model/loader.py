@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from server.config import CHOICES
 from server.model import checkpoint, qfile, qlinear, synthetic
 from server.model.qlinear import Weight
 from server.model.rwkv7 import KERNELS, RWKV7
 
 log = logging.getLogger(__name__)
-SPARSE_FFN = ("auto", "on", "off")
+SPARSE_FFN = CHOICES["sparse_ffn"]
 """load_model's sparse_ffn values (Settings.sparse_ffn)."""
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from server.config import CHOICES
 from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
 from server.model.decode_pack import DecodePack, SideStream, pack_layer
@@ -43,7 +44,7 @@ OP_NAMES = (
     "relu2_linear",
     "dense",
 )
-KERNELS = ("auto", "torch", "cuda")
+KERNELS = CHOICES["kernels"]
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: long chunks keep the chunk kernel's GEMMs large
 CPU_CHUNK_LEN = 256
 MAX_CHUNK_TOKENS = 16384
