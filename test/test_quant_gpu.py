@@ -272,6 +272,46 @@ def test_fp8_past_the_weight_only_rows_takes_the_table(dev, monkeypatch, product
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [512, 1024])
+def test_fp8_planes_side_by_side_are_the_planes_in_a_row(dev, monkeypatch, M):
+    """Past the fp8a8 tiles' rows the r/k/v stack is one _scaled_mm product per plane, planes
+    1.. on side streams (cuda_quant.PLANE_STREAMS): eagerly, and replayed from a CUDA graph over
+    new inputs, the bits of the planes run one after another on one stream."""
+    from server.model import w8_gemm
+
+    P, N, K = W8_PRODUCTS["stack"]
+    x = _data((P, M, K), dev, 80 + M)
+    w = _qweight((P, N, K), "fp8", dev, 81)
+    assert w8_gemm.pick("fp8", M, N, K, P) is None and w8_gemm.pick("fp8a8", M, N, K, P) is None
+    used = []
+    real = cuda_quant._plane_streams
+    monkeypatch.setattr(cuda_quant, "_plane_streams", lambda *a: used.append(len(real(*a))) or real(*a))
+
+    def in_a_row(x):
+        monkeypatch.setattr(cuda_quant, "PLANE_STREAMS", False)
+        try:
+            return cuda_quant.large(x, w)
+        finally:
+            monkeypatch.setattr(cuda_quant, "PLANE_STREAMS", True)
+
+    serial = in_a_row(x)
+    assert not used
+    assert torch.equal(cuda_quant.large(x, w), serial) and used == [P - 1]
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):  # warm-up off the capture
+        cuda_quant.large(x, w)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_quant.large(x, w)
+    x.copy_(_data((P, M, K), dev, 90 + M))
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out, in_a_row(x)) and not torch.equal(out, serial)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M", [16, 100])
 def test_weight_only_triton_gemm_with_bf16_activations(dev, mode, M):

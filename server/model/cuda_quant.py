@@ -9,7 +9,8 @@ activations: weight-only, codes converted in registers) does not take it:
     for all planes; relu^2 folded in for the FFN's value projection), then the e4m3 x e4m3
     product on the fp8 tensor cores: w8_gemm's fp8a8 tiles where its TABLE has them (the r/k/v
     planes in one launch), else torch._scaled_mm (cuBLASLt), with the per-row scales of both
-    sides, out in the model dtype. Twin: qlinear.dense_fp8_native.
+    sides, out in the model dtype (planes: one product each, on their own streams). Twin:
+    qlinear.dense_fp8_native.
   * the FFN value projection of ONE row (B = 1 decode) with relu^2, when the layer has its
     transposed copy (LayerWeights.ffn_value_t, made at load per --sparse-ffn; 8-bit codes, or
     fp16 weights with --sparse-ffn on): kernels/gemv_sparse.cu, which reads only the weight rows
@@ -28,6 +29,7 @@ import functools
 import torch
 
 from server.model import ops, qlinear, w8_gemm
+from server.model.decode_pack import SideStream
 from server.model.qlinear import QWeight, SparseCodes, Weight
 from server.model.quant import FP8_DTYPE
 
@@ -100,7 +102,7 @@ CUBLAS_STATUS_NOT_SUPPORTED on the H200): other counts are padded with zero rows
 
 def _scaled(xq: torch.Tensor, sx: torch.Tensor, w: QWeight) -> torch.Tensor:
     """Quantized rows xq (M, K) / (P, M, K) with scales sx (M, 1) / (P, M, 1) @ w^T through
-    torch._scaled_mm, one call per plane."""
+    torch._scaled_mm, one call per plane (planes 1.. on side streams: PLANE_STREAMS)."""
     M, K = xq.shape[-2], xq.shape[-1]
     N = w.shape[-2]
     flat = xq.dim() == 2
@@ -115,9 +117,37 @@ def _scaled(xq: torch.Tensor, sx: torch.Tensor, w: QWeight) -> torch.Tensor:
     if flat:
         return _mm(xq, sx, w, None)
     out = torch.empty(planes, M, N, device=xq.device, dtype=w.dtype)  # (P, M, N)
-    for p in range(planes):
+    sides = [SideStream(s) for s in _plane_streams(xq.device, planes - 1)] if PLANE_STREAMS else []
+    for p, side in enumerate(sides, 1):  # beside plane 0 (in a CUDA graph: parallel branches)
+        with side:
+            _mm(xq3[p], sx3[p], w.plane(p), out[p])
+    for p in range(planes - len(sides)):  # plane 0, or every plane without side streams
         _mm(xq3[p], sx3[p], w.plane(p), out[p])
+    for side in sides:
+        side.join()
     return out
+
+
+PLANE_STREAMS = True
+"""Run the planes of a stacked _scaled_mm product (r/k/v past the fp8a8 tiles' rows) beside each
+other, plane 0 on the current stream and the others on side streams: cuBLASLt's fp8 kernel has
+one tile shape (128 x 128), so one 2,560-wide plane at 1,024 rows is 160 tiles on 132 SMs (1.2
+waves) and three in a row leave three part-empty waves; side by side they fill them (the bits
+are the same either way). A module switch so that tests and benchmarks compare both."""
+
+_STREAMS: dict[tuple[int | None, int], list[torch.cuda.Stream]] = {}
+
+
+def _plane_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
+    """n side streams of the current stream (each current stream its own, as rwkv7's LoRA side
+    stream); none off CUDA."""
+    if device.type != "cuda" or n <= 0:
+        return []
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    have = _STREAMS.setdefault(key, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device))
+    return have[:n]
 
 
 FP8_FAST_ACCUM = False
