@@ -200,12 +200,12 @@ TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
               "deep": _c(64, 32, 128, 4, True)}),
     ),
     # e4m3 activations (quantized per row first) on the fp8 tensor cores: fp8 past 64 rows, where
-    # they beat torch._scaled_mm (the same codes); None: _scaled_mm measured faster. Past 256 rows
+    # they beat torch._scaled_mm (the same codes); None: _scaled_mm measured faster. Past 128 rows
     # the r/k/v stack too: its planes as three _scaled_mm products on three streams
-    # (cuda_quant.PLANE_STREAMS) beat these tiles from 512 rows
+    # (cuda_quant.PLANE_STREAMS) beat these tiles there
     "fp8a8": (
         (128, {"stack": _c(64, 64, 128), "square": _c(64, 64, 128), "wide": None, "deep": _c(64, 64, 128, 2)}),
-        (256, {"stack": _c(128, 64, 128, 1, True, warps=8), "square": _c(64, 64, 128, 1, True, warps=8), "wide": None,
+        (256, {"stack": None, "square": _c(64, 64, 128, 1, True, warps=8), "wide": None,
                "deep": _c(64, 64, 128, 2)}),
     ),
     "int8": (

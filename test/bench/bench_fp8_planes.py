@@ -17,7 +17,7 @@ from server.model import cuda_quant, qlinear, w8_gemm
 
 TILES = {
     "fp8a8 128x256": w8_gemm._c(128, 256, 128, 1, True, warps=8),  # r/k/v past 256 rows: not in the TABLE (slower)
-    "fp8a8 128x64": w8_gemm._c(128, 64, 128, 1, True, warps=8),  # at 129-256 rows
+    "fp8a8 128x64": w8_gemm._c(128, 64, 128, 1, True, warps=8),  # r/k/v at 129-256 rows: not in the TABLE (slower)
     "fp8a8 64x64": w8_gemm._c(64, 64, 128),  # at 65-128 rows
 }
 
