@@ -297,14 +297,7 @@ def test_fp8_planes_side_by_side_are_the_planes_in_a_row(dev, monkeypatch, M):
     serial = in_a_row(x)
     assert not used
     assert torch.equal(cuda_quant.large(x, w), serial) and used == [P - 1]
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):  # warm-up off the capture
-        cuda_quant.large(x, w)
-    torch.cuda.current_stream(dev).wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_quant.large(x, w)
+    graph, out = _captured(lambda: cuda_quant.large(x, w), dev)
     x.copy_(_data((P, M, K), dev, 90 + M))
     graph.replay()
     torch.cuda.synchronize(dev)
@@ -336,14 +329,7 @@ def test_weight_only_triton_gemm_with_bf16_activations(dev, mode, M):
 def test_cuda_graph_replay_matches_eager(dev, mode, M):
     x, w = _data((M, 2560), dev, 16), _qweight((10240, 2560), mode, dev, 17)
     eager = cuda_ops.linear(x, w)
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):  # warm-up off the capture
-        cuda_ops.linear(x, w)
-    torch.cuda.current_stream(dev).wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_ops.linear(x, w)
+    graph, out = _captured(lambda: cuda_ops.linear(x, w), dev)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize(dev)
@@ -371,6 +357,19 @@ def test_quantized_model_matches_the_same_weights_on_pure_torch(dev, mode):
         df, ds = fast.decode(tok, sf), slow.decode(tok, ss)
         assert _rel(df, ds) < bound, f"decode B={B}: {_rel(df, ds):.3e}"
         assert (df.argmax(-1) == ds.argmax(-1)).float().mean().item() >= agree
+
+
+def _captured(fn, dev) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn() captured in a CUDA graph after a warm-up call off the capture: (graph, its output)."""
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
