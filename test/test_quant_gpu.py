@@ -284,8 +284,8 @@ def test_fp8_planes_side_by_side_are_the_planes_in_a_row(dev, monkeypatch, M):
     w = _qweight((P, N, K), "fp8", dev, 81)
     assert w8_gemm.pick("fp8", M, N, K, P) is None and w8_gemm.pick("fp8a8", M, N, K, P) is None
     used = []
-    real = cuda_quant._plane_streams
-    monkeypatch.setattr(cuda_quant, "_plane_streams", lambda *a: used.append(len(real(*a))) or real(*a))
+    real = cuda_quant.side_streams
+    monkeypatch.setattr(cuda_quant, "side_streams", lambda *a: used.append(len(real(*a))) or real(*a))
 
     def in_a_row(x):
         monkeypatch.setattr(cuda_quant, "PLANE_STREAMS", False)

@@ -29,7 +29,7 @@ import functools
 import torch
 
 from server.model import ops, qlinear, w8_gemm
-from server.model.decode_pack import SideStream
+from server.model.decode_pack import side_streams
 from server.model.qlinear import QWeight, SparseCodes, Weight
 from server.model.quant import FP8_DTYPE
 
@@ -117,7 +117,7 @@ def _scaled(xq: torch.Tensor, sx: torch.Tensor, w: QWeight) -> torch.Tensor:
     if flat:
         return _mm(xq, sx, w, None)
     out = torch.empty(planes, M, N, device=xq.device, dtype=w.dtype)  # (P, M, N)
-    sides = [SideStream(s) for s in _plane_streams(xq.device, planes - 1)] if PLANE_STREAMS else []
+    sides = side_streams(xq.device, planes - 1, _STREAMS) if PLANE_STREAMS and xq.is_cuda else []
     for p, side in enumerate(sides, 1):  # beside plane 0 (in a CUDA graph: parallel branches)
         with side:
             _mm(xq3[p], sx3[p], w.plane(p), out[p])
@@ -135,19 +135,7 @@ one tile shape (128 x 128), so one 2,560-wide plane at 1,024 rows is 160 tiles o
 waves) and three in a row leave three part-empty waves; side by side they fill them (the bits
 are the same either way). A module switch so that tests and benchmarks compare both."""
 
-_STREAMS: dict[tuple[int | None, int], list[torch.cuda.Stream]] = {}
-
-
-def _plane_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
-    """n side streams of the current stream (each current stream its own, as rwkv7's LoRA side
-    stream); none off CUDA."""
-    if device.type != "cuda" or n <= 0:
-        return []
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    have = _STREAMS.setdefault(key, [])
-    while len(have) < n:
-        have.append(torch.cuda.Stream(device))
-    return have[:n]
+_STREAMS: dict[int, list[torch.cuda.Stream]] = {}  # the planes' side streams per current stream
 
 
 FP8_FAST_ACCUM = False

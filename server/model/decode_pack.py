@@ -100,3 +100,15 @@ class SideStream:
     def join(self) -> None:
         if self.stream is not None and self.main is not None:
             self.main.wait_stream(self.stream)
+
+
+def side_streams(device: torch.device, n: int, owned: dict[int, list[torch.cuda.Stream]]) -> list[SideStream]:
+    """n side streams forked from the current stream (SideStream contexts), off CUDA n no-op ones.
+    owned: the caller's streams per current stream's handle, so that each current stream has its
+    own (work on different streams stays independent) and callers never share one."""
+    if device.type != "cuda":
+        return [SideStream(None) for _ in range(n)]
+    have = owned.setdefault(torch.cuda.current_stream(device).cuda_stream, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device))
+    return [SideStream(s) for s in have[:n]]

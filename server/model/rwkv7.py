@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from server.config import CHOICES
 from server.model import ops as torch_ops
 from server.model.checkpoint import LayerWeights, Weights
-from server.model.decode_pack import DecodePack, SideStream, pack_layer
+from server.model.decode_pack import DecodePack, SideStream, pack_layer, side_streams
 from server.model.qlinear import HEAD8_MAX_ROWS, Weight
 from server.model.state import ModelShape, State
 
@@ -95,7 +95,7 @@ class RWKV7:
         """None: decode runs the fused path (_decode_fused) when ops.tmix_decode is the CUDA twin;
         True/False force it on/off (True on CPU runs the pure-torch twins: a layout check)."""
         self._packs: list[DecodePack] | None = None
-        self._sides: dict[int, torch.cuda.Stream] = {}  # current stream's handle -> its LoRA side stream
+        self._sides: dict[int, list[torch.cuda.Stream]] = {}  # current stream's handle -> its LoRA side stream
         if self._fused():
             self._decode_packs()  # before any graph capture; costs no memory (views)
 
@@ -191,12 +191,7 @@ class RWKV7:
         """A context that runs its body on a side stream forked from the current one (join()
         makes the current stream wait for it); on CPU both are no-ops. Each current stream has
         its own side stream, so decodes on different streams stay independent."""
-        if self.device.type != "cuda":
-            return SideStream(None)
-        key = torch.cuda.current_stream(self.device).cuda_stream
-        if key not in self._sides:
-            self._sides[key] = torch.cuda.Stream(self.device)
-        return SideStream(self._sides[key])
+        return side_streams(self.device, 1, self._sides)[0]
 
     def _decode_packs(self) -> list[DecodePack]:
         """The stacked decode weights (built once; the layers' fields become views into them)."""
