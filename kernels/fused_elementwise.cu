@@ -10,6 +10,8 @@
 // per-thread (count, mean, M2) triples (Chan's combine). Otherwise the general kernel below:
 // up to VPT groups of 4 columns per thread. Both compute:
 //     x'   = dx ? round(x + dx) : x            (residual add; x' written to x_out when dx)
+//            dx_rs: dx = (dx * (dx_rs[b] * dx_mul)) * dx_cs[c] in fp32 first (an fp8 product whose
+//            per-row and per-column scales are applied here: server.model.qlinear.ScaledProduct)
 //     xn   = round(layer_norm(x') * w + b)     (eps, biased variance, as F.layer_norm)
 //     prev = shift; shift = xn                 (when shift: the token-shift state, in place)
 //     K == 0: out = xn                         K > 0: d = round(prev - xn),
@@ -29,7 +31,12 @@ struct LnArgs {
     long long x_bs, dx_bs, shift_bs, xo_bs, out_bs, out_plane;
     int C, K;
     float eps;
+    const float *dx_rs, *dx_cs;  // null, or dx's per-row (B,) and per-column (C,) scales
+    float dx_mul;                // with them: a power of two folded into the row scale
 };
+
+// dx's scale for row b (0 when dx carries no scales)
+__device__ __forceinline__ float dx_row_scale(const LnArgs &p, int b) { return p.dx_rs ? p.dx_rs[b] * p.dx_mul : 0.f; }
 
 template <typename F>
 __device__ __forceinline__ float rnd(float x) { return to_f(from_f<F>(x)); }
@@ -75,6 +82,11 @@ __global__ void __launch_bounds__(1024) add_ln_mix_kernel(LnArgs p) {
             if (dx) {
                 float d[4];
                 load4<F>(dx + c, d);
+                if (p.dx_rs) {
+                    const float rs = dx_row_scale(p, b);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) d[e] = d[e] * rs * p.dx_cs[c + e];
+                }
 #pragma unroll
                 for (int e = 0; e < 4; e++) v[4 * j + e] = rnd<F>(v[4 * j + e] + d[e]);
                 store4<F>((F *)p.x_out + b * p.xo_bs + c, v + 4 * j);
@@ -211,6 +223,14 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs 
     // residual add and this thread's (count, mean, M2)
     float n = 0.f, mean = 0.f, m2 = 0.f;
     if (act) {
+        if (has_dx && p.dx_rs) {  // the column scales after the wait: they share dx's live range
+            const float rs = dx_row_scale(p, b);
+            const float4 c0 = *reinterpret_cast<const float4 *>(p.dx_cs + c);
+            const float4 c1 = *reinterpret_cast<const float4 *>(p.dx_cs + c + 4);
+            const float cs[LN_VW] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+            for (int e = 0; e < LN_VW; e++) d[e] = d[e] * rs * cs[e];
+        }
         if (has_dx) {
 #pragma unroll
             for (int e = 0; e < LN_VW; e++) v[e] = rnd<F>(v[e] + d[e]);
@@ -331,22 +351,26 @@ inline int ln_resident(int threads) {
 // All tensors in dtype f_dt; rows of C with the given strides (elements); C % 4 == 0; 16-byte
 // (fp32) / 8-byte (16-bit) aligned rows. dx, shift may be null; K == 0: out is (B, C), else
 // K planes of out_plane elements. Returns a cudaError_t value, or -1 (bad dtype / C too large).
+// dx_rs, dx_cs: null, or fp32 scales of dx: per row (B, contiguous) and per column (C, 16-byte
+// aligned), applied with dx_mul as in the header.
 extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long x_bs, const void *dx,
                                 long long dx_bs, const void *ln_w, const void *ln_b, float eps, void *shift,
                                 long long shift_bs, const void *mix, int K, void *x_out, long long xo_bs,
-                                void *out, long long out_bs, long long out_plane, void *stream) {
+                                void *out, long long out_bs, long long out_plane, const void *dx_rs,
+                                const void *dx_cs, float dx_mul, void *stream) {
     if (B <= 0) return 0;
     const int nv = C / 4;
     if (C % 4 || nv > 1024 * wkv7::LN_VPT) return -1;
     int threads = ((nv + wkv7::LN_VPT - 1) / wkv7::LN_VPT + 31) / 32 * 32;
     threads = threads < 128 ? 128 : threads;
+    if ((dx_rs == nullptr) != (dx_cs == nullptr) || (dx_rs && !dx)) return -1;
     wkv7::LnArgs p{x, dx, ln_w, ln_b, mix, shift, x_out, out, x_bs, dx_bs, shift_bs, xo_bs, out_bs, out_plane,
-                   C, K, eps};
+                   C, K, eps, (const float *)dx_rs, (const float *)dx_cs, dx_mul};
     // fast path: 16-byte aligned rows of whole 8-column groups, one group per thread
     auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
     const int VW = wkv7::LN_VW;
     bool fast = C % VW == 0 && C / VW <= wkv7::LN_V2_THREADS && K <= wkv7::LN_KMAX;
-    fast = fast && al16(x) && al16(dx) && al16(ln_w) && al16(ln_b) && al16(mix) && al16(shift) && al16(x_out) &&
+    fast = fast && al16(dx_cs) && al16(x) && al16(dx) && al16(ln_w) && al16(ln_b) && al16(mix) && al16(shift) && al16(x_out) &&
            al16(out);
     fast = fast && (B == 1 || (x_bs % VW == 0 && dx_bs % VW == 0 && shift_bs % VW == 0 && xo_bs % VW == 0 &&
                                out_bs % VW == 0));

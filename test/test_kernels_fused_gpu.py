@@ -227,6 +227,35 @@ def test_add_ln_mix_matches_twin(B, Cn, dtype, K, with_dx):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [5, 1030])
+@pytest.mark.parametrize("Cn", [2560, 4100])  # 4100: the general kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("K", [0, 6])
+def test_add_ln_mix_scales_a_scaled_product_as_its_twin(B, Cn, dtype, K):
+    """dx as a ScaledProduct (an fp8 product's raw sums with its row and column scales): the
+    kernel's residual add is bitwise its twin's (one fp32 sum, rounded once), and so is x' against
+    adding the product's value by hand."""
+    from server.model.qlinear import RAW_UNIT, ScaledProduct
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(B + Cn + K)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
+    x = (rnd(B, Cn) * 3 + 0.5).to(dtype)
+    raw = (rnd(B, Cn) * 100 * RAW_UNIT * 448).to(dtype)  # sums of ~100 code products of ~448
+    sp = ScaledProduct(raw, rnd(B, 1).abs() / 448, rnd(Cn).abs() / 448 * 0.05)
+    ln_w, ln_b = (1 + 0.2 * rnd(Cn)).to(dtype), (0.2 * rnd(Cn)).to(dtype)
+    mix = torch.rand(K, Cn, generator=g).to(dev, dtype) if K else None
+    pool = rnd(3, B, Cn).to(dtype)
+    sh_ref, sh_cu = pool.clone(), pool.clone()
+    xr, outr = ops.add_ln_mix(x, sp, ln_w, ln_b, mix, sh_ref[1] if K else None)
+    xc, outc = cuda_ops.add_ln_mix(x, sp, ln_w, ln_b, mix, sh_cu[1] if K else None)
+    assert torch.equal(xc, xr)
+    assert torch.equal(xr, (x.float() + raw.float() * (sp.row / RAW_UNIT) * sp.col).to(dtype))
+    assert _rel(outc, outr) < _tol(dtype) and _rel(sh_cu, sh_ref) < _tol(dtype)
+    assert not torch.equal(xc, (x + raw).to(dtype))  # the scales were applied
+
+
+@pytest.mark.gpu
 def test_add_ln_mix_reads_the_mix_rows_late_only_where_that_saves_a_wave():
     """2.9B's rows (C = 2,560, fp16): two blocks per SM fit with the mix rows held in registers,
     three without. At 4 * SMs - 8 rows both kernels take two waves (the held rows win); at 6 * SMs

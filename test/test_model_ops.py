@@ -76,3 +76,43 @@ def test_relu2_linear_is_the_channel_mix_tail(dtype):
     w = torch.randn(16, 64, generator=g).to(dtype)  # (N, K)
     want = torch.nn.functional.linear(torch.relu(h).square(), w)  # (M, N)
     assert torch.equal(ops.relu2_linear(h.clone(), w), want)
+
+
+def _fp8_residual(M=6, K=64, N=32, seed=7):
+    """An fp8 product (per-row activation codes, per-channel weight codes) as a ScaledProduct
+    built by hand, and the same product computed whole by the twin."""
+    from server.model import qlinear
+
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * 0.05
+    qw = qlinear.quantize(w, "fp8")
+    xq, sx = qlinear.quant_rows_native(x)  # (M, K), (M, 1)
+    raw = ((xq.float() @ qw.q.float().t()) * qlinear.RAW_UNIT).half()  # what the GEMM writes
+    return qlinear.ScaledProduct(raw, sx, qw.scale), qlinear.dense_fp8_native(x, qw).float()
+
+
+def test_scaled_product_value_is_the_fp8_product():
+    """raw carries the sums times RAW_UNIT; value() undoes it and applies both scales."""
+    sp, whole = _fp8_residual()
+    assert sp.raw.abs().max() < 65504 and sp.raw.abs().max() > 2.0**-14  # in fp16's normal range
+    assert torch.allclose(sp.value(), whole, rtol=2.0**-10, atol=1e-6 * whole.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_add_ln_mix_adds_a_scaled_product_once_rounded(dtype):
+    """A ScaledProduct dx is added in fp32 and rounded once: x' = round(x + value())."""
+    sp, _ = _fp8_residual()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 32, generator=g).to(dtype)
+    ln_w, ln_b = torch.ones(32, dtype=dtype), torch.zeros(32, dtype=dtype)
+    xs, out = ops.add_ln_mix(x, sp, ln_w, ln_b, None, None)
+    want = (x.float() + sp.raw.float() * (sp.row * 2.0**20) * sp.col).to(dtype)
+    assert torch.equal(xs, want)
+    assert torch.equal(out, torch.nn.functional.layer_norm(want, (32,), ln_w, ln_b, 1e-5))
+
+
+def test_residual_linear_is_linear_or_relu2_linear_on_torch():
+    g = torch.Generator().manual_seed(9)
+    h, w = torch.randn(3, 64, generator=g), torch.randn(16, 64, generator=g)
+    assert torch.equal(ops.residual_linear(h, w), ops.linear(h, w))
+    assert torch.equal(ops.residual_linear(h.clone(), w, act=True), ops.relu2_linear(h.clone(), w))

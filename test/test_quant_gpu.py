@@ -120,6 +120,54 @@ def test_fp8_gemm_past_the_gemv_matches_its_twin(dev, monkeypatch, M):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [257, 1024])
+@pytest.mark.parametrize("act", [False, True])
+def test_fp8_residual_product_leaves_its_scales_to_add_ln_mix(dev, monkeypatch, M, act):
+    """The output / FFN value projections (residual_linear) past SCALED_MIN_ROWS: torch._scaled_mm
+    with tensor-wide scales, the row and column scales left to add_ln_mix. Its value is the fp8
+    product; below those rows, the per-row path's tensor."""
+    K = 10240 if act else 2560
+    x, w = _data((M, K), dev, 20), _qweight((2560, K), "fp8", dev, 21)
+    y = cuda_ops.residual_linear(x.clone(), w, act=act)
+    assert isinstance(y, qlinear.ScaledProduct) and y.raw.dtype == torch.float16
+    _close(y.value(), _fp8_ref(x, w, act))
+    monkeypatch.setattr(cuda_quant, "SCALED_MIN_ROWS", M + 1)
+    y2 = cuda_ops.residual_linear(x.clone(), w, act=act)
+    assert isinstance(y2, torch.Tensor)
+    _close(y2, _fp8_ref(x, w, act))
+
+
+@pytest.mark.gpu
+def test_fp8_model_decode_with_scaled_products_matches_the_per_row_path(dev, monkeypatch):
+    """The trained byte-level model with fp8 weights, fused decode at 272 rows: its output and FFN
+    value products as ScaledProducts (counted) against the same decode with per-row products, the
+    same function up to one fp16 rounding of those products; graph replay equals eager. (A random
+    model's fp8 decode is chaotic: a 1e-3 nudge of those products moves its logits by 3%.)"""
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "rwkv7-bytes-L4-C256.pth"
+    model = load_model(str(path), device=dev, dtype=torch.float16, state_dtype=torch.float16, quant="fp8")
+    B = 272
+    tok = torch.arange(B, device=dev) % 200 + 32
+    seen = []
+    real = cuda_quant.scaled_product
+    monkeypatch.setattr(cuda_quant, "scaled_product", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+
+    def decode():
+        return model.decode(tok, model.zero_state(B))
+
+    scaled = decode()
+    assert len(seen) == 2 * 4 and all(isinstance(y, qlinear.ScaledProduct) for y in seen)  # two per layer
+    graph, out = _captured(decode, dev)
+    graph.replay()
+    assert torch.equal(out, scaled)
+    monkeypatch.setattr(cuda_quant, "SCALED_MIN_ROWS", B + 1)
+    per_row = decode()
+    assert _rel(scaled, per_row) < 1e-2 and not torch.equal(scaled, per_row)
+    assert (scaled.argmax(-1) == per_row.argmax(-1)).float().mean().item() >= 0.98
+
+
+@pytest.mark.gpu
 def test_fp8_fast_accumulation_stays_near_the_exact_product(dev, monkeypatch):
     """cuda_quant.FP8_FAST_ACCUM (off by default; docs/performance.md measures it): the products
     past the gemv stay within 1% of the output scale of the kernel codes' exact product, over

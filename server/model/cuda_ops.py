@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from server.model import cuda_quant, ops
-from server.model.qlinear import QWeight, SparseCodes, Weight
+from server.model.qlinear import RAW_UNIT, QWeight, ScaledProduct, SparseCodes, Weight
 
 IDENTITY_W = ops.IDENTITY_W
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -200,30 +200,41 @@ def _rows_ok(t: torch.Tensor, dtype, C: int) -> bool:
             and t.data_ptr() % al == 0 and (t.stride(0) % 4 == 0 or t.shape[0] == 1))  # fmt: skip
 
 
-def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5):
+def add_ln_mix(x, dx: torch.Tensor | ScaledProduct | None, ln_w, ln_b, mix, shift, eps: float = 1e-5):
     """One launch for residual add + LayerNorm + token-shift mixes + shift write (see
-    ops.add_ln_mix, the pure-torch twin)."""
+    ops.add_ln_mix, the pure-torch twin); a ScaledProduct dx is scaled in the kernel."""
     B, C = x.shape
     lib = _lib(x.device) if x.is_cuda else None
     dt = x.dtype
+    raw = dx.raw if isinstance(dx, ScaledProduct) else dx
     ok = lib is not None and dt in _DT and C % 4 == 0 and C <= LN_MAX_C and _rows_ok(x, dt, C)
-    ok = ok and (dx is None or _rows_ok(dx, dt, C)) and (shift is None or _rows_ok(shift, dt, C))
+    ok = ok and (raw is None or _rows_ok(raw, dt, C)) and (shift is None or _rows_ok(shift, dt, C))
     ok = ok and all(t.dtype == dt and t.is_contiguous() and t.numel() == C for t in (ln_w, ln_b))
     ok = ok and (mix is None or (mix.dtype == dt and mix.is_contiguous() and mix.dim() == 2 and mix.shape[1] == C))
     ok = ok and (mix is None or shift is not None)
-    if lib is None or not ok:
+    scales = _dx_scales(dx, B, C) if isinstance(dx, ScaledProduct) else (0, 0, 0.0)
+    if lib is None or not ok or scales is None:
         return ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)
     K = 0 if mix is None else mix.shape[0]
     out = torch.empty(*((K,) if K else ()), B, C, device=x.device, dtype=dt)  # (K, B, C) or (B, C)
-    x_out = torch.empty(B, C, device=x.device, dtype=dt) if dx is not None else x  # (B, C)
+    x_out = torch.empty(B, C, device=x.device, dtype=dt) if raw is not None else x  # (B, C)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _check(lib.fused_add_ln_mix(
-        _DT[dt], B, C, x.data_ptr(), x.stride(0), dx.data_ptr() if dx is not None else 0,
-        dx.stride(0) if dx is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
+        _DT[dt], B, C, x.data_ptr(), x.stride(0), raw.data_ptr() if raw is not None else 0,
+        raw.stride(0) if raw is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
         shift.data_ptr() if shift is not None else 0, shift.stride(0) if shift is not None else 0,
-        mix.data_ptr() if mix is not None else 0, K, x_out.data_ptr(), C, out.data_ptr(), C, B * C, stream,
+        mix.data_ptr() if mix is not None else 0, K, x_out.data_ptr(), C, out.data_ptr(), C, B * C, *scales, stream,
     ), "fused_add_ln_mix")  # fmt: skip
     return x_out, out
+
+
+def _dx_scales(dx: ScaledProduct, B: int, C: int) -> tuple[int, int, float] | None:
+    """The kernel's (dx_rs, dx_cs, dx_mul) for a ScaledProduct; None when its scales are not the
+    contiguous fp32 (B, 1) rows and (C,) columns on the kernel's device."""
+    for t, n in ((dx.row, B), (dx.col, C)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n or t.device != dx.raw.device:
+            return None
+    return dx.row.data_ptr(), dx.col.data_ptr(), 1.0 / RAW_UNIT
 
 
 def relu_square(h: torch.Tensor) -> torch.Tensor:
@@ -297,6 +308,17 @@ def relu2_linear(h: torch.Tensor, w: Weight, wt: SparseCodes | None = None) -> t
         if y is not None:
             return y
     return _linear(h, w, 0, 0, 1, (0, 0))
+
+
+def residual_linear(x: torch.Tensor, w: Weight, wt: SparseCodes | None = None,
+                    act: bool = False) -> torch.Tensor | ScaledProduct:  # fmt: skip
+    """ops.residual_linear: an fp8 weight's product past the gemv's rows as a ScaledProduct
+    (cuda_quant.scaled_product), where that applies; else relu2_linear / linear."""
+    if isinstance(w, QWeight) and x.dim() == 2 and x.shape[0] > GEMV_MAX_M:
+        y = cuda_quant.scaled_product(x, w, act)
+        if y is not None:
+            return y
+    return relu2_linear(x, w, wt) if act else linear(x, w)
 
 
 def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -11,6 +11,11 @@ activations: weight-only, codes converted in registers) does not take it:
     planes in one launch), else torch._scaled_mm (cuBLASLt), with the per-row scales of both
     sides, out in the model dtype (planes: one product each, on their own streams). Twin:
     qlinear.dense_fp8_native.
+  * fp8 products whose only use is the residual add (the output and FFN value projections, through
+    cuda_ops.residual_linear) past SCALED_MIN_ROWS: the same e4m3 rows times the codes through
+    torch._scaled_mm with tensor-wide scales (cuBLASLt has fast kernels for those, one slow
+    kernel for per-row scales), the per-row and per-column scales left to add_ln_mix: a
+    qlinear.ScaledProduct. Twin: its value().
   * the FFN value projection of ONE row (B = 1 decode) with relu^2, when the layer has its
     transposed copy (LayerWeights.ffn_value_t, made at load per --sparse-ffn; 8-bit codes, or
     fp16 weights with --sparse-ffn on): kernels/gemv_sparse.cu, which reads only the weight rows
@@ -30,7 +35,7 @@ import torch
 
 from server.model import ops, qlinear, w8_gemm
 from server.model.decode_pack import side_streams
-from server.model.qlinear import QWeight, SparseCodes, Weight
+from server.model.qlinear import RAW_UNIT, QWeight, ScaledProduct, SparseCodes, Weight
 from server.model.quant import FP8_DTYPE
 
 UNSUPPORTED = -2
@@ -82,6 +87,42 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
         y = w8_gemm.run(xq, w, xs=sx)  # e4m3 x e4m3 tiles, where its TABLE has them
         return y if y is not None else _scaled(xq, sx, w)
     return ops.linear(ops.relu_square(x) if act else x, w8_gemm.dequantize(w))
+
+
+SCALED_MIN_ROWS = 32
+"""Rows from which residual products come back as ScaledProducts, ahead of w8_gemm's tiles (it
+measured faster from 32 rows, slower at 16; below, the weight-only tiles or the gemv run them).
+A module constant so that benchmarks compare both paths (docs/performance.md)."""
+
+
+def scaled_product(x: torch.Tensor, w: QWeight, act: bool = False) -> ScaledProduct | None:
+    """act(x) (M, K) @ w^T for an fp8 w (N, K) as a ScaledProduct (see the module doc); None where
+    that path does not apply (another mode or shape, too few rows, no fp8 tensor cores)."""
+    if w.mode != "fp8" or w.dim() != 2 or x.dim() != 2 or not x.is_cuda or x.dtype not in _DT:
+        return None
+    (M, K), N = x.shape, w.shape[0]
+    if M < SCALED_MIN_ROWS or K % 16 or N % 16 or not fp8_gemm_ok(x.device):
+        return None
+    units = _units(x.device)
+    if units is None:
+        return None
+    xq, sx = quant_rows(x, act)  # (M, K), (M, 1)
+    raw = torch._scaled_mm(xq, w.q.t(), scale_a=units[0], scale_b=units[1], out_dtype=w.dtype,
+                           use_fast_accum=FP8_FAST_ACCUM)  # fmt: skip
+    return ScaledProduct(raw, sx, w.scale)
+
+
+_UNITS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _units(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The tensor-wide scales of a ScaledProduct's GEMM (RAW_UNIT, 1) on device; made on the first
+    eager call (the engine warms up before it captures graphs), None if first asked under capture."""
+    if device not in _UNITS:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _UNITS[device] = (torch.tensor([RAW_UNIT], device=device), torch.ones(1, device=device))
+    return _UNITS[device]
 
 
 def quant_like(x: torch.Tensor, act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

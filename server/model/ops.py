@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model.qlinear import QWeight, SparseCodes, Weight, dense_native
+from server.model.qlinear import QWeight, ScaledProduct, SparseCodes, Weight, dense_native
 
 IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
 
@@ -124,15 +124,19 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
 
 
 # ---- fused elementwise ops of the decode step (CUDA twins: kernels/fused_elementwise.cu) ------
-def add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+def add_ln_mix(x, dx: torch.Tensor | ScaledProduct | None, ln_w, ln_b, mix, shift,
+               eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Residual add + LayerNorm + token-shift mixes of one decode step, all (B, C) rows:
 
-        x' = x + dx (x itself when dx is None);  xn = layer_norm(x', ln_w, ln_b, eps)
+        x' = x + dx (x itself when dx is None; a ScaledProduct's value added in fp32, rounded once)
+        xn = layer_norm(x', ln_w, ln_b, eps)
         shift (None, or (B, C) updated in place): prev = shift, then shift <- xn
         mix None: out = xn (B, C);  mix (K, C): out[k] = xn + (prev - xn) * mix[k]  (K, B, C)
 
     Returns (x', out). The CUDA twin writes x' to a new tensor (x is never modified)."""
-    if dx is not None:
+    if isinstance(dx, ScaledProduct):
+        x = (x.float() + dx.value()).to(x.dtype)
+    elif dx is not None:
         x = x + dx
     xn = F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps)
     if mix is None:
@@ -156,6 +160,14 @@ def relu2_linear(h: torch.Tensor, w: Weight, wt: SparseCodes | None = None) -> t
     wt: w transposed (LayerWeights.ffn_value_t), which the CUDA twin's one-row product reads
     skipping the zero inputs; the same product, not read here."""
     return linear(relu_square(h), w)
+
+
+def residual_linear(x: torch.Tensor, w: Weight, wt: SparseCodes | None = None,
+                    act: bool = False) -> torch.Tensor | ScaledProduct:  # fmt: skip
+    """relu2_linear(x, w, wt) (act) or linear(x, w) for a product whose only use is add_ln_mix's
+    dx (the output projection, the FFN value projection): the CUDA twin may return an fp8
+    product as a ScaledProduct, whose scales add_ln_mix applies. Here always the tensor."""
+    return relu2_linear(x, w, wt) if act else linear(x, w)
 
 
 def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,6 +99,28 @@ def stack(ws: list[QWeight]) -> QWeight:
     return QWeight(torch.stack([w.q for w in ws]), torch.stack([w.scale for w in ws]), ws[0].dtype)
 
 
+RAW_UNIT = 2.0**-20
+"""The tensor-wide scale of a ScaledProduct's raw sums: fp16 holds them without overflow for K up
+to 342k (|sum| <= K * 448^2), and its finest step, 2^-24 / 2^-20, is 1/16 of one product of two
+codes. A power of two, so applying it and undoing it are exact."""
+
+
+@dataclass(frozen=True)
+class ScaledProduct:
+    """An fp8 x fp8 product whose per-row and per-column scales are left to its consumer
+    (server.model.cuda_ops.add_ln_mix applies them as it adds the product to the residual):
+    cuBLASLt's fp8 GEMM runs far faster with tensor-wide scales than with per-row ones
+    (docs/performance.md). Its value: raw * (row / RAW_UNIT) * col, in fp32."""
+
+    raw: torch.Tensor  # (M, N) model dtype: the code products' fp32 sums times RAW_UNIT
+    row: torch.Tensor  # (M, 1) fp32: the activation rows' scales
+    col: torch.Tensor  # (N,) fp32: the weight's per-output-channel scales
+
+    def value(self) -> torch.Tensor:
+        """The product in fp32 (M, N), computed as the CUDA consumer does."""
+        return self.raw.float() * (self.row * (1.0 / RAW_UNIT)) * self.col
+
+
 Weight = torch.Tensor | QWeight
 """A large linear's weight: the model dtype's tensor, or its 8-bit form."""
 

@@ -42,6 +42,7 @@ OP_NAMES = (
     "lora_act",
     "linear",
     "relu2_linear",
+    "residual_linear",
     "dense",
 )
 KERNELS = CHOICES["kernels"]
@@ -172,9 +173,11 @@ class RWKV7:
             y = self.ops.tmix_decode(
                 state.wkv[i], r, k, v, z[0], z[1], z[2] if i else None, v_first, gz, lw, layer0=i == 0, bias=True
             )
-            x, xk = self.ops.add_ln_mix(x, lin(y, lw.wo), lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, C),
-                                        state.ffn_shift[i])  # fmt: skip
-            dx = self.ops.relu2_linear(lin(xk[0], lw.ffn_key), lw.ffn_value, lw.ffn_value_t)
+            # the two products that only feed a residual add: residual_linear (an fp8 one may leave
+            # its scales to add_ln_mix)
+            x, xk = self.ops.add_ln_mix(x, self.ops.residual_linear(y, lw.wo), lw.ln2_w, lw.ln2_b,
+                                        lw.ffn_xk.view(1, C), state.ffn_shift[i])  # fmt: skip
+            dx = self.ops.residual_linear(lin(xk[0], lw.ffn_key), lw.ffn_value, lw.ffn_value_t, act=True)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self._head_weight(xn.shape[0]))  # (B, V) model dtype
 

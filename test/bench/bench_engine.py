@@ -219,6 +219,9 @@ def main() -> None:
     p.add_argument("--sparse-value", default="",
                    help="decode runs at each of these cuda_quant.SPARSE_VALUE values (0/1: B=1's FFN value skips "
                         "relu^2's zeros), alternating ('' = the module's value)")  # fmt: skip
+    p.add_argument("--scaled-min-rows", default="",
+                   help="decode runs at each of these cuda_quant.SCALED_MIN_ROWS values (fp8: the rows from which "
+                        "the output / FFN value products leave their scales to add_ln_mix), alternating")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -259,14 +262,16 @@ def main() -> None:
     print_table(lines)
 
 
-SWITCHES = {"fp8_fast_accum": "FP8_FAST_ACCUM", "sparse_value": "SPARSE_VALUE"}
-"""bench arguments that set a server.model.cuda_quant switch per decode run: argument -> attribute"""
+SWITCHES = {"fp8_fast_accum": "FP8_FAST_ACCUM", "sparse_value": "SPARSE_VALUE", "scaled_min_rows": "SCALED_MIN_ROWS"}
+"""bench arguments that set a server.model.cuda_quant switch per decode run: argument -> attribute
+(flags 0/1, but SCALED_MIN_ROWS, a row count)"""
 
 
 def _switches(a: argparse.Namespace):
     """Each decode run's switch settings, set in cuda_quant before it runs, yielded as the tag that
     its result lines carry ({} once when no switch is given)."""
-    runs = [(k, bool(int(v))) for k in SWITCHES for v in getattr(a, k).split(",") if v]
+    conv = lambda k, v: int(v) if k == "scaled_min_rows" else bool(int(v))  # noqa: E731
+    runs = [(k, conv(k, v)) for k in SWITCHES for v in getattr(a, k).split(",") if v]
     if not runs:
         yield {}
         return
