@@ -370,8 +370,8 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
     const int VW = wkv7::LN_VW;
     bool fast = C % VW == 0 && C / VW <= wkv7::LN_V2_THREADS && K <= wkv7::LN_KMAX;
-    fast = fast && al16(dx_cs) && al16(x) && al16(dx) && al16(ln_w) && al16(ln_b) && al16(mix) && al16(shift) && al16(x_out) &&
-           al16(out);
+    fast = fast && al16(x) && al16(dx) && al16(ln_w) && al16(ln_b) && al16(mix) && al16(shift) && al16(x_out) &&
+           al16(out) && al16(dx_cs);
     fast = fast && (B == 1 || (x_bs % VW == 0 && dx_bs % VW == 0 && shift_bs % VW == 0 && xo_bs % VW == 0 &&
                                out_bs % VW == 0));
     fast = fast && (K <= 1 || out_plane % VW == 0);
