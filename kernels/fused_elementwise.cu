@@ -35,8 +35,8 @@ struct LnArgs {
     float dx_mul;                // with them: a power of two folded into the row scale
 };
 
-// dx's scale for row b (0 when dx carries no scales)
-__device__ __forceinline__ float dx_row_scale(const LnArgs &p, int b) { return p.dx_rs ? p.dx_rs[b] * p.dx_mul : 0.f; }
+// dx's scale for row b (only when dx carries scales: p.dx_rs set)
+__device__ __forceinline__ float dx_row_scale(const LnArgs &p, int b) { return p.dx_rs[b] * p.dx_mul; }
 
 template <typename F>
 __device__ __forceinline__ float rnd(float x) { return to_f(from_f<F>(x)); }

@@ -202,7 +202,9 @@ TABLE: dict[str, tuple[tuple[int, dict[str, W8Config | None]], ...]] = {
     # e4m3 activations (quantized per row first) on the fp8 tensor cores: fp8 past 64 rows, where
     # they beat torch._scaled_mm (the same codes); None: _scaled_mm measured faster. Past 128 rows
     # the r/k/v stack too: its planes as three _scaled_mm products on three streams
-    # (cuda_quant.PLANE_STREAMS) beat these tiles there
+    # (cuda_quant.PLANE_STREAMS) beat these tiles there. Decode's square (output) and deep (FFN
+    # value) products from 32 rows take cuda_quant.scaled_product instead; these tiles serve them
+    # elsewhere (prefill chunks, the unfused decode)
     "fp8a8": (
         (128, {"stack": _c(64, 64, 128), "square": _c(64, 64, 128), "wide": None, "deep": _c(64, 64, 128, 2)}),
         (256, {"stack": None, "square": _c(64, 64, 128, 1, True, warps=8), "wide": None,
