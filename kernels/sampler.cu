@@ -17,11 +17,12 @@
 // code keeps the barriers per radix pass to one cluster.sync + one __syncthreads, and no phase
 // has one warp working serially while the others wait (see radix_select, cl_reduce).
 //
-// Exact by construction (no candidate limit): the canonical order is (p descending, id
-// ascending), as a stable full sort. Every threshold is found by a radix select over the 31-bit
-// keys (<= 3 passes of <= 11-bit digits, 10-bit with 3-CTA clusters, below the common prefix of
-// the range; histograms of count + 64-bit fixed-point mass, combined over the cluster), and ties
-// inside one p value are walked in id order by a block + cluster prefix scan. Steps for a sampled row (T > 0):
+// Exact by construction (no candidate limit): the canonical order of the cuts is (p descending,
+// id ascending), as a stable full sort. Each cut's threshold is found by a radix select over the
+// 31-bit keys (<= 3 passes of <= 11-bit digits, 10-bit with 3-CTA clusters, below the common
+// prefix of the range; histograms of count + 64-bit fixed-point mass, combined over the cluster);
+// the draw walks the kept tokens in id order (a block + cluster prefix scan, sample_walk).
+// Steps for a sampled row (T > 0):
 //   1. m = max z (argmax: first index of the max, as torch.argmax); greedy rows stop here.
 //   2. S = sum exp(z - m) as an exact fixed-point sum (2^-47 units, order independent), rounded
 //      once to fp32; p_i = expf(z_i - m) / S (IEEE division), the same formula as torch.softmax
@@ -34,22 +35,23 @@
 //   4. top-k (0 < k < n kept): the k-th largest key k*, all tokens with p > k*, and the first
 //      k - count(p > k*) tokens with p == k* in id order.
 //   5. weights w = expf((z - z_top) / T) (z_top = z of the rank-0 token), exact fixed-point sums
-//      (2^-46 units; w is computed once per kept token, by the first walk, and stored over z);
-//      t = u * W in double (u = uniform(seed, pos), bit-exact splitmix64 stream);
-//      the token = first canonical rank whose cumulative weight > t (radix select on the keys,
-//      then the id-order walk inside the p-group that holds the crossing).
+//      (2^-46 units, w truncated into them); W = their total, t = floor(W * u) in double (u =
+//      uniform(seed, pos), bit-exact splitmix64 stream); the token = the first kept token in id
+//      order whose cumulative weight > t (the inverse CDF of the kept set in id order, as
+//      torch.multinomial walks a row: the same distribution as any order, and no select).
 //   6. commit rows: penalty *= decay (written in the load pass, z is kept in shared memory),
 //      penalty[t] += seen[t] ? repetition : presence, seen[t] = 1.
 // Where this can differ from the reference (all near ties, see test_sampler_kernel_gpu.py):
 //   * S: torch sums exp in fp32 in its own order, so S (hence some p) may differ by an ulp;
-//   * cum / cdf: the reference's fp32 cumsums carry rounding (~1e-7 * sqrt(n) relative); the
-//     kernel's sums are exact, so a top-p or inverse-CDF boundary within that error can flip;
+//   * cum: the reference's fp32 top-p cumsum carries rounding (~1e-7 * sqrt(n) relative); the
+//     kernel's masses are exact, so a top-p boundary within that error can flip (the inverse
+//     CDF's sums are the same fixed-point integers in both);
 //   * top_p >= 1 (above); NaN logits (unspecified here); w clamped to <= 1.9 (only reachable
 //     with z_top < z_max by an expf tie and a tiny T).
 // Deterministic: every sum is an integer sum, so the result does not depend on the launch,
 // the batch, or the cluster split (a row gives the same token alone or in any batch).
 // Files: sampler_common.cuh (Args, Cfg, shared memory, the load pass, shuffles, cl_reduce, Row, fixed point),
-// sampler_select.cuh (radix_select), sampler_walk.cuh (block_scan, group_walk); this file: the
+// sampler_select.cuh (radix_select), sampler_walk.cuh (block_scan, cl_prefix, sample_walk); this file: the
 // kernel, its launch configuration and the C entry point.
 #include "sampler_common.cuh"
 #include "sampler_select.cuh"
@@ -103,6 +105,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
         float *const d = a.dbg && rank == 0 && threadIdx.x == 0 ? a.dbg + row * 8 : nullptr;
         if (d) d[0] = m, d[1] = 0.f, d[2] = 0.f, d[3] = (float)a.V, d[4] = 0.f, d[5] = 0.f, d[6] = 0.f, d[7] = 0.f;
 
+        Pick pk{0ull, 0ull, 0x7fffffff};  // a sampled row's draw (W = 0: none, the argmax stands)
         if (!greedy) {
             // 2. S (exact fixed-point sum of exp(z - m)), then the keys
             u64 es = 0;
@@ -133,7 +136,7 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
             long long n_p = a.V;
             if (!(top_p >= 1.0f)) {  // NaN: like top_p = 0 (the reference's cum < NaN is false)
                 const u64 tp = top_p > 0.f ? (u64)ceil((double)top_p * 70368744177664.0) : 0ull;
-                const Sel s = radix_select<CL>(cl, sh, hs, r, MASS, kmin, kmax, tp, false);
+                const Sel s = radix_select<CL>(cl, sh, hs, r, MASS, kmin, kmax, tp);
                 if (s.found) cstar = s.key, n_p = (long long)s.cnt_above + s.cnt_at;
             }
             if (d) d[2] = __uint_as_float(cstar), d[3] = (float)n_p;
@@ -141,39 +144,33 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
             unsigned kthr = cstar;
             long long lim = 0x7fffffffffffffffll;
             if (top_k > 0 && top_k < n_p) {
-                const Sel s = radix_select<CL>(cl, sh, hs, r, COUNT, kmin, kmax, (u64)top_k, false);
+                const Sel s = radix_select<CL>(cl, sh, hs, r, COUNT, kmin, kmax, (u64)top_k);
                 kthr = s.key;
                 lim = top_k - (long long)s.cnt_above;
             }
             if (d) d[4] = __uint_as_float(kthr), d[5] = (float)(lim > (1ll << 40) ? -1 : lim);
-            // 5. total kept weight, target, crossing
-            const Walk tw = group_walk<CL, true>(cl, sh, xs, r, kthr, lim, 0ull, false);
-            const u64 W = tw.wgt + tw.wgrp;
+            // 5. the inverse CDF over the kept tokens in id order
             const u64 zz = splitmix64(splitmix64((u64)seed) + (u64)a.pos[row]);
             const float u = (float)(zz >> 40) * (1.0f / 16777216.0f);
-            const u64 t = (u64)floor((double)W * (double)u);
-            if (d) d[6] = (float)((double)W / 70368744177664.0), d[7] = (float)((double)t / 70368744177664.0);
-            if (t < tw.wgt) {  // the crossing is among the tokens with p > kthr (all kept)
-                const Sel s = radix_select<CL>(cl, sh, hs, r, WEIGHT, kthr + 1, kmax, t, true);
-                const Walk f = group_walk<CL, false>(cl, sh, xs, r, s.key, 0x7fffffffffffffffll, t - s.w_above, true);
-                tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
-            } else {
-                const Walk f = group_walk<CL, false>(cl, sh, xs, r, kthr, lim, t - tw.wgt, true);
-                tok = f.found != 0x7fffffff ? f.found : (f.last >= 0 ? f.last : tok);
-            }
+            pk = sample_walk<CL>(cl, sh, xs, r, kthr, lim, u);
+            if (d) d[6] = (float)((double)pk.W / 70368744177664.0), d[7] = (float)((double)pk.t / 70368744177664.0);
         }
 
-        // 6. penalty / seen of the chosen token (its owner CTA; the decay above is visible after
-        //    the barrier), the output
+        // 6. penalty / seen of the chosen token, and the output: by the thread that found it in a
+        //    sampled row (its CTA owns the token), else by the owner CTA's thread 0 (the argmax;
+        //    the decay above is visible after the barrier)
         __syncthreads();
-        if (threadIdx.x == 0 && commit && tok >= base && tok < base + cnt) {
+        const bool walked = pk.W > 0;  // the same in every thread
+        const bool mine = walked ? pk.found != 0x7fffffff : threadIdx.x == 0 && tok >= base && tok < base + cnt;
+        if (walked) tok = pk.found;
+        if (mine && commit) {
             unsigned char *sn = a.seen + row * a.seen_s;
             const bool was = sn[tok] != 0;
             float *pp = a.penalty + row * a.pen_s + tok;
             *pp = *pp + (was ? a.fparams[row * 5 + 3] : a.fparams[row * 5 + 2]);  // repetition : presence
             sn[tok] = 1;
         }
-        if (threadIdx.x == 0 && rank == 0) a.out[row] = tok;
+        if (walked ? mine : threadIdx.x == 0 && rank == 0) a.out[row] = tok;
         cl.sync();  // no CTA exits while another may still read its shared memory
     }
 }

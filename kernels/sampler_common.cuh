@@ -134,7 +134,6 @@ __device__ __forceinline__ MaxArg load_row(const Args &a, long long lg0, float *
 
 struct MinTok { int i; float z; unsigned kmin; };
 struct CW { unsigned c; u64 w; };
-struct Walk { u64 wgt, wgrp; int found, last; };
 
 __device__ __forceinline__ float shfl_x(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 __device__ __forceinline__ int shfl_x(int v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
@@ -142,9 +141,6 @@ __device__ __forceinline__ unsigned shfl_x(unsigned v, int o) { return __shfl_xo
 __device__ __forceinline__ u64 shfl_x(u64 v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 __device__ __forceinline__ MaxArg shfl_x(MaxArg v, int o) { return {shfl_x(v.v, o), shfl_x(v.i, o)}; }
 __device__ __forceinline__ MinTok shfl_x(MinTok v, int o) { return {shfl_x(v.i, o), shfl_x(v.z, o), shfl_x(v.kmin, o)}; }
-__device__ __forceinline__ Walk shfl_x(Walk v, int o) {
-    return {shfl_x(v.wgt, o), shfl_x(v.wgrp, o), shfl_x(v.found, o), shfl_x(v.last, o)};
-}
 
 struct OpMaxArg {  // larger value; equal values: smaller index (first index of the max)
     __device__ MaxArg operator()(MaxArg a, MaxArg b) const {
@@ -160,11 +156,6 @@ struct OpMinTok {
 };
 struct OpSum {
     __device__ u64 operator()(u64 a, u64 b) const { return a + b; }
-};
-struct OpWalk {
-    __device__ Walk operator()(Walk a, Walk b) const {
-        return {a.wgt + b.wgt, a.wgrp + b.wgrp, min(a.found, b.found), min(a.last, b.last)};
-    }
 };
 
 // Reduce v over the cluster (the same result in every thread of every CTA). The operators are
@@ -195,20 +186,20 @@ __device__ T cl_reduce(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int 
 }
 
 struct Row {
-    float *z;  // z, then (from the first group_walk on) the fp32 weight w of every token with key >= kthr
+    float *z;  // z, then (from sample_walk on) the fp32 weight w of every token with key >= kthr
     const unsigned *key;
     int cnt, base;
     float ztop, T;
 };
 
-// The weight of a kept token: computed once from z by the first group_walk (which stores it in
-// place of z: z is not needed after that), read back by the later passes (same float, so the
-// same fixed-point value as recomputing it).
+// The weight of a kept token: computed once from z by sample_walk (which stores it in place of z:
+// z is not needed after that) and read back by its walk (same float, so the same fixed-point
+// value as recomputing it).
 __device__ __forceinline__ float weight_of(const Row &r, float z) {
     return fminf(expf(__fdiv_rn(z - r.ztop, r.T)), 1.9f);
 }
 __device__ __forceinline__ u64 fix_f(float w) { return __float2ull_rz(w * FIX46); }
-// Fixed-point weight of a kept token (mode 2; cached) / mass of p (mode 1).
+// Fixed-point weight of a kept token (cached) / mass of p (radix_select's MASS).
 __device__ __forceinline__ u64 fix_w(const Row &r, int i) { return fix_f(r.z[i]); }
 __device__ __forceinline__ u64 fix_p(unsigned k) { return __float2ull_rz(__uint_as_float(k) * FIX46); }
 

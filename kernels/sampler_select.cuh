@@ -1,6 +1,6 @@
-// Fused sampler (kernels/sampler.cu): the radix select -- its result (Sel) and modes (COUNT / MASS /
-// WEIGHT), the cluster combine of the per-CTA histograms over DSMEM (combine_bins), and radix_select,
-// which finds the p-group where a count / mass / weight target is reached.
+// Fused sampler (kernels/sampler.cu): the radix select -- its result (Sel) and modes (COUNT / MASS),
+// the cluster combine of the per-CTA histograms over DSMEM (combine_bins), and radix_select, which
+// finds the p-group where a count / mass target is reached (the top-k and top-p cuts).
 #pragma once
 #include "sampler_common.cuh"
 
@@ -12,7 +12,7 @@ struct Sel {
     int found;
 };
 
-enum { COUNT = 0, MASS = 1, WEIGHT = 2 };
+enum { COUNT = 0, MASS = 1 };
 
 // Cluster-combined bins [b0, b0 + NB) (NB = 1 or 2 consecutive bins) of histogram slot (hc, hl,
 // hh) into cc / cw; returns their count / weight totals.
@@ -52,8 +52,8 @@ __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, typename Cfg<C
 }
 
 // Radix select over the keys in [lo, khi] of the row (khi = the row's largest key), descending:
-// the key of the first non-empty p-group whose cumulative (count / mass / weight, in canonical
-// order) reaches target (>= target; strict: > target). Sel.w_above / cnt_above: totals of the
+// the key of the first non-empty p-group whose cumulative (count / mass, in canonical order)
+// reaches target (>= target). Sel.w_above / cnt_above: totals of the
 // keys above it. The digits cover only the bits below the common prefix of lo and khi (split
 // evenly into <= Cfg<CL>::DIGIT-bit digits, >= 5 bits each): flat rows then spread over the bins of the
 // first pass instead of piling into a few exponent bins (same-address atomics serialize).
@@ -72,7 +72,7 @@ __device__ __forceinline__ CW combine_bins(cg::cluster_group &cl, typename Cfg<C
 // pass needs one cluster.sync and one __syncthreads. Both slots are zeroed at kernel start.
 template <int CL>
 __device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &hs, const Row &r, int mode,
-                            unsigned lo, unsigned khi, u64 target, bool strict) {
+                            unsigned lo, unsigned khi, u64 target) {
     Sel s{0u, 0u, 0u, 0ull, 1};
     const int lane = threadIdx.x & 31;
     const int hi = max(32 - __clz(lo ^ khi), 5);  // keys in [lo, khi] share the bits >= hi
@@ -90,7 +90,7 @@ __device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh,
             const unsigned bin = (k >> shift) & (nb - 1);
             atomicAdd(&hc[bin], 1u);
             if (mode != COUNT) {
-                const u64 v = mode == MASS ? fix_p(k) : fix_w(r, i);
+                const u64 v = fix_p(k);
                 const unsigned vl = (unsigned)v, vh = (unsigned)(v >> 32);
                 const unsigned old = atomicAdd(&hl[bin], vl);
                 const unsigned carry = (old + vl) < old;  // exact 64-bit sum: hi gets the carries
@@ -123,7 +123,7 @@ __device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh,
             if (lane >= o) ic += c, iw += x;
         }
         const u64 reach = s.w_above + iw;
-        const unsigned ballot = __ballot_sync(0xffffffffu, tc > 0 && (strict ? reach > target : reach >= target));
+        const unsigned ballot = __ballot_sync(0xffffffffu, tc > 0 && reach >= target);
         if (ballot == 0) { s.found = 0; return s; }
         const int L = __ffs(ballot) - 1, top = nb - 1 - L * per;  // the chunk's highest bin
         const u64 cw0 = __shfl_sync(0xffffffffu, s.w_above + iw - tw, L);
@@ -149,8 +149,8 @@ __device__ Sel radix_select(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh,
         }
         const u64 run0 = cw0 + jw - (w0 + w1), run1 = run0 + w0;  // weight above position 0 / 1
         const unsigned cab0 = cc0 + jc - (c0 + c1);
-        const bool q0 = c0 > 0 && (strict ? run1 > target : run1 >= target);
-        const bool q1 = c1 > 0 && (strict ? run1 + w1 > target : run1 + w1 >= target);
+        const bool q0 = c0 > 0 && run1 >= target;
+        const bool q1 = c1 > 0 && run1 + w1 >= target;
         // a bin qualifies in this chunk (see above); __ffs(0) - 1 = -1 would only read lane 31
         const int L2 = __ffs(__ballot_sync(0xffffffffu, q0 || q1)) - 1;
         const bool first = __shfl_sync(0xffffffffu, q0, L2);

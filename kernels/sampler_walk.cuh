@@ -1,6 +1,6 @@
-// Fused sampler (kernels/sampler.cu): the id-order walk inside one p-group -- the exclusive block
-// scan of (count, weight) (block_scan) and group_walk: the kept weights, the member where the
-// cumulative weight crosses a target and the last kept member, with the cluster prefix exchange.
+// Fused sampler (kernels/sampler.cu): the inverse CDF in id order -- the exclusive block scan of
+// (count, weight) (block_scan) and sample_walk: the kept weights (stored over z), their prefix
+// sums over the cluster in id order, and the token where the cumulative weight crosses the target.
 #pragma once
 #include "sampler_common.cuh"
 
@@ -35,23 +35,51 @@ __device__ CW block_scan(Shared &sh, CW v, CW *tot) {
     __syncthreads();
     CW off = s[w];
     *tot = *reinterpret_cast<CW *>(sh.rraw);
-    // no trailing barrier: the caller (group_walk) reaches a cluster.sync before anything
+    // no trailing barrier: every caller reaches a cluster.sync (cl_prefix) before anything
     // rewrites s / rraw
     return {off.c + inc.c - v.c, off.w + inc.w - v.w};
 }
 
-// Walk the row in id order: wgt = weight of keys > g (sums only: 0 when find); inside the group
-// key == g, members of ordinal < lim are kept (a prefix in id order); wgrp = their weight; found =
-// the first kept member whose cumulative group weight (from gbase) exceeds target (INT_MAX: none),
-// last = the last kept member. find = false: only the sums (wgt, wgrp). FIRST: compute the weights of the keys >= g
-// from z and store them in place of z (the first walk, g = kthr); otherwise they are cached.
-template <int CL, bool FIRST>
-__device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, const Row &r, unsigned g,
-                           long long lim, u64 target, bool find) {
+// This thread's exclusive offset in id order over the whole cluster (a block scan, then the totals
+// of the lower-ranked CTAs through the exchange slot) and, in *all, the cluster's total.
+template <int CL>
+__device__ CW cl_prefix(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, CW v, CW *all) {
+    CW tot;
+    CW off = block_scan(sh, v, &tot);
+    CW *xt = reinterpret_cast<CW *>(sh.xraw[xs]);
+    if (threadIdx.x == 0) *xt = tot;
+    cl.sync();
+    const int rank = (int)cl.block_rank();
+    CW sum{0u, 0ull};
+#pragma unroll
+    for (int j = 0; j < CL; j++) {
+        const CW t = *cl.map_shared_rank(xt, j);
+        if (j < rank) off.c += t.c, off.w += t.w;
+        sum.c += t.c, sum.w += t.w;
+    }
+    xs ^= 1;
+    *all = sum;
+    return off;
+}
+
+struct Pick { u64 W, t; int found; };
+
+// The inverse CDF over the kept tokens in id order: kept = key > g, or key == g and an ordinal
+// (id order) inside that group < lim (the top-k cut; no cut: lim = LLONG_MAX). Each thread owns a
+// contiguous chunk of ids: it computes the weights of its keys >= g once (stored in place of z)
+// and sums its kept ones; one cluster prefix scan gives every thread its chunk's offset and the
+// total W; t = floor(W * u); the one thread whose chunk holds the crossing (offset <= t <
+// offset + its sum) walks it in id order to the first token whose cumulative weight exceeds t.
+// W == 0 (unreachable: the rank-0 token weighs 1) leaves found = INT_MAX. Every sum is an integer
+// sum, so W, t and the token do not depend on the cluster split or the thread count.
+// Barriers: one cluster prefix (two with a top-k cut inside the group: its ordinals).
+template <int CL>
+__device__ Pick sample_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, int &xs, const Row &r, unsigned g,
+                            long long lim, float u) {
     const int per = (r.cnt + THREADS - 1) / THREADS;
     const int i0 = min(r.cnt, (int)threadIdx.x * per), i1 = min(r.cnt, i0 + per);
-    CW mine{0u, 0ull};
-    u64 wgt = 0;
+    u64 above = 0, grp = 0;  // this chunk's weight of keys > g, of the group key == g
+    unsigned gc = 0;         // and the group's members
     // sums in any order: start the chunk at a per-thread rotation (a 2-way instead of a 16-way
     // bank conflict for 16-element chunks)
     const int rot = per ? (int)threadIdx.x % per : 0;
@@ -59,53 +87,37 @@ __device__ Walk group_walk(cg::cluster_group &cl, typename Cfg<CL>::Shared &sh, 
         const int i = i0 + (jj + rot < per ? jj + rot : jj + rot - per);
         if (i >= i1) continue;
         const unsigned k = r.key[i];
-        if (k < g || (find && k > g)) continue;  // a find walk needs only the group's members
-        u64 w;
-        if (FIRST) {
-            const float wf = weight_of(r, r.z[i]);
-            r.z[i] = wf;  // this thread's own chunk: re-read below by this thread only
-            w = fix_f(wf);
-        } else {
-            w = fix_w(r, i);
+        if (k < g) continue;
+        const float wf = weight_of(r, r.z[i]);
+        r.z[i] = wf;  // this thread's own chunk: re-read below by this thread only
+        if (k > g) above += fix_f(wf);
+        else gc++, grp += fix_f(wf);
+    }
+    CW all;
+    long long ord = 0;  // ordinal (in the group) of this chunk's first member
+    if (lim != 0x7fffffffffffffffll) {  // the top-k cut: keep the group's first lim members
+        ord = cl_prefix<CL>(cl, sh, xs, CW{gc, 0ull}, &all).c;
+        grp = 0;
+        long long o = ord;
+        for (int i = i0; i < i1 && o < lim; i++)
+            if (r.key[i] == g) grp += fix_w(r, i), o++;
+    }
+    const u64 mine = above + grp;
+    const u64 off = cl_prefix<CL>(cl, sh, xs, CW{0u, mine}, &all).w;
+    Pick pk{all.w, (u64)floor((double)all.w * (double)u), 0x7fffffff};
+    if (off <= pk.t && pk.t < off + mine) {  // the crossing is in this chunk (so mine > 0)
+        u64 cum = off;
+        for (int i = i0; i < i1; i++) {
+            const unsigned k = r.key[i];
+            if (k < g || (k == g && ord++ >= lim)) continue;
+            cum += fix_w(r, i);
+            if (cum > pk.t) {
+                pk.found = r.base + i;
+                break;
+            }
         }
-        if (k > g) wgt += w;
-        else mine.c++, mine.w += w;
     }
-    if (!find && lim == 0x7fffffffffffffffll) {
-        // sums only, every member kept (no top-k cut inside this group): no id order needed, so
-        // no block scan and no cluster prefix exchange (found / last are not computed)
-        Walk res = cl_reduce<CL>(cl, sh, xs, Walk{wgt, mine.w, 0x7fffffff, 0x7fffffff}, OpWalk());
-        res.last = -1;
-        return res;
-    }
-    CW tot;
-    CW off = block_scan(sh, mine, &tot);
-    // offsets of this CTA in the cluster: totals of the lower ranks
-    CW *xt = reinterpret_cast<CW *>(sh.xraw[xs]);
-    if (threadIdx.x == 0) *xt = tot;
-    cl.sync();
-    const int rank = (int)cl.block_rank();
-    for (int j = 0; j < rank; j++) {
-        const CW t = *cl.map_shared_rank(xt, j);
-        off.c += t.c, off.w += t.w;
-    }
-    xs ^= 1;
-    long long ord = off.c;
-    u64 cum = off.w;
-    // found: min id; last kept member = the largest kept id, reduced as min of -(id + 1)
-    Walk wk{wgt, 0ull, 0x7fffffff, 0x7fffffff};
-    for (int i = i0; i < i1 && mine.c; i++) {  // in id order, only threads holding members
-        if (r.key[i] != g) continue;
-        if (ord >= lim) break;
-        const u64 w = fix_w(r, i);
-        if (find && cum <= target && cum + w > target) wk.found = r.base + i;
-        cum += w, wk.wgrp += w;
-        ord++;
-        wk.last = -(r.base + i) - 1;
-    }
-    Walk res = cl_reduce<CL>(cl, sh, xs, wk, OpWalk());
-    res.last = res.last == 0x7fffffff ? -1 : -res.last - 1;
-    return res;
+    return pk;
 }
 
 }  // namespace sampler_k

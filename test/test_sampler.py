@@ -45,7 +45,9 @@ def reference(z: list[float], p: SamplingParams, u: float) -> int:
     kept = [i for i in order if probs[i] >= cutoff]
     if p.top_k > 0:
         kept = kept[: p.top_k]
-    w = [math.exp((z[i] - z[kept[0]]) / p.temperature) for i in kept]
+    top = kept[0]
+    kept.sort()  # the draw walks the kept tokens in id order
+    w = [math.exp((z[i] - z[top]) / p.temperature) for i in kept]
     target, acc = u * sum(w), 0.0
     for i, wi in zip(kept, w):
         acc += wi

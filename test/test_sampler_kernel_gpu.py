@@ -2,22 +2,26 @@
 sampler at CANDIDATES = () (a stable full sort of every row: the exact reference).
 
 Three tokens per row are compared:
-  ref     the torch sampler (fp32 softmax, fp32 cumsums): what the engine gives today;
+  ref     the torch sampler (fp32 softmax, fp32 top-p cumsum, the fixed-point inverse CDF in id
+          order): what the CPU engine gives;
   kernel  the fused kernel;
   oracle  the kernel's own arithmetic replayed in torch: p = exp(z - m) / S with the kernel's S
           (read back through the dbg output, so the p values are bit-identical), the canonical
-          stable sort, then the top-p / inverse-CDF sums in fp64 (the kernel's sums are exact
-          fixed-point sums: 2^-46 units, i.e. within ~1e-9 of fp64).
+          stable sort, the top-p sums in fp64 (the kernel's masses are exact fixed-point sums:
+          2^-46 units, i.e. within ~1e-9 of fp64), then the inverse CDF in id order over the
+          kernel's own fixed-point weights (int64 sums).
 kernel == oracle is required for every row whose decisions are not within 1e-8 of a boundary
 (the fixed-point resolution): that is "the kernel implements its documented arithmetic".
 kernel != ref is allowed only when explained as a near tie of the reference's fp32 arithmetic:
   * "ref-rounding": the oracle run on the reference's own p values (torch.softmax) gives the
-    kernel's token, i.e. only the reference's fp32 cumsum rounding (or top_p >= 1 tail cut) differs;
+    kernel's token, i.e. only the reference's fp32 top-p cumsum rounding (or top_p >= 1 tail cut)
+    differs;
   * "S-ulp": the two p vectors differ (torch's fp32 S vs the kernel's exact S, an ulp) and the
     oracle's top-p or inverse-CDF margin is within 2e-6 (relative) of the boundary;
   * "p-order": the two p vectors (torch's softmax vs the kernel's expf / S, an ulp or two per
-    element) sort in a different order at or before the kernel's chosen rank, and the two tokens
-    that trade places there are within 4 ulps of each other (flat rows have such near ties).
+    element) sort in a different order at or before the kernel's kept count (so the kept set or
+    the rank-0 token can differ), and the two tokens that trade places there are within 4 ulps of
+    each other (flat rows have such near ties).
 Each test prints its counts (-s shows them): exact / ref-rounding / S-ulp / p-order.
 Greedy rows (T == 0) must agree exactly. Penalty / seen after the step must equal the torch update
 applied with the kernel's tokens (bitwise). Also: CUDA graph replay == eager, a row alone == in a
@@ -104,8 +108,9 @@ def kernel(logits, s: SamplerSlots, pos, commit, greedy_only=False, cl=0):
 
 
 def oracle(z: torch.Tensor, probs: torch.Tensor, fparams, iparams, pos):
-    """The kernel's decision rule on given p values (B, V), sums in fp64. Returns (token (B,),
-    top-p margin (B,), inverse-CDF margin (B,)) with margins relative to the sums."""
+    """The kernel's decision rule on given p values (B, V): top-p sums in fp64, the inverse CDF in
+    id order over the same fixed-point integers as the kernel. Returns (token (B,), top-p margin
+    (B,), inverse-CDF margin (B,), kept count (B,)) with margins relative to the sums."""
     B, Vv = z.shape
     temp, top_p = fparams[:, 0], fparams[:, 1].double()
     top_k, seed = iparams[:, 0], iparams[:, 1]
@@ -125,36 +130,34 @@ def oracle(z: torch.Tensor, probs: torch.Tensor, fparams, iparams, pos):
     hi = cum.gather(1, m[:, None]).squeeze(1)
     mp = torch.minimum((tp - lo).abs(), (hi - tp).abs()) / tp.clamp(min=1e-30)
     mp = torch.where(keep_all | (top_p <= 0), torch.full_like(mp, float("inf")), mp)
-    zs = z.gather(1, si)
     t_safe = torch.where(temp > 0, temp, torch.ones_like(temp))
-    w = torch.exp((zs - zs[:, :1]) / t_safe[:, None]).clamp(max=1.9)  # fp32, as the kernel
-    cdf = (w.double() * keep).cumsum(-1)
+    ztop = z.gather(1, si[:, :1])  # (B, 1) z of the rank-0 token
+    w = torch.exp((z - ztop) / t_safe[:, None]).clamp(max=1.9)  # (B, V) fp32, as the kernel
+    keep_id = torch.zeros_like(keep).scatter_(1, si, keep)  # (B, V) the kept set by id
+    cdf = ((w * 2.0**46).to(torch.int64) * keep_id).cumsum(-1)  # (B, V) id order, exact
     W = cdf[:, -1]
-    t = uniform(seed, pos).double() * W
-    idx = torch.searchsorted(cdf, t[:, None], right=True).squeeze(1)
-    idx = torch.minimum(idx, n_keep - 1)
-    c_at = cdf.gather(1, idx[:, None]).squeeze(1)
-    c_before = torch.where(idx > 0, cdf.gather(1, (idx - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(W))
-    mt = torch.minimum((c_at - t).abs(), (t - c_before).abs()) / W
-    tok = si.gather(1, idx[:, None]).squeeze(1)
+    t = (W.double() * uniform(seed, pos).double()).floor().to(torch.int64)
+    tok = torch.searchsorted(cdf, t[:, None], right=True).squeeze(1).clamp(max=Vv - 1)
+    c_at = cdf.gather(1, tok[:, None]).squeeze(1)
+    c_before = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(W))
+    mt = torch.minimum((c_at - t).abs(), (t - c_before).abs()).double() / W.double()
     tok = torch.where(temp > 0, tok, z.argmax(-1))
-    return tok, mp, mt
+    return tok, mp, mt, n_keep
 
 
-def order_flip(p_k: torch.Tensor, p_r: torch.Tensor, tok: torch.Tensor):
+def order_flip(p_k: torch.Tensor, p_r: torch.Tensor):
     """Where the stable descending orders of p_k and p_r (R, V) first differ: (first differing rank
-    (R,) or V, the kernel token's rank in p_k's order (R,), whether the two tokens at the first
-    differing rank are within 4 ulps of each other in p_k (R,))."""
+    (R,) or V, whether the two tokens at the first differing rank are within 4 ulps of each other
+    in p_k (R,)). A flip at or before the kept count can change the kept set or the rank-0 token."""
     R, Vv = p_k.shape
     ik = p_k.sort(dim=-1, descending=True, stable=True).indices  # (R, V)
     ir = p_r.sort(dim=-1, descending=True, stable=True).indices  # (R, V)
     neq = ik != ir  # (R, V)
     first = torch.where(neq.any(-1), neq.to(torch.int8).argmax(-1), torch.full_like(neq[:, 0], Vv, dtype=torch.long))
-    rank_k = (ik == tok[:, None]).to(torch.int8).argmax(-1)  # (R,)
     f = first.clamp(max=Vv - 1)[:, None]
     a, b = p_k.gather(1, ik.gather(1, f)).squeeze(1), p_k.gather(1, ir.gather(1, f)).squeeze(1)  # (R,)
     close = (a - b).abs() <= 4 * 2.0**-23 * torch.maximum(a, b)
-    return first, rank_k, close
+    return first, close
 
 
 def check_step(logits, s: SamplerSlots, pos, commit, greedy_only=False, label="") -> dict:
@@ -180,7 +183,7 @@ def check_step(logits, s: SamplerSlots, pos, commit, greedy_only=False, label=""
     m = z.max(-1, keepdim=True).values
     S_k = torch.where(dbg[:, 1:2] > 0, dbg[:, 1:2], torch.ones_like(dbg[:, 1:2]))  # greedy rows: S unused
     p_k = torch.exp(z - m) / S_k  # bit-identical to the kernel's p (same fp32 formula)
-    o_tok, o_mp, o_mt = oracle(z, p_k, fp, ip, pos)
+    o_tok, o_mp, o_mt, o_keep = oracle(z, p_k, fp, ip, pos)
     near_fix = (o_mp < 1e-8) | (o_mt < 1e-8)
     bad = (tok != o_tok) & ~near_fix & ~greedy
     assert not bad.any(), (f"{label}: kernel != its oracle in rows {bad.nonzero().flatten().tolist()[:10]} "
@@ -188,11 +191,11 @@ def check_step(logits, s: SamplerSlots, pos, commit, greedy_only=False, label=""
     diff = (tok != ref).nonzero().flatten()
     if len(diff):
         p_r = torch.softmax(z, dim=-1)
-        r_tok, _, _ = oracle(z[diff], p_r[diff], fp[diff], ip[diff], pos[diff])
+        r_tok, _, _, _ = oracle(z[diff], p_r[diff], fp[diff], ip[diff], pos[diff])
         rounding = r_tok == tok[diff]
         s_ulp = ~rounding & ((o_mp[diff] < 2e-6) | (o_mt[diff] < 2e-6))
-        first, rank_k, close = order_flip(p_k[diff], p_r[diff], tok[diff])
-        p_order = ~(rounding | s_ulp) & (first <= rank_k) & close
+        first, close = order_flip(p_k[diff], p_r[diff])
+        p_order = ~(rounding | s_ulp) & (first <= o_keep[diff]) & close
         unexplained = ~(rounding | s_ulp | p_order)
         counts["ref-rounding"], counts["S-ulp"] = int(rounding.sum()), int(s_ulp.sum())
         counts["p-order"] = int(p_order.sum())
@@ -200,7 +203,7 @@ def check_step(logits, s: SamplerSlots, pos, commit, greedy_only=False, label=""
             f"{label}: kernel != reference beyond near ties in rows {diff[unexplained].tolist()[:10]}: "
             f"kernel {tok[diff][unexplained][:5].tolist()} ref {ref[diff][unexplained][:5].tolist()} "
             f"margins top-p {o_mp[diff][unexplained][:5].tolist()} cdf {o_mt[diff][unexplained][:5].tolist()} "
-            f"first order flip {first[unexplained][:5].tolist()} kernel rank {rank_k[unexplained][:5].tolist()} "
+            f"first order flip {first[unexplained][:5].tolist()} kept {o_keep[diff][unexplained][:5].tolist()} "
             f"flip within 4 ulps {close[unexplained][:5].tolist()}")
     print(f"\n{label}: {counts}")
     return counts

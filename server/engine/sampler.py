@@ -10,9 +10,12 @@ presence, repetition, decay, seed), at generated-token index `pos`:
         top-p: cutoff = p_(m) with m the first rank whose cumulative sum >= top_p;
                keep tokens with p >= cutoff (ties kept; top_p = 0 keeps only the maximum)
         top-k: if top_k > 0 keep only the first top_k ranks
-        weights w_i = (p_i / p_(1)) ** (1 / T) on the kept tokens (computed as exp((z'_i-z'_max)/T))
+        weights w_i = (p_i / p_(1)) ** (1 / T) on the kept tokens (computed as exp((z'_i-z'_max)/T)),
+                  each truncated to a multiple of 2^-46 (exact integer sums in any order)
         u = uniform(seed, pos) in [0, 1) (counter-based: splitmix64(splitmix64(seed) + pos))
-        t = the kept token whose cumulative weight first exceeds u * sum(w)     (inverse CDF)
+        t = the first kept token IN ID ORDER whose cumulative weight exceeds floor(u * sum(w))
+            (the inverse CDF; any order gives the same distribution, as torch.multinomial's;
+            id order spares the kernel a select over the weights)
     then, only for rows that commit a real token:
         P *= decay;   P[t] += presence if t was not generated before in this request else repetition
 
@@ -226,15 +229,24 @@ def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]
     overflow = (last <= sp[:, -1:]).squeeze(1) & (temp > 0) & (z.shape[1] > K)  # (B,)
     zs = z.gather(1, si)  # (B, K) sorted logits
     t_safe = torch.where(temp > 0, temp, torch.ones_like(temp))  # (B,)
-    w = torch.exp((zs - zs[:, :1]) / t_safe[:, None]) * keep  # (B, K)
-    cdf = w.cumsum(dim=-1)  # (B, K)
-    target = uniform(seed, pos) * cdf[:, -1]  # (B,)
-    idx = torch.searchsorted(cdf, target[:, None], right=True)  # (B, 1)
-    # never past the last token of positive weight (fp32 rounding of target up to the total;
-    # the weights of tokens a grammar mask forbids are exactly 0)
-    idx = torch.minimum(idx, (w > 0).sum(-1, keepdim=True).clamp(min=1) - 1)
-    sampled = si.gather(1, idx).squeeze(1)  # (B,)
-    return torch.where(temp > 0, sampled, z.argmax(-1)), overflow
+    w = torch.exp((zs - zs[:, :1]) / t_safe[:, None]).clamp(max=_W_MAX)  # (B, K) fp32
+    wfix = (w * _FIX).to(torch.int64) * keep  # (B, K) truncated, as the kernel's __float2ull_rz
+    # the inverse CDF in id order: the kept candidates by id (the others, weight 0, last)
+    ids, perm = torch.where(keep, si, z.shape[1]).sort(dim=-1)  # (B, K)
+    cdf = wfix.gather(1, perm).cumsum(dim=-1)  # (B, K) exact integer sums
+    total = cdf[:, -1]  # (B,) > 0: the rank-0 token weighs 1
+    target = (total.double() * uniform(seed, pos).double()).floor().to(torch.int64)  # (B,) < total
+    idx = torch.searchsorted(cdf, target[:, None], right=True).clamp(max=K - 1)  # (B, 1) first cdf > target
+    sampled = ids.gather(1, idx).squeeze(1)  # (B,)
+    return torch.where((temp > 0) & (total > 0), sampled, z.argmax(-1)), overflow
+
+
+_FIX = float(2**46)
+"""Fixed-point unit of the inverse CDF's weights (as the kernel): sums of up to 2^17 weights <= 1.9
+stay inside int64 and are exact, so they do not depend on the order they are added in."""
+_W_MAX = 1.9
+"""Weights are clamped here (only reachable when the rank-0 token is not the argmax by an exp
+tie and T is tiny): it bounds the fixed-point sums."""
 
 
 _BITS: dict[torch.device, torch.Tensor] = {}
