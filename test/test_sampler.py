@@ -253,3 +253,42 @@ def test_masked_rows_sample_only_allowed_tokens_by_the_formula(temp, top_p, top_
     assert allowed[torch.arange(B), tok].all()
     for b in range(B):
         assert tok[b].item() == reference(logits[b].tolist(), params[b], py_uniform(params[b].seed, int(pos[b]))), b
+
+
+@pytest.mark.parametrize("V", [1000, 131072, 300000])
+def test_tied_rows_draw_in_id_order_past_the_int64_range(V, monkeypatch):
+    """Every token tied, top_p = 1: each weighs exactly 1, so the id-order inverse CDF picks token
+    floor(u * V). At V = 131,072 the fixed-point total is 2^63 (past int64: the sums are held as
+    uint64 bits), at 300,000 the unit coarsens; both must still give that token."""
+    monkeypatch.setattr(S, "CANDIDATES", ())
+    B = 6
+    params = [SamplingParams(top_p=1.0, seed=50 + i, presence_penalty=0, repetition_penalty=0) for i in range(B)]
+    pos = torch.arange(B) * 11
+    tok = slots_for(params, V).sample(torch.zeros(B, V), pos, torch.ones(B, dtype=torch.bool))
+    want = [int(py_uniform(p.seed, int(q)) * V) for p, q in zip(params, pos)]
+    assert tok.tolist() == want
+
+
+def test_clamped_weights_past_2_63_keep_exact_sums(monkeypatch):
+    """Weights reach their 1.9 clamp when the rank-0 token (the smallest id among the top p) has a
+    lower z than tokens tied with it in p, and T is tiny: here token 0 weighs 1 and the other
+    131,071 weigh 1.9 each, so the fixed-point cumulative sums pass 2^63 (held as uint64 bits).
+    The token must be the exact integer inverse CDF's."""
+    monkeypatch.setattr(S, "CANDIDATES", ())
+    V, B = 131072, 4
+    z = torch.full((B, V), 2.0**-30)
+    z[:, 0] = 0.0
+    p = torch.softmax(z, -1)
+    assert (p == p[:, :1]).all(), "precondition: the row's p values tie in fp32"
+    params = [SamplingParams(temperature=1e-12, top_p=1.0, seed=7 + i, presence_penalty=0, repetition_penalty=0)
+              for i in range(B)]  # fmt: skip
+    pos = torch.arange(B) * 5
+    tok = slots_for(params, V).sample(z, pos, torch.ones(B, dtype=torch.bool))
+    w1 = int(float(torch.tensor(1.9, dtype=torch.float32)) * 2**46)  # the clamp in 2^-46 units
+    total = 2**46 + (V - 1) * w1
+    assert total >= 2**63
+    want = []
+    for prm, q in zip(params, pos):
+        t = math.floor(float(total) * py_uniform(prm.seed, int(q)))
+        want.append(0 if t < 2**46 else 1 + (t - 2**46) // w1)  # the first cumulative sum > t
+    assert tok.tolist() == want

@@ -230,23 +230,26 @@ def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]
     zs = z.gather(1, si)  # (B, K) sorted logits
     t_safe = torch.where(temp > 0, temp, torch.ones_like(temp))  # (B,)
     w = torch.exp((zs - zs[:, :1]) / t_safe[:, None]).clamp(max=_W_MAX)  # (B, K) fp32
-    wfix = (w * _FIX).to(torch.int64) * keep  # (B, K) truncated, as the kernel's __float2ull_rz
+    fix = 2.0 ** (46 - max(0, (K - 1).bit_length() - 17))  # the kernel's 2^46 for K <= 2^17
+    wfix = (w * fix).to(torch.int64) * keep  # (B, K) truncated, as the kernel's __float2ull_rz
     # the inverse CDF in id order: the kept candidates by id (the others, weight 0, last)
     ids, perm = torch.where(keep, si, z.shape[1]).sort(dim=-1)  # (B, K)
-    cdf = wfix.gather(1, perm).cumsum(dim=-1)  # (B, K) exact integer sums
-    total = cdf[:, -1]  # (B,) > 0: the rank-0 token weighs 1
-    target = (total.double() * uniform(seed, pos).double()).floor().to(torch.int64)  # (B,) < total
-    idx = torch.searchsorted(cdf, target[:, None], right=True).clamp(max=K - 1)  # (B, 1) first cdf > target
+    cdf = wfix.gather(1, perm).cumsum(dim=-1)  # (B, K) exact sums < 2^64, as uint64 bits in int64
+    total = cdf[:, -1].double() + (cdf[:, -1] < 0) * 2.0**64  # (B,) their unsigned value (> 0)
+    t = (total * uniform(seed, pos).double()).floor()  # (B,) < total, an integer in double
+    t = torch.where(t >= 2.0**63, t - 2.0**64, t).to(torch.int64)  # (B,) the same uint64 bits
+    # unsigned order as signed order: flip the sign bit of both sides
+    idx = torch.searchsorted(cdf ^ _SIGN, (t ^ _SIGN)[:, None], right=True).clamp(max=K - 1)  # (B, 1) first cdf > t
     sampled = ids.gather(1, idx).squeeze(1)  # (B,)
     return torch.where((temp > 0) & (total > 0), sampled, z.argmax(-1)), overflow
 
 
-_FIX = float(2**46)
-"""Fixed-point unit of the inverse CDF's weights (as the kernel): sums of up to 2^17 weights <= 1.9
-stay inside int64 and are exact, so they do not depend on the order they are added in."""
+_SIGN = -(2**63)
 _W_MAX = 1.9
 """Weights are clamped here (only reachable when the rank-0 token is not the argmax by an exp
-tie and T is tiny): it bounds the fixed-point sums."""
+tie and T is tiny). With the fixed-point unit 2^-46, as the kernel, up to 2^17 weights sum below
+2^64 exactly (wrapping int64 holds them as uint64 bits), so the sums do not depend on the order
+they are added in; wider candidate sets (vocabularies the kernel does not cover) coarsen the unit."""
 
 
 _BITS: dict[torch.device, torch.Tensor] = {}
