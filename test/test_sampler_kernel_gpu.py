@@ -264,6 +264,31 @@ def test_eleven_bit_digits(dev, vocab):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [65536, 131072])
+@pytest.mark.parametrize("clamped", [False, True])
+def test_tied_rows_draw_in_id_order(dev, vocab, clamped):
+    """The id-order draw where no arithmetic is near a tie: every token tied in p (top_p = 1), so
+    each weighs 1 and the token is floor(u * V); clamped: token 0's z is a hair below the rest
+    (still tied in p) and T tiny, so the others weigh 1.9 (the clamp) and the fixed-point sums
+    pass 2^63 (CL = 8 at 131,072). Kernel == torch twin exactly, penalties included."""
+    B = 8
+    logits = torch.full((B, vocab), 2.0**-30 if clamped else 0.0, device=dev)
+    logits[:, 0] = 0.0
+    assert (torch.softmax(logits, -1) == 1.0 / vocab).all(), "precondition: every p tied"
+    params = [SamplingParams(seed=31 + i, temperature=1e-12 if clamped else 1.0, top_p=1.0, presence_penalty=0.5,
+                             repetition_penalty=0.3) for i in range(B)]  # fmt: skip
+    s = make_slots(params, vocab, dev, False)
+    s_ref = clone_slots(s)
+    pos, commit = torch.arange(B, device=dev) * 3, torch.ones(B, dtype=torch.bool, device=dev)
+    ref = reference(logits, s_ref, pos, commit)
+    tok, _ = kernel(logits, s, pos, commit)
+    assert tok.tolist() == ref.tolist()
+    assert torch.equal(s.penalty, s_ref.penalty) and torch.equal(s.seen, s_ref.seen)
+    if not clamped:
+        assert tok.tolist() == (uniform(s.iparams[:B, 1], pos) * vocab).long().tolist()
+
+
+@pytest.mark.gpu
 def test_greedy_only(dev):
     B = 64
     logits = make_logits("tied", B, V, seed=3, dev=dev)  # ties at the maximum: first index
