@@ -91,7 +91,7 @@ def run(case: str, B: int, full: bool) -> dict:
 
 PHASES = {  # what each setting adds to the kernel's work per row
     "greedy": dict(temperature=0.0),  # load pass (z, penalty decay) + max
-    "top_p=1": dict(top_p=1.0),  # + exp / S + keys + weights walk + weight select + id walk
+    "top_p=1": dict(top_p=1.0),  # + exp / S + keys + the id-order draw (weights, prefix scan, walk)
     "default": {},  # + the top-p mass select (top_p = 0.3)
     "top_k=50": dict(top_k=50),  # + the top-k count select
 }
