@@ -191,7 +191,23 @@ def settings_problem(settings: Settings) -> str | None:
     model = settings.resolved_model()
     if not model.startswith("synthetic:") and not os.path.isfile(model):
         return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
-    return choices_problem(settings) or state_files_problem(settings) or device_problem(settings.device)
+    return (choices_problem(settings) or state_files_problem(settings) or device_problem(settings.device)
+            or devices_problem(settings))  # fmt: skip
+
+
+def devices_problem(settings: Settings) -> str | None:
+    """Why --devices cannot be used here (one line), or None."""
+    if not settings.devices.strip():
+        return None
+    try:
+        devices = settings.resolved_devices()
+    except ValueError as exc:
+        return f"--{exc}"
+    for d in devices:
+        problem = device_problem(d)
+        if problem:
+            return problem.replace("--device ", "--devices: ", 1)
+    return None
 
 
 def choices_problem(settings: Settings) -> str | None:

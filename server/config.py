@@ -37,6 +37,11 @@ class Settings:
     0.1b, 0.4b, 1.5b, 2.9b, 7.2b). Empty: `synthetic:tiny` (random weights, random outputs)."""
     device: str = "auto"
     """Torch device: `cpu`, `cuda`, `cuda:1`, or `auto` (cuda when available, else cpu)."""
+    devices: str = ""
+    """Several devices, one engine each (its own model copy, slots, queue and CUDA graphs) behind
+    one server: `cuda:0,cuda:1`, or `all` (every CUDA GPU). New requests go to the engine with the
+    most free slots; states live in host memory, so any engine continues any task. Empty: one
+    engine on `device`."""
     dtype: str = "auto"
     """Compute dtype: fp32, fp16, bf16, or auto (fp16 on cuda, fp32 on cpu)."""
     state_dtype: str = "auto"
@@ -207,11 +212,39 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     def resolved_device(self) -> str:
+        """The device of the first engine (the dtype and slot defaults follow it)."""
+        if self.devices.strip():
+            return self.resolved_devices()[0]
         if self.device != "auto":
             return self.device
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_devices(self) -> list[str]:
+        """One device per engine; ValueError for a list that cannot run (no GPU for `all`, a
+        GPU named twice, CUDA and CPU mixed: their dtype defaults differ)."""
+        spec = self.devices.strip()
+        if not spec:
+            return [self.resolved_device()]
+        if spec == "all":
+            import torch
+
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n == 0:
+                raise ValueError("devices=all: no CUDA GPU is visible")
+            return [f"cuda:{i}" for i in range(n)]
+        devs = [d.strip() for d in spec.split(",") if d.strip()]
+        devs = [f"{d}:0" if d == "cuda" else d for d in devs]
+        for d in devs:
+            if not re.fullmatch(r"cpu|cuda:\d+", d):
+                raise ValueError(f"devices: {d!r} is not cpu, cuda or cuda:N")
+        gpus = [d for d in devs if d != "cpu"]
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"devices: a GPU is named twice in {spec!r}")
+        if gpus and len(gpus) != len(devs):
+            raise ValueError(f"devices: {spec!r} mixes CUDA and CPU engines")
+        return devs
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

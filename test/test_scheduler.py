@@ -128,6 +128,9 @@ class FakeRunner:
     def close(self):
         pass
 
+    def bind_thread(self):
+        pass
+
     def detached_state(self, init_state):
         return list(init_state or [])
 

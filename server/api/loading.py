@@ -54,58 +54,43 @@ class Loaded:
 
 
 def load_services(settings: Settings) -> Loaded:
-    """Model, tokenizer and a started engine. Logs progress."""
+    """Model, tokenizer and a started engine (one per device of --devices, behind a router).
+    Logs progress."""
     spec = settings.resolved_model()
     if spec.startswith("synthetic:"):
         log.warning(RANDOM_WARNING, spec)
     if settings.debug_load_delay > 0:
         log.info("test hook debug_load_delay: sleeping %.1fs before loading", settings.debug_load_delay)
         time.sleep(settings.debug_load_delay)
-    from server.engine import Engine
-    from server.model import load_model
     from server.tokenizer import get_tokenizer
 
-    device, dtype = settings.resolved_device(), settings.resolved_dtype()
-    log.info(
-        "loading %s on %s (%s compute, %s state, %s weights) ...",
-        spec,
-        device,
-        dtype,
-        settings.resolved_state_dtype(),
-        settings.quant if settings.quant != "none" else "16-bit",
-    )
     t0 = time.perf_counter()
-    kernel_log = _Collect()
-    logging.getLogger("rwkv.kernels").addHandler(kernel_log)
-    try:
-        model = load_model(
-            spec,
-            device=device,
-            dtype=torch_dtype(dtype),
-            state_dtype=torch_dtype(settings.resolved_state_dtype()),
-            kernels=settings.kernels,
-            kernel_cache=settings.kernel_cache,
-            quant=settings.quant,
-            sparse_ffn=settings.sparse_ffn,
-        )
-    finally:
-        logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
-    log.info("model loaded in %.2fs", time.perf_counter() - t0)
-    if getattr(model, "synthetic", False) and not spec.startswith("synthetic:"):
-        log.warning(RANDOM_WARNING, spec)  # a file written by `rwkv-server synth`
-    t1 = time.perf_counter()
+    devices = settings.resolved_devices()
     tokenizer = get_tokenizer()
     tokenizer.encode("warm-up: the first encode builds lookup tables")  # not in a request's time
-    log.info("tokenizer ready in %.2fs; starting the engine ...", time.perf_counter() - t1)
-    t2 = time.perf_counter()
-    engine = Engine(model, tokenizer, settings)
-    engine.start()
-    log.info("engine started in %.2fs", time.perf_counter() - t2)
+    engines: list[EngineAPI] = []
+    kernel_log = _Collect()
+    try:
+        for device in devices:
+            model = _load_model(spec, device, settings, kernel_log)
+            engines.append(_start_engine(model, tokenizer, settings, device))
+    except BaseException:
+        for e in engines:  # the engines already started: their threads and copy threads
+            e.shutdown(5.0)
+        raise
+    if getattr(model, "synthetic", False) and not spec.startswith("synthetic:"):
+        log.warning(RANDOM_WARNING, spec)  # a file written by `rwkv-server synth`
+    engine: EngineAPI = engines[0]
+    if len(engines) > 1:
+        from server.engine.router import EngineRouter
+
+        engine = EngineRouter(engines, devices)
+        log.info("%d engines (%s): new requests go to the least loaded", len(engines), ", ".join(devices))
     ops = getattr(model, "ops", None)
     kernels = sorted({getattr(fn, "__module__", "?") for fn in vars(ops).values()}) if ops is not None else []
     load = LoadFacts(
         seconds=round(time.perf_counter() - t0, 3),
-        device=str(getattr(model, "device", device)),
+        device=", ".join(str(getattr(model, "device", d)) if len(devices) == 1 else d for d in devices),
         kernel_modules=kernels,
         kernel_log=kernel_log.lines,
         quant=getattr(model, "quant", settings.quant),
@@ -117,6 +102,58 @@ def load_services(settings: Settings) -> Loaded:
         model_id=getattr(model, "name", None) or model_id_of(spec),
         facts=load,
     )
+
+
+def _device_scope(device: str) -> contextlib.AbstractContextManager[Any]:
+    """The CUDA device current while a model loads and its engine captures its graphs (kernels
+    launch on the calling thread's current device); nothing on the CPU."""
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(torch.device(device))
+
+
+def _load_model(spec: str, device: str, settings: Settings, kernel_log: _Collect) -> Any:
+    from server.model import load_model
+
+    log.info(
+        "loading %s on %s (%s compute, %s state, %s weights) ...",
+        spec,
+        device,
+        settings.resolved_dtype(),
+        settings.resolved_state_dtype(),
+        settings.quant if settings.quant != "none" else "16-bit",
+    )
+    t0 = time.perf_counter()
+    logging.getLogger("rwkv.kernels").addHandler(kernel_log)
+    try:
+        with _device_scope(device):
+            model = load_model(
+                spec,
+                device=device,
+                dtype=torch_dtype(settings.resolved_dtype()),
+                state_dtype=torch_dtype(settings.resolved_state_dtype()),
+                kernels=settings.kernels,
+                kernel_cache=settings.kernel_cache,
+                quant=settings.quant,
+                sparse_ffn=settings.sparse_ffn,
+            )
+    finally:
+        logging.getLogger("rwkv.kernels").removeHandler(kernel_log)
+    log.info("model loaded on %s in %.2fs; starting its engine ...", device, time.perf_counter() - t0)
+    return model
+
+
+def _start_engine(model: Any, tokenizer: Tokenizer, settings: Settings, device: str) -> EngineAPI:
+    from server.engine import Engine
+
+    t0 = time.perf_counter()
+    with _device_scope(device):
+        engine = Engine(model, tokenizer, settings)
+        engine.start()
+    log.info("engine on %s started in %.2fs", device, time.perf_counter() - t0)
+    return engine
 
 
 class _Collect(logging.Handler):
@@ -143,14 +180,18 @@ def facts(services: Services) -> list[str]:
     with contextlib.suppress(Exception):  # a figure the start-up lines can do without
         per_seq = shape.state_bytes(torch_dtype(s.resolved_dtype()), torch_dtype(s.resolved_state_dtype()))
         lines.append(f"state      {_mib(per_seq)} per sequence ({s.resolved_state_dtype()} WKV)")
-    lines.append(f"device     {load.device or s.resolved_device()}, compute {s.resolved_dtype()}")
+    if "," in load.device:  # --devices
+        lines.append(f"devices    {load.device} (an engine each), compute {s.resolved_dtype()}")
+    else:
+        lines.append(f"device     {load.device or s.resolved_device()}, compute {s.resolved_dtype()}")
     if load.quant != "none":
         how = "" if s.quant == load.quant else ", as the checkpoint holds them"
         lines.append(f"weights    {load.quant}: the layers' r/k/v/o and FFN linears (per-channel scales{how})")
     slots = s.resolved_max_batch()
     with contextlib.suppress(Exception):
         slots = services.engine.stats().slots or slots
-    lines.append(f"slots      {slots} (step budget {s.step_token_budget} tokens, queue {s.max_queue})")
+    each = "" if slots == s.resolved_max_batch() else ", each engine's"  # one engine per device (--devices)
+    lines.append(f"slots      {slots} (step budget {s.step_token_budget} tokens, queue {s.max_queue}{each})")
     lines.append(
         f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
         f"chat prefix {_mib(prefix_budget(s))}"

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from server.engine.protocol import EngineAPI
+from server.engine.router import EngineRouter
 from server.engine.types import Event
 
 log = logging.getLogger("server.metrics")
@@ -173,6 +174,33 @@ def _engine_lines(out: list[str], engine: EngineAPI) -> None:
     for key, value in sorted((st.extra or {}).items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             _sample(out, f"rwkv_engine_{_name(key)}", "gauge", f"Engine figure {key}.", value)
+    if isinstance(engine, EngineRouter):
+        _device_lines(out, engine)
+
+
+DEVICE_FAMILIES = (  # (name, kind, help, the EngineStats field; "alive": the engine's is_alive)
+    ("rwkv_device_engine_alive", "gauge", "1 while this device's engine loop runs.", "alive"),
+    ("rwkv_device_requests_running", "gauge", "Sequences holding a slot on this device.", "running"),
+    ("rwkv_device_requests_waiting", "gauge", "Sequences waiting for a slot on this device.", "waiting"),
+    ("rwkv_device_slots", "gauge", "Slots in this device's state pool.", "slots"),
+    ("rwkv_device_prompt_tokens_total", "counter", "Prompt tokens prefilled on this device.", "prompt_tokens_total"),
+    ("rwkv_device_generation_tokens_total", "counter", "Tokens generated on this device.", "generation_tokens_total"),
+    ("rwkv_device_decode_tokens_per_second", "gauge", "Recent decode throughput of this device.", "decode_tok_s"),
+)
+
+
+def _device_lines(out: list[str], router: EngineRouter) -> None:
+    """One engine per device (--devices): the engine figures per device, labelled device and
+    engine (its index in --devices; a device may be named twice on the CPU)."""
+    try:
+        rows = router.engines()
+    except Exception:
+        return
+    for name, kind, doc, field in DEVICE_FAMILIES:
+        _family(out, name, kind, doc)
+        for i, (device, alive, st) in enumerate(rows):
+            value = int(alive) if field == "alive" else getattr(st, field)
+            out.append(f'{name}{{device="{_esc(device)}",engine="{i}"}} {_num(value)}')
 
 
 def _cache_lines(out: list[str], tiers: dict[str, dict[str, Any]]) -> None:

@@ -252,6 +252,7 @@ class Engine:
     # --- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.runner.bind_thread()
             while not self._stopping:
                 self._wake.clear()
                 if not self.run_once():

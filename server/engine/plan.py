@@ -175,6 +175,10 @@ class StepRunner(Protocol):
         """Release what the runner holds beyond memory (its copy thread); after the last step."""
         ...
 
+    def bind_thread(self) -> None:
+        """Called first on the engine thread (the runner's GPU becomes its current device)."""
+        ...
+
     def detached_state(self, init_state: Any) -> Any:
         """A batch-1 state on the CPU: a copy of init_state, or zeros when None."""
         ...
