@@ -279,6 +279,15 @@ def run_route(srv: ServerProcess, a: argparse.Namespace, route: str, streams: li
     return lines
 
 
+def n_engines(devices: str) -> int:
+    """Engines a --devices value starts (1 when empty)."""
+    if devices == "all":
+        import torch
+
+        return max(torch.cuda.device_count(), 1)
+    return max(len([d for d in devices.split(",") if d.strip()]), 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
@@ -286,7 +295,10 @@ def main() -> None:
     p.add_argument("--state-dtype", default="fp32")
     p.add_argument("--streams", default="64,256")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-batch", type=int, default=0, help="0: max(streams) (never less than that)")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="slots per engine; 0: max(streams) / engines (never less than that)")
+    p.add_argument("--devices", default="",
+                   help="one engine per GPU in one server (RWKV_DEVICES): cuda:0,cuda:1 or all; lines get 'gpus'")
     p.add_argument("--client-procs", type=int, default=0, help=f"0: one per {STREAMS_PER_CLIENT} streams")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--stagger-ms", type=float, default=0,
@@ -314,8 +326,9 @@ def main() -> None:
     routes = a.route.split(",")
     if bad := [r for r in routes if r not in ROUTES]:
         p.error(f"--route: unknown {bad} (one or more of {', '.join(ROUTES)}, comma-separated)")
-    max_batch = max(a.max_batch, max(streams))
-    env = {"RWKV_DEVICE": a.device, "RWKV_DTYPE": a.dtype, "RWKV_STATE_DTYPE": a.state_dtype,
+    engines = n_engines(a.devices)
+    max_batch = max(a.max_batch, math.ceil(max(streams) / engines))  # per engine
+    env = {"RWKV_DEVICE": a.device, "RWKV_DEVICES": a.devices, "RWKV_DTYPE": a.dtype, "RWKV_STATE_DTYPE": a.state_dtype,
            "RWKV_MAX_BATCH": str(max_batch), "RWKV_CUDA_GRAPHS": "0" if a.no_cuda_graphs else "1",
            "RWKV_MAX_QUEUE": "0", "RWKV_STEP_TOKEN_BUDGET": str(max(2048, 32 * max_batch)),
            "RWKV_LOG_LEVEL": "warning"}  # fmt: skip
@@ -327,7 +340,7 @@ def main() -> None:
     print(f"server up in {time.perf_counter() - t0:.1f}s at {srv.url} (max_batch {max_batch}, "
           f"cuda graphs {'off' if a.no_cuda_graphs else 'on'})", flush=True)
     gpu = "cpu"
-    if a.device.startswith("cuda"):
+    if a.device.startswith("cuda") or a.devices.startswith(("cuda", "all")):
         import torch
 
         gpu = torch.cuda.get_device_name(0)
@@ -335,6 +348,9 @@ def main() -> None:
     try:
         for route in routes:  # one server: the task routes last (their states are written behind)
             lines += run_route(srv, a, route, streams, prompt_file, gpu, max_batch)
+        if a.devices:  # one engine per GPU: how many served the waves (max_batch is per engine)
+            for x in lines:
+                x["gpus"] = engines
     finally:
         srv.cleanup()  # stops it; removes its temporary directory
         print(f"server log: {srv.log_path}\n{srv.log_tail() if hasattr(srv, 'log_tail') else ''}"[-3000:])

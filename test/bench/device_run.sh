@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests quant_tests quant_gemm quant_sweep w8_gemm engine_quant mem72 kernels e2e_constrained conversation http_contents tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes tasks_spy http1024 quality
+# steps: info build tests quant_tests quant_gemm quant_sweep w8_gemm engine_quant mem72 kernels e2e_constrained conversation http_contents http_gpus tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes tasks_spy http1024 quality
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -53,6 +53,11 @@ for s in $steps; do
               --constrained 0.25 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/e2e_constrained.log" ;;
     conversation) timeout 400 python3 test/bench/bench_conversation.py --model synthetic:2.9b --concurrency 256 \
               --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/conversation.log" ;;
+    http_gpus) n=$(python3 -c 'import torch; print(torch.cuda.device_count())')  # one GPU, then an engine per GPU (issue 28)
+              { timeout 250 python3 test/bench/bench_http.py --model synthetic:2.9b --state-dtype fp16 --streams 256 \
+                  --out "$OUT/results.jsonl"; timeout 340 python3 test/bench/bench_http.py --model synthetic:2.9b \
+                  --state-dtype fp16 --devices all --streams $((256 * n)) --out "$OUT/results.jsonl"; } 2>&1 \
+              | tee "$OUT/http_gpus.log" | grep -E "streams:|server up" ;;
     http_contents) timeout 200 python3 test/bench/bench_http.py --model synthetic:2.9b --streams 256 --route contents \
               --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/http_contents.log" ;;
     sampler) timeout 200 python3 test/bench/bench_sampler.py --B 1 32 64 128 256 512 1024 2>&1 | tee "$OUT/sampler.log" ;;
