@@ -314,8 +314,8 @@ class Runner:
     def bind_thread(self) -> None:
         """Make this runner's GPU the calling thread's current device (the kernels launch on the
         current device; with one engine per GPU each engine thread runs on its own)."""
-        if self.cuda:
-            torch.cuda.set_device(self.device)
+        if self.cuda:  # a tensor's device always names its index ("cuda" alone would not do)
+            torch.cuda.set_device(self.pool.tensors()[0].device)
 
     def detached_state(self, init_state: State | None) -> State:
         """A batch-1 state on the CPU for a request that never ran: a copy of its starting
