@@ -90,7 +90,7 @@ def load_services(settings: Settings) -> Loaded:
     kernels = sorted({getattr(fn, "__module__", "?") for fn in vars(ops).values()}) if ops is not None else []
     load = LoadFacts(
         seconds=round(time.perf_counter() - t0, 3),
-        device=", ".join(str(getattr(model, "device", d)) if len(devices) == 1 else d for d in devices),
+        device=str(getattr(model, "device", devices[0])) if len(devices) == 1 else ", ".join(devices),
         kernel_modules=kernels,
         kernel_log=kernel_log.lines,
         quant=getattr(model, "quant", settings.quant),
