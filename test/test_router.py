@@ -191,6 +191,35 @@ def test_a_dying_engine_fails_its_own_requests_and_the_server_goes_on(parts):
         router.shutdown()
 
 
+def test_a_device_fault_takes_the_engine_out_at_its_first_failed_step(parts):
+    """A CUDA error torch reports as such (torch.AcceleratorError: an illegal access, a lost GPU)
+    leaves the device unusable: the engine's loop dies at once instead of failing two more steps'
+    requests, so the router sends the very next request elsewhere."""
+    import torch
+
+    from server.engine import Engine
+
+    model, tok, _ = parts
+    engines = [Engine(model, tok, Settings(device="cpu", max_batch=2, stats_interval=0, cuda_graphs=False)).start()
+               for _ in range(2)]  # fmt: skip
+    router = EngineRouter(engines, ["cpu", "cpu"])
+    try:
+        runner = engines[0].runner
+
+        def fault(*args, **kwargs):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+        runner.launch = fault  # the next decode step of engine 0 faults
+        h = router.submit([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))  # engine 0: the first of equals
+        with pytest.raises(EngineDeadError, match="illegal memory access"):
+            h.result(30)
+        assert not engines[0].is_alive and engines[1].is_alive
+        r = router.submit([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY)).result(30)
+        assert r.finish_reason == "length" and engines[1].stats().generation_tokens_total == 4
+    finally:
+        router.shutdown()
+
+
 # --- one server, two engines -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -75,7 +75,17 @@ from .types import (
 log = logging.getLogger("server.engine")
 
 MAX_STEP_FAILURES = 3
-"""Consecutive failed decode steps after which the loop declares itself dead."""
+"""Consecutive failed decode steps after which the loop declares itself dead (at once for a
+device fault: `_device_fault`)."""
+
+
+def _device_fault(exc: BaseException) -> bool:
+    """A CUDA error that torch reports as one (an illegal memory access, a lost device): the
+    device's context is then unusable and every later step would fail too, so the loop dies at
+    once (with one engine per GPU the others take the new work at once)."""
+    import torch  # a failing step ran on torch: already imported
+
+    return isinstance(exc, getattr(torch, "AcceleratorError", ()))  # (torch >= 2.8)
 
 
 class Engine:
@@ -376,7 +386,7 @@ class Engine:
     def _step_failed(self, plan: StepPlan, exc: Exception) -> None:
         self._step_failures += 1
         log.exception("decode step failed (%d in a row)", self._step_failures)
-        if self._step_failures >= MAX_STEP_FAILURES:
+        if self._step_failures >= MAX_STEP_FAILURES or _device_fault(exc):
             raise exc
         self.scheduler.fail(plan.request_ids, f"decode step failed: {exc!r}")
 
