@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from util_server import free_port, running_server, server_fixture
+from util_server import inprocess_server, running_server, server_fixture
 
 K1, K2 = "hard-key-1", "hard-key-2"
 A1, A2 = {"Authorization": f"Bearer {K1}"}, {"Authorization": f"Bearer {K2}"}
@@ -130,32 +130,11 @@ def test_the_max_tokens_limit_caps_the_default():
 @pytest.fixture(scope="module")
 def inproc(tmp_path_factory):
     """A real uvicorn server in this process, so a test can make a step after submission fail."""
-    import threading
-
-    import uvicorn
-
-    from server.api.app import create_app
     from server.config import Settings
 
     db = tmp_path_factory.mktemp("inproc") / "tasks.db"
-    settings = Settings(device="cpu", db=str(db), stats_interval=0, max_batch=8)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.2)
-    yield url
-    srv.should_exit = True
-    thread.join(30)
+    with inprocess_server(Settings(device="cpu", db=str(db), stats_interval=0, max_batch=8)) as (url, _):
+        yield url
 
 
 def _broken(*args, **kwargs):

@@ -15,7 +15,7 @@ from server.config import Settings
 from server.engine.router import EngineRouter
 from server.engine.types import EngineDeadError, EngineStats, GrammarSpec, QueueFullError, SamplingParams
 from server.engine.types import Result as EngineResult
-from util_server import free_port
+from util_server import inprocess_server
 
 GREEDY = dict(temperature=0.0, presence_penalty=0.0, repetition_penalty=0.0)
 
@@ -224,29 +224,9 @@ def test_a_device_fault_takes_the_engine_out_at_its_first_failed_step(parts):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A real uvicorn server in this process with `devices=cpu,cpu` (so a test can stop one engine)."""
-    import uvicorn
-
-    from server.api.app import create_app
-
     db = tmp_path_factory.mktemp("router") / "tasks.db"
-    settings = Settings(devices="cpu,cpu", db=str(db), stats_interval=0, max_batch=4)
-    app = create_app(settings)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{srv.config.port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.2)
-    yield url, app
-    srv.should_exit = True
-    thread.join(30)
+    with inprocess_server(Settings(devices="cpu,cpu", db=str(db), stats_interval=0, max_batch=4)) as (url, app):
+        yield url, app
 
 
 def wait_finished(c: httpx.Client, task_id: str, timeout: float = 60) -> None:

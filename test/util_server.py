@@ -166,3 +166,35 @@ def server_fixture(scope: str = "module", **kwargs):
             yield srv
 
     return _server
+
+
+@contextlib.contextmanager
+def inprocess_server(settings, timeout: float = 120) -> Iterator[tuple[str, object]]:
+    """A REAL uvicorn server in THIS process on a free loopback port, for tests that reach into the
+    running app (`app.state.services`: make a step fail, stop one engine). Yields (url, app);
+    stops the server on leaving."""
+    import threading
+
+    import uvicorn
+
+    from server.api.app import create_app
+
+    app = create_app(settings)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{srv.config.port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
+        time.sleep(0.2)
+    try:
+        yield url, app
+    finally:
+        srv.should_exit = True
+        thread.join(30)
