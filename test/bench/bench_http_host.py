@@ -3,6 +3,7 @@ engine loop) with a model and a sampler that cost nothing, N concurrent streamin
 
     PYTHONPATH=. python test/bench/bench_http_host.py                         # N = 64, 256; chat + tasks
     PYTHONPATH=. python test/bench/bench_http_host.py --streams 256 --gpu-ms 12   # simulated 12 ms device step
+    PYTHONPATH=. python test/bench/bench_http_host.py --streams 512 --gpu-ms 5 --engines 2   # two engines, 256 each
     PYTHONPATH=. python test/bench/bench_http_host.py --streams 256 --py-spy prof.txt  # + py-spy of the server
     BENCH_CPROFILE=srv.prof BENCH_CPROFILE_SECS=14 PYTHONPATH=. python test/bench/bench_http_host.py ...
         # cProfile of the server's event-loop thread, its stats written 14 s after the start
@@ -206,6 +207,9 @@ def main() -> None:
     ap.add_argument("--py-spy", default=None, help="record the server with py-spy (raw format) into this file")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--stagger-ms", type=float, default=0, help="spread the stream starts over this window")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="engines in the server (RWKV_DEVICES=cpu,cpu,...: the host side of one engine per GPU); "
+                         "the streams are split over them (each gets max(streams) / engines slots)")
     a, rest = ap.parse_known_args()
     if a.serve:
         sys.exit(serve(rest, a.gpu_ms))
@@ -223,8 +227,11 @@ def main() -> None:
             return [sys.executable, str(Path(__file__).resolve()), "--serve", "--gpu-ms", str(a.gpu_ms),
                     "--host", "127.0.0.1", "--port", str(self.port), "--db", self.db, "--model", "synthetic:fake"]
 
-    env = {"RWKV_MAX_BATCH": str(max(streams)), "RWKV_LOG_LEVEL": "warning", "RWKV_MAX_QUEUE": "0",
-           "RWKV_STEP_TOKEN_BUDGET": str(max(4096, 64 * max(streams)))}
+    per_engine = -(-max(streams) // a.engines)
+    env = {"RWKV_MAX_BATCH": str(per_engine), "RWKV_LOG_LEVEL": "warning", "RWKV_MAX_QUEUE": "0",
+           "RWKV_STEP_TOKEN_BUDGET": str(max(4096, 64 * per_engine))}
+    if a.engines > 1:
+        env["RWKV_DEVICES"] = ",".join(["cpu"] * a.engines)
     srv = Srv(model="synthetic:fake", env=env, stop_timeout=20)
     srv.start(timeout=120)
     pid = srv.proc.pid
@@ -250,7 +257,7 @@ def main() -> None:
             spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-o", a.py_spy, "--format", "raw",
                                     "-r", "200", "--threads"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
-        print(f"gpu_ms={a.gpu_ms} max_tokens={a.max_tokens}; CPU us per completion token "
+        print(f"gpu_ms={a.gpu_ms} max_tokens={a.max_tokens} engines={a.engines}; CPU us per completion token "
               f"(server process / its main=event-loop thread / client)")
         print(f"{'route':>8} {'N':>5} {'tok/s':>9} {'srv us':>7} {'loop us':>8} {'other us':>8} {'client us':>9} "
               f"{'gap p50':>8} {'p95 ms':>7} {'ev/tok':>6} {'TTFT p50':>9} {'p95 ms':>7} {'last p50':>9} {'p95 ms':>7}")
