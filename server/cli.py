@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_serve(args)
 
 
-def device_problem(device: str) -> str | None:
+def device_problem(device: str, flag: str = "--device") -> str | None:
     """Why `device` cannot be used on this machine (one line), or None. Checked before the port
     is bound, so a wrong --device ends at once with that line instead of a traceback."""
     if device in ("auto", "cpu"):
@@ -172,17 +172,15 @@ def device_problem(device: str) -> str | None:
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        return f"--device {device!r}: not a device (cpu, cuda, cuda:N or auto)"
+        return f"{flag} {device!r}: not a device (cpu, cuda, cuda:N or auto)"
     if dev.type == "cpu":
         return None
     if dev.type != "cuda":
-        return f"--device {device!r}: only cpu and cuda devices are supported"
+        return f"{flag} {device!r}: only cpu and cuda devices are supported"
     if not torch.cuda.is_available():
-        return (
-            f"--device {device!r}: CUDA is not available on this machine (torch {torch.__version__}); use --device cpu"
-        )
+        return f"{flag} {device!r}: CUDA is not available on this machine (torch {torch.__version__}); use --device cpu"
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        return f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        return f"{flag} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
     return None
 
 
@@ -203,11 +201,7 @@ def devices_problem(settings: Settings) -> str | None:
         devices = settings.resolved_devices()
     except ValueError as exc:
         return f"--{exc}"
-    for d in devices:
-        problem = device_problem(d)
-        if problem:
-            return problem.replace("--device ", "--devices: ", 1)
-    return None
+    return next(filter(None, (device_problem(d, "--devices:") for d in devices)), None)
 
 
 def choices_problem(settings: Settings) -> str | None:
