@@ -235,3 +235,22 @@ async def test_fim_prompt_delete_list_and_tmp_ttl(tm):
     assert tm.sweep(cutoff=f.finished_at + 1) == 1
     with pytest.raises(TaskNotFound):
         await tm.get(f.id)
+
+
+@pytest.mark.parametrize("reader", ["get", "fork", "as_template"])
+async def test_a_read_that_overlaps_a_delete_does_not_bring_the_task_back(tm, reader):
+    # The delete drops the task from memory, then waits for its row's delete to commit; a read
+    # in that window reads the row from the database and used to keep it as recently read: the
+    # deleted task answered (and forked) again until a restart.
+    t = await done(tm, await tm.create("soon gone", {"max_tokens": 2}, persistent=True))
+    await tm.writer.flush()
+    calls = {"get": lambda: tm.get(t.id), "fork": lambda: tm.fork(t.id, {"max_tokens": 1}),
+             "as_template": lambda: tm.as_template(t.id, name=f"zombie_{reader}")}
+    res = await asyncio.gather(tm.delete(t.id), calls[reader](), return_exceptions=True)
+    assert not isinstance(res[0], BaseException)
+    with pytest.raises(TaskNotFound):
+        await tm.get(t.id)
+    assert t.id not in tm.table.recent and t.id not in tm.table.live
+    assert t.id not in (await tm.list())["cpu_tasks"]
+    if reader == "fork" and not isinstance(res[1], BaseException):
+        await done(tm, res[1])  # a fork that won the race is a task of its own

@@ -317,9 +317,14 @@ class TaskManager:
             self.runs.abort(t)
             await _wait_done(t, STOPPING_WAIT_S)
         t.deleted = True
-        self.table.forget(t.id)
-        if t.kind != TMP:
-            await self.persistence.delete(t)
+        if t.kind == TMP:
+            self.table.forget(t.id)
+        else:
+            self.table.begin_delete(t.id)
+            try:
+                await self.persistence.delete(t)
+            finally:
+                self.table.end_delete(t.id)
         if t.state_id and t.state_id.startswith(t.id + ":"):
             self.cache.discard(t.state_id)
         t.out.notify()

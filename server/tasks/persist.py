@@ -126,7 +126,10 @@ class Persistence:
         A row still running elsewhere is not kept: its progress changes under it; its output is
         closed here with an error naming the instance, so a stream of it ends at once (its
         instance streams it)."""
+        ticket = self.table.read_ticket()
         row = await self.store.get_task(task_id)
+        if self.table.stale(task_id, ticket):
+            return None  # deleted meanwhile: the row read is gone (TaskTable's fence)
         if row is None:
             return self.table.find(task_id)
         t = from_row(row)

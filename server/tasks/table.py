@@ -4,6 +4,11 @@
 stored tasks whose settle write is still queued. `recent` is an LRU of finished stored tasks read
 lately (their truth is the database; they are kept so polling them costs no query). A task is in
 at most one of the two. Runs, persistence, the inventory and the manager share one table.
+
+A delete is fenced against reads that overlap it: a row read from the database while its delete
+is in flight, or read before a delete that has finished since, is stale and must not be kept
+(it would bring the deleted task back into `recent`). `read_ticket()` before the query and
+`stale(id, ticket)` after it tell.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ class TaskTable:
     def __init__(self, recent: int = RECENT_TASKS) -> None:
         self.live: dict[str, Task] = {}
         self.recent: LRUCache[str, Task] = LRUCache(maxsize=recent)
+        self.deleting: set[str] = set()
+        self._deletes = 0  # deletes finished so far: the read tickets' clock
+        self._deleted_at: LRUCache[str, int] = LRUCache(maxsize=recent)  # id -> its delete's tick
 
     def find(self, task_id: str) -> Task | None:
         return self.live.get(task_id) or self.recent.get(task_id)
@@ -70,6 +78,24 @@ class TaskTable:
     def forget(self, task_id: str) -> None:
         self.live.pop(task_id, None)
         self.recent.pop(task_id, None)
+
+    def begin_delete(self, task_id: str) -> None:
+        self.deleting.add(task_id)
+        self.forget(task_id)
+
+    def end_delete(self, task_id: str) -> None:
+        """The delete committed (or failed: then the row is read again later, as before)."""
+        self._deletes += 1
+        self._deleted_at[task_id] = self._deletes
+        self.deleting.discard(task_id)
+        self.forget(task_id)
+
+    def read_ticket(self) -> int:
+        return self._deletes
+
+    def stale(self, task_id: str, ticket: int) -> bool:
+        """A row of task_id read with `ticket` may predate a delete of it."""
+        return task_id in self.deleting or self._deleted_at.get(task_id, -1) > ticket
 
     def running(self) -> Iterator[Task]:
         return (t for t in list(self.live.values()) if t.running)
