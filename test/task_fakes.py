@@ -112,6 +112,7 @@ class FakeEngine:
     gate: asyncio.Event | None = None  # set: tokens flow; unset: every run waits (abortable)
     finish: str = LENGTH  # LENGTH: runs end at max_tokens; STOP: a stop token ends them there
     error: str | None = None  # every run fails with this error
+    load: tuple[int, int] = (0, 0)  # (running, waiting) that stats() reports
     submissions: list[Submission] = field(default_factory=list)
     handles: list[FakeHandle] = field(default_factory=list)
 
@@ -131,7 +132,7 @@ class FakeEngine:
         return False
 
     def stats(self) -> EngineStats:
-        return EngineStats(slots=self.max_batch)
+        return EngineStats(slots=self.max_batch, running=self.load[0], waiting=self.load[1])
 
     def shutdown(self, timeout: float = 30.0) -> None:
         pass

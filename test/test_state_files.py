@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import io
 import os
+import socket
 import sys
 import time
 
@@ -285,9 +286,20 @@ def test_oversized_uploads_are_refused_early_and_while_streaming(tmp_path):
                 yield b"\0" * 100_000
 
         r = httpx.post(srv.url + "/v1/states/big", content=chunks())
-        assert r.status_code == 413, r.text
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
         assert httpx.get(srv.url + "/v1/states").json()["data"] == []
         assert httpx.get(srv.url + "/health").status_code == 200
+        # a client that leaves mid-upload: nothing stored, and no server error logged for it
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/states/half HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      b"400\r\n" + b"\0" * 1024 + b"\r\n")
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while "/v1/states/half" not in srv.log_tail(50) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "unhandled error" not in srv.log_tail(200) and " 500" not in srv.log_tail(200)
+        assert httpx.get(srv.url + "/v1/states").json()["data"] == []
 
 
 def test_unknown_state_in_requests_is_an_openai_404(server):

@@ -78,3 +78,12 @@ def test_a_fork_of_a_state_template_is_rebuilt_from_that_state(files, tmp_path):
         assert after.pop("state") in {"stored", "rebuild"} and before.pop("state") == "stored"
         assert after == before  # nothing changed, nothing is running
         assert c.post("/_up/fork", json={"prompt": PROMPT, "max_tokens": 4, **G}).status_code == 409
+        # a fork of the lost task names that task (the state it would copy), not an id never made
+        r = c.post(f"/{lost}/fork", json={"max_tokens": 4})
+        err = r.json()["error"]
+        assert r.status_code == 409 and err["code"] == "state_lost" and err["param"] == "task_id", r.text
+        assert err["message"].startswith(f"task {lost} "), err
+        # its export is the same 409, not a 500
+        r = c.get(f"/{lost}/state")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "state_lost", r.text
+        assert c.get(f"/{lost}/get_result").json()["finished"]

@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 
 from server.config import Settings
-from server.tasks import TaskConflict, TaskForbidden, TaskManager, TaskNotFound, fim_prompt
+from server.tasks import TaskConflict, TaskForbidden, TaskInvalid, TaskManager, TaskNotFound, fim_prompt
 from server.tasks.streaming import events
 
 GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
@@ -92,6 +92,8 @@ async def test_running_task_conflicts_and_stop_by_identity(tm):
     for op in (tm.continue_(t.id), tm.fork(t.id), tm.as_template(t.id)):
         with pytest.raises(TaskConflict):
             await op
+    with pytest.raises(TaskInvalid):  # a bad name is bad input, running task or not
+        await tm.as_template(t.id, name="a b")
     stopped = await tm.stop(t.id)
     assert stopped.finish_reason == "stopped" and not stopped.running and t.generated < 100000
     assert not (await done(tm, other)).finish_reason == "stopped"  # the neighbour was not touched

@@ -20,7 +20,7 @@ from server.tasks.cache import StateCache
 from server.tasks.params import clean_params
 from server.tasks.persist import Outcome, Persistence, SettleJob
 from server.tasks.statewrites import StateWrites
-from server.tasks.records import CACHED, FINISHED, RUNNING, STORED, TASK, TMP, Run, Task, new_id, to_row, update_row
+from server.tasks.records import CACHED, FINISHED, PREFILL, READY, RUNNING, STORED, TASK, TMP, Run, Task, new_id, to_row, update_row
 from server.tasks.runs import Runs
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
@@ -251,7 +251,7 @@ class MemoryPersistence:
     def __init__(self, cache: StateCache) -> None:
         self.cache, self.started, self.settles, self.progress = cache, [], [], 0
 
-    async def resolve_state(self, t):
+    async def resolve_state(self, t, holder=None):
         st = self.cache.get(t.state_id) if t.state_id else None
         if st is None:
             return None, 0, None
@@ -304,6 +304,17 @@ async def test_a_run_feeds_the_history_from_state_pos_and_accounts_its_state():
     sub = eng.submissions[1]
     assert sub.prompt == [102, 7] and consumed(sub.init_state) == 5  # pending token + the prompt only
     assert t.state_pos == len(t.tokens) - 1 == consumed(cache.get(t.state_id)) and old not in cache
+
+
+@pytest.mark.parametrize("load, status", [((0, 0), PREFILL), ((3, 4), PREFILL), ((4, 4), READY), ((8, 0), READY)])
+async def test_a_run_is_ready_only_when_the_sequences_ahead_fill_every_slot(load, status):
+    # READY means "waiting for a free slot"; sequences waiting on an engine with free slots
+    # (admitted at its next step) do not make the new run wait
+    runs, *_ = make_runs(FakeEngine(gate=asyncio.Event(), load=load))  # 8 slots
+    t = await runs.start(Task(id=new_id(TMP), kind=TMP), [1, 2], new=True)
+    assert t.status == status
+    runs.abort(t)
+    await finished(t)
 
 
 async def test_a_stop_token_makes_eos_the_pending_token():

@@ -23,6 +23,8 @@ ERROR_TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+HTTP_CODES = {413: "body_too_large"}
+"""The code of an error raised as a bare HTTP status (the body limit met while the body streams)."""
 
 
 class ApiError(Exception):

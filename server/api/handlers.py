@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.errors import ERROR_TYPES, ApiError, dumps_error, error_body
+from server.api.errors import ERROR_TYPES, HTTP_CODES, ApiError, dumps_error, error_body
 
 log = logging.getLogger("server.http")
 
@@ -126,12 +126,13 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     if unparseable is not None:
         status = _invalid_status(request)
         return _json(request, status, error_body(unparseable, ERROR_TYPES[status], None, "invalid_request"))
+    code: str | None
     if status == 404:
         msg, code = f"no route {request.method} {request.url.path}", "not_found"
     elif status == 405:
         msg, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
     else:
-        msg, code = str(exc.detail), None
+        msg, code = str(exc.detail), HTTP_CODES.get(status)
     return _json(
         request,
         status,

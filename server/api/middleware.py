@@ -23,7 +23,7 @@ import orjson
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import ERROR_TYPES, error_body
+from server.api.errors import ERROR_TYPES, HTTP_CODES, error_body
 from server.api.lightning.paths import BODY_KEY_PATHS, KEY_PATHS
 from server.api.metrics import PROBE_ROUTES, Metrics
 
@@ -187,7 +187,7 @@ class ServerMiddleware:
             await self.app(scope, limited_receive, send)
         except Exception as exc:  # last resort: the error shape, never a traceback page
             if isinstance(exc, HTTPException):
-                status, msg, code = exc.status_code, str(exc.detail), None
+                status, msg, code = exc.status_code, str(exc.detail), HTTP_CODES.get(exc.status_code)
             else:
                 log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
                 status, msg, code = 500, "internal server error (see the server log)", "internal_error"

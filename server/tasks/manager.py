@@ -337,10 +337,10 @@ class TaskManager:
         answered once its state is stored. Private to `owner`'s key unless `public` (every key
         may read and fork it); a template made without keys (owner None) is public. Names are
         per key: the private `_<name>` of two keys are two templates."""
+        if name is not None and not _NAME.match(name):  # bad input first, whatever the task's state
+            raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
         src = await _settled_if_stopping(await self.get(task_id, owner))
         self.access.finished(src, "make a template of")
-        if name is not None and not _NAME.match(name):
-            raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
         oid = self.owner_id(owner)
         public = public or oid is None
         tid = new_id(TEMPLATE, name, None if public else oid)

@@ -140,9 +140,10 @@ class Persistence:
         t.out.error = f"task {t.display_id} is running on {where}; stream it there"
         return t
 
-    async def resolve_state(self, t: Task) -> tuple[State | None, int, str | None]:
+    async def resolve_state(self, t: Task, holder: str | None = None) -> tuple[State | None, int, str | None]:
         """(state, state_pos, pinned key) to start t's next run from: its newest state, else
-        its last stored one, else (None, 0, None): the run rebuilds from zero."""
+        its last stored one, else (None, 0, None): the run rebuilds from zero. holder: the task
+        a TaskStateLost names (default t; a new fork names its source, whose state it copied)."""
         tried: set[str] = set()
         while t.state_id and t.state_id not in tried:
             sid, pos = t.state_id, t.state_pos
@@ -157,9 +158,9 @@ class Persistence:
             if t.stored_id == sid:
                 t.stored_id, t.stored_pos = None, 0  # gone from the database too
             t.state_id, t.state_pos = t.stored_id, t.stored_pos
-        return await self._resolve_base(t, tried)
+        return await self._resolve_base(t, tried, holder or t.display_id)
 
-    async def _resolve_base(self, t: Task, tried: set[str]) -> tuple[State | None, int, str | None]:
+    async def _resolve_base(self, t: Task, tried: set[str], holder: str) -> tuple[State | None, int, str | None]:
         """t has no usable state of its own: (None, 0, None) rebuilds it from the zero state,
         unless its history starts at a state template's state (server.tasks.lineage): then from
         that state, and TaskStateLost when that one is gone too."""
@@ -175,9 +176,10 @@ class Persistence:
                 return st, tpl.state_pos, sid
         why = "was deleted" if tpl is None else "is lost or corrupt"
         raise TaskStateLost(
-            f"task {t.display_id} starts from the state of template {display_id(base.template_id)}, which "
+            f"task {holder} starts from the state of template {display_id(base.template_id)}, which "
             f"{why} (and its own state is lost): it cannot be rebuilt from its tokens. Load the state file "
-            "again and fork that"
+            "again and fork that",
+            param="task_id",
         )
 
     async def _lookup(self, task_id: str) -> Task | None:

@@ -47,6 +47,7 @@ from server.tasks.records import (
     Output,
     Run,
     Task,
+    display_id,
     update_row,
 )
 from server.tasks.table import Snapshot, TaskTable
@@ -63,7 +64,7 @@ PROGRESS_INTERVAL = 1.0  # seconds between the progress writes of the running pe
 class RunPersistence(Protocol):
     """What runs need of the persistence (server.tasks.persist.Persistence)."""
 
-    async def resolve_state(self, t: Task) -> tuple[State | None, int, str | None]: ...
+    async def resolve_state(self, t: Task, holder: str | None = None) -> tuple[State | None, int, str | None]: ...
 
     def release(self, key: str | None) -> None: ...
 
@@ -118,7 +119,7 @@ class Runs:
         for k, v in (update or {}).items():
             setattr(t, k, v)
         try:
-            run = await self._launch(t, prompt_ids, max_tokens)
+            run = await self._launch(t, prompt_ids, max_tokens, display_id(t.parent_id) if new else None)
         except BaseException:
             before.restore(t)
             self.table.unclaim(t, new)
@@ -153,13 +154,13 @@ class Runs:
         before.restore(t)
         self.table.unclaim(t, new)
 
-    async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> Run:
+    async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None, holder: str | None) -> Run:
         sp = sampling_params(t.params, self.default_max_tokens)
         if max_tokens is not None:
             sp = replace(sp, max_tokens=max_tokens)
         elif self.max_tokens_limit and sp.max_tokens > self.max_tokens_limit:
             sp = replace(sp, max_tokens=self.max_tokens_limit)  # inherited from before a lower limit
-        state, pos, key = await self.persistence.resolve_state(t)
+        state, pos, key = await self.persistence.resolve_state(t, holder)
         try:
             hist = t.tokens + array("i", prompt_ids or ())
             inp = hist[pos:].tolist()
@@ -203,10 +204,12 @@ class Runs:
         return run
 
     def _engine_full(self) -> bool:
-        """True when the new run has to wait for a slot (status READY), else PREFILL."""
+        """True when the new run has to wait for a slot (status READY), else PREFILL: the
+        sequences ahead of it (running, and waiting ones that will take the free slots first)
+        fill every slot."""
         try:
             st = self.engine.stats()
-            return st.waiting > 0 or (st.slots > 0 and st.running >= st.slots)
+            return st.slots > 0 and st.running + st.waiting >= st.slots
         except Exception:
             return False
 

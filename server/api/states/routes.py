@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from server.api.errors import ApiError
 from server.api.loading import torch_dtype
@@ -164,26 +165,25 @@ async def _exists(tm: TaskManager, tid: str, owner: str | None) -> bool:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) beyond `limit` bytes: by Content-Length at once, else while it streams."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise ApiError(
-            413,
-            f"state file of {length} bytes exceeds the limit of {limit} bytes (Settings.state_upload_bytes)",
-            param="file",
-            code="file_too_large",
-        )
+    """The body, refused (413) beyond `limit` bytes. The middleware refuses it first (by
+    Content-Length, or while it streams: its raw-body limit for these routes is the same);
+    this check keeps the route safe without it."""
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise ApiError(
-                413,
-                f"state file exceeds the limit of {limit} bytes (Settings.state_upload_bytes)",
-                param="file",
-                code="file_too_large",
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise ApiError(
+                    413,
+                    f"state file exceeds the limit of {limit} bytes (Settings.state_upload_bytes)",
+                    param="file",
+                    code="body_too_large",
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left mid-upload: nothing is stored, and it is no server fault
+        raise ApiError(
+            422, f"the client disconnected after {n} bytes of the state file", param="file", code="invalid_state_file"
+        ) from None
     if not n:
         raise ApiError(
             422, "empty body: send the state file as the raw request body", param="file", code="invalid_state_file"
@@ -245,7 +245,7 @@ async def export_state(task_id: str, request: Request, format: Literal["full", "
             param="task_id",
             code="task_conflict",
         )
-    state, pos, key = await tm.persistence.resolve_state(t)
+    state, pos, key = await _call(tm.persistence.resolve_state(t))
     try:
         if state is None:
             raise ApiError(
@@ -257,7 +257,7 @@ async def export_state(task_id: str, request: Request, format: Literal["full", "
         pending = list(t.tokens[pos:])
         meta = {
             "signature": sv.shape.signature(),
-            "task_id": t.id,
+            "task_id": t.display_id,
             "state_pos": pos,
             "history_tokens": len(t.tokens),
             "exported_at": time.time(),
@@ -268,7 +268,7 @@ async def export_state(task_id: str, request: Request, format: Literal["full", "
     finally:
         tm.persistence.release(key)
     headers = {
-        "Content-Disposition": f'attachment; filename="{t.id}.pth"',
+        "Content-Disposition": f'attachment; filename="{t.display_id}.pth"',
         "X-RWKV-State-Format": format,
         "X-RWKV-Model": sv.shape.signature(),
         "X-RWKV-Pending-Count": str(len(pending)),
