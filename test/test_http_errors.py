@@ -60,6 +60,16 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "<any>") ->
     ({"messages": MSG, "stop_token_ids": [70000]}, "stop_token_ids"),  # outside the vocabulary
     ({"messages": MSG, "frequency_penalty": 1, "repetition_penalty": 1}, "frequency_penalty"),
     ({"messages": MSG, "stream": "maybe"}, "stream"),
+    # strict types: never coerced (OpenAI refuses these too)
+    ({"messages": MSG, "stream": "yes"}, "stream"),
+    ({"messages": MSG, "stream": 1}, "stream"),
+    ({"messages": MSG, "max_tokens": "5"}, "max_tokens"),
+    ({"messages": MSG, "max_tokens": True}, "max_tokens"),
+    ({"messages": MSG, "max_tokens": 2.0}, "max_tokens"),
+    ({"messages": MSG, "n": True}, "n"),
+    ({"messages": MSG, "temperature": "0.5"}, "temperature"),
+    ({"messages": MSG, "seed": "7"}, "seed"),
+    ({"messages": MSG, "logprobs": "true"}, "logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
 ])

@@ -125,6 +125,10 @@ def test_disconnect_aborts_a_tmp_stream_but_not_a_task(http):
     ({"prompt": "x", "bogus": 1}, "bogus"), ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": [1, "a"]}, "prompt"), ({"max_tokens": 3}, "prompt"), ({"prompt": [70000]}, "prompt"),
+    # strict types: a wrong JSON type is refused, never converted
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"), ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.0}, "max_tokens"), ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": "x", "top_k": 1.5}, "top_k"),
 ])
 def test_invalid_bodies_are_422_naming_the_field(http, body, param):
     r = http.post("/tmp", json=body)

@@ -13,6 +13,9 @@ Both route families build their request bodies on `SamplingFields`: the OpenAI r
 - The OpenAI names map onto ours: `frequency_penalty` is `repetition_penalty` (RWKV's
   alpha_frequency), `max_completion_tokens` is `max_tokens`.
 
+Types are strict (pydantic's strict mode, inherited by every request body built on
+`SamplingFields`): a value of the wrong JSON type is refused naming the field, never coerced.
+
 Unknown fields, on every route: a field that no route knows is refused with an error that names
 it ("unknown field 'x'": 400 on the OpenAI routes, 422 on the task routes), never silently
 ignored. The OpenAI routes accept every field of the official OpenAI API for their endpoint and
@@ -53,7 +56,9 @@ _FIELD_IN_MESSAGE = re.compile(r"^invalid '(\w+)'")
 class SamplingFields(BaseModel):
     """The sampling fields (all optional: absent = the server's default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: a wrong JSON type is refused, never converted ("5" or true for an int, "yes" for a
+    # bool, 2.0 for an int), as OpenAI's API refuses them; an integer is still a valid float
+    model_config = ConfigDict(extra="forbid", strict=True)
     error_status: ClassVar[int] = 422
     """HTTP status of a bad value found after parsing (the route family's validation status)."""
 
