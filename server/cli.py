@@ -268,8 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=5,
         timeout_keep_alive=settings.keep_alive_timeout,
-        http=protocol_with_deadlines(settings.header_timeout, settings.body_timeout),
-        limit_concurrency=settings.max_connections or None,
+        http=protocol_with_deadlines(settings.header_timeout, settings.body_timeout, settings.max_connections),
     )
     server = Server(config)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)

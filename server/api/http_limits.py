@@ -6,8 +6,13 @@ connection (and, with a body, a request task) forever. This protocol arms one ti
 from the connection's start or the request's first byte until its headers are complete
 (`header_timeout`), then until its body is complete (`body_timeout`). When it fires before any
 response started, the client gets `408 Request Timeout` and the connection is closed; the app,
-if it was already called, sees `http.disconnect`. The bound on concurrent connections is
-uvicorn's own `limit_concurrency` (503 beyond it), set next to this in the CLI.
+if it was already called, sees `http.disconnect`.
+
+It also bounds the open connections (`max_connections`): a request on a connection beyond the
+bound, or while that many requests are in progress, gets a 503 in the API's error shape with
+`Retry-After` (uvicorn's own `limit_concurrency` counts the new connection against itself, so
+it admits one fewer than asked, and answers in plain text). The probes (/health, /metrics) are
+exempt: an orchestrator must see a saturated server as alive.
 
 Hooks into uvicorn's protocol callbacks (connection_made, on_message_begin, on_headers_complete,
 on_message_complete, connection_lost), which are its public subclassing points for `http=`.
@@ -17,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("server.http")
@@ -32,11 +39,33 @@ TIMEOUT_BODY = (
 )
 
 
+OVERLOADED_BODY = (
+    b'{"error":{"message":"the server is at its bound of open connections (--max-connections); '
+    b'retry later","type":"service_unavailable","param":null,"code":"too_many_connections"}}'
+)
+EXEMPT_PATHS = (b"/health", b"/metrics")
+_refused = {"n": 0, "logged_at": 0.0}  # refusals since the last log line (one a minute at most)
+
+
+async def overloaded(scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI app a request beyond the connection bound runs instead of the server's."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(OVERLOADED_BODY)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": OVERLOADED_BODY})
+
+
 class TimedHttpToolsProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol with per-request read deadlines (set by `protocol_with_deadlines`)."""
+    """HttpToolsProtocol with per-request read deadlines and the connection bound (set by
+    `protocol_with_deadlines`)."""
 
     header_timeout = 30.0
     body_timeout = 30.0
+    max_connections = 0  # 0: no bound
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
@@ -48,8 +77,30 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._arm(self.header_timeout)
 
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
+        if self._over_bound():
+            app, self.app = self.app, overloaded  # read once, by the call below, for this request
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
         self._arm(self.body_timeout)
+
+    def _over_bound(self) -> bool:
+        """More open connections than the bound (this one counted), or that many requests in
+        progress (this one not yet counted); never for the probes."""
+        n = self.max_connections
+        if not n or (len(self.connections) <= n and len(self.tasks) < n):
+            return False
+        if self.url.split(b"?", 1)[0] in EXEMPT_PATHS:
+            return False
+        _refused["n"] += 1
+        now = time.monotonic()
+        if now - _refused["logged_at"] >= 60:
+            log.warning("over --max-connections (%d): %d request(s) answered 503", n, _refused["n"])
+            _refused["n"], _refused["logged_at"] = 0, now
+        return True
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -82,10 +133,17 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def protocol_with_deadlines(header_timeout: float, body_timeout: float) -> type[TimedHttpToolsProtocol]:
-    """The protocol class for `uvicorn.Config(http=...)` with these deadlines (0: none)."""
+def protocol_with_deadlines(
+    header_timeout: float, body_timeout: float, max_connections: int = 0
+) -> type[TimedHttpToolsProtocol]:
+    """The protocol class for `uvicorn.Config(http=...)` with these deadlines (0: none) and
+    connection bound (0: none)."""
     return type(
         "HttpProtocolWithDeadlines",
         (TimedHttpToolsProtocol,),
-        {"header_timeout": float(header_timeout), "body_timeout": float(body_timeout)},
+        {
+            "header_timeout": float(header_timeout),
+            "body_timeout": float(body_timeout),
+            "max_connections": int(max_connections),
+        },
     )
