@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -46,3 +47,10 @@ def idle(c: httpx.Client) -> dict[str, Any]:
     h = c.get("/health").json()
     assert h["running"] == 0 and h["waiting"] == 0, h
     return h
+
+
+def post_escaped(c: httpx.Client, path: str, body: Any, **kw: Any) -> httpx.Response:
+    """POST body as ASCII JSON: a lone surrogate in it travels as its "\\ud800" escape (httpx's
+    `json=` writes UTF-8, which cannot carry one)."""
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return c.post(path, content=json.dumps(body).encode("ascii"), headers=headers, **kw)

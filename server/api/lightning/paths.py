@@ -8,9 +8,12 @@ API keys (server.api.lightning.auth); every other path needs the header as befor
 
 from __future__ import annotations
 
+SHARED_PATH = "/v1/chat/completions"
+"""Shared with the OpenAI route (server.api.openai.routes): a `messages` body still needs the header."""
+
 BODY_KEY_PATHS = frozenset(
     {
-        "/v1/chat/completions",  # shared with the OpenAI route; a `messages` body still needs the header
+        SHARED_PATH,
         "/v2/chat/completions",
         "/translate/v1/batch-translate",
         "/FIM/v1/batch-FIM",

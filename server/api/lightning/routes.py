@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.lightning import batch, chat_prompt, docs, state_routes
-from server.api.lightning.auth import authorize
+from server.api.lightning.auth import CredentialFirst, authorize
 from server.api.lightning.errors import LightningError
 from server.api.lightning.render import chat_style_renderer, chat_style_response, native_renderer, native_response
 from server.api.lightning.schemas import (
@@ -30,7 +30,7 @@ from server.api.openai.render import Meta
 from server.api.services import get_services
 from server.tasks.params import fim_prompt
 
-router = APIRouter(tags=["rwkv_lightning"])
+router = APIRouter(tags=["rwkv_lightning"], route_class=CredentialFirst)  # the key before the body
 router.include_router(state_routes.router)
 
 LANGUAGES = {

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from typing_extensions import Self
 
 from server.api.errors import ApiError
 from server.api.openai.schemas import ChatRequest
+from server.api.sampling import bad_text
 from server.engine.types import LIMITS, SamplingParams, check_fields
 
 if TYPE_CHECKING:
@@ -79,6 +81,19 @@ class Credential(BaseModel):
     model_config = ConfigDict(extra="ignore")
     password: str | None = Field(None, description="an API key of this server (or send Authorization: Bearer)")
 
+    @model_validator(mode="after")
+    def _valid_text(self) -> Self:
+        """Every string of a lightning body (of every body: they all derive from this one) is
+        valid Unicode text. A lone surrogate (JSON's "\\ud800" escapes parse, UTF-8 cannot carry
+        one) could be neither tokenized faithfully nor stored nor echoed in the answer (`model`,
+        `session_id`, `source_lang` are). Raised as an ApiError, which pydantic and FastAPI pass
+        through (only a ValueError would become a validation error): a 400 naming the field,
+        before the route runs."""
+        bad = bad_text(self)
+        if bad is not None:
+            raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+        return self
+
 
 class NativeFields(Credential):
     """The fields of lightning's native routes (V1, FIM, state), with its defaults."""
@@ -131,7 +146,7 @@ class LightningV2Body(LightningV1Body):
     alpha_decay: Decay = 0.99
 
 
-def _chat_kind(v: Any) -> str:
+def chat_kind(v: Any) -> str:
     """Which body POST /v1/chat/completions got: `contents` without `messages` is lightning's."""
     if isinstance(v, dict):
         return "LightningV1Body" if "contents" in v and not v.get("messages") else "ChatRequest"
@@ -140,7 +155,7 @@ def _chat_kind(v: Any) -> str:
 
 ChatOrContents = Annotated[
     Annotated[ChatRequest, Tag("ChatRequest")] | Annotated[LightningV1Body, Tag("LightningV1Body")],
-    Discriminator(_chat_kind),
+    Discriminator(chat_kind),
 ]
 """The body of POST /v1/chat/completions: an OpenAI chat request, or lightning's batch (oneOf in
 the OpenAPI document; errors name the field of the body it was taken for)."""

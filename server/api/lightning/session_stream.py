@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from server.api.errors import ApiError
+from server.api.errors import ApiError, task_error
 from server.api.lightning.render import native_chunk
 from server.api.streaming.source import DONE, event
 from server.api.streaming.sse import draining_event, wait_disconnect
 from server.tasks import streaming
+from server.tasks.errors import TaskError
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -92,7 +93,10 @@ async def settle(request: Request, tasks: TaskManager, t: Task, owner: str | Non
     try:
         await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
         if waits["done"].done():
-            waits["done"].result()
+            try:
+                waits["done"].result()
+            except TaskError as exc:  # e.g. the session deleted meanwhile: a 404, not a 500
+                raise task_error(exc) from None
             return True
         tasks.abort(t)
         if waits["gone"].done():

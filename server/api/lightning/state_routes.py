@@ -4,30 +4,56 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError
 from server.api.lightning import docs
-from server.api.lightning.auth import authorize
+from server.api.lightning.auth import CredentialFirst, authorize
 from server.api.lightning.errors import LightningError
-from server.api.lightning.schemas import Credential, DeleteBody, MultiStateBody, StateBody, capped, sampling_params
+from server.api.lightning.schemas import (
+    OUR_NAMES,
+    Credential,
+    DeleteBody,
+    MultiStateBody,
+    StateBody,
+    capped,
+    sampling_params,
+)
 from server.api.lightning.session_stream import SessionStream, settle
 from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions, tagged
 from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
-from server.api.tasks.routes import _call  # (task-layer errors in our shape)
+from server.api.tasks.routes import _call  # (task-layer errors in our shape, the task API's statuses)
 from server.engine.types import MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
     from server.tasks.records import Task
 
-router = APIRouter(tags=["rwkv_lightning"])
+router = APIRouter(tags=["rwkv_lightning"], route_class=CredentialFirst)  # the key before the body
 FINISH = {"stop": "stop", "length": "length", "stopped": "stop", "interrupted": "stop"}
+LIGHTNING_NAMES = {"prompt": "contents", **OUR_NAMES}
+"""Our task parameters' names -> the lightning fields they came from."""
+T = TypeVar("T")
+
+
+async def _tasks(aw: Awaitable[T]) -> T:
+    """A session operation of the task layer, its errors as docs/lightning.md promises: a bad
+    value is a 400 naming lightning's field (the task API answers 422 `invalid_task_request`,
+    lightning's routes 400 `invalid_request`, as for any bad field); the rest keep their status
+    and code (404, 409, 413, 429, 503)."""
+    try:
+        return await _call(aw)
+    except ApiError as exc:
+        if exc.status != 422:
+            raise
+        param = LIGHTNING_NAMES.get(exc.param or "", exc.param)
+        raise ApiError(400, exc.message, param=param, code="invalid_request") from None
 
 
 def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
@@ -38,10 +64,6 @@ def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
         raise LightningError(400, "Missing session_id parameter")
     if len(sid) > MAX_NAME:
         raise LightningError(400, f"session_id has {len(sid)} characters; at most {MAX_NAME}")
-    try:
-        sid.encode("utf-8")
-    except UnicodeEncodeError:
-        raise LightningError(400, "session_id is not valid text (a lone surrogate?)") from None
     if len(body.contents) != 1 or not body.contents[0]:
         raise LightningError(400, "Request must be single prompt: 'contents' holds exactly one non-empty prompt")
     if len(body.stop_tokens) >= MAX_STOP_STRINGS:
@@ -93,7 +115,7 @@ async def state_chat(body: StateBody, request: Request) -> Response:
     owner = authorize(request, body.password)
     sv = get_services(request)
     sid, prompt, fields = _request(body, sv)
-    t = await _call(Sessions.of(task_manager(sv)).chat(owner, sid, prompt, fields))
+    t = await _tasks(Sessions.of(task_manager(sv)).chat(owner, sid, prompt, fields))
     return await _answer(request, sv, t, owner, body, "rwkv7-batch")
 
 
@@ -108,7 +130,7 @@ async def multi_state_chat(body: MultiStateBody, request: Request) -> Response:
     sv = get_services(request)
     sid, prompt, fields = _request(body, sv)
     try:
-        t, new = await _call(Sessions.of(task_manager(sv)).branch(owner, sid, body.dialogue_idx, prompt, fields))
+        t, new = await _tasks(Sessions.of(task_manager(sv)).branch(owner, sid, body.dialogue_idx, prompt, fields))
     except SessionNotFound as exc:
         raise LightningError(404, str(exc)) from None
     return await _answer(request, sv, t, owner, body, "rwkv7-multi-state", node=new)
@@ -129,7 +151,7 @@ async def state_status(request: Request, body: Credential | None = None) -> Resp
     tm = task_manager(get_services(request))
     sessions: list[dict[str, Any]] = []
     levels: list[str] = []
-    for name, t in await _call(Sessions.of(tm).listing(owner)):
+    for name, t in await _tasks(Sessions.of(tm).listing(owner)):
         level = _level(tm, t)
         stored = level.startswith("Database")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.updated_at)) if stored else "In Memory"
@@ -155,7 +177,7 @@ async def state_delete(body: DeleteBody, request: Request) -> Response:
     if not body.session_id:
         raise LightningError(400, "Missing session_id parameter")
     tm = task_manager(get_services(request))
-    found = await _call(Sessions.of(tm).delete(owner, body.session_id, body.delete_prefix))
+    found = await _tasks(Sessions.of(tm).delete(owner, body.session_id, body.delete_prefix))
     if found or body.delete_prefix:
         return json_response({"status": "success", "message": f"Session {body.session_id} deleted successfully"})
     request.state.error = f"session {body.session_id!r} not found"
