@@ -9,6 +9,7 @@ import orjson
 from fastapi.responses import Response
 
 from server.engine.types import EngineDeadError, PromptTooLongError, QueueFullError, RequestFailedError
+from server.tasks.errors import TaskError
 
 # HTTP status -> OpenAI-style error type
 ERROR_TYPES = {
@@ -84,6 +85,13 @@ def _escaped(v: Any) -> Any:
 
 def not_found(task_id: str) -> ApiError:
     return ApiError(404, f"task {task_id!r} not found", param="task_id", code="task_not_found")
+
+
+def task_error(exc: TaskError, param: str | None = None) -> ApiError:
+    """The ApiError of a task-layer error: its status, code and param (or `param`), and
+    `Retry-After` where the error gives one (a busy database)."""
+    headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
+    return ApiError(exc.status, exc.message, param=param or exc.param, code=exc.code, headers=headers)
 
 
 def engine_error(exc: Exception, invalid_status: int = 400) -> ApiError:

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from server.api.errors import ApiError
+from server.api.errors import ApiError, task_error
 from server.api.loading import torch_dtype
 from server.api.services import get_owner, get_services, json_response, task_manager
 from server.tasks.errors import TaskError, TaskNotFound
@@ -72,7 +72,7 @@ async def _call(aw: Awaitable[T]) -> T:
     try:
         return await aw
     except TaskError as exc:
-        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+        raise task_error(exc) from None
 
 
 def _template_id(name: str) -> str:
@@ -103,7 +103,7 @@ async def _state_template(tm: TaskManager, name: str, owner: str | None, *, writ
     except TaskNotFound:
         t = None
     except TaskError as exc:
-        raise ApiError(exc.status, exc.message, param="name", code=exc.code) from None
+        raise task_error(exc, param="name") from None
     if t is None or not is_state_only(t):
         raise ApiError(404, f"state {name!r} not found", param="name", code="state_not_found")
     return t

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError, engine_error
+from server.api.errors import engine_error, task_error
 from server.api.grammar import response_grammar
 from server.api.openapi import EventStream, answers
 from server.api.services import Services, get_owner, get_services, json_response, task_manager
@@ -48,8 +48,7 @@ async def _call(aw: Awaitable[T]) -> T:
     try:
         return await aw
     except TaskError as exc:
-        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
-        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code, headers=headers) from None
+        raise task_error(exc) from None
     except (EngineError, ValueError) as exc:
         raise engine_error(exc, invalid_status=422) from None
 
