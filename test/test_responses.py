@@ -93,6 +93,9 @@ def test_delete_and_store_false(server):
     ({"tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
     ({"temperature": 9}, 400, "temperature"),
     ({"bogus": 1}, 400, "bogus"),
+    ({"max_output_tokens": "5"}, 400, "max_output_tokens"),  # strict types: never coerced
+    ({"stream": "yes"}, 400, "stream"),
+    ({"store": 1}, 400, "store"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_creates_nothing(server, body, status, param):
     before = tasks(server)
@@ -111,3 +114,82 @@ def test_another_keys_response_is_not_found(server):
     assert r.status_code == 404, r.text
     assert httpx.get(f"{server.url}/v1/responses/{mine.id}", headers={"Authorization": "Bearer k2"}).status_code == 404
     assert tasks(server, "k2") == before
+
+
+def test_a_too_long_input_is_a_413_naming_input(server):
+    before = tasks(server)
+    prev = sdk(server).responses.create(model="m", input="x", max_output_tokens=2)
+    for extra in ({}, {"previous_response_id": prev.id}):  # a new response, and one continuing another
+        r = httpx.post(server.url + "/v1/responses", json={"input": "hello " * 70_000, "max_output_tokens": 2, **extra},
+                       headers={"Authorization": "Bearer k1"}, timeout=60)
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["param"] == "input" and err["code"] == "prompt_too_long" and "input" in err["message"], err
+    assert len(tasks(server)) == len(before) + 1  # prev only
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_no_response_id_is_a_404_in_the_openai_shape(server, method):
+    r = httpx.request(method, server.url + "/v1/responses/", headers={"Authorization": "Bearer k1"})
+    assert r.status_code == 404, (r.status_code, r.headers, r.text)
+    assert r.json()["error"]["type"] == "not_found_error" and r.json()["error"]["param"] == "response_id"
+
+
+def test_post_with_a_trailing_slash_creates(server):
+    r = httpx.post(server.url + "/v1/responses/", json={"input": "x", "max_output_tokens": 2},
+                   headers={"Authorization": "Bearer k1"})
+    assert r.status_code == 200 and r.json()["object"] == "response", r.text
+    assert sdk(server).responses.retrieve(r.json()["id"]).id == r.json()["id"]
+
+
+def other_tasks(server) -> list[str]:
+    """The ids of a plain /v1/tasks task and of a lightning session task of key k2."""
+    auth = {"Authorization": "Bearer k2"}
+    before = {t["task_id"] for t in tasks(server, "k2")}
+    r = httpx.post(server.url + "/v1/tasks/create", json={"prompt": "User: hi\n\nAssistant:", "max_tokens": 2},
+                   headers=auth)
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/state/chat/completions", headers=auth, timeout=60,
+                   json={"session_id": "not-a-response", "contents": ["User: hi\n\nAssistant:"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    made = sorted({t["task_id"] for t in tasks(server, "k2")} - before)
+    assert len(made) == 2 and all(t.startswith("TASK_") for t in made), made
+    return made
+
+
+def test_only_responses_are_responses(server):
+    """A /v1/tasks task or a lightning session is no resp_<hex> of its id: not read, continued
+    nor deleted through /v1/responses."""
+    client, auth = sdk(server, "k2"), {"Authorization": "Bearer k2"}
+    for tid in other_tasks(server):
+        rid = "resp_" + tid.split("_", 1)[1]
+        for method in ("GET", "DELETE"):
+            r = httpx.request(method, f"{server.url}/v1/responses/{rid}", headers=auth)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+        before = tasks(server, "k2")
+        r = httpx.post(server.url + "/v1/responses", json={"input": "y", "previous_response_id": rid}, headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+        assert tasks(server, "k2") == before
+        assert httpx.get(f"{server.url}/v1/tasks/{tid}/status", headers=auth).status_code == 200  # still there
+    sessions = httpx.post(server.url + "/state/status", json={}, headers=auth).json()["sessions"]
+    assert "not-a-response" in {s["session_id"] for s in sessions}
+    r = client.responses.create(model="m", input="x", max_output_tokens=2)  # a response still is one
+    assert client.responses.retrieve(r.id).id == r.id
+
+
+def test_responses_stored_before_the_mark_still_read_as_responses():
+    """Chains stored by servers older than the mark keep working; a lightning session of that
+    time (marked) and a newer unmarked task do not read as responses."""
+    from server.api.openai.chat_format import CHAT_STOP
+    from server.api.responses.render import MARKED_SINCE, is_response, tagged
+    from server.tasks.records import TASK, TMP, Task
+
+    def task(stop, created_at, kind=TASK):
+        return Task(id="TASK_" + "0" * 32, kind=kind, params={"stop": stop}, created_at=created_at)
+
+    old, new = MARKED_SINCE - 86400, MARKED_SINCE + 1
+    assert is_response(task(tagged(list(CHAT_STOP)), new)) and is_response(task(tagged([]), old))
+    assert is_response(task(list(CHAT_STOP), old))  # stored by an earlier server
+    assert not is_response(task(list(CHAT_STOP), new))  # a /v1/tasks task made since
+    assert not is_response(task([*CHAT_STOP, "\uffffrwkv_lightning session s"], old))
+    assert not is_response(task(tagged([]), new, kind=TMP))

@@ -4,16 +4,15 @@ before the end stops the run (what was generated stays in the session, as on lig
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from server.api.errors import ApiError, task_error
 from server.api.lightning.render import native_chunk
 from server.api.streaming.source import DONE, event
-from server.api.streaming.sse import draining_event, wait_disconnect
+from server.api.streaming.sse import done_or_gone
 from server.tasks import streaming
 from server.tasks.errors import TaskError
 
@@ -82,27 +81,14 @@ class SessionStream:
 
 async def settle(request: Request, tasks: TaskManager, t: Task, owner: str | None) -> bool:
     """Wait until the run ended; False when the client left first (the run is stopped then).
-    503 when the server begins to shut down meanwhile."""
-    waits: dict[str, asyncio.Future[Any]] = {
-        "done": asyncio.ensure_future(tasks.wait(t.id, owner)),
-        "gone": asyncio.ensure_future(wait_disconnect(request.receive)),
-    }
-    draining = draining_event(request.app)
-    if draining is not None:
-        waits["drain"] = asyncio.ensure_future(draining.wait())
+    503 when the server begins to shut down meanwhile (the run is stopped too)."""
     try:
-        await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
-        if waits["done"].done():
-            try:
-                waits["done"].result()
-            except TaskError as exc:  # e.g. the session deleted meanwhile: a 404, not a 500
-                raise task_error(exc) from None
+        if await done_or_gone(request, tasks.wait(t.id, owner)):
             return True
+    except TaskError as exc:  # e.g. the session deleted meanwhile: its error, not a 500
+        raise task_error(exc) from None
+    except ApiError:
         tasks.abort(t)
-        if waits["gone"].done():
-            return False
-        raise ApiError(503, "the server is shutting down", code="shutting_down")
-    finally:
-        for f in waits.values():
-            f.cancel()
-        await asyncio.gather(*waits.values(), return_exceptions=True)
+        raise
+    tasks.abort(t)
+    return False

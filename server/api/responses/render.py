@@ -1,4 +1,5 @@
-"""A stored response (a task) as the Responses API's object, and the SSE events of a streamed one.
+"""A stored response (a task) as the Responses API's object (its streamed events:
+server.api.responses.stream), and the mark that tells a response's task from any other.
 
 Ids: the task `TASK_<hex>` (or `TMP_<hex>` with store: false) is the response `resp_<hex>`; its
 message item is `msg_<hex>`. Usage: `input_tokens` = the whole history before the output (the
@@ -9,13 +10,9 @@ had already consumed (not prefilled again), `output_tokens` = generated.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-
-from server.tasks import streaming
-from server.tasks.records import Task
+from server.tasks.records import TASK, Task
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")
 STATUS = {
@@ -25,6 +22,35 @@ STATUS = {
     "interrupted": "incomplete",
     "error": "failed",
 }
+
+
+TAG = "\uffffrwkv openai response"
+"""The mark of a response's task: one more stop string in its parameters (stored with the task,
+kept by forks). It starts with U+FFFF, a Unicode noncharacter that never appears in text, so it
+never matches (the rwkv_lightning sessions mark their tasks the same way). Only tasks carrying it
+are responses: a /v1/tasks task or a lightning session is no `resp_<hex>` of its id."""
+
+
+def tagged(stop: list[str]) -> list[str]:
+    """A response's stop strings: `stop` and the mark."""
+    return [*stop, TAG]
+
+
+MARKED_SINCE = 1796428800.0
+"""2026-12-05 00:00 UTC: responses stored before carry no mark. Such a task still reads as a
+response when no other route marked it (a lightning session is marked), so the chains stored
+by earlier servers keep working; a /v1/tasks task of that time does too, as it always did."""
+
+
+def is_response(t: Task) -> bool:
+    """t was created by /v1/responses (a stored one: TMP_ responses are never read back)."""
+    stop = t.params.get("stop") or ()
+    if t.kind != TASK or not isinstance(stop, list):
+        return False
+    if TAG in stop:
+        return True
+    unmarked = not any(isinstance(s, str) and s.startswith("\uffff") for s in stop)
+    return unmarked and t.created_at < MARKED_SINCE
 
 
 def task_id(response_id: str) -> str | None:
@@ -101,40 +127,3 @@ def response(t: Task, model: str, *, output: bool = True) -> dict[str, Any]:
         else None,
         "usage": None if t.running else usage(t),
     }
-
-
-class _Events:
-    def __init__(self) -> None:
-        self.seq = 0
-
-    def __call__(self, kind: str, **data: Any) -> bytes:
-        body = orjson.dumps({"type": kind, "sequence_number": self.seq, **data})
-        self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + body + b"\n\n"
-
-
-async def events(t: Task, model: str) -> AsyncIterator[bytes]:
-    """The SSE events of a response being generated, from its creation to its end."""
-    ev = _Events()
-    item = message(t, "", "in_progress")
-    item["content"] = []
-    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    loc = {"item_id": item["id"], "output_index": 0, "content_index": 0}
-    yield ev("response.created", response=response(t, model, output=False))
-    yield ev("response.in_progress", response=response(t, model, output=False))
-    yield ev("response.output_item.added", output_index=0, item=item)
-    yield ev("response.content_part.added", **loc, part=part)
-    text = ""
-    async for batch in streaming.batches(t, 0, ping=None):
-        for e in batch:
-            if isinstance(e, dict) and "data" in e and not streaming.is_last(e):
-                delta = e["data"] if text else e["data"].lstrip()
-                if delta:
-                    text += delta
-                    yield ev("response.output_text.delta", **loc, delta=delta, logprobs=[])
-    yield ev("response.output_text.done", **loc, text=text, logprobs=[])
-    yield ev("response.content_part.done", **loc, part={**part, "text": text})
-    yield ev("response.output_item.done", output_index=0, item=message(t, text))
-    final = response(t, model)
-    kind = {"completed": "response.completed", "failed": "response.failed"}.get(final["status"], "response.incomplete")
-    yield ev(kind, response=final)

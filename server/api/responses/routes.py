@@ -5,25 +5,30 @@ makes a persistent task (in the database, so a chain survives a restart), `store
 task (never readable back). `previous_response_id` forks the previous response's task: the new
 one starts from its state (the history is never prefilled again) and the previous response
 stays readable. The prompt is the RWKV chat format (server.api.openai.chat_format).
+
+A response is tied to its request (as OpenAI's non-background responses are): a client that
+leaves before the answer's end, streamed or not, stops the run; a stored one keeps what was
+generated (status "cancelled"). Only tasks made here are responses (render.TAG).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from server.api.errors import ApiError, engine_error
+from server.api.errors import ApiError, engine_error, task_error
 from server.api.grammar import response_grammar
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
 from server.api.openapi import answers
 from server.api.responses import render
 from server.api.responses.schemas import ResponseRequest, TextFormat
+from server.api.responses.stream import ResponseStream
 from server.api.sampling import bad_text
 from server.api.services import Services, get_owner, get_services, json_response, task_manager
+from server.api.streaming.sse import SSEResponse, done_or_gone
 from server.engine.types import EOS_TOKEN, EngineError, SamplingParams
 from server.tasks.errors import TaskError, TaskNotFound
 
@@ -36,13 +41,30 @@ T = TypeVar("T")
 
 
 async def _call(aw: Awaitable[T]) -> T:
-    """Task-layer and engine errors -> ApiError (a bad value is a 400, as on the OpenAI routes)."""
+    """Task-layer and engine errors -> ApiError (a bad value is a 400, as on the OpenAI routes).
+    The task's prompt is this route's `input`: an error about it names `input`."""
     try:
         return await aw
     except TaskError as exc:
-        raise ApiError(400 if exc.status == 422 else exc.status, exc.message, param=exc.param, code=exc.code) from None
+        raise _task_error(exc) from None
     except (EngineError, ValueError) as exc:
-        raise engine_error(exc) from None
+        err = engine_error(exc)
+        err.param = _param(err.param)
+        if err.status == 413:  # PromptTooLongError: "prompt too long: prompt has N tokens (max M)"
+            err.message = err.message.replace("prompt", "input")
+        raise err from None
+
+
+def _task_error(exc: TaskError) -> ApiError:
+    """errors.task_error, with a bad value as the OpenAI routes' 400 and `prompt` named `input`."""
+    err = task_error(exc, param=_param(exc.param))
+    if err.status == 422:
+        err.status = 400
+    return err
+
+
+def _param(param: str | None) -> str | None:
+    return "input" if param == "prompt" else param
 
 
 async def _stored(tm: TaskManager, rid: str, owner: str | None, param: str | None = None) -> Task:
@@ -51,8 +73,13 @@ async def _stored(tm: TaskManager, rid: str, owner: str | None, param: str | Non
     try:
         if tid is None:
             raise TaskNotFound(rid)
-        return await tm.get(tid, owner)
-    except TaskNotFound:
+        t = await tm.get(tid, owner)
+        if not render.is_response(t):  # a /v1/tasks task or a lightning session: not ours
+            raise TaskNotFound(rid)
+        return t
+    except TaskError as exc:
+        if not isinstance(exc, TaskNotFound):
+            raise _task_error(exc) from None
         raise ApiError(
             404,
             f"response {rid!r} not found (unknown, not stored, or another API key's)",
@@ -76,7 +103,7 @@ def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[st
         "max_tokens": max_tokens,
         "temperature": d.temperature if body.temperature is None else body.temperature,
         "top_p": d.top_p if body.top_p is None else body.top_p,
-        "stop": list(CHAT_STOP),
+        "stop": render.tagged(list(CHAT_STOP)),
         "response_format": fmt,
     }
     if body.seed is not None:
@@ -120,7 +147,7 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     prompt = build_prompt(_turns(body)).text
     if body.previous_response_id is not None:
         src = await _stored(tm, body.previous_response_id, owner, "previous_response_id")
-        if src.running:
+        if src.running and not src.stop_requested:  # (a stopping one: the fork waits for its settle)
             raise ApiError(
                 409,
                 f"response {body.previous_response_id!r} is still in progress",
@@ -130,14 +157,53 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
         t = await _call(tm.fork(src.id, params, _separator(sv, src) + prompt, tmp=not body.store, owner=owner))
     else:
         t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner))
-    if body.stream:
-        return StreamingResponse(render.events(t, sv.model_id), media_type="text/event-stream")
-    if t.running and t.done is not None:
-        await asyncio.shield(t.done.wait())
+    try:
+        return await _answer(request, sv, t, body.stream)
+    except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on
+        tm.abort(t)
+        raise
+
+
+async def _answer(request: Request, sv: Services, t: Task, stream: bool) -> Response:
+    """The stream of the run, or the response once it ended; either way a client that leaves
+    first stops the run (SSEResponse aborts the source; _settle aborts the wait)."""
+    tm = task_manager(sv)
+    if stream:
+        source = ResponseStream(t, sv.model_id, on_abort=lambda: tm.abort(t))
+        return SSEResponse(source, metrics=sv.metrics)
+    if not await _settle(request, t):
+        tm.abort(t)
+        request.state.error = "the client left before the answer"
+        return Response(status_code=499)
     return json_response(render.response(t, sv.model_id))
 
 
+async def _settle(request: Request, t: Task) -> bool:
+    """Wait for the end of t's run: True once it ended, False when the client left first. 503
+    when the server begins to shut down meanwhile (the caller stops the run)."""
+    if not t.running or t.done is None:
+        return True
+    return await done_or_gone(request, t.done.wait())
+
+
 _READS = answers(401, 404, 503)
+
+
+# `/v1/responses/` (an empty id): without these the router answers a 307 redirect to /v1/responses
+# (POST only), with an empty body most clients show as a bare error. POST there creates, as POST
+# /v1/responses; GET and DELETE are a 404 in the OpenAI shape.
+router.add_api_route("/responses/", create_response, methods=["POST"], include_in_schema=False)
+
+
+@router.api_route("/responses/", methods=["GET", "DELETE"], include_in_schema=False)
+async def no_response_id(request: Request) -> Response:
+    raise ApiError(
+        404,
+        f"no route {request.method} {request.url.path}: the response id is missing "
+        "(GET or DELETE /v1/responses/{response_id}; POST /v1/responses creates one)",
+        param="response_id",
+        code="not_found",
+    )
 
 
 @router.get("/responses/{response_id}", responses=_READS)

@@ -63,7 +63,7 @@ def _bounds(name: str) -> Any:
 
 
 class ResponseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)  # as SamplingFields: no coercion
     error_status: ClassVar[int] = 400
 
     model: str | None = None  # any name: this server serves one model

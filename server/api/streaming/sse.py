@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from server.api.errors import ApiError
 from server.api.metrics import Metrics
 from server.api.streaming.direct import DirectWriter
 from server.api.streaming.source import DONE, INTERNAL_ERROR, PING, SHUTDOWN, StreamSource
@@ -56,6 +58,31 @@ async def wait_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def done_or_gone(request: Request, done: Awaitable[Any]) -> bool:
+    """Wait for `done` (a run's end) while watching the client: True once it completed (its
+    exception raised), False when the client left first; ApiError 503 `shutting_down` when the
+    server begins to drain meanwhile. The caller stops the run when it is not True."""
+    waits: dict[str, asyncio.Future[Any]] = {
+        "done": asyncio.ensure_future(done),
+        "gone": asyncio.ensure_future(wait_disconnect(request.receive)),
+    }
+    draining = draining_event(request.app)
+    if draining is not None:
+        waits["drain"] = asyncio.ensure_future(draining.wait())
+    try:
+        await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
+        if waits["done"].done():
+            waits["done"].result()
+            return True
+        if waits["gone"].done():
+            return False
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    finally:
+        for f in waits.values():
+            f.cancel()
+        await asyncio.gather(*waits.values(), return_exceptions=True)
 
 
 class SSEResponse(Response):
