@@ -86,6 +86,19 @@ def test_recursive_schemas_are_refused_others_pass():
     check_schema(json.dumps(shared))  # the same definition twice is not recursion
 
 
+def test_long_and_fanning_ref_chains_are_checked_in_linear_time():
+    # a chain of 5,000 $defs (past Python's recursion limit), and 60 defs each referring to the
+    # next twice (2^60 paths: a walk of every path never ends); one ref back to the start recurses
+    chain = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)} | {"d5000": {"type": "integer"}}
+    check_schema(json.dumps({"$defs": chain, "$ref": "#/$defs/d0"}))
+    fan = {f"d{i}": {"type": "array", "prefixItems": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(60)}
+    fan["d60"] = {"type": "integer"}
+    check_schema(json.dumps({"$defs": fan, "$ref": "#/$defs/d0"}))
+    fan["d60"] = {"$ref": "#/$defs/d0"}
+    with pytest.raises(ValueError, match="recursive"):
+        check_schema(json.dumps({"$defs": fan, "$ref": "#/$defs/d0"}))
+
+
 def test_compiled_grammars_are_cached_by_spec_and_bounded(tok):
     comp = GrammarCompiler(tok.token_table, cache_size=2)
     a = comp.compile(GrammarSpec("regex", "[0-9]+"))

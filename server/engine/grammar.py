@@ -144,7 +144,7 @@ def check_schema(source: str) -> None:
     (a schema that contains itself: the output would have no bound on its nesting)."""
     try:
         schema = json.loads(source)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"invalid json_schema grammar: not JSON ({exc})") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError("invalid json_schema grammar: a schema is a JSON object")
@@ -169,13 +169,23 @@ def check_schema(source: str) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         return node
 
-    def visit(ptr: str, path: tuple[str, ...]) -> None:
-        for r in refs(resolve(ptr)):
-            if r in path:
-                raise ValueError(f"invalid json_schema grammar: recursive schema ({r!r} refers to itself)")
-            visit(r, path + (r,))
-
-    visit("#", ("#",))
+    # depth-first over the $ref graph, iterative and visiting each pointer once (a chain of
+    # thousands of $defs, or refs that fan out and meet again, cost linear time, no recursion);
+    # a ref to a pointer still on the current path is a cycle
+    on_path, done = {"#"}, set()
+    stack = [("#", iter(refs(resolve("#"))))]
+    while stack:
+        ptr, todo = stack[-1]
+        r = next(todo, None)
+        if r is None:
+            stack.pop()
+            on_path.discard(ptr)
+            done.add(ptr)
+        elif r in on_path:
+            raise ValueError(f"invalid json_schema grammar: recursive schema ({r!r} refers to itself)")
+        elif r not in done:
+            on_path.add(r)
+            stack.append((r, iter(refs(resolve(r)))))
 
 
 class TriggerGuard:
