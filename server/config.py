@@ -183,7 +183,8 @@ class Settings:
     so that a client never sends a request on a connection the server is closing that moment
     (the request would fail with a read error, and a POST is not retried)."""
     max_connections: int = 4096
-    """Most connections (and requests in progress) at once; beyond them new requests get 503 `too_many_connections` with `Retry-After` (`/health` and `/metrics` stay answered). 0: no bound."""
+    """Most connections (and requests in progress) at once; beyond them new requests get 503
+    `too_many_connections` with `Retry-After` (`/health` and `/metrics` stay answered). 0: no bound."""
     few_shot: str = ""
     """Path of a few-shot dialogue file prefixed to chat prompts when a request asks for it;
     empty: the project's few_shot.txt."""

@@ -105,13 +105,9 @@ KEYLESS_BAD = {  # bodies that fail the route's own checks
     "no JSON object": [1, 2],
 }
 LIGHTNINGS_OWN = sorted(BODIES.keys() - {"/v1/chat/completions"})
-V1_BODY_FIRST = pytest.param(
-    "/v1/chat/completions",
-    marks=pytest.mark.xfail(strict=True, reason="the shared route (server/api/openai/routes.py) validates first"),
-)
 
 
-@pytest.mark.parametrize("path", [*LIGHTNINGS_OWN, V1_BODY_FIRST])
+@pytest.mark.parametrize("path", [*LIGHTNINGS_OWN, "/v1/chat/completions"])
 def test_a_keyless_bad_body_is_a_401(c, path):
     def unauthorized(r: httpx.Response, why: str, lightnings: bool = True) -> None:
         assert r.status_code == 401, (why, r.text)

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from server.api.errors import ApiError
 from server.api.lightning import batch as lightning_batch
-from server.api.lightning.auth import require_header_key
+from server.api.lightning.auth import CredentialFirst, require_header_key
 from server.api.lightning.schemas import ChatOrContents
 from server.api.metrics import Recorder
 from server.api.openai import agent_render, render, start
@@ -30,7 +30,7 @@ from server.api.streaming.sse import SSEResponse
 from server.engine.types import SamplingParams
 from server.tasks.params import fim_prompt
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=CredentialFirst)  # a lightning body: key first
 _STARTED = int(time.time())
 ENCODE_INLINE_CHARS = 16_384
 
@@ -101,7 +101,9 @@ def _few_shot(sv: Services) -> str:
     try:
         return sv.few_shot()
     except OSError as exc:
-        raise ApiError(400, f"this server has no few-shot file ({exc})", param="few_shot") from None
+        raise ApiError(
+            400, f"this server has no few-shot file ({exc})", param="few_shot", code="invalid_request"
+        ) from None
 
 
 _GENERATES = answers(400, 401, 404, 413, 429, 503, stream=True)  # 404: an unknown `state`
@@ -140,6 +142,7 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
         params,
         cid,
         return_state=begun.keep,
+        max_queue=sv.settings.max_queue,
     )
     begun.track(sv, jobs, None if agent.tool_plan else start.chat_expect(sv, begun, prompt.rest, len(rest)))
     meta = render.Meta(
@@ -171,11 +174,11 @@ async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tup
             continue
         bad = [t for t in item if not 0 <= t < vocab]
         if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside [0, {vocab})", param="prompt")
+            raise ApiError(400, f"token id {bad[0]} is outside [0, {vocab})", param="prompt", code="invalid_request")
         out.append((list(item), sv.tokenizer.decode(item)))
     for tokens, _ in out:
         if not tokens:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
+            raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_request")
         _check_length(sv, len(tokens), "prompt")
     return out
 
@@ -201,7 +204,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             echoes.append(text if body.echo else "")
     cid = f"cmpl-{uuid.uuid4().hex}"
     keeps = [b.keep for b in starts for _ in per_choice]
-    jobs = submit_all(sv.engine, seqs, params, cid, return_state=keeps)
+    jobs = submit_all(sv.engine, seqs, params, cid, return_state=keeps, max_queue=sv.settings.max_queue)
     k, texts = len(per_choice), _text_prompts(body)
     for i, (begun, (tokens, text)) in enumerate(zip(starts, prompts, strict=True)):  # FIM: not re-sent
         expect = start.completion_expect(sv, begun, text if texts and not body.suffix else None, len(tokens))
