@@ -136,6 +136,15 @@ def test_invalid_bodies_are_422_naming_the_field(http, body, param):
     assert r.status_code == 422 and set(err) == ERROR_KEYS and param in (err["param"] or "") + err["message"]
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused_as_such(http, value):
+    # Python's JSON parser reads these; the bounds alone would call NaN "above the maximum"
+    r = http.post("/tmp", content=f'{{"prompt": "x", "temperature": {value}}}',
+                  headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 422 and err["param"] == "temperature" and "finite" in err["message"], r.text
+
+
 def test_status_codes_and_error_shapes(http):
     bad = http.post("/tmp", content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 422 and set(bad.json()["error"]) == ERROR_KEYS

@@ -57,8 +57,10 @@ class SamplingFields(BaseModel):
     """The sampling fields (all optional: absent = the server's default)."""
 
     # strict: a wrong JSON type is refused, never converted ("5" or true for an int, "yes" for a
-    # bool, 2.0 for an int), as OpenAI's API refuses them; an integer is still a valid float
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # bool, 2.0 for an int), as OpenAI's API refuses them; an integer is still a valid float.
+    # allow_inf_nan=False: NaN and the infinities (Python's JSON parser reads them) are "not a
+    # finite number", not "above the maximum" as the bounds would say
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     error_status: ClassVar[int] = 422
     """HTTP status of a bad value found after parsing (the route family's validation status)."""
 

@@ -16,7 +16,27 @@ from server.tasks.errors import TaskInvalid
 
 PARAM_KEYS = (*FIELDS, "response_format")
 MAX_SCHEMA_DEPTH = 32
-"""Deepest nesting of a response_format schema (objects and lists) accepted."""
+"""Deepest nesting of schemas in a response_format schema: the root is level 1, each schema
+inside another (an object's property, an array's items, an anyOf branch, ...) one level more.
+The grammar's compile time grows faster than linearly with it (measured with xgrammar: 32
+object levels ~20 ms, 200 ~0.75 s, 500 ~18 s), so this bound is what keeps a compile short."""
+MAX_JSON_DEPTH = 256
+"""Deepest nesting of the schema's JSON document (a 32-level schema needs about 65, plus its
+const / enum / default values): a backstop for the recursive code after this check (json.dumps,
+the engine's json.loads and the library's parser), which Python's recursion limit (~1000)
+would end with a RecursionError, not a ValueError, for an in-process caller's dict."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "dependencies")
+"""Keywords whose value maps names to schemas one level down."""
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+"""Keywords whose value is a list of schemas one level down (items: the draft-4 tuple form)."""
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties",
+               "unevaluatedItems", "contains", "propertyNames", "not", "if", "then", "else")  # fmt: skip
+"""Keywords whose value is one schema one level down."""
+_DEFINITIONS = ("$defs", "definitions")
+"""Keywords whose value maps names to schemas used where referenced: counted from level 1."""
+_FORMAT_KEYS = {"type"}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+"""OpenAI's json_schema object (also the flat form's keys beside "type")."""
 _INTS = ("max_tokens", "top_k", "seed")
 _FLOATS = ("temperature", "top_p", "presence_penalty", "repetition_penalty", "penalty_decay")
 _FIELD_IN_MESSAGE = re.compile(r"'(\w+)'")
@@ -72,46 +92,100 @@ def sampling_params(params: dict[str, Any], default_max_tokens: int) -> Sampling
     """The SamplingParams of a run of a task with these stored parameters."""
     sp = SamplingParams.from_fields(params, default_max_tokens)
     fmt = params.get("response_format")
-    return sp if fmt is None else replace(sp, grammar=format_grammar(fmt))
+    # stored before unknown keys were refused: such a format still runs as it did
+    return sp if fmt is None else replace(sp, grammar=format_grammar(fmt, known_keys=False))
 
 
-def format_grammar(fmt: Any) -> GrammarSpec | None:
+def format_grammar(fmt: Any, *, known_keys: bool = True) -> GrammarSpec | None:
     """The grammar of an OpenAI response_format (None for {"type": "text"}); ValueError saying
     what is wrong with its shape. Whether the schema compiles is the engine's word
     (Engine.compile_grammar), asked by the routes before anything starts.
 
     {"type": "json_object"}                                  -> GrammarSpec("json_object")
     {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}  -> json_schema
-    (the Responses API's flat form {"type": "json_schema", "name", "schema"} is accepted too)"""
+    (the Responses API's flat form {"type": "json_schema", "name", "schema"} is accepted too)
+    known_keys: a key outside these shapes is refused, naming it (the routes' unknown-field
+    policy: never silently ignored)."""
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise ValueError("invalid 'response_format': an object with a 'type' (text, json_object, json_schema)")
     kind = fmt["type"]
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"invalid 'response_format': type {kind!r} is not one of text, json_object, json_schema")
+    if known_keys:
+        _check_keys(fmt)
     if kind == "text":
         return None
     if kind == "json_object":
         return GrammarSpec("json_object")
-    if kind != "json_schema":
-        raise ValueError(f"invalid 'response_format': type {kind!r} is not one of text, json_object, json_schema")
     inner = fmt.get("json_schema", fmt)
     schema = inner.get("schema") if isinstance(inner, dict) else None
     if not isinstance(schema, dict):
         raise ValueError("invalid 'response_format': json_schema needs a 'schema' object")
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
+    if _json_depth(schema) > MAX_JSON_DEPTH:
+        raise ValueError(f"invalid 'response_format': the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    if _schema_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     return GrammarSpec.json_schema(json.dumps(schema, sort_keys=True))
 
 
-def _depth(node: Any) -> int:
-    """Nesting depth of a JSON value (iterative: a hostile schema cannot exhaust the stack)."""
+def _check_keys(fmt: dict[str, Any]) -> None:
+    """ValueError naming the first key of fmt outside OpenAI's shape of its type: "type" alone
+    (text, json_object), "type" + "json_schema" {name, description, schema, strict}, or the flat
+    form ("type" + the json_schema keys)."""
+    inner = fmt.get("json_schema")
+    allowed, unknown = _FORMAT_KEYS, []
+    if fmt["type"] == "json_schema" and "json_schema" in fmt:
+        allowed = _FORMAT_KEYS | {"json_schema"}
+        if isinstance(inner, dict):  # not an object: format_grammar says what it needs
+            unknown = [f"json_schema.{k}" for k in inner if k not in _JSON_SCHEMA_KEYS]
+    elif fmt["type"] == "json_schema":
+        allowed = _FORMAT_KEYS | _JSON_SCHEMA_KEYS
+    unknown = [k for k in fmt if k not in allowed] + unknown
+    if unknown:
+        raise ValueError(f"invalid 'response_format': unknown field {unknown[0]!r} (for type {fmt['type']!r})")
+
+
+def _json_depth(node: Any) -> int:
+    """Nesting depth of a JSON value, counted up to MAX_JSON_DEPTH + 1 (iterative: a hostile
+    value cannot exhaust the stack)."""
     deepest, todo = 0, [(node, 1)]
     while todo:
         n, d = todo.pop()
         deepest = max(deepest, d)
-        if d > MAX_SCHEMA_DEPTH:
+        if d > MAX_JSON_DEPTH:
             break
         children = n.values() if isinstance(n, dict) else n if isinstance(n, list) else ()
         todo.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
     return deepest
+
+
+def _schema_depth(schema: dict[str, Any]) -> int:
+    """Nesting depth in schemas, counted up to MAX_SCHEMA_DEPTH + 1: the root is 1, a schema
+    under a subschema keyword of a level-L schema is L + 1 (a property's schema, not the
+    `properties` map, is the next level); values that are data (const, enum, default) do not
+    count. Iterative, like _json_depth (which bounds the walk's input first)."""
+    deepest, todo = 0, [(schema, 1)]
+    while todo:
+        node, level = todo.pop()
+        deepest = max(deepest, level)
+        if level > MAX_SCHEMA_DEPTH:
+            break
+        todo.extend((c, level + 1) for c in _subschemas(node, _SCHEMA_MAPS, _SCHEMA_LISTS, _SCHEMA_ONE))
+        todo.extend((c, 1) for c in _subschemas(node, _DEFINITIONS, (), ()))
+    return deepest
+
+
+def _subschemas(node: dict[str, Any], maps: tuple[str, ...], lists: tuple[str, ...], one: tuple[str, ...]) -> list:
+    """The schemas (JSON objects) under node's keywords of each kind."""
+    out: list[Any] = []
+    for key, value in node.items():
+        if key in maps and isinstance(value, dict):
+            out.extend(value.values())
+        elif key in lists and isinstance(value, list):
+            out.extend(value)
+        elif key in one:
+            out.append(value)
+    return [c for c in out if isinstance(c, dict)]
 
 
 def fim_prompt(prefix: str, suffix: str) -> str:

@@ -74,7 +74,7 @@ async def submit(
     for i, tokens in enumerate(ids):
         check_prompt(sv, tokens, f"{field}[{i}]")
     seqs: list[Prompt] = [(tokens, init_state, len(tokens)) for tokens in ids]
-    return submit_all(sv.engine, seqs, [params] * len(seqs), new_id(field))
+    return submit_all(sv.engine, seqs, [params] * len(seqs), new_id(field), max_queue=sv.settings.max_queue)
 
 
 def sse(sv: Services, jobs: list[Job], t0: float, renderer: Renderer) -> SSEResponse:

@@ -15,7 +15,7 @@ from server.api.errors import ApiError, engine_error
 from server.api.metrics import Recorder
 from server.api.streaming.sse import draining_event, wait_disconnect
 from server.engine.protocol import EngineAPI, Handle, StateLike
-from server.engine.types import Event, SamplingParams, TokenLogprob
+from server.engine.types import Event, QueueFullError, SamplingParams, TokenLogprob
 
 log = logging.getLogger("server.openai")
 
@@ -57,10 +57,14 @@ def submit_all(
     base_id: str,
     *,
     return_state: bool | Sequence[bool] = False,
+    max_queue: int = 0,
 ) -> list[Job]:
     """One sequence per (prompt, params): all submitted, or none (the engine's error raised as
     an ApiError). return_state (one for all, or one per sequence): their Results carry the final
-    states (the conversation cache); their streams end without waiting for them."""
+    states (the conversation cache); their streams end without waiting for them. max_queue (the
+    engine's Settings.max_queue; 0: no bound): a request the queue cannot take whole is a 429
+    before any sequence is submitted (see check_room)."""
+    check_room(engine, len(prompts), max_queue)
     keeps = [return_state] * len(prompts) if isinstance(return_state, bool) else list(return_state)
     jobs: list[Job] = []
     try:
@@ -78,6 +82,24 @@ def submit_all(
         abort_all(jobs)
         raise engine_error(exc) from exc
     return jobs
+
+
+def check_room(engine: EngineAPI, n: int, max_queue: int) -> None:
+    """A 429 (as the engine's QueueFullError) when n sequences would not all fit in the waiting
+    queue now. Checked before submitting, because a sequence aborted after a partial submission
+    still counts as waiting until the engine's next step, so a refused request would refuse the
+    requests after it too. The engine takes at most max_queue waiting sequences per engine (one
+    engine per device behind a router: stats() sums the waiting of the live ones). One sequence
+    needs no check (the engine's own refusal leaves nothing behind). Submissions from the event
+    loop cannot interleave with this check; one from another thread still can (then the engine
+    refuses, as before: a partial submission, aborted)."""
+    if not max_queue or n <= 1:
+        return
+    st = engine.stats()
+    room = max_queue * int(st.extra.get("engines_alive", 1)) - st.waiting
+    if n > room:
+        msg = f"{st.waiting} requests are waiting and this one needs {n} more (max_queue={max_queue})"
+        raise engine_error(QueueFullError(msg))
 
 
 def abort_all(jobs: list[Job]) -> None:

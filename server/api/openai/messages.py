@@ -34,13 +34,20 @@ def _turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[
             text, ids = assistant_text(text, m.tool_calls, i)
             calls.update(ids)
         if m.role == "tool":
-            if m.tool_call_id is None or m.tool_call_id not in calls:
-                raise ToolError(
-                    f"messages[{i}].tool_call_id",
-                    f"tool_call_id {m.tool_call_id!r} is not the id of a call in an earlier assistant message",
-                )
-            text = tool_text(calls[m.tool_call_id], text)
+            text = _tool_turn(m, i, calls, text)
         elif m.tool_call_id is not None:
             raise ToolError(f"messages[{i}].tool_call_id", "only tool messages carry a tool_call_id")
         out.append((m.role, text))
     return out
+
+
+def _tool_turn(m: ChatMessage, i: int, calls: dict[str, str], text: str) -> str:
+    """The text of tool message i: its result, naming the earlier call it answers."""
+    param = f"messages[{i}].tool_call_id"
+    if m.tool_call_id is None:  # worded as the schema words a missing field
+        raise ToolError(param, f"'{param}' is required: the id of the call a tool message answers")
+    if m.tool_call_id not in calls:
+        raise ToolError(
+            param, f"tool_call_id {m.tool_call_id!r} is not the id of a call in an earlier assistant message"
+        )
+    return tool_text(calls[m.tool_call_id], text)

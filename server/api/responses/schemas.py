@@ -63,7 +63,8 @@ def _bounds(name: str) -> Any:
 
 
 class ResponseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)  # as SamplingFields: no coercion
+    # as SamplingFields: no coercion of types, no NaN or infinities
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
     error_status: ClassVar[int] = 400
 
     model: str | None = None  # any name: this server serves one model

@@ -1,0 +1,219 @@
+"""Input checks of the OpenAI routes (real server, the openai SDK): how deep a response_format
+schema may nest, a refused request leaves the waiting queue as it was, and bad values are
+clear 400s in the OpenAI error shape."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from util_server import inprocess_server, server_fixture
+
+from server.api.errors import ApiError
+from server.api.openai.jobs import submit_all
+from server.engine.types import EngineStats, SamplingParams
+from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, sampling_params
+
+server = server_fixture()
+USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _object(levels: int) -> dict:
+    """An object schema `levels` schema levels deep (the innermost is a string)."""
+    s: dict = {"type": "string"}
+    for _ in range(levels - 1):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"], "additionalProperties": False}
+    return s
+
+
+def _array(levels: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(levels - 1):
+        s = {"type": "array", "items": s, "maxItems": 1}
+    return s
+
+
+def _any_of(levels: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(levels - 1):
+        s = {"anyOf": [{"type": "null"}, s]}
+    return s
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+
+
+@pytest.mark.parametrize("build", [_object, _array, _any_of])
+def test_schema_depth_counts_schema_levels(client, build):
+    """32 schema levels are accepted (an object level is one level, not two: the `properties`
+    map is not a level), 33 are a 400 naming response_format."""
+    for levels in (16, MAX_SCHEMA_DEPTH):
+        r = client.chat.completions.create(
+            model="any", messages=USER, max_tokens=2, response_format=_schema_format(build(levels))
+        )
+        assert r.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="any", messages=USER, max_tokens=2, response_format=_schema_format(build(MAX_SCHEMA_DEPTH + 1))
+        )
+    err = e.value.body
+    assert err["param"] == "response_format" and err["code"] == "invalid_request"
+    assert f"nests deeper than {MAX_SCHEMA_DEPTH} levels" in err["message"]
+
+
+def test_schema_json_depth_backstop(client):
+    """Data nested deeper than MAX_JSON_DEPTH (not schema levels: a const) is refused before
+    the recursive code after the check sees it; just within it passes."""
+    value: object = 1
+    for _ in range(MAX_JSON_DEPTH - 1):  # the schema object is level 1, these lists 2..256
+        value = [value]
+    ok = client.completions.create(
+        model="any", prompt="x", max_tokens=1, extra_body={"response_format": _schema_format({"const": value})}
+    )
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model="any", prompt="x", max_tokens=1, extra_body={"response_format": _schema_format({"const": [value]})}
+        )
+    assert f"JSON nests deeper than {MAX_JSON_DEPTH} levels" in e.value.body["message"]
+
+
+@pytest.fixture(scope="module")
+def inproc(tmp_path_factory):
+    """A real uvicorn server in this process (so a test can hold its engine's loop): 8 waiting
+    at most."""
+    from server.config import Settings
+
+    db = tmp_path_factory.mktemp("inputs") / "tasks.db"
+    settings = Settings(device="cpu", db=str(db), stats_interval=0, max_batch=4, max_queue=8)
+    with inprocess_server(settings) as (url, app):
+        yield url, app.state.services.engine
+
+
+@contextlib.contextmanager
+def held(engine):
+    """The engine's loop takes no step while the block runs: what is submitted or aborted stays
+    in its inbox (as it does between two steps of a slow model, where the bug showed)."""
+    go, run_once = threading.Event(), engine.run_once
+
+    def wait_then_run():
+        go.wait()
+        return run_once()
+
+    engine.run_once = wait_then_run
+    try:
+        yield
+    finally:
+        del engine.run_once  # the class's method again
+        go.set()
+
+
+def test_refused_batch_leaves_the_queue_as_it_was(inproc):
+    """A: n=4 waits. B: n=8 does not fit (4 places left): 429, and nothing of it stays queued,
+    so a request of 4 is taken at once; the bound still holds after it."""
+    url, engine = inproc
+    sdk = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = {"model": "any", "messages": USER, "max_tokens": 4, "stream": True}
+    with held(engine):
+        a = sdk.chat.completions.create(n=4, **kw)
+        with pytest.raises(openai.RateLimitError) as e:
+            sdk.chat.completions.create(n=8, **kw)
+        assert e.value.body["code"] == "queue_full" and e.value.response.headers["retry-after"] == "1"
+        assert httpx.get(url + "/health").json()["waiting"] == 4  # not 8: B left nothing behind
+        fits = sdk.chat.completions.create(n=4, **kw)
+        with pytest.raises(openai.RateLimitError):
+            sdk.completions.create(model="any", prompt="x", max_tokens=1)
+    for stream in (a, fits):
+        assert all(c.choices for c in stream)  # both run to their end once the loop goes on
+        stream.close()
+
+
+class _FullEngine:
+    """An engine stand-in whose queue has `room` places left; it must never be submitted to."""
+
+    def __init__(self, waiting: int, engines_alive: int) -> None:
+        self.st = EngineStats(waiting=waiting, extra={"engines_alive": engines_alive})
+        self.submitted = 0
+
+    def stats(self) -> EngineStats:
+        return self.st
+
+    def submit(self, *a, **kw):
+        self.submitted += 1
+        raise AssertionError("submitted")
+
+
+def test_submit_all_checks_room_before_submitting():
+    """The room is max_queue per live engine (a router sums the engines' waiting)."""
+    prompt = ([1], None, 1)
+    eng = _FullEngine(waiting=13, engines_alive=2)  # 2 x 8 - 13 = 3 places
+    with pytest.raises(ApiError) as e:
+        submit_all(eng, [prompt] * 4, [SamplingParams()] * 4, "t", max_queue=8)  # type: ignore[arg-type]
+    assert e.value.status == 429 and eng.submitted == 0
+
+
+def test_completions_empty_prompt_has_a_code(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="any", prompt="", max_tokens=1)
+    err = e.value.body
+    assert err["param"] == "prompt" and err["code"] == "invalid_request" and "empty" in err["message"]
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_temperature(server, value):
+    """Python's JSON parser reads NaN: it is not a number in the bounds, it is not finite."""
+    body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "temperature": %s}' % value.encode()
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "temperature" and err["code"] == "invalid_request"
+    assert "finite number" in err["message"] and "less than" not in err["message"]
+
+
+def test_tool_message_without_tool_call_id(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "1"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=messages, max_tokens=1)
+    err = e.value.body
+    assert err["param"] == "messages[2].tool_call_id" and err["code"] == "invalid_request"
+    assert "is required" in err["message"] and "None" not in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "field"),
+    [
+        ({"type": "json_object", "extra": 1}, "'extra'"),
+        ({"type": "text", "schema": {}}, "'schema'"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}, "'json_schema.extra'"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "schema": {}}, "'schema'"),
+    ],
+)
+def test_response_format_unknown_keys(client, server, fmt, field):
+    """A key outside OpenAI's shape is refused naming it, on chat, completions and the task routes."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=USER, max_tokens=1, response_format=fmt)
+    err = e.value.body
+    assert err["param"] == "response_format" and field in err["message"] and "unknown field" in err["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="any", prompt="x", max_tokens=1, extra_body={"response_format": fmt})
+    r = httpx.post(server.url + "/v1/tasks/tmp", json={"prompt": "x", "max_tokens": 1, "response_format": fmt})
+    assert r.status_code == 422 and field in r.json()["error"]["message"]
+
+
+def test_response_format_known_shapes_and_stored_formats():
+    """The flat form (the Responses API's) stays accepted; a format stored before the key check
+    (a task's parameters) still runs."""
+    flat = {"type": "json_schema", "name": "x", "strict": True, "description": "d", "schema": {"type": "string"}}
+    assert sampling_params({"response_format": flat}, 8).grammar is not None
+    stored = sampling_params({"response_format": {"type": "json_object", "extra": 1}}, 8)
+    assert stored.grammar is not None and stored.grammar.kind == "json_object"
