@@ -221,6 +221,44 @@ async def test_a_full_disk_refuses_new_tasks_and_never_shows_an_uncommitted_fini
     await tm.close()
 
 
+async def test_a_delete_that_cannot_commit_leaves_the_task_as_it_was(tmp_path, monkeypatch):
+    # A delete during an outage used to leave the task marked deleted in memory: its queued final
+    # row was then skipped, and the row stayed "running" (with only its last progress text) until
+    # a restart; continue, stop and stream all refused it.
+    eng = FakeEngine()
+    tm = await manager(eng, tmp_path / "d.db")
+    real_owned, real_delete = tm.store.update_owned, tm.store.delete_task
+    full = {"on": False}
+
+    async def update_owned(rows, instance):
+        return await (disk_full(tm.store) if full["on"] else real_owned(rows, instance))
+
+    async def delete_task(task_id):
+        return await (disk_full(tm.store) if full["on"] else real_delete(task_id))
+
+    monkeypatch.setattr(tm.store, "update_owned", update_owned)
+    monkeypatch.setattr(tm.store, "delete_task", delete_task)
+    done = await stored_task(tm)
+    full["on"] = True
+    t = await tm.create("finishes during the outage", persistent=True)
+    await asyncio.sleep(0.3)  # generated; its final row is being retried
+    assert t.running and t.pending_writes > 0
+    for task in (t, done):
+        with pytest.raises(TaskUnavailable):
+            await tm.delete(task.id)
+        assert not task.deleted and (await tm.get(task.id)) is task
+    full["on"] = False  # the database is back: the final row commits, the task is whole
+    await tm.wait(t.id, timeout=10)
+    row = await tm.store.get_task(t.id)
+    assert not t.running and row.status == FINISHED and t.out.text == "<100><101><102>"
+    assert {x["task_id"] for x in (await tm.list())["tasks"]} == {t.id, done.id}
+    await tm.wait((await tm.continue_(t.id, {"max_tokens": 1})).id, timeout=10)  # usable
+    for task in (t, done):
+        await tm.delete(task.id)
+        assert await tm.store.get_task(task.id) is None
+    await tm.close()
+
+
 async def test_a_state_write_on_a_full_disk_is_retried_and_the_task_stays_usable(tmp_path, monkeypatch):
     eng = FakeEngine()
     tm = await manager(eng, tmp_path / "s.db")

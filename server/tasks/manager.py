@@ -323,8 +323,12 @@ class TaskManager:
             self.table.begin_delete(t.id)
             try:
                 await self.persistence.delete(t)
-            finally:
-                self.table.end_delete(t.id)
+            except BaseException:  # not deleted (e.g. the database is away): the task is as it was,
+                t.deleted = False  # and its queued writes (a settle row) go on
+                self.table.end_delete(t.id, committed=False)
+                self.table.restore(t)
+                raise
+            self.table.end_delete(t.id)
         if t.state_id and t.state_id.startswith(t.id + ":"):
             self.cache.discard(t.state_id)
         t.out.notify()

@@ -83,12 +83,19 @@ class TaskTable:
         self.deleting.add(task_id)
         self.forget(task_id)
 
-    def end_delete(self, task_id: str) -> None:
-        """The delete committed (or failed: then the row is read again later, as before)."""
-        self._deletes += 1
-        self._deleted_at[task_id] = self._deletes
+    def end_delete(self, task_id: str, committed: bool = True) -> None:
+        """The delete committed (rows read before it are stale), or failed (they are not)."""
+        if committed:
+            self._deletes += 1
+            self._deleted_at[task_id] = self._deletes
+            self.forget(task_id)
         self.deleting.discard(task_id)
-        self.forget(task_id)
+
+    def restore(self, t: Task) -> None:
+        """Hold t again after a delete that failed: live while it runs or has writes queued,
+        else as recently read."""
+        self.live[t.id] = t
+        self.retire(t)
 
     def read_ticket(self) -> int:
         return self._deletes
