@@ -298,3 +298,12 @@ def test_the_log_says_why_requests_were_refused_and_stays_quiet_about_answers(ht
     assert any('"GET /v1/models" 401' in ln and "missing API key" in ln for ln in log.splitlines())
     assert not [ln for ln in log.splitlines() if '"GET /v1/models" 200' in ln]
     assert all(ln.split()[1] == "INFO" for ln in lines)
+
+
+def test_the_client_cannot_forge_log_lines(http, server):
+    """A path or a field name with a line break is logged escaped, on its own request's line."""
+    http.get("/x%0A23:59:59 WARNING server.app [-] FORGED")
+    http.post(CHAT, json={"messages": MSG, "bogus\nFORGED2": 1})
+    log = server.log_tail(100000).splitlines()
+    assert not [ln for ln in log if ln.startswith(("23:59:59 WARNING", "FORGED2"))], log[-5:]
+    assert any("/x\\x0a23:59:59 WARNING server.app [-] FORGED" in ln for ln in log), log[-5:]

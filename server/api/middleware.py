@@ -205,7 +205,9 @@ class ServerMiddleware:
         path = scope.get("path", "")
         if status < 400:
             if path not in OPEN_PATHS:  # probes would drown even the debug log
-                log.debug('%s "%s %s" %s %.1fms', _client(scope), scope.get("method"), path, status, seconds * 1000)
+                log.debug(
+                    '%s "%s %s" %s %.1fms', _client(scope), scope.get("method"), printable(path), status, seconds * 1000
+                )
             return
         level = logging.WARNING if status >= 500 else logging.INFO
         if path in OPEN_PATHS:  # a probe's 503 (loading, draining) is the probe doing its job
@@ -215,11 +217,20 @@ class ServerMiddleware:
             '%s "%s %s" %s %.1fms: %s',
             _client(scope),
             scope.get("method"),
-            path,
+            printable(path),
             status,
             seconds * 1000,
-            error or "(no reason given)",
+            printable(error or "(no reason given)"),
         )
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def printable(text: str) -> str:
+    """text with its control characters escaped (\\x0a): a path or an error message quoting the
+    client's input cannot break the log into forged lines."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _client(scope: Scope) -> str:
