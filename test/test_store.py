@@ -5,6 +5,7 @@ half skips without PostgreSQL or asyncpg); test_store_pg.py has the rest of the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import orjson
@@ -17,6 +18,7 @@ from server.model.state import ModelShape, State
 from server.tasks import migrate
 from server.tasks.cache import StateCache
 from server.tasks.codec import StateCodecError, decode_state, encode_state
+from server.tasks.errors import TaskUnavailable
 from server.tasks.records import Task, from_row, to_row
 from server.tasks.schema import metadata
 from server.tasks.store import Store, database_url, state_row
@@ -362,6 +364,29 @@ async def test_writer_group_failure_fails_only_the_bad_item():
     assert done[0] is None and done[2] is None and isinstance(done[1], ValueError)
     assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]  # the group, then one by one
     assert w.failed == 1
+    await w.close()
+
+
+async def test_writer_logs_an_unavailable_database_once_a_while_and_bugs_in_full(caplog):
+    # an outage made every background retry log ~100 lines of traceback, once a second
+    w = Writer(100)
+
+    async def away():
+        raise TaskUnavailable("database is locked beyond the busy timeout")
+
+    async def bug():
+        raise RuntimeError("a bug")
+
+    w.start()
+    with caplog.at_level(logging.WARNING, logger="server.tasks.writer"):
+        for _ in range(5):
+            w.offer(away)
+        w.offer(bug)
+        await w.flush()
+    recs = caplog.records
+    assert [r.levelno for r in recs] == [logging.WARNING, logging.ERROR], [r.getMessage() for r in recs]
+    assert recs[0].exc_info is None and "busy timeout" in recs[0].getMessage()
+    assert recs[1].exc_info is not None and w.failed == 6
     await w.close()
 
 

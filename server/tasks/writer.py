@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
+
+from server.tasks.errors import TaskUnavailable
 
 log = logging.getLogger("server.tasks.writer")
 Job = Callable[..., Awaitable[Any]]
@@ -23,6 +26,7 @@ ListJob = Callable[[list[T]], Awaitable[object]]
 """A job that writes a list of items in one transaction (put_many)."""
 MAX_GROUP = 256  # items per merged put_many call
 GROUP_BYTES = 64 * 2**20  # weight (bytes written) per merged put_many call; at least one item
+UNAVAILABLE_LOG_S = 30.0  # at most one line this often while the database is away
 
 
 class _Entry(NamedTuple):
@@ -40,6 +44,7 @@ class Writer:
         self.done = 0
         self.failed = 0
         self.dropped = 0
+        self._unavailable, self._unavailable_logged = 0, -UNAVAILABLE_LOG_S  # (_log_failure)
 
     def start(self) -> None:
         if self._task is None:
@@ -124,13 +129,26 @@ class Writer:
         except Exception as exc:
             self.failed += 1
             if fut is None:
-                log.exception("background database write failed")
+                self._log_failure(exc)
             elif not fut.done():
                 fut.set_exception(exc)
         else:
             self.done += 1
             if fut is not None and not fut.done():
                 fut.set_result(result)
+
+    def _log_failure(self, exc: Exception) -> None:
+        """A background write failed: a bug gets its traceback; the database being away (busy,
+        full, unreachable: TaskUnavailable, retried by the jobs that must land) gets one line,
+        at most every UNAVAILABLE_LOG_S, counting the failures in between."""
+        if not isinstance(exc, TaskUnavailable):
+            log.exception("background database write failed")
+            return
+        self._unavailable += 1
+        now = time.monotonic()
+        if now - self._unavailable_logged >= UNAVAILABLE_LOG_S:
+            log.warning("background database writes failing (%d since the last line): %s", self._unavailable, exc)
+            self._unavailable, self._unavailable_logged = 0, now
 
     async def _run_group(self, fn: Job, group: list[_Entry]) -> bool:
         """One call for the group's items; False (nothing set) when it fails."""
