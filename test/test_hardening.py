@@ -300,6 +300,15 @@ def test_openapi_documents_error_statuses_and_sse(server):
     for path in ("/v1/tasks/create", "/v1/tasks/tmp", "/v1/chat/completions", "/v1/completions"):
         assert "text/event-stream" in paths[path]["post"]["responses"]["200"]["content"], path
     assert "text/event-stream" in paths["/v1/tasks/{task_id}/stream"]["get"]["responses"]["200"]["content"]
+    # the probes are routes like any other, HEAD included (a load balancer's check)
+    assert "503" in paths["/health"]["get"]["responses"]
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert httpx.head(server.url + "/health").status_code == 200
+
+
+def test_the_docs_page_points_to_the_schema_when_its_cdn_is_unreachable(server):
+    page = httpx.get(server.url + "/docs").text
+    assert "SwaggerUIBundle" in page and "typeof SwaggerUIBundle" in page and "/openapi.json" in page
 
 
 # --- 9. a request that can never fit is a 400, not a 429 ----------------------------------------------

@@ -53,7 +53,8 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
             if owned and app.state.services is not None:
                 await _shutdown(app.state.services)
 
-    app = ServerApp(title="RWKV-7 task server", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    # /docs is ops.py's (FastAPI's page, plus an offline note)
+    app = ServerApp(title="RWKV-7 task server", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.services = services  # None until loaded (routes answer 503 "loading")
     app.state.metrics = metrics
     app.state.load_error = None

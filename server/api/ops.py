@@ -1,4 +1,5 @@
-"""Operations: /health (503 until ready) and /metrics (Prometheus text)."""
+"""Operations: /health (503 until ready), /metrics (Prometheus text) and the Swagger page /docs
+(its script from a CDN, with a pointer to /openapi.json where that cannot load)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, Response
 
 from server.api.errors import error_body
 from server.api.metrics import Metrics
@@ -27,7 +29,23 @@ def _unavailable(status: str, message: str, code: str, headers: dict[str, str] |
     return _json(503, {"status": status, **error_body(message, "service_unavailable", None, code)}, headers)
 
 
-@router.get("/health", include_in_schema=False)
+_STATUS = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
+_HEALTH: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Ready: `status` ok, the model id, the engine's running / waiting / slots",
+        "content": {"application/json": {"schema": _STATUS}},
+    },
+    503: {
+        "description": "Not ready: `status` loading (Retry-After), failed, shutting_down or engine_dead, with "
+        "the error object",
+        "content": {"application/json": {"schema": _STATUS}},
+    },
+}
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+_METRICS: dict[int | str, dict[str, Any]] = {200: {"description": "Prometheus text format 0.0.4", "content": _TEXT}}
+
+
+@router.get("/health", responses=_HEALTH, tags=["operations"])
 async def health(request: Request) -> Response:
     state = request.app.state
     services: Services | None = state.services
@@ -49,7 +67,7 @@ async def health(request: Request) -> Response:
     return _json(200, body)
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", responses=_METRICS, tags=["operations"])
 async def metrics(request: Request) -> Response:
     services: Services | None = request.app.state.services
     m: Metrics = request.app.state.metrics
@@ -57,6 +75,12 @@ async def metrics(request: Request) -> Response:
     if services is not None and services.tasks is not None:
         text += _task_counters(services)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# HEAD for the probes too (a load balancer's check): the same answer without its body; not in the
+# document (one operation per route keeps the operation ids stable)
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/metrics", metrics, methods=["HEAD"], include_in_schema=False)
 
 
 def _task_counters(services: Services) -> str:
@@ -85,3 +109,22 @@ def _tiers(services: Services) -> dict[str, dict[str, Any]]:
             tiers.update(services.tasks.stats().get("tiers", {}))
     tiers["prefix"] = services.prefix_cache.stats()
     return tiers
+
+
+_OFFLINE = """<script>
+if (typeof SwaggerUIBundle === "undefined") {
+  document.getElementById("swagger-ui").innerHTML = "<p style='font-family:sans-serif;margin:2em'>" +
+    "This page loads Swagger UI from cdn.jsdelivr.net, which this browser cannot reach. " +
+    "The API description itself is served here: <a href='/openapi.json'>/openapi.json</a>.</p>";
+}
+</script>
+</body>"""
+
+
+@router.get("/docs", include_in_schema=False)
+async def docs(request: Request) -> Response:
+    """FastAPI's Swagger page, plus a line that names /openapi.json where the CDN is unreachable
+    (an offline GPU host): without it the page stays blank."""
+    page = get_swagger_ui_html(openapi_url="/openapi.json", title=f"{request.app.title} - docs")
+    html = bytes(page.body).decode().replace("</body>", _OFFLINE, 1)
+    return HTMLResponse(html)
