@@ -69,6 +69,10 @@ def test_metrics_families(slow_server):
                    "rwkv_inter_token_latency_seconds", "rwkv_engine_step_seconds", "rwkv_state_cache_bytes",
                    "rwkv_state_cache_hits_total", "rwkv_http_requests_total", "rwkv_gc_collections_total"):
         assert f"# TYPE {family} " in text, family
+    # every family named *_total is a counter (Prometheus' rule; rate() depends on it)
+    kinds = dict(ln.split()[2:4] for ln in text.splitlines() if ln.startswith("# TYPE "))
+    assert kinds["rwkv_engine_finished_total"] == "counter" and kinds["rwkv_engine_overhead_ms"] == "gauge"
+    assert not [f for f, k in kinds.items() if f.endswith("_total") and k != "counter"], kinds
     after = parse_metrics(text)
     assert after['rwkv_gc_collections_total{generation="0"}'] > 0  # the server process's own collector
     assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1

@@ -173,7 +173,8 @@ def _engine_lines(out: list[str], engine: EngineAPI) -> None:
     _sample(out, "rwkv_engine_alive", "gauge", "1 while the engine loop runs.", int(engine.is_alive))
     for key, value in sorted((st.extra or {}).items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            _sample(out, f"rwkv_engine_{_name(key)}", "gauge", f"Engine figure {key}.", value)
+            kind = "counter" if key.endswith("_total") else "gauge"  # a running sum is a counter
+            _sample(out, f"rwkv_engine_{_name(key)}", kind, f"Engine figure {key}.", value)
     if isinstance(engine, EngineRouter):
         _device_lines(out, engine)
 
