@@ -20,7 +20,8 @@ from server.api.errors import ERROR_TYPES, HTTP_CODES, ApiError, dumps_error, er
 
 log = logging.getLogger("server.http")
 
-TASK_PREFIX = "/v1/tasks"
+TASK_PREFIXES = ("/v1/tasks", "/v1/ui/tasks")
+"""Routes of the task family (a bad request is 422): the task API and the dashboard's task view."""
 
 
 def _json(request: Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
@@ -95,7 +96,7 @@ async def api_error_handler(request: Request, exc: ApiError) -> Response:
 
 def _invalid_status(request: Request) -> int:
     """The route family's status of an invalid request: 422 on the task routes, 400 elsewhere."""
-    return 422 if request.url.path.startswith(TASK_PREFIX) else 400
+    return 422 if request.url.path.startswith(TASK_PREFIXES) else 400
 
 
 async def validation_handler(request: Request, exc: RequestValidationError) -> Response:
