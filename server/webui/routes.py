@@ -5,8 +5,10 @@
   fetched from elsewhere at run time).
 - GET /: redirects to /ui, so a browser pointed at the server lands on the dashboard.
 - GET /v1/ui/tasks/{task_id}: what the task API does not return and the task and template pages
-  show: the task's last prompt and its stored parameters. Under /v1, so API keys and ownership
-  apply as on the task routes (another key's task is a 404).
+  show: the task's last prompt and its stored parameters, and `output_start` (where in the token
+  history the current output starts: it grows when a run starts with a new prompt). `brief=true`
+  leaves out the prompt and parameters (the task page's poll, which watches for new runs). Under
+  /v1, so API keys and ownership apply as on the task routes (another key's task is a 404).
 
 The pages need no key to load; every /v1 call they make carries the key the user typed.
 """
@@ -18,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
-from server.api.errors import ApiError
+from server.api.errors import ApiError, task_error
 from server.api.openapi import answers
 from server.api.services import get_owner, get_services
 from server.tasks.errors import TaskError
@@ -61,26 +63,29 @@ async def asset(name: str) -> Response:
     return FileResponse(path, media_type=media, headers=_NO_CACHE)
 
 
-@router.get("/v1/ui/tasks/{task_id}", tags=["dashboard"], responses=answers(401, 404, 503))
-async def task_detail(task_id: str, request: Request) -> Response:
+@router.get("/v1/ui/tasks/{task_id}", tags=["dashboard"], responses=answers(401, 404, 422, 503))
+async def task_detail(task_id: str, request: Request, brief: bool = Query(False)) -> Response:
     """A task's or template's last prompt, parameters and counters (the dashboard's task and
-    template pages). Same visibility as GET /v1/tasks/{id}/status: 404 for another key's task."""
+    template pages); brief=true: the counters only. Same visibility as GET
+    /v1/tasks/{id}/status: 404 for another key's task."""
     services = get_services(request)
     if services.tasks is None:
         raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
     try:
         t = await services.tasks.get(task_id, get_owner(request))
     except TaskError as exc:
-        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
-    return Response(orjson.dumps(_detail(t)), media_type="application/json")
+        raise task_error(exc) from None
+    return Response(orjson.dumps(_detail(t, brief)), media_type="application/json")
 
 
-def _detail(t: Any) -> dict[str, Any]:
-    return {
+def _detail(t: Any, brief: bool = False) -> dict[str, Any]:
+    out = {
         **t.summary(),
-        "prompt": t.prompt,
-        "params": t.params,
+        "output_start": t.out_start,
         "prompt_tokens": t.prompt_tokens,
         "completion_tokens": t.completion_tokens,
         "speed": t.speed(),
     }
+    if not brief:
+        out.update(prompt=t.prompt, params=t.params)
+    return out

@@ -1,93 +1,124 @@
-// Tasks: the key's tasks and templates, refreshed every second (GET /v1/tasks/list), with a
-// kind / status filter, a search box, and a form that creates a task.
+// Tasks: the key's tasks and templates (GET /v1/tasks/list, newest first), a page at a time,
+// refreshed every second, with a kind / status filter, a search box, and the form that creates
+// a task (newtask.js).
+//
+// The list route pages (`limit`, `offset`, `total_count`) but filters by kind only. Without a
+// status or a search, a page is one list call. With one, the filter runs here, over every task
+// of the kind: read whole (1000 a call) when the filter starts and every SCAN_MS; in between,
+// each refresh reads the newest 1000 again and puts them over the older ones read before.
 
 import { aborted, api } from "./api.js";
-import { errorBox, every, field, h, statusText, taskLink, when } from "./dom.js";
-import { TASK_FIELDS, samplingBody, samplingFields } from "./sampling.js";
+import { errorBox, every, h, statusText, taskLink, when } from "./dom.js";
+import { newTaskForm } from "./newtask.js";
 
 const REFRESH_MS = 1000;
-const PAGE = 500;
+const SCAN_MS = 30_000;
+const PAGE = 100; // rows a page shows
+const CHUNK = 1000; // the list route's largest `limit`
+const MAX_OFFSET = 1_000_000; // and its largest `offset`
 
 export function mount(el) {
   const ctl = new AbortController();
+  const changed = () => { offset = 0; refresh(); };
   const filters = h("form", { class: "row filters", onsubmit: (ev) => ev.preventDefault() },
-    h("select", { name: "kind", id: "filter-kind", onchange: () => { seen = ""; refresh(); } },
+    h("select", { name: "kind", id: "filter-kind", onchange: changed },
       h("option", { value: "" }, "all kinds"), h("option", { value: "task" }, "tasks (TASK_)"),
       h("option", { value: "tmp" }, "temporary (TMP_)"), h("option", { value: "template" }, "templates")),
-    h("select", { name: "status", id: "filter-status", onchange: () => render() },
+    h("select", { name: "status", id: "filter-status", onchange: changed },
       h("option", { value: "" }, "any status"), h("option", { value: "running" }, "running or queued"),
       h("option", { value: "finished" }, "finished")),
     h("input", { type: "search", name: "q", id: "filter-search", placeholder: "search id, parent, finish reason",
-      oninput: () => render() }));
+      oninput: changed }));
   const count = h("span", { class: "muted", id: "task-count" });
+  const pager = (id, step, label) => h("button", { type: "button", id, class: "small", onclick: () => turn(step) }, label);
+  const newer = pager("page-newer", -PAGE, "‹ newer"), older = pager("page-older", PAGE, "older ›");
   const body = h("tbody", { id: "task-rows" });
   const table = h("table", { class: "list" },
     h("thead", {}, h("tr", {}, ["id", "kind", "status", "tokens", "created", "parent"].map((c) => h("th", {}, c)))),
     body);
   const message = h("div");
-  el.append(h("h1", {}, "Tasks"), newTaskForm(ctl.signal), filters, count, message, table);
+  el.append(h("h1", {}, "Tasks"), newTaskForm(ctl.signal), filters,
+    h("div", { class: "row" }, newer, older, count), message, table);
 
-  let rows = [], seen = "";
-  const render = () => {
-    const status = filters.elements.status.value;
-    const q = filters.elements.q.value.trim().toLowerCase();
-    const shown = rows.filter((t) => (status === "" || (status === "finished") === (t.status === 3))
-      && (!q || [t.task_id, t.parent_id, t.finish_reason, t.kind].some((v) => v && v.toLowerCase().includes(q))));
-    body.replaceChildren(...shown.map((t) => h("tr", { dataset: { id: t.task_id, status: t.status } },
-      h("td", {}, taskLink(t.task_id)), h("td", {}, t.kind), h("td", { class: `st-${t.status}` }, statusText(t)),
-      h("td", { class: "num" }, t.generated_buf), h("td", {}, when(t.created_at)), h("td", {}, taskLink(t.parent_id)))));
-    count.textContent = `${shown.length} shown of ${rows.length}`;
+  let offset = 0, seen = "", generation = 0;
+  let scan = null; // every task of scan.kind, read at scan.at (the filtered views)
+  const turn = (step) => { offset = Math.max(0, offset + step); refresh(); };
+
+  const filtered = async (kind, match) => {
+    if (!scan || scan.kind !== kind || Date.now() - scan.at > SCAN_MS) {
+      scan = { kind, at: Date.now(), ...(await readAll(kind, ctl.signal)) };
+    } else {
+      const head = await api("/v1/tasks/list", { query: { limit: CHUNK, kind }, signal: ctl.signal });
+      scan = { ...scan, tasks: overlay(head.tasks, scan.tasks), total: head.total_count };
+    }
+    const hits = scan.tasks.filter(match);
+    return { total: scan.total, hits: hits.length, page: hits.slice(offset, offset + PAGE) };
   };
+
   const refresh = async () => {
+    const mine = ++generation; // a refresh started later (a filter changed) wins
     try {
       const kind = filters.elements.kind.value;
-      const list = await api("/v1/tasks/list", { query: { limit: PAGE, kind }, signal: ctl.signal });
-      const text = JSON.stringify(list.tasks || []);
+      const status = filters.elements.status.value;
+      const q = filters.elements.q.value.trim().toLowerCase();
+      let view;
+      if (!status && !q) {
+        const list = await api("/v1/tasks/list", { query: { limit: PAGE, offset, kind }, signal: ctl.signal });
+        view = { total: list.total_count, hits: list.total_count, page: list.tasks || [] };
+      } else {
+        view = await filtered(kind, (t) => (status === "" || (status === "finished") === (t.status === 3))
+          && (!q || [t.task_id, t.parent_id, t.finish_reason, t.kind].some((v) => v && v.toLowerCase().includes(q))));
+      }
+      if (mine !== generation) return;
       message.replaceChildren();
-      if (text === seen) return; // unchanged: keep the rows (and a pointer on a link) as they are
-      seen = text;
-      rows = list.tasks || [];
-      render();
+      if (offset > 0 && offset >= view.hits) { // the page emptied (tasks deleted): go to the last one
+        offset = Math.max(0, Math.ceil(view.hits / PAGE) - 1) * PAGE;
+        return refresh();
+      }
+      show(view, status || q);
     } catch (err) {
-      if (!aborted(err)) message.replaceChildren(errorBox(err));
+      if (!aborted(err) && mine === generation) message.replaceChildren(errorBox(err));
     }
   };
+
+  const show = ({ total, hits, page }, filtering) => {
+    const range = page.length ? `${offset + 1}–${offset + page.length}` : "none";
+    count.textContent = filtering ? `${hits} of ${total} match, ${range} shown` : `${range} of ${total}`;
+    count.dataset.total = total;
+    newer.disabled = offset === 0;
+    older.disabled = offset + page.length >= hits;
+    const text = JSON.stringify(page);
+    if (text === seen) return; // unchanged: keep the rows (and a pointer on a link) as they are
+    seen = text;
+    body.replaceChildren(...page.map((t) => h("tr", { dataset: { id: t.task_id, status: t.status } },
+      h("td", {}, taskLink(t.task_id)), h("td", {}, t.kind), h("td", { class: `st-${t.status}` }, statusText(t)),
+      h("td", { class: "num" }, t.generated_buf), h("td", {}, when(t.created_at)), h("td", {}, taskLink(t.parent_id)))));
+  };
+
   const stop = every(REFRESH_MS, refresh);
   return () => { stop(); ctl.abort(); };
 }
 
-function newTaskForm(signal) {
-  const out = h("div");
-  const form = h("form", { id: "new-task", class: "stack" },
-    field("Prompt", "prompt", { tag: "textarea", rows: 3, required: true }),
-    h("div", { class: "row" }, samplingFields(TASK_FIELDS, { max_tokens: 200 }),
-      h("label", { class: "field check" }, h("input", { type: "checkbox", name: "template" }),
-        h("span", {}, "prefill only, then make it a template named"),
-        h("input", { name: "template_name", placeholder: "name (optional)", size: 12 }))),
-    h("div", { class: "row" }, h("button", { type: "submit" }, "Create task")), out);
-  form.addEventListener("submit", async (ev) => {
-    ev.preventDefault();
-    const body = { prompt: form.elements.prompt.value, ...samplingBody(form, TASK_FIELDS) };
-    try {
-      if (form.elements.template.checked) body.max_tokens = 0;
-      let t = await api("/v1/tasks/create", { method: "POST", body, signal });
-      if (form.elements.template.checked) {
-        await waitFinished(t.task_id, signal);
-        const name = form.elements.template_name.value.trim();
-        t = await api(`/v1/tasks/${t.task_id}/as_template`, { method: "POST", body: {}, query: { name }, signal });
-      }
-      location.hash = `#/tasks/${encodeURIComponent(t.task_id)}`;
-    } catch (err) {
-      if (!aborted(err)) out.replaceChildren(errorBox(err));
-    }
-  });
-  return h("details", { class: "card" }, h("summary", {}, "New task"), form);
+/** Every task of `kind` ("" all), newest first: { tasks, total }. */
+async function readAll(kind, signal) {
+  const byId = new Map(); // a task may move to the next page while the pages are read
+  let total = 0;
+  for (let offset = 0; offset <= MAX_OFFSET; offset += CHUNK) {
+    const list = await api("/v1/tasks/list", { query: { limit: CHUNK, offset, kind }, signal });
+    total = list.total_count;
+    for (const t of list.tasks) if (!byId.has(t.task_id)) byId.set(t.task_id, t);
+    if (list.tasks.length < CHUNK || offset + CHUNK >= total) break;
+  }
+  return { tasks: [...byId.values()], total };
 }
 
-async function waitFinished(id, signal) {
-  for (;;) {
-    const st = await api(`/v1/tasks/${id}/status`, { signal });
-    if (st.status === 3) return st;
-    await new Promise((r) => setTimeout(r, 200));
-  }
+/** The newest tasks `head` (a fresh first page) over `old` (all, read before): `old`'s tasks
+ *  older than the whole head stay, the rest is the head's. */
+function overlay(head, old) {
+  if (head.length < CHUNK) return head; // the head is every task
+  const last = head[head.length - 1];
+  const ids = new Set(head.map((t) => t.task_id));
+  const older = (t) => t.created_at < last.created_at
+    || (t.created_at === last.created_at && t.task_id > last.task_id);
+  return head.concat(old.filter((t) => !ids.has(t.task_id) && older(t)));
 }

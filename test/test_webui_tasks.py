@@ -1,0 +1,196 @@
+"""The dashboard's task list and task page against a real server, in a real browser (as
+test_webui.py): every task reachable however many there are, a task page that follows runs
+another client starts, and the "prefill only, make template" form leaving nothing behind when
+it fails."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from util_browser import browser_fixture, console_errors, open_page, require_browser, select, shot, wait_for
+from util_server import server_fixture
+
+require_browser()
+
+server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
+browser = browser_fixture()
+MANY = 620  # more than the 500 the list once stopped at
+
+
+def post(srv, path: str, body: dict | None = None, **params) -> dict:
+    for _ in range(100):
+        r = httpx.post(srv.url + path, json=body if body is not None else {}, params=params, timeout=30)
+        if r.status_code != 429:  # queue_full: wait for the queue to drain
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def get(srv, path: str, **params) -> dict:
+    r = httpx.get(srv.url + path, params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_finished(srv, task_id: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = get(srv, f"/v1/tasks/{task_id}/status")
+        if st["status"] == 3:
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"{task_id} still running after {timeout}s: {st}")
+
+
+def total(srv, kind: str | None = None) -> int:
+    return get(srv, "/v1/tasks/list", limit=1, **({"kind": kind} if kind else {}))["total_count"]
+
+
+def text_of(drv, css: str) -> str:
+    # textContent, not .text: WebDriver's rendered text folds whitespace
+    return drv.find_element("css selector", css).get_attribute("textContent")
+
+
+def row_ids(drv) -> list[str]:
+    """The listed ids, read at once (a refresh may re-render the rows between two reads)."""
+    return drv.execute_script("return [...document.querySelectorAll('#task-rows tr')].map((r) => r.dataset.id)")
+
+
+@pytest.fixture(scope="module")
+def many_tasks(server) -> list[str]:
+    """MANY prefill-only TMP_ tasks, oldest first."""
+    ids = []
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for i in range(MANY):
+            for _ in range(100):
+                r = c.post("/v1/tasks/tmp", json={"prompt": f"task number {i}", "max_tokens": 0})
+                if r.status_code != 429:
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["task_id"])
+    return ids
+
+
+def test_every_task_is_reachable_and_the_total_is_true(server, browser, many_tasks):
+    n = total(server)
+    assert n >= MANY
+    open_page(browser, server, "#/tasks", "#task-rows tr")
+    count = browser.find_element("css selector", "#task-count")
+    wait_for(browser, lambda d: f"of {n}" in count.text, 10)  # the true total, not the rows read
+    assert count.get_attribute("data-total") == str(n)
+    first_page = row_ids(browser)
+    assert 0 < len(first_page) < n and many_tasks[-1] in first_page and many_tasks[0] not in first_page
+    older = browser.find_element("css selector", "#page-older")
+    seen = set(first_page)
+    while older.is_enabled():  # page by page to the oldest
+        before = count.text
+        older.click()
+        wait_for(browser, lambda d: count.text != before, 10)
+        seen.update(row_ids(browser))
+    assert set(many_tasks) <= seen and many_tasks[0] in row_ids(browser)
+    shot(browser, "tasks-last-page")
+    browser.find_element("css selector", "#page-newer").click()
+    wait_for(browser, lambda d: many_tasks[0] not in row_ids(d), 10)
+
+    # the search looks through every task, not just a page: the oldest one is found
+    browser.find_element("css selector", "#filter-search").send_keys(many_tasks[0][-12:])
+    wait_for(browser, lambda d: row_ids(d) == [many_tasks[0]], 15)
+    wait_for(browser, lambda d: count.text.startswith(f"1 of {n} match"), 5)
+    # a status filter also runs over every task, a page at a time
+    search = browser.find_element("css selector", "#filter-search")
+    search.clear()
+    select(browser, "#filter-status", "finished")
+    wait_for(browser, lambda d: " match, 1–100 shown" in count.text, 15)
+    assert int(count.text.split(" of ")[0]) >= MANY and older.is_enabled()
+    select(browser, "#filter-status", "")
+    # and a task created meanwhile is found by the search
+    late = post(server, "/v1/tasks/tmp", {"prompt": "a late one", "max_tokens": 0})["task_id"]
+    search.send_keys(late[-12:])
+    wait_for(browser, lambda d: row_ids(d) == [late], 10)
+    assert console_errors(browser) == []
+
+
+def test_task_page_follows_runs_started_elsewhere(server, browser):
+    body = {"prompt": "the first prompt", "max_tokens": 8, "ignore_eos": True}  # continues inherit ignore_eos
+    tid = post(server, "/v1/tasks/create", body)["task_id"]
+    wait_finished(server, tid)
+    open_page(browser, server, f"#/tasks/{tid}", "#task-output[data-done]")
+    first = text_of(browser, "#task-output")
+    assert first == get(server, f"/v1/tasks/{tid}/get_result")["result"]
+
+    def shows_result(d, prompt: str) -> bool:
+        result = get(server, f"/v1/tasks/{tid}/get_result")
+        return (prompt in text_of(d, "#task-prompt") and result["finished"]
+                and d.find_elements("css selector", "#task-output[data-done]")
+                and text_of(d, "#task-output") == result["result"])
+
+    # another client continues with a new prompt: a new output, from its first token
+    post(server, f"/v1/tasks/{tid}/continue", {"prompt": " the second prompt", "max_tokens": 6})
+    wait_finished(server, tid)
+    wait_for(browser, lambda d: shows_result(d, "the second prompt"), 10)
+    second = text_of(browser, "#task-output")
+
+    # ... then without a prompt: the same output goes on where it stopped (nothing repeated)
+    post(server, f"/v1/tasks/{tid}/continue", {"max_tokens": 5})
+    wait_finished(server, tid)
+    wait_for(browser, lambda d: shows_result(d, "the second prompt")
+             and len(text_of(d, "#task-output")) > len(second), 10)
+    assert text_of(browser, "#task-output").startswith(second)
+
+    # ... and a long run with a prompt: streamed live while it runs
+    post(server, f"/v1/tasks/{tid}/continue", {"prompt": " the third prompt", "max_tokens": 100_000})
+    wait_for(browser, lambda d: "the third prompt" in text_of(d, "#task-prompt")
+             and len(text_of(d, "#task-output")) > 20, 15)
+    assert get(server, f"/v1/tasks/{tid}/status")["status"] != 3
+    assert browser.find_element("css selector", "#task-stop").is_enabled()
+    post(server, f"/v1/tasks/{tid}/stop")
+    wait_finished(server, tid)
+    wait_for(browser, lambda d: shows_result(d, "the third prompt"), 10)
+    wait_for(browser, lambda d: "stopped" in d.find_element("css selector", "#task-status").text, 5)
+    assert console_errors(browser) == []
+
+
+def _submit_template(browser, name: str) -> None:
+    form = browser.find_element("css selector", "#new-task")
+    if not form.is_displayed():
+        browser.find_element("css selector", "details > summary").click()
+    prompt = form.find_element("css selector", "[name=prompt]")
+    prompt.clear()
+    prompt.send_keys("System: a prompt for a template\n\n")
+    box = form.find_element("css selector", "[name=template]")
+    if not box.is_selected():
+        box.click()
+    field = form.find_element("css selector", "[name=template_name]")
+    field.clear()
+    field.send_keys(name)
+    form.find_element("css selector", "button[type=submit]").click()
+
+
+def test_template_form_leaves_no_stray_task(server, browser):
+    before = total(server, "task")
+    open_page(browser, server, "#/tasks", "#new-task")
+    _submit_template(browser, "bad name!")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#new-task .error"), 10)
+    assert "template name" in browser.find_element("css selector", "#new-task .error").text
+    time.sleep(0.5)  # a task made anyway would be listed by now
+    assert total(server, "task") == before
+
+    # a name the server refuses after the task was made (taken): that task is deleted again
+    base = post(server, "/v1/tasks/create", {"prompt": "for a taken name", "max_tokens": 0})["task_id"]
+    wait_finished(server, base)
+    post(server, f"/v1/tasks/{base}/as_template", name="taken")
+    before = total(server, "task")
+    _submit_template(browser, "taken")
+    wait_for(browser, lambda d: "already exists" in d.find_element("css selector", "#new-task .error").text, 15)
+    assert total(server, "task") == before
+    shot(browser, "tasks-template-error")
+
+    _submit_template(browser, "made.in-the_ui")  # a good name still makes the template
+    wait_for(browser, lambda d: d.current_url.endswith("#/tasks/_made.in-the_ui"), 15)
+    wait_for(browser, lambda d: text_of(d, "#task-kind") == "template", 10)
+    assert console_errors(browser, allow=("status of 409",)) == []
