@@ -121,7 +121,7 @@ class FakeEngine:
         return True
 
     def submit(self, prompt, params=None, *, init_state=None, request_id=None, return_state=False,
-               end_before_state=False) -> FakeHandle:
+               end_before_state=False, history=0) -> FakeHandle:
         assert return_state and params is not None
         sub = Submission(list(prompt), params, init_state, request_id or f"r{len(self.submissions)}")
         self.submissions.append(sub)

@@ -6,9 +6,11 @@ random-weight model, the server's own rebuild path (TaskManager); the logits by 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.config import Settings
+from server.engine.types import PromptTooLongError
 from server.tasks import TaskManager
 
 GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
@@ -95,3 +97,30 @@ async def test_the_server_continues_a_rebuilt_task_token_for_token(parts, tmp_pa
             assert a.prompt_tokens == 1 and b.prompt_tokens == len(tok.encode(prompt)) + 8
     finally:
         await tm.close()
+
+
+async def test_a_rebuilt_history_does_not_count_as_the_request_s_prompt(parts, tmp_path):
+    # max_prompt_tokens bounds what a request brings. A task whose state was dropped re-feeds its
+    # own history; that used to count too, so a task whose history had grown past the bound was
+    # refused (413) by every continue, fork and as_template once its state was gone.
+    from server.engine import Engine
+
+    model, tok, _ = parts
+    eng = Engine(model, tok, Settings(device="cpu", max_batch=8, stats_interval=0, cuda_graphs=False,
+                                      max_prompt_tokens=16))
+    eng.start()
+    tm = TaskManager(eng, tok, Settings(db=str(tmp_path / "p.db"), device="cpu", stats_interval=0), model.shape)
+    await tm.start()
+    try:
+        t = await tm.wait((await tm.create(list(range(10, 24)), {"max_tokens": 12, **GREEDY}, persistent=True)).id)
+        await tm.flush()
+        assert len(t.tokens) == 26  # past the bound: 14 prompt + 12 generated
+        await tm.store.drop_state(t.stored_id)
+        tm.cache.discard(t.state_id)
+        await tm.wait((await tm.continue_(t.id, {"max_tokens": 2}, list(range(30, 40)))).id)  # rebuilt: fine
+        assert t.finish_reason == "length" and tm.counters["rebuilds"] == 1
+        with pytest.raises(PromptTooLongError):  # the request's own prompt still counts
+            await tm.continue_(t.id, {"max_tokens": 1}, list(range(40, 57)))
+    finally:
+        await tm.close()
+        eng.shutdown()

@@ -38,7 +38,7 @@ class Eng:
         return self.alive
 
     def submit(self, prompt, params=None, *, init_state=None, request_id=None, return_state=False,
-               end_before_state=False):  # fmt: skip
+               end_before_state=False, history=0):  # fmt: skip
         if not self.alive:
             raise EngineDeadError("dead")
         if self.full:

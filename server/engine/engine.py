@@ -182,16 +182,18 @@ class Engine:
         request_id: str | None = None,
         return_state: bool = False,
         end_before_state: bool = False,
+        history: int = 0,
     ) -> RequestHandle:
         """Queue a request; raises QueueFullError, PromptTooLongError, EngineDeadError, ValueError
         (also for a grammar that cannot be compiled: its reason). end_before_state (with
         return_state): deliver the finishing event without waiting for the final state's copy
         to the host; the Result follows with it. For callers whose next request does not need
-        this one settled (a stream that only keeps the state for later)."""
+        this one settled (a stream that only keeps the state for later). history: leading prompt
+        tokens that re-feed a task's history, not counted against max_prompt_tokens (EngineAPI)."""
         if self._dead is not None or self._stopping:
             raise EngineDeadError("the engine is not running")
         params = params or SamplingParams(max_tokens=self.settings.default_max_tokens)
-        ids = self._prompt_ids(prompt, params)
+        ids = self._prompt_ids(prompt, params, history)
         constraint = Constraint(self.grammars.compile(params.grammar)) if params.grammar is not None else None
         if init_state is not None and self._runner is not None:
             self._runner.check_state(init_state)
@@ -242,7 +244,7 @@ class Engine:
         return self._stats.snapshot(self.scheduler.num_running, self.scheduler.num_waiting + self._inbox_adds,
                                     self.max_batch)  # fmt: skip
 
-    def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+    def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams, history: int = 0) -> list[int]:
         if params.max_tokens < 0 or params.temperature < 0 or not 0 <= params.top_p <= 1 or params.top_k < 0:
             raise ValueError("invalid sampling parameters (max_tokens, temperature, top_k >= 0; 0 <= top_p <= 1)")
         for name in ("logprobs", "prompt_logprobs"):
@@ -250,8 +252,9 @@ class Engine:
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"invalid '{name}': {k!r} is outside [0, {MAX_LOGPROBS}]")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if len(ids) > self.settings.max_prompt_tokens:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens (max {self.settings.max_prompt_tokens})")
+        if len(ids) - max(0, history) > self.settings.max_prompt_tokens:
+            n = len(ids) - max(0, history)
+            raise PromptTooLongError(f"prompt has {n} tokens (max {self.settings.max_prompt_tokens})")
         V = self.model.shape.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= V):
             raise ValueError(f"token ids must be in [0, {V})")

@@ -80,7 +80,12 @@ class EngineAPI(Protocol):
         request_id: str | None = None,
         return_state: bool = False,
         end_before_state: bool = False,
-    ) -> Handle: ...
+        history: int = 0,
+    ) -> Handle:
+        """history: how many leading prompt tokens re-feed a task's own history (its state was
+        rebuilt): fed like any other, but not counted against `max_prompt_tokens`, which bounds
+        what a request brings."""
+        ...
 
     def abort(self, request_id: str) -> bool: ...
 

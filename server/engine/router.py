@@ -53,6 +53,7 @@ class EngineRouter:
         request_id: str | None = None,
         return_state: bool = False,
         end_before_state: bool = False,
+        history: int = 0,
     ) -> Handle:
         error: Exception = EngineDeadError("every engine stopped; see the server log")
         for i in self._by_load():
@@ -64,6 +65,7 @@ class EngineRouter:
                     request_id=request_id,
                     return_state=return_state,
                     end_before_state=end_before_state,
+                    history=history,
                 )
             except (QueueFullError, EngineDeadError) as exc:  # this one cannot take it: the next may
                 error = exc

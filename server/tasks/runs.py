@@ -175,8 +175,11 @@ class Runs:
             if inp:
                 self._seq += 1
                 queued = self._engine_full()  # before submitting: it counts itself as waiting
+                # the task's own history (re-fed where its state was rebuilt) is not the request's
+                # prompt: only the new prompt counts against max_prompt_tokens
+                history = min(len(inp), max(0, len(t.tokens) - pos))
                 handle = self.engine.submit(
-                    inp, sp, init_state=state, return_state=True, request_id=f"{t.id}.{self._seq}"
+                    inp, sp, init_state=state, return_state=True, request_id=f"{t.id}.{self._seq}", history=history
                 )
                 t.status = READY if queued else PREFILL
             run = Run(
