@@ -217,3 +217,25 @@ def test_response_format_known_shapes_and_stored_formats():
     assert sampling_params({"response_format": flat}, 8).grammar is not None
     stored = sampling_params({"response_format": {"type": "json_object", "extra": 1}}, 8)
     assert stored.grammar is not None and stored.grammar.kind == "json_object"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_count_characters_not_token_texts(client, stream):
+    # a character of several tokens (each shown as U+FFFD) used to advance the non-streamed
+    # offsets by one per token: " is" after "月亮 🌙" was at 6, not 4
+    prompt = "月亮 🌙 is"
+    kw = dict(model="m", prompt=prompt, max_tokens=6, seed=3, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    if stream:
+        parts = list(client.completions.create(**kw, stream=True))
+        text = "".join(p.choices[0].text for p in parts)
+        tokens = [t for p in parts for t in p.choices[0].logprobs.tokens]
+        offsets = [o for p in parts for o in p.choices[0].logprobs.text_offset]
+    else:
+        c = client.completions.create(**kw).choices[0]
+        text, tokens, offsets = c.text, c.logprobs.tokens, c.logprobs.text_offset
+    assert text.startswith(prompt) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    whole = [(t, o) for t, o in zip(tokens, offsets) if "\ufffd" not in t]
+    assert any(t == " is" for t, _ in whole)
+    for t, o in whole:  # a token that is whole characters stands at its offset in the text
+        assert text[o:o + len(t)] == t, (t, o, text)

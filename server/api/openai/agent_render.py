@@ -5,6 +5,7 @@ finish_reason "tool_calls", chat `logprobs.content` and the legacy completions' 
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -131,13 +132,15 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
 def _legacy(ex: Extras, values: Sequence[TokenLogprob | None], tokens: Sequence[int], offset: int) -> dict[str, Any]:
     """{tokens, token_logprobs, top_logprobs, text_offset}; a None value: a token without one."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    # a token's offset counts the characters of the text before it: one character can span
+    # several tokens (each token's own text is then U+FFFD), so decode the bytes as they come
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     for tok, v in zip(tokens, values, strict=True):
-        s = ex.text(tok)
-        out["tokens"].append(s)
+        out["tokens"].append(ex.text(tok))
         out["token_logprobs"].append(None if v is None else v.logprob)
         out["top_logprobs"].append(None if v is None else {ex.text(t): lp for t, lp in v.top})
         out["text_offset"].append(offset)
-        offset += len(s)
+        offset += len(decoder.decode(ex.tokenizer.token_bytes(tok)))
     return out
 
 
