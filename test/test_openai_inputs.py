@@ -239,3 +239,18 @@ def test_text_offsets_count_characters_not_token_texts(client, stream):
     assert any(t == " is" for t, _ in whole)
     for t, o in whole:  # a token that is whole characters stands at its offset in the text
         assert text[o:o + len(t)] == t, (t, o, text)
+
+
+def test_a_flat_token_id_prompt_is_one_prompt_whatever_its_length(client):
+    # "at most 64 prompts" counted the ids of a flat list, so echo scoring of any context over
+    # 64 tokens failed for clients that send one
+    c = client.completions.create(model="m", prompt=[65] * 300, max_tokens=1, echo=True, logprobs=0)
+    assert len(c.choices) == 1 and len(c.choices[0].logprobs.tokens) == 301
+    with pytest.raises(openai.BadRequestError, match="64 prompts"):
+        client.completions.create(model="m", prompt=[[65]] * 65, max_tokens=1)
+
+
+def test_echo_with_suffix_is_refused_as_openai_does(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="def f(", suffix=")\n", echo=True, max_tokens=2)
+    assert e.value.body["param"] == "echo"

@@ -193,7 +193,7 @@ class CompletionRequest(OpenAIFields):
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be an empty list")
-            if len(v) > MAX_PROMPTS:
+            if len(v) > MAX_PROMPTS and not isinstance(v[0], int):  # a flat id list is one prompt
                 raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
             if isinstance(v[0], list) and any(not p for p in v):
                 raise ValueError("token id lists must not be empty")
@@ -206,4 +206,6 @@ class CompletionRequest(OpenAIFields):
     def unsupported(self) -> tuple[str, str] | None:
         if self.best_of is not None and self.best_of != self.choices:
             return "best_of", "best_of is not supported (use n)"
+        if self.echo and self.suffix is not None:  # as OpenAI: the echo would show the FIM prompt
+            return "echo", "echo is not supported with suffix"
         return super().unsupported()
