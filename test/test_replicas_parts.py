@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from task_fakes import FakeEngine, FakeShape, FakeTokenizer
 
-from server.tasks import TaskConfig, TaskElsewhere, TaskManager
+from server.tasks import TaskConfig, TaskElsewhere, TaskManager, TaskNotFound
 from server.tasks.schema import instances
 from server.tasks.streaming import events
 
@@ -121,3 +121,53 @@ async def test_an_instance_whose_lease_expired_cannot_overwrite_its_tasks(tmp_pa
 
 async def _not_running(t) -> bool:
     return not t.running
+
+
+@pytest.mark.parametrize("how", ["as_template", "upload"])
+async def test_one_template_name_taken_on_two_replicas_at_once_has_one_winner(tmp_path, how):
+    # Each checked the name in its own memory and then upserted its row: both answered, and the
+    # second silently overwrote the template the first had acknowledged (or, on PostgreSQL, hit
+    # a unique violation: a 500).
+    from server.tasks import TaskConflict
+    from server.tasks.imports import template_from_state
+    from task_fakes import counted_state
+
+    a, b = await replica(FakeEngine(), tmp_path / "n.db", "a"), await replica(FakeEngine(), tmp_path / "n.db", "b")
+    try:
+        srcs = [await m.wait((await m.create(p, persistent=True)).id, timeout=10) for m, p in ((a, "x"), (b, "y"))]
+        await a.flush(), await b.flush()
+        if how == "as_template":
+            calls = [m.as_template(s.id, name="shared") for m, s in zip((a, b), srcs)]
+        else:
+            calls = [template_from_state(m, "shared", counted_state(3)) for m in (a, b)]
+        res = await asyncio.gather(*calls, return_exceptions=True)
+        won = [r for r in res if not isinstance(r, BaseException)]
+        assert len(won) == 1 and sum(isinstance(r, TaskConflict) for r in res) == 1, res
+        row = await a.store.get_task("_shared")
+        assert row.parent_id == won[0].parent_id and row.status == 3  # the winner's, finished
+        for m in (a, b):  # both read the winner's
+            assert (await m.get("_shared")).parent_id == won[0].parent_id
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_template_deleted_on_another_replica_is_gone_on_its_maker(tmp_path):
+    a, b = await replica(FakeEngine(), tmp_path / "d.db", "a"), await replica(FakeEngine(), tmp_path / "d.db", "b")
+    try:
+        src = await a.wait((await a.create("x", persistent=True)).id, timeout=10)
+        await a.flush()
+        tpl = await a.as_template(src.id, name="gone")
+
+        async def shared():
+            return a.lease.shared
+
+        await until(shared)  # a has seen b (copies of tasks may go stale from now on)
+        await b.delete(tpl.id, force=True)
+        with pytest.raises(TaskNotFound):
+            await a.get("_gone")
+        with pytest.raises(TaskNotFound):
+            await a.fork("_gone")
+    finally:
+        await a.close()
+        await b.close()

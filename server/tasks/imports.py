@@ -106,13 +106,16 @@ async def template_from_state(
         # stored exact (never the fp16 storage dtype): this state is the template's only truth
         enc = await asyncio.to_thread(encode_state, state, tm.signature)
         tpl.stored_id, tpl.stored_pos = sid, 0
-        p = tm.persistence  # row and state in one transaction, committed before it is answered
-        await p.writer.call(p.store.save, to_row(tpl), state_row(sid, tid, enc, True))
+        p = tm.persistence  # row and state in one transaction, committed before it is answered;
+        # insert only: another server of the database may have taken the name meanwhile
+        if not await p.writer.call(p.store.insert_new, to_row(tpl), state_row(sid, tid, enc, True)):
+            raise TaskConflict(f"template {tid!r} already exists", param="name")
     except BaseException:
         tm.table.forget(tid)
         tpl.deleted = True
         tm.cache.discard(sid)
         raise
+    tm.table.retire(tpl)  # its truth is its row now (another server may delete it)
     return tpl
 
 

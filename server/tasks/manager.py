@@ -351,15 +351,21 @@ class TaskManager:
         if tid in self.live or await self.access.find(tid) is not None or tid in self.live:
             raise TaskConflict(f"template {tid.split('@')[0]!r} already exists", param="name")
         tpl = template_of(src, tid, oid, public)
-        self.live[tid] = tpl  # reserves the id (no await since the check above)
+        self.live[tid] = tpl  # reserves the id here (no await since the check above)
+        claimed = False
         try:
+            await self.persistence.claim_id(tpl)  # and in the database (another server may race)
+            claimed = True
             await fill_template(tpl, src, self.persistence, self.runs, self.signature)
         except BaseException:
             self.table.forget(tid)
             tpl.deleted = True
             if tpl.state_id and tpl.state_id.startswith(tid + ":"):
                 self.cache.discard(tpl.state_id)
+            if claimed:
+                await _drop_claim(self.persistence, tpl)
             raise
+        self.table.retire(tpl)  # its truth is its row now (another server may delete it)
         return tpl
 
     async def wait(self, task_id: str, owner: str | None = None, timeout: float | None = None) -> Task:
@@ -419,6 +425,15 @@ async def _settled_if_stopping(t: Task) -> Task:
     if t.running and t.stop_requested:
         await _wait_done(t, STOPPING_WAIT_S)
     return t
+
+
+async def _drop_claim(persistence: Persistence, t: Task) -> None:
+    """Delete the row claim_id inserted for a template that could not be made (best effort:
+    a row left behind shows as an interrupted template with no state)."""
+    try:
+        await persistence.delete(t)
+    except Exception as exc:
+        log.warning("template %s: could not delete its unfinished row: %s", t.id, exc)
 
 
 async def _wait_done(t: Task, timeout: float | None) -> None:

@@ -41,7 +41,7 @@ from server.tasks.errors import (
     TaskUnavailable,
 )
 from server.tasks.lineage import state_base
-from server.tasks.records import TEMPLATE, TMP, Task, display_id, from_row, to_row, update_row
+from server.tasks.records import RUNNING, TEMPLATE, TMP, Task, display_id, from_row, to_row, update_row
 from server.tasks.statewrites import StateWrites
 
 if TYPE_CHECKING:
@@ -227,6 +227,14 @@ class Persistence:
                 x.stored_id, x.stored_pos = None, 0
 
     # --- rows ----------------------------------------------------------------------------------
+    async def claim_id(self, t: Task) -> None:
+        """Insert the row of the new task t now, shown running here, so that no other server
+        of the database takes its id (a template's name) while t is filled; TaskConflict when
+        one has. Its later writes update that row."""
+        row = {**to_row(t), "status": RUNNING, "instance": self.instance}
+        if not await self.writer.call(self.store.insert_new, row):
+            raise TaskConflict(f"template {t.display_id!r} already exists", param="name")
+
     async def save_started(self, t: Task, new: bool) -> asyncio.Future[Any]:
         """Queue the row of a run that started; the future is set once it is committed. A new
         task's row is inserted (a burst of starts is one transaction); an existing task is

@@ -64,6 +64,22 @@ class Store(Database):
                 dropped += await _save_one(conn, task_row, state, drop_states)
         return dropped
 
+    async def insert_new(self, task_row: dict[str, Any], state: dict[str, Any] | None = None) -> bool:
+        """Insert a new task row (and its state) in one transaction unless a row with its id
+        exists: False then, and nothing is written. For ids that are names (templates), which
+        two servers of one database may pick at once: the first commit wins."""
+        try:
+            async with self.write() as conn:
+                q = sa.select(tasks.c.id).where(tasks.c.id == task_row["id"])
+                if (await conn.execute(q)).first() is not None:
+                    return False
+                if state is not None:
+                    await conn.execute(sa.insert(states).values(**state))
+                await conn.execute(sa.insert(tasks), [task_row])
+        except sa.exc.IntegrityError:  # inserted by another server since the check
+            return False
+        return True
+
     async def save_rows(self, rows: list[dict[str, Any]]) -> None:
         """Upsert whole task rows (to_row's columns) in one transaction (_upsert_rows). The same
         id twice: the later row wins, as if the rows were saved one after the other."""
