@@ -119,6 +119,29 @@ async def test_an_instance_whose_lease_expired_cannot_overwrite_its_tasks(tmp_pa
         await b.close()
 
 
+async def test_after_its_lease_expired_an_instance_stops_only_the_tasks_taken_from_it(tmp_path):
+    # It used to abort every task it was running, also those it had accepted after the others
+    # had taken its old ones: they ended "interrupted" although nobody else had touched them.
+    ea = FakeEngine(gate=asyncio.Event())
+    a, b = await replica(ea, tmp_path / "k.db", "a"), await replica(FakeEngine(), tmp_path / "k.db", "b")
+    try:
+        old = await a.create("taken over", persistent=True)
+        a.lease._task.cancel()
+        async with a.store.write() as conn:
+            await conn.execute(sa.update(instances).where(instances.c.id == a.instance).values(heartbeat_at=0))
+        assert old.id in await b.lease.beat()
+        new = await a.create("accepted since", persistent=True)  # before a's next heartbeat
+        await a.lease.beat()
+        a._lease_lost()  # what a's heartbeat loop calls when it finds its lease gone
+        await asyncio.gather(*a._background)
+        assert old.interrupted and new.running and not new.interrupted
+        ea.gate.set()
+        assert (await a.wait(new.id, timeout=10)).finish_reason == "length"
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def _not_running(t) -> bool:
     return not t.running
 

@@ -90,6 +90,7 @@ class TaskManager:
         self.store = store or Store(cfg.db, busy_timeout=cfg.db_busy_timeout)
         self.lease = Lease(self.store, server_name(cfg.instance_name), cfg.public_url, cfg.lease_timeout)
         self.instance = self.lease.instance
+        self._background: set[asyncio.Task[None]] = set()  # (_lease_lost's check)
         self.table = TaskTable()
         self.live = self.table.live  # TMP tasks, running tasks, tasks with writes pending
         self.cache: StateCache[State] = StateCache(
@@ -170,10 +171,23 @@ class TaskManager:
                 self.table.forget(task_id)
 
     def _lease_lost(self) -> None:
-        """This instance's lease had expired: the others marked its running tasks interrupted
-        (and may run them now). Stop them here; their final writes are refused anyway."""
-        for t in list(self.table.running()):
-            if t.kind != TMP:
+        """This instance's lease had expired: the others marked the tasks it was running then
+        interrupted (and may run them now). Stop those here (their final writes are refused
+        anyway); a task started since, whose row is still this instance's, runs on."""
+        running = [t for t in self.table.running() if t.kind != TMP]
+        if running:
+            task = asyncio.create_task(self._stop_taken(running), name="lease-lost")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _stop_taken(self, running: list[Task]) -> None:
+        try:
+            held = await self.store.held_by([t.id for t in running], self.instance)
+        except Exception as exc:  # the database is away: stop them all, as is safe
+            log.warning("after the lease expired, could not read which tasks are still ours (%s)", exc)
+            held = set()
+        for t in running:
+            if t.id not in held and t.running:
                 t.interrupted = True
                 self.runs.abort(t)
 

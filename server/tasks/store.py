@@ -115,6 +115,15 @@ class Store(Database):
             await _update_rows(conn, [r for r in rows if r["id"] in held])
             return set(ids) - held
 
+    async def held_by(self, ids: list[str], instance: str) -> set[str]:
+        """Those of `ids` whose rows `instance` still runs (tasks.instance)."""
+        held = set[str]()
+        async with self.read() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i : i + _CHUNK])).where(tasks.c.instance == instance)
+                held.update((await conn.execute(q)).scalars().all())
+        return held
+
     async def claim(self, task_id: str, version: int, row: dict[str, Any]) -> ClaimMiss | None:
         """Start a run of a finished task: update its row (row's columns, version + 1) only if
         it is finished and still at `version`. Returns None when claimed, else what it found."""
