@@ -106,10 +106,10 @@ def _few_shot(sv: Services) -> str:
         ) from None
 
 
-_GENERATES = answers(400, 401, 404, 413, 429, 503, stream=True)  # 404: an unknown `state`
+_GENERATES = answers(400, 401, 404, 409, 413, 429, 503, stream=True)  # 404 / 409: an unknown `state`, one not ready
 
 
-@router.post("/chat/completions", responses=answers(400, 401, 404, 413, 429, 503, stream=True, lightning=True))
+@router.post("/chat/completions", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True, lightning=True))
 async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     """An OpenAI chat request; a body with `contents` (and no `messages`) is rwkv_lightning's
     batch completion (server.api.lightning), whose credential may be the body's `password`."""

@@ -213,7 +213,7 @@ async def get_response(response_id: str, request: Request) -> Response:
     return json_response(render.response(t, sv.model_id))
 
 
-@router.delete("/responses/{response_id}", responses=_READS)
+@router.delete("/responses/{response_id}", responses=answers(401, 404, 409, 503))  # 409: running elsewhere
 async def delete_response(response_id: str, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
     tm = task_manager(sv)

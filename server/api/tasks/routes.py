@@ -164,7 +164,7 @@ async def continue_task(
     return _answer(sv, t, body.stream)
 
 
-@router.post("/{task_id}/stop", responses=answers(401, 403, 404, 413, 422, 503))
+@router.post("/{task_id}/stop", responses=answers(401, 403, 404, 409, 413, 422, 503))
 async def stop(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
     tm = task_manager(get_services(request))
     t = await _call(tm.stop(task_id, get_owner(request), force=force))
@@ -185,7 +185,7 @@ async def as_template(
     return json_response(t.response())
 
 
-@router.post("/{task_id}/delete", responses=answers(401, 403, 404, 413, 422, 503))
+@router.post("/{task_id}/delete", responses=answers(401, 403, 404, 409, 413, 422, 503))
 async def delete(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
     tm = task_manager(get_services(request))
     t = await _call(tm.delete(task_id, get_owner(request), force=force))
