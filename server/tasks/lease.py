@@ -99,8 +99,9 @@ class Lease:
         if not renewed and self.renewals:
             self.lost += 1
             log.error(
-                "instance %s: its lease had expired (no heartbeat for over %.0f s); the tasks "
-                "it was running were marked interrupted; registered again",
+                "instance %s: its lease had expired (another server saw no heartbeat within its "
+                "--lease-timeout; this one's is %.0f s); the tasks it was running were marked "
+                "interrupted; registered again",
                 self.instance,
                 self.timeout,
             )
