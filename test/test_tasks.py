@@ -139,12 +139,16 @@ async def test_template_economy_and_fifty_concurrent_forks(tm):
     full = await done(tm, await tm.create(doc + " Question: what is line 3?", {"max_tokens": 6, **GREEDY}))
     assert full.prompt_tokens == P + len(q_ids) and out_ids(f) == out_ids(full)  # same tokens
     # 50 concurrent forks of a max_tokens=0 template, each generating
+    tiers0 = tm.stats()["tiers"]
     forks = await asyncio.gather(*[tm.fork("_doc", {"max_tokens": 4, "temperature": 1.0, "seed": i},
                                            f" Item {i}:", tmp=i % 2 == 0) for i in range(50)])
     forks = await asyncio.gather(*[done(tm, x) for x in forks])
     assert len({x.id for x in forks}) == 50
     assert all(x.generated >= 1 and x.finish_reason in ("length", "stop") for x in forks)
     assert all(x.prompt_tokens == len(tm.tokenizer.encode(f" Item {i}:")) + 1 for i, x in enumerate(forks))
+    tiers = tm.stats()["tiers"]  # each fork's state was found in the template tier, and counted there
+    assert tiers["templates"]["hits"] - tiers0["templates"]["hits"] >= 50
+    assert tiers["tasks_lru"]["hits"] - tiers0["tasks_lru"]["hits"] < 50
     g = await done(tm, await tm.fork("_doc"))  # no max_tokens given: a 0 is not inherited
     assert g.generated == 6 and tpl.state_pos == P - 1 and tpl.generated == 0
 

@@ -71,23 +71,28 @@ class StateCache(Generic[V]):
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.tier_hits = {"templates": 0, "pinned": 0, "lru": 0, "tmp": 0, "loading": 0}
+        """hits by the tier that held the value ("loading": a load joined in flight)."""
 
     def get(self, key: str) -> V | None:
-        v = self._peek(key)
+        v = self._peek(key, count=True)
         if v is None:
             self.misses += 1
         else:
             self.hits += 1
         return v
 
-    def _peek(self, key: str) -> V | None:
-        v = self._templates.get(key)
+    def _peek(self, key: str, count: bool = False) -> V | None:
+        """The value from the first tier that holds it (count: a hit of that tier)."""
+        v, tier = self._templates.get(key), "templates"
         if v is None and key in self._pinned:
-            v = self._pinned[key].value
+            v, tier = self._pinned[key].value, "pinned"
         if v is None:
-            v = self._lru.get(key)
+            v, tier = self._lru.get(key), "lru"
         if v is None:
-            v = self._tmp.get(key)
+            v, tier = self._tmp.get(key), "tmp"
+        if v is not None and count:
+            self.tier_hits[tier] += 1
         return v
 
     def __contains__(self, key: str) -> bool:
@@ -160,7 +165,7 @@ class StateCache(Generic[V]):
         the LRU tier, unless load() put it in the cache itself (e.g. as a template) or a value
         arrived meanwhile (that one is returned). Counts a miss when this call starts a load, a
         hit otherwise (in memory, or joining a load in flight)."""
-        v = self._peek(key)
+        v = self._peek(key, count=True)
         if v is not None:
             self.hits += 1
             return v
@@ -172,6 +177,7 @@ class StateCache(Generic[V]):
             fut.add_done_callback(partial(self._loaded, key))
         else:
             self.hits += 1
+            self.tier_hits["loading"] += 1
         return await asyncio.shield(fut)
 
     async def _load(self, key: str, load: Callable[[], Awaitable[V | None]]) -> V | None:
@@ -204,6 +210,7 @@ class StateCache(Generic[V]):
             "budget_bytes": self.budget,
             "hits": self.hits,
             "misses": self.misses,
+            **{f"{tier}_hits": n for tier, n in self.tier_hits.items()},
             "evictions": self.evictions,
         }
 

@@ -109,15 +109,21 @@ class Inventory:
         lane = self._lane()
         return {
             "tiers": {
+                # hits by the tier that held the state; a miss (in no tier: loaded or rebuilt)
+                # and a load joined in flight count under tasks_lru
                 "tasks_lru": {
                     "bytes": c["lru_bytes"],
                     "entries": c["lru_count"],
-                    "hits": c["hits"],
+                    "hits": c["lru_hits"] + c["loading_hits"],
                     "misses": c["misses"],
                 },
-                "tasks_pinned": {"bytes": c["pinned_bytes"], "entries": c["pinned_count"]},
-                "templates": {"bytes": c["template_bytes"], "entries": c["template_count"]},
-                "tmp": {"bytes": c["tmp_bytes"], "entries": c["tmp_count"]},
+                "tasks_pinned": {"bytes": c["pinned_bytes"], "entries": c["pinned_count"], "hits": c["pinned_hits"]},
+                "templates": {
+                    "bytes": c["template_bytes"],
+                    "entries": c["template_count"],
+                    "hits": c["templates_hits"],
+                },
+                "tmp": {"bytes": c["tmp_bytes"], "entries": c["tmp_count"], "hits": c["tmp_hits"]},
                 "write_behind": {"bytes": lane.get("bytes", 0), "entries": lane.get("entries", 0)},
                 "database": {
                     "bytes": self._db_state_bytes(),
