@@ -1,4 +1,5 @@
-"""Command line: `rwkv-server [serve] [flags]`, `rwkv-server synth`, `rwkv-server generate`.
+"""Command line: `rwkv-server [serve] [flags]`, `rwkv-server synth`, `rwkv-server quantize`,
+`rwkv-server generate`. The checks made before anything loads: server/checks.py.
 
 Every Settings field is a `serve` flag (`--max-batch`, ...) whose default comes from the
 environment (`RWKV_MAX_BATCH`, ...) and then from server/config.py; `--help` prints each field's
@@ -11,22 +12,30 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import re
 import socket
 import sys
 import time
-from typing import get_type_hints
+from typing import Any, get_type_hints
 
-from server.config import CHOICES, Settings, field_docs
+from server.checks import (
+    database_open_problem,
+    device_problem,
+    output_problem,
+    quantize_problem,
+    serve_problem,
+    settings_problem,
+)
+from server.config import CHOICES, Settings, field_docs, redact_url
 
 SUBCOMMANDS = ("serve", "synth", "quantize", "generate")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
-_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([+-]?[0-9.eE+-]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_int(raw: str) -> int:
-    """Ints, with size suffixes for budgets: 512MiB, 2GiB, 1.5G, 2e9."""
+    """Ints, with size suffixes for budgets: 512MiB, 2GiB, 1.5G, 2e9. A sign is read (-5 is an
+    integer); the ranges are settings_problem's."""
     m = _SIZE.match(raw)
     if not m:
         raise argparse.ArgumentTypeError(f"not an integer: {raw!r}")
@@ -42,7 +51,7 @@ def setup_logging(level: str) -> None:
     from server.api.middleware import RequestIdFilter
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+    handler.setFormatter(RedactingFormatter(LOG_FORMAT, datefmt="%H:%M:%S"))
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -55,6 +64,15 @@ def setup_logging(level: str) -> None:
         logging.getLogger("alembic.runtime.migration").addFilter(
             lambda r: "Context impl" not in r.getMessage() and "Will assume" not in r.getMessage()
         )
+
+
+class RedactingFormatter(logging.Formatter):
+    """Log lines with database URLs' passwords replaced by *** (whichever module logs the URL,
+    and in tracebacks too)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return redact_url(text) if "://" in text else text
 
 
 def add_settings_flags(p: argparse.ArgumentParser, defaults: Settings) -> None:
@@ -162,102 +180,67 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_serve(args)
 
 
-def device_problem(device: str, flag: str = "--device") -> str | None:
-    """Why `device` cannot be used on this machine (one line), or None. Checked before the port
-    is bound, so a wrong --device ends at once with that line instead of a traceback."""
-    if device in ("auto", "cpu"):
-        return None
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        return f"{flag} {device!r}: not a device (cpu, cuda, cuda:N or auto)"
-    if dev.type == "cpu":
-        return None
-    if dev.type != "cuda":
-        return f"{flag} {device!r}: only cpu and cuda devices are supported"
-    if not torch.cuda.is_available():
-        return f"{flag} {device!r}: CUDA is not available on this machine (torch {torch.__version__}); use --device cpu"
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        return f"{flag} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-    return None
+def load_failure(app: Any) -> str:
+    """The line for a start that failed after the checks (app.state.load_error): what failed, as
+    far as the app records it (app.state.load_stage: "model", "task database", "state files"),
+    and why."""
+    stage = str(getattr(app.state, "load_stage", ""))
+    what = _LOAD_STAGES.get(stage, "could not load the model or start the task store")
+    return redact_url(f"{what}: {app.state.load_error}")
 
 
-def settings_problem(settings: Settings) -> str | None:
-    """Why the server cannot start with these settings (one line), or None."""
-    model = settings.resolved_model()
-    if not model.startswith("synthetic:") and not os.path.isfile(model):
-        return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
-    return (choices_problem(settings) or state_files_problem(settings) or device_problem(settings.device)
-            or devices_problem(settings))  # fmt: skip
-
-
-def devices_problem(settings: Settings) -> str | None:
-    """Why --devices cannot be used here (one line), or None."""
-    if not settings.devices.strip():
-        return None
-    try:
-        devices = settings.resolved_devices()
-    except ValueError as exc:
-        return f"--{exc}"
-    return next(filter(None, (device_problem(d, "--devices:") for d in devices)), None)
-
-
-def choices_problem(settings: Settings) -> str | None:
-    """A setting of CHOICES outside its values, as the environment can give it (RWKV_QUANT=int4:
-    argparse checks only the flags' own values), or None. The log level is read in any case."""
-    for name, options in CHOICES.items():
-        value = getattr(settings, name)
-        if (value.lower() if name == "log_level" else value) not in options:
-            return f"--{name.replace('_', '-')} {value!r}: use one of {', '.join(options)}"
-    return None
-
-
-def state_files_problem(settings: Settings) -> str | None:
-    """Why a --state / RWKV_STATES entry cannot be loaded, found before loading (one line), or None."""
-    from server.tasks.imports import NAME
-
-    try:
-        specs = settings.state_files()
-    except ValueError as exc:
-        return f"--state: {exc}"
-    names = [name for name, _ in specs]
-    for name, path in specs:
-        if names.count(name) > 1:
-            return f"--state {name}: given more than once"
-        if not NAME.match(name):
-            return f"--state {name}={path}: the name must be 1-64 letters, digits, '_', '-', '.' (no path separators)"
-        if not os.path.isfile(path):
-            return f"--state {name}={path}: no such file"
-    return None
+_LOAD_STAGES = {
+    "model": "could not load the model",
+    "task database": "could not open the task database",
+    "state files": "could not load the state files",
+}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
     values["states"] = "\n".join(x for x in (values["states"], *args.state) if x)
     settings = Settings(**values)
-    problem = settings_problem(settings)
+    problem = settings_problem(settings) or serve_problem(settings)
     if problem is not None:
         print(f"rwkv-server: {problem}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level)
-    import uvicorn
-
-    from server.api.app import begin_drain, create_app
+    problem = database_open_problem(settings)  # after the logging: its schema upgrades are logged
+    if problem is not None:
+        print(f"rwkv-server: {problem}", file=sys.stderr)
+        return 2
+    from server.api.app import create_app
 
     app = create_app(settings, exit_on_load_error=True)
-    logging.getLogger("server.cli").info(
-        "starting on http://%s:%d (model %s)", settings.host, settings.port, settings.resolved_model()
-    )
+    where = f"http://{settings.host}:{settings.port}" if settings.port else f"{settings.host}, a free port (--port 0)"
+    logging.getLogger("server.cli").info("starting on %s (model %s)", where, settings.resolved_model())
+    make_server(app, settings).run()
+    if app.state.load_error:
+        print(f"rwkv-server: {load_failure(app)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def make_server(app: Any, settings: Settings) -> Any:
+    """The uvicorn server of `app`: drains the app at shutdown, logs the port bound for --port 0,
+    and stops when loading fails (app.state.on_fatal)."""
+    import uvicorn
+
+    from server.api.app import begin_drain
+    from server.api.http_limits import protocol_with_deadlines
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            bound = [s.getsockname() for srv in getattr(self, "servers", []) for s in srv.sockets or ()]
+            if settings.port == 0 and bound:  # app.state.bound_port: for app.py's "ready" line
+                app.state.bound_port = bound[0][1]
+                logging.getLogger("server.cli").info("listening on port %d (--port 0)", bound[0][1])
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             begin_drain(app)  # streams end now instead of holding the graceful shutdown
             await asyncio.sleep(0.2)
             await super().shutdown(sockets=sockets)
-
-    from server.api.http_limits import protocol_with_deadlines
 
     config = uvicorn.Config(
         app,
@@ -272,20 +255,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = Server(config)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
-    server.run()
-    if app.state.load_error:
-        print(f"rwkv-server: could not load the model: {app.state.load_error}", file=sys.stderr)
-        return 1
-    return 0
+    return server
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
     from server.api.loading import torch_dtype
-    from server.model.synthetic import save_synthetic
+    from server.model.synthetic import parse_spec, save_synthetic
 
+    try:  # the preset first: a bad one ends here, before any weights are drawn
+        parse_spec(args.preset if args.preset.startswith("synthetic:") else f"synthetic:{args.preset}")
+    except ValueError as exc:
+        print(f"rwkv-server: {exc}", file=sys.stderr)
+        return 2
+    if problem := output_problem(args.out):
+        print(f"rwkv-server: {problem}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     dtype = torch_dtype(args.dtype)
-    shape = save_synthetic(args.preset, args.out, dtype=dtype)
+    try:
+        shape = save_synthetic(args.preset, args.out, dtype=dtype)
+    except OSError as exc:  # the disk filled, the folder went away
+        print(f"rwkv-server: cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
     print(
         f"wrote {args.out}: {shape.signature()} V={shape.vocab_size} ({args.dtype}, "
         f"{time.perf_counter() - t0:.1f}s). Random weights: outputs are random text."
@@ -301,19 +292,33 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from server.model.qfile import save_quantized
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if problem := device_problem(device):
+    if problem := quantize_problem(args.model, args.out) or device_problem(device):
         print(f"rwkv-server: {problem}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     dtype = torch_dtype(args.dtype)
     try:
         shape, nbytes = save_quantized(args.model, args.out, args.quant, dtype, device)
-    except (CheckpointError, FileNotFoundError) as exc:
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"rwkv-server: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # writing: the disk filled, the folder went away
+        print(f"rwkv-server: cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}: {shape.signature()}, {args.quant} linears, {nbytes / 1e9:.2f} GB of tensors "
           f"({time.perf_counter() - t0:.1f}s on {device}). Serve it with --model {args.out}.")  # fmt: skip
     return 0
+
+
+def sampling_problem(args: argparse.Namespace) -> str | None:
+    """generate's sampling flags outside their ranges (the engine's own check), or None."""
+    if args.max_tokens < 0:
+        return f"--max-tokens {args.max_tokens}: must be 0 or more"
+    if args.temperature < 0:
+        return f"--temperature {args.temperature}: must be 0 or more (0: greedy)"
+    if not 0 <= args.top_p <= 1:
+        return f"--top-p {args.top_p}: must be between 0 and 1"
+    return None
 
 
 def prompt_text(raw: str) -> str:
@@ -334,7 +339,7 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
     except ValueError as exc:
         print(f"rwkv-server generate: {exc}", file=sys.stderr)
         return 2
-    problem = settings_problem(settings)
+    problem = sampling_problem(args) or settings_problem(settings)
     if problem is not None:
         print(f"rwkv-server generate: {problem}", file=sys.stderr)
         return 2
@@ -352,7 +357,11 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
     )
     try:
         t0 = time.perf_counter()
-        h = sv.engine.submit(prompt, params)
+        try:
+            h = sv.engine.submit(prompt, params)
+        except ValueError as exc:  # parameters the engine refuses (a prompt too long, ...)
+            print(f"rwkv-server generate: {exc}", file=sys.stderr)
+            return 2
         sys.stdout.write(prompt)
         for ev in h:
             sys.stdout.write(ev.text)

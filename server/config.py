@@ -98,12 +98,13 @@ class Settings:
     # --- tasks / storage ---------------------------------------------------------------------
     db: str = "rwkv_tasks.db"
     """Task database: a SQLite file path, or a database URL (sqlite:///..., postgresql://user@host/db;
-    the async drivers aiosqlite / asyncpg are implied, or name one: postgresql+asyncpg://...)."""
+    the async drivers aiosqlite / asyncpg are implied, or name one: postgresql+asyncpg://...). No
+    other database is supported. Logs and messages show a URL's password as ***."""
     state_cache_bytes: int = 2 * 1024**3
     """Budget in bytes of the in-memory LRU cache of task states."""
     db_budget_bytes: int = 20 * 1024**3
-    """Budget in bytes of the states stored in the database (oldest non-template states are
-    dropped first; their text stays)."""
+    """Budget in bytes of the states stored in the database (the least recently used
+    non-template states are dropped first; their text stays)."""
     tmp_task_ttl: float = 600.0
     """Seconds a finished TMP_ task is kept in memory."""
     writer_queue: int = 64
@@ -126,7 +127,8 @@ class Settings:
     # --- replicas ----------------------------------------------------------------------------
     instance_name: str = ""
     """This server's name among the servers sharing one database; empty: <host>:<port>, the
-    same across restarts, so a restarted server takes its own running tasks back (docs/deployment.md)."""
+    same across restarts, so a restarted server takes its own running tasks back (with --port 0
+    a name of its own each start; docs/deployment.md)."""
     public_url: str = ""
     """The URL clients reach this server at (behind a load balancer: its own address); named in
     the 409 that another replica answers for a task running here."""
@@ -159,12 +161,14 @@ class Settings:
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 8000
-    """Port to listen on."""
+    """Port to listen on (0 to 65535; 0: a free port, logged once bound)."""
     api_keys: str = ""
     """Comma-separated API keys; when set (or api_key_file is), /v1 routes need
-    `Authorization: Bearer <key>`."""
+    `Authorization: Bearer <key>`. Empty: no keys from here; a value that holds no key (`,`)
+    stops the start."""
     api_key_file: str = ""
-    """File with one API key per line (blank lines and # comments ignored)."""
+    """File with one API key per line (blank lines and # comments ignored). A file that cannot
+    be read or holds no key stops the start (the routes are never left open by mistake)."""
     direct_stream: bool = True
     """One-choice SSE streams are written to their sockets by the engine thread (no event-loop
     work per token) when the connection allows it: uvicorn's httptools protocol, plain TCP,
@@ -280,14 +284,42 @@ class Settings:
         return out
 
     def api_key_set(self) -> frozenset[str]:
+        """The keys of api_keys and api_key_file. ValueError (one line, naming the setting) for a
+        source that is set but gives no key, or a key file that cannot be read: a server meant
+        to need keys must not start with its routes open."""
         keys = {k.strip() for k in self.api_keys.split(",") if k.strip()}
+        if self.api_keys.strip() and not keys:
+            raise ValueError("api-keys: holds no key (comma-separated keys; empty for none)")
         if self.api_key_file:
-            with open(self.api_key_file, encoding="utf-8") as fh:
-                for line in fh:
-                    line = line.strip()
-                    if line and not line.startswith("#"):
-                        keys.add(line)
+            keys |= _key_file(self.api_key_file)
         return frozenset(keys)
+
+    def db_shown(self) -> str:
+        """`db` as logs and messages show it: a URL's password replaced by ***."""
+        return redact_url(self.db)
+
+
+def _key_file(path: str) -> set[str]:
+    """The keys of an API key file (one a line; blank lines and # comments skipped)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            keys = {line.strip() for line in fh if line.strip() and not line.strip().startswith("#")}
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"api-key-file {path}: cannot read it ({why})") from None
+    if not keys:
+        raise ValueError(f"api-key-file {path}: holds no key (one key a line; blank lines and # comments are skipped)")
+    return keys
+
+
+_URL_PASSWORD = re.compile(r"(://[^\s/@:]*:)[^\s]*@")  # up to the last @: a password may hold one
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\s]*")
+
+
+def redact_url(text: str) -> str:
+    """`text` (a database URL, or a message or log line holding one) with the URLs' passwords
+    (`scheme://user:PASSWORD@host/...`, `?password=...`) replaced by ***."""
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
 
 
 _STATE_SPLIT = re.compile(r"\n|,(?=\s*[A-Za-z0-9][A-Za-z0-9_.\-]*=)")

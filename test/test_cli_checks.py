@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.cli import device_problem, prompt_text
+from server.checks import device_problem
+from server.cli import prompt_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +92,7 @@ def test_a_bad_choice_in_the_environment_fails_before_loading(tmp_path, var, val
 
 
 def test_the_log_level_from_the_environment_is_read_in_any_case():
-    from server.cli import settings_problem
+    from server.checks import settings_problem
     from server.config import Settings
 
     assert settings_problem(Settings(log_level="INFO")) is None

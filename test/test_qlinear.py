@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.cli import build_parser, settings_problem
+from server.checks import settings_problem
+from server.cli import build_parser
 from server.config import Settings
 from server.model import load_model, qlinear
 from server.model.quant import FP8_DTYPE, fake_quantize, round_trip

@@ -128,7 +128,7 @@ def test_the_devices_setting():
     for bad, why in (("cuda:0,cuda:0", "named twice"), ("cpu,cuda:1", "mixes"), ("tpu", "not cpu")):
         with pytest.raises(ValueError, match=why):
             Settings(devices=bad).resolved_devices()
-    from server.cli import settings_problem
+    from server.checks import settings_problem
 
     assert settings_problem(Settings(devices="cpu,cpu")) is None
     assert "named twice" in (settings_problem(Settings(devices="cuda:1,cuda:1")) or "")

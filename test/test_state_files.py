@@ -109,7 +109,7 @@ def test_bad_files_are_refused_naming_the_file_and_key(tmp_path):
 
 
 def test_state_settings_and_their_checks_before_start(tmp_path):
-    from server.cli import state_files_problem
+    from server.checks import state_files_problem
     from server.config import Settings
 
     f = _save(random_state_dict(), tmp_path / "s,1.pth")  # a comma in a path

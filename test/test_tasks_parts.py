@@ -411,3 +411,13 @@ async def test_a_continue_after_a_restart_starts_from_the_stored_state(tmp_path)
         assert tm.stats()["tiers"]["database"]["hits"] == 1 and (await tm.list())["database_count"] == 1
     finally:
         await tm.close()
+
+
+def test_servers_on_port_0_get_names_of_their_own():
+    # `<host>:0` for every --port 0 server of a host: a second one taking the first's instance
+    # for dead at its start (and marking its running tasks interrupted)
+    from server.tasks.config import server_name
+
+    a, b = server_name("", 0), server_name("", 0)
+    assert a != b and not a.endswith(":0")
+    assert server_name("", 8000) == server_name("", 8000) and server_name("api-1", 0) == "api-1"

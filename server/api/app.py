@@ -21,7 +21,7 @@ from server.api.openai.conversation import ConversationCache
 from server.api.openai.prefix_cache import PrefixCache
 from server.api.services import Services
 from server.api.streaming.sse import RAW_SEND
-from server.config import Settings
+from server.config import Settings, redact_url
 
 log = logging.getLogger("server.app")
 REPAIR_MIN_QUEUE = 8
@@ -118,14 +118,15 @@ def _include_routes(app: FastAPI) -> None:
 async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_error: bool) -> None:
     """Load the model in a thread, then start the TaskManager; /health turns 200 at the end."""
     try:
+        app.state.load_stage = "model"  # what failed, for the CLI's last line (cli.load_failure)
         loaded = await asyncio.to_thread(load_services, settings)
-        services = await _start(loaded, settings, metrics)
+        services = await _start(app, loaded, settings, metrics)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         expected = isinstance(exc, (OSError, ValueError, KeyError)) or type(exc).__name__ == "CheckpointError"
         log.error("loading failed: %s: %s", type(exc).__name__, exc, exc_info=not expected)
-        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        app.state.load_error = redact_url(f"{type(exc).__name__}: {exc}")  # shown by /health
         if exit_on_error:  # the CLI sets on_fatal (a clean uvicorn exit, status 1); else SIGTERM
             on_fatal = getattr(app.state, "on_fatal", None)
             on_fatal() if on_fatal else os.kill(os.getpid(), signal.SIGTERM)
@@ -133,10 +134,10 @@ async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_erro
     app.state.services = services
     for line in facts(services):
         log.info("%s", line)
-    log.info("ready: listening on http://%s:%s", settings.host, settings.port)
+    log.info("ready: listening on http://%s:%s", settings.host, getattr(app.state, "bound_port", settings.port))
 
 
-async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Services:
+async def _start(app: FastAPI, loaded: Loaded, settings: Settings, metrics: Metrics) -> Services:
     """The TaskManager over the loaded engine, and the Services the routes use. The engine is
     shut down if the task manager cannot start."""
     from server.api.states.startup import load_state_files
@@ -151,8 +152,10 @@ async def _start(loaded: Loaded, settings: Settings, metrics: Metrics) -> Servic
             loaded.shape,
             latency=lambda: Recorder(metrics, time.perf_counter()),
         )
+        app.state.load_stage = "task database"
         await tasks.start()
         try:
+            app.state.load_stage = "state files"
             await load_state_files(tasks, settings, loaded.shape)
         except BaseException:
             await tasks.close()

@@ -196,7 +196,7 @@ def facts(services: Services) -> list[str]:
         f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
         f"chat prefix {_mib(prefix_budget(s))}"
     )
-    lines.append(f"database   {s.db}")
+    lines.append(f"database   {s.db_shown()}")  # a URL's password never reaches the log
     if load.kernel_modules:
         lines.append(f"kernels    WKV ops from {', '.join(load.kernel_modules)}")
     lines += [f"kernels    {msg}" for msg in load.kernel_log]

@@ -172,10 +172,11 @@ LatencyFactory = Callable[[], LatencyRecorder]
 
 
 def server_name(name: str = "", port: int | None = None) -> str:
-    """This server's stable name: `name`, else `<host>:<port>`, else (no port: an in-process
-    manager) `<host>-<pid>-<random>`, a name of its own."""
+    """This server's stable name: `name`, else `<host>:<port>`, else (no port, or port 0: any
+    free port, which two servers of one host share) `<host>-<pid>-<random>`, a name of its own:
+    a start under a name takes the earlier instances of that name for dead."""
     if name:
         return name[:72]
-    if port is not None:
+    if port:
         return f"{socket.gethostname()}:{port}"[:72]
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"[:72]
