@@ -10,7 +10,17 @@ import time
 import httpx
 import pytest
 
-from util_browser import browser_fixture, console_errors, open_page, require_browser, select, shot, wait_for
+from util_browser import (
+    api_get,
+    browser_fixture,
+    console_errors,
+    open_page,
+    require_browser,
+    select,
+    shot,
+    wait_finished,
+    wait_for,
+)
 from util_server import server_fixture
 
 require_browser()
@@ -30,20 +40,7 @@ def post(srv, path: str, body: dict | None = None, **params) -> dict:
     return r.json()
 
 
-def get(srv, path: str, **params) -> dict:
-    r = httpx.get(srv.url + path, params=params, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def wait_finished(srv, task_id: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = get(srv, f"/v1/tasks/{task_id}/status")
-        if st["status"] == 3:
-            return st
-        time.sleep(0.05)
-    raise AssertionError(f"{task_id} still running after {timeout}s: {st}")
+get = api_get
 
 
 def total(srv, kind: str | None = None) -> int:

@@ -90,3 +90,25 @@ def select(drv, css: str, value: str) -> None:
     from selenium.webdriver.support.ui import Select
 
     Select(drv.find_element("css selector", css)).select_by_value(value)
+
+
+def api_get(srv, path: str, **params) -> dict:
+    """GET a JSON route of the server (200 expected)."""
+    import httpx
+
+    r = httpx.get(srv.url + path, params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_finished(srv, task_id: str, timeout: float = 30) -> dict:
+    """A task's status once it has finished (status 3)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = api_get(srv, f"/v1/tasks/{task_id}/status")
+        if st["status"] == 3:
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"{task_id} still running after {timeout}s: {st}")
