@@ -29,7 +29,7 @@ async def test_tmp_states_are_bounded_in_bytes_and_their_tasks_stay_usable(tmp_p
     try:
         tasks = [await tm.wait((await tm.create(f"p{i}")).id, timeout=10) for i in range(8)]
         tier = tm.stats()["tiers"]["tmp"]
-        assert tier == {"bytes": 2 * ONE, "entries": 2}  # the two newest
+        assert tier == {"bytes": 2 * ONE, "entries": 2, "hits": 0}  # the two newest
         assert tm.stats()["tiers"]["tasks_lru"]["entries"] == 0  # not in the tasks' LRU
         assert [t.state for t in tasks] == ["rebuild"] * 6 + ["cached"] * 2
         assert [t.out.text for t in tasks] == ["<100><101><102>"] * 8 and all(t.id in tm.live for t in tasks)
@@ -39,6 +39,7 @@ async def test_tmp_states_are_bounded_in_bytes_and_their_tasks_stay_usable(tmp_p
         assert f.out.text == "<100>" and tm.counters["rebuilds"] == 1
         g = await tm.wait((await tm.fork(tasks[7].id, {"max_tokens": 1}, tmp=True)).id, timeout=10)
         assert eng.submissions[-1].prompt == [tasks[7].tokens[-1]] and g.out.text == "<100>"  # cached: no rebuild
+        assert tm.stats()["tiers"]["tmp"]["hits"] >= 1  # found in the tmp tier, counted there
         c = await tm.wait((await tm.continue_(tasks[1].id, {"max_tokens": 1})).id, timeout=10)
         assert eng.submissions[-1].init_state is None and c.out.text == "<100><101><102><100>"
         assert tm.stats()["tiers"]["tmp"]["bytes"] <= 2.5 * ONE
