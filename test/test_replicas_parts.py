@@ -19,8 +19,8 @@ from server.tasks.streaming import events
 LEASE = 0.6
 
 
-async def replica(eng: FakeEngine, path, name: str) -> TaskManager:
-    cfg = TaskConfig(db=str(path), default_max_tokens=3, lease_timeout=LEASE, instance_name=name,
+async def replica(eng: FakeEngine, path, name: str, lease: float = LEASE) -> TaskManager:
+    cfg = TaskConfig(db=str(path), default_max_tokens=3, lease_timeout=lease, instance_name=name,
                      public_url=f"http://{name}.internal:8000")
     tm = TaskManager(eng, FakeTokenizer(), cfg, FakeShape())
     await tm.start()
@@ -140,6 +140,27 @@ async def test_after_its_lease_expired_an_instance_stops_only_the_tasks_taken_fr
     finally:
         await a.close()
         await b.close()
+
+
+async def test_each_instance_is_judged_by_its_own_lease_timeout(tmp_path):
+    # Replicas with different --lease-timeout values reaped each other's live tasks: one with a
+    # short timeout took a peer that heartbeats at a third of a longer one for dead.
+    slow = await replica(FakeEngine(gate=asyncio.Event()), tmp_path / "m.db", "slow", lease=30.0)
+    quick = await replica(FakeEngine(), tmp_path / "m.db", "quick", lease=0.3)
+    try:
+        t = await slow.create("runs on slow", persistent=True)
+        async with slow.store.write() as conn:  # slow's last heartbeat 2 s ago: alive by its 30 s
+            now = await slow.store.db_now(conn)
+            await conn.execute(sa.update(instances).where(instances.c.id == slow.instance).values(heartbeat_at=now - 2))
+        assert t.id not in await quick.lease.beat() and slow.instance in quick.lease.peers
+        assert (await quick.get(t.id)).running
+        async with slow.store.write() as conn:  # 40 s: past its own timeout, so dead
+            await conn.execute(sa.update(instances).where(instances.c.id == slow.instance).values(heartbeat_at=now - 40))
+        assert t.id in await quick.lease.beat()
+    finally:
+        slow.engine.gate.set()
+        await slow.close()
+        await quick.close()
 
 
 async def _not_running(t) -> bool:

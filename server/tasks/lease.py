@@ -90,7 +90,9 @@ class Lease:
         async with self.store.write() as conn:
             now = await self.store.db_now(conn)
             renewed = await self._renew(conn, now)
-            dead = instances.c.heartbeat_at < now - self.timeout
+            # each row is judged by its holder's own timeout (an older server's row: by ours)
+            timeout = sa.func.coalesce(instances.c.lease_timeout, self.timeout)
+            dead = instances.c.heartbeat_at < now - timeout
             if first:
                 dead = sa.or_(dead, instances.c.name == self.name)
             await conn.execute(sa.delete(instances).where(dead).where(instances.c.id != self.instance))
@@ -99,9 +101,8 @@ class Lease:
         if not renewed and self.renewals:
             self.lost += 1
             log.error(
-                "instance %s: its lease had expired (another server saw no heartbeat within its "
-                "--lease-timeout; this one's is %.0f s); the tasks it was running were marked "
-                "interrupted; registered again",
+                "instance %s: its lease had expired (no heartbeat for over its --lease-timeout, "
+                "%.0f s); the tasks it was running were marked interrupted; registered again",
                 self.instance,
                 self.timeout,
             )
@@ -115,13 +116,20 @@ class Lease:
     async def _renew(self, conn: AsyncConnection, now: float) -> bool:
         """Renew this instance's row; insert it when missing. True when it was there."""
         res = await conn.execute(
-            sa.update(instances).where(instances.c.id == self.instance).values(heartbeat_at=now, url=self.url)
+            sa.update(instances)
+            .where(instances.c.id == self.instance)
+            .values(heartbeat_at=now, url=self.url, lease_timeout=self.timeout)
         )
         if res.rowcount:
             return True
         await conn.execute(
             sa.insert(instances).values(
-                id=self.instance, name=self.name, url=self.url, started_at=time.time(), heartbeat_at=now
+                id=self.instance,
+                name=self.name,
+                url=self.url,
+                started_at=time.time(),
+                heartbeat_at=now,
+                lease_timeout=self.timeout,
             )
         )
         return False

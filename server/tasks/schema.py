@@ -113,4 +113,5 @@ instances = sa.Table(  # v3: one row per running server on this database (replic
     sa.Column("url", _text()),  # the URL it advertises (Settings.public_url), or NULL
     sa.Column("started_at", sa.Float, nullable=False),
     sa.Column("heartbeat_at", sa.Float, nullable=False),  # database clock, epoch seconds
+    sa.Column("lease_timeout", sa.Float),  # v5: its own --lease-timeout (NULL: an older server's row)
 )
