@@ -189,6 +189,7 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     await store.close()
     assert await run_sql(db_url, "select last_used from states where id='S1'") == [(123.0,)]  # backfilled
     assert "ix_states_evict" in (await inspect_schema(db_url))["states"][1]
+    assert "lease_timeout" in (await inspect_schema(db_url))["instances"][0]  # v5
 
 
 async def test_newer_schema_is_refused_with_a_clear_message(db_url):
