@@ -70,6 +70,10 @@ def many_tasks(server) -> list[str]:
                 time.sleep(0.05)
             assert r.status_code == 200, r.text
             ids.append(r.json()["task_id"])
+        deadline = time.monotonic() + 120  # all of them finished (a slow machine is still prefilling)
+        while (h := c.get("/health").json())["running"] or h["waiting"]:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.1)
     return ids
 
 
@@ -103,7 +107,8 @@ def test_every_task_is_reachable_and_the_total_is_true(server, browser, many_tas
     search.clear()
     select(browser, "#filter-status", "finished")
     wait_for(browser, lambda d: " match, 1–100 shown" in count.text, 15)
-    assert int(count.text.split(" of ")[0]) >= MANY and older.is_enabled()
+    wait_for(browser, lambda d: int(count.text.split(" of ")[0]) >= MANY, 15)
+    assert older.is_enabled()
     select(browser, "#filter-status", "")
     # and a task created meanwhile is found by the search
     late = post(server, "/v1/tasks/tmp", {"prompt": "a late one", "max_tokens": 0})["task_id"]
