@@ -307,3 +307,21 @@ def test_the_client_cannot_forge_log_lines(http, server):
     log = server.log_tail(100000).splitlines()
     assert not [ln for ln in log if ln.startswith(("23:59:59 WARNING", "FORGED2"))], log[-5:]
     assert any("/x\\x0a23:59:59 WARNING server.app [-] FORGED" in ln for ln in log), log[-5:]
+
+
+def test_a_key_does_not_start_from_another_key_s_system_prompt(http, server):
+    """The chat-prefix cache is per API key, as the conversation cache is: a second key sending
+    a system prompt another key used gets no cached tokens (it would learn that the prompt was
+    used, from cached_tokens and the time to first token)."""
+    import uuid
+
+    system = f"You are the assistant of project {uuid.uuid4().hex}."  # (this server: 64 prompt tokens)
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}], "max_tokens": 1}
+
+    def cached(headers) -> int:
+        r = httpx.post(server.url + CHAT, json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(AUTH) == 0 and cached(AUTH) > 0  # the key's own prefix: kept
+    assert cached({"Authorization": "Bearer other-key"}) == 0

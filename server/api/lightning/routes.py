@@ -136,7 +136,7 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     """One choice; lightning's prompt format (chat_prompt) and defaults; `use_prefix_cache` takes
     the system block's state from the chat-prefix cache."""
     t0 = time.perf_counter()
-    authorize(request, body.password)
+    owner = authorize(request, body.password)
     sv = get_services(request)
     params = body.sampling(*limits(sv))
     prefix, rest = chat_prompt.build(body)
@@ -144,7 +144,7 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     n_prompt = len(prefix_ids) + len(rest_ids)
     batch.check_prompt(sv, prefix_ids + rest_ids, "messages")
     # the chat-prefix cache's state after the system block (the OpenAI route's helper)
-    state = await openai_start.prefix_state(sv, prefix, prefix_ids) if body.use_prefix_cache else None
+    state = await openai_start.prefix_state(sv, prefix, prefix_ids, owner) if body.use_prefix_cache else None
     tokens = rest_ids if state is not None else prefix_ids + rest_ids
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(sv.engine, [(tokens, state, n_prompt)], [params], cid)

@@ -2,7 +2,10 @@
 
 The first request with a given prefix prefills it through the engine (`max_tokens=0`,
 `return_state=True`); the batch-1 CPU state is kept in the task layer's byte-budgeted
-`StateCache` (server.tasks.cache), keyed by the SHA-256 of the prefix text. Every later request
+`StateCache` (server.tasks.cache), keyed by the SHA-256 of the prefix text and the API key's
+partition (each key its own, as the conversation cache: whether a key's system prompt was seen
+before shows in `cached_tokens` and the time to first token, so one key must not learn it of
+another's; one partition for all with --conversation-cache-shared). Every later request
 with the same prefix submits only the rest of its prompt with `init_state=` that state (the
 engine copies it; the cached object stays untouched). Concurrent first requests for one prefix
 share a single prefill.
@@ -26,16 +29,18 @@ class PrefixCache:
         self.cache = StateCache(budget_bytes)
 
     @staticmethod
-    def key(text: str) -> str:
-        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    def key(text: str, part: str | None = None) -> str:
+        """The cache key of a prefix in a partition (None: the shared one)."""
+        return hashlib.sha256(f"{part or ''}\0{text}".encode()).hexdigest()
 
     def stats(self) -> dict[str, int]:
         st = self.cache.stats()
         return {"bytes": st["lru_bytes"], "entries": st["lru_count"], "hits": st["hits"], "misses": st["misses"]}
 
-    async def get(self, engine: EngineAPI, tokens: Sequence[int], text: str) -> StateLike:
-        """The state after `tokens` (= encode(text)), taken from the cache or prefilled now."""
-        k = self.key(text)
+    async def get(self, engine: EngineAPI, tokens: Sequence[int], text: str, part: str | None = None) -> StateLike:
+        """The state after `tokens` (= encode(text)) in partition `part`, taken from the cache
+        or prefilled now."""
+        k = self.key(text, part)
         state = await self.cache.get_or_load(k, lambda: self._prefill(engine, tokens, k))
         assert state is not None  # a prefill returns a state or raises
         return state

@@ -122,8 +122,8 @@ async def begin(
     cached = n
     if prefix is not None and prefix[0] and not base.key and not base.tokens and n < len(prefix[1]):
         text, ptokens = prefix
-        hit = sv.prefix_cache.key(text) in sv.prefix_cache.cache
-        state, n = await prefix_state(sv, text, ptokens), len(ptokens)
+        hit = sv.prefix_cache.key(text, prefix_part(sv, owner)) in sv.prefix_cache.cache
+        state, n = await prefix_state(sv, text, ptokens, owner), len(ptokens)
         cached = n if hit else 0
     if keep and conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
         try:
@@ -133,10 +133,16 @@ async def begin(
     return Start(stream, stream[n:], state, max(0, cached - len(base.tokens)), part, keep)
 
 
-async def prefix_state(sv: Services, text: str, tokens: list[int]) -> StateLike:
+def prefix_part(sv: Services, owner: str | None) -> str | None:
+    """The prefix cache's partition of a request: its API key's, or one for all when the
+    conversation states are shared (--conversation-cache-shared)."""
+    return None if sv.settings.conversation_cache_shared else owner
+
+
+async def prefix_state(sv: Services, text: str, tokens: list[int], owner: str | None) -> StateLike:
     """The state after the shared prefix, from the prefix cache (prefilled now on a miss)."""
     try:
-        return await sv.prefix_cache.get(sv.engine, tokens, text)
+        return await sv.prefix_cache.get(sv.engine, tokens, text, prefix_part(sv, owner))
     except ApiError:
         raise
     except Exception as exc:
