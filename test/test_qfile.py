@@ -79,3 +79,17 @@ def test_the_server_says_it_serves_the_files_weights(src, tmp_path):
         log = srv.log_path.read_text()
     assert "pre-quantized int8 weights (12 linears): no quantization at load" in log
     assert "weights    int8: the layers' r/k/v/o and FFN linears (per-channel scales, as the checkpoint holds them)" in log
+
+
+def test_a_write_that_fails_leaves_no_partial_file(src, tmp_path, monkeypatch):
+    out = tmp_path / "q.pth"
+
+    def full_disk(obj, path):  # writes a piece, then the disk is full
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(qfile.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        qfile.save_quantized(str(src), str(out), "int8", torch.float32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
