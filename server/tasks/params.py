@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -121,9 +122,9 @@ def format_grammar(fmt: Any, *, known_keys: bool = True) -> GrammarSpec | None:
     schema = inner.get("schema") if isinstance(inner, dict) else None
     if not isinstance(schema, dict):
         raise ValueError("invalid 'response_format': json_schema needs a 'schema' object")
-    if _json_depth(schema) > MAX_JSON_DEPTH:
+    if _depth(schema, MAX_JSON_DEPTH, _json_children) > MAX_JSON_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
-    if _schema_depth(schema) > MAX_SCHEMA_DEPTH:
+    if _depth(schema, MAX_SCHEMA_DEPTH, _schema_children) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     return GrammarSpec.json_schema(json.dumps(schema, sort_keys=True))
 
@@ -145,34 +146,31 @@ def _check_keys(fmt: dict[str, Any]) -> None:
         raise ValueError(f"invalid 'response_format': unknown field {unknown[0]!r} (for type {fmt['type']!r})")
 
 
-def _json_depth(node: Any) -> int:
-    """Nesting depth of a JSON value, counted up to MAX_JSON_DEPTH + 1 (iterative: a hostile
-    value cannot exhaust the stack)."""
-    deepest, todo = 0, [(node, 1)]
-    while todo:
-        n, d = todo.pop()
-        deepest = max(deepest, d)
-        if d > MAX_JSON_DEPTH:
-            break
-        children = n.values() if isinstance(n, dict) else n if isinstance(n, list) else ()
-        todo.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
-
-
-def _schema_depth(schema: dict[str, Any]) -> int:
-    """Nesting depth in schemas, counted up to MAX_SCHEMA_DEPTH + 1: the root is 1, a schema
-    under a subschema keyword of a level-L schema is L + 1 (a property's schema, not the
-    `properties` map, is the next level); values that are data (const, enum, default) do not
-    count. Iterative, like _json_depth (which bounds the walk's input first)."""
-    deepest, todo = 0, [(schema, 1)]
+def _depth(root: Any, bound: int, children: Callable[[Any, int], Iterable[tuple[Any, int]]]) -> int:
+    """The deepest level of a walk from `root` (level 1), where children(node, level) gives a
+    node's (child, its level); counted up to bound + 1. Iterative: a hostile value cannot
+    exhaust the stack."""
+    deepest, todo = 0, [(root, 1)]
     while todo:
         node, level = todo.pop()
         deepest = max(deepest, level)
-        if level > MAX_SCHEMA_DEPTH:
+        if level > bound:
             break
-        todo.extend((c, level + 1) for c in _subschemas(node, _SCHEMA_MAPS, _SCHEMA_LISTS, _SCHEMA_ONE))
-        todo.extend((c, 1) for c in _subschemas(node, _DEFINITIONS, (), ()))
+        todo.extend(children(node, level))
     return deepest
+
+
+def _json_children(n: Any, d: int) -> Iterable[tuple[Any, int]]:
+    children = n.values() if isinstance(n, dict) else n if isinstance(n, list) else ()
+    return ((c, d + 1) for c in children if isinstance(c, (dict, list)))
+
+
+def _schema_children(node: dict[str, Any], level: int) -> Iterable[tuple[Any, int]]:
+    """A schema under a subschema keyword of a level-L schema is at L + 1 (a property's schema,
+    not the `properties` map, is the next level); values that are data (const, enum, default)
+    are none; definitions count from level 1."""
+    yield from ((c, level + 1) for c in _subschemas(node, _SCHEMA_MAPS, _SCHEMA_LISTS, _SCHEMA_ONE))
+    yield from ((c, 1) for c in _subschemas(node, _DEFINITIONS, (), ()))
 
 
 def _subschemas(node: dict[str, Any], maps: tuple[str, ...], lists: tuple[str, ...], one: tuple[str, ...]) -> list:
