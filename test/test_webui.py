@@ -12,9 +12,9 @@ import json
 
 import httpx
 import pytest
-
 from util_browser import (
     api_get,
+    api_post,
     browser_fixture,
     console_errors,
     open_page,
@@ -33,10 +33,7 @@ browser = browser_fixture()
 LONG = 100_000  # max_tokens of a task that must still be running while the test looks at it
 
 
-def post(srv, path: str, body: dict | None = None, **params) -> dict:
-    r = httpx.post(srv.url + path, json=body if body is not None else {}, params=params, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
+post = api_post
 
 
 get = api_get

@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
-
 from util_browser import (
     api_get,
+    api_post,
     browser_fixture,
     console_errors,
     open_page,
@@ -30,14 +30,7 @@ browser = browser_fixture()
 MANY = 620  # more than the 500 the list once stopped at
 
 
-def post(srv, path: str, body: dict | None = None, **params) -> dict:
-    for _ in range(100):
-        r = httpx.post(srv.url + path, json=body if body is not None else {}, params=params, timeout=30)
-        if r.status_code != 429:  # queue_full: wait for the queue to drain
-            break
-        time.sleep(0.05)
-    assert r.status_code == 200, r.text
-    return r.json()
+post = api_post
 
 
 get = api_get

@@ -112,3 +112,19 @@ def wait_finished(srv, task_id: str, timeout: float = 30) -> dict:
             return st
         time.sleep(0.05)
     raise AssertionError(f"{task_id} still running after {timeout}s: {st}")
+
+
+def api_post(srv, path: str, body: dict | None = None, **params) -> dict:
+    """POST to a JSON route of the server (200 expected; a 429 queue_full is retried while the
+    queue drains)."""
+    import time
+
+    import httpx
+
+    for _ in range(100):
+        r = httpx.post(srv.url + path, json=body if body is not None else {}, params=params, timeout=30)
+        if r.status_code != 429:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+    return r.json()
