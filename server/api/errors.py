@@ -3,12 +3,13 @@ family, and the mapping of the engine's errors onto them."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import orjson
 from fastapi.responses import Response
 
-from server.engine.types import EngineDeadError, PromptTooLongError, QueueFullError, RequestFailedError
+from server.engine.types import EngineDeadError, EngineError, PromptTooLongError, QueueFullError, RequestFailedError
 from server.tasks.errors import TaskError
 
 # HTTP status -> OpenAI-style error type
@@ -92,6 +93,20 @@ def task_error(exc: TaskError, param: str | None = None) -> ApiError:
     `Retry-After` where the error gives one (a busy database)."""
     headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
     return ApiError(exc.status, exc.message, param=param or exc.param, code=exc.code, headers=headers)
+
+
+T = TypeVar("T")
+
+
+async def task_call(aw: Awaitable[T], invalid_status: int = 422) -> T:
+    """Await a task-layer operation: its task and engine errors as ApiErrors (a bad value is
+    `invalid_status`: 422 on the task routes)."""
+    try:
+        return await aw
+    except TaskError as exc:
+        raise task_error(exc) from None
+    except (EngineError, ValueError) as exc:
+        raise engine_error(exc, invalid_status=invalid_status) from None
 
 
 def engine_error(exc: Exception, invalid_status: int = 400) -> ApiError:

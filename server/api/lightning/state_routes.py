@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError
+from server.api.errors import ApiError, task_call
 from server.api.lightning import docs
 from server.api.lightning.auth import CredentialFirst, authorize
 from server.api.lightning.errors import LightningError
@@ -28,7 +28,6 @@ from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions, t
 from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
-from server.api.tasks.routes import _call  # (task-layer errors in our shape, the task API's statuses)
 from server.engine.types import MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ async def _tasks(aw: Awaitable[T]) -> T:
     lightning's routes 400 `invalid_request`, as for any bad field); the rest keep their status
     and code (404, 409, 413, 429, 503)."""
     try:
-        return await _call(aw)
+        return await task_call(aw)
     except ApiError as exc:
         if exc.status != 422:
             raise

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from server.api.errors import ApiError, task_error
+from server.api.errors import ApiError, task_call, task_error
 from server.api.loading import torch_dtype
 from server.api.services import get_owner, get_services, json_response, task_manager
 from server.tasks.errors import TaskError, TaskNotFound
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
     from server.tasks import Task, TaskManager
 
 router = APIRouter(tags=["states"])
-T = TypeVar("T")
 _WHY = {
     401: "missing or wrong API key",
     403: "another key's state",
@@ -66,13 +64,6 @@ _FILE = {"application/octet-stream": {"schema": {"type": "string", "format": "bi
 MAX_LISTED = 1000
 MAX_PENDING_HEADER = 1024
 """Pending token ids listed in the export's X-RWKV-Pending-Tokens header (beyond: count only)."""
-
-
-async def _call(aw: Awaitable[T]) -> T:
-    try:
-        return await aw
-    except TaskError as exc:
-        raise task_error(exc) from None
 
 
 def _template_id(name: str) -> str:
@@ -151,7 +142,7 @@ async def upload_state(name: str, request: Request) -> Response:
         )
     except StateFileError as exc:
         raise ApiError(422, str(exc), param="file", code="invalid_state_file") from None
-    tpl = await _call(template_from_state(tm, name, sf.state, pending=sf.pending, owner=get_owner(request)))
+    tpl = await task_call(template_from_state(tm, name, sf.state, pending=sf.pending, owner=get_owner(request)))
     return json_response(
         {**_info(tpl), "format": "full" if sf.full else "rwkv", "dtype": sf.dtype, "bytes": len(data)}, status=201
     )
@@ -196,8 +187,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def list_states(request: Request) -> Response:
     tm = task_manager(get_services(request))
     owner = get_owner(request)
-    everyone = await _call(tm.list(None, kind="template", limit=MAX_LISTED))
-    own = everyone if owner is None else await _call(tm.list(owner, kind="template", limit=MAX_LISTED))
+    everyone = await task_call(tm.list(None, kind="template", limit=MAX_LISTED))
+    own = everyone if owner is None else await task_call(tm.list(owner, kind="template", limit=MAX_LISTED))
     items: dict[str, dict[str, Any]] = {}
     for s in everyone["tasks"]:
         if s.get("parent_id") == STATE_OPERATOR:
@@ -223,7 +214,7 @@ async def delete_state(name: str, request: Request) -> Response:
     tm = task_manager(get_services(request))
     owner = get_owner(request)
     t = await _state_template(tm, name, owner, write=True)
-    await _call(tm.delete(t.id, owner, force=True))
+    await task_call(tm.delete(t.id, owner, force=True))
     return json_response({"name": name, "template_id": t.id, "deleted": True})
 
 
@@ -237,7 +228,7 @@ async def export_state(task_id: str, request: Request, format: Literal["full", "
     RWKV-Runner and the rwkv package load (the metadata in the X-RWKV-* headers)."""
     sv = get_services(request)
     tm = task_manager(sv)
-    t = await _call(tm.get(task_id, get_owner(request)))
+    t = await task_call(tm.get(task_id, get_owner(request)))
     if t.running:
         raise ApiError(
             409,
@@ -245,7 +236,7 @@ async def export_state(task_id: str, request: Request, format: Literal["full", "
             param="task_id",
             code="task_conflict",
         )
-    state, pos, key = await _call(tm.persistence.resolve_state(t))
+    state, pos, key = await task_call(tm.persistence.resolve_state(t))
     try:
         if state is None:
             raise ApiError(

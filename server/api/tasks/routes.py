@@ -10,27 +10,23 @@ when that client disconnects; a TASK_ keeps running (resume with /stream?pos=N).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from server.api.errors import engine_error, task_error
+from server.api.errors import task_call
 from server.api.grammar import response_grammar
 from server.api.openapi import EventStream, answers
 from server.api.services import Services, get_owner, get_services, json_response, task_manager
 from server.api.streaming.sse import SSEResponse
 from server.api.tasks.schemas import CreateBody, EmptyBody, FimBody, GenParams, UpdateBody
 from server.api.tasks.stream import TaskStream
-from server.engine.types import EngineError
-from server.tasks.errors import TaskError
 
 if TYPE_CHECKING:
     from server.tasks.records import Task
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
-T = TypeVar("T")
 
 
 async def _params(sv: Services, body: GenParams) -> dict[str, Any]:
@@ -41,16 +37,6 @@ async def _params(sv: Services, body: GenParams) -> dict[str, Any]:
         await response_grammar(sv, body.response_format, status=422)
         fields["response_format"] = body.response_format
     return fields
-
-
-async def _call(aw: Awaitable[T]) -> T:
-    """Task-layer and engine errors -> ApiError (the OpenAI error shape; a bad value is 422)."""
-    try:
-        return await aw
-    except TaskError as exc:
-        raise task_error(exc) from None
-    except (EngineError, ValueError) as exc:
-        raise engine_error(exc, invalid_status=422) from None
 
 
 def _answer(sv: Services, t: Task, stream: bool, *, own: bool = False) -> Response:
@@ -83,7 +69,7 @@ def _sse(sv: Services, t: Task, pos: int, abort_on_close: bool = False) -> SSERe
 # --- create ------------------------------------------------------------------------------------
 async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Response:
     sv = get_services(request)
-    t = await _call(
+    t = await task_call(
         task_manager(sv).create(body.prompt, await _params(sv, body), persistent=persistent, owner=get_owner(request))
     )
     return _answer(sv, t, body.stream, own=True)
@@ -106,7 +92,7 @@ async def create_task(body: CreateBody, request: Request) -> Response:
 async def fim(body: FimBody, request: Request) -> Response:
     sv = get_services(request)
     tm = task_manager(sv)
-    t = await _call(tm.fim(body.prefix, body.suffix, await _params(sv, body), owner=get_owner(request)))
+    t = await task_call(tm.fim(body.prefix, body.suffix, await _params(sv, body), owner=get_owner(request)))
     return _answer(sv, t, body.stream, own=True)
 
 
@@ -119,7 +105,7 @@ async def list_tasks(
     kind: Literal["tmp", "task", "template"] | None = Query(None),
 ) -> Response:
     tm = task_manager(get_services(request))
-    return json_response(await _call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
+    return json_response(await task_call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
 
 
 _READS = answers(401, 404, 422, 503)
@@ -128,20 +114,20 @@ _READS = answers(401, 404, 422, 503)
 @router.get("/{task_id}/get_result", responses=_READS)
 async def get_result(task_id: str, request: Request) -> Response:
     tm = task_manager(get_services(request))
-    return json_response((await _call(tm.get(task_id, get_owner(request)))).response())
+    return json_response((await task_call(tm.get(task_id, get_owner(request)))).response())
 
 
 @router.get("/{task_id}/status", responses=_READS)
 async def status(task_id: str, request: Request) -> Response:
     tm = task_manager(get_services(request))
-    return json_response((await _call(tm.get(task_id, get_owner(request)))).info())
+    return json_response((await task_call(tm.get(task_id, get_owner(request)))).info())
 
 
 @router.get("/{task_id}/stream", responses=answers(401, 404, 409, 422, 503, sse_only=True), response_class=EventStream)
 async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> Response:
     sv = get_services(request)
     tm = task_manager(sv)
-    t = await _call(tm.get(task_id, get_owner(request), stream=True))  # 409 while another instance runs it
+    t = await task_call(tm.get(task_id, get_owner(request), stream=True))  # 409 while another instance runs it
     return _sse(sv, t, pos)
 
 
@@ -150,7 +136,7 @@ async def stream(task_id: str, request: Request, pos: int = Query(0, ge=0)) -> R
 async def fork(task_id: str, request: Request, body: UpdateBody | None = None, tmp: bool = Query(False)) -> Response:
     sv, body = get_services(request), body or UpdateBody()
     tm = task_manager(sv)
-    t = await _call(tm.fork(task_id, await _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
+    t = await task_call(tm.fork(task_id, await _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
     return _answer(sv, t, body.stream, own=True)
 
 
@@ -160,14 +146,16 @@ async def continue_task(
 ) -> Response:
     sv, body = get_services(request), body or UpdateBody()
     tm = task_manager(sv)
-    t = await _call(tm.continue_(task_id, await _params(sv, body), body.prompt, owner=get_owner(request), force=force))
+    t = await task_call(
+        tm.continue_(task_id, await _params(sv, body), body.prompt, owner=get_owner(request), force=force)
+    )
     return _answer(sv, t, body.stream)
 
 
 @router.post("/{task_id}/stop", responses=answers(401, 403, 404, 409, 413, 422, 503))
 async def stop(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
     tm = task_manager(get_services(request))
-    t = await _call(tm.stop(task_id, get_owner(request), force=force))
+    t = await task_call(tm.stop(task_id, get_owner(request), force=force))
     return json_response(t.info())
 
 
@@ -181,12 +169,12 @@ async def as_template(
 ) -> Response:
     """public=true: every API key may read and fork the template (default: private to this key)."""
     tm = task_manager(get_services(request))
-    t = await _call(tm.as_template(task_id, get_owner(request), name=name, public=public))
+    t = await task_call(tm.as_template(task_id, get_owner(request), name=name, public=public))
     return json_response(t.response())
 
 
 @router.post("/{task_id}/delete", responses=answers(401, 403, 404, 409, 413, 422, 503))
 async def delete(task_id: str, request: Request, body: EmptyBody | None = None, force: bool = Query(False)) -> Response:
     tm = task_manager(get_services(request))
-    t = await _call(tm.delete(task_id, get_owner(request), force=force))
+    t = await task_call(tm.delete(task_id, get_owner(request), force=force))
     return json_response(t.info())
