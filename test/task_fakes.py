@@ -39,8 +39,13 @@ class FakeShape:
 
 
 class FakeTokenizer:
+    """Encodes to UTF-8 bytes; decodes as FakeEngine's events show ids ("<id>" each)."""
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return "".join(f"<{i}>" for i in ids)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,9 @@ from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
 from server.tasks import TaskConflict, TaskConfig, TaskManager, TaskUnavailable
 from server.tasks.codec import encode_state
 from server.tasks.database import DatabaseDamaged
-from server.tasks.records import FINISHED, Task, to_row
+from server.tasks.records import FINISHED, RUNNING, Task, complete_interrupted, to_row
 from server.tasks.store import Store, state_row
+from server.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +44,43 @@ async def stored_task(tm: TaskManager, prompt: str = "abc") -> Task:
     await tm.flush()
     assert t.state == "stored"
     return t
+
+
+# --- a crash mid-run: the text of the last progress row ------------------------------------------
+@pytest.mark.parametrize(
+    "stored, shown",
+    [
+        ("<100><101>", "<100><101><102>"),  # the stream still held the last token's text: completed
+        ("<100>x", "<100>x"),  # not what its tokens decode to (runs cut by a stop string): kept
+    ],
+)
+async def test_a_task_a_crash_interrupted_shows_the_text_of_its_tokens(tmp_path, stored, shown):
+    path = tmp_path / "c.db"
+    tm = await manager(FakeEngine(), path)
+    t = await stored_task(tm)
+    assert t.out.text == "<100><101><102>"
+    await tm.close()
+    with sqlite3.connect(path) as conn:  # the row as a server killed mid-run left it
+        conn.execute(
+            "update tasks set status = ?, finish_reason = null, instance = 'gone', text = ? where id = ?",
+            (RUNNING, stored, t.id),
+        )
+    tm = await manager(FakeEngine(), path)
+    try:
+        assert tm.interrupted == [t.id]
+        after = await tm.get(t.id)
+        assert (after.finish_reason, after.out.text) == ("interrupted", shown)
+    finally:
+        await tm.close()
+
+
+def test_an_unfinished_character_shows_as_a_run_stopped_there_shows_it():
+    tok = get_tokenizer()
+    ids = tok.encode("ok ") + [229]  # 229: the byte 0xE4, the first of a 3-byte character
+    t = Task(id="t", kind="task", tokens=array("i", ids), out_start=0)
+    t.out.append("ok ", len(ids))  # the stream holds the lone byte back
+    complete_interrupted(t, tok.decode)
+    assert t.out.text == "ok \ufffd" == tok.decode(ids)
 
 
 # --- broken state blobs: rebuilt ------------------------------------------------------------------

@@ -151,6 +151,11 @@ class ModelShapeLike(Protocol):
 class TokenizerLike(Protocol):
     def encode(self, text: str) -> Sequence[int]: ...
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """UTF-8 text of ids, invalid or incomplete bytes as U+FFFD (what the engine's stream
+        shows once flushed)."""
+        ...
+
 
 class TimedRun(Protocol):
     """What a latency recorder reads and keeps on a run (`server.tasks.records.Run`)."""

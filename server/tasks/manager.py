@@ -109,7 +109,9 @@ class TaskManager:
             write_behind_bytes=cfg.write_behind_bytes,
             store_dtype=STORE_DTYPES[cfg.state_store_dtype],
         )
-        self.persistence = persistence = Persistence(states, instance=self.instance, url_of=self.lease.url_of)
+        self.persistence = persistence = Persistence(
+            states, instance=self.instance, url_of=self.lease.url_of, decode=tokenizer.decode
+        )
         self.runs = Runs(
             engine,
             self.table,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,7 +41,17 @@ from server.tasks.errors import (
     TaskUnavailable,
 )
 from server.tasks.lineage import state_base
-from server.tasks.records import RUNNING, TEMPLATE, TMP, Task, display_id, from_row, to_row, update_row
+from server.tasks.records import (
+    RUNNING,
+    TEMPLATE,
+    TMP,
+    Task,
+    complete_interrupted,
+    display_id,
+    from_row,
+    to_row,
+    update_row,
+)
 from server.tasks.statewrites import StateWrites
 
 if TYPE_CHECKING:
@@ -84,9 +94,11 @@ class Persistence:
         *,
         instance: str = "local",
         url_of: Callable[[str | None], str | None] = lambda _: None,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         """`states` writes the final states behind; this object shares its store, writer, cache,
-        table, counters and model signature, and commits the task rows."""
+        table, counters and model signature, and commits the task rows. `decode`: the
+        tokenizer's, to complete the text of a task a crash interrupted (complete_interrupted)."""
         self.states = states
         self.store, self.writer, self.cache, self.table = states.store, states.writer, states.cache, states.table
         self.counters = states.counters
@@ -94,6 +106,7 @@ class Persistence:
         self.store_dtype = states.store_dtype
         self.instance = instance
         self.url_of = url_of
+        self.decode = decode
         self.lane = self.states.lane
         self._progress_queued = False  # a progress job is in the writer queue
         self._retries: dict[int, asyncio.TimerHandle] = {}  # id(job) -> its retry timer
@@ -134,6 +147,8 @@ class Persistence:
             return self.table.find(task_id)
         t = from_row(row)
         if not t.running:
+            if t.finish_reason == "interrupted" and self.decode is not None:
+                complete_interrupted(t, self.decode)
             return self.table.remember(t)
         t.out.finished = True
         where = f"instance {t.instance!r}" + (f" ({self.url_of(t.instance)})" if self.url_of(t.instance) else "")

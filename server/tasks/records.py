@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,3 +342,15 @@ def from_row(r: DbRow | Mapping[str, Any]) -> Task:
         version=m["version"],
         base_id=m.get("base_id"),
     )
+
+
+def complete_interrupted(t: Task, decode: Callable[[Sequence[int]], str]) -> None:
+    """A task a crash interrupted shows its last progress row's text, which lacks what the
+    engine's stream still held: the bytes of an unfinished character, text held back for a stop
+    string. Complete it as a run stopped there shows it (the decode of its output tokens), where
+    that decode extends the stored text; an output of several runs whose text is not one decode
+    (a stop string cut, a character split at a run's end) is left as stored."""
+    text = t.out.text
+    full = decode(t.tokens[t.out_start :])
+    if len(full) > len(text) and full.startswith(text):
+        t.out.append(full[len(text) :], 0)
