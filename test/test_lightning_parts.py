@@ -19,12 +19,13 @@ from server.api.lightning.schemas import (
     StateBody,
     TranslateBody,
 )
-from server.api.lightning.sessions import TAG, SessionNotFound, Sessions, continued, name_of, tagged
+from server.api.lightning.sessions import TAG, SessionNotFound, Sessions, continued, name_of
 from server.api.openai.jobs import Job
 from server.api.streaming.source import event
 from server.config import Settings
 from server.engine.types import Event
 from server.tasks import TaskManager
+from server.tasks.records import Task
 
 
 @pytest.mark.parametrize("text", ["plain", 'quote " and \\ backslash', "line\nbreak", "中文 ✿ 🙂", ""])
@@ -86,11 +87,10 @@ def test_chat_style_prompt_format():
     assert e.value.status == 400 and e.value.body() == {"error": "Empty prompt"}
 
 
-def test_session_tags_and_the_blank_line_rule():
-    fields = tagged({"stop": ["\nUser:"], "max_tokens": 3}, "chat:7")
-    assert fields["stop"] == ["\nUser:", TAG + "chat:7"] and name_of(fields) == "chat:7"
-    assert name_of({"stop": ["\nUser:"]}) is None and name_of({}) is None
-    assert TAG.startswith("\uffff")  # a noncharacter: the tag never matches generated text
+def test_session_names_and_the_blank_line_rule():
+    assert name_of(Task(id="TASK_1", kind="task", tag=TAG + "chat:7")) == "chat:7"
+    assert name_of(Task(id="TASK_1", kind="task", tag="response")) is None
+    assert name_of(Task(id="TASK_1", kind="task")) is None
     assert continued("Hi") == "\n\nHi" and continued("\n\nHi") == "\n\nHi" and continued("\nHi") == "\n\n\nHi"
 
 
@@ -105,7 +105,7 @@ async def tm(tmp_path):
 FIELDS = {"max_tokens": 2, "stop": ["\nUser:"]}
 
 
-async def test_registry_is_rebuilt_from_the_tasks(tm):
+async def test_sessions_are_found_by_their_tag_from_any_registry(tm):
     s = Sessions.of(tm)
     assert Sessions.of(tm) is s
     a = await s.chat("k1", "a", "hello", FIELDS)
@@ -115,9 +115,27 @@ async def test_registry_is_rebuilt_from_the_tasks(tm):
     await tm.wait(a.id), await tm.wait(t2.id)
     await tm.wait((await s.branch("k2", "b", 0, "theirs", FIELDS))[0].id)
     assert (i1, i2) == (1, 2) and t2.parent_id == t1.id  # a branch is a fork of its node
-    fresh = Sessions(tm)  # what a restarted server finds in the store
-    assert await fresh.names("k1") == {"a": a.id, "b:1": t1.id, "b:2": t2.id}
-    assert set(await fresh.names("k2")) == {"b:1"}
+    assert a.params["stop"] == FIELDS["stop"]  # the parameters are the client's: no mark in them
+    fresh = Sessions(tm)  # what a restarted server (or another replica) finds in the store
+    assert [(n, t.id) for n, t in await fresh.listing("k1")] == [("a", a.id), ("b:1", t1.id), ("b:2", t2.id)]
+    assert [n for n, _ in await fresh.listing("k2")] == ["b:1"]
+    assert (await fresh.find("k1", "b:2")).id == t2.id and await fresh.find("k2", "a") is None
+    again = await fresh.chat("k1", "a", "more", FIELDS)  # the same task goes on
+    assert again.id == a.id
+    await tm.wait(a.id)
+
+
+async def test_a_fork_or_a_stop_of_its_own_does_not_move_a_session(tm):
+    """Before the tag column a session was a stop string in its parameters: a /v1/tasks fork of
+    a session task inherited it (and, newer, took the name over); a continue with its own `stop`
+    dropped it. Neither may change which task a session is."""
+    s = Sessions.of(tm)
+    a = await s.chat(None, "a", "hello", FIELDS)
+    await tm.wait(a.id)
+    fork = await tm.fork(a.id, {"max_tokens": 1})
+    await tm.wait(fork.id)
+    await tm.wait((await tm.continue_(a.id, {"stop": ["x"], "max_tokens": 1})).id)
+    assert fork.tag is None and [(n, t.id) for n, t in await Sessions(tm).listing(None)] == [("a", a.id)]
 
 
 async def test_node_numbers_are_not_reused_and_gone_tasks_leave(tm):

@@ -127,7 +127,9 @@ def test_bad_session_requests_change_nothing(c):
         ("/state/delete", {"session_id": "no-such-session"}, 404,
          {"status": "not_found", "message": "Session no-such-session not found"}),
         ("/state/delete", {}, 400, {"error": "Missing session_id parameter"}),
-        ("/state/chat/completions", {"session_id": "keep", "contents": ["x"], "stop_tokens": ["s"] * 16}, 400, None),
+        ("/state/chat/completions", {"session_id": "keep", "contents": ["x"], "stop_tokens": ["s"] * 17}, 400, None),
+        ("/state/chat/completions", {"session_id": "k\x00p", "contents": ["x"]}, 400,
+         {"error": "session_id must not contain the NUL character"}),
     ]
     for path, body, code, want in cases:
         r = c.post(path, json=body)

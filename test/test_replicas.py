@@ -123,3 +123,29 @@ def test_two_servers_on_one_sqlite_file(tmp_path):
 @pytest.mark.slow
 def test_two_servers_on_one_postgresql_database(tmp_path, pg_url):  # noqa: F811
     two_servers_one_database(tmp_path, pg_url)
+
+
+def test_a_session_made_on_one_replica_goes_on_on_another(tmp_path):
+    """rwkv_lightning sessions are found by their task's tag in the database: B continues and
+    branches a session A made after B had already served sessions (before the tag column, B's
+    in-memory registry missed it and made a second task of the same name)."""
+    db = str(tmp_path / "shared.db")
+    a, b = replica(tmp_path, "a", db).start(), replica(tmp_path, "b", db).start()
+    try:
+        def state(srv: ServerProcess, sid: str, path: str = "/state/chat/completions", **kw) -> None:
+            r = httpx.post(srv.url + path, timeout=60,
+                           json={"session_id": sid, "contents": ["User: hi\n\nAssistant:"], "max_tokens": 2, **kw})
+            assert r.status_code == 200, r.text
+
+        state(b, "first")  # B has served a session call before A makes "sea"
+        state(a, "sea")
+        state(a, "tree", "/multi_state/chat/completions", dialogue_idx=0)
+        state(b, "sea")  # goes on with A's task
+        state(b, "tree", "/multi_state/chat/completions", dialogue_idx=1)  # a branch of A's node
+        names = {s["session_id"] for s in httpx.post(b.url + "/state/status", json={}).json()["sessions"]}
+        assert names == {"first", "sea", "tree:1", "tree:2"}
+        listed = httpx.get(b.url + "/v1/tasks/list", params={"kind": "task"}).json()
+        assert listed["database_count"] == 4, listed  # first, sea, tree:1, tree:2: no second "sea"
+    finally:
+        a.stop()
+        b.stop()

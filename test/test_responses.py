@@ -177,19 +177,21 @@ def test_only_responses_are_responses(server):
     assert client.responses.retrieve(r.id).id == r.id
 
 
-def test_responses_stored_before_the_mark_still_read_as_responses():
-    """Chains stored by servers older than the mark keep working; a lightning session of that
-    time (marked) and a newer unmarked task do not read as responses."""
+def test_responses_stored_before_the_tag_still_read_as_responses():
+    """A response is a task tagged by the route; chains stored by servers older than any mark
+    keep working; a lightning session of that time and a newer untagged task are no responses."""
     from server.api.openai.chat_format import CHAT_STOP
-    from server.api.responses.render import MARKED_SINCE, is_response, tagged
+    from server.api.responses.render import RESPONSE, UNMARKED_BEFORE, is_response
     from server.tasks.records import TASK, TMP, Task
 
-    def task(stop, created_at, kind=TASK):
-        return Task(id="TASK_" + "0" * 32, kind=kind, params={"stop": stop}, created_at=created_at)
+    def task(stop, created_at, kind=TASK, tag=None):
+        return Task(id="TASK_" + "0" * 32, kind=kind, params={"stop": stop}, created_at=created_at, tag=tag)
 
-    old, new = MARKED_SINCE - 86400, MARKED_SINCE + 1
-    assert is_response(task(tagged(list(CHAT_STOP)), new)) and is_response(task(tagged([]), old))
-    assert is_response(task(list(CHAT_STOP), old))  # stored by an earlier server
-    assert not is_response(task(list(CHAT_STOP), new))  # a /v1/tasks task made since
-    assert not is_response(task([*CHAT_STOP, "\uffffrwkv_lightning session s"], old))
-    assert not is_response(task(tagged([]), new, kind=TMP))
+    old, new = UNMARKED_BEFORE - 86400, UNMARKED_BEFORE + 1
+    stop = list(CHAT_STOP)
+    assert is_response(task(stop, new, tag=RESPONSE)) and is_response(task(stop, old, tag=RESPONSE))
+    assert is_response(task(stop, old))  # stored by an earlier server
+    assert not is_response(task(stop, new))  # a /v1/tasks task made since
+    assert not is_response(task(stop, old, tag="lightning session s"))
+    assert not is_response(task([*stop, "\uffffrwkv_lightning session s"], old))  # marked, not migrated
+    assert not is_response(task(stop, new, kind=TMP, tag=RESPONSE))

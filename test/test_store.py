@@ -131,7 +131,7 @@ async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
 
 async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url):
     store = await open_store(db_url)
-    assert store.revision_before is None and store.revision == migrate.head_revision() == "0005"
+    assert store.revision_before is None and store.revision == migrate.head_revision() == "0006"
     await store.close()
     schema = await inspect_schema(db_url)
     assert set(schema) == {t.name for t in metadata.sorted_tables} | {"alembic_version"}
@@ -140,9 +140,16 @@ async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url
         assert cols == {c.name for c in table.columns}, table.name
         assert idx == {i.name for i in table.indexes}, table.name
     store = await open_store(db_url)  # reopening: nothing to migrate
-    assert store.revision_before == store.revision == "0005"
+    assert store.revision_before == store.revision == "0006"
     await store.close()
-    assert await run_sql(db_url, "select version_num from alembic_version") == [("0005",)]
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0006",)]
+
+
+MARKED = {
+    "TASK_session": ["\n\nUser:", "\uffffrwkv_lightning session chat:3"],
+    "TASK_response": ["\n\nUser:", "\uffffrwkv openai response"],
+    "TASK_plain": ["\uffff is mine"],  # a client's own stop string that merely starts with U+FFFF
+}
 
 
 async def _v1_database(db: str) -> None:
@@ -164,8 +171,11 @@ def _v1_rows(conn) -> None:
     t = Task(id="TASK_old", kind="task", prompt="hi", stored_id="S1", stored_pos=1)
     t.tokens.extend([1, 2])
     t.out.append("x", 1)
-    row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version", "base_id")}  # v1's
+    row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version", "base_id", "tag")}  # v1's
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(row)}) VALUES ({', '.join(':' + k for k in row)})"), row)
+    for tid, stop in MARKED.items():  # the marks of sessions and responses before v6: stop strings
+        marked = {**row, "id": tid, "params": orjson.dumps({"stop": stop, "max_tokens": 5}).decode()}
+        conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(marked)}) VALUES ({', '.join(':' + k for k in marked)})"), marked)
     tpl = {**row, "id": "_old_public", "kind": "template", "owner": None}
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(tpl)}) VALUES ({', '.join(':' + k for k in tpl)})"), tpl)
     own = {**row, "id": "_old_private", "kind": "template", "owner": "k" * 32}
@@ -177,7 +187,7 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     assert await run_sql(db_url, "select version_num from alembic_version") == [("0001",)]
     assert "last_used" not in (await inspect_schema(db_url))["states"][0]
     store = await open_store(db_url)
-    assert (store.revision_before, store.revision) == ("0001", "0005")
+    assert (store.revision_before, store.revision) == ("0001", "0006")
     t = from_row(await store.get_task("TASK_old"))
     assert t.prompt == "hi" and list(t.tokens) == [1, 2] and t.out.text == "x"
     assert (t.stored_id, t.stored_pos, t.version, t.instance, t.public, t.base_id) == ("S1", 1, 0, None, False, None)
@@ -190,6 +200,16 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     assert await run_sql(db_url, "select last_used from states where id='S1'") == [(123.0,)]  # backfilled
     assert "ix_states_evict" in (await inspect_schema(db_url))["states"][1]
     assert "lease_timeout" in (await inspect_schema(db_url))["instances"][0]  # v5
+    store = await open_store(db_url)  # v6: the marks moved from the stop strings to the tag column
+    got = {tid: from_row(await store.get_task(tid)) for tid in MARKED}
+    await store.close()
+    assert {tid: (t.tag, t.params) for tid, t in got.items()} == {
+        "TASK_session": ("lightning session chat:3", {"stop": ["\n\nUser:"], "max_tokens": 5}),
+        "TASK_response": ("response", {"stop": ["\n\nUser:"], "max_tokens": 5}),
+        "TASK_plain": (None, {"stop": ["\uffff is mine"], "max_tokens": 5}),
+    }
+    assert from_row(await (s := await open_store(db_url)).get_task("TASK_old")).tag is None
+    await s.close()
 
 
 async def test_newer_schema_is_refused_with_a_clear_message(db_url):

@@ -70,6 +70,10 @@ STOPPING_WAIT_S = 5.0
 """How long a stop, a delete, or a call on a task whose run is being stopped waits for that run to settle."""
 
 
+TagRows = list[tuple[str, str]]
+"""(tag, task id) pairs (TaskManager.tagged; named here: the class's `list` method shadows the builtin)."""
+
+
 class TaskManager:
     def __init__(
         self,
@@ -223,7 +227,9 @@ class TaskManager:
         *,
         persistent: bool = False,
         owner: str | None = None,
+        tag: str | None = None,
     ) -> Task:
+        """A new task from the zero state. `tag`: what it is to the route making it (Task.tag)."""
         ids = await self._encode(prompt)
         if not ids:
             raise TaskInvalid("prompt must not be empty", param="prompt")
@@ -234,6 +240,7 @@ class TaskManager:
             owner=self.owner_id(owner),
             params=self._params(params),
             prompt=prompt if isinstance(prompt, str) else "",
+            tag=tag,
         )
         return await self.runs.start(t, ids, new=True)
 
@@ -256,9 +263,11 @@ class TaskManager:
         *,
         tmp: bool = False,
         owner: str | None = None,
+        tag: str | None = None,
     ) -> Task:
         """A new task from a copy of the source's state and parameters, then the overrides
-        (max_tokens included), then the prompt. The source is untouched."""
+        (max_tokens included), then the prompt. The source is untouched. `tag`: the new task's
+        (Task.tag; never the source's)."""
         ids = await self._encode(prompt) if prompt else None
         over = self._params(params)
         src = await _settled_if_stopping(await self.get(task_id, owner))
@@ -280,6 +289,7 @@ class TaskManager:
             state_pos=src.state_pos,
             out=Output(),
             base_id=base_of(src),
+            tag=tag,
         )
         if kind == TASK:  # its row names a stored state only
             t.stored_id, t.stored_pos = src.stored_id, src.stored_pos
@@ -401,6 +411,11 @@ class TaskManager:
         return await self.inventory.list(
             self.owner_id(owner), all_owners=owner is None, limit=limit, offset=offset, kind=kind
         )
+
+    async def tagged(self, owner: str | None, tag: str, *, prefix: bool = False) -> TagRows:
+        """(tag, task id) of `owner`'s stored tasks tagged `tag` (prefix: starting with it),
+        oldest first: one database read, the same on every replica."""
+        return await self.store.tagged(self.owner_id(owner), tag, prefix=prefix)
 
     def sweep(self, cutoff: float) -> int:
         """Drop TMP tasks that finished before `cutoff` (epoch seconds)."""

@@ -141,6 +141,10 @@ class Task:
     base_id: str | None = None
     """The template made from a state file whose state the history starts from (None: the zero
     state; server.tasks.lineage)."""
+    tag: str | None = None
+    """What the task is to the route that made it, set at creation and never changed:
+    "response" (/v1/responses), "lightning session <name>" (server.api.lightning.sessions),
+    None (/v1/tasks and the rest; a fork does not inherit it)."""
     # runtime only
     run: Run | None = None  # the current run while running
     saved: asyncio.Future[None] | None = None  # the last queued settle write of this task
@@ -278,6 +282,7 @@ def to_row(t: Task) -> dict[str, Any]:
         "instance": t.instance,
         "version": t.version,
         "base_id": t.base_id,
+        "tag": t.tag,
     }
 
 
@@ -341,6 +346,7 @@ def from_row(r: DbRow | Mapping[str, Any]) -> Task:
         instance=m["instance"],
         version=m["version"],
         base_id=m.get("base_id"),
+        tag=m.get("tag"),
     )
 
 

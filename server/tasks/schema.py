@@ -55,6 +55,8 @@ def _text() -> sa.types.TypeEngine[str]:
 
 ID_LEN = 160
 """Task and state ids (v3: a private named template's id carries its owner, `_name@<hash>`)."""
+TAG_LEN = 240
+"""tasks.tag: "lightning session " + a session id of up to 200 characters + ":<node>"."""
 
 tasks = sa.Table(
     "tasks",
@@ -84,8 +86,10 @@ tasks = sa.Table(
     sa.Column("instance", _str(80)),  # v3: the server instance running it (NULL: not running)
     sa.Column("version", sa.Integer, nullable=False),  # v3: +1 at each claim of a run (replicas)
     sa.Column("base_id", _str(ID_LEN)),  # v4: the state-file template its history starts from (lineage.py)
+    sa.Column("tag", _str(TAG_LEN)),  # v6: what it is to the route that made it (records.Task.tag)
     sa.Index("ix_tasks_status", "status"),
     sa.Index("ix_tasks_owner_created", "owner", "created_at"),  # v2
+    sa.Index("ix_tasks_owner_tag", "owner", "tag"),  # v6
 )
 
 states = sa.Table(

@@ -157,6 +157,17 @@ class Store(Database):
             q = sa.select(tasks.c.id).where(tasks.c.id == task_id)
             return (await conn.execute(q)).first() is not None
 
+    async def tagged(self, owner: str | None, tag: str, *, prefix: bool = False) -> list[tuple[str, str]]:
+        """(tag, id) of `owner`'s tasks tagged `tag` (prefix: tags starting with it), oldest
+        first. One read of the (owner, tag) index."""
+        own = tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None)
+        # LIKE finds the candidates (on SQLite it ignores ASCII case); the exact test is ours
+        match = tasks.c.tag.startswith(tag, autoescape=True) if prefix else tasks.c.tag == tag
+        q = sa.select(tasks.c.tag, tasks.c.id).where(own, match).order_by(tasks.c.created_at, tasks.c.id)
+        async with self.read() as conn:
+            rows = (await conn.execute(q)).all()
+        return [(r.tag, r.id) for r in rows if (r.tag.startswith(tag) if prefix else r.tag == tag)]
+
     async def delete_task(self, task_id: str) -> tuple[bool, int]:
         """Delete a row and its state when no other task names it: (found, non-template state
         bytes dropped)."""

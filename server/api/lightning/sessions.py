@@ -8,12 +8,10 @@ from node `<session_id>:<dialogue_idx>` (the source is untouched, so continuing 
 makes two branches). States, restarts, eviction and ownership are the task layer's: a session
 lives under the API key that made it and survives restarts.
 
-The registry (API key, name) -> task id is kept in the tasks themselves, so it needs no table of
-its own: each session task's stop strings carry one more, `TAG + name`. TAG starts with U+FFFF, a
-Unicode noncharacter that never appears in text, so that stop string never matches; the task
-parameters are stored with the task and kept by its continuations. After a start the registry of
-a key is rebuilt from that key's stored tasks on its first session request (one read per stored
-task of the key, once per process), then kept in memory.
+The registry (API key, name) -> task is the tasks' own tag column (Task.tag = TAG + name, set
+when the task is made, indexed with the owner): one database read finds a session, on any
+replica, after any restart. Where two tasks carry one name (two replicas made the same session
+at once), the newest is the session.
 """
 
 from __future__ import annotations
@@ -29,27 +27,19 @@ if TYPE_CHECKING:
     from server.tasks import TaskManager
     from server.tasks.records import Task
 
-TAG = "\uffffrwkv_lightning session "
+TAG = "lightning session "
+"""Task.tag of a session task: TAG + its name (server.tasks.schema.TAG_LEN bounds it)."""
 MAX_NAME = 200
-"""Longest session name (the tag is one stop string: server.engine.types.MAX_STOP_CHARS)."""
-SCAN_PAGE = 1000
+"""Longest session name (its tag, node suffix included, fits the tag column)."""
 
 
 class SessionNotFound(Exception):
     """The named session (or dialogue node) does not exist for this key."""
 
 
-def name_of(params: dict[str, Any]) -> str | None:
-    """The session name a task's parameters carry, or None (not a session task)."""
-    for s in params.get("stop") or ():
-        if isinstance(s, str) and s.startswith(TAG):
-            return s[len(TAG) :]
-    return None
-
-
-def tagged(fields: dict[str, Any], name: str) -> dict[str, Any]:
-    """Sampling fields with the session's tag added to the stop strings."""
-    return {**fields, "stop": [*fields.get("stop", ()), TAG + name]}
+def name_of(t: Task) -> str | None:
+    """The session name of a task, or None (not a session task)."""
+    return t.tag[len(TAG) :] if t.tag is not None and t.tag.startswith(TAG) else None
 
 
 def continued(prompt: str) -> str:
@@ -64,13 +54,12 @@ class Sessions:
 
     def __init__(self, tasks: TaskManager) -> None:
         self.tasks = tasks
-        self._names: dict[str | None, dict[str, str]] = {}  # owner id -> name -> task id
         self._next: dict[tuple[str | None, str], int] = {}  # (owner id, session id) -> next dialogue_idx
         self._locks: weakref.WeakValueDictionary[tuple[Any, ...], asyncio.Lock] = weakref.WeakValueDictionary()
 
     @classmethod
     def of(cls, tasks: TaskManager) -> Sessions:
-        """The registry of this task manager (one per manager, made on first use)."""
+        """The sessions of this task manager (one object per manager, made on first use)."""
         found = cls._of.get(tasks)
         if found is None:
             found = cls._of[tasks] = cls(tasks)
@@ -83,60 +72,27 @@ class Sessions:
         return lock
 
     # --- the registry --------------------------------------------------------------------------
-    async def names(self, owner: str | None) -> dict[str, str]:
-        """name -> task id of `owner`'s sessions (rebuilt from the stored tasks on first use)."""
-        oid = self.tasks.owner_id(owner)
-        found = self._names.get(oid)
-        if found is not None:
-            return found
-        async with self._lock("scan", oid):
-            found = self._names.get(oid)
-            if found is None:
-                found = self._names[oid] = await self._scan(owner)
-        return found
-
-    async def _scan(self, owner: str | None) -> dict[str, str]:
-        """The session tasks among `owner`'s stored tasks (the newest task of a name wins)."""
-        found: dict[str, tuple[float, str]] = {}
-        offset = 0
-        while True:
-            page = (await self.tasks.list(owner, limit=SCAN_PAGE, offset=offset, kind="task"))["tasks"]
-            for item in page:
-                try:
-                    t = await self.tasks.get(item["task_id"], owner)
-                except TaskNotFound:
-                    continue
-                name = name_of(t.params)
-                if name is not None and (name not in found or found[name][0] < t.created_at):
-                    found[name] = (t.created_at, t.id)
-            if len(page) < SCAN_PAGE:
-                return {name: tid for name, (_, tid) in found.items()}
-            offset += SCAN_PAGE
+    async def _newest(self, owner: str | None, found: list[tuple[str, str]]) -> Task | None:
+        """The newest task of `found` (tag, id; oldest first) that still exists."""
+        for _, tid in reversed(found):
+            try:
+                return await self.tasks.get(tid, owner)
+            except TaskNotFound:  # deleted since the read
+                continue
+        return None
 
     async def find(self, owner: str | None, name: str) -> Task | None:
-        """The task of session `name`, or None (a task deleted meanwhile leaves the registry)."""
-        names = await self.names(owner)
-        tid = names.get(name)
-        if tid is None:
-            return None
-        try:
-            return await self.tasks.get(tid, owner)
-        except TaskNotFound:
-            if names.get(name) == tid:
-                del names[name]
-            return None
+        """The task of session `name`, or None."""
+        return await self._newest(owner, await self.tasks.tagged(owner, TAG + name))
 
     # --- operations ----------------------------------------------------------------------------
     async def chat(self, owner: str | None, session_id: str, prompt: str, fields: dict[str, Any]) -> Task:
         """/state: start the session's next run (create it on its first call)."""
         async with self._lock(self.tasks.owner_id(owner), session_id):
             t = await self.find(owner, session_id)
-            params = tagged(fields, session_id)
             if t is None:
-                t = await self.tasks.create(prompt, params, persistent=True, owner=owner)
-                (await self.names(owner))[session_id] = t.id
-                return t
-            return await self.tasks.continue_(t.id, params, continued(prompt), owner=owner)
+                return await self.tasks.create(prompt, fields, persistent=True, owner=owner, tag=TAG + session_id)
+            return await self.tasks.continue_(t.id, fields, continued(prompt), owner=owner)
 
     async def branch(
         self, owner: str | None, session_id: str, dialogue_idx: int, prompt: str, fields: dict[str, Any]
@@ -145,51 +101,52 @@ class Sessions:
         dialogue_idx). SessionNotFound for an unknown non-zero dialogue_idx."""
         oid = self.tasks.owner_id(owner)
         async with self._lock(oid, session_id):
-            names = await self.names(owner)
             src = None
             if dialogue_idx != 0:
                 src = await self.find(owner, f"{session_id}:{dialogue_idx}")
                 if src is None:
                     raise SessionNotFound(f"State not found for dialogue_idx={dialogue_idx}")
-            new = self._next_index(oid, session_id, names)
-            params = tagged(fields, f"{session_id}:{new}")
+            new = await self._next_index(owner, oid, session_id)
+            tag = f"{TAG}{session_id}:{new}"
             if src is None:
-                t = await self.tasks.create(prompt, params, persistent=True, owner=owner)
+                t = await self.tasks.create(prompt, fields, persistent=True, owner=owner, tag=tag)
             else:
-                t = await self.tasks.fork(src.id, params, continued(prompt), owner=owner)
-            names[f"{session_id}:{new}"] = t.id
+                t = await self.tasks.fork(src.id, fields, continued(prompt), owner=owner, tag=tag)
             self._next[(oid, session_id)] = new + 1
             return t, new
 
-    def _next_index(self, oid: str | None, session_id: str, names: dict[str, str]) -> int:
-        """One more than any node of the session has had (never reused while the process runs)."""
-        node = re.compile(re.escape(session_id) + r":(\d+)")
-        used = max((int(m.group(1)) for n in names if (m := node.fullmatch(n))), default=0)
+    async def _next_index(self, owner: str | None, oid: str | None, session_id: str) -> int:
+        """One more than any stored node of the session (and than any node this process made:
+        a deleted node's index is not reused while it runs)."""
+        nodes = await self.tasks.tagged(owner, f"{TAG}{session_id}:", prefix=True)
+        n = len(TAG) + len(session_id) + 1
+        used = max((int(tag[n:]) for tag, _ in nodes if re.fullmatch(r"\d+", tag[n:])), default=0)
         return max(used + 1, self._next.get((oid, session_id), 1))
 
     async def delete(self, owner: str | None, session_id: str, prefix: bool) -> bool:
         """Delete the session `session_id` (and with `prefix`, every `<session_id>:*` node);
         whether `session_id` itself existed."""
         async with self._lock(self.tasks.owner_id(owner), session_id):
-            names = await self.names(owner)
-            doomed = [session_id] + ([n for n in names if n.startswith(session_id + ":")] if prefix else [])
+            doomed = await self.tasks.tagged(owner, TAG + session_id)
+            if prefix:
+                doomed += await self.tasks.tagged(owner, f"{TAG}{session_id}:", prefix=True)
             found = False
-            for name in doomed:
-                tid = names.pop(name, None)
-                if tid is None:
-                    continue
+            for tag, tid in doomed:
                 try:
                     await self.tasks.delete(tid, owner)
-                    found = found or name == session_id
+                    found = found or tag == TAG + session_id
                 except TaskNotFound:
                     pass
             return found
 
     async def listing(self, owner: str | None) -> list[tuple[str, Task]]:
         """(name, task) of every session and node of `owner`, oldest first."""
+        newest: dict[str, list[tuple[str, str]]] = {}
+        for tag, tid in await self.tasks.tagged(owner, TAG, prefix=True):
+            newest.setdefault(tag[len(TAG) :], []).append((tag, tid))
         out = []
-        for name in list(await self.names(owner)):
-            t = await self.find(owner, name)
+        for name, found in newest.items():
+            t = await self._newest(owner, found)
             if t is not None:
                 out.append((name, t))
         return sorted(out, key=lambda nt: nt[1].created_at)

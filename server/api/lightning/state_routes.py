@@ -24,7 +24,7 @@ from server.api.lightning.schemas import (
     sampling_params,
 )
 from server.api.lightning.session_stream import SessionStream, settle
-from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions, tagged
+from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions
 from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
@@ -63,17 +63,19 @@ def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
         raise LightningError(400, "Missing session_id parameter")
     if len(sid) > MAX_NAME:
         raise LightningError(400, f"session_id has {len(sid)} characters; at most {MAX_NAME}")
+    if "\x00" in sid:
+        raise LightningError(400, "session_id must not contain the NUL character")
     if len(body.contents) != 1 or not body.contents[0]:
         raise LightningError(400, "Request must be single prompt: 'contents' holds exactly one non-empty prompt")
-    if len(body.stop_tokens) >= MAX_STOP_STRINGS:
+    if len(body.stop_tokens) > MAX_STOP_STRINGS:
         raise ApiError(
             400,
-            f"invalid 'stop_tokens': at most {MAX_STOP_STRINGS - 1} stop strings on session routes",
+            f"invalid 'stop_tokens': at most {MAX_STOP_STRINGS} stop strings",
             param="stop_tokens",
             code="invalid_request",
         )
     fields = capped(body.fields(), sv.settings.max_tokens_limit)
-    sampling_params(tagged(fields, sid), sv.shape.vocab_size)  # checked before anything starts
+    sampling_params(fields, sv.shape.vocab_size)  # checked before anything starts
     return sid, body.contents[0], fields
 
 

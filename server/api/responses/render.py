@@ -24,33 +24,29 @@ STATUS = {
 }
 
 
-TAG = "\uffffrwkv openai response"
-"""The mark of a response's task: one more stop string in its parameters (stored with the task,
-kept by forks). It starts with U+FFFF, a Unicode noncharacter that never appears in text, so it
-never matches (the rwkv_lightning sessions mark their tasks the same way). Only tasks carrying it
-are responses: a /v1/tasks task or a lightning session is no `resp_<hex>` of its id."""
+RESPONSE = "response"
+"""The tag of a response's task (Task.tag, set when the route makes it; a fork of it by another
+route is no response). A /v1/tasks task or a lightning session is no `resp_<hex>` of its id."""
 
+MARK = "\uffff"
+"""Servers before the tag column (schema v6) marked tasks by a stop string starting with U+FFFF
+(the upgrade moved those marks into the column)."""
 
-def tagged(stop: list[str]) -> list[str]:
-    """A response's stop strings: `stop` and the mark."""
-    return [*stop, TAG]
-
-
-MARKED_SINCE = 1796428800.0
-"""2026-12-05 00:00 UTC: responses stored before carry no mark. Such a task still reads as a
-response when no other route marked it (a lightning session is marked), so the chains stored
-by earlier servers keep working; a /v1/tasks task of that time does too, as it always did."""
+UNMARKED_BEFORE = 1796428800.0
+"""2026-12-05 00:00 UTC: responses stored before carry no mark at all. Such a task (no tag, no
+U+FFFF stop string) still reads as a response, so the chains stored by earlier servers keep
+working; a /v1/tasks task of that time does too, as it always did."""
 
 
 def is_response(t: Task) -> bool:
     """t was created by /v1/responses (a stored one: TMP_ responses are never read back)."""
-    stop = t.params.get("stop") or ()
-    if t.kind != TASK or not isinstance(stop, list):
+    if t.kind != TASK:
         return False
-    if TAG in stop:
-        return True
-    unmarked = not any(isinstance(s, str) and s.startswith("\uffff") for s in stop)
-    return unmarked and t.created_at < MARKED_SINCE
+    if t.tag is not None:
+        return t.tag == RESPONSE
+    stop = t.params.get("stop") or ()
+    unmarked = not any(isinstance(s, str) and s.startswith(MARK) for s in stop)
+    return unmarked and t.created_at < UNMARKED_BEFORE
 
 
 def task_id(response_id: str) -> str | None:

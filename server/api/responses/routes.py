@@ -8,7 +8,7 @@ stays readable. The prompt is the RWKV chat format (server.api.openai.chat_forma
 
 A response is tied to its request (as OpenAI's non-background responses are): a client that
 leaves before the answer's end, streamed or not, stops the run; a stored one keeps what was
-generated (status "cancelled"). Only tasks made here are responses (render.TAG).
+generated (status "cancelled"). Only tasks made here are responses (their tag: render.RESPONSE).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[st
         "max_tokens": max_tokens,
         "temperature": d.temperature if body.temperature is None else body.temperature,
         "top_p": d.top_p if body.top_p is None else body.top_p,
-        "stop": render.tagged(list(CHAT_STOP)),
+        "stop": list(CHAT_STOP),
         "response_format": fmt,
     }
     if body.seed is not None:
@@ -154,9 +154,10 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
                 param="previous_response_id",
                 code="response_in_progress",
             )
-        t = await _call(tm.fork(src.id, params, _separator(sv, src) + prompt, tmp=not body.store, owner=owner))
+        prompt = _separator(sv, src) + prompt
+        t = await _call(tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE))
     else:
-        t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner))
+        t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE))
     try:
         return await _answer(request, sv, t, body.stream)
     except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on

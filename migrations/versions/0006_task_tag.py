@@ -1,0 +1,64 @@
+"""Schema v6: tasks.tag, what a task is to the route that made it: "response" (/v1/responses),
+"lightning session <name>" (a rwkv_lightning state session or node), NULL (anything else), with
+the index (owner, tag) that finds a key's session by name in one read on every replica.
+
+Before v6 these marks were extra stop strings in the task's parameters, each starting with U+FFFF
+(a noncharacter that never matches): the upgrade moves such a mark into the column and out of the
+stop strings, so the parameters keep only what the client asked for. (params is JSON text from
+orjson: it starts with "{" and never holds a NUL, so PostgreSQL stores it unescaped.)
+
+Revision ID: 0006
+Revises: 0005
+"""
+
+import json
+
+import sqlalchemy as sa
+from alembic import context, op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+RESPONSE_MARK = "\uffffrwkv openai response"
+SESSION_MARK = "\uffffrwkv_lightning session "
+
+
+def _tag(stop: list) -> tuple[str | None, list]:
+    """(the tag a pre-v6 mark says, the stop strings without the marks)."""
+    tag, kept = None, []
+    for s in stop:
+        if s == RESPONSE_MARK:
+            tag = "response"
+        elif isinstance(s, str) and s.startswith(SESSION_MARK):
+            tag = "lightning session " + s[len(SESSION_MARK) :]
+        else:
+            kept.append(s)
+    return tag, kept
+
+
+def upgrade() -> None:
+    op.add_column("tasks", sa.Column("tag", sa.String(240)))
+    op.create_index("ix_tasks_owner_tag", "tasks", ["owner", "tag"])
+    if context.is_offline_mode():  # rendering the DDL (migrate.render_sql): no rows to read
+        return
+    conn = op.get_bind()
+    rows = conn.execute(sa.text("SELECT id, params FROM tasks WHERE params LIKE :m"), {"m": "%\uffff%"}).fetchall()
+    for task_id, text in rows:
+        params = json.loads(text)
+        stop = params.get("stop")
+        if not isinstance(stop, list):
+            continue
+        tag, params["stop"] = _tag(stop)
+        if tag is not None:
+            conn.execute(
+                sa.text("UPDATE tasks SET tag = :tag, params = :params WHERE id = :id"),
+                {"tag": tag, "params": json.dumps(params, ensure_ascii=False, separators=(",", ":")), "id": task_id},
+            )
+
+
+def downgrade() -> None:
+    op.drop_index("ix_tasks_owner_tag", table_name="tasks")
+    with op.batch_alter_table("tasks") as batch:
+        batch.drop_column("tag")
