@@ -67,7 +67,11 @@ def test_served_files_and_redirect(server, finished_task):
         assert "error" in r.json()
     detail = get(server, f"/v1/ui/tasks/{finished_task}")
     assert detail["prompt"] == "The dashboard's first task"
-    assert detail["params"]["max_tokens"] == 8 and detail["kind"] == "task"
+    assert detail["params"]["max_tokens"] == 8 and detail["kind"] == "task" and detail["tag"] is None
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 1})
+    assert r.status_code == 200, r.text
+    made = get(server, "/v1/ui/tasks/TASK_" + r.json()["id"].split("_", 1)[1])
+    assert made["tag"] == "response"  # what the route made it as, shown as "made as"
     missing = httpx.get(server.url + "/v1/ui/tasks/TASK_" + "0" * 32)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "task_not_found"
 

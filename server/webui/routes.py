@@ -87,5 +87,5 @@ def _detail(t: Any, brief: bool = False) -> dict[str, Any]:
         "speed": t.speed(),
     }
     if not brief:
-        out.update(prompt=t.prompt, params=t.params)
+        out.update(prompt=t.prompt, params=t.params, tag=t.tag)
     return out

@@ -45,6 +45,7 @@ function infoTable(detail) {
     h("dt", {}, "prompt tokens"), promptTokens,
     h("dt", {}, "created"), h("dd", {}, when(detail.created_at)),
     h("dt", {}, "parent"), h("dd", {}, taskLink(detail.parent_id) || "none"),
+    h("dt", {}, "made as"), h("dd", { id: "task-tag" }, detail.tag || "a task"),
     h("dt", {}, "parameters"), params);
   /** st: a poll's brief detail (counters), or a whole detail (with params). */
   const update = (st) => {
