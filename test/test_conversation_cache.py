@@ -456,3 +456,40 @@ def test_only_exchanges_worth_keeping_keep_their_states(tmp_path):
         long_prompt = "The bridge over the river " * 100  # 500+ tokens with max_tokens 24: kept
         post("/v1/completions", {"prompt": long_prompt})
         _think(srv.url, 3)
+
+
+# --- an agent's tool-calling turns -------------------------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": CITY}}]
+
+
+def test_an_agents_tool_turns_reuse_the_history_with_its_calls(tmp_path):
+    """Each turn of a tool loop (the client re-sends the assistant's tool_calls and the tool's
+    result) starts from the state at the end of the previous reply, kept as generated or
+    repaired in idle time: forced calls too (their prompt ends in the call marker, which the next
+    turn's history carries inside the call, not as a prompt end)."""
+    env = {"RWKV_CONVERSATION_CACHE_MIN_TOKENS": "0"}
+    with running_server(tmp_path / "on", env=env) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=60)
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris, Rome, Oslo?"}]
+        usage = []
+        for turn, choice in enumerate(["required", "auto", "required", "required", "auto"]):
+            r = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice=choice, seed=turn,
+                                               max_tokens=40, parallel_tool_calls=False)
+            u, m = r.usage, r.choices[0].message
+            usage.append((u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens))
+            msgs.append(m.model_dump(exclude_none=True))
+            for call in m.tool_calls or ():
+                msgs.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"})
+            if not m.tool_calls:
+                msgs.append({"role": "user", "content": "Thanks. And tomorrow?"})
+            _think(srv.url, turn + 1)
+        metrics = parse_metrics(httpx.get(srv.url + "/metrics").text)
+    # from turn 2 on only the new messages are prefilled: a tool result turn and "Assistant:" is
+    # ~24 tokens, a user turn fewer (the reply itself is cached: as the client re-sends it, the
+    # calls' JSON written canonically, which can be fewer tokens than were generated)
+    for i in range(1, len(usage)):
+        assert usage[i][0] - usage[i][2] <= 32, f"turn {i + 1}: {usage[i][2]} of {usage[i][0]} cached: {usage}"
+    assert metrics["rwkv_conversation_cache_hits_total"] >= len(usage) - 1

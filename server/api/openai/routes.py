@@ -7,6 +7,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,7 +18,7 @@ from server.api.lightning import batch as lightning_batch
 from server.api.lightning.auth import CredentialFirst, require_header_key
 from server.api.lightning.schemas import ChatOrContents
 from server.api.metrics import Recorder
-from server.api.openai import agent_render, render, start
+from server.api.openai import agent_render, render, start, tools
 from server.api.openai.agents import Agent, chat_agent, completion_agent
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
 from server.api.openai.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
@@ -106,6 +107,16 @@ def _few_shot(sv: Services) -> str:
         ) from None
 
 
+async def _held_back(sv: Services, text: str, tokens: list[int], suffix: str) -> int:
+    """Tokens at the prompt's end its kept prompt-end state leaves out: the last one, and a
+    forced tool call's suffix (the next turn's history has the call there, not the marker) when
+    the prompt without it tokenizes as a prefix of the prompt with it."""
+    if not suffix:
+        return 1
+    plain = await encode(sv, text[: -len(suffix)])
+    return len(tokens) - len(plain) + 1 if 0 < len(plain) < len(tokens) and tokens[: len(plain)] == plain else 1
+
+
 _GENERATES = answers(400, 401, 404, 409, 413, 429, 503, stream=True)  # 404 / 409: an unknown `state`, one not ready
 
 
@@ -122,9 +133,10 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     agent = await chat_agent(sv, body)
     params = agent.apply(params)
     prompt = build_prompt(turns(body.messages, agent.tool_plan), _few_shot(sv) if body.few_shot else "")
-    if agent.tool_plan is not None:
-        prompt.rest += agent.tool_plan.prompt_suffix()
+    suffix = agent.tool_plan.prompt_suffix() if agent.tool_plan is not None else ""
+    prompt.rest += suffix
     rest = await encode(sv, prompt.rest)
+    hold = await _held_back(sv, prompt.rest, rest, suffix)
     prefix_tokens = await encode(sv, prompt.prefix) if prompt.prefix else []
     _check_length(sv, len(prefix_tokens) + len(rest))
     owner = get_owner(request)
@@ -132,7 +144,14 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     reply = max(p.max_tokens for p in params)
     ongoing = any(m.role == "assistant" for m in body.messages)
     begun = await start.begin(
-        sv, owner, base, prefix_tokens + rest, (prompt.prefix, prefix_tokens), reply_tokens=reply, ongoing=ongoing
+        sv,
+        owner,
+        base,
+        prefix_tokens + rest,
+        (prompt.prefix, prefix_tokens),
+        reply_tokens=reply,
+        ongoing=ongoing,
+        hold=hold,
     )
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -144,7 +163,9 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
         return_state=begun.keep,
         max_queue=sv.settings.max_queue,
     )
-    begun.track(sv, jobs, None if agent.tool_plan else start.chat_expect(sv, begun, prompt.rest, len(rest)))
+    plan, plain = agent.tool_plan, prompt.rest[: len(prompt.rest) - len(suffix)]
+    resent = str.lstrip if plan is None else partial(tools.resent_text, forced=plan.forced)
+    begun.track(sv, jobs, start.chat_expect(sv, begun, plain, len(rest), resent))
     meta = render.Meta(
         id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt, cached_tokens=begun.cached
     )

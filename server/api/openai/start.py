@@ -10,7 +10,7 @@ state of its few-shot / leading system prefix (server.api.openai.prefix_cache).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.api.errors import ApiError, engine_error
@@ -103,13 +103,15 @@ async def begin(
     *,
     reply_tokens: int = 0,
     ongoing: bool = False,
+    hold: int = 1,
 ) -> Start:
     """The start of one prompt's sequences. `prefix`: (text, tokens) of a chat prompt's shared
     prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer).
     reply_tokens: the most tokens a sequence may generate; ongoing: the prompt holds an earlier
     reply (a chat with an assistant turn), so the client is likely to send the next turn. With
     the cache on, the states of an exchange worth keeping are kept, and its long uncached rest
-    is prefilled (and kept) first, but its last token."""
+    is prefilled (and kept) first, but its last `hold` tokens (the last one; more where the
+    prompt ends in text the next turn will not repeat)."""
     stream = base.tokens + list(tokens)
     state, n, part, keep = base.state, 0, None, False
     conv = sv.conversations
@@ -125,9 +127,9 @@ async def begin(
         hit = sv.prefix_cache.key(text, prefix_part(sv, owner)) in sv.prefix_cache.cache
         state, n = await prefix_state(sv, text, ptokens, owner), len(ptokens)
         cached = n if hit else 0
-    if keep and conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
+    if keep and conv is not None and part is not None and len(stream) - hold - n >= SPLIT_MIN_TOKENS:
         try:
-            state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
+            state, n = await conv.prefill(sv.engine, part, stream[:-hold], state, n), len(stream) - hold
         except Exception as exc:
             raise engine_error(exc) from exc
     return Start(stream, stream[n:], state, max(0, cached - len(base.tokens)), part, keep)
@@ -149,16 +151,21 @@ async def prefix_state(sv: Services, text: str, tokens: list[int], owner: str | 
         raise engine_error(exc) from exc
 
 
-def chat_expect(sv: Services, start: Start, rest: str, n_rest: int) -> Expect | None:
+def chat_expect(
+    sv: Services, start: Start, rest: str, n_rest: int, resent: Callable[[str], str] = str.lstrip
+) -> Expect | None:
     """The next chat request's tokens: this prompt with the reply as its client re-sends it (the
     message content, normalized, as build_prompt writes an assistant turn), re-tokenized the way
-    the route tokenizes a prompt (the prefix apart, the rest as one text)."""
+    the route tokenizes a prompt (the prefix apart, the rest as one text). `rest`: the prompt's
+    text after the prefix, up to its final "Assistant:" (n_rest: the tokens the route fed after
+    the prefix); `resent`: the generated text -> the assistant turn's text the client sends back
+    (with tools: its content and calls, tools.resent_text)."""
     if not rest.endswith(CHAT_TURN_END):
         return None
     head = start.stream[: len(start.stream) - n_rest]
 
     async def expect(res: Result) -> list[int]:
-        return head + await _encode(sv, f"{rest} {normalize(res.text)}{TURN_SEP}")
+        return head + await _encode(sv, f"{rest} {normalize(resent(res.text))}{TURN_SEP}")
 
     return expect
 

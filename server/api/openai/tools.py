@@ -206,6 +206,16 @@ def assistant_text(content: str, calls: Sequence[Any], index: int) -> tuple[str,
     return text, ids
 
 
+def resent_text(text: str, forced: bool) -> str:
+    """The assistant turn's text (as _turns renders it) of the message a reply `text` was
+    answered as, when a client sends that message back: its content, and its calls in the
+    envelope."""
+    content, calls = split(text, forced)
+    if calls is None:
+        return text.lstrip()
+    return assistant_text(content.lstrip() if content.strip() else "", calls, 0)[0]
+
+
 def tool_text(name: str, content: str) -> str:
     """A tool message's turn text (after "Tool: ")."""
     return _dumps({"name": name, "content": content})
