@@ -242,6 +242,21 @@ async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(db_url)
     await store.close()
 
 
+async def test_tags_are_found_exactly_by_owner_name_and_prefix(db_url):
+    """Store.tagged: exact tags, or tags starting with a prefix, of one owner; LIKE's wildcards
+    in a name are plain characters, and case matters (SQLite's LIKE ignores ASCII case)."""
+    store = await open_store(db_url)
+    tags = {"T1": ("k", "s a%b:1"), "T2": ("k", "s a_b:1"), "T3": ("k", "s A%b:2"), "T4": ("k", "s a%b"),
+            "T5": ("other", "s a%b:3"), "T6": (None, "s a%b:4"), "T7": ("k", None), "T8": ("k", "s a%b:12")}
+    for i, (tid, (owner, tag)) in enumerate(tags.items()):
+        await store.save(to_row(Task(id=tid, kind="task", owner=owner, tag=tag, created_at=100.0 + i)))
+    assert await store.tagged("k", "s a%b:", prefix=True) == [("s a%b:1", "T1"), ("s a%b:12", "T8")]
+    assert await store.tagged("k", "s a%b") == [("s a%b", "T4")]
+    assert await store.tagged(None, "s ", prefix=True) == [("s a%b:4", "T6")]  # no keys: the keyless rows
+    assert await store.tagged("k", "s a_b:1") == [("s a_b:1", "T2")] and await store.tagged("k", "s a_c:1") == []
+    await store.close()
+
+
 async def test_db_budget_drops_preferred_states_last(db_url):
     """`prefer` (the states a cache holds) go only when the others do not make the budget."""
     store = await open_store(db_url)
