@@ -156,7 +156,27 @@ def test_tool_round_trip(client, stream):
     expected = (f"User: What is the weather in Paris?\n\nAssistant: <tool_call>[{{\"name\": "
                 f"\"{call['function']['name']}\", \"arguments\": {args}}}]\n\nTool: "
                 '{"name": "' + call["function"]["name"] + '", "content": "Sunny, 21 C"}\n\nAssistant:')
-    assert answer.usage.prompt_tokens == len(get_tokenizer().encode(expected))
+    # tokenized with a boundary after the marker, where the model's call began (start.encode_chat)
+    head, call_list = expected.split("<tool_call>")
+    tok = get_tokenizer()
+    assert answer.usage.prompt_tokens == len(tok.encode(head + "<tool_call>")) + len(tok.encode(call_list))
+
+
+def test_the_history_writes_a_reply_as_the_model_wrote_it_and_a_named_choice_hides_no_tool():
+    """A reply with text and a call, sent back as its message (content and tool_calls), renders
+    as the model wrote it (one space before the marker, the JSON in the grammar's spacing), so the
+    conversation cache can keep its state. A named tool_choice restricts the grammar, not the
+    tools the system turn describes (the model sees them all; the cached prefix is the same)."""
+    from server.api.openai.tools import plan, resent_text, split
+
+    wrote = 'Let me check. <tool_call>[{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+    content, calls = split(" " + wrote, forced=False)
+    assert content == " Let me check. " and calls[0]["function"]["name"] == "get_time"
+    assert resent_text(" " + wrote, forced=False) == wrote
+    named = plan(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
+    assert named.system_text() == plan(TOOLS, "required", None).system_text()
+    assert [t.name for t in named.tools] == ["get_time"] and named.forced and not named.parallel
+    assert '"get_weather"' not in named.grammar().source and '"get_time"' in named.grammar().source
 
 
 def test_auto_tool_choice_answers(client):
@@ -248,6 +268,9 @@ def tool(name, params=None):
     ({"tools": [tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "r"}]}, "messages[1].tool_call_id"),
+    ({"tools": [tool("f")], "messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "custom", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[1].tool_calls[0]"),  # only function calls
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_agent_input_is_a_400_and_starts_nothing(server, body, param):

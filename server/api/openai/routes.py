@@ -107,16 +107,6 @@ def _few_shot(sv: Services) -> str:
         ) from None
 
 
-async def _held_back(sv: Services, text: str, tokens: list[int], suffix: str) -> int:
-    """Tokens at the prompt's end its kept prompt-end state leaves out: the last one, and a
-    forced tool call's suffix (the next turn's history has the call there, not the marker) when
-    the prompt without it tokenizes as a prefix of the prompt with it."""
-    if not suffix:
-        return 1
-    plain = await encode(sv, text[: -len(suffix)])
-    return len(tokens) - len(plain) + 1 if 0 < len(plain) < len(tokens) and tokens[: len(plain)] == plain else 1
-
-
 _GENERATES = answers(400, 401, 404, 409, 413, 429, 503, stream=True)  # 404 / 409: an unknown `state`, one not ready
 
 
@@ -135,8 +125,7 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     prompt = build_prompt(turns(body.messages, agent.tool_plan), _few_shot(sv) if body.few_shot else "")
     suffix = agent.tool_plan.prompt_suffix() if agent.tool_plan is not None else ""
     prompt.rest += suffix
-    rest = await encode(sv, prompt.rest)
-    hold = await _held_back(sv, prompt.rest, rest, suffix)
+    rest = await start.encode_chat(sv, prompt.rest)
     prefix_tokens = await encode(sv, prompt.prefix) if prompt.prefix else []
     _check_length(sv, len(prefix_tokens) + len(rest))
     owner = get_owner(request)
@@ -151,7 +140,6 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
         (prompt.prefix, prefix_tokens),
         reply_tokens=reply,
         ongoing=ongoing,
-        hold=hold,
     )
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"

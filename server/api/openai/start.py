@@ -17,6 +17,7 @@ from server.api.errors import ApiError, engine_error
 from server.api.openai.chat_format import TURN_SEP, normalize
 from server.api.openai.conversation import SPLIT_MIN_TOKENS, Expect
 from server.api.openai.jobs import Job
+from server.api.openai.tools import MARKER
 from server.api.services import Services
 from server.engine.protocol import StateLike
 from server.engine.types import Result
@@ -103,15 +104,13 @@ async def begin(
     *,
     reply_tokens: int = 0,
     ongoing: bool = False,
-    hold: int = 1,
 ) -> Start:
     """The start of one prompt's sequences. `prefix`: (text, tokens) of a chat prompt's shared
     prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer).
     reply_tokens: the most tokens a sequence may generate; ongoing: the prompt holds an earlier
     reply (a chat with an assistant turn), so the client is likely to send the next turn. With
     the cache on, the states of an exchange worth keeping are kept, and its long uncached rest
-    is prefilled (and kept) first, but its last `hold` tokens (the last one; more where the
-    prompt ends in text the next turn will not repeat)."""
+    is prefilled (and kept) first, but its last token."""
     stream = base.tokens + list(tokens)
     state, n, part, keep = base.state, 0, None, False
     conv = sv.conversations
@@ -127,9 +126,9 @@ async def begin(
         hit = sv.prefix_cache.key(text, prefix_part(sv, owner)) in sv.prefix_cache.cache
         state, n = await prefix_state(sv, text, ptokens, owner), len(ptokens)
         cached = n if hit else 0
-    if keep and conv is not None and part is not None and len(stream) - hold - n >= SPLIT_MIN_TOKENS:
+    if keep and conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
         try:
-            state, n = await conv.prefill(sv.engine, part, stream[:-hold], state, n), len(stream) - hold
+            state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
         except Exception as exc:
             raise engine_error(exc) from exc
     return Start(stream, stream[n:], state, max(0, cached - len(base.tokens)), part, keep)
@@ -165,7 +164,7 @@ def chat_expect(
     head = start.stream[: len(start.stream) - n_rest]
 
     async def expect(res: Result) -> list[int]:
-        return head + await _encode(sv, f"{rest} {normalize(resent(res.text))}{TURN_SEP}")
+        return head + await encode_chat(sv, f"{rest} {normalize(resent(res.text))}{TURN_SEP}")
 
     return expect
 
@@ -186,6 +185,20 @@ def completion_expect(sv: Services, start: Start, text: str | None, n_prompt: in
         return head + (await _encode(sv, text + res.text))[:-1]
 
     return retokenized
+
+
+async def encode_chat(sv: Services, text: str) -> list[int]:
+    """A chat prompt's text after its prefix, tokenized with a token boundary after each tool-call
+    marker. The grammar starts a call the model writes on a token boundary after the marker, so a
+    call in the history then tokenizes as the model produced it (`>` then `[`, not the one token
+    `>[`), and the conversation cache can keep the state at the end of a reply with calls."""
+    parts = text.split(MARKER)
+    out: list[int] = []
+    for i, part in enumerate(parts):
+        piece = part if i == len(parts) - 1 else part + MARKER
+        if piece:
+            out += await _encode(sv, piece)
+    return out
 
 
 async def _encode(sv: Services, text: str) -> list[int]:

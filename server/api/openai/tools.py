@@ -52,9 +52,13 @@ class ToolPlan:
     """What a request with tools does: which tools may be called, and whether one must be."""
 
     tools: tuple[Tool, ...]
+    """The tools the output may call (a named tool_choice: that one)."""
     forced: bool
     """required or a named function: the output is the call list from its first token."""
     parallel: bool
+    described: tuple[Tool, ...] = ()
+    """The tools the system turn describes: all of the request's (default: `tools`), so a named
+    tool_choice neither hides the others from the model nor changes the cached prefix."""
 
     def grammar(self) -> GrammarSpec:
         schema = {
@@ -73,7 +77,8 @@ class ToolPlan:
             "Each result comes back in a Tool turn. The tools:"
         ]
         lines += [
-            _dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in self.tools
+            _dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
+            for t in self.described or self.tools
         ]
         return "\n".join(lines)
 
@@ -117,7 +122,7 @@ def plan(tools: Sequence[Any] | None, choice: Any, parallel: bool | None) -> Too
     name = _named(choice)
     if name not in names:
         raise ToolError("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
-    return ToolPlan(tuple(t for t in parsed if t.name == name), True, False)  # one call of it
+    return ToolPlan(tuple(t for t in parsed if t.name == name), True, False, tuple(parsed))  # one call of it
 
 
 def _named(choice: Any) -> str:
@@ -193,7 +198,7 @@ def assistant_text(content: str, calls: Sequence[Any], index: int) -> tuple[str,
     out, ids = [], {}
     for j, c in enumerate(calls):
         where = f"messages[{index}].tool_calls[{j}]"
-        fn = c.get("function") if isinstance(c, dict) else None
+        fn = c.get("function") if isinstance(c, dict) and c.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
             raise ToolError(where, 'a tool call is {"id", "type": "function", "function": {"name", "arguments"}}')
         try:
@@ -202,6 +207,7 @@ def assistant_text(content: str, calls: Sequence[Any], index: int) -> tuple[str,
             raise ToolError(f"{where}.function.arguments", "arguments is JSON text") from None
         out.append({"name": fn["name"], "arguments": args})
         ids[c["id"]] = fn["name"]
+    content = content.rstrip()  # the answer's content keeps the space the model wrote before the marker
     text = f"{content} {MARKER}{_dumps(out)}" if content else f"{MARKER}{_dumps(out)}"
     return text, ids
 
