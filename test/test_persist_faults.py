@@ -272,8 +272,8 @@ async def test_a_delete_that_cannot_commit_leaves_the_task_as_it_was(tmp_path, m
     async def update_owned(rows, instance):
         return await (disk_full(tm.store) if full["on"] else real_owned(rows, instance))
 
-    async def delete_task(task_id):
-        return await (disk_full(tm.store) if full["on"] else real_delete(task_id))
+    async def delete_task(task_id, instance=None):
+        return await (disk_full(tm.store) if full["on"] else real_delete(task_id, instance))
 
     monkeypatch.setattr(tm.store, "update_owned", update_owned)
     monkeypatch.setattr(tm.store, "delete_task", delete_task)

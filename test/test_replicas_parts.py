@@ -92,6 +92,33 @@ async def test_a_copy_changed_by_another_replica_is_not_used(tmp_path):
         await b.close()
 
 
+async def test_a_delete_from_an_old_copy_never_removes_a_task_running_elsewhere(tmp_path):
+    """b holds a finished copy it trusts (b has not seen a: no row check on reads) while a runs
+    the task: b's delete is refused by the database (409 naming a), the row and a's run stay."""
+    ea, eb = FakeEngine(gate=asyncio.Event()), FakeEngine()
+    a = await replica(ea, tmp_path / "d.db", "a")
+    ea.gate.set()
+    t = await a.wait((await a.create("shared", persistent=True)).id, timeout=10)
+    await a.flush()
+    b = await replica(eb, tmp_path / "d.db", "b")
+    try:
+        b.lease._task.cancel()
+        b.lease.peers = {}
+        old = await b.get(t.id)
+        assert not old.running
+        ea.gate.clear()
+        await a.continue_(t.id, {"max_tokens": 2})  # runs on a (held at the gate)
+        with pytest.raises(TaskElsewhere) as e:
+            await b.delete(t.id)
+        assert e.value.instance == a.instance
+        assert await b.store.task_exists(t.id) and (await a.get(t.id)).running
+        ea.gate.set()
+        assert (await a.wait(t.id, timeout=10)).out.text == "<100><101><102><100><101>"
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_an_instance_whose_lease_expired_cannot_overwrite_its_tasks(tmp_path):
     ea, eb = FakeEngine(gate=asyncio.Event()), FakeEngine()
     a = await replica(ea, tmp_path / "l.db", "a")

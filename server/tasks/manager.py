@@ -42,7 +42,7 @@ from server.tasks.config import (
     TokenizerLike,
     server_name,
 )
-from server.tasks.errors import TaskConflict, TaskInvalid, TaskStale
+from server.tasks.errors import TaskConflict, TaskElsewhere, TaskInvalid, TaskStale
 from server.tasks.inventory import Inventory
 from server.tasks.lease import Lease
 from server.tasks.lineage import base_of
@@ -349,6 +349,11 @@ class TaskManager:
             self.table.begin_delete(t.id)
             try:
                 await self.persistence.delete(t)
+            except TaskElsewhere:  # this copy was stale: a replica runs the task; read it again
+                t.deleted = False
+                self.table.end_delete(t.id, committed=False)
+                self.table.forget(t.id)
+                raise
             except BaseException:  # not deleted (e.g. the database is away): the task is as it was,
                 t.deleted = False  # and its queued writes (a settle row) go on
                 self.table.end_delete(t.id, committed=False)

@@ -53,6 +53,7 @@ from server.tasks.records import (
     update_row,
 )
 from server.tasks.statewrites import StateWrites
+from server.tasks.store import RowHeld
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -376,7 +377,10 @@ class Persistence:
         await self.writer.call(self._delete_job, t)
 
     async def _delete_job(self, t: Task) -> None:
-        _, dropped = await self.store.delete_task(t.id)
+        try:
+            _, dropped = await self.store.delete_task(t.id, self.instance)
+        except RowHeld as held:  # a replica runs it (this copy was stale): delete it there
+            raise TaskElsewhere(t.display_id, held.instance, self.url_of(held.instance), "delete") from None
         self.states.db_state_bytes -= dropped
 
 

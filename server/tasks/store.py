@@ -23,10 +23,18 @@ from server.tasks.codec import EncodedState
 from server.tasks.database import Database, database_url, unavailable
 from server.tasks.schema import DbRow, states, tasks
 
-__all__ = ["ClaimMiss", "Database", "Store", "database_url", "state_row", "unavailable"]
+__all__ = ["ClaimMiss", "Database", "RowHeld", "Store", "database_url", "state_row", "unavailable"]
 
 _CHUNK = 500  # ids per IN (...) list
 FINISHED = 3
+
+
+class RowHeld(Exception):
+    """The row runs on another instance (its lease holds it): not changed here."""
+
+    def __init__(self, instance: str | None) -> None:
+        super().__init__(f"the row runs on instance {instance!r}")
+        self.instance = instance
 
 
 class ClaimMiss(NamedTuple):
@@ -168,14 +176,20 @@ class Store(Database):
             rows = (await conn.execute(q)).all()
         return [(r.tag, r.id) for r in rows if (r.tag.startswith(tag) if prefix else r.tag == tag)]
 
-    async def delete_task(self, task_id: str) -> tuple[bool, int]:
+    async def delete_task(self, task_id: str, instance: str | None = None) -> tuple[bool, int]:
         """Delete a row and its state when no other task names it: (found, non-template state
-        bytes dropped)."""
+        bytes dropped). With `instance`: not a row running on another instance (RowHeld; the
+        test and the delete are one statement, so a claim elsewhere cannot slip between)."""
+        cond = [tasks.c.id == task_id]
+        if instance is not None:
+            cond.append(sa.or_(tasks.c.status == FINISHED, tasks.c.instance.is_(None), tasks.c.instance == instance))
         async with self.write() as conn:
             row = (await conn.execute(sa.select(tasks.c.state_id).where(tasks.c.id == task_id))).first()
             if row is None:
                 return False, 0
-            await conn.execute(sa.delete(tasks).where(tasks.c.id == task_id))
+            if (await conn.execute(sa.delete(tasks).where(*cond))).rowcount == 0:
+                q = sa.select(tasks.c.instance).where(tasks.c.id == task_id)
+                raise RowHeld((await conn.execute(q)).scalar())
             return True, (await _drop_state_if_unused(conn, row.state_id) if row.state_id else 0)
 
     async def list_tasks(

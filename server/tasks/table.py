@@ -65,6 +65,7 @@ class TaskTable:
             self.live.pop(t.id, None)
         else:
             t.status = FINISHED
+            self.retire(t)  # a stored one is the database's again: reads check its row
         if t.done is not None:
             t.done.set()
 
