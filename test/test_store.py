@@ -149,6 +149,7 @@ MARKED = {
     "TASK_session": ["\n\nUser:", "\uffffrwkv_lightning session chat:3"],
     "TASK_response": ["\n\nUser:", "\uffffrwkv openai response"],
     "TASK_plain": ["\uffff is mine"],  # a client's own stop string that merely starts with U+FFFF
+    "TASK_session_fork": ["\n\nUser:", "\uffffrwkv_lightning session chat:3"],  # a task-API fork inherited it
 }
 
 
@@ -174,7 +175,8 @@ def _v1_rows(conn) -> None:
     row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version", "base_id", "tag")}  # v1's
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(row)}) VALUES ({', '.join(':' + k for k in row)})"), row)
     for tid, stop in MARKED.items():  # the marks of sessions and responses before v6: stop strings
-        marked = {**row, "id": tid, "params": orjson.dumps({"stop": stop, "max_tokens": 5}).decode()}
+        parent = "TASK_session" if tid == "TASK_session_fork" else None
+        marked = {**row, "id": tid, "parent_id": parent, "params": orjson.dumps({"stop": stop, "max_tokens": 5}).decode()}
         conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(marked)}) VALUES ({', '.join(':' + k for k in marked)})"), marked)
     tpl = {**row, "id": "_old_public", "kind": "template", "owner": None}
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(tpl)}) VALUES ({', '.join(':' + k for k in tpl)})"), tpl)
@@ -207,6 +209,7 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
         "TASK_session": ("lightning session chat:3", {"stop": ["\n\nUser:"], "max_tokens": 5}),
         "TASK_response": ("response", {"stop": ["\n\nUser:"], "max_tokens": 5}),
         "TASK_plain": (None, {"stop": ["\uffff is mine"], "max_tokens": 5}),
+        "TASK_session_fork": (None, {"stop": ["\n\nUser:"], "max_tokens": 5}),  # not part of the session
     }
     assert from_row(await (s := await open_store(db_url)).get_task("TASK_old")).tag is None
     await s.close()

@@ -5,7 +5,10 @@ the index (owner, tag) that finds a key's session by name in one read on every r
 Before v6 these marks were extra stop strings in the task's parameters, each starting with U+FFFF
 (a noncharacter that never matches): the upgrade moves such a mark into the column and out of the
 stop strings, so the parameters keep only what the client asked for. (params is JSON text from
-orjson: it starts with "{" and never holds a NUL, so PostgreSQL stores it unescaped.)
+orjson: it starts with "{" and never holds a NUL, so PostgreSQL stores it unescaped.) A task-API
+fork of a session task had inherited its source's mark: the upgrade leaves it untagged (a
+session never forks a task of its own name). A task-API fork of a response cannot be told from
+the next response of a chain (both carry the mark): it stays a response.
 
 Revision ID: 0006
 Revises: 0005
@@ -44,18 +47,23 @@ def upgrade() -> None:
     if context.is_offline_mode():  # rendering the DDL (migrate.render_sql): no rows to read
         return
     conn = op.get_bind()
-    rows = conn.execute(sa.text("SELECT id, params FROM tasks WHERE params LIKE :m"), {"m": "%\uffff%"}).fetchall()
-    for task_id, text in rows:
+    q = "SELECT id, parent_id, params FROM tasks WHERE params LIKE :m"
+    marked = {}
+    for task_id, parent_id, text in conn.execute(sa.text(q), {"m": "%\uffff%"}).fetchall():
         params = json.loads(text)
-        stop = params.get("stop")
-        if not isinstance(stop, list):
+        if isinstance(params.get("stop"), list):
+            tag, params["stop"] = _tag(params["stop"])
+            marked[task_id] = (tag, parent_id, params)
+    for task_id, (tag, parent_id, params) in marked.items():
+        if tag is None:
             continue
-        tag, params["stop"] = _tag(stop)
-        if tag is not None:
-            conn.execute(
-                sa.text("UPDATE tasks SET tag = :tag, params = :params WHERE id = :id"),
-                {"tag": tag, "params": json.dumps(params, ensure_ascii=False, separators=(",", ":")), "id": task_id},
-            )
+        parent = marked.get(parent_id)
+        if tag.startswith("lightning session ") and parent is not None and parent[0] == tag:
+            tag = None  # a task-API fork inherited its source's mark: no session makes a child of its own name
+        conn.execute(
+            sa.text("UPDATE tasks SET tag = :tag, params = :params WHERE id = :id"),
+            {"tag": tag, "params": json.dumps(params, ensure_ascii=False, separators=(",", ":")), "id": task_id},
+        )
 
 
 def downgrade() -> None:
