@@ -151,3 +151,45 @@ async def test_node_numbers_are_not_reused_and_gone_tasks_leave(tm):
     with pytest.raises(SessionNotFound):
         await s.branch(None, "n", 3, "p", FIELDS)
     assert [name for name, _ in await s.listing(None)] == ["n:1"]
+
+
+async def test_a_node_or_session_another_replica_made_meanwhile_is_never_made_twice(tmp_path):
+    """Two servers on one database: b's read of the session raced a's write (b read before a
+    committed). The database refuses b's second task of a name: b's branch takes the next node
+    number, b's first /state call goes on with the session a made."""
+    path = str(tmp_path / "r.db")
+    a, b = (TaskManager(FakeEngine(), FakeTokenizer(), Settings(db=path, device="cpu", instance_name=n), FakeShape())
+            for n in ("a", "b"))
+    await a.start()
+    await b.start()
+    try:
+        sa_, sb = Sessions(a), Sessions(b)
+        await a.wait((await sa_.branch(None, "t", 0, "root", FIELDS))[0].id)
+        real = sb._next_index
+        stale = iter([1])  # b read the numbers before a's node 1 was there
+
+        async def racing(*args):
+            n = next(stale, None)
+            return n if n is not None else await real(*args)
+
+        sb._next_index = racing
+        t, new = await sb.branch(None, "t", 0, "root too", FIELDS)
+        assert new == 2 and t.tag == TAG + "t:2"
+        await b.wait(t.id)
+        s = await sa_.chat(None, "s", "hello", FIELDS)
+        await a.wait(s.id)
+        found, sb.find = sb.find, None
+
+        async def missed_once(owner, name):  # b's first look missed the session a just made
+            sb.find = found
+            return None
+
+        sb.find = missed_once
+        again = await sb.chat(None, "s", "more", FIELDS)
+        assert again.id == s.id
+        await b.wait(s.id)
+        names = [n for n, _ in await Sessions(a).listing(None)]
+        assert sorted(names) == ["s", "t:1", "t:2"]
+    finally:
+        await a.close()
+        await b.close()

@@ -21,7 +21,7 @@ from server.tasks.codec import StateCodecError, decode_state, encode_state
 from server.tasks.errors import TaskUnavailable
 from server.tasks.records import Task, from_row, to_row
 from server.tasks.schema import metadata
-from server.tasks.store import Store, database_url, state_row
+from server.tasks.store import Store, TagTaken, database_url, state_row
 from server.tasks.writer import Writer
 
 from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
@@ -65,8 +65,13 @@ async def inspect_schema(db: str) -> dict[str, tuple[set[str], set[str]]]:
     """{table: (column names, index names)} of database `db`, as the database reports them."""
     def names(conn):
         insp = sa.inspect(conn)
-        return {t: ({c["name"] for c in insp.get_columns(t)}, {i["name"] for i in insp.get_indexes(t)})
-                for t in insp.get_table_names()}
+        out = {t: ({c["name"] for c in insp.get_columns(t)}, {i["name"] for i in insp.get_indexes(t)})
+               for t in insp.get_table_names()}
+        if conn.dialect.name == "sqlite":  # its reflection skips indexes on expressions
+            rows = conn.exec_driver_sql("select tbl_name, name from sqlite_master where type = 'index' and sql is not null")
+            for table, name in rows:
+                out[table][1].add(name)
+        return out
 
     eng = create_async_engine(database_url(db))
     try:
@@ -150,6 +155,7 @@ MARKED = {
     "TASK_response": ["\n\nUser:", "\uffffrwkv openai response"],
     "TASK_plain": ["\uffff is mine"],  # a client's own stop string that merely starts with U+FFFF
     "TASK_session_fork": ["\n\nUser:", "\uffffrwkv_lightning session chat:3"],  # a task-API fork inherited it
+    "TASK_session_twin": ["\uffffrwkv_lightning session chat:3"],  # an older server made it twice (replicas)
 }
 
 
@@ -176,7 +182,8 @@ def _v1_rows(conn) -> None:
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(row)}) VALUES ({', '.join(':' + k for k in row)})"), row)
     for tid, stop in MARKED.items():  # the marks of sessions and responses before v6: stop strings
         parent = "TASK_session" if tid == "TASK_session_fork" else None
-        marked = {**row, "id": tid, "parent_id": parent, "params": orjson.dumps({"stop": stop, "max_tokens": 5}).decode()}
+        marked = {**row, "id": tid, "parent_id": parent, "params": orjson.dumps({"stop": stop, "max_tokens": 5}).decode(),
+                  "created_at": 1.0 if tid == "TASK_session_twin" else row["created_at"]}  # the twin: older
         conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(marked)}) VALUES ({', '.join(':' + k for k in marked)})"), marked)
     tpl = {**row, "id": "_old_public", "kind": "template", "owner": None}
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(tpl)}) VALUES ({', '.join(':' + k for k in tpl)})"), tpl)
@@ -210,6 +217,7 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
         "TASK_response": ("response", {"stop": ["\n\nUser:"], "max_tokens": 5}),
         "TASK_plain": (None, {"stop": ["\uffff is mine"], "max_tokens": 5}),
         "TASK_session_fork": (None, {"stop": ["\n\nUser:"], "max_tokens": 5}),  # not part of the session
+        "TASK_session_twin": (None, {"stop": [], "max_tokens": 5}),  # the newer of two of one name is the session
     }
     assert from_row(await (s := await open_store(db_url)).get_task("TASK_old")).tag is None
     await s.close()
@@ -257,6 +265,15 @@ async def test_tags_are_found_exactly_by_owner_name_and_prefix(db_url):
     assert await store.tagged("k", "s a%b") == [("s a%b", "T4")]
     assert await store.tagged(None, "s ", prefix=True) == [("s a%b:4", "T6")]  # no keys: the keyless rows
     assert await store.tagged("k", "s a_b:1") == [("s a_b:1", "T2")] and await store.tagged("k", "s a_c:1") == []
+    # one task per tag and owner (keyless rows too), but any number of responses
+    for owner in ("k", None):
+        with pytest.raises(TagTaken):
+            await store.save_rows([to_row(Task(id=f"TX{owner}", kind="task", owner=owner, tag="s a%b:4" if owner is None
+                                               else "s a%b:1"))])
+    await store.save(to_row(Task(id="T9", kind="task", owner="k2", tag="s a%b:1")))  # another owner's
+    for i in range(2):
+        await store.save(to_row(Task(id=f"R{i}", kind="task", owner="k", tag="response")))
+    assert len(await store.tagged("k", "response")) == 2 and not await store.task_exists("TXk")
     await store.close()
 
 

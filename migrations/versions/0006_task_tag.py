@@ -1,6 +1,8 @@
 """Schema v6: tasks.tag, what a task is to the route that made it: "response" (/v1/responses),
 "lightning session <name>" (a rwkv_lightning state session or node), NULL (anything else), with
-the index (owner, tag) that finds a key's session by name in one read on every replica.
+the index (owner, tag) that finds a key's session by name in one read on every replica, and a
+unique index: a tag other than "response" names at most one task of an owner (NULL owner: ''),
+so two replicas cannot make one session or node twice.
 
 Before v6 these marks were extra stop strings in the task's parameters, each starting with U+FFFF
 (a noncharacter that never matches): the upgrade moves such a mark into the column and out of the
@@ -45,7 +47,7 @@ def upgrade() -> None:
     op.add_column("tasks", sa.Column("tag", sa.String(240)))
     op.create_index("ix_tasks_owner_tag", "tasks", ["owner", "tag"])
     if context.is_offline_mode():  # rendering the DDL (migrate.render_sql): no rows to read
-        return
+        return _named_index()
     conn = op.get_bind()
     q = "SELECT id, parent_id, params FROM tasks WHERE params LIKE :m"
     marked = {}
@@ -64,9 +66,34 @@ def upgrade() -> None:
             sa.text("UPDATE tasks SET tag = :tag, params = :params WHERE id = :id"),
             {"tag": tag, "params": json.dumps(params, ensure_ascii=False, separators=(",", ":")), "id": task_id},
         )
+    _one_task_per_name(conn)
+    _named_index()
+
+
+def _named_index() -> None:
+    op.create_index(
+        "ux_tasks_named",
+        "tasks",
+        [sa.text("coalesce(owner, '')"), "tag"],
+        unique=True,
+        sqlite_where=sa.text("tag <> 'response'"),
+        postgresql_where=sa.text("tag <> 'response'"),
+    )
+
+
+def _one_task_per_name(conn) -> None:
+    """Where older servers made two tasks of one session name (replicas racing), the newest was
+    the session: the others lose the tag (they stay as plain tasks)."""
+    q = "SELECT id, owner, tag FROM tasks WHERE tag IS NOT NULL AND tag <> 'response' ORDER BY created_at DESC, id DESC"
+    seen = set()
+    for task_id, owner, tag in conn.execute(sa.text(q)).fetchall():
+        if (owner or "", tag) in seen:
+            conn.execute(sa.text("UPDATE tasks SET tag = NULL WHERE id = :id"), {"id": task_id})
+        seen.add((owner or "", tag))
 
 
 def downgrade() -> None:
+    op.drop_index("ux_tasks_named", table_name="tasks")
     op.drop_index("ix_tasks_owner_tag", table_name="tasks")
     with op.batch_alter_table("tasks") as batch:
         batch.drop_column("tag")

@@ -45,6 +45,13 @@ class TaskStale(TaskConflict):
     code = "task_changed"
 
 
+class TaskTagTaken(TaskConflict):
+    """Another task of this owner has the tag (a session name another replica took meanwhile);
+    nothing was stored."""
+
+    code = "task_tag_taken"
+
+
 class TaskStateLost(TaskConflict):
     """The task's history starts from a state template's state (a state file), and both its own
     state and that template's are lost or corrupt: it cannot be rebuilt from its tokens."""

@@ -38,6 +38,7 @@ from server.tasks.errors import (
     TaskNotFound,
     TaskStale,
     TaskStateLost,
+    TaskTagTaken,
     TaskUnavailable,
 )
 from server.tasks.lineage import state_base
@@ -53,7 +54,7 @@ from server.tasks.records import (
     update_row,
 )
 from server.tasks.statewrites import StateWrites
-from server.tasks.store import RowHeld
+from server.tasks.store import RowHeld, TagTaken
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -261,7 +262,12 @@ class Persistence:
         return await self.writer.put(self._claim, t, update_row(t))
 
     async def _persist_rows(self, rows: list[dict[str, Any]]) -> None:
-        await self.store.save_rows(rows)
+        try:
+            await self.store.save_rows(rows)
+        except TagTaken:
+            if len(rows) > 1:
+                raise  # the writer runs a failed group's rows one by one
+            raise TaskTagTaken(f"another task of this owner is tagged {rows[0]['tag']!r}") from None
 
     async def _claim(self, t: Task, row: dict[str, Any]) -> None:
         miss = await self.store.claim(t.id, t.version, row)

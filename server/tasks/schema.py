@@ -92,6 +92,15 @@ tasks = sa.Table(
     sa.Index("ix_tasks_owner_tag", "owner", "tag"),  # v6
 )
 
+sa.Index(
+    "ux_tasks_named",  # v6: a tag other than "response" names one task of an owner
+    sa.func.coalesce(tasks.c.owner, sa.literal_column("''")),
+    tasks.c.tag,
+    unique=True,
+    sqlite_where=tasks.c.tag != "response",
+    postgresql_where=tasks.c.tag != "response",
+)
+
 states = sa.Table(
     "states",
     metadata,

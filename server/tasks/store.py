@@ -23,10 +23,14 @@ from server.tasks.codec import EncodedState
 from server.tasks.database import Database, database_url, unavailable
 from server.tasks.schema import DbRow, states, tasks
 
-__all__ = ["ClaimMiss", "Database", "RowHeld", "Store", "database_url", "state_row", "unavailable"]
+__all__ = ["ClaimMiss", "Database", "RowHeld", "Store", "TagTaken", "database_url", "state_row", "unavailable"]
 
 _CHUNK = 500  # ids per IN (...) list
 FINISHED = 3
+
+
+class TagTaken(Exception):
+    """A row's tag is another row's of the same owner (ux_tasks_named): nothing was written."""
 
 
 class RowHeld(Exception):
@@ -93,8 +97,13 @@ class Store(Database):
         id twice: the later row wins, as if the rows were saved one after the other."""
         if not rows:
             return
-        async with self.write() as conn:
-            await _upsert_rows(conn, rows)
+        try:
+            async with self.write() as conn:
+                await _upsert_rows(conn, rows)
+        except sa.exc.IntegrityError as exc:
+            if "ux_tasks_named" in str(exc):
+                raise TagTaken(str(exc.orig)) from None
+            raise
 
     async def save_progress(self, rows: list[dict[str, Any]]) -> None:
         """Update existing task rows (all with the same columns), one transaction and one

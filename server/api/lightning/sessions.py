@@ -10,8 +10,9 @@ lives under the API key that made it and survives restarts.
 
 The registry (API key, name) -> task is the tasks' own tag column (Task.tag = TAG + name, set
 when the task is made, indexed with the owner): one database read finds a session, on any
-replica, after any restart. Where two tasks carry one name (two replicas made the same session
-at once), the newest is the session.
+replica, after any restart. The database keeps one task per name and key (a unique index): a
+replica that makes a session or node another made meanwhile is refused (TaskTagTaken), and goes
+on with that session, or takes the next node number.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import re
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from server.tasks.errors import TaskNotFound
+from server.tasks.errors import TaskNotFound, TaskTagTaken
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -31,6 +32,8 @@ TAG = "lightning session "
 """Task.tag of a session task: TAG + its name (server.tasks.schema.TAG_LEN bounds it)."""
 MAX_NAME = 200
 """Longest session name (its tag, node suffix included, fits the tag column)."""
+MAX_NUMBER_TRIES = 16
+"""Node numbers a branch tries while other replicas take them at the same moment."""
 
 
 class SessionNotFound(Exception):
@@ -91,7 +94,12 @@ class Sessions:
         async with self._lock(self.tasks.owner_id(owner), session_id):
             t = await self.find(owner, session_id)
             if t is None:
-                return await self.tasks.create(prompt, fields, persistent=True, owner=owner, tag=TAG + session_id)
+                try:
+                    return await self.tasks.create(prompt, fields, persistent=True, owner=owner, tag=TAG + session_id)
+                except TaskTagTaken:  # another replica made it meanwhile: this call continues it
+                    t = await self.find(owner, session_id)
+                    if t is None:
+                        raise
             return await self.tasks.continue_(t.id, fields, continued(prompt), owner=owner)
 
     async def branch(
@@ -106,14 +114,20 @@ class Sessions:
                 src = await self.find(owner, f"{session_id}:{dialogue_idx}")
                 if src is None:
                     raise SessionNotFound(f"State not found for dialogue_idx={dialogue_idx}")
-            new = await self._next_index(owner, oid, session_id)
-            tag = f"{TAG}{session_id}:{new}"
-            if src is None:
-                t = await self.tasks.create(prompt, fields, persistent=True, owner=owner, tag=tag)
-            else:
-                t = await self.tasks.fork(src.id, fields, continued(prompt), owner=owner, tag=tag)
-            self._next[(oid, session_id)] = new + 1
-            return t, new
+            for _ in range(MAX_NUMBER_TRIES):
+                new = await self._next_index(owner, oid, session_id)
+                tag = f"{TAG}{session_id}:{new}"
+                try:
+                    if src is None:
+                        t = await self.tasks.create(prompt, fields, persistent=True, owner=owner, tag=tag)
+                    else:
+                        t = await self.tasks.fork(src.id, fields, continued(prompt), owner=owner, tag=tag)
+                except TaskTagTaken:  # another replica made node `new` meanwhile: the next number
+                    self._next[(oid, session_id)] = new + 1
+                    continue
+                self._next[(oid, session_id)] = new + 1
+                return t, new
+            raise TaskTagTaken(f"no free node number of session {session_id!r} after {MAX_NUMBER_TRIES} tries")
 
     async def _next_index(self, owner: str | None, oid: str | None, session_id: str) -> int:
         """One more than any stored node of the session (and than any node this process made:
