@@ -355,6 +355,9 @@ def _margins(replies: list[str], usage) -> list[float]:
 def test_ten_turn_chat_reuses_the_history_and_answers_as_without_the_cache(tmp_path):
     with running_server(tmp_path / "off", env={"RWKV_CONVERSATION_CACHE_BYTES": "0"}) as off:
         ref, ref_usage = _chat(off.url)
+        off_metrics = parse_metrics(httpx.get(off.url + "/metrics").text)
+    # the cache off: its series exist, at zero (a dashboard needs no special case)
+    assert off_metrics["rwkv_conversation_cache_hits_total"] == 0 == off_metrics["rwkv_conversation_cache_bytes"]
     with running_server(tmp_path / "on") as on:
         replies, usage = _chat(on.url, stream_last=True)
         metrics = parse_metrics(httpx.get(on.url + "/metrics").text)

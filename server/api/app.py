@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -18,6 +19,7 @@ from server.api.loading import Loaded, facts, load_services, prefix_budget
 from server.api.metrics import Metrics, Recorder
 from server.api.middleware import ServerMiddleware
 from server.api.openai.conversation import ConversationCache
+from server.api.openai.conversation import metric_lines as conversation_metric_lines
 from server.api.openai.prefix_cache import PrefixCache
 from server.api.services import Services
 from server.api.streaming.sse import RAW_SEND
@@ -172,6 +174,8 @@ async def _start(app: FastAPI, loaded: Loaded, settings: Settings, metrics: Metr
             repairs=not 0 < settings.max_queue < REPAIR_MIN_QUEUE,
         )
         metrics.add_source(conversations.metric_lines)
+    else:
+        metrics.add_source(partial(conversation_metric_lines, {}))
     return Services(
         settings=settings,
         engine=loaded.engine,

@@ -300,12 +300,17 @@ class ConversationCache:
 
     def metric_lines(self) -> list[str]:
         """Prometheus text lines of the cache's counters and size (Metrics.add_source)."""
-        st = self.stats()
-        out: list[str] = []
-        for name, kind, doc in _METRICS:
-            metric = f"rwkv_conversation_cache_{name}" + ("_total" if kind == "counter" else "")
-            out += [f"# HELP {metric} {doc}", f"# TYPE {metric} {kind}", f"{metric} {st.get(name, 0)}"]
-        return out
+        return metric_lines(self.stats())
+
+
+def metric_lines(st: dict[str, int]) -> list[str]:
+    """The cache's Prometheus lines from its stats (all zeros, `{}`, when the cache is off: the
+    series exist either way, so dashboards and alerts need no special case)."""
+    out: list[str] = []
+    for name, kind, doc in _METRICS:
+        metric = f"rwkv_conversation_cache_{name}" + ("_total" if kind == "counter" else "")
+        out += [f"# HELP {metric} {doc}", f"# TYPE {metric} {kind}", f"{metric} {st.get(name, 0)}"]
+    return out
 
 
 _METRICS = (
