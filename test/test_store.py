@@ -21,7 +21,7 @@ from server.tasks.codec import StateCodecError, decode_state, encode_state
 from server.tasks.errors import TaskUnavailable
 from server.tasks.records import Task, from_row, to_row
 from server.tasks.schema import metadata
-from server.tasks.store import Store, TagTaken, database_url, state_row
+from server.tasks.store import RowHeld, Store, TagTaken, database_url, state_row
 from server.tasks.writer import Writer
 
 from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
@@ -274,6 +274,19 @@ async def test_tags_are_found_exactly_by_owner_name_and_prefix(db_url):
     for i in range(2):
         await store.save(to_row(Task(id=f"R{i}", kind="task", owner="k", tag="response")))
     assert len(await store.tagged("k", "response")) == 2 and not await store.task_exists("TXk")
+    await store.close()
+
+
+async def test_a_delete_leaves_a_row_another_instance_runs(db_url):
+    store = await open_store(db_url)
+    await store.save(to_row(Task(id="T_run", kind="task", status=2, instance="a")))
+    await store.save(to_row(Task(id="T_done", kind="task", instance=None)))
+    with pytest.raises(RowHeld) as e:
+        await store.delete_task("T_run", "b")
+    assert e.value.instance == "a" and await store.task_exists("T_run")
+    assert await store.delete_task("T_done", "b") == (True, 0)  # finished: any instance deletes it
+    assert await store.delete_task("T_run", "a") == (True, 0)  # its own instance does
+    assert await store.delete_task("T_run", "a") == (False, 0)
     await store.close()
 
 

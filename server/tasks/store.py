@@ -197,8 +197,10 @@ class Store(Database):
             if row is None:
                 return False, 0
             if (await conn.execute(sa.delete(tasks).where(*cond))).rowcount == 0:
-                q = sa.select(tasks.c.instance).where(tasks.c.id == task_id)
-                raise RowHeld((await conn.execute(q)).scalar())
+                holder = (await conn.execute(sa.select(tasks.c.instance).where(tasks.c.id == task_id))).first()
+                if holder is None:
+                    return False, 0  # deleted meanwhile by another server
+                raise RowHeld(holder.instance)
             return True, (await _drop_state_if_unused(conn, row.state_id) if row.state_id else 0)
 
     async def list_tasks(
