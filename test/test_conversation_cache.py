@@ -471,14 +471,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 def test_an_agents_tool_turns_reuse_the_history_with_its_calls(tmp_path):
     """Each turn of a tool loop (the client re-sends the assistant's tool_calls and the tool's
     result) starts from the state at the end of the previous reply, kept as generated or
-    repaired in idle time: forced calls too (their prompt ends in the call marker, which the next
-    turn's history carries inside the call, not as a prompt end)."""
+    repaired in idle time: forced calls and a final "none" turn too (the tools stay described)."""
     env = {"RWKV_CONVERSATION_CACHE_MIN_TOKENS": "0"}
     with running_server(tmp_path / "on", env=env) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=60)
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris, Rome, Oslo?"}]
         usage = []
-        for turn, choice in enumerate(["required", "auto", "required", "required", "auto"]):
+        for turn, choice in enumerate(["required", "auto", "required", "required", "none"]):
             r = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice=choice, seed=turn,
                                                max_tokens=40, parallel_tool_calls=False)
             u, m = r.usage, r.choices[0].message

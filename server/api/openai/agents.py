@@ -23,6 +23,9 @@ class Agent:
     grammar: GrammarSpec | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    described: tools.ToolPlan | None = None
+    """The tools the prompt describes: the plan's, or with tool_choice "none" the request's
+    (tools.shown: described, not callable)."""
 
     @property
     def any(self) -> bool:
@@ -47,7 +50,7 @@ async def chat_agent(sv: Services, body: ChatRequest) -> Agent:
         grammar = await compiled(sv, plan.grammar(), param="tools")
     else:
         grammar = await response_grammar(sv, body.response_format)
-    return Agent(plan, grammar, body.top())
+    return Agent(plan, grammar, body.top(), described=plan or tools.shown(body.tools, body.tool_choice))
 
 
 async def completion_agent(sv: Services, body: CompletionRequest) -> Agent:

@@ -13,7 +13,8 @@ from server.api.openai.tools import ToolError, ToolPlan, assistant_text, tool_te
 
 
 def turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[tuple[str, str]]:
-    """The turns; a 400 naming the message's field for anything that cannot be rendered."""
+    """The turns; a 400 naming the message's field for anything that cannot be rendered.
+    `tool_plan`: the tools the prompt describes (Agent.described), None: none."""
     try:
         return _turns(messages, tool_plan)
     except ToolError as exc:

@@ -122,7 +122,7 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     params = _checked(body, sv, CHAT_STOP)
     agent = await chat_agent(sv, body)
     params = agent.apply(params)
-    prompt = build_prompt(turns(body.messages, agent.tool_plan), _few_shot(sv) if body.few_shot else "")
+    prompt = build_prompt(turns(body.messages, agent.described), _few_shot(sv) if body.few_shot else "")
     suffix = agent.tool_plan.prompt_suffix() if agent.tool_plan is not None else ""
     prompt.rest += suffix
     rest = await start.encode_chat(sv, prompt.rest)

@@ -100,6 +100,16 @@ def _dumps(v: Any) -> str:
     return json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
 
 
+def shown(tools: Sequence[Any] | None, choice: Any) -> ToolPlan | None:
+    """The tools a request's prompt describes: with tool_choice "none" too (no call is possible,
+    but the model sees the tools its history may call, and the prompt keeps the prefix of the
+    turns before it: as vLLM renders tools whatever the choice). None without tools. Call after
+    plan() (which checked them)."""
+    if not tools or choice != "none":
+        return None
+    return ToolPlan(tuple(_tool(i, raw) for i, raw in enumerate(tools)), False, False)
+
+
 def plan(tools: Sequence[Any] | None, choice: Any, parallel: bool | None) -> ToolPlan | None:
     """The request's ToolPlan (None: no tool can be called); ToolError for bad input."""
     if not tools:
