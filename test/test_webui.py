@@ -12,9 +12,9 @@ import json
 
 import httpx
 import pytest
+from util_browser import api_get as get
+from util_browser import api_post as post
 from util_browser import (
-    api_get,
-    api_post,
     browser_fixture,
     console_errors,
     open_page,
@@ -32,11 +32,6 @@ server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
 browser = browser_fixture()
 LONG = 100_000  # max_tokens of a task that must still be running while the test looks at it
 
-
-post = api_post
-
-
-get = api_get
 
 
 @pytest.fixture(scope="module")

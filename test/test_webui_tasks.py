@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
+from util_browser import api_get as get
+from util_browser import api_post as post
 from util_browser import (
-    api_get,
-    api_post,
     browser_fixture,
     console_errors,
     open_page,
@@ -29,11 +29,6 @@ server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
 browser = browser_fixture()
 MANY = 620  # more than the 500 the list once stopped at
 
-
-post = api_post
-
-
-get = api_get
 
 
 def total(srv, kind: str | None = None) -> int:
