@@ -252,8 +252,8 @@ class Engine:
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"invalid '{name}': {k!r} is outside [0, {MAX_LOGPROBS}]")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if len(ids) - max(0, history) > self.settings.max_prompt_tokens:
-            n = len(ids) - max(0, history)
+        n = len(ids) - max(0, history)  # the request's own prompt: re-fed history does not count
+        if n > self.settings.max_prompt_tokens:
             raise PromptTooLongError(f"prompt has {n} tokens (max {self.settings.max_prompt_tokens})")
         V = self.model.shape.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= V):
