@@ -419,3 +419,28 @@ def test_connection_limit_answers_503(tmp_path):
                 c.close()
         time.sleep(0.5)
         assert httpx.get(srv.url + "/v1/models").status_code == 200
+
+
+def _nested(depth: int) -> str:
+    """JSON text of an object nested `depth` levels (built as text: json.dumps recurses)."""
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+@pytest.mark.parametrize("depth", [400, 900])
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, '
+                             '"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": '
+                             '{"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}}'),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 1, "metadata": {"k": DEEP}}'),
+])  # fmt: skip
+def test_deep_free_form_fields_are_never_a_500(c1, route, body, depth):
+    """Free-form JSON (a tool's parameters, a schema, metadata) nested past Python's recursion
+    limit but within the JSON parser's: a 4xx in the route's shape or an answer, never a 500, and
+    the server still answers (the lone-surrogate scan of the body walked it recursively)."""
+    r = c1.post(route, content=body.replace("DEEP", _nested(depth)), headers=RAW_JSON)
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        err(r, r.status_code)
+    idle(c1)
+    assert c1.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200

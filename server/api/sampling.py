@@ -118,31 +118,39 @@ def bad_text(value: Any, path: str = "") -> tuple[str, str] | None:
     """(field, why) of the first string in a parsed body that is not valid Unicode text (a lone
     surrogate: JSON's \\ud800 escapes parse, but no UTF-8 can carry one, so it could be neither
     tokenized faithfully nor stored nor answered), or None. A string inside a list is named by
-    the list (`stop`, `prompt`); one inside an object of a list by its place (`messages[0].content`)."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return path, (
-                f"not valid UTF-8 text: a lone surrogate U+{ord(value[exc.start]):04X} at character {exc.start}"
-            )
+    the list (`stop`, `prompt`); one inside an object of a list by its place (`messages[0].content`).
+    Walks with its own stack, in document order: a body may nest as deep as the JSON parser
+    allows, past Python's recursion limit."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        at, v = stack.pop()
+        if isinstance(v, str):
+            why = _surrogate(v)
+            if why is not None:
+                return at, why
+        else:
+            stack.extend(reversed(_children(at, v)))
+    return None
+
+
+def _surrogate(text: str) -> str | None:
+    if text.isascii():
         return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid UTF-8 text: a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
+    return None
+
+
+def _children(path: str, value: Any) -> list[tuple[str, Any]]:
+    """bad_text's (path, value) pairs under one value, in order (an object's keys are text too)."""
     if isinstance(value, BaseModel):
         items: Any = [(k, getattr(value, k)) for k in type(value).model_fields]
         items += list((value.model_extra or {}).items())
-        return _first(((f"{path}.{k}" if path else k), v) for k, v in items)
-    if isinstance(value, dict):  # keys are text too
-        return _first(p for k, v in value.items() for p in ((path, k), ((f"{path}.{k}" if path else str(k)), v)))
+        return [((f"{path}.{k}" if path else k), v) for k, v in items]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in ((path, k), ((f"{path}.{k}" if path else str(k)), v))]
     if isinstance(value, (list, tuple)):
-        return _first(((path if isinstance(v, str) else f"{path}[{i}]"), v) for i, v in enumerate(value))
-    return None
-
-
-def _first(pairs: Any) -> tuple[str, str] | None:
-    for p, v in pairs:
-        bad = bad_text(v, p)
-        if bad is not None:
-            return bad
-    return None
+        return [((path if isinstance(v, str) else f"{path}[{i}]"), v) for i, v in enumerate(value)]
+    return []
