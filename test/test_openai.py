@@ -182,3 +182,45 @@ def test_every_route_has_the_same_defaults(server):
 
 def test_start_up_says_api_keys_are_off(server):
     assert "API keys   off: every route is open" in server.log_tail(100000)
+
+
+CONTINUED = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure, here"}]
+SAMPLE = {"max_tokens": 5, "seed": 1, "temperature": 1.0, "top_p": 0.3}
+
+
+def completion_of(client: OpenAI, messages: list) -> str:
+    """The text /v1/completions writes after the chat prompt of `messages` (the same sampling)."""
+    prompt = build_prompt([(m["role"], m["content"]) for m in messages])
+    return client.completions.create(model="m", prompt=prompt.text, stop=["\n\n"], **SAMPLE).choices[0].text
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": True}], ids=["plain", "agent"])
+def test_a_continued_assistant_message_keeps_the_replys_leading_space(client, extra):
+    """The reply continues the message: its leading space is text the client joins to it (only
+    the gap after a fresh "Assistant:" is left out)."""
+    text = completion_of(client, CONTINUED)
+    assert text[:1].isspace(), text  # (this seed's continuation starts with a space: what is tested)
+    kw = {"model": "m", "messages": CONTINUED, **SAMPLE, **extra}
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = client.chat.completions.create(**kw, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full == streamed == text
+    fresh = CONTINUED[:1]
+    kw["messages"] = fresh
+    assert client.chat.completions.create(**kw).choices[0].message.content == completion_of(client, fresh).lstrip()
+
+
+def test_a_trailing_slash_answers_as_the_plain_path(server):
+    """POST /v1/chat/completions/ and /v1/completions/, GET /v1/models/: the plain route's
+    answer, not a 307 redirect with an empty body."""
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+              "/v1/completions": {"prompt": "x"}}
+    for path, body in bodies.items():
+        slashed = httpx.post(server.url + path + "/", json={**body, **SAMPLE}, timeout=60)
+        plain = httpx.post(server.url + path, json={**body, **SAMPLE}, timeout=60)
+        assert slashed.status_code == 200, (path, slashed.status_code, slashed.text)
+        assert slashed.json()["choices"] == plain.json()["choices"]
+        bad = httpx.post(server.url + path + "/", json={**body, "max_tokens": -1}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
+    r = httpx.get(server.url + "/v1/models/")
+    assert r.status_code == 200 and r.json() == httpx.get(server.url + "/v1/models").json()

@@ -14,7 +14,9 @@ from openai import OpenAI
 from util_server import inprocess_server, server_fixture
 
 from server.api.errors import ApiError
+from server.api.metrics import parse_metrics
 from server.api.openai.jobs import submit_all
+from server.api.openai.tools import MARKER, split
 from server.engine.types import EngineStats, SamplingParams
 from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, sampling_params
 
@@ -254,3 +256,80 @@ def test_echo_with_suffix_is_refused_as_openai_does(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt="def f(", suffix=")\n", echo=True, max_tokens=2)
     assert e.value.body["param"] == "echo"
+
+
+def prompt_tokens_total(server) -> float:
+    return parse_metrics(httpx.get(server.url + "/metrics").text)["rwkv_prompt_tokens_total"]
+
+
+def _nested(depth: int, kind: str) -> str:
+    """JSON text of lists (or objects) nesting `depth` levels."""
+    return "[" * depth + "1" + "]" * depth if kind == "list" else '{"a": ' * depth + "1" + "}" * depth
+
+
+def _call_history(arguments: str) -> list:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [*USER, {"role": "assistant", "tool_calls": [call]}]
+
+
+@pytest.mark.parametrize("kind", ["list", "object"])
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 1500])
+def test_deeply_nested_history_arguments_are_a_400(server, depth, kind):
+    """A history call's arguments nesting deeper than MAX_JSON_DEPTH: a 400 naming them (the
+    parser's RecursionError was a 500), and nothing runs."""
+    before = prompt_tokens_total(server)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": _call_history(_nested(depth, kind)), "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[1].tool_calls[0].function.arguments" and err["code"] == "invalid_request"
+    assert str(MAX_JSON_DEPTH) in err["message"] and err["type"] == "invalid_request_error"
+    assert prompt_tokens_total(server) == before
+
+
+def test_history_arguments_at_the_depth_bound_are_accepted(client):
+    r = client.chat.completions.create(model="m", messages=_call_history(_nested(MAX_JSON_DEPTH, "list")),
+                                       max_tokens=1)
+    assert r.usage.prompt_tokens > MAX_JSON_DEPTH
+
+
+def test_a_deeply_nested_call_in_the_models_output_is_no_call():
+    """The grammar bounds a call list's shape, not its depth: such an output is text, no crash."""
+    text = MARKER + '[{"name": "f", "arguments": ' + _nested(5000, "list") + "}]"
+    assert split(text, forced=False) == (text, None)
+
+
+@pytest.mark.parametrize("prompt", [[510, 285, 9], [[510, 285], [9]]])
+def test_suffix_with_token_id_prompts_is_refused(server, prompt):
+    """FIM wraps a text prompt: with token ids the suffix was silently ignored."""
+    before = prompt_tokens_total(server)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "suffix": "end", "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "suffix" and err["code"] == "unsupported_field" and "token id" in err["message"]
+    assert prompt_tokens_total(server) == before
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+@pytest.mark.parametrize("content", ["missing", None])
+def test_a_message_without_content_is_a_400(server, role, content):
+    """As OpenAI: only an assistant message's content may be missing or null."""
+    msg = {"role": role, **({} if content == "missing" else {"content": content})}
+    if role == "tool":
+        msg["tool_call_id"] = "c1"
+    before = prompt_tokens_total(server)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [*USER, msg], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[1].content" and err["code"] == "invalid_request"
+    assert f"a {role} message needs its content" in err["message"]
+    assert prompt_tokens_total(server) == before
+
+
+def test_a_text_part_without_text_says_so(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [{"type": "text"}]}],
+                                       max_tokens=1)
+    err = e.value.body
+    assert err["param"] == "messages[0].content" and "needs its 'text'" in err["message"]
+    assert "not supported" not in err["message"]

@@ -96,6 +96,8 @@ def test_delete_and_store_false(server):
     ({"max_output_tokens": "5"}, 400, "max_output_tokens"),  # strict types: never coerced
     ({"stream": "yes"}, 400, "stream"),
     ({"store": 1}, 400, "store"),
+    ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"reasoning": {"bogus": 1}}, 400, "reasoning.bogus"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_creates_nothing(server, body, status, param):
     before = tasks(server)
@@ -195,3 +197,61 @@ def test_responses_stored_before_the_tag_still_read_as_responses():
     assert not is_response(task(stop, old, tag="lightning session s"))
     assert not is_response(task([*stop, "\uffffrwkv_lightning session s"], old))  # marked, not migrated
     assert not is_response(task(stop, new, kind=TMP, tag=RESPONSE))
+
+
+def test_a_continued_assistant_message_keeps_the_replys_leading_space(server):
+    """An input ending with the assistant's message is continued: the reply's leading space is
+    text the client joins to it (as /v1/completions writes it after the same prompt)."""
+    from server.api.openai.chat_format import build_prompt
+
+    inp = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure, here"}]
+    sample = {"temperature": 1.0, "top_p": 0.3, "extra_body": {"seed": 1}}  # (seed: our extra)
+    prompt = build_prompt([(m["role"], m["content"]) for m in inp]).text
+    completion = sdk(server).completions.create(model="m", prompt=prompt, stop=["\n\n"], max_tokens=5, **sample)
+    text = completion.choices[0].text
+    assert text[:1].isspace(), text  # (this seed's continuation starts with a space: what is tested)
+    client = sdk(server)
+    r = client.responses.create(model="m", input=inp, max_output_tokens=5, **sample)
+    assert r.output_text == text == client.responses.retrieve(r.id).output_text
+    events = list(client.responses.create(model="m", input=inp, max_output_tokens=5, stream=True, **sample))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done.content[0].text == text
+    fresh = client.responses.create(model="m", input="x", max_output_tokens=5, **sample)
+    assert fresh.output_text and not fresh.output_text[0].isspace()
+
+
+def test_the_message_item_of_an_incomplete_response_is_incomplete(server):
+    client = sdk(server)
+    r = client.responses.create(model="m", input="x", max_output_tokens=2, extra_body={"seed": 1})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == client.responses.retrieve(r.id).output[0].status == "incomplete"
+    events = list(client.responses.create(model="m", input="x", max_output_tokens=2, extra_body={"seed": 1},
+                                          stream=True))
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete"
+    assert done.status == events[-1].response.output[0].status == "incomplete"
+    ended = client.responses.create(model="m", input="x", text=TEXT, max_output_tokens=30)  # EOS ends it
+    assert ended.status == ended.output[0].status == "completed"
+
+
+@pytest.mark.parametrize("extra", [{"include": []}, {"include": None}, {"store": None}, {"stream": None},
+                                   {"reasoning": None}, {"reasoning": {"effort": "low", "summary": None}}],
+                         ids=lambda v: str(v))
+def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
+    """As chat takes null for a field not set; reasoning is ignored as chat's reasoning_effort."""
+    r = httpx.post(server.url + "/v1/responses", json={"input": "x", "max_output_tokens": 2, **extra},
+                   headers={"Authorization": "Bearer k1"})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "response" and r.json()["store"] is True  # not streamed, stored
+
+
+def test_a_non_empty_include_is_refused_naming_it(server):
+    before = tasks(server)
+    r = httpx.post(server.url + "/v1/responses", headers={"Authorization": "Bearer k1"},
+                   json={"input": "x", "max_output_tokens": 2, "include": ["message.output_text.logprobs"]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "include" and err["code"] == "unsupported_field"
+    assert "message.output_text.logprobs" in err["message"] and "not supported" in err["message"]
+    assert tasks(server) == before

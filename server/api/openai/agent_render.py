@@ -46,14 +46,14 @@ def chat_logprobs(ex: Extras, lps: Sequence[TokenLogprob]) -> list[dict[str, Any
     return [{**_entry(ex, v.token, v.logprob), "top_logprobs": [_entry(ex, t, lp) for t, lp in v.top]} for v in lps]
 
 
-def _message(job: Job, ex: Extras) -> tuple[dict[str, Any], str | None]:
+def _message(job: Job, ex: Extras, meta: Meta) -> tuple[dict[str, Any], str | None]:
     raw = "".join(job.text)
     plan = ex.tool_plan
     content, calls = split(raw, plan.forced) if plan is not None else (raw, None)
-    msg: dict[str, Any] = {"role": "assistant", "content": content.lstrip()}
+    msg: dict[str, Any] = {"role": "assistant", "content": meta.lead(content)}
     if calls is None:
         return msg, _finish(job)
-    msg.update(content=(content.strip() and content.lstrip()) or None, tool_calls=calls)
+    msg.update(content=(content.strip() and meta.lead(content)) or None, tool_calls=calls)
     return msg, "tool_calls"
 
 
@@ -62,7 +62,7 @@ def chat_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any]]:
         _raise_failed(jobs)
         choices = []
         for j in jobs:
-            msg, finish = _message(j, ex)
+            msg, finish = _message(j, ex, meta)
             lp = None if ex.logprobs is None else {"content": chat_logprobs(ex, j.logprobs or []), "refusal": None}
             choices.append({"index": j.index, "message": msg, "logprobs": lp, "finish_reason": finish})
         return response(meta, "chat.completion", choices, jobs)
@@ -90,7 +90,8 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
             return {"index": job.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         def content(job: Job, st: _ChatState, text: str) -> bytes:
-            new, st.sent = text.lstrip()[st.sent :], max(st.sent, len(text.lstrip()))
+            text = meta.lead(text)
+            new, st.sent = text[st.sent :], max(st.sent, len(text))
             return chunk([choice(job, {"content": new}, st)]) if new else b""
 
         def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
@@ -104,7 +105,7 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
                 at = -1 if plan.forced else raw.find("<tool_call>")
                 end = 0 if plan.forced else at if at >= 0 else len(raw) - held_back(raw)
                 return content(job, st, raw[:end]), False
-            msg, finish = _message(job, ex)
+            msg, finish = _message(job, ex, meta)
             out = content(job, st, msg["content"] or "")
             for i, call in enumerate(msg.get("tool_calls") or ()):
                 fn = call["function"]

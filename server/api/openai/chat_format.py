@@ -32,6 +32,9 @@ _BLANK_RUNS = re.compile(r"\n(?:[ \t]*\n)+")
 class ChatPrompt:
     prefix: str  # "" or text ending in "\n\n"
     rest: str  # ends with "Assistant:" (or the assistant text being continued)
+    continues: bool = False
+    """The prompt ends inside the last message, the assistant's, which the reply continues (its
+    leading whitespace is part of the text, not the gap after "Assistant:")."""
 
     @property
     def text(self) -> str:
@@ -52,10 +55,8 @@ def build_prompt(messages: list[tuple[str, str]], few_shot: str = "") -> ChatPro
         i += 1
     turns = [f"{ROLES[role]}: {normalize(text)}" for role, text in messages[i:]]
     if messages and i < len(messages) and messages[-1][0] == "assistant":
-        rest = TURN_SEP.join(turns)  # continue the assistant's message
-    else:
-        rest = "".join(t + TURN_SEP for t in turns) + "Assistant:"
-    return ChatPrompt(prefix=prefix, rest=rest)
+        return ChatPrompt(prefix, TURN_SEP.join(turns), continues=True)  # continue the assistant's message
+    return ChatPrompt(prefix, "".join(t + TURN_SEP for t in turns) + "Assistant:")
 
 
 def load_few_shot(path: str | Path) -> str:

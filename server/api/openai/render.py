@@ -25,6 +25,13 @@ class Meta:
     echoes: list[str] = field(default_factory=list)
     cached_tokens: int = 0
     """Prompt tokens served from a kept state (usage.prompt_tokens_details.cached_tokens)."""
+    continues: bool = False
+    """Chat: the reply continues the last message, the assistant's (ChatPrompt.continues)."""
+
+    def lead(self, text: str) -> str:
+        """A chat reply's text from its start: without the whitespace the model writes after
+        "Assistant:", but as written when it continues a message (the client joins the two)."""
+        return text if self.continues else text.lstrip()
 
 
 @dataclass
@@ -123,7 +130,7 @@ def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     choices = [
         {
             "index": j.index,
-            "message": {"role": "assistant", "content": "".join(j.text).lstrip()},
+            "message": {"role": "assistant", "content": meta.lead("".join(j.text))},
             "logprobs": None,
             "finish_reason": _finish(j),
         }
@@ -145,12 +152,12 @@ def chat_renderer(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
         include_usage,
         lambda i: {"index": i, "delta": {"content": _MARK}, "logprobs": None, "finish_reason": None},
     )
-    started: set[int] = set()  # choices whose leading whitespace is behind them
+    started: set[int] = set()  # choices whose leading whitespace is behind them (or kept)
 
     def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
         text = batch[0].text if len(batch) == 1 else "".join(ev.text for ev in batch)
         if job.index not in started:
-            text = text.lstrip()
+            text = meta.lead(text)
             if text:
                 started.add(job.index)
         out = content(job.index, text) if text else b""

@@ -43,6 +43,10 @@ async def encode(sv: Services, text: str) -> list[int]:
     return await asyncio.to_thread(sv.tokenizer.encode, text)
 
 
+# A trailing slash (`/v1/models/`, `/v1/chat/completions/`, `/v1/completions/`) answers as the
+# plain path: without these routes the router answers a 307 redirect with an empty body, which
+# most clients show as a bare error (as /v1/responses/: server.api.responses.routes).
+@router.get("/models/", include_in_schema=False)  # (before /models/{model_id}: its id would be "")
 @router.get("/models", responses=answers(401, 503))
 async def list_models(request: Request) -> Response:
     sv = get_services(request)
@@ -155,7 +159,12 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     resent = str.lstrip if plan is None else partial(tools.resent_text, forced=plan.forced)
     begun.track(sv, jobs, start.chat_expect(sv, begun, plain, len(rest), resent))
     meta = render.Meta(
-        id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt, cached_tokens=begun.cached
+        id=cid,
+        model=sv.model_id,
+        created=int(time.time()),
+        prompt_tokens=n_prompt,
+        cached_tokens=begun.cached,
+        continues=prompt.continues,
     )
     if agent.any:
         ex = agent_render.Extras(sv.tokenizer, agent.tool_plan, agent.logprobs)
@@ -163,6 +172,9 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
             request, sv, body, jobs, meta, t0, agent_render.chat_renderer(ex), agent_render.chat_response(ex)
         )
     return await _respond(request, sv, body, jobs, meta, t0, render.chat_renderer, render.chat_response)
+
+
+router.add_api_route("/chat/completions/", chat_completions, methods=["POST"], include_in_schema=False)
 
 
 async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tuple[list[int], str]]:
@@ -214,7 +226,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     cid = f"cmpl-{uuid.uuid4().hex}"
     keeps = [b.keep for b in starts for _ in per_choice]
     jobs = submit_all(sv.engine, seqs, params, cid, return_state=keeps, max_queue=sv.settings.max_queue)
-    k, texts = len(per_choice), _text_prompts(body)
+    k, texts = len(per_choice), body.text_prompts()
     for i, (begun, (tokens, text)) in enumerate(zip(starts, prompts, strict=True)):  # FIM: not re-sent
         expect = start.completion_expect(sv, begun, text if texts and not body.suffix else None, len(tokens))
         begun.track(sv, jobs[i * k : (i + 1) * k], expect)
@@ -242,6 +254,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer, render.completion_response)
 
 
+router.add_api_route("/completions/", completions, methods=["POST"], include_in_schema=False)
+
+
 async def _begin(
     sv: Services, owner: str | None, base: start.Base, tokens: list[int], agent: Agent, reply_tokens: int
 ) -> start.Start:
@@ -251,12 +266,6 @@ async def _begin(
         return await start.begin(sv, owner, base, tokens, reply_tokens=reply_tokens)
     stream = base.tokens + list(tokens)
     return start.Start(stream=stream, submit=stream, state=base.state, cached=0, part=None)
-
-
-def _text_prompts(body: CompletionRequest) -> bool:
-    """The prompts are text (not token ids)."""
-    p = body.prompt
-    return isinstance(p, str) or isinstance(p[0], str)
 
 
 async def _respond(

@@ -38,6 +38,10 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+_NEEDS_CONTENT = ("system", "developer", "user", "tool")
+"""The roles whose messages must have content (OpenAI's; an assistant's may be null: tool_calls)."""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -56,13 +60,17 @@ class ChatMessage(BaseModel):
         if self.audio is not None or self.function_call is not None:
             raise ValueError("audio and (legacy) function calls in messages are not supported (text only)")
         if self.content is None:
+            if self.role in _NEEDS_CONTENT:
+                raise ValueError(f"a {self.role} message needs its content (only an assistant's may be null)")
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for p in self.content:
-            if p.type != "text" or p.text is None:
+            if p.type != "text":
                 raise ValueError(f"content part of type {p.type!r} is not supported (text only)")
+            if p.text is None:
+                raise ValueError("a text content part needs its 'text'")
             if p.model_extra:
                 raise ValueError(f"unknown field {next(iter(p.model_extra))!r} in a text content part")
             parts.append(p.text)
@@ -199,6 +207,10 @@ class CompletionRequest(OpenAIFields):
                 raise ValueError("token id lists must not be empty")
         return v
 
+    def text_prompts(self) -> bool:
+        """The prompts are text (not token ids)."""
+        return isinstance(self.prompt, str) or isinstance(self.prompt[0], str)
+
     def prompt_count(self) -> int:
         p = self.prompt
         return len(p) if isinstance(p, list) and not isinstance(p[0], int) else 1
@@ -208,4 +220,6 @@ class CompletionRequest(OpenAIFields):
             return "best_of", "best_of is not supported (use n)"
         if self.echo and self.suffix is not None:  # as OpenAI: the echo would show the FIM prompt
             return "echo", "echo is not supported with suffix"
+        if self.suffix and not self.text_prompts():  # FIM wraps text: ids have no place for it
+            return "suffix", "suffix (fill-in-the-middle) is not supported with token id prompts (send text)"
         return super().unsupported()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.types import GrammarSpec
+from server.tasks.params import MAX_JSON_DEPTH
 
 MARKER = "<tool_call>"
 MAX_TOOLS = 128
@@ -175,7 +176,7 @@ def split(text: str, forced: bool) -> tuple[str, list[dict[str, Any]] | None]:
         head, body = text[:at], text[at + len(MARKER) :]
     try:
         calls = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (the grammar bounds the list's shape, not its depth)
         return text, None
     if not isinstance(calls, list) or not calls:
         return text, None
@@ -211,15 +212,38 @@ def assistant_text(content: str, calls: Sequence[Any], index: int) -> tuple[str,
         fn = c.get("function") if isinstance(c, dict) and c.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
             raise ToolError(where, 'a tool call is {"id", "type": "function", "function": {"name", "arguments"}}')
-        try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except (TypeError, ValueError):
-            raise ToolError(f"{where}.function.arguments", "arguments is JSON text") from None
-        out.append({"name": fn["name"], "arguments": args})
+        out.append({"name": fn["name"], "arguments": _arguments(fn.get("arguments"), where)})
         ids[c["id"]] = fn["name"]
     content = content.rstrip()  # the answer's content keeps the space the model wrote before the marker
     text = f"{content} {MARKER}{_dumps(out)}" if content else f"{MARKER}{_dumps(out)}"
     return text, ids
+
+
+def _arguments(raw: Any, where: str) -> Any:
+    """A history call's arguments, parsed; ToolError unless they are JSON text nesting at most
+    MAX_JSON_DEPTH levels (deeper ones end the parser, or _dumps after it, in a RecursionError:
+    a 500, not a 400)."""
+    bad = ToolError(f"{where}.function.arguments", f"arguments is JSON text nesting at most {MAX_JSON_DEPTH} levels")
+    try:
+        args = json.loads(raw or "{}")
+    except (TypeError, ValueError, RecursionError):
+        raise bad from None
+    if _depth(args) > MAX_JSON_DEPTH:
+        raise bad
+    return args
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a parsed JSON value (a scalar: 0), counted up to
+    MAX_JSON_DEPTH + 1. Iterative: a hostile value cannot exhaust the stack."""
+    deepest, todo = 0, [(value, 1)]
+    while todo and deepest <= MAX_JSON_DEPTH:
+        node, level = todo.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            todo.extend((c, level + 1) for c in children)
+    return deepest
 
 
 def resent_text(text: str, forced: bool) -> str:

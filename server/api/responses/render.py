@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from server.api.openai.chat_format import TURN_SEP
 from server.tasks.records import TASK, Task
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")
@@ -63,12 +64,27 @@ def _status(t: Task) -> str:
     return "in_progress" if t.running else STATUS.get(t.finish_reason or "", "failed")
 
 
+def continues(t: Task) -> bool:
+    """The response continues the assistant message its input ended with: its prompt does not
+    end with a fresh "Assistant:" turn (always after a blank line: a message's text has none).
+    Its text then keeps the whitespace the model wrote first (the client joins the two)."""
+    return not (TURN_SEP + t.prompt).endswith(TURN_SEP + "Assistant:")
+
+
+def _item_status(t: Task) -> str:
+    """The message item's status: OpenAI's item has no "cancelled" or "failed"; an answer cut
+    short (max_output_tokens, stopped, failed) is "incomplete"."""
+    status = _status(t)
+    return status if status in ("in_progress", "completed") else "incomplete"
+
+
 def message(t: Task, text: str | None = None, status: str | None = None) -> dict[str, Any]:
-    text = t.out.text.lstrip() if text is None else text
+    if text is None:
+        text = t.out.text if continues(t) else t.out.text.lstrip()
     return {
         "type": "message",
         "id": "msg_" + t.id.split("_", 1)[1],
-        "status": status or ("in_progress" if t.running else "completed"),
+        "status": status or _item_status(t),
         "role": "assistant",
         "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
     }

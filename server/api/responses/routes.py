@@ -127,13 +127,8 @@ def _separator(sv: Services, src: Task) -> str:
     return "\n\n"
 
 
-@router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True))
-async def create_response(body: ResponseRequest, request: Request) -> Response:
-    sv, owner = get_services(request), get_owner(request)
-    tm = task_manager(sv)
-    bad = bad_text(body)
-    if bad is not None:
-        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+def _check_supported(body: ResponseRequest) -> None:
+    """A 400 unsupported_field naming a given field this route cannot honour."""
     if body.tools or body.tool_choice not in (None, "none", "auto"):
         raise ApiError(
             400,
@@ -141,6 +136,24 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
             param="tools",
             code="unsupported_field",
         )
+    if body.include:  # each item asks for output data this route has none of (reasoning, tool results, logprobs)
+        raise ApiError(
+            400,
+            f"include {body.include!r} is not supported on /v1/responses (no output data beyond the text: "
+            "send include: [] or leave it out)",
+            param="include",
+            code="unsupported_field",
+        )
+
+
+@router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True))
+async def create_response(body: ResponseRequest, request: Request) -> Response:
+    sv, owner = get_services(request), get_owner(request)
+    tm = task_manager(sv)
+    bad = bad_text(body)
+    if bad is not None:
+        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+    _check_supported(body)
     fmt = (body.text.format if body.text is not None else TextFormat()).response_format()
     await response_grammar(sv, fmt, param="text.format")
     params = _params(sv, body, fmt)

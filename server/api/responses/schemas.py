@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from server.api.sampling import MaxTokens
 from server.engine.types import LIMITS
@@ -57,6 +57,15 @@ class TextOptions(BaseModel):
     verbosity: str | None = None  # ignored
 
 
+class Reasoning(BaseModel):
+    """reasoning: {"effort", "summary"} (ignored: no hidden reasoning, no summary of it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # (the older name of summary)
+
+
 def _bounds(name: str) -> Any:
     lo, hi = LIMITS[name]
     return Field(None, ge=lo, le=hi)
@@ -82,6 +91,10 @@ class ResponseRequest(BaseModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    include: list[str] | None = None
+    """Extra output data to include: none is available here (a non-empty list is refused)."""
+    reasoning: Reasoning | None = None
+    """Ignored, as chat's reasoning_effort: the model does not reason in hidden tokens."""
     # ignored: they cannot change the answer
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -89,3 +102,9 @@ class ResponseRequest(BaseModel):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+
+    @field_validator("store", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        """null is the field's default (as on chat; SDKs send null for a field not set)."""
+        return cls.model_fields[info.field_name].default if v is None and info.field_name else v

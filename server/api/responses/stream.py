@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from server.api.responses.render import message, response
+from server.api.responses.render import continues, message, response
 from server.tasks import streaming
 from server.tasks.records import Task
 
@@ -66,12 +66,12 @@ class ResponseStream:
 
     async def rest(self) -> AsyncGenerator[bytes, None]:
         """One write per wake-up: the text deltas that came, then the closing events."""
-        text = ""
+        text, keep = "", continues(self.t)  # keep: the answer continues a message (no "Assistant:" gap)
         async for batch in streaming.batches(self.t, 0, ping=None):
             chunks = []
             for e in batch:
                 if isinstance(e, dict) and "data" in e and not streaming.is_last(e):
-                    delta = e["data"] if text else e["data"].lstrip()  # the answer starts after "Assistant:"
+                    delta = e["data"] if text or keep else e["data"].lstrip()  # the answer starts after "Assistant:"
                     if delta:
                         text += delta
                         chunks.append(self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=[]))
