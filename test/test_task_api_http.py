@@ -180,3 +180,25 @@ def test_tasks_belong_to_their_key(http, server):
     assert page["tasks"][0]["task_id"] == pub and page["database_count"] >= 1 and len(page["tasks"]) == 1
     assert http.get("/list", params={"limit": 0}).status_code == 422
     k2.close()
+
+
+def test_a_private_template_shadows_a_public_one_in_the_list(http, server):
+    """k1 publishes `_pubt`, k2 makes its own private `_pubt`: k2's list shows `_pubt` once, the
+    one every route reaches (its own), in memory and stored alike, counts and pages included."""
+    k2 = httpx.Client(base_url=server.url + "/v1/tasks", timeout=30, headers={"Authorization": "Bearer k2"})
+    src1 = wait_done(http, http.post("/create", json={"prompt": "one", "max_tokens": 1}).json()["task_id"])["task_id"]
+    src2 = wait_done(k2, k2.post("/create", json={"prompt": "two", "max_tokens": 1}).json()["task_id"])["task_id"]
+    assert http.post(f"/{src1}/as_template", params={"name": "pubt", "public": "true"}).json()["task_id"] == "_pubt"
+    assert k2.post(f"/{src2}/as_template", params={"name": "pubt"}).json()["task_id"] == "_pubt"
+    assert k2.get("/_pubt/get_result").status_code == 200 and http.get("/_pubt/get_result").status_code == 200
+    mine = k2.get("/list", params={"kind": "template"}).json()
+    rows = [t for t in mine["tasks"] if t["task_id"] == "_pubt"]
+    assert len(rows) == 1 and rows[0]["parent_id"] == src2 and not rows[0]["public"], mine
+    assert mine["db_tasks"].count("_pubt") == 1 and mine["cpu_tasks"].count("_pubt") == 1, mine
+    assert mine["database_count"] == len(mine["db_tasks"]) == len(mine["tasks"]), mine
+    pages = [k2.get("/list", params={"kind": "template", "limit": 1, "offset": i}).json()["tasks"]
+             for i in range(mine["database_count"] + 1)]
+    assert [t["task_id"] for p in pages for t in p] == [t["task_id"] for t in mine["tasks"]] and pages[-1] == []
+    theirs = http.get("/list", params={"kind": "template"}).json()  # k1 still lists its public one
+    assert [t["parent_id"] for t in theirs["tasks"] if t["task_id"] == "_pubt"] == [src1], theirs
+    k2.close()

@@ -27,6 +27,11 @@ PROBE_ROUTES = ("/health", "/metrics")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CLIENT_GONE = 499
+"""The status of a non-streamed answer whose client left before it: every route that waits for a
+whole answer (OpenAI, lightning, responses) aborts the generation then and answers this. Such a
+request counts as aborted when it is answered; a stream's abort is counted by its SSE response
+(a stream answers 200, so no request counts twice)."""
 
 
 class Histogram:
@@ -97,9 +102,12 @@ class Metrics:
             self.stream_paths[path] = self.stream_paths.get(path, 0) + 1
 
     def count_request(self, method: str, route: str, status: int) -> None:
+        """One answered request (the middleware's access log); a CLIENT_GONE one is an abort too."""
         key = (method, route, status)
         with self._lock:
             self.http_requests[key] = self.http_requests.get(key, 0) + 1
+            if status == CLIENT_GONE:
+                self.aborted += 1
 
     def http_totals(self) -> tuple[int, int]:
         """(requests, errors >= 500) so far, monitoring probes (PROBE_ROUTES) left out."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from server.tasks.cache import StateCache
@@ -49,13 +49,16 @@ class Inventory:
         self, owner_id: str | None, *, all_owners: bool, limit: int = 100, offset: int = 0, kind: str | None = None
     ) -> dict[str, Any]:
         """A page of the tasks `owner_id` may list (all_owners: every task), newest first: the
-        TMP tasks in memory and the stored tasks; its own and the public templates."""
+        TMP tasks in memory and the stored tasks; its own and the public templates, less those
+        a private template of its own shadows."""
 
         def visible(t: Task) -> bool:
             mine = all_owners or t.owner == owner_id or (t.kind == TEMPLATE and t.public)
             return mine and (kind is None or t.kind == kind) and not t.deleted
 
-        mem = [t for t in self.table.held() if visible(t)]
+        mem: Sequence[Task] = [t for t in self.table.held() if visible(t)]
+        if not all_owners and owner_id is not None:
+            mem = await self._unshadowed(owner_id, mem)
         mem_only = [t for t in mem if t.kind == TMP]
         rows: list[DbRow] = []
         db_total = 0
@@ -75,6 +78,14 @@ class Inventory:
             "limit": limit,
             "offset": offset,
         }
+
+    async def _unshadowed(self, owner_id: str, held: Sequence[Task]) -> Sequence[Task]:
+        """`held` less the public templates a private template of owner_id's of the same name
+        shadows (the name reaches that one: Access.lookup); the database says, as it does for
+        the stored rows listed (Store.listable)."""
+        public = [t.id for t in held if t.kind == TEMPLATE and t.public]
+        hidden = await self.store.shadowed(owner_id, public) if public else set()
+        return [t for t in held if t.id not in hidden]
 
     async def _sweep_loop(self) -> None:
         ttl = self.tmp_task_ttl

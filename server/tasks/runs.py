@@ -200,6 +200,8 @@ class Runs:
         else:
             t.out.finished, t.out.finish_reason, t.out.error = False, None, None
             run.gen_base = t.gen_time
+        if not len(t.out):  # its first token is still to come (a new prompt, or none came yet)
+            t.prefill_time = 0.0
         t.finish_reason, t.stop_requested, t.interrupted, t.run = None, False, False, run
         t.instance = self.instance
         t.prompt_tokens, t.completion_tokens = len(inp), len(t.out)
@@ -264,12 +266,14 @@ class Runs:
 
     def _on_event(self, t: Task, run: Run, ev: Event) -> None:
         n = len(ev.token_ids)
+        if n and run.t_first is None:
+            run.t_first = time.monotonic()
+            if not len(t.out):  # the output's first token: its prefill_time, fixed from now on
+                t.prefill_time = run.t_first - run.t_submit
         if n or ev.text:
             t.tokens.extend(ev.token_ids)
             t.out.append(ev.text, n)
             run.n_out += n
-        if n and run.t_first is None:
-            run.t_first = time.monotonic()
         if n and not ev.finished and t.status in (PREFILL, READY):
             t.status = RUNNING
 
@@ -293,8 +297,7 @@ class Runs:
             self._cache_new_state(t, new_key, state)
         else:
             new_key = state = None
-        if res is not None:
-            t.prefill_time = res.prefill_time
+        if res is not None:  # (prefill_time was set by the output's first token, if any: _on_event)
             t.gen_time = run.gen_base + res.gen_time
         t.run, t.completion_tokens, t.updated_at = None, len(t.out), time.time()
         if t.kind == TMP:

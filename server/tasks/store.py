@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from server.tasks.codec import EncodedState
 from server.tasks.database import Database, database_url, unavailable
+from server.tasks.records import OWNER_TAG
 from server.tasks.schema import DbRow, states, tasks
 
 __all__ = ["ClaimMiss", "Database", "RowHeld", "Store", "TagTaken", "database_url", "state_row", "unavailable"]
@@ -206,7 +207,8 @@ class Store(Database):
     async def list_tasks(
         self, owner: str | None, all_owners: bool, kind: str | None, limit: int, offset: int
     ) -> tuple[list[DbRow], int]:
-        """A page of the rows `owner` may list (its own and the public templates), newest first."""
+        """A page of the rows `owner` may list (its own and the public templates it does not
+        shadow: listable), newest first."""
         cols = [
             tasks.c.id,
             tasks.c.kind,
@@ -221,10 +223,7 @@ class Store(Database):
             tasks.c.public,
             tasks.c.state_pos,
         ]
-        cond = []
-        if not all_owners:
-            own = tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None)
-            cond.append(sa.or_(own, sa.and_(tasks.c.kind == "template", tasks.c.public == sa.true())))
+        cond = [] if all_owners else [listable(owner)]
         if kind:
             cond.append(tasks.c.kind == kind)
         async with self.read() as conn:
@@ -237,6 +236,15 @@ class Store(Database):
                 .offset(offset)
             )
             return list((await conn.execute(q)).all()), int(total)
+
+    async def shadowed(self, owner: str, ids: list[str]) -> set[str]:
+        """Those of `ids` (template ids) that a private template of `owner`'s shadows (shadowed_by)."""
+        found = set[str]()
+        async with self.read() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                q = sa.select(tasks.c.id).where(tasks.c.id.in_(ids[i : i + _CHUNK]), shadowed_by(owner))
+                found.update((await conn.execute(q)).scalars().all())
+        return found
 
     async def mark_interrupted(self, live: Iterable[str] = ()) -> list[str]:
         """Tasks running (PREFILL/READY/RUNNING) on no instance in `live` -> FINISHED with
@@ -340,6 +348,25 @@ class Store(Database):
             n_tasks = (await conn.execute(sa.select(sa.func.count()).select_from(tasks))).scalar_one()
             n_states = (await conn.execute(sa.select(sa.func.count()).select_from(states))).scalar_one()
         return {"tasks": int(n_tasks), "states": int(n_states)}
+
+
+def listable(owner: str | None) -> sa.ColumnElement[bool]:
+    """The rows `owner` may list: its own and the public templates, less those it shadows."""
+    own = tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None)
+    public = sa.and_(tasks.c.kind == "template", tasks.c.public == sa.true())
+    if owner is None:
+        return sa.or_(own, public)
+    return sa.and_(sa.or_(own, public), ~shadowed_by(owner))
+
+
+def shadowed_by(owner: str) -> sa.ColumnElement[bool]:
+    """A public template that a private template of `owner`'s of the same name shadows: that
+    one (`_<name>@<owner prefix>`, records.qualified) is what the name reaches for `owner`
+    (access.Access.lookup). A public template's id has no `@`. A correlated EXISTS on the
+    primary key: plain SQL on SQLite and PostgreSQL alike."""
+    mine = tasks.alias("mine")
+    private = sa.exists().where(mine.c.id == tasks.c.id + f"@{owner[:OWNER_TAG]}", mine.c.owner == owner)
+    return sa.and_(tasks.c.kind == "template", tasks.c.public == sa.true(), private)
 
 
 def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool) -> dict[str, Any]:

@@ -16,7 +16,9 @@ KEEPALIVE = object()  # yielded after `ping` seconds without news (the route sen
 
 
 def header(t: Task) -> dict[str, Any]:
-    return {"task_id": t.display_id, "prefill_time": round(_prefill_time(t), 6)}
+    """The stream's first event. prefill_time is the task's as it stands: 0 while the output's
+    first token has not come (the final event has the figure then)."""
+    return {"task_id": t.display_id, "prefill_time": round(t.prefill_time, 6)}
 
 
 async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0, out: Output | None = None) -> AsyncIterator[Any]:
@@ -103,7 +105,7 @@ def final_event(t: Task, out: Output) -> dict[str, Any]:
         "finished": True,
         "finish_reason": out.finish_reason if not done else t.finish_reason,
         "pos": completion,
-        "prefill_time": round(_prefill_time(t), 6),
+        "prefill_time": round(t.prefill_time, 6),
         "gen_time": round(t.gen_time, 6),
         "speed": round(t.speed(), 3),
         "usage": {
@@ -112,14 +114,6 @@ def final_event(t: Task, out: Output) -> dict[str, Any]:
             "total_tokens": t.prompt_tokens + completion,
         },
     }
-
-
-def _prefill_time(t: Task) -> float:
-    run = t.run
-    if run is None:
-        return t.prefill_time
-    end = run.t_first if run.t_first is not None else time.monotonic()
-    return end - run.t_submit
 
 
 def _gen_time(t: Task) -> float:

@@ -122,6 +122,7 @@ class Snapshot:
         "prompt_len",
         "out",
         "gen_time",
+        "prefill_time",
         "finish_reason",
         "stop_requested",
         "interrupted",

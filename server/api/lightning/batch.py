@@ -22,7 +22,7 @@ from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError, bsz_overflow
 from server.api.lightning.render import native_renderer, native_response
 from server.api.lightning.schemas import LightningV1Body, limits
-from server.api.metrics import Recorder
+from server.api.metrics import CLIENT_GONE, Recorder
 from server.api.openai.jobs import ClientGone, Job, Prompt, collect, submit_all
 from server.api.openai.render import Renderer
 from server.api.openai.stream import ChoiceStream
@@ -100,7 +100,7 @@ async def respond(
         await collect(request, jobs, Recorder(sv.metrics, t0))
     except ClientGone:
         request.state.error = "the client left before the answer"
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_GONE)  # counted as an abort (Metrics.count_request)
     failed = next((j for j in jobs if j.finish_reason == "error"), None)
     if failed is not None:
         raise ApiError(500, f"generation failed: {failed.error or 'unknown error'}", code="generation_failed")

@@ -25,6 +25,7 @@ from server.api.lightning.schemas import (
 )
 from server.api.lightning.session_stream import SessionStream, settle
 from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions
+from server.api.metrics import CLIENT_GONE
 from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
@@ -97,7 +98,7 @@ async def _answer(
     out = t.out  # this run's output (bound before the wait: a later call makes a new one)
     if not await settle(request, tm, t, owner):
         request.state.error = "the client left before the answer"
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_GONE)  # counted as an abort (Metrics.count_request)
     if out.error or out.finish_reason == "error":
         raise ApiError(500, f"generation failed: {out.error or 'unknown error'}", code="generation_failed")
     choice = {

@@ -1,0 +1,70 @@
+"""rwkv_requests_aborted_total against a real server: a client that leaves before its answer
+counts once, streamed or not, on the OpenAI and the lightning routes."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from util_server import server_fixture
+
+from server.api.metrics import parse_metrics
+
+server = server_fixture()
+
+ABORTED = "rwkv_requests_aborted_total"
+LONG = {"max_tokens": 100000, "ignore_eos": True}
+BODIES = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **LONG}),
+    "completions": ("/v1/completions", {"prompt": "x", **LONG}),
+    "lightning": ("/v1/chat/completions", {"contents": ["x"], **LONG}),
+}
+
+
+def metrics(url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def settled(url: str, before: float) -> dict[str, float]:
+    """/metrics once nothing runs any more and the counter has moved past `before` (or 5 s passed)."""
+    deadline = time.monotonic() + 5
+    while True:
+        m = metrics(url)
+        idle = m["rwkv_requests_running"] == 0 and m["rwkv_requests_waiting"] == 0
+        if (idle and m[ABORTED] > before) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def leave_early(url: str, path: str, body: dict, stream: bool) -> None:
+    """Send the request and hang up before its (endless) answer: a stream after its first
+    chunk, a plain request after 0.7 s."""
+    if stream:
+        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=30) as r:
+            assert r.status_code == 200
+            next(r.iter_bytes())
+        return  # leaving the block mid-stream closes the connection
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + path, json=body, timeout=httpx.Timeout(30, read=0.7))
+
+
+@pytest.mark.parametrize("route", list(BODIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_client_that_leaves_counts_one_abort(server, route, stream):
+    path, body = BODIES[route]
+    before = metrics(server.url)[ABORTED]
+    leave_early(server.url, path, body, stream)
+    m = settled(server.url, before)
+    assert m["rwkv_requests_running"] == 0, server.log_tail()
+    assert m[ABORTED] == before + 1, server.log_tail()
+    time.sleep(0.3)  # a second count (none expected) would show by now
+    assert metrics(server.url)[ABORTED] == before + 1
+
+
+def test_an_answered_request_is_no_abort(server):
+    before = metrics(server.url)[ABORTED]
+    for path, body in BODIES.values():
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert metrics(server.url)[ABORTED] == before
