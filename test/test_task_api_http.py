@@ -202,3 +202,14 @@ def test_a_private_template_shadows_a_public_one_in_the_list(http, server):
     theirs = http.get("/list", params={"kind": "template"}).json()  # k1 still lists its public one
     assert [t["parent_id"] for t in theirs["tasks"] if t["task_id"] == "_pubt"] == [src1], theirs
     k2.close()
+
+
+def test_a_name_of_a_keys_own_public_template_is_taken_for_its_private_one(http):
+    """task-api.md: the name is taken by this key's own template of that name. k1's public
+    `_ownpub` would be shadowed from k1 itself by a private `_ownpub`: 409, nothing made."""
+    src = wait_done(http, http.post("/create", json={"prompt": "one", "max_tokens": 1}).json()["task_id"])["task_id"]
+    assert http.post(f"/{src}/as_template", params={"name": "ownpub", "public": "true"}).status_code == 200
+    r = http.post(f"/{src}/as_template", params={"name": "ownpub"})
+    assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
+    listed = [t for t in http.get("/list", params={"kind": "template"}).json()["tasks"] if t["task_id"] == "_ownpub"]
+    assert len(listed) == 1 and listed[0]["public"], listed

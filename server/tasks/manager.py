@@ -365,6 +365,12 @@ class TaskManager:
         t.out.notify()
         return t
 
+    async def _own_public(self, tid: str, oid: str | None) -> bool:
+        """True when the public template tid is oid's own: a private one of its name would shadow
+        it from its own maker (the name is taken by this key's own template: 409)."""
+        pub = self.live.get(tid) or await self.access.find(tid)
+        return pub is not None and not pub.deleted and pub.owner == oid
+
     async def as_template(
         self, task_id: str, owner: str | None = None, name: str | None = None, *, public: bool = False
     ) -> Task:
@@ -381,6 +387,8 @@ class TaskManager:
         tid = new_id(TEMPLATE, name, None if public else oid)
         if tid in self.live or await self.access.find(tid) is not None or tid in self.live:
             raise TaskConflict(f"template {tid.split('@')[0]!r} already exists", param="name")
+        if name is not None and not public and await self._own_public(new_id(TEMPLATE, name, None), oid):
+            raise TaskConflict(f"template {tid.split('@')[0]!r} already exists (public)", param="name")
         tpl = template_of(src, tid, oid, public)
         self.live[tid] = tpl  # reserves the id here (no await since the check above)
         claimed = False
