@@ -58,9 +58,8 @@ SIGNATURES: dict[str, list[str]] = {
     # part (workspace slices x N fp32), count (workspace, one uint32 per group of 256 (fp16) / 512
     # outputs), slices, ks (inputs per slice), warps, stream (returns -2 = not covered: use the gemv)
     "gemv_sparse": [I, I, I, P, P, P, P, P, P, I, I, I, P],
-    # quant.cu: f_dt, rows, K, x, x_stride, act (1: relu^2 first), q, q_stride, scale, xrow, xcol
-    # (null, or x holds a ScaledProduct's raw sums with these scales), stream
-    "quant_rows_fp8": [I, I, I, P, LL, I, P, LL, P, P, P, P],
+    # quant.cu: f_dt, rows, K, x, x_stride, act (1: relu^2 first), q, q_stride, scale, stream
+    "quant_rows_fp8": [I, I, I, P, LL, I, P, LL, P, P],
     # fused_elementwise.cu, a test hook: mode (0 plain launches, 1 programmatic dependent launch
     # where supported, -1 query); returns the previous state (0 / 1)
     "pdl_mode": [I],

@@ -92,56 +92,6 @@ def test_activation_quantization_kernel_matches_its_twin(dev, act, dtype):
     assert steps.max().item() <= 1  # e4m3 codes of one sign are ordered: 1 = the next value
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("act", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_activation_quantization_of_a_scaled_product_is_that_of_its_rounded_value(dev, act, dtype):
-    """A ScaledProduct's rows (the FFN key's, ffn_linear): the kernel scales the raw sums as it
-    reads them, so its codes and scales are bitwise those of the same kernel on the product's
-    value rounded to the model dtype (ScaledProduct.value(), as the per-row GEMM rounds)."""
-    M, K = 37, 2560
-    raw = _data((M, K), dev, 30, 0.5, dtype)
-    row = _data((M, 1), dev, 31, 1e-4, torch.float32).abs() + 1e-6
-    col = _data((K,), dev, 32, 1e-3, torch.float32).abs() + 1e-6
-    raw[5] = 0  # an all-zero row: scale 1, codes 0
-    sp = qlinear.ScaledProduct(raw, row, col)
-    q, s = cuda_quant.quant_rows(sp, act)
-    q_ref, s_ref = cuda_quant.quant_rows(sp.value().to(dtype), act)
-    assert s[5].item() == 1.0 and not q[5].float().any()
-    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    sp_odd = qlinear.ScaledProduct(raw, row, torch.cat([col, col])[1 : K + 1])  # 4-byte aligned only
-    q2, s2 = cuda_quant.quant_rows(sp_odd, act)  # the twin's path
-    q2_ref, s2_ref = qlinear.quant_rows_native(
-        cuda_ops.ops.relu_square(sp_odd.value().to(dtype)) if act else sp_odd.value().to(dtype)
-    )
-    assert torch.equal(s2, s2_ref) and torch.equal(q2.view(torch.uint8), q2_ref.view(torch.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [48, 300, 1024])
-def test_fp8_channel_mix_keeps_the_key_products_scales_for_the_value(dev, monkeypatch, M):
-    """ffn_linear past the per-row GEMM's rows: the FFN key comes back as a ScaledProduct (tensor-
-    wide cuBLASLt kernel, no per-row call), its value the fp8 product of the input's codes; the
-    value projection quantizes that product's rows and returns a ScaledProduct of their codes."""
-    C, FF = 2560, 10240
-    x, wk, wv = _data((M, C), dev, 33), _qweight((FF, C), "fp8", dev, 34), _qweight((C, FF), "fp8", dev, 35)
-
-    def per_row(*a, **k):
-        raise AssertionError("the per-row fp8 GEMM ran")
-
-    monkeypatch.setattr(cuda_quant, "_mm", per_row)
-    k = cuda_quant.key_product(x, wk)
-    assert isinstance(k, qlinear.ScaledProduct)
-    _close(k.value(), _fp8_ref(x, wk))
-    y = cuda_ops.ffn_linear(x, wk, wv)
-    assert isinstance(y, qlinear.ScaledProduct)
-    hq, hs = cuda_quant.quant_rows(k, act=True)
-    _close(y.value(), (hq.float() @ wv.q.float().t()) * hs * wv.scale)
-    monkeypatch.undo()
-    old = cuda_ops.residual_linear(cuda_ops.linear(x, wk), wv, act=True)  # the per-row key
-    assert _rel(y.value(), old.value()) < 1e-2
-
-
 def _fp8_ref(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
     """The fp8 product of the kernel's own activation codes, in fp32: the GEMM alone is compared
     (the codes may differ from quant_rows_native's by one step on rounding boundaries, which
@@ -189,8 +139,8 @@ def test_fp8_residual_product_leaves_its_scales_to_add_ln_mix(dev, monkeypatch, 
 
 @pytest.mark.gpu
 def test_fp8_model_decode_with_scaled_products_matches_the_per_row_path(dev, monkeypatch):
-    """The trained byte-level model with fp8 weights, fused decode at 272 rows: its output, FFN key
-    and FFN value products as ScaledProducts (counted) against the same decode with per-row products, the
+    """The trained byte-level model with fp8 weights, fused decode at 272 rows: its output and FFN
+    value products as ScaledProducts (counted) against the same decode with per-row products, the
     same function up to one fp16 rounding of those products; graph replay equals eager. (A random
     model's fp8 decode is chaotic: a 1e-3 nudge of those products moves its logits by 3%.)"""
     from pathlib import Path
@@ -207,7 +157,7 @@ def test_fp8_model_decode_with_scaled_products_matches_the_per_row_path(dev, mon
         return model.decode(tok, model.zero_state(B))
 
     scaled = decode()
-    assert len(seen) == 3 * 4 and all(isinstance(y, qlinear.ScaledProduct) for y in seen)  # o, FFN key, value
+    assert len(seen) == 2 * 4 and all(isinstance(y, qlinear.ScaledProduct) for y in seen)  # two per layer
     graph, out = _captured(decode, dev)
     graph.replay()
     assert torch.equal(out, scaled)

@@ -321,19 +321,6 @@ def residual_linear(x: torch.Tensor, w: Weight, wt: SparseCodes | None = None,
     return relu2_linear(x, w, wt) if act else linear(x, w)
 
 
-def ffn_linear(x: torch.Tensor, wk: Weight, wv: Weight,
-               wv_t: SparseCodes | None = None) -> torch.Tensor | ScaledProduct:  # fmt: skip
-    """ops.ffn_linear: for fp8 weights past the rows where the key product would run cuBLASLt's
-    per-row GEMM (cuda_quant.key_product), the key product stays a ScaledProduct whose scales the
-    value projection's activation quantization applies; else residual_linear(linear(...))."""
-    if isinstance(wk, QWeight) and isinstance(wv, QWeight) and x.dim() == 2 and x.shape[0] > GEMV_MAX_M:
-        k = cuda_quant.key_product(x, wk)
-        if k is not None:
-            y = cuda_quant.scaled_product(k, wv, act=True)
-            return y if y is not None else relu2_linear(k.value().to(x.dtype), wv, wv_t)
-    return residual_linear(linear(x, wk), wv, wv_t, act=True)
-
-
 def dense(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """ops.dense: x (..., K) @ w^T for a 2-D weight. A QWeight takes the 8-bit paths (the gemv
     at <= GEMV_MAX_M rows, server.model.cuda_quant past it); a 16-bit weight F.linear."""

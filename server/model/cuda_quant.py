@@ -15,9 +15,7 @@ activations: weight-only, codes converted in registers) does not take it:
     cuda_ops.residual_linear) past SCALED_MIN_ROWS: the same e4m3 rows times the codes through
     torch._scaled_mm with tensor-wide scales (cuBLASLt has fast kernels for those, one slow
     kernel for per-row scales), the per-row and per-column scales left to add_ln_mix: a
-    qlinear.ScaledProduct. Twin: its value(). The FFN key's product too, where the per-row GEMM
-    would run (cuda_ops.ffn_linear, key_product): its scales are applied by the value
-    projection's activation quantization, which rounds its value as the per-row GEMM would.
+    qlinear.ScaledProduct. Twin: its value().
   * the FFN value projection of ONE row (B = 1 decode) with relu^2, when the layer has its
     transposed copy (LayerWeights.ffn_value_t, made at load per --sparse-ffn; 8-bit codes, or
     fp16 weights with --sparse-ffn on): kernels/gemv_sparse.cu, which reads only the weight rows
@@ -57,27 +55,22 @@ def fp8_gemm_ok(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quant_rows(x: torch.Tensor | ScaledProduct, act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_rows(x: torch.Tensor, act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x (R, K) -> e4m3 codes (R, K), fp32 scales (R, 1) (act: of round(relu(x)^2));
-    one kernel launch, else the pure-torch twin. A ScaledProduct x: of its value rounded to the
-    model dtype (the kernel scales its raw sums as it reads them)."""
-    raw, scales = (x.raw, (x.row, x.col)) if isinstance(x, ScaledProduct) else (x, ())
-    R, K = raw.shape
-    lib = _lib(raw.device) if raw.is_cuda else None
-    fp32 = all(t.dtype == torch.float32 and t.is_contiguous() for t in scales)
-    if lib is not None and raw.dtype in _DT and raw.stride(-1) == 1 and fp32:
-        q = torch.empty(R, K, device=raw.device, dtype=FP8_DTYPE)  # (R, K)
-        s = torch.empty(R, 1, device=raw.device, dtype=torch.float32)  # (R, 1)
-        xrow, xcol = (t.data_ptr() for t in scales) if scales else (0, 0)
-        stream = torch.cuda.current_stream(raw.device).cuda_stream
-        rc = lib.quant_rows_fp8(_DT[raw.dtype], R, K, raw.data_ptr(), raw.stride(0), int(act), q.data_ptr(), K,
-                                s.data_ptr(), xrow, xcol, stream)  # fmt: skip
+    one kernel launch, else the pure-torch twin."""
+    R, K = x.shape
+    lib = _lib(x.device) if x.is_cuda else None
+    if lib is not None and x.dtype in _DT and x.stride(-1) == 1:
+        q = torch.empty(R, K, device=x.device, dtype=FP8_DTYPE)  # (R, K)
+        s = torch.empty(R, 1, device=x.device, dtype=torch.float32)  # (R, 1)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        rc = lib.quant_rows_fp8(_DT[x.dtype], R, K, x.data_ptr(), x.stride(0), int(act), q.data_ptr(), K,
+                                s.data_ptr(), stream)  # fmt: skip
         if rc == 0:
             return q, s
         if rc != UNSUPPORTED:
             raise RuntimeError(f"quant_rows_fp8: CUDA kernel failed (code {rc})")
-    h = x.value().to(raw.dtype) if isinstance(x, ScaledProduct) else x
-    return qlinear.quant_rows_native(ops.relu_square(h) if act else h)
+    return qlinear.quant_rows_native(ops.relu_square(x) if act else x)
 
 
 def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
@@ -102,38 +95,21 @@ measured faster from 32 rows, slower at 16; below, the weight-only tiles or the 
 A module constant so that benchmarks compare both paths (docs/performance.md)."""
 
 
-def scaled_product(x: torch.Tensor | ScaledProduct, w: QWeight, act: bool = False) -> ScaledProduct | None:
+def scaled_product(x: torch.Tensor, w: QWeight, act: bool = False) -> ScaledProduct | None:
     """act(x) (M, K) @ w^T for an fp8 w (N, K) as a ScaledProduct (see the module doc); None where
-    that path does not apply (another mode or shape, too few rows, no fp8 tensor cores). x may be
-    a ScaledProduct itself (the FFN key's: key_product): its scales are applied as its rows are
-    quantized."""
-    raw = x.raw if isinstance(x, ScaledProduct) else x
-    if w.mode != "fp8" or w.dim() != 2 or raw.dim() != 2 or not raw.is_cuda or raw.dtype not in _DT:
+    that path does not apply (another mode or shape, too few rows, no fp8 tensor cores)."""
+    if w.mode != "fp8" or w.dim() != 2 or x.dim() != 2 or not x.is_cuda or x.dtype not in _DT:
         return None
-    (M, K), N = raw.shape, w.shape[0]
-    if M < SCALED_MIN_ROWS or K % 16 or N % 16 or not fp8_gemm_ok(raw.device):
+    (M, K), N = x.shape, w.shape[0]
+    if M < SCALED_MIN_ROWS or K % 16 or N % 16 or not fp8_gemm_ok(x.device):
         return None
-    units = _units(raw.device)
+    units = _units(x.device)
     if units is None:
         return None
     xq, sx = quant_rows(x, act)  # (M, K), (M, 1)
     raw = torch._scaled_mm(xq, w.q.t(), scale_a=units[0], scale_b=units[1], out_dtype=w.dtype,
                            use_fast_accum=FP8_FAST_ACCUM)  # fmt: skip
     return ScaledProduct(raw, sx, w.scale)
-
-
-def key_product(x: torch.Tensor, w: QWeight) -> ScaledProduct | None:
-    """x @ w^T as a ScaledProduct where large() would run cuBLASLt's fp8 GEMM with per-row scales
-    (no w8_gemm tiles for these rows): the FFN key's product, whose only use is the value
-    projection's activation quantization (scaled_product of it applies the scales). Past the
-    faster tensor-wide kernel, this skips a memset node the per-row call puts before its kernel
-    (~10 us of idle GPU a layer in the decode graph: docs/performance.md); None elsewhere."""
-    if x.dim() != 2 or w.mode != "fp8" or w.dim() != 2:
-        return None
-    M, K, N = x.shape[0], x.shape[1], w.shape[0]
-    if w8_gemm.pick("fp8", M, N, K, 1) is not None or w8_gemm.pick("fp8a8", M, N, K, 1) is not None:
-        return None
-    return scaled_product(x, w)
 
 
 _UNITS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

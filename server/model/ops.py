@@ -170,15 +170,6 @@ def residual_linear(x: torch.Tensor, w: Weight, wt: SparseCodes | None = None,
     return relu2_linear(x, w, wt) if act else linear(x, w)
 
 
-def ffn_linear(x: torch.Tensor, wk: Weight, wv: Weight,
-               wv_t: SparseCodes | None = None) -> torch.Tensor | ScaledProduct:  # fmt: skip
-    """The channel mix's two products from its mixed input x (B, C): residual_linear(linear(x,
-    wk), wv, wv_t, act=True), the value projection's output for add_ln_mix. The CUDA twin may
-    hand an fp8 key product to the value projection's activation quantization with its scales
-    still apart (cuda_quant.key_product)."""
-    return residual_linear(linear(x, wk), wv, wv_t, act=True)
-
-
 def lora_act(hw: torch.Tensor, hg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tanh(hw), sigmoid(hg)) in place: the decay and gate LoRA activations (one launch on
     CUDA); returns (hw, hg)."""

@@ -43,7 +43,6 @@ OP_NAMES = (
     "linear",
     "relu2_linear",
     "residual_linear",
-    "ffn_linear",
     "dense",
 )
 KERNELS = CHOICES["kernels"]
@@ -178,7 +177,7 @@ class RWKV7:
             # its scales to add_ln_mix)
             x, xk = self.ops.add_ln_mix(x, self.ops.residual_linear(y, lw.wo), lw.ln2_w, lw.ln2_b,
                                         lw.ffn_xk.view(1, C), state.ffn_shift[i])  # fmt: skip
-            dx = self.ops.ffn_linear(xk[0], lw.ffn_key, lw.ffn_value, lw.ffn_value_t)
+            dx = self.ops.residual_linear(lin(xk[0], lw.ffn_key), lw.ffn_value, lw.ffn_value_t, act=True)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self._head_weight(xn.shape[0]))  # (B, V) model dtype
 
