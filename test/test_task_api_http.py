@@ -205,7 +205,7 @@ def test_a_private_template_shadows_a_public_one_in_the_list(http, server):
 
 
 def test_a_name_of_a_keys_own_public_template_is_taken_for_its_private_one(http):
-    """task-api.md: the name is taken by this key's own template of that name. k1's public
+    """docs/task-api.md: the name is taken by this key's own template of that name. k1's public
     `_ownpub` would be shadowed from k1 itself by a private `_ownpub`: 409, nothing made."""
     src = wait_done(http, http.post("/create", json={"prompt": "one", "max_tokens": 1}).json()["task_id"])["task_id"]
     assert http.post(f"/{src}/as_template", params={"name": "ownpub", "public": "true"}).status_code == 200
