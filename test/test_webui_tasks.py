@@ -184,3 +184,92 @@ def test_template_form_leaves_no_stray_task(server, browser):
     wait_for(browser, lambda d: d.current_url.endswith("#/tasks/_made.in-the_ui"), 15)
     wait_for(browser, lambda d: text_of(d, "#task-kind") == "template", 10)
     assert console_errors(browser, allow=("status of 409",)) == []
+
+
+def test_long_stream_is_one_text_node(server, browser):
+    """A streamed output is flushed once a frame into one text node: a node per SSE event made
+    every event lay out the whole <pre> (a long task froze the page)."""
+    body = {"prompt": "A long story", "max_tokens": 600, "ignore_eos": True}
+    tid = post(server, "/v1/tasks/create", body)["task_id"]
+    open_page(browser, server, f"#/tasks/{tid}", "#task-output")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#task-output[data-done]"), 60)
+    result = get(server, f"/v1/tasks/{tid}/get_result")
+    assert result["finished"] and result["completion_tokens"] == 600
+    assert text_of(browser, "#task-output") == result["result"]
+    assert text_nodes(browser, "#task-output") <= 1 + len(result["result"]) // 4096
+    # a continue without a prompt goes on in the same node
+    post(server, f"/v1/tasks/{tid}/continue", {"max_tokens": 50})
+    wait_finished(server, tid)
+    wait_for(browser, lambda d: text_of(d, "#task-output") == get(server, f"/v1/tasks/{tid}/get_result")["result"], 15)
+    assert text_nodes(browser, "#task-output") <= 1 + len(text_of(browser, "#task-output")) // 4096
+    assert console_errors(browser) == []
+
+
+def text_nodes(drv, css: str) -> int:
+    return drv.execute_script("const w = document.createTreeWalker(document.querySelector(arguments[0]), "
+                              "NodeFilter.SHOW_TEXT); let n = 0; while (w.nextNode()) n++; return n", css)
+
+
+def test_long_output_is_written_in_blocks(server, browser):
+    """task.js appendText, given a long text in small pieces: the <pre> holds the text exactly, in
+    blocks of one text node each, cut at line ends (they render and copy as the text does), so a
+    write lays out the last block only; a text with no line end stays in one block."""
+    open_page(browser, server, "#/tasks", "#task-count")
+    blocks = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import("/ui/static/js/task.js").then(({ appendText }) => {
+          const run = (text, step) => {
+            const pre = document.createElement("pre");
+            for (let i = 0; i < text.length; i += step) appendText(pre, text.slice(i, i + step));
+            return { text: pre.textContent === text, nodes: [...pre.children].map((b) => b.childNodes.length),
+                     sizes: [...pre.children].map((b) => b.textContent.length),
+                     ends: [...pre.children].map((b) => b.textContent.endsWith("\\n")) };
+          };
+          const lines = Array.from({ length: 3000 }, (_, i) => `line ${i} ` + "x".repeat(i % 50)).join("\\n");
+          done({ lines: run(lines, 7), big: run(lines, 100000), flat: run("y".repeat(30000), 5) });
+        }).catch((err) => done({ error: String(err) }));""")
+    assert "error" not in blocks, blocks
+    for name in ("lines", "big"):
+        b = blocks[name]
+        assert b["text"] and set(b["nodes"]) == {1} and len(b["sizes"]) >= 10, (name, b)
+        assert all(b["ends"][:-1]) and all(8192 <= n < 8192 + 100 for n in b["sizes"][:-1]), (name, b)
+    assert blocks["flat"] == {"text": True, "nodes": [1], "sizes": [30000], "ends": [False]}
+    assert console_errors(browser) == []
+
+
+def test_tasks_without_a_prompt(server, browser):
+    """A template imported from a state file: its parent (`state:upload`) is plain text, not a link
+    to a task page, and it has no prompt ("(state file)"); a fork without a prompt shows
+    "(none)"; a prompt of token ids still shows as such."""
+    src = post(server, "/v1/tasks/create", {"prompt": "a state to export", "max_tokens": 2})["task_id"]
+    wait_finished(server, src)
+    state = httpx.get(f"{server.url}/v1/tasks/{src}/state", params={"format": "full"}, timeout=30)
+    assert state.status_code == 200, state.text
+    r = httpx.post(server.url + "/v1/states/imp1", content=state.content,
+                   headers={"content-type": "application/octet-stream"}, timeout=30)
+    assert r.status_code == 201, r.text
+    tpl = r.json()["template_id"]
+    assert get(server, f"/v1/ui/tasks/{tpl}")["parent_id"] == "state:upload"
+
+    open_page(browser, server, f"#/tasks/{tpl}", "#fork-form")
+    wait_for(browser, lambda d: text_of(d, "#task-kind") == "template", 10)
+    assert text_of(browser, "#task-prompt") == "(state file)"
+    assert "state:upload" in text_of(browser, "dl.info")
+    assert not browser.find_elements("css selector", "dl.info a")  # no link to a task "state:upload"
+
+    fork = post(server, f"/v1/tasks/{tpl}/fork", {"max_tokens": 2})["task_id"]
+    ids = post(server, "/v1/tasks/create", {"prompt": [510, 4411, 33], "max_tokens": 2})["task_id"]
+    for tid, shown in ((fork, "(none)"), (ids, "(token ids)")):
+        wait_finished(server, tid)
+        open_page(browser, server, f"#/tasks/{tid}", "#task-output[data-done]")
+        assert text_of(browser, "#task-prompt") == shown, tid
+
+    # the Tasks list: the template's parent is text, its fork's parent a link to it
+    open_page(browser, server, "#/tasks", "#task-rows tr")
+    browser.find_element("css selector", "#filter-search").send_keys("imp1")
+    wait_for(browser, lambda d: set(row_ids(d)) == {tpl, fork}, 15)
+    row = browser.find_element("css selector", f'#task-rows tr[data-id="{tpl}"] td:last-child')
+    assert row.text == "state:upload" and not row.find_elements("css selector", "a")
+    link = browser.find_element("css selector", f'#task-rows tr[data-id="{fork}"] td:last-child a')
+    assert link.get_attribute("href").endswith(f"#/tasks/{tpl}")
+    assert console_errors(browser) == []

@@ -5,7 +5,8 @@
   fetched from elsewhere at run time).
 - GET /: redirects to /ui, so a browser pointed at the server lands on the dashboard.
 - GET /v1/ui/tasks/{task_id}: what the task API does not return and the task and template pages
-  show: the task's last prompt and its stored parameters, and `output_start` (where in the token
+  show: the task's last prompt (`prompt`: its text, "" for token ids or none; `prompt_len`: its
+  tokens, 0 for none) and its stored parameters, and `output_start` (where in the token
   history the current output starts: it grows when a run starts with a new prompt). `brief=true`
   leaves out the prompt and parameters (the task page's poll, which watches for new runs). Under
   /v1, so API keys and ownership apply as on the task routes (another key's task is a 404).
@@ -87,5 +88,5 @@ def _detail(t: Any, brief: bool = False) -> dict[str, Any]:
         "speed": t.speed(),
     }
     if not brief:
-        out.update(prompt=t.prompt, params=t.params, tag=t.tag)
+        out.update(prompt=t.prompt, prompt_len=t.prompt_len, params=t.params, tag=t.tag)
     return out

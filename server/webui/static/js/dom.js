@@ -51,8 +51,17 @@ export function kindOf(id) {
   return id.startsWith("TMP_") ? "tmp" : "task";
 }
 
+/** True for a parent id that names where a template's state came from, not a task
+ *  (`state:upload`, `state:operator`: a template imported from a state file). */
+export function isStateOrigin(id) {
+  return typeof id === "string" && id.startsWith("state:");
+}
+
+/** A link to the task's page; a state origin as plain text (it has no page). */
 export function taskLink(id) {
-  return id ? h("a", { href: `#/tasks/${encodeURIComponent(id)}`, class: "mono" }, id) : "";
+  if (!id) return "";
+  if (isStateOrigin(id)) return h("span", { class: "mono" }, id);
+  return h("a", { href: `#/tasks/${encodeURIComponent(id)}`, class: "mono" }, id);
 }
 
 /** The numeric and text fields of a form that are filled in, as a request body. */

@@ -4,7 +4,7 @@
 // with a prompt.
 
 import { aborted, api, sse } from "./api.js";
-import { errorBox, every, field, h, statusText, taskLink, when } from "./dom.js";
+import { errorBox, every, field, h, isStateOrigin, statusText, taskLink, when } from "./dom.js";
 import { templateNameError } from "./newtask.js";
 import { TASK_FIELDS, samplingBody, samplingFields } from "./sampling.js";
 
@@ -59,13 +59,20 @@ function infoTable(detail) {
 }
 
 const detailPath = (id) => `/v1/ui/tasks/${encodeURIComponent(id)}`;
-const promptText = (detail) => detail.prompt || "(token ids)";
+/** The last prompt; a prompt of token ids has no text (prompt_len counts its tokens), a
+ *  template made from a state file and a fork made without a prompt have none. */
+const promptText = (detail) => {
+  if (detail.prompt) return detail.prompt;
+  if (detail.prompt_len) return "(token ids)";
+  return isStateOrigin(detail.parent_id) ? "(state file)" : "(none)";
+};
 
 /** A task's page follows its runs: the stream shows the current output; once it has ended, the
  *  status poll watches for a later run (this page's continue, or another client's). A run that
  *  goes on with the same output (a continue without a prompt) is streamed from where the text
  *  stopped (`pos`); a run with a new prompt started a new output (`output_start` moved): the
- *  page shows its prompt and streams it from 0. */
+ *  page shows its prompt and streams it from 0. A run on another server of the database (its
+ *  stream answers 409 task_running_elsewhere) is watched by `elsewhere` instead. */
 function taskView(ctx) {
   const { id, el, detail, signal, fail, stops } = ctx;
   const info = infoTable(detail);
@@ -75,15 +82,21 @@ function taskView(ctx) {
   stopButton.addEventListener("click", () => {
     api(path(id, "stop"), { method: "POST", body: {}, signal }).catch(fail);
   });
-  el.append(info.dl, h("h2", {}, "Prompt"), prompt, h("h2", {}, "Output ", stopButton), output,
-    h("div", { class: "actions" }, continueForm(ctx), forkForm(ctx), templateForm(ctx), deleteButton(ctx, false)));
+  const note = h("div", { id: "task-note" });
+  const actions = h("div", { class: "actions" },
+    continueForm(ctx), forkForm(ctx), templateForm(ctx), deleteButton(ctx, false));
+  el.append(info.dl, h("h2", {}, "Prompt"), prompt, h("h2", {}, "Output ", stopButton), note, output, actions);
 
   // start: the output's place in the history; pos: its tokens shown; ends: streams ended so far
   const run = { start: detail.output_start, pos: 0, streaming: false, ends: 0 };
+  const away = elsewhere({ id, signal, output, note, buttons: () => [stopButton, ...actions.querySelectorAll("button")] });
   const attach = () => {
     run.streaming = true;
     delete output.dataset.done;
-    follow(output, id, run, signal).catch(fail).finally(() => { run.streaming = false; run.ends++; });
+    follow(output, id, run, signal)
+      .catch((err) => (away.isMoved(err) ? away.enter(err) : fail(err)))
+      .catch(fail)
+      .finally(() => { run.streaming = false; run.ends++; });
   };
   const newOutput = async () => {
     const fresh = await api(detailPath(id), { signal });
@@ -98,6 +111,11 @@ function taskView(ctx) {
     const ends = run.ends;
     const st = await api(detailPath(id), { query: { brief: true }, signal });
     info.update(st);
+    if (away.active()) {
+      if (await away.watch(st)) return; // still running there: its committed text is shown
+      await newOutput(); // it has finished there (or moved here): stream it whole
+      return attach();
+    }
     stopButton.disabled = st.status === 3;
     if (run.streaming || ends !== run.ends) return; // streaming, or this answer predates the stream's end
     if (st.output_start !== run.start) await newOutput();
@@ -107,28 +125,113 @@ function taskView(ctx) {
   stops.push(poll);
 }
 
+/** The task runs on another server of the database: this one cannot stream it, nor stop,
+ *  continue, fork, make a template of or delete it (each a 409). `enter` shows the 409's message
+ *  (it names that server), the text that server last committed, and disables those buttons;
+ *  `watch`, given each status poll, refreshes that text and answers true while the task still
+ *  runs there; once it has finished (or runs on another instance), it enables them again. */
+function elsewhere({ id, signal, output, note, buttons }) {
+  let instance; // the server running it; undefined: not watching
+  let shown = -1; // the poll's generated_buf when the text shown was read
+  const committed = async () => {
+    const r = await api(path(id, "get_result"), { signal });
+    if (!r.finished) output.textContent = r.result || ""; // a finished one: the poll streams it
+    return r;
+  };
+  const lock = (on) => buttons().forEach((b) => { b.disabled = on; });
+  return {
+    isMoved: (err) => err && err.code === "task_running_elsewhere",
+    active: () => instance !== undefined,
+    async enter(err) {
+      const r = await committed();
+      if (r.finished) return; // it finished meanwhile
+      instance = r.instance ?? null;
+      shown = -1;
+      note.replaceChildren(h("p", { id: "task-elsewhere", class: "muted" }, err.message));
+      lock(true);
+    },
+    async watch(st) {
+      if (st.status !== 3 && st.instance === instance) {
+        if (st.generated_buf !== shown) {
+          await committed();
+          shown = st.generated_buf;
+        }
+        return true;
+      }
+      instance = undefined;
+      note.replaceChildren();
+      lock(false);
+      buttons()[0].disabled = st.status === 3; // Stop
+      return false;
+    },
+  };
+}
+
 /** Appends the task's text from token `run.pos` to `pre` as it streams (`run.pos` follows);
- *  resolves at the stream's end. */
+ *  resolves at the stream's end, with all of it shown. */
 async function follow(pre, id, run, signal) {
-  for await (const ev of sse(path(id, "stream"), { query: { pos: run.pos }, signal })) {
-    if (ev.pos !== undefined) run.pos = ev.pos;
-    if (typeof ev.data === "string") {
-      const atBottom = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 40;
-      pre.append(ev.data);
-      if (atBottom) pre.scrollTop = pre.scrollHeight;
-    } else if (ev.finished) {
-      pre.dataset.finishReason = ev.finish_reason || "";
+  const sink = textSink(pre);
+  try {
+    for await (const ev of sse(path(id, "stream"), { query: { pos: run.pos }, signal })) {
+      if (ev.pos !== undefined) run.pos = ev.pos;
+      if (typeof ev.data === "string") sink.add(ev.data);
+      else if (ev.finished) pre.dataset.finishReason = ev.finish_reason || "";
+      pre.dataset.pos = run.pos;
     }
-    pre.dataset.pos = run.pos;
+  } finally {
+    sink.flush(); // what came before an end or an error is shown too
   }
   pre.dataset.done = "1";
+}
+
+const CHUNK = 8192; // chars of a block of an output before the next block starts (at a line's end)
+
+/** Text for `pre`, written at most once an animation frame (appendText), not per event: a text
+ *  node per event, with scrollHeight read around each, laid out the whole <pre> per token and a
+ *  long task's page fell behind its stream. The view sticks to the bottom when it was there. */
+function textSink(pre) {
+  let pending = "", frame = 0;
+  const write = () => {
+    frame = 0;
+    if (!pending) return;
+    const atBottom = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 40; // laid out last frame
+    appendText(pre, pending);
+    pending = "";
+    if (atBottom) pre.scrollTop = pre.scrollHeight; // one layout a frame, of the last block only
+  };
+  return {
+    add(text) {
+      pending += text;
+      if (!frame) frame = requestAnimationFrame(write);
+    },
+    flush() {
+      cancelAnimationFrame(frame);
+      write();
+    },
+  };
+}
+
+/** Appends `text` to `pre`'s blocks (span.chunk, display: block), each one text node grown with
+ *  appendData. A block ends at the first line end after CHUNK chars, so the blocks render and copy
+ *  as the text does, and a write lays out the last block, not the whole output. (Exported for
+ *  test_webui_tasks.py.) */
+export function appendText(pre, text) {
+  const block = () => pre.appendChild(h("span", { class: "chunk" }, document.createTextNode(""))).firstChild;
+  let node = pre.lastElementChild ? pre.lastElementChild.firstChild : block();
+  for (;;) {
+    const cut = text.indexOf("\n", Math.max(0, CHUNK - node.length));
+    if (cut < 0 || cut === text.length - 1) return node.appendData(text);
+    node.appendData(text.slice(0, cut + 1));
+    text = text.slice(cut + 1);
+    node = block();
+  }
 }
 
 function templateView(ctx) {
   const { id, el, detail, signal, fail } = ctx;
   const result = h("pre", { id: "template-text", class: "text" });
   el.append(infoTable(detail).dl,
-    h("h2", {}, "Prompt"), h("pre", { id: "task-prompt", class: "text prompt" }, detail.prompt || "(token ids)"),
+    h("h2", {}, "Prompt"), h("pre", { id: "task-prompt", class: "text prompt" }, promptText(detail)),
     h("h2", {}, "Text generated before it became a template"), result,
     h("div", { class: "actions" }, forkForm(ctx, "Fork this template with a prompt"), deleteButton(ctx, true)));
   api(path(id, "get_result"), { signal }).then((r) => { result.textContent = r.result || "(none)"; }).catch(fail);
