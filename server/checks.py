@@ -9,12 +9,13 @@ import asyncio
 import dataclasses
 import errno
 import importlib.util
+import math
 import os
 import socket
 import sys
 from typing import get_type_hints
 
-from server.config import CHOICES, Settings, redact_url
+from server.config import ABOVE_ZERO, CHOICES, Settings, redact_url
 
 DB_SCHEMES = ("sqlite", "sqlite+aiosqlite", "postgresql", "postgres", "postgresql+asyncpg")
 """The database URL schemes the task store runs on (its migrations know SQLite and PostgreSQL)."""
@@ -44,23 +45,49 @@ def device_problem(device: str, flag: str = "--device") -> str | None:
 
 def settings_problem(settings: Settings) -> str | None:
     """Why the server cannot start with these settings (one line), or None."""
-    model = settings.resolved_model()
-    if not model.startswith("synthetic:") and not os.path.isfile(model):
+    return (numbers_problem(settings) or choices_problem(settings) or model_problem(settings.resolved_model())
+            or state_files_problem(settings) or device_problem(settings.device)
+            or devices_problem(settings))  # fmt: skip
+
+
+def model_problem(model: str) -> str | None:
+    """A --model that is no file, or a synthetic spec its parser refuses (an unknown preset, a
+    bad seed), or None."""
+    if not model.startswith("synthetic:"):
+        if os.path.isfile(model):
+            return None
         return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
-    return (numbers_problem(settings) or choices_problem(settings) or state_files_problem(settings)
-            or device_problem(settings.device) or devices_problem(settings))  # fmt: skip
+    from server.model.synthetic import parse_spec
+
+    try:
+        parse_spec(model)
+    except ValueError as exc:
+        return f"--model {model!r}: {exc}"
+    return None
 
 
 def numbers_problem(settings: Settings) -> str | None:
-    """A port outside 0..65535 or another int setting below 0 (flags and environment alike:
-    none has a meaning below 0), or None."""
+    """A port outside 0..65535, or another number setting out of its range (flags and environment
+    alike): below 0 (none has a meaning there), 0 for those of ABOVE_ZERO, a float that is NaN
+    or infinite. Or None."""
     if not 0 <= settings.port <= 65535:
         return f"--port {settings.port}: not a port (0 to 65535; 0: any free port)"
     hints = get_type_hints(Settings)
     for f in dataclasses.fields(Settings):
-        value = getattr(settings, f.name)
-        if hints[f.name] is int and value < 0:
-            return f"--{f.name.replace('_', '-')} {value}: must be 0 or more"
+        if hints[f.name] in (int, float) and (problem := number_problem(f.name, getattr(settings, f.name))):
+            return problem
+    return None
+
+
+def number_problem(name: str, value: float) -> str | None:
+    """Why the int or float setting `name` cannot be `value` (one line naming its flag), or None."""
+    flag = f"--{name.replace('_', '-')} {value}"
+    if not math.isfinite(value):
+        return f"{flag}: must be a finite number"
+    if name in ABOVE_ZERO and value <= 0:
+        return f"{flag}: must be more than 0"
+    if value < 0:
+        return f"{flag}: must be 0 or more"
     return None
 
 
@@ -106,8 +133,23 @@ def state_files_problem(settings: Settings) -> str | None:
 
 def serve_problem(settings: Settings) -> str | None:
     """Why `serve` cannot start, beyond settings_problem (one line), or None: the API keys, the
-    port, the task database as far as it can be told without opening it."""
-    return api_keys_problem(settings) or port_problem(settings.host, settings.port) or database_problem(settings.db)
+    few-shot file, the port, the task database as far as it can be told without opening it."""
+    return (api_keys_problem(settings) or few_shot_problem(settings.few_shot)
+            or port_problem(settings.host, settings.port) or database_problem(settings.db))  # fmt: skip
+
+
+def few_shot_problem(path: str) -> str | None:
+    """A --few-shot file that cannot be read as UTF-8 text, or None. Only a path given: the
+    default (empty: the project's few_shot.txt) is read when a request first asks for it."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        return f"--few-shot {path}: cannot read it ({why})"
+    return None
 
 
 def api_keys_problem(settings: Settings) -> str | None:

@@ -23,10 +23,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "quant": ("none", "int8", "fp8"),
     "sparse_ffn": ("auto", "on", "off"),
     "kernels": ("auto", "torch", "cuda"),
+    "state_store_dtype": ("native", "fp16"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 """The values of the settings that take one of a few (the CLI's flag choices, checked again for
-values from the environment; the model loader's arguments of the same names)."""
+values from the environment; the model loader's and the task store's arguments of the same names)."""
+
+ABOVE_ZERO = frozenset({"prefill_chunk", "lease_timeout"})
+"""The number settings that must be above 0; every other int or float setting must be 0 or more,
+and no float setting may be NaN or infinite (server.checks.numbers_problem)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class Settings:
     """Most tokens (decode + prefill chunks) one engine step processes; bounds decode latency
     while long prompts prefill."""
     prefill_chunk: int = 512
-    """Longest prompt chunk a single sequence prefills in one step."""
+    """Longest prompt chunk a single sequence prefills in one step (1 or more)."""
     max_queue: int = 4096
     """Most sequences waiting for a slot; more submissions are refused (HTTP 429)."""
     max_prompt_tokens: int = 65536
@@ -106,7 +111,7 @@ class Settings:
     """Budget in bytes of the states stored in the database (the least recently used
     non-template states are dropped first; their text stays)."""
     tmp_task_ttl: float = 600.0
-    """Seconds a finished TMP_ task is kept in memory."""
+    """Seconds a finished TMP_ task is kept in memory (0: dropped once it ends)."""
     writer_queue: int = 64
     """Bound of the background state-writer queue (writers wait when it is full)."""
     tmp_state_bytes: int = 256 * 1024**2
@@ -134,7 +139,7 @@ class Settings:
     the 409 that another replica answers for a task running here."""
     lease_timeout: float = 30.0
     """Seconds without a heartbeat after which a server is taken for dead and the tasks it was
-    running are marked interrupted by the others (heartbeats every third of it)."""
+    running are marked interrupted by the others (heartbeats every third of it; more than 0)."""
 
     # --- states and the conversation cache -----------------------------------------------------
     states: str = ""
@@ -190,8 +195,9 @@ class Settings:
     """Most connections (and requests in progress) at once; beyond them new requests get 503
     `too_many_connections` with `Retry-After` (`/health` and `/metrics` stay answered). 0: no bound."""
     few_shot: str = ""
-    """Path of a few-shot dialogue file prefixed to chat prompts when a request asks for it;
-    empty: the project's few_shot.txt."""
+    """Path of a few-shot dialogue file prefixed to chat prompts when a request asks for it; a
+    file given here that cannot be read (as UTF-8 text) stops the start. Empty: the project's
+    few_shot.txt (read when a request first asks for it; missing, such a request answers 500)."""
     log_level: str = "info"
     """Log level: debug, info, warning, error."""
 

@@ -7,6 +7,7 @@ embedders may pass their own. Routes use the small dependency functions below.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ from server.tokenizer import Tokenizer
 if TYPE_CHECKING:  # (imports torch at run time: only the type is needed here)
     from server.model.state import ModelShape
     from server.tasks import TaskManager
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,9 +62,18 @@ class Services:
     _few_shot: str | None = field(default=None, init=False, repr=False)
 
     def few_shot(self) -> str:
-        """The few-shot dialogue text (read once; OSError when the file cannot be read)."""
+        """The few-shot dialogue text (read once). A file that cannot be read (removed since the
+        start-up check, or the default few_shot.txt missing) is the server's fault, not the
+        request's: ApiError 500 `few_shot_unavailable` (tried again on the next request)."""
         if self._few_shot is None:
-            self._few_shot = load_few_shot(self.settings.few_shot or default_few_shot_path())
+            path = self.settings.few_shot or default_few_shot_path()
+            try:
+                self._few_shot = load_few_shot(path)
+            except (OSError, UnicodeDecodeError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                log.error("few-shot file %s cannot be read (%s): requests asking for it answer 500", path, why)
+                raise ApiError(500, f"the server cannot read its few-shot file {path} ({why}); see --few-shot",
+                               code="few_shot_unavailable") from None  # fmt: skip
         return self._few_shot
 
 

@@ -102,15 +102,6 @@ def _check_length(sv: Services, n_tokens: int, param: str = "messages") -> None:
         raise ApiError(413, f"prompt has {n_tokens} tokens; the limit is {limit}", param=param, code="prompt_too_long")
 
 
-def _few_shot(sv: Services) -> str:
-    try:
-        return sv.few_shot()
-    except OSError as exc:
-        raise ApiError(
-            400, f"this server has no few-shot file ({exc})", param="few_shot", code="invalid_request"
-        ) from None
-
-
 _GENERATES = answers(400, 401, 404, 409, 413, 429, 503, stream=True)  # 404 / 409: an unknown `state`, one not ready
 
 
@@ -126,7 +117,7 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     params = _checked(body, sv, CHAT_STOP)
     agent = await chat_agent(sv, body)
     params = agent.apply(params)
-    prompt = build_prompt(turns(body.messages, agent.described), _few_shot(sv) if body.few_shot else "")
+    prompt = build_prompt(turns(body.messages, agent.described), sv.few_shot() if body.few_shot else "")
     suffix = agent.tool_plan.prompt_suffix() if agent.tool_plan is not None else ""
     prompt.rest += suffix
     rest = await start.encode_chat(sv, prompt.rest)
