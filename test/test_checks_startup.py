@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_cli_startup import one_line  # status 2 and one rwkv-server line
 from util_server import inprocess_server
 
 from server.api.errors import ApiError
@@ -29,14 +30,6 @@ def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
                           env=full_env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
 
 
-def one_line(r: subprocess.CompletedProcess, *expect: str) -> str:
-    """Status 2 and one `rwkv-server: ...` line holding `expect`: the run never bound or loaded."""
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("rwkv-server: "), r.stderr[-3000:]
-    for text in expect:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 # --- numbers ---------------------------------------------------------------------------------------
