@@ -68,3 +68,20 @@ def test_an_answered_request_is_no_abort(server):
         r = httpx.post(server.url + path, json={**body, "max_tokens": 3}, timeout=30)
         assert r.status_code == 200, r.text
     assert metrics(server.url)[ABORTED] == before
+
+
+def test_inter_token_latency_counts_every_token_after_the_first():
+    """A run's tokens that reach its stream together with the first one (one wake-up) count as
+    gaps of 0: the histogram holds tokens - 1 observations per run, however they were batched."""
+    from types import SimpleNamespace
+
+    from server.api.metrics import Metrics, Recorder
+    from server.engine.types import Event
+
+    for batches in ([3, 1, 2], [1, 1, 1, 1, 1, 1], [6]):
+        m = Metrics()
+        rec, seq = Recorder(m, 0.0), SimpleNamespace(t_last=None)
+        for n in batches:
+            rec.on_batch(seq, [Event("x" * n, list(range(n)), n)])
+        assert m.ttft.count == 1 and m.itl.count == sum(batches) - 1, batches
+    assert m.itl.sum == 0.0  # [6]: all came at once

@@ -77,7 +77,7 @@ class Metrics:
         )
         self.itl = Histogram(
             "rwkv_inter_token_latency_seconds",
-            "Seconds between consecutive generated tokens of one request.",
+            "Seconds between consecutive generated tokens of one request (one per token after the first).",
             ITL_BUCKETS,
         )
         self.e2e = Histogram(
@@ -285,6 +285,8 @@ class Recorder:
             if self.first:
                 self.metrics.ttft.observe(now - self.t0)
                 self.first = False
+                if n_new > 1:  # they reached the client with the first: no gap between them
+                    self.metrics.itl.observe(0.0, n_new - 1)
             elif seq.t_last:
                 self.metrics.itl.observe((now - seq.t_last) / n_new, n_new)
         if n_new:
