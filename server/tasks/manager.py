@@ -368,7 +368,7 @@ class TaskManager:
     async def _own_public(self, tid: str, oid: str | None) -> bool:
         """True when the public template tid is oid's own: a private one of its name would shadow
         it from its own maker (the name is taken by this key's own template: 409)."""
-        pub = self.live.get(tid) or await self.access.find(tid)
+        pub = await self.access.find(tid)  # (memory first)
         return pub is not None and not pub.deleted and pub.owner == oid
 
     async def as_template(

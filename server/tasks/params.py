@@ -122,7 +122,7 @@ def format_grammar(fmt: Any, *, known_keys: bool = True) -> GrammarSpec | None:
     schema = inner.get("schema") if isinstance(inner, dict) else None
     if not isinstance(schema, dict):
         raise ValueError("invalid 'response_format': json_schema needs a 'schema' object")
-    if _depth(schema, MAX_JSON_DEPTH, _json_children) > MAX_JSON_DEPTH:
+    if json_depth(schema) > MAX_JSON_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
     if _depth(schema, MAX_SCHEMA_DEPTH, _schema_children) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
@@ -158,6 +158,12 @@ def _depth(root: Any, bound: int, children: Callable[[Any, int], Iterable[tuple[
             break
         todo.extend(children(node, level))
     return deepest
+
+
+def json_depth(value: Any, bound: int = MAX_JSON_DEPTH) -> int:
+    """How deep lists and objects nest in a parsed JSON value (the root: level 1), counted up to
+    bound + 1 (iterative: a hostile value cannot exhaust the stack)."""
+    return _depth(value, bound, _json_children)
 
 
 def _json_children(n: Any, d: int) -> Iterable[tuple[Any, int]]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.types import GrammarSpec
-from server.tasks.params import MAX_JSON_DEPTH
+from server.tasks.params import MAX_JSON_DEPTH, json_depth
 
 MARKER = "<tool_call>"
 MAX_TOOLS = 128
@@ -228,22 +228,9 @@ def _arguments(raw: Any, where: str) -> Any:
         args = json.loads(raw or "{}")
     except (TypeError, ValueError, RecursionError):
         raise bad from None
-    if _depth(args) > MAX_JSON_DEPTH:
+    if json_depth(args) > MAX_JSON_DEPTH:
         raise bad
     return args
-
-
-def _depth(value: Any) -> int:
-    """How deep lists and objects nest in a parsed JSON value (a scalar: 0), counted up to
-    MAX_JSON_DEPTH + 1. Iterative: a hostile value cannot exhaust the stack."""
-    deepest, todo = 0, [(value, 1)]
-    while todo and deepest <= MAX_JSON_DEPTH:
-        node, level = todo.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
-        if children is not None:
-            deepest = max(deepest, level)
-            todo.extend((c, level + 1) for c in children)
-    return deepest
 
 
 def resent_text(text: str, forced: bool) -> str:
