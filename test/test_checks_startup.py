@@ -96,6 +96,7 @@ def test_a_state_store_dtype_outside_its_choices_stops_the_start(tmp_path):
     ("synthetic:tiny:x", "--model 'synthetic:tiny:x': bad seed 'x'"),
     ("synthetic:", "--model 'synthetic:': unknown synthetic preset ''"),
     ("synthetic:tiny:1:2", "--model 'synthetic:tiny:1:2': bad synthetic spec"),
+    ("synthetic:L0-C0", "--model 'synthetic:L0-C0': a model needs a layer"),
 ])  # fmt: skip
 def test_model_problem_parses_a_synthetic_spec(model, expect):
     problem = model_problem(model)

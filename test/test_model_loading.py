@@ -111,7 +111,7 @@ def test_synthetic_specs_and_determinism():
     assert shapes["7.2b"][:2] == (32, 4096) and PRESETS["2.9b"].ffn_dim == 4 * 2560
     custom = parse_spec("synthetic:L3-C256-V1024:4")
     assert (custom[0].n_layer, custom[0].n_embd, custom[0].vocab_size, custom[1]) == (3, 256, 1024, 4)
-    for bad in ("synthetic:huge", "synthetic:tiny:x", "tiny"):
+    for bad in ("synthetic:huge", "synthetic:tiny:x", "tiny", "synthetic:L0-C64", "synthetic:L1-C0", "synthetic:L1-C64-V1"):
         with pytest.raises(ValueError):
             parse_spec(bad)
     a, b = synthetic_state_dict("synthetic:tiny:1"), synthetic_state_dict("synthetic:tiny:1")

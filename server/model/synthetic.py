@@ -28,6 +28,8 @@ def _lora(C: int, k: float, p: float) -> int:
 
 
 def make_shape(n_layer: int, n_embd: int, vocab: int = VOCAB, head_size: int = 64) -> ModelShape:
+    if n_layer < 1 or n_embd < head_size or vocab < 2:
+        raise ValueError(f"a model needs a layer, n_embd >= {head_size} and 2 tokens (L{n_layer}-C{n_embd}-V{vocab})")
     if n_embd % head_size:
         raise ValueError(f"n_embd={n_embd} is not a multiple of head_size={head_size}")
     C = n_embd
