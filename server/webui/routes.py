@@ -8,8 +8,11 @@
   show: the task's last prompt (`prompt`: its text, "" for token ids or none; `prompt_len`: its
   tokens, 0 for none) and its stored parameters, and `output_start` (where in the token
   history the current output starts: it grows when a run starts with a new prompt). `brief=true`
-  leaves out the prompt and parameters (the task page's poll, which watches for new runs). Under
-  /v1, so API keys and ownership apply as on the task routes (another key's task is a 404).
+  leaves out the prompt and parameters (the task page's poll, which watches for new runs).
+  `elsewhere` (full answer only): null, or {message, instance, url} when the task runs on another
+  server of the database (a replica), the 409 its stream would answer: the page shows it without
+  asking for the stream. Under /v1, so API keys and ownership apply as on the task routes
+  (another key's task is a 404).
 
 The pages need no key to load; every /v1 call they make carries the key the user typed.
 """
@@ -27,7 +30,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from server.api.errors import ApiError, task_error
 from server.api.openapi import answers
 from server.api.services import get_owner, get_services
-from server.tasks.errors import TaskError
+from server.tasks.errors import TaskElsewhere, TaskError
 
 STATIC = Path(__file__).resolve().parent / "static"
 _NO_CACHE = {"Cache-Control": "no-cache"}  # revalidate (ETag) so an upgraded server's files load
@@ -72,11 +75,19 @@ async def task_detail(task_id: str, request: Request, brief: bool = Query(False)
     services = get_services(request)
     if services.tasks is None:
         raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
+    owner, away = get_owner(request), None
     try:
-        t = await services.tasks.get(task_id, get_owner(request))
+        try:  # what the page's stream would meet: a task running on a replica is a 409 there
+            t = await services.tasks.get(task_id, owner, stream=not brief)
+        except TaskElsewhere as exc:
+            away = {"message": str(exc), "instance": exc.instance, "url": exc.url}
+            t = await services.tasks.get(task_id, owner)
     except TaskError as exc:
         raise task_error(exc) from None
-    return Response(orjson.dumps(_detail(t, brief)), media_type="application/json")
+    out = _detail(t, brief)
+    if not brief:
+        out["elsewhere"] = away
+    return Response(orjson.dumps(out), media_type="application/json")
 
 
 def _detail(t: Any, brief: bool = False) -> dict[str, Any]:

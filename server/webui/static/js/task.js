@@ -71,8 +71,8 @@ const promptText = (detail) => {
  *  status poll watches for a later run (this page's continue, or another client's). A run that
  *  goes on with the same output (a continue without a prompt) is streamed from where the text
  *  stopped (`pos`); a run with a new prompt started a new output (`output_start` moved): the
- *  page shows its prompt and streams it from 0. A run on another server of the database (its
- *  stream answers 409 task_running_elsewhere) is watched by `elsewhere` instead. */
+ *  page shows its prompt and streams it from 0. A run on another server of the database (the
+ *  detail's `elsewhere`, or its stream's 409 task_running_elsewhere) is watched by `elsewhere`. */
 function taskView(ctx) {
   const { id, el, detail, signal, fail, stops } = ctx;
   const info = infoTable(detail);
@@ -106,7 +106,8 @@ function taskView(ctx) {
     run.start = fresh.output_start;
     run.pos = 0;
   };
-  attach();
+  if (detail.elsewhere) away.enter(detail.elsewhere).catch(fail); // no stream to ask for: its 409 is known
+  else attach();
   const poll = every(1000, async () => {
     const ends = run.ends;
     const st = await api(detailPath(id), { query: { brief: true }, signal });
