@@ -143,12 +143,11 @@ def few_shot_problem(path: str) -> str | None:
     default (empty: the project's few_shot.txt) is read when a request first asks for it."""
     if not path:
         return None
-    from server.api.openai.chat_format import load_few_shot  # what the server will read
+    from server.api.openai.chat_format import FewShotUnreadable, load_few_shot  # what the server will read
 
     try:
         load_few_shot(path)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+    except FewShotUnreadable as why:
         return f"--few-shot {path}: cannot read it ({why})"
     return None
 

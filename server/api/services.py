@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from server.api.errors import ApiError
 from server.api.metrics import Metrics
-from server.api.openai.chat_format import default_few_shot_path, load_few_shot
+from server.api.openai.chat_format import FewShotUnreadable, default_few_shot_path, load_few_shot
 from server.api.openai.conversation import ConversationCache
 from server.api.openai.prefix_cache import PrefixCache
 from server.config import Settings
@@ -69,8 +69,7 @@ class Services:
             path = self.settings.few_shot or default_few_shot_path()
             try:
                 self._few_shot = load_few_shot(path)
-            except (OSError, UnicodeDecodeError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            except FewShotUnreadable as why:
                 log.error("few-shot file %s cannot be read (%s): requests asking for it answer 500", path, why)
                 raise ApiError(500, f"the server cannot read its few-shot file {path} ({why}); see --few-shot",
                                code="few_shot_unavailable") from None  # fmt: skip

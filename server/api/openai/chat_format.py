@@ -59,9 +59,20 @@ def build_prompt(messages: list[tuple[str, str]], few_shot: str = "") -> ChatPro
     return ChatPrompt(prefix, "".join(t + TURN_SEP for t in turns) + "Assistant:")
 
 
+class FewShotUnreadable(Exception):
+    """The few-shot file cannot be read as UTF-8 text; the message says why ("No such file or
+    directory", "not UTF-8 text", ...)."""
+
+
 def load_few_shot(path: str | Path) -> str:
-    """A few-shot file: RWKV dialogue text; lines starting with '#' are comments."""
-    raw = Path(path).read_text(encoding="utf-8")
+    """A few-shot file: RWKV dialogue text; lines starting with '#' are comments.
+    FewShotUnreadable when it cannot be read."""
+    try:
+        raw = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FewShotUnreadable(exc.strerror or str(exc)) from None
+    except UnicodeDecodeError:
+        raise FewShotUnreadable("not UTF-8 text") from None
     lines = [ln for ln in raw.replace("\r\n", "\n").split("\n") if not ln.startswith("#")]
     text = "\n".join(lines).strip()
     dialog = [normalize(block) for block in re.split(r"\n(?:[ \t]*\n)+", text) if block.strip()]
