@@ -47,6 +47,9 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return "".join(f"<{i}>" for i in ids)
 
+    def decode_bytes(self, ids) -> bytes:
+        return self.decode(ids).encode()
+
 
 @dataclass
 class Submission:

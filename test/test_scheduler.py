@@ -382,6 +382,41 @@ def test_stop_matcher(stops, chunks, expect):
     assert (out, hit) == expect
 
 
+@pytest.mark.parametrize("stops,shown,chunks,expect", [
+    (("abc",), "xab", ["c", "d"], ("", True)),  # begun in the shown text: this run shows none of it
+    (("abc",), "xa", ["b", "c"], ("", True)),
+    (("abc",), "xa", ["bd", "e"], ("bde", False)),  # no match: only this run's text comes out
+    (("abc",), "xa", ["b"], ("b", False)),  # what is held at the end: the shown part stays out
+    (("ab", "bx"), "a", ["c"], ("c", False)),
+    (("ab",), "zz", ["a", "b"], ("", True)),  # nothing shown could start it: a plain match
+    (("a😀b",), "a😀", ["b"], ("", True)),
+])  # fmt: skip
+def test_stop_matcher_over_shown_text(stops, shown, chunks, expect):
+    """A continued output's last characters (TextLead.text) are matched with the new text but
+    never emitted again."""
+    m, out, hit = StopMatcher(stops, shown), "", False
+    for c in chunks:
+        t, hit = m.feed(c)
+        out += t
+        if hit:
+            break
+    out += "" if hit else m.flush()
+    assert (out, hit) == expect
+
+
+def test_a_lead_primes_the_decoder_with_an_unfinished_character():
+    """The first bytes of a character in the lead's tokens complete with this request's tokens."""
+    from server.engine.types import TextLead
+    from server.tokenizer import IncrementalDecoder, get_tokenizer
+
+    ids = list(get_tokenizer().encode("🦜"))
+    assert len(ids) == 3  # the world vocabulary splits this emoji over three tokens
+    st = open_stream("r", None, IncrementalDecoder(), SamplingParams(lead=TextLead(tuple(ids[:2]), "")))
+    assert st.emit(ids[2]).text == "🦜"
+    fresh = open_stream("r", None, IncrementalDecoder(), SamplingParams())
+    assert fresh.emit(ids[2]).text == "\ufffd"
+
+
 class _Dec:
     def push_one(self, token):
         return _piece(token)

@@ -29,11 +29,17 @@ class StopMatcher:
 
     `feed(text)` returns (text safe to emit, matched). Once matched, the text from the start of
     the stop string on is dropped. `flush()` releases the held-back tail at the end.
+    `shown`: text already emitted before this matcher's (a continued output's end, TextLead):
+    a stop string may begin there, and none of it is emitted again.
     """
 
-    def __init__(self, stops: Seq[str]):
+    def __init__(self, stops: Seq[str], shown: str = ""):
         self.stops = tuple(s for s in stops if s)
         self.held = ""
+        self.skip = 0  # leading characters of `held` that were shown before (from `shown`)
+        if shown and self.stops:
+            keep = self._longest_partial(shown)
+            self.held, self.skip = shown[len(shown) - keep :], keep
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
@@ -41,11 +47,14 @@ class StopMatcher:
         buf = self.held + text
         cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
-            self.held = ""
-            return buf[:cut], True
-        keep = self._longest_partial(buf)
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep], False
+            self.held, skip, self.skip = "", self.skip, 0
+            return buf[skip:cut], True
+        end = len(buf) - self._longest_partial(buf)
+        self.held = buf[end:]
+        if self.skip:  # part of what is safe now was shown before
+            skip, self.skip = self.skip, max(0, self.skip - end)
+            return buf[skip:end], False
+        return buf[:end], False
 
     def _longest_partial(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""
@@ -58,8 +67,8 @@ class StopMatcher:
         return best
 
     def flush(self) -> str:
-        out, self.held = self.held, ""
-        return out
+        out, self.held, skip, self.skip = self.held, "", self.skip, 0
+        return out[skip:]
 
 
 class LogprobLog:
@@ -137,9 +146,9 @@ class StopStream(Stream):
     """A request with stop strings: `match(token)` runs before the next plan (the scheduler's
     apply asks), the event of that token comes from what it found."""
 
-    def __init__(self, request_id: str, handle: Any, decoder: TextDecoder, stops: Seq[str]):
+    def __init__(self, request_id: str, handle: Any, decoder: TextDecoder, stops: Seq[str], shown: str = ""):
         super().__init__(request_id, handle, decoder)
-        self.matcher = StopMatcher(stops)
+        self.matcher = StopMatcher(stops, shown)
         self._staged: str | None = None  # the safe text of the token last matched
 
     def match(self, token: int) -> bool:
@@ -166,8 +175,12 @@ class StopStream(Stream):
 
 
 def open_stream(request_id: str, handle: Any, decoder: TextDecoder, params: SamplingParams) -> Stream:
+    lead = params.lead
+    if lead is not None:
+        for t in lead.token_ids:  # the decoder goes on after them: their text was shown before
+            decoder.push_one(t)
     if has_stop_strings(params):
-        st: Stream = StopStream(request_id, handle, decoder, params.stop)
+        st: Stream = StopStream(request_id, handle, decoder, params.stop, lead.text if lead is not None else "")
     else:
         st = Stream(request_id, handle, decoder)
     if params.logprobs is not None or params.prompt_logprobs is not None:

@@ -124,6 +124,19 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class TextLead:
+    """The end of an output that a request's text continues (a task's continue without a new
+    prompt). The request's detokenizer starts after `token_ids` (the last output tokens, whose
+    bytes may end inside a character: that character then completes in this request's text), and
+    its stop strings are matched over `text` (the output's last characters, already shown) +
+    this request's text: a stop string that began in `text` ends this request, which then shows
+    nothing of it (what `text` showed stays shown)."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-sequence generation parameters. The defaults here are the server's defaults for every
     route (max_tokens aside: Settings.default_max_tokens); LIMITS bounds them."""
@@ -160,6 +173,8 @@ class SamplingParams:
     """None: off. k in [0, 20]: the TokenLogprob of every prompt token after the first, given
     the tokens before it (Result.prompt_logprobs, and on the first event). Such a prompt is fed
     one token per step (each position's logits come from the decode), so it prefills slower."""
+    lead: TextLead | None = None
+    """The output this request's text continues (None: its text starts afresh)."""
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], default_max_tokens: int) -> SamplingParams:

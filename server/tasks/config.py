@@ -156,6 +156,10 @@ class TokenizerLike(Protocol):
         shows once flushed)."""
         ...
 
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """The bytes of ids, concatenated."""
+        ...
+
 
 class TimedRun(Protocol):
     """What a latency recorder reads and keeps on a run (`server.tasks.records.Run`)."""

@@ -126,6 +126,7 @@ class TaskManager:
             max_tokens_limit=cfg.max_tokens_limit,
             latency=latency,
             instance=self.instance,
+            token_bytes=tokenizer.decode_bytes,
         )
         self.inventory = Inventory(
             self.table,

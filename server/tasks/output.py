@@ -38,6 +38,15 @@ class Output:
         self.offsets.extend([before] * (n_tokens - 1))
         self.offsets.append(len(self.text))
 
+    def take_back(self, n: int) -> None:
+        """Drop the last n characters of text (a continue completes what they stood for)."""
+        self.text = self.text[: len(self.text) - n]
+        end, offsets = len(self.text), self.offsets
+        i = len(offsets) - 1
+        while i >= 0 and offsets[i] > end:
+            offsets[i] = end
+            i -= 1
+
     def char_at(self, pos: int) -> int:
         """Characters of text that come before output token `pos`."""
         if pos <= 0 or not self.offsets:

@@ -27,6 +27,7 @@ import time
 import uuid
 from array import array
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +36,7 @@ from server.engine.protocol import EngineAPI
 from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Event, Result
 from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory
+from server.tasks.lead import continued
 from server.tasks.params import sampling_params
 from server.tasks.persist import Outcome, SettleJob
 from server.tasks.records import (
@@ -88,8 +90,12 @@ class Runs:
         max_tokens_limit: int = 0,
         latency: LatencyFactory | None = None,
         instance: str | None = None,
+        token_bytes: Callable[[Sequence[int]], bytes] | None = None,
     ) -> None:
         self.engine, self.table, self.persistence, self.cache = engine, table, persistence, cache
+        self.token_bytes = token_bytes
+        """The tokenizer's bytes of ids, for where a continue picks up its output's text (lead.py;
+        None: every run's text starts afresh)."""
         self.counters = counters
         self.instance = instance
         """This server's instance id, recorded on the rows of the runs it starts."""
@@ -160,6 +166,11 @@ class Runs:
             sp = replace(sp, max_tokens=max_tokens)
         elif self.max_tokens_limit and sp.max_tokens > self.max_tokens_limit:
             sp = replace(sp, max_tokens=self.max_tokens_limit)  # inherited from before a lower limit
+        back = 0  # characters of the output's text the run takes back (lead.continued)
+        if prompt_ids is None and self.token_bytes is not None:
+            lead, back = continued(t, sp.stop, self.token_bytes)
+            if lead is not None:
+                sp = replace(sp, lead=lead)
         state, pos, key = await self.persistence.resolve_state(t, holder)
         try:
             hist = t.tokens + array("i", prompt_ids or ())
@@ -199,6 +210,7 @@ class Runs:
             t.out, t.gen_time = Output(finished=False), 0.0
         else:
             t.out.finished, t.out.finish_reason, t.out.error = False, None, None
+            t.out.take_back(back)
             run.gen_base = t.gen_time
         if not len(t.out):  # its first token is still to come (a new prompt, or none came yet)
             t.prefill_time = 0.0

@@ -136,7 +136,8 @@ class Snapshot:
     def __init__(self, t: Task, fields: dict[str, Any]) -> None:
         self.n_tokens, self.fields = len(t.tokens), fields
         out = t.out
-        self.out = (out.finished, out.finish_reason, out.error, len(out.text), len(out.offsets))
+        last = out.offsets[-1] if out.offsets else 0
+        self.out = (out.finished, out.finish_reason, out.error, out.text, len(out.offsets), last)
 
     @classmethod
     def of(cls, t: Task, update: dict[str, Any]) -> Snapshot:
@@ -146,7 +147,8 @@ class Snapshot:
         del t.tokens[self.n_tokens :]
         for k, v in self.fields.items():
             setattr(t, k, v)
-        out = t.out  # the output as it was: text a run appended to it goes
-        out.finished, out.finish_reason, out.error, n_text, n_tokens = self.out
-        out.text = out.text[:n_text]
+        out = t.out  # the output as it was: text a run appended to it goes, text it took back returns
+        out.finished, out.finish_reason, out.error, out.text, n_tokens, last = self.out
         del out.offsets[n_tokens:]
+        if n_tokens:
+            out.offsets[-1] = last
