@@ -421,3 +421,18 @@ def test_servers_on_port_0_get_names_of_their_own():
     a, b = server_name("", 0), server_name("", 0)
     assert a != b and not a.endswith(":0")
     assert server_name("", 8000) == server_name("", 8000) and server_name("api-1", 0) == "api-1"
+
+
+def test_a_failed_start_gives_back_the_text_a_continue_took_back():
+    """Snapshot.restore after Output.take_back: the output is again exactly what it was (a
+    continue that could not start leaves its task as it found it)."""
+    from server.tasks.output import Output
+    from server.tasks.table import Snapshot
+
+    t = Task(id=new_id(TASK), kind=TASK, out=Output("ab\ufffd", [1, 2, 3]))
+    before = Snapshot.of(t, {})
+    t.out.take_back(1)
+    assert (t.out.text, list(t.out.offsets)) == ("ab", [1, 2, 2])
+    t.out.append("c", 1)
+    before.restore(t)
+    assert (t.out.text, list(t.out.offsets)) == ("ab\ufffd", [1, 2, 3])
