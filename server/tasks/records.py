@@ -188,9 +188,16 @@ class Task:
         if self.done is not None:
             self.done.set()
 
+    def generating(self) -> float:
+        """Seconds this output has been generating: gen_time, plus the running run's so far."""
+        run = self.run
+        if run is None or run.t_first is None:
+            return self.gen_time
+        return run.gen_base + time.monotonic() - run.t_first
+
     def speed(self) -> float:
-        n = self.completion_tokens
-        return n / self.gen_time if self.gen_time > 0 and n > 0 else 0.0
+        n, gen = self.completion_tokens, self.generating()
+        return n / gen if gen > 0 and n > 0 else 0.0
 
     def response(self) -> dict[str, Any]:
         """TaskResponse (the SDK's keys + ours)."""
@@ -198,7 +205,7 @@ class Task:
             "task_id": self.display_id,
             "result": self.out.text,
             "prefill_time": self.prefill_time,
-            "gen_time": self.gen_time,
+            "gen_time": self.generating(),
             "speed": self.speed(),
             "finished": not self.running,
             "status": self.status,
@@ -275,7 +282,7 @@ def to_row(t: Task) -> dict[str, Any]:
         "prompt_tokens": t.prompt_tokens,
         "completion_tokens": t.completion_tokens,
         "prefill_time": t.prefill_time,
-        "gen_time": t.gen_time,
+        "gen_time": t.generating(),  # a progress row keeps the time so far (a crash keeps it)
         "created_at": t.created_at,
         "updated_at": t.updated_at,
         "public": t.public,

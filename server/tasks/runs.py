@@ -309,8 +309,9 @@ class Runs:
             self._cache_new_state(t, new_key, state)
         else:
             new_key = state = None
-        if res is not None:  # (prefill_time was set by the output's first token, if any: _on_event)
-            t.gen_time = run.gen_base + res.gen_time
+        # (prefill_time was set by the output's first token, if any: _on_event); without a result
+        # (an error, an interruption) the time it generated until then
+        t.gen_time = run.gen_base + res.gen_time if res is not None else t.generating()
         t.run, t.completion_tokens, t.updated_at = None, len(t.out), time.time()
         if t.kind == TMP:
             if old_key and new_key and old_key != new_key and old_key.startswith(t.id + ":"):

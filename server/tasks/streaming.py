@@ -5,7 +5,6 @@ reader first replays what is there, then waits for more."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -87,7 +86,7 @@ def is_last(ev: Any) -> bool:
 
 
 def text_event(t: Task, text: str, pos: int) -> dict[str, Any]:
-    gen = _gen_time(t)
+    gen = t.generating()
     return {
         "data": text,
         "task_id": t.display_id,
@@ -114,10 +113,3 @@ def final_event(t: Task, out: Output) -> dict[str, Any]:
             "total_tokens": t.prompt_tokens + completion,
         },
     }
-
-
-def _gen_time(t: Task) -> float:
-    run = t.run
-    if run is None or run.t_first is None:
-        return t.gen_time
-    return run.gen_base + time.monotonic() - run.t_first

@@ -1,0 +1,61 @@
+"""A task's gen_time and speed while it runs and after a crash: get_result shows the time its
+output has been generating so far (not 0 until the run ends), a progress row keeps it, so a
+task a kill interrupted keeps the time it had, and a continue adds to it (its speed is the
+output's tokens over the output's time, not over the last run's)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from util_server import running_server
+
+LONG = {"prompt": "A long story", "max_tokens": 100_000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("timing")) as srv:
+        yield srv
+
+
+def result(c: httpx.Client, tid: str) -> dict:
+    return c.get(f"/v1/tasks/{tid}/get_result").json()
+
+
+def until(c: httpx.Client, tid: str, cond, timeout: float = 30) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r = result(c, tid)
+        if cond(r):
+            return r
+        time.sleep(0.05)
+    raise AssertionError(f"{tid}: {result(c, tid)}")
+
+
+def test_a_running_task_shows_its_time_so_far(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        tid = c.post("/v1/tasks/create", json=LONG).json()["task_id"]
+        r = until(c, tid, lambda r: r["completion_tokens"] >= 20)
+        assert not r["finished"] and r["gen_time"] > 0 and r["speed"] > 0, r
+        later = until(c, tid, lambda x: x["completion_tokens"] > r["completion_tokens"])
+        assert later["gen_time"] > r["gen_time"]
+        c.post(f"/v1/tasks/{tid}/stop")
+        done = until(c, tid, lambda x: x["finished"])
+        assert done["gen_time"] >= later["gen_time"] and done["speed"] > 0
+
+
+def test_a_task_a_crash_interrupted_keeps_its_time(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        tid = c.post("/v1/tasks/create", json=LONG).json()["task_id"]
+        until(c, tid, lambda r: r["completion_tokens"] >= 20)
+        time.sleep(2.5)  # a progress row or two (one a second)
+    server.restart(hard=True)
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = result(c, tid)
+        assert r["finish_reason"] == "interrupted" and r["completion_tokens"] > 0 and r["gen_time"] > 0.5, r
+        assert c.post(f"/v1/tasks/{tid}/continue", json={"max_tokens": 16}).status_code == 200
+        after = until(c, tid, lambda x: x["finished"])
+        assert after["gen_time"] > r["gen_time"]
+        assert after["speed"] == pytest.approx(after["completion_tokens"] / after["gen_time"], rel=1e-6)
