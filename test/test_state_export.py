@@ -100,3 +100,8 @@ def test_export_errors(server):
         httpx.post(f"{server.url}/v1/tasks/{t}/stop", json={})
     _wait(server, t)
     assert _load(_export(server, t).content)["rwkv_server.pending"].numel() == 1
+    one = httpx.post(server.url + "/v1/tasks/create", json={"prompt": "Once", "max_tokens": 0}).json()["task_id"]
+    _wait(server, one)  # its one token is pending: no state was computed, none was dropped
+    r = httpx.get(f"{server.url}/v1/tasks/{one}/state")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "state_not_kept"
+    assert "max_tokens of at least 1" in r.json()["error"]["message"] and "budget" not in r.json()["error"]["message"]

@@ -239,12 +239,13 @@ async def export_state(task_id: str, request: Request, format: Literal["full", "
     state, pos, key = await task_call(tm.persistence.resolve_state(t))
     try:
         if state is None:
-            raise ApiError(
-                409,
-                f"task {task_id} has no kept state (dropped by a budget); continue or fork it to compute one",
-                param="task_id",
-                code="state_not_kept",
+            why = (
+                "has consumed none of its tokens yet (a prefill-only run holds its prompt's last token back, "
+                "and its prompt is that one token): continue it with max_tokens of at least 1 to compute one"
+                if pos == 0 and len(t.tokens) <= 1
+                else "has no kept state (dropped by a budget); continue or fork it to compute one"
             )
+            raise ApiError(409, f"task {task_id} {why}", param="task_id", code="state_not_kept")
         pending = list(t.tokens[pos:])
         meta = {
             "signature": sv.shape.signature(),
