@@ -67,7 +67,10 @@ def test_the_openai_body_still_needs_the_header(c):
 
 
 def test_models_routes_need_a_key(c):
-    assert c.get("/openai/v1/models").status_code == 401
+    for bad in ({}, {"Authorization": "Bearer nope"}):  # lightning's route: lightning's 401
+        r = c.get("/openai/v1/models", headers=bad)
+        assert (r.status_code, r.json()) == (401, {"error": "Unauthorized: invalid or missing password"})
+    assert c.get("/v1/models").json()["error"]["code"] == "invalid_api_key"  # ours: our shape
     r = c.get("/openai/v1/models", headers={"Authorization": "Bearer k1"})
     assert r.status_code == 200 and r.json()["object"] == "list"
 

@@ -13,7 +13,7 @@ from util_server import running_server, server_fixture
 
 from server.tokenizer import get_tokenizer
 
-server = server_fixture(env={"RWKV_MAX_BATCH": "16"})
+server = server_fixture(env={"RWKV_MAX_BATCH": "16", "RWKV_MAX_PROMPT_TOKENS": "4096"})
 ASK = "User: Tell me about the sea.\n\nAssistant:"
 
 
@@ -136,6 +136,8 @@ def test_bad_session_requests_change_nothing(c):
         assert r.status_code == code, (path, body, r.text)
         if want is not None:
             assert r.json() == want
+    r = c.post("/state/chat/completions", json={"session_id": "keep", "contents": ["sea " * 5000]})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "contents", r.text  # lightning's field
     idle(c)
     assert metric(c, "rwkv_prompt_tokens_total") == tokens
     assert status(c)["sessions"] == before["sessions"]

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import ERROR_TYPES, HTTP_CODES, error_body
-from server.api.lightning.paths import BODY_KEY_PATHS, KEY_PATHS
+from server.api.lightning.errors import UNAUTHORIZED
+from server.api.lightning.paths import BODY_KEY_PATHS, KEY_PATHS, SHARED_PATH
 from server.api.metrics import PROBE_ROUTES, Metrics
 
 log = logging.getLogger("server.http")
@@ -75,9 +76,16 @@ def _as_json(scope: Scope, content_type: bytes | None) -> None:
 
 
 def _json_error(
-    status: int, message: str, type_: str, code: str | None, rid: str, extra: dict[str, str] | None = None
+    status: int,
+    message: str,
+    type_: str,
+    code: str | None,
+    rid: str,
+    extra: dict[str, str] | None = None,
+    body: bytes | None = None,
 ) -> tuple[Message, Message]:
-    body = orjson.dumps(error_body(message, type_, None, code))
+    """The answer to a refused request: our error shape, or `body` as it is."""
+    body = body if body is not None else orjson.dumps(error_body(message, type_, None, code))
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -164,8 +172,9 @@ class ServerMiddleware:
                     state[KEY_DEFERRED], state[API_KEYS] = msg, self.keys  # the route checks `password`
                     return None
                 state["error"] = msg
-                return _json_error(
-                    401, msg, "authentication_error", "invalid_api_key", rid, {"www-authenticate": "Bearer"}
+                own = orjson.dumps({"error": UNAUTHORIZED}) if path in KEY_PATHS and path != SHARED_PATH else None
+                return _json_error(  # a lightning path answers in lightning's shape
+                    401, msg, "authentication_error", "invalid_api_key", rid, {"www-authenticate": "Bearer"}, own
                 )
             state["owner"] = owner
         return None

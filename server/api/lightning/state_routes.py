@@ -50,10 +50,10 @@ async def _tasks(aw: Awaitable[T]) -> T:
     try:
         return await task_call(aw)
     except ApiError as exc:
+        exc.param = LIGHTNING_NAMES.get(exc.param or "", exc.param)  # a 413 names `contents` too
         if exc.status != 422:
             raise
-        param = LIGHTNING_NAMES.get(exc.param or "", exc.param)
-        raise ApiError(400, exc.message, param=param, code="invalid_request") from None
+        raise ApiError(400, exc.message, param=exc.param, code="invalid_request") from None
 
 
 def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
