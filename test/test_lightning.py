@@ -160,7 +160,10 @@ def test_use_prefix_cache_takes_the_system_block_from_the_chat_prefix_cache(c):
     on = c.post("/openai/v1/chat/completions", json=body).json()
     assert metric(c, entries) == before + 1
     assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
-    assert on["usage"] == off["usage"]
+    assert on["usage"] == off["usage"]  # (its first use prefilled the block: nothing was cached)
+    again = c.post("/openai/v1/chat/completions", json=body).json()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < again["usage"]["prompt_tokens"] and again["usage"]["prompt_tokens"] == on["usage"]["prompt_tokens"]
 
 
 def test_openai_style_models_and_empty_prompt(c):

@@ -143,11 +143,16 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     prefix_ids, rest_ids = await batch.encode_all(sv, [prefix, rest])
     n_prompt = len(prefix_ids) + len(rest_ids)
     batch.check_prompt(sv, prefix_ids + rest_ids, "messages")
-    # the chat-prefix cache's state after the system block (the OpenAI route's helper)
-    state = await openai_start.prefix_state(sv, prefix, prefix_ids, owner) if body.use_prefix_cache else None
+    # the chat-prefix cache's state after the system block (the OpenAI route's helper); its tokens
+    # count as cached where the state was kept before this request, as on the OpenAI route
+    state, cached = None, 0
+    if body.use_prefix_cache:
+        hit = sv.prefix_cache.key(prefix, openai_start.prefix_part(sv, owner)) in sv.prefix_cache.cache
+        state = await openai_start.prefix_state(sv, prefix, prefix_ids, owner)
+        cached = len(prefix_ids) if hit else 0
     tokens = rest_ids if state is not None else prefix_ids + rest_ids
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(sv.engine, [(tokens, state, n_prompt)], [params], cid)
-    meta = Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt)
+    meta = Meta(id=cid, model=sv.model_id, created=int(time.time()), prompt_tokens=n_prompt, cached_tokens=cached)
     stream = chat_style_renderer(meta, body.chunk_size or 1) if body.stream else None
     return await batch.respond(request, sv, jobs, t0, stream=stream, full=lambda js: chat_style_response(js[0], meta))
