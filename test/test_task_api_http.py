@@ -173,6 +173,12 @@ def test_tasks_belong_to_their_key(http, server):
     assert k2.post(f"/{tpl}/fork", params={"tmp": "true"}, json={"prompt": " x"}).status_code == 404
     pub = http.post(f"/{tid}/as_template", params={"public": "true"}, json={}).json()["task_id"]
     assert k2.get(f"/{pub}/get_result").status_code == 200  # published: readable by every key
+    parents = {key: [t["parent_id"] for t in c.get("/list", params={"kind": "template"}).json()["tasks"]
+                     if t["task_id"] == pub] for key, c in (("k1", http), ("k2", k2))}
+    assert parents == {"k1": [tid], "k2": [None]}  # k1's own task is not named to k2
+    ui = server.url + f"/v1/ui/tasks/{pub}"
+    assert httpx.get(ui, headers={"Authorization": "Bearer k2"}).json()["parent_id"] is None
+    assert httpx.get(ui, headers={"Authorization": "Bearer k1"}).json()["parent_id"] == tid
     f = k2.post(f"/{pub}/fork", params={"tmp": "true"}, json={"prompt": " x", "max_tokens": 2}).json()
     assert f["task_id"].startswith("TMP_") and wait_done(k2, f["task_id"])["finished"]
     assert k2.post(f"/{pub}/delete", params={"force": "true"}, json={}).status_code == 403

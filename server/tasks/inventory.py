@@ -66,7 +66,8 @@ class Inventory:
             rows, db_total = await self.store.list_tasks(owner_id, all_owners, kind, offset + limit, 0)
         items = {t.id: t.summary() for t in mem_only}
         for r in rows:
-            items.setdefault(r.id, _row_summary(r, self.table.find(r.id)))
+            if r.id not in items:
+                items[r.id] = seen_by(owner_id, all_owners, r.owner, _row_summary(r, self.table.find(r.id)))
         page = sorted(items.values(), key=lambda d: (-d["created_at"], d["task_id"]))[offset : offset + limit]
         return {
             "cpu_cache_count": len(mem),
@@ -147,6 +148,14 @@ class Inventory:
             "writer_queue": self._writer_backlog(),
             "counters": dict(self.counters),
         }
+
+
+def seen_by(viewer: str | None, all_owners: bool, owner: str | None, summary: dict[str, Any]) -> dict[str, Any]:
+    """A task's summary as `viewer` sees it: another key's (public) template does not name the
+    task it was made from (that key's own, which the viewer cannot read)."""
+    if not all_owners and owner != viewer:
+        summary["parent_id"] = None
+    return summary
 
 
 def _row_summary(r: DbRow, t: Task | None) -> dict[str, Any]:

@@ -224,6 +224,7 @@ class Store(Database):
             tasks.c.state_pos,
         ]
         cond = [] if all_owners else [listable(owner)]
+            tasks.c.owner,
         if kind:
             cond.append(tasks.c.kind == kind)
         async with self.read() as conn:

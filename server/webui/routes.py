@@ -31,6 +31,7 @@ from server.api.errors import ApiError, task_error
 from server.api.openapi import answers
 from server.api.services import get_owner, get_services
 from server.tasks.errors import TaskElsewhere, TaskError
+from server.tasks.inventory import seen_by
 
 STATIC = Path(__file__).resolve().parent / "static"
 _NO_CACHE = {"Cache-Control": "no-cache"}  # revalidate (ETag) so an upgraded server's files load
@@ -84,7 +85,7 @@ async def task_detail(task_id: str, request: Request, brief: bool = Query(False)
             t = await services.tasks.get(task_id, owner)
     except TaskError as exc:
         raise task_error(exc) from None
-    out = _detail(t, brief)
+    out = seen_by(services.tasks.owner_id(owner), owner is None, t.owner, _detail(t, brief))
     if not brief:
         out["elsewhere"] = away
     return Response(orjson.dumps(out), media_type="application/json")
