@@ -1,0 +1,93 @@
+"""OpenAI's Agents SDK (`openai-agents`) against a real server, as an agent developer points it at
+us: a function tool called with valid arguments and its result handed back (the SDK's tool loop,
+plain and streamed), and a typed final output (its `output_type`, our JSON-schema grammar). On a
+random-weight model the answers are noise, so the runs force what the SDK lets a user force:
+`tool_choice="required"` and one call a turn (a tool's arguments come from the grammar), and
+schemas whose values are short (an enum, a bounded integer)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, Field
+from util_server import running_server
+
+agents = pytest.importorskip("agents", reason="needs the openai-agents package (the test extra)")
+from agents import (  # noqa: E402
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI  # noqa: E402
+
+set_tracing_disabled(True)  # the SDK would send traces to OpenAI
+FORCED = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64)
+
+
+class Pick(BaseModel):
+    n: int = Field(ge=0, le=9)
+    answer: Literal["yes", "no"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("agents")) as srv:
+        yield srv
+
+
+@pytest.fixture
+def model(server):
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return OpenAIChatCompletionsModel(model="rwkv", openai_client=client)
+
+
+def weather_tool(calls: list[str]):
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    return get_weather
+
+
+async def test_a_forced_tool_call_runs_the_tool(model):
+    calls: list[str] = []
+    agent = Agent(name="w", instructions="Use the tool.", tools=[weather_tool(calls)], model=model,
+                  model_settings=FORCED, tool_use_behavior="stop_on_first_tool")  # fmt: skip
+    result = await Runner.run(agent, "What is the weather in Paris?")
+    assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
+
+
+async def test_the_tool_loop_hands_the_result_back(model):
+    """run_llm_again: the tool's result goes back to the model (a `tool` message in the history)
+    and the next turn, with tool_choice reset to auto, answers."""
+    calls: list[str] = []
+    agent = Agent(name="w", instructions="Use the tool, then answer.", tools=[weather_tool(calls)], model=model,
+                  model_settings=FORCED)  # fmt: skip
+    result = await Runner.run(agent, "What is the weather in Rome?", max_turns=6)
+    assert calls and isinstance(result.final_output, str) and result.final_output
+    kinds = [item.type for item in result.new_items]
+    assert kinds.count("tool_call_item") == len(calls) == kinds.count("tool_call_output_item")
+    assert kinds[-1] == "message_output_item"
+
+
+async def test_a_streamed_run_calls_the_tool(model):
+    calls: list[str] = []
+    agent = Agent(name="w", instructions="Use the tool.", tools=[weather_tool(calls)], model=model,
+                  model_settings=FORCED, tool_use_behavior="stop_on_first_tool")  # fmt: skip
+    run = Runner.run_streamed(agent, "What is the weather in Rome?")
+    events = [ev.type async for ev in run.stream_events()]
+    assert "raw_response_event" in events and len(calls) == 1
+    assert run.final_output == f"sunny in {calls[0]}"
+
+
+async def test_a_typed_final_output(model):
+    agent = Agent(name="s", instructions="Answer.", model=model, output_type=Pick,
+                  model_settings=ModelSettings(temperature=0, max_tokens=64))  # fmt: skip
+    result = await Runner.run(agent, "Pick a digit, and say yes or no.")
+    assert isinstance(result.final_output, Pick)
