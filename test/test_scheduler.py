@@ -372,14 +372,18 @@ def test_continuation_stops_when_a_request_can_be_admitted_or_a_row_ends():
     (("😀!",), ["a😀", "😀", "!"], ("a😀", True)),
 ])  # fmt: skip
 def test_stop_matcher(stops, chunks, expect):
-    m, out, hit = StopMatcher(stops), "", False
+    assert _matched(StopMatcher(stops), chunks) == expect
+
+
+def _matched(m: StopMatcher, chunks: list[str]) -> tuple[str, bool]:
+    """(the text m lets out of chunks fed one by one, then flushed; whether a stop string hit)"""
+    out, hit = "", False
     for c in chunks:
         t, hit = m.feed(c)
         out += t
         if hit:
-            break
-    out += "" if hit else m.flush()
-    assert (out, hit) == expect
+            return out, hit
+    return out + m.flush(), hit
 
 
 @pytest.mark.parametrize("stops,shown,chunks,expect", [
@@ -394,14 +398,7 @@ def test_stop_matcher(stops, chunks, expect):
 def test_stop_matcher_over_shown_text(stops, shown, chunks, expect):
     """A continued output's last characters (TextLead.text) are matched with the new text but
     never emitted again."""
-    m, out, hit = StopMatcher(stops, shown), "", False
-    for c in chunks:
-        t, hit = m.feed(c)
-        out += t
-        if hit:
-            break
-    out += "" if hit else m.flush()
-    assert (out, hit) == expect
+    assert _matched(StopMatcher(stops, shown), chunks) == expect
 
 
 def test_a_lead_primes_the_decoder_with_an_unfinished_character():
