@@ -3,10 +3,13 @@
 // prompt), fork, make template and delete. A template's page shows its prompt and forks it
 // with a prompt.
 
-import { aborted, api, sse } from "./api.js";
+import { ApiError, aborted, api, sse } from "./api.js";
 import { errorBox, every, field, h, isStateOrigin, statusText, taskLink, when } from "./dom.js";
 import { templateNameError } from "./newtask.js";
+import { textSink } from "./output.js";
 import { TASK_FIELDS, samplingBody, samplingFields } from "./sampling.js";
+
+export { appendText } from "./output.js"; // for test_webui_tasks.py
 
 const path = (id, action) => `/v1/tasks/${encodeURIComponent(id)}/${action}`;
 
@@ -26,13 +29,26 @@ function show(el, id, reload) {
   const stops = [() => ctl.abort()];
   const message = h("div", { id: "task-message" });
   el.append(h("h1", {}, h("span", { class: "mono" }, id)), message);
-  const fail = (err) => { if (!aborted(err)) message.replaceChildren(errorBox(err)); };
+  const fail = (err) => {
+    if (aborted(err)) return;
+    message.replaceChildren(errorBox(err));
+    message.dataset.offline = offline(err) ? "1" : "";
+  };
+  // a call went through: the message of one that got no answer (the server was down) goes
+  const online = () => {
+    if (message.dataset.offline === "1") message.replaceChildren();
+    message.dataset.offline = "";
+  };
   api(`/v1/ui/tasks/${encodeURIComponent(id)}`, { signal: ctl.signal }).then((detail) => {
-    const ctx = { id, el, signal: ctl.signal, fail, reload, stops, detail };
+    const ctx = { id, el, signal: ctl.signal, fail, online, reload, stops, detail };
     detail.kind === "template" ? templateView(ctx) : taskView(ctx);
   }).catch(fail);
   return () => stops.forEach((fn) => fn());
 }
+
+/** True for a call that got no answer (the server down or the connection lost), not an error
+ *  the server answered with. */
+const offline = (err) => !(err instanceof ApiError) && !aborted(err);
 
 function infoTable(detail) {
   const status = h("dd", { id: "task-status", class: `st-${detail.status}` }, statusText(detail));
@@ -71,10 +87,13 @@ const promptText = (detail) => {
  *  status poll watches for a later run (this page's continue, or another client's). A run that
  *  goes on with the same output (a continue without a prompt) is streamed from where the text
  *  stopped (`pos`); a run with a new prompt started a new output (`output_start` moved): the
- *  page shows its prompt and streams it from 0. A run on another server of the database (the
- *  detail's `elsewhere`, or its stream's 409 task_running_elsewhere) is watched by `elsewhere`. */
+ *  page shows its prompt and streams it from 0, as it does an output it may show more of than
+ *  the server has: its stream's connection broke (a restarted server keeps only what its last
+ *  progress write stored, and a continue makes the rest again), or the server's output is
+ *  shorter than the text shown. A run on another server of the database (the detail's
+ *  `elsewhere`, or its stream's 409 task_running_elsewhere) is watched by `elsewhere`. */
 function taskView(ctx) {
-  const { id, el, detail, signal, fail, stops } = ctx;
+  const { id, el, detail, signal, fail, online, stops } = ctx;
   const info = infoTable(detail);
   const prompt = h("pre", { id: "task-prompt", class: "text prompt" }, promptText(detail));
   const output = h("pre", { id: "task-output", class: "text" });
@@ -87,14 +106,18 @@ function taskView(ctx) {
     continueForm(ctx), forkForm(ctx), templateForm(ctx), deleteButton(ctx, false));
   el.append(info.dl, h("h2", {}, "Prompt"), prompt, h("h2", {}, "Output ", stopButton), note, output, actions);
 
-  // start: the output's place in the history; pos: its tokens shown; ends: streams ended so far
-  const run = { start: detail.output_start, pos: 0, streaming: false, ends: 0 };
+  // start: the output's place in the history; pos: its tokens shown; ends: streams ended so far;
+  // lost: a stream's connection broke (the text shown may be ahead of the server's)
+  const run = { start: detail.output_start, pos: 0, streaming: false, ends: 0, lost: false };
   const away = elsewhere({ id, signal, output, note, buttons: () => [stopButton, ...actions.querySelectorAll("button")] });
   const attach = () => {
     run.streaming = true;
     delete output.dataset.done;
     follow(output, id, run, signal)
-      .catch((err) => (away.isMoved(err) ? away.enter(err) : fail(err)))
+      .catch((err) => {
+        run.lost ||= offline(err);
+        return away.isMoved(err) ? away.enter(err) : fail(err);
+      })
       .catch(fail)
       .finally(() => { run.streaming = false; run.ends++; });
   };
@@ -103,14 +126,14 @@ function taskView(ctx) {
     prompt.textContent = promptText(fresh);
     info.update(fresh);
     output.replaceChildren();
-    run.start = fresh.output_start;
-    run.pos = 0;
+    Object.assign(run, { start: fresh.output_start, pos: 0, lost: false });
   };
   if (detail.elsewhere) away.enter(detail.elsewhere).catch(fail); // no stream to ask for: its 409 is known
   else attach();
   const poll = every(1000, async () => {
     const ends = run.ends;
     const st = await api(detailPath(id), { query: { brief: true }, signal });
+    online();
     info.update(st);
     if (away.active()) {
       if (await away.watch(st)) return; // still running there: its committed text is shown
@@ -119,7 +142,7 @@ function taskView(ctx) {
     }
     stopButton.disabled = st.status === 3;
     if (run.streaming || ends !== run.ends) return; // streaming, or this answer predates the stream's end
-    if (st.output_start !== run.start) await newOutput();
+    if (st.output_start !== run.start || run.lost || st.generated_buf < run.pos) await newOutput();
     else if (st.status === 3 && st.generated_buf === run.pos) return; // nothing new
     attach();
   });
@@ -183,49 +206,6 @@ async function follow(pre, id, run, signal) {
     sink.flush(); // what came before an end or an error is shown too
   }
   pre.dataset.done = "1";
-}
-
-const CHUNK = 8192; // chars of a block of an output before the next block starts (at a line's end)
-
-/** Text for `pre`, written at most once an animation frame (appendText), not per event: a text
- *  node per event, with scrollHeight read around each, laid out the whole <pre> per token and a
- *  long task's page fell behind its stream. The view sticks to the bottom when it was there. */
-function textSink(pre) {
-  let pending = "", frame = 0;
-  const write = () => {
-    frame = 0;
-    if (!pending) return;
-    const atBottom = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 40; // laid out last frame
-    appendText(pre, pending);
-    pending = "";
-    if (atBottom) pre.scrollTop = pre.scrollHeight; // one layout a frame, of the last block only
-  };
-  return {
-    add(text) {
-      pending += text;
-      if (!frame) frame = requestAnimationFrame(write);
-    },
-    flush() {
-      cancelAnimationFrame(frame);
-      write();
-    },
-  };
-}
-
-/** Appends `text` to `pre`'s blocks (span.chunk, display: block), each one text node grown with
- *  appendData. A block ends at the first line end after CHUNK chars, so the blocks render and copy
- *  as the text does, and a write lays out the last block, not the whole output. (Exported for
- *  test_webui_tasks.py.) */
-export function appendText(pre, text) {
-  const block = () => pre.appendChild(h("span", { class: "chunk" }, document.createTextNode(""))).firstChild;
-  let node = pre.lastElementChild ? pre.lastElementChild.firstChild : block();
-  for (;;) {
-    const cut = text.indexOf("\n", Math.max(0, CHUNK - node.length));
-    if (cut < 0 || cut === text.length - 1) return node.appendData(text);
-    node.appendData(text.slice(0, cut + 1));
-    text = text.slice(cut + 1);
-    node = block();
-  }
 }
 
 function templateView(ctx) {
