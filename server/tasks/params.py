@@ -1,8 +1,12 @@
 """Generation parameters of tasks: stored as a plain JSON dict (the names of
-`server.engine.types.FIELDS`, and `response_format`), checked when a caller gives them, turned
-into SamplingParams per run by the one mapping, `SamplingParams.from_fields`, plus the grammar
-of the response format (`format_grammar`: the one mapping of OpenAI's response_format onto the
-engine's GrammarSpec, shared by the OpenAI and task routes)."""
+`server.engine.types.FIELDS`, `response_format`, `grammar` and `meta`), checked when a caller
+gives them, turned into SamplingParams per run by the one mapping, `SamplingParams.from_fields`,
+plus the grammar of the response format (`format_grammar`: the one mapping of OpenAI's
+response_format onto the engine's GrammarSpec, shared by the OpenAI and task routes) or the
+task's own grammar (`grammar`: a GrammarSpec as {"kind", "source", "trigger"}, the tool-call
+grammar of a /v1/responses task). `meta`: a JSON object the route that made the task keeps with
+it (the Responses API: its request's instructions, input items and tools); runs never read it.
+All of it lives in the params JSON column: no schema change, older rows read as before."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from typing import Any
 from server.engine.types import FIELDS, GrammarSpec, SamplingParams, check_fields
 from server.tasks.errors import TaskInvalid
 
-PARAM_KEYS = (*FIELDS, "response_format")
+PARAM_KEYS = (*FIELDS, "response_format", "grammar", "meta")
 MAX_SCHEMA_DEPTH = 32
 """Deepest nesting of schemas in a response_format schema: the root is level 1, each schema
 inside another (an object's property, an array's items, an anyOf branch, ...) one level more.
@@ -61,12 +65,58 @@ def clean_params(raw: dict[str, Any], vocab_size: int) -> dict[str, Any]:
             out["response_format"] = fmt  # {"type": "text"} too: it overrides a fork source's format
         except ValueError as exc:
             raise TaskInvalid(str(exc), param="response_format") from None
+    _grammar_and_meta(raw, out)
     try:
         check_fields(out, vocab_size)
     except ValueError as exc:
         m = _FIELD_IN_MESSAGE.search(str(exc))
         raise TaskInvalid(str(exc), param=m.group(1) if m else None) from None
     return out
+
+
+def _grammar_and_meta(raw: dict[str, Any], out: dict[str, Any]) -> None:
+    """out's `grammar` and `meta` from raw. A task has one grammar: a response_format given lifts
+    a stored grammar (a fork of a tool-call response with a format runs the format), a grammar
+    given lifts a stored format; both (a format other than text) is TaskInvalid."""
+    spec = raw.get("grammar")
+    if spec is not None:
+        try:
+            stored_grammar(spec)
+        except ValueError as exc:
+            raise TaskInvalid(f"invalid 'grammar': {exc}", param="grammar") from None
+        out["grammar"] = dict(spec)
+    if spec and "response_format" not in out:
+        out["response_format"] = {"type": "text"}
+    elif "response_format" in out and spec is None:
+        out["grammar"] = {}
+    if spec and out["response_format"].get("type") != "text":
+        raise TaskInvalid("a task has one grammar: 'grammar' or 'response_format', not both", param="grammar")
+    meta = raw.get("meta")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise TaskInvalid("invalid 'meta': a JSON object", param="meta")
+        out["meta"] = meta
+
+
+def stored_grammar(spec: Any) -> GrammarSpec | None:
+    """The GrammarSpec of a stored `grammar` ({"kind", "source", "trigger"}; {}: none); ValueError
+    for anything else. Whether it compiles is the engine's word, asked by the route."""
+    if not isinstance(spec, dict) or set(spec) - {"kind", "source", "trigger"}:
+        raise ValueError('a grammar is {"kind", "source", "trigger"} ({} for none)')
+    if not spec:
+        return None
+    kind, source, trigger = spec.get("kind"), spec.get("source", ""), spec.get("trigger", "")
+    if not (isinstance(kind, str) and isinstance(source, str) and isinstance(trigger, str)):
+        raise ValueError("a grammar's kind, source and trigger are text")
+    out = GrammarSpec(kind, source, trigger)
+    out.check()
+    return out
+
+
+def grammar_fields(spec: GrammarSpec | None) -> dict[str, str]:
+    """What a task stores of `spec` (its `grammar` parameter; {} for None: given, it
+    lifts a fork source's grammar)."""
+    return {} if spec is None else {"kind": spec.kind, "source": spec.source, "trigger": spec.trigger}
 
 
 def _typed(k: str, v: Any) -> Any:
@@ -92,6 +142,9 @@ def _typed(k: str, v: Any) -> Any:
 def sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
     """The SamplingParams of a run of a task with these stored parameters."""
     sp = SamplingParams.from_fields(params, default_max_tokens)
+    spec = stored_grammar(params["grammar"]) if params.get("grammar") else None
+    if spec is not None:
+        return replace(sp, grammar=spec)
     fmt = params.get("response_format")
     # stored before unknown keys were refused: such a format still runs as it did
     return sp if fmt is None else replace(sp, grammar=format_grammar(fmt, known_keys=False))
@@ -124,7 +177,7 @@ def format_grammar(fmt: Any, *, known_keys: bool = True) -> GrammarSpec | None:
         raise ValueError("invalid 'response_format': json_schema needs a 'schema' object")
     if json_depth(schema) > MAX_JSON_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
-    if _depth(schema, MAX_SCHEMA_DEPTH, _schema_children) > MAX_SCHEMA_DEPTH:
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     return GrammarSpec.json_schema(json.dumps(schema, sort_keys=True))
 
@@ -158,6 +211,12 @@ def _depth(root: Any, bound: int, children: Callable[[Any, int], Iterable[tuple[
             break
         todo.extend(children(node, level))
     return deepest
+
+
+def schema_depth(schema: dict[str, Any]) -> int:
+    """How deep schemas nest in a JSON schema (MAX_SCHEMA_DEPTH's levels), counted up to
+    MAX_SCHEMA_DEPTH + 1 (a tool's parameters are held to the same bound: tools.py)."""
+    return _depth(schema, MAX_SCHEMA_DEPTH, _schema_children)
 
 
 def json_depth(value: Any, bound: int = MAX_JSON_DEPTH) -> int:

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.types import GrammarSpec
-from server.tasks.params import MAX_JSON_DEPTH, json_depth
+from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_depth, schema_depth
 
 MARKER = "<tool_call>"
 MAX_TOOLS = 128
 MAX_PARALLEL = 8
+MAX_PARAMETERS_DEPTH = 200
+"""Deepest JSON nesting of a tool's parameters: a response stores and shows its tools (orjson
+writes at most 255 levels, the response and task around them included)."""
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -101,25 +104,28 @@ def _dumps(v: Any) -> str:
     return json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
 
 
-def shown(tools: Sequence[Any] | None, choice: Any) -> ToolPlan | None:
+def shown(tools: Sequence[Any] | None, choice: Any, *, flat: bool = False) -> ToolPlan | None:
     """The tools a request's prompt describes: with tool_choice "none" too (no call is possible,
     but the model sees the tools its history may call, and the prompt keeps the prefix of the
     turns before it: as vLLM renders tools whatever the choice). None without tools. Call after
     plan() (which checked them)."""
     if not tools or choice != "none":
         return None
-    return ToolPlan(tuple(_tool(i, raw) for i, raw in enumerate(tools)), False, False)
+    return ToolPlan(tuple(_tool(i, raw, flat) for i, raw in enumerate(tools)), False, False)
 
 
-def plan(tools: Sequence[Any] | None, choice: Any, parallel: bool | None) -> ToolPlan | None:
-    """The request's ToolPlan (None: no tool can be called); ToolError for bad input."""
+def plan(tools: Sequence[Any] | None, choice: Any, parallel: bool | None, *, flat: bool = False) -> ToolPlan | None:
+    """The request's ToolPlan (None: no tool can be called); ToolError for bad input.
+    flat: the Responses API's shapes (a tool {"type": "function", "name", "description",
+    "parameters", "strict"}, a named choice {"type": "function", "name"}); else chat's (the
+    function's fields under "function")."""
     if not tools:
         if choice not in (None, "none", "auto"):
             raise ToolError("tool_choice", f"tool_choice {choice!r} needs tools")
         return None
     if len(tools) > MAX_TOOLS:
         raise ToolError("tools", f"at most {MAX_TOOLS} tools per request ({len(tools)} given)")
-    parsed = [_tool(i, raw) for i, raw in enumerate(tools)]
+    parsed = [_tool(i, raw, flat) for i, raw in enumerate(tools)]
     names = [t.name for t in parsed]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
@@ -130,34 +136,51 @@ def plan(tools: Sequence[Any] | None, choice: Any, parallel: bool | None) -> Too
         return None
     if choice == "required":
         return ToolPlan(tuple(parsed), True, parallel is not False)
-    name = _named(choice)
+    name = _named(choice, flat)
     if name not in names:
         raise ToolError("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
     return ToolPlan(tuple(t for t in parsed if t.name == name), True, False, tuple(parsed))  # one call of it
 
 
-def _named(choice: Any) -> str:
-    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+def _function(raw: Any, flat: bool) -> Any:
+    """The function fields of a tool or named choice (None: not {"type": "function", ...})."""
+    if not isinstance(raw, dict) or raw.get("type") != "function":
+        return None
+    return raw if flat else raw.get("function")
+
+
+def _named(choice: Any, flat: bool) -> str:
+    fn = _function(choice, flat)
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ToolError(
-            "tool_choice", 'tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
-        )
+        shape = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
+        raise ToolError("tool_choice", f'tool_choice: "auto", "none", "required" or {shape}')
     return fn["name"]
 
 
-def _tool(i: int, raw: Any) -> Tool:
-    fn = raw.get("function") if isinstance(raw, dict) and raw.get("type") == "function" else None
+def _tool(i: int, raw: Any, flat: bool) -> Tool:
+    fn, where = _function(raw, flat), f"tools[{i}]" if flat else f"tools[{i}].function"
     if not isinstance(fn, dict):
-        raise ToolError(f"tools[{i}]", 'a tool is {"type": "function", "function": {"name", "parameters"}}')
+        shape = '"name", "parameters"' if flat else '"function": {"name", "parameters"}'
+        raise ToolError(f"tools[{i}]", f'a tool is {{"type": "function", {shape}}}')
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ToolError(f"tools[{i}].function.name", "a tool name is 1-64 letters, digits, '_' or '-'")
+        raise ToolError(f"{where}.name", "a tool name is 1-64 letters, digits, '_' or '-'")
     params = fn.get("parameters", _EMPTY_PARAMS)
+    if params is None and flat:  # (the Responses shape allows null: no parameters)
+        params = _EMPTY_PARAMS
     if not isinstance(params, dict):
-        raise ToolError(f"tools[{i}].function.parameters", "parameters is a JSON schema object")
+        raise ToolError(f"{where}.parameters", "parameters is a JSON schema object")
+    if json_depth(params, MAX_PARAMETERS_DEPTH) > MAX_PARAMETERS_DEPTH or schema_depth(params) > MAX_SCHEMA_DEPTH:
+        # (as response_format's schema: the grammar's compile time grows fast with the depth)
+        raise ToolError(
+            f"{where}.parameters",
+            f"parameters nests deeper than {MAX_SCHEMA_DEPTH} schema levels or {MAX_PARAMETERS_DEPTH} JSON levels",
+        )
     desc = fn.get("description") or ""
     if not isinstance(desc, str):
-        raise ToolError(f"tools[{i}].function.description", "description is text")
+        raise ToolError(f"{where}.description", "description is text")
+    if flat and not isinstance(fn.get("strict", True), (bool, type(None))):
+        raise ToolError(f"{where}.strict", "strict is true or false")
     return Tool(name, desc, params)
 
 
@@ -165,8 +188,15 @@ def _tool(i: int, raw: Any) -> Tool:
 
 
 def split(text: str, forced: bool) -> tuple[str, list[dict[str, Any]] | None]:
-    """(content, calls): the text before the envelope, and the calls in it (None when the output
-    holds no complete call list: no marker, or cut by max_tokens)."""
+    """(content, calls): the text before the envelope, and the calls in it as chat's tool_calls
+    (None when the output holds no complete call list: no marker, or cut by max_tokens)."""
+    head, calls = parse_calls(text, forced)
+    return head, None if calls is None else [_openai_call(name, args) for name, args in calls]
+
+
+def parse_calls(text: str, forced: bool) -> tuple[str, list[tuple[str, str]] | None]:
+    """(content, [(name, arguments as JSON text)]): split's parts, without ids (each API names
+    its calls its own way)."""
     if forced:
         head, body = "", text
     else:
@@ -180,15 +210,12 @@ def split(text: str, forced: bool) -> tuple[str, list[dict[str, Any]] | None]:
         return text, None
     if not isinstance(calls, list) or not calls:
         return text, None
-    return head, [_openai_call(c) for c in calls]
+    return head, [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
 
 
-def _openai_call(c: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
-    }
+def _openai_call(name: str, arguments: str) -> dict[str, Any]:
+    fn = {"name": name, "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
 
 
 def held_back(text: str) -> int:
@@ -212,18 +239,23 @@ def assistant_text(content: str, calls: Sequence[Any], index: int) -> tuple[str,
         fn = c.get("function") if isinstance(c, dict) and c.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
             raise ToolError(where, 'a tool call is {"id", "type": "function", "function": {"name", "arguments"}}')
-        out.append({"name": fn["name"], "arguments": _arguments(fn.get("arguments"), where)})
+        out.append({"name": fn["name"], "arguments": arguments(fn.get("arguments"), f"{where}.function.arguments")})
         ids[c["id"]] = fn["name"]
+    return envelope(content, out), ids
+
+
+def envelope(content: str, calls: Sequence[dict[str, Any]]) -> str:
+    """An assistant turn with calls ({"name", "arguments": parsed}) as the model writes it: its
+    content, one space, the marker and the list."""
     content = content.rstrip()  # the answer's content keeps the space the model wrote before the marker
-    text = f"{content} {MARKER}{_dumps(out)}" if content else f"{MARKER}{_dumps(out)}"
-    return text, ids
+    return f"{content} {MARKER}{_dumps(calls)}" if content else f"{MARKER}{_dumps(calls)}"
 
 
-def _arguments(raw: Any, where: str) -> Any:
-    """A history call's arguments, parsed; ToolError unless they are JSON text nesting at most
-    MAX_JSON_DEPTH levels (deeper ones end the parser, or _dumps after it, in a RecursionError:
-    a 500, not a 400)."""
-    bad = ToolError(f"{where}.function.arguments", f"arguments is JSON text nesting at most {MAX_JSON_DEPTH} levels")
+def arguments(raw: Any, param: str) -> Any:
+    """A history call's arguments, parsed; ToolError (naming `param`) unless they are JSON text
+    nesting at most MAX_JSON_DEPTH levels (deeper ones end the parser, or _dumps after it, in a
+    RecursionError: a 500, not a 400)."""
+    bad = ToolError(param, f"arguments is JSON text nesting at most {MAX_JSON_DEPTH} levels")
     try:
         args = json.loads(raw or "{}")
     except (TypeError, ValueError, RecursionError):

@@ -2,9 +2,14 @@
 server.api.responses.stream), and the mark that tells a response's task from any other.
 
 Ids: the task `TASK_<hex>` (or `TMP_<hex>` with store: false) is the response `resp_<hex>`; its
-message item is `msg_<hex>`. Usage: `input_tokens` = the whole history before the output (the
-previous responses included, as OpenAI counts them), `cached_tokens` = those the starting state
-had already consumed (not prefilled again), `output_tokens` = generated.
+message item is `msg_<hex>`, its i-th function call `fc_<hex><i:02x>` with the call id
+`call_<hex><i:02x>` (derived, so every read names a call alike). What the request said beyond
+generation parameters (instructions, input items, tools) is the task's `meta` parameter
+(server.tasks.params; a response stored before it has none: no instructions, no items).
+
+Usage: `input_tokens` = the whole history before the output (the previous responses included, as
+OpenAI counts them), `cached_tokens` = those the starting state had already consumed (not
+prefilled again), `output_tokens` = generated.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import re
 from typing import Any
 
 from server.api.openai.chat_format import TURN_SEP
+from server.api.openai.tools import MARKER, parse_calls
 from server.tasks.records import TASK, Task
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")
@@ -66,9 +72,61 @@ def _status(t: Task) -> str:
 
 def continues(t: Task) -> bool:
     """The response continues the assistant message its input ended with: its prompt does not
-    end with a fresh "Assistant:" turn (always after a blank line: a message's text has none).
-    Its text then keeps the whitespace the model wrote first (the client joins the two)."""
-    return not (TURN_SEP + t.prompt).endswith(TURN_SEP + "Assistant:")
+    end with a fresh "Assistant:" turn (always after a blank line: a message's text has none;
+    a forced call's prompt ends with the marker after it). Its text then keeps the whitespace
+    the model wrote first (the client joins the two)."""
+    prompt = t.prompt.removesuffix(f" {MARKER}") if tool_mode(t) else t.prompt
+    return not (TURN_SEP + prompt).endswith(TURN_SEP + "Assistant:")
+
+
+def meta(t: Task) -> dict[str, Any]:
+    """What the request said beyond generation parameters ({} for a response stored before)."""
+    m = t.params.get("meta")
+    return m if isinstance(m, dict) else {}
+
+
+def tool_mode(t: Task) -> bool | None:
+    """None: the response could call no tool; else whether the call was forced (its output is the
+    call list from the first token) or the model could write text first (the grammar's trigger)."""
+    g = t.params.get("grammar")
+    return None if not isinstance(g, dict) or not g else not g.get("trigger")
+
+
+def _hex(t: Task) -> str:
+    return t.id.split("_", 1)[1]
+
+
+def calls(t: Task) -> list[dict[str, Any]]:
+    """The function_call items of t's output (none while it runs, or when it holds no complete
+    call list: no marker, or cut by max_output_tokens)."""
+    forced = tool_mode(t)
+    if forced is None or t.running:
+        return []
+    found = parse_calls(t.out.text, forced)[1] or []
+    return [
+        {"type": "function_call", "id": f"fc_{_hex(t)}{i:02x}", "call_id": f"call_{_hex(t)}{i:02x}",
+         "name": name, "arguments": args, "status": "completed"}
+        for i, (name, args) in enumerate(found)
+    ]  # fmt: skip
+
+
+def known_calls(t: Task) -> dict[str, str]:
+    """{call id: function name} of every call made up to t's end: those its input knew (the
+    previous responses', its input's function_call items) and its output's."""
+    known = dict(meta(t).get("calls") or {})
+    known.update((c["call_id"], c["name"]) for c in calls(t))
+    return known
+
+
+def output(t: Task) -> list[dict[str, Any]]:
+    """The response's output items: the message (its text; left out when the output is calls
+    only), then the function calls."""
+    made = calls(t)
+    if not made:
+        return [message(t)]
+    content = parse_calls(t.out.text, bool(tool_mode(t)))[0]
+    text = content if continues(t) else content.lstrip()
+    return ([message(t, text)] if text.strip() else []) + made
 
 
 def _item_status(t: Task) -> str:
@@ -101,8 +159,8 @@ def usage(t: Task) -> dict[str, Any]:
     }
 
 
-def response(t: Task, model: str, *, output: bool = True) -> dict[str, Any]:
-    p = t.params
+def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]:
+    p, m = t.params, meta(t)
     fmt = p.get("response_format") or {"type": "text"}
     if fmt.get("type") == "json_schema":
         inner = fmt.get("json_schema", {})
@@ -115,18 +173,18 @@ def response(t: Task, model: str, *, output: bool = True) -> dict[str, Any]:
         "created_at": int(t.created_at),
         "status": status,
         "model": model,
-        "output": [message(t)] if output else [],
+        "output": output(t) if with_output else [],
         "previous_response_id": "resp_" + parent.split("_", 1)[1]
         if parent and parent[:4] in ("TASK", "TMP_")
         else None,
-        "instructions": None,
+        "instructions": m.get("instructions"),
         "max_output_tokens": p.get("max_tokens"),
         "temperature": p.get("temperature"),
         "top_p": p.get("top_p"),
         "text": {"format": fmt},
-        "tools": [],
-        "tool_choice": "auto",
-        "parallel_tool_calls": False,
+        "tools": m.get("tools") or [],
+        "tool_choice": m.get("tool_choice") or "auto",
+        "parallel_tool_calls": m.get("parallel_tool_calls", False),
         "store": t.kind != "tmp",
         "metadata": {},
         "error": {"code": "server_error", "message": t.out.error or "generation failed"}

@@ -9,21 +9,23 @@ stays readable. The prompt is the RWKV chat format (server.api.openai.chat_forma
 A response is tied to its request (as OpenAI's non-background responses are): a client that
 leaves before the answer's end, streamed or not, stops the run; a stored one keeps what was
 generated (status "cancelled"). Only tasks made here are responses (their tag: render.RESPONSE).
+Tools (function calls) as on chat: server.api.responses.agent; input items: items.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, engine_error, task_error
 from server.api.grammar import response_grammar
-from server.api.openai.chat_format import CHAT_STOP, build_prompt
+from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import answers
-from server.api.responses import render
+from server.api.responses import agent, render
+from server.api.responses.items import page
 from server.api.responses.schemas import ResponseRequest, TextFormat
 from server.api.responses.stream import ResponseStream
 from server.api.sampling import bad_text
@@ -111,13 +113,6 @@ def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[st
     return out
 
 
-def _turns(body: ResponseRequest) -> list[tuple[str, str]]:
-    turns = [("system", body.instructions)] if body.instructions else []
-    if isinstance(body.input, str):
-        return [*turns, ("user", body.input)]
-    return turns + [(m.role, m.text()) for m in body.input]
-
-
 def _separator(sv: Services, src: Task) -> str:
     """What goes between the previous response's history and the new turns: nothing after EOS
     or a turn break the model wrote, else the turn break."""
@@ -129,13 +124,6 @@ def _separator(sv: Services, src: Task) -> str:
 
 def _check_supported(body: ResponseRequest) -> None:
     """A 400 unsupported_field naming a given field this route cannot honour."""
-    if body.tools or body.tool_choice not in (None, "none", "auto"):
-        raise ApiError(
-            400,
-            "tools on /v1/responses are not supported yet (use /v1/chat/completions)",
-            param="tools",
-            code="unsupported_field",
-        )
     if body.include:  # each item asks for output data this route has none of (reasoning, tool results, logprobs)
         raise ApiError(
             400,
@@ -154,19 +142,13 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
     _check_supported(body)
+    rt = await agent.response_tools(sv, body)
     fmt = (body.text.format if body.text is not None else TextFormat()).response_format()
     await response_grammar(sv, fmt, param="text.format")
-    params = _params(sv, body, fmt)
-    prompt = build_prompt(_turns(body)).text
-    if body.previous_response_id is not None:
-        src = await _stored(tm, body.previous_response_id, owner, "previous_response_id")
-        if src.running and not src.stop_requested:  # (a stopping one: the fork waits for its settle)
-            raise ApiError(
-                409,
-                f"response {body.previous_response_id!r} is still in progress",
-                param="previous_response_id",
-                code="response_in_progress",
-            )
+    src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
+    prompt, meta = agent.prompt_and_meta(body, rt, src)
+    params = {**_params(sv, body, fmt), **agent.task_params(rt, meta)}
+    if src is not None:
         prompt = _separator(sv, src) + prompt
         t = await _call(tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE))
     else:
@@ -176,6 +158,15 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on
         tm.abort(t)
         raise
+
+
+async def _previous(tm: TaskManager, rid: str, owner: str | None) -> Task:
+    """The task of previous_response_id: 404 (not found), 409 (still running)."""
+    src = await _stored(tm, rid, owner, "previous_response_id")
+    if src.running and not src.stop_requested:  # (a stopping one: the fork waits for its settle)
+        raise ApiError(409, f"response {rid!r} is still in progress", param="previous_response_id",
+                       code="response_in_progress")  # fmt: skip
+    return src
 
 
 async def _answer(request: Request, sv: Services, t: Task, stream: bool) -> Response:
@@ -225,6 +216,21 @@ async def get_response(response_id: str, request: Request) -> Response:
     sv = get_services(request)
     t = await _stored(task_manager(sv), response_id, get_owner(request), "response_id")
     return json_response(render.response(t, sv.model_id))
+
+
+@router.get("/responses/{response_id}/input_items", responses=answers(400, 401, 404, 503))
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> Response:
+    """The items of the response's `input`, as OpenAI lists them (`include` is ignored: items carry
+    no extra data here). A response stored before items were kept lists none."""
+    sv = get_services(request)
+    t = await _stored(task_manager(sv), response_id, get_owner(request), "response_id")
+    return json_response(page(render.meta(t).get("input") or [], limit, order, after))
 
 
 @router.delete("/responses/{response_id}", responses=answers(401, 404, 409, 503))  # 409: running elsewhere

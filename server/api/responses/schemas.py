@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from server.api.sampling import MaxTokens
 from server.engine.types import LIMITS
@@ -18,6 +18,7 @@ class ContentPart(BaseModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
     annotations: list[Any] | None = None  # ignored (output_text parts sent back)
+    logprobs: list[Any] | None = None  # ignored (output_text parts sent back)
 
 
 class InputMessage(BaseModel):
@@ -32,6 +33,55 @@ class InputMessage(BaseModel):
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class FunctionCall(BaseModel):
+    """A call the model made ({"type": "function_call", "call_id", "name", "arguments"}), sent
+    back: rendered as the assistant turn that made it (server.api.openai.tools.envelope)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=200)
+    name: str
+    arguments: str
+    id: str | None = Field(None, max_length=200)  # kept (the input items listing shows it)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None  # ignored
+
+
+class OutputText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class FunctionCallOutput(BaseModel):
+    """A tool's result for an earlier call ({"type": "function_call_output", "call_id", "output"}):
+    a Tool turn naming the call's function. Its call_id must be an earlier call's (this input's
+    or the previous responses')."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=200)
+    output: str | list[OutputText]
+    id: str | None = Field(None, max_length=200)  # kept (the input items listing shows it)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None  # ignored
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
+
+
+def _item_kind(v: Any) -> str:
+    """The union branch of an input item (tags in class-name form: param_of drops them)."""
+    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
+    return {"function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}.get(kind, "InputMessage")
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("InputMessage")]
+    | Annotated[FunctionCall, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutput, Tag("FunctionCallOutput")],
+    Discriminator(_item_kind),
+]
 
 
 class TextFormat(BaseModel):
@@ -77,7 +127,11 @@ class ResponseRequest(BaseModel):
     error_status: ClassVar[int] = 400
 
     model: str | None = None  # any name: this server serves one model
-    input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    input: Annotated[
+        Annotated[str, Tag("str")]
+        | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS), Tag("list[InputItem]")],
+        Discriminator(lambda v: "str" if isinstance(v, str) else "list[InputItem]"),  # (errors: the list's only)
+    ]
     instructions: str | None = None
     """A system turn before the input (not carried to a later response, as OpenAI does)."""
     max_output_tokens: MaxTokens = None
@@ -89,7 +143,10 @@ class ResponseRequest(BaseModel):
     stream: bool = False
     text: TextOptions | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    """Function tools, {"type": "function", "name", "description", "parameters", "strict"}
+    (server.api.openai.tools.plan checks them: a 400 naming the tool's field)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """"none", "auto" (the default), "required" or {"type": "function", "name"}."""
     parallel_tool_calls: bool | None = None
     include: list[str] | None = None
     """Extra output data to include: none is available here (a non-empty list is refused)."""

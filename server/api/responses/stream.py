@@ -2,7 +2,12 @@
 as a StreamSource (server.api.streaming.source), sent by SSEResponse: that response watches the
 client, and when it leaves before the last event the source's `abort` stops the run (a response
 is tied to its request: docs/agents.md, "The Responses API"). Responses are chats, not the
-throughput path: the stream runs on the event loop (no direct writes)."""
+throughput path: the stream runs on the event loop (no direct writes).
+
+Without tools the message item opens at once. With tools it opens when its text does (a forced
+call has none; text that may be the start of the call marker is held back, as chat holds it), and
+the calls come at the end, each as OpenAI sends one: output_item.added (empty arguments),
+function_call_arguments.delta, function_call_arguments.done, output_item.done."""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from server.api.responses.render import continues, message, response
+from server.api.openai.tools import MARKER, held_back
+from server.api.responses.render import continues, message, response, tool_mode
 from server.tasks import streaming
 from server.tasks.records import Task
 
@@ -41,17 +47,15 @@ class ResponseStream:
         self.on_abort: Callable[[], None] | None = on_abort
         self._ended = False
         self._ev = _Events()
-        item = message(t, "", "in_progress")
-        item["content"] = []
+        self._forced = tool_mode(t)  # None: no tools
+        self._keep = continues(t)  # the answer continues a message: its leading whitespace is text
+        self._sent = 0  # characters of the message text streamed (a prefix of the final text)
+        self._open = False  # the message item was added
         self._part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self._loc = {"item_id": item["id"], "output_index": 0, "content_index": 0}
-        head = response(t, model, output=False)
-        self._preamble = [
-            self._ev("response.created", response=head)
-            + self._ev("response.in_progress", response=head)
-            + self._ev("response.output_item.added", output_index=0, item=item)
-            + self._ev("response.content_part.added", **self._loc, part=self._part)
-        ]
+        self._loc = {"item_id": message(t)["id"], "output_index": 0, "content_index": 0}
+        head = response(t, model, with_output=False)
+        pre = self._ev("response.created", response=head) + self._ev("response.in_progress", response=head)
+        self._preamble = [pre + (self._open_message() if self._forced is None else b"")]
 
     @property
     def preamble(self) -> list[bytes]:
@@ -66,27 +70,79 @@ class ResponseStream:
 
     async def rest(self) -> AsyncGenerator[bytes, None]:
         """One write per wake-up: the text deltas that came, then the closing events."""
-        text, keep = "", continues(self.t)  # keep: the answer continues a message (no "Assistant:" gap)
+        raw = ""  # (with tools: the output so far, where the marker is looked for)
         async for batch in streaming.batches(self.t, 0, ping=None):
-            chunks = []
-            for e in batch:
-                if isinstance(e, dict) and "data" in e and not streaming.is_last(e):
-                    delta = e["data"] if text or keep else e["data"].lstrip()  # the answer starts after "Assistant:"
-                    if delta:
-                        text += delta
-                        chunks.append(self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=[]))
-            if chunks:
-                yield b"".join(chunks)
+            data = "".join(e["data"] for e in batch if isinstance(e, dict) and "data" in e and not streaming.is_last(e))
+            if self._forced is None:
+                out = self._plain(data)
+            else:
+                raw += data
+                out = self._text(self._visible(raw))
+            if out:
+                yield out
         self._ended = True  # before the last write: a client that leaves now has it all
-        yield self._closing(text)
+        yield self._closing()
 
-    def _closing(self, text: str) -> bytes:
-        ev, loc, final = self._ev, self._loc, response(self.t, self.model)
+    def _plain(self, data: str) -> bytes:
+        """A response without tools: the new text is the delta (the answer starts after
+        "Assistant:": its leading whitespace is dropped, unless it continues a message)."""
+        delta = data if self._sent or self._keep else data.lstrip()
+        self._sent += len(delta)
+        return self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=[]) if delta else b""
+
+    def _visible(self, raw: str) -> str:
+        """With tools: the message text that may be streamed now, which ends before the call
+        marker or a possible start of it (a forced call: none)."""
+        text = raw if self._keep else raw.lstrip()
+        if self._forced:
+            return ""
+        at = text.find(MARKER)
+        return text[:at] if at >= 0 else text[: len(text) - held_back(text)]
+
+    def _open_message(self) -> bytes:
+        self._open = True
+        item = {**message(self.t, "", "in_progress"), "content": []}
+        return self._ev("response.output_item.added", output_index=0, item=item) + self._ev(
+            "response.content_part.added", **self._loc, part=self._part
+        )
+
+    def _text(self, text: str) -> bytes:
+        """The message text's delta (with tools the message opens once it has more than
+        whitespace: a reply of calls only has no message)."""
+        if not self._open and not text.strip():
+            return b""
+        out = b"" if self._open else self._open_message()
+        delta, self._sent = text[self._sent :], len(text)
+        if delta:
+            out += self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=[])
+        return out
+
+    def _closing(self) -> bytes:
+        final = response(self.t, self.model)
+        out = b""
+        for index, item in enumerate(final["output"]):
+            out += self._message_done(item) if item["type"] == "message" else self._call(index, item)
+        return out + self._ev(_LAST.get(final["status"], "response.incomplete"), response=final)
+
+    def _message_done(self, item: dict[str, Any]) -> bytes:
+        text = item["content"][0]["text"]
+        out = (b"" if self._open else self._open_message()) + self._text(text)  # (what was held back)
+        ev, loc = self._ev, self._loc
         return (
-            ev("response.output_text.done", **loc, text=text, logprobs=[])
+            out
+            + ev("response.output_text.done", **loc, text=text, logprobs=[])
             + ev("response.content_part.done", **loc, part={**self._part, "text": text})
-            + ev("response.output_item.done", output_index=0, item=message(self.t, text))
-            + ev(_LAST.get(final["status"], "response.incomplete"), response=final)
+            + ev("response.output_item.done", output_index=0, item=item)
+        )
+
+    def _call(self, index: int, item: dict[str, Any]) -> bytes:
+        ev, loc = self._ev, {"item_id": item["id"], "output_index": index}
+        added = {**item, "arguments": "", "status": "in_progress"}
+        return (
+            ev("response.output_item.added", output_index=index, item=added)
+            + ev("response.function_call_arguments.delta", **loc, delta=item["arguments"])
+            + ev("response.function_call_arguments.done", **loc, arguments=item["arguments"])
+            + ev("response.output_item.done", output_index=index, item=item)
         )
 
     def listen(self, fn: Callable[[], None] | None) -> None:

@@ -1,0 +1,108 @@
+"""A response's tools and prompt, checked before anything starts (docs/agents.md, "The Responses
+API"): the tools and tool_choice (chat's ToolPlan in the Responses shapes, its call grammar
+compiled by the engine first), the prompt (the tools' system turn, the instructions, the input
+items), and what the task keeps of the request (its `meta` and `grammar` parameters), so a
+continue or a restart runs the same grammar and a later response knows the calls made."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from server.api.errors import ApiError
+from server.api.grammar import compiled
+from server.api.openai import tools
+from server.api.openai.chat_format import build_prompt
+from server.api.responses import render
+from server.api.responses.items import Rendered, render_input
+from server.api.responses.schemas import ResponseRequest
+from server.api.services import Services
+from server.engine.types import GrammarSpec
+from server.tasks.params import grammar_fields
+from server.tasks.records import Task
+
+
+@dataclass(frozen=True)
+class ResponseTools:
+    plan: tools.ToolPlan | None
+    """The tools the output may call (None: no call is possible)."""
+    described: tools.ToolPlan | None
+    """The tools the prompt describes (with tool_choice "none" too, as on chat)."""
+    grammar: GrammarSpec | None
+    """The call grammar, compiled (a trigger: auto; none: forced)."""
+
+
+async def response_tools(sv: Services, body: ResponseRequest) -> ResponseTools:
+    """The request's tools checked and their grammar compiled; a 400 naming the field otherwise."""
+    try:
+        plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, flat=True)
+        described = plan or tools.shown(body.tools, body.tool_choice, flat=True)
+    except tools.ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
+    fmt = body.text.format.type if body.text is not None else "text"
+    if body.tools and fmt != "text":
+        raise ApiError(
+            400,
+            "text.format with tools is not supported (one grammar per answer)",
+            param="text.format",
+            code="unsupported_field",
+        )
+    grammar = await compiled(sv, plan.grammar(), param="tools") if plan is not None else None
+    return ResponseTools(plan, described, grammar)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def prompt_and_meta(body: ResponseRequest, rt: ResponseTools, src: Task | None) -> tuple[str, dict[str, Any]]:
+    """The prompt's text (what follows the previous response's history, if any) and the task's
+    `meta`. The tools' system turn comes first, unless the previous responses described the same
+    tools (their description is in the history already: a tool loop does not repeat it)."""
+    before = render.meta(src) if src is not None else {}
+    rendered = render_input(body.input, render.known_calls(src) if src is not None else {})
+    turns: list[tuple[str, str]] = []
+    described = before.get("described")
+    if rt.described is not None:
+        text = rt.described.system_text()
+        if _digest(text) != described:
+            turns.append(("system", text))
+        described = _digest(text)
+    if body.instructions:
+        turns.append(("system", body.instructions))
+    prompt = build_prompt(turns + rendered.turns).text
+    if rt.plan is not None:
+        prompt += rt.plan.prompt_suffix()
+    return prompt, _meta(body, rendered, described)
+
+
+def _meta(body: ResponseRequest, rendered: Rendered, described: str | None) -> dict[str, Any]:
+    """What a stored response shows of its request, and what the next response needs."""
+    return {
+        "instructions": body.instructions,
+        "input": rendered.items,
+        "tools": [_tool(t) for t in body.tools or ()],
+        "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "calls": rendered.kept_calls(),
+        "described": described,
+    }
+
+
+def _tool(raw: dict[str, Any]) -> dict[str, Any]:
+    """A tool as a response shows it (checked by tools.plan)."""
+    strict = raw.get("strict")
+    return {
+        "type": "function",
+        "name": raw["name"],
+        "description": raw.get("description"),
+        "parameters": raw.get("parameters"),
+        "strict": True if strict is None else strict,
+    }
+
+
+def task_params(rt: ResponseTools, meta: dict[str, Any]) -> dict[str, Any]:
+    """The task parameters that make a continue or a restart run as this request: its grammar
+    ({} when it has none: a fork of a tool response lifts it) and its meta."""
+    return {"grammar": grammar_fields(rt.grammar), "meta": meta}
