@@ -1,6 +1,7 @@
 """OpenAI's Agents SDK (`openai-agents`) against a real server, as an agent developer points it at
-us: a function tool called with valid arguments and its result handed back (the SDK's tool loop,
-plain and streamed), and a typed final output (its `output_type`, our JSON-schema grammar). On a
+us, through both of its OpenAI models (chat completions and the Responses API): a function tool
+called with valid arguments and its result handed back (the SDK's tool loop, plain and
+streamed), and a typed final output (its `output_type`, our JSON-schema grammar). On a
 random-weight model the answers are noise, so the runs force what the SDK lets a user force:
 `tool_choice="required"` and one call a turn (a tool's arguments come from the grammar), and
 schemas whose values are short (an enum, a bounded integer)."""
@@ -16,8 +17,10 @@ from util_server import running_server
 agents = pytest.importorskip("agents", reason="needs the openai-agents package (the test extra)")
 from agents import (  # noqa: E402
     Agent,
+    MaxTurnsExceeded,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
     Runner,
     function_tool,
     set_tracing_disabled,
@@ -39,10 +42,15 @@ def server(tmp_path_factory):
         yield srv
 
 
-@pytest.fixture
-def model(server):
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    return OpenAIChatCompletionsModel(model="rwkv", openai_client=client)
+def client(server) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(params=["chat", "responses"])
+def model(server, request):
+    if request.param == "chat":
+        return OpenAIChatCompletionsModel(model="rwkv", openai_client=client(server))
+    return OpenAIResponsesModel(model="rwkv", openai_client=client(server))
 
 
 def weather_tool(calls: list[str]):
@@ -63,10 +71,25 @@ async def test_a_forced_tool_call_runs_the_tool(model):
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
 
 
-async def test_the_tool_loop_hands_the_result_back(model):
-    """run_llm_again: the tool's result goes back to the model (a `tool` message in the history)
-    and the next turn, with tool_choice reset to auto, answers."""
+async def test_the_tool_loop_sends_each_result_back(model):
+    """run_llm_again with the call forced every turn: each turn's request holds the calls and
+    results of the turns before it (chat: assistant tool_calls and `tool` messages; Responses:
+    function_call and function_call_output items), until the SDK's turn limit."""
     calls: list[str] = []
+    agent = Agent(name="w", instructions="Use the tool.", tools=[weather_tool(calls)], model=model,
+                  model_settings=FORCED, reset_tool_choice=False)  # fmt: skip
+    with pytest.raises(MaxTurnsExceeded):
+        await Runner.run(agent, "What is the weather in Rome?", max_turns=3)
+    assert len(calls) == 3
+
+
+async def test_the_tool_loop_hands_the_result_back(server):
+    """run_llm_again: the tool's result goes back to the model and the next turn, with
+    tool_choice reset to auto, answers. (Chat only: that answer is free text, cut by max_tokens
+    on a random model, and the SDK's Responses model refuses an `incomplete` response, as it
+    would OpenAI's.)"""
+    calls: list[str] = []
+    model = OpenAIChatCompletionsModel(model="rwkv", openai_client=client(server))
     agent = Agent(name="w", instructions="Use the tool, then answer.", tools=[weather_tool(calls)], model=model,
                   model_settings=FORCED)  # fmt: skip
     result = await Runner.run(agent, "What is the weather in Rome?", max_turns=6)
