@@ -77,7 +77,7 @@ def test_schema_json_depth_backstop(client):
     """Data nested deeper than MAX_JSON_DEPTH (not schema levels: a const) is refused before
     the recursive code after the check sees it; just within it passes."""
     value: object = 1
-    for _ in range(MAX_JSON_DEPTH - 1):  # the schema object is level 1, these lists 2..256
+    for _ in range(MAX_JSON_DEPTH - 1):  # the schema object is level 1, these lists 2..MAX_JSON_DEPTH
         value = [value]
     ok = client.completions.create(
         model="any", prompt="x", max_tokens=1, extra_body={"response_format": _schema_format({"const": value})}
@@ -88,6 +88,18 @@ def test_schema_json_depth_backstop(client):
             model="any", prompt="x", max_tokens=1, extra_body={"response_format": _schema_format({"const": [value]})}
         )
     assert f"JSON nests deeper than {MAX_JSON_DEPTH} levels" in e.value.body["message"]
+
+
+def test_a_stored_schema_at_the_json_depth_limit(client):
+    """A response (a task: its schema is stored in its parameters) with a schema nesting
+    MAX_JSON_DEPTH levels is stored and answers (orjson writes at most 255 levels, the task's
+    parameters around the schema included: the limit is below it)."""
+    value: object = 1
+    for _ in range(MAX_JSON_DEPTH - 1):
+        value = [value]
+    fmt = {"type": "json_schema", "name": "deep", "schema": {"const": value}}
+    r = client.responses.create(model="any", input="x", max_output_tokens=1, text={"format": fmt})
+    assert r.status in ("completed", "incomplete") and client.responses.retrieve(r.id).id == r.id
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,13 @@ MAX_SCHEMA_DEPTH = 32
 inside another (an object's property, an array's items, an anyOf branch, ...) one level more.
 The grammar's compile time grows faster than linearly with it (measured with xgrammar: 32
 object levels ~20 ms, 200 ~0.75 s, 500 ~18 s), so this bound is what keeps a compile short."""
-MAX_JSON_DEPTH = 256
+MAX_JSON_DEPTH = 200
 """Deepest nesting of the schema's JSON document (a 32-level schema needs about 65, plus its
 const / enum / default values): a backstop for the recursive code after this check (json.dumps,
 the engine's json.loads and the library's parser), which Python's recursion limit (~1000)
-would end with a RecursionError, not a ValueError, for an in-process caller's dict."""
+would end with a RecursionError, not a ValueError, for an in-process caller's dict; and below
+what a task stores (orjson writes at most 255 levels, the task's params around the schema
+included). A tool's parameters and a call's arguments are held to it too (server.api.openai.tools)."""
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "dependencies")
 """Keywords whose value maps names to schemas one level down."""
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")

@@ -29,9 +29,6 @@ from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_depth, sc
 MARKER = "<tool_call>"
 MAX_TOOLS = 128
 MAX_PARALLEL = 8
-MAX_PARAMETERS_DEPTH = 200
-"""Deepest JSON nesting of a tool's parameters: a response stores and shows its tools (orjson
-writes at most 255 levels, the response and task around them included)."""
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -170,11 +167,11 @@ def _tool(i: int, raw: Any, flat: bool) -> Tool:
         params = _EMPTY_PARAMS
     if not isinstance(params, dict):
         raise ToolError(f"{where}.parameters", "parameters is a JSON schema object")
-    if json_depth(params, MAX_PARAMETERS_DEPTH) > MAX_PARAMETERS_DEPTH or schema_depth(params) > MAX_SCHEMA_DEPTH:
+    if json_depth(params) > MAX_JSON_DEPTH or schema_depth(params) > MAX_SCHEMA_DEPTH:
         # (as response_format's schema: the grammar's compile time grows fast with the depth)
         raise ToolError(
             f"{where}.parameters",
-            f"parameters nests deeper than {MAX_SCHEMA_DEPTH} schema levels or {MAX_PARAMETERS_DEPTH} JSON levels",
+            f"parameters nests deeper than {MAX_SCHEMA_DEPTH} schema levels or {MAX_JSON_DEPTH} JSON levels",
         )
     desc = fn.get("description") or ""
     if not isinstance(desc, str):
