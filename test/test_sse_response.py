@@ -175,3 +175,32 @@ async def test_a_hang_up_after_done_on_the_direct_path_is_no_abort():
     assert got == b"".join(source.preamble + CHUNKS)
     assert metrics.aborted == 0 and source.aborted == 0 and metrics.stream_paths == {"direct_ended": 1}
     a.close(), b.close()
+
+
+class _Slow(_Source):
+    """A source whose first chunk comes `delay` seconds after its preamble."""
+
+    path = "loop"
+
+    def __init__(self, chunks: list[bytes], delay: float) -> None:
+        super().__init__(chunks)
+        self.delay = delay
+
+    def take(self) -> None:
+        return None
+
+    async def rest(self) -> AsyncIterator[bytes]:
+        await asyncio.sleep(self.delay)
+        async for out in super().rest():
+            yield out
+
+
+async def test_an_idle_stream_is_pinged_within_its_interval():
+    """The first `: ping` comes about one interval after the last message (the preamble here),
+    not two: a proxy with an idle timeout between one and two intervals kept cutting streams."""
+    source = _Slow(CHUNKS, delay=1.7)
+    body, send = _loop_sender()
+    await _run(SSEResponse(source, ping_interval=1.0), _client(asyncio.Event()), send)
+    pings = [i for i, b in enumerate(body) if b.startswith(b": ping")]
+    first = next(i for i, b in enumerate(body) if b"\"t\":1" in b)
+    assert pings and pings[0] < first, body

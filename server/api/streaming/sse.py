@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
@@ -249,10 +250,16 @@ class SSEResponse(Response):
         def sent() -> int:  # body messages so far, by the loop and by the direct writes
             return self._sent + (writer.sent if writer is not None else 0)
 
-        seen = -1
+        # a ping once nothing was sent for ping_interval (checked 4 times an interval: the first
+        # ping comes within 1.25 intervals of the last message, not 2 as with one check an interval)
+        seen, since = sent(), time.monotonic()
         while True:
-            await asyncio.sleep(self.ping_interval)
-            idle = sent() == seen and self._live and not self.source.ended
-            if idle and (writer is None or not writer.ping(PING)):
-                await send({"type": "http.response.body", "body": PING, "more_body": True})
-            seen = sent()
+            await asyncio.sleep(self.ping_interval / 4)
+            now = time.monotonic()
+            if sent() != seen:
+                seen, since = sent(), now
+                continue
+            if now - since >= self.ping_interval and self._live and not self.source.ended:
+                if writer is None or not writer.ping(PING):
+                    await send({"type": "http.response.body", "body": PING, "more_body": True})
+                seen, since = sent(), now
