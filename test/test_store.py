@@ -557,3 +557,13 @@ def test_processes_opening_one_empty_database_at_once_all_succeed(db_url):
     head = migrate.head_revision()
     assert results == [("ok", head)] * 4, results
     assert asyncio.run(run_sql(db_url, "select version_num from alembic_version")) == [(head,)]
+
+
+def test_a_server_without_its_migrations_says_where_to_run_it(monkeypatch, tmp_path):
+    """Installed from a built wheel (no source tree), the migrations are missing: a message that
+    says so, not alembic's 'Path doesn't exist'."""
+    from server.tasks import migrate
+
+    monkeypatch.setattr(migrate, "MIGRATIONS_DIR", tmp_path / "site-packages" / "migrations")
+    with pytest.raises(migrate.MigrationsMissing, match="source tree"):
+        migrate.head_revision()

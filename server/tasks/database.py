@@ -161,8 +161,8 @@ class Database:
         except ModuleNotFoundError as exc:  # e.g. postgresql:// without asyncpg installed
             raise RuntimeError(
                 f"the task database {self.url.split('://')[0]}:// needs the {exc.name} "
-                f"package (pip install {exc.name}; for PostgreSQL: pip install "
-                f"'rwkv-task-server[postgres]')"
+                f"package (pip install {exc.name}; for PostgreSQL, in the server's source tree: "
+                f"pip install -e '.[postgres]')"
             ) from exc
         if self.is_sqlite:
             _sqlite_setup(self.engine, int(self.busy_timeout * 1000))

@@ -24,7 +24,16 @@ class SchemaTooNewError(RuntimeError):
     """The database was written by a newer server (unknown schema revision)."""
 
 
+class MigrationsMissing(RuntimeError):
+    """The server runs from an install without its source tree (the migrations live there)."""
+
+
 def alembic_config(connection: Connection | None = None) -> Config:
+    if not (MIGRATIONS_DIR / "versions").is_dir():
+        raise MigrationsMissing(
+            f"the schema migrations are not at {MIGRATIONS_DIR}: run the server from its source tree "
+            "(pip install -e . there, as the README does; a built wheel does not carry them)"
+        )
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     if connection is not None:
