@@ -5,6 +5,7 @@ the server keeps serving. Every test here failed on the code before the fixes.""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 
@@ -387,6 +388,7 @@ def test_half_open_connections_are_closed_after_the_read_timeouts(tmp_path):
                 s.sendall(b"POST /v1/tasks/tmp HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
             socks.append(s)
         time.sleep(4)
+        answered = 0
         for s in socks:
             s.settimeout(2)
             data, closed = b"", False
@@ -401,6 +403,9 @@ def test_half_open_connections_are_closed_after_the_read_timeouts(tmp_path):
             s.close()
             assert closed, f"connection still open after the timeouts ({data[:100]!r})"
             assert data == b"" or data.startswith(b"HTTP/1.1 408"), data[:200]
+            answered += bool(data)
+            assert data == b"" or re.search(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", data), data[:300]
+        assert answered, "no connection got its 408"
         assert httpx.get(srv.url + "/health").status_code == 200
 
 
@@ -412,7 +417,7 @@ def test_connection_limit_answers_503(tmp_path):
             assert codes == [200] * 4 + [503] * 4, codes  # exactly the bound: 4 connections
             over = clients[-1].get("/v1/models")
             assert over.headers["content-type"] == "application/json" and over.headers["retry-after"] == "1"
-            assert over.json()["error"]["code"] == "too_many_connections"
+            assert over.json()["error"]["code"] == "too_many_connections" and len(over.headers["x-request-id"]) == 32
             assert httpx.get(srv.url + "/health").status_code == 200  # probes stay answered at the bound
         finally:
             for c in clients:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -31,7 +32,7 @@ log = logging.getLogger("server.http")
 
 TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%b"
+    b"connection: close\r\nx-request-id: %b\r\ncontent-length: %d\r\n\r\n%b"
 )
 TIMEOUT_BODY = (
     b'{"error":{"message":"the request was not received in time","type":"invalid_request_error",'
@@ -54,6 +55,7 @@ async def overloaded(scope: Scope, receive: Receive, send: Send) -> None:
         (b"content-length", str(len(OVERLOADED_BODY)).encode()),
         (b"retry-after", b"1"),
         (b"connection", b"close"),
+        (b"x-request-id", uuid.uuid4().hex.encode()),  # as the middleware gives every answer it sends
     ]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": OVERLOADED_BODY})
@@ -127,9 +129,10 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         started = cycle is not None and not cycle.response_complete and cycle.response_started
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
-        log.info("%s: request not received in time; closing the connection", client)
+        rid = uuid.uuid4().hex
+        log.info("%s: request not received in time; closing the connection (request id %s)", client, rid)
         if not started:
-            self.transport.write(TIMEOUT_RESPONSE % (len(TIMEOUT_BODY), TIMEOUT_BODY))
+            self.transport.write(TIMEOUT_RESPONSE % (rid.encode(), len(TIMEOUT_BODY), TIMEOUT_BODY))
         self.transport.close()
 
 
