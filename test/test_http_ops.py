@@ -71,7 +71,10 @@ def test_metrics_families(slow_server):
         assert f"# TYPE {family} " in text, family
     # every family named *_total is a counter (Prometheus' rule; rate() depends on it)
     kinds = dict(ln.split()[2:4] for ln in text.splitlines() if ln.startswith("# TYPE "))
-    assert kinds["rwkv_engine_finished_total"] == "counter" and kinds["rwkv_engine_overhead_ms"] == "gauge"
+    assert kinds["rwkv_engine_finished_total"] == "counter" and kinds["rwkv_engine_overhead_seconds"] == "gauge"
+    helps = dict(ln.split(None, 3)[2:4] for ln in text.splitlines() if ln.startswith("# HELP "))
+    assert not [f for f, h in helps.items() if h.startswith("Engine figure")], helps  # each family says what it is
+    assert not [f for f in kinds if f.endswith(("_ms", "_bucket")) and kinds[f] != "histogram"], kinds
     assert not [f for f, k in kinds.items() if f.endswith("_total") and k != "counter"], kinds
     after = parse_metrics(text)
     assert after['rwkv_gc_collections_total{generation="0"}'] > 0  # the server process's own collector

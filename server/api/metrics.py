@@ -181,11 +181,26 @@ def _engine_lines(out: list[str], engine: EngineAPI) -> None:
     _sample(out, "rwkv_engine_alive", "gauge", "1 while the engine loop runs.", int(engine.is_alive))
     for key, value in sorted((st.extra or {}).items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            kind = "counter" if key.endswith("_total") else "gauge"  # a running sum is a counter
-            _sample(out, f"rwkv_engine_{_name(key)}", kind, f"Engine figure {key}.", value)
+            name, help_, scale = ENGINE_FIGURES.get(key, (f"rwkv_engine_{_name(key)}", f"Engine figure {key}.", 1))
+            kind = "counter" if name.endswith("_total") else "gauge"  # a running sum is a counter
+            _sample(out, name, kind, help_, value * scale)
     if isinstance(engine, EngineRouter):
         _device_lines(out, engine)
 
+
+ENGINE_FIGURES: dict[str, tuple[str, str, float]] = {
+    # EngineStats.extra key -> (family, help, factor to the family's unit: seconds, not ms)
+    "overhead_ms": ("rwkv_engine_overhead_seconds", "Recent mean host time of a step beside model and sampler.", 1e-3),
+    "model_ms": ("rwkv_engine_model_seconds", "Recent mean time of a step's model forward.", 1e-3),
+    "sample_ms": ("rwkv_engine_sample_seconds", "Recent mean time of a step's sampling.", 1e-3),
+    "window_steps": ("rwkv_engine_window_steps", "Steps the recent means are taken over.", 1),
+    "bucket": ("rwkv_engine_graph_rows", "Rows of the batch size bucket (CUDA graph) the last step ran.", 1),
+    "finished_total": ("rwkv_engine_finished_total", "Sequences finished.", 1),
+    "step_s_total": ("rwkv_engine_step_seconds_total", "Seconds spent in engine steps.", 1),
+    "model_s_total": ("rwkv_engine_model_seconds_total", "Seconds spent in the model forward.", 1),
+    "sample_s_total": ("rwkv_engine_sample_seconds_total", "Seconds spent sampling.", 1),
+}
+"""The engine's extra figures as Prometheus families (another key: rwkv_engine_<key>, as it is)."""
 
 DEVICE_FAMILIES = (  # (name, kind, help, the EngineStats field; "alive": the engine's is_alive)
     ("rwkv_device_engine_alive", "gauge", "1 while this device's engine loop runs.", "alive"),
