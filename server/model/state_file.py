@@ -242,6 +242,11 @@ def _meta(value: Any, shape: ModelShape, source: str) -> dict[str, Any]:
 
 
 def _short(exc: BaseException) -> str:
+    """The first line of exc's message; for torch's weights-only refusal, its reason (the rest is
+    torch's advice to load the file with weights_only=False, which is not ours to give)."""
+    if "WeightsUnpickler error:" in str(exc):
+        why = [ln for ln in str(exc).split("WeightsUnpickler error:", 1)[1].splitlines() if ln.strip()]
+        return f"it holds more than tensors and plain data ({why[0].strip() if why else 'unsupported content'})"
     text = str(exc).strip().splitlines()
     first = text[0] if text else type(exc).__name__
     return first if len(first) <= 200 else first[:200] + "..."
