@@ -9,6 +9,8 @@ or STATE_UPLOAD, see `lineage.is_state_only`) so that the persistence layer can 
 never evict it from memory (templates live in the cache's template tier), never drop or defer
 its stored state, and rebuild a lost state of a task descending from it from its state, never
 from the zero state (server.tasks.lineage). Its row and state are committed before it is answered.
+Its state's id names the state's content (`state_id_of`): forks record it as the base they start
+from, so a later template of the same name with another state is never taken for it.
 
 Forks of it behave as forks of any template: their history starts with the template's pending
 tokens, their first run feeds those plus the prompt, starting from a copy of the state.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -99,24 +100,35 @@ async def template_from_state(
     )
     tpl.out.finish_reason = "stop"
     tm.live[tid] = tpl  # reserves the id (no await since the check above)
-    sid = f"{tid}:{uuid.uuid4().hex[:12]}"
+    sid = None
     try:
-        tpl.state_id, tpl.state_pos = sid, 0
-        tm.cache.put(sid, state, template=True)  # the template tier: never evicted
         # stored exact (never the fp16 storage dtype): this state is the template's only truth
         enc = await asyncio.to_thread(encode_state, state, tm.signature)
+        sid = state_id_of(tid, enc.checksum)
+        tpl.state_id, tpl.state_pos = sid, 0
+        tm.cache.put(sid, state, template=True)  # the template tier: never evicted
         tpl.stored_id, tpl.stored_pos = sid, 0
         p = tm.persistence  # row and state in one transaction, committed before it is answered;
-        # insert only: another server of the database may have taken the name meanwhile
+        # insert only: another server of the database may have taken the name meanwhile (the
+        # state row may be there already: that of a deleted template of the same file)
         if not await p.writer.call(p.store.insert_new, to_row(tpl), state_row(sid, tid, enc, True)):
             raise TaskConflict(f"template {tid!r} already exists", param="name")
     except BaseException:
         tm.table.forget(tid)
         tpl.deleted = True
-        tm.cache.discard(sid)
+        if sid is not None:
+            tm.cache.discard(sid)
         raise
     tm.table.retire(tpl)  # its truth is its row now (another server may delete it)
     return tpl
+
+
+def state_id_of(tid: str, checksum: str) -> str:
+    """The id of template tid's state, named by its content (the SHA-256 of its stored bytes):
+    forks record it as their base (lineage.base_of), so a template of the same name with another
+    state is never taken for theirs, while the same file loaded again is (`--state` at each
+    start, or a delete and upload of the same file)."""
+    return f"{tid}:{checksum[:32]}"
 
 
 async def _existing(tm: TaskManager, tid: str) -> Task | None:

@@ -13,6 +13,7 @@ from server.tasks.records import REBUILD, STORED, TEMPLATE, TMP, Task, display_i
 from server.tasks.schema import DbRow
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
+from server.tasks.templates import being_made
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -50,11 +51,12 @@ class Inventory:
     ) -> dict[str, Any]:
         """A page of the tasks `owner_id` may list (all_owners: every task), newest first: the
         TMP tasks in memory and the stored tasks; its own and the public templates, less those
-        a private template of its own shadows."""
+        a private template of its own shadows, and less the templates whose as_template has
+        not answered yet (being_made)."""
 
         def visible(t: Task) -> bool:
             mine = all_owners or t.owner == owner_id or (t.kind == TEMPLATE and t.public)
-            return mine and (kind is None or t.kind == kind) and not t.deleted
+            return mine and (kind is None or t.kind == kind) and not t.deleted and not being_made(t)
 
         mem: Sequence[Task] = [t for t in self.table.held() if visible(t)]
         if not all_owners and owner_id is not None:

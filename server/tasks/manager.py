@@ -33,6 +33,7 @@ from server.engine.protocol import EngineAPI
 from server.tasks import streaming
 from server.tasks.access import Access
 from server.tasks.cache import StateCache
+from server.tasks.claims import drop_claim
 from server.tasks.config import (
     STORE_DTYPES,
     LatencyFactory,
@@ -396,7 +397,7 @@ class TaskManager:
         try:
             await self.persistence.claim_id(tpl)  # and in the database (another server may race)
             claimed = True
-            await fill_template(tpl, src, self.persistence, self.runs, self.signature)
+            await fill_template(tpl, src, self.persistence, self.engine)
         except BaseException:
             self.table.forget(tid)
             tpl.deleted = True
@@ -474,9 +475,9 @@ async def _settled_if_stopping(t: Task) -> Task:
 
 async def _drop_claim(persistence: Persistence, t: Task) -> None:
     """Delete the row claim_id inserted for a template that could not be made (best effort:
-    a row left behind shows as an interrupted template with no state)."""
+    a claim left behind is deleted once this instance is gone: server.tasks.claims)."""
     try:
-        await persistence.delete(t)
+        await persistence.writer.call(drop_claim, persistence.store, t.id, persistence.instance)
     except Exception as exc:
         log.warning("template %s: could not delete its unfinished row: %s", t.id, exc)
 

@@ -41,7 +41,7 @@ from server.tasks.errors import (
     TaskTagTaken,
     TaskUnavailable,
 )
-from server.tasks.lineage import state_base
+from server.tasks.lineage import base_state, state_base
 from server.tasks.records import (
     RUNNING,
     TEMPLATE,
@@ -180,22 +180,23 @@ class Persistence:
     async def _resolve_base(self, t: Task, tried: set[str], holder: str) -> tuple[State | None, int, str | None]:
         """t has no usable state of its own: (None, 0, None) rebuilds it from the zero state,
         unless its history starts at a state template's state (server.tasks.lineage): then from
-        that state, and TaskStateLost when that one is gone too."""
+        that very state, and TaskStateLost when it is gone (the template deleted, its state lost
+        or corrupt, or its name now another state's)."""
         base = await state_base(t, self._lookup)
         if not base.from_template:
             return None, 0, None
-        tpl = base.template
-        sid = None if tpl is None else (tpl.stored_id or tpl.state_id)
-        if tpl is not None and sid is not None and sid not in tried:
+        found = base_state(base)
+        why = found if isinstance(found, str) else "is lost or corrupt"
+        if not isinstance(found, str) and found[0] not in tried:
+            sid, pos = found
             st = await self.cache.get_or_load(sid, partial(self._load_state, sid))
             if st is not None:
                 self.cache.pin(sid, st)
-                return st, tpl.state_pos, sid
-        why = "was deleted" if tpl is None else "is lost or corrupt"
+                return st, pos, sid
         raise TaskStateLost(
             f"task {holder} starts from the state of template {display_id(base.template_id)}, which "
-            f"{why} (and its own state is lost): it cannot be rebuilt from its tokens. Load the state file "
-            "again and fork that",
+            f"{why} (and its own state is lost): it cannot be rebuilt from its tokens. Load that state file "
+            "again (under its old name this task is rebuilt from it; under a new one, fork that)",
             param="task_id",
         )
 

@@ -19,6 +19,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from server.tasks.claims import drop_unmade, unmade
 from server.tasks.codec import EncodedState
 from server.tasks.database import Database, database_url, unavailable
 from server.tasks.records import OWNER_TAG
@@ -80,13 +81,15 @@ class Store(Database):
     async def insert_new(self, task_row: dict[str, Any], state: dict[str, Any] | None = None) -> bool:
         """Insert a new task row (and its state) in one transaction unless a row with its id
         exists: False then, and nothing is written. For ids that are names (templates), which
-        two servers of one database may pick at once: the first commit wins."""
+        two servers of one database may pick at once: the first commit wins. A state whose id
+        names its content (imports.state_id_of) may be stored already, with the same checksum:
+        it is kept (the forks of a deleted template of the same file still name it)."""
         try:
             async with self.write() as conn:
                 q = sa.select(tasks.c.id).where(tasks.c.id == task_row["id"])
                 if (await conn.execute(q)).first() is not None:
                     return False
-                if state is not None:
+                if state is not None and not await _has_state(conn, state["id"], state["checksum"]):
                     await conn.execute(sa.insert(states).values(**state))
                 await conn.execute(sa.insert(tasks), [task_row])
         except sa.exc.IntegrityError:  # inserted by another server since the check
@@ -222,9 +225,9 @@ class Store(Database):
             tasks.c.instance,
             tasks.c.public,
             tasks.c.state_pos,
-        ]
-        cond = [] if all_owners else [listable(owner)]
             tasks.c.owner,
+        ]
+        cond = [~unmade()] + ([] if all_owners else [listable(owner)])  # a claim is no template yet
         if kind:
             cond.append(tasks.c.kind == kind)
         async with self.read() as conn:
@@ -387,16 +390,19 @@ def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool)
 
 
 async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
-    """In a write transaction: mark the running tasks of no instance in `live` interrupted."""
-    q = sa.select(tasks.c.id, tasks.c.instance).where(tasks.c.status != FINISHED)
-    ids = [r.id for r in await conn.execute(q) if r.instance is None or r.instance not in live]
+    """In a write transaction: mark the running tasks of no instance in `live` interrupted,
+    and delete the claims of templates among them (claims.drop_unmade). Returns their ids."""
+    q = sa.select(tasks.c.id, tasks.c.instance, unmade().label("unmade")).where(tasks.c.status != FINISHED)
+    orphans = [r for r in await conn.execute(q) if r.instance is None or r.instance not in live]
+    await drop_unmade(conn, [r.id for r in orphans if r.unmade])
+    ids = [r.id for r in orphans if not r.unmade]
     for i in range(0, len(ids), _CHUNK):
         await conn.execute(
             sa.update(tasks)
             .where(tasks.c.id.in_(ids[i : i + _CHUNK]))
             .values(status=FINISHED, finish_reason="interrupted", instance=None, updated_at=time.time())
         )
-    return ids
+    return ids + [r.id for r in orphans if r.unmade]
 
 
 async def _save_one(
@@ -433,6 +439,11 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
     new = [r for r in last if r["id"] not in have]
     if new:
         await conn.execute(sa.insert(tasks), new)
+
+
+async def _has_state(conn: AsyncConnection, state_id: str, checksum: str) -> bool:
+    q = sa.select(states.c.id).where(states.c.id == state_id, states.c.checksum == checksum)
+    return (await conn.execute(q)).first() is not None
 
 
 async def _drop_state_if_unused(conn: AsyncConnection, state_id: str) -> int:

@@ -1,23 +1,39 @@
 """Filling a new template (TaskManager.as_template): give it a stored state that has consumed
-all but the last token of its history, before the template is answered."""
+all but the last token of its history, before the template is answered.
+
+The template's row and its state are committed in ONE transaction, the row finished, so a
+template is either whole or not there (an unanswered as_template leaves nothing usable): until
+then its only row is its claim (server.tasks.claims: never listed, deleted once its instance is
+dead). Hence the prefill of a history whose state is not at hand is an engine request of its
+own, not a run of the template (a run commits its row finished before its state is written
+behind, and a crash between the two would leave a template without a state).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from array import array
+from typing import TYPE_CHECKING
 
+from server.engine.protocol import EngineAPI
+from server.engine.types import LENGTH, STOP, RequestFailedError, SamplingParams
+from server.tasks.claims import settle_claim
 from server.tasks.codec import encode_state
+from server.tasks.errors import TaskConflict
 from server.tasks.lineage import base_of
 from server.tasks.output import Output
 from server.tasks.persist import Persistence
-from server.tasks.records import TEMPLATE, Task, to_row
-from server.tasks.runs import Runs
+from server.tasks.records import FINISHED, PREFILL, TEMPLATE, Task, to_row
 from server.tasks.store import state_row
+
+if TYPE_CHECKING:
+    from server.model.state import State
 
 
 def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
     """A new template `tid` with the finished task's history, text and parameters (less a
-    `max_tokens` of 0: forks of it generate); its state: fill_template."""
+    `max_tokens` of 0: forks of it generate), running until fill_template gives it its state."""
     params = {k: v for k, v in src.params.items() if not (k == "max_tokens" and v == 0)}
     tpl = Task(
         id=tid,
@@ -37,31 +53,78 @@ def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
         prefill_time=src.prefill_time,
         gen_time=src.gen_time,
         base_id=base_of(src),
+        status=PREFILL,  # shown running until fill_template has stored it
     )
     tpl.out.finish_reason = src.finish_reason
     return tpl
 
 
-async def fill_template(tpl: Task, src: Task, persistence: Persistence, runs: Runs, signature: str) -> None:
-    """With the source's state at hand: the template's row and a copy of that state in one
-    transaction. Without (dropped, never stored, not at the last token): prefill the template's
-    history once (forks then start at no cost), and wait until that state is written."""
+def being_made(t: Task) -> bool:
+    """t is a template whose as_template has not answered (its row: a claim, claims.unmade)."""
+    return t.kind == TEMPLATE and t.running and t.version == 0
+
+
+async def fill_template(tpl: Task, src: Task, persistence: Persistence, engine: EngineAPI) -> None:
+    """The source's state when it is at hand, else the state after prefilling the template's
+    history once (forks then start at no cost); then the template's row, finished, and that
+    state in one transaction. The template shows running (status 0) here meanwhile."""
+    tpl.instance = persistence.instance
     state, pos, key = await persistence.resolve_state(src)
     try:
-        if state is not None and key is not None and pos >= len(src.tokens) - 1:
-            sid = f"{tpl.id}:{key.rsplit(':', 1)[-1]}"
-            tpl.state_id, tpl.state_pos = sid, pos
-            persistence.cache.put(sid, state, template=True)
-            enc = await asyncio.to_thread(encode_state, state, signature, wkv_dtype=persistence.store_dtype)
-            tpl.stored_id, tpl.stored_pos = sid, pos
-            await persistence.writer.call(persistence.store.save, to_row(tpl), state_row(sid, tpl.id, enc, True))
-            return
+        if state is None or pos < len(src.tokens) - 1:
+            state, pos = await _prefill(engine, tpl, state, pos, persistence)
+        await _store(tpl, state, pos, persistence)
     finally:
         persistence.release(key)
-    tpl.state_id, tpl.state_pos = src.state_id, src.state_pos  # a start for the prefill, if any
-    await runs.start(tpl, None, new=True, max_tokens=0)
-    if tpl.done is not None:
-        await tpl.done.wait()
-    if tpl.saved is not None:
-        await tpl.saved
-    await persistence.lane.wait_written(tpl.id)
+
+
+async def _prefill(
+    engine: EngineAPI, tpl: Task, state: State | None, pos: int, persistence: Persistence
+) -> tuple[State | None, int]:
+    """The state after tpl.tokens[:-1], fed from `state` (which consumed tokens[:pos]; None: the
+    zero state). The last token stays pending: a fork feeds it first, for its logits."""
+    inp = tpl.tokens[pos:-1].tolist()
+    if not inp:
+        return state, pos
+    h = engine.submit(
+        inp,
+        SamplingParams(max_tokens=0),
+        init_state=state,
+        return_state=True,
+        request_id=f"{tpl.id}.fill",
+        history=len(inp),  # the source's own history: not counted as a request's prompt
+    )
+    try:
+        res = await h.wait()
+    except BaseException:
+        h.abort()
+        raise
+    if res.state is None or res.pending_tokens or res.finish_reason not in (STOP, LENGTH):
+        raise RequestFailedError(f"the prefill of template {tpl.display_id} failed: {res.error or res.finish_reason}")
+    c = persistence.counters
+    c["prefill_tokens"] += len(inp)
+    c["rebuilds"] += 1
+    c["rebuild_tokens"] += len(inp)
+    return res.state, pos + len(inp)
+
+
+async def _store(tpl: Task, state: State | None, pos: int, persistence: Persistence) -> None:
+    """tpl's row, finished, and its state (None: a history of one token, from the zero state)
+    in one transaction, over its claim (TaskConflict when a replica took the claim)."""
+    srow = None
+    if state is not None:
+        sid = f"{tpl.id}:{uuid.uuid4().hex[:12]}"
+        tpl.state_id, tpl.state_pos = sid, pos
+        persistence.cache.put(sid, state, template=True)
+        enc = await asyncio.to_thread(encode_state, state, persistence.signature, wkv_dtype=persistence.store_dtype)
+        tpl.stored_id, tpl.stored_pos = sid, pos
+        srow = state_row(sid, tpl.id, enc, True)
+    row = {**to_row(tpl), "status": FINISHED, "instance": None}
+    p = persistence
+    if not await p.writer.call(settle_claim, p.store, row, srow, p.instance):
+        raise TaskConflict(
+            f"template {tpl.display_id} is gone: it was deleted while it was made (or this server's lease "
+            "expired meanwhile and a replica dropped it); make it again",
+            param="name",
+        )
+    tpl.status, tpl.instance = FINISHED, None  # shown finished once it is stored
