@@ -207,7 +207,39 @@ def parse_calls(text: str, forced: bool) -> tuple[str, list[tuple[str, str]] | N
         return text, None
     if not isinstance(calls, list) or not calls:
         return text, None
-    return head, [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    return head, _raw_arguments(body, calls)
+
+
+def _raw_arguments(body: str, calls: list[Any]) -> list[tuple[str, str]]:
+    """Each call's (name, arguments) with the arguments' JSON text as the model wrote it: decoded
+    and encoded again, a number past a double's range came back as Infinity (not JSON), long
+    numbers lost digits and an escaped half of a surrogate pair became a string no JSON encoder
+    writes. The grammar writes each call as `{"name": N, "arguments": V}` (its separators); a
+    call found otherwise is encoded from its parsed value, as ASCII where it holds a lone
+    surrogate."""
+    out, pos, decoder = [], 0, json.JSONDecoder()
+    for c in calls:
+        prefix = '{"name": ' + json.dumps(c["name"], ensure_ascii=False) + ', "arguments": '
+        at = body.find(prefix, pos)
+        try:
+            if at < 0:
+                raise ValueError(prefix)
+            start = at + len(prefix)
+            end = decoder.raw_decode(body, start)[1]
+            out.append((c["name"], body[start:end]))
+            pos = end
+        except (ValueError, RecursionError):
+            text = json.dumps(c["arguments"], ensure_ascii=False)
+            out.append((c["name"], text if _encodable(text) else json.dumps(c["arguments"])))
+    return out
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _openai_call(name: str, arguments: str) -> dict[str, Any]:
@@ -254,12 +286,16 @@ def arguments(raw: Any, param: str) -> Any:
     RecursionError: a 500, not a 400)."""
     bad = ToolError(param, f"arguments is JSON text nesting at most {MAX_JSON_DEPTH} levels")
     try:
-        args = json.loads(raw or "{}")
+        args = json.loads(raw or "{}", parse_constant=_not_json)  # NaN / Infinity are not JSON
     except (TypeError, ValueError, RecursionError):
         raise bad from None
     if json_depth(args) > MAX_JSON_DEPTH:
         raise bad
     return args
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def resent_text(text: str, forced: bool) -> str:
