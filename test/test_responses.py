@@ -99,6 +99,12 @@ def test_delete_and_store_false(server):
     ({"store": 1}, 400, "store"),
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"reasoning": {"bogus": 1}}, 400, "reasoning.bogus"),
+    ({"background": True}, 400, "background"),
+    ({"max_tool_calls": 3}, 400, "max_tool_calls"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
+    ({"conversation": "conv_1"}, 400, "conversation"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, 400, "metadata.k"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_creates_nothing(server, body, status, param):
     before = tasks(server)
@@ -237,7 +243,10 @@ def test_the_message_item_of_an_incomplete_response_is_incomplete(server):
 
 
 @pytest.mark.parametrize("extra", [{"include": []}, {"include": None}, {"store": None}, {"stream": None},
-                                   {"reasoning": None}, {"reasoning": {"effort": "low", "summary": None}}],
+                                   {"reasoning": None}, {"reasoning": {"effort": "low", "summary": None}},
+                                   {"background": False}, {"max_tool_calls": None}, {"top_logprobs": 0},
+                                   {"prompt": None}, {"conversation": None},
+                                   {"stream_options": {"include_obfuscation": False}}],
                          ids=lambda v: str(v))
 def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
     """As chat takes null for a field not set; reasoning is ignored as chat's reasoning_effort."""
@@ -245,6 +254,13 @@ def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
                    headers={"Authorization": "Bearer k1"})
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "response" and r.json()["store"] is True  # not streamed, stored
+
+
+def test_metadata_is_kept_with_the_response(server):
+    """As OpenAI does: shown in the answer and when read back (SDKs tag their runs with it)."""
+    client = sdk(server)
+    r = client.responses.create(model="m", input="x", max_output_tokens=2, metadata={"session": "abc", "n": "1"})
+    assert r.metadata == {"session": "abc", "n": "1"} == client.responses.retrieve(r.id).metadata
 
 
 def test_a_non_empty_include_is_refused_naming_it(server):

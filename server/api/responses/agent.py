@@ -87,6 +87,7 @@ def _meta(body: ResponseRequest, rendered: Rendered, described: str | None) -> d
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "calls": rendered.kept_calls(),
         "described": described,
+        "metadata": body.metadata or {},
     }
 
 

@@ -186,7 +186,7 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "tool_choice": m.get("tool_choice") or "auto",
         "parallel_tool_calls": m.get("parallel_tool_calls", False),
         "store": t.kind != "tmp",
-        "metadata": {},
+        "metadata": m.get("metadata") or {},
         "error": {"code": "server_error", "message": t.out.error or "generation failed"}
         if status == "failed"
         else None,

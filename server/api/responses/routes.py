@@ -124,14 +124,15 @@ def _separator(sv: Services, src: Task) -> str:
 
 def _check_supported(body: ResponseRequest) -> None:
     """A 400 unsupported_field naming a given field this route cannot honour."""
-    if body.include:  # each item asks for output data this route has none of (reasoning, tool results, logprobs)
-        raise ApiError(
-            400,
-            f"include {body.include!r} is not supported on /v1/responses (no output data beyond the text: "
-            "send include: [] or leave it out)",
-            param="include",
-            code="unsupported_field",
-        )
+    refused = {  # field -> why, where its value asks for what this route does not do
+        "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
+        "background": body.background and "background mode: a response is tied to its request",
+        "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
+        "top_logprobs": body.top_logprobs and "top_logprobs: no logprobs on /v1/responses (chat has them)",
+    }
+    for param, why in refused.items():
+        if why:
+            raise ApiError(400, f"{why} is not supported on /v1/responses", param=param, code="unsupported_field")
 
 
 @router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True))

@@ -152,8 +152,22 @@ class ResponseRequest(BaseModel):
     """Extra output data to include: none is available here (a non-empty list is refused)."""
     reasoning: Reasoning | None = None
     """Ignored, as chat's reasoning_effort: the model does not reason in hidden tokens."""
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16
+    )
+    """Stored with the response and shown with it (OpenAI's bounds: 16 pairs, keys of at most 64
+    characters, values of at most 512)."""
+    background: bool | None = None
+    """Only false (or null): a response is tied to its request (docs/agents.md)."""
+    max_tool_calls: int | None = None
+    """Only null: no bound on the calls but `parallel_tool_calls`."""
+    top_logprobs: int | None = None
+    """Only null or 0: no logprobs on responses."""
+    # null only: no stored prompts, no conversations
+    prompt: None = None
+    conversation: None = None
     # ignored: they cannot change the answer
-    metadata: dict[str, str] | None = None
+    stream_options: dict[str, Any] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
