@@ -337,3 +337,20 @@ def test_a_result_for_a_call_of_another_chain_is_refused(server):
         "max_output_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].call_id", r.text
     assert created(server) == before
+
+
+def test_a_format_with_tools_that_cannot_be_called_runs(server):
+    """tool_choice "none": no call grammar, so the format's grammar alone runs (chat alike); the
+    Agents SDK's agents with tools and an output_type send such a last turn."""
+    fmt = {"type": "json_schema", "name": "n", "strict": True,
+           "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                      "required": ["n"], "additionalProperties": False}}  # fmt: skip
+    r = sdk(server).responses.create(model="m", input="x", tools=TOOLS, tool_choice="none", text={"format": fmt},
+                                     max_output_tokens=20)
+    assert r.status == "completed" and json.loads(r.output_text)["n"] in range(10)
+    chat = sdk(server).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], max_tokens=20, tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}],
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": fmt["schema"]}},
+    )
+    assert json.loads(chat.choices[0].message.content)["n"] in range(10)

@@ -41,7 +41,7 @@ async def response_tools(sv: Services, body: ResponseRequest) -> ResponseTools:
     except tools.ToolError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
     fmt = body.text.format.type if body.text is not None else "text"
-    if body.tools and fmt != "text":
+    if plan is not None and fmt != "text":  # (tool_choice "none": the format's grammar alone runs)
         raise ApiError(
             400,
             "text.format with tools is not supported (one grammar per answer)",
