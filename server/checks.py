@@ -44,10 +44,11 @@ def device_problem(device: str, flag: str = "--device") -> str | None:
 
 
 def settings_problem(settings: Settings) -> str | None:
-    """Why the server cannot start with these settings (one line), or None."""
+    """Why the server cannot start with these settings (one line), or None. --device only when
+    --devices is empty (the engines' devices are then --devices')."""
+    device = None if settings.devices.strip() else device_problem(settings.device)
     return (numbers_problem(settings) or choices_problem(settings) or model_problem(settings.resolved_model())
-            or state_files_problem(settings) or device_problem(settings.device)
-            or devices_problem(settings))  # fmt: skip
+            or state_files_problem(settings) or device or devices_problem(settings))  # fmt: skip
 
 
 def model_problem(model: str) -> str | None:
@@ -56,7 +57,8 @@ def model_problem(model: str) -> str | None:
     if not model.startswith("synthetic:"):
         if os.path.isfile(model):
             return None
-        return f"--model {model!r}: no such file (give an RWKV-7 .pth file or synthetic:<preset>)"
+        what = "is a folder" if os.path.isdir(model) else "no such file"
+        return f"--model {model!r}: {what} (give an RWKV-7 .pth file or synthetic:<preset>)"
     from server.model.synthetic import parse_spec
 
     try:
@@ -125,9 +127,10 @@ def state_files_problem(settings: Settings) -> str | None:
         if names.count(name) > 1:
             return f"--state {name}: given more than once"
         if not NAME.match(name):
-            return f"--state {name}={path}: the name must be 1-64 letters, digits, '_', '-', '.' (no path separators)"
+            return (f"--state {name}={path}: the name must be 1-64 letters, digits, '_', '-', '.', starting "
+                    "with a letter or digit (no path separators)")  # fmt: skip
         if not os.path.isfile(path):
-            return f"--state {name}={path}: no such file"
+            return f"--state {name}={path}: {'is a folder' if os.path.isdir(path) else 'no such file'}"
     return None
 
 
@@ -212,7 +215,7 @@ def database_problem(db: str) -> str | None:
                 "or postgresql://user@host/db (postgresql+asyncpg://...)")  # fmt: skip
     if scheme.startswith("postgres"):
         if importlib.util.find_spec("asyncpg") is None:
-            return f"--db {shown}: PostgreSQL needs the asyncpg driver: pip install 'rwkv-task-server[postgres]'"
+            return f"--db {shown}: PostgreSQL needs the asyncpg driver: pip install asyncpg"
         return None
     path = rest.split("?", 1)[0][1:]  # sqlite:///rel/path, sqlite:////abs/path; sqlite:// is in memory
     return None if path in ("", ":memory:") else sqlite_path_problem(path, shown, make_folders=False)

@@ -12,11 +12,11 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import re
+import math
 import socket
 import sys
 import time
-from typing import Any, get_type_hints
+from typing import Any
 
 from server.checks import (
     database_open_problem,
@@ -26,25 +26,11 @@ from server.checks import (
     serve_problem,
     settings_problem,
 )
-from server.config import CHOICES, Settings, field_docs, redact_url
+from server.cli_parser import bad_environment, build_parser
+from server.config import Settings, redact_url
 
 SUBCOMMANDS = ("serve", "synth", "quantize", "generate")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
-_SIZE = re.compile(r"^\s*([+-]?[0-9.eE+-]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_int(raw: str) -> int:
-    """Ints, with size suffixes for budgets: 512MiB, 2GiB, 1.5G, 2e9. A sign is read (-5 is an
-    integer); the ranges are settings_problem's."""
-    m = _SIZE.match(raw)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}")
-    num, unit, _ = m.groups()
-    mult = 1024 ** "_kmgt".index(unit.lower()) if unit else 1
-    try:
-        return int(float(num) * mult) if (unit or "e" in num.lower() or "." in num) else int(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
 
 
 def setup_logging(level: str) -> None:
@@ -75,107 +61,20 @@ class RedactingFormatter(logging.Formatter):
         return redact_url(text) if "://" in text else text
 
 
-def add_settings_flags(p: argparse.ArgumentParser, defaults: Settings) -> None:
-    docs, hints = field_docs(), get_type_hints(Settings)
-    for f in dataclasses.fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        env = f"RWKV_{f.name.upper()}"
-        doc = docs.get(f.name, "").replace("%", "%%")
-        typ = hints[f.name]
-        if typ is bool:
-            p.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=f"{doc} [env {env}; now: {default}]"
-            )
-            continue
-        conv = parse_int if typ is int else typ
-        shown = default if default != "" else '""'
-        p.add_argument(
-            flag,
-            type=conv,
-            default=default,
-            metavar=f.name.upper(),
-            choices=CHOICES.get(f.name),
-            help=f"{doc} [env {env}; now: {shown}]",
-        )
-
-
-def build_parser(defaults: Settings) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rwkv-server",
-        description="RWKV-7 inference server (task API + OpenAI API).",
-        epilog="Without a subcommand, `serve` runs: `rwkv-server --model x.pth` == `rwkv-server serve --model "
-        "x.pth`. See `rwkv-server serve --help` for every server flag.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="{serve,synth,quantize,generate}")
-    serve = sub.add_parser(
-        "serve",
-        help="run the HTTP server (default)",
-        description="Run the HTTP server. Every flag can also be set by its RWKV_* variable.",
-    )
-    add_settings_flags(serve, defaults)
-    serve.add_argument(
-        "--state",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="load an RWKV-7 state file at start as the public template _NAME (repeatable; added to --states)",
-    )
-    synth = sub.add_parser("synth", help="write a synthetic checkpoint (random weights) as an official .pth")
-    synth.add_argument("preset", help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, optionally :seed (e.g. tiny:3)")
-    synth.add_argument("out", help="output path, e.g. tiny.pth")
-    synth.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="tensor dtype in the file")
-    qz = sub.add_parser(
-        "quantize",
-        help="write an 8-bit copy of a checkpoint (later loads skip the quantization, read ~half the bytes)",
-        description="Quantize a 16-bit RWKV-7 .pth as --quant does at load and write the result: "
-        "`serve --model OUT` then loads it without quantizing (docs/performance.md, 8-bit weights).",
-    )
-    qz.add_argument("model", help="the official 16-bit checkpoint (.pth)")
-    qz.add_argument("out", help="output path, e.g. model-int8.pth")
-    qz.add_argument("--quant", required=True, choices=("int8", "fp8"))
-    qz.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"), help="the serving compute dtype")
-    qz.add_argument("--device", default="auto", help="where to quantize: auto (cuda if available), cpu, cuda")
-    gen = sub.add_parser(
-        "generate",
-        help="load a model and generate from the command line (no HTTP)",
-        description="Load a model and continue a prompt (no HTTP). Backslash escapes in the "
-        "prompt are interpreted as in a Python string: "
-        "rwkv-server generate 'User: Hi\\n\\nAssistant:'",
-    )
-    gen.add_argument(
-        "prompt",
-        nargs="?",
-        default="User: Hello!\\n\\nAssistant:",
-        help="prompt text; backslash escapes (\\n, \\t, \\\\, \\u00e9, ...) are interpreted; "
-        "'-' reads the prompt from stdin as it is (default: %(default)s)",
-    )
-    gen.add_argument("--model", default=defaults.model, help="checkpoint .pth or synthetic:<preset>[:seed]")
-    gen.add_argument("--device", default=defaults.device)
-    gen.add_argument("--dtype", default=defaults.dtype)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=0.3)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["serve", *argv]
-    try:
-        defaults = Settings.from_env()
-    except ValueError as exc:
-        print(f"rwkv-server: bad environment: {exc}", file=sys.stderr)
-        return 2
-    args = build_parser(defaults).parse_args(argv)
+    defaults, bad_env = Settings.from_env_lenient()  # a bad variable: refused by the command that uses it
+    args = build_parser(defaults, bad_env).parse_args(argv)
     if args.command == "synth":
         return cmd_synth(args)
     if args.command == "quantize":
         return cmd_quantize(args)
     if args.command == "generate":
+        if bad_env:  # generate runs the engine with the other settings as they are
+            print(f"rwkv-server generate: bad environment: {next(iter(bad_env.values()))}", file=sys.stderr)
+            return 2
         return cmd_generate(args, defaults)
     return cmd_serve(args)
 
@@ -198,6 +97,9 @@ _LOAD_STAGES = {
 
 def cmd_serve(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+    if problem := bad_environment(values):
+        print(f"rwkv-server: {problem}", file=sys.stderr)
+        return 2
     values["states"] = "\n".join(x for x in (values["states"], *args.state) if x)
     settings = Settings(**values)
     problem = settings_problem(settings) or serve_problem(settings)
@@ -310,15 +212,33 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+GENERATE_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
+"""generate's sampling flags, checked against the API's bounds (server.engine.types.LIMITS)."""
+
+
 def sampling_problem(args: argparse.Namespace) -> str | None:
-    """generate's sampling flags outside their ranges (the engine's own check), or None."""
-    if args.max_tokens < 0:
-        return f"--max-tokens {args.max_tokens}: must be 0 or more"
-    if args.temperature < 0:
-        return f"--temperature {args.temperature}: must be 0 or more (0: greedy)"
-    if not 0 <= args.top_p <= 1:
-        return f"--top-p {args.top_p}: must be between 0 and 1"
+    """generate's sampling flags outside the bounds the API holds requests to (the same LIMITS,
+    and check_fields for the stop strings), or None."""
+    from server.engine.types import LIMITS, check_fields
+
+    for name in GENERATE_FIELDS:
+        value = getattr(args, name)
+        if value is None:  # --seed not given: a random one
+            continue
+        flag, (lo, hi) = f"--{name.replace('_', '-')} {value}", LIMITS[name]
+        if not math.isfinite(value):
+            return f"{flag}: must be a finite number"
+        if not lo <= value <= hi:
+            return f"{flag}: must be {_bound(lo)} to {_bound(hi)} (the API's bounds)"
+    try:
+        check_fields({"stop": list(args.stop)}, vocab_size=1)
+    except ValueError as exc:
+        return "--stop: " + str(exc).removeprefix("invalid 'stop': ")
     return None
+
+
+def _bound(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
 
 
 def prompt_text(raw: str) -> str:
@@ -339,15 +259,21 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
     except ValueError as exc:
         print(f"rwkv-server generate: {exc}", file=sys.stderr)
         return 2
-    problem = sampling_problem(args) or settings_problem(settings)
+    empty = "the prompt is empty: nothing to generate from" if not prompt else None
+    problem = empty or sampling_problem(args) or settings_problem(settings)
     if problem is not None:
         print(f"rwkv-server generate: {problem}", file=sys.stderr)
         return 2
     setup_logging("warning")
     from server.api.loading import load_services
     from server.engine.types import SamplingParams
+    from server.model.checkpoint import CheckpointError
 
-    sv = load_services(settings)
+    try:
+        sv = load_services(settings)
+    except (CheckpointError, OSError, ValueError, KeyError) as exc:  # what serve reports in one line too
+        print(f"rwkv-server generate: could not load the model: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -29,7 +30,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 """The values of the settings that take one of a few (the CLI's flag choices, checked again for
 values from the environment; the model loader's and the task store's arguments of the same names)."""
 
-ABOVE_ZERO = frozenset({"prefill_chunk", "lease_timeout"})
+ABOVE_ZERO = frozenset({"prefill_chunk", "lease_timeout", "max_body_bytes", "max_prompt_tokens"})
 """The number settings that must be above 0; every other int or float setting must be 0 or more,
 and no float setting may be NaN or infinite (server.checks.numbers_problem)."""
 
@@ -51,14 +52,20 @@ class Settings:
     """Compute dtype: fp32, fp16, bf16, or auto (fp16 on cuda, fp32 on cpu)."""
     state_dtype: str = "auto"
     """Precision of the WKV state kept per sequence: fp32, fp16, or auto (fp16 on cuda, fp32 on
-    cpu). fp16 halves state memory and is faster at large batches; its error is smaller than the
+    cpu). fp16 halves state memory and is faster at large batches; its error is a quarter of the
     fp16 activations' (docs/performance.md, "fp16 or fp32 state")."""
     quant: str = "none"
     """8-bit weights for the layers' r/k/v/o and FFN linears, quantized as the checkpoint loads
-    (per-output-channel scales; the embedding, LoRAs and head stay 16-bit): `none`, `int8`
-    (weight-only: half the weight memory, faster small batches on any CUDA GPU of compute
-    capability 8.0+), `fp8` (e4m3; on 8.9+ larger batches also run fp8 tensor-core GEMMs with
-    per-token activation scales). Quality and speed: docs/performance.md, "8-bit weights"."""
+    (per-output-channel scales; the embedding and LoRAs stay 16-bit, and so does the head, plus an
+    int8 copy of it that products of up to 8 rows read: 168 MB more at 2.9B): `none`, `int8`
+    (weight-only; half the weight memory: a 7.2B model with 64 streams in 10.1 GB) or `fp8` (e4m3;
+    past 64 rows also fp8 activations per token on compute capability 8.9+; with it, by default, a
+    transposed copy of the FFN value codes: see `--sparse-ffn`). On the H200 at 2.9B, against
+    16-bit weights: 16 streams decode faster (fp8 +24%, int8 +11%), 64 fp8 +6% (int8 -15%), 256
+    fp8 +8% (int8 -24%), 1,024 fp8 +17% (about 68,000 tok/s; int8 -12%). `python run.py quantize
+    MODEL.pth OUT.pth --quant int8` writes an 8-bit copy that later starts load as it is (no
+    `--quant` needed; about 60% of the file's bytes). Speed and quality: docs/performance.md,
+    "8-bit weights"."""
     sparse_ffn: str = "auto"
     """One-stream decode's FFN value projection reads only the weight rows of relu^2's nonzero
     inputs (about half of a random model's, most of a trained one's) from a transposed copy of its
@@ -83,9 +90,9 @@ class Settings:
     prefill_chunk: int = 512
     """Longest prompt chunk a single sequence prefills in one step (1 or more)."""
     max_queue: int = 4096
-    """Most sequences waiting for a slot; more submissions are refused (HTTP 429)."""
+    """Most sequences waiting for a slot; more submissions are refused (HTTP 429). 0: no bound."""
     max_prompt_tokens: int = 65536
-    """Longest prompt accepted, in tokens (longer: HTTP 413)."""
+    """Longest prompt accepted, in tokens (longer: HTTP 413; 1 or more)."""
     default_max_tokens: int = 256
     """max_tokens when a request gives none (at most max_tokens_limit, when that is set)."""
     max_tokens_limit: int = 0
@@ -131,8 +138,8 @@ class Settings:
 
     # --- replicas ----------------------------------------------------------------------------
     instance_name: str = ""
-    """This server's name among the servers sharing one database; empty: <host>:<port>, the
-    same across restarts, so a restarted server takes its own running tasks back (with --port 0
+    """This server's name among the servers sharing one database; empty: `<host>:<port>`, the
+    same across restarts, so a restarted server takes its own running tasks back (with `--port 0`
     a name of its own each start; docs/deployment.md)."""
     public_url: str = ""
     """The URL clients reach this server at (behind a load balancer: its own address); named in
@@ -180,7 +187,7 @@ class Settings:
     HTTP/1.1 (server.api.streaming.direct); task streams are written by their task's updates, without a
     reader per stream (the same writer). Off: every stream runs on the event loop."""
     max_body_bytes: int = 8 * 1024**2
-    """Largest request body accepted (HTTP 413 beyond)."""
+    """Largest request body accepted (HTTP 413 beyond; 1 or more)."""
     header_timeout: float = 30.0
     """Seconds a client has to send a request's headers (from its first byte, or from the
     connection's start); beyond: 408 and the connection is closed. 0: no limit."""
@@ -199,7 +206,7 @@ class Settings:
     file given here that cannot be read (as UTF-8 text) stops the start. Empty: the project's
     few_shot.txt (read when a request first asks for it; missing, such a request answers 500)."""
     log_level: str = "info"
-    """Log level: debug, info, warning, error."""
+    """Log level: debug, info, warning, error (in any case: `DEBUG` too)."""
 
     def __post_init__(self) -> None:
         if 0 < self.max_tokens_limit < self.default_max_tokens:  # the cap holds for the default too
@@ -209,15 +216,31 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from `RWKV_*` variables (of `env`, default the process environment), then
         explicit overrides (e.g. from the CLI)."""
+        settings, bad = cls.from_env_lenient(env, **overrides)
+        if bad:
+            raise ValueError(next(iter(bad.values())))
+        return settings
+
+    @classmethod
+    def from_env_lenient(
+        cls, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> tuple[Settings, dict[str, str]]:
+        """from_env, with each field whose variable cannot be read at its default instead, and
+        the message of each such variable by field name (for --help, and the commands that
+        do not use the setting: the command that does refuses it)."""
         env = os.environ if env is None else env
         hints = get_type_hints(cls)
         values: dict[str, Any] = {}
+        bad: dict[str, str] = {}
         for f in fields(cls):
             key = "RWKV_" + f.name.upper()
             if key in env:
-                values[f.name] = _parse(hints[f.name], env[key], key)
+                try:
+                    values[f.name] = _parse(hints[f.name], env[key], key)
+                except ValueError as exc:
+                    bad[f.name] = str(exc)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return cls(**values), bad
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -285,7 +308,7 @@ class Settings:
                 continue
             name, eq, path = item.partition("=")
             if not eq or not name.strip() or not path.strip():
-                raise ValueError(f"states: {item!r} is not NAME=PATH")
+                raise ValueError(f"{item!r} is not NAME=PATH")
             out.append((name.strip(), path.strip()))
         return out
 
@@ -331,22 +354,38 @@ def redact_url(text: str) -> str:
 _STATE_SPLIT = re.compile(r"\n|,(?=\s*[A-Za-z0-9][A-Za-z0-9_.\-]*=)")
 
 
+def whole_number(raw: str) -> int:
+    """An integer setting's value: a whole number, also written with an exponent (`2e9`, `1e3`);
+    ValueError for a fraction (`1.5`, `1.5e0`), a suffix, or anything else."""
+    text = raw.strip()
+    if re.fullmatch(r"[+-]?[0-9]+", text):
+        return int(text)
+    if re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][+-]?[0-9]+", text):
+        value = float(text)
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+    raise ValueError(raw)
+
+
 def _parse(typ: Any, raw: str, name: str) -> Any:
     try:
-        if typ is bool:
+        if typ is bool:  # an empty value is refused too: it reads as neither on nor off
             low = raw.strip().lower()
             if low in ("1", "true", "yes", "on"):
                 return True
-            if low in ("0", "false", "no", "off", ""):
+            if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
         if typ is int:
-            return int(float(raw)) if "e" in raw.lower() else int(raw)
+            return whole_number(raw)
         if typ is float:
             return float(raw)
         return raw
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {getattr(typ, '__name__', typ)}") from None
+        what = {bool: "boolean (1/true/yes/on or 0/false/no/off)", int: "whole number"}.get(
+            typ, getattr(typ, "__name__", str(typ))
+        )
+        raise ValueError(f"{name}={raw!r} is not a valid {what}") from None
 
 
 def field_docs() -> dict[str, str]:
@@ -362,4 +401,4 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-__all__ = ["Settings", "field", "field_docs"]
+__all__ = ["Settings", "field", "field_docs", "whole_number"]

@@ -47,6 +47,8 @@ def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     ("lease_timeout", 0.0, "--lease-timeout 0.0: must be more than 0"),
     ("lease_timeout", -5.0, "--lease-timeout -5.0: must be more than 0"),
     ("prefill_chunk", 0, "--prefill-chunk 0: must be more than 0"),
+    ("max_body_bytes", 0, "--max-body-bytes 0: must be more than 0"),  # 0 would refuse every request
+    ("max_prompt_tokens", 0, "--max-prompt-tokens 0: must be more than 0"),
 ])  # fmt: skip
 def test_numbers_problem_refuses_numbers_out_of_range(name, value, line):
     assert numbers_problem(Settings(**{name: value})) == line
@@ -55,7 +57,7 @@ def test_numbers_problem_refuses_numbers_out_of_range(name, value, line):
 @pytest.mark.parametrize("name,value", [
     ("stats_interval", 0.0), ("header_timeout", 0.0), ("body_timeout", 0.0), ("tmp_task_ttl", 0.0),
     ("db_busy_timeout", 0.0), ("debug_load_delay", 0.0), ("lease_timeout", 0.5), ("prefill_chunk", 1),
-    ("max_batch", 0),
+    ("max_batch", 0), ("max_queue", 0), ("max_body_bytes", 1), ("max_prompt_tokens", 1),
 ])  # fmt: skip
 def test_numbers_problem_takes_the_documented_edges(name, value):
     assert numbers_problem(Settings(**{name: value})) is None
@@ -66,6 +68,8 @@ def test_numbers_problem_takes_the_documented_edges(name, value):
     (["--stats-interval", "-1"], {}, "--stats-interval -1.0: must be 0 or more"),
     (["--lease-timeout", "0"], {}, "--lease-timeout 0.0: must be more than 0"),
     ([], {"RWKV_PREFILL_CHUNK": "0"}, "--prefill-chunk 0: must be more than 0"),
+    (["--max-body-bytes", "0"], {}, "--max-body-bytes 0: must be more than 0"),
+    ([], {"RWKV_MAX_PROMPT_TOKENS": "0"}, "--max-prompt-tokens 0: must be more than 0"),
 ])  # fmt: skip
 def test_a_number_out_of_range_stops_the_start_before_binding(tmp_path, args, env, expect):
     assert one_line(run_serve(*args, "--db", str(tmp_path / "t.db"), env=env)) == f"rwkv-server: {expect}"
@@ -102,6 +106,60 @@ def test_model_problem_parses_a_synthetic_spec(model, expect):
     problem = model_problem(model)
     assert (problem is None) == (expect is None), problem
     assert expect is None or (problem is not None and problem.startswith(expect) and "\n" not in problem)
+
+
+def test_the_help_says_what_max_queue_0_means():
+    from server.config import field_docs
+
+    assert "0: no bound" in field_docs()["max_queue"]
+
+
+def test_model_problem_names_a_folder(tmp_path):
+    line = f"--model {str(tmp_path)!r}: is a folder (give an RWKV-7 .pth file or synthetic:<preset>)"
+    assert model_problem(str(tmp_path)) == line
+    assert "no such file" in (model_problem(str(tmp_path / "none.pth")) or "")
+
+
+def test_state_file_messages(tmp_path):
+    state = tmp_path / "s.pth"
+    state.write_bytes(b"x")
+    assert settings_problem(Settings(device="cpu", states="bad")) == "--state: 'bad' is not NAME=PATH"
+    line = settings_problem(Settings(device="cpu", states=f".a={state}"))
+    assert line is not None and "starting with a letter or digit" in line, line
+    assert settings_problem(Settings(device="cpu", states=f"a={tmp_path}")) == f"--state a={tmp_path}: is a folder"
+
+
+def test_device_is_not_checked_when_devices_names_the_engines():
+    import torch
+
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    assert settings_problem(Settings(devices="cpu,cpu", device=missing)) is None
+    assert (settings_problem(Settings(device=missing)) or "").startswith(f"--device {missing!r}")
+
+
+def test_the_log_level_flag_takes_any_case(tmp_path):
+    # past the flag parsing: the port's check is what stops it
+    one_line(run_serve("--log-level", "DEBUG", "--port", "99999", "--db", str(tmp_path / "t.db")), "--port 99999")
+    r = run_serve("--log-level", "loud", "--db", str(tmp_path / "t.db"))
+    assert r.returncode == 2 and "invalid choice: 'loud'" in r.stderr, r.stderr
+
+
+def test_a_bad_variable_stops_serve_only(tmp_path):
+    env = {"RWKV_MAX_BATCH": "1.5"}
+    line = "rwkv-server: bad environment: RWKV_MAX_BATCH='1.5' is not a valid whole number"
+    assert one_line(run_serve("--db", str(tmp_path / "t.db"), env=env)) == line
+    full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    for args in (["--help"], ["serve", "--help"], ["synth", "tiny", str(tmp_path / "x.pth")]):
+        r = subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, env=full_env,
+                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+        if args[0] == "serve":  # the help names the bad value as the one in effect
+            assert "now: RWKV_MAX_BATCH='1.5' is not a valid whole number" in " ".join(r.stdout.split())
+    r = subprocess.run([sys.executable, "-m", "server.cli", "generate", "hi"], cwd=ROOT, env=full_env,
+                       capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    one_line(r, "rwkv-server generate: bad environment: RWKV_MAX_BATCH='1.5'")  # generate runs an engine
+    # a flag given wins over the variable: the bad value is never used
+    one_line(run_serve("--max-batch", "4", "--port", "99999", "--db", str(tmp_path / "t.db"), env=env), "--port 99999")
 
 
 def test_an_unknown_synthetic_preset_stops_the_start_before_binding(tmp_path):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.cli import main, parse_int
+from server.cli import main
+from server.cli_parser import parse_int
 from server.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,9 @@ escapes are interpreted ('-' reads stdin as it is)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +109,29 @@ def test_generate_with_int8_weights_quantizes_at_load():
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "--quant int8 on cpu" in r.stderr and "[4 tokens, finish length" in r.stderr
+
+
+def readme_settings_rows() -> dict[str, str]:
+    """The meaning column of README.md's settings tables, by field name."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Settings"):text.index("## Routes")]
+    rows = re.findall(r"^\| `--([a-z-]+)`.*?\| `RWKV_[A-Z_]+` \| [^|]* \| (.*) \|$", section, re.MULTILINE)
+    return {flag.replace("-", "_"): meaning for flag, meaning in rows}
+
+
+def test_the_readme_settings_table_says_what_help_says():
+    """Each setting's row in README.md holds its --help text (server/config.py's docstring) word for word."""
+    from server.config import Settings, field_docs
+
+    docs, rows = field_docs(), readme_settings_rows()
+    assert set(rows) == {f.name for f in dataclasses.fields(Settings)}
+    differ = {name: (rows[name], docs[name]) for name in docs if rows[name] != docs[name]}
+    assert not differ, differ
+
+
+def test_the_quant_help_names_the_int8_head_copy():
+    from server.config import field_docs
+    from server.model.qlinear import HEAD8_MAX_ROWS
+
+    doc = field_docs()["quant"]
+    assert "head stay 16-bit" not in doc and f"int8 copy of it that products of up to {HEAD8_MAX_ROWS} rows read" in doc

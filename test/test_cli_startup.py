@@ -5,6 +5,7 @@ generate arguments); a database URL's password never reaches the log or an error
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -22,7 +23,8 @@ import pytest
 from pg_util import pg_cluster, pg_url  # noqa: F401 - fixtures
 
 from server.checks import database_problem, numbers_problem, port_problem
-from server.cli import RedactingFormatter, load_failure, main, parse_int
+from server.cli import RedactingFormatter, load_failure, main
+from server.cli_parser import parse_int, parse_whole
 from server.config import Settings, redact_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +165,42 @@ def test_a_postgresql_password_is_in_no_log_line(pg_url, tmp_path):  # noqa: F81
 
 def test_parse_int_reads_a_sign():
     assert parse_int("-5") == -5 and parse_int("+7") == 7
+
+
+def test_integer_flags_take_whole_numbers_and_only_sizes_take_suffixes():
+    assert parse_whole("42") == 42 and parse_whole("-5") == -5 and parse_whole("2e3") == 2000
+    for raw in ("1.5", "0.5", "18k", "1.5e0", "1e999", "nan", "", "2 GiB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a whole number"):
+            parse_whole(raw)
+    assert parse_int("1.5G") == int(1.5 * 1024**3) and parse_int("2e9") == 2 * 10**9  # byte sizes
+    for raw in ("1.5", "0.5", "1e999K", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a byte size"):
+            parse_int(raw)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--max-batch", "1.5"], "argument --max-batch: not a whole number: '1.5'"),
+    (["--max-tokens-limit", "0.5"], "argument --max-tokens-limit: not a whole number: '0.5'"),
+    (["--port", "18k"], "argument --port: not a whole number: '18k'"),
+    (["--state-cache-bytes", "0.5"], "argument --state-cache-bytes: not a byte size: '0.5'"),
+])  # fmt: skip
+def test_integer_flags_refuse_fractions_and_suffixes_in_one_line(tmp_path, args, expect):
+    one_line(run_cli("serve", *args, "--db", str(tmp_path / "t.db")), expect)
+
+
+@pytest.mark.parametrize("env,expect", [
+    ({"RWKV_MAX_BATCH": "1.5e0"}, "RWKV_MAX_BATCH='1.5e0' is not a valid whole number"),
+    ({"RWKV_MAX_BATCH": "1e999"}, "RWKV_MAX_BATCH='1e999' is not a valid whole number"),
+    ({"RWKV_MAX_BATCH": "2e1"}, None),
+    ({"RWKV_DIRECT_STREAM": ""}, "RWKV_DIRECT_STREAM='' is not a valid boolean"),
+    ({"RWKV_DIRECT_STREAM": " OFF "}, None),
+])  # fmt: skip
+def test_environment_integers_are_whole_and_an_empty_boolean_is_refused(env, expect):
+    if expect is None:
+        Settings.from_env(env)
+    else:
+        with pytest.raises(ValueError, match=re.escape(expect)):
+            Settings.from_env(env)
 
 
 @pytest.mark.parametrize("args,env", [(["--port", "99999"], {}), (["--port", "-5"], {}), ([], {"RWKV_PORT": "70000"})])
@@ -319,9 +357,17 @@ def test_load_failure_names_what_failed():
     (["quantize", "CKPT", "/nonexistent/q.pth", "--quant", "int8"], "no folder /nonexistent"),
     (["quantize", "TMP/missing.pth", "OUT", "--quant", "int8"], "no such checkpoint file"),
     (["quantize", "synthetic:tiny", "OUT", "--quant", "int8"], "rwkv-server synth tiny tiny.pth"),
-    (["generate", "--max-tokens", "-3", "hi"], "--max-tokens -3: must be 0 or more"),
-    (["generate", "--temperature", "-1", "hi"], "--temperature -1.0: must be 0 or more"),
-    (["generate", "--top-p", "1.5", "hi"], "--top-p 1.5: must be between 0 and 1"),
+    (["generate", "--max-tokens", "-3", "hi"], "--max-tokens -3: must be 0 to 1,048,576 (the API's bounds)"),
+    (["generate", "--temperature", "-1", "hi"], "--temperature -1.0: must be 0 to 5 (the API's bounds)"),
+    (["generate", "--top-p", "1.5", "hi"], "--top-p 1.5: must be 0 to 1 (the API's bounds)"),
+    # the API's bounds (server.engine.types.LIMITS), before the model loads
+    (["generate", "--temperature", "nan", "hi"], "--temperature nan: must be a finite number"),
+    (["generate", "--temperature", "100", "hi"], "--temperature 100.0: must be 0 to 5"),
+    (["generate", "--max-tokens", "2000000", "hi"], "--max-tokens 2000000: must be 0 to 1,048,576"),
+    (["generate", "--seed", "-1", "hi"], "--seed -1: must be 0 to 9,223,372,036,854,775,807"),
+    (["generate", "--stop", "", "hi"], "--stop: each stop string has 1 to 256 characters"),
+    (["generate", ""], "the prompt is empty"),
+    (["generate", "--model", "TMP/missing.pth", ""], "the prompt is empty"),  # before the model too
 ])  # fmt: skip
 def test_subcommand_arguments_fail_with_one_line(tmp_path, capsys, args, expect):
     ckpt = tmp_path / "ckpt.pth"
@@ -343,6 +389,22 @@ def test_a_checkpoint_that_does_not_load_is_named_as_the_model(tmp_path):
     r = run_cli("serve", "--port", "0", "--model", str(bad), "--db", str(tmp_path / "t.db"))
     assert r.returncode == 1, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("rwkv-server: could not load the model: "), r.stderr[-2000:]
+
+
+def test_a_checkpoint_that_generate_cannot_load_ends_it_with_one_line(tmp_path):
+    import torch
+
+    fake, state, broken = tmp_path / "fake.safetensors", tmp_path / "state.pth", tmp_path / "broken.pth"
+    fake.write_bytes(b"{}")
+    torch.save({"blocks.0.att.time_state": torch.zeros(2, 4, 4)}, state)  # a state file, not a model
+    broken.write_bytes(b"not a checkpoint")
+    for path, why in ((fake, "unsupported checkpoint format"), (state, "not an RWKV-7 checkpoint"),
+                      (broken, "cannot read")):  # fmt: skip
+        r = run_cli("generate", "--model", str(path), "hi")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert len(lines) == 1 and lines[0].startswith("rwkv-server generate: could not load the model: "), lines
+        assert why in lines[0], lines[0]
 
 
 def test_port_0_logs_the_port_it_bound_when_ready(tmp_path):

@@ -39,7 +39,9 @@ class Access:
         if t is None:
             raise TaskNotFound(f"task {task_id!r} not found", param="task_id")
         if write and owner is not None and t.owner != owner:  # a public template of another key
-            raise TaskForbidden(f"template {t.display_id!r} belongs to another API key")
+            raise TaskForbidden(
+                f"template {t.display_id!r} {'belongs to another API key' if t.owner else 'is public (read-only)'}"
+            )
         if write and t.kind == TEMPLATE and not force:
             raise TaskForbidden(f"{t.display_id!r} is a template (read-only); pass force=true to change it")
         if (write or stream) and self.elsewhere(t):
