@@ -127,7 +127,7 @@ def build_parser(defaults: Settings, bad_env: dict[str, str] | None = None) -> a
     synth.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="tensor dtype in the file")
     qz = sub.add_parser(
         "quantize",
-        help="write an 8-bit copy of a checkpoint (later loads skip the quantization, read ~half the bytes)",
+        help="write an 8-bit copy of a checkpoint (later loads skip the quantization; ~60%% of a large model)",
         description="Quantize a 16-bit RWKV-7 .pth as --quant does at load and write the result: "
         "`serve --model OUT` then loads it without quantizing (docs/performance.md, 8-bit weights).",
     )

@@ -64,7 +64,8 @@ class Settings:
     16-bit weights: 16 streams decode faster (fp8 +24%, int8 +11%), 64 fp8 +6% (int8 -15%), 256
     fp8 +8% (int8 -24%), 1,024 fp8 +17% (about 68,000 tok/s; int8 -12%). `python run.py quantize
     MODEL.pth OUT.pth --quant int8` writes an 8-bit copy that later starts load as it is (no
-    `--quant` needed; about 60% of the file's bytes). Speed and quality: docs/performance.md,
+    `--quant` needed; about 60% of a 1.5B or larger model's bytes, more of a smaller one's: its
+    16-bit embedding and head are a larger share). Speed and quality: docs/performance.md,
     "8-bit weights"."""
     sparse_ffn: str = "auto"
     """One-stream decode's FFN value projection reads only the weight rows of relu^2's nonzero
