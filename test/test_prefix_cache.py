@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from server.api.openai.prefix_cache import PrefixCache
-from server.engine.types import Result
+from server.engine.types import RequestFailedError, Result
 
 
 class _State:
@@ -71,7 +71,7 @@ async def test_a_failed_prefill_reaches_every_waiter_and_is_not_cached():
     await asyncio.sleep(0.01)
     eng.release.set()
     for r in await asyncio.gather(*waiters, return_exceptions=True):
-        assert isinstance(r, RuntimeError) and "boom" in str(r)
+        assert isinstance(r, RequestFailedError) and "boom" in str(r)
     eng.fail = False
     await cache.get(eng, [1], "p")
     assert eng.submits == 2 and cache.stats()["entries"] == 1

@@ -49,14 +49,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
 from server.api.openai.settling import RepairSlots, Settling, engine_idle, until_generated
+from server.engine.prefill import prefill_state
 from server.engine.protocol import EngineAPI, Handle, StateLike
 from server.engine.types import (
     LENGTH,
     STOP,
     EngineError,
-    RequestFailedError,
     Result,
-    SamplingParams,
 )
 from server.tasks.cache import StateCache
 
@@ -261,21 +260,7 @@ class ConversationCache:
         key = self._keys(part, tokens, [len(tokens)])[len(tokens)]
 
         async def load() -> StateLike:
-            h = engine.submit(
-                tokens[n:],
-                SamplingParams(max_tokens=0),
-                init_state=state,
-                return_state=True,
-                request_id=f"conv-{uuid.uuid4().hex[:16]}",
-            )
-            try:
-                res = await h.wait()
-            except BaseException:
-                h.abort()
-                raise
-            if res.state is None or res.pending_tokens or res.finish_reason not in (STOP, LENGTH):
-                raise RequestFailedError(f"prefill failed: {res.error or res.finish_reason}")
-            return res.state
+            return await prefill_state(engine, tokens[n:], init_state=state, request_id=f"conv-{uuid.uuid4().hex[:16]}")
 
         kept = await self.cache.get_or_load(key, load)
         assert kept is not None  # load() returns a state or raises

@@ -17,8 +17,8 @@ import hashlib
 import logging
 from collections.abc import Sequence
 
+from server.engine.prefill import prefill_state
 from server.engine.protocol import EngineAPI, StateLike
-from server.engine.types import SamplingParams
 from server.tasks.cache import StateCache
 
 log = logging.getLogger("server.prefix")
@@ -46,16 +46,6 @@ class PrefixCache:
         return state
 
     async def _prefill(self, engine: EngineAPI, tokens: Sequence[int], k: str) -> StateLike:
-        h = engine.submit(tokens, SamplingParams(max_tokens=0), request_id=f"prefix-{k[:12]}", return_state=True)
-        try:
-            res = await h.wait()
-        except BaseException:
-            h.abort()
-            raise
-        if res.state is None or res.finish_reason == "error":
-            raise RuntimeError(f"prefix prefill failed: {res.error or res.finish_reason}")
-        if res.pending_tokens:  # a prefill-only request feeds every token (the engine's contract)
-            raise RuntimeError(f"prefix prefill left {len(res.pending_tokens)} token(s) unfed")
-        state: StateLike = res.state
+        state = await prefill_state(engine, tokens, request_id=f"prefix-{k[:12]}", what="prefix prefill")
         log.info("prefix %s prefilled: %d tokens, %d bytes of state", k[:12], len(tokens), state.nbytes())
         return state
