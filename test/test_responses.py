@@ -256,6 +256,14 @@ def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
     assert r.json()["object"] == "response" and r.json()["store"] is True  # not streamed, stored
 
 
+def test_a_prefill_only_response_has_nothing_cached(server):
+    """max_output_tokens 0 holds the input's last token back (fed by the next response): it is
+    not a cached token."""
+    client = sdk(server)
+    r = client.responses.create(model="m", input="hello there", max_output_tokens=0)
+    assert r.usage.input_tokens > 1 and r.usage.input_tokens_details.cached_tokens == 0, r.usage
+
+
 def test_metadata_is_kept_with_the_response(server):
     """As OpenAI does: shown in the answer and when read back (SDKs tag their runs with it)."""
     client = sdk(server)

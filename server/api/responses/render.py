@@ -150,11 +150,12 @@ def message(t: Task, text: str | None = None, status: str | None = None) -> dict
 
 def usage(t: Task) -> dict[str, Any]:
     out = t.completion_tokens
+    held = 1 if t.params.get("max_tokens") == 0 else 0  # a prefill-only run feeds all but the last: not cached
     return {
         "input_tokens": t.out_start,
         "output_tokens": out,
         "total_tokens": t.out_start + out,
-        "input_tokens_details": {"cached_tokens": max(0, t.out_start - t.prompt_tokens)},
+        "input_tokens_details": {"cached_tokens": max(0, t.out_start - t.prompt_tokens - held)},
         "output_tokens_details": {"reasoning_tokens": 0},
     }
 
