@@ -156,6 +156,7 @@ function taskView(ctx) {
  *  runs there; once it has finished (or runs on another instance), it enables them again. */
 function elsewhere({ id, signal, output, note, buttons }) {
   let instance; // the server running it; undefined: not watching
+  let entering = false; // enter is reading the committed text: the poll must not stream meanwhile
   let shown = -1; // the poll's generated_buf when the text shown was read
   const committed = async () => {
     const r = await api(path(id, "get_result"), { signal });
@@ -165,16 +166,22 @@ function elsewhere({ id, signal, output, note, buttons }) {
   const lock = (on) => buttons().forEach((b) => { b.disabled = on; });
   return {
     isMoved: (err) => err && err.code === "task_running_elsewhere",
-    active: () => instance !== undefined,
+    active: () => entering || instance !== undefined,
     async enter(err) {
-      const r = await committed();
-      if (r.finished) return; // it finished meanwhile
-      instance = r.instance ?? null;
-      shown = -1;
-      note.replaceChildren(h("p", { id: "task-elsewhere", class: "muted" }, err.message));
-      lock(true);
+      entering = true;
+      try {
+        const r = await committed();
+        if (r.finished) return; // it finished meanwhile
+        instance = r.instance ?? null;
+        shown = -1;
+        note.replaceChildren(h("p", { id: "task-elsewhere", class: "muted" }, err.message));
+        lock(true);
+      } finally {
+        entering = false;
+      }
     },
     async watch(st) {
+      if (entering) return true; // (the page's first poll can come before enter's answer)
       if (st.status !== 3 && st.instance === instance) {
         if (st.generated_buf !== shown) {
           await committed();
