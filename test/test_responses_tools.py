@@ -354,3 +354,20 @@ def test_a_format_with_tools_that_cannot_be_called_runs(server):
         response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": fmt["schema"]}},
     )
     assert json.loads(chat.choices[0].message.content)["n"] in range(10)
+
+
+def test_a_call_of_the_chain_sent_back_is_not_written_twice(server):
+    """A client that sends the previous response's function_call item back with its result and
+    previous_response_id: the call is in the state already, so the prompt is the result's alone."""
+    client = sdk(server)
+    r = client.responses.create(input=QUESTION, **FORCED)
+    call = one_call(r)
+    answer = result(call, "sunny")
+    alone = client.responses.create(previous_response_id=r.id, input=[answer], **{**FORCED, "tool_choice": "none",
+                                                                                  "max_output_tokens": 1})
+    echoed = {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
+    both = client.responses.create(previous_response_id=r.id, input=[echoed, answer],
+                                   **{**FORCED, "tool_choice": "none", "max_output_tokens": 1})
+    assert both.usage.input_tokens == alone.usage.input_tokens
+    listed = client.responses.input_items.list(both.id).data
+    assert [it.type for it in reversed(listed)] == ["function_call", "function_call_output"]

@@ -43,7 +43,8 @@ class Rendered:
 def render_input(inp: str | Sequence[Item], known: dict[str, str]) -> Rendered:
     """The input's turns and items; a 400 naming the item's field for one that cannot be rendered
     (arguments that are not JSON, a call_id no earlier call has, an id given twice).
-    `known`: the calls of the previous responses (none without previous_response_id)."""
+    `known`: the calls of the previous responses (none without previous_response_id); one of them
+    sent back as a function_call item is listed but not written into the prompt again."""
     if isinstance(inp, str):
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": inp}]}
         return Rendered([("user", inp)], [_stored(item, None)], dict(known))
@@ -64,7 +65,9 @@ def _render(inp: Sequence[Item], known: dict[str, str]) -> Rendered:
         ids.add(stored["id"])
         out.items.append(stored)
         if isinstance(it, FunctionCall):  # joins the assistant turn before it (one turn, several calls)
-            turn.calls.append({"name": it.name, "arguments": arguments(it.arguments, f"input[{i}].arguments")})
+            args = arguments(it.arguments, f"input[{i}].arguments")
+            if it.call_id not in known:  # a call of the chain sent back: its state holds it already
+                turn.calls.append({"name": it.name, "arguments": args})
             out.calls[it.call_id] = it.name
             continue
         turn.flush()
