@@ -6,12 +6,10 @@ repeated: the world vocabulary writes U+1F99C with three tokens."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 import torch
-from util_server import running_server
+from util_server import running_server, task_result
 
 from server.model.synthetic import synthetic_state_dict
 from server.tokenizer import get_tokenizer
@@ -53,22 +51,13 @@ def server(tmp_path_factory):
         yield srv
 
 
-def finished(c: httpx.Client, tid: str) -> dict:
-    for _ in range(600):
-        r = c.get(f"/v1/tasks/{tid}/get_result").json()
-        if r["finished"]:
-            return r
-        time.sleep(0.05)
-    raise AssertionError(f"{tid} did not finish")
-
-
 def run(c: httpx.Client, tid: str | None, max_tokens: int, **extra) -> dict:
     body = {"max_tokens": max_tokens, **GREEDY, **extra}
     if tid is None:
         tid = c.post("/v1/tasks/create", json={"prompt": "hi", **body}).json()["task_id"]
     else:
         assert c.post(f"/v1/tasks/{tid}/continue", json=body).status_code == 200
-    return {**finished(c, tid), "task_id": tid}
+    return {**task_result(c, tid), "task_id": tid}
 
 
 def test_the_model_writes_the_emoji(server):

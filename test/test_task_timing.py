@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from util_server import running_server
+from util_server import running_server, task_result
 
 LONG = {"prompt": "A long story", "max_tokens": 100_000, "ignore_eos": True}
 
@@ -25,13 +25,7 @@ def result(c: httpx.Client, tid: str) -> dict:
 
 
 def until(c: httpx.Client, tid: str, cond, timeout: float = 30) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r = result(c, tid)
-        if cond(r):
-            return r
-        time.sleep(0.05)
-    raise AssertionError(f"{tid}: {result(c, tid)}")
+    return task_result(c, tid, cond, timeout)
 
 
 def test_a_running_task_shows_its_time_so_far(server):

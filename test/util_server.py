@@ -198,3 +198,16 @@ def inprocess_server(settings, timeout: float = 120) -> Iterator[tuple[str, obje
     finally:
         srv.should_exit = True
         thread.join(30)
+
+
+def task_result(c: httpx.Client, task_id: str, until=lambda r: r["finished"], timeout: float = 60) -> dict:
+    """A task's get_result (client `c` on the server's root URL), polled until `until` holds
+    (default: finished); AssertionError with the last answer after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        r = c.get(f"/v1/tasks/{task_id}/get_result").json()
+        if until(r):
+            return r
+        if time.monotonic() > end:
+            raise AssertionError(f"{task_id}: {r}")
+        time.sleep(0.05)
