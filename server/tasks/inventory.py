@@ -29,12 +29,14 @@ class Inventory:
         *,
         tmp_task_ttl: float,
         db_state_bytes: Callable[[], int],
+        db_state_entries: Callable[[], int],
         writer_backlog: Callable[[], int],
         lane: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.table, self.store, self.cache, self.counters = table, store, cache, counters
         self.tmp_task_ttl = float(tmp_task_ttl)
         self._db_state_bytes = db_state_bytes  # Persistence.db_state_bytes, read when asked
+        self._db_state_entries = db_state_entries  # Persistence.db_state_entries (no query)
         self._writer_backlog = writer_backlog  # jobs in the writer's queue
         self._lane = lane  # the write-behind lane's stats (bytes, entries, dropped)
         self._janitor: asyncio.Task[None] | None = None
@@ -112,9 +114,10 @@ class Inventory:
         return len(old)
 
     def stats(self) -> dict[str, Any]:
-        """Cache tiers and counters. tiers.database.bytes: the stored non-template state bytes
-        (this server's writes and deletes count at once; another replica's at the next budget
-        check). tiers.tmp: the states of finished TMP_ tasks (Settings.tmp_state_bytes);
+        """Cache tiers and counters. tiers.database.bytes / entries: the stored non-template
+        states' bytes and number (this server's writes and deletes count at once; another
+        replica's at the next budget check; both are kept in memory, never queried here).
+        tiers.tmp: the states of finished TMP_ tasks (Settings.tmp_state_bytes);
         tiers.write_behind: finished tasks' states waiting to be written (pinned meanwhile, so
         also in tasks_pinned). counters.rebuilds / rebuild_tokens: runs that re-fed history a
         missing state had consumed, and those tokens."""
@@ -141,6 +144,7 @@ class Inventory:
                 "write_behind": {"bytes": lane.get("bytes", 0), "entries": lane.get("entries", 0)},
                 "database": {
                     "bytes": self._db_state_bytes(),
+                    "entries": self._db_state_entries(),
                     "hits": self.counters["db_state_loads"],
                     "misses": self.counters["state_misses"],
                 },

@@ -136,6 +136,7 @@ class TaskManager:
             self.counters,
             tmp_task_ttl=cfg.tmp_task_ttl,
             db_state_bytes=lambda: persistence.db_state_bytes,
+            db_state_entries=lambda: persistence.db_state_entries,
             writer_backlog=self.writer.queue.qsize,
             lane=persistence.lane.stats,
         )

@@ -135,6 +135,11 @@ class Persistence:
         """Stored non-template state bytes, exact for this server's own writes and deletes."""
         return self.states.db_state_bytes
 
+    @property
+    def db_state_entries(self) -> int:
+        """Stored non-template states, exact for this server's own writes and deletes."""
+        return self.states.db_state_entries
+
     # --- reads ---------------------------------------------------------------------------------
     async def load_task(self, task_id: str) -> Task | None:
         """The stored task (kept as recently read when finished), or the copy loaded meanwhile.
@@ -239,7 +244,7 @@ class Persistence:
         return st
 
     async def _drop_corrupt(self, sid: str) -> None:
-        self.states.db_state_bytes -= await self.store.drop_state(sid)
+        self.states.dropped(await self.store.drop_state(sid))
         for x in self.table.held():
             if x.stored_id == sid:
                 x.stored_id, x.stored_pos = None, 0
@@ -388,7 +393,7 @@ class Persistence:
             _, dropped = await self.store.delete_task(t.id, self.instance)
         except RowHeld as held:  # a replica runs it (this copy was stale): delete it there
             raise TaskElsewhere(t.display_id, held.instance, self.url_of(held.instance), "delete") from None
-        self.states.db_state_bytes -= dropped
+        self.states.dropped(dropped)
 
 
 def _decode(meta: str, data: bytes, signature: str, checksum: str) -> State:

@@ -2,9 +2,9 @@
 
 `StateWrites` owns the write-behind lane (server.tasks.behind): it encodes a pending state in one
 thread of lowered CPU priority (on a busy host the engine and the event loop go first), commits
-it through the writer (the row then names it), and keeps `db_state_bytes`, the stored
-non-template state bytes, exact for this server's own writes and deletes (another replica's
-are seen at each budget check).
+it through the writer (the row then names it), and keeps `db_state_bytes` and
+`db_state_entries`, the stored non-template states' bytes and number, exact for this server's own
+writes and deletes (another replica's are seen at each budget check).
 """
 
 from __future__ import annotations
@@ -53,10 +53,20 @@ class StateWrites:
         self.lane = StateLane(self._encode_state, self._write_state, self._drop_pending, max_bytes=write_behind_bytes)
         self.db_state_bytes = 0
         """Stored non-template state bytes."""
+        self.db_state_entries = 0
+        """Stored non-template states (/metrics' `rwkv_state_cache_entries{tier="database"}`).
+        Kept in memory, beside db_state_bytes and by the same rule, rather than counted when
+        /metrics asks: every state this server writes or drops passes through this object (or
+        Persistence, which tells it), so the figure costs nothing to read, and /metrics (through
+        the synchronous TaskManager.stats) never touches the database. A COUNT per scrape would
+        make the scrape wait on the database (a PostgreSQL away: up to its timeouts), or, cached
+        to avoid that, show the previous scrape's figure. Read from the database at start and
+        after each budget check, as db_state_bytes is (other replicas' states count from then)."""
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="task-state-encode", initializer=_background)
 
     async def start(self) -> None:
         self.db_state_bytes = await self.store.states_bytes(templates=False)
+        self.db_state_entries = await self.store.states_count(templates=False)
         self.lane.start()
 
     async def close(self, timeout: float) -> None:
@@ -90,7 +100,7 @@ class StateWrites:
             if t.deleted:
                 return
             stored, dropped = await self.store.store_state(t.id, srow, p.pos)
-            self.db_state_bytes -= dropped
+            self.dropped(dropped)
             if not stored:
                 return
             if p.pos >= t.stored_pos or t.stored_id is None:
@@ -103,6 +113,14 @@ class StateWrites:
                 log.exception("database budget check failed")
         finally:
             self._release(p)
+
+    def dropped(self, nbytes: int) -> None:
+        """A store call dropped `nbytes` of non-template state (what store_state, drop_state and
+        delete_task return): that is one state, as each drops at most one; every state has
+        bytes, so 0 means none was dropped (or a template's, which is not counted)."""
+        if nbytes:
+            self.db_state_bytes -= nbytes
+            self.db_state_entries -= 1
 
     def _drop_pending(self, p: Pending, why: str) -> None:
         """A pending state that will not be written: it stays in the cache while the cache
@@ -124,6 +142,7 @@ class StateWrites:
         grown = 0 if is_template else int(nbytes)
         if self.db_state_bytes + grown <= self.db_budget_bytes:
             self.db_state_bytes += grown
+            self.db_state_entries += 0 if is_template else 1
             return
         await self._enforce_db_budget()
 
@@ -135,6 +154,9 @@ class StateWrites:
         keep = self.cache.pinned_keys() | {x.state_id for x in self.table.running() if x.state_id}
         victims, total = await self.store.enforce_budget(self.db_budget_bytes, keep, prefer=self.cache.keys())
         self.db_state_bytes = total
+        # one more read where the budget check already read every state's size (on the writer,
+        # so no write of this server's comes between): the count, other replicas' states included
+        self.db_state_entries = await self.store.states_count(templates=False)
         if victims:
             gone = set(victims)
             for sid in gone:

@@ -314,6 +314,15 @@ class Store(Database):
         async with self.read() as conn:
             return int((await conn.execute(q)).scalar_one())
 
+    async def states_count(self, templates: bool | None = False) -> int:
+        """The number of stored states (non-template ones by default; None: all). Counted on
+        the (is_template, last_used) index, so SQLite never reads the state blobs' pages."""
+        q = sa.select(sa.func.count()).select_from(states)
+        if templates is not None:
+            q = q.where(states.c.is_template == templates)
+        async with self.read() as conn:
+            return int((await conn.execute(q)).scalar_one())
+
     async def enforce_budget(self, budget: int, keep: set[str], prefer: Iterable[str] = ()) -> tuple[list[str], int]:
         """Drop least recently used non-template states until they fit in `budget` bytes, never
         one in `keep`, one in `prefer` only when the others do not suffice; tasks that pointed
