@@ -4,8 +4,13 @@ error model, and `text/event-stream` beside `application/json` where a route can
 Routes declare their answers with `responses=answers(...)` (the error statuses they can give, and
 whether they stream); `install(app)` adds the error model to the document's components and drops
 FastAPI's default 422 (a `{"detail": [...]}` body this server never sends: every route that can
-answer 422 declares it with the error model). Statuses every route can give only through a bug
-or an overloaded host (500, the 503 of the connection bound) are not listed per route.
+answer 422 declares it with the error model). It also adds, to every operation, the statuses the
+layers below the routes give whatever the route (HTTP_LAYER): 408 from the read deadlines
+(server.api.http_limits: every request has headers, and an operation with a body a body too), and
+413 from the middleware's body limit (every operation with a body; a route with a limit of its
+own declares its 413 itself). Their bodies are always the error model, on the rwkv_lightning
+routes too (neither comes from a route). Statuses every route can give only through a bug or an
+overloaded host (500, the 503 of the connection bound) are not listed per route.
 """
 
 from __future__ import annotations
@@ -89,6 +94,19 @@ def answers(
     return out
 
 
+HTTP_LAYER: dict[int, tuple[str | None, str]] = {
+    # status -> (why, on an operation without a request body (None: not given there); why, with one)
+    408: (
+        "The request's headers did not arrive within --header-timeout seconds: the answer comes before any "
+        "route runs, and the connection is closed",
+        "The request's headers did not arrive within --header-timeout seconds, or its body not within "
+        "--body-timeout seconds of them: the connection is closed",
+    ),
+    413: (None, "The body is over --max-body-bytes (the middleware's limit, before the route reads it)"),
+}
+"""The statuses `install` adds to the operations that do not declare them (see the module's doc)."""
+
+
 def install(app: FastAPI) -> None:
     """Finish the app's document once, when it is first built (see the module's doc)."""
     build = app.openapi
@@ -109,9 +127,14 @@ def _finish(doc: dict[str, Any]) -> None:
     schemas["ErrorResponse"] = model
     for ops in doc.get("paths", {}).values():
         for op in ops.values():
-            responses = op.get("responses", {})
+            responses = op.setdefault("responses", {})
             for status in [s for s, r in responses.items() if _is_fastapi_422(r)]:
                 del responses[status]
+            for status, (without_body, with_body) in HTTP_LAYER.items():
+                why = with_body if "requestBody" in op else without_body
+                if why is not None and str(status) not in responses:
+                    responses[str(status)] = {"description": why, "content": _ERROR_CONTENT}
+            op["responses"] = dict(sorted(responses.items(), key=lambda kv: (not kv[0].isdigit(), kv[0])))
     for name in _FASTAPI_422:
         schemas.pop(name, None)
 

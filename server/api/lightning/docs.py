@@ -12,7 +12,8 @@ _WHY = {
     "the queue (bsz overflow), a missing session_id / dialogue_idx",
     401: "API keys are configured and neither `password` nor `Authorization: Bearer` holds one",
     404: "unknown session or dialogue node",
-    409: "the session is generating (one write to a session at a time)",
+    409: "the session is generating (one write to a session at a time); /state/delete: it is generating on "
+    "another server of the database (`task_running_elsewhere`)",
     413: "a prompt or the body is too large",
     429: "the engine's queue is full; retry shortly",
     503: "the model is loading, the engine stopped, or the server is shutting down",
