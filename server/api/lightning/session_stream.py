@@ -1,6 +1,11 @@
 """A session run's answer: lightning's native SSE read from the task's output (a StreamSource,
 server.api.streaming.source), or the wait for its end when not streamed. A client that leaves
-before the end stops the run (what was generated stays in the session, as on lightning)."""
+before the end stops the run (what was generated stays in the session, as on lightning).
+
+A server shutdown ends the answer (the stream with a `shutting_down` event, the wait with a 503)
+but does not stop the run from here: the task manager's close ends every run still going as
+`interrupted` (docs/task-api.md: the server stopped while it ran; `stopped` is a /stop or a
+client that left), the task API's runs too, and the next call after a restart goes on from it."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from fastapi import Request
 from server.api.errors import ApiError, task_error
 from server.api.lightning.render import native_chunk
 from server.api.streaming.source import DONE, event
-from server.api.streaming.sse import done_or_gone
+from server.api.streaming.sse import done_or_gone, draining_event
 from server.tasks import streaming
 from server.tasks.errors import TaskError
 
@@ -79,16 +84,34 @@ class SessionStream:
         self.abort()
 
 
+def shutting_down(request: Request) -> bool:
+    """Whether the server has begun to shut down (the app's drain event is set)."""
+    draining = draining_event(request.app)
+    return draining is not None and draining.is_set()
+
+
+def stopper(request: Request, tasks: TaskManager, t: Task) -> Callable[[], None]:
+    """What ends t's run when its answer ends early: an abort (`stopped`), except once the
+    server is shutting down, whose close ends the run `interrupted` (see the module's doc)."""
+
+    def stop() -> None:
+        if not shutting_down(request):
+            tasks.abort(t)
+
+    return stop
+
+
 async def settle(request: Request, tasks: TaskManager, t: Task, owner: str | None) -> bool:
     """Wait until the run ended; False when the client left first (the run is stopped then).
-    503 when the server begins to shut down meanwhile (the run is stopped too)."""
+    503 when the server begins to shut down meanwhile (the shutdown ends the run `interrupted`)."""
+    stop = stopper(request, tasks, t)
     try:
         if await done_or_gone(request, tasks.wait(t.id, owner)):
             return True
     except TaskError as exc:  # e.g. the session deleted meanwhile: its error, not a 500
         raise task_error(exc) from None
     except ApiError:
-        tasks.abort(t)
+        stop()
         raise
-    tasks.abort(t)
+    stop()
     return False

@@ -23,7 +23,7 @@ from server.api.lightning.schemas import (
     capped,
     sampling_params,
 )
-from server.api.lightning.session_stream import SessionStream, settle
+from server.api.lightning.session_stream import SessionStream, settle, stopper
 from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions
 from server.api.metrics import CLIENT_GONE
 from server.api.services import Services, get_services, json_response, task_manager
@@ -93,7 +93,7 @@ async def _answer(
             if node is not None
             else b""
         )
-        source = SessionStream(t, body.chunk_size, tail, on_abort=lambda: tm.abort(t))
+        source = SessionStream(t, body.chunk_size, tail, on_abort=stopper(request, tm, t))
         return SSEResponse(source, metrics=sv.metrics)
     out = t.out  # this run's output (bound before the wait: a later call makes a new one)
     if not await settle(request, tm, t, owner):
@@ -172,7 +172,7 @@ async def state_status(request: Request, body: Credential | None = None) -> Resp
     )
 
 
-@router.post("/state/delete", responses=docs.responses(400, 401, 404, 503, ok=("json",)))
+@router.post("/state/delete", responses=docs.responses(400, 401, 404, 409, 503, ok=("json",)))
 async def state_delete(body: DeleteBody, request: Request) -> Response:
     """Delete a session (or node) of the caller's; `delete_prefix` also every `<session_id>:*`."""
     owner = authorize(request, body.password)
