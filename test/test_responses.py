@@ -105,6 +105,8 @@ def test_delete_and_store_false(server):
     ({"conversation": "conv_1"}, 400, "conversation"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
     ({"metadata": {"k": "v" * 513}}, 400, "metadata.k"),
+    ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, 400, "input[0].type"),  # (was a 500)
+    ({"input": [{"type": {}, "role": "user", "content": "x"}]}, 400, "input[0].type"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_creates_nothing(server, body, status, param):
     before = tasks(server)

@@ -73,6 +73,8 @@ class FunctionCallOutput(BaseModel):
 def _item_kind(v: Any) -> str:
     """The union branch of an input item (tags in class-name form: param_of drops them)."""
     kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
+    if not isinstance(kind, str):  # a list or an object: the message branch's validation names it
+        return "InputMessage"
     return {"function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}.get(kind, "InputMessage")
 
 
