@@ -68,11 +68,45 @@ def compiler(tok):
     (GrammarSpec("regex", "[a-"), "Unclosed"),
     (GrammarSpec("ebnf", "root ::= foo"), "foo"),
     (GrammarSpec("regex", "a", trigger="x" * 65), "trigger"),
+    (GrammarSpec("any_of", "[]"), "1 to 8 alternatives"),
+    (GrammarSpec("any_of", '{"kind": "regex"}'), "1 to 8 alternatives"),
+    (GrammarSpec("any_of", '[{"kind": "regex", "source": "a", "prefix": 1}]'), "an any_of alternative is"),
+    (GrammarSpec("any_of", '[{"kind": "regex", "source": "a", "trigger": "x"}]'), "an any_of alternative is"),
+    (GrammarSpec("any_of", '[{"kind": "any_of", "source": "[]"}]'), "cannot be an any_of"),
+    (GrammarSpec("any_of", '[{"kind": "regex", "source": "a"}, {"kind": "regex", "source": "[a-"}]'), "Unclosed"),
+    (GrammarSpec("any_of", '[{"kind": "json_schema", "source": "{not json"}]'), "not JSON"),
 ])  # fmt: skip
 def test_bad_grammars_raise_a_clear_value_error(compiler, spec, words):
     with pytest.raises(ValueError, match=words) as ei:
         compiler.compile(spec)
     assert "/project/cpp" not in str(ei.value) and "Check failed" not in str(ei.value)
+
+
+CALLS = {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+    "type": "object", "properties": {"name": {"const": "f"}, "arguments": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False}},
+    "required": ["name", "arguments"], "additionalProperties": False}}  # fmt: skip
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}  # fmt: skip
+EITHER = GrammarSpec.any_of([("<tool_call>", GrammarSpec.json_schema(CALLS)), ("", GrammarSpec.json_schema(ANSWER))])
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('<tool_call>[{"name": "f", "arguments": {}}]', True),
+    ('{"answer": 3}', True),
+    ('<tool_call>{"answer": 3}', False),  # a prefix belongs to its own alternative
+    ('[{"name": "f", "arguments": {}}]', False),  # ... and that alternative needs it
+    ('{"answer": "3"}', False),
+    ("hello", False),
+])  # fmt: skip
+def test_any_of_takes_each_alternative_with_its_prefix_and_nothing_else(compiler, text, ok):
+    import xgrammar as xgr
+
+    compiled = compiler.compile(EITHER)
+    matcher = xgr.GrammarMatcher(compiled.grammar)
+    assert (matcher.accept_string(text) and matcher.accept_token(0)) is ok  # then EOS: the language ends there
+    assert compiled.ban is not None  # JSON behind a plain prefix: control bytes stay banned
+    assert compiler.compile(GrammarSpec.any_of([("", GrammarSpec("regex", "a+"))])).ban is None
 
 
 def test_recursive_schemas_are_refused_others_pass():
@@ -163,6 +197,17 @@ def test_fifty_schema_constrained_generations_all_validate(engine):
         jsonschema.validate(json.loads(r.text), SCHEMA)
         texts.add(r.text)
     assert len(texts) > 10  # different seeds, different documents: the model samples, the mask only prunes
+
+
+def test_any_of_generations_each_follow_one_alternative(engine):
+    handles = [engine.submit("Answer:", SamplingParams(max_tokens=120, temperature=1.0, seed=s, grammar=EITHER))
+               for s in range(24)]  # fmt: skip
+    for r in (h.result(300) for h in handles):
+        assert r.finish_reason == "stop", (r.finish_reason, r.error, r.text)
+        if r.text.startswith("<tool_call>"):
+            jsonschema.validate(json.loads(r.text.removeprefix("<tool_call>")), CALLS)
+        else:
+            jsonschema.validate(json.loads(r.text), ANSWER)
 
 
 def test_json_object_output_always_parses(engine):

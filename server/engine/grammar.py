@@ -89,7 +89,7 @@ class GrammarCompiler:
         spec.check()
         grammar = self._compile(spec)
         guard = self._guard(spec.trigger) if spec.trigger else None
-        out = Compiled(spec, grammar, guard, self._json_ban() if spec.kind in JSON_KINDS else None)
+        out = Compiled(spec, grammar, guard, self._json_ban() if _json_only(spec) else None)
         with self._lock:
             self._cache[spec] = out  # evicts the least recently used beyond cache_size
         return out
@@ -99,6 +99,8 @@ class GrammarCompiler:
         kind, src = spec.kind, spec.source
         if kind == "json_schema":
             check_schema(src)
+        if kind == "any_of":
+            return comp.compile_grammar(self._union(spec))
         try:
             if kind == "json_schema":
                 return comp.compile_json_schema(src, any_whitespace=False, strict_mode=True)
@@ -113,6 +115,24 @@ class GrammarCompiler:
             return comp.compile_structural_tag(src)
         except Exception as exc:
             raise ValueError(f"invalid {kind} grammar: {_clean(exc)}") from None
+
+    def _union(self, spec: GrammarSpec):
+        """An any_of spec as one library grammar: the union of prefix + alternative."""
+        import xgrammar as xgr
+
+        self._xgr_compiler()  # the library's import and vocabulary, once
+        parts = []
+        for prefix, alt in spec.alternatives():
+            if alt.kind == "json_schema":
+                check_schema(alt.source)
+            try:
+                g = _grammar(xgr, alt)
+                if prefix:
+                    g = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {_literal(prefix)}"), g)
+            except Exception as exc:
+                raise ValueError(f"invalid any_of grammar: {alt.kind}: {_clean(exc)}") from None
+            parts.append(g)
+        return parts[0] if len(parts) == 1 else xgr.Grammar.union(*parts)
 
     def _json_ban(self):
         if self._no_control is None:
@@ -131,6 +151,38 @@ class GrammarCompiler:
         with self._lock:
             self._guards[trigger] = g
         return g
+
+
+def _grammar(xgr: Any, spec: GrammarSpec) -> Any:
+    """The library's Grammar of a spec of a single kind (an any_of alternative), written the way
+    GrammarCompiler._compile compiles the same kind."""
+    kind, src = spec.kind, spec.source
+    if kind in JSON_KINDS:
+        schema = src if kind == "json_schema" else '{"type": "object"}'
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(src)
+    if kind == "lark":
+        return xgr.Grammar.from_lark(src)
+    if kind == "ebnf":
+        return xgr.Grammar.from_ebnf(src)
+    return xgr.Grammar.from_structural_tag(src)
+
+
+def _literal(text: str) -> str:
+    """text as an EBNF string literal (the library takes JSON's escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json_only(spec: GrammarSpec) -> bool:
+    """Whether every output of spec is JSON (after a prefix): the control-byte ban applies."""
+    if spec.kind == "any_of":
+        alts = spec.alternatives()
+        return all(a.kind in JSON_KINDS and not _CONTROL.search(p) for p, a in alts)
+    return spec.kind in JSON_KINDS
+
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def _clean(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ No torch import here: the scheduler, the task layer and the API all use these ty
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +58,11 @@ FIELDS = (
 """The names of SamplingParams' fields as requests and stored task parameters spell them."""
 
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf", "structural_tag")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf", "structural_tag", "any_of")
 MAX_GRAMMAR_CHARS = 200_000
 MAX_TRIGGER_CHARS = 64
+MAX_ALTERNATIVES = 8
+"""Alternatives of one any_of grammar."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class GrammarSpec:
     lark            a Lark grammar (the library's dialect; rule `start`)
     ebnf            a GBNF / EBNF grammar (rule `root`)
     structural_tag  the grammar library's structural-tag JSON (tags with begin / schema / end)
+    any_of          a JSON list of alternatives {"prefix": text, "kind": ..., "source": ...}
+                    (kinds above, no trigger); output: one alternative's prefix, then its
+                    language (an answer that is either a tool call list or a formatted reply)
 
     JSON output is written with the separators ", " and ": " and no other whitespace.
     """
@@ -95,6 +101,38 @@ class GrammarSpec:
 
         return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema), trigger)
 
+    @classmethod
+    def any_of(cls, alternatives: Sequence[tuple[str, GrammarSpec]]) -> GrammarSpec:
+        """One grammar whose output is `prefix` then the language of `spec`, for one of the
+        (prefix, spec) alternatives (specs without triggers)."""
+        import json
+
+        alts = [{"prefix": p, "kind": a.kind, "source": a.source} for p, a in alternatives]
+        return cls("any_of", json.dumps(alts))
+
+    def alternatives(self) -> list[tuple[str, GrammarSpec]]:
+        """An any_of spec's (prefix, spec) alternatives; ValueError if its source is not a list
+        of 1..MAX_ALTERNATIVES of them, each of another kind and without a trigger."""
+        import json
+
+        try:
+            raw = json.loads(self.source)
+        except ValueError:
+            raw = None
+        if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_ALTERNATIVES:
+            raise ValueError(f"an any_of grammar is a JSON list of 1 to {MAX_ALTERNATIVES} alternatives")
+        out = []
+        for a in raw:
+            ok = isinstance(a, dict) and set(a) <= {"prefix", "kind", "source"}
+            if not ok or not all(isinstance(a.get(k, ""), str) for k in ("prefix", "kind", "source")):
+                raise ValueError('an any_of alternative is {"prefix": text, "kind": kind, "source": text}')
+            spec = GrammarSpec(a.get("kind", ""), a.get("source", ""))
+            if spec.kind == "any_of":
+                raise ValueError("an any_of alternative cannot be an any_of grammar")
+            spec.check()
+            out.append((a.get("prefix", ""), spec))
+        return out
+
     def check(self) -> None:
         """Raise ValueError for a spec that cannot be compiled whatever the library says (kind,
         sizes); the compiler checks the source itself (server.engine.grammar)."""
@@ -106,6 +144,8 @@ class GrammarSpec:
             raise ValueError(f"a {self.kind} grammar needs a source")
         if len(self.trigger) > MAX_TRIGGER_CHARS:
             raise ValueError(f"a grammar trigger has at most {MAX_TRIGGER_CHARS} characters")
+        if self.kind == "any_of":
+            self.alternatives()
 
 
 @dataclass(frozen=True, slots=True)
