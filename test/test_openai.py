@@ -224,3 +224,28 @@ def test_a_trailing_slash_answers_as_the_plain_path(server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
     r = httpx.get(server.url + "/v1/models/")
     assert r.status_code == 200 and r.json() == httpx.get(server.url + "/v1/models").json()
+
+
+LEAD = {"max_tokens": 16, "seed": 725, "temperature": 5.0, "top_p": 1.0}
+"""A sampling whose reply to "Hello" opens with a newline on the tiny synthetic model."""
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": True}], ids=["plain", "agent"])
+def test_chat_stop_strings_never_match_in_the_hidden_leading_whitespace(client, extra):
+    """A chat reply's leading whitespace (the gap after "Assistant:") is not shown, so a stop
+    string cannot match inside it: `stop` applies to the text the client is shown. Completions
+    (raw text, nothing hidden) match there as before."""
+    prompt = build_prompt([("user", "Hello")]).text
+    raw = client.completions.create(model="m", prompt=prompt, **LEAD).choices[0].text
+    assert raw[:1] == "\n" and raw.strip(), repr(raw)  # (this seed's reply opens with a newline: what is tested)
+    stops = ["\n", " "]
+    shown = raw.lstrip()
+    cut = min((i for i in (shown.find(s) for s in stops) if i >= 0), default=-1)
+    expect = shown if cut < 0 else shown[:cut]
+    kw = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "stop": stops, **LEAD, **extra}
+    c = client.chat.completions.create(**kw).choices[0]
+    assert (c.message.content, c.finish_reason) == (expect, "length" if cut < 0 else "stop"), repr(raw)
+    chunks = client.chat.completions.create(**kw, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expect
+    legacy = client.completions.create(model="m", prompt=prompt, stop=stops, **LEAD).choices[0]
+    assert (legacy.text, legacy.finish_reason) == ("", "stop")

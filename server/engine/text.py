@@ -31,19 +31,34 @@ class StopMatcher:
     the stop string on is dropped. `flush()` releases the held-back tail at the end.
     `shown`: text already emitted before this matcher's (a continued output's end, TextLead):
     a stop string may begin there, and none of it is emitted again.
+    `hidden_lead`: the leading whitespace of the fed text is hidden from the client (a chat
+    reply's gap after "Assistant:", SamplingParams.hidden_lead): it is emitted as it comes but never part
+    of a match; stop strings are matched from its first other character on (`shown` is then
+    ignored: nothing before that character can begin a stop string).
     """
 
-    def __init__(self, stops: Seq[str], shown: str = ""):
+    def __init__(self, stops: Seq[str], shown: str = "", hidden_lead: bool = False):
         self.stops = tuple(s for s in stops if s)
         self.held = ""
         self.skip = 0  # leading characters of `held` that were shown before (from `shown`)
-        if shown and self.stops:
+        self.gap = hidden_lead and bool(self.stops)  # still inside the hidden leading whitespace
+        if shown and self.stops and not self.gap:
             keep = self._longest_partial(shown)
             self.held, self.skip = shown[len(shown) - keep :], keep
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
+        if self.gap:
+            rest = text.lstrip()  # (what the route strips: str.lstrip of the whole reply)
+            if not rest:
+                return text, False
+            self.gap = False
+            out, hit = self._feed(rest)
+            return text[: len(text) - len(rest)] + out, hit
+        return self._feed(text)
+
+    def _feed(self, text: str) -> tuple[str, bool]:
         buf = self.held + text
         cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
@@ -146,9 +161,17 @@ class StopStream(Stream):
     """A request with stop strings: `match(token)` runs before the next plan (the scheduler's
     apply asks), the event of that token comes from what it found."""
 
-    def __init__(self, request_id: str, handle: Any, decoder: TextDecoder, stops: Seq[str], shown: str = ""):
+    def __init__(
+        self,
+        request_id: str,
+        handle: Any,
+        decoder: TextDecoder,
+        stops: Seq[str],
+        shown: str = "",
+        hidden_lead: bool = False,
+    ):
         super().__init__(request_id, handle, decoder)
-        self.matcher = StopMatcher(stops, shown)
+        self.matcher = StopMatcher(stops, shown, hidden_lead)
         self._staged: str | None = None  # the safe text of the token last matched
 
     def match(self, token: int) -> bool:
@@ -180,7 +203,8 @@ def open_stream(request_id: str, handle: Any, decoder: TextDecoder, params: Samp
         for t in lead.token_ids:  # the decoder goes on after them: their text was shown before
             decoder.push_one(t)
     if has_stop_strings(params):
-        st: Stream = StopStream(request_id, handle, decoder, params.stop, lead.text if lead is not None else "")
+        shown = lead.text if lead is not None else ""
+        st: Stream = StopStream(request_id, handle, decoder, params.stop, shown, params.hidden_lead)
     else:
         st = Stream(request_id, handle, decoder)
     if params.logprobs is not None or params.prompt_logprobs is not None:

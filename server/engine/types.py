@@ -215,6 +215,11 @@ class SamplingParams:
     one token per step (each position's logits come from the decode), so it prefills slower."""
     lead: TextLead | None = None
     """The output this request's text continues (None: its text starts afresh)."""
+    hidden_lead: bool = False
+    """The output's leading whitespace is not shown to its client (a chat reply after
+    "Assistant:": the OpenAI chat route strips that gap): stop strings are matched from its
+    first other character on, so none matches inside the hidden gap; the gap is still output
+    (Event.text) and dropped by the route."""
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], default_max_tokens: int) -> SamplingParams:

@@ -118,6 +118,8 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     agent = await chat_agent(sv, body)
     params = agent.apply(params)
     prompt = build_prompt(turns(body.messages, agent.described), sv.few_shot() if body.few_shot else "")
+    if not prompt.continues:  # the reply's leading whitespace is not shown: no stop string matches in it
+        params = [dataclasses.replace(p, hidden_lead=True) for p in params]
     suffix = agent.tool_plan.prompt_suffix() if agent.tool_plan is not None else ""
     prompt.rest += suffix
     rest = await start.encode_chat(sv, prompt.rest)
