@@ -300,8 +300,8 @@ def test_deeply_nested_history_arguments_are_a_400(server, depth, kind):
 
 
 def test_history_arguments_at_the_depth_bound_are_accepted(client):
-    r = client.chat.completions.create(model="m", messages=_call_history(_nested(MAX_JSON_DEPTH, "list")),
-                                       max_tokens=1)
+    answered = [*_call_history(_nested(MAX_JSON_DEPTH, "list")), {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    r = client.chat.completions.create(model="m", messages=answered, max_tokens=1)
     assert r.usage.prompt_tokens > MAX_JSON_DEPTH
 
 
@@ -345,3 +345,37 @@ def test_a_text_part_without_text_says_so(client):
     err = e.value.body
     assert err["param"] == "messages[0].content" and "needs its 'text'" in err["message"]
     assert "not supported" not in err["message"]
+
+
+def _calls(*ids: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]}
+
+
+def _result(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": "r"}
+
+
+@pytest.mark.parametrize("messages,param,ids", [
+    ([*USER, _calls("c1", "c2"), _result("c1"), *USER], "messages[3].role", "c2"),  # one of two answered
+    ([*USER, _calls("c1", "c2"), *USER], "messages[2].role", "c1, c2"),
+    ([*USER, _calls("c1", "c2"), _result("c2")], "messages", "c1"),  # the last message
+    ([*USER, _calls("c1")], "messages", "c1"),
+    ([*USER, _calls("c1"), _result("c1"), _calls("c2"), _calls("c3"), _result("c3")], "messages[4].role", "c2"),
+])  # fmt: skip
+def test_every_tool_call_is_answered_by_the_tool_messages_after_it(server, messages, param, ids):
+    """As OpenAI: the tool messages right after an assistant message with tool_calls answer each
+    of its calls; otherwise a 400 in OpenAI's words, and nothing runs."""
+    before = prompt_tokens_total(server)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {
+        "message": "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {ids}",
+        "type": "invalid_request_error", "param": param, "code": "invalid_request"}  # fmt: skip
+    assert prompt_tokens_total(server) == before
+
+
+def test_tool_messages_may_answer_calls_in_any_order(client):
+    messages = [*USER, _calls("c1", "c2"), _result("c2"), _result("c1"), *USER, _calls("c3"), _result("c3")]
+    assert client.chat.completions.create(model="m", messages=messages, max_tokens=1).choices

@@ -310,6 +310,8 @@ def bad_bodies():
     yield {"input": [user, {**call, "call_id": "call_2"}, {"type": "function_call_output", "call_id": "call_1",
                                                            "output": "r"}]}, "input[2].call_id", "invalid_request"
     yield {"input": [user, {**call, "arguments": "{not json"}]}, "input[1].arguments", "invalid_request"
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "r"}  # (call_2 has none)
+    yield {"input": [user, call, {**call, "call_id": "call_2"}, answer]}, "input", "invalid_request"
     yield {"input": [{k: v for k, v in call.items() if k != "call_id"}]}, "input[0].call_id", "invalid_request"
     yield {"input": [{**user, "id": "msg_1"}, {**user, "id": "msg_1"}]}, "input[1].id", "invalid_request"
     image = [{"type": "input_image", "image_url": "x"}]
@@ -371,3 +373,39 @@ def test_a_call_of_the_chain_sent_back_is_not_written_twice(server):
     assert both.usage.input_tokens == alone.usage.input_tokens
     listed = client.responses.input_items.list(both.id).data
     assert [it.type for it in reversed(listed)] == ["function_call", "function_call_output"]
+
+
+PARALLEL = {"model": "m", "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 120, "temperature": 1.0,
+            "top_p": 1.0}  # fmt: skip
+
+
+def parallel_calls(client: OpenAI):
+    """A response of two or more parallel calls (the first seed whose answer has them)."""
+    for seed in range(8):
+        r = client.responses.create(input=QUESTION, extra_body={"seed": seed}, **PARALLEL)
+        calls = [o for o in r.output if o.type == "function_call"]
+        if r.status == "completed" and len(calls) >= 2:
+            return r, calls
+    raise AssertionError("no seed gave parallel calls")
+
+
+def test_every_call_of_the_previous_response_must_be_answered(server):
+    """As OpenAI: with previous_response_id, the input answers every call of that response
+    (some of its parallel calls, or none: a new message, is a 400 naming input, in OpenAI's
+    words, and creates nothing, streamed or not); answering them all runs."""
+    client = sdk(server)
+    r, calls = parallel_calls(client)
+    before = created(server)
+    for inp, missing in [([result(calls[0], "r")], calls[1]), ("And now?", calls[0]),
+                         ([{"role": "user", "content": "x"}, result(calls[1], "r")], calls[0])]:
+        for stream in (False, True):
+            bad = httpx.post(server.url + "/v1/responses", timeout=60, json={
+                "model": "m", "previous_response_id": r.id, "input": inp, "max_output_tokens": 2, "stream": stream})
+            assert bad.status_code == 400, bad.text
+            assert bad.json()["error"] == {"message": f"No tool output found for function call {missing.call_id}.",
+                                           "type": "invalid_request_error", "param": "input",
+                                           "code": "invalid_request"}  # fmt: skip
+    assert created(server) == before
+    done = client.responses.create(previous_response_id=r.id, input=[result(c, "r") for c in reversed(calls)],
+                                   **{**FORCED, "tool_choice": "none", "max_output_tokens": 2})
+    assert done.previous_response_id == r.id and done.status in ("completed", "incomplete")

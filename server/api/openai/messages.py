@@ -1,7 +1,9 @@
 """A chat request's messages -> (role, text) turns for the RWKV chat prompt (chat_format):
 text parts joined, an assistant message's tool calls written in the call envelope, a tool
-message as a Tool turn naming the call it answers (its tool_call_id must be an earlier call's),
-and with tools the system turn that describes them (first: it is part of the cached prefix)."""
+message as a Tool turn naming the call it answers (its tool_call_id must be an earlier call's;
+as on OpenAI, the tool messages right after an assistant message with tool_calls answer every
+one of its calls), and with tools the system turn that describes them (first: it is part of the
+cached prefix)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ def turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[t
 def _turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = [("system", tool_plan.system_text())] if tool_plan is not None else []
     calls: dict[str, str] = {}  # id -> function name, of the calls made so far
+    owed: list[str] = []  # the ids of the last assistant message's calls no tool message answered yet
     for i, m in enumerate(messages):
+        if owed and m.role != "tool":
+            raise _unanswered(f"messages[{i}].role", owed)
         try:
             text = m.text()
         except ValueError as exc:
@@ -34,12 +39,26 @@ def _turns(messages: Sequence[ChatMessage], tool_plan: ToolPlan | None) -> list[
                 raise ToolError(f"messages[{i}].tool_calls", "only assistant messages carry tool_calls")
             text, ids = assistant_text(text, m.tool_calls, i)
             calls.update(ids)
+            owed = list(ids)
         if m.role == "tool":
             text = _tool_turn(m, i, calls, text)
+            owed = [c for c in owed if c != m.tool_call_id]
         elif m.tool_call_id is not None:
             raise ToolError(f"messages[{i}].tool_call_id", "only tool messages carry a tool_call_id")
         out.append((m.role, text))
+    if owed:
+        raise _unanswered("messages", owed)
     return out
+
+
+def _unanswered(param: str, ids: list[str]) -> ToolError:
+    """OpenAI's refusal of calls that the tool messages after their assistant message leave
+    unanswered (param: the message that came instead of a tool message; `messages` at the end)."""
+    return ToolError(
+        param,
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(ids)}",
+    )
 
 
 def _tool_turn(m: ChatMessage, i: int, calls: dict[str, str], text: str) -> str:

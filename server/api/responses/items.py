@@ -2,7 +2,8 @@
 (server.api.openai.tools: an assistant message and the function calls after it are one
 assistant turn with the calls in the envelope, a function_call_output a Tool turn naming its
 call's function), kept with the task for the input items listing (each with an id), and the
-calls the conversation knows (a function_call_output must answer one).
+calls the conversation knows (a function_call_output must answer one; every call of the previous
+response and of the input must be answered).
 
 The listing (`GET /v1/responses/{id}/input_items`) pages through the stored items as OpenAI's
 cursor lists do: `limit`, `order`, `after` (an item id of the list)."""
@@ -40,18 +41,35 @@ class Rendered:
         return dict(list(self.calls.items())[-MAX_KNOWN_CALLS:])
 
 
-def render_input(inp: str | Sequence[Item], known: dict[str, str]) -> Rendered:
+def render_input(inp: str | Sequence[Item], known: dict[str, str], owed: Sequence[str] = ()) -> Rendered:
     """The input's turns and items; a 400 naming the item's field for one that cannot be rendered
     (arguments that are not JSON, a call_id no earlier call has, an id given twice).
     `known`: the calls of the previous responses (none without previous_response_id); one of them
-    sent back as a function_call item is listed but not written into the prompt again."""
+    sent back as a function_call item is listed but not written into the prompt again.
+    `owed`: the call ids of the previous response's output. Each of them, and each function_call
+    item of the input, must be answered by a function_call_output of the input, as OpenAI requires
+    (else a 400 naming `input`, in OpenAI's words)."""
     if isinstance(inp, str):
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": inp}]}
-        return Rendered([("user", inp)], [_stored(item, None)], dict(known))
-    try:
-        return _render(inp, known)
-    except ToolError as exc:
-        raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
+        out = Rendered([("user", inp)], [_stored(item, None)], dict(known))
+    else:
+        try:
+            out = _render(inp, known)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
+    _check_answered(() if isinstance(inp, str) else inp, owed)
+    return out
+
+
+def _check_answered(inp: Sequence[Item], owed: Sequence[str]) -> None:
+    """A 400 for the first call (of `owed`, then of the input's function_call items) that no
+    function_call_output of the input answers."""
+    answered = {it.call_id for it in inp if isinstance(it, FunctionCallOutput)}
+    asked = [*owed, *(it.call_id for it in inp if isinstance(it, FunctionCall))]
+    missing = next((c for c in asked if c not in answered), None)
+    if missing is not None:
+        raise ApiError(400, f"No tool output found for function call {missing}.", param="input",
+                       code="invalid_request")  # fmt: skip
 
 
 def _render(inp: Sequence[Item], known: dict[str, str]) -> Rendered:
