@@ -340,6 +340,13 @@ class TaskManager:
         if t.running:
             self.runs.abort(t)
 
+    def interrupt(self, t: Task) -> None:
+        """End t's run now as the shutdown ends every run: "interrupted" (state kept; a route
+        whose request the shutdown ends first, before close() reaches the run)."""
+        if t.running:
+            t.interrupted = True
+            self.runs.abort(t)
+
     async def delete(self, task_id: str, owner: str | None = None, *, force: bool = False) -> Task:
         t = await self.get(task_id, owner, write=True, force=force)
         if t.running:

@@ -26,7 +26,7 @@ STATUS = {
     "stop": "completed",
     "length": "incomplete",
     "stopped": "cancelled",
-    "interrupted": "incomplete",
+    "interrupted": "failed",  # (OpenAI's incomplete_details.reason has no "interrupted": see _error)
     "error": "failed",
 }
 
@@ -148,6 +148,23 @@ def message(t: Task, text: str | None = None, status: str | None = None) -> dict
     }
 
 
+def _error(t: Task) -> dict[str, str]:
+    """A failed response's `error`. A run the server's stop (a shutdown, restart or crash) cut
+    short is "failed" with code server_error, in OpenAI's schema (incomplete_details.reason has only
+    max_output_tokens and content_filter): the message says what happened and how to go on."""
+    if t.finish_reason != "interrupted":
+        return {"code": "server_error", "message": t.out.error or "generation failed"}
+    what = "the server stopped (shut down, restarted or crashed) while this response was being generated"
+    if t.kind != TASK:  # store: false: nothing of it outlives the server
+        return {"code": "server_error", "message": f"{what}; it was not stored (store: false): send the request again"}
+    return {
+        "code": "server_error",
+        "message": f"{what}; its output up to then is kept. Resume it where it stopped with POST "
+        f"/v1/tasks/{t.id}/continue (GET /v1/responses/{response_id(t)} then shows the whole answer), "
+        "or go on from it with previous_response_id.",
+    }
+
+
 def usage(t: Task) -> dict[str, Any]:
     out = t.completion_tokens
     held = 1 if t.params.get("max_tokens") == 0 else 0  # a prefill-only run feeds all but the last: not cached
@@ -188,13 +205,7 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "parallel_tool_calls": m.get("parallel_tool_calls", False),
         "store": t.kind != "tmp",
         "metadata": m.get("metadata") or {},
-        "error": {"code": "server_error", "message": t.out.error or "generation failed"}
-        if status == "failed"
-        else None,
-        "incomplete_details": {"reason": "max_output_tokens"}
-        if t.finish_reason == "length"
-        else {"reason": "interrupted"}
-        if status == "incomplete"
-        else None,
+        "error": _error(t) if status == "failed" else None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "usage": None if t.running else usage(t),
     }
