@@ -1,10 +1,11 @@
 """OpenAI's Agents SDK (`openai-agents`) against a real server, as an agent developer points it at
 us, through both of its OpenAI models (chat completions and the Responses API): a function tool
 called with valid arguments and its result handed back (the SDK's tool loop, plain and
-streamed), and a typed final output (its `output_type`, our JSON-schema grammar). On a
-random-weight model the answers are noise, so the runs force what the SDK lets a user force:
-`tool_choice="required"` and one call a turn (a tool's arguments come from the grammar), and
-schemas whose values are short (an enum, a bounded integer)."""
+streamed), and a typed final output (its `output_type`, our JSON-schema grammar), also for an
+agent with tools (a call or the typed answer: one grammar). On a random-weight model the answers
+are noise, so the runs force what the SDK lets a user force: `tool_choice="required"` and one
+call a turn (a tool's arguments come from the grammar), a seed, and schemas whose values are
+short (an enum, a bounded integer)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,33 @@ async def test_a_typed_final_output(model):
                   model_settings=ModelSettings(temperature=0, max_tokens=64))  # fmt: skip
     result = await Runner.run(agent, "Pick a digit, and say yes or no.")
     assert isinstance(result.final_output, Pick)
+
+
+TYPED = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=1.0, top_p=1.0, max_tokens=64,
+                      extra_body={"seed": 0})  # fmt: skip
+"""The first turn's call forced; then (tool_choice reset to auto) a call or the typed answer:
+sampled, seed 0 answers on the second turn (checked by running; other seeds call again)."""
+
+
+async def test_tools_and_a_typed_output(model):
+    """An agent with a tool and an output_type: the SDK sends the tools with the output's JSON
+    schema on every turn (response_format / text.format). The first turn's call is forced; after
+    it the SDK resets tool_choice to auto, and the answer is a call or the typed JSON (one
+    grammar): the run ends with a Pick."""
+    calls: list[str] = []
+    agent = Agent(name="t", instructions="Use the tool, then answer.", tools=[weather_tool(calls)], model=model,
+                  output_type=Pick, model_settings=TYPED)  # fmt: skip
+    result = await Runner.run(agent, "What is the weather in Paris? Pick a digit.", max_turns=4)
+    assert calls and isinstance(result.final_output, Pick)
+    kinds = [item.type for item in result.new_items]
+    assert kinds.count("tool_call_item") == len(calls) == kinds.count("tool_call_output_item")
+    assert kinds[-1] == "message_output_item"
+
+
+async def test_a_streamed_run_with_tools_and_a_typed_output(model):
+    calls: list[str] = []
+    agent = Agent(name="t", instructions="Use the tool, then answer.", tools=[weather_tool(calls)], model=model,
+                  output_type=Pick, model_settings=TYPED)  # fmt: skip
+    run = Runner.run_streamed(agent, "What is the weather in Paris? Pick a digit.", max_turns=4)
+    events = [ev.type async for ev in run.stream_events()]
+    assert "raw_response_event" in events and calls and isinstance(run.final_output, Pick)

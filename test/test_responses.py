@@ -282,3 +282,21 @@ def test_a_non_empty_include_is_refused_naming_it(server):
     assert err["param"] == "include" and err["code"] == "unsupported_field"
     assert "message.output_text.logprobs" in err["message"] and "not supported" in err["message"]
     assert tasks(server) == before
+
+
+def test_responses_validate_with_the_sdks_models(server):
+    """The SDK parses responses without validating them; a client that validates (pydantic's
+    model_validate on the SDK's types) needs every required field, e.g. usage's
+    input_tokens_details.cache_write_tokens (required by the installed SDK's ResponseUsage; 0
+    here)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": "m", "input": "Pick a number.", "text": TEXT, "max_output_tokens": 30}
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": "Bearer k1"}) as http:
+        r = Response.model_validate(http.post("/v1/responses", json=body).json())
+        streamed = http.post("/v1/responses", json={**body, "stream": True}).text
+    assert r.usage is not None and r.usage.input_tokens_details.cache_write_tokens == 0
+    events = [json.loads(line[6:]) for line in streamed.split("\n") if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    assert [adapter.validate_python(e).type for e in events][-1] == "response.completed"

@@ -306,7 +306,8 @@ def bad_bodies():
     chat_shape = {"type": "function", "function": {"name": "get_time"}}
     yield {"tools": TOOLS, "tool_choice": chat_shape}, "tool_choice", "invalid_request"
     yield {"tool_choice": "required"}, "tool_choice", "invalid_request"
-    yield {"tools": TOOLS, "text": {"format": {"type": "json_object"}}}, "text.format", "unsupported_field"
+    bad_format = {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}  # (with tools: still its own)
+    yield {"tools": TOOLS, "text": {"format": bad_format}}, "text.format", "invalid_schema"
     yield {"input": [user, {**call, "call_id": "call_2"}, {"type": "function_call_output", "call_id": "call_1",
                                                            "output": "r"}]}, "input[2].call_id", "invalid_request"
     yield {"input": [user, {**call, "arguments": "{not json"}]}, "input[1].arguments", "invalid_request"

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from server.api.openai.jobs import Job
 from server.api.openai.render import Meta, Renderer, _chunker, _echo, _ender, _finish, _raise_failed, head, response
-from server.api.openai.tools import ToolPlan, held_back, split
+from server.api.openai.tools import ToolPlan, content_end, split
 from server.engine.types import Event, TokenLogprob
 
 
@@ -49,7 +49,7 @@ def chat_logprobs(ex: Extras, lps: Sequence[TokenLogprob]) -> list[dict[str, Any
 def _message(job: Job, ex: Extras, meta: Meta) -> tuple[dict[str, Any], str | None]:
     raw = "".join(job.text)
     plan = ex.tool_plan
-    content, calls = split(raw, plan.forced) if plan is not None else (raw, None)
+    content, calls = split(raw, plan.forced, plan.formatted) if plan is not None else (raw, None)
     msg: dict[str, Any] = {"role": "assistant", "content": meta.lead(content)}
     if calls is None:
         return msg, _finish(job)
@@ -102,9 +102,7 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
             if job.finish_reason is None:
                 if plan is None:
                     return content(job, st, raw), False
-                at = -1 if plan.forced else raw.find("<tool_call>")
-                end = 0 if plan.forced else at if at >= 0 else len(raw) - held_back(raw)
-                return content(job, st, raw[:end]), False
+                return content(job, st, raw[: content_end(raw, plan.forced, plan.formatted)]), False
             msg, finish = _message(job, ex, meta)
             out = content(job, st, msg["content"] or "")
             for i, call in enumerate(msg.get("tool_calls") or ()):

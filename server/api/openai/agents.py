@@ -1,6 +1,7 @@
 """The agent features of an OpenAI request checked before anything starts (docs/agents.md):
-tools and tool_choice (a ToolPlan and its call grammar), response_format (its grammar), logprobs;
-each grammar compiled by the engine first, so a bad one is a 400 and nothing is submitted."""
+tools and tool_choice (a ToolPlan and its call grammar), response_format (its grammar; with tools
+that may be called, part of the call grammar: ToolPlan.with_format), logprobs; each grammar
+compiled by the engine first, so a bad one is a 400 and nothing is submitted."""
 
 from __future__ import annotations
 
@@ -45,11 +46,10 @@ async def chat_agent(sv: Services, body: ChatRequest) -> Agent:
         plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     except tools.ToolError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
-    grammar: GrammarSpec | None
-    if plan is not None:
+    grammar = await response_grammar(sv, body.response_format)  # (a bad format names response_format)
+    if plan is not None:  # with a format: a call or the formatted reply (auto), the calls (forced)
+        plan = plan.with_format(grammar)
         grammar = await compiled(sv, plan.grammar(), param="tools")
-    else:
-        grammar = await response_grammar(sv, body.response_format)
     return Agent(plan, grammar, body.top(), described=plan or tools.shown(body.tools, body.tool_choice))
 
 

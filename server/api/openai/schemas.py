@@ -174,9 +174,6 @@ class ChatRequest(OpenAIFields):
             return "function_call", "the legacy function_call field is not supported (use tool_choice)"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true (not supported without it)"
-        calls = self.tools and self.tool_choice != "none"  # (with "none" the format's grammar alone runs)
-        if calls and self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "response_format with tools is not supported (one grammar per answer)"
         if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
             return ("audio" if self.audio is not None else "modalities"), "audio output is not supported (text only)"
         if self.web_search_options is not None:

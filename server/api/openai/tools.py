@@ -10,6 +10,8 @@ The envelope: MARKER followed by a JSON list of calls, written the way the gramm
 
 `auto`: free text until the marker (the grammar's trigger), then the list; `required` or a named
 function: the prompt ends with the marker and the grammar covers the whole output (the list).
+`auto` with a JSON format (response_format / text.format): no free text, the output is either the
+envelope from its first character or the formatted reply (one any_of grammar: ToolPlan.grammar).
 parallel_tool_calls false, or a named function: the list holds one call; otherwise
 1..MAX_PARALLEL (a list max_tokens cuts is no call: finish_reason "length", the text as content).
 """
@@ -20,7 +22,7 @@ import json
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from server.engine.types import GrammarSpec
@@ -60,14 +62,33 @@ class ToolPlan:
     described: tuple[Tool, ...] = ()
     """The tools the system turn describes: all of the request's (default: `tools`), so a named
     tool_choice neither hides the others from the model nor changes the cached prefix."""
+    reply: GrammarSpec | None = None
+    """auto with a JSON format: the format's grammar. The output is then either the call envelope
+    from its first character or the formatted reply, no free text (with_format)."""
+
+    @property
+    def formatted(self) -> bool:
+        """The output is the envelope or the formatted reply (auto with a JSON format)."""
+        return self.reply is not None
+
+    def with_format(self, fmt: GrammarSpec | None) -> ToolPlan:
+        """This plan for a request whose answer has the format `fmt` (response_format,
+        text.format; None: text). auto: the answer is a call list or the formatted reply; forced
+        (required, a named function): the call list, unchanged (the format is a later turn's)."""
+        return self if fmt is None or self.forced else replace(self, reply=fmt)
 
     def grammar(self) -> GrammarSpec:
+        """The answer's grammar: the call list (forced), free text then the list (auto: the
+        marker is the trigger), or the list behind the marker or the format's language (auto
+        with a format: GrammarSpec.any_of)."""
         schema = {
             "type": "array",
             "minItems": 1,
             "maxItems": MAX_PARALLEL if self.parallel else 1,
             "items": {"anyOf": [_call_schema(t) for t in self.tools]},
         }
+        if self.reply is not None:
+            return GrammarSpec.any_of([(MARKER, GrammarSpec.json_schema(json.dumps(schema))), ("", self.reply)])
         return GrammarSpec.json_schema(json.dumps(schema), trigger="" if self.forced else MARKER)
 
     def system_text(self) -> str:
@@ -184,18 +205,25 @@ def _tool(i: int, raw: Any, flat: bool) -> Tool:
 # --- the model's output ---------------------------------------------------------------------------
 
 
-def split(text: str, forced: bool) -> tuple[str, list[dict[str, Any]] | None]:
+def split(text: str, forced: bool, formatted: bool = False) -> tuple[str, list[dict[str, Any]] | None]:
     """(content, calls): the text before the envelope, and the calls in it as chat's tool_calls
-    (None when the output holds no complete call list: no marker, or cut by max_tokens)."""
-    head, calls = parse_calls(text, forced)
+    (None when the output holds no complete call list: no marker, or cut by max_tokens).
+    forced: the output is the list (the prompt ended with the marker); formatted: the output is
+    the envelope from its first character or a formatted reply (ToolPlan.formatted: a marker
+    inside the reply's JSON is text)."""
+    head, calls = parse_calls(text, forced, formatted)
     return head, None if calls is None else [_openai_call(name, args) for name, args in calls]
 
 
-def parse_calls(text: str, forced: bool) -> tuple[str, list[tuple[str, str]] | None]:
+def parse_calls(text: str, forced: bool, formatted: bool = False) -> tuple[str, list[tuple[str, str]] | None]:
     """(content, [(name, arguments as JSON text)]): split's parts, without ids (each API names
     its calls its own way)."""
     if forced:
         head, body = "", text
+    elif formatted:
+        if not text.startswith(MARKER):
+            return text, None
+        head, body = "", text[len(MARKER) :]
     else:
         at = text.find(MARKER)
         if at < 0:
@@ -255,6 +283,18 @@ def held_back(text: str) -> int:
     return 0
 
 
+def content_end(text: str, forced: bool, formatted: bool = False) -> int:
+    """How much of `text` (the output so far) is content for sure, to stream now (split's modes):
+    none of a forced call; with a format all of a reply, none of an output that is or may become
+    the envelope; else the text before the marker or a possible start of it at the end."""
+    if forced:
+        return 0
+    if formatted:
+        return 0 if MARKER.startswith(text[: len(MARKER)]) else len(text)
+    at = text.find(MARKER)
+    return at if at >= 0 else len(text) - held_back(text)
+
+
 # --- the history ----------------------------------------------------------------------------------
 
 
@@ -298,11 +338,11 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def resent_text(text: str, forced: bool) -> str:
+def resent_text(text: str, forced: bool, formatted: bool = False) -> str:
     """The assistant turn's text (as _turns renders it) of the message a reply `text` was
     answered as, when a client sends that message back: its content, and its calls in the
     envelope."""
-    content, calls = split(text, forced)
+    content, calls = split(text, forced, formatted)
     if calls is None:
         return text.lstrip()
     return assistant_text(content.lstrip() if content.strip() else "", calls, 0)[0]

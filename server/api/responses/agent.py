@@ -1,8 +1,9 @@
 """A response's tools and prompt, checked before anything starts (docs/agents.md, "The Responses
-API"): the tools and tool_choice (chat's ToolPlan in the Responses shapes, its call grammar
-compiled by the engine first), the prompt (the tools' system turn, the instructions, the input
-items), and what the task keeps of the request (its `meta` and `grammar` parameters), so a
-continue or a restart runs the same grammar and a later response knows the calls made."""
+API"): the tools and tool_choice (chat's ToolPlan in the Responses shapes, with text.format's
+grammar: ToolPlan.with_format; compiled by the engine first), the prompt (the tools' system
+turn, the instructions, the input items), and what the task keeps of the request (its `meta` and
+`grammar` parameters), so a continue or a restart runs the same grammar and a later response
+knows the calls made."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import ApiError
-from server.api.grammar import compiled
+from server.api.grammar import compiled, response_grammar
 from server.api.openai import tools
 from server.api.openai.chat_format import build_prompt
 from server.api.responses import render
 from server.api.responses.items import Rendered, render_input
-from server.api.responses.schemas import ResponseRequest
+from server.api.responses.schemas import ResponseRequest, TextFormat
 from server.api.services import Services
 from server.engine.types import GrammarSpec
 from server.tasks.params import grammar_fields
@@ -30,7 +31,8 @@ class ResponseTools:
     described: tools.ToolPlan | None
     """The tools the prompt describes (with tool_choice "none" too, as on chat)."""
     grammar: GrammarSpec | None
-    """The call grammar, compiled (a trigger: auto; none: forced)."""
+    """The call grammar, compiled (a trigger: auto; none: forced; any_of: auto with a format,
+    ToolPlan.with_format)."""
 
 
 async def response_tools(sv: Services, body: ResponseRequest) -> ResponseTools:
@@ -40,16 +42,16 @@ async def response_tools(sv: Services, body: ResponseRequest) -> ResponseTools:
         described = plan or tools.shown(body.tools, body.tool_choice, flat=True)
     except tools.ToolError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
-    fmt = body.text.format.type if body.text is not None else "text"
-    if plan is not None and fmt != "text":  # (tool_choice "none": the format's grammar alone runs)
-        raise ApiError(
-            400,
-            "text.format with tools is not supported (one grammar per answer)",
-            param="text.format",
-            code="unsupported_field",
-        )
-    grammar = await compiled(sv, plan.grammar(), param="tools") if plan is not None else None
-    return ResponseTools(plan, described, grammar)
+    fmt = await response_grammar(sv, response_format(body), param="text.format")  # (a bad one names it)
+    if plan is None:  # (tool_choice "none" too: the format's grammar alone runs, the route stores it)
+        return ResponseTools(None, described, None)
+    plan = plan.with_format(fmt)  # auto: a call or the formatted reply; forced: the calls
+    return ResponseTools(plan, described, await compiled(sv, plan.grammar(), param="tools"))
+
+
+def response_format(body: ResponseRequest) -> dict[str, Any]:
+    """The request's text.format as chat's response_format (what tasks store)."""
+    return (body.text.format if body.text is not None else TextFormat()).response_format()
 
 
 def _digest(text: str) -> str:
@@ -104,7 +106,13 @@ def _tool(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def task_params(rt: ResponseTools, meta: dict[str, Any]) -> dict[str, Any]:
+def task_params(rt: ResponseTools, meta: dict[str, Any], fmt: dict[str, Any]) -> dict[str, Any]:
     """The task parameters that make a continue or a restart run as this request: its grammar
-    ({} when it has none: a fork of a tool response lifts it) and its meta."""
-    return {"grammar": grammar_fields(rt.grammar), "meta": meta}
+    ({} when it has none: a fork of a tool response lifts it) and its meta. A task has one
+    grammar: with tools that may be called the call grammar holds the format `fmt` (auto) or
+    leaves it to a later turn (forced), so the task stores the format as text and its meta keeps
+    `fmt` for the response's text.format (render.response)."""
+    out = {"grammar": grammar_fields(rt.grammar), "meta": meta}
+    if rt.grammar is not None and fmt.get("type", "text") != "text":
+        out.update(response_format={"type": "text"}, meta={**meta, "format": fmt})
+    return out

@@ -15,7 +15,7 @@ prefilled again), `output_tokens` = generated.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from server.api.openai.chat_format import TURN_SEP
 from server.api.openai.tools import MARKER, parse_calls
@@ -75,7 +75,7 @@ def continues(t: Task) -> bool:
     end with a fresh "Assistant:" turn (always after a blank line: a message's text has none;
     a forced call's prompt ends with the marker after it). Its text then keeps the whitespace
     the model wrote first (the client joins the two)."""
-    prompt = t.prompt.removesuffix(f" {MARKER}") if tool_mode(t) else t.prompt
+    prompt = t.prompt.removesuffix(f" {MARKER}") if tool_mode(t) == "forced" else t.prompt
     return not (TURN_SEP + prompt).endswith(TURN_SEP + "Assistant:")
 
 
@@ -85,11 +85,26 @@ def meta(t: Task) -> dict[str, Any]:
     return m if isinstance(m, dict) else {}
 
 
-def tool_mode(t: Task) -> bool | None:
-    """None: the response could call no tool; else whether the call was forced (its output is the
-    call list from the first token) or the model could write text first (the grammar's trigger)."""
+Mode = Literal["forced", "auto", "formatted"]
+
+
+def tool_mode(t: Task) -> Mode | None:
+    """None: the response could call no tool; "forced": its output is the call list from the
+    first token; "auto": the model could write text first (the grammar's trigger); "formatted":
+    the output is the envelope from its first character or a text.format reply (an any_of
+    grammar: tools.ToolPlan.with_format)."""
     g = t.params.get("grammar")
-    return None if not isinstance(g, dict) or not g else not g.get("trigger")
+    if not isinstance(g, dict) or not g:
+        return None
+    if g.get("kind") == "any_of":
+        return "formatted"
+    return "auto" if g.get("trigger") else "forced"
+
+
+def _parsed(t: Task) -> tuple[str, list[tuple[str, str]] | None]:
+    """(content, calls) of t's output, as its tool mode reads it (tools.parse_calls)."""
+    mode = tool_mode(t)
+    return parse_calls(t.out.text, mode == "forced", mode == "formatted")
 
 
 def _hex(t: Task) -> str:
@@ -99,10 +114,9 @@ def _hex(t: Task) -> str:
 def calls(t: Task) -> list[dict[str, Any]]:
     """The function_call items of t's output (none while it runs, or when it holds no complete
     call list: no marker, or cut by max_output_tokens)."""
-    forced = tool_mode(t)
-    if forced is None or t.running:
+    if tool_mode(t) is None or t.running:
         return []
-    found = parse_calls(t.out.text, forced)[1] or []
+    found = _parsed(t)[1] or []
     return [
         {"type": "function_call", "id": f"fc_{_hex(t)}{i:02x}", "call_id": f"call_{_hex(t)}{i:02x}",
          "name": name, "arguments": args, "status": "completed"}
@@ -124,7 +138,7 @@ def output(t: Task) -> list[dict[str, Any]]:
     made = calls(t)
     if not made:
         return [message(t)]
-    content = parse_calls(t.out.text, bool(tool_mode(t)))[0]
+    content = _parsed(t)[0]
     text = content if continues(t) else content.lstrip()
     return ([message(t, text)] if text.strip() else []) + made
 
@@ -172,14 +186,17 @@ def usage(t: Task) -> dict[str, Any]:
         "input_tokens": t.out_start,
         "output_tokens": out,
         "total_tokens": t.out_start + out,
-        "input_tokens_details": {"cached_tokens": max(0, t.out_start - t.prompt_tokens - held)},
+        "input_tokens_details": {
+            "cached_tokens": max(0, t.out_start - t.prompt_tokens - held),
+            "cache_write_tokens": 0,
+        },
         "output_tokens_details": {"reasoning_tokens": 0},
     }
 
 
 def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]:
     p, m = t.params, meta(t)
-    fmt = p.get("response_format") or {"type": "text"}
+    fmt = m.get("format") or p.get("response_format") or {"type": "text"}  # (meta: with tools, agent.task_params)
     if fmt.get("type") == "json_schema":
         inner = fmt.get("json_schema", {})
         fmt = {"type": "json_schema", "name": inner.get("name"), "schema": inner.get("schema"), "strict": True}

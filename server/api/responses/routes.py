@@ -21,12 +21,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, engine_error, task_error
-from server.api.grammar import response_grammar
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import answers
 from server.api.responses import agent, render
 from server.api.responses.items import page
-from server.api.responses.schemas import ResponseRequest, TextFormat
+from server.api.responses.schemas import ResponseRequest
 from server.api.responses.stream import ResponseStream
 from server.api.sampling import bad_text
 from server.api.services import Services, get_owner, get_services, json_response, task_manager
@@ -143,12 +142,11 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
     _check_supported(body)
-    rt = await agent.response_tools(sv, body)
-    fmt = (body.text.format if body.text is not None else TextFormat()).response_format()
-    await response_grammar(sv, fmt, param="text.format")
+    rt = await agent.response_tools(sv, body)  # (text.format's grammar compiled too)
+    fmt = agent.response_format(body)
     src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
     prompt, meta = agent.prompt_and_meta(body, rt, src)
-    params = {**_params(sv, body, fmt), **agent.task_params(rt, meta)}
+    params = {**_params(sv, body, fmt), **agent.task_params(rt, meta, fmt)}
     if src is not None:
         prompt = _separator(sv, src) + prompt
         t = await _call(tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE))

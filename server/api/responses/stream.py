@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from server.api.openai.tools import MARKER, held_back
+from server.api.openai.tools import content_end
 from server.api.responses.render import continues, message, response, tool_mode
 from server.tasks import streaming
 from server.tasks.records import Task
@@ -47,7 +47,7 @@ class ResponseStream:
         self.on_abort: Callable[[], None] | None = on_abort
         self._ended = False
         self._ev = _Events()
-        self._forced = tool_mode(t)  # None: no tools
+        self._mode = tool_mode(t)  # None: no tools
         self._keep = continues(t)  # the answer continues a message: its leading whitespace is text
         self._sent = 0  # characters of the message text streamed (a prefix of the final text)
         self._open = False  # the message item was added
@@ -55,7 +55,7 @@ class ResponseStream:
         self._loc = {"item_id": message(t)["id"], "output_index": 0, "content_index": 0}
         head = response(t, model, with_output=False)
         pre = self._ev("response.created", response=head) + self._ev("response.in_progress", response=head)
-        self._preamble = [pre + (self._open_message() if self._forced is None else b"")]
+        self._preamble = [pre + (self._open_message() if self._mode is None else b"")]
 
     @property
     def preamble(self) -> list[bytes]:
@@ -73,7 +73,7 @@ class ResponseStream:
         raw = ""  # (with tools: the output so far, where the marker is looked for)
         async for batch in streaming.batches(self.t, 0, ping=None):
             data = "".join(e["data"] for e in batch if isinstance(e, dict) and "data" in e and not streaming.is_last(e))
-            if self._forced is None:
+            if self._mode is None:
                 out = self._plain(data)
             else:
                 raw += data
@@ -92,12 +92,10 @@ class ResponseStream:
 
     def _visible(self, raw: str) -> str:
         """With tools: the message text that may be streamed now, which ends before the call
-        marker or a possible start of it (a forced call: none)."""
+        marker or a possible start of it (a forced call: none; with text.format: all of a reply,
+        none of an output that may be the envelope)."""
         text = raw if self._keep else raw.lstrip()
-        if self._forced:
-            return ""
-        at = text.find(MARKER)
-        return text[:at] if at >= 0 else text[: len(text) - held_back(text)]
+        return text[: content_end(text, self._mode == "forced", self._mode == "formatted")]
 
     def _open_message(self) -> bytes:
         self._open = True

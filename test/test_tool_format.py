@@ -1,0 +1,268 @@
+"""Tools together with a JSON output format (response_format on chat, text.format on /v1/responses),
+as OpenAI's Agents SDK sends them for an agent with tools and an output_type: with tool_choice
+auto the answer is either the call envelope from its first character or the formatted JSON reply
+(one any_of grammar: tools.ToolPlan.with_format), with required / a named function it is the call
+list. A real server with the random tiny model, where only the grammar makes an output valid: over
+seeds, every answer is valid calls or JSON valid for the schema, and both kinds occur."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from openai import OpenAI
+from util_server import server_fixture
+
+from server.api.openai import tools
+from server.engine.types import GrammarSpec
+
+server = server_fixture()
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}}, "required": ["city"],
+           "additionalProperties": False}  # fmt: skip
+ANSWER = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}  # fmt: skip
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+FLAT_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+CHAT_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+TEXT_FORMAT = {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
+SEEDS = range(8, 12)
+"""Seeds whose answers (temperature 1, this prompt) hold both kinds: seed 10 calls, the others
+answer in the format (checked by running; the test asserts both kinds occur)."""
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "parallel_tool_calls": False}
+USER = [{"role": "user", "content": "Weather?"}]
+
+
+def sdk(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_body(seed: int, **extra) -> dict:
+    return {"model": "m", "messages": USER, "tools": CHAT_TOOLS, "response_format": CHAT_FORMAT, "max_tokens": 60,
+            "seed": seed, **SAMPLING, **extra}  # fmt: skip
+
+
+def response_body(seed: int, **extra) -> dict:
+    return {"model": "m", "input": "Weather?", "tools": FLAT_TOOLS, "text": {"format": TEXT_FORMAT},
+            "max_output_tokens": 60, "seed": seed, **SAMPLING, **extra}  # fmt: skip
+
+
+def check_chat(content: str | None, calls: list | None, finish: str) -> str:
+    """One chat answer: valid calls (finish tool_calls, no content) or the formatted reply."""
+    if calls:
+        assert finish == "tool_calls" and content is None, (finish, content)
+        for c in calls:
+            assert c["function"]["name"] == "get_weather" and c["id"].startswith("call_")
+            jsonschema.validate(json.loads(c["function"]["arguments"]), WEATHER)
+        return "calls"
+    assert finish == "stop", (finish, content)
+    jsonschema.validate(json.loads(content or ""), ANSWER)
+    return "json"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_answers_are_calls_or_the_formatted_reply(server, stream):
+    kinds = []
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        for seed in SEEDS:
+            if not stream:
+                r = c.post("/v1/chat/completions", json=chat_body(seed))
+                assert r.status_code == 200, r.text
+                ch = r.json()["choices"][0]
+                kinds.append(check_chat(ch["message"]["content"], ch["message"].get("tool_calls"), ch["finish_reason"]))
+                continue
+            chunks = sdk(server).chat.completions.create(**chat_body(seed), stream=True)
+            content, calls, finish = "", {}, None
+            for ch in chunks:
+                d = ch.choices[0].delta
+                content += d.content or ""
+                for tc in d.tool_calls or ():
+                    got = calls.setdefault(tc.index, {"id": tc.id, "function": {"name": "", "arguments": ""}})
+                    got["function"]["name"] += tc.function.name or ""
+                    got["function"]["arguments"] += tc.function.arguments or ""
+                finish = ch.choices[0].finish_reason or finish
+            kinds.append(check_chat(content or None, list(calls.values()), finish))
+    assert set(kinds) == {"calls", "json"}, kinds  # both kinds, over the seeds
+
+
+def check_response(r: dict) -> str:
+    """One response: function_call items only, or one message whose text is the formatted reply."""
+    assert r["status"] == "completed", r
+    assert r["text"]["format"]["type"] == "json_schema" and r["text"]["format"]["schema"] == ANSWER
+    kinds = [o["type"] for o in r["output"]]
+    if "function_call" in kinds:
+        assert set(kinds) == {"function_call"}, kinds
+        for o in r["output"]:
+            assert o["name"] == "get_weather" and o["status"] == "completed"
+            jsonschema.validate(json.loads(o["arguments"]), WEATHER)
+        return "calls"
+    (msg,) = r["output"]
+    jsonschema.validate(json.loads(msg["content"][0]["text"]), ANSWER)
+    return "json"
+
+
+def sse(body: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in body.split("\n") if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_are_calls_or_the_formatted_reply(server, stream):
+    """The JSON reply is output_text, a call a function_call item; streamed: the reply comes as
+    text deltas, a call as OpenAI streams one; read back (GET), the response is the same."""
+    kinds = []
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        for seed in SEEDS:
+            r = c.post("/v1/responses", json=response_body(seed, stream=stream))
+            assert r.status_code == 200, r.text
+            if stream:
+                events = sse(r.text)
+                final = events[-1]["response"]
+                kind = check_response(final)
+                deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+                args = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
+                if kind == "json":
+                    assert deltas == final["output"][0]["content"][0]["text"] and not args
+                else:
+                    assert deltas == "" and args == [o["arguments"] for o in final["output"]]
+                    assert not [e for e in events if e["type"] == "response.output_item.added"
+                                and e["item"]["type"] == "message"]  # fmt: skip
+            else:
+                final = r.json()
+                kind = check_response(final)
+            kinds.append(kind)
+            assert c.get(f"/v1/responses/{final['id']}").json()["output"] == final["output"]
+    assert set(kinds) == {"calls", "json"}, kinds
+
+
+def test_the_sdk_parses_the_formatted_reply(server):
+    """output_text is the reply the SDK's typed helpers read (a seed that answers in the format)."""
+    r = sdk(server).responses.create(**{k: v for k, v in response_body(8).items() if k != "seed"},
+                                     extra_body={"seed": 8})  # fmt: skip
+    jsonschema.validate(json.loads(r.output_text), ANSWER)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_with_a_format_is_the_call(server, choice):
+    """required or a named function: the answer is the call list (the format is a later turn's)."""
+    named_chat = {"type": "function", "function": {"name": "get_weather"}}
+    named_flat = {"type": "function", "name": "get_weather"}
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        for seed in SEEDS:
+            r = c.post("/v1/chat/completions",
+                       json=chat_body(seed, tool_choice="required" if choice == "required" else named_chat))
+            ch = r.json()["choices"][0]
+            assert check_chat(ch["message"]["content"], ch["message"].get("tool_calls"), ch["finish_reason"]) == "calls"
+            r = c.post("/v1/responses",
+                       json=response_body(seed, tool_choice="required" if choice == "required" else named_flat))
+            assert check_response(r.json()) == "calls"
+
+
+def test_json_object_with_tools(server):
+    """json_object as the format: a call list or a JSON object (seed 9 answers, 10 calls)."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        kinds = []
+        for seed in (9, 10):
+            ch = c.post("/v1/chat/completions",
+                        json=chat_body(seed, response_format={"type": "json_object"})).json()["choices"][0]
+            if ch["finish_reason"] == "tool_calls":
+                jsonschema.validate(json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]), WEATHER)
+            else:
+                assert ch["finish_reason"] == "stop" and isinstance(json.loads(ch["message"]["content"]), dict)
+            kinds.append(ch["finish_reason"])
+        assert kinds == ["stop", "tool_calls"]
+
+
+BAD = {"type": "object", "properties": {"a": {"$ref": "#"}}}  # recursive: the engine refuses it
+
+
+def test_a_bad_format_with_tools_is_a_400_naming_the_format(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json=chat_body(0, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": BAD}}))  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+        assert r.json()["error"]["code"] == "invalid_schema"
+        r = c.post("/v1/responses", json=response_body(0, text={"format": {**TEXT_FORMAT, "schema": BAD}}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+        bad_tool = [{**FLAT_TOOLS[0], "parameters": {"type": "nonsense"}}]
+        r = c.post("/v1/responses", json=response_body(0, tools=bad_tool))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_the_task_keeps_the_one_grammar(server):
+    """A Responses task has one grammar: the any_of of the calls and the format, stored as its
+    `grammar` (its format as text: the response shows the request's text.format from its meta),
+    so a fork of it (here through /v1/tasks) runs the same: a call or the formatted reply."""
+    import time
+
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        rid = c.post("/v1/responses", json=response_body(8)).json()["id"]
+        for seed in (8, 10):
+            fork = c.post(f"/v1/tasks/TASK_{rid[5:]}/fork", json={"prompt": "\n\nUser: Again?\n\nAssistant:",
+                                                               "max_tokens": 60, "seed": seed})  # fmt: skip
+            assert fork.status_code == 200, fork.text
+            deadline = time.monotonic() + 60
+            while not (res := c.get(f"/v1/tasks/{fork.json()['task_id']}/get_result").json())["finished"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert res["finish_reason"] == "stop", res
+            head, calls = tools.parse_calls(res["result"], False, formatted=True)
+            if calls is None:
+                jsonschema.validate(json.loads(head), ANSWER)
+            else:
+                assert [n for n, _ in calls] == ["get_weather"]
+
+
+def test_task_params_store_the_call_grammar_and_show_the_format():
+    from server.api.responses.agent import ResponseTools, task_params
+    from server.api.responses.render import response
+    from server.tasks.output import Output
+    from server.tasks.params import clean_params, sampling_params
+    from server.tasks.records import TASK, Task
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    plan = tools.plan(FLAT_TOOLS, "auto", False, flat=True)
+    assert plan is not None
+    plan = plan.with_format(GrammarSpec.json_schema(json.dumps(ANSWER)))
+    raw = {"response_format": fmt, **task_params(ResponseTools(plan, plan, plan.grammar()), {"x": 1}, fmt)}
+    params = clean_params(raw, 65536)  # (one grammar: a format beside it would be TaskInvalid)
+    assert params["response_format"] == {"type": "text"} and params["meta"] == {"x": 1, "format": fmt}
+    assert sampling_params(params, 16).grammar == plan.grammar()
+    for text, kinds in [(CALL, ["function_call"]), ('{"n": 1, "ok": true}', ["message"])]:
+        t = Task(id="TASK_" + "c" * 32, kind=TASK, params=params, prompt="User: x\n\nAssistant:",
+                 out=Output(text, [len(text)]), finish_reason="stop", tag="response")  # fmt: skip
+        body = response(t, "m")
+        assert [o["type"] for o in body["output"]] == kinds
+        assert body["text"]["format"] == {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
+
+
+def test_the_plan_builds_one_grammar_per_answer():
+    fmt = GrammarSpec.json_schema(json.dumps(ANSWER))
+    auto = tools.plan(CHAT_TOOLS, "auto", False)
+    assert auto is not None and not auto.formatted and auto.grammar().trigger == tools.MARKER
+    either = auto.with_format(fmt)
+    assert either.formatted and not either.forced
+    (calls_prefix, calls), (reply_prefix, reply) = either.grammar().alternatives()
+    assert (calls_prefix, reply_prefix, reply) == (tools.MARKER, "", fmt)
+    assert calls == GrammarSpec.json_schema(auto.grammar().source)  # the same list, without the trigger
+    assert auto.with_format(None) is auto
+    forced = tools.plan(CHAT_TOOLS, "required", False)
+    assert forced is not None and forced.with_format(fmt) is forced and forced.grammar().kind == "json_schema"
+
+
+CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+
+
+@pytest.mark.parametrize("text,content,n_calls,streamable", [
+    (CALL, "", 1, 0),
+    ('{"n": 1, "ok": true}', '{"n": 1, "ok": true}', 0, 20),
+    ('{"n": "<tool_call>[1]"}', '{"n": "<tool_call>[1]"}', 0, 23),  # a marker inside the reply is text
+    ("<tool_c", "<tool_c", 0, 0),  # may become the envelope: held back
+    ('{"n": "<tool', '{"n": "<tool', 0, 12),
+])  # fmt: skip
+def test_a_formatted_output_splits_at_its_first_character(text, content, n_calls, streamable):
+    head, calls = tools.split(text, False, formatted=True)
+    assert head == content and len(calls or ()) == n_calls
+    assert tools.content_end(text, False, formatted=True) == streamable
+    assert tools.resent_text(text, False, formatted=True) == (CALL if n_calls else text)
