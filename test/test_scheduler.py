@@ -32,7 +32,7 @@ from server.engine.plan import (
 )
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
-from server.engine.text import StopMatcher, open_stream
+from server.engine.text import StopMatcher, StopStream, open_stream
 from server.engine.types import (
     ABORT,
     ERROR,
@@ -399,6 +399,60 @@ def test_stop_matcher_over_shown_text(stops, shown, chunks, expect):
     """A continued output's last characters (TextLead.text) are matched with the new text but
     never emitted again."""
     assert _matched(StopMatcher(stops, shown), chunks) == expect
+
+
+# --- hidden_lead: a chat reply's leading whitespace is hidden, no stop string matches in it ---
+@pytest.mark.parametrize("stops,chunks,expect", [
+    (("\n",), ["\n\n", "Hello\n", "x"], ("\n\nHello", True)),  # QA's case: was ("", True)
+    (("\n",), ["\n", "\n", "Hi"], ("\n\nHi", False)),
+    (("\n\n",), ["\n\n\n", "a\n\nb"], ("\n\n\na", True)),
+    ((" ",), ["\t\t  ", " word", " more"], ("\t\t   word", True)),
+    ((" Hello",), [" Hello world"], (" Hello world", False)),  # begins in the gap: shown "Hello world"
+    (("ab",), ["  a", "b"], ("  ", True)),  # a partial match right after the gap is held back
+    (("x",), ["\xa0\u3000 ", "yx"], ("\xa0\u3000 y", True)),  # the gap is what str.lstrip strips
+    (("\n",), [" \n "], (" \n ", False)),  # a reply of whitespace only: nothing is shown, nothing stops
+])  # fmt: skip
+def test_no_stop_string_matches_in_the_hidden_leading_whitespace(stops, chunks, expect):
+    assert _matched(StopMatcher(stops, hidden_lead=True), chunks) == expect
+
+
+@pytest.mark.parametrize("stops,chunks,expect", [
+    (("\n",), ["\n\n", "Hello\n"], ("", True)),
+    ((" Hello",), [" Hello world"], ("", True)),
+])  # fmt: skip
+def test_without_hidden_lead_the_raw_text_is_matched(stops, chunks, expect):
+    """Completions and tasks: nothing is hidden, a stop string may match at the very start."""
+    assert _matched(StopMatcher(stops), chunks) == expect
+
+
+def test_shown_text_still_begins_a_stop_string_without_hidden_lead():
+    assert _matched(StopMatcher(("abc",), "xab"), ["c", "d"]) == ("", True)
+    assert _matched(StopMatcher(("abc",), "xab", hidden_lead=True), ["c", "d"]) == ("cd", False)
+
+
+class _Pieces:
+    """A decoder whose token i is PIECES[i]."""
+
+    PIECES = {1: "\n\n", 2: "Hi", 3: " there", 4: "\n", 5: "x"}
+
+    def push_one(self, token: int) -> str:
+        return self.PIECES[token]
+
+    def flush(self) -> str:
+        return ""
+
+
+@pytest.mark.parametrize("hidden,expect", [(True, "\n\nHi there"), (False, "")])
+def test_open_stream_reads_hidden_lead(hidden, expect):
+    """The engine's stream of a request with hidden_lead matches past the gap."""
+    st = open_stream("r", None, _Pieces(), SamplingParams(stop=("\n",), hidden_lead=hidden))
+    assert isinstance(st, StopStream)
+    out = []
+    for t in (1, 2, 3, 4, 5):
+        if st.match(t):
+            break
+        out.append(st.emit(t).text)
+    assert "".join(out) == expect
 
 
 def test_a_lead_primes_the_decoder_with_an_unfinished_character():
