@@ -46,14 +46,12 @@ async def batches(
         if finished:
             break
         if batch:
-            yield batch
+            yield batch  # (the reader may hold it long: a slow client's flow control)
             batch = []
-        if ping is None:
-            await out.wait_change(None)
-            continue
-        before = (len(out), out.finished)
-        await out.wait_change(ping)
-        if (len(out), out.finished) == before:
+        if (len(out), out.finished) != (n, finished):
+            continue  # it changed while the reader held the batch: that notify has passed
+        await out.wait_change(ping)  # (a change from here on wakes it: no await before the wait)
+        if ping is not None and (len(out), out.finished) == (n, finished):
             yield [KEEPALIVE]
     yield batch + closing_events(t, out, pos)
 
