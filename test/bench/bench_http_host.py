@@ -225,14 +225,14 @@ def main() -> None:
     class Srv(ServerProcess):
         def command(self) -> list[str]:
             return [sys.executable, str(Path(__file__).resolve()), "--serve", "--gpu-ms", str(a.gpu_ms),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--db", self.db, "--model", "synthetic:fake"]
+                    "--host", "127.0.0.1", "--port", str(self.port), "--db", self.db, "--model", "synthetic:tiny"]
 
     per_engine = -(-max(streams) // a.engines)
     env = {"RWKV_MAX_BATCH": str(per_engine), "RWKV_LOG_LEVEL": "warning", "RWKV_MAX_QUEUE": "0",
            "RWKV_STEP_TOKEN_BUDGET": str(max(4096, 64 * per_engine))}
     if a.engines > 1:
         env["RWKV_DEVICES"] = ",".join(["cpu"] * a.engines)
-    srv = Srv(model="synthetic:fake", env=env, stop_timeout=20)
+    srv = Srv(model="synthetic:tiny", env=env, stop_timeout=20)
     srv.start(timeout=120)
     pid = srv.proc.pid
     spy = None
