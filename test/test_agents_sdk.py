@@ -117,6 +117,16 @@ async def test_a_typed_final_output(model):
     assert isinstance(result.final_output, Pick)
 
 
+async def test_prompt_cache_retention_is_accepted(server):
+    """The SDK sends ModelSettings' prompt_cache_retention (and context_management) to the
+    Responses API: a caching hint, accepted as it is (every response's state is kept anyway)."""
+    model = OpenAIResponsesModel(model="rwkv", openai_client=client(server))
+    settings = ModelSettings(temperature=0, max_tokens=64, prompt_cache_retention="24h")
+    agent = Agent(name="s", instructions="Answer.", model=model, output_type=Pick, model_settings=settings)
+    result = await Runner.run(agent, "Pick a digit, and say yes or no.")
+    assert isinstance(result.final_output, Pick)
+
+
 TYPED = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=1.0, top_p=1.0, max_tokens=64,
                       extra_body={"seed": 0})  # fmt: skip
 """The first turn's call forced; then (tool_choice reset to auto) a call or the typed answer:

@@ -117,6 +117,19 @@ def test_forced_tool_calls_parse_and_validate(client, choice):
         assert len(c.message.tool_calls) == 1
 
 
+@pytest.mark.parametrize("choice,content", [
+    ("required", None), ({"type": "function", "function": {"name": "get_time"}}, None), ("auto", ""), (None, ""),
+], ids=["required", "named", "auto", "no-tools"])
+def test_the_first_delta_of_a_forced_call_has_null_content(server, choice, content):
+    """As OpenAI: a stream whose answer is the calls starts with {"role": "assistant", "content":
+    null}; one that may answer in text with content ""."""
+    tools = {"tools": TOOLS, "tool_choice": choice} if choice is not None else {}
+    body = {"model": "m", "messages": USER, "max_tokens": 40, "seed": 1, "stream": True, **tools}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": content}, first
+
+
 def streamed_calls(chunks):
     """The tool calls assembled from delta.tool_calls chunks (as an SDK user does)."""
     calls: dict[int, dict] = {}

@@ -107,6 +107,9 @@ def test_delete_and_store_false(server):
     ({"metadata": {"k": "v" * 513}}, 400, "metadata.k"),
     ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, 400, "input[0].type"),  # (was a 500)
     ({"input": [{"type": {}, "role": "user", "content": "x"}]}, 400, "input[0].type"),
+    ({"prompt_cache_retention": "1h"}, 400, "prompt_cache_retention"),
+    ({"prompt_cache_options": {"ttl": "5m"}}, 400, "prompt_cache_options.ttl"),
+    ({"text": {"verbosity": "loud"}}, 400, "text.verbosity"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_creates_nothing(server, body, status, param):
     before = tasks(server)
@@ -248,7 +251,14 @@ def test_the_message_item_of_an_incomplete_response_is_incomplete(server):
                                    {"reasoning": None}, {"reasoning": {"effort": "low", "summary": None}},
                                    {"background": False}, {"max_tool_calls": None}, {"top_logprobs": 0},
                                    {"prompt": None}, {"conversation": None},
-                                   {"stream_options": {"include_obfuscation": False}}],
+                                   {"stream_options": {"include_obfuscation": False}},
+                                   {"access_programs": None}, {"background_options": None},
+                                   {"context_management": None}, {"context_management": []}, {"image": None},
+                                   {"moderation": None}, {"prompt_cache_options": None},
+                                   {"prompt_cache_retention": None}, {"prompt_cache_retention": "24h"},
+                                   {"prompt_cache_retention": "in_memory"},
+                                   {"prompt_cache_options": {"ttl": "12h", "mode": "explicit", "prewarm": False,
+                                                             "comparison_response_id": "resp_x"}}],
                          ids=lambda v: str(v))
 def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
     """As chat takes null for a field not set; reasoning is ignored as chat's reasoning_effort."""
@@ -256,6 +266,38 @@ def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
                    headers={"Authorization": "Bearer k1"})
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "response" and r.json()["store"] is True  # not streamed, stored
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("access_programs", {"cyber": "standard"}, "access_programs"),
+    ("background_options", {"completion_window": "soonest"}, "background_options"),
+    ("context_management", [{"type": "compaction", "compact_threshold": 1000}], "context_management"),
+    ("image", {"context_compression": "auto"}, "image"),
+    ("moderation", {"model": "omni-moderation-latest"}, "moderation"),
+    ("prompt_cache_options", {"prewarm": True}, "prompt_cache_options.prewarm"),
+])
+def test_a_set_field_this_server_cannot_honour_is_refused_naming_it(server, field, value, param):
+    """The SDK's request fields without a meaning here: null is accepted (above), a value is a 400
+    unsupported_field naming it, nothing created."""
+    before = tasks(server)
+    r = httpx.post(server.url + "/v1/responses", headers={"Authorization": "Bearer k1"},
+                   json={"input": "x", "max_output_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, "unsupported_field", "invalid_request_error"), err
+    assert "not supported" in err["message"]
+    assert tasks(server) == before
+
+
+def test_text_verbosity_is_echoed(server):
+    client = sdk(server)
+    r = client.responses.create(model="m", input="x", max_output_tokens=2, text={"verbosity": "low"})
+    assert r.text.verbosity == "low" == client.responses.retrieve(r.id).text.verbosity
+    events = list(client.responses.create(model="m", input="x", max_output_tokens=2, stream=True,
+                                          text={"verbosity": "high", "format": {"type": "text"}}))
+    assert events[0].response.text.verbosity == events[-1].response.text.verbosity == "high"
+    plain = client.responses.create(model="m", input="x", max_output_tokens=2)
+    assert plain.text.verbosity == "medium"  # (OpenAI's default, as OpenAI shows it)
 
 
 def test_a_prefill_only_response_has_nothing_cached(server):

@@ -65,8 +65,15 @@ SSE_EVENT = {
     "type": "object",
     "required": ["data"],
     "description": "One server-sent event (OpenAPI 3.1: the schema of a text/event-stream describes each event)",
-    "properties": {"data": {"type": "string", "description": "a compact JSON object, or [DONE] at the end"}},
+    "properties": {
+        "event": {"type": "string", "description": "the event's type (the Responses API's events)"},
+        "data": {"type": "string", "description": "a compact JSON object, or [DONE] at the end (but Responses)"},
+    },
 }
+RESPONSES_EVENTS = (
+    "server-sent events (an `event: <type>` and a `data: {...}` line each, OpenAI's Responses events; no [DONE])"
+)
+"""`answers(events=...)` of the /v1/responses routes."""
 
 
 class EventStream(Response):
@@ -77,16 +84,19 @@ class EventStream(Response):
 
 
 def answers(
-    *statuses: int, stream: bool = False, sse_only: bool = False, lightning: bool = False
+    *statuses: int,
+    stream: bool = False,
+    sse_only: bool = False,
+    lightning: bool = False,
+    events: str = "server-sent events (`data: {...}` lines, then `data: [DONE]`)",
 ) -> dict[int | str, dict[str, Any]]:
     """A route's `responses=`: each error status with the error model; with `stream`, the 200
     answer is SSE (`stream: true`) as well as JSON; `sse_only`: always SSE (with EventStream as
     the route's response class); `lightning`: the route also serves rwkv_lightning's requests,
-    whose own errors keep lightning's shape `{"error": "<text>"}`."""
+    whose own errors keep lightning's shape `{"error": "<text>"}`; `events`: what the stream is."""
     content = _EITHER_CONTENT if lightning else _ERROR_CONTENT
     out: dict[int | str, dict[str, Any]] = {s: {"description": WHY[s], "content": content} for s in statuses}
     if stream or sse_only:
-        events = "server-sent events (`data: {...}` lines, then `data: [DONE]`)"
         out[200] = {
             "description": events.capitalize() if sse_only else f"JSON, or with `stream: true` {events}",
             "content": {SSE: {"schema": SSE_EVENT}},

@@ -119,7 +119,9 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
                 )
             return out + chunk([choice(job, {}, st, finish)]), True
 
-        preamble = [chunk([choice(j, {"role": "assistant", "content": ""}, states[j.index])]) for j in jobs]
+        # a forced call's answer has no content (null, as OpenAI's first delta of tool calls)
+        first = {"role": "assistant", "content": None if plan is not None and plan.forced else ""}
+        preamble = [chunk([choice(j, dict(first), states[j.index])]) for j in jobs]
         return Renderer(preamble, render, _ender(jobs, meta, include_usage, chunk))
 
     return make

@@ -91,6 +91,7 @@ def _meta(body: ResponseRequest, rendered: Rendered, described: str | None) -> d
         "calls": rendered.kept_calls(),
         "described": described,
         "metadata": body.metadata or {},
+        "verbosity": body.text.verbosity if body.text is not None else None,
     }
 
 

@@ -216,7 +216,7 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "max_output_tokens": p.get("max_tokens"),
         "temperature": p.get("temperature"),
         "top_p": p.get("top_p"),
-        "text": {"format": fmt},
+        "text": {"format": fmt, "verbosity": m.get("verbosity") or "medium"},
         "tools": m.get("tools") or [],
         "tool_choice": m.get("tool_choice") or "auto",
         "parallel_tool_calls": m.get("parallel_tool_calls", False),
@@ -225,4 +225,16 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "error": _error(t) if status == "failed" else None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "usage": None if t.running else usage(t),
+    }
+
+
+def head(t: Task, model: str) -> dict[str, Any]:
+    """The response as its stream's first events show it: in progress, no output yet (a replay of
+    a finished response starts as its original stream did)."""
+    return {
+        **response(t, model, with_output=False),
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "usage": None,
     }

@@ -1,4 +1,5 @@
-"""/v1/responses: create (optionally continuing a previous response), get, delete.
+"""/v1/responses: create (optionally continuing a previous response), get (the response, or with
+`stream=true` its events again: stream.py), delete.
 
 A response is a task of the task layer (server.tasks.TaskManager): `store: true` (the default)
 makes a persistent task (in the database, so a chain survives a restart), `store: false` a TMP
@@ -22,7 +23,7 @@ from fastapi.responses import Response
 
 from server.api.errors import ApiError, engine_error, task_error
 from server.api.openai.chat_format import CHAT_STOP
-from server.api.openapi import answers
+from server.api.openapi import RESPONSES_EVENTS, answers
 from server.api.responses import agent, render
 from server.api.responses.items import page
 from server.api.responses.schemas import ResponseRequest
@@ -128,13 +129,22 @@ def _check_supported(body: ResponseRequest) -> None:
         "background": body.background and "background mode: a response is tied to its request",
         "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
         "top_logprobs": body.top_logprobs and "top_logprobs: no logprobs on /v1/responses (chat has them)",
+        "access_programs": body.access_programs is not None and "access_programs",
+        "background_options": body.background_options is not None and "background_options (no background mode)",
+        "context_management": body.context_management
+        and "context_management (a response's history is its state, never compacted)",
+        "image": body.image is not None and "image (no image input here)",
+        "moderation": body.moderation is not None and "moderation (no moderation policies)",
+        "prompt_cache_options.prewarm": body.prompt_cache_options is not None
+        and body.prompt_cache_options.prewarm
+        and "prompt_cache_options.prewarm (for a response with no output, send max_output_tokens: 0)",
     }
     for param, why in refused.items():
         if why:
             raise ApiError(400, f"{why} is not supported on /v1/responses", param=param, code="unsupported_field")
 
 
-@router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True))
+@router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True, events=RESPONSES_EVENTS))
 async def create_response(body: ResponseRequest, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
     tm = task_manager(sv)
@@ -185,7 +195,7 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool) -> Resp
     tm = task_manager(sv)
     if stream:
         source = ResponseStream(t, sv.model_id, on_abort=lambda: _stop(request, tm, t))
-        return SSEResponse(source, metrics=sv.metrics)
+        return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     if not await _settle(request, t):
         _stop(request, tm, t)
         request.state.error = "the client left before the answer"
@@ -199,9 +209,6 @@ async def _settle(request: Request, t: Task) -> bool:
     if not t.running or t.done is None:
         return True
     return await done_or_gone(request, t.done.wait())
-
-
-_READS = answers(401, 404, 503)
 
 
 # `/v1/responses/` (an empty id): without these the router answers a 307 redirect to /v1/responses
@@ -221,10 +228,22 @@ async def no_response_id(request: Request) -> Response:
     )
 
 
-@router.get("/responses/{response_id}", responses=_READS)
-async def get_response(response_id: str, request: Request) -> Response:
+@router.get("/responses/{response_id}", responses=answers(400, 401, 404, 503, stream=True, events=RESPONSES_EVENTS))
+async def get_response(
+    response_id: str,
+    request: Request,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    """The response; with `stream=true` its events (server.api.responses.stream), numbered as its
+    own stream numbered them: a running response's from its start and on to its end, a finished
+    one's replayed; `starting_after` sends those after that sequence number (a client that lost
+    its stream resumes it). Reading it stops nothing: the run is its creating request's."""
     sv = get_services(request)
     t = await _stored(task_manager(sv), response_id, get_owner(request), "response_id")
+    if stream:
+        source = ResponseStream(t, sv.model_id, on_abort=None, starting_after=starting_after)
+        return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     return json_response(render.response(t, sv.model_id))
 
 

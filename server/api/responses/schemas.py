@@ -106,7 +106,9 @@ class TextFormat(BaseModel):
 class TextOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat = TextFormat()
-    verbosity: str | None = None  # ignored
+    verbosity: Literal["low", "medium", "high"] | None = None
+    """Echoed in the response's `text` (the default "medium", as OpenAI shows it); the answer is
+    the same (the model has no verbosity setting)."""
 
 
 class Reasoning(BaseModel):
@@ -116,6 +118,17 @@ class Reasoning(BaseModel):
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None  # (the older name of summary)
+
+
+class PromptCacheOptions(BaseModel):
+    """prompt_cache_options: caching hints, honoured as they are (every response's state is kept
+    anyway); only `prewarm: true` asks for something else (checked by the route)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
+    prewarm: bool | None = None
+    comparison_response_id: str | None = None  # (cache diagnostics: none here)
 
 
 def _bounds(name: str) -> Any:
@@ -168,6 +181,15 @@ class ResponseRequest(BaseModel):
     # null only: no stored prompts, no conversations
     prompt: None = None
     conversation: None = None
+    # null only (the route refuses a value: unsupported_field); context_management [] asks nothing
+    access_programs: dict[str, Any] | None = None
+    background_options: dict[str, Any] | None = None
+    context_management: list[Any] | None = None
+    image: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    # caching hints: every response's state is kept anyway (docs/agents.md)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     # ignored: they cannot change the answer
     stream_options: dict[str, Any] | None = None
     user: str | None = None

@@ -1,39 +1,59 @@
-"""A streamed response's SSE events (`event: <type>` + `data: {..., "type", "sequence_number"}`)
-as a StreamSource (server.api.streaming.source), sent by SSEResponse: that response watches the
+"""A response's SSE events (`event: <type>` + `data: {..., "type", "sequence_number"}`) as a
+StreamSource (server.api.streaming.source), sent by SSEResponse: that response watches the
 client, and when it leaves before the last event the source's `abort` stops the run (a response
 is tied to its request: docs/agents.md, "The Responses API"). Responses are chats, not the
 throughput path: the stream runs on the event loop (no direct writes).
 
+The events are a function of the task's output alone, never of how the reads were batched: each
+output token's text is one piece (one `response.output_text.delta` where it shows text), so the
+stream of a running response and the replay of a finished one (`GET /v1/responses/{id}?stream=true`)
+number every event alike, and `starting_after` resumes either. While the run goes on, the last
+token's text waits for the next token or the end (the run's final flush adds to it).
+
 Without tools the message item opens at once. With tools it opens when its text does (a forced
 call has none; text that may be the start of the call marker is held back, as chat holds it), and
 the calls come at the end, each as OpenAI sends one: output_item.added (empty arguments),
-function_call_arguments.delta, function_call_arguments.done, output_item.done."""
+function_call_arguments.delta, function_call_arguments.done, output_item.done.
+
+A stream ends with response.completed, response.incomplete or response.failed. When the server
+shuts down under it, the run is interrupted and the stream ends as the response then reads
+(response.failed, status failed: render._error); a stream that cannot end so (the run did not
+settle in time, or the source failed) ends with an `error` event. Never `data: [DONE]`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from server.api.openai.tools import content_end
-from server.api.responses.render import continues, message, response, tool_mode
-from server.tasks import streaming
+from server.api.responses.render import continues, head, message, response, tool_mode
 from server.tasks.records import Task
 
 _LAST = {"completed": "response.completed", "failed": "response.failed"}
 """The last event's type by the final status (any other: response.incomplete)."""
 
+SETTLE_S = 2.0
+"""How long a stream the server's shutdown cut waits for its run to settle (the next engine step
+and the final row's commit; the server's graceful stop allows 5 s)."""
+
 
 class _Events:
-    """Numbered SSE events (sequence_number counts from 0 over the whole stream)."""
+    """Numbered SSE events (sequence_number counts from 0 over the whole stream); those numbered
+    up to `after` (a resumed stream's starting_after) are counted, not sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, after: int | None = None) -> None:
         self.seq = 0
+        self.after = -1 if after is None else after
 
     def __call__(self, kind: str, **data: Any) -> bytes:
-        body = orjson.dumps({"type": kind, "sequence_number": self.seq, **data})
-        self.seq += 1
+        seq, self.seq = self.seq, self.seq + 1
+        if seq <= self.after:
+            return b""
+        body = orjson.dumps({"type": kind, "sequence_number": seq, **data})
         return b"event: " + kind.encode() + b"\ndata: " + body + b"\n\n"
 
 
@@ -41,25 +61,30 @@ class ResponseStream:
     path = None  # no direct writes
     foreign_thread = False
 
-    def __init__(self, t: Task, model: str, on_abort: Callable[[], None]) -> None:
-        """on_abort(): stop the run (called once, when the stream stops before its last event)."""
+    def __init__(
+        self, t: Task, model: str, on_abort: Callable[[], None] | None, starting_after: int | None = None
+    ) -> None:
+        """on_abort(): stop the run (called once, when the stream stops before its last event;
+        None: the stream does not own the run, e.g. a retrieve). starting_after: send only the
+        events numbered after it."""
         self.t, self.model = t, model
-        self.on_abort: Callable[[], None] | None = on_abort
+        self.on_abort = on_abort
         self._ended = False
-        self._ev = _Events()
+        self._ev = _Events(starting_after)
+        self._yielded = 0  # events numbered before this were handed to the response
         self._mode = tool_mode(t)  # None: no tools
         self._keep = continues(t)  # the answer continues a message: its leading whitespace is text
+        self._started = False  # the first events were made
+        self._pos = 0  # output tokens whose text was made into events
+        self._raw = ""  # (with tools: the output so far, where the marker is looked for)
         self._sent = 0  # characters of the message text streamed (a prefix of the final text)
         self._open = False  # the message item was added
         self._part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._loc = {"item_id": message(t)["id"], "output_index": 0, "content_index": 0}
-        head = response(t, model, with_output=False)
-        pre = self._ev("response.created", response=head) + self._ev("response.in_progress", response=head)
-        self._preamble = [pre + (self._open_message() if self._mode is None else b"")]
 
     @property
     def preamble(self) -> list[bytes]:
-        return self._preamble
+        return []  # (the first events are rest()'s first chunk: error_end knows whether they went)
 
     @property
     def ended(self) -> bool:
@@ -69,19 +94,54 @@ class ResponseStream:
         return None  # (direct mode only)
 
     async def rest(self) -> AsyncGenerator[bytes, None]:
-        """One write per wake-up: the text deltas that came, then the closing events."""
-        raw = ""  # (with tools: the output so far, where the marker is looked for)
-        async for batch in streaming.batches(self.t, 0, ping=None):
-            data = "".join(e["data"] for e in batch if isinstance(e, dict) and "data" in e and not streaming.is_last(e))
-            if self._mode is None:
-                out = self._plain(data)
-            else:
-                raw += data
-                out = self._text(self._visible(raw))
+        """One write per wake-up: the events of the tokens that came, then the closing events."""
+        out = self._start()
+        while not self.t.out.finished:
+            if len(self.t.out) - 1 > self._pos:
+                out += self._advance(len(self.t.out) - 1)  # (the last token's text may still grow)
             if out:
+                self._yielded = self._ev.seq
                 yield out
+                out = b""
+                continue  # (look again: news may have come while the write waited)
+            await self.t.out.wait_change(None)
         self._ended = True  # before the last write: a client that leaves now has it all
-        yield self._closing()
+        yield out + self._finish()
+
+    def _start(self) -> bytes:
+        """response.created, response.in_progress (and the message item without tools)."""
+        if self._started:
+            return b""
+        self._started = True
+        first = head(self.t, self.model)
+        out = self._ev("response.created", response=first) + self._ev("response.in_progress", response=first)
+        return out + (self._open_message() if self._mode is None else b"")
+
+    def _advance(self, n: int) -> bytes:
+        """The events of output tokens _pos..n-1, each token's text one piece."""
+        out, chunks = self.t.out, []
+        for i in range(self._pos, n):
+            piece = out.text[out.char_at(i) : out.char_at(i + 1)]
+            if piece:
+                chunks.append(self._piece(piece))
+        self._pos = max(self._pos, n)
+        return b"".join(chunks)
+
+    def _finish(self) -> bytes:
+        """The finished output's last pieces (text with no token at all last), then the closing
+        events."""
+        out = self.t.out
+        chunk = self._advance(len(out))
+        tail = out.text[out.char_at(len(out)) :]
+        return chunk + (self._piece(tail) if tail else b"") + self._closing()
+
+    def _piece(self, data: str) -> bytes:
+        if self._mode is None:
+            return self._plain(data)
+        if self._mode == "forced":
+            return b""  # (the output is the call list: no message text while it runs)
+        self._raw += data
+        return self._text(self._visible(self._raw))
 
     def _plain(self, data: str) -> bytes:
         """A response without tools: the new text is the delta (the answer starts after
@@ -142,6 +202,31 @@ class ResponseStream:
             + ev("response.function_call_arguments.done", **loc, arguments=item["arguments"])
             + ev("response.output_item.done", output_index=index, item=item)
         )
+
+    async def error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
+        """The last events of a stream the server ended (SSEResponse's error_end). The server
+        shuts down: the run this stream owns is interrupted; once the run settled (within
+        SETTLE_S) the stream goes on to its end as any other, which is then response.failed (the
+        response as GET shows it: failed, its error saying how to resume it), or the end it
+        reached first; else an `error` event (shutting_down). The source failed: the run is
+        stopped, and an `error` event (internal_error) follows the events sent."""
+        if why == "internal":
+            self.abort()
+            self._ev.seq = self._yielded  # (events made but never handed over)
+            return self._error("internal_error", "internal error while streaming")
+        self.abort()
+        t = self.t
+        if t.running and t.done is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(t.done.wait(), SETTLE_S)
+        if t.running:
+            return self._error("shutting_down", "the server is shutting down")
+        self._ended = True
+        return self._start() + self._finish()
+
+    def _error(self, code: str, message: str) -> bytes:
+        self._ended = True
+        return self._ev("error", code=code, message=message, param=None)
 
     def listen(self, fn: Callable[[], None] | None) -> None:
         pass  # (direct mode only)

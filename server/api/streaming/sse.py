@@ -8,7 +8,8 @@ the server at hundreds of streams). Three idle helpers per stream:
   end, the streaming task is cancelled at its current await, the source closed and its work
   aborted at once (the next engine step frees the slots). A disconnect after the end (a client
   that hangs up once it read [DONE]) is a completed stream, not an abort;
-- the app's "draining" event (server shutdown) does the same, then `shutting_down` + [DONE] is sent;
+- the app's "draining" event (server shutdown) does the same, then `shutting_down` + [DONE] is sent
+  (a source's own ending instead where the route gives one: `error_end`);
 - a pinger sends `: ping` when nothing was sent for `ping_interval` seconds.
 
 With `direct=True` (Settings.direct_stream) the source's notifications write the chunks straight
@@ -30,7 +31,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Literal
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -42,6 +43,10 @@ from server.api.streaming.direct import DirectWriter
 from server.api.streaming.source import DONE, INTERNAL_ERROR, PING, SHUTDOWN, StreamSource
 
 log = logging.getLogger("server.sse")
+
+ErrorEnd = Callable[[Literal["shutdown", "internal"]], Awaitable[bytes]]
+"""A stream's last bytes when it ends on the server's side: the server shuts down ("shutdown"),
+or the source failed ("internal"). Without one: the OpenAI chat error chunk, then [DONE]."""
 
 RAW_SEND = "rwkv.raw_send"
 """Scope key of the ASGI server's send (set by server.api.app.RawSendLayer)."""
@@ -97,8 +102,12 @@ class SSEResponse(Response):
         ping_interval: float = 15.0,
         headers: dict[str, str] | None = None,
         direct: bool = False,
+        error_end: ErrorEnd | None = None,
     ) -> None:
+        """error_end: how the stream ends when the server shuts down under it or the source fails
+        (the Responses API's events; default: the chat error chunk + [DONE])."""
         self.source = source
+        self.error_end = error_end
         self.direct = direct
         self.status_code = 200
         self.background = None
@@ -109,6 +118,7 @@ class SSEResponse(Response):
         self._stop: str | None = None  # why the streaming task was cancelled: "disconnect" | "drain"
         self._live = False  # the streaming task may be cancelled (it is sending)
         self._sent = 0  # body messages sent by the loop (the pinger's "was anything sent lately")
+        self._failed = False  # the source raised (or direct writes failed)
         self._path = ""  # how the body was written (metrics): "loop" or "<source.path>_<why it left>"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -200,13 +210,13 @@ class SSEResponse(Response):
                 raise
         except Exception:  # a source should not raise: say so (logged) and end cleanly
             log.exception("stream source failed")
-            end = INTERNAL_ERROR + DONE
+            self._failed = True
         finally:
             self._live = False
             if writer is not None:
                 writer.stop()  # no write by the notifications after this line
                 self._path = f"{self.source.path}_{writer.state}"
-        return self._end(end)
+        return await self._end(end)
 
     async def _direct(self, writer: DirectWriter) -> tuple[bytes | None, AsyncGenerator[bytes, None] | None]:
         """Direct mode, from start to its end (server.api.streaming.direct): (the last message's
@@ -216,7 +226,8 @@ class SSEResponse(Response):
         if why == "slow":  # the client reads slowly: the rest through the loop (flow control)
             return b"", writer.rest()
         if why == "failed":
-            return INTERNAL_ERROR + DONE, None
+            self._failed = True
+            return b"", None
         if why == "gone":  # the socket refused a write: make sure the connection ends
             self.aborted = not self.source.ended
             writer.transport.close()
@@ -233,18 +244,27 @@ class SSEResponse(Response):
             me.uncancel()
         return True
 
-    def _end(self, end: bytes | None) -> bytes | None:
+    async def _end(self, end: bytes | None) -> bytes | None:
         """The final message's body once sending stopped: `end`, unless a watcher stopped it
         before the stream's end (disconnect: None, nothing more to send; drain: the
-        shutting_down event + [DONE])."""
-        if self._stop is None or self.source.ended:
-            return end
-        if self._stop == "disconnect":
-            self.aborted = True
-            log.info("client disconnected before the end of its stream; aborting its generation")
-            return None
-        log.info("server shutting down; ending the stream")
-        return SHUTDOWN + DONE
+        shutting_down ending) or the source failed (the internal_error ending)."""
+        if self._stop is not None and not self.source.ended:
+            if self._stop == "disconnect":
+                self.aborted = True
+                log.info("client disconnected before the end of its stream; aborting its generation")
+                return None
+            log.info("server shutting down; ending the stream")
+            return await self._error_end("shutdown")
+        return await self._error_end("internal") if self._failed else end
+
+    async def _error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
+        if self.error_end is None:
+            return (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
+        try:
+            return await self.error_end(why)
+        except Exception:  # (as a failed source: logged, the stream ends)
+            log.exception("stream source failed to end")
+            return b""
 
     async def _pinger(self, send: Send, writer: DirectWriter | None) -> None:
         def sent() -> int:  # body messages so far, by the loop and by the direct writes
