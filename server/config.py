@@ -182,6 +182,10 @@ class Settings:
     api_key_file: str = ""
     """File with one API key per line (blank lines and # comments ignored). A file that cannot
     be read or holds no key stops the start (the routes are never left open by mistake)."""
+    cors_origins: str = "*"
+    """Comma-separated origins whose web pages a browser lets call this server (CORS); `*`: any
+    (rwkv_lightning's default, so its browser clients work unchanged). Empty: no CORS answers
+    (pages of other origins are blocked). Exposed beyond this host: set API keys, or list origins."""
     direct_stream: bool = True
     """One-choice SSE streams are written to their sockets by the engine thread (no event-loop
     work per token) when the connection allows it: uvicorn's httptools protocol, plain TCP,
@@ -312,6 +316,10 @@ class Settings:
                 raise ValueError(f"{item!r} is not NAME=PATH")
             out.append((name.strip(), path.strip()))
         return out
+
+    def cors_origin_list(self) -> list[str]:
+        """cors_origins as a list (empty: CORS off)."""
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     def api_key_set(self) -> frozenset[str]:
         """The keys of api_keys and api_key_file. ValueError (one line, naming the setting) for a

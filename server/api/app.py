@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api import handlers, openapi
@@ -68,6 +69,15 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
         metrics=metrics,
         raw_bodies=(("/v1/states/", settings.state_upload_bytes),),  # state file uploads
     )
+    origins = settings.cors_origin_list()
+    if origins:  # outside the key check: a browser's preflight (OPTIONS) carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     _include_routes(app)
     openapi.install(app)
     return app
