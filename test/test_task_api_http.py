@@ -219,3 +219,44 @@ def test_a_name_of_a_keys_own_public_template_is_taken_for_its_private_one(http)
     assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
     listed = [t for t in http.get("/list", params={"kind": "template"}).json()["tasks"] if t["task_id"] == "_ownpub"]
     assert len(listed) == 1 and listed[0]["public"], listed
+
+
+def test_a_name_of_a_keys_own_private_template_is_taken_for_its_public_one(http, server):
+    """The other direction: k1's private `_ownpriv` would shadow a public `_ownpriv` from k1
+    itself (k1 could not read or delete it): 409 task_conflict, nothing made."""
+    k2 = httpx.Client(base_url=server.url + "/v1/tasks", timeout=30, headers={"Authorization": "Bearer k2"})
+    src = wait_done(http, http.post("/create", json={"prompt": "one", "max_tokens": 1}).json()["task_id"])["task_id"]
+    assert http.post(f"/{src}/as_template", params={"name": "ownpriv"}).status_code == 200
+    r = http.post(f"/{src}/as_template", params={"name": "ownpriv", "public": "true"}, json={})
+    assert r.status_code == 409, r.text
+    assert r.json()["error"] == {"message": "template '_ownpriv' already exists (private)", "type": "conflict_error",
+                                 "param": "name", "code": "task_conflict"}
+    assert k2.get("/_ownpriv/get_result").status_code == 404  # no public one was made
+    listed = [t for t in http.get("/list", params={"kind": "template"}).json()["tasks"] if t["task_id"] == "_ownpriv"]
+    assert len(listed) == 1 and not listed[0]["public"] and listed[0]["parent_id"] == src, listed
+    assert http.post("/_ownpriv/delete", params={"force": "true"}).status_code == 200  # k1's own, private
+    assert http.post(f"/{src}/as_template", params={"name": "ownpriv", "public": "true"}).status_code == 200
+    assert k2.get("/_ownpriv/get_result").status_code == 200  # the name is free once the private one is gone
+    k2.close()
+
+
+def test_query_values_are_parsed_as_the_doc_says_and_get_bodies_are_ignored(http):
+    """docs/task-api.md, Query parameters: query text is converted (booleans in their spellings,
+    integers with a zero fraction), unknown parameters are ignored; a GET's body is never read."""
+    src = wait_done(http, http.post("/create", json={"prompt": "q", "max_tokens": 1}).json()["task_id"])["task_id"]
+    for v in ("yes", "1", "ON", "t"):
+        f = http.post(f"/{src}/fork", params={"tmp": v}, json={"max_tokens": 0})
+        assert f.status_code == 200 and f.json()["task_id"].startswith("TMP_"), (v, f.text)
+    for v in ("no", "0", "OFF", "f"):
+        assert http.post(f"/{src}/fork", params={"tmp": v}, json={"max_tokens": 0}).json()["task_id"].startswith("TASK_")
+    for v in ("2", "1.0", "", " yes"):
+        assert http.post(f"/{src}/fork", params={"tmp": v}, json={"max_tokens": 0}).status_code == 422, v
+    assert http.get("/list", params={"limit": "5.0", "bogus": "x"}).json()["limit"] == 5
+    for v in ("5.5", "1e1", ""):
+        r = http.get("/list", params={"limit": v})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "limit", v
+    same = [sse(http.get(f"/{src}/stream", params={"pos": v})) for v in ("1.0", "1")]
+    assert same[0] == same[1] and same[0][-2]["pos"] == 1  # the finished task's stream from pos 1
+    for path in ("status", "get_result", "stream"):
+        r = http.request("GET", f"/{src}/{path}", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, (path, r.text)

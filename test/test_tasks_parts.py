@@ -317,6 +317,18 @@ async def test_a_run_is_ready_only_when_the_sequences_ahead_fill_every_slot(load
     await finished(t)
 
 
+async def test_a_run_that_feeds_nothing_is_not_ready_on_an_idle_engine():
+    # a prefill-only continue of a prefill-only task has nothing to feed (its state is current):
+    # it submits nothing, so it waits for no slot; it read READY (TaskTable.claim's status)
+    eng = FakeEngine()
+    runs, *_ = make_runs(eng)
+    t = await finished(await runs.start(Task(id=new_id(TMP), kind=TMP, params={"max_tokens": 0}), [1, 2], new=True))
+    n = len(eng.submissions)
+    again = await runs.start(t, None, new=False)
+    assert again.status == PREFILL and len(eng.submissions) == n
+    assert (await finished(t)).finish_reason == "length" and t.status == FINISHED
+
+
 async def test_a_stop_token_makes_eos_the_pending_token():
     eng = FakeEngine(finish=STOP)
     runs, _, _, cache = make_runs(eng)
@@ -369,8 +381,8 @@ async def test_a_persistent_run_commits_its_row_first_and_finishes_through_its_s
 
 
 # --- the TaskManager over the scripted engine and a real SQLite file ------------------------------
-def manager(eng: FakeEngine, path) -> TaskManager:
-    cfg = TaskConfig(db=str(path), default_max_tokens=3, tmp_task_ttl=60)
+def manager(eng: FakeEngine, path, **kw) -> TaskManager:
+    cfg = TaskConfig(db=str(path), default_max_tokens=3, tmp_task_ttl=60, **kw)
     return TaskManager(eng, FakeTokenizer(), cfg, FakeShape())
 
 
@@ -436,3 +448,60 @@ def test_a_failed_start_gives_back_the_text_a_continue_took_back():
     t.out.append("c", 1)
     before.restore(t)
     assert (t.out.text, list(t.out.offsets)) == ("ab\ufffd", [1, 2, 3])
+
+
+async def test_a_tmp_state_the_cache_dropped_reads_rebuild(tmp_path):
+    """docs/task-api.md: `state` is `rebuild` once the newest state is gone. A TMP_ state larger
+    than the tmp tier's budget is dropped as the run settles (the task still showed running
+    then): it read `cached`, in get_result and list, while its next run re-fed the history."""
+    eng = FakeEngine()
+    tm = manager(eng, tmp_path / "r.db", tmp_state_bytes=1)
+    await tm.start()
+    try:
+        t = await tm.wait((await tm.create("hey", {"max_tokens": 2})).id, timeout=10)
+        assert t.state_id is None and t.state == "rebuild" and t.response(tm.cache)["state"] == "rebuild"
+        assert [x["state"] for x in (await tm.list())["tasks"] if x["task_id"] == t.id] == ["rebuild"]
+        await tm.wait((await tm.continue_(t.id, {"max_tokens": 1})).id, timeout=10)
+        assert eng.submissions[-1].init_state is None and len(eng.submissions[-1].prompt) == 5  # the whole history
+    finally:
+        await tm.close()
+
+
+async def test_a_fork_that_kept_its_tmp_source_s_state_reads_rebuild_once_it_is_gone(tmp_path):
+    """A prefill-only fork without a prompt feeds nothing and keeps its source's state; when the
+    cache drops that TMP_ state (the tmp tier holds one state here), the fork says so too."""
+    eng = FakeEngine()
+    tm = manager(eng, tmp_path / "f.db", tmp_state_bytes=counted_state(0).nbytes())
+    await tm.start()
+    try:
+        src = await tm.wait((await tm.create("src", {"max_tokens": 2})).id, timeout=10)
+        fork = await tm.wait((await tm.fork(src.id, {"max_tokens": 0}, tmp=True)).id, timeout=10)
+        assert fork.state_id == src.state_id and fork.response(tm.cache)["state"] == "cached"
+        await tm.wait((await tm.create("another", {"max_tokens": 2})).id, timeout=10)  # takes the tier
+        assert src.state == "rebuild"  # the eviction moved the source back
+        assert fork.response(tm.cache)["state"] == "rebuild"
+        assert [x["state"] for x in (await tm.list())["tasks"] if x["task_id"] == fork.id] == ["rebuild"]
+    finally:
+        await tm.close()
+
+
+async def test_db_tasks_are_the_stored_tasks_of_the_page(tmp_path):
+    """docs/task-api.md: `db_tasks` lists the stored tasks on this page; with TMP_ tasks newer
+    than every stored one, a first page holds no stored task."""
+    eng = FakeEngine()
+    tm = manager(eng, tmp_path / "l.db")
+    await tm.start()
+    try:
+        stored = await tm.wait((await tm.create("kept", persistent=True)).id, timeout=10)
+        tmps = []
+        for i in range(4):
+            await asyncio.sleep(0.01)  # distinct created_at, newest first
+            tmps.append(await tm.wait((await tm.create(f"tmp {i}")).id, timeout=10))
+        first = await tm.list(limit=3)
+        assert [x["task_id"] for x in first["tasks"]] == [t.id for t in tmps[::-1][:3]]
+        assert first["db_tasks"] == [] and first["database_count"] == 1
+        second = await tm.list(limit=3, offset=3)
+        assert [x["task_id"] for x in second["tasks"]] == [tmps[0].id, stored.id]
+        assert second["db_tasks"] == [stored.id]
+    finally:
+        await tm.close()

@@ -68,18 +68,19 @@ class Inventory:
         db_total = 0
         if kind != TMP:
             rows, db_total = await self.store.list_tasks(owner_id, all_owners, kind, offset + limit, 0)
-        items = {t.id: t.summary() for t in mem_only}
+        items = {t.id: t.summary(self.cache) for t in mem_only}
         for r in rows:
             if r.id not in items:
-                items[r.id] = seen_by(owner_id, all_owners, r.owner, _row_summary(r, self.table.find(r.id)))
-        page = sorted(items.values(), key=lambda d: (-d["created_at"], d["task_id"]))[offset : offset + limit]
+                items[r.id] = seen_by(owner_id, all_owners, r.owner, _row_summary(r, self.table.find(r.id), self.cache))
+        order = sorted(items, key=lambda i: (-items[i]["created_at"], items[i]["task_id"]))[offset : offset + limit]
+        stored = {r.id for r in rows}
         return {
             "cpu_cache_count": len(mem),
             "database_count": db_total,
             "total_count": db_total + len(mem_only),
             "cpu_tasks": [t.display_id for t in mem],
-            "db_tasks": [display_id(r.id) for r in rows][offset : offset + limit],
-            "tasks": page,
+            "db_tasks": [display_id(i) for i in order if i in stored],  # the stored tasks of this page
+            "tasks": [items[i] for i in order],
             "limit": limit,
             "offset": offset,
         }
@@ -164,9 +165,9 @@ def seen_by(viewer: str | None, all_owners: bool, owner: str | None, summary: di
     return summary
 
 
-def _row_summary(r: DbRow, t: Task | None) -> dict[str, Any]:
+def _row_summary(r: DbRow, t: Task | None, held: StateCache[State]) -> dict[str, Any]:
     if t is not None:
-        return t.summary()
+        return t.summary(held)
     return {
         "task_id": display_id(r.id),
         "kind": r.kind,

@@ -49,7 +49,7 @@ from server.tasks.lease import Lease
 from server.tasks.lineage import base_of
 from server.tasks.params import clean_params, fim_prompt
 from server.tasks.persist import Persistence
-from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, new_id
+from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, display_id, new_id
 from server.tasks.runs import Runs
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import Store
@@ -202,9 +202,12 @@ class TaskManager:
 
     def _state_evicted(self, key: str) -> None:
         """A cache LRU dropped `key` (`<task id>:<hex>`): if it was its task's newest state and
-        not stored, the task now says its next run rebuilds from its last stored state."""
+        not stored, the task now says its next run rebuilds from its last stored state. Also
+        while the task shows running: a settling run's new state may be dropped as it is put
+        (larger than its LRU's budget, e.g. --tmp-state-bytes 1) before the task shows finished;
+        a run in flight holds its starting state pinned (never dropped by an LRU)."""
         t = self.table.find(key.rsplit(":", 1)[0])
-        if t is not None and t.state_id == key and key != t.stored_id and not t.running:
+        if t is not None and t.state_id == key and key != t.stored_id:
             t.state_id, t.state_pos = t.stored_id, t.stored_pos
 
     # --- lookup and access -----------------------------------------------------------------------
@@ -375,11 +378,10 @@ class TaskManager:
         t.out.notify()
         return t
 
-    async def _own_public(self, tid: str, oid: str | None) -> bool:
-        """True when the public template tid is oid's own: a private one of its name would shadow
-        it from its own maker (the name is taken by this key's own template: 409)."""
-        pub = await self.access.find(tid)  # (memory first)
-        return pub is not None and not pub.deleted and pub.owner == oid
+    async def _own_template(self, tid: str, oid: str | None) -> bool:
+        """True when the template tid (being made here included) is oid's own."""
+        t = await self.access.find(tid)  # (memory first: the live set holds one being made)
+        return t is not None and not t.deleted and t.owner == oid
 
     async def as_template(
         self, task_id: str, owner: str | None = None, name: str | None = None, *, public: bool = False
@@ -395,10 +397,16 @@ class TaskManager:
         oid = self.owner_id(owner)
         public = public or oid is None
         tid = new_id(TEMPLATE, name, None if public else oid)
+        # the name is taken by this key's own template of it, private or public: a private one
+        # shadows the public one (Access.lookup), from this key too (docs/task-api.md, 409)
+        other = None if name is None or oid is None else new_id(TEMPLATE, name, oid if public else None)
+        taken = f"template {display_id(tid)!r} already exists"
+        if other is not None and await self._own_template(other, oid):
+            raise TaskConflict(f"{taken} ({'private' if public else 'public'})", param="name")
         if tid in self.live or await self.access.find(tid) is not None or tid in self.live:
-            raise TaskConflict(f"template {tid.split('@')[0]!r} already exists", param="name")
-        if name is not None and not public and await self._own_public(new_id(TEMPLATE, name, None), oid):
-            raise TaskConflict(f"template {tid.split('@')[0]!r} already exists (public)", param="name")
+            raise TaskConflict(taken, param="name")
+        if other is not None and (made := self.live.get(other)) is not None and made.owner == oid:
+            raise TaskConflict(f"{taken} ({'private' if public else 'public'})", param="name")  # made meanwhile
         tpl = template_of(src, tid, oid, public)
         self.live[tid] = tpl  # reserves the id here (no await since the check above)
         claimed = False

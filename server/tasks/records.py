@@ -26,7 +26,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from sqlalchemy import Row
@@ -45,6 +45,12 @@ STORED, CACHED, REBUILD = "stored", "cached", "rebuild"
 prefills the history from the last stored state, or from zero)."""
 OWNER_TAG = 12
 """Hex characters of the owner hash in a private named template's id."""
+
+
+class Held(Protocol):
+    """The states held in memory (server.tasks.cache.StateCache), for Task.state_in."""
+
+    def __contains__(self, key: str, /) -> bool: ...
 
 
 def new_id(kind: str, name: str | None = None, owner: str | None = None) -> str:
@@ -164,14 +170,32 @@ class Task:
 
     @property
     def state(self) -> str:
+        """state_in() without a look at the cache."""
+        return self.state_in(None)
+
+    def state_in(self, held: Held | None) -> str:
         """STORED, CACHED or REBUILD (docs/task-api.md). A running task's state is in the
         engine (CACHED); a finished task whose state has not consumed its history up to the
-        pending token is REBUILD (in part: e.g. interrupted)."""
+        pending token is REBUILD (in part: e.g. interrupted). `held`: the states in memory (the
+        StateCache): a TMP_ state (never stored) that it no longer holds is gone, and the next
+        run starts from the last stored state (a membership test, no query). The cache's own
+        evictions already move state_id back (TaskManager._state_evicted); this also covers a
+        state a fork took over from a TMP_ source and never replaced (a run that fed nothing
+        or failed)."""
         if self.running:
             return CACHED
-        if self.state_id is None or self.state_pos < len(self.tokens) - 1:
+        sid, pos = self.state_id, self.state_pos
+        if (
+            held is not None
+            and sid is not None
+            and sid != self.stored_id
+            and sid.startswith("TMP_")
+            and sid not in held
+        ):
+            sid, pos = self.stored_id, self.stored_pos
+        if sid is None or pos < len(self.tokens) - 1:
             return REBUILD
-        return STORED if self.state_id == self.stored_id else CACHED
+        return STORED if sid == self.stored_id else CACHED
 
     @property
     def generated(self) -> int:
@@ -199,8 +223,8 @@ class Task:
         n, gen = self.completion_tokens, self.generating()
         return n / gen if gen > 0 and n > 0 else 0.0
 
-    def response(self) -> dict[str, Any]:
-        """TaskResponse (the SDK's keys + ours)."""
+    def response(self, held: Held | None = None) -> dict[str, Any]:
+        """TaskResponse (the SDK's keys + ours); `held`: as state_in's."""
         return {
             "task_id": self.display_id,
             "result": self.out.text,
@@ -212,7 +236,7 @@ class Task:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "state": self.state,
+            "state": self.state_in(held),
             "instance": self.instance,
         }
 
@@ -224,7 +248,8 @@ class Task:
             "finish_reason": self.finish_reason,
         }
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, held: Held | None = None) -> dict[str, Any]:
+        """The task's row in a list; `held`: as state_in's."""
         return {
             "task_id": self.display_id,
             "kind": self.kind,
@@ -234,7 +259,7 @@ class Task:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "parent_id": display_id(self.parent_id),
-            "state": self.state,
+            "state": self.state_in(held),
             "instance": self.instance,
             "public": self.public,
         }

@@ -193,6 +193,8 @@ class Runs:
                     inp, sp, init_state=state, return_state=True, request_id=f"{t.id}.{self._seq}", history=history
                 )
                 t.status = READY if queued else PREFILL
+            # (nothing to feed: a prefill-only run whose state is current; it stays PREFILL, as
+            # TaskTable.claim left it, until it settles: it waits for no slot)
             run = Run(
                 pos=pos, n_input=len(inp), params=sp, key=key, handle=handle, t_submit=t_submit, recorder=recorder
             )

@@ -20,7 +20,7 @@ from typing import Any
 from cachetools import LRUCache
 
 from server.tasks.errors import TaskConflict
-from server.tasks.records import FINISHED, READY, TMP, Task
+from server.tasks.records import FINISHED, PREFILL, TMP, Task
 
 RECENT_TASKS = 1024
 
@@ -53,7 +53,7 @@ class TaskTable:
             t = cur
         if t.running:
             raise TaskConflict(f"task {t.id} is running; stop it or wait until it finishes")
-        t.status = READY
+        t.status = PREFILL  # running from now on; READY only once its run waits behind a full engine (Runs)
         t.done = asyncio.Event()
         self.recent.pop(t.id, None)
         self.live[t.id] = t

@@ -45,7 +45,7 @@ def _answer(sv: Services, t: Task, stream: bool, *, own: bool = False) -> Respon
     failed."""
     try:
         if not stream:
-            return json_response(t.response())
+            return json_response(t.response(sv.tasks.cache if sv.tasks is not None else None))
         return _sse(sv, t, 0, abort_on_close=own and t.kind == "tmp")
     except BaseException:
         if sv.tasks is not None:
@@ -114,7 +114,7 @@ _READS = answers(401, 404, 422, 503)
 @router.get("/{task_id}/get_result", responses=_READS)
 async def get_result(task_id: str, request: Request) -> Response:
     tm = task_manager(get_services(request))
-    return json_response((await task_call(tm.get(task_id, get_owner(request)))).response())
+    return json_response((await task_call(tm.get(task_id, get_owner(request)))).response(tm.cache))
 
 
 @router.get("/{task_id}/status", responses=_READS)
@@ -170,7 +170,7 @@ async def as_template(
     """public=true: every API key may read and fork the template (default: private to this key)."""
     tm = task_manager(get_services(request))
     t = await task_call(tm.as_template(task_id, get_owner(request), name=name, public=public))
-    return json_response(t.response())
+    return json_response(t.response(tm.cache))
 
 
 @router.post("/{task_id}/delete", responses=answers(401, 403, 404, 409, 413, 422, 503))
