@@ -365,3 +365,21 @@ async def test_a_writer_killed_mid_state_write_leaves_the_database_as_it_was(tmp
     assert stored and (await store.get_task("TASK_x")).state_id == "S_new"
     assert await store.get_state("S_old") is None
     await store.close()
+
+
+async def test_a_final_row_that_cannot_be_stored_unpins_the_runs_new_state(tmp_path, monkeypatch):
+    """A final row refused for good (not a transient fault) ends the task with an error; its
+    run's new state, pinned until that row committed, goes back to the cache's care (was kept
+    pinned for ever: never evicted, never written)."""
+    tm = await manager(FakeEngine(), tmp_path / "f.db")
+    try:
+        async def refuse(rows, instance):
+            raise ValueError("a row the database refuses")
+
+        monkeypatch.setattr(tm.store, "update_owned", refuse)
+        t = await tm.wait((await tm.create("abc", persistent=True)).id, timeout=10)
+        assert t.finish_reason == "error" and "could not be stored" in (t.out.error or "")
+        assert not [k for k in tm.persistence.cache.pinned_keys() if k.startswith(t.id + ":")]
+    finally:
+        monkeypatch.undo()
+        await tm.close()

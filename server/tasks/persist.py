@@ -350,7 +350,7 @@ class Persistence:
             return
         log.error("task %s: its final row could not be stored: %s", t.id, exc)
         job.outcome = Outcome("error", f"its final row could not be stored: {exc}")
-        job.key, job.state = None, None
+        job.state = None  # not written behind; its key stays, so _settled unpins it
         self._settled(job, lost=False, stored=False)
 
     def _retry_settle(self, job: SettleJob) -> None:
