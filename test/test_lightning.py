@@ -203,8 +203,48 @@ def test_mismatched_prefix_and_suffix(c):
 def test_bad_fields_are_named(c):
     e = refused(c, "/v1/chat/completions", {"contents": ["x"], "temperature": 99})
     assert e["error"]["param"] == "temperature"
-    e = refused(c, "/v1/chat/completions", {"contents": ["x"], "stop_tokens": [""]})
+    e = refused(c, "/v1/chat/completions", {"contents": ["x"], "stop_tokens": ["x" * 257]})  # ours: 256 at most
     assert e["error"]["param"] == "stop_tokens" and "'stop_tokens'" in e["error"]["message"]
     e = refused(c, "/v1/chat/completions", {"contents": "not a list"})
     assert e["error"]["param"] == "contents"
     refused(c, "/translate/v1/batch-translate", {"text_list": ["x"]})  # target_lang is required
+
+
+# --- lightning's lenient values ------------------------------------------------------------------
+def test_empty_stop_strings_are_dropped_as_on_lightning(c):
+    want = one(c, PROMPTS[0], max_tokens=6, **GREEDY)
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    for stops in ([""], [""] * 20, ["", "\u2603\u2603\u2603"]):  # 20 empty strings: none counts toward the 16
+        assert one(c, PROMPTS[0], stop_tokens=stops, **greedy) == want
+        assert one(c, PROMPTS[0], "/v2/chat/completions", stop_tokens=stops, max_tokens=2) is not None
+        events = sse(c.post("/big_batch/completions", json={"contents": PROMPTS[:1], "stop_tokens": stops, **greedy}))
+        assert texts_by_index(events) == {0: want}
+        r = c.post("/openai/v1/chat/completions", json={"contents": ["hi"], "max_tokens": 2, "stop_tokens": stops})
+        assert r.status_code == 200, r.text
+
+
+def _flushes(events: list) -> int:
+    return sum(1 for ev in events if isinstance(ev, dict) and ev.get("object") == "chat.completion.chunk")
+
+
+def test_chunk_size_zero_flushes_every_token_and_a_large_one_once(c):
+    body = {"contents": PROMPTS[:2], "max_tokens": 7, "stream": True, **GREEDY}
+    want = {i: ch["message"]["content"] for i, ch in enumerate(
+        c.post("/v1/chat/completions", json={**body, "stream": False}).json()["choices"])}
+    per_token = sse(c.post("/v1/chat/completions", json={**body, "chunk_size": 1}))
+    for size in (0, -3):  # lightning's batch stream: every token at 0 (and below)
+        events = sse(c.post("/v1/chat/completions", json={**body, "chunk_size": size}))
+        assert texts_by_index(events) == want and _flushes(events) == _flushes(per_token)
+    for size in (4097, 10**9):  # no upper bound: one flush per prompt, at its end
+        events = sse(c.post("/v1/chat/completions", json={**body, "chunk_size": size}))
+        assert texts_by_index(events) == want and _flushes(events) == 2
+    events = sse(c.post("/big_batch/completions", json={**body, "chunk_size": 0}))
+    assert texts_by_index(events) == want
+
+    def contents(size: int) -> list[str]:  # the content chunks of the OpenAI-style stream
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True, "chunk_size": size,
+                **GREEDY}
+        chunks = sse(c.post("/openai/v1/chat/completions", json=chat))[:-1]
+        return [e["choices"][0]["delta"]["content"] for e in chunks if "content" in e["choices"][0]["delta"]]
+
+    assert contents(0) == contents(1) and len(contents(10**6)) == 1 and "".join(contents(10**6)) == "".join(contents(0))

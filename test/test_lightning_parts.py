@@ -9,7 +9,7 @@ from task_fakes import FakeEngine, FakeShape, FakeTokenizer
 
 from server.api.lightning import chat_prompt
 from server.api.lightning.errors import LightningError
-from server.api.lightning.render import Flushes, native_chunk
+from server.api.lightning.render import Flushes, native_chunk, native_renderer
 from server.api.lightning.schemas import (
     BigBatchBody,
     ChatStyleBody,
@@ -19,9 +19,18 @@ from server.api.lightning.schemas import (
     StateBody,
     TranslateBody,
 )
-from server.api.lightning.sessions import TAG, SessionNotFound, Sessions, continued, name_of
+from server.api.lightning.sessions import (
+    MAX_FULL_NAME,
+    TAG,
+    NameTooLong,
+    SessionNotFound,
+    Sessions,
+    continued,
+    name_of,
+    name_problem,
+)
 from server.api.openai.jobs import Job
-from server.api.streaming.source import event
+from server.api.streaming.source import DONE, SHUTDOWN, event
 from server.config import Settings
 from server.engine.types import Event
 from server.tasks import TaskManager
@@ -45,6 +54,41 @@ def test_flushes_send_every_chunk_size_tokens_and_at_the_end():
         sent.append(f.add(job, [Event(text=text, token_ids=[n], n_tokens=n)]))
     assert sent == [None, None, "abc", None, "de"]
     assert f.text == ["", ""]
+
+
+async def test_a_stream_ended_early_sends_the_text_it_held_first():
+    jobs = [Job(index=i, handle=None, prompt_tokens=1) for i in range(3)]  # type: ignore[arg-type]
+    r = native_renderer(jobs, chunk_size=10**9)
+    for i, text in ((0, "ab"), (2, "c"), (0, "d")):
+        jobs[i].completion_tokens += 1
+        assert r.render(jobs[i], [Event(text=text, token_ids=[1], n_tokens=1)]) == (b"", False)
+    assert await r.error_end("shutdown") == native_chunk(0, "abd") + native_chunk(2, "c") + SHUTDOWN + DONE
+    assert await r.error_end("shutdown") == SHUTDOWN + DONE  # taken: never sent twice
+
+
+def test_lightnings_lenient_values():
+    assert [LightningV1Body(chunk_size=n).chunk_size for n in (0, -5, 1, 10**12)] == [1, 1, 1, 10**12]
+    assert ChatStyleBody(chunk_size=0).chunk_size == 1 and ChatStyleBody().chunk_size is None
+    assert LightningV1Body(stop_tokens=["", "x", ""]).stop_tokens == ["x"]
+    assert BigBatchBody(stop_tokens=[""] * 20).sampling(65536).stop == ()
+
+
+def test_session_names_leave_room_for_node_suffixes():
+    assert name_problem("s" * 200) is None and name_problem("s" * 201) is not None
+    for node in ("s" * 200 + ":1", "s" * 200 + ":1:23", "s" * 199 + "9:7"):  # names the server makes
+        assert name_problem(node) is None, node
+    assert name_problem("s" * 201 + ":1") is not None and name_problem("s:" * 150) is not None
+    assert name_problem(":1" * 111) is None and name_problem(":1" * 111 + "1") is not None  # 223 > MAX_FULL_NAME
+    assert name_problem("a\x00b") == "session_id must not contain the NUL character"
+
+
+def test_the_field_a_long_prompt_came_from():
+    long, short = "x" * 1000, [{"role": "user", "content": "hi"}]
+    assert chat_prompt.main_field(ChatStyleBody(messages=[{"role": "user", "content": long}])) == "messages"
+    assert chat_prompt.main_field(ChatStyleBody(messages=short, contents=[long])) == "contents"
+    assert chat_prompt.main_field(ChatStyleBody(contents=[long])) == "contents"
+    assert chat_prompt.main_field(ChatStyleBody(messages=short, system=long)) == "system"
+    assert chat_prompt.main_field(ChatStyleBody(messages=[*short, {"role": "tool", "content": long}])) == "messages"
 
 
 def test_the_documented_defaults_per_route():
@@ -193,3 +237,21 @@ async def test_a_node_or_session_another_replica_made_meanwhile_is_never_made_tw
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_deleted_sessions_task_is_marked(tm):
+    s = Sessions.of(tm)
+    a = await s.chat(None, "gone", "hello", {"max_tokens": 2})
+    await tm.wait(a.id)
+    assert not s.deleted(a)
+    assert await s.delete(None, "gone", prefix=False)
+    assert s.deleted(a)
+
+
+async def test_a_node_too_long_to_name_is_not_made(tm):
+    s = Sessions.of(tm)
+    deep = "n" * (MAX_FULL_NAME - 2)  # room for ":<one digit>" only
+    for _ in range(9):
+        await tm.wait((await s.branch(None, deep, 0, "p", FIELDS))[0].id)
+    with pytest.raises(NameTooLong):
+        await s.branch(None, deep, 0, "p", FIELDS)  # node 10 would have a name of MAX_FULL_NAME + 1

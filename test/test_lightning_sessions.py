@@ -4,6 +4,7 @@ listed and deleted, survive a restart, and bad input changes nothing."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -121,6 +122,11 @@ def test_bad_session_requests_change_nothing(c):
          {"error": "State not found for dialogue_idx=99"}),
         ("/multi_state/chat/completions", {"session_id": "keep", "contents": ["x"]}, 400,
          {"error": "Missing dialogue_idx parameter"}),
+        ("/multi_state/chat/completions", {"session_id": "keep", "dialogue_idx": -1, "contents": ["x"]}, 404,
+         {"error": "State not found for dialogue_idx=-1"}),  # lightning's answer: no such node
+        ("/state/chat/completions", {"session_id": "k" * 201, "contents": ["x"]}, 400, None),
+        ("/state/chat/completions", {"session_id": "k" * 201 + ":1", "contents": ["x"]}, 400, None),
+        ("/multi_state/chat/completions", {"session_id": "k" * 201, "dialogue_idx": 0, "contents": ["x"]}, 400, None),
         ("/state/chat/completions", {"contents": ["x"]}, 400, {"error": "Missing session_id parameter"}),
         ("/state/chat/completions", {"session_id": "keep", "contents": ["a", "b"]}, 400, None),
         ("/state/chat/completions", {"session_id": "keep", "contents": []}, 400, None),
@@ -186,3 +192,100 @@ def test_sessions_survive_a_restart(tmp_path):
         branch = state(c, "kept-tree", more, path="/multi_state/chat/completions", dialogue_idx=1)
         assert branch["dialogue_idx"] == 2
         assert first["choices"][0]["message"]["content"]
+
+
+def test_dialogue_idx_null_is_a_new_root(c):
+    """lightning reads `int(dialogue_idx or 0)`: null is 0, a new root (only a missing key is a 400)."""
+    root = state(c, "null-root", ASK, path="/multi_state/chat/completions", dialogue_idx=0)
+    other = state(c, "null-root", ASK, path="/multi_state/chat/completions", dialogue_idx=None)
+    assert (root["dialogue_idx"], other["dialogue_idx"]) == (1, 2) and other["choices"] == root["choices"]
+
+
+def test_a_node_of_a_long_session_id_is_usable(c):
+    """A node's name `<session_id>:<n>` may be longer than the 200 characters a session_id may
+    have: every name the server made is usable on /state, /multi_state and /state/delete."""
+    sid = "s" * 200
+    root = state(c, sid, ASK, path="/multi_state/chat/completions", dialogue_idx=0)
+    node = f"{sid}:{root['dialogue_idx']}"
+    more = "User: And then?\n\nAssistant:"
+    n, _ = prefilled(c, lambda: state(c, node, more))  # /state continues the node's state
+    assert n == ntok("\n\n" + more) + 1
+    nested = state(c, node, ASK, path="/multi_state/chat/completions", dialogue_idx=0)  # a node's name as a session
+    nested_name = f"{node}:{nested['dialogue_idx']}"
+    assert state(c, nested_name, more)["choices"]
+    names = {s["session_id"] for s in status(c)["sessions"]}
+    assert {node, nested_name} <= names
+    for name in (nested_name, node):
+        r = c.post("/state/delete", json={"session_id": name})
+        assert r.status_code == 200, r.text
+
+
+def test_empty_stop_strings_are_dropped_and_chunk_size_zero_is_one(c):
+    r = c.post("/state/chat/completions", json={"session_id": "stops", "contents": [ASK], "max_tokens": 3,
+                                                **GREEDY, "stop_tokens": [""] * 17})  # none of them counts
+    assert r.status_code == 200, r.text
+    body = {"contents": [ASK], "max_tokens": 6, "stream": True, **GREEDY}
+    per_token = sse(c.post("/state/chat/completions", json={"session_id": "cs-1", "chunk_size": 1, **body}))
+    zero = sse(c.post("/state/chat/completions", json={"session_id": "cs-0", "chunk_size": 0, **body}))
+    assert zero == per_token  # lightning's state stream: max(1, chunk_size)
+    once = sse(c.post("/state/chat/completions", json={"session_id": "cs-big", "chunk_size": 10**9, **body}))
+    assert len(once) == 2 and texts_by_index(once) == texts_by_index(per_token)  # one flush, at the end
+
+
+def test_a_prompt_too_long_is_named_by_its_field(c):
+    long = "sea " * 5000
+    for body, field in (({"contents": [long]}, "contents"),
+                        ({"messages": [{"role": "user", "content": long}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "system": long}, "system"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "contents": [long]}, "contents")):
+        r = c.post("/openai/v1/chat/completions", json=body)
+        assert r.status_code == 413 and r.json()["error"]["param"] == field, (field, r.text)
+    idle(c)
+
+
+def _generating(c: httpx.Client) -> None:
+    for _ in range(600):
+        if c.get("/health").json()["running"] >= 1 and metric(c, "rwkv_generation_tokens_total") > 0:
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError("the call did not start")
+
+
+def test_a_session_deleted_while_a_call_generates_answers_so(c, server):
+    """/state/delete stops a call generating on the session: its answer is an error
+    (`session_deleted`), not a whole-looking answer with finish_reason "stop"."""
+    endless = {"contents": [ASK], "max_tokens": 100_000, **GREEDY}
+    for path, extra in (("/state/chat/completions", {}), ("/multi_state/chat/completions", {"dialogue_idx": 0})):
+        out: dict[str, httpx.Response] = {}
+        sid = "doomed" + path.split("/")[1]
+
+        def call(path=path, extra=extra, out=out, sid=sid) -> None:
+            with httpx.Client(base_url=server.url, timeout=120) as other:
+                out["r"] = other.post(path, json={"session_id": sid, **endless, **extra})
+
+        th = threading.Thread(target=call)
+        th.start()
+        _generating(c)
+        r = c.post("/state/delete", json={"session_id": sid, "delete_prefix": True})
+        assert r.status_code == 200, r.text
+        th.join(60)
+        r = out["r"]
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["param"]) == ("session_deleted", "session_id") and "was deleted" in err["message"]
+        assert sid not in {s["session_id"].split(":")[0] for s in status(c)["sessions"]}
+
+    lines: list[str] = []
+    with httpx.Client(base_url=server.url, timeout=120) as other, other.stream(
+            "POST", "/multi_state/chat/completions",
+            json={"session_id": "doomed-stream", "dialogue_idx": 0, "stream": True, "chunk_size": 1, **endless}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == 3:
+                    assert c.post("/state/delete", json={"session_id": "doomed-stream:1"}).status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["error"]["code"] == "session_deleted", lines[-3:]  # no node event: the node is gone
+    assert all("multi_state.dialogue_idx" not in ln for ln in lines)
+    idle(c)

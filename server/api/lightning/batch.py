@@ -20,11 +20,10 @@ from fastapi.responses import Response
 from server.api.errors import ApiError
 from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError, bsz_overflow
-from server.api.lightning.render import native_renderer, native_response
+from server.api.lightning.render import FlushingRenderer, native_renderer, native_response
 from server.api.lightning.schemas import LightningV1Body, limits
 from server.api.metrics import CLIENT_GONE, Recorder
 from server.api.openai.jobs import ClientGone, Job, Prompt, collect, submit_all
-from server.api.openai.render import Renderer
 from server.api.openai.stream import ChoiceStream
 from server.api.services import Services, get_services, json_response
 from server.api.streaming.sse import SSEResponse
@@ -77,10 +76,11 @@ async def submit(
     return submit_all(sv.engine, seqs, [params] * len(seqs), new_id(field), max_queue=sv.settings.max_queue)
 
 
-def sse(sv: Services, jobs: list[Job], t0: float, renderer: Renderer) -> SSEResponse:
-    """The jobs' stream: the renderer's bytes (server.api.openai.stream.ChoiceStream)."""
+def sse(sv: Services, jobs: list[Job], t0: float, renderer: FlushingRenderer) -> SSEResponse:
+    """The jobs' stream: the renderer's bytes (server.api.openai.stream.ChoiceStream); when it
+    ends early (the server shuts down), the text the renderer holds goes out before the error."""
     source = ChoiceStream(jobs, renderer, Recorder(sv.metrics, t0))
-    return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream)
+    return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream, error_end=renderer.error_end)
 
 
 async def respond(
@@ -89,7 +89,7 @@ async def respond(
     jobs: list[Job],
     t0: float,
     *,
-    stream: Renderer | None,
+    stream: FlushingRenderer | None,
     full: Callable[[list[Job]], dict[str, Any]],
 ) -> Response:
     """The SSE stream of `stream`'s bytes, or (None) the JSON `full(jobs)` once every job is

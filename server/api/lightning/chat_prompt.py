@@ -42,6 +42,20 @@ def clean(text: str | None) -> str:
     return "\n".join(ln for ln in lines if ln)
 
 
+USED_ROLES = ("system", "developer", "user", "assistant")
+
+
+def main_field(body: ChatStyleBody) -> str:
+    """The field most of the prompt's text came from (`messages`, `contents` or `system`): the
+    one a prompt that is too long is named by."""
+    sizes = {
+        "messages": sum(len(content_text(m.content)) for m in body.messages if m.role.lower() in USED_ROLES),
+        "contents": len(body.contents[0]) if body.contents else 0,
+        "system": len(body.system or ""),
+    }
+    return max(sizes, key=lambda k: sizes[k])
+
+
 def build(body: ChatStyleBody) -> tuple[str, str]:
     """(system block, rest) of the request's prompt; 400 when it has no text at all."""
     system = [clean(body.system)]

@@ -11,7 +11,8 @@ _WHY = {
     400: "an invalid field (our error shape), or one of lightning's: an empty batch, a batch beyond "
     "the queue (bsz overflow), a missing session_id / dialogue_idx",
     401: "API keys are configured and neither `password` nor `Authorization: Bearer` holds one",
-    404: "unknown session or dialogue node",
+    404: "unknown session or dialogue node (a negative dialogue_idx too); a session call whose session was "
+    "deleted while it generated (`session_deleted`)",
     409: "the session is generating (one write to a session at a time); /state/delete: it is generating on "
     "another server of the database (`task_running_elsewhere`)",
     413: "a prompt or the body is too large",

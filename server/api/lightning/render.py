@@ -6,18 +6,21 @@ Native JSON: {"id", "object", "model": <request label>, "choices": [{"index", "m
 {"role": "assistant", "content"}, "finish_reason"}]}, one choice per prompt, in prompt order.
 Native SSE: per flush `{"object": "chat.completion.chunk", "choices": [{"index": i, "delta":
 {"content": text}}]}` (no id, model or finish_reason), then `data: [DONE]`. A flush happens once
-a prompt has `chunk_size` new tokens, and at its end.
+a prompt has `chunk_size` new tokens, and at its end (and, when the server shuts down under the
+stream, before its `shutting_down` event: FlushingRenderer).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import orjson
 
 from server.api.openai.jobs import Job
 from server.api.openai.render import FINISH, Meta, Renderer, usage
-from server.api.streaming.source import DONE, event
+from server.api.streaming.source import DONE, INTERNAL_ERROR, SHUTDOWN, event
 from server.engine.types import Event
 
 
@@ -64,8 +67,29 @@ class Flushes:
         out, self.text[i], self.sent_at[i] = self.text[i], "", job.completion_tokens
         return out
 
+    def held(self) -> list[tuple[int, str]]:
+        """(index, text) of every choice's text not sent yet, taken (each choice's comes in order
+        after what it sent: the stream shows no gap)."""
+        out = [(i, t) for i, t in enumerate(self.text) if t]
+        for i, _ in out:
+            self.text[i] = ""
+        return out
 
-def native_renderer(jobs: list[Job], chunk_size: int, tail: bytes = b"") -> Renderer:
+
+@dataclass
+class FlushingRenderer(Renderer):
+    """A renderer whose text waits for its flush (`chunk_size` tokens): `held()` renders what it
+    holds now, sent before the error event of a stream that ends early (the server shutting
+    down under it): the client gets all the text read for it so far, whatever its chunk_size."""
+
+    held: Callable[[], bytes] = lambda: b""
+
+    async def error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
+        """SSEResponse's `error_end`: the held text, then the error event and [DONE]."""
+        return self.held() + (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
+
+
+def native_renderer(jobs: list[Job], chunk_size: int, tail: bytes = b"") -> FlushingRenderer:
     """The native SSE stream of these jobs; `tail`: events sent just before [DONE]."""
     flushes = Flushes(len(jobs), chunk_size)
 
@@ -73,7 +97,9 @@ def native_renderer(jobs: list[Job], chunk_size: int, tail: bytes = b"") -> Rend
         text = flushes.add(job, batch)
         return (native_chunk(job.index, text) if text else b""), job.finish_reason is not None
 
-    return Renderer([], render, lambda: tail + DONE)
+    return FlushingRenderer(
+        [], render, lambda: tail + DONE, held=lambda: b"".join(native_chunk(i, t) for i, t in flushes.held())
+    )
 
 
 # --- the OpenAI-style route (/openai/v1/chat/completions) ---------------------------------------
@@ -92,7 +118,7 @@ def chat_style_response(job: Job, meta: Meta) -> dict[str, Any]:
     }
 
 
-def chat_style_renderer(meta: Meta, chunk_size: int) -> Renderer:
+def chat_style_renderer(meta: Meta, chunk_size: int) -> FlushingRenderer:
     """Its stream: a role chunk, content chunks (one per flush), a finish chunk with an empty
     delta, [DONE]; every chunk `chat.completion.chunk` with one id/created/model, no usage."""
     base = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model}
@@ -108,4 +134,9 @@ def chat_style_renderer(meta: Meta, chunk_size: int) -> Renderer:
             return out, False
         return out + chunk({}, finish_reason(job)), True
 
-    return Renderer([chunk({"role": "assistant"})], render, lambda: DONE)
+    return FlushingRenderer(
+        [chunk({"role": "assistant"})],
+        render,
+        lambda: DONE,
+        held=lambda: b"".join(chunk({"content": t}) for _, t in flushes.held()),
+    )

@@ -142,7 +142,7 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     prefix, rest = chat_prompt.build(body)
     prefix_ids, rest_ids = await batch.encode_all(sv, [prefix, rest])
     n_prompt = len(prefix_ids) + len(rest_ids)
-    batch.check_prompt(sv, prefix_ids + rest_ids, "messages")
+    batch.check_prompt(sv, prefix_ids + rest_ids, chat_prompt.main_field(body))
     # the chat-prefix cache's state after the system block (the OpenAI route's helper); its tokens
     # count as cached where the state was kept before this request, as on the OpenAI route
     state, cached = None, 0

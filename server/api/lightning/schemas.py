@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from typing_extensions import Self
 
 from server.api.errors import ApiError
@@ -23,8 +23,6 @@ from server.engine.types import LIMITS, SamplingParams, check_fields
 
 if TYPE_CHECKING:
     from server.api.services import Services
-
-MAX_CHUNK_SIZE = 4096
 
 
 def _bounded(name: str) -> Any:
@@ -38,7 +36,27 @@ TopK = Annotated[int, _bounded("top_k")]
 TopP = Annotated[float, _bounded("top_p")]
 Alpha = Annotated[float, _bounded("presence_penalty")]
 Decay = Annotated[float, _bounded("penalty_decay")]
-ChunkSize = Annotated[int, Field(ge=1, le=MAX_CHUNK_SIZE, description="tokens per streamed flush")]
+
+
+def _at_least_one(n: int) -> int:
+    return max(1, n)
+
+
+def _no_empty(stops: list[str]) -> list[str]:
+    return [s for s in stops if s]
+
+
+ChunkSize = Annotated[
+    int,
+    AfterValidator(_at_least_one),
+    Field(description="tokens per streamed flush (0 or less: 1, as lightning; more than the answer: one flush)"),
+]
+"""lightning's chunk_size: its batch stream flushes every token at 0 (and below), its state stream
+takes max(1, chunk_size); it has no upper bound, and a value larger than the answer simply
+flushes once, at the end (the flush rule compares token counts: any size works)."""
+StopTokens = Annotated[list[str], AfterValidator(_no_empty), Field(description="stop strings (empty ones dropped)")]
+"""lightning's stop_tokens: empty strings are dropped, as lightning does (a stop string that
+matches everywhere would end every answer at once); the rest are checked as our `stop`."""
 USER_STOP = ["\nUser:"]
 OUR_NAMES = {
     "stop": "stop_tokens",
@@ -64,7 +82,7 @@ def capped(fields: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
 
 def sampling_params(fields: dict[str, Any], vocab_size: int, max_tokens_limit: int = 0) -> SamplingParams:
     """SamplingParams from fields by our names (all given), checked: a 400 naming the field by
-    lightning's name when one cannot be used (e.g. an empty or too long stop string)."""
+    lightning's name when one cannot be used (e.g. a stop string over 256 characters)."""
     fields = capped(fields, max_tokens_limit)
     try:
         check_fields(fields, vocab_size)
@@ -100,7 +118,7 @@ class NativeFields(Credential):
 
     model: str = Field("rwkv7", description="a label for the answer; this server serves one model")
     max_tokens: MaxTokens = 8192
-    stop_tokens: list[str] = Field(default_factory=lambda: list(USER_STOP), description="stop strings")
+    stop_tokens: StopTokens = Field(default_factory=lambda: list(USER_STOP))
     temperature: Temperature = 1.0
     top_k: TopK = 50
     top_p: TopP = 0.6
@@ -166,7 +184,7 @@ class BigBatchBody(Credential):
 
     contents: list[str] = Field(default_factory=list)
     max_tokens: MaxTokens = 8192
-    stop_tokens: list[str] = Field(default_factory=lambda: list(USER_STOP))
+    stop_tokens: StopTokens = Field(default_factory=lambda: list(USER_STOP))
     temperature: Temperature = 1.0
     chunk_size: ChunkSize = 4
     stream: bool = Field(True, description="ignored: this route always streams")
@@ -214,7 +232,8 @@ class StateBody(NativeFields):
 
 
 class MultiStateBody(StateBody):
-    """POST /multi_state/chat/completions: `dialogue_idx` (a required key; 0 = a new root)."""
+    """POST /multi_state/chat/completions: `dialogue_idx` (a required key; 0 or null = a new
+    root, as lightning's `int(dialogue_idx or 0)`)."""
 
     dialogue_idx: int | None = 0
 
@@ -245,5 +264,5 @@ class ChatStyleBody(NativeFields):
     alpha_frequency: Alpha = 0.1
     enable_think: bool = False
     use_prefix_cache: bool = Field(True, description="take the system block's state from the chat-prefix cache")
-    chunk_size: Annotated[int | None, Field(ge=1, le=MAX_CHUNK_SIZE)] = None  # type: ignore[assignment]
+    chunk_size: ChunkSize | None = None  # type: ignore[assignment]
     """Tokens per streamed flush (lightning: 1 when streamed)."""

@@ -2,21 +2,26 @@
 server.api.streaming.source), or the wait for its end when not streamed. A client that leaves
 before the end stops the run (what was generated stays in the session, as on lightning).
 
-A server shutdown ends the answer (the stream with a `shutting_down` event, the wait with a 503)
-but does not stop the run from here: the task manager's close ends every run still going as
-`interrupted` (docs/task-api.md: the server stopped while it ran; `stopped` is a /stop or a
-client that left), the task API's runs too, and the next call after a restart goes on from it."""
+A server shutdown ends the answer (the stream with the text generated so far and not yet sent,
+then a `shutting_down` event; the wait with a 503) but does not stop the run from here: the task
+manager's close ends every run still going as `interrupted` (docs/task-api.md: the server stopped
+while it ran; `stopped` is a /stop or a client that left), the task API's runs too, and the next
+call after a restart goes on from it.
+
+A session deleted while a call on it generates (/state/delete: the run is stopped) ends that
+call's answer with an error, `session_deleted` (a 404, or the stream's error event after the text
+it sent), never as if the answer were whole."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import Request
 
 from server.api.errors import ApiError, task_error
 from server.api.lightning.render import native_chunk
-from server.api.streaming.source import DONE, event
+from server.api.streaming.source import DONE, INTERNAL_ERROR, SHUTDOWN, event
 from server.api.streaming.sse import done_or_gone, draining_event
 from server.tasks import streaming
 from server.tasks.errors import TaskError
@@ -26,19 +31,42 @@ if TYPE_CHECKING:
     from server.tasks.records import Task
 
 
+def deleted_error(name: str, tokens: int) -> ApiError:
+    """The answer of a session call whose session was deleted while it generated."""
+    return ApiError(
+        404,
+        f"session {name!r} was deleted while this call generated: its answer was cut after {tokens} tokens",
+        param="session_id",
+        code="session_deleted",
+    )
+
+
 class SessionStream:
     """The run's text as native chunks of `chunk_size` tokens (index 0), then `tail` (e.g.
     multi_state's node event) and [DONE]; an error ends it with `data: {"error": ...}` and
-    [DONE]. Sessions are chats, not the throughput path: the stream runs on the event loop."""
+    [DONE] (after the text not sent yet), as does the session's deletion (`deleted()` says
+    whether a stopped run was). Sessions are chats, not the throughput path: the stream runs on
+    the event loop."""
 
     path = None  # no direct writes
     foreign_thread = False
 
-    def __init__(self, t: Task, chunk_size: int, tail: bytes, on_abort: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        t: Task,
+        chunk_size: int,
+        tail: bytes,
+        on_abort: Callable[[], None],
+        *,
+        name: str,
+        deleted: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.t, self.out = t, t.out  # this run's output, whatever the task does later
         self.chunk_size, self.tail = chunk_size, tail
         self.on_abort: Callable[[], None] | None = on_abort
+        self.name, self.deleted = name, deleted
         self._ended = False
+        self._sent = 0  # characters of out.text sent (the text events are its pieces, in order)
 
     @property
     def preamble(self) -> list[bytes]:
@@ -58,19 +86,38 @@ class SessionStream:
             for ev in batch:
                 if streaming.is_last(ev):
                     if text:
-                        chunks.append(native_chunk(0, text))
-                    chunks.append((event(ev) if "error" in ev else self.tail) + DONE)
+                        chunks.append(self._chunk(text))
+                    chunks.append(self._last(ev) + DONE)
                     self._ended = True
                 elif "data" in ev:
                     text += ev["data"]
                     if ev["pos"] - flushed >= self.chunk_size:
-                        chunks.append(native_chunk(0, text))
+                        chunks.append(self._chunk(text))
                         text, flushed = "", ev["pos"]
             if chunks:
                 yield b"".join(chunks)
         if not self._ended:
             self._ended = True
             yield DONE
+
+    def _chunk(self, text: str) -> bytes:
+        self._sent += len(text)
+        return native_chunk(0, text)
+
+    def _last(self, ev: dict[str, object]) -> bytes:
+        """The events before [DONE]: the run's error, the deletion of its session, or `tail`."""
+        if "error" in ev:
+            return event(ev)
+        if ev.get("finish_reason") == "stopped" and self.deleted():
+            return event(deleted_error(self.name, len(self.out)).body())
+        return self.tail
+
+    async def error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
+        """SSEResponse's `error_end` (the server shuts down under the stream): the text generated
+        and not sent yet (whatever chunk_size), then the error event and [DONE]."""
+        rest = self.out.text[self._sent :]
+        self._sent += len(rest)
+        return (native_chunk(0, rest) if rest else b"") + (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
 
     def listen(self, fn: Callable[[], None] | None) -> None:
         pass  # (direct mode only)

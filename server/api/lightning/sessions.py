@@ -23,6 +23,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from server.tasks.errors import TaskNotFound, TaskTagTaken
+from server.tasks.schema import TAG_LEN
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -31,13 +32,36 @@ if TYPE_CHECKING:
 TAG = "lightning session "
 """Task.tag of a session task: TAG + its name (server.tasks.schema.TAG_LEN bounds it)."""
 MAX_NAME = 200
-"""Longest session name (its tag, node suffix included, fits the tag column)."""
+"""Longest session name, not counting the `:<n>` suffixes of a dialogue node's name (node n of
+session s is `s:<n>`; a node's name used as a /multi_state session_id nests them): so a node's
+name is as usable as the session_id it was made from."""
+MAX_FULL_NAME = TAG_LEN - len(TAG)
+"""Longest name in all, suffixes included (its tag fits the tag column): a node whose name would
+be longer is not made (NameTooLong); one level of nodes of any name always fits."""
+_SUFFIXES = re.compile(r"(?::[0-9]+)+\Z")
 MAX_NUMBER_TRIES = 16
 """Node numbers a branch tries while other replicas take them at the same moment."""
+DELETED_MARKS = 4096
+"""Task ids of the latest session deletions kept (Sessions.deleted: a call cut by a deletion)."""
 
 
 class SessionNotFound(Exception):
     """The named session (or dialogue node) does not exist for this key."""
+
+
+class NameTooLong(Exception):
+    """A session name, or the name a new dialogue node would get, is too long (name_problem)."""
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a session (too long, or a NUL in it), or None. Every node name a
+    /multi_state call makes passes (it is made only when it does)."""
+    n = len(name)
+    if n > MAX_FULL_NAME or len(_SUFFIXES.sub("", name)) > MAX_NAME:  # (the regex: only on short names)
+        return f"session_id has {n} characters; at most {MAX_NAME}, not counting a dialogue node's ':<n>' suffixes"
+    if "\x00" in name:
+        return "session_id must not contain the NUL character"
+    return None
 
 
 def name_of(t: Task) -> str | None:
@@ -59,6 +83,7 @@ class Sessions:
         self.tasks = tasks
         self._next: dict[tuple[str | None, str], int] = {}  # (owner id, session id) -> next dialogue_idx
         self._locks: weakref.WeakValueDictionary[tuple[Any, ...], asyncio.Lock] = weakref.WeakValueDictionary()
+        self._deleted: dict[str, None] = {}  # task ids delete() deleted (or is deleting), oldest first
 
     @classmethod
     def of(cls, tasks: TaskManager) -> Sessions:
@@ -116,6 +141,11 @@ class Sessions:
                     raise SessionNotFound(f"State not found for dialogue_idx={dialogue_idx}")
             for _ in range(MAX_NUMBER_TRIES):
                 new = await self._next_index(owner, oid, session_id)
+                if len(f"{session_id}:{new}") > MAX_FULL_NAME:  # (only names nested deeply)
+                    n = len(session_id) + 1 + len(str(new))
+                    raise NameTooLong(
+                        f"the name of node {new} of this session_id would have {n} characters; at most {MAX_FULL_NAME}"
+                    )
                 tag = f"{TAG}{session_id}:{new}"
                 try:
                     if src is None:
@@ -146,12 +176,27 @@ class Sessions:
                 doomed += await self.tasks.tagged(owner, f"{TAG}{session_id}:", prefix=True)
             found = False
             for tag, tid in doomed:
+                self._mark_deleted(tid)  # before the delete stops its run: its call reads it then
                 try:
                     await self.tasks.delete(tid, owner)
                     found = found or tag == TAG + session_id
                 except TaskNotFound:
                     pass
+                except BaseException:  # not deleted
+                    self._deleted.pop(tid, None)
+                    raise
             return found
+
+    def _mark_deleted(self, tid: str) -> None:
+        self._deleted[tid] = None
+        if len(self._deleted) > DELETED_MARKS:
+            del self._deleted[next(iter(self._deleted))]
+
+    def deleted(self, t: Task) -> bool:
+        """Whether t (a session's task) was deleted, or is being deleted by delete(): a call whose
+        run ended `stopped` was cut by the deletion then. (Also a deletion through the task API,
+        once it marked the task.)"""
+        return t.deleted or t.id in self._deleted
 
     async def listing(self, owner: str | None) -> list[tuple[str, Task]]:
         """(name, task) of every session and node of `owner`, oldest first."""

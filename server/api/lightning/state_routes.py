@@ -23,8 +23,8 @@ from server.api.lightning.schemas import (
     capped,
     sampling_params,
 )
-from server.api.lightning.session_stream import SessionStream, settle, stopper
-from server.api.lightning.sessions import MAX_NAME, SessionNotFound, Sessions
+from server.api.lightning.session_stream import SessionStream, deleted_error, settle, stopper
+from server.api.lightning.sessions import NameTooLong, SessionNotFound, Sessions, name_problem
 from server.api.metrics import CLIENT_GONE
 from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
@@ -62,10 +62,9 @@ def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
     sid = body.session_id
     if not sid:
         raise LightningError(400, "Missing session_id parameter")
-    if len(sid) > MAX_NAME:
-        raise LightningError(400, f"session_id has {len(sid)} characters; at most {MAX_NAME}")
-    if "\x00" in sid:
-        raise LightningError(400, "session_id must not contain the NUL character")
+    problem = name_problem(sid)
+    if problem is not None:
+        raise LightningError(400, problem)
     if len(body.contents) != 1 or not body.contents[0]:
         raise LightningError(400, "Request must be single prompt: 'contents' holds exactly one non-empty prompt")
     if len(body.stop_tokens) > MAX_STOP_STRINGS:
@@ -86,21 +85,23 @@ async def _answer(
     """The run's native SSE or JSON; `node`: the multi_state node it made (the JSON says
     `dialogue_idx`, the stream sends its node event before [DONE])."""
     tm = task_manager(sv)
+    sessions = Sessions.of(tm)
     named = {"dialogue_idx": node} if node is not None else {}
+    name = f"{body.session_id}:{node}" if node is not None else str(body.session_id)
     if body.stream:
-        tail = (
-            event({"object": "multi_state.dialogue_idx", "session_id": f"{body.session_id}:{node}", **named})
-            if node is not None
-            else b""
+        tail = event({"object": "multi_state.dialogue_idx", "session_id": name, **named}) if node is not None else b""
+        source = SessionStream(
+            t, body.chunk_size, tail, stopper(request, tm, t), name=name, deleted=lambda: sessions.deleted(t)
         )
-        source = SessionStream(t, body.chunk_size, tail, on_abort=stopper(request, tm, t))
-        return SSEResponse(source, metrics=sv.metrics)
+        return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     out = t.out  # this run's output (bound before the wait: a later call makes a new one)
     if not await settle(request, tm, t, owner):
         request.state.error = "the client left before the answer"
         return Response(status_code=CLIENT_GONE)  # counted as an abort (Metrics.count_request)
     if out.error or out.finish_reason == "error":
         raise ApiError(500, f"generation failed: {out.error or 'unknown error'}", code="generation_failed")
+    if out.finish_reason == "stopped" and sessions.deleted(t):  # cut by /state/delete: not a whole answer
+        raise deleted_error(name, len(out))
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": out.text},
@@ -123,18 +124,21 @@ async def state_chat(body: StateBody, request: Request) -> Response:
 
 @router.post("/multi_state/chat/completions", responses=docs.SESSION)
 async def multi_state_chat(body: MultiStateBody, request: Request) -> Response:
-    """One prompt from node `dialogue_idx` (0: a new root); the answer names the new node."""
+    """One prompt from node `dialogue_idx` (0 or null: a new root); the answer names the new node."""
     owner = authorize(request, body.password)
-    if "dialogue_idx" not in body.model_fields_set or body.dialogue_idx is None:
+    if "dialogue_idx" not in body.model_fields_set:  # lightning: only a missing key (null is 0)
         raise LightningError(400, "Missing dialogue_idx parameter")
-    if body.dialogue_idx < 0:
-        raise LightningError(400, f"dialogue_idx must be 0 (a new root) or a node's number, not {body.dialogue_idx}")
+    idx = body.dialogue_idx or 0
     sv = get_services(request)
     sid, prompt, fields = _request(body, sv)
+    if idx < 0:  # never a node's number (lightning looks it up, and finds nothing)
+        raise LightningError(404, f"State not found for dialogue_idx={idx}")
     try:
-        t, new = await _tasks(Sessions.of(task_manager(sv)).branch(owner, sid, body.dialogue_idx, prompt, fields))
+        t, new = await _tasks(Sessions.of(task_manager(sv)).branch(owner, sid, idx, prompt, fields))
     except SessionNotFound as exc:
         raise LightningError(404, str(exc)) from None
+    except NameTooLong as exc:
+        raise LightningError(400, str(exc)) from None
     return await _answer(request, sv, t, owner, body, "rwkv7-multi-state", node=new)
 
 
