@@ -15,6 +15,7 @@ from fastapi.responses import HTMLResponse, Response
 from server.api.errors import error_body
 from server.api.metrics import Metrics
 from server.api.services import Services
+from server.api.streaming.sse import draining
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ async def health(request: Request) -> Response:
     services: Services | None = state.services
     if state.load_error:
         return _unavailable("failed", f"loading failed: {state.load_error}", "load_failed")
-    draining = getattr(state, "draining", None)
-    if draining is not None and draining.is_set():
+    if draining(request.app):
         return _unavailable("shutting_down", "the server is shutting down", "shutting_down")
     if services is None:
         return _unavailable("loading", "the model is still loading", "loading", {"Retry-After": "2"})

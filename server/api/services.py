@@ -20,6 +20,7 @@ from server.api.metrics import Metrics
 from server.api.openai.chat_format import FewShotUnreadable, default_few_shot_path, load_few_shot
 from server.api.openai.conversation import ConversationCache
 from server.api.openai.prefix_cache import PrefixCache
+from server.api.streaming.sse import draining
 from server.config import Settings
 from server.engine.protocol import EngineAPI
 from server.tokenizer import Tokenizer
@@ -27,6 +28,7 @@ from server.tokenizer import Tokenizer
 if TYPE_CHECKING:  # (imports torch at run time: only the type is needed here)
     from server.model.state import ModelShape
     from server.tasks import TaskManager
+    from server.tasks.records import Task
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,16 @@ def task_manager(sv: Services) -> TaskManager:
     if sv.tasks is None:
         raise ApiError(503, "the task manager is not running", code="tasks_unavailable")
     return sv.tasks
+
+
+def end_run(request: Request, tasks: TaskManager, t: Task) -> None:
+    """Stop t's run because its answer ended first: the client left ("stopped"), or the server
+    began to shut down ("interrupted", as the shutdown ends every run: its state is kept and a
+    continue goes on from it)."""
+    if draining(request.app):
+        tasks.interrupt(t)
+    else:
+        tasks.abort(t)
 
 
 def json_response(body: dict[str, Any], status: int = 200) -> Response:

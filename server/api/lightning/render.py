@@ -20,7 +20,8 @@ import orjson
 
 from server.api.openai.jobs import Job
 from server.api.openai.render import FINISH, Meta, Renderer, usage
-from server.api.streaming.source import DONE, INTERNAL_ERROR, SHUTDOWN, event
+from server.api.streaming.source import DONE, event
+from server.api.streaming.sse import chat_error_end
 from server.engine.types import Event
 
 
@@ -86,7 +87,7 @@ class FlushingRenderer(Renderer):
 
     async def error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
         """SSEResponse's `error_end`: the held text, then the error event and [DONE]."""
-        return self.held() + (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
+        return self.held() + chat_error_end(why)
 
 
 def native_renderer(jobs: list[Job], chunk_size: int, tail: bytes = b"") -> FlushingRenderer:

@@ -3,10 +3,9 @@ server.api.streaming.source), or the wait for its end when not streamed. A clien
 before the end stops the run (what was generated stays in the session, as on lightning).
 
 A server shutdown ends the answer (the stream with the text generated so far and not yet sent,
-then a `shutting_down` event; the wait with a 503) but does not stop the run from here: the task
-manager's close ends every run still going as `interrupted` (docs/task-api.md: the server stopped
-while it ran; `stopped` is a /stop or a client that left), the task API's runs too, and the next
-call after a restart goes on from it.
+then a `shutting_down` event; the wait with a 503) and its run as `interrupted`, as the shutdown
+ends every run (services.end_run; docs/task-api.md: the server stopped while it ran; `stopped` is
+a /stop or a client that left): the next call after a restart goes on from it.
 
 A session deleted while a call on it generates (/state/delete: the run is stopped) ends that
 call's answer with an error, `session_deleted` (a 404, or the stream's error event after the text
@@ -21,8 +20,9 @@ from fastapi import Request
 
 from server.api.errors import ApiError, task_error
 from server.api.lightning.render import native_chunk
-from server.api.streaming.source import DONE, INTERNAL_ERROR, SHUTDOWN, event
-from server.api.streaming.sse import done_or_gone, draining_event
+from server.api.services import end_run
+from server.api.streaming.source import DONE, event
+from server.api.streaming.sse import chat_error_end, done_or_gone
 from server.tasks import streaming
 from server.tasks.errors import TaskError
 
@@ -117,7 +117,7 @@ class SessionStream:
         and not sent yet (whatever chunk_size), then the error event and [DONE]."""
         rest = self.out.text[self._sent :]
         self._sent += len(rest)
-        return (native_chunk(0, rest) if rest else b"") + (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
+        return (native_chunk(0, rest) if rest else b"") + chat_error_end(why)
 
     def listen(self, fn: Callable[[], None] | None) -> None:
         pass  # (direct mode only)
@@ -131,21 +131,10 @@ class SessionStream:
         self.abort()
 
 
-def shutting_down(request: Request) -> bool:
-    """Whether the server has begun to shut down (the app's drain event is set)."""
-    draining = draining_event(request.app)
-    return draining is not None and draining.is_set()
-
-
 def stopper(request: Request, tasks: TaskManager, t: Task) -> Callable[[], None]:
-    """What ends t's run when its answer ends early: an abort (`stopped`), except once the
-    server is shutting down, whose close ends the run `interrupted` (see the module's doc)."""
-
-    def stop() -> None:
-        if not shutting_down(request):
-            tasks.abort(t)
-
-    return stop
+    """What ends t's run when its answer ends early (services.end_run: stopped, or interrupted
+    once the server is shutting down)."""
+    return lambda: end_run(request, tasks, t)
 
 
 async def settle(request: Request, tasks: TaskManager, t: Task, owner: str | None) -> bool:

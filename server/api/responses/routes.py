@@ -29,8 +29,8 @@ from server.api.responses.items import page
 from server.api.responses.schemas import ResponseRequest
 from server.api.responses.stream import ResponseStream
 from server.api.sampling import bad_text
-from server.api.services import Services, get_owner, get_services, json_response, task_manager
-from server.api.streaming.sse import SSEResponse, done_or_gone, draining_event
+from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
+from server.api.streaming.sse import SSEResponse, done_or_gone
 from server.engine.types import EOS_TOKEN, EngineError, SamplingParams
 from server.tasks.errors import TaskError, TaskNotFound
 
@@ -165,19 +165,8 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     try:
         return await _answer(request, sv, t, body.stream)
     except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on
-        _stop(request, tm, t)
+        end_run(request, tm, t)
         raise
-
-
-def _stop(request: Request, tm: TaskManager, t: Task) -> None:
-    """Stop t's run, its request ending first: the client left ("stopped": the response reads
-    cancelled), or the server began to shut down ("interrupted", as the runs the shutdown itself
-    ends: the response reads failed, its error saying how to resume it)."""
-    draining = draining_event(request.app)
-    if draining is not None and draining.is_set():
-        tm.interrupt(t)
-    else:
-        tm.abort(t)
 
 
 async def _previous(tm: TaskManager, rid: str, owner: str | None) -> Task:
@@ -194,10 +183,10 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool) -> Resp
     first stops the run (SSEResponse aborts the source; _settle aborts the wait)."""
     tm = task_manager(sv)
     if stream:
-        source = ResponseStream(t, sv.model_id, on_abort=lambda: _stop(request, tm, t))
+        source = ResponseStream(t, sv.model_id, on_abort=lambda: end_run(request, tm, t))
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     if not await _settle(request, t):
-        _stop(request, tm, t)
+        end_run(request, tm, t)
         request.state.error = "the client left before the answer"
         return Response(status_code=499)
     return json_response(render.response(t, sv.model_id))

@@ -58,6 +58,18 @@ def draining_event(app: Any) -> asyncio.Event | None:
     return getattr(state, "draining", None) if state is not None else None
 
 
+def draining(app: Any) -> bool:
+    """Whether the server has begun to shut down."""
+    ev = draining_event(app)
+    return ev is not None and ev.is_set()
+
+
+def chat_error_end(why: Literal["shutdown", "internal"]) -> bytes:
+    """The OpenAI chat streams' ending when the server ends a stream (ErrorEnd's default): the
+    error chunk (`shutting_down` or `internal_error`), then [DONE]."""
+    return (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
+
+
 async def wait_disconnect(receive: Receive) -> None:
     """Returns when the client has gone (the request body must already be read)."""
     while True:
@@ -259,7 +271,7 @@ class SSEResponse(Response):
 
     async def _error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
         if self.error_end is None:
-            return (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
+            return chat_error_end(why)
         try:
             return await self.error_end(why)
         except Exception:  # (as a failed source: logged, the stream ends)
