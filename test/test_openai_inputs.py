@@ -379,3 +379,33 @@ def test_every_tool_call_is_answered_by_the_tool_messages_after_it(server, messa
 def test_tool_messages_may_answer_calls_in_any_order(client):
     messages = [*USER, _calls("c1", "c2"), _result("c2"), _result("c1"), *USER, _calls("c3"), _result("c3")]
     assert client.chat.completions.create(model="m", messages=messages, max_tokens=1).choices
+
+
+def test_a_responses_reply_after_assistant_hides_its_leading_whitespace_from_stops(inproc):
+    """A /v1/responses reply after a fresh "Assistant:" hides its leading whitespace (as chat's),
+    so the "\\n\\n" turn stop must not match inside it: its runs get SamplingParams.hidden_lead. An
+    input ending with the assistant's message is continued (its whitespace is text): no hidden
+    lead, also on a fork of a response that had one (the flag is stored with the task, explicit)."""
+    url, engine = inproc
+    seen: list[SamplingParams] = []
+    submit = engine.submit
+
+    def spy(prompt, params=None, **kw):
+        seen.append(params)
+        return submit(prompt, params, **kw)
+
+    engine.submit = spy
+    try:
+        def create(inp, **extra) -> dict:
+            r = httpx.post(url + "/v1/responses", json={"model": "m", "input": inp, "max_output_tokens": 2,
+                                                        "seed": 1, **extra}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        fresh = create("Hello")
+        continued = create([*USER, {"role": "assistant", "content": "Sure, here"}], previous_response_id=fresh["id"])
+        again = create("And now?", previous_response_id=continued["id"])
+    finally:
+        engine.submit = submit
+    assert [p.hidden_lead for p in seen] == [True, False, True]
+    assert all(p.stop == ("\n\n",) for p in seen)

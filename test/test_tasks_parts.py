@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from task_fakes import FakeEngine, FakeShape, FakeTokenizer, consumed, counted_state
+from task_fakes import VOCAB, FakeEngine, FakeShape, FakeTokenizer, consumed, counted_state
 
 from server.engine.types import STOP, SamplingParams
 from server.tasks import TaskConfig, TaskConflict, TaskInvalid, TaskManager
@@ -505,3 +505,21 @@ async def test_db_tasks_are_the_stored_tasks_of_the_page(tmp_path):
         assert second["db_tasks"] == [stored.id]
     finally:
         await tm.close()
+
+
+async def test_a_hidden_lead_applies_while_the_output_shows_no_text():
+    """A task's `hidden_lead` (a /v1/responses reply) reaches the run's SamplingParams while its
+    output holds no other character than whitespace: a new prompt starts a new output (hidden
+    again); a continue without one extends text already shown (its stops match from its end)."""
+    eng = FakeEngine()
+    runs, *_ = make_runs(eng)
+    t = await finished(await runs.start(Task(id=new_id(TMP), kind=TMP, params={"hidden_lead": True}), [1], new=True))
+    await finished(await runs.start(t, None, new=False))  # the output is "<100><101><102>"
+    await finished(await runs.start(t, [7], new=False))
+    plain = await finished(await runs.start(Task(id=new_id(TMP), kind=TMP), [1], new=True))
+    await finished(await runs.start(plain, [7], new=False))
+    assert [s.params.hidden_lead for s in eng.submissions] == [True, False, True, False, False]
+    assert clean_params({"hidden_lead": False}, VOCAB) == {"hidden_lead": False}
+    with pytest.raises(TaskInvalid) as exc:
+        clean_params({"hidden_lead": "yes"}, VOCAB)
+    assert exc.value.param == "hidden_lead"

@@ -1,11 +1,14 @@
 """Generation parameters of tasks: stored as a plain JSON dict (the names of
-`server.engine.types.FIELDS`, `response_format`, `grammar` and `meta`), checked when a caller
-gives them, turned into SamplingParams per run by the one mapping, `SamplingParams.from_fields`,
+`server.engine.types.FIELDS`, `response_format`, `grammar`, `hidden_lead` and `meta`), checked
+when a caller gives them, turned into SamplingParams per run by the one mapping, `SamplingParams.from_fields`,
 plus the grammar of the response format (`format_grammar`: the one mapping of OpenAI's
 response_format onto the engine's GrammarSpec, shared by the OpenAI and task routes) or the
 task's own grammar (`grammar`: a GrammarSpec as {"kind", "source", "trigger"}, the tool-call
 grammar of a /v1/responses task). `meta`: a JSON object the route that made the task keeps with
 it (the Responses API: its request's instructions, input items and tools); runs never read it.
+`hidden_lead` (a bool): the output's leading whitespace is hidden from its reader (a
+/v1/responses reply after "Assistant:"), so stop strings are matched from the output's first other
+character on (SamplingParams.hidden_lead, for a run whose output holds no other character yet).
 All of it lives in the params JSON column: no schema change, older rows read as before."""
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from server.engine.types import FIELDS, GrammarSpec, SamplingParams, check_fields
 from server.tasks.errors import TaskInvalid
 
-PARAM_KEYS = (*FIELDS, "response_format", "grammar", "meta")
+PARAM_KEYS = (*FIELDS, "response_format", "grammar", "hidden_lead", "meta")
 MAX_SCHEMA_DEPTH = 32
 """Deepest nesting of schemas in a response_format schema: the root is level 1, each schema
 inside another (an object's property, an array's items, an anyOf branch, ...) one level more.
@@ -77,9 +80,10 @@ def clean_params(raw: dict[str, Any], vocab_size: int) -> dict[str, Any]:
 
 
 def _grammar_and_meta(raw: dict[str, Any], out: dict[str, Any]) -> None:
-    """out's `grammar` and `meta` from raw. A task has one grammar: a response_format given lifts
-    a stored grammar (a fork of a tool-call response with a format runs the format), a grammar
-    given lifts a stored format; both (a format other than text) is TaskInvalid."""
+    """out's `grammar`, `hidden_lead` and `meta` from raw. A task has one grammar: a
+    response_format given lifts a stored grammar (a fork of a tool-call response with a format
+    runs the format), a grammar given lifts a stored format; both (a format other than text) is
+    TaskInvalid."""
     spec = raw.get("grammar")
     if spec is not None:
         try:
@@ -93,6 +97,11 @@ def _grammar_and_meta(raw: dict[str, Any], out: dict[str, Any]) -> None:
         out["grammar"] = {}
     if spec and out["response_format"].get("type") != "text":
         raise TaskInvalid("a task has one grammar: 'grammar' or 'response_format', not both", param="grammar")
+    hidden = raw.get("hidden_lead")
+    if hidden is not None:
+        if not isinstance(hidden, bool):
+            raise TaskInvalid("invalid 'hidden_lead': true or false", param="hidden_lead")
+        out["hidden_lead"] = hidden
     meta = raw.get("meta")
     if meta is not None:
         if not isinstance(meta, dict):

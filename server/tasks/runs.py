@@ -166,6 +166,8 @@ class Runs:
             sp = replace(sp, max_tokens=max_tokens)
         elif self.max_tokens_limit and sp.max_tokens > self.max_tokens_limit:
             sp = replace(sp, max_tokens=self.max_tokens_limit)  # inherited from before a lower limit
+        if t.params.get("hidden_lead") and (prompt_ids is not None or not t.out.text.strip()):
+            sp = replace(sp, hidden_lead=True)  # (a new prompt starts a new output)
         back = 0  # characters of the output's text the run takes back (lead.continued)
         if prompt_ids is None and self.token_bytes is not None:
             lead, back = continued(t, sp.stop, self.token_bytes)

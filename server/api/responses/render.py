@@ -71,11 +71,17 @@ def _status(t: Task) -> str:
 
 
 def continues(t: Task) -> bool:
-    """The response continues the assistant message its input ended with: its prompt does not
-    end with a fresh "Assistant:" turn (always after a blank line: a message's text has none;
-    a forced call's prompt ends with the marker after it). Its text then keeps the whitespace
-    the model wrote first (the client joins the two)."""
-    prompt = t.prompt.removesuffix(f" {MARKER}") if tool_mode(t) == "forced" else t.prompt
+    """The response continues the assistant message its input ended with (continues_prompt)."""
+    return continues_prompt(t.prompt, t.params)
+
+
+def continues_prompt(prompt: str, params: dict[str, Any]) -> bool:
+    """A response of this prompt and these task parameters continues the assistant message its
+    input ended with: its prompt does not end with a fresh "Assistant:" turn (always after a
+    blank line: a message's text has none; a forced call's prompt ends with the marker after it).
+    Its text then keeps the whitespace the model wrote first (the client joins the two); else
+    that whitespace is hidden (the task's `hidden_lead`: no stop string matches in it)."""
+    prompt = prompt.removesuffix(f" {MARKER}") if params_mode(params) == "forced" else prompt
     return not (TURN_SEP + prompt).endswith(TURN_SEP + "Assistant:")
 
 
@@ -89,11 +95,16 @@ Mode = Literal["forced", "auto", "formatted"]
 
 
 def tool_mode(t: Task) -> Mode | None:
-    """None: the response could call no tool; "forced": its output is the call list from the
-    first token; "auto": the model could write text first (the grammar's trigger); "formatted":
-    the output is the envelope from its first character or a text.format reply (an any_of
-    grammar: tools.ToolPlan.with_format)."""
-    g = t.params.get("grammar")
+    """t's tool mode (params_mode)."""
+    return params_mode(t.params)
+
+
+def params_mode(params: dict[str, Any]) -> Mode | None:
+    """The tool mode of a response task with these parameters. None: the response could call no
+    tool; "forced": its output is the call list from the first token; "auto": the model could
+    write text first (the grammar's trigger); "formatted": the output is the envelope from its
+    first character or a text.format reply (an any_of grammar: tools.ToolPlan.with_format)."""
+    g = params.get("grammar")
     if not isinstance(g, dict) or not g:
         return None
     if g.get("kind") == "any_of":
