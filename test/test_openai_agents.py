@@ -188,9 +188,9 @@ def test_the_history_writes_a_reply_as_the_model_wrote_it_and_a_named_choice_hid
     from server.api.openai.tools import plan, resent_text, split
 
     wrote = 'Let me check. <tool_call>[{"name": "get_time", "arguments": {"zone": "UTC"}}]'
-    content, calls = split(" " + wrote, forced=False)
+    content, calls = split(" " + wrote, "auto")
     assert content == " Let me check. " and calls[0]["function"]["name"] == "get_time"
-    assert resent_text(" " + wrote, forced=False) == wrote
+    assert resent_text(" " + wrote, "auto") == wrote
     named = plan(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
     assert named.system_text() == plan(TOOLS, "required", None).system_text()
     assert [t.name for t in named.tools] == ["get_time"] and named.forced and not named.parallel

@@ -308,7 +308,7 @@ def test_history_arguments_at_the_depth_bound_are_accepted(client):
 def test_a_deeply_nested_call_in_the_models_output_is_no_call():
     """The grammar bounds a call list's shape, not its depth: such an output is text, no crash."""
     text = MARKER + '[{"name": "f", "arguments": ' + _nested(5000, "list") + "}]"
-    assert split(text, forced=False) == (text, None)
+    assert split(text, "auto") == (text, None)
 
 
 @pytest.mark.parametrize("prompt", [[510, 285, 9], [[510, 285], [9]]])

@@ -207,7 +207,7 @@ def test_the_task_keeps_the_one_grammar(server):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             assert res["finish_reason"] == "stop", res
-            head, calls = tools.parse_calls(res["result"], False, formatted=True)
+            head, calls = tools.parse_calls(res["result"], "formatted")
             if calls is None:
                 jsonschema.validate(json.loads(head), ANSWER)
             else:
@@ -240,9 +240,9 @@ def test_task_params_store_the_call_grammar_and_show_the_format():
 def test_the_plan_builds_one_grammar_per_answer():
     fmt = GrammarSpec.json_schema(json.dumps(ANSWER))
     auto = tools.plan(CHAT_TOOLS, "auto", False)
-    assert auto is not None and not auto.formatted and auto.grammar().trigger == tools.MARKER
+    assert auto is not None and auto.mode == "auto" and auto.grammar().trigger == tools.MARKER
     either = auto.with_format(fmt)
-    assert either.formatted and not either.forced
+    assert either.mode == "formatted"
     (calls_prefix, calls), (reply_prefix, reply) = either.grammar().alternatives()
     assert (calls_prefix, reply_prefix, reply) == (tools.MARKER, "", fmt)
     assert calls == GrammarSpec.json_schema(auto.grammar().source)  # the same list, without the trigger
@@ -262,7 +262,7 @@ CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
     ('{"n": "<tool', '{"n": "<tool', 0, 12),
 ])  # fmt: skip
 def test_a_formatted_output_splits_at_its_first_character(text, content, n_calls, streamable):
-    head, calls = tools.split(text, False, formatted=True)
+    head, calls = tools.split(text, "formatted")
     assert head == content and len(calls or ()) == n_calls
-    assert tools.content_end(text, False, formatted=True) == streamable
-    assert tools.resent_text(text, False, formatted=True) == (CALL if n_calls else text)
+    assert tools.content_end(text, "formatted") == streamable
+    assert tools.resent_text(text, "formatted") == (CALL if n_calls else text)

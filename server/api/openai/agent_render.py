@@ -49,7 +49,7 @@ def chat_logprobs(ex: Extras, lps: Sequence[TokenLogprob]) -> list[dict[str, Any
 def _message(job: Job, ex: Extras, meta: Meta) -> tuple[dict[str, Any], str | None]:
     raw = "".join(job.text)
     plan = ex.tool_plan
-    content, calls = split(raw, plan.forced, plan.formatted) if plan is not None else (raw, None)
+    content, calls = split(raw, plan.mode) if plan is not None else (raw, None)
     msg: dict[str, Any] = {"role": "assistant", "content": meta.lead(content)}
     if calls is None:
         return msg, _finish(job)
@@ -102,7 +102,7 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
             if job.finish_reason is None:
                 if plan is None:
                     return content(job, st, raw), False
-                return content(job, st, raw[: content_end(raw, plan.forced, plan.formatted)]), False
+                return content(job, st, raw[: content_end(raw, plan.mode)]), False
             msg, finish = _message(job, ex, meta)
             out = content(job, st, msg["content"] or "")
             for i, call in enumerate(msg.get("tool_calls") or ()):

@@ -149,7 +149,7 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
         max_queue=sv.settings.max_queue,
     )
     plan, plain = agent.tool_plan, prompt.rest[: len(prompt.rest) - len(suffix)]
-    resent = str.lstrip if plan is None else partial(tools.resent_text, forced=plan.forced, formatted=plan.formatted)
+    resent = str.lstrip if plan is None else partial(tools.resent_text, mode=plan.mode)
     begun.track(sv, jobs, start.chat_expect(sv, begun, plain, len(rest), resent))
     meta = render.Meta(
         id=cid,

@@ -23,7 +23,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from server.engine.types import GrammarSpec
 from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_depth, schema_depth
@@ -50,6 +50,13 @@ class Tool:
     parameters: dict[str, Any]
 
 
+Mode = Literal["forced", "auto", "formatted"]
+"""How an answer with tools reads. "forced": the output is the call list from its first token
+(the prompt ended with the marker); "auto": text, then maybe the marker and the list;
+"formatted": the envelope from its first character or a formatted reply (a marker inside the
+reply's JSON is text)."""
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     """What a request with tools does: which tools may be called, and whether one must be."""
@@ -67,9 +74,9 @@ class ToolPlan:
     from its first character or the formatted reply, no free text (with_format)."""
 
     @property
-    def formatted(self) -> bool:
-        """The output is the envelope or the formatted reply (auto with a JSON format)."""
-        return self.reply is not None
+    def mode(self) -> Mode:
+        """How its answer reads: forced, formatted (auto with a JSON format) or auto."""
+        return "forced" if self.forced else "formatted" if self.reply is not None else "auto"
 
     def with_format(self, fmt: GrammarSpec | None) -> ToolPlan:
         """This plan for a request whose answer has the format `fmt` (response_format,
@@ -205,22 +212,20 @@ def _tool(i: int, raw: Any, flat: bool) -> Tool:
 # --- the model's output ---------------------------------------------------------------------------
 
 
-def split(text: str, forced: bool, formatted: bool = False) -> tuple[str, list[dict[str, Any]] | None]:
+def split(text: str, mode: Mode) -> tuple[str, list[dict[str, Any]] | None]:
     """(content, calls): the text before the envelope, and the calls in it as chat's tool_calls
-    (None when the output holds no complete call list: no marker, or cut by max_tokens).
-    forced: the output is the list (the prompt ended with the marker); formatted: the output is
-    the envelope from its first character or a formatted reply (ToolPlan.formatted: a marker
-    inside the reply's JSON is text)."""
-    head, calls = parse_calls(text, forced, formatted)
+    (None when the output holds no complete call list: no marker, or cut by max_tokens), as an
+    answer of this `mode` reads."""
+    head, calls = parse_calls(text, mode)
     return head, None if calls is None else [_openai_call(name, args) for name, args in calls]
 
 
-def parse_calls(text: str, forced: bool, formatted: bool = False) -> tuple[str, list[tuple[str, str]] | None]:
+def parse_calls(text: str, mode: Mode) -> tuple[str, list[tuple[str, str]] | None]:
     """(content, [(name, arguments as JSON text)]): split's parts, without ids (each API names
     its calls its own way)."""
-    if forced:
+    if mode == "forced":
         head, body = "", text
-    elif formatted:
+    elif mode == "formatted":
         if not text.startswith(MARKER):
             return text, None
         head, body = "", text[len(MARKER) :]
@@ -283,13 +288,13 @@ def held_back(text: str) -> int:
     return 0
 
 
-def content_end(text: str, forced: bool, formatted: bool = False) -> int:
-    """How much of `text` (the output so far) is content for sure, to stream now (split's modes):
-    none of a forced call; with a format all of a reply, none of an output that is or may become
-    the envelope; else the text before the marker or a possible start of it at the end."""
-    if forced:
+def content_end(text: str, mode: Mode) -> int:
+    """How much of `text` (the output so far) is content for sure, to stream now: none of a
+    forced call; with a format all of a reply, none of an output that is or may become the
+    envelope; else (auto) the text before the marker or a possible start of it at the end."""
+    if mode == "forced":
         return 0
-    if formatted:
+    if mode == "formatted":
         return 0 if MARKER.startswith(text[: len(MARKER)]) else len(text)
     at = text.find(MARKER)
     return at if at >= 0 else len(text) - held_back(text)
@@ -338,11 +343,11 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def resent_text(text: str, forced: bool, formatted: bool = False) -> str:
+def resent_text(text: str, mode: Mode) -> str:
     """The assistant turn's text (as _turns renders it) of the message a reply `text` was
     answered as, when a client sends that message back: its content, and its calls in the
     envelope."""
-    content, calls = split(text, forced, formatted)
+    content, calls = split(text, mode)
     if calls is None:
         return text.lstrip()
     return assistant_text(content.lstrip() if content.strip() else "", calls, 0)[0]

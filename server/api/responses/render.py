@@ -15,10 +15,10 @@ prefilled again), `output_tokens` = generated.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
 from server.api.openai.chat_format import TURN_SEP
-from server.api.openai.tools import MARKER, parse_calls
+from server.api.openai.tools import MARKER, Mode, parse_calls
 from server.tasks.records import TASK, Task
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")
@@ -91,9 +91,6 @@ def meta(t: Task) -> dict[str, Any]:
     return m if isinstance(m, dict) else {}
 
 
-Mode = Literal["forced", "auto", "formatted"]
-
-
 def tool_mode(t: Task) -> Mode | None:
     """t's tool mode (params_mode)."""
     return params_mode(t.params)
@@ -114,8 +111,7 @@ def params_mode(params: dict[str, Any]) -> Mode | None:
 
 def _parsed(t: Task) -> tuple[str, list[tuple[str, str]] | None]:
     """(content, calls) of t's output, as its tool mode reads it (tools.parse_calls)."""
-    mode = tool_mode(t)
-    return parse_calls(t.out.text, mode == "forced", mode == "formatted")
+    return parse_calls(t.out.text, tool_mode(t) or "auto")
 
 
 def _hex(t: Task) -> str:

@@ -155,7 +155,7 @@ class ResponseStream:
         marker or a possible start of it (a forced call: none; with text.format: all of a reply,
         none of an output that may be the envelope)."""
         text = raw if self._keep else raw.lstrip()
-        return text[: content_end(text, self._mode == "forced", self._mode == "formatted")]
+        return text[: content_end(text, self._mode or "auto")]
 
     def _open_message(self) -> bytes:
         self._open = True
