@@ -223,13 +223,13 @@ CALL_TEXT = '<tool_call>[{"name": "get_time", "arguments": {"zone": "UTC"}}]'
 
 def test_an_auto_answer_splits_its_text_from_its_calls():
     """tool_choice auto: the text before the marker is the message, the calls follow it."""
-    from server.api.responses.render import known_calls, output
+    from server.api.responses.render import calls, known_calls, output
 
     t = auto_task(" Checking. " + CALL_TEXT, meta={"calls": {"call_x": "f"}})
     msg, call = output(t)
     assert msg["content"][0]["text"] == "Checking. " and call["name"] == "get_time"
     assert (call["id"], call["call_id"]) == ("fc_" + "b" * 32 + "00", "call_" + "b" * 32 + "00")
-    assert known_calls(t) == {"call_x": "f", call["call_id"]: "get_time"}
+    assert known_calls(t, calls(t)) == {"call_x": "f", call["call_id"]: "get_time"}
 
 
 @pytest.mark.parametrize("text,deltas,items", [

@@ -63,8 +63,9 @@ def prompt_and_meta(body: ResponseRequest, rt: ResponseTools, src: Task | None) 
     `meta`. The tools' system turn comes first, unless the previous responses described the same
     tools (their description is in the history already: a tool loop does not repeat it)."""
     before = render.meta(src) if src is not None else {}
-    owed = [c["call_id"] for c in render.calls(src)] if src is not None else []  # its input must answer them
-    rendered = render_input(body.input, render.known_calls(src) if src is not None else {}, owed)
+    made = render.calls(src) if src is not None else []  # (its output parsed once)
+    owed = [c["call_id"] for c in made]  # the input must answer them
+    rendered = render_input(body.input, render.known_calls(src, made) if src is not None else {}, owed)
     turns: list[tuple[str, str]] = []
     described = before.get("described")
     if rt.described is not None:

@@ -131,11 +131,11 @@ def calls(t: Task) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def known_calls(t: Task) -> dict[str, str]:
+def known_calls(t: Task, made: list[dict[str, Any]]) -> dict[str, str]:
     """{call id: function name} of every call made up to t's end: those its input knew (the
-    previous responses', its input's function_call items) and its output's."""
+    previous responses', its input's function_call items) and its output's (`made`: calls(t))."""
     known = dict(meta(t).get("calls") or {})
-    known.update((c["call_id"], c["name"]) for c in calls(t))
+    known.update((c["call_id"], c["name"]) for c in made)
     return known
 
 
