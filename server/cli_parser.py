@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any, NoReturn, get_type_hints
 
-from server.config import CHOICES, Settings, field_docs, whole_number
+from server.config import CHOICES, Settings, field_docs, redact_url, whole_number
 
 _SIZE = re.compile(r"^\s*([+-]?[0-9.eE+-]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -82,15 +82,35 @@ def add_settings_flags(p: argparse.ArgumentParser, defaults: Settings, bad_env: 
             conv = parse_int if f.name.endswith("_bytes") else parse_whole
         else:
             conv = typ
-        shown = default if default != "" else '""'
         p.add_argument(
             flag,
             type=conv,
             default=default,
             metavar=f.name.upper(),
             choices=CHOICES.get(f.name),
-            help=f"{doc} [env {env}; now: {shown}]",
+            help=f"{doc} [env {env}; now: {_shown(f.name, default)}]",
         )
+
+
+SECRETS = ("api_keys",)
+"""Settings --help never shows (people paste its output into tickets): it says whether they are set."""
+
+
+def _shown(name: str, value: Any) -> str:
+    """A setting's current value as --help shows it: secrets hidden, a URL's password as ***,
+    byte sizes in GiB / MiB beside the number."""
+    if isinstance(value, BadEnv):
+        return str(value)
+    if name in SECRETS:
+        return "(set, not shown)" if value else '""'
+    if value == "":
+        return '""'
+    if isinstance(value, str):
+        return redact_url(value)
+    if name.endswith("_bytes") and isinstance(value, int) and value >= 1024**2:
+        unit, size = ("GiB", 1024**3) if value >= 1024**3 else ("MiB", 1024**2)
+        return f"{value} ({value / size:g} {unit})"
+    return str(value)
 
 
 class Parser(argparse.ArgumentParser):

@@ -43,6 +43,20 @@ def test_help_without_subcommand_and_env_defaults():
     assert "now: 7" in r.stdout.replace("\n", " ").replace("  ", " ")
 
 
+def test_help_never_shows_secrets(monkeypatch, capsys):
+    """--help output gets pasted into tickets: API keys are never shown, a database URL's
+    password is ***; byte sizes read in GiB / MiB beside the number."""
+    monkeypatch.setenv("RWKV_API_KEYS", "topsecret123,other-key")
+    monkeypatch.setenv("RWKV_DB", "postgresql://user:pw123@db.example/tasks")
+    monkeypatch.setenv("RWKV_MAX_BODY_BYTES", str(8 * 1024**2))
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "topsecret123" not in out and "other-key" not in out and "pw123" not in out
+    assert "now: (set, not shown)" in out and "postgresql://user:***@db.example/tasks" in out
+    assert "now: 8388608 (8 MiB)" in out
+
+
 def test_bad_flags_and_env_fail_cleanly():
     r = run_cli("--max-batch", "lots")
     assert r.returncode == 2 and "max-batch" in r.stderr
