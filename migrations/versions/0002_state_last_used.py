@@ -1,4 +1,6 @@
-"""Schema v2: states.last_used (database budget evicts least recently used states first),
+"""Schema v2: states.last_used and the eviction and listing indexes.
+
+states.last_used (database budget evicts least recently used states first),
 an eviction index, and an index for listing a key's tasks.
 
 Revision ID: 0002

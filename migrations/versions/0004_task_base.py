@@ -1,4 +1,6 @@
-"""Schema v4: tasks.base_id, the template made from a state file (a tuned state, an export) whose
+"""Schema v4: tasks.base_id, the template a task's history starts from.
+
+tasks.base_id, the template made from a state file (a tuned state, an export) whose
 state a task's token history starts from; NULL: the zero state (or a row written before v4, whose
 base is found through parent_id while its ancestors exist). A lost state of such a task is
 rebuilt from the base template's state, never from the zero state (server/tasks/lineage.py).

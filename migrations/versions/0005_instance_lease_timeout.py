@@ -1,4 +1,6 @@
-"""Schema v5: instances.lease_timeout, the lease timeout of the server that holds the row. The
+"""Schema v5: instances.lease_timeout, each server's own lease timeout.
+
+instances.lease_timeout, the lease timeout of the server that holds the row. The
 others take it for dead after ITS timeout without a heartbeat, not after their own, so servers
 with different --lease-timeout values no longer reap each other's live tasks. NULL (a row of an
 older server): judged by the reader's own timeout, as before.

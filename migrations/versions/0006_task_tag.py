@@ -1,4 +1,6 @@
-"""Schema v6: tasks.tag, what a task is to the route that made it: "response" (/v1/responses),
+"""Schema v6: tasks.tag, what a task is to the route that made it.
+
+tasks.tag, what a task is to the route that made it: "response" (/v1/responses),
 "lightning session <name>" (a rwkv_lightning state session or node), NULL (anything else), with
 the index (owner, tag) that finds a key's session by name in one read on every replica, and a
 unique index: a tag other than "response" names at most one task of an owner (NULL owner: ''),
