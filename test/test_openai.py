@@ -180,8 +180,11 @@ def test_every_route_has_the_same_defaults(server):
     assert task["result"] == text and text
 
 
-def test_start_up_says_api_keys_are_off(server):
-    assert "API keys   off: every route is open" in server.log_tail(100000)
+def test_start_up_says_api_keys_are_off_and_what_the_weights_and_caches_are(server):
+    log = server.log_tail(100000)
+    assert "API keys   off: every route is open" in log
+    assert "weights    fp32 (no --quant)" in log and "fp32 weights) ..." in log  # (CPU: fp32 compute)
+    assert "conversations off" in log  # (this module's server turns the conversation cache off)
 
 
 CONTINUED = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure, here"}]

@@ -123,7 +123,7 @@ def _load_model(spec: str, device: str, settings: Settings, kernel_log: _Collect
         device,
         settings.resolved_dtype(),
         settings.resolved_state_dtype(),
-        settings.quant if settings.quant != "none" else "16-bit",
+        settings.quant if settings.quant != "none" else settings.resolved_dtype(),
     )
     t0 = time.perf_counter()
     logging.getLogger("rwkv.kernels").addHandler(kernel_log)
@@ -187,14 +187,17 @@ def facts(services: Services) -> list[str]:
     if load.quant != "none":
         how = "" if s.quant == load.quant else ", as the checkpoint holds them"
         lines.append(f"weights    {load.quant}: the layers' r/k/v/o and FFN linears (per-channel scales{how})")
+    else:
+        lines.append(f"weights    {s.resolved_dtype()} (no --quant)")
     slots = s.resolved_max_batch()
     with contextlib.suppress(Exception):
         slots = services.engine.stats().slots or slots
     each = "" if slots == s.resolved_max_batch() else ", each engine's"  # one engine per device (--devices)
     lines.append(f"slots      {slots} (step budget {s.step_token_budget} tokens, queue {s.max_queue}{each})")
+    talks = _mib(s.conversation_cache_bytes) if s.conversation_cache_bytes else "off"
     lines.append(
         f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
-        f"chat prefix {_mib(prefix_budget(s))}"
+        f"chat prefix {_mib(prefix_budget(s))}, conversations {talks}"
     )
     lines.append(f"database   {s.db_shown()}")  # a URL's password never reaches the log
     if load.kernel_modules:
