@@ -51,6 +51,8 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
             assert after == before, (tid, srv.log_tail())
         r = c.get(f"/{running}/status").json()
         assert (r["status"], r["finish_reason"]) == (3, "interrupted") and r["generated_buf"] > 0
+        restart = srv.log_tail(10**6).split("===== start #2")[-1]  # the crash is told once, not per layer
+        assert restart.count("marked interrupted") == 1 and "1 task(s) were running when" in restart, restart
         text = c.get(f"/{running}/get_result").json()["result"]
         assert text and (text.startswith(seen["result"]) or seen["result"].startswith(text))
         assert c.get(f"/{tmp}/status").status_code == 404  # TMP_ tasks live in memory only

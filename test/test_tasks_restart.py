@@ -269,3 +269,15 @@ async def test_a_prompt_that_is_not_text_is_refused_before_anything_starts(parts
     listed = await tm.list(None)
     assert [x["task_id"] for x in listed["tasks"]] == [t.id] and tm.engine.stats().running == 0
     await tm.close()
+
+
+async def test_a_shutdown_says_what_it_interrupts(parts, tmp_path, caplog):
+    tm = await manager(parts, tmp_path / "bye.db")
+    stored = await tm.create("A long run", {"max_tokens": 100000}, persistent=True)
+    tmp = await tm.create("A temporary one", {"max_tokens": 100000})
+    while stored.generated < 2 or tmp.generated < 2:
+        await asyncio.sleep(0.02)
+    with caplog.at_level("INFO", logger="server.tasks"):
+        await tm.close()
+    assert "2 running task(s) end as interrupted (1 stored" in caplog.text and "1 temporary: gone" in caplog.text
+    assert stored.finish_reason == tmp.finish_reason == "interrupted"

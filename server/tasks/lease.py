@@ -109,7 +109,7 @@ class Lease:
         self.renewals += 1
         live.pop(self.instance, None)
         self.peers = live
-        if reaped:
+        if reaped and not first:  # (at start the task manager says it, once)
             log.warning("%d task(s) of stopped or silent instances marked interrupted", len(reaped))
         return reaped
 

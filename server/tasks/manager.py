@@ -161,6 +161,16 @@ class TaskManager:
 
     async def close(self) -> None:
         self.inventory.close()
+        running = list(self.table.running())
+        if running:
+            stored = sum(1 for t in running if t.kind != TMP)
+            log.info(
+                "shutting down: %d running task(s) end as interrupted (%d stored: text and state kept, "
+                "POST /v1/tasks/{id}/continue goes on after a restart; %d temporary: gone)",
+                len(running),
+                stored,
+                len(running) - stored,
+            )
         await self.runs.close()  # runs end as "interrupted", their state kept
         await self.writer.flush()  # their rows first, then their states (within a deadline)
         await self.persistence.close()
