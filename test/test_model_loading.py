@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from server.model import CheckpointError, ModelShape, State, load_model
-from server.model.checkpoint import SYNTHETIC_MARK, expected_shapes, validate
+from server.model.checkpoint import SYNTHETIC_MARK, expected_shapes, read_checkpoint, validate
 from server.model.synthetic import PRESETS, parse_spec, save_synthetic, synthetic_state_dict
 
 
@@ -87,10 +87,24 @@ def test_other_formats_refused(tmp_path):
         load_model(str(tmp_path / "absent.pth"))
     bad = tmp_path / "junk.pth"
     bad.write_bytes(b"not a zip")
-    with pytest.raises(CheckpointError, match="cannot read"):
+    with pytest.raises(CheckpointError, match=r"cannot read .* as a torch checkpoint .*damaged, truncated"):
         load_model(str(bad))
+    (tmp_path / "empty.pth").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is empty"):
+        load_model(str(tmp_path / "empty.pth"))
     with pytest.raises(CheckpointError, match="not a state dict"):
         load_model(_save([1, 2], tmp_path / "list.pth"))
+
+
+def test_a_checkpoint_in_torchs_legacy_format_loads(tmp_path):
+    """torch.save(..., _use_new_zipfile_serialization=False) files (older tools write them) load
+    without mmap, to the same model."""
+    sd = synthetic_state_dict("synthetic:tiny")
+    torch.save(sd, tmp_path / "new.pth")
+    torch.save(sd, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    new, old = read_checkpoint(str(tmp_path / "new.pth")), read_checkpoint(str(tmp_path / "old.pth"))
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
+    assert load_model(str(tmp_path / "old.pth")).shape == load_model(str(tmp_path / "new.pth")).shape
 
 
 def test_layer0_v_keys_are_accepted_and_ignored(tmp_path):

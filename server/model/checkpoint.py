@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -46,10 +47,16 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
         )
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path!r}")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path!r} is empty (an interrupted download or copy?)")
+    zipped = zipfile.is_zipfile(path)  # torch.save's format since 1.6; mmap needs it
     try:
-        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        sd = torch.load(path, map_location="cpu", mmap=zipped, weights_only=True)
     except Exception as exc:  # pickle errors, zip errors, ...
-        raise CheckpointError(f"cannot read {path!r} as a torch .pth state dict: {exc}") from exc
+        what = "a torch .pth state dict" if zipped else "a torch checkpoint (in neither of torch.save's formats)"
+        raise CheckpointError(
+            f"cannot read {path!r} as {what}: the file is damaged, truncated or of another kind ({exc})"
+        ) from exc
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{path!r} is not a state dict of tensors (not an RWKV-7 checkpoint)")
     return dict(sd)
