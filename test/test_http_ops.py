@@ -78,6 +78,8 @@ def test_metrics_families(slow_server):
     assert not [f for f, k in kinds.items() if f.endswith("_total") and k != "counter"], kinds
     after = parse_metrics(text)
     assert after['rwkv_gc_collections_total{generation="0"}'] > 0  # the server process's own collector
+    # the task layer's events are there before they happen (an alert on state_corrupt needs its series)
+    assert after['rwkv_task_events_total{event="state_corrupt"}'] == after['rwkv_task_events_total{event="rebuilds"}'] == 0
     assert after["rwkv_time_to_first_token_seconds_count"] == before["rwkv_time_to_first_token_seconds_count"] + 1
     assert after["rwkv_generation_tokens_total"] >= before["rwkv_generation_tokens_total"] + 1
     assert after["rwkv_prompt_tokens_total"] > before["rwkv_prompt_tokens_total"]
