@@ -212,6 +212,9 @@ class Settings:
     few_shot.txt (read when a request first asks for it; missing, such a request answers 500)."""
     log_level: str = "info"
     """Log level: debug, info, warning, error (in any case: `DEBUG` too)."""
+    access_log: bool = False
+    """Log every request at info level, one line each: client, method, path, status and time (off:
+    only refused and failed requests are logged at info; successes at debug)."""
 
     def __post_init__(self) -> None:
         if 0 < self.max_tokens_limit < self.default_max_tokens:  # the cap holds for the default too

@@ -9,7 +9,7 @@ import time
 import httpx
 import orjson
 import pytest
-from util_server import server_fixture
+from util_server import running_server, server_fixture
 
 KEY = "test-key-1"
 server = server_fixture(env={"RWKV_API_KEYS": f"{KEY},other-key", "RWKV_MAX_BODY_BYTES": "65536",
@@ -298,6 +298,17 @@ def test_the_log_says_why_requests_were_refused_and_stays_quiet_about_answers(ht
     assert any('"GET /v1/models" 401' in ln and "missing API key" in ln for ln in log.splitlines())
     assert not [ln for ln in log.splitlines() if '"GET /v1/models" 200' in ln]
     assert all(ln.split()[1] == "INFO" for ln in lines)
+
+
+def test_the_access_log_says_every_answer_at_info(tmp_path):
+    """--access-log: one INFO line per answered request (probes stay out of it)."""
+    with running_server(tmp_path, env={"RWKV_ACCESS_LOG": "1"}) as srv:
+        assert httpx.get(srv.url + "/v1/models").status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+        log = srv.log_tail(100000).splitlines()
+    (line,) = [ln for ln in log if '"GET /v1/models" 200' in ln]
+    assert line.split()[1] == "INFO" and line.rstrip().endswith("ms")
+    assert not [ln for ln in log if '"GET /health"' in ln]
 
 
 def test_the_client_cannot_forge_log_lines(http, server):

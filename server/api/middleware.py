@@ -108,10 +108,13 @@ class ServerMiddleware:
         api_keys: frozenset[str],
         metrics: Metrics | None = None,
         raw_bodies: tuple[tuple[str, int], ...] = (),
+        access_log: bool = False,
     ) -> None:
         """raw_bodies: (path prefix, byte limit) of routes whose bodies are files, not JSON: their
-        content type is kept and their limit replaces max_body_bytes (e.g. state file uploads)."""
+        content type is kept and their limit replaces max_body_bytes (e.g. state file uploads).
+        access_log: successes are logged at info (else at debug)."""
         self.app = app
+        self.success_level = logging.INFO if access_log else logging.DEBUG
         self.max_body = max_body_bytes
         self.keys = api_keys
         self.metrics = metrics
@@ -214,8 +217,14 @@ class ServerMiddleware:
         path = scope.get("path", "")
         if status < 400:
             if path not in OPEN_PATHS:  # probes would drown even the debug log
-                log.debug(
-                    '%s "%s %s" %s %.1fms', _client(scope), scope.get("method"), printable(path), status, seconds * 1000
+                log.log(
+                    self.success_level,
+                    '%s "%s %s" %s %.1fms',
+                    _client(scope),
+                    scope.get("method"),
+                    printable(path),
+                    status,
+                    seconds * 1000,
                 )
             return
         level = logging.WARNING if status >= 500 else logging.INFO
