@@ -219,29 +219,39 @@ async def test_a_lock_beyond_the_busy_timeout_is_a_503_that_leaves_nothing(tmp_p
 
 
 # --- a full disk -------------------------------------------------------------------------------------
+SQLITE_SAYS = {
+    "sqlite": "database or disk is full",
+    "io": "disk I/O error",  # a failing disk, or a file made immutable under the server
+    "readonly": "attempt to write a readonly database",  # permissions taken away, a read-only remount
+}
+
+
 async def disk_full(store: Store, how: str = "errno") -> None:
     """Fail a write transaction as a full disk does: an OSError(ENOSPC) from the file, or
-    SQLite's own "database or disk is full"."""
+    SQLite's own words (SQLITE_SAYS: full, or a disk it cannot write now)."""
     async with store.write():
         if how == "errno":
             raise OSError(errno.ENOSPC, "No space left on device")
-        raise sa.exc.OperationalError("INSERT", {}, sqlite3.OperationalError("database or disk is full"))
+        raise sa.exc.OperationalError("INSERT", {}, sqlite3.OperationalError(SQLITE_SAYS[how]))
 
 
-async def test_a_full_disk_refuses_new_tasks_and_never_shows_an_uncommitted_finish(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how, says", [("errno", "disk is full"), ("sqlite", "disk is full"),
+                                       ("io", "cannot be written now \\(disk i/o error"),
+                                       ("readonly", "cannot be written now")])
+async def test_a_full_disk_refuses_new_tasks_and_never_shows_an_uncommitted_finish(tmp_path, monkeypatch, how, says):
     eng = FakeEngine()
     tm = await manager(eng, tmp_path / "f.db")
     real_rows, real_owned = tm.store.save_rows, tm.store.update_owned
     full = {"on": True}
 
     async def save_rows(rows):
-        return await (disk_full(tm.store, "sqlite") if full["on"] else real_rows(rows))
+        return await (disk_full(tm.store, how) if full["on"] else real_rows(rows))
 
     async def update_owned(rows, instance):
-        return await (disk_full(tm.store) if full["on"] else real_owned(rows, instance))
+        return await (disk_full(tm.store, how) if full["on"] else real_owned(rows, instance))
 
     monkeypatch.setattr(tm.store, "save_rows", save_rows)
-    with pytest.raises(TaskUnavailable, match="disk is full") as e:
+    with pytest.raises(TaskUnavailable, match=says) as e:
         await tm.create("nowhere to go", persistent=True)
     assert e.value.status == 503 and eng.handles[-1].aborted
     assert (await tm.list())["tasks"] == [] and not tm.live

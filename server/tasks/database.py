@@ -75,6 +75,10 @@ def _sqlite_setup(engine: AsyncEngine, busy_ms: int) -> None:
 
 _BUSY = ("database is locked", "database table is locked", "database is busy")
 _FULL = ("database or disk is full", "no space left")
+_IO = ("disk i/o error", "readonly database", "unable to open database file")
+"""SQLite's words for a file it cannot write now (a failing or remounted disk, permissions taken
+away); PostgreSQL's: SQLSTATE class 58 (system errors: I/O) and 25006 (a read-only transaction:
+a standby after a failover)."""
 _PG_BUSY = {"55P03", "40P01", "40001"}  # lock not available, deadlock, serialization failure
 _PG_FULL = {"53100"}
 
@@ -84,7 +88,8 @@ def _locked(exc: BaseException) -> bool:
 
 
 def unavailable(exc: BaseException) -> TaskUnavailable | None:
-    """The retryable TaskUnavailable a database error means (None: not a transient one)."""
+    """The retryable TaskUnavailable a database error means (None: not a transient one): locked
+    beyond the busy timeout, a full disk, unreachable, or a file it cannot write now."""
     if isinstance(exc, TaskError):
         return None
     if isinstance(exc, OSError):
@@ -103,6 +108,9 @@ def unavailable(exc: BaseException) -> TaskUnavailable | None:
         return TaskUnavailable("the task database's disk is full; nothing was stored, retry later")
     if exc.connection_invalidated or state[:2] in ("08", "57", "53"):
         return TaskUnavailable("the task database is unreachable; retry later")
+    if any(m in msg for m in _IO) or state[:2] == "58" or state == "25006":
+        why = msg.splitlines()[0] if msg else state
+        return TaskUnavailable(f"the task database cannot be written now ({why}); nothing was stored, retry later")
     return None
 
 

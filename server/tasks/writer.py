@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
@@ -35,6 +36,7 @@ class _Entry(NamedTuple):
     fut: asyncio.Future[Any] | None  # None: offer (nobody waits)
     many: bool  # a put_many item
     weight: int = 0  # put_many: the bytes the item writes (GROUP_BYTES)
+    queued: float = 0.0  # time.monotonic() when it was queued (Writer._away)
 
 
 class Writer:
@@ -45,6 +47,11 @@ class Writer:
         self.failed = 0
         self.dropped = 0
         self._unavailable, self._unavailable_logged = 0, -UNAVAILABLE_LOG_S  # (_log_failure)
+        self._away: tuple[float, TaskUnavailable] | None = None
+        """(when, why) a job last found the database away (TaskUnavailable: locked beyond the busy
+        timeout, full, unreachable); None once a job succeeded since. Entries queued before then
+        fail at once with the same error instead of each waiting out the busy timeout again: a
+        request behind a failed write gets its 503 after about one timeout, not one per job ahead."""
 
     def start(self) -> None:
         if self._task is None:
@@ -53,7 +60,7 @@ class Writer:
     async def put(self, fn: Job, *args: Any) -> asyncio.Future[Any]:
         """Queue a job (waits while the queue is full); returns a future of its result."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Entry(fn, args, fut, False))
+        await self.queue.put(_Entry(fn, args, fut, False, 0, time.monotonic()))
         return fut
 
     async def put_many(self, fn: ListJob[T], item: T, weight: int = 0) -> asyncio.Future[None]:
@@ -63,7 +70,7 @@ class Writer:
         has finished; if a merged call fails, its items are retried one by one, so only a
         failing item's future fails."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Entry(fn, (item,), fut, True, int(weight)))
+        await self.queue.put(_Entry(fn, (item,), fut, True, int(weight), time.monotonic()))
         return fut
 
     async def call(self, fn: Job, *args: Any) -> Any:
@@ -73,7 +80,7 @@ class Writer:
     def offer(self, fn: Job, *args: Any) -> bool:
         """Queue a job if there is room; False (job dropped) when the queue is full."""
         try:
-            self.queue.put_nowait(_Entry(fn, args, None, False))
+            self.queue.put_nowait(_Entry(fn, args, None, False, 0, time.monotonic()))
             return True
         except asyncio.QueueFull:
             self.dropped += 1
@@ -84,7 +91,9 @@ class Writer:
             return None
 
         if self._task is not None and not self._task.done():
-            await self.call(_noop)
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            await self.queue.put(_Entry(_noop, (), fut, False, 0, math.inf))  # (writes nothing: never skipped)
+            await fut
 
     async def close(self) -> None:
         try:
@@ -112,14 +121,42 @@ class Writer:
                 group.append(nxt)
                 weight += nxt.weight
             try:
-                if not entry.many:
+                run = self._skip_while_away(group)
+                if not run:
+                    pass
+                elif not entry.many:
                     await self._run(entry.fn, entry.args, entry.fut)
-                elif len(group) == 1 or not await self._run_group(entry.fn, group):
-                    for e in group:  # alone, or isolating the failing item(s) of a group, in order
+                elif len(run) == 1 or not await self._run_group(entry.fn, run):
+                    for e in self._skip_while_away(run):  # alone, or isolating the failing item(s), in order
                         await self._run(e.fn, ([e.args[0]],), e.fut)
             finally:
                 for _ in group:
                     self.queue.task_done()
+
+    def _skip_while_away(self, group: list[_Entry]) -> list[_Entry]:
+        """The entries of `group` to run; those queued before a job found the database away
+        (self._away) fail at once with its error (set on their futures, counted as failed)."""
+        if self._away is None:
+            return group
+        since, why = self._away
+        run = []
+        for e in group:
+            if e.queued >= since:
+                run.append(e)
+                continue
+            self.failed += 1
+            if e.fut is None:
+                self._log_failure(why)
+            elif not e.fut.done():
+                e.fut.set_exception(TaskUnavailable(why.message))
+        return run
+
+    def _note(self, exc: Exception | None) -> None:
+        """A job's outcome: the database found away (a TaskUnavailable), or back (None)."""
+        if exc is None:
+            self._away = None
+        elif isinstance(exc, TaskUnavailable):
+            self._away = (time.monotonic(), exc)
 
     async def _run(self, fn: Job, args: tuple[Any, ...], fut: asyncio.Future[Any] | None) -> None:
         try:
@@ -127,12 +164,14 @@ class Writer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self._note(exc)
             self.failed += 1
             if fut is None:
                 self._log_failure(exc)
             elif not fut.done():
                 fut.set_exception(exc)
         else:
+            self._note(None)
             self.done += 1
             if fut is not None and not fut.done():
                 fut.set_result(result)
@@ -156,8 +195,10 @@ class Writer:
             await fn([e.args[0] for e in group])
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
+            self._note(exc)
             return False
+        self._note(None)
         for e in group:
             self.done += 1
             if e.fut is not None and not e.fut.done():
