@@ -9,6 +9,7 @@ test_webui_keys.py.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -190,7 +191,9 @@ def test_playground_streams_a_chat(server, browser):
     grew = sorted(set(v for v in lengths if v > 0))
     assert len(grew) >= 3, f"the reply arrived in {len(grew)} steps: {lengths[:20]}"
     assert "tok/s" in facts and "prompt tokens" in facts, facts
-    assert browser.find_element("css selector", "#chat-state-field").get_attribute("hidden") is not None
+    state_field = browser.find_element("css selector", "#chat-state-field")
+    assert state_field.get_attribute("hidden") is not None  # the server has no state files
+    assert not state_field.is_displayed()  # (.field's display: flex once beat the attribute)
     shot(browser, "playground")
     second = _chat(browser, "And then?")  # the history goes with the second turn
     assert "prompt tokens" in second
@@ -252,6 +255,107 @@ def test_server_page_charts_update(server, browser):
     assert float(chart.get_attribute("data-max")) > 0  # the generation showed as throughput
     running = browser.find_element("css selector", "#chart-requests")
     assert int(running.get_attribute("data-points")) == int(chart.get_attribute("data-points"))
+    legend = browser.execute_script("return document.getElementById('chart-cacheMiB').parentNode.textContent")
+    assert "conversation:" in legend and "tasks_lru:" in legend, legend  # the chat states beside the tiers
     shot(browser, "server")
     assert console_errors(browser) == []
 
+
+def test_cache_chart_counts_the_conversation_cache(server, browser):
+    """metrics.js: the conversation cache (rwkv_conversation_cache_*, unlabelled) is a tier of the
+    cache chart and of the hit rates, beside the state cache's tiers."""
+    names = httpx.get(server.url + "/metrics").text
+    assert "rwkv_conversation_cache_bytes " in names and "rwkv_conversation_cache_hits_total " in names
+    open_page(browser, server, "#/server", "#server-cards .stat")
+    out = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import("/ui/static/js/metrics.js").then(({ parseMetrics, figures, totals }) => {
+          const text = (bytes, hits, misses) => [
+            'rwkv_state_cache_bytes{tier="tasks_lru"} 0', `rwkv_conversation_cache_bytes ${bytes}`,
+            'rwkv_state_cache_hits_total{tier="tasks_lru"} 0', 'rwkv_state_cache_misses_total{tier="tasks_lru"} 0',
+            `rwkv_conversation_cache_hits_total ${hits}`, `rwkv_conversation_cache_misses_total ${misses}`].join("\\n");
+          const before = parseMetrics(text(0, 1, 1)), now = parseMetrics(text(3 * 2 ** 20, 4, 2));
+          const f = figures(now, before, 1);
+          done({ mib: f.cacheMiB, rate: f.hitRate, total: totals(now).hitRates });
+        }).catch((err) => done({ error: String(err) }));""")
+    assert out == {"mib": {"tasks_lru": 0, "conversation": 3}, "rate": {"tasks_lru": None, "conversation": 75},
+                   "total": {"tasks_lru": None, "conversation": 400 / 6}}, out
+    assert console_errors(browser) == []
+
+
+def test_task_deleted_by_another_client(server, browser):
+    """A task deleted elsewhere while its page is open (running, then finished): the page says so,
+    disables its actions and stops polling (a 404 a second, logged by the server, before)."""
+    for running in (True, False):
+        body = {"prompt": "to be deleted", "max_tokens": LONG if running else 4}
+        tid = post(server, "/v1/tasks/create", body)["task_id"]
+        if running:
+            open_page(browser, server, f"#/tasks/{tid}", "#task-output")
+            wait_for(browser, lambda d: d.find_element("css selector", "#task-output").text, 15)
+        else:
+            wait_finished(server, tid)
+            open_page(browser, server, f"#/tasks/{tid}", "#task-output[data-done]")
+        browser.execute_script("performance.setResourceTimingBufferSize(100000)")
+        post(server, f"/v1/tasks/{tid}/delete")
+        message = browser.find_element("css selector", "#task-message")
+        wait_for(browser, lambda d: "deleted" in message.text, 10)
+        assert browser.find_element("css selector", "#task-status").text == "deleted"
+        controls = browser.find_elements("css selector", "#view button, #view input, #view textarea")
+        assert controls and not any(c.is_enabled() for c in controls)
+        shot(browser, f"task-deleted-{'running' if running else 'finished'}")
+        polls = "return performance.getEntriesByType('resource').filter((e) => e.name.includes('/v1/')).length"
+        calls = browser.execute_script(polls)
+        time.sleep(2.5)  # two polls and more, were it still polling
+        assert browser.execute_script(polls) == calls
+        assert "deleted" in message.text
+    assert console_errors(browser, allow=("status of 404",)) == []
+
+
+def test_template_name_message_stays(server, browser, finished_task):
+    """The make-template form's "bad template name" stays through the status polls (the next one
+    wiped it) until the name changes."""
+    open_page(browser, server, f"#/tasks/{finished_task}", "#template-form")
+    _set(browser, "#template-form", "name", "bad name!")
+    browser.find_element("css selector", "#template-form button").click()
+    view_text = lambda d: d.find_element("css selector", "#view").text  # noqa: E731
+    wait_for(browser, lambda d: "template name" in view_text(d), 5)
+    time.sleep(2.5)  # the status poll runs every second
+    assert "template name" in view_text(browser)
+    browser.find_element("css selector", "#template-form [name=name]").send_keys("x")
+    wait_for(browser, lambda d: "template name" not in view_text(d), 5)
+    assert console_errors(browser) == []
+
+
+PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True}
+
+
+def test_phone_width_needs_no_sideways_scrolling(server, browser, finished_task, template):
+    """At 390 px (a phone), no page is wider than the screen: the header wraps (its key button
+    on screen), the charts fit, a wide table scrolls in its own box."""
+    post(server, "/v1/tasks/create", {"prompt": "a row with every column", "max_tokens": 4})
+    pages = {"tasks": ("#/tasks", "#task-rows tr"), "task": (f"#/tasks/{finished_task}", "#task-output[data-done]"),
+             "template": (f"#/tasks/{template}", "#fork-form"),
+             "playground": ("#/playground", "#chat-template[data-loaded]"),
+             "batch": ("#/batch", "#batch-form"), "server": ("#/server", "#server-cards .stat")}
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", PHONE)
+    try:
+        for name, (hash_, ready) in pages.items():
+            open_page(browser, server, hash_, ready)
+            time.sleep(0.3)  # a refresh or two
+            shot(browser, f"phone-{name}")
+            width, inner, key = browser.execute_script(
+                "return [document.documentElement.scrollWidth, window.innerWidth,"
+                " document.getElementById('key-button').getBoundingClientRect().right]")
+            assert inner == PHONE["width"], (name, inner)
+            assert width <= PHONE["width"] and key <= PHONE["width"], (name, width, key)
+        open_page(browser, server, "#/tasks", "#task-rows tr")
+        box = browser.execute_script("const w = document.querySelector('#task-rows').closest('.table-wrap');"
+                                     " return w && [w.scrollWidth, w.clientWidth]")
+        assert box and box[0] > box[1], box  # the table is wider than the screen: it scrolls in its box
+        open_page(browser, server, "#/server", "#server-cards .stat")
+        right = browser.execute_script("return Math.max(...[...document.querySelectorAll('.chart-card')]"
+                                       ".map((c) => c.getBoundingClientRect().right))")
+        assert right <= PHONE["width"], right
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    assert console_errors(browser) == []

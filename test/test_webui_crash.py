@@ -3,14 +3,17 @@ streaming a task while the server is killed (SIGKILL) and started again shows th
 kept (what its last progress write stored: the tokens after it are lost, the task is
 `interrupted`), not the longer text it had streamed; after a continue, which makes the lost tokens
 again (greedy), it shows the server's text once, not the lost part twice; and the "network error"
-message shown while the server was down goes once it answers again."""
+message shown while the server was down goes once it answers again, as does the "shutting down"
+one of a stream a graceful stop ended. The header's model name, the Server page and the Tasks
+list follow a server that is loading, then gone, then back."""
 
 from __future__ import annotations
 
+import httpx
 from util_browser import api_get as get
 from util_browser import api_post as post
 from util_browser import browser_fixture, console_errors, open_page, require_browser, shot, wait_finished, wait_for
-from util_server import running_server
+from util_server import ServerProcess, running_server
 
 require_browser()
 
@@ -24,6 +27,7 @@ NETWORK_ERRORS = (
     "net::ERR_EMPTY_RESPONSE",
     "net::ERR_INCOMPLETE_CHUNKED_ENCODING",
     "?brief=true - Failed to load resource: the server responded with a status of 503",
+    "/health - Failed to load resource: the server responded with a status of 503",  # the header's, while loading
 )
 
 
@@ -78,3 +82,77 @@ def test_task_page_across_a_crash_and_a_continue(tmp_path, browser):
         assert not errors_shown(browser)
         shot(browser, "task-after-crash")
         assert console_errors(browser, allow=NETWORK_ERRORS) == []
+
+
+def test_shutting_down_message_goes_once_the_server_is_back(tmp_path, browser):
+    """A graceful stop ends the task's stream with a "the server is shutting down" error event: the
+    page shows it, and drops it once the server answers again (it stayed, red, for good)."""
+    with running_server(tmp_path) as srv:
+        tid = post(srv, "/v1/tasks/create", {"prompt": "A long story", "max_tokens": 100000})["task_id"]
+        open_page(browser, srv, f"#/tasks/{tid}", "#task-output")
+        wait_for(browser, lambda d: len(text_of(d, "#task-output")) > 200, 60)
+        srv.stop()  # SIGTERM: the server drains
+        wait_for(browser, lambda d: any("shutting down" in e or "unreachable" in e for e in errors_shown(d)), 15)
+        srv.start()
+        wait_for(browser, lambda d: "interrupted" in text_of(d, "#task-status"), 15)
+        wait_for(browser, lambda d: not errors_shown(d), 5)
+        assert console_errors(browser, allow=NETWORK_ERRORS) == []
+
+
+def view_text(drv) -> str:
+    return drv.find_element("css selector", "#view").text
+
+
+def model_shown(drv) -> str:
+    return drv.find_element("css selector", "#model").text
+
+
+def test_pages_while_the_server_loads_is_gone_and_is_back(tmp_path, browser):
+    """Opened while the model loads, the header says "(loading)" then the model's name (it kept
+    "(loading)" for good). With the server gone, the Tasks list and the Server page say the
+    server is unreachable (not a raw "Failed to fetch"), the Server page's figures are marked
+    stale and the moment's blanked; all of it goes once the server answers again."""
+    srv = ServerProcess(tmp_path, env={"RWKV_DEBUG_LOAD_DELAY": "4"})
+    try:
+        srv.start(wait=False)
+        wait_for(browser, lambda _: _answers(srv.url + "/ui"), 60)
+        open_page(browser, srv, "#/server", "#view h1")
+        wait_for(browser, lambda d: model_shown(d) == "(loading)", 10)
+        srv.wait_ready()
+        wait_for(browser, lambda d: model_shown(d) == "synthetic:tiny", 10)
+        wait_for(browser, lambda d: d.find_elements("css selector", "#server-cards .stat"), 10)
+        post(srv, "/v1/tasks/create", {"prompt": "a listed task", "max_tokens": 2})
+        browser.execute_script("location.hash = '#/tasks'")  # the same page: the Server page's history stays
+        wait_for(browser, lambda d: d.find_elements("css selector", "#task-rows tr"), 10)
+
+        srv.kill()
+        wait_for(browser, lambda d: "server unreachable" in view_text(d), 10)
+        wait_for(browser, lambda d: model_shown(d) == "(unreachable)", 15)
+        shot(browser, "tasks-unreachable")
+        browser.execute_script("location.hash = '#/server'")
+        wait_for(browser, lambda d: "server unreachable" in view_text(d), 10)
+        wait_for(browser, lambda d: d.find_elements("css selector", "#server-cards.stale .stat"), 5)
+        assert browser.find_elements("css selector", ".charts.stale")
+        assert "figures below are from" in view_text(browser)
+        cards = browser.find_element("css selector", "#server-cards").text
+        assert "running / waiting\n– / –" in cards and "status\nunreachable" in cards, cards
+        shot(browser, "server-unreachable")
+        assert "Failed to fetch" not in browser.page_source
+
+        srv.env.pop("RWKV_DEBUG_LOAD_DELAY")
+        srv.start()
+        wait_for(browser, lambda d: not d.find_elements("css selector", "#server-cards.stale, #view .error"), 15)
+        wait_for(browser, lambda d: model_shown(d) == "synthetic:tiny", 15)
+        browser.execute_script("location.hash = '#/tasks'")
+        wait_for(browser, lambda d: d.find_elements("css selector", "#task-rows tr"), 10)
+        assert "unreachable" not in view_text(browser)
+        assert console_errors(browser, allow=NETWORK_ERRORS) == []
+    finally:
+        srv.cleanup()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

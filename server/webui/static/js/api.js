@@ -15,6 +15,25 @@ export class ApiError extends Error {
   }
 }
 
+/** A call that got no answer: the server is down or restarting, or the connection was lost
+ *  (fetch's own TypeError, wrapped so that callers can tell it from a bug). */
+export class OfflineError extends Error {
+  constructor() {
+    super("server unreachable: no answer (it may be down or restarting)");
+    this.name = "OfflineError";
+  }
+}
+
+const NOT_UP = ["shutting_down", "loading", "tasks_unavailable"]; // 503s (and error events) of a server not up
+
+/** True for an error that says nothing about the request itself: no answer at all, a 502-504,
+ *  or the server shutting down (a stream's error event, or a 503 shutting_down / loading). */
+export function offline(err) {
+  if (err instanceof OfflineError) return true;
+  if (!(err instanceof ApiError)) return false;
+  return (err.status >= 502 && err.status <= 504) || NOT_UP.includes(err.code);
+}
+
 export const apiKey = {
   get() { return localStorage.getItem(KEY_NAME) || ""; },
   set(key) {
@@ -86,7 +105,7 @@ async function send(path, { method = "GET", body, query, signal } = {}) {
     if (body !== undefined) headers["Content-Type"] = "application/json";
     const res = await fetch(url(path, query), {
       method, headers, signal, body: body === undefined ? undefined : JSON.stringify(body),
-    });
+    }).catch(noAnswer);
     if (res.status === 401 && attempt < 3) {
       const err = await errorOf(res);
       await askKey(key ? `The server refused the key: ${err.message}` : "This server needs an API key.");
@@ -111,7 +130,7 @@ export async function* sse(path, options) {
   let buf = "";
   try {
     for (;;) {
-      const { value, done } = await reader.read();
+      const { value, done } = await reader.read().catch(noAnswer);
       if (done) return;
       buf += value.replace(/\r\n/g, "\n");
       let cut;
@@ -131,6 +150,11 @@ export async function* sse(path, options) {
   } finally {
     reader.cancel().catch(() => {});
   }
+}
+
+/** fetch's network failure (a TypeError) as an OfflineError; an abort stays one. */
+function noAnswer(err) {
+  throw aborted(err) ? err : new OfflineError();
 }
 
 /** True for the error a fetch throws when its AbortController fired. */

@@ -1,7 +1,7 @@
 // The dashboard's entry: hash routes (#/tasks, #/tasks/ID, #/playground, #/batch, #/server),
 // the header (model, key button). Each view's mount(el, arg) returns its cleanup.
 
-import { api, apiKey, askKey } from "./api.js";
+import { OfflineError, api, apiKey, askKey } from "./api.js";
 import * as batch from "./batch.js";
 import * as playground from "./playground.js";
 import * as serverPage from "./server.js";
@@ -15,6 +15,8 @@ const ROUTES = {
   server: () => serverPage.mount,
 };
 
+const HEALTH_OK_MS = 10_000;
+const HEALTH_RETRY_MS = 2000;
 let cleanup = null;
 
 function route() {
@@ -36,13 +38,20 @@ function showKey() {
   button.title = key ? "Change or forget the API key kept in this browser" : "Set an API key";
 }
 
+/** The header's model name, from /health: read again every few seconds while the server is
+ *  loading or unreachable, and every HEALTH_OK_MS once it answers (a restart may bring another
+ *  model). */
 async function showModel() {
+  const el = document.getElementById("model");
+  let ok = false;
   try {
     const health = await api("/health");
-    document.getElementById("model").textContent = health.model || "";
-  } catch {
-    document.getElementById("model").textContent = "(loading)";
+    el.textContent = health.model || "";
+    ok = true;
+  } catch (err) { // 503: loading, shutting_down, load_failed, engine_dead; or no answer
+    el.textContent = `(${err instanceof OfflineError ? "unreachable" : (err.code || "error").replace(/_/g, " ")})`;
   }
+  setTimeout(showModel, ok ? HEALTH_OK_MS : HEALTH_RETRY_MS);
 }
 
 window.addEventListener("hashchange", route);

@@ -25,8 +25,9 @@ export function mount(el) {
     h("label", { class: "field" }, h("span", {}, "prompts, one a line"), prompts),
     h("label", { class: "field" }, h("span", {}, "or a file (.txt: one a line; .jsonl: {\"prompt\": ...} a line)"), file),
     samplingFields(TASK_FIELDS, { max_tokens: 100 }), h("div", { class: "row" }, run, stopAll, download, summary));
-  el.append(h("h1", {}, "Batch"), form, message, h("table", { class: "list", id: "batch-table" },
-    h("thead", {}, h("tr", {}, ["#", "prompt", "status", "tokens", "text"].map((c) => h("th", {}, c)))), body));
+  const table = h("table", { class: "list", id: "batch-table" },
+    h("thead", {}, h("tr", {}, ["#", "prompt", "status", "tokens", "text"].map((c) => h("th", {}, c)))), body);
+  el.append(h("h1", {}, "Batch"), form, message, h("div", { class: "table-wrap" }, table));
   const fail = (err) => { if (!aborted(err)) message.replaceChildren(errorBox(err)); };
 
   file.addEventListener("change", async () => {

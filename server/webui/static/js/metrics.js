@@ -51,11 +51,18 @@ function meanOver(now, before, family) {
   return dn > 0 ? (ds / dn) * 1000 : null;
 }
 
+/** {tier: value} of a per-tier state cache family (`rwkv_state_cache_${name}`), with the
+ *  conversation cache (`rwkv_conversation_cache_${name}`, unlabelled) as the tier "conversation". */
+function perTier(metrics, name) {
+  const out = byLabel(metrics, `rwkv_state_cache_${name}`, "tier");
+  const conversation = total(metrics, `rwkv_conversation_cache_${name}`);
+  if (conversation !== undefined) out.conversation = conversation;
+  return out;
+}
+
 function hitRates(now, before) {
-  const hits = byLabel(now, "rwkv_state_cache_hits_total", "tier");
-  const misses = byLabel(now, "rwkv_state_cache_misses_total", "tier");
-  const hits0 = byLabel(before, "rwkv_state_cache_hits_total", "tier");
-  const misses0 = byLabel(before, "rwkv_state_cache_misses_total", "tier");
+  const hits = perTier(now, "hits_total"), misses = perTier(now, "misses_total");
+  const hits0 = perTier(before, "hits_total"), misses0 = perTier(before, "misses_total");
   const out = {};
   for (const tier of Object.keys(hits)) {
     const dh = hits[tier] - (hits0[tier] ?? 0), dm = (misses[tier] ?? 0) - (misses0[tier] ?? 0);
@@ -69,7 +76,7 @@ export function figures(now, before, dt) {
   const running = total(now, "rwkv_requests_running") ?? 0;
   const slots = total(now, "rwkv_slots") ?? 0;
   const mib = {};
-  for (const [tier, b] of Object.entries(byLabel(now, "rwkv_state_cache_bytes", "tier"))) mib[tier] = b / 2 ** 20;
+  for (const [tier, b] of Object.entries(perTier(now, "bytes"))) mib[tier] = b / 2 ** 20;
   return {
     throughput: { generated: rate(now, before, "rwkv_generation_tokens_total", dt),
       prefilled: rate(now, before, "rwkv_prompt_tokens_total", dt) },
@@ -86,8 +93,7 @@ export function figures(now, before, dt) {
 
 /** Whole-run figures for the cards above the charts. */
 export function totals(now) {
-  const hits = byLabel(now, "rwkv_state_cache_hits_total", "tier");
-  const misses = byLabel(now, "rwkv_state_cache_misses_total", "tier");
+  const hits = perTier(now, "hits_total"), misses = perTier(now, "misses_total");
   const rates = {};
   for (const tier of Object.keys(hits)) {
     const n = hits[tier] + (misses[tier] ?? 0);

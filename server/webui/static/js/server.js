@@ -1,9 +1,9 @@
 // Server: live charts of the last five minutes from GET /metrics (scraped every second from the
 // first visit on, so the history is there when the page is opened again), and /health.
 
-import { aborted, api } from "./api.js";
+import { OfflineError, aborted, api } from "./api.js";
 import { LineChart } from "./chart.js";
-import { errorBox, every, h } from "./dom.js";
+import { errorBox, every, h, when } from "./dom.js";
 import { figures, parseMetrics, totals } from "./metrics.js";
 
 const SCRAPE_MS = 1000;
@@ -61,16 +61,23 @@ export function mount(el) {
   const cards = h("div", { class: "cards", id: "server-cards" });
   const message = h("div");
   const charts = CHARTS.map(([id, title, opts]) => [id, new LineChart(id, title, { windowS: WINDOW_S, ...opts })]);
-  el.append(h("h1", {}, "Server"), cards, message, h("div", { class: "charts" }, charts.map(([, c]) => c.el)));
+  const chartBox = h("div", { class: "charts" }, charts.map(([, c]) => c.el));
+  el.append(h("h1", {}, "Server"), message, cards, chartBox);
   const render = () => {
-    message.replaceChildren(...(history.error ? [errorBox(history.error)] : []));
+    const stale = Boolean(history.error); // the last scrape failed: the figures are old
+    message.replaceChildren(...(stale ? [errorBox(history.error)] : []));
+    if (stale && history.last) {
+      const note = `The figures below are from ${when(history.lastT)}, its last answer.`;
+      message.append(h("p", { class: "muted", id: "server-stale" }, note));
+    }
+    for (const box of [cards, chartBox]) box.classList.toggle("stale", stale);
     for (const [id, chart] of charts) chart.draw(history.times, seriesOf(id));
-    if (history.last) showCards(cards, totals(history.last), health);
+    if (history.last) showCards(cards, totals(history.last), health, stale);
   };
   let health = null;
   const stopHealth = every(2000, async () => {
     try { health = await api("/health", { signal: ctl.signal }); } catch (err) {
-      if (!aborted(err)) health = { status: err.message };
+      if (!aborted(err)) health = { status: err instanceof OfflineError ? "unreachable" : err.code || err.message };
     }
   });
   history.listeners.add(render);
@@ -83,11 +90,13 @@ function card(label, value) {
   return h("div", { class: "card stat" }, h("div", { class: "muted" }, label), h("div", { class: "value" }, value));
 }
 
-function showCards(el, t, health) {
+/** The cards; `stale`: the server does not answer, the figures of the moment are blanked. */
+function showCards(el, t, health, stale) {
   const rates = Object.entries(t.hitRates).map(([tier, r]) => `${tier} ${r === null ? "–" : `${r.toFixed(0)}%`}`);
-  const last = history.samples[history.samples.length - 1] || {};
+  const last = (!stale && history.samples[history.samples.length - 1]) || {};
   el.replaceChildren(
-    card("status", health ? `${health.status}${health.model ? ` · ${health.model}` : ""}` : "…"),
+    card("status", history.error instanceof OfflineError ? "unreachable"
+      : health ? `${health.status}${health.model ? ` · ${health.model}` : ""}` : "…"),
     card("slots", t.slots ?? "–"),
     card("running / waiting", `${last.requests ? last.requests.running : "–"} / ${last.requests ? last.requests.waiting : "–"}`),
     card("generated tok/s", last.throughput && last.throughput.generated !== null ? last.throughput.generated.toFixed(1) : "–"),

@@ -1,13 +1,12 @@
 // One task or template. A task's page streams its text (GET /v1/tasks/{id}/stream?pos=0: the
 // text so far, then live), follows later runs (taskView), and has stop, continue (with a
-// prompt), fork, make template and delete. A template's page shows its prompt and forks it
-// with a prompt.
+// prompt), fork, make template and delete (actions.js). A template's page shows its prompt and
+// forks it with a prompt. A task deleted meanwhile (a 404) ends the page's polling (gone).
 
-import { ApiError, aborted, api, sse } from "./api.js";
-import { errorBox, every, field, h, isStateOrigin, statusText, taskLink, when } from "./dom.js";
-import { templateNameError } from "./newtask.js";
+import { continueForm, deleteButton, forkForm, templateForm } from "./actions.js";
+import { ApiError, aborted, api, offline, sse } from "./api.js";
+import { errorBox, every, h, isStateOrigin, statusText, taskLink, when } from "./dom.js";
 import { textSink } from "./output.js";
-import { TASK_FIELDS, samplingBody, samplingFields } from "./sampling.js";
 
 export { appendText } from "./output.js"; // for test_webui_tasks.py
 
@@ -29,8 +28,10 @@ function show(el, id, reload) {
   const stops = [() => ctl.abort()];
   const message = h("div", { id: "task-message" });
   el.append(h("h1", {}, h("span", { class: "mono" }, id)), message);
+  let shown = false; // the page shows the task: a 404 from now on means it was deleted
   const fail = (err) => {
     if (aborted(err)) return;
+    if (shown && deleted(err)) return gone(el, message, stops);
     message.replaceChildren(errorBox(err));
     message.dataset.offline = offline(err) ? "1" : "";
   };
@@ -41,14 +42,25 @@ function show(el, id, reload) {
   };
   api(`/v1/ui/tasks/${encodeURIComponent(id)}`, { signal: ctl.signal }).then((detail) => {
     const ctx = { id, el, signal: ctl.signal, fail, online, reload, stops, detail };
+    shown = true;
     detail.kind === "template" ? templateView(ctx) : taskView(ctx);
   }).catch(fail);
   return () => stops.forEach((fn) => fn());
 }
 
-/** True for a call that got no answer (the server down or the connection lost), not an error
- *  the server answered with. */
-const offline = (err) => !(err instanceof ApiError) && !aborted(err);
+const deleted = (err) => err instanceof ApiError && err.status === 404 && err.code === "task_not_found";
+
+/** The task was deleted (by another client or page) while its page was open: the page says so,
+ *  stops its poll and stream, and disables its actions. */
+function gone(el, message, stops) {
+  stops.forEach((fn) => fn());
+  message.dataset.offline = "";
+  message.replaceChildren(h("p", { id: "task-gone", class: "error", role: "alert" },
+    "This task no longer exists: it was deleted (by another client or page)."));
+  for (const c of el.querySelectorAll("button, input, textarea, select")) c.disabled = true;
+  const status = el.querySelector("#task-status");
+  if (status) Object.assign(status, { textContent: "deleted", className: "st-gone" });
+}
 
 function infoTable(detail) {
   const status = h("dd", { id: "task-status", class: `st-${detail.status}` }, statusText(detail));
@@ -130,7 +142,7 @@ function taskView(ctx) {
   };
   if (detail.elsewhere) away.enter(detail.elsewhere).catch(fail); // no stream to ask for: its 409 is known
   else attach();
-  const poll = every(1000, async () => {
+  const pollOnce = async () => {
     const ends = run.ends;
     const st = await api(detailPath(id), { query: { brief: true }, signal });
     online();
@@ -145,8 +157,8 @@ function taskView(ctx) {
     if (st.output_start !== run.start || run.lost || st.generated_buf < run.pos) await newOutput();
     else if (st.status === 3 && st.generated_buf === run.pos) return; // nothing new
     attach();
-  });
-  stops.push(poll);
+  };
+  stops.push(every(1000, () => pollOnce().catch(fail))); // a 404: the task was deleted (gone stops it)
 }
 
 /** The task runs on another server of the database: this one cannot stream it, nor stop,
@@ -223,78 +235,4 @@ function templateView(ctx) {
     h("h2", {}, "Text generated before it became a template"), result,
     h("div", { class: "actions" }, forkForm(ctx, "Fork this template with a prompt"), deleteButton(ctx, true)));
   api(path(id, "get_result"), { signal }).then((r) => { result.textContent = r.result || "(none)"; }).catch(fail);
-}
-
-function actionForm(formId, title, children, onSubmit, fail) {
-  const form = h("form", { id: formId, class: "stack card" }, h("h3", {}, title), ...children);
-  form.addEventListener("submit", (ev) => {
-    ev.preventDefault();
-    onSubmit(form).catch(fail);
-  });
-  return form;
-}
-
-function moreFields() {
-  return h("details", {}, h("summary", {}, "sampling"), samplingFields(TASK_FIELDS.filter((f) => f.name !== "max_tokens")));
-}
-
-function updateBody(form) {
-  const body = samplingBody(form, TASK_FIELDS);
-  const prompt = form.elements.prompt.value;
-  if (prompt) body.prompt = prompt;
-  return body;
-}
-
-function continueForm({ id, signal, reload, fail }) {
-  return actionForm("continue-form", "Continue", [
-    field("prompt (optional: without one it keeps generating)", "prompt", { tag: "textarea", rows: 2 }),
-    field("max tokens", "max_tokens", { type: "number", min: 0, value: 200 }), moreFields(),
-    h("button", { type: "submit" }, "Continue")],
-  async (form) => {
-    await api(path(id, "continue"), { method: "POST", body: updateBody(form), signal });
-    reload();
-  }, fail);
-}
-
-function forkForm({ id, signal, fail }, title = "Fork") {
-  return actionForm("fork-form", title, [
-    field("prompt (optional)", "prompt", { tag: "textarea", rows: 2 }),
-    field("max tokens", "max_tokens", { type: "number", min: 0, value: 200 }), moreFields(),
-    h("button", { type: "submit" }, "Fork")],
-  async (form) => {
-    const t = await api(path(id, "fork"), { method: "POST", body: updateBody(form), signal });
-    location.hash = `#/tasks/${encodeURIComponent(t.task_id)}`;
-  }, fail);
-}
-
-function templateForm({ id, signal, fail }) {
-  return actionForm("template-form", "Make a template", [
-    field("name (optional; else _TMPL_…)", "name", { maxlength: 64 }),
-    h("button", { type: "submit" }, "Make template")],
-  async (form) => {
-    const name = form.elements.name.value.trim();
-    const bad = templateNameError(name);
-    if (bad) throw new Error(bad);
-    const t = await api(path(id, "as_template"), { method: "POST", body: {}, query: { name }, signal });
-    location.hash = `#/tasks/${encodeURIComponent(t.task_id)}`;
-  }, fail);
-}
-
-/** Delete needs a second click within a few seconds. Templates are deleted with force=true. */
-function deleteButton({ id, signal, fail }, force) {
-  let armed = null;
-  const button = h("button", { id: "task-delete", type: "button", class: "danger" }, "Delete");
-  button.addEventListener("click", async () => {
-    if (!armed) {
-      button.textContent = "Click again to delete";
-      armed = setTimeout(() => { armed = null; button.textContent = "Delete"; }, 4000);
-      return;
-    }
-    clearTimeout(armed);
-    try {
-      await api(path(id, "delete"), { method: "POST", body: {}, query: { force: force || undefined }, signal });
-      location.hash = "#/tasks";
-    } catch (err) { fail(err); }
-  });
-  return h("div", { class: "card" }, h("h3", {}, "Delete"), button);
 }

@@ -38,7 +38,7 @@ export function mount(el) {
     body);
   const message = h("div");
   el.append(h("h1", {}, "Tasks"), newTaskForm(ctl.signal), filters,
-    h("div", { class: "row" }, newer, older, count), message, table);
+    h("div", { class: "row" }, newer, older, count), message, h("div", { class: "table-wrap" }, table));
 
   let offset = 0, seen = "", generation = 0;
   let scan = null; // every task of scan.kind, read at scan.at (the filtered views)
