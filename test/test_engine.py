@@ -258,10 +258,24 @@ def test_stats_are_numbers_and_logged(model, tok, caplog):
     try:
         with caplog.at_level("INFO", logger="server.engine"):
             e.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=20, **GREEDY), timeout=30)
-            st = e.stats()
-            time.sleep(0.2)
-        assert st.steps >= 20 and st.generation_tokens_total == 80 and st.prompt_tokens_total == 12
-        assert st.decode_tok_s > 0 and st.step_ms > 0 and st.slots == 8 and "overhead_ms" in st.extra
+            # the totals: the engine thread counts a step just after delivering its events, so
+            # the last step may be counted a moment after the results came
+            deadline = time.monotonic() + 10
+            while (st := e.stats()).generation_tokens_total < 80 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert st.steps >= 20 and st.generation_tokens_total == 80 and st.prompt_tokens_total == 12
+            # the rates are the last closed window's: read while the engine works (a window that
+            # closed while it was idle, e.g. 0.05 s after the run above, has no steps and rates 0)
+            h = e.submit([1, 2, 3], SamplingParams(max_tokens=100_000, **GREEDY))
+            deadline = time.monotonic() + 30
+            for _ in h:
+                busy = e.stats()
+                if busy.extra["window_steps"] > 0:
+                    break
+                assert time.monotonic() < deadline, busy
+            h.abort()
+            assert h.result(30).finish_reason == "abort"  # (the engine thread logged that window before)
+        assert busy.decode_tok_s > 0 and busy.step_ms > 0 and busy.slots == 8 and "overhead_ms" in busy.extra
         assert any("engine: running=" in r.getMessage() for r in caplog.records)
     finally:
         e.shutdown()

@@ -158,12 +158,12 @@ def test_disconnected_streams_free_their_slots(slow_server):
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # (about 0.1 s; the bound is a loaded machine's: the runs would go on for minutes)
     while True:
         m = metrics(url)
         if m["rwkv_requests_running"] == 0 and m["rwkv_requests_waiting"] == 0:
             break
-        assert time.monotonic() - t0 < 1.0, f"slots still busy after 1s: {m['rwkv_requests_running']}"
+        assert time.monotonic() - t0 < 10, f"slots still busy after 10 s: {m['rwkv_requests_running']}"
         time.sleep(0.02)
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "max_tokens": 3}, timeout=30)
@@ -177,7 +177,7 @@ def test_non_streaming_client_that_leaves_is_aborted(slow_server):
                    timeout=httpx.Timeout(30, read=0.5))
     t0 = time.monotonic()
     while metrics(url)["rwkv_requests_running"] != 0:
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10, "the run went on after its client left"
         time.sleep(0.02)
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from openai.types.responses import Response
-from util_server import running_server, task_result
+from util_server import running_server, task_result, wait_committed
 
 # greedy, and an input whose greedy answer on the test model has no "\n\n" (the chat stop) in its
 # first 2,000 tokens (test_responses_disconnect.py): the run cannot end by itself while it is killed
@@ -75,7 +75,7 @@ def stream_then(srv, end) -> str:
             if i == 20:
                 break
         assert ev.type == "response.output_text.delta", ev  # mid-answer
-        time.sleep(1.6)  # a progress write has landed (the text so far is kept)
+        wait_committed(srv.db, "TASK_" + rid.split("_", 1)[1])  # a progress write has landed (the text so far is kept)
         end()
     return rid
 
@@ -92,7 +92,7 @@ def wait_then(srv, end) -> str:
                 c.get(f"/v1/tasks/{tasks[0]['task_id']}/get_result").json()["result"]:  # fmt: skip
             assert time.monotonic() < deadline, srv.log_tail()
             time.sleep(0.1)
-    time.sleep(1.6)
+    wait_committed(srv.db, tasks[0]["task_id"])  # a progress write has landed
     end()
     waiter.join()
     assert answer[0].status_code == 503 and answer[0].json()["error"]["code"] == "shutting_down", answer[0].text

@@ -5,11 +5,9 @@ output's tokens over the output's time, not over the last run's)."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
-from util_server import running_server, task_result
+from util_server import running_server, task_result, wait_committed
 
 LONG = {"prompt": "A long story", "max_tokens": 100_000, "ignore_eos": True}
 
@@ -44,7 +42,7 @@ def test_a_task_a_crash_interrupted_keeps_its_time(server):
     with httpx.Client(base_url=server.url, timeout=30) as c:
         tid = c.post("/v1/tasks/create", json=LONG).json()["task_id"]
         until(c, tid, lambda r: r["completion_tokens"] >= 20)
-        time.sleep(2.5)  # a progress row or two (one a second)
+        wait_committed(server.db, tid, lambda row: row["gen_time"] > 0.5)  # a progress row or two (one a second)
     server.restart(hard=True)
     with httpx.Client(base_url=server.url, timeout=30) as c:
         r = result(c, tid)

@@ -62,7 +62,13 @@ async def test_running_tasks_become_interrupted_and_continuable(parts, tmp_path,
     t = await tm.create("A long run", {"max_tokens": 100000, **GREEDY}, persistent=True)
     while t.generated < 12:
         await asyncio.sleep(0.02)
-    await asyncio.sleep(0.1)  # a progress write lands
+    for _ in range(1500):  # a progress write lands (committed by the writer: a loaded machine may take a while)
+        row = await tm.store.get_task(t.id)
+        if row.completion_tokens > 0 and row.text:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        pytest.fail(f"no progress row of {t.id} was committed")
     crash_image(db, tmp_path / "crash.db")
     await tm.stop(t.id)
     await tm.close()
@@ -156,7 +162,7 @@ async def test_state_in_use_is_never_evicted_and_tmp_tasks_expire(parts, tmp_pat
     tm = await manager(parts, tmp_path / "p.db", state_cache_bytes=one, tmp_task_ttl=0.3)
     src = await tm.wait((await tm.create("source", {"max_tokens": 2})).id)
     key = src.state_id
-    f = await tm.fork(src.id, {"max_tokens": 100000}, tmp=True)
+    f = await tm.fork(src.id, {"max_tokens": 100000, "ignore_eos": True}, tmp=True)  # (sampled: runs until stopped)
     assert key in tm.cache.pinned_keys()  # the running fork holds its starting state
     for i in range(4):  # churn a one-state LRU
         await tm.wait((await tm.create(f"churn {i}", {"max_tokens": 1})).id)
@@ -273,8 +279,9 @@ async def test_a_prompt_that_is_not_text_is_refused_before_anything_starts(parts
 
 async def test_a_shutdown_says_what_it_interrupts(parts, tmp_path, caplog):
     tm = await manager(parts, tmp_path / "bye.db")
-    stored = await tm.create("A long run", {"max_tokens": 100000}, persistent=True)
-    tmp = await tm.create("A temporary one", {"max_tokens": 100000})
+    long = {"max_tokens": 100000, "ignore_eos": True}  # (sampled: both run until the shutdown)
+    stored = await tm.create("A long run", long, persistent=True)
+    tmp = await tm.create("A temporary one", long)
     while stored.generated < 2 or tmp.generated < 2:
         await asyncio.sleep(0.02)
     with caplog.at_level("INFO", logger="server.tasks"):

@@ -88,7 +88,7 @@ def assert_state_lost(c: httpx.Client, f: str) -> None:
 # --- 1. the base of a fork of a state-file template ---------------------------------------------
 def test_a_fork_is_never_rebuilt_on_another_state_under_its_template_s_name(tmp_path):
     a, b = _bytes(random_state_dict(seed=1)), _bytes(random_state_dict(seed=2))
-    with running_server(tmp_path, port=18424) as srv:
+    with running_server(tmp_path) as srv:
         up = lambda data: httpx.post(srv.url + "/v1/states/st", content=data, headers=OCTET)  # noqa: E731
         assert up(a).status_code == 201
         c = tasks(srv)
@@ -115,7 +115,7 @@ def test_a_fork_is_never_rebuilt_on_another_state_under_its_template_s_name(tmp_
 def test_an_operator_s_new_file_under_the_same_name_is_another_base(tmp_path):
     fa = _save(random_state_dict(seed=1), tmp_path / "a.pth")
     fb = _save(random_state_dict(seed=2), tmp_path / "b.pth")
-    with ServerProcess(tmp_path, args=("--state", f"st={fa}"), port=18425) as srv:
+    with ServerProcess(tmp_path, args=("--state", f"st={fa}")) as srv:
         srv.start()
         c = tasks(srv)
         f = run(c, "/_st/fork", {"prompt": PROMPT, "max_tokens": 8, **G}, stored=True)["task_id"]
@@ -175,7 +175,7 @@ def _template_can_be_made(srv: ServerProcess, x: str) -> None:
 
 
 def test_an_as_template_killed_while_it_prefills_leaves_nothing_after_a_restart(tmp_path):
-    with running_server(tmp_path, port=18421) as srv:
+    with running_server(tmp_path) as srv:
         x = _long_task_without_state(srv)
         answer = _as_template_in_background(srv, x)
         assert "_tpl" not in _listed_templates(srv)  # not a usable template yet
@@ -190,8 +190,8 @@ def test_an_as_template_killed_while_it_prefills_leaves_nothing_after_a_restart(
 def test_a_replica_reaps_a_half_made_template_only_once_its_maker_is_dead(tmp_path):
     db = str(tmp_path / "shared.db")
     env = {"RWKV_LEASE_TIMEOUT": "1.5", "RWKV_MAX_BATCH": "4"}
-    a = ServerProcess(tmp_path / "a", db=db, env={**env, "RWKV_INSTANCE_NAME": "a"}, port=18422)
-    b = ServerProcess(tmp_path / "b", db=db, env={**env, "RWKV_INSTANCE_NAME": "b"}, port=18423)
+    a = ServerProcess(tmp_path / "a", db=db, env={**env, "RWKV_INSTANCE_NAME": "a"})
+    b = ServerProcess(tmp_path / "b", db=db, env={**env, "RWKV_INSTANCE_NAME": "b"})
     with a, b:
         a.start()
         x = _long_task_without_state(a)

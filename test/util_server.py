@@ -20,11 +20,12 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -210,4 +211,30 @@ def task_result(c: httpx.Client, task_id: str, until=lambda r: r["finished"], ti
             return r
         if time.monotonic() > end:
             raise AssertionError(f"{task_id}: {r}")
+        time.sleep(0.05)
+
+
+def committed_row(db: str | Path, task_id: str) -> dict | None:
+    """A task's row as committed in a server's SQLite file (what a SIGKILL leaves), read-only
+    while the server runs; None when there is no such row."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as conn:
+        conn.row_factory = sqlite3.Row
+        row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    return None if row is None else dict(row)
+
+
+def wait_committed(db: str | Path, task_id: str, until: Callable[[dict], bool] | None = None,
+                   timeout: float = 60) -> dict:
+    """A task's committed row (committed_row) once `until(row)` holds; by default once a progress
+    row of the running task has landed (the row holds output text). A test that kills the server
+    to check what a crash keeps waits for this, not for a fixed time: progress rows come about
+    once a second and states are written behind, and a loaded machine may commit either late."""
+    until = until or (lambda r: r["completion_tokens"] > 0 and r["text"].strip() != "")
+    end = time.monotonic() + timeout
+    while True:
+        row = committed_row(db, task_id)
+        if row is not None and until(row):
+            return row
+        if time.monotonic() > end:
+            raise AssertionError(f"{task_id}: the committed row never got there in {timeout}s: {row}")
         time.sleep(0.05)
