@@ -283,6 +283,7 @@ def tool(name, params=None):
     ({"tools": [tool(f"f{i}") for i in range(129)]}, "tools"),
     ({"tools": [tool("f"), tool("f")]}, "tools"),
     ({"tools": [tool("f", {"type": "object", "properties": {"x": {"type": "nonsense"}}})]}, "tools"),
+    ({"tools": [tool("f", {"type": "string"})]}, "tools[0].function.parameters"),  # arguments are an object
     ({"tools": [tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "r"}]}, "messages[1].tool_call_id"),
@@ -320,3 +321,70 @@ def test_task_routes_take_response_format(server):
     r = http.post("/v1/tasks/create", json={"prompt": "x", "response_format": BAD_SCHEMA})
     assert r.status_code == 422 and r.json()["error"]["param"] == "response_format", r.text
     assert http.get("/v1/tasks/list").json() == listed  # nothing created
+
+
+def _two_tools_with_nested_models():
+    """Two pydantic tools whose nested models share a $defs name ("Addr") with different
+    definitions: pydantic writes each nested model under "$defs" and refers to it by "#/$defs/Addr"."""
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Addr(BaseModel):
+        city: Literal["Paris", "Rome"]
+        zip: int = Field(ge=0, le=99)
+
+    class Ship(BaseModel):
+        to: Addr
+        back: Optional[Addr]  # noqa: UP045 (Python 3.9's spelling of the SDK's examples)
+
+    class Addr(BaseModel):  # type: ignore[no-redef]  # another model of the same name
+        street: Literal["Main", "High"]
+
+    class Mail(BaseModel):
+        to: Addr
+
+    return Ship, Mail
+
+
+def test_pydantic_tools_with_nested_models_call_on_chat_and_responses(client):
+    """openai.pydantic_function_tool (and the Agents SDK's tools with model arguments) put nested
+    models in $defs: each tool's references are rebased, so every call parses into its model."""
+    ship, mail = _two_tools_with_nested_models()
+    tools = [openai.pydantic_function_tool(ship), openai.pydantic_function_tool(mail)]
+    assert "$defs" in tools[0]["function"]["parameters"] and "$defs" in tools[1]["function"]["parameters"]
+    for model in (ship, mail):
+        choice = {"type": "function", "function": {"name": model.__name__}}
+        msg = client.chat.completions.parse(model="m", messages=USER, tools=tools, tool_choice=choice,
+                                            parallel_tool_calls=False, max_tokens=120).choices[0].message
+        (call,) = msg.tool_calls
+        assert isinstance(call.function.parsed_arguments, model), call
+        flat = [{"type": "function", **t["function"]} for t in tools]
+        r = client.responses.create(model="m", input="Send it.", tools=flat, parallel_tool_calls=False,
+                                    tool_choice={"type": "function", "name": model.__name__}, max_output_tokens=120)
+        (fc,) = [item for item in r.output if item.type == "function_call"]
+        assert fc.name == model.__name__ and isinstance(model.model_validate_json(fc.arguments), model)
+
+
+def test_a_tool_with_null_parameters_takes_an_object_on_both_routes(server):
+    """`parameters: null` is a tool without parameters on chat as on /v1/responses (chat refused
+    it); its arguments are still an object (a schema without a type let them be any JSON)."""
+    for path, tool_, choice in (
+        ("/v1/chat/completions", {"type": "function", "function": {"name": "ping", "parameters": None}},
+         {"type": "function", "function": {"name": "ping"}}),
+        ("/v1/responses", {"type": "function", "name": "ping", "parameters": None}, {"type": "function", "name": "ping"}),
+    ):
+        body = {"tools": [tool_], "tool_choice": choice, "parallel_tool_calls": False, "seed": 3}
+        body |= {"messages": USER, "max_tokens": 40} if path.startswith("/v1/chat") else {"input": "x",
+                                                                                          "max_output_tokens": 40}
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        args = (out["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] if "choices" in out
+                else next(i for i in out["output"] if i["type"] == "function_call")["arguments"])
+        assert isinstance(json.loads(args), dict), args
+    loose = {"type": "function", "function": {"name": "any", "parameters": {}}}  # no type: still an object
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "tools": [loose], "tool_choice": "required",
+                                                              "parallel_tool_calls": False, "max_tokens": 40, "seed": 5})
+    assert r.status_code == 200 and isinstance(json.loads(
+        r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]), dict), r.text

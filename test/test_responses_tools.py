@@ -296,7 +296,9 @@ def bad_bodies():
     yield {"tools": [{**TOOLS[0], "name": "bad name"}]}, "tools[0].name", "invalid_request"
     yield {"tools": [{"type": "web_search"}]}, "tools[0]", "invalid_request"
     yield {"tools": [TOOLS[0], {**TOOLS[1], "parameters": "x"}]}, "tools[1].parameters", "invalid_request"
-    yield {"tools": [{**TOOLS[0], "parameters": {"type": "nonsense"}}]}, "tools", "invalid_schema"
+    yield {"tools": [{**TOOLS[0], "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}]}, \
+        "tools", "invalid_schema"
+    yield {"tools": [{**TOOLS[0], "parameters": {"type": "array"}}]}, "tools[0].parameters", "invalid_request"
     deep: dict = {"type": "string"}
     for _ in range(40):  # (a grammar's compile time grows fast with its depth: bounded as text.format's)
         deep = {"type": "object", "properties": {"a": deep}}

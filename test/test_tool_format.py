@@ -185,7 +185,7 @@ def test_a_bad_format_with_tools_is_a_400_naming_the_format(server):
         assert r.json()["error"]["code"] == "invalid_schema"
         r = c.post("/v1/responses", json=response_body(0, text={"format": {**TEXT_FORMAT, "schema": BAD}}))
         assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
-        bad_tool = [{**FLAT_TOOLS[0], "parameters": {"type": "nonsense"}}]
+        bad_tool = [{**FLAT_TOOLS[0], "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}]
         r = c.post("/v1/responses", json=response_body(0, tools=bad_tool))
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 

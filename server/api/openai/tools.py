@@ -92,7 +92,7 @@ class ToolPlan:
             "type": "array",
             "minItems": 1,
             "maxItems": MAX_PARALLEL if self.parallel else 1,
-            "items": {"anyOf": [_call_schema(t) for t in self.tools]},
+            "items": {"anyOf": [_call_schema(t, f"/items/anyOf/{i}") for i, t in enumerate(self.tools)]},
         }
         if self.reply is not None:
             return GrammarSpec.any_of([(MARKER, GrammarSpec.json_schema(json.dumps(schema))), ("", self.reply)])
@@ -116,13 +116,38 @@ class ToolPlan:
         return f" {MARKER}" if self.forced else ""
 
 
-def _call_schema(t: Tool) -> dict[str, Any]:
+def _call_schema(t: Tool, at: str) -> dict[str, Any]:
+    """The schema of a call of `t`, which sits at JSON pointer `at` in the call list's schema:
+    its arguments are an object valid for its parameters (whose own local $refs are rebased)."""
+    args = _rebased(t.parameters, f"{at}/properties/arguments")
     return {
         "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+        "properties": {"name": {"const": t.name}, "arguments": {"type": "object", **args}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+_DATA = frozenset({"const", "enum", "default", "examples"})
+"""Schema keywords whose values are JSON data, not schemas (a "$ref" key there is no reference)."""
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` (a tool's parameters) with its local references ("#/...": pydantic puts every
+    nested model under "$defs" and refers to it as "#/$defs/Name") pointing to the same places
+    once it sits at JSON pointer `base` inside another schema: "#/$defs/A" -> "#<base>/$defs/A".
+    Each tool keeps its own $defs where they are, so two tools may use the same names."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = f"#{base}{v[1:]}"
+        else:
+            out[k] = v if k in _DATA else _rebased(v, base)
+    return out
 
 
 def _dumps(v: Any) -> str:
@@ -190,11 +215,15 @@ def _tool(i: int, raw: Any, flat: bool) -> Tool:
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise ToolError(f"{where}.name", "a tool name is 1-64 letters, digits, '_' or '-'")
-    params = fn.get("parameters", _EMPTY_PARAMS)
-    if params is None and flat:  # (the Responses shape allows null: no parameters)
+    params = fn.get("parameters")
+    if params is None:  # left out, or null: no parameters
         params = _EMPTY_PARAMS
     if not isinstance(params, dict):
         raise ToolError(f"{where}.parameters", "parameters is a JSON schema object")
+    if params.get("type", "object") != "object":
+        raise ToolError(
+            f"{where}.parameters", 'parameters is an object schema ("type": "object"): arguments are an object'
+        )
     if json_depth(params) > MAX_JSON_DEPTH or schema_depth(params) > MAX_SCHEMA_DEPTH:
         # (as response_format's schema: the grammar's compile time grows fast with the depth)
         raise ToolError(
