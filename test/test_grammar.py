@@ -120,6 +120,29 @@ def test_recursive_schemas_are_refused_others_pass():
     check_schema(json.dumps(shared))  # the same definition twice is not recursion
 
 
+@pytest.mark.parametrize("schema, at", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "at #: uniqueItems"),  # pydantic's set[int]
+    ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}},
+     "at #/properties/code: minLength / maxLength"),  # pydantic's constr(pattern=..., max_length=3)
+    ({"$defs": {"Id": {"type": "string", "format": "uuid", "minLength": 36}}, "$ref": "#/$defs/Id"},
+     "at #/\\$defs/Id: minLength / maxLength"),
+])
+def test_keywords_the_decoder_would_ignore_are_refused(schema, at):
+    """xgrammar ignores uniqueItems, and lengths beside a pattern or format (it logs a warning
+    and drops them): an output could then fail the schema, so the schema is refused, naming where."""
+    with pytest.raises(ValueError, match=at):
+        check_schema(json.dumps(schema))
+
+
+def test_the_same_words_as_names_or_data_are_no_keywords():
+    named = {"type": "object", "properties": {"format": {"type": "string"}, "maxLength": {"type": "integer"},
+                                               "uniqueItems": {"type": "boolean"}}}
+    check_schema(json.dumps(named))  # properties called so
+    check_schema(json.dumps({"const": {"uniqueItems": True, "pattern": "x", "maxLength": 1}}))  # a value
+    check_schema(json.dumps({"type": "string", "pattern": "^[a-z]{1,3}$"}))  # the length in the pattern
+    check_schema(json.dumps({"type": "string", "maxLength": 3}))
+
+
 def test_long_and_fanning_ref_chains_are_checked_in_linear_time():
     # a chain of 5,000 $defs (past Python's recursion limit), and 60 defs each referring to the
     # next twice (2^60 paths: a walk of every path never ends); one ref back to the start recurses

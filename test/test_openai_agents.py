@@ -80,6 +80,7 @@ def test_50_json_schema_responses_all_validate(client):
     for c in choices:
         assert c.finish_reason == "stop", c
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
+        assert list(json.loads(c.message.content)) == list(SCHEMA["properties"])  # the schema's order, as OpenAI
     assert len({c.message.content for c in choices}) > 5  # sampled, not one answer
     print(f"50 json_schema answers in {took:.1f}s")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
+from .schema_checks import check_schema
 from .types import EOS_TOKEN, GrammarSpec
 
 CACHE_SIZE = 128
@@ -189,55 +190,6 @@ def _clean(exc: BaseException) -> str:
     """The library's message without its C++ source location prefix."""
     lines = [_CPP_PREFIX.sub("", ln).strip() for ln in str(exc).strip().splitlines()]
     return " ".join(ln for ln in lines if ln)[:500] or type(exc).__name__
-
-
-def check_schema(source: str) -> None:
-    """ValueError for text that is not a JSON object, or a schema whose local $refs recurse
-    (a schema that contains itself: the output would have no bound on its nesting)."""
-    try:
-        schema = json.loads(source)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"invalid json_schema grammar: not JSON ({exc})") from None
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError("invalid json_schema grammar: a schema is a JSON object")
-
-    def refs(node) -> list[str]:
-        out, todo = [], [node]
-        while todo:
-            n = todo.pop()
-            if isinstance(n, dict):
-                r = n.get("$ref")
-                if isinstance(r, str) and r.startswith("#"):
-                    out.append(r)
-                todo.extend(n.values())
-            elif isinstance(n, list):
-                todo.extend(n)
-        return out
-
-    def resolve(ptr: str) -> Any:
-        node: Any = schema
-        for part in [p for p in ptr[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
-
-    # depth-first over the $ref graph, iterative and visiting each pointer once (a chain of
-    # thousands of $defs, or refs that fan out and meet again, cost linear time, no recursion);
-    # a ref to a pointer still on the current path is a cycle
-    on_path, done = {"#"}, set()
-    stack = [("#", iter(refs(resolve("#"))))]
-    while stack:
-        ptr, todo = stack[-1]
-        r = next(todo, None)
-        if r is None:
-            stack.pop()
-            on_path.discard(ptr)
-            done.add(ptr)
-        elif r in on_path:
-            raise ValueError(f"invalid json_schema grammar: recursive schema ({r!r} refers to itself)")
-        elif r not in done:
-            on_path.add(r)
-            stack.append((r, iter(refs(resolve(r)))))
 
 
 class TriggerGuard:

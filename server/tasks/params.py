@@ -190,7 +190,7 @@ def format_grammar(fmt: Any, *, known_keys: bool = True) -> GrammarSpec | None:
         raise ValueError(f"invalid 'response_format': the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
     if schema_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    return GrammarSpec.json_schema(json.dumps(schema, sort_keys=True))
+    return GrammarSpec.json_schema(json.dumps(schema))  # (key order kept: the output follows the properties' order)
 
 
 def _check_keys(fmt: dict[str, Any]) -> None:

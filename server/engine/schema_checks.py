@@ -1,0 +1,96 @@
+"""Checks of a JSON schema before it is compiled into a grammar (GrammarCompiler.compile): a
+schema that contains itself (the output would have no bound on its nesting) and keywords the
+constrained decoder would silently ignore (an output could then fail the schema). Each is a
+ValueError "invalid json_schema grammar: ...", which the routes answer as a 400 invalid_schema."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["check_schema"]
+
+
+def check_schema(source: str) -> None:
+    """ValueError for text that is not a JSON object, or a schema whose local $refs recurse
+    (a schema that contains itself: the output would have no bound on its nesting)."""
+    try:
+        schema = json.loads(source)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"invalid json_schema grammar: not JSON ({exc})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("invalid json_schema grammar: a schema is a JSON object")
+
+    def refs(node) -> list[str]:
+        out, todo = [], [node]
+        while todo:
+            n = todo.pop()
+            if isinstance(n, dict):
+                r = n.get("$ref")
+                if isinstance(r, str) and r.startswith("#"):
+                    out.append(r)
+                todo.extend(n.values())
+            elif isinstance(n, list):
+                todo.extend(n)
+        return out
+
+    def resolve(ptr: str) -> Any:
+        node: Any = schema
+        for part in [p for p in ptr[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    # depth-first over the $ref graph, iterative and visiting each pointer once (a chain of
+    # thousands of $defs, or refs that fan out and meet again, cost linear time, no recursion);
+    # a ref to a pointer still on the current path is a cycle
+    on_path, done = {"#"}, set()
+    stack = [("#", iter(refs(resolve("#"))))]
+    while stack:
+        ptr, todo = stack[-1]
+        r = next(todo, None)
+        if r is None:
+            stack.pop()
+            on_path.discard(ptr)
+            done.add(ptr)
+        elif r in on_path:
+            raise ValueError(f"invalid json_schema grammar: recursive schema ({r!r} refers to itself)")
+        elif r not in done:
+            on_path.add(r)
+            stack.append((r, iter(refs(resolve(r)))))
+    _check_enforced(schema)
+
+
+_DATA = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON data, not schemas."""
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose values map names (any text, "format" too) to schemas."""
+
+
+def _check_enforced(schema: Any) -> None:
+    """ValueError naming the first keyword (with its JSON pointer) that the constrained decoder
+    would silently ignore, so that an output could fail the schema: `uniqueItems` (xgrammar
+    does not track the items), and minLength / maxLength beside a `pattern` or `format` (it
+    keeps the pattern and drops the lengths). Refused rather than ignored: a client relies on
+    outputs that validate."""
+    todo: list[tuple[Any, str, bool]] = [(schema, "#", True)]  # (node, pointer, is a schema)
+    while todo:
+        node, at, is_schema = todo.pop()
+        if isinstance(node, list):
+            todo.extend((v, f"{at}/{i}", True) for i, v in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        if is_schema:
+            why = None
+            if node.get("uniqueItems") is True:
+                why = "uniqueItems is not enforced (use an array without it: a list, not a set)"
+            elif ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+                why = "minLength / maxLength beside a pattern or format are not enforced (bound it in the pattern)"
+            if why:
+                raise ValueError(f"invalid json_schema grammar: at {at}: {why}")
+        for k, v in node.items():
+            if is_schema and k in _DATA:
+                continue
+            ptr = f"{at}/{str(k).replace('~', '~0').replace('/', '~1')}"
+            todo.append((v, ptr, not (is_schema and k in _NAMED)))
