@@ -383,7 +383,7 @@ def test_tool_messages_may_answer_calls_in_any_order(client):
     assert client.chat.completions.create(model="m", messages=messages, max_tokens=1).choices
 
 
-def test_a_responses_reply_after_assistant_hides_its_leading_whitespace_from_stops(inproc):
+def test_a_responses_reply_hides_its_leading_whitespace_from_stops_and_inherits_no_seed(inproc):
     """A /v1/responses reply after a fresh "Assistant:" hides its leading whitespace (as chat's),
     so the "\\n\\n" turn stop must not match inside it: its runs get SamplingParams.hidden_lead. An
     input ending with the assistant's message is continued (its whitespace is text): no hidden
@@ -407,7 +407,10 @@ def test_a_responses_reply_after_assistant_hides_its_leading_whitespace_from_sto
         fresh = create("Hello")
         continued = create([*USER, {"role": "assistant", "content": "Sure, here"}], previous_response_id=fresh["id"])
         again = create("And now?", previous_response_id=continued["id"])
+        create("No seed now.", previous_response_id=again["id"], seed=None)
     finally:
         engine.submit = submit
-    assert [p.hidden_lead for p in seen] == [True, False, True]
+    assert [p.hidden_lead for p in seen] == [True, False, True, True]
     assert all(p.stop == ("\n\n",) for p in seen)
+    # nothing is inherited from the previous response: a request without a seed samples afresh
+    assert [p.seed for p in seen] == [1, 1, 1, None]

@@ -280,15 +280,17 @@ class TaskManager:
         tmp: bool = False,
         owner: str | None = None,
         tag: str | None = None,
+        inherit: bool = True,
     ) -> Task:
         """A new task from a copy of the source's state and parameters, then the overrides
         (max_tokens included), then the prompt. The source is untouched. `tag`: the new task's
-        (Task.tag; never the source's)."""
+        (Task.tag; never the source's). `inherit=False`: the new task's parameters are `params`
+        alone (a field left out is the default, not the source's: a response's seed)."""
         ids = await self._encode(prompt) if prompt else None
         over = self._params(params)
         src = await _settled_if_stopping(await self.get(task_id, owner))
         self.access.finished(src, "fork")
-        merged = {**src.params, **over}
+        merged = {**src.params, **over} if inherit else over
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
             merged.pop("max_tokens")  # a prefill-only source forks into generating tasks
         kind = TMP if tmp else TASK

@@ -157,10 +157,12 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
     prompt, meta = agent.prompt_and_meta(body, rt, src)
     params = {**_params(sv, body, fmt), **agent.task_params(rt, meta, fmt)}
-    params["hidden_lead"] = not render.continues_prompt(prompt, params)  # (explicit: a fork inherits it)
+    params["hidden_lead"] = not render.continues_prompt(prompt, params)
     if src is not None:
         prompt = _separator(sv, src) + prompt
-        t = await _call(tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE))
+        t = await _call(
+            tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
+        )
     else:
         t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE))
     try:
