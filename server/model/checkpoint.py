@@ -53,9 +53,12 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     try:
         sd = torch.load(path, map_location="cpu", mmap=zipped, weights_only=True)
     except Exception as exc:  # pickle errors, zip errors, ...
+        # (torch's own message runs over many lines, and for a file that is no checkpoint at all
+        # it suggests loading it with weights_only=False: never for an untrusted file)
         what = "a torch .pth state dict" if zipped else "a torch checkpoint (in neither of torch.save's formats)"
+        first = str(exc).strip().splitlines()[0][:200] if zipped and str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"cannot read {path!r} as {what}: the file is damaged, truncated or of another kind ({exc})"
+            f"cannot read {path!r} as {what}: the file is damaged, truncated or of another kind ({first})"
         ) from exc
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{path!r} is not a state dict of tensors (not an RWKV-7 checkpoint)")
