@@ -270,6 +270,24 @@ async def test_a_full_disk_refuses_new_tasks_and_never_shows_an_uncommitted_fini
     await tm.close()
 
 
+async def test_a_final_row_refused_for_good_is_said_so_not_blamed_on_another_server(tmp_path, monkeypatch):
+    """A final row that fails for a reason no retry helps (a bug) ends the run "error"; the stored
+    row still says running on this server, so a continue is refused naming what happened, not
+    "running on instance <this one>; continue it there"."""
+    tm = await manager(FakeEngine(), tmp_path / "bug.db")
+
+    async def update_owned(rows, instance):
+        raise ValueError("a bug in the final row")
+
+    monkeypatch.setattr(tm.store, "update_owned", update_owned)
+    t = await tm.wait((await tm.create("abc", persistent=True)).id, timeout=10)
+    assert t.finish_reason == "error" and "could not be stored" in t.out.error
+    with pytest.raises(TaskConflict, match="last run could not be stored") as e:
+        await tm.continue_(t.id, {"max_tokens": 2})
+    assert e.value.code == "task_conflict"
+    await tm.close()
+
+
 async def test_a_delete_that_cannot_commit_leaves_the_task_as_it_was(tmp_path, monkeypatch):
     # A delete during an outage used to leave the task marked deleted in memory: its queued final
     # row was then skipped, and the row stayed "running" (with only its last progress text) until

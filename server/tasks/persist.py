@@ -282,6 +282,11 @@ class Persistence:
             return
         if miss.status is None:
             raise TaskNotFound(f"task {t.display_id!r} not found", param="task_id")
+        if miss.status != 3 and miss.instance == self.instance:  # (a final row refused for good: _settle_failed)
+            raise TaskConflict(
+                f"task {t.display_id}'s last run could not be stored (see this server's log); "
+                "its stored row still reads running: it is read again (interrupted) after a restart"
+            )
         if miss.status != 3:
             raise TaskElsewhere(t.display_id, miss.instance, self.url_of(miss.instance), "continue")
         raise TaskStale(f"task {t.display_id} was changed by another server; read it again")
