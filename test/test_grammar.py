@@ -134,6 +134,22 @@ def test_keywords_the_decoder_would_ignore_are_refused(schema, at):
         check_schema(json.dumps(schema))
 
 
+@pytest.mark.parametrize("text, ok", [
+    ("1.2.3.4", True), ("255.255.255.255", True), ("0.0.0.0", True),
+    ("132.96.008.216", False), ("01.2.3.4", False), ("256.1.1.1", False),  # the library's format let the first two by
+])  # fmt: skip
+def test_an_ipv4_format_takes_only_addresses_that_validate(compiler, text, ok):
+    """format ipv4 compiles as an exact pattern (xgrammar's allows leading zeros, which pydantic's
+    IPv4Address, Python's ipaddress and jsonschema refuse), alone and as an any_of alternative."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"ip": {"type": "string", "format": "ipv4"}}, "required": ["ip"]}
+    either = GrammarSpec.any_of([("<x>", GrammarSpec.json_schema(ANSWER)), ("", GrammarSpec.json_schema(schema))])
+    for spec in (GrammarSpec.json_schema(schema), either):
+        matcher = xgr.GrammarMatcher(compiler.compile(spec).grammar)
+        assert (matcher.accept_string('{"ip": "%s"}' % text) and matcher.accept_token(0)) is ok, spec.kind
+
+
 def test_the_same_words_as_names_or_data_are_no_keywords():
     named = {"type": "object", "properties": {"format": {"type": "string"}, "maxLength": {"type": "integer"},
                                                "uniqueItems": {"type": "boolean"}}}

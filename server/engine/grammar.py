@@ -99,7 +99,7 @@ class GrammarCompiler:
         comp = self._xgr_compiler()
         kind, src = spec.kind, spec.source
         if kind == "json_schema":
-            check_schema(src)
+            src = check_schema(src)
         if kind == "any_of":
             return comp.compile_grammar(self._union(spec))
         try:
@@ -125,7 +125,7 @@ class GrammarCompiler:
         parts = []
         for prefix, alt in spec.alternatives():
             if alt.kind == "json_schema":
-                check_schema(alt.source)
+                alt = GrammarSpec(alt.kind, check_schema(alt.source), alt.trigger)
             try:
                 g = _grammar(xgr, alt)
                 if prefix:

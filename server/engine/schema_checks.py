@@ -1,19 +1,23 @@
 """Checks of a JSON schema before it is compiled into a grammar (GrammarCompiler.compile): a
 schema that contains itself (the output would have no bound on its nesting) and keywords the
 constrained decoder would silently ignore (an output could then fail the schema). Each is a
-ValueError "invalid json_schema grammar: ...", which the routes answer as a 400 invalid_schema."""
+ValueError "invalid json_schema grammar: ...", which the routes answer as a 400 invalid_schema.
+A format the library matches too loosely is compiled as its exact pattern instead."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["check_schema"]
 
 
-def check_schema(source: str) -> None:
-    """ValueError for text that is not a JSON object, or a schema whose local $refs recurse
-    (a schema that contains itself: the output would have no bound on its nesting)."""
+def check_schema(source: str) -> str:
+    """The schema text to compile: `source`, or it with exact patterns for formats the library
+    lets through too much of (exact_formats). ValueError for text that is not a JSON object, a
+    schema whose local $refs recurse (a schema that contains itself: the output would have no
+    bound on its nesting), or one with a keyword the decoder would ignore (_check_enforced)."""
     try:
         schema = json.loads(source)
     except (ValueError, RecursionError) as exc:
@@ -59,6 +63,7 @@ def check_schema(source: str) -> None:
             on_path.add(r)
             stack.append((r, iter(refs(resolve(r)))))
     _check_enforced(schema)
+    return json.dumps(schema) if exact_formats(schema) else source
 
 
 _DATA = frozenset({"const", "enum", "default", "examples"})
@@ -67,12 +72,9 @@ _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "
 """Keywords whose values map names (any text, "format" too) to schemas."""
 
 
-def _check_enforced(schema: Any) -> None:
-    """ValueError naming the first keyword (with its JSON pointer) that the constrained decoder
-    would silently ignore, so that an output could fail the schema: `uniqueItems` (xgrammar
-    does not track the items), and minLength / maxLength beside a `pattern` or `format` (it
-    keeps the pattern and drops the lengths). Refused rather than ignored: a client relies on
-    outputs that validate."""
+def _schema_nodes(schema: Any) -> Iterator[tuple[dict[str, Any], str]]:
+    """(node, JSON pointer) of every schema object in `schema` (not of data: const / enum /
+    default / examples values; not of the maps of names: properties, $defs, ...)."""
     todo: list[tuple[Any, str, bool]] = [(schema, "#", True)]  # (node, pointer, is a schema)
     while todo:
         node, at, is_schema = todo.pop()
@@ -82,15 +84,45 @@ def _check_enforced(schema: Any) -> None:
         if not isinstance(node, dict):
             continue
         if is_schema:
-            why = None
-            if node.get("uniqueItems") is True:
-                why = "uniqueItems is not enforced (use an array without it: a list, not a set)"
-            elif ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-                why = "minLength / maxLength beside a pattern or format are not enforced (bound it in the pattern)"
-            if why:
-                raise ValueError(f"invalid json_schema grammar: at {at}: {why}")
+            yield node, at
         for k, v in node.items():
             if is_schema and k in _DATA:
                 continue
             ptr = f"{at}/{str(k).replace('~', '~0').replace('/', '~1')}"
             todo.append((v, ptr, not (is_schema and k in _NAMED)))
+
+
+def _check_enforced(schema: Any) -> None:
+    """ValueError naming the first keyword (with its JSON pointer) that the constrained decoder
+    would silently ignore, so that an output could fail the schema: `uniqueItems` (xgrammar
+    does not track the items), and minLength / maxLength beside a `pattern` or `format` (it
+    keeps the pattern and drops the lengths). Refused rather than ignored: a client relies on
+    outputs that validate."""
+    for node, at in _schema_nodes(schema):
+        why = None
+        if node.get("uniqueItems") is True:
+            why = "uniqueItems is not enforced (use an array without it: a list, not a set)"
+        elif ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            why = "minLength / maxLength beside a pattern or format are not enforced (bound it in the pattern)"
+        if why:
+            raise ValueError(f"invalid json_schema grammar: at {at}: {why}")
+
+
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+EXACT_FORMATS = {"ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$"}
+"""Formats whose library pattern lets through strings the format refuses, as the pattern that
+does not: xgrammar's ipv4 allows leading zeros ("132.96.008.216"), which Python's ipaddress,
+pydantic's IPv4Address and jsonschema reject."""
+
+
+def exact_formats(schema: Any) -> bool:
+    """Replace, in place, each `format` of EXACT_FORMATS (in a schema without its own pattern) by
+    its exact pattern; True when one was."""
+    changed = False
+    for node, _ in _schema_nodes(schema):
+        fmt = node.get("format")
+        if isinstance(fmt, str) and fmt in EXACT_FORMATS and "pattern" not in node:
+            del node["format"]
+            node["pattern"] = EXACT_FORMATS[fmt]
+            changed = True
+    return changed
