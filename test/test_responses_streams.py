@@ -250,6 +250,26 @@ def test_a_running_response_streams_on_to_its_end(server):
     assert client.responses.retrieve(rid).status == "incomplete"
 
 
+def test_a_response_deleted_while_streamed_ends_its_stream_incomplete_reading_cancelled(server):
+    """DELETE of a response whose creating stream is being read stops its run: the stream ends
+    with response.incomplete carrying the response as cancelled (OpenAI's stream has no event of
+    its own for it; docs/agents.md), then the response is gone."""
+    deleted: list = []
+
+    def on_event(i: int, ev: dict) -> None:
+        if ev["type"] == "response.output_text.delta" and not deleted:
+            rid = ev["item_id"].replace("msg_", "resp_", 1)
+            deleted.append(httpx.delete(f"{server.url}/v1/responses/{rid}", timeout=30))
+
+    events = stream_events(server, "POST", "/v1/responses", on_event, json={**ASK, "stream": True})
+    assert deleted and deleted[0].status_code == 200, deleted
+    last = events[-1]
+    assert last["type"] == "response.incomplete" and last["response"]["status"] == "cancelled", last
+    assert last["response"]["incomplete_details"] is None
+    check_numbered(events)
+    assert httpx.get(f"{server.url}/v1/responses/{last['response']['id']}").status_code == 404
+
+
 def test_without_stream_retrieve_is_json(server):
     r = sdk(server).responses.create(model="m", input="x", max_output_tokens=2)
     got = httpx.get(f"{server.url}/v1/responses/{r.id}", params={"stream": "false", "starting_after": 3})

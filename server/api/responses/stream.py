@@ -34,7 +34,8 @@ from server.api.responses.render import continues, head, message, response, tool
 from server.tasks.records import Task
 
 _LAST = {"completed": "response.completed", "failed": "response.failed"}
-"""The last event's type by the final status (any other: response.incomplete)."""
+"""The last event's type by the final status (any other: response.incomplete, also for a run
+another request cancelled: OpenAI's stream has no event of its own for it)."""
 
 SETTLE_S = 2.0
 """How long a stream the server's shutdown cut waits for its run to settle (the next engine step
