@@ -161,6 +161,9 @@ def test_use_prefix_cache_takes_the_system_block_from_the_chat_prefix_cache(c):
     again = c.post("/openai/v1/chat/completions", json=body).json()
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < again["usage"]["prompt_tokens"] and again["usage"]["prompt_tokens"] == on["usage"]["prompt_tokens"]
+    no_system = {**body, "messages": body["messages"][1:]}  # no system block: nothing kept for it
+    r = c.post("/openai/v1/chat/completions", json=no_system)
+    assert r.status_code == 200 and metric(c, entries) == before + 1, r.text
 
 
 def test_openai_style_models_and_empty_prompt(c):

@@ -146,7 +146,7 @@ async def chat_style_completions(body: ChatStyleBody, request: Request) -> Respo
     # the chat-prefix cache's state after the system block (the OpenAI route's helper); its tokens
     # count as cached where the state was kept before this request, as on the OpenAI route
     state, cached = None, 0
-    if body.use_prefix_cache:
+    if body.use_prefix_cache and prefix_ids:  # (no system block: nothing to keep)
         hit = sv.prefix_cache.key(prefix, openai_start.prefix_part(sv, owner)) in sv.prefix_cache.cache
         state = await openai_start.prefix_state(sv, prefix, prefix_ids, owner)
         cached = len(prefix_ids) if hit else 0
