@@ -111,7 +111,7 @@ async def template_from_state(
         p = tm.persistence  # row and state in one transaction, committed before it is answered;
         # insert only: another server of the database may have taken the name meanwhile (the
         # state row may be there already: that of a deleted template of the same file)
-        if not await p.writer.call(p.store.insert_new, to_row(tpl), state_row(sid, tid, enc, True)):
+        if not await p.writer.call(p.store.insert_new, to_row(tpl), state_row(sid, tid, enc, True), fail_fast=True):
             raise TaskConflict(f"template {tid!r} already exists", param="name")
     except BaseException:
         tm.table.forget(tid)

@@ -255,7 +255,7 @@ class Persistence:
         of the database takes its id (a template's name) while t is filled; TaskConflict when
         one has. Its later writes update that row."""
         row = {**to_row(t), "status": RUNNING, "instance": self.instance}
-        if not await self.writer.call(self.store.insert_new, row):
+        if not await self.writer.call(self.store.insert_new, row, fail_fast=True):
             raise TaskConflict(f"template {t.display_id!r} already exists", param="name")
 
     async def save_started(self, t: Task, new: bool) -> asyncio.Future[Any]:
@@ -264,8 +264,8 @@ class Persistence:
         claimed: refused (TaskElsewhere, TaskStale, TaskNotFound) when another instance runs it,
         changed it since this server read it, or deleted it."""
         if new:
-            return await self.writer.put_many(self._persist_rows, to_row(t))
-        return await self.writer.put(self._claim, t, update_row(t))
+            return await self.writer.put_many(self._persist_rows, to_row(t), fail_fast=True)
+        return await self.writer.put(self._claim, t, update_row(t), fail_fast=True)
 
     async def _persist_rows(self, rows: list[dict[str, Any]]) -> None:
         try:
@@ -391,7 +391,7 @@ class Persistence:
     async def delete(self, t: Task) -> None:
         """Delete t's row (and its state when no other task names it); waits for the commit."""
         self.lane.discard(t.id)
-        await self.writer.call(self._delete_job, t)
+        await self.writer.call(self._delete_job, t, fail_fast=True)
 
     async def _delete_job(self, t: Task) -> None:
         try:

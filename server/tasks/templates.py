@@ -115,7 +115,7 @@ async def _store(tpl: Task, state: State | None, pos: int, persistence: Persiste
         srow = state_row(sid, tpl.id, enc, True)
     row = {**to_row(tpl), "status": FINISHED, "instance": None}
     p = persistence
-    if not await p.writer.call(settle_claim, p.store, row, srow, p.instance):
+    if not await p.writer.call(settle_claim, p.store, row, srow, p.instance, fail_fast=True):
         raise TaskConflict(
             f"template {tpl.display_id} is gone: it was deleted while it was made (or this server's lease "
             "expired meanwhile and a replica dropped it); make it again",

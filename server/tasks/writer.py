@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
@@ -37,6 +36,7 @@ class _Entry(NamedTuple):
     many: bool  # a put_many item
     weight: int = 0  # put_many: the bytes the item writes (GROUP_BYTES)
     queued: float = 0.0  # time.monotonic() when it was queued (Writer._away)
+    fail_fast: bool = False  # a request's job: fails at once while the database is away (_away)
 
 
 class Writer:
@@ -49,33 +49,38 @@ class Writer:
         self._unavailable, self._unavailable_logged = 0, -UNAVAILABLE_LOG_S  # (_log_failure)
         self._away: tuple[float, TaskUnavailable] | None = None
         """(when, why) a job last found the database away (TaskUnavailable: locked beyond the busy
-        timeout, full, unreachable); None once a job succeeded since. Entries queued before then
-        fail at once with the same error instead of each waiting out the busy timeout again: a
-        request behind a failed write gets its 503 after about one timeout, not one per job ahead."""
+        timeout, full, unreachable); None once a job succeeded since. A request's entry
+        (`fail_fast`) queued before then fails at once with the same error instead of waiting out
+        the busy timeout again: requests queued behind a failed write get their 503 together, not
+        one timeout after another. Background jobs (progress, settle rows, states) always run:
+        each handles its own failure (a retry later, a flag reset), which skipping would bypass."""
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="task-db-writer")
 
-    async def put(self, fn: Job, *args: Any) -> asyncio.Future[Any]:
-        """Queue a job (waits while the queue is full); returns a future of its result."""
+    async def put(self, fn: Job, *args: Any, fail_fast: bool = False) -> asyncio.Future[Any]:
+        """Queue a job (waits while the queue is full); returns a future of its result.
+        fail_fast: a request's job, whose caller turns a TaskUnavailable into its answer (_away)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Entry(fn, args, fut, False, 0, time.monotonic()))
+        await self.queue.put(_Entry(fn, args, fut, False, 0, time.monotonic(), fail_fast))
         return fut
 
-    async def put_many(self, fn: ListJob[T], item: T, weight: int = 0) -> asyncio.Future[None]:
+    async def put_many(
+        self, fn: ListJob[T], item: T, weight: int = 0, *, fail_fast: bool = False
+    ) -> asyncio.Future[None]:
         """Queue `item` for `fn(items)`, a job that writes a list in one transaction. Consecutive
         queued entries of the same fn are merged into one call (up to MAX_GROUP items and
         GROUP_BYTES of weight). Returns a future of None, set when the call that held the item
         has finished; if a merged call fails, its items are retried one by one, so only a
         failing item's future fails."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Entry(fn, (item,), fut, True, int(weight), time.monotonic()))
+        await self.queue.put(_Entry(fn, (item,), fut, True, int(weight), time.monotonic(), fail_fast))
         return fut
 
-    async def call(self, fn: Job, *args: Any) -> Any:
-        """Queue a job and wait for it (its exception is raised here)."""
-        return await (await self.put(fn, *args))
+    async def call(self, fn: Job, *args: Any, fail_fast: bool = False) -> Any:
+        """Queue a job and wait for it (its exception is raised here); fail_fast: as put's."""
+        return await (await self.put(fn, *args, fail_fast=fail_fast))
 
     def offer(self, fn: Job, *args: Any) -> bool:
         """Queue a job if there is room; False (job dropped) when the queue is full."""
@@ -91,9 +96,7 @@ class Writer:
             return None
 
         if self._task is not None and not self._task.done():
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            await self.queue.put(_Entry(_noop, (), fut, False, 0, math.inf))  # (writes nothing: never skipped)
-            await fut
+            await self.call(_noop)
 
     async def close(self) -> None:
         try:
@@ -134,20 +137,18 @@ class Writer:
                     self.queue.task_done()
 
     def _skip_while_away(self, group: list[_Entry]) -> list[_Entry]:
-        """The entries of `group` to run; those queued before a job found the database away
-        (self._away) fail at once with its error (set on their futures, counted as failed)."""
+        """The entries of `group` to run; requests' entries (fail_fast) queued before a job found
+        the database away (self._away) fail at once with its error (counted as failed)."""
         if self._away is None:
             return group
         since, why = self._away
         run = []
         for e in group:
-            if e.queued >= since:
+            if not e.fail_fast or e.queued >= since or e.fut is None:
                 run.append(e)
                 continue
             self.failed += 1
-            if e.fut is None:
-                self._log_failure(why)
-            elif not e.fut.done():
+            if not e.fut.done():
                 e.fut.set_exception(TaskUnavailable(why.message))
         return run
 
