@@ -283,6 +283,23 @@ def test_cache_chart_counts_the_conversation_cache(server, browser):
     assert console_errors(browser) == []
 
 
+def test_the_request_rate_leaves_out_the_probes(server, browser):
+    """metrics.js: "HTTP requests/s" counts served requests, not /metrics and /health (the page's
+    own polls, a load balancer's probes): an idle server showed 2 requests/s."""
+    open_page(browser, server, "#/server", "#server-cards .stat")
+    out = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import("/ui/static/js/metrics.js").then(({ parseMetrics, figures }) => {
+          const text = (probes, chat) => [
+            `rwkv_http_requests_total{method="GET",route="/metrics",code="200"} ${probes}`,
+            `rwkv_http_requests_total{method="GET",route="/health",code="200"} ${probes}`,
+            `rwkv_http_requests_total{method="POST",route="/v1/chat/completions",code="200"} ${chat}`].join("\\n");
+          const f = figures(parseMetrics(text(50, 7)), parseMetrics(text(10, 1)), 2);
+          done(f.requests["HTTP requests/s"]);
+        }).catch((err) => done({ error: String(err) }));""")
+    assert out == 3, out  # (7 - 1) served requests over 2 s
+
+
 def test_task_deleted_by_another_client(server, browser):
     """A task deleted elsewhere while its page is open (running, then finished): the page says so,
     disables its actions and stops polling (a 404 a second, logged by the server, before)."""

@@ -40,9 +40,17 @@ export function byLabel(metrics, name, label) {
   return out;
 }
 
-function rate(now, before, name, dt) {
-  const a = total(now, name), b = total(before, name);
+function rate(now, before, name, dt, count = total) {
+  const a = count(now, name), b = count(before, name);
   return a === undefined || b === undefined || dt <= 0 ? null : Math.max(0, a - b) / dt;
+}
+
+const PROBES = new Set(["/metrics", "/health"]); // this page's own polls (and load balancers'): not traffic
+
+/** rwkv_http_requests_total less the probes' routes: an idle server reads 0 requests/s. */
+function served(metrics, name) {
+  const samples = metrics.get(name);
+  return samples && samples.filter((s) => !PROBES.has(s.labels.route)).reduce((a, s) => a + s.value, 0);
 }
 
 function meanOver(now, before, family) {
@@ -82,7 +90,7 @@ export function figures(now, before, dt) {
       prefilled: rate(now, before, "rwkv_prompt_tokens_total", dt) },
     requests: { running, waiting: total(now, "rwkv_requests_waiting") ?? 0,
       "streams open": total(now, "rwkv_http_streams_open") ?? 0,
-      "HTTP requests/s": rate(now, before, "rwkv_http_requests_total", dt) },
+      "HTTP requests/s": rate(now, before, "rwkv_http_requests_total", dt, served) },
     occupancy: { "running / slots": slots > 0 ? (100 * running) / slots : null },
     latency: { "time to first token": meanOver(now, before, "rwkv_time_to_first_token_seconds"),
       "inter-token": meanOver(now, before, "rwkv_inter_token_latency_seconds") },
