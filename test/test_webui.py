@@ -300,6 +300,29 @@ def test_the_request_rate_leaves_out_the_probes(server, browser):
     assert out == 3, out  # (7 - 1) served requests over 2 s
 
 
+def test_a_value_between_gaps_is_drawn_as_a_dot(server, browser):
+    """chart.js: a series value with gaps on both sides (a time to first token seen in one
+    interval only) shows as a dot; it drew nothing, though the legend named its value."""
+    open_page(browser, server, "#/server", "#server-cards .stat")
+    counts = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import("/ui/static/js/chart.js").then(({ LineChart }) => {
+          const painted = (values) => {
+            const chart = new LineChart("dot-test", "dots");
+            document.body.append(chart.el);
+            const now = Date.now() / 1000;
+            chart.draw([now - 20, now - 10, now], { a: values });
+            const c = chart.canvas, px = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+            let n = 0;  // pixels of the first series' colour (#2f7ed8)
+            for (let i = 0; i < px.length; i += 4) if (px[i] === 47 && px[i + 1] === 126 && px[i + 2] === 216) n++;
+            chart.el.remove();
+            return n;
+          };
+          done([painted([null, 5, null]), painted([null, null, null])]);
+        }).catch((err) => done({ error: String(err) }));""")
+    assert counts[0] > 0 and counts[1] == 0, counts
+
+
 def test_task_deleted_by_another_client(server, browser):
     """A task deleted elsewhere while its page is open (running, then finished): the page says so,
     disables its actions and stops polling (a 404 a second, logged by the server, before)."""

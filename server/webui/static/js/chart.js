@@ -35,14 +35,15 @@ export class LineChart {
     const y = (v) => height - PAD.bottom - (v / (top || 1)) * (height - PAD.top - PAD.bottom);
     this.axes(ctx, width, height, top, y);
     names.forEach((name, i) => {
-      ctx.strokeStyle = COLORS[i % COLORS.length];
+      ctx.strokeStyle = ctx.fillStyle = COLORS[i % COLORS.length];
       ctx.lineWidth = 1.5;
       ctx.beginPath();
-      let pen = false;
+      const shown = series[name].map((v, j) => Number.isFinite(v) && times[j] >= now - this.windowS);
       series[name].forEach((v, j) => {
-        if (!Number.isFinite(v) || times[j] < now - this.windowS) { pen = false; return; }
-        pen ? ctx.lineTo(x(times[j]), y(v)) : ctx.moveTo(x(times[j]), y(v));
-        pen = true;
+        if (!shown[j]) return;
+        shown[j - 1] ? ctx.lineTo(x(times[j]), y(v)) : ctx.moveTo(x(times[j]), y(v));
+        // a value with gaps on both sides (a latency seen in one interval only) is a dot, not nothing
+        if (!shown[j - 1] && !shown[j + 1]) ctx.fillRect(x(times[j]) - 2, y(v) - 2, 4, 4);
       });
       ctx.stroke();
     });
