@@ -150,6 +150,36 @@ def test_an_ipv4_format_takes_only_addresses_that_validate(compiler, text, ok):
         assert (matcher.accept_string('{"ip": "%s"}' % text) and matcher.accept_token(0)) is ok, spec.kind
 
 
+def test_date_formats_take_only_dates_that_exist(compiler):
+    """format date / date-time compile as exact patterns (xgrammar's took any day up to 31 in every
+    month, "2024-02-30", which pydantic's date refuses): for a spread of days of every month of
+    common, leap and century years, the grammar accepts exactly what Python's date accepts."""
+    import datetime
+
+    import xgrammar as xgr
+
+    def accepts(fmt: str, text: str) -> bool:
+        spec = GrammarSpec.json_schema({"type": "string", "format": fmt})
+        matcher = xgr.GrammarMatcher(compiler.compile(spec).grammar)
+        return matcher.accept_string(json.dumps(text)) and matcher.accept_token(0)
+
+    def exists(text: str) -> bool:
+        try:
+            datetime.date.fromisoformat(text)
+            return True
+        except ValueError:
+            return False
+
+    for year in ("2023", "2024", "1900", "2000", "0004"):
+        for month in range(1, 13):
+            for day in (1, 28, 29, 30, 31):
+                d = f"{year}-{month:02d}-{day:02d}"
+                assert accepts("date", d) is exists(d), d
+    assert accepts("date", "0000-01-01") is False and accepts("date", "2024-13-01") is False
+    assert accepts("date-time", "2024-02-29T23:59:59.5+05:30") and not accepts("date-time", "2023-02-29T10:00:00Z")
+    assert accepts("date-time", "2024-04-30T00:00:00Z") and not accepts("date-time", "2024-04-31T00:00:00Z")
+
+
 def test_the_same_words_as_names_or_data_are_no_keywords():
     named = {"type": "object", "properties": {"format": {"type": "string"}, "maxLength": {"type": "integer"},
                                                "uniqueItems": {"type": "boolean"}}}

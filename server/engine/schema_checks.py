@@ -109,10 +109,21 @@ def _check_enforced(schema: Any) -> None:
 
 
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-EXACT_FORMATS = {"ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$"}
+_YEAR = r"([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999
+_LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"  # leap years of them
+_DAYS = r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+_DATE = rf"({_YEAR}-{_DAYS}|{_LEAP}-02-29)"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+EXACT_FORMATS = {
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+    "date": rf"^{_DATE}$",
+    "date-time": rf"^{_DATE}T{_TIME}$",
+}
 """Formats whose library pattern lets through strings the format refuses, as the pattern that
 does not: xgrammar's ipv4 allows leading zeros ("132.96.008.216"), which Python's ipaddress,
-pydantic's IPv4Address and jsonschema reject."""
+pydantic's IPv4Address and jsonschema reject; its date and date-time allow any day up to 31 in
+every month ("2024-02-30"), which Python's date refuses. (These write a subset of RFC 3339's
+date-times: an upper-case T and Z, no leap second.)"""
 
 
 def exact_formats(schema: Any) -> bool:
