@@ -83,15 +83,6 @@ router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=Fals
 router.add_api_route("/metrics", metrics, methods=["HEAD"], include_in_schema=False)
 
 
-TASK_EVENTS = (
-    "runs", "forks", "prefill_tokens", "rebuilds", "rebuild_tokens", "state_misses", "state_corrupt",
-    "db_state_loads", "state_writes", "state_write_bytes", "state_writes_dropped", "db_evictions",
-    "progress_writes", "progress_rows",
-)  # fmt: skip
-"""The task layer's counters (TaskManager.counters), each shown from the start, at 0 until it
-happens: an alert on `state_corrupt` has its series before the first corruption."""
-
-
 def _task_counters(services: Services) -> str:
     """The task layer's event counters (runs, rebuilds, rebuild_tokens, state_misses, ...)."""
     try:
@@ -104,7 +95,6 @@ def _task_counters(services: Services) -> str:
         "a missing state had consumed) and their tokens, state loads and misses, ...",
         "# TYPE rwkv_task_events_total counter",
     ]
-    counters = {**dict.fromkeys(TASK_EVENTS, 0), **counters}  # every series from the start (alerts on 0)
     lines += [
         f'rwkv_task_events_total{{event="{k}"}} {v}' for k, v in sorted(counters.items()) if isinstance(v, (int, float))
     ]

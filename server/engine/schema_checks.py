@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["check_schema"]
+__all__ = ["DATA_KEYWORDS", "check_schema"]
 
 
 def check_schema(source: str) -> str:
@@ -25,18 +25,8 @@ def check_schema(source: str) -> str:
     if not isinstance(schema, (dict, bool)):
         raise ValueError("invalid json_schema grammar: a schema is a JSON object")
 
-    def refs(node) -> list[str]:
-        out, todo = [], [node]
-        while todo:
-            n = todo.pop()
-            if isinstance(n, dict):
-                r = n.get("$ref")
-                if isinstance(r, str) and r.startswith("#"):
-                    out.append(r)
-                todo.extend(n.values())
-            elif isinstance(n, list):
-                todo.extend(n)
-        return out
+    def refs(node) -> list[str]:  # the local $refs of the schemas in node (not in its data)
+        return [r for n, _ in _schema_nodes(node) if isinstance(r := n.get("$ref"), str) and r.startswith("#")]
 
     def resolve(ptr: str) -> Any:
         node: Any = schema
@@ -66,8 +56,8 @@ def check_schema(source: str) -> str:
     return json.dumps(schema) if exact_formats(schema) else source
 
 
-_DATA = frozenset({"const", "enum", "default", "examples"})
-"""Keywords whose values are JSON data, not schemas."""
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON data, not schemas (a "$ref" key there is no reference)."""
 _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 """Keywords whose values map names (any text, "format" too) to schemas."""
 
@@ -86,7 +76,7 @@ def _schema_nodes(schema: Any) -> Iterator[tuple[dict[str, Any], str]]:
         if is_schema:
             yield node, at
         for k, v in node.items():
-            if is_schema and k in _DATA:
+            if is_schema and k in DATA_KEYWORDS:
                 continue
             ptr = f"{at}/{str(k).replace('~', '~0').replace('/', '~1')}"
             todo.append((v, ptr, not (is_schema and k in _NAMED)))

@@ -61,6 +61,13 @@ if TYPE_CHECKING:
     from server.model.state import State
 
 log = logging.getLogger("server.tasks")
+TASK_EVENTS = (
+    "runs", "forks", "prefill_tokens", "rebuilds", "rebuild_tokens", "state_misses", "state_corrupt",
+    "db_state_loads", "state_writes", "state_write_bytes", "state_writes_dropped", "db_evictions",
+    "progress_writes", "progress_rows",
+)  # fmt: skip
+"""The events the task layer counts (TaskManager.counters, rwkv_task_events_total): each starts at
+0, so an alert on `state_corrupt` has its series before the first corruption."""
 TokenIds = list[int]
 Prompt = str | TokenIds
 """Text, or token ids."""
@@ -102,7 +109,7 @@ class TaskManager:
             cfg.state_cache_bytes, tmp_bytes=cfg.tmp_state_bytes, on_evict=self._state_evicted
         )
         self.writer = Writer(cfg.writer_queue)
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(TASK_EVENTS, 0))  # /metrics shows each from 0
         states = StateWrites(
             self.store,
             self.writer,

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from server.engine.schema_checks import DATA_KEYWORDS
 from server.engine.types import GrammarSpec
 from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_depth, schema_depth
 
@@ -128,10 +129,6 @@ def _call_schema(t: Tool, at: str) -> dict[str, Any]:
     }
 
 
-_DATA = frozenset({"const", "enum", "default", "examples"})
-"""Schema keywords whose values are JSON data, not schemas (a "$ref" key there is no reference)."""
-
-
 def _rebased(schema: Any, base: str) -> Any:
     """`schema` (a tool's parameters) with its local references ("#/...": pydantic puts every
     nested model under "$defs" and refers to it as "#/$defs/Name") pointing to the same places
@@ -146,7 +143,7 @@ def _rebased(schema: Any, base: str) -> Any:
         if k == "$ref" and isinstance(v, str) and v.startswith("#"):
             out[k] = f"#{base}{v[1:]}"
         else:
-            out[k] = v if k in _DATA else _rebased(v, base)
+            out[k] = v if k in DATA_KEYWORDS else _rebased(v, base)
     return out
 
 
