@@ -40,10 +40,10 @@ SIGNATURES: dict[str, list[str]] = {
     # f_dt, s_dt, raw_w, state, s_bstride, slots, lengths, B, T, H, r, w, k, v, a, b,
     # act_bstride, act_tstride, w_bstride, w_tstride, y, y_bstride, y_tstride, stream
     "wkv7_chunk": [I, I, I, P, LL, P, P, I, I, I, P, P, P, P, P, P, LL, LL, LL, LL, P, LL, LL, P],
-    # f_dt, s_dt, pipe_min_b (the pipelined kernel for a 16-bit state from this batch on), state,
-    # s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride, k_k, k_a, r_k, lnx_w, lnx_b,
+    # f_dt, s_dt, pipe_min_b (the pipelined kernel for a 16-bit state from this batch on),
+    # pipe_per_sm (its resident blocks per SM, 0 = as many as fit), state, s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride, k_k, k_a, r_k, lnx_w, lnx_b,
     # layer0, gn_eps, out, out_bstride, w0, a0, v0, stream
-    "wkv7_tmix_fused": [I, I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
+    "wkv7_tmix_fused": [I, I, I, I, P, LL, I, I] + [P] * 8 + [LL] + [P] * 5 + [I, F, P, LL, P, P, P, P],
     # fused_elementwise.cu: f_dt, B, C, x, x_bs, dx, dx_bs, ln_w, ln_b, eps, shift, shift_bs, mix, K,
     # x_out, xo_bs, out, out_bs, out_plane, dx_rs, dx_cs, dx_mul, stream
     "fused_add_ln_mix": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, P, LL, P, LL, LL, P, P, F, P],

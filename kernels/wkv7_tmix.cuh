@@ -29,7 +29,7 @@ struct TmixArgs {
 // The pipelined large-batch kernel for a 16-bit state (wkv7_tmix_pipe.cu); returns -2 where it
 // does not apply (fp32 state, head size other than 64, unaligned inputs), else a cudaError_t value.
 int tmix_pipe_launch(int f_dt, int s_dt, void *state, long long s_bstride, int B, int H, const TmixArgs &p,
-                     cudaStream_t stream);
+                     int per_sm_cap, cudaStream_t stream);
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplusf(float x) { return x > 20.f ? x : log1pf(expf(x)); }

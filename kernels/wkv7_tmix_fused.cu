@@ -129,13 +129,14 @@ int launch_head(int B, int H, S *state, long long s_bstride, const TmixArgs &p, 
 
 }  // namespace wkv7
 
-// Arguments: f_dt, s_dt, pipe_min_b, then as TmixArgs. The kernel: for a 16-bit state from
-// pipe_min_b rows on the pipelined one (wkv7_tmix_pipe.cu: it gains nothing with an fp32 state),
+// Arguments: f_dt, s_dt, pipe_min_b, pipe_per_sm, then as TmixArgs. The kernel: for a 16-bit state
+// from pipe_min_b rows on the pipelined one (wkv7_tmix_pipe.cu: it gains nothing with an fp32 state;
+// pipe_per_sm > 0 caps its resident blocks per SM, 0 = as many as fit),
 // else tmix_head_kernel with 4 state rows per thread (2 for head sizes under 64, whose 4-row
 // blocks would be too small for the warp roles of wkv7_tmix_head.cuh).
 // Returns a cudaError_t value (0 = success), -1 for an unsupported dtype combination, -2 for a
 // shape it does not cover (head sizes over 64, B > 65535; nothing launched).
-extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int pipe_min_b, void *state, long long s_bstride, int B, int H,
+extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int pipe_min_b, int pipe_per_sm, void *state, long long s_bstride, int B, int H,
                                const void *r, const void *k, const void *v, const void *wz, const void *az,
                                const void *vz, const void *v_first, const void *g, long long act_bstride,
                                const void *k_k, const void *k_a, const void *r_k, const void *lnx_w,
@@ -147,7 +148,7 @@ extern "C" int wkv7_tmix_fused(int f_dt, int s_dt, int pipe_min_b, void *state, 
                      out, w0, a0, v0, act_bstride, out_bstride, layer0, gn_eps};
     const cudaStream_t st = (cudaStream_t)stream;
     if (s_dt != wkv7::DT_F32 && B >= pipe_min_b) {
-        const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, state, s_bstride, B, H, p, st);
+        const int rc = wkv7::tmix_pipe_launch(f_dt, s_dt, state, s_bstride, B, H, p, pipe_per_sm, st);
         if (rc != -2) return rc;  // -2: unaligned inputs, the head kernel below takes them
     }
     return WKV7_DISPATCH(f_dt, s_dt, {

@@ -167,10 +167,10 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS)
     }
 }
 
-// Blocks per head K: at most one full wave (occupancy x SMs), then as few as give every block the
-// same number of heads (ceil(B / K) each).
+// Blocks per head K: at most one full wave (occupancy x SMs, or cap x SMs where cap > 0 is fewer
+// blocks per SM than fit), then as few as give every block the same number of heads (ceil(B / K) each).
 template <typename F, typename S>
-int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaStream_t stream) {
+int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, int cap, cudaStream_t stream) {
     constexpr int smem = STAGES * Slot<F, S>::BYTES;
     static int per_sm = 0;  // per instantiation (one device per process in the server)
     if (per_sm == 0) {
@@ -179,7 +179,7 @@ int launch(int B, int H, S *state, long long s_bstride, const TmixArgs &p, cudaS
         if (e != cudaSuccess) return (int)e;
         if (per_sm <= 0) return -2;
     }
-    const int slots = per_sm * num_sms();
+    const int slots = (cap > 0 && cap < per_sm ? cap : per_sm) * num_sms();
     int K = slots / H;  // rounded down: one block over a full wave would double the kernel's tail
     K = K < 1 ? 1 : (K > B ? B : K);
     const int per_block = (B + K - 1) / K;
@@ -203,12 +203,12 @@ static bool pipe_aligned(const void *state, long long s_bytes, const TmixArgs &p
 // -2 when the pipelined kernel does not apply (the caller takes tmix_head_kernel): an fp32 state,
 // a head size other than 64, unaligned inputs. The bulk copies need sm_90, the MMAs sm_80.
 int tmix_pipe_launch(int f_dt, int s_dt, void *state, long long s_bstride, int B, int H, const TmixArgs &p,
-                     cudaStream_t stream) {
+                     int per_sm_cap, cudaStream_t stream) {
     return WKV7_DISPATCH(f_dt, s_dt, {
         if constexpr (pipe::pipe_ok<S>()) {
             if (!pipe_aligned(state, s_bstride * (long long)sizeof(S), p, p.act_bstride * (long long)sizeof(F)))
                 return -2;
-            return pipe::launch<F, S>(B, H, (S *)state, s_bstride, p, stream);
+            return pipe::launch<F, S>(B, H, (S *)state, s_bstride, p, per_sm_cap, stream);
         } else {
             return -2;
         }

@@ -140,6 +140,28 @@ def test_tmix_on_a_pool_view_matches_twin(B, dtype, state_dtype, layer0, bias, p
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [130, 1024])
+def test_tmix_pipe_blocks_per_sm_cap_is_the_same_bits(B, monkeypatch):
+    """The pipelined kernel's blocks-per-SM cap (cuda_ops.TMIX_PIPE_PER_SM) changes only which
+    block takes which head: every cap gives the full wave's output and new state bit for bit, and
+    a cap over what fits is the full wave. The 2.9B head count, fp16 activations and state."""
+    dev, h = torch.device("cuda"), 40
+    _tmix_path(monkeypatch, "pipe")
+    lw = _layer(torch.float16, dev, seed=5, h=h)
+    acts = _acts(B, torch.float16, dev, seed=5, h=h)
+    s0 = (torch.randn(B, h, N, N, generator=torch.Generator().manual_seed(5)) * 0.3).to(dev, torch.float16)
+    outs = {}
+    for cap in (0, 1, 2, 3, 4, 5, 64):
+        monkeypatch.setattr(cuda_ops, "TMIX_PIPE_PER_SM", cap)
+        s = s0.clone()
+        outs[cap] = (cuda_ops.tmix_decode(s, *acts, lw, layer0=False, bias=True), s)
+    out0, s_full = outs[0]
+    assert not torch.equal(s_full, s0)  # the step ran
+    for cap, (out, s) in outs.items():
+        assert torch.equal(out, out0) and torch.equal(s, s_full), cap
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("path", ["auto", "head", "pipe"])
 def test_tmix_model_shape(state_dtype, path, monkeypatch):

@@ -116,3 +116,21 @@ def test_residual_linear_is_linear_or_relu2_linear_on_torch():
     h, w = torch.randn(3, 64, generator=g), torch.randn(16, 64, generator=g)
     assert torch.equal(ops.residual_linear(h, w), ops.linear(h, w))
     assert torch.equal(ops.residual_linear(h.clone(), w, act=True), ops.relu2_linear(h.clone(), w))
+
+
+def test_tmix_blocks_per_sm_cap_by_gpu_name(monkeypatch):
+    """The pipelined time-mix's cap: TMIX_PIPE_PER_SM when set (0 = a full wave), else the table's
+    entry for a substring of the GPU's name (the H100 SXM: 4), else 0 (any other GPU, the H200)."""
+    from server.model import cuda_ops
+
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA H100 PCIe"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    cuda_ops._gpu_per_sm.cache_clear()
+    try:
+        monkeypatch.setattr(cuda_ops, "TMIX_PIPE_PER_SM", None)
+        got = [cuda_ops.tmix_pipe_per_sm(torch.device("cuda", i)) for i in names]
+        assert got == [4, 0, 0]
+        monkeypatch.setattr(cuda_ops, "TMIX_PIPE_PER_SM", 0)
+        assert cuda_ops.tmix_pipe_per_sm(torch.device("cuda", 0)) == 0
+    finally:
+        cuda_ops._gpu_per_sm.cache_clear()

@@ -154,6 +154,27 @@ TMIX_PIPE_MIN_B = 64
 """Batch from which a 16-bit-state time-mix runs the pipelined kernel (kernels/wkv7_tmix_pipe.cu:
 persistent blocks that bulk-copy the next heads' state while computing); smaller batches and an
 fp32 state run a head per block. A launch argument, so the tests can route either kernel."""
+TMIX_PIPE_PER_SM: int | None = None
+"""Resident blocks per SM of the pipelined kernel (its grid is one wave of them): 0 = as many as fit
+(6 for the fp16 state), None = this GPU's entry in TMIX_PIPE_PER_SM_BY_GPU (else 0). A launch
+argument, so a benchmark can compare caps in one process."""
+TMIX_PIPE_PER_SM_BY_GPU = {"H100 80GB HBM3": 4}
+"""Caps measured faster than a full wave, by a substring of the device name (docs/performance.md,
+"The time-mix's blocks per SM"): fewer resident blocks read the state faster on the H100 SXM. Not
+measured on the H200, which keeps the full wave."""
+
+
+@functools.cache
+def _gpu_per_sm(index: int) -> int:
+    name = torch.cuda.get_device_name(index)
+    return next((cap for key, cap in TMIX_PIPE_PER_SM_BY_GPU.items() if key in name), 0)
+
+
+def tmix_pipe_per_sm(device: torch.device) -> int:
+    """The pipelined time-mix's blocks-per-SM cap on `device` (TMIX_PIPE_PER_SM, or its GPU's)."""
+    if TMIX_PIPE_PER_SM is not None:
+        return TMIX_PIPE_PER_SM
+    return _gpu_per_sm(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps: float = 64e-5,
@@ -179,7 +200,8 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
     out = torch.empty(B, C, device=r.device, dtype=r.dtype)  # (B, C)
     stream = torch.cuda.current_stream(r.device).cuda_stream
     rc = lib.wkv7_tmix_fused(
-        _DT[r.dtype], _DT[state.dtype], TMIX_PIPE_MIN_B, state.data_ptr(), state.stride(0), B, H,
+        _DT[r.dtype], _DT[state.dtype], TMIX_PIPE_MIN_B, tmix_pipe_per_sm(r.device), state.data_ptr(),
+        state.stride(0), B, H,
         *[t.data_ptr() for t in acts], C, *[t.data_ptr() for t in params],
         int(layer0), float(gn_eps), out.data_ptr(), C, *biases, stream,
     )  # fmt: skip

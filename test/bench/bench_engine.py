@@ -222,6 +222,9 @@ def main() -> None:
     p.add_argument("--scaled-min-rows", default="",
                    help="decode runs at each of these cuda_quant.SCALED_MIN_ROWS values (fp8: the rows from which "
                         "the output / FFN value products leave their scales to add_ln_mix), alternating")  # fmt: skip
+    p.add_argument("--tmix-per-sm", default="",
+                   help="decode runs at each of these cuda_ops.TMIX_PIPE_PER_SM values (the pipelined time-mix's "
+                        "resident blocks per SM, 0 = as many as fit), alternating")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -262,23 +265,25 @@ def main() -> None:
     print_table(lines)
 
 
-SWITCHES = {"fp8_fast_accum": "FP8_FAST_ACCUM", "sparse_value": "SPARSE_VALUE", "scaled_min_rows": "SCALED_MIN_ROWS"}
-"""bench arguments that set a server.model.cuda_quant switch per decode run: argument -> attribute
-(flags 0/1, but SCALED_MIN_ROWS, a row count)"""
+SWITCHES = {"fp8_fast_accum": "FP8_FAST_ACCUM", "sparse_value": "SPARSE_VALUE", "scaled_min_rows": "SCALED_MIN_ROWS",
+            "tmix_per_sm": "TMIX_PIPE_PER_SM"}  # fmt: skip
+"""bench arguments that set a server.model.cuda_quant (or, TMIX_*, cuda_ops) switch per decode run:
+argument -> attribute (flags 0/1, but SCALED_MIN_ROWS and TMIX_PIPE_PER_SM, counts)"""
+COUNTS = ("scaled_min_rows", "tmix_per_sm")
 
 
 def _switches(a: argparse.Namespace):
     """Each decode run's switch settings, set in cuda_quant before it runs, yielded as the tag that
     its result lines carry ({} once when no switch is given)."""
-    conv = lambda k, v: int(v) if k == "scaled_min_rows" else bool(int(v))  # noqa: E731
+    conv = lambda k, v: int(v) if k in COUNTS else bool(int(v))  # noqa: E731
     runs = [(k, conv(k, v)) for k in SWITCHES for v in getattr(a, k).split(",") if v]
     if not runs:
         yield {}
         return
-    from server.model import cuda_quant
+    from server.model import cuda_ops, cuda_quant
 
     for key, on in runs:
-        setattr(cuda_quant, SWITCHES[key], on)
+        setattr(cuda_ops if key.startswith("tmix") else cuda_quant, SWITCHES[key], on)
         yield {key: on}
 
 
