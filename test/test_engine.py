@@ -258,11 +258,7 @@ def test_stats_are_numbers_and_logged(model, tok, caplog):
     try:
         with caplog.at_level("INFO", logger="server.engine"):
             e.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=20, **GREEDY), timeout=30)
-            # the totals: the engine thread counts a step just after delivering its events, so
-            # the last step may be counted a moment after the results came
-            deadline = time.monotonic() + 10
-            while (st := e.stats()).generation_tokens_total < 80 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            st = e.stats()  # (a step is counted before its events go out: the results' tokens are in)
             assert st.steps >= 20 and st.generation_tokens_total == 80 and st.prompt_tokens_total == 12
             # the rates are the last closed window's: read while the engine works (a window that
             # closed while it was idle, e.g. 0.05 s after the run above, has no steps and rates 0)
@@ -277,6 +273,31 @@ def test_stats_are_numbers_and_logged(model, tok, caplog):
             assert h.result(30).finish_reason == "abort"  # (the engine thread logged that window before)
         assert busy.decode_tok_s > 0 and busy.step_ms > 0 and busy.slots == 8 and "overhead_ms" in busy.extra
         assert any("engine: running=" in r.getMessage() for r in caplog.records)
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_steps_tokens_are_counted_before_its_events_are_delivered(model, tok, deferred):
+    """What stats() (read by /metrics and /health) says when a client gets its answer: a one-token
+    answer (prefilled, sampled and ended in one step) is counted, prompt and output, before its
+    event is delivered. The handle's listener runs on the engine thread right after each
+    delivery, so it sees the figures as they were then. On the CPU a step delivers its own events
+    at its end; with `defer_delivery` (CUDA) the next step does."""
+    e = make_engine(model, tok, start=False)
+    e.defer_delivery = deferred
+    seen: list[tuple[int, int, int]] = []
+
+    def listener() -> None:
+        st = e.stats()
+        seen.append((st.prompt_tokens_total, st.generation_tokens_total, len(h.take_ready() or ())))
+
+    h = e.submit([1, 2, 3], SamplingParams(max_tokens=1, **GREEDY))
+    h.set_listener(listener)
+    e.start()
+    try:
+        assert h.result(10).completion_tokens == 1
+        assert seen and seen[0][:2] == (3, 1) and seen[0][2] >= 1, seen  # the token's event, counted
     finally:
         e.shutdown()
 

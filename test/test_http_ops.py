@@ -85,6 +85,23 @@ def test_metrics_families(slow_server):
     assert after["rwkv_prompt_tokens_total"] > before["rwkv_prompt_tokens_total"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_one_token_answer_is_counted_when_it_arrives(slow_server, stream):
+    """A client that got a one-token answer (prefilled, sampled and ended in one engine step) and
+    reads /metrics at once finds its prompt and its token counted: the engine counts a step
+    before it delivers the step's events (a one-choice stream is written by the engine thread
+    right at the delivery)."""
+    slow_server.wait_ready()
+    url = slow_server.url
+    before = metrics(url)
+    body = {"prompt": [510, 285, 9], "max_tokens": 1, "ignore_eos": True, "stream": stream}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and (not stream or r.text.rstrip().endswith("data: [DONE]")), r.text
+    after = metrics(url)
+    assert after["rwkv_generation_tokens_total"] == before["rwkv_generation_tokens_total"] + 1
+    assert after["rwkv_prompt_tokens_total"] == before["rwkv_prompt_tokens_total"] + 3
+
+
 def _counted(url: str, key: str, want: float, timeout: float = 10.0) -> float:
     """The metric `key` once it reaches `want` (or its value after `timeout` s): a stream is
     counted after its last bytes went out, so the client can read /metrics before that."""

@@ -16,16 +16,13 @@ from server.tokenizer import get_tokenizer
 # No conversation cache: a background repair of an OpenAI-style reply would show as a running
 # sequence to the idle check of a later route.
 server = server_fixture(env={"RWKV_API_KEYS": "k1,k2", "RWKV_CONVERSATION_CACHE_BYTES": "0"})
-# 2 tokens, not 1: the engine counts a step's prompt tokens just after it delivered the step's
-# events, so a one-token answer (prefilled and ended in one step) can reach the client before
-# rwkv_prompt_tokens_total counts its prompt; the metric reads below would then race it
-CHEAP = {"max_tokens": 2, **GREEDY}
+CHEAP = {"max_tokens": 1, **GREEDY}
 BODIES = {  # a cheap, valid request of each lightning POST route (lightning's documented fields)
     "/v1/chat/completions": {"contents": ["hi"], **CHEAP},
     "/v2/chat/completions": {"contents": ["hi"], **CHEAP},
-    "/translate/v1/batch-translate": {"target_lang": "en", "text_list": ["hi"], "max_tokens": 2},
+    "/translate/v1/batch-translate": {"target_lang": "en", "text_list": ["hi"], "max_tokens": 1},
     "/FIM/v1/batch-FIM": {"prefix": ["a"], "suffix": ["b"], **CHEAP},
-    "/big_batch/completions": {"contents": ["hi"], "max_tokens": 2},
+    "/big_batch/completions": {"contents": ["hi"], "max_tokens": 1},
     "/state/chat/completions": {"session_id": "auth-s", "contents": ["hi"], **CHEAP},
     "/multi_state/chat/completions": {"session_id": "auth-m", "dialogue_idx": 0, "contents": ["hi"], **CHEAP},
     "/state/status": {},

@@ -301,9 +301,7 @@ def test_deeply_nested_history_arguments_are_a_400(server, depth, kind):
 
 def test_history_arguments_at_the_depth_bound_are_accepted(client):
     answered = [*_call_history(_nested(MAX_JSON_DEPTH, "list")), {"role": "tool", "tool_call_id": "c1", "content": "1"}]
-    # (2 tokens: a one-token answer can come before the engine counts its prompt tokens, which the
-    # refusal tests after this one read as their "before")
-    r = client.chat.completions.create(model="m", messages=answered, max_tokens=2)
+    r = client.chat.completions.create(model="m", messages=answered, max_tokens=1)
     assert r.usage.prompt_tokens > MAX_JSON_DEPTH
 
 

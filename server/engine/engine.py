@@ -307,11 +307,11 @@ class Engine:
             if cons is not None and cons.in_rows:
                 cons.stage(step_out)
             decoded = step_out.decode_tokens
+        self._stats.count(decoded, plan.n_prefill_tokens, plan.bucket)  # before any flush delivers them
         out.states_ready(runner.poll_copies())
         if not self.defer_delivery:
             self._flush()  # the CPU: at once (no launch to hide it behind)
-        self._stats.record(time.perf_counter() - t0, runner.model_time - m0, runner.sample_time - s0, decoded,
-                           plan.n_prefill_tokens, plan.bucket)  # fmt: skip
+        self._stats.add_time(time.perf_counter() - t0, runner.model_time - m0, runner.sample_time - s0)
         self._stats.roll(sched.num_running, sched.num_waiting)
 
     def run_once(self) -> bool:

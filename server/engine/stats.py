@@ -23,7 +23,7 @@ class _Window:
 
 
 class StatsTracker:
-    """Fed by the engine thread once per step; read from any thread."""
+    """Fed by the engine thread twice per step (`count`, then `add_time`); read from any thread."""
 
     def __init__(self, interval: float):
         self.interval = interval if interval > 0 else 10.0
@@ -40,22 +40,28 @@ class StatsTracker:
         self.last_bucket = 0
         self.seconds_total = {"step": 0.0, "model": 0.0, "sample": 0.0}
 
-    def record(self, step_s: float, model_s: float, sample_s: float, decode_tokens: int, prefill_tokens: int,
-               bucket: int) -> None:  # fmt: skip
+    def count(self, decode_tokens: int, prefill_tokens: int, bucket: int) -> None:
+        """A step and its tokens, counted before any of its events can be delivered (Engine.step):
+        a client that has seen its answer finds its tokens in the totals."""
         with self._lock:
             w = self._cur
             w.steps += 1
-            w.step_s += step_s
-            w.model_s += model_s
-            w.sample_s += sample_s
             w.decode_tokens += decode_tokens
             w.prefill_tokens += prefill_tokens
             self.steps += 1
-            t = self.seconds_total
-            t["step"], t["model"], t["sample"] = t["step"] + step_s, t["model"] + model_s, t["sample"] + sample_s
             self.prompt_tokens_total += prefill_tokens
             self.generation_tokens_total += decode_tokens
             self.last_bucket = bucket
+
+    def add_time(self, step_s: float, model_s: float, sample_s: float) -> None:
+        """The time of the step last counted, once it is over (its deliveries included)."""
+        with self._lock:
+            w = self._cur
+            w.step_s += step_s
+            w.model_s += model_s
+            w.sample_s += sample_s
+            t = self.seconds_total
+            t["step"], t["model"], t["sample"] = t["step"] + step_s, t["model"] + model_s, t["sample"] + sample_s
 
     def roll(self, running: int, waiting: int) -> None:
         """Close the window when it is due; log it (engine thread, also while idle)."""
