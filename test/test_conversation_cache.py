@@ -495,3 +495,36 @@ def test_an_agents_tool_turns_reuse_the_history_with_its_calls(tmp_path):
     for i in range(1, len(usage)):
         assert usage[i][0] - usage[i][2] <= 32, f"turn {i + 1}: {usage[i][2]} of {usage[i][0]} cached: {usage}"
     assert metrics["rwkv_conversation_cache_hits_total"] >= len(usage) - 1
+
+
+# --- a structured reply re-sent as history -----------------------------------------------------------
+DIGIT = {"type": "json_schema", "json_schema": {"name": "digit", "strict": True,
+                                                "schema": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+def test_a_formatted_reply_resent_as_history_is_kept_as_generated(tmp_path):
+    """A reply constrained by response_format (alone, and with tools "auto": a call or the
+    formatted reply) starts with the gap after "Assistant:", as a free reply's first token does
+    (server.api.openai.agents.after_gap), so the message the client re-sends re-tokenizes as
+    generated: the state at its end is kept as it is (no mismatch, no repair) and the next turn
+    starts from it. (A digit: one token " 6" on the tiny model, as the tokenizer writes it; without
+    the gap the model wrote ":" "6" where the history tokenizes to ":" " 6".)"""
+    env = {"RWKV_CONVERSATION_CACHE_MIN_TOKENS": "0"}
+    with running_server(tmp_path, env=env) as srv:
+        def counters() -> dict[str, float]:
+            m = parse_metrics(httpx.get(srv.url + "/metrics").text)
+            return {k: m.get(f"rwkv_conversation_cache_{k}_total", 0) for k in ("kept", "mismatches", "repairs")}
+
+        for i, extra in enumerate([{}, {"tools": TOOLS}]):
+            msgs = [{"role": "user", "content": f"Pick a digit ({i})."}]
+            body = {"response_format": DIGIT, "max_tokens": 8, "temperature": 0, **extra}
+            first = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, **body}, timeout=60).json()
+            reply = first["choices"][0]["message"]
+            assert reply["content"].isdigit() and first["choices"][0]["finish_reason"] == "stop", first  # no gap shown
+            _think(srv.url, 2 * i + 1)
+            assert counters() == {"kept": 2 * i + 1, "mismatches": 0, "repairs": 0}
+            msgs += [reply, {"role": "user", "content": "Another one."}]
+            second = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, **body}, timeout=60).json()
+            u, cached = first["usage"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == u["prompt_tokens"] + u["completion_tokens"]
+            _think(srv.url, 2 * i + 2)

@@ -8,6 +8,7 @@ seeds, every answer is valid calls or JSON valid for the schema, and both kinds 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import jsonschema
@@ -29,8 +30,10 @@ FLAT_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}
 CHAT_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
 TEXT_FORMAT = {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
 SEEDS = range(8, 12)
-"""Seeds whose answers (temperature 1, this prompt) hold both kinds: seed 10 calls, the others
+"""Seeds whose responses (temperature 1, this prompt) hold both kinds: seed 10 calls, the others
 answer in the format (checked by running; the test asserts both kinds occur)."""
+CHAT_SEEDS = range(18, 22)
+"""The same for chat, whose answers start after the gap (agents.after_gap): seed 19 calls."""
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "parallel_tool_calls": False}
 USER = [{"role": "user", "content": "Weather?"}]
 
@@ -66,7 +69,7 @@ def check_chat(content: str | None, calls: list | None, finish: str) -> str:
 def test_chat_answers_are_calls_or_the_formatted_reply(server, stream):
     kinds = []
     with httpx.Client(base_url=server.url, timeout=120) as c:
-        for seed in SEEDS:
+        for seed in CHAT_SEEDS:
             if not stream:
                 r = c.post("/v1/chat/completions", json=chat_body(seed))
                 assert r.status_code == 200, r.text
@@ -160,10 +163,10 @@ def test_a_forced_call_with_a_format_is_the_call(server, choice):
 
 
 def test_json_object_with_tools(server):
-    """json_object as the format: a call list or a JSON object (seed 9 answers, 10 calls)."""
+    """json_object as the format: a call list or a JSON object (seed 2 answers, 19 calls)."""
     with httpx.Client(base_url=server.url, timeout=120) as c:
         kinds = []
-        for seed in (9, 10):
+        for seed in (2, 19):
             ch = c.post("/v1/chat/completions",
                         json=chat_body(seed, response_format={"type": "json_object"})).json()["choices"][0]
             if ch["finish_reason"] == "tool_calls":
@@ -251,6 +254,32 @@ def test_the_plan_builds_one_grammar_per_answer():
     assert forced is not None and forced.with_format(fmt) is forced and forced.grammar().kind == "json_schema"
 
 
+async def test_a_chat_answers_grammar_starts_with_the_gap():
+    """agents.after_gap: a format's grammar, and the call-or-format union, start with the space
+    the chat format writes after "Assistant:"; free text, triggered and forced grammars do not
+    change, nor does a grammar whose any_of source would pass the size bound (it runs as given)."""
+    from types import SimpleNamespace
+
+    from server.api.openai.agents import Agent, after_gap
+    from server.engine.types import MAX_GRAMMAR_CHARS
+
+    sv: Any = SimpleNamespace(engine=SimpleNamespace(compile_grammar=lambda spec: spec.check()))
+    fmt = GrammarSpec.json_schema(json.dumps(ANSWER))
+    assert (await after_gap(sv, Agent(grammar=fmt))).grammar == GrammarSpec.any_of([(" ", fmt)])
+    auto = tools.plan(CHAT_TOOLS, "auto", False)
+    forced = tools.plan(CHAT_TOOLS, "required", False)
+    assert auto is not None and forced is not None
+    either = auto.with_format(fmt)
+    gapped = (await after_gap(sv, Agent(either, either.grammar()))).grammar
+    assert gapped is not None and [p for p, _ in gapped.alternatives()] == [" " + tools.MARKER, " "]
+    assert [a for _, a in gapped.alternatives()] == [a for _, a in either.grammar().alternatives()]
+    for agent in (Agent(), Agent(auto, auto.grammar()), Agent(forced, forced.grammar())):
+        assert await after_gap(sv, agent) is agent
+    big = GrammarSpec.json_schema(json.dumps({"enum": ["x" * (MAX_GRAMMAR_CHARS - 20)]}))
+    big.check()
+    assert (await after_gap(sv, Agent(grammar=big))).grammar is big
+
+
 CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
 
 
@@ -266,3 +295,19 @@ def test_a_formatted_output_splits_at_its_first_character(text, content, n_calls
     assert head == content and len(calls or ()) == n_calls
     assert tools.content_end(text, "formatted") == streamable
     assert tools.resent_text(text, "formatted") == (CALL if n_calls else text)
+
+
+@pytest.mark.parametrize("text,n_calls,streamable", [
+    (" " + CALL, 1, 0),
+    (' {"n": 1, "ok": true}', 0, 21),
+    (" ", 0, 0),  # the gap alone: may still become the envelope
+    (" <tool_c", 0, 0),
+    (' {"n": "<tool_call>[1]"}', 0, 24),
+])  # fmt: skip
+def test_a_chat_answers_gap_comes_before_its_first_character(text, n_calls, streamable):
+    """A chat answer starts with the gap after "Assistant:" (agents.after_gap): the envelope or
+    the reply comes after it, and the message re-sent has no gap (the history writes one)."""
+    head, calls = tools.split(text, "formatted")
+    assert len(calls or ()) == n_calls and head == ("" if n_calls else text)
+    assert tools.content_end(text, "formatted") == streamable
+    assert tools.resent_text(text, "formatted") == (CALL if n_calls else text.lstrip())

@@ -53,6 +53,32 @@ async def chat_agent(sv: Services, body: ChatRequest) -> Agent:
     return Agent(plan, grammar, body.top(), described=plan or tools.shown(body.tools, body.tool_choice))
 
 
+GAP = " "
+"""What the chat format writes between "Assistant:" and the reply (chat_format.build_prompt)."""
+
+
+async def after_gap(sv: Services, agent: Agent) -> Agent:
+    """agent for a reply that opens a new assistant turn: its grammar (a format, or with tools
+    "auto" the call-or-format union) starts with GAP, as a free reply's first token does
+    (" Hello"). The model then reads "Assistant: {...}", the chat format it knows, and a client
+    that re-sends the reply as history ("Assistant: " + content) re-tokenizes it as generated
+    (' {"' rather than "{"), so the conversation cache keeps the reply's state as it is instead
+    of repairing it. (Rendering such history without the gap instead would not do: a re-sent
+    message does not say whether a grammar wrote it, and "Assistant:{" is one token ":{" where
+    the model would write ":" then "{".) The gap is shown to no client (render.Meta.lead strips it,
+    hidden_lead keeps stop strings out of it). Unchanged: free text, a triggered grammar (free
+    text first) and forced calls (the prompt already ends with " <tool_call>")."""
+    spec, plan = agent.grammar, agent.tool_plan
+    if spec is None or spec.trigger or (plan is not None and plan.mode != "formatted"):
+        return agent
+    alts = spec.alternatives() if spec.kind == "any_of" else [("", spec)]
+    gapped = GrammarSpec.any_of([(GAP + prefix, alt) for prefix, alt in alts])
+    try:
+        return dataclasses.replace(agent, grammar=await compiled(sv, gapped, param="response_format"))
+    except ApiError:  # (a source near the size bound: escaped inside any_of's it is longer) as it was
+        return agent
+
+
 async def completion_agent(sv: Services, body: CompletionRequest) -> Agent:
     grammar = await response_grammar(sv, body.response_format)
     scored = body.logprobs if body.echo else None

@@ -11,7 +11,8 @@ The envelope: MARKER followed by a JSON list of calls, written the way the gramm
 `auto`: free text until the marker (the grammar's trigger), then the list; `required` or a named
 function: the prompt ends with the marker and the grammar covers the whole output (the list).
 `auto` with a JSON format (response_format / text.format): no free text, the output is either the
-envelope from its first character or the formatted reply (one any_of grammar: ToolPlan.grammar).
+envelope from its first character or the formatted reply (one any_of grammar: ToolPlan.grammar;
+a chat reply has the gap after "Assistant:" before either: agents.after_gap).
 parallel_tool_calls false, or a named function: the list holds one call; otherwise
 1..MAX_PARALLEL (a list max_tokens cuts is no call: finish_reason "length", the text as content).
 """
@@ -55,7 +56,7 @@ Mode = Literal["forced", "auto", "formatted"]
 """How an answer with tools reads. "forced": the output is the call list from its first token
 (the prompt ended with the marker); "auto": text, then maybe the marker and the list;
 "formatted": the envelope from its first character or a formatted reply (a marker inside the
-reply's JSON is text)."""
+reply's JSON is text), either after leading whitespace (a chat reply's gap: agents.after_gap)."""
 
 
 @dataclass(frozen=True)
@@ -252,9 +253,10 @@ def parse_calls(text: str, mode: Mode) -> tuple[str, list[tuple[str, str]] | Non
     if mode == "forced":
         head, body = "", text
     elif mode == "formatted":
-        if not text.startswith(MARKER):
+        lead = _lead(text)
+        if not text.startswith(MARKER, lead):
             return text, None
-        head, body = "", text[len(MARKER) :]
+        head, body = "", text[lead + len(MARKER) :]
     else:
         at = text.find(MARKER)
         if at < 0:
@@ -306,6 +308,11 @@ def _openai_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
 
 
+def _lead(text: str) -> int:
+    """Characters of leading whitespace in `text`."""
+    return len(text) - len(text.lstrip())
+
+
 def held_back(text: str) -> int:
     """Characters at the end of `text` that may be the start of the marker (not streamed yet)."""
     for n in range(min(len(MARKER) - 1, len(text)), 0, -1):
@@ -321,7 +328,8 @@ def content_end(text: str, mode: Mode) -> int:
     if mode == "forced":
         return 0
     if mode == "formatted":
-        return 0 if MARKER.startswith(text[: len(MARKER)]) else len(text)
+        lead = _lead(text)
+        return 0 if MARKER.startswith(text[lead : lead + len(MARKER)]) else len(text)
     at = text.find(MARKER)
     return at if at >= 0 else len(text) - held_back(text)
 
