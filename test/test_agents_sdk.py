@@ -64,6 +64,14 @@ def weather_tool(calls: list[str]):
     return get_weather
 
 
+def assert_each_call_answered_then_a_message(new_items, calls: list[str]) -> None:
+    """A run's new items: a call item and its output item for each time the tool ran, and a
+    message last (the run ended with an answer, not a call)."""
+    kinds = [item.type for item in new_items]
+    assert kinds.count("tool_call_item") == len(calls) == kinds.count("tool_call_output_item")
+    assert kinds[-1] == "message_output_item"
+
+
 async def test_a_forced_tool_call_runs_the_tool(model):
     calls: list[str] = []
     agent = Agent(name="w", instructions="Use the tool.", tools=[weather_tool(calls)], model=model,
@@ -95,9 +103,7 @@ async def test_the_tool_loop_hands_the_result_back(server):
                   model_settings=FORCED)  # fmt: skip
     result = await Runner.run(agent, "What is the weather in Rome?", max_turns=6)
     assert calls and isinstance(result.final_output, str) and result.final_output
-    kinds = [item.type for item in result.new_items]
-    assert kinds.count("tool_call_item") == len(calls) == kinds.count("tool_call_output_item")
-    assert kinds[-1] == "message_output_item"
+    assert_each_call_answered_then_a_message(result.new_items, calls)
 
 
 async def test_a_streamed_run_calls_the_tool(model):
@@ -143,9 +149,7 @@ async def test_tools_and_a_typed_output(model):
                   output_type=Pick, model_settings=TYPED)  # fmt: skip
     result = await Runner.run(agent, "What is the weather in Paris? Pick a digit.", max_turns=4)
     assert calls and isinstance(result.final_output, Pick)
-    kinds = [item.type for item in result.new_items]
-    assert kinds.count("tool_call_item") == len(calls) == kinds.count("tool_call_output_item")
-    assert kinds[-1] == "message_output_item"
+    assert_each_call_answered_then_a_message(result.new_items, calls)
 
 
 async def test_a_streamed_run_with_tools_and_a_typed_output(model):

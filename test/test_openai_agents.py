@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from openai import OpenAI
-from util_server import running_server
+from util_server import running_server, task_result
 
 from server.api.metrics import parse_metrics
 from server.model.synthetic import save_synthetic
@@ -312,10 +312,7 @@ def test_task_routes_take_response_format(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
     r = http.post("/v1/tasks/tmp", json={"prompt": "Data:", "max_tokens": 60, "seed": 1, "response_format": fmt})
     assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 30
-    while not (res := http.get(f"/v1/tasks/{r.json()['task_id']}/get_result").json())["finished"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    res = task_result(http, r.json()["task_id"], timeout=30)
     assert res["finish_reason"] == "stop", res
     jsonschema.validate(json.loads(res["result"]), SCHEMA)
     listed = http.get("/v1/tasks/list").json()

@@ -7,13 +7,12 @@ rendered as chat renders the same history; bad input refused with nothing create
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from util_server import running_server
+from util_server import running_server, task_result
 
 from server.api.metrics import parse_metrics
 from server.tokenizer import get_tokenizer
@@ -266,10 +265,7 @@ def test_the_task_keeps_its_call_grammar_for_a_fork_after_a_restart(server):
     fork = http.post(f"/v1/tasks/{tid}/fork", json={"prompt": "\n\nUser: Again.\n\nAssistant: <tool_call>",
                                                     "max_tokens": 60, "seed": 3})
     assert fork.status_code == 200, fork.text
-    deadline = time.monotonic() + 60
-    while not (res := http.get(f"/v1/tasks/{fork.json()['task_id']}/get_result").json())["finished"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    res = task_result(http, fork.json()["task_id"])
     assert res["finish_reason"] == "stop", res
     (c,) = json.loads(res["result"])
     jsonschema.validate(c["arguments"], PARAMS[c["name"]])

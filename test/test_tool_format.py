@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from util_server import server_fixture
+from util_server import server_fixture, task_result
 
 from server.api.openai import tools
 from server.engine.types import GrammarSpec
@@ -197,18 +197,13 @@ def test_the_task_keeps_the_one_grammar(server):
     """A Responses task has one grammar: the any_of of the calls and the format, stored as its
     `grammar` (its format as text: the response shows the request's text.format from its meta),
     so a fork of it (here through /v1/tasks) runs the same: a call or the formatted reply."""
-    import time
-
     with httpx.Client(base_url=server.url, timeout=120) as c:
         rid = c.post("/v1/responses", json=response_body(8)).json()["id"]
         for seed in (8, 10):
             fork = c.post(f"/v1/tasks/TASK_{rid[5:]}/fork", json={"prompt": "\n\nUser: Again?\n\nAssistant:",
                                                                "max_tokens": 60, "seed": seed})  # fmt: skip
             assert fork.status_code == 200, fork.text
-            deadline = time.monotonic() + 60
-            while not (res := c.get(f"/v1/tasks/{fork.json()['task_id']}/get_result").json())["finished"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            res = task_result(c, fork.json()["task_id"])
             assert res["finish_reason"] == "stop", res
             head, calls = tools.parse_calls(res["result"], "formatted")
             if calls is None:
