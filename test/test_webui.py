@@ -351,6 +351,28 @@ def test_task_deleted_by_another_client(server, browser):
     assert console_errors(browser, allow=("status of 404",)) == []
 
 
+def test_template_deleted_by_another_client(server, browser):
+    """A template's page polls it as a task's page does: one deleted elsewhere while its page is
+    open says so by itself (it showed only at the page's next action), disables the actions and
+    stops polling."""
+    src = post(server, "/v1/tasks/create", {"prompt": "a template to delete", "max_tokens": 0})["task_id"]
+    wait_finished(server, src)
+    tpl = post(server, f"/v1/tasks/{src}/as_template", name="doomed")["task_id"]
+    open_page(browser, server, f"#/tasks/{tpl}", "#fork-form")
+    browser.execute_script("performance.setResourceTimingBufferSize(100000)")
+    post(server, f"/v1/tasks/{tpl}/delete", force="true")
+    message = browser.find_element("css selector", "#task-message")
+    wait_for(browser, lambda d: "deleted" in message.text, 5)
+    assert browser.find_element("css selector", "#task-status").text == "deleted"
+    controls = browser.find_elements("css selector", "#view button, #view input, #view textarea")
+    assert controls and not any(c.is_enabled() for c in controls)
+    polls = "return performance.getEntriesByType('resource').filter((e) => e.name.includes('/v1/')).length"
+    calls = browser.execute_script(polls)
+    time.sleep(2.5)  # two polls and more, were it still polling
+    assert browser.execute_script(polls) == calls
+    assert console_errors(browser, allow=("status of 404",)) == []
+
+
 def test_template_name_message_stays(server, browser, finished_task):
     """The make-template form's "bad template name" stays through the status polls (the next one
     wiped it) until the name changes."""

@@ -5,9 +5,12 @@ kept (what its last progress write stored: the tokens after it are lost, the tas
 again (greedy), it shows the server's text once, not the lost part twice; and the "network error"
 message shown while the server was down goes once it answers again, as does the "shutting down"
 one of a stream a graceful stop ended. The header's model name, the Server page and the Tasks
-list follow a server that is loading, then gone, then back."""
+list follow a server that is loading, then gone, then back; a task's or template's page opened
+meanwhile loads once it answers."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 from util_browser import api_get as get
@@ -156,3 +159,56 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_task_and_template_pages_opened_while_the_server_is_down(tmp_path, browser):
+    """A task's page opened while the server does not answer (killed; then loading) shows the
+    "unreachable" / "loading" message and loads itself once the server answers (it showed the
+    message and stayed empty for good); a template's page the same. An unknown id is not
+    retried: its 404 stays."""
+    srv = ServerProcess(tmp_path)
+    try:
+        srv.start()
+        tid = post(srv, "/v1/tasks/create", {"prompt": "opened while down", "max_tokens": 8})["task_id"]
+        wait_finished(srv, tid)
+        src = post(srv, "/v1/tasks/create", {"prompt": "a template opened while loading", "max_tokens": 0})["task_id"]
+        wait_finished(srv, src)
+        tpl = post(srv, f"/v1/tasks/{src}/as_template", name="while_down")["task_id"]
+        result = get(srv, f"/v1/tasks/{tid}/get_result")["result"]
+        open_page(browser, srv, "#/tasks", "#task-rows tr")  # the page's files are loaded: then the server goes
+        browser.execute_script("performance.setResourceTimingBufferSize(100000)")
+
+        srv.kill()
+        browser.execute_script(f"location.hash = '#/tasks/{tid}'")
+        wait_for(browser, lambda d: any("unreachable" in e for e in errors_shown(d)), 10)
+        message = browser.find_element("css selector", "#task-message")
+        assert message.get_attribute("data-offline") == "1"
+        assert not browser.find_elements("css selector", "#task-output")
+        shot(browser, "task-opened-while-down")
+        time.sleep(3)  # more than one retry while it is down: still the message, no other error
+        assert [e for e in errors_shown(browser) if "unreachable" not in e] == []
+        srv.start()
+        wait_for(browser, lambda d: shows(d, result), 15)
+        assert not errors_shown(browser) and message.get_attribute("data-offline") == ""
+
+        srv.stop()
+        srv.env["RWKV_DEBUG_LOAD_DELAY"] = "4"
+        srv.start(wait=False)
+        wait_for(browser, lambda _: _answers(srv.url + "/ui"), 60)
+        browser.execute_script(f"location.hash = '#/tasks/{tpl}'")
+        wait_for(browser, lambda d: any("loading" in e for e in errors_shown(d)), 10)  # a 503 loading
+        srv.wait_ready()
+        wait_for(browser, lambda d: d.find_elements("css selector", "#fork-form"), 15)
+        assert text_of(browser, "#task-prompt") == "a template opened while loading" and not errors_shown(browser)
+
+        browser.execute_script("location.hash = '#/tasks/TASK_" + "0" * 32 + "'")
+        wait_for(browser, lambda d: any("not found" in e or "no task" in e for e in errors_shown(d)), 10)
+        polls = "return performance.getEntriesByType('resource').filter((e) => e.name.includes('/v1/ui/')).length"
+        calls = browser.execute_script(polls)
+        time.sleep(2.5)
+        assert browser.execute_script(polls) == calls  # a 404 is an answer: not asked again
+        allow = (*NETWORK_ERRORS, "status of 404", f"/v1/ui/tasks/{tpl} - Failed to load resource: the server "
+                 "responded with a status of 503")
+        assert console_errors(browser, allow=allow) == []
+    finally:
+        srv.cleanup()

@@ -1,11 +1,12 @@
 """The dashboard's task list and task page against a real server, in a real browser (as
-test_webui.py): every task reachable however many there are, a task page that follows runs
-another client starts, and the "prefill only, make template" form leaving nothing behind when
-it fails."""
+test_webui.py): every task reachable however many there are, the prompts' previews and the
+prompt search, a task page that follows runs another client starts, and the "prefill only, make
+template" form leaving nothing behind when it fails."""
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import httpx
 import pytest
@@ -272,4 +273,60 @@ def test_tasks_without_a_prompt(server, browser):
     assert row.text == "state:upload" and not row.find_elements("css selector", "a")
     link = browser.find_element("css selector", f'#task-rows tr[data-id="{fork}"] td:last-child a')
     assert link.get_attribute("href").endswith(f"#/tasks/{tpl}")
+    assert console_errors(browser) == []
+
+
+def prompt_searches(drv) -> list[str]:
+    """The prompt_contains of every list call the page made since the page was loaded, in order."""
+    return drv.execute_script(
+        "return performance.getEntriesByType('resource').map((e) => new URL(e.name))"
+        ".filter((u) => u.pathname === '/v1/tasks/list' && u.searchParams.has('prompt_contains'))"
+        ".map((u) => u.searchParams.get('prompt_contains'))")
+
+
+def test_task_list_shows_prompts_and_searches_them(server, browser):
+    """Each row shows its prompt's start (`prompt_preview`); the "search prompts" box lists the
+    tasks whose prompt contains the text (the server's prompt_contains, ASCII case ignored, a
+    `%` as a character), asked once typing pauses (not at each key), with the status filter
+    and the id search on top of it."""
+    mark = uuid.uuid4().hex[:12]
+    long = f"{mark} A long prompt. " + "abc " * 40
+    made = [post(server, "/v1/tasks/create", {"prompt": p, "max_tokens": 0})["task_id"]
+            for p in (long, f"{mark}: 100% sure", f"{mark}: 1000 sure")]
+    for tid in made:
+        wait_finished(server, tid)
+    other = post(server, "/v1/tasks/tmp", {"prompt": "a prompt without the mark", "max_tokens": 0})["task_id"]
+    open_page(browser, server, "#/tasks", f'#task-rows tr[data-id="{made[0]}"]')
+    browser.execute_script("performance.setResourceTimingBufferSize(100000)")
+    cell = f'#task-rows tr[data-id="{made[0]}"] td.prompt-cell'
+    assert text_of(browser, cell) == long[:80] + "…"
+    assert browser.find_element("css selector", cell).get_attribute("title") == long[:80] + "…"
+
+    search = browser.find_element("css selector", "#filter-prompt")
+    count = browser.find_element("css selector", "#task-count")
+    search.send_keys(mark.upper())
+    wait_for(browser, lambda d: row_ids(d) == made[::-1], 10)
+    wait_for(browser, lambda d: count.text == "3 match the prompt search, 1–3 shown", 5)
+    assert set(prompt_searches(browser)) == {mark.upper()}  # typed at once: one search, no prefixes of it
+    assert other not in row_ids(browser)
+    shot(browser, "tasks-prompt-search")
+
+    search.send_keys(": 100%")
+    wait_for(browser, lambda d: row_ids(d) == [made[1]], 10)
+    assert text_of(browser, f'#task-rows tr[data-id="{made[1]}"] td.prompt-cell') == f"{mark}: 100% sure"
+    select(browser, "#filter-status", "running")  # the status filter on top of the search
+    wait_for(browser, lambda d: row_ids(d) == [], 10)
+    select(browser, "#filter-status", "finished")
+    wait_for(browser, lambda d: row_ids(d) == [made[1]], 10)
+    wait_for(browser, lambda d: count.text == "1 of 1 match, 1–1 shown", 5)
+    select(browser, "#filter-status", "")
+    search.clear()
+    search.send_keys(mark)
+    browser.find_element("css selector", "#filter-search").send_keys(made[2][-10:])  # and the id search
+    wait_for(browser, lambda d: row_ids(d) == [made[2]], 10)
+    browser.find_element("css selector", "#filter-search").clear()
+    search.clear()
+    search.send_keys(" ")  # (clear() sends no input event) spaces only: no search
+    wait_for(browser, lambda d: other in row_ids(d) and " of " in count.text and "match" not in count.text, 10)
+    assert all(len(s) <= 256 for s in prompt_searches(browser))
     assert console_errors(browser) == []

@@ -18,6 +18,9 @@ from server.tasks.templates import being_made
 if TYPE_CHECKING:
     from server.model.state import State
 
+PREVIEW_CHARS = 80
+"""Characters of a task's prompt in its listed summary (`prompt_preview`)."""
+
 
 class Inventory:
     def __init__(
@@ -49,16 +52,27 @@ class Inventory:
             self._janitor.cancel()
 
     async def list(
-        self, owner_id: str | None, *, all_owners: bool, limit: int = 100, offset: int = 0, kind: str | None = None
+        self,
+        owner_id: str | None,
+        *,
+        all_owners: bool,
+        limit: int = 100,
+        offset: int = 0,
+        kind: str | None = None,
+        prompt_contains: str | None = None,
     ) -> dict[str, Any]:
         """A page of the tasks `owner_id` may list (all_owners: every task), newest first: the
         TMP tasks in memory and the stored tasks; its own and the public templates, less those
         a private template of its own shadows, and less the templates whose as_template has
-        not answered yet (being_made)."""
+        not answered yet (being_made). `prompt_contains`: only the tasks whose last prompt's
+        text contains it, ASCII letters of either case alike (Store.list_tasks). Each summary
+        has its `prompt_preview`."""
+        needle = None if prompt_contains is None else _ascii_lower(prompt_contains)
 
         def visible(t: Task) -> bool:
             mine = all_owners or t.owner == owner_id or (t.kind == TEMPLATE and t.public)
-            return mine and (kind is None or t.kind == kind) and not t.deleted and not being_made(t)
+            found = needle is None or needle in _ascii_lower(t.prompt)
+            return mine and found and (kind is None or t.kind == kind) and not t.deleted and not being_made(t)
 
         mem: Sequence[Task] = [t for t in self.table.held() if visible(t)]
         if not all_owners and owner_id is not None:
@@ -67,8 +81,10 @@ class Inventory:
         rows: list[DbRow] = []
         db_total = 0
         if kind != TMP:
-            rows, db_total = await self.store.list_tasks(owner_id, all_owners, kind, offset + limit, 0)
-        items = {t.id: t.summary(self.cache) for t in mem_only}
+            rows, db_total = await self.store.list_tasks(
+                owner_id, all_owners, kind, offset + limit, 0, prompt_contains, head=PREVIEW_CHARS + 1
+            )
+        items = {t.id: _summary(t, self.cache) for t in mem_only}
         for r in rows:
             if r.id not in items:
                 items[r.id] = seen_by(owner_id, all_owners, r.owner, _row_summary(r, self.table.find(r.id), self.cache))
@@ -165,9 +181,33 @@ def seen_by(viewer: str | None, all_owners: bool, owner: str | None, summary: di
     return summary
 
 
+def preview(prompt: str | bytes | None) -> str:
+    """A prompt's first PREVIEW_CHARS characters, and "…" when it is longer. bytes: the start of
+    one in UTF-8, maybe cut inside its last character (Store.list_tasks on SQLite, where the
+    start of "" is NULL)."""
+    if not prompt:
+        return ""
+    if isinstance(prompt, bytes):
+        prompt = prompt.decode("utf-8", "ignore")
+    return prompt if len(prompt) <= PREVIEW_CHARS else prompt[:PREVIEW_CHARS] + "…"
+
+
+def _ascii_lower(text: str) -> str:
+    """`text` with A-Z as a-z, and nothing else changed: what the database's search folds
+    (SQLite's lower() knows ASCII letters only; Store.list_tasks folds as much on PostgreSQL)."""
+    return text.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _summary(t: Task, held: StateCache[State]) -> dict[str, Any]:
+    return {**t.summary(held), "prompt_preview": preview(t.prompt)}
+
+
 def _row_summary(r: DbRow, t: Task | None, held: StateCache[State]) -> dict[str, Any]:
     if t is not None:
-        return t.summary(held)
+        return _summary(t, held)
     return {
         "task_id": display_id(r.id),
         "kind": r.kind,
@@ -180,4 +220,5 @@ def _row_summary(r: DbRow, t: Task | None, held: StateCache[State]) -> dict[str,
         "state": STORED if r.state_id else REBUILD,
         "instance": r.instance,
         "public": bool(r.public),
+        "prompt_preview": preview(r.prompt_head),
     }

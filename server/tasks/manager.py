@@ -455,11 +455,23 @@ class TaskManager:
 
     # --- inventory -------------------------------------------------------------------------------
     async def list(
-        self, owner: str | None = None, *, limit: int = 100, offset: int = 0, kind: str | None = None
+        self,
+        owner: str | None = None,
+        *,
+        limit: int = 100,
+        offset: int = 0,
+        kind: str | None = None,
+        prompt_contains: str | None = None,
     ) -> dict[str, Any]:
-        """A page of the tasks `owner` may see (None: all), newest first (docs/task-api.md)."""
+        """A page of the tasks `owner` may see (None: all), newest first; `prompt_contains`: those
+        whose last prompt contains it, ASCII case ignored (docs/task-api.md)."""
         return await self.inventory.list(
-            self.owner_id(owner), all_owners=owner is None, limit=limit, offset=offset, kind=kind
+            self.owner_id(owner),
+            all_owners=owner is None,
+            limit=limit,
+            offset=offset,
+            kind=kind,
+            prompt_contains=prompt_contains,
         )
 
     async def tagged(self, owner: str | None, tag: str, *, prefix: bool = False) -> TagRows:

@@ -214,10 +214,23 @@ class Store(Database):
             return True, (await _drop_state_if_unused(conn, row.state_id) if row.state_id else 0)
 
     async def list_tasks(
-        self, owner: str | None, all_owners: bool, kind: str | None, limit: int, offset: int
+        self,
+        owner: str | None,
+        all_owners: bool,
+        kind: str | None,
+        limit: int,
+        offset: int,
+        prompt_contains: str | None = None,
+        head: int = 81,
     ) -> tuple[list[DbRow], int]:
         """A page of the rows `owner` may list (its own and the public templates it does not
-        shadow: listable), newest first."""
+        shadow: listable), newest first. `prompt_contains`: only the rows whose prompt (the
+        text of the last one) contains it, ASCII letters of either case alike; it is bound as a
+        plain parameter, never a LIKE pattern, and holds no NUL nor U+FFFF (the list route
+        refuses them). Each row's `prompt_head` is the start of its prompt, its whole text when
+        shorter: at least its first `head` characters (PostgreSQL), or its first 4 * `head` bytes
+        of UTF-8 (SQLite, whose substr() of text stops at a NUL; the last character may be cut)."""
+        prompt = tasks.c.prompt
         cols = [
             tasks.c.id,
             tasks.c.kind,
@@ -237,9 +250,30 @@ class Store(Database):
         if kind:
             cond.append(tasks.c.kind == kind)
         async with self.read() as conn:
+            pg = conn.dialect.name == "postgresql"
+            text = lambda value: sa.literal(value, sa.Text())  # a plain bound parameter
+            head_col: sa.ColumnElement[Any]
+            if pg:  # an escaped prompt (schema._PgNulSafe) takes up to 2 characters for 1; its type decodes them
+                head_col = sa.func.substr(prompt, 1, 2 * head + 1, type_=prompt.type)
+            else:  # the bytes of a blob, as SQLite's substr() of text stops at a NUL
+                head_col = sa.func.substr(sa.cast(prompt, sa.LargeBinary), 1, 4 * head, type_=sa.LargeBinary)
+            if prompt_contains is not None:
+                az = "abcdefghijklmnopqrstuvwxyz"
+                needle = text(prompt_contains.translate(str.maketrans(az.upper(), az)))
+                if pg:
+                    # a prompt holding a NUL, or starting with U+FFFF, is stored escaped: U+FFFF,
+                    # then U+FFFF "0" for each NUL and U+FFFF "1" for each U+FFFF; such a prompt is
+                    # searched with each escape read as one U+FFFF, which a needle never holds.
+                    # translate(): ASCII letters only, as SQLite's lower() (PostgreSQL's follows the locale)
+                    mark = text("\uffff")
+                    collapsed = sa.func.regexp_replace(sa.func.substr(prompt, 2), text("\uffff[01]"), mark, "g")
+                    searched = sa.case((sa.func.substr(prompt, 1, 1) == mark, collapsed), else_=prompt)
+                    cond.append(sa.func.strpos(sa.func.translate(searched, az.upper(), az), needle) > 0)
+                else:  # lower(): ASCII letters only
+                    cond.append(sa.func.instr(sa.func.lower(prompt), needle) > 0)
             total = (await conn.execute(sa.select(sa.func.count()).select_from(tasks).where(*cond))).scalar_one()
             q = (
-                sa.select(*cols)
+                sa.select(*cols, head_col.label("prompt_head"))
                 .where(*cond)
                 .order_by(tasks.c.created_at.desc(), tasks.c.id)
                 .limit(limit)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from server.api.errors import task_call
+from server.api.errors import ApiError, task_call
 from server.api.grammar import response_grammar
 from server.api.openapi import EventStream, answers
 from server.api.services import Services, get_owner, get_services, json_response, task_manager
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from server.tasks.records import Task
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
+PROMPT_SEARCH_MAX = 256  # characters of GET /list's prompt_contains
 
 
 async def _params(sv: Services, body: GenParams) -> dict[str, Any]:
@@ -103,9 +104,25 @@ async def list_tasks(
     limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=1_000_000),
     kind: Literal["tmp", "task", "template"] | None = Query(None),
+    prompt_contains: str | None = Query(
+        None,
+        min_length=1,
+        max_length=PROMPT_SEARCH_MAX,
+        description="only the tasks whose last prompt's text contains this text, ASCII letters of either case alike",
+    ),
 ) -> Response:
+    if prompt_contains is not None and ("\x00" in prompt_contains or "\uffff" in prompt_contains):
+        # PostgreSQL text holds no NUL: a prompt with one is stored escaped with U+FFFF, and searched
+        # with each escape read as one U+FFFF (Store.list_tasks), so neither can be looked for
+        raise ApiError(
+            422,
+            "invalid 'prompt_contains': NUL (U+0000) and U+FFFF cannot be searched for",
+            param="prompt_contains",
+            code="invalid_request",
+        )
     tm = task_manager(get_services(request))
-    return json_response(await task_call(tm.list(get_owner(request), limit=limit, offset=offset, kind=kind)))
+    listed = tm.list(get_owner(request), limit=limit, offset=offset, kind=kind, prompt_contains=prompt_contains)
+    return json_response(await task_call(listed))
 
 
 _READS = answers(401, 404, 422, 503)

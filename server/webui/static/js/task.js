@@ -1,7 +1,9 @@
 // One task or template. A task's page streams its text (GET /v1/tasks/{id}/stream?pos=0: the
 // text so far, then live), follows later runs (taskView), and has stop, continue (with a
 // prompt), fork, make template and delete (actions.js). A template's page shows its prompt and
-// forks it with a prompt. A task deleted meanwhile (a 404) ends the page's polling (gone).
+// forks it with a prompt. Both poll the task every POLL_MS: one deleted meanwhile (a 404) ends
+// the page's polling (gone). Opened while the server does not answer, the page says so and asks
+// again every RETRY_MS until it does.
 
 import { continueForm, deleteButton, forkForm, templateForm } from "./actions.js";
 import { ApiError, aborted, api, offline, sse } from "./api.js";
@@ -11,6 +13,9 @@ import { textSink } from "./output.js";
 export { appendText } from "./output.js"; // for test_webui_tasks.py
 
 const path = (id, action) => `/v1/tasks/${encodeURIComponent(id)}/${action}`;
+const detailPath = (id) => `/v1/ui/tasks/${encodeURIComponent(id)}`;
+const POLL_MS = 1000;
+const RETRY_MS = 2000; // the first load's, while the server is down (as the header's /health)
 
 export function mount(el, id) {
   let current = null;
@@ -40,11 +45,20 @@ function show(el, id, reload) {
     if (message.dataset.offline === "1") message.replaceChildren();
     message.dataset.offline = "";
   };
-  api(`/v1/ui/tasks/${encodeURIComponent(id)}`, { signal: ctl.signal }).then((detail) => {
+  let retry = null;
+  stops.push(() => clearTimeout(retry));
+  // the first load; while the server does not answer (down, starting, loading: `offline`), its
+  // message stays and the load is tried again; any other error (an unknown id) ends the page
+  const load = () => api(detailPath(id), { signal: ctl.signal }).then((detail) => {
+    online();
     const ctx = { id, el, signal: ctl.signal, fail, online, reload, stops, detail };
     shown = true;
     detail.kind === "template" ? templateView(ctx) : taskView(ctx);
-  }).catch(fail);
+  }).catch((err) => {
+    fail(err);
+    if (offline(err) && !ctl.signal.aborted) retry = setTimeout(load, RETRY_MS);
+  });
+  load();
   return () => stops.forEach((fn) => fn());
 }
 
@@ -86,7 +100,6 @@ function infoTable(detail) {
   return { dl, update };
 }
 
-const detailPath = (id) => `/v1/ui/tasks/${encodeURIComponent(id)}`;
 /** The last prompt; a prompt of token ids has no text (prompt_len counts its tokens), a
  *  template made from a state file and a fork made without a prompt have none. */
 const promptText = (detail) => {
@@ -158,7 +171,7 @@ function taskView(ctx) {
     else if (st.status === 3 && st.generated_buf === run.pos) return; // nothing new
     attach();
   };
-  stops.push(every(1000, () => pollOnce().catch(fail))); // a 404: the task was deleted (gone stops it)
+  stops.push(every(POLL_MS, () => pollOnce().catch(fail))); // a 404: the task was deleted (gone stops it)
 }
 
 /** The task runs on another server of the database: this one cannot stream it, nor stop,
@@ -227,12 +240,20 @@ async function follow(pre, id, run, signal) {
   pre.dataset.done = "1";
 }
 
+/** A template's page; its poll (as a task page's) shows one deleted meanwhile as gone, and the
+ *  message of a server that was down goes once it answers again. */
 function templateView(ctx) {
-  const { id, el, detail, signal, fail } = ctx;
+  const { id, el, detail, signal, fail, online, stops } = ctx;
+  const info = infoTable(detail);
   const result = h("pre", { id: "template-text", class: "text" });
-  el.append(infoTable(detail).dl,
+  el.append(info.dl,
     h("h2", {}, "Prompt"), h("pre", { id: "task-prompt", class: "text prompt" }, promptText(detail)),
     h("h2", {}, "Text generated before it became a template"), result,
     h("div", { class: "actions" }, forkForm(ctx, "Fork this template with a prompt"), deleteButton(ctx, true)));
   api(path(id, "get_result"), { signal }).then((r) => { result.textContent = r.result || "(none)"; }).catch(fail);
+  const pollOnce = async () => {
+    info.update(await api(detailPath(id), { query: { brief: true }, signal }));
+    online();
+  };
+  stops.push(every(POLL_MS, () => pollOnce().catch(fail))); // a 404: the template was deleted (gone stops it)
 }
