@@ -5,6 +5,7 @@ listed and deleted, survive a restart, and bad input changes nothing."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -167,6 +168,9 @@ def test_one_session_is_written_by_one_call_at_a_time(c, server):
         assert started.wait(60)
         second = c.post("/state/chat/completions", json={"session_id": "busy", "contents": ["more"]})
         assert second.status_code == 409, second.text
+        err = second.json()["error"]  # named by the session, not by the task under it
+        assert err["param"] == "session_id" and "session 'busy' is busy" in err["message"], err
+        assert "TASK_" not in err["message"]
         leave.set()
         reader.join(60)
     # the streaming client left: its run stopped, and the session goes on from what it generated
@@ -242,6 +246,12 @@ def test_a_prompt_too_long_is_named_by_its_field(c):
                         ({"messages": [{"role": "user", "content": "hi"}], "contents": [long]}, "contents")):
         r = c.post("/openai/v1/chat/completions", json=body)
         assert r.status_code == 413 and r.json()["error"]["param"] == field, (field, r.text)
+    # one wording on every lightning route: the batch route and a session name `contents` alike
+    for path, extra in (("/v1/chat/completions", {}), ("/state/chat/completions", {"session_id": "long"}),
+                        ("/multi_state/chat/completions", {"session_id": "long-m", "dialogue_idx": 0})):
+        err = c.post(path, json={"contents": [long], **extra}).json()["error"]
+        assert err["code"] == "prompt_too_long" and err["param"].startswith("contents"), (path, err)
+        assert re.fullmatch(r"'contents(\[0\])?' has \d+ tokens; the limit is 4096", err["message"]), (path, err)
     idle(c)
 
 

@@ -120,7 +120,7 @@ def engine_error(exc: Exception, invalid_status: int = 400) -> ApiError:
             headers={"Retry-After": "1"},
         )
     if isinstance(exc, PromptTooLongError):
-        return ApiError(413, f"prompt too long: {exc}", param="prompt", code="prompt_too_long")
+        return ApiError(413, exc.named("prompt"), param="prompt", code="prompt_too_long")
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the inference engine stopped: {exc}", code="engine_dead")
     if isinstance(exc, ValueError):

@@ -254,7 +254,7 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         n = len(ids) - max(0, history)  # the request's own prompt: re-fed history does not count
         if n > self.settings.max_prompt_tokens:
-            raise PromptTooLongError(f"prompt has {n} tokens (max {self.settings.max_prompt_tokens})")
+            raise PromptTooLongError(n, self.settings.max_prompt_tokens)
         V = self.model.shape.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= V):
             raise ValueError(f"token ids must be in [0, {V})")

@@ -29,7 +29,7 @@ from server.api.metrics import CLIENT_GONE
 from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
-from server.engine.types import MAX_STOP_STRINGS
+from server.engine.types import MAX_STOP_STRINGS, PromptTooLongError
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -42,18 +42,29 @@ LIGHTNING_NAMES = {"prompt": "contents", **OUR_NAMES}
 T = TypeVar("T")
 
 
-async def _tasks(aw: Awaitable[T]) -> T:
+async def _tasks(aw: Awaitable[T], session: str | None = None) -> T:
     """A session operation of the task layer, its errors as docs/lightning.md promises: a bad
     value is a 400 naming lightning's field (the task API answers 422 `invalid_task_request`,
     lightning's routes 400 `invalid_request`, as for any bad field); the rest keep their status
-    and code (404, 409, 413, 429, 503)."""
+    and code (404, 409, 413, 429, 503), a 413 worded as the batch routes' and a running session
+    (409) named by its `session_id`, not by the task under it."""
     try:
-        return await task_call(aw)
+        return await task_call(_contents_named(aw))
     except ApiError as exc:
-        exc.param = LIGHTNING_NAMES.get(exc.param or "", exc.param)  # a 413 names `contents` too
+        exc.param = LIGHTNING_NAMES.get(exc.param or "", exc.param)
+        if exc.status == 409 and exc.code == "task_conflict" and session is not None:
+            exc.message = f"session {session!r} is busy: one call at a time writes to a session; retry once it ends"
+            exc.param = "session_id"
         if exc.status != 422:
             raise
         raise ApiError(400, exc.message, param=exc.param, code="invalid_request") from None
+
+
+async def _contents_named(aw: Awaitable[T]) -> T:
+    try:
+        return await aw
+    except PromptTooLongError as exc:
+        raise ApiError(413, exc.named("contents"), param="contents", code="prompt_too_long") from None
 
 
 def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:
@@ -118,7 +129,7 @@ async def state_chat(body: StateBody, request: Request) -> Response:
     owner = authorize(request, body.password)
     sv = get_services(request)
     sid, prompt, fields = _request(body, sv)
-    t = await _tasks(Sessions.of(task_manager(sv)).chat(owner, sid, prompt, fields))
+    t = await _tasks(Sessions.of(task_manager(sv)).chat(owner, sid, prompt, fields), session=sid)
     return await _answer(request, sv, t, owner, body, "rwkv7-batch")
 
 
@@ -134,7 +145,7 @@ async def multi_state_chat(body: MultiStateBody, request: Request) -> Response:
     if idx < 0:  # never a node's number (lightning looks it up, and finds nothing)
         raise LightningError(404, f"State not found for dialogue_idx={idx}")
     try:
-        t, new = await _tasks(Sessions.of(task_manager(sv)).branch(owner, sid, idx, prompt, fields))
+        t, new = await _tasks(Sessions.of(task_manager(sv)).branch(owner, sid, idx, prompt, fields), session=sid)
     except SessionNotFound as exc:
         raise LightningError(404, str(exc)) from None
     except NameTooLong as exc:

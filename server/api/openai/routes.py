@@ -99,7 +99,8 @@ def _checked(body: OpenAIFields, sv: Services, extra_stop: tuple[str, ...] = ())
 def _check_length(sv: Services, n_tokens: int, param: str = "messages") -> None:
     limit = sv.settings.max_prompt_tokens
     if n_tokens > limit:
-        raise ApiError(413, f"prompt has {n_tokens} tokens; the limit is {limit}", param=param, code="prompt_too_long")
+        msg = f"'{param}' has {n_tokens} tokens; the limit is {limit}"
+        raise ApiError(413, msg, param=param, code="prompt_too_long")
 
 
 _GENERATES = answers(400, 401, 404, 409, 413, 429, 503, stream=True)  # 404 / 409: an unknown `state`, one not ready

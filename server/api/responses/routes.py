@@ -31,7 +31,7 @@ from server.api.responses.stream import ResponseStream
 from server.api.sampling import bad_text
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
 from server.api.streaming.sse import SSEResponse, done_or_gone
-from server.engine.types import EOS_TOKEN, EngineError, SamplingParams
+from server.engine.types import EOS_TOKEN, EngineError, PromptTooLongError, SamplingParams
 from server.tasks.errors import TaskError, TaskNotFound
 
 if TYPE_CHECKING:
@@ -52,8 +52,8 @@ async def _call(aw: Awaitable[T]) -> T:
     except (EngineError, ValueError) as exc:
         err = engine_error(exc)
         err.param = _param(err.param)
-        if err.status == 413:  # PromptTooLongError: "prompt too long: prompt has N tokens (max M)"
-            err.message = err.message.replace("prompt", "input")
+        if isinstance(exc, PromptTooLongError):
+            err.message = exc.named("input")
         raise err from None
 
 
