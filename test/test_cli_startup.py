@@ -151,6 +151,23 @@ def test_the_start_up_facts_hide_the_database_password():
     assert "database   postgresql://postgres:***@h/db" in lines and SECRET not in "\n".join(lines)
 
 
+def test_the_start_up_facts_name_every_cache_budget():
+    """The `caches` line shows each byte budget of docs/deployment.md's Budgets table, and the two
+    API caches' (chat prefix: 1/8 of the state LRU's; conversations)."""
+    from server.api.loading import facts
+    from server.api.services import LoadFacts
+
+    shape = SimpleNamespace(n_layer=2, n_embd=128, n_head=2, head_size=64, vocab_size=65536, ffn_dim=512)
+    settings = Settings(device="cpu", state_cache_bytes=3 * 1024**3, tmp_state_bytes=100 * 1024**2,
+                        write_behind_bytes=5 * 1024**3, db_budget_bytes=7 * 1024**3,
+                        conversation_cache_bytes=9 * 1024**3)  # fmt: skip
+    sv = SimpleNamespace(settings=settings, shape=shape, model_id="m", engine=None,
+                         facts=LoadFacts(seconds=1.0, device="cpu"))  # fmt: skip
+    caches = [line for line in facts(sv) if line.startswith("caches ")]  # type: ignore[arg-type]
+    assert caches == ["caches     state LRU 3.0 GiB, TMP states 100.0 MiB, write-behind 5.0 GiB, DB states 7.0 GiB, "
+                      "chat prefix 384.0 MiB, conversations 9.0 GiB"], caches  # fmt: skip
+
+
 def test_a_postgresql_password_is_in_no_log_line(pg_url, tmp_path):  # noqa: F811 - fixture
     """A whole start on PostgreSQL (trust auth: the password is not checked), migrations included."""
     url = pg_url.replace("postgresql+asyncpg://postgres@", f"postgresql://postgres:{SECRET}@")

@@ -6,6 +6,10 @@
   holds whatever the API package's layout.
 - No file of the repository points at a file outside it: a `.md` file, a path under `shared/`
   or a `../` path that does not resolve to a file or folder of the checkout fails the test.
+- Every family a running server's /metrics exports (one engine, and one per device) has its row,
+  with its type, in docs/deployment.md's "Metrics" tables, and every row there is exported.
+- docs/architecture.md's "Files over 300 lines" names every code file of server/ and kernels/
+  over 300 lines, and only those.
 """
 
 from __future__ import annotations
@@ -176,3 +180,111 @@ def test_outside_reference_finder() -> None:
     found = [b.split(": ", 1)[1] for b in outside_references(src, text)]
     assert sorted(found) == sorted(["shared/TASK-API.md", "../../../shared/GPU-NOTES.md",
                                     "TASK-API.md", "NOTES.md"])
+
+
+# --- /metrics families -------------------------------------------------------------------------
+DEPLOY_DOC = ROOT / "docs" / "deployment.md"
+_METRIC_ROW = re.compile(r"^\| `(rwkv_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", re.M)
+_TYPE_LINE = re.compile(r"^# TYPE (rwkv_[a-z0-9_]+) (counter|gauge|histogram)$", re.M)
+
+
+def doc_metric_families(text: str) -> dict[str, str]:
+    """{family: type} of the table rows of the "## Metrics" section (up to the next "## ")."""
+    head = re.search(r"^## Metrics$", text, re.M)
+    assert head is not None, "no '## Metrics' section"
+    end = text.find("\n## ", head.end())
+    section = text[head.end():] if end < 0 else text[head.end():end]
+    rows = _METRIC_ROW.findall(section)
+    families = dict(rows)
+    assert len(families) == len(rows), "a family has two rows in the metrics tables"
+    return families
+
+
+def exported_families(text: str) -> dict[str, str]:
+    """{family: type} of a /metrics answer (its `# TYPE` lines)."""
+    return dict(_TYPE_LINE.findall(text))
+
+
+@pytest.fixture(scope="module")
+def live_metric_families(tmp_path_factory) -> dict[str, str]:
+    """The families real servers export once loaded: one engine, and one engine per device
+    (`--devices cpu,cpu`: the device families in place of the per-step breakdown)."""
+    from util_server import running_server  # test/ is on sys.path under pytest
+
+    found: dict[str, str] = {}
+    for args in ((), ("--devices", "cpu,cpu")):
+        with running_server(tmp_path_factory.mktemp("metrics"), args=args) as srv:
+            import httpx
+
+            answer = httpx.get(srv.url + "/metrics", timeout=30)
+            assert answer.status_code == 200, srv.log_tail()
+            found.update(exported_families(answer.text))
+    return found
+
+
+def test_every_exported_metric_is_documented(live_metric_families: dict[str, str]) -> None:
+    """Every family a running server exports has its row (with its type) in docs/deployment.md."""
+    documented = doc_metric_families(DEPLOY_DOC.read_text(encoding="utf-8"))
+    assert "rwkv_ready" in live_metric_families and "rwkv_device_slots" in live_metric_families
+    missing = sorted(set(live_metric_families) - set(documented))
+    assert not missing, f"/metrics families missing from docs/deployment.md's Metrics tables: {missing}"
+    wrong = {n: (documented[n], k) for n, k in live_metric_families.items() if documented[n] != k}
+    assert not wrong, f"families documented with another type (doc, server): {wrong}"
+
+
+def test_every_documented_metric_is_exported(live_metric_families: dict[str, str]) -> None:
+    documented = doc_metric_families(DEPLOY_DOC.read_text(encoding="utf-8"))
+    unknown = sorted(set(documented) - set(live_metric_families))
+    assert not unknown, f"docs/deployment.md documents families no server exports: {unknown}"
+
+
+def test_metric_readers() -> None:
+    doc = ("## Metrics\n\n| family | type |\n|---|---|\n| `rwkv_a_total` | counter | | x |\n"
+           "| `rwkv_b` | gauge | `tier` | y |\n\n## Next\n\n| `rwkv_c` | gauge | | z |\n")
+    assert doc_metric_families(doc) == {"rwkv_a_total": "counter", "rwkv_b": "gauge"}
+    text = "# HELP rwkv_h x\n# TYPE rwkv_h histogram\nrwkv_h_bucket{le=\"1\"} 0\n# TYPE rwkv_g gauge\nrwkv_g 1\n"
+    assert exported_families(text) == {"rwkv_h": "histogram", "rwkv_g": "gauge"}
+
+
+# --- "Files over 300 lines" in docs/architecture.md --------------------------------------------
+ARCH_DOC = ROOT / "docs" / "architecture.md"
+LONG_LINES = 300
+CODE_DIRS = ("server/", "kernels/")
+CODE_SUFFIXES = {".py", ".cu", ".cuh", ".h", ".cpp", ".js", ".css", ".html"}
+_LISTED = re.compile(r"`([\w./-]+)`\s+\(~\d+\)")
+
+
+def listed_long_files(text: str) -> set[str]:
+    """The paths named with a line count ("`path` (~N)") in the "## Files over 300 lines" section."""
+    head = re.search(r"^## Files over 300 lines.*$", text, re.M)
+    assert head is not None, "no '## Files over 300 lines' section"
+    end = text.find("\n## ", head.end())
+    return set(_LISTED.findall(text[head.end():] if end < 0 else text[head.end():end]))
+
+
+def long_code_files() -> dict[str, int]:
+    """{path: lines} of the code files of server/ and kernels/ over LONG_LINES lines (`wc -l`)."""
+    out = {}
+    for path in repo_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(CODE_DIRS) and path.suffix in CODE_SUFFIXES:
+            n = path.read_bytes().count(b"\n")
+            if n > LONG_LINES:
+                out[rel] = n
+    return out
+
+
+def test_the_long_files_are_listed_in_architecture_md() -> None:
+    listed = listed_long_files(ARCH_DOC.read_text(encoding="utf-8"))
+    long = long_code_files()
+    assert long, "the line counter finds no long file"
+    missing = sorted(f"{p} ({n})" for p, n in long.items() if p not in listed)
+    assert not missing, f"files over {LONG_LINES} lines missing from docs/architecture.md's list: {missing}"
+    stale = sorted(set(listed) - set(long))
+    assert not stale, f"docs/architecture.md lists files no longer over {LONG_LINES} lines (or gone): {stale}"
+
+
+def test_long_file_reader() -> None:
+    text = ("## Files over 300 lines, and why\n\n- `a/b.py` (~310), `c.cu`\n  (~420): x; `d.py` went to `e.py`.\n"
+            "## Next\n- `f.py` (~900)\n")
+    assert listed_long_files(text) == {"a/b.py", "c.cu"}

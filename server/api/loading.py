@@ -196,7 +196,8 @@ def facts(services: Services) -> list[str]:
     lines.append(f"slots      {slots} (step budget {s.step_token_budget} tokens, queue {s.max_queue}{each})")
     talks = _mib(s.conversation_cache_bytes) if s.conversation_cache_bytes else "off"
     lines.append(
-        f"caches     state LRU {_mib(s.state_cache_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
+        f"caches     state LRU {_mib(s.state_cache_bytes)}, TMP states {_mib(s.tmp_state_bytes)}, "
+        f"write-behind {_mib(s.write_behind_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
         f"chat prefix {_mib(prefix_budget(s))}, conversations {talks}"
     )
     lines.append(f"database   {s.db_shown()}")  # a URL's password never reaches the log

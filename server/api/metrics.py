@@ -144,7 +144,13 @@ class Metrics:
         for h in (self.ttft, self.itl, self.e2e):
             out.extend(h.render())
         _gc_lines(out)
-        _sample(out, "rwkv_ready", "gauge", "1 when the model is loaded and the engine runs.", int(engine is not None))
+        _sample(
+            out,
+            "rwkv_ready",
+            "gauge",
+            "1 once the model is loaded (whether the engine loop runs: rwkv_engine_alive).",
+            int(engine is not None),
+        )
         if engine is not None:
             _engine_lines(out, engine)
         if tiers is not None:
