@@ -50,4 +50,18 @@ def test_a_task_a_crash_interrupted_keeps_its_time(server):
         assert c.post(f"/v1/tasks/{tid}/continue", json={"max_tokens": 16}).status_code == 200
         after = until(c, tid, lambda x: x["finished"])
         assert after["gen_time"] > r["gen_time"]
-        assert after["speed"] == pytest.approx(after["completion_tokens"] / after["gen_time"], rel=1e-6)
+        assert after["speed"] == pytest.approx((after["completion_tokens"] - 1) / after["gen_time"], rel=1e-6)
+
+
+def test_a_one_token_answer_has_no_speed(server):
+    """`speed` counts the tokens after the first (the prefill made that one, before gen_time
+    starts): a one-token answer reads 0, not its one token over a few microseconds."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for n in (1, 4):
+            tid = c.post("/v1/tasks/create", json={"prompt": "speed", "max_tokens": n, "ignore_eos": True}).json()
+            r = until(c, tid["task_id"], lambda x: x["finished"])
+            assert r["completion_tokens"] == n, r
+            if n == 1:
+                assert r["speed"] == 0.0, r
+            else:
+                assert r["gen_time"] > 0 and r["speed"] == pytest.approx((n - 1) / r["gen_time"], rel=1e-3), r

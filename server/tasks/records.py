@@ -82,6 +82,13 @@ def kind_of(task_id: str) -> str:
     return TMP if task_id.startswith("TMP_") else TASK
 
 
+def decode_rate(tokens: int, gen_time: float) -> float:
+    """A task's `speed`: the tokens generated after the first over `gen_time`, which starts at the
+    first token (the prefill made that one: counted, a one-token answer would read as thousands of
+    tokens a second); 0 before a second token."""
+    return (tokens - 1) / gen_time if gen_time > 0 and tokens > 1 else 0.0
+
+
 @dataclass
 class Run:
     """One engine submission of a task, from its start to its settle."""
@@ -220,8 +227,7 @@ class Task:
         return run.gen_base + time.monotonic() - run.t_first
 
     def speed(self) -> float:
-        n, gen = self.completion_tokens, self.generating()
-        return n / gen if gen > 0 and n > 0 else 0.0
+        return decode_rate(self.completion_tokens, self.generating())
 
     def response(self, held: Held | None = None) -> dict[str, Any]:
         """TaskResponse (the SDK's keys + ours); `held`: as state_in's."""

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from server.tasks.output import Output
-from server.tasks.records import Task
+from server.tasks.records import Task, decode_rate
 
 KEEPALIVE = object()  # yielded after `ping` seconds without news (the route sends `: ping`)
 
@@ -89,7 +89,7 @@ def text_event(t: Task, text: str, pos: int) -> dict[str, Any]:
         "data": text,
         "task_id": t.display_id,
         "gen_time": round(gen, 6),
-        "speed": round(t.completion_tokens / gen, 3) if gen > 0 else 0.0,
+        "speed": round(decode_rate(t.completion_tokens, gen), 3),
         "pos": pos,
     }
 
