@@ -2,13 +2,16 @@
 schema that contains itself (the output would have no bound on its nesting) and keywords the
 constrained decoder would silently ignore (an output could then fail the schema). Each is a
 ValueError "invalid json_schema grammar: ...", which the routes answer as a 400 invalid_schema.
-A format the library matches too loosely is compiled as its exact pattern instead."""
+A format the library matches too loosely, or not at all, is compiled as its exact pattern
+instead (formats.EXACT_FORMATS)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from typing import Any
+
+from .formats import EXACT_FORMATS
 
 __all__ = ["DATA_KEYWORDS", "check_schema"]
 
@@ -85,40 +88,25 @@ def _schema_nodes(schema: Any) -> Iterator[tuple[dict[str, Any], str]]:
 def _check_enforced(schema: Any) -> None:
     """ValueError naming the first keyword (with its JSON pointer) that the constrained decoder
     would silently ignore, so that an output could fail the schema: `uniqueItems` (xgrammar
-    does not track the items), and minLength / maxLength beside a `pattern` or `format` (it
-    keeps the pattern and drops the lengths). Refused rather than ignored: a client relies on
-    outputs that validate."""
+    does not track the items), minLength / maxLength beside a `pattern` or `format` (it keeps
+    the pattern and drops the lengths), and format "regex" (any string: a regex's syntax, with
+    its nested groups, is no regular language, so no pattern writes just them). Refused rather
+    than ignored: a client relies on outputs that validate."""
     for node, at in _schema_nodes(schema):
         why = None
         if node.get("uniqueItems") is True:
             why = "uniqueItems is not enforced (use an array without it: a list, not a set)"
         elif ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             why = "minLength / maxLength beside a pattern or format are not enforced (bound it in the pattern)"
+        elif node.get("format") == "regex":
+            why = 'format "regex" is not enforced (any string would pass: drop it, or give a pattern instead)'
         if why:
             raise ValueError(f"invalid json_schema grammar: at {at}: {why}")
 
 
-_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_YEAR = r"([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999
-_LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"  # leap years of them
-_DAYS = r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
-_DATE = rf"({_YEAR}-{_DAYS}|{_LEAP}-02-29)"
-_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-EXACT_FORMATS = {
-    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
-    "date": rf"^{_DATE}$",
-    "date-time": rf"^{_DATE}T{_TIME}$",
-}
-"""Formats whose library pattern lets through strings the format refuses, as the pattern that
-does not: xgrammar's ipv4 allows leading zeros ("132.96.008.216"), which Python's ipaddress,
-pydantic's IPv4Address and jsonschema reject; its date and date-time allow any day up to 31 in
-every month ("2024-02-30"), which Python's date refuses. (These write a subset of RFC 3339's
-date-times: an upper-case T and Z, no leap second.)"""
-
-
 def exact_formats(schema: Any) -> bool:
     """Replace, in place, each `format` of EXACT_FORMATS (in a schema without its own pattern) by
-    its exact pattern; True when one was."""
+    its exact pattern (formats.py); True when one was."""
     changed = False
     for node, _ in _schema_nodes(schema):
         fmt = node.get("format")

@@ -1,0 +1,138 @@
+"""Exact patterns for JSON-schema string `format`s: schema_checks.exact_formats compiles a format
+of EXACT_FORMATS as its pattern. Each is a format whose xgrammar pattern lets through strings
+the format refuses, or that xgrammar ignores (any string); its pattern accepts exactly the
+format's strings or a documented subset of them that every validator takes (Python's ipaddress
+and datetime, pydantic, jsonschema's format checker with its optional libraries, jsonschema_rs).
+docs/agents.md ("String formats") has what xgrammar does with each format and why.
+
+Two rules for these patterns, from xgrammar (0.2.9):
+- A pattern is matched against the JSON text of the string, not its value: one that lets
+  through a quote or a backslash writes invalid JSON. None here does; none allows a control
+  character either (so that text and value are the same).
+- Its regex compiler mishandles `?` after a group that ends in a repetition: `(ab+)?` also
+  takes "b" (and so `(\\.[0-9]+)?` took "12:00:0055"). A group is made optional by `{0,1}`.
+  test_formats walks each compiled pattern and checks every string against Python's `re`."""
+
+from __future__ import annotations
+
+__all__ = ["EXACT_FORMATS"]
+
+# --- dates and times (RFC 3339) ---------------------------------------------------------------
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_YEAR = r"([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999
+_LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"  # leap years of them
+_DAYS = r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+_DATE = rf"({_YEAR}-{_DAYS}|{_LEAP}-02-29)"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+){0,1}(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_N = "[0-9]{1,6}"  # a duration's number: 6 digits keep every duration within Python's timedelta
+_DUR_TIME = rf"T({_N}H({_N}M({_N}S){{0,1}}){{0,1}}|{_N}M({_N}S){{0,1}}|{_N}S)"
+_DURATION = rf"P(({_N}D|{_N}M({_N}D){{0,1}}|{_N}Y({_N}M({_N}D){{0,1}}){{0,1}})({_DUR_TIME}){{0,1}}|{_DUR_TIME}|{_N}W)"
+
+# --- IP addresses (RFC 3986 section 3.2.2: RFC 4291's text forms) ------------------------------
+_IPV4 = rf"({_OCTET}\.){{3}}{_OCTET}"
+_H16 = "[0-9A-Fa-f]{1,4}"
+_LS32 = rf"({_H16}:{_H16}|{_IPV4})"
+# what may follow "::" after up to 1, 2, .. 7 groups
+_AFTER = [rf"({_H16}:){{4}}{_LS32}", rf"({_H16}:){{3}}{_LS32}", rf"({_H16}:){{2}}{_LS32}", rf"{_H16}:{_LS32}",
+          _LS32, _H16, ""]  # fmt: skip
+_IPV6 = "|".join(
+    [rf"({_H16}:){{6}}{_LS32}", rf"::({_H16}:){{5}}{_LS32}"]
+    + [rf"({_H16}(:{_H16}){{0,{k}}}){{0,1}}::{tail}" for k, tail in enumerate(_AFTER)]
+)
+
+
+# --- host names (RFC 1123) and e-mail addresses (RFC 5321) ------------------------------------
+def _label(most: int) -> str:
+    """A host-name label of 1 to `most` lower-case letters, digits and inner hyphens, without
+    "--" in its third and fourth places (RFC 5891 keeps those for "xn--" punycode labels, which
+    validators decode and check: none is written)."""
+    c, h = "[a-z0-9]", "[a-z0-9-]"
+    return rf"{c}({h}{{0,2}}{c}|{h}({c}{h}|-{c}){h}{{0,{most - 5}}}{c}){{0,1}}"
+
+
+# at most 253 characters: 1 to 4 labels of up to 63 (the fourth up to 61), or 5 to 8 of up to 30
+_HOSTNAME = rf"{_label(63)}(\.{_label(63)}){{0,2}}(\.{_label(61)}){{0,1}}|{_label(30)}(\.{_label(30)}){{4,7}}"
+
+
+def _none_of(words: list[str], least: int, most: int) -> str:
+    """A regex of the words of `least` to `most` lower-case letters other than `words`."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def after(prefix: str) -> str:  # what may follow `prefix` (a prefix of one of the words)
+        nxt = sorted({w[len(prefix)] for w in words if w.startswith(prefix) and len(w) > len(prefix)})
+        n = len(prefix) + 1  # the length with one more letter
+        alts = [f"[{''.join(ch for ch in letters if ch not in nxt)}][a-z]{{{max(0, least - n)},{most - n}}}"]
+        alts += [f"{ch}({after(prefix + ch)})" for ch in nxt]
+        ends = len(prefix) >= least and prefix not in words  # `prefix` itself is one
+        return "|".join(alts) + ("|" if ends else "")
+
+    return after("")
+
+
+_ATEXT = "[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]"
+_SPECIAL_USE = ["arpa", "invalid", "local", "localhost", "onion", "test"]  # RFC 6761, 7686, 6762
+# local part: a dot-atom of at most 32 characters and the dots between them (63 in all); domain:
+# 2 to 3 lower-case labels of up to 63 or 4 to 6 of up to 30, the last (the top-level domain) 2 to
+# 24 letters and no special-use name (pydantic's EmailStr, by email-validator, refuses those, a
+# domain without a dot and one whose last character is no letter): 243 characters at most (254)
+_DOMAIN = rf"(({_label(63)}\.){{1,2}}|({_label(30)}\.){{3,5}})({_none_of(_SPECIAL_USE, 2, 24)})"
+_EMAIL = rf"{_ATEXT}(\.?{_ATEXT}){{0,31}}@{_DOMAIN}"
+
+# --- URIs (RFC 3986) ---------------------------------------------------------------------------
+_PCT = "%[0-9A-Fa-f]{2}"
+_UNRESERVED_SUB = "[A-Za-z0-9._~!$&'()*+,;=-]"  # unreserved and sub-delims
+_PCHAR = f"({_UNRESERVED_SUB}|{_PCT}|[:@])"
+_AUTHORITY = (
+    rf"(({_UNRESERVED_SUB}|{_PCT}|:)*@){{0,1}}"  # userinfo
+    rf"(\[({_IPV6}|v[0-9A-Fa-f]+\.({_UNRESERVED_SUB}|:)+)\]|({_UNRESERVED_SUB}|{_PCT})*)"  # host
+    r"(:[0-9]*){0,1}"  # port
+)
+_QUERY_FRAGMENT = rf"(\?({_PCHAR}|[/?])*){{0,1}}(#({_PCHAR}|[/?])*){{0,1}}"
+
+
+def _part(first: str) -> str:
+    """hier-part / relative-part: "//" authority path-abempty, path-absolute, a path whose first
+    segment is `first`, or path-empty."""
+    return rf"(//{_AUTHORITY}(/{_PCHAR}*)*|/({_PCHAR}+(/{_PCHAR}*)*){{0,1}}|{first}(/{_PCHAR}*)*){{0,1}}"
+
+
+_URI = rf"[A-Za-z][A-Za-z0-9+.-]*:{_part(_PCHAR + '+')}{_QUERY_FRAGMENT}"
+_RELATIVE_REF = rf"{_part(f'({_UNRESERVED_SUB}|{_PCT}|@)+')}{_QUERY_FRAGMENT}"  # no colon in the first segment
+
+# --- URI templates (RFC 6570), relative JSON pointers -----------------------------------------
+_LITERAL = rf"([!#$&(-;=?-\[\]_a-z~]|{_PCT})"
+_VARSPEC = rf"[A-Za-z0-9_](\.?([A-Za-z0-9_]|{_PCT}))*(:[1-9][0-9]{{0,2}}|\*){{0,1}}"
+_URI_TEMPLATE = rf"({_LITERAL}|\{{[+#./;?&]{{0,1}}{_VARSPEC}(,{_VARSPEC})*\}})*"
+# up to 99 levels up (jsonschema's checker refuses a "0" before a digit: "100"), then "#" or a JSON
+# pointer of printable ASCII (no quote, backslash, or "/" and "~" but as "/" and "~0" / "~1")
+_RELATIVE_JSON_POINTER = r"(0|[1-9][0-9]{0,1})(#|(/([ !#-.0-\[\]-}]|~[01])*)*)"
+
+EXACT_FORMATS = {
+    "date": rf"^{_DATE}$",
+    "time": rf"^{_TIME}$",
+    "date-time": rf"^{_DATE}T{_TIME}$",
+    "duration": rf"^{_DURATION}$",
+    "ipv4": rf"^{_IPV4}$",
+    "ipv6": rf"^({_IPV6})$",
+    "hostname": rf"^({_HOSTNAME})$",
+    "idn-hostname": rf"^({_HOSTNAME})$",  # an ASCII host name is an IDNA one
+    "email": rf"^{_EMAIL}$",
+    "idn-email": rf"^{_EMAIL}$",
+    "uri": rf"^{_URI}$",
+    "iri": rf"^{_URI}$",  # a URI is an IRI
+    "uri-reference": rf"^({_URI}|{_RELATIVE_REF})$",
+    "iri-reference": rf"^({_URI}|{_RELATIVE_REF})$",
+    "uri-template": rf"^{_URI_TEMPLATE}$",
+    "relative-json-pointer": rf"^{_RELATIVE_JSON_POINTER}$",
+}
+"""Each format as the pattern that writes only its strings. What xgrammar's own lets through
+(examples in docs/agents.md): leading zeros in an ipv4 ("01.2.3.4") or in an ipv6's embedded IPv4
+("::ffff:1.2.3.04"); any day up to 31 in every month in a date or date-time ("2024-02-30"), a
+leap second at any minute in a time or date-time ("12:30:60Z"); duration numbers past Python's
+timedelta ("P99999999999D"); host-name labels over 63 characters; e-mail domains without a dot,
+special-use ones ("a@b.test"), quoted local parts (pydantic's EmailStr refuses each); the reserved
+operators of a uri-template ("{=a}"); relative JSON pointers jsonschema's checker refuses ("100").
+idn-hostname, idn-email, iri and iri-reference it does not check at all: their patterns write the
+ASCII format they extend. These patterns take neither a leap second nor a lower-case "t" / "z",
+upper-case host names, punycode ("xn--") labels, a trailing dot, quoted or IP-literal e-mail
+parts, non-ASCII names, nor the longest names (see each): all valid, none needed."""
