@@ -89,9 +89,10 @@ def _check_enforced(schema: Any) -> None:
     """ValueError naming the first keyword (with its JSON pointer) that the constrained decoder
     would silently ignore, so that an output could fail the schema: `uniqueItems` (xgrammar
     does not track the items), minLength / maxLength beside a `pattern` or `format` (it keeps
-    the pattern and drops the lengths), and format "regex" (any string: a regex's syntax, with
-    its nested groups, is no regular language, so no pattern writes just them). Refused rather
-    than ignored: a client relies on outputs that validate."""
+    the pattern and drops the lengths), format "regex" (any string: a regex's syntax, with its
+    nested groups, is no regular language, so no pattern writes just them), and a pattern that
+    writes a quote or backslash itself (_raw_json_char). Refused rather than ignored: a client
+    relies on outputs that validate."""
     for node, at in _schema_nodes(schema):
         why = None
         if node.get("uniqueItems") is True:
@@ -100,8 +101,46 @@ def _check_enforced(schema: Any) -> None:
             why = "minLength / maxLength beside a pattern or format are not enforced (bound it in the pattern)"
         elif node.get("format") == "regex":
             why = 'format "regex" is not enforced (any string would pass: drop it, or give a pattern instead)'
+        elif isinstance(node.get("pattern"), str) and (raw := _raw_json_char(node["pattern"])):
+            why = (f"the pattern writes {raw!r} outside a character class; the decoder matches a pattern "
+                   "against the string's JSON text, so it would go out unescaped (invalid JSON, or another "
+                   "string: a backslash starts an escape): not supported")  # fmt: skip
         if why:
             raise ValueError(f"invalid json_schema grammar: at {at}: {why}")
+
+
+_ESCAPED_CODES = {"x": 2, "u": 4}
+"""Regex escapes by character code (\\xHH, \\uHHHH): their digits."""
+
+
+def _raw_json_char(pattern: str) -> str | None:
+    """The first quote or backslash `pattern` matches outside a character class (written as
+    itself, escaped, or by its code), or None. xgrammar matches a `pattern` against the JSON text
+    of the string, not its value; inside a class (`[^,]`, `.`) it leaves both out, but a literal
+    one is written as it is. ECMA-262 classes: the first `]` closes one."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt, step = pattern[i + 1], 2
+            hit = nxt if nxt in '"\\' else None
+            digits = pattern[i + 2 : i + 2 + _ESCAPED_CODES.get(nxt, 0)]
+            if nxt in _ESCAPED_CODES and len(digits) == _ESCAPED_CODES[nxt]:
+                step += len(digits)
+                hit = chr(int(digits, 16)) if all(c in "0123456789abcdefABCDEF" for c in digits) else None
+                hit = hit if hit in ('"', "\\") else None
+            if hit and not in_class:
+                return hit
+            i += step
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == '"':
+            return ch
+        i += 1
+    return None
 
 
 def exact_formats(schema: Any) -> bool:
