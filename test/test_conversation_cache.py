@@ -505,7 +505,7 @@ DIGIT = {"type": "json_schema", "json_schema": {"name": "digit", "strict": True,
 def test_a_formatted_reply_resent_as_history_is_kept_as_generated(tmp_path):
     """A reply constrained by response_format (alone, and with tools "auto": a call or the
     formatted reply) starts with the gap after "Assistant:", as a free reply's first token does
-    (server.api.openai.agents.after_gap), so the message the client re-sends re-tokenizes as
+    (server.api.openai.agents.chat_ready), so the message the client re-sends re-tokenizes as
     generated: the state at its end is kept as it is (no mismatch, no repair) and the next turn
     starts from it. (A digit: one token " 6" on the tiny model, as the tokenizer writes it; without
     the gap the model wrote ":" "6" where the history tokenizes to ":" " 6".)"""

@@ -33,7 +33,7 @@ SEEDS = range(8, 12)
 """Seeds whose responses (temperature 1, this prompt) hold both kinds: seed 10 calls, the others
 answer in the format (checked by running; the test asserts both kinds occur)."""
 CHAT_SEEDS = range(18, 22)
-"""The same for chat, whose answers start after the gap (agents.after_gap): seed 19 calls."""
+"""The same for chat, whose answers start after the gap (agents.chat_ready): seed 19 calls."""
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "parallel_tool_calls": False}
 USER = [{"role": "user", "content": "Weather?"}]
 
@@ -250,29 +250,41 @@ def test_the_plan_builds_one_grammar_per_answer():
 
 
 async def test_a_chat_answers_grammar_starts_with_the_gap():
-    """agents.after_gap: a format's grammar, and the call-or-format union, start with the space
+    """agents.chat_ready: a format's grammar, and the call-or-format union, start with the space
     the chat format writes after "Assistant:"; free text, triggered and forced grammars do not
-    change, nor does a grammar whose any_of source would pass the size bound (it runs as given)."""
+    change, nor does a grammar whose any_of source would pass the size bound (it runs as given),
+    nor one that continues an assistant message. Each is compiled once (a rich schema's first
+    compile takes seconds); a forced plan's format, not in its grammar, is checked as well."""
     from types import SimpleNamespace
 
-    from server.api.openai.agents import Agent, after_gap
+    from server.api.openai.agents import Agent, chat_ready
     from server.engine.types import MAX_GRAMMAR_CHARS
 
-    sv: Any = SimpleNamespace(engine=SimpleNamespace(compile_grammar=lambda spec: spec.check()))
+    made: list[GrammarSpec] = []
+    sv: Any = SimpleNamespace(engine=SimpleNamespace(compile_grammar=lambda spec: (spec.check(), made.append(spec))))
+
+    async def ready(agent: Agent, new_turn: bool = True) -> tuple[GrammarSpec | None, int]:
+        made.clear()
+        grammar = (await chat_ready(sv, agent, new_turn=new_turn)).grammar
+        return grammar, len(made)
+
     fmt = GrammarSpec.json_schema(json.dumps(ANSWER))
-    assert (await after_gap(sv, Agent(grammar=fmt))).grammar == GrammarSpec.any_of([(" ", fmt)])
+    assert await ready(Agent(grammar=fmt, fmt=fmt)) == (GrammarSpec.any_of([(" ", fmt)]), 1)
+    assert await ready(Agent(grammar=fmt, fmt=fmt), new_turn=False) == (fmt, 1)
     auto = tools.plan(CHAT_TOOLS, "auto", False)
     forced = tools.plan(CHAT_TOOLS, "required", False)
     assert auto is not None and forced is not None
     either = auto.with_format(fmt)
-    gapped = (await after_gap(sv, Agent(either, either.grammar()))).grammar
-    assert gapped is not None and [p for p, _ in gapped.alternatives()] == [" " + tools.MARKER, " "]
+    gapped, n = await ready(Agent(either, either.grammar(), fmt=fmt))
+    assert n == 1 and gapped is not None and [p for p, _ in gapped.alternatives()] == [" " + tools.MARKER, " "]
     assert [a for _, a in gapped.alternatives()] == [a for _, a in either.grammar().alternatives()]
-    for agent in (Agent(), Agent(auto, auto.grammar()), Agent(forced, forced.grammar())):
-        assert await after_gap(sv, agent) is agent
+    assert await ready(Agent()) == (None, 0)
+    assert await ready(Agent(auto, auto.grammar())) == (auto.grammar(), 1)
+    assert await ready(Agent(forced, forced.grammar())) == (forced.grammar(), 1)
+    assert await ready(Agent(forced, forced.grammar(), fmt=fmt)) == (forced.grammar(), 2)  # + the format's check
     big = GrammarSpec.json_schema(json.dumps({"enum": ["x" * (MAX_GRAMMAR_CHARS - 20)]}))
     big.check()
-    assert (await after_gap(sv, Agent(grammar=big))).grammar is big
+    assert (await ready(Agent(grammar=big, fmt=big)))[0] is big
 
 
 CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
@@ -300,7 +312,7 @@ def test_a_formatted_output_splits_at_its_first_character(text, content, n_calls
     (' {"n": "<tool_call>[1]"}', 0, 24),
 ])  # fmt: skip
 def test_a_chat_answers_gap_comes_before_its_first_character(text, n_calls, streamable):
-    """A chat answer starts with the gap after "Assistant:" (agents.after_gap): the envelope or
+    """A chat answer starts with the gap after "Assistant:" (agents.chat_ready): the envelope or
     the reply comes after it, and the message re-sent has no gap (the history writes one)."""
     head, calls = tools.split(text, "formatted")
     assert len(calls or ()) == n_calls and head == ("" if n_calls else text)

@@ -29,12 +29,18 @@ async def response_grammar(
     sv: Services, fmt: Any, *, param: str = "response_format", status: int = 400
 ) -> GrammarSpec | None:
     """The compiled grammar of a response_format (None: plain text, or no format given)."""
+    spec = format_spec(fmt, param=param, status=status)
+    return None if spec is None else await compiled(sv, spec, param=param, status=status)
+
+
+def format_spec(fmt: Any, *, param: str = "response_format", status: int = 400) -> GrammarSpec | None:
+    """The grammar of a response_format, not compiled yet (None: plain text, or no format given);
+    ApiError for a format that is no grammar at all."""
     if fmt is None:
         return None
     try:
-        spec = format_grammar(fmt)
+        return format_grammar(fmt)
     except ValueError as exc:
         raise ApiError(
             status, str(exc).replace("'response_format'", f"'{param}'"), param=param, code="invalid_request"
         ) from None
-    return None if spec is None else await compiled(sv, spec, param=param, status=status)

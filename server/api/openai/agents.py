@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from server.api.errors import ApiError
-from server.api.grammar import compiled, response_grammar
+from server.api.grammar import compiled, format_spec, response_grammar
 from server.api.openai import tools
 from server.api.openai.schemas import ChatRequest, CompletionRequest
 from server.api.services import Services
@@ -27,6 +27,8 @@ class Agent:
     described: tools.ToolPlan | None = None
     """The tools the prompt describes: the plan's, or with tool_choice "none" the request's
     (tools.shown: described, not callable)."""
+    fmt: GrammarSpec | None = None
+    """The request's response_format as a grammar (chat: its own, or inside the plan's)."""
 
     @property
     def any(self) -> bool:
@@ -41,42 +43,58 @@ class Agent:
         ]
 
 
-async def chat_agent(sv: Services, body: ChatRequest) -> Agent:
+def chat_agent(body: ChatRequest) -> Agent:
+    """The chat request's tools and format, planned; its grammar NOT compiled yet (chat_ready
+    compiles it once the prompt says whether the reply opens a new assistant turn)."""
     try:
         plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     except tools.ToolError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
-    grammar = await response_grammar(sv, body.response_format)  # (a bad format names response_format)
+    fmt = format_spec(body.response_format)  # (a format that is no grammar names response_format)
+    grammar = fmt
     if plan is not None:  # with a format: a call or the formatted reply (auto), the calls (forced)
-        plan = plan.with_format(grammar)
-        grammar = await compiled(sv, plan.grammar(), param="tools")
-    return Agent(plan, grammar, body.top(), described=plan or tools.shown(body.tools, body.tool_choice))
+        plan = plan.with_format(fmt)
+        grammar = plan.grammar()
+    return Agent(plan, grammar, body.top(), described=plan or tools.shown(body.tools, body.tool_choice), fmt=fmt)
 
 
 GAP = " "
 """What the chat format writes between "Assistant:" and the reply (chat_format.build_prompt)."""
 
 
-async def after_gap(sv: Services, agent: Agent) -> Agent:
-    """agent for a reply that opens a new assistant turn: its grammar (a format, or with tools
-    "auto" the call-or-format union) starts with GAP, as a free reply's first token does
-    (" Hello"). The model then reads "Assistant: {...}", the chat format it knows, and a client
-    that re-sends the reply as history ("Assistant: " + content) re-tokenizes it as generated
-    (' {"' rather than "{"), so the conversation cache keeps the reply's state as it is instead
-    of repairing it. (Rendering such history without the gap instead would not do: a re-sent
-    message does not say whether a grammar wrote it, and "Assistant:{" is one token ":{" where
-    the model would write ":" then "{".) The gap is shown to no client (render.Meta.lead strips it,
-    hidden_lead keeps stop strings out of it). Unchanged: free text, a triggered grammar (free
-    text first) and forced calls (the prompt already ends with " <tool_call>")."""
-    spec, plan = agent.grammar, agent.tool_plan
-    if spec is None or spec.trigger or (plan is not None and plan.mode != "formatted"):
+async def chat_ready(sv: Services, agent: Agent, *, new_turn: bool) -> Agent:
+    """`agent` with its grammar compiled: one compile of the grammar the reply runs (each is
+    seconds for a rich schema's first use). A reply that opens a new assistant turn (new_turn)
+    starts a format, or with tools "auto" the call-or-format union, with GAP, as a free reply's
+    first token does (" Hello"). The model then reads "Assistant: {...}", the chat format it
+    knows, and a client that re-sends the reply as history ("Assistant: " + content) re-tokenizes
+    it as generated (' {"' rather than "{"), so the conversation cache keeps the reply's state as
+    it is instead of repairing it. (Rendering such history without the gap instead would not do:
+    a re-sent message does not say whether a grammar wrote it, and "Assistant:{" is one token
+    ":{" where the model would write ":" then "{".) The gap is shown to no client
+    (render.Meta.lead strips it, hidden_lead keeps stop strings out of it). Without it: free
+    text, a triggered grammar (free text first) and forced calls (the prompt already ends with
+    " <tool_call>"). A bad grammar is a 400 naming `response_format` when the format is at fault,
+    else `tools`; a forced plan leaves the format to a later turn, which is checked all the same."""
+    spec, plan, fmt = agent.grammar, agent.tool_plan, agent.fmt
+    param = "tools" if plan is not None else "response_format"
+    if plan is not None and fmt is not None and plan.reply is None:  # (forced: not in this grammar)
+        await compiled(sv, fmt, param="response_format")
+    if spec is None:
         return agent
-    alts = spec.alternatives() if spec.kind == "any_of" else [("", spec)]
-    gapped = GrammarSpec.any_of([(GAP + prefix, alt) for prefix, alt in alts])
+    if new_turn and not spec.trigger and (plan is None or plan.mode == "formatted"):
+        alts = spec.alternatives() if spec.kind == "any_of" else [("", spec)]
+        try:
+            gapped = await compiled(sv, GrammarSpec.any_of([(GAP + p, alt) for p, alt in alts]), param=param)
+            return dataclasses.replace(agent, grammar=gapped)
+        except ApiError:  # (a source near the size bound: escaped inside any_of's it is longer) as it is
+            pass
     try:
-        return dataclasses.replace(agent, grammar=await compiled(sv, gapped, param="response_format"))
-    except ApiError:  # (a source near the size bound: escaped inside any_of's it is longer) as it was
-        return agent
+        return dataclasses.replace(agent, grammar=await compiled(sv, spec, param=param))
+    except ApiError:
+        if plan is not None and fmt is not None:  # the format's own fault is named as such
+            await compiled(sv, fmt, param="response_format")
+        raise
 
 
 async def completion_agent(sv: Services, body: CompletionRequest) -> Agent:

@@ -19,7 +19,7 @@ from server.api.lightning.auth import CredentialFirst, require_header_key
 from server.api.lightning.schemas import ChatOrContents
 from server.api.metrics import Recorder
 from server.api.openai import agent_render, render, start, tools
-from server.api.openai.agents import Agent, after_gap, chat_agent, completion_agent
+from server.api.openai.agents import Agent, chat_agent, chat_ready, completion_agent
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
 from server.api.openai.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
 from server.api.openai.messages import turns
@@ -116,11 +116,11 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
     t0 = time.perf_counter()
     sv = get_services(request)
     params = _checked(body, sv, CHAT_STOP)
-    agent = await chat_agent(sv, body)
+    agent = chat_agent(body)
     prompt = build_prompt(turns(body.messages, agent.described), sv.few_shot() if body.few_shot else "")
     if not prompt.continues:  # the reply's leading whitespace is not shown: no stop string matches in it
         params = [dataclasses.replace(p, hidden_lead=True) for p in params]
-        agent = await after_gap(sv, agent)  # a constrained reply starts with the gap too
+    agent = await chat_ready(sv, agent, new_turn=not prompt.continues)  # a constrained reply: the gap too
     params = agent.apply(params)
     suffix = agent.tool_plan.prompt_suffix() if agent.tool_plan is not None else ""
     prompt.rest += suffix

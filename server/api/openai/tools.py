@@ -12,7 +12,7 @@ The envelope: MARKER followed by a JSON list of calls, written the way the gramm
 function: the prompt ends with the marker and the grammar covers the whole output (the list).
 `auto` with a JSON format (response_format / text.format): no free text, the output is either the
 envelope from its first character or the formatted reply (one any_of grammar: ToolPlan.grammar;
-a chat reply has the gap after "Assistant:" before either: agents.after_gap).
+a chat reply has the gap after "Assistant:" before either: agents.chat_ready).
 parallel_tool_calls false, or a named function: the list holds one call; otherwise
 1..MAX_PARALLEL (a list max_tokens cuts is no call: finish_reason "length", the text as content).
 """
@@ -56,7 +56,7 @@ Mode = Literal["forced", "auto", "formatted"]
 """How an answer with tools reads. "forced": the output is the call list from its first token
 (the prompt ended with the marker); "auto": text, then maybe the marker and the list;
 "formatted": the envelope from its first character or a formatted reply (a marker inside the
-reply's JSON is text), either after leading whitespace (a chat reply's gap: agents.after_gap)."""
+reply's JSON is text), either after leading whitespace (a chat reply's gap: agents.chat_ready)."""
 
 
 @dataclass(frozen=True)
