@@ -109,6 +109,12 @@ async def task_call(aw: Awaitable[T], invalid_status: int = 422) -> T:
         raise engine_error(exc, invalid_status=invalid_status) from None
 
 
+def prompt_too_long(field: str, tokens: int, limit: int) -> ApiError:
+    """The 413 of a prompt over --max-prompt-tokens, naming the request field it came from (every
+    route's wording)."""
+    return ApiError(413, f"'{field}' has {tokens} tokens; the limit is {limit}", param=field, code="prompt_too_long")
+
+
 def engine_error(exc: Exception, invalid_status: int = 400) -> ApiError:
     """The ApiError of an engine error (a ValueError is the request's fault: `invalid_status`,
     400 on the OpenAI routes, 422 on the task routes); anything else is re-raised."""
@@ -120,7 +126,7 @@ def engine_error(exc: Exception, invalid_status: int = 400) -> ApiError:
             headers={"Retry-After": "1"},
         )
     if isinstance(exc, PromptTooLongError):
-        return ApiError(413, exc.named("prompt"), param="prompt", code="prompt_too_long")
+        return prompt_too_long("prompt", exc.tokens, exc.limit)
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the inference engine stopped: {exc}", code="engine_dead")
     if isinstance(exc, ValueError):

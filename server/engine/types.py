@@ -352,10 +352,6 @@ class PromptTooLongError(EngineError):
         super().__init__(f"prompt has {tokens} tokens (max {limit})")
         self.tokens, self.limit = tokens, limit
 
-    def named(self, field: str) -> str:
-        """The message naming the request field the prompt came from (every route's wording)."""
-        return f"'{field}' has {self.tokens} tokens; the limit is {self.limit}"
-
 
 class EngineDeadError(EngineError):
     """The engine loop died; no request can make progress (HTTP 503)."""

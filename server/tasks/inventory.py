@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from server.tasks.cache import StateCache
 from server.tasks.records import REBUILD, STORED, TEMPLATE, TMP, Task, display_id
 from server.tasks.schema import DbRow
-from server.tasks.store import Store
+from server.tasks.store import Store, ascii_lower
 from server.tasks.table import TaskTable
 from server.tasks.templates import being_made
 
@@ -67,11 +67,11 @@ class Inventory:
         not answered yet (being_made). `prompt_contains`: only the tasks whose last prompt's
         text contains it, ASCII letters of either case alike (Store.list_tasks). Each summary
         has its `prompt_preview`."""
-        needle = None if prompt_contains is None else _ascii_lower(prompt_contains)
+        needle = None if prompt_contains is None else ascii_lower(prompt_contains)
 
         def visible(t: Task) -> bool:
             mine = all_owners or t.owner == owner_id or (t.kind == TEMPLATE and t.public)
-            found = needle is None or needle in _ascii_lower(t.prompt)
+            found = needle is None or needle in ascii_lower(t.prompt)
             return mine and found and (kind is None or t.kind == kind) and not t.deleted and not being_made(t)
 
         mem: Sequence[Task] = [t for t in self.table.held() if visible(t)]
@@ -190,15 +190,6 @@ def preview(prompt: str | bytes | None) -> str:
     if isinstance(prompt, bytes):
         prompt = prompt.decode("utf-8", "ignore")
     return prompt if len(prompt) <= PREVIEW_CHARS else prompt[:PREVIEW_CHARS] + "…"
-
-
-def _ascii_lower(text: str) -> str:
-    """`text` with A-Z as a-z, and nothing else changed: what the database's search folds
-    (SQLite's lower() knows ASCII letters only; Store.list_tasks folds as much on PostgreSQL)."""
-    return text.translate(_ASCII_LOWER)
-
-
-_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 def _summary(t: Task, held: StateCache[State]) -> dict[str, Any]:

@@ -27,7 +27,17 @@ from server.tasks.errors import TaskConflict
 from server.tasks.records import OWNER_TAG, qualified
 from server.tasks.schema import DbRow, states, tasks
 
-__all__ = ["ClaimMiss", "Database", "RowHeld", "Store", "TagTaken", "database_url", "state_row", "unavailable"]
+__all__ = [
+    "ClaimMiss",
+    "Database",
+    "RowHeld",
+    "Store",
+    "TagTaken",
+    "ascii_lower",
+    "database_url",
+    "state_row",
+    "unavailable",
+]
 
 _CHUNK = 500  # ids per IN (...) list
 FINISHED = 3
@@ -51,6 +61,18 @@ class ClaimMiss(NamedTuple):
     status: int | None
     version: int | None
     instance: str | None
+
+
+LOWER = "abcdefghijklmnopqrstuvwxyz"
+UPPER = LOWER.upper()
+_FOLD = str.maketrans(UPPER, LOWER)
+
+
+def ascii_lower(text: str) -> str:
+    """`text` with A-Z as a-z and nothing else changed: how a prompt search folds case, the same
+    in memory (Inventory), on SQLite (its lower() knows ASCII letters only) and on PostgreSQL
+    (translate(), as its lower() follows the locale)."""
+    return text.translate(_FOLD)
 
 
 class Store(Database):
@@ -258,8 +280,7 @@ class Store(Database):
             else:  # the bytes of a blob, as SQLite's substr() of text stops at a NUL
                 head_col = sa.func.substr(sa.cast(prompt, sa.LargeBinary), 1, 4 * head, type_=sa.LargeBinary)
             if prompt_contains is not None:
-                az = "abcdefghijklmnopqrstuvwxyz"
-                needle = text(prompt_contains.translate(str.maketrans(az.upper(), az)))
+                needle = text(ascii_lower(prompt_contains))
                 if pg:
                     # a prompt holding a NUL, or starting with U+FFFF, is stored escaped: U+FFFF,
                     # then U+FFFF "0" for each NUL and U+FFFF "1" for each U+FFFF; such a prompt is
@@ -268,7 +289,7 @@ class Store(Database):
                     mark = text("\uffff")
                     collapsed = sa.func.regexp_replace(sa.func.substr(prompt, 2), text("\uffff[01]"), mark, "g")
                     searched = sa.case((sa.func.substr(prompt, 1, 1) == mark, collapsed), else_=prompt)
-                    cond.append(sa.func.strpos(sa.func.translate(searched, az.upper(), az), needle) > 0)
+                    cond.append(sa.func.strpos(sa.func.translate(searched, UPPER, LOWER), needle) > 0)
                 else:  # lower(): ASCII letters only
                     cond.append(sa.func.instr(sa.func.lower(prompt), needle) > 0)
             total = (await conn.execute(sa.select(sa.func.count()).select_from(tasks).where(*cond))).scalar_one()

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError
+from server.api.errors import ApiError, prompt_too_long
 from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError, bsz_overflow
 from server.api.lightning.render import FlushingRenderer, native_renderer, native_response
@@ -58,9 +58,7 @@ def check_prompt(sv: Services, tokens: list[int], field: str) -> None:
         raise LightningError(400, f"'{field}' is an empty prompt")
     limit = sv.settings.max_prompt_tokens
     if len(tokens) > limit:
-        raise ApiError(
-            413, f"'{field}' has {len(tokens)} tokens; the limit is {limit}", param=field, code="prompt_too_long"
-        )
+        raise prompt_too_long(field, len(tokens), limit)
 
 
 async def submit(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError, task_call
+from server.api.errors import ApiError, prompt_too_long, task_call
 from server.api.lightning import docs
 from server.api.lightning.auth import CredentialFirst, authorize
 from server.api.lightning.errors import LightningError
@@ -64,7 +64,7 @@ async def _contents_named(aw: Awaitable[T]) -> T:
     try:
         return await aw
     except PromptTooLongError as exc:
-        raise ApiError(413, exc.named("contents"), param="contents", code="prompt_too_long") from None
+        raise prompt_too_long("contents", exc.tokens, exc.limit) from None
 
 
 def _request(body: StateBody, sv: Services) -> tuple[str, str, dict[str, Any]]:

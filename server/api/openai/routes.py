@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError
+from server.api.errors import ApiError, prompt_too_long
 from server.api.lightning import batch as lightning_batch
 from server.api.lightning.auth import CredentialFirst, require_header_key
 from server.api.lightning.schemas import ChatOrContents
@@ -99,8 +99,7 @@ def _checked(body: OpenAIFields, sv: Services, extra_stop: tuple[str, ...] = ())
 def _check_length(sv: Services, n_tokens: int, param: str = "messages") -> None:
     limit = sv.settings.max_prompt_tokens
     if n_tokens > limit:
-        msg = f"'{param}' has {n_tokens} tokens; the limit is {limit}"
-        raise ApiError(413, msg, param=param, code="prompt_too_long")
+        raise prompt_too_long(param, n_tokens, limit)
 
 
 _GENERATES = answers(400, 401, 404, 409, 413, 429, 503, stream=True)  # 404 / 409: an unknown `state`, one not ready

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError, engine_error, task_error
+from server.api.errors import ApiError, engine_error, prompt_too_long, task_error
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import RESPONSES_EVENTS, answers
 from server.api.responses import agent, render
@@ -50,10 +50,10 @@ async def _call(aw: Awaitable[T]) -> T:
     except TaskError as exc:
         raise _task_error(exc) from None
     except (EngineError, ValueError) as exc:
+        if isinstance(exc, PromptTooLongError):
+            raise prompt_too_long("input", exc.tokens, exc.limit) from None
         err = engine_error(exc)
         err.param = _param(err.param)
-        if isinstance(exc, PromptTooLongError):
-            err.message = exc.named("input")
         raise err from None
 
 
