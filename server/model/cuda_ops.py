@@ -160,8 +160,8 @@ TMIX_PIPE_PER_SM: int | None = None
 argument, so a benchmark can compare caps in one process."""
 TMIX_PIPE_PER_SM_BY_GPU = {"H100 80GB HBM3": 4}
 """Caps measured faster than a full wave, by a substring of the device name (docs/performance.md,
-"The time-mix's blocks per SM"): fewer resident blocks read the state faster on the H100 SXM. Not
-measured on the H200, which keeps the full wave."""
+"The time-mix's blocks per SM"): fewer resident blocks read the state faster on the H100 SXM. On
+the H200 no cap measured faster than the full wave."""
 
 
 @functools.cache
