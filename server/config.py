@@ -57,22 +57,21 @@ class Settings:
     quant: str = "none"
     """8-bit weights for the layers' r/k/v/o and FFN linears, quantized as the checkpoint loads
     (per-output-channel scales; the embedding and LoRAs stay 16-bit, and so does the head, plus an
-    int8 copy of it that products of up to 8 rows read: 168 MB more at 2.9B): `none`, `int8`
-    (weight-only; half the weight memory: a 7.2B model with 64 streams in 10.1 GB) or `fp8` (e4m3;
-    past 64 rows also fp8 activations per token on compute capability 8.9+; with it, by default, a
-    transposed copy of the FFN value codes: see `--sparse-ffn`). On the H200 at 2.9B, against
-    16-bit weights: 16 streams decode faster (fp8 +24%, int8 +11%), 64 fp8 +6% (int8 -15%), 256
-    fp8 +8% (int8 -24%), 1,024 fp8 +17% (about 68,000 tok/s; int8 -12%). `python run.py quantize
-    MODEL.pth OUT.pth --quant int8` writes an 8-bit copy that later starts load as it is (no
-    `--quant` needed; about 60% of a 1.5B or larger model's bytes, more of a smaller one's: its
-    16-bit embedding and head are a larger share). Speed and quality: docs/performance.md,
-    "8-bit weights"."""
+    int8 copy of it that products of up to 8 rows read): `none`, `int8` (weight-only: half the
+    weight memory, for a larger model on a smaller card; faster than 16-bit weights only at small
+    batches) or `fp8` (e4m3; past 64 rows also fp8 activations per token on compute capability
+    8.9+; faster than 16-bit weights at most batch sizes; with it, by default, a transposed copy of
+    the FFN value codes: see `--sparse-ffn`). `python run.py quantize MODEL.pth OUT.pth --quant
+    int8` writes an 8-bit copy that later starts load as it is (no `--quant` needed; fewer bytes to
+    read, no quantizing). Speed, memory and quality figures: docs/performance.md, "8-bit
+    weights"."""
     sparse_ffn: str = "auto"
     """One-stream decode's FFN value projection reads only the weight rows of relu^2's nonzero
     inputs (about half of a random model's, most of a trained one's) from a transposed copy of its
-    weights (CUDA, fp16 models: the product takes fp16 activations): `auto` (with `--quant fp8`:
-    +0.84 GB at 2.9B, B=1 +6-7%), `on` (also int8 and 16-bit weights: +1.68 GB for fp16 at 2.9B,
-    worth it where most inputs are zero), `off`. docs/performance.md, "Skipping relu^2's zeros"."""
+    weights (CUDA, fp16 models: the product takes fp16 activations): `auto` (with `--quant fp8`,
+    where the copy is 8-bit), `on` (also int8 and 16-bit weights: the copy costs as much memory as
+    the FFN value weights, worth it where most inputs are zero), `off`. Figures: docs/performance.md,
+    "Skipping relu^2's zeros"."""
     kernels: str = "auto"
     """Which ops run the model on cuda: `auto` (the CUDA kernels of kernels/, built at first start,
     else pure torch), `torch` (pure-torch ops and the torch sampler everywhere), `cuda` (the kernels,
