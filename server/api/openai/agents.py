@@ -63,38 +63,60 @@ GAP = " "
 
 
 async def chat_ready(sv: Services, agent: Agent, *, new_turn: bool) -> Agent:
-    """`agent` with its grammar compiled: one compile of the grammar the reply runs (each is
-    seconds for a rich schema's first use). A reply that opens a new assistant turn (new_turn)
-    starts a format, or with tools "auto" the call-or-format union, with GAP, as a free reply's
-    first token does (" Hello"). The model then reads "Assistant: {...}", the chat format it
-    knows, and a client that re-sends the reply as history ("Assistant: " + content) re-tokenizes
-    it as generated (' {"' rather than "{"), so the conversation cache keeps the reply's state as
-    it is instead of repairing it. (Rendering such history without the gap instead would not do:
-    a re-sent message does not say whether a grammar wrote it, and "Assistant:{" is one token
-    ":{" where the model would write ":" then "{".) The gap is shown to no client
-    (render.Meta.lead strips it, hidden_lead keeps stop strings out of it). Without it: free
-    text, a triggered grammar (free text first) and forced calls (the prompt already ends with
-    " <tool_call>"). A bad grammar is a 400 naming `response_format` when the format is at fault,
-    else `tools`; a forced plan leaves the format to a later turn, which is checked all the same."""
-    spec, plan, fmt = agent.grammar, agent.tool_plan, agent.fmt
-    param = "tools" if plan is not None else "response_format"
-    if plan is not None and fmt is not None and plan.reply is None:  # (forced: not in this grammar)
-        await compiled(sv, fmt, param="response_format")
-    if spec is None:
+    """`agent` with its grammar compiled (ready_grammar: with the gap where the reply opens a new
+    assistant turn)."""
+    if agent.grammar is None:  # (free text: no format either, nothing to compile)
         return agent
+    grammar = await ready_grammar(sv, agent.grammar, agent.tool_plan, agent.fmt, new_turn=new_turn)
+    return dataclasses.replace(agent, grammar=grammar)
+
+
+async def ready_grammar(
+    sv: Services,
+    spec: GrammarSpec | None,
+    plan: tools.ToolPlan | None,
+    fmt: GrammarSpec | None,
+    *,
+    new_turn: bool,
+    fmt_param: str = "response_format",
+) -> GrammarSpec | None:
+    """The grammar `spec` (a reply's: `fmt`, or `plan`'s call grammar holding it) compiled: one
+    compile of the grammar the reply runs (each is seconds for a rich schema's first use); shared
+    by chat (chat_ready) and /v1/responses (responses.agent.ready, `fmt_param` "text.format"). A
+    reply that opens a new assistant turn (new_turn) starts a format, or with tools "auto" the
+    call-or-format union, with GAP, as a free reply's first token does (" Hello"). The model then
+    reads "Assistant: {...}", the chat format it knows, and a client that re-sends the reply as
+    history ("Assistant: " + content) re-tokenizes it as generated (' {"' rather than "{"), so the
+    conversation cache keeps the reply's state as it is instead of repairing it. (Rendering such
+    history without the gap instead would not do: a re-sent message does not say whether a
+    grammar wrote it, and "Assistant:{" is one token ":{" where the model would write ":" then
+    "{".) The gap is shown to no client (render.Meta.lead and the Responses renderers strip it,
+    hidden_lead keeps stop strings out of it). Without it: free text, a triggered grammar (free
+    text first) and forced calls (the prompt already ends with " <tool_call>"). A bad grammar is
+    a 400 naming `fmt_param` when the format is at fault, else `tools`; a forced plan leaves the
+    format to a later turn, which is checked all the same."""
+    param = "tools" if plan is not None else fmt_param
+    if plan is not None and fmt is not None and plan.reply is None:  # (forced: not in this grammar)
+        await compiled(sv, fmt, param=fmt_param)
+    if spec is None:
+        return None
     if new_turn and not spec.trigger and (plan is None or plan.mode == "formatted"):
-        alts = spec.alternatives() if spec.kind == "any_of" else [("", spec)]
         try:
-            gapped = await compiled(sv, GrammarSpec.any_of([(GAP + p, alt) for p, alt in alts]), param=param)
-            return dataclasses.replace(agent, grammar=gapped)
+            return await compiled(sv, gapped(spec), param=param)
         except ApiError:  # (a source near the size bound: escaped inside any_of's it is longer) as it is
             pass
     try:
-        return dataclasses.replace(agent, grammar=await compiled(sv, spec, param=param))
+        return await compiled(sv, spec, param=param)
     except ApiError:
         if plan is not None and fmt is not None:  # the format's own fault is named as such
-            await compiled(sv, fmt, param="response_format")
+            await compiled(sv, fmt, param=fmt_param)
         raise
+
+
+def gapped(spec: GrammarSpec) -> GrammarSpec:
+    """`spec` with GAP before its output (before each alternative's prefix of an any_of)."""
+    alts = spec.alternatives() if spec.kind == "any_of" else [("", spec)]
+    return GrammarSpec.any_of([(GAP + p, alt) for p, alt in alts])
 
 
 async def completion_agent(sv: Services, body: CompletionRequest) -> Agent:

@@ -1,19 +1,20 @@
 """A response's tools and prompt, checked before anything starts (docs/agents.md, "The Responses
 API"): the tools and tool_choice (chat's ToolPlan in the Responses shapes, with text.format's
-grammar: ToolPlan.with_format; compiled by the engine first), the prompt (the tools' system
-turn, the instructions, the input items), and what the task keeps of the request (its `meta` and
-`grammar` parameters), so a continue or a restart runs the same grammar and a later response
-knows the calls made."""
+grammar: ToolPlan.with_format; compiled by the engine first, as chat's: behind the gap on a new
+assistant turn, agents.ready_grammar), the prompt (the tools' system turn, the instructions, the
+input items), and what the task keeps of the request (its `meta` and `grammar` parameters), so
+a continue or a restart runs the same grammar and a later response knows the calls made."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from server.api.errors import ApiError
-from server.api.grammar import compiled, response_grammar
+from server.api.grammar import format_spec
 from server.api.openai import tools
+from server.api.openai.agents import ready_grammar
 from server.api.openai.chat_format import build_prompt
 from server.api.responses import render
 from server.api.responses.items import Rendered, render_input
@@ -31,22 +32,35 @@ class ResponseTools:
     described: tools.ToolPlan | None
     """The tools the prompt describes (with tool_choice "none" too, as on chat)."""
     grammar: GrammarSpec | None
-    """The call grammar, compiled (a trigger: auto; none: forced; any_of: auto with a format,
-    ToolPlan.with_format)."""
+    """The output's grammar, compiled once `ready` (the call grammar: a trigger: auto; none:
+    forced; any_of: auto with a format, ToolPlan.with_format; without calls text.format's; either
+    behind the gap where the reply opens a new assistant turn: agents.ready_grammar)."""
+    fmt: GrammarSpec | None = None
+    """text.format's grammar (None: text)."""
 
 
-async def response_tools(sv: Services, body: ResponseRequest) -> ResponseTools:
-    """The request's tools checked and their grammar compiled; a 400 naming the field otherwise."""
+def response_tools(body: ResponseRequest) -> ResponseTools:
+    """The request's tools and text.format checked and planned (a 400 naming the field
+    otherwise); the grammar is compiled by `ready`, once the prompt says whether the reply opens a
+    new assistant turn."""
     try:
         plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, flat=True)
         described = plan or tools.shown(body.tools, body.tool_choice, flat=True)
     except tools.ToolError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
-    fmt = await response_grammar(sv, response_format(body), param="text.format")  # (a bad one names it)
-    if plan is None:  # (tool_choice "none" too: the format's grammar alone runs, the route stores it)
-        return ResponseTools(None, described, None)
+    fmt = format_spec(response_format(body), param="text.format")  # (a format that is no grammar names it)
+    if plan is None:  # (tool_choice "none" too: the format's grammar alone runs)
+        return ResponseTools(None, described, fmt, fmt)
     plan = plan.with_format(fmt)  # auto: a call or the formatted reply; forced: the calls
-    return ResponseTools(plan, described, await compiled(sv, plan.grammar(), param="tools"))
+    return ResponseTools(plan, described, plan.grammar(), fmt)
+
+
+async def ready(sv: Services, rt: ResponseTools, prompt: str) -> ResponseTools:
+    """`rt` with its grammar compiled as chat's (agents.ready_grammar): a reply after the
+    prompt's fresh "Assistant:" starts with the gap; a bad format is a 400 naming text.format."""
+    new_turn = not render.continues_prompt(prompt, {})  # (a forced call's prompt ends with the marker: no gap anyway)
+    grammar = await ready_grammar(sv, rt.grammar, rt.plan, rt.fmt, new_turn=new_turn, fmt_param="text.format")
+    return replace(rt, grammar=grammar)
 
 
 def response_format(body: ResponseRequest) -> dict[str, Any]:
@@ -112,9 +126,12 @@ def task_params(rt: ResponseTools, meta: dict[str, Any], fmt: dict[str, Any]) ->
     """The task parameters that make a continue or a restart run as this request: its grammar
     ({} when it has none: a fork of a tool response lifts it) and its meta. A task has one
     grammar: with tools that may be called the call grammar holds the format `fmt` (auto) or
-    leaves it to a later turn (forced), so the task stores the format as text and its meta keeps
-    `fmt` for the response's text.format (render.response)."""
-    out = {"grammar": grammar_fields(rt.grammar), "meta": meta}
-    if rt.grammar is not None and fmt.get("type", "text") != "text":
+    leaves it to a later turn (forced), and a new turn's format runs behind the gap
+    (agents.ready_grammar), so the task stores the format as text and its meta keeps `fmt` for
+    the response's text.format (render.response); the format's own grammar (a reply that
+    continues a message) is stored as the format."""
+    own = None if rt.grammar == rt.fmt else rt.grammar
+    out = {"grammar": grammar_fields(own), "meta": meta}
+    if own is not None and fmt.get("type", "text") != "text":
         out.update(response_format={"type": "text"}, meta={**meta, "format": fmt})
     return out

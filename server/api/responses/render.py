@@ -14,6 +14,7 @@ prefilled again), `output_tokens` = generated.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -100,13 +101,21 @@ def params_mode(params: dict[str, Any]) -> Mode | None:
     """The tool mode of a response task with these parameters. None: the response could call no
     tool; "forced": its output is the call list from the first token; "auto": the model could
     write text first (the grammar's trigger); "formatted": the output is the envelope from its
-    first character or a text.format reply (an any_of grammar: tools.ToolPlan.with_format)."""
+    first character or a text.format reply (an any_of grammar with the marker:
+    tools.ToolPlan.with_format; without it, the any_of is text.format's alone behind the gap:
+    agents.ready_grammar)."""
     g = params.get("grammar")
     if not isinstance(g, dict) or not g:
         return None
     if g.get("kind") == "any_of":
-        return "formatted"
+        return "formatted" if _calls_in(g) else None
     return "auto" if g.get("trigger") else "forced"
+
+
+def _calls_in(g: dict[str, Any]) -> bool:
+    """A stored any_of grammar has the call envelope's alternative (its prefix ends with the marker)."""
+    alts = json.loads(g.get("source") or "[]")
+    return any(isinstance(a, dict) and str(a.get("prefix", "")).endswith(MARKER) for a in alts)
 
 
 def _parsed(t: Task) -> tuple[str, list[tuple[str, str]] | None]:

@@ -152,10 +152,11 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
     _check_supported(body)
-    rt = await agent.response_tools(sv, body)  # (text.format's grammar compiled too)
+    rt = agent.response_tools(body)
     fmt = agent.response_format(body)
     src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
     prompt, meta = agent.prompt_and_meta(body, rt, src)
+    rt = await agent.ready(sv, rt, prompt)  # its grammar compiled (a new turn's format: behind the gap)
     params = {**_params(sv, body, fmt), **agent.task_params(rt, meta, fmt)}
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
     if src is not None:
