@@ -16,7 +16,7 @@ import math
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from server.checks import (
     database_open_problem,
@@ -28,6 +28,10 @@ from server.checks import (
 )
 from server.cli_parser import bad_environment, build_parser
 from server.config import Settings, redact_url
+
+if TYPE_CHECKING:  # the app and the server are imported by `serve` only
+    import uvicorn
+    from fastapi import FastAPI
 
 SUBCOMMANDS = ("serve", "synth", "quantize", "generate")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(request_id)s] %(message)s"
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_serve(args)
 
 
-def load_failure(app: Any) -> str:
+def load_failure(app: FastAPI) -> str:
     """The line for a start that failed after the checks (app.state.load_error): what failed, as
     far as the app records it (app.state.load_stage: "model", "task database", "state files"),
     and why."""
@@ -123,7 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_server(app: Any, settings: Settings) -> Any:
+def make_server(app: FastAPI, settings: Settings) -> uvicorn.Server:
     """The uvicorn server of `app`: drains the app at shutdown, logs the port bound for --port 0,
     and stops when loading fails (app.state.on_fatal)."""
     import uvicorn

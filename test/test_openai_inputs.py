@@ -156,7 +156,7 @@ class _FullEngine:
     """An engine stand-in whose queue has `room` places left; it must never be submitted to."""
 
     def __init__(self, waiting: int, engines_alive: int) -> None:
-        self.st = EngineStats(waiting=waiting, extra={"engines_alive": engines_alive})
+        self.st = EngineStats(waiting=waiting, engines_alive=engines_alive)
         self.submitted = 0
 
     def stats(self) -> EngineStats:

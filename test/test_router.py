@@ -105,7 +105,7 @@ def test_a_dead_engine_takes_no_work_and_the_sums_count_the_live_ones(caplog):
     st = r.stats()
     assert (st.slots, st.running, st.waiting) == (8, 3, 3)  # capacity: the live engine's
     assert st.generation_tokens_total == 20 and st.steps == 6  # counters: every engine's
-    assert st.extra == {"engines": 2, "engines_alive": 1}
+    assert (st.engines, st.engines_alive, st.extra) == (2, 1, {})
     assert [(d, alive) for d, alive, _ in r.engines()] == [("cuda:0", False), ("cuda:1", True)]
 
 
@@ -184,7 +184,7 @@ def test_a_dying_engine_fails_its_own_requests_and_the_server_goes_on(parts):
                 h.abort()
                 results[i] = h.result(30)
         assert results[0].finish_reason == "abort"
-        assert router.is_alive and router.stats().extra["engines_alive"] == 1
+        assert router.is_alive and router.stats().engines_alive == 1
         r = router.submit([4, 5], SamplingParams(max_tokens=3, **GREEDY)).result(30)
         assert r.finish_reason == "length" and len(r.token_ids) == 3
     finally:
@@ -248,6 +248,10 @@ def test_one_server_spreads_completions_and_template_forks_over_both_engines(ser
     with httpx.Client(base_url=url, timeout=60) as c:
         h = c.get("/health").json()
         assert h["engines"] == h["engines_alive"] == 2 and h["slots"] == 8
+        from server.api.metrics import parse_metrics
+
+        m = parse_metrics(c.get("/metrics").text)
+        assert m["rwkv_engine_engines"] == m["rwkv_engine_engines_alive"] == 2
         gen0 = device_metric(c, "rwkv_device_generation_tokens_total")
         body = {"prompt": "Hello", "max_tokens": 24, "ignore_eos": True}
         with httpx.Client(base_url=url, timeout=60) as c2:  # 8 at once on 2 x 4 slots

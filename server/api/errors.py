@@ -84,10 +84,6 @@ def _escaped(v: Any) -> Any:
     return v
 
 
-def not_found(task_id: str) -> ApiError:
-    return ApiError(404, f"task {task_id!r} not found", param="task_id", code="task_not_found")
-
-
 def task_error(exc: TaskError, param: str | None = None) -> ApiError:
     """The ApiError of a task-layer error: its status, code and param (or `param`), and
     `Retry-After` where the error gives one (a busy database)."""

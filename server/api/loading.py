@@ -15,6 +15,9 @@ from server.engine.protocol import EngineAPI
 from server.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # (imports torch at run time)
+    import torch
+
+    from server.model.rwkv7 import RWKV7
     from server.model.state import ModelShape
 
 log = logging.getLogger("server.load")
@@ -29,7 +32,7 @@ RANDOM_WARNING = """
 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"""
 
 
-def torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, DTYPES[name])
@@ -114,7 +117,7 @@ def _device_scope(device: str) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(torch.device(device))
 
 
-def _load_model(spec: str, device: str, settings: Settings, kernel_log: _Collect) -> Any:
+def _load_model(spec: str, device: str, settings: Settings, kernel_log: _Collect) -> RWKV7:
     from server.model import load_model
 
     log.info(
@@ -145,7 +148,7 @@ def _load_model(spec: str, device: str, settings: Settings, kernel_log: _Collect
     return model
 
 
-def _start_engine(model: Any, tokenizer: Tokenizer, settings: Settings, device: str) -> EngineAPI:
+def _start_engine(model: RWKV7, tokenizer: Tokenizer, settings: Settings, device: str) -> EngineAPI:
     from server.engine import Engine
 
     t0 = time.perf_counter()

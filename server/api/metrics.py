@@ -190,7 +190,9 @@ def _engine_lines(out: list[str], engine: EngineAPI) -> None:
             name, help_, scale = ENGINE_FIGURES.get(key, (f"rwkv_engine_{_name(key)}", f"Engine figure {key}.", 1))
             kind = "counter" if name.endswith("_total") else "gauge"  # a running sum is a counter
             _sample(out, name, kind, help_, value * scale)
-    if isinstance(engine, EngineRouter):
+    if isinstance(engine, EngineRouter):  # one engine per device (--devices): the counts, then each's figures
+        _sample(out, "rwkv_engine_engines", "gauge", "Engine figure engines.", st.engines)
+        _sample(out, "rwkv_engine_engines_alive", "gauge", "Engine figure engines_alive.", st.engines_alive)
         _device_lines(out, engine)
 
 

@@ -62,8 +62,8 @@ async def health(request: Request) -> Response:
     with contextlib.suppress(Exception):  # a dead engine's figures: the status says enough
         st = services.engine.stats()
         body.update(running=st.running, waiting=st.waiting, slots=st.slots)
-        if "engines" in st.extra:  # one engine per device (--devices)
-            body.update(engines=st.extra["engines"], engines_alive=st.extra["engines_alive"])
+        if st.engines > 1:  # one engine per device (--devices)
+            body.update(engines=st.engines, engines_alive=st.engines_alive)
     return _json(200, body)
 
 

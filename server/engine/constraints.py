@@ -30,10 +30,6 @@ class Constraint:
         if compiled.guard is None:
             self._start(b"")
 
-    @property
-    def active(self) -> bool:
-        return self.matcher is not None
-
     def _start(self, tail: bytes) -> None:
         import xgrammar as xgr
 

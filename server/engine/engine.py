@@ -47,16 +47,17 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.config import Settings
-from server.tokenizer import IncrementalDecoder
+from server.tokenizer import IncrementalDecoder, Tokenizer
 
 from .constraints import Constraint, Constraints
 from .grammar import GrammarCompiler
 from .handle import RequestHandle, fail_handles
 from .output import OutputProcessor
 from .plan import StepPlan, StepRunner
+from .protocol import StateLike
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import StatsTracker
@@ -71,6 +72,9 @@ from .types import (
     Result,
     SamplingParams,
 )
+
+if TYPE_CHECKING:  # (imports torch at run time: the runner imports it once the engine starts)
+    from server.model.rwkv7 import RWKV7
 
 log = logging.getLogger("server.engine")
 
@@ -89,7 +93,9 @@ def _device_fault(exc: BaseException) -> bool:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, settings: Settings | None = None, *, runner: StepRunner | None = None):
+    def __init__(
+        self, model: RWKV7, tokenizer: Tokenizer, settings: Settings | None = None, *, runner: StepRunner | None = None
+    ):
         """runner: the device side (default: a `runner.Runner` over the model, built by start())."""
         self.model, self.tokenizer = model, tokenizer
         self.settings = s = settings or Settings()
@@ -178,7 +184,7 @@ class Engine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         *,
-        init_state=None,
+        init_state: StateLike | None = None,
         request_id: str | None = None,
         return_state: bool = False,
         end_before_state: bool = False,

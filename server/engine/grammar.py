@@ -49,7 +49,7 @@ class Compiled:
 
 class GrammarCompiler:
     """Compiles GrammarSpecs for one vocabulary (thread-safe, LRU-cached by spec). The library's
-    vocabulary tables are built on the first compile (or by `warm_up()`)."""
+    vocabulary tables are built on the first compile."""
 
     def __init__(self, token_table: Sequence[bytes], vocab_size: int | None = None, *, threads: int = 0,
                  cache_size: int = CACHE_SIZE):  # fmt: skip
@@ -65,10 +65,6 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._no_control: Any = None  # the JSON kinds' ban row
-
-    def warm_up(self) -> GrammarCompiler:
-        self._xgr_compiler()
-        return self
 
     def _xgr_compiler(self):
         with self._lock:

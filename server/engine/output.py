@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .handle import Deliveries
+from .handle import Deliveries, RequestHandle
 from .plan import SAMPLED, STATE_SLOT, STATE_START, Finished, MoveOp, StepOutput, StepPlan
 from .text import Stream, TextDecoder, open_stream
 from .types import ERROR, Event, Result, SamplingParams, TokenLogprob
@@ -41,13 +41,13 @@ class OutputProcessor:
         changed in place: a staged step keeps the list it was made with)."""
         self._emits: list[tuple[list[Stream], list[int], list[int] | None, list | None]] = []
         self._ends: list[Finished] = []
-        self._awaiting: dict[str, tuple[Any, Event | None, Result]] = {}  # results waiting for their state
+        self._awaiting: dict[str, tuple[RequestHandle, Event | None, Result]] = {}  # results waiting for their state
         self._early: dict[str, Any] = {}  # states that came before their request's record was flushed
         self._out = Deliveries()
         self._n_lp = 0  # open streams with logprobs (0: the per-token loop skips them)
 
     # --- requests in ----------------------------------------------------------------------
-    def new_stream(self, request_id: str, handle: Any, params: SamplingParams) -> Stream:
+    def new_stream(self, request_id: str, handle: RequestHandle, params: SamplingParams) -> Stream:
         """The output side of a new request (any thread); `open` it on the engine thread."""
         return open_stream(request_id, handle, self.new_decoder(), params)
 
@@ -168,7 +168,7 @@ class OutputProcessor:
             res.state = self._detached_state(end.init_state)
         self._deliver(st.handle, ev, res)
 
-    def _deliver(self, handle: Any, ev: Event | None, res: Result) -> None:
+    def _deliver(self, handle: RequestHandle, ev: Event | None, res: Result) -> None:
         self._out.add(handle, ev, res)
         self._on_done(res.request_id)
 

@@ -93,7 +93,7 @@ class EngineRouter:
                 total.decode_tok_s += st.decode_tok_s
                 total.prefill_tok_s += st.prefill_tok_s
                 total.step_ms = max(total.step_ms, st.step_ms)
-        total.extra = {"engines": len(self._engines), "engines_alive": len(live)}
+        total.engines, total.engines_alive = len(self._engines), len(live)
         return total
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -9,11 +9,14 @@ token BEFORE the next step is planned (`match`), because a stop string ends the 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .plan import Finished
 from .sequence import has_stop_strings
 from .types import ERROR, STOP, Event, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from .handle import RequestHandle
 
 
 class TextDecoder(Protocol):
@@ -116,7 +119,7 @@ class Stream:
     lp: LogprobLog | None = None
     """Its logprobs, when the request asked for them."""
 
-    def __init__(self, request_id: str, handle: Any, decoder: TextDecoder):
+    def __init__(self, request_id: str, handle: RequestHandle, decoder: TextDecoder):
         self.request_id = request_id
         self.handle = handle
         """The request's handle (handle.RequestHandle): where its events are delivered."""
@@ -164,7 +167,7 @@ class StopStream(Stream):
     def __init__(
         self,
         request_id: str,
-        handle: Any,
+        handle: RequestHandle,
         decoder: TextDecoder,
         stops: Seq[str],
         shown: str = "",
@@ -197,7 +200,7 @@ class StopStream(Stream):
         return text if hit else text + self.matcher.flush()
 
 
-def open_stream(request_id: str, handle: Any, decoder: TextDecoder, params: SamplingParams) -> Stream:
+def open_stream(request_id: str, handle: RequestHandle, decoder: TextDecoder, params: SamplingParams) -> Stream:
     lead = params.lead
     if lead is not None:
         for t in lead.token_ids:  # the decoder goes on after them: their text was shown before

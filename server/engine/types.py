@@ -1,14 +1,17 @@
 """Plain data that crosses the engine's boundary: parameters in, events and results out.
 
-No torch import here: the scheduler, the task layer and the API all use these types.
-(`Result.state` is a `server.model.state.State`, typed loosely to keep this module light.)
+No torch import here: the scheduler, the task layer and the API all use these types
+(`Result.state`'s `State` is imported for the type checker only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (imports torch at run time)
+    from server.model.state import State
 
 # finish reasons
 STOP = "stop"  # EOS, a stop token id or a stop string
@@ -301,7 +304,7 @@ class Result:
     """Seconds from submission to the first generated token (or to the end of prefill)."""
     gen_time: float = 0.0
     """Seconds spent generating after the prefill."""
-    state: Any = None
+    state: State | None = None
     """Final state (a batch-1 `State` on the CPU) when it was asked for, else None."""
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
@@ -334,7 +337,12 @@ class EngineStats:
     steps: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    engines: int = 1
+    """Engines behind this API: one per device of --devices (EngineRouter), else 1."""
+    engines_alive: int = 1
+    """Those of `engines` whose loop runs (a single engine reports 1: its is_alive tells)."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """The engine's step figures by name (stats.StatsTracker: times, counts), for /metrics."""
 
 
 class EngineError(Exception):

@@ -187,11 +187,6 @@ def write_state_file(
     return buf.getvalue()
 
 
-def expected_bytes(shape: ModelShape) -> int:
-    """About the size of a FULL file of this model in fp64 (the widest dtype a file may hold)."""
-    return 8 * (shape.n_layer * shape.n_head * shape.head_size**2 + 2 * shape.n_layer * shape.n_embd) + 65536
-
-
 # --- helpers -----------------------------------------------------------------------------------
 def _tensor(value: Any, key: str, source: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
@@ -257,7 +252,6 @@ __all__ = [
     "StateFile",
     "StateFileError",
     "check_state_dict",
-    "expected_bytes",
     "read_state_file",
     "state_from_dict",
     "write_state_file",

@@ -22,24 +22,8 @@ Facts and choices:
 
 from __future__ import annotations
 
-import threading
-
 from .incremental import IncrementalDecoder
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, get_tokenizer
 from .vocab import VOCAB_SIZE
 
 __all__ = ["VOCAB_SIZE", "IncrementalDecoder", "Tokenizer", "get_tokenizer"]
-
-_instance: Tokenizer | None = None
-_lock = threading.Lock()
-
-
-def get_tokenizer() -> Tokenizer:
-    """The shared tokenizer for the shipped vocab (loaded once; the encoder builds on first use,
-    or call `get_tokenizer().warm_up()` at startup)."""
-    global _instance
-    if _instance is None:
-        with _lock:
-            if _instance is None:
-                _instance = Tokenizer()
-    return _instance

@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable
 
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, get_tokenizer
 
 
 class IncrementalDecoder:
@@ -25,8 +25,6 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer | None = None) -> None:
         if tokenizer is None:
-            from . import get_tokenizer
-
             tokenizer = get_tokenizer()
         self._tok = tokenizer
         self._table = tokenizer.token_table

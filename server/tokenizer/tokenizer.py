@@ -92,6 +92,21 @@ class Tokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
+_instance: Tokenizer | None = None
+_lock = threading.Lock()
+
+
+def get_tokenizer() -> Tokenizer:
+    """The shared tokenizer for the shipped vocab (loaded once; the encoder builds on first use,
+    or call `get_tokenizer().warm_up()` at startup)."""
+    global _instance
+    if _instance is None:
+        with _lock:
+            if _instance is None:
+                _instance = Tokenizer()
+    return _instance
+
+
 def _fast_encoder() -> Any:
     """The compiled World-vocabulary encoder, or None where the package is missing."""
     try:

@@ -96,7 +96,7 @@ def check_room(engine: EngineAPI, n: int, max_queue: int) -> None:
     if not max_queue or n <= 1:
         return
     st = engine.stats()
-    room = max_queue * int(st.extra.get("engines_alive", 1)) - st.waiting
+    room = max_queue * st.engines_alive - st.waiting
     if n > room:
         msg = f"{st.waiting} requests are waiting and this one needs {n} more (max_queue={max_queue})"
         raise engine_error(QueueFullError(msg))

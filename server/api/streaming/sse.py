@@ -33,6 +33,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Literal
 
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -52,13 +53,13 @@ RAW_SEND = "rwkv.raw_send"
 """Scope key of the ASGI server's send (set by server.api.app.RawSendLayer)."""
 
 
-def draining_event(app: Any) -> asyncio.Event | None:
+def draining_event(app: Starlette | None) -> asyncio.Event | None:
     """The app's "server is shutting down" event (set by server.api.app.begin_drain)."""
     state = getattr(app, "state", None)
     return getattr(state, "draining", None) if state is not None else None
 
 
-def draining(app: Any) -> bool:
+def draining(app: Starlette | None) -> bool:
     """Whether the server has begun to shut down."""
     ev = draining_event(app)
     return ev is not None and ev.is_set()
