@@ -9,7 +9,7 @@
 - Every family a running server's /metrics exports (one engine, and one per device) has its row,
   with its type, in docs/deployment.md's "Metrics" tables, and every row there is exported.
 - docs/architecture.md's "Files over 300 lines" names every code file of server/ and kernels/
-  over 300 lines, and only those.
+  over 300 lines, and only those, each with a count (~N) within 10% of its `wc -l`.
 """
 
 from __future__ import annotations
@@ -251,15 +251,26 @@ ARCH_DOC = ROOT / "docs" / "architecture.md"
 LONG_LINES = 300
 CODE_DIRS = ("server/", "kernels/")
 CODE_SUFFIXES = {".py", ".cu", ".cuh", ".h", ".cpp", ".js", ".css", ".html"}
-_LISTED = re.compile(r"`([\w./-]+)`\s+\(~\d+\)")
+_LISTED = re.compile(r"`([\w./-]+)`\s+\(~(\d+)\)")
+COUNT_TOLERANCE = 0.10
+"""How far a listed count (~N) may be from its file's `wc -l`, as a share of it: beyond, stale."""
 
 
-def listed_long_files(text: str) -> set[str]:
-    """The paths named with a line count ("`path` (~N)") in the "## Files over 300 lines" section."""
+def listed_long_files(text: str) -> dict[str, int]:
+    """{path: N} of the paths named with a line count ("`path` (~N)") in the "## Files over 300
+    lines" section."""
     head = re.search(r"^## Files over 300 lines.*$", text, re.M)
     assert head is not None, "no '## Files over 300 lines' section"
     end = text.find("\n## ", head.end())
-    return set(_LISTED.findall(text[head.end():] if end < 0 else text[head.end():end]))
+    found = _LISTED.findall(text[head.end():] if end < 0 else text[head.end():end])
+    return {path: int(n) for path, n in found}
+
+
+def stale_counts(listed: dict[str, int], lines: dict[str, int]) -> list[str]:
+    """"path (~N, wc -l M)" of each listed file of `lines` whose count N is more than
+    COUNT_TOLERANCE off its M lines (a file not in `lines` is the other check's)."""
+    off = [(p, n, lines[p]) for p, n in listed.items() if p in lines]
+    return sorted(f"{p} (~{n}, wc -l {m})" for p, n, m in off if abs(n - m) > COUNT_TOLERANCE * m)
 
 
 def long_code_files() -> dict[str, int]:
@@ -282,9 +293,12 @@ def test_the_long_files_are_listed_in_architecture_md() -> None:
     assert not missing, f"files over {LONG_LINES} lines missing from docs/architecture.md's list: {missing}"
     stale = sorted(set(listed) - set(long))
     assert not stale, f"docs/architecture.md lists files no longer over {LONG_LINES} lines (or gone): {stale}"
+    off = stale_counts(listed, long)
+    assert not off, f"docs/architecture.md's line counts more than {COUNT_TOLERANCE:.0%} off `wc -l`: {off}"
 
 
 def test_long_file_reader() -> None:
     text = ("## Files over 300 lines, and why\n\n- `a/b.py` (~310), `c.cu`\n  (~420): x; `d.py` went to `e.py`.\n"
             "## Next\n- `f.py` (~900)\n")
-    assert listed_long_files(text) == {"a/b.py", "c.cu"}
+    assert listed_long_files(text) == {"a/b.py": 310, "c.cu": 420}
+    assert stale_counts({"a/b.py": 310, "c.cu": 420}, {"a/b.py": 340, "c.cu": 470}) == ["c.cu (~420, wc -l 470)"]

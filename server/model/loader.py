@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -37,30 +38,15 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
     """
     t0 = time.perf_counter()
     device = torch.device(device)
-    if dtype not in checkpoint.SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported compute dtype {dtype}")
-    if kernels not in KERNELS:  # before the weights are read
-        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
-    if quant != "none" and quant not in qlinear.WEIGHT_MODES:
-        raise ValueError(f"quant must be none or one of {', '.join(qlinear.WEIGHT_MODES)}, not {quant!r}")
-    if sparse_ffn not in SPARSE_FFN:
-        raise ValueError(f"sparse_ffn must be one of {', '.join(SPARSE_FFN)}, not {sparse_ffn!r}")
-    is_synthetic = spec.startswith("synthetic:")
-    pre: dict[str, qlinear.QWeight] = {}  # a pre-quantized file's linears
-    if is_synthetic:
-        sd = synthetic.synthetic_state_dict(spec, device=device, dtype=dtype)
-        name = spec
-    else:
-        sd = checkpoint.read_checkpoint(spec)
-        name = os.path.basename(spec)
-        is_synthetic = sd.pop(checkpoint.SYNTHETIC_MARK, None) is not None
-        quant, pre = _file_quant(sd, name, quant, dtype)
-    shape = checkpoint.validate(sd)
+    _check_args(dtype, kernels, quant, sparse_ffn)  # before the weights are read
+    read = _read_weights(spec, device, dtype, quant)
+    name, quant, pre = read.name, read.quant, read.pre
+    shape = checkpoint.validate(read.sd)
     if pre and set(pre) != set(qfile.linear_keys(shape)):
         raise checkpoint.CheckpointError(f"{name}: its 8-bit linears are not those `--quant` quantizes")
     quantizer = _Quantizer(quant) if quant != "none" and not pre else None
     weights = checkpoint.convert(
-        sd, shape, device, dtype, progress=_Progress(name), quantize=quantizer, prequantized=pre
+        read.sd, shape, device, dtype, progress=_Progress(name), quantize=quantizer, prequantized=pre
     )
     if quant != "none":
         weights.head8 = _head8(weights.head, name)
@@ -76,12 +62,62 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
         max_chunk_tokens=max_chunk_tokens,
         kernel_cache=kernel_cache,
     )
-    model.synthetic = is_synthetic
+    model.synthetic = read.synthetic
     model.quant = quant
-    if device.type == "cuda" and model.kernel_ops() and sparse_wanted(quant, sparse_ffn, dtype, name):
-        _sparse_values(model, name)
+    _after_load(model, device, dtype, quant, sparse_ffn, quantizer)
+    log.info("loaded %s (%s) on %s %s in %.1fs", name, shape.signature(), device, dtype, time.perf_counter() - t0)
+    return model
+
+
+def _check_args(dtype: torch.dtype, kernels: str, quant: str, sparse_ffn: str) -> None:
+    """ValueError for a load_model argument outside its choices (checked before any weight is read)."""
+    if dtype not in checkpoint.SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported compute dtype {dtype}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
+    if quant != "none" and quant not in qlinear.WEIGHT_MODES:
+        raise ValueError(f"quant must be none or one of {', '.join(qlinear.WEIGHT_MODES)}, not {quant!r}")
+    if sparse_ffn not in SPARSE_FFN:
+        raise ValueError(f"sparse_ffn must be one of {', '.join(SPARSE_FFN)}, not {sparse_ffn!r}")
+
+
+class _Read(NamedTuple):
+    """What _read_weights found: the state dict and what the spec or the file says of it."""
+
+    sd: dict[str, torch.Tensor]
+    name: str  # the model's name: the synthetic spec, or the file's base name
+    synthetic: bool  # a synthetic model (a spec, or a file written from one)
+    quant: str  # the quant mode: the argument's, or a pre-quantized file's own
+    pre: dict[str, qlinear.QWeight]  # a pre-quantized file's linears (taken out of sd)
+
+
+def _read_weights(spec: str, device: torch.device, dtype: torch.dtype, quant: str) -> _Read:
+    """The weights of `spec`: a synthetic preset made on `device` in `dtype`, or a checkpoint
+    file read whole (converted later, one tensor at a time), with its synthetic mark and its
+    pre-quantized linears taken out (_file_quant: CheckpointError for a `quant` it refuses)."""
+    if spec.startswith("synthetic:"):
+        return _Read(synthetic.synthetic_state_dict(spec, device=device, dtype=dtype), spec, True, quant, {})
+    sd = checkpoint.read_checkpoint(spec)
+    name = os.path.basename(spec)
+    is_synthetic = sd.pop(checkpoint.SYNTHETIC_MARK, None) is not None
+    quant, pre = _file_quant(sd, name, quant, dtype)
+    return _Read(sd, name, is_synthetic, quant, pre)
+
+
+def _after_load(
+    model: RWKV7,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: str,
+    sparse_ffn: str,
+    quantizer: _Quantizer | None,
+) -> None:
+    """What follows the model's build: the FFN values' transposed copy where wanted (CUDA with
+    its kernels), the quantizer's totals logged, and a warning for 8-bit weights off CUDA."""
+    if device.type == "cuda" and model.kernel_ops() and sparse_wanted(quant, sparse_ffn, dtype, model.name):
+        _sparse_values(model, model.name)
     if quantizer is not None:
-        quantizer.log(name)
+        quantizer.log(model.name)
     if quant != "none" and device.type != "cuda":
         log.warning(
             "--quant %s on %s: the weights are smaller, but each product dequantizes its matrix "
@@ -89,8 +125,6 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32,
             quant,
             device,
         )
-    log.info("loaded %s (%s) on %s %s in %.1fs", name, shape.signature(), device, dtype, time.perf_counter() - t0)
-    return model
 
 
 def _file_quant(

@@ -103,19 +103,6 @@ class StateLane:
             self._remove(p, "task deleted")
         self._settle_idle()
 
-    def pending(self, task_id: str) -> bool:
-        cur = self._current
-        return task_id in self._items or (cur is not None and cur.task.id == task_id)
-
-    async def wait_written(self, task_id: str, timeout: float | None = None) -> None:
-        """Until the task has no state pending (written or dropped)."""
-
-        async def until() -> None:
-            while self.pending(task_id):
-                await asyncio.sleep(0.005)
-
-        await asyncio.wait_for(until(), timeout)
-
     async def idle(self) -> None:
         """Until nothing is pending (everything written or dropped)."""
         await self._idle.wait()

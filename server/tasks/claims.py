@@ -12,19 +12,24 @@ not be made (`drop_claim`). A claim row never names a state.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from server.tasks.schema import states, tasks
 
-if TYPE_CHECKING:
-    from server.tasks.store import Store
-
 log = logging.getLogger("server.tasks")
 FINISHED = 3
 _CHUNK = 500  # ids per IN (...) list
+
+
+class Writes(Protocol):
+    """What the claims need of the database (server.tasks.store.Store): its write transaction.
+    Typed here, not imported, as store.py imports this module."""
+
+    def write(self) -> AbstractAsyncContextManager[AsyncConnection]: ...
 
 
 def unmade() -> sa.ColumnElement[bool]:
@@ -41,7 +46,7 @@ async def drop_unmade(conn: AsyncConnection, ids: list[str]) -> None:
         await conn.execute(sa.delete(tasks).where(tasks.c.id.in_(ids[i : i + _CHUNK]), unmade()))
 
 
-async def settle_claim(store: Store, row: dict[str, Any], state: dict[str, Any] | None, instance: str) -> bool:
+async def settle_claim(store: Writes, row: dict[str, Any], state: dict[str, Any] | None, instance: str) -> bool:
     """One transaction: `state` inserted and `instance`'s claim of row["id"] replaced by `row`
     (the finished template). False, nothing written, when the claim is gone: this instance's
     lease had expired and a replica deleted it (the name may be another template's by now)."""
@@ -56,7 +61,7 @@ async def settle_claim(store: Store, row: dict[str, Any], state: dict[str, Any] 
         return True
 
 
-async def drop_claim(store: Store, task_id: str, instance: str) -> None:
+async def drop_claim(store: Writes, task_id: str, instance: str) -> None:
     """Delete `instance`'s claim of task_id (a template it could not make), never anything else:
     not a template a replica made under that name since this instance's lease expired."""
     async with store.write() as conn:

@@ -80,13 +80,7 @@ async def template_from_state(
     bad = next((t for t in pending if not 0 <= int(t) < tm.vocab_size), None)
     if bad is not None:
         raise TaskInvalid(f"pending token id {bad} is outside the vocabulary [0, {tm.vocab_size})", param="pending")
-    old = await _existing(tm, tid)
-    if old is not None:
-        if not (operator and old.parent_id == STATE_OPERATOR):
-            raise TaskConflict(f"template {tid!r} already exists; delete it first or pick another name", param="name")
-        await tm.delete(tid, None, force=True)  # the operator's file of an earlier start
-    if tid in tm.live:  # made meanwhile (the awaits above)
-        raise TaskConflict(f"template {tid!r} already exists", param="name")
+    await _name_free(tm, tid, operator)
     tpl = Task(
         id=tid,
         kind=TEMPLATE,
@@ -99,8 +93,30 @@ async def template_from_state(
         finish_reason="stop",
     )
     tpl.out.finish_reason = "stop"
-    tm.live[tid] = tpl  # reserves the id (no await since the check above)
-    sid = None
+    tm.live[tid] = tpl  # reserves the id (no await since _name_free's last check)
+    await _persist(tm, tpl, state)
+    tm.table.retire(tpl)  # its truth is its row now (another server may delete it)
+    return tpl
+
+
+async def _name_free(tm: TaskManager, tid: str, operator: bool) -> None:
+    """TaskConflict when the template tid exists, unless it is the operator's file of an
+    earlier start and `operator` loads it again: that one is deleted. Its last check reads the
+    live set, so the caller reserves tid there before its next await."""
+    old = await _existing(tm, tid)
+    if old is not None:
+        if not (operator and old.parent_id == STATE_OPERATOR):
+            raise TaskConflict(f"template {tid!r} already exists; delete it first or pick another name", param="name")
+        await tm.delete(tid, None, force=True)  # the operator's file of an earlier start
+    if tid in tm.live:  # made meanwhile (the awaits above)
+        raise TaskConflict(f"template {tid!r} already exists", param="name")
+
+
+async def _persist(tm: TaskManager, tpl: Task, state: State) -> None:
+    """Put tpl's state in the cache's template tier and insert its row and state in one
+    transaction, committed before the template is answered. On failure (TaskConflict when
+    another server of the database took the name meanwhile) tpl is forgotten, as never made."""
+    tid, sid = tpl.id, None
     try:
         # stored exact (never the fp16 storage dtype): this state is the template's only truth
         enc = await asyncio.to_thread(encode_state, state, tm.signature)
@@ -108,9 +124,9 @@ async def template_from_state(
         tpl.state_id, tpl.state_pos = sid, 0
         tm.cache.put(sid, state, template=True)  # the template tier: never evicted
         tpl.stored_id, tpl.stored_pos = sid, 0
-        p = tm.persistence  # row and state in one transaction, committed before it is answered;
-        # insert only: another server of the database may have taken the name meanwhile (the
-        # state row may be there already: that of a deleted template of the same file)
+        p = tm.persistence
+        # insert only: another server may have taken the name (the state row may be there
+        # already: that of a deleted template of the same file)
         if not await p.writer.call(p.store.insert_new, to_row(tpl), state_row(sid, tid, enc, True), fail_fast=True):
             raise TaskConflict(f"template {tid!r} already exists", param="name")
     except BaseException:
@@ -119,8 +135,6 @@ async def template_from_state(
         if sid is not None:
             tm.cache.discard(sid)
         raise
-    tm.table.retire(tpl)  # its truth is its row now (another server may delete it)
-    return tpl
 
 
 def state_id_of(tid: str, checksum: str) -> str:

@@ -13,9 +13,11 @@ A facade composed of collaborators, each given what it needs at construction:
     Lease        this server's instance row and heartbeat among replicas  (store)
     Access       which tasks a caller may see, and under which id  (below)
 
-A little over 300 lines: one short method per operation of the API, kept in one facade.
+Over 300 lines (docs/architecture.md says why): one short method per operation of the API,
+kept in one facade.
 Everything runs on the event loop (no locks needed); database work is async (aiosqlite threads)
-and state (de)serialization runs in worker threads. Stream events: streaming.py.
+and state (de)serialization runs in worker threads. Stream events: streaming.py (read by the
+routes directly).
 """
 
 from __future__ import annotations
@@ -26,11 +28,9 @@ import logging
 import re
 from array import array
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from server.engine.protocol import EngineAPI
-from server.tasks import streaming
 from server.tasks.access import Access
 from server.tasks.cache import StateCache
 from server.tasks.claims import drop_claim
@@ -110,6 +110,16 @@ class TaskManager:
         )
         self.writer = Writer(cfg.writer_queue)
         self.counters: Counter[str] = Counter(dict.fromkeys(TASK_EVENTS, 0))  # /metrics shows each from 0
+        self.persistence = self._persistence()
+        self.runs = self._runs(latency)
+        self.inventory = self._inventory()
+        self.access = Access(self.table, self.store, self.persistence, self.lease)
+        self.interrupted: list[str] = []
+
+    # the layers __init__ wires, each from the fields set before it
+    def _persistence(self) -> Persistence:
+        """The persistence layer over its state writes (store, writer, cache, table)."""
+        cfg = self.config
         states = StateWrites(
             self.store,
             self.writer,
@@ -121,34 +131,38 @@ class TaskManager:
             write_behind_bytes=cfg.write_behind_bytes,
             store_dtype=STORE_DTYPES[cfg.state_store_dtype],
         )
-        self.persistence = persistence = Persistence(
-            states, instance=self.instance, url_of=self.lease.url_of, decode=tokenizer.decode
-        )
-        self.runs = Runs(
-            engine,
+        return Persistence(states, instance=self.instance, url_of=self.lease.url_of, decode=self.tokenizer.decode)
+
+    def _runs(self, latency: LatencyFactory | None) -> Runs:
+        """The engine submissions (engine, table, persistence, cache)."""
+        cfg = self.config
+        return Runs(
+            self.engine,
             self.table,
-            persistence,
+            self.persistence,
             self.cache,
             self.counters,
             default_max_tokens=cfg.default_max_tokens,
             max_tokens_limit=cfg.max_tokens_limit,
             latency=latency,
             instance=self.instance,
-            token_bytes=tokenizer.decode_bytes,
+            token_bytes=self.tokenizer.decode_bytes,
         )
-        self.inventory = Inventory(
+
+    def _inventory(self) -> Inventory:
+        """List, stats and the TMP_ janitor (table, store, cache; the persistence's figures)."""
+        persistence = self.persistence
+        return Inventory(
             self.table,
             self.store,
             self.cache,
             self.counters,
-            tmp_task_ttl=cfg.tmp_task_ttl,
+            tmp_task_ttl=self.config.tmp_task_ttl,
             db_state_bytes=lambda: persistence.db_state_bytes,
             db_state_entries=lambda: persistence.db_state_entries,
             writer_backlog=self.writer.queue.qsize,
             lane=persistence.lane.stats,
         )
-        self.access = Access(self.table, self.store, persistence, self.lease)
-        self.interrupted: list[str] = []
 
     @property
     def db_state_bytes(self) -> int:
@@ -448,10 +462,6 @@ class TaskManager:
         t = await self.get(task_id, owner)
         await _wait_done(t, timeout)
         return t
-
-    def stream(self, t: Task, pos: int = 0, ping: float = 15.0) -> AsyncIterator[Any]:
-        """Stream events of t from token index pos (see streaming.events)."""
-        return streaming.events(t, pos, ping=ping)
 
     # --- inventory -------------------------------------------------------------------------------
     async def list(

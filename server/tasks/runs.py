@@ -33,7 +33,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from server.engine.protocol import EngineAPI
-from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Event, Result
+from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Event, Result, SamplingParams
 from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory
 from server.tasks.lead import continued
@@ -161,18 +161,9 @@ class Runs:
         self.table.unclaim(t, new)
 
     async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None, holder: str | None) -> Run:
-        sp = sampling_params(t.params, self.default_max_tokens)
-        if max_tokens is not None:
-            sp = replace(sp, max_tokens=max_tokens)
-        elif self.max_tokens_limit and sp.max_tokens > self.max_tokens_limit:
-            sp = replace(sp, max_tokens=self.max_tokens_limit)  # inherited from before a lower limit
-        if t.params.get("hidden_lead") and (prompt_ids is not None or not t.out.text.strip()):
-            sp = replace(sp, hidden_lead=True)  # (a new prompt starts a new output)
-        back = 0  # characters of the output's text the run takes back (lead.continued)
-        if prompt_ids is None and self.token_bytes is not None:
-            lead, back = continued(t, sp.stop, self.token_bytes)
-            if lead is not None:
-                sp = replace(sp, lead=lead)
+        """Submit t's run (its starting state resolved, its input cut from its history) and make
+        it the task's (_begin). On failure the resolved state is released (start restores t)."""
+        sp, back = self._run_params(t, prompt_ids, max_tokens)
         state, pos, key = await self.persistence.resolve_state(t, holder)
         try:
             hist = t.tokens + array("i", prompt_ids or ())
@@ -203,8 +194,32 @@ class Runs:
         except BaseException:
             self.persistence.release(key)
             raise
+        self._begin(t, run, prompt_ids, rebuilt, back)
+        return run
+
+    def _run_params(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> tuple[SamplingParams, int]:
+        """(the run's sampling parameters, the characters of the output's text it takes back):
+        t's stored parameters with this call's max_tokens (else the server's cap), the hidden
+        lead where asked, and a continue's lead (lead.continued)."""
+        sp = sampling_params(t.params, self.default_max_tokens)
+        if max_tokens is not None:
+            sp = replace(sp, max_tokens=max_tokens)
+        elif self.max_tokens_limit and sp.max_tokens > self.max_tokens_limit:
+            sp = replace(sp, max_tokens=self.max_tokens_limit)  # inherited from before a lower limit
+        if t.params.get("hidden_lead") and (prompt_ids is not None or not t.out.text.strip()):
+            sp = replace(sp, hidden_lead=True)  # (a new prompt starts a new output)
+        back = 0
+        if prompt_ids is None and self.token_bytes is not None:
+            lead, back = continued(t, sp.stop, self.token_bytes)
+            if lead is not None:
+                sp = replace(sp, lead=lead)
+        return sp, back
+
+    def _begin(self, t: Task, run: Run, prompt_ids: list[int] | None, rebuilt: int, back: int) -> None:
+        """After the submit: count the run, and make it t's (a new prompt starts a new output; a
+        continue's output takes `back` characters back and grows)."""
         self.counters["runs"] += 1
-        self.counters["prefill_tokens"] += len(inp)
+        self.counters["prefill_tokens"] += run.n_input
         if rebuilt > 0:
             self.counters["rebuilds"] += 1
             self.counters["rebuild_tokens"] += rebuilt
@@ -220,9 +235,8 @@ class Runs:
             t.prefill_time = 0.0
         t.finish_reason, t.stop_requested, t.interrupted, t.run = None, False, False, run
         t.instance = self.instance
-        t.prompt_tokens, t.completion_tokens = len(inp), len(t.out)
+        t.prompt_tokens, t.completion_tokens = run.n_input, len(t.out)
         t.updated_at = time.time()
-        return run
 
     def _engine_full(self) -> bool:
         """True when the new run has to wait for a slot (status READY), else PREFILL: the

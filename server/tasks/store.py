@@ -43,6 +43,24 @@ _CHUNK = 500  # ids per IN (...) list
 FINISHED = 3
 
 
+LIST_COLUMNS = (
+    tasks.c.id,
+    tasks.c.kind,
+    tasks.c.status,
+    tasks.c.finish_reason,
+    tasks.c.created_at,
+    tasks.c.updated_at,
+    tasks.c.parent_id,
+    tasks.c.completion_tokens,
+    tasks.c.state_id,
+    tasks.c.instance,
+    tasks.c.public,
+    tasks.c.state_pos,
+    tasks.c.owner,
+)
+"""The columns of Store.list_tasks' rows (beside `prompt_head`): a list's fields, never the prompt."""
+
+
 class TagTaken(Exception):
     """A row's tag is another row's of the same owner (ux_tasks_named): nothing was written."""
 
@@ -252,49 +270,16 @@ class Store(Database):
         refuses them). Each row's `prompt_head` is the start of its prompt, its whole text when
         shorter: at least its first `head` characters (PostgreSQL), or its first 4 * `head` bytes
         of UTF-8 (SQLite, whose substr() of text stops at a NUL; the last character may be cut)."""
-        prompt = tasks.c.prompt
-        cols = [
-            tasks.c.id,
-            tasks.c.kind,
-            tasks.c.status,
-            tasks.c.finish_reason,
-            tasks.c.created_at,
-            tasks.c.updated_at,
-            tasks.c.parent_id,
-            tasks.c.completion_tokens,
-            tasks.c.state_id,
-            tasks.c.instance,
-            tasks.c.public,
-            tasks.c.state_pos,
-            tasks.c.owner,
-        ]
         cond = [~unmade()] + ([] if all_owners else [listable(owner)])  # a claim is no template yet
         if kind:
             cond.append(tasks.c.kind == kind)
         async with self.read() as conn:
             pg = conn.dialect.name == "postgresql"
-            text = lambda value: sa.literal(value, sa.Text())  # a plain bound parameter
-            head_col: sa.ColumnElement[Any]
-            if pg:  # an escaped prompt (schema._PgNulSafe) takes up to 2 characters for 1; its type decodes them
-                head_col = sa.func.substr(prompt, 1, 2 * head + 1, type_=prompt.type)
-            else:  # the bytes of a blob, as SQLite's substr() of text stops at a NUL
-                head_col = sa.func.substr(sa.cast(prompt, sa.LargeBinary), 1, 4 * head, type_=sa.LargeBinary)
             if prompt_contains is not None:
-                needle = text(ascii_lower(prompt_contains))
-                if pg:
-                    # a prompt holding a NUL, or starting with U+FFFF, is stored escaped: U+FFFF,
-                    # then U+FFFF "0" for each NUL and U+FFFF "1" for each U+FFFF; such a prompt is
-                    # searched with each escape read as one U+FFFF, which a needle never holds.
-                    # translate(): ASCII letters only, as SQLite's lower() (PostgreSQL's follows the locale)
-                    mark = text("\uffff")
-                    collapsed = sa.func.regexp_replace(sa.func.substr(prompt, 2), text("\uffff[01]"), mark, "g")
-                    searched = sa.case((sa.func.substr(prompt, 1, 1) == mark, collapsed), else_=prompt)
-                    cond.append(sa.func.strpos(sa.func.translate(searched, UPPER, LOWER), needle) > 0)
-                else:  # lower(): ASCII letters only
-                    cond.append(sa.func.instr(sa.func.lower(prompt), needle) > 0)
+                cond.append(_prompt_search(prompt_contains, pg))
             total = (await conn.execute(sa.select(sa.func.count()).select_from(tasks).where(*cond))).scalar_one()
             q = (
-                sa.select(*cols, head_col.label("prompt_head"))
+                sa.select(*LIST_COLUMNS, _prompt_head(head, pg).label("prompt_head"))
                 .where(*cond)
                 .order_by(tasks.c.created_at.desc(), tasks.c.id)
                 .limit(limit)
@@ -422,6 +407,37 @@ class Store(Database):
             n_tasks = (await conn.execute(sa.select(sa.func.count()).select_from(tasks))).scalar_one()
             n_states = (await conn.execute(sa.select(sa.func.count()).select_from(states))).scalar_one()
         return {"tasks": int(n_tasks), "states": int(n_states)}
+
+
+def _prompt_head(head: int, pg: bool) -> sa.ColumnElement[Any]:
+    """list_tasks' `prompt_head` column: the start of each row's prompt (see list_tasks)."""
+    prompt = tasks.c.prompt
+    if pg:  # an escaped prompt (schema._PgNulSafe) takes up to 2 characters for 1; its type decodes them
+        return sa.func.substr(prompt, 1, 2 * head + 1, type_=prompt.type)
+    # the bytes of a blob, as SQLite's substr() of text stops at a NUL
+    return sa.func.substr(sa.cast(prompt, sa.LargeBinary), 1, 4 * head, type_=sa.LargeBinary)
+
+
+def _prompt_search(contains: str, pg: bool) -> sa.ColumnElement[bool]:
+    """list_tasks' condition: the prompt contains `contains`, ASCII letters of either case alike
+    (ascii_lower), `contains` bound as a plain parameter (never a LIKE pattern)."""
+    prompt = tasks.c.prompt
+    needle = _text(ascii_lower(contains))
+    if not pg:  # lower(): ASCII letters only
+        return sa.func.instr(sa.func.lower(prompt), needle) > 0
+    # a prompt holding a NUL, or starting with U+FFFF, is stored escaped: U+FFFF, then U+FFFF "0"
+    # for each NUL and U+FFFF "1" for each U+FFFF; such a prompt is searched with each escape read
+    # as one U+FFFF, which a needle never holds.
+    # translate(): ASCII letters only, as SQLite's lower() (PostgreSQL's follows the locale)
+    mark = _text("\uffff")
+    collapsed = sa.func.regexp_replace(sa.func.substr(prompt, 2), _text("\uffff[01]"), mark, "g")
+    searched = sa.case((sa.func.substr(prompt, 1, 1) == mark, collapsed), else_=prompt)
+    return sa.func.strpos(sa.func.translate(searched, UPPER, LOWER), needle) > 0
+
+
+def _text(value: str) -> sa.BindParameter[str]:
+    """`value` as a plain bound parameter of type Text."""
+    return sa.literal(value, sa.Text())
 
 
 def listable(owner: str | None) -> sa.ColumnElement[bool]:
