@@ -65,6 +65,7 @@ SIGNATURES: dict[str, list[str]] = {
     "pdl_mode": [I],
     # sampler.cu: logits, lg_stride, penalty, pen_stride, seen, seen_stride, fparams, iparams,
     # positions, commit, greedy_only, B, V, out, dbg, lg_dt (0 fp32, 1 fp16, 2 bf16), cl (cluster
-    # size for V <= 65536: 4 or 3, 0 = by batch), stream (returns -2 = V, dtype or cl not covered)
+    # size for V <= 65536: 4 or 3, 0 = by batch), stream (returns -2 = V, dtype or cl not covered);
+    # fparams' and iparams' columns: server.model.cuda_sampler.KERNEL_FPARAMS / KERNEL_IPARAMS
     "sampler_step": [P, LL, P, LL, P, LL, P, P, P, P, I, I, I, P, P, I, I, P],
 }

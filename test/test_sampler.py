@@ -4,6 +4,8 @@ randoms, penalties, batch invariance, and the CPU candidate shortcut."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,3 +294,75 @@ def test_clamped_weights_past_2_63_keep_exact_sums(monkeypatch):
         t = math.floor(float(total) * py_uniform(prm.seed, int(q)))
         want.append(0 if t < 2**46 else 1 + (t - 2**46) // w1)  # the first cumulative sum > t
     assert tok.tolist() == want
+
+
+# --- the parameter columns: one layout, the kernel's ----------------------------------------------
+_KERNEL_NAMES = {"T": "temperature", "top_p": "top_p", "decay": "penalty_decay", "top_k": "top_k", "seed": "seed"}
+"""kernels/sampler.cu's local names of the parameters it reads by column."""
+
+
+def kernel_columns(array: str) -> dict[str, int]:
+    """{SamplingParams name: column} of what kernels/sampler.cu reads from a.<array>, and each
+    read's row stride as "stride" (one value, else the test fails)."""
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "sampler.cu").read_text()
+    strides = set(re.findall(rf"a\.{array}\[row \* (\d+) \+ \d+\]", src))
+    assert len(strides) == 1, strides
+    cols = {_KERNEL_NAMES[n]: int(k) for n, k in re.findall(rf"\b(\w+) = a\.{array}\[row \* \d+ \+ (\d+)\]", src)}
+    # the penalty update: repetition if the token was seen, else presence
+    was = re.search(rf"was \? a\.{array}\[row \* \d+ \+ (\d+)\] : a\.{array}\[row \* \d+ \+ (\d+)\]", src)
+    if was:
+        cols.update(repetition_penalty=int(was.group(1)), presence_penalty=int(was.group(2)))
+    return {**cols, "stride": int(strides.pop())}
+
+
+def test_the_sampler_columns_are_the_kernels():
+    """FPARAMS / IPARAMS (how the sampler builds and reads its parameter tensors) equal the
+    kernel's layout constants, and those say what kernels/sampler.cu reads at each column."""
+    from server.model.cuda_sampler import KERNEL_FPARAMS, KERNEL_IPARAMS
+
+    assert S.FPARAMS == KERNEL_FPARAMS and S.IPARAMS == KERNEL_IPARAMS
+    for array, layout in (("fparams", KERNEL_FPARAMS), ("iparams", KERNEL_IPARAMS)):
+        assert kernel_columns(array) == {**{n: k for k, n in enumerate(layout)}, "stride": len(layout)}
+
+
+def test_reset_writes_each_parameter_in_its_named_column():
+    p = SamplingParams(temperature=0.25, top_p=0.5, top_k=7, presence_penalty=1.5, repetition_penalty=2.5,
+                       penalty_decay=0.75)  # fmt: skip
+    s = slots_for([p], 4)
+    assert s.fparams[0].tolist() == [getattr(p, n) for n in S.FPARAMS]
+    assert s.iparams[0, S.IPARAMS.index("top_k")] == 7 and s.iparams[0, S.IPARAMS.index("seed")] == 0
+
+
+@pytest.mark.parametrize("what", ["fparams order", "iparams order"])
+def test_a_layout_the_kernel_does_not_read_raises(what, monkeypatch):
+    """Columns in another order than the kernel's are a programming error (ValueError naming both
+    layouts), not a reason to fall back to the torch sampler."""
+    from server.model.cuda_sampler import KERNEL_FPARAMS, KERNEL_IPARAMS
+
+    S.check_kernel_layout(KERNEL_FPARAMS, KERNEL_IPARAMS)  # the real layouts agree
+    if what == "fparams order":
+        monkeypatch.setattr(S, "FPARAMS", S.FPARAMS[1::-1] + S.FPARAMS[2:])
+    else:
+        monkeypatch.setattr(S, "IPARAMS", S.IPARAMS[::-1])
+    with pytest.raises(ValueError, match="KERNEL_") as e:
+        S.check_kernel_layout(KERNEL_FPARAMS, KERNEL_IPARAMS)
+    ours, kernel = (S.FPARAMS, KERNEL_FPARAMS) if what[0] == "f" else (S.IPARAMS, KERNEL_IPARAMS)
+    assert str(ours) in str(e.value) and str(kernel) in str(e.value)
+
+
+@pytest.mark.parametrize("what", ["fparams", "iparams"])
+def test_fused_sample_raises_on_a_width_the_kernel_does_not_read(what):
+    """A parameter tensor one column wider than the kernel reads: ValueError before anything
+    needs a GPU (it was a silent fallback to the torch sampler)."""
+    from server.model import cuda_sampler
+
+    B, V = 2, 8
+    fp, ip = torch.zeros(B, len(S.FPARAMS)), torch.zeros(B, len(S.IPARAMS), dtype=torch.long)
+    if what == "fparams":
+        fp = torch.zeros(B, len(S.FPARAMS) + 1)
+    else:
+        ip = torch.zeros(B, len(S.IPARAMS) + 1, dtype=torch.long)
+    zeros = torch.zeros(B, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"KERNEL_{what[0].upper()}PARAMS"):
+        cuda_sampler.fused_sample(torch.zeros(B, V), torch.zeros(B, V), torch.zeros(B, V, dtype=torch.bool), fp, ip,
+                                  zeros, zeros.bool())  # fmt: skip

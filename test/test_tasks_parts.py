@@ -9,14 +9,17 @@ import subprocess
 import sys
 from array import array
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from task_fakes import VOCAB, FakeEngine, FakeShape, FakeTokenizer, consumed, counted_state
 
-from server.engine.types import STOP, SamplingParams
+from server.engine import types
+from server.engine.types import FIELD_KINDS, FIELDS, STOP, SamplingParams, field_kinds
 from server.tasks import TaskConfig, TaskConflict, TaskInvalid, TaskManager
 from server.tasks.cache import StateCache
+from server.tasks import params
 from server.tasks.params import clean_params
 from server.tasks.persist import Outcome, Persistence, SettleJob
 from server.tasks.statewrites import StateWrites
@@ -90,6 +93,62 @@ def test_clean_params_keeps_the_stored_form_and_names_a_bad_field():
             clean_params(bad, 100)
         assert e.value.param == field, (bad, e.value.message)
 
+
+
+def test_task_params_take_a_new_fields_type_from_the_one_definition(monkeypatch):
+    """A field a newcomer adds to SamplingParams (its type), LIMITS and FIELDS is checked by the
+    task layer with that type: the task layer keeps no type table of its own (it once answered
+    a new float field with "has the wrong type")."""
+
+    @dataclass(frozen=True)
+    class WithMinP(SamplingParams):
+        min_p: float = 0.0
+
+    fields = (*FIELDS, "min_p")
+    for name, kind in field_kinds(WithMinP, fields).items():  # what types.py derives at import
+        monkeypatch.setitem(types.FIELD_KINDS, name, kind)
+    monkeypatch.setattr(params, "FIELDS", fields)  # the names as the task module imported them
+    monkeypatch.setitem(types.LIMITS, "min_p", (0.0, 1.0))
+    assert clean_params({"min_p": 0.1, "top_k": 2}, 100) == {"min_p": 0.1, "top_k": 2}
+    assert clean_params({"min_p": 1}, 100) == {"min_p": 1}  # an integer is a float, stored as given
+    for bad, why in (({"min_p": "0.1"}, "wrong type"), ({"min_p": True}, "wrong type"), ({"min_p": 2.0}, "outside")):
+        with pytest.raises(TaskInvalid) as e:
+            clean_params(bad, 100)
+        assert e.value.param == "min_p" and why in e.value.message, (bad, e.value.message)
+
+
+def test_a_field_without_a_kind_is_an_error_not_a_token_id_list(monkeypatch):
+    """A name the type table lacks is a programming error, never checked as stop_token_ids."""
+    from server.tasks.params import _typed
+
+    with pytest.raises(LookupError, match="min_p"):
+        _typed("min_p", 0.1)
+    with pytest.raises(TypeError, match="min_p"):
+        field_kinds(SamplingParams, ("min_p",))  # FIELDS naming a field SamplingParams lacks fails the import
+    assert set(types._JSON_KINDS.values()) == set(params._KINDS)  # every kind has its check
+
+
+def test_every_field_has_one_json_type_on_both_route_families():
+    """The task layer's check (types.FIELD_KINDS, from SamplingParams) accepts a JSON value's type
+    exactly where the request bodies' SamplingFields does (values inside every field's bounds)."""
+    from pydantic import ValidationError
+
+    from server.api.sampling import SamplingFields
+
+    assert tuple(FIELD_KINDS) == FIELDS and set(FIELDS) <= set(SamplingFields.model_fields)
+    for name in FIELDS:
+        for value in (1, 0.5, True, "x", ["x"], [1], [True]):
+            try:
+                SamplingFields(**{name: value})
+                api = True
+            except ValidationError:
+                api = False
+            try:
+                clean_params({name: value}, 100)
+                task = True
+            except TaskInvalid:
+                task = False
+            assert api == task, (name, value, api, task)
 
 # --- Persistence on SQLite, no engine -------------------------------------------------------------
 class Parts:

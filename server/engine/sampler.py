@@ -89,6 +89,23 @@ def uniform(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return _srl(z, 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
+FPARAMS = ("temperature", "top_p", "presence_penalty", "repetition_penalty", "penalty_decay")
+"""The per-slot float32 parameters' columns: SamplingParams' names in the fused kernel's order
+(cuda_sampler.KERNEL_FPARAMS; check_kernel_layout). Columns are indexed by name (_F)."""
+IPARAMS = ("top_k", "seed")
+"""The int64 ones, likewise (KERNEL_IPARAMS); `seed`: SamplingParams.seed or the engine's draw."""
+_F = {name: i for i, name in enumerate(FPARAMS)}
+_I = {name: i for i, name in enumerate(IPARAMS)}
+
+
+def check_kernel_layout(kernel_f: Sequence[str], kernel_i: Sequence[str]) -> None:
+    """ValueError naming both layouts when FPARAMS / IPARAMS are not the CUDA sampler's columns:
+    a programming error (the kernel would read the wrong parameter), never a silent fallback."""
+    for what, ours, kernel in (("FPARAMS", FPARAMS, kernel_f), ("IPARAMS", IPARAMS, kernel_i)):
+        if tuple(ours) != tuple(kernel):
+            raise ValueError(f"sampler.{what} {ours} is not kernels/sampler.cu's {tuple(kernel)} (KERNEL_{what})")
+
+
 CANDIDATES = (1024, 8192)
 """Candidate counts: the first is the static fast path (also inside CUDA graphs); rows that
 overflow it are retried with the next counts, then with a stable full sort (same result).
@@ -103,15 +120,14 @@ class SamplerSlots:
     def __init__(self, slots: int, vocab: int, device: torch.device | str):
         self.penalty = torch.zeros(slots, vocab, dtype=torch.float32, device=device)  # (S, V)
         self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device)  # (S, V)
-        # temperature, top_p, presence, repetition, decay
-        self.fparams = torch.zeros(slots, 5, dtype=torch.float32, device=device)  # (S, 5)
-        self.iparams = torch.zeros(slots, 2, dtype=torch.long, device=device)  # (S, 2) top_k, seed
+        self.fparams = torch.zeros(slots, len(FPARAMS), dtype=torch.float32, device=device)  # (S, 5) FPARAMS
+        self.iparams = torch.zeros(slots, len(IPARAMS), dtype=torch.long, device=device)  # (S, 2) IPARAMS
         self.device = torch.device(device)
 
     def reset(self, slots: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int]) -> None:
         idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        f = [[p.temperature, p.top_p, p.presence_penalty, p.repetition_penalty, p.penalty_decay] for p in params]
-        i = [[p.top_k, _s64(s)] for p, s in zip(params, seeds)]
+        f = [[getattr(p, name) for name in FPARAMS] for p in params]
+        i = [[_s64(s) if name == "seed" else getattr(p, name) for name in IPARAMS] for p, s in zip(params, seeds)]
         self.fparams.index_copy_(0, idx, torch.tensor(f, dtype=torch.float32).to(self.device))
         self.iparams.index_copy_(0, idx, torch.tensor(i, dtype=torch.long).to(self.device))
         self.penalty.index_fill_(0, idx, 0.0)
@@ -140,6 +156,7 @@ class SamplerSlots:
         if logits.is_cuda:
             from server.model import cuda_sampler  # deferred: no kernel build at import
 
+            check_kernel_layout(cuda_sampler.KERNEL_FPARAMS, cuda_sampler.KERNEL_IPARAMS)
             tok = cuda_sampler.fused_sample(logits, *args, positions, commit, greedy_only)
             if tok is not None:
                 return tok
@@ -167,8 +184,8 @@ def sample(
     logits: torch.Tensor,  # (B, V) fp32
     penalty: torch.Tensor,  # (B, V) fp32, updated in place
     seen: torch.Tensor,  # (B, V) bool, updated in place
-    fparams: torch.Tensor,  # (B, 5) temperature, top_p, presence, repetition, decay
-    iparams: torch.Tensor,  # (B, 2) top_k, seed
+    fparams: torch.Tensor,  # (B, 5) columns FPARAMS
+    iparams: torch.Tensor,  # (B, 2) columns IPARAMS
     positions: torch.Tensor,  # (B,) long
     commit: torch.Tensor,  # (B,) bool: rows whose token is real (penalties update)
     greedy_only: bool = False,
@@ -217,8 +234,8 @@ def _pick(z, sp, si, fparams, iparams, pos) -> tuple[torch.Tensor, torch.Tensor]
     """Sample from the canonically sorted probabilities sp (B, K) of tokens si; also flag rows
     whose kept set may reach tokens outside the K candidates (ties with sp[:, -1]; K < V)."""
     K = sp.shape[1]
-    temp, top_p = fparams[:, 0], fparams[:, 1]  # (B,)
-    top_k, seed = iparams[:, 0], iparams[:, 1]  # (B,)
+    temp, top_p = fparams[:, _F["temperature"]], fparams[:, _F["top_p"]]  # (B,)
+    top_k, seed = iparams[:, _I["top_k"]], iparams[:, _I["seed"]]  # (B,)
     cum = sp.cumsum(dim=-1)  # (B, K)
     m = (cum < top_p[:, None]).sum(-1)  # (B,) rank of the top-p cutoff
     cutoff = sp.gather(1, m.clamp(max=K - 1)[:, None])  # (B, 1)
@@ -273,7 +290,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 def _update_penalty(
     penalty: torch.Tensor, seen: torch.Tensor, tok: torch.Tensor, fparams: torch.Tensor, commit: torch.Tensor
 ) -> None:
-    presence, repetition, decay = fparams[:, 2], fparams[:, 3], fparams[:, 4]  # (B,)
+    presence, repetition = fparams[:, _F["presence_penalty"]], fparams[:, _F["repetition_penalty"]]  # (B,)
+    decay = fparams[:, _F["penalty_decay"]]  # (B,)
     penalty.mul_(torch.where(commit, decay, torch.ones_like(decay))[:, None])  # (B, V)
     t = tok[:, None]  # (B, 1)
     was_seen = seen.gather(1, t).squeeze(1)  # (B,)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 if TYPE_CHECKING:  # (imports torch at run time)
     from server.model.state import State
@@ -58,7 +58,10 @@ FIELDS = (
     "stop_token_ids",
     "ignore_eos",
 )
-"""The names of SamplingParams' fields as requests and stored task parameters spell them."""
+"""The names of SamplingParams' fields as requests and stored task parameters spell them. A new
+sampling field: its name here, its type and default on SamplingParams (the one type table:
+FIELD_KINDS is derived from it), its bounds in LIMITS, its line in SamplingParams.from_fields and
+in server.api.sampling.SamplingFields (test_tasks_parts checks that one agrees)."""
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf", "structural_tag", "any_of")
@@ -244,6 +247,41 @@ class SamplingParams:
             stop_token_ids=tuple(int(t) for t in get("stop_token_ids", ())),
             ignore_eos=bool(get("ignore_eos", False)),
         )
+
+
+_JSON_KINDS: dict[Any, str] = {
+    int: "int",
+    int | None: "int",
+    float: "float",
+    bool: "bool",
+    tuple[str, ...]: "texts",
+    tuple[int, ...]: "token_ids",
+}
+"""The JSON kind of each SamplingParams field type a FIELDS name may have: int (an integer, never a
+bool), float (an integer or a float, never a bool), bool, texts (a string or a list of strings:
+stop strings), token_ids (a list of integers). The task layer checks stored parameters by kind
+(server.tasks.params); a new type needs its kind here and there."""
+
+
+def field_kinds(cls: type = SamplingParams, names: Sequence[str] = FIELDS) -> dict[str, str]:
+    """{name: JSON kind} of the fields `names` of the dataclass cls, read from its field types (so
+    a field's type is written once, on SamplingParams); TypeError naming a name that is not a
+    field of cls or whose type has no kind in _JSON_KINDS."""
+    hints = get_type_hints(cls)
+    out = {}
+    for name in names:
+        if name not in hints:
+            raise TypeError(f"sampling field {name!r} is not a field of {cls.__name__}")
+        kind = _JSON_KINDS.get(hints[name])
+        if kind is None:
+            raise TypeError(f"sampling field {name!r}: its type {hints[name]} has no JSON kind (types._JSON_KINDS)")
+        out[name] = kind
+    return out
+
+
+FIELD_KINDS = field_kinds()
+"""The JSON kind of each FIELDS name, in FIELDS' order (derived at import: a FIELDS name that is
+not a SamplingParams field, or of a type without a kind, fails the import)."""
 
 
 def check_fields(fields: dict[str, Any], vocab_size: int) -> None:

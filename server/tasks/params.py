@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from server.engine.types import FIELDS, GrammarSpec, SamplingParams, check_fields
+from server.engine.types import FIELD_KINDS, FIELDS, GrammarSpec, SamplingParams, check_fields
 from server.tasks.errors import TaskInvalid
 
 PARAM_KEYS = (*FIELDS, "response_format", "grammar", "hidden_lead", "meta")
@@ -47,18 +47,17 @@ _DEFINITIONS = ("$defs", "definitions")
 _FORMAT_KEYS = {"type"}
 _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 """OpenAI's json_schema object (also the flat form's keys beside "type")."""
-_INTS = ("max_tokens", "top_k", "seed")
-_FLOATS = ("temperature", "top_p", "presence_penalty", "repetition_penalty", "penalty_decay")
 _FIELD_IN_MESSAGE = re.compile(r"'(\w+)'")
 
 
 def clean_params(raw: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     """The known, explicitly given (non-None) parameters, JSON-ready; TaskInvalid (naming the
-    field) for a value of the wrong type or outside the bounds (types.LIMITS, check_fields).
+    field) for a value of the wrong type (types.FIELD_KINDS: SamplingParams' field types) or
+    outside the bounds (types.LIMITS, check_fields).
     The HTTP schema checks the same bounds; this guards the callers that bypass it (the
     in-process API), so bad parameters never reach the engine or the store."""
     out: dict[str, Any] = {}
-    for k in FIELDS:
+    for k in FIELD_KINDS:  # FIELDS' names
         v = raw.get(k)
         if v is None:
             continue
@@ -131,23 +130,45 @@ def grammar_fields(spec: GrammarSpec | None) -> dict[str, str]:
 
 
 def _typed(k: str, v: Any) -> Any:
-    """v as field k's JSON type (ints stay ints for the float fields: the stored form is the
-    caller's); TaskInvalid when it is not one."""
-    if k in _INTS:
-        ok = isinstance(v, int) and not isinstance(v, bool)
-    elif k in _FLOATS:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    elif k == "ignore_eos":
-        ok = isinstance(v, bool)
-    elif k == "stop":
-        v = [v] if isinstance(v, str) else list(v) if isinstance(v, (list, tuple)) else v
-        ok = isinstance(v, list) and all(isinstance(s, str) for s in v)
-    else:  # stop_token_ids
-        v = list(v) if isinstance(v, (list, tuple)) else v
-        ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-    if not ok:
+    """v in field k's stored form (ints stay ints for the float fields: the stored form is the
+    caller's; a stop string becomes a list of one); TaskInvalid when it is not of k's JSON kind
+    (types.FIELD_KINDS, from SamplingParams' field types). A name without a kind is a programming
+    error (LookupError), never checked as another field's kind."""
+    kind = FIELD_KINDS.get(k)
+    if kind is None:
+        raise LookupError(f"{k!r} is not a sampling field (server.engine.types.FIELD_KINDS)")
+    if kind not in _KINDS:
+        raise LookupError(f"sampling field {k!r}: its JSON kind {kind!r} has no check in params._KINDS")
+    form, ok = _KINDS[kind]
+    v = form(v)
+    if not ok(v):
         raise TaskInvalid(f"invalid '{k}': {v!r} has the wrong type", param=k)
     return v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _as_list(v: Any) -> Any:
+    """A list or tuple as a list (anything else as it is: its check refuses it)."""
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _as_texts(v: Any) -> Any:
+    """Stop strings as a list (one string: a list of one)."""
+    return [v] if isinstance(v, str) else _as_list(v)
+
+
+_KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool]]] = {
+    "int": (lambda v: v, _is_int),
+    "float": (lambda v: v, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "bool": (lambda v: v, lambda v: isinstance(v, bool)),
+    "texts": (_as_texts, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v)),
+    "token_ids": (_as_list, lambda v: isinstance(v, list) and all(_is_int(x) for x in v)),
+}
+"""Each JSON kind of types._JSON_KINDS: (the stored form of a given value, whether that form is
+of the kind)."""
 
 
 def sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
