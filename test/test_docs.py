@@ -10,6 +10,8 @@
   with its type, in docs/deployment.md's "Metrics" tables, and every row there is exported.
 - docs/architecture.md's "Files over 300 lines" names every code file of server/ and kernels/
   over 300 lines, and only those, each with a count (~N) within 10% of its `wc -l`.
+- docs/architecture.md's "Module map" names every .py module of server/ and kernels/ (the
+  packages' `__init__.py` files aside), and only modules that exist.
 """
 
 from __future__ import annotations
@@ -302,3 +304,32 @@ def test_long_file_reader() -> None:
             "## Next\n- `f.py` (~900)\n")
     assert listed_long_files(text) == {"a/b.py": 310, "c.cu": 420}
     assert stale_counts({"a/b.py": 310, "c.cu": 420}, {"a/b.py": 340, "c.cu": 470}) == ["c.cu (~420, wc -l 470)"]
+
+
+# --- "Module map" in docs/architecture.md ------------------------------------------------------
+_MAPPED = re.compile(r"`((?:server|kernels)/[\w/.-]+\.py)`")
+
+
+def mapped_modules(text: str) -> set[str]:
+    """The .py paths of server/ and kernels/ named (in backticks) in the "## Module map" section."""
+    head = re.search(r"^## Module map$", text, re.M)
+    assert head is not None, "no '## Module map' section"
+    end = text.find("\n## ", head.end())
+    return set(_MAPPED.findall(text[head.end():] if end < 0 else text[head.end():end]))
+
+
+def test_every_module_is_in_the_module_map() -> None:
+    """Every .py module of server/ (and of kernels/, the loader) is named in docs/architecture.md's
+    module map, and every module named there exists. The map has one row per module; the
+    packages' `__init__.py` files are described together below it, so they are not counted."""
+    mapped = mapped_modules(ARCH_DOC.read_text(encoding="utf-8"))
+    modules = set()
+    for path in repo_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(CODE_DIRS) and path.suffix == ".py" and path.name != "__init__.py":
+            modules.add(rel)
+    assert "server/engine/engine.py" in modules, "the module finder finds no module"
+    missing = sorted(modules - mapped)
+    assert not missing, f"modules missing from docs/architecture.md's module map: {missing}"
+    gone = sorted(mapped - modules)
+    assert not gone, f"docs/architecture.md's module map names modules that do not exist: {gone}"

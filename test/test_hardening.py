@@ -1,6 +1,8 @@
-"""What a fuzzer and an attacker found (issue 20), each against a real server: bad input is
-refused before anything is submitted or stored, nothing is left running or half-created, and
-the server keeps serving. Every test here failed on the code before the fixes."""
+"""Hostile and malformed input against a real server: bad stop rules, lone surrogates, bodies that
+do not parse or nest deeply, limits (max_tokens, list bounds, the queue, connections, half-open
+connections), another key's templates, failures after submission, bounded state bytes and two
+servers on one SQLite file. Each is refused before anything is submitted or stored (or ends
+cleanly), nothing is left running or half-created, and the server keeps serving."""
 
 from __future__ import annotations
 

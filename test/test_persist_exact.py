@@ -1,8 +1,10 @@
-"""A rebuilt state is exact (issue 22): a task whose state is lost is rebuilt by prefilling its
+"""A rebuilt state is exact: a task whose state is lost is rebuilt by prefilling its
 token history, and prefill and step-by-step decode round differently, so "exact" means: the
 rebuilt state's next-token logits are within 1e-4 (relative, fp32 on CPU) of the lost state's,
 and greedy continuations agree wherever the top-two logit gap exceeds that. Real engine, tiny
-random-weight model, the server's own rebuild path (TaskManager); the logits by the model."""
+random-weight model, the server's own rebuild path (TaskManager); the logits by the model. The
+re-fed history of a rebuild does not count against --max-prompt-tokens; the request's own
+prompt still does."""
 
 from __future__ import annotations
 

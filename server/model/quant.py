@@ -1,11 +1,14 @@
 """Weight-only 8-bit quantization in pure torch: int8 and fp8 (e4m3), per-output-channel scales.
 
-These functions are the torch twins the future GPU GEMM paths (issue 27: fp8 e4m3 and int8
-weight-only GEMMs over the large linears) are to be tested against. A real 8-bit GEMM computes
-x @ (q * scale[:, None])^T up to accumulation order; `fake_quantize` leaves exactly
-dequantize(quantize(w)) in the model's weights, so the pure-torch forward computes the same
-function and the quality harness (test/bench/quality.py) can measure what the 8-bit weights
-cost without any new kernel.
+These are the rounding rules of every 8-bit path: `--quant int8|fp8` turns the layers' linears
+into server.model.qlinear.QWeight with these quantizers (QUANTIZERS, the per-row modes) at load,
+`rwkv-server quantize` (server.model.qfile) writes their codes and scales to a file, and the
+CUDA products (the gemv kernel's 8-bit path, server.model.w8_gemm, server.model.cuda_quant) are
+tested against the pure-torch products of server.model.qlinear on those codes. An 8-bit GEMM
+computes x @ (q * scale[:, None])^T up to accumulation order; `fake_quantize` leaves exactly
+dequantize(quantize(w)) in the model's weights instead, so the pure-torch forward computes the
+same function and the quality harness (test/bench/quality.py) measures what each mode's
+rounding costs, the modes --quant does not take (g128, head16) included.
 
 Layout: weights in the nn.Linear layout (out, in); one fp32 scale per output row, symmetric
 (no zero point): int8 scale = absmax / 127, fp8 scale = absmax / 448 (e4m3fn's largest finite

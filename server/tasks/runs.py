@@ -14,9 +14,10 @@ existing task claimed in the database, server.tasks.persist); its pump runs mean
 settle waits for that commit. If the commit fails, the sequence is aborted and the task is left
 exactly as it was (the output the pump took meanwhile removed).
 
-A run's whole life (start, pump, settle, abort) is kept in this one module, a little over 300
-lines. The pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task:
-it appends, counts and wakes the stream readers, nothing more.
+A run's whole life (start, pump, settle, abort) is kept in this one module. The pump's per-batch
+work (`_on_batch`) runs on the event loop once per engine step per task: it appends, counts and
+wakes the stream readers, nothing more. A stopped run's engine finish reason "abort" shows as
+"stopped" (`_reason`; "interrupted" when a shutdown ended it).
 """
 
 from __future__ import annotations

@@ -1,3 +1,18 @@
-"""The OpenAI protocol: routes (routes.py), request bodies (schemas.py), the engine sequences of
-a request (jobs.py), response and chunk bytes (render.py), its SSE stream (stream.py), the chat
-prompt format (chat_format.py) and the chat-prefix state cache (prefix_cache.py)."""
+"""The OpenAI protocol: /v1/chat/completions, /v1/completions, /v1/models.
+
+routes.py         the routes (a chat body with `contents` goes to server.api.lightning)
+schemas.py        request bodies on server.api.sampling.SamplingFields: fields honoured, ignored
+                  or refused
+messages.py       chat messages -> (role, text) turns (tool calls and results included)
+chat_format.py    turns -> the RWKV chat prompt, split into a cacheable prefix and the rest
+prefix_cache.py   prefill-once states of shared chat prefixes
+start.py          where a request starts: a named state template, the conversation cache
+conversation.py   the conversation cache: states at the end of earlier requests, per key
+settling.py       a request tracked until its states are kept; the repair slots
+agents.py         tools, tool_choice, response_format and logprobs checked and compiled first
+tools.py          tool calls on the RWKV chat format: plan, grammar, parsing of the output
+jobs.py           the engine sequences of a request: submit (check_room first), events, abort
+render.py         response bodies and pre-encoded SSE chunk bytes (the plain requests)
+agent_render.py   response bodies and chunks of requests with tools or logprobs
+stream.py         ChoiceStream: a renderer's bytes as a StreamSource, direct writes included
+"""
