@@ -5,6 +5,7 @@ template" form leaving nothing behind when it fails."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -106,7 +107,22 @@ def test_every_task_is_reachable_and_the_total_is_true(server, browser, many_tas
     assert console_errors(browser) == []
 
 
+GOTHIC = "\U00010348"  # 4 bytes of UTF-8, each a token of its own (no token holds two of them)
+# a JSON string of GOTHICs: '"' and 7 bytes (8 tokens) are one GOTHIC and the first 3 bytes of
+# the next, which the output shows as U+FFFD (its last flush); {"type": "text"} lifts it again
+CUT = {"max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+    "name": "gothic", "schema": {"type": "string", "pattern": f"^({GOTHIC}){{1000}}$"}}}}
+FREE = {"type": "text"}
+
+
 def test_task_page_follows_runs_started_elsewhere(server, browser):
+    """The page follows the runs another client starts: a new prompt's output from its first
+    token, a continue without a prompt from where the text stopped, a long run live and its end
+    once stopped. The output is random text; CUT forces the two ends that, when the random text
+    came to them, left the page showing other text than the task's for ever: a continue without
+    a prompt takes back the U+FFFD of a cut character (the page kept it, before the new text),
+    and the last flush of a stopped run (text with no token: a cut character's U+FFFD, the text
+    held back for a stop string) never reached a stream that had read the last token."""
     body = {"prompt": "the first prompt", "max_tokens": 8, "ignore_eos": True}  # continues inherit ignore_eos
     tid = post(server, "/v1/tasks/create", body)["task_id"]
     wait_finished(server, tid)
@@ -120,21 +136,25 @@ def test_task_page_follows_runs_started_elsewhere(server, browser):
                 and d.find_elements("css selector", "#task-output[data-done]")
                 and text_of(d, "#task-output") == result["result"])
 
-    # another client continues with a new prompt: a new output, from its first token
-    post(server, f"/v1/tasks/{tid}/continue", {"prompt": " the second prompt", "max_tokens": 6})
+    # another client continues with a new prompt: a new output, from its first token (its end a
+    # cut character)
+    post(server, f"/v1/tasks/{tid}/continue", {"prompt": " the second prompt", **CUT})
     wait_finished(server, tid)
     wait_for(browser, lambda d: shows_result(d, "the second prompt"), 10)
     second = text_of(browser, "#task-output")
+    assert second.endswith("\ufffd"), second
 
-    # ... then without a prompt: the same output goes on where it stopped (nothing repeated)
+    # ... then without a prompt: the same output goes on where it stopped (nothing repeated); the
+    # U+FFFD of the cut character is taken back (the continue's first bytes complete it)
     post(server, f"/v1/tasks/{tid}/continue", {"max_tokens": 5})
     wait_finished(server, tid)
     wait_for(browser, lambda d: shows_result(d, "the second prompt")
              and len(text_of(d, "#task-output")) > len(second), 10)
-    assert text_of(browser, "#task-output").startswith(second)
+    assert text_of(browser, "#task-output").startswith(second[:-1])
 
     # ... and a long run with a prompt: streamed live while it runs
-    post(server, f"/v1/tasks/{tid}/continue", {"prompt": " the third prompt", "max_tokens": 100_000})
+    post(server, f"/v1/tasks/{tid}/continue",
+         {"prompt": " the third prompt", "max_tokens": 100_000, "response_format": FREE})
     wait_for(browser, lambda d: "the third prompt" in text_of(d, "#task-prompt")
              and len(text_of(d, "#task-output")) > 20, 15)
     assert get(server, f"/v1/tasks/{tid}/status")["status"] != 3
@@ -143,7 +163,37 @@ def test_task_page_follows_runs_started_elsewhere(server, browser):
     wait_finished(server, tid)
     wait_for(browser, lambda d: shows_result(d, "the third prompt"), 10)
     wait_for(browser, lambda d: "stopped" in d.find_element("css selector", "#task-status").text, 5)
+
+    # ... and a stopped run whose last flush is all its text: a continue of a cut character,
+    # stopped while it waits for a slot, shows the U+FFFD again (the page streams it anew)
+    post(server, f"/v1/tasks/{tid}/continue", {"prompt": " the fourth prompt", **CUT})
+    wait_finished(server, tid)
+    wait_for(browser, lambda d: shows_result(d, "the fourth prompt"), 10)
+    cut = text_of(browser, "#task-output")
+    with engine_full(server):
+        post(server, f"/v1/tasks/{tid}/continue", {"max_tokens": 5})
+        assert get(server, f"/v1/tasks/{tid}/status")["status"] == 1  # READY: waits for a slot, no token yet
+        wait_for(browser, lambda d: not d.find_elements("css selector", "#task-output[data-done]")
+                 and text_of(d, "#task-output") == cut[:-1], 10)  # its stream is open, the U+FFFD taken back
+        post(server, f"/v1/tasks/{tid}/stop")
+    wait_finished(server, tid)
+    wait_for(browser, lambda d: shows_result(d, "the fourth prompt"), 10)
+    assert text_of(browser, "#task-output") == cut
+    wait_for(browser, lambda d: "stopped" in d.find_element("css selector", "#task-status").text, 5)
     assert console_errors(browser) == []
+
+
+@contextlib.contextmanager
+def engine_full(srv):
+    """Every slot of the engine taken by a long TMP_ run (a run started meanwhile waits), all
+    stopped on leaving."""
+    body = {"prompt": "a long one", "max_tokens": 100_000, "ignore_eos": True}
+    fillers = [post(srv, "/v1/tasks/tmp", body)["task_id"] for _ in range(get(srv, "/health")["slots"])]
+    try:
+        yield
+    finally:
+        for f in fillers:
+            post(srv, f"/v1/tasks/{f}/stop")
 
 
 def _submit_template(browser, name: str) -> None:

@@ -31,18 +31,20 @@ async def events(t: Task, pos: int = 0, *, ping: float | None = 15.0, out: Outpu
 
 
 async def batches(
-    t: Task, pos: int = 0, *, ping: float | None = 15.0, out: Output | None = None
+    t: Task, pos: int = 0, *, ping: float | None = 15.0, out: Output | None = None, sent: int | None = None
 ) -> AsyncIterator[list[Any]]:
     """events() as the list of what one wake-up has: [text event], [KEEPALIVE], and at the end
-    [text event?, tail text event?, final or error event] (the last batch; `is_last` says so)."""
+    [text event?, tail text event?, final or error event] (the last batch; `is_last` says so).
+    `sent`: the characters of the text already sent (default: those before token `pos`)."""
     out = out if out is not None else t.out
     pos = max(0, min(int(pos), len(out)))
+    sent = out.char_at(pos) if sent is None else sent
     batch: list[Any] = []
     while True:
         finished = out.finished
         n = len(out)
         if n > pos:
-            batch, pos = new_text(t, out, pos, n), n
+            batch, pos, sent = new_text(t, out, pos, n), n, out.char_at(n)
         if finished:
             break
         if batch:
@@ -53,7 +55,7 @@ async def batches(
         await out.wait_change(ping)  # (a change from here on wakes it: no await before the wait)
         if ping is not None and (len(out), out.finished) == (n, finished):
             yield [KEEPALIVE]
-    yield batch + closing_events(t, out, pos)
+    yield batch + closing_events(t, out, pos, sent)
 
 
 def new_text(t: Task, out: Output, pos: int, n: int) -> list[Any]:
@@ -62,11 +64,15 @@ def new_text(t: Task, out: Output, pos: int, n: int) -> list[Any]:
     return [text_event(t, text, n)] if text else []
 
 
-def closing_events(t: Task, out: Output, pos: int) -> list[Any]:
+def closing_events(t: Task, out: Output, pos: int, sent: int | None = None) -> list[Any]:
     """The end of a finished output read up to token `pos` (its last): the text that came with
-    no token at all (a final flush), then the final event or the error event."""
+    no token at all (a final flush), then the final event or the error event. `sent`: the
+    characters the reader has sent (default: those before token `pos`). A flush is credited to
+    the last token (Output.append), so a reader that had read that token before the flush came
+    (a stop's last bytes of a character, or the text held back for a stop string) knows what it
+    lacks only by its characters: by token it has read everything."""
     batch = []
-    tail = out.text[out.char_at(pos) :]
+    tail = out.text[out.char_at(pos) if sent is None else sent :]
     if tail:
         batch.append(text_event(t, tail, pos))
     if out.error:

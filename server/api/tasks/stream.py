@@ -38,6 +38,7 @@ class TaskStream:
         """on_abort(): what to stop when the stream ends before its end (the client left)."""
         self.t, self.out = t, t.out
         self.pos = max(0, min(int(pos), len(self.out)))
+        self.sent = self.out.char_at(self.pos)  # characters of the text sent (streaming.closing_events)
         self.on_abort = on_abort
         self._ended = False
         self._fn: Callable[[], None] | None = None  # the listener (direct writes)
@@ -56,9 +57,9 @@ class TaskStream:
         out, n = self.out, len(self.out)
         batch: list[Any] = []
         if n > self.pos:
-            batch, self.pos = streaming.new_text(self.t, out, self.pos, n), n
+            batch, self.pos, self.sent = streaming.new_text(self.t, out, self.pos, n), n, out.char_at(n)
         if out.finished:
-            batch += streaming.closing_events(self.t, out, self.pos)
+            batch += streaming.closing_events(self.t, out, self.pos, self.sent)
         if not batch:
             return None
         data, last = _bytes(batch)
@@ -68,7 +69,7 @@ class TaskStream:
     async def rest(self) -> AsyncGenerator[bytes, None]:
         """The events from self.pos on the event loop, one write per wake-up (the end: final
         event + [DONE]). SSEResponse pings idle streams, so no timer per wait here."""
-        async for batch in streaming.batches(self.t, self.pos, ping=None, out=self.out):
+        async for batch in streaming.batches(self.t, self.pos, ping=None, out=self.out, sent=self.sent):
             data, last = _bytes(batch)
             self._ended = self._ended or last
             yield data

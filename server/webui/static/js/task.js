@@ -114,9 +114,10 @@ const promptText = (detail) => {
  *  stopped (`pos`); a run with a new prompt started a new output (`output_start` moved): the
  *  page shows its prompt and streams it from 0, as it does an output it may show more of than
  *  the server has: its stream's connection broke (a restarted server keeps only what its last
- *  progress write stored, and a continue makes the rest again), or the server's output is
- *  shorter than the text shown. A run on another server of the database (the detail's
- *  `elsewhere`, or its stream's 409 task_running_elsewhere) is watched by `elsewhere`. */
+ *  progress write stored, and a continue makes the rest again), the server's output is
+ *  shorter than the text shown, or the text shown ends with a U+FFFD that a continue takes back
+ *  (cutShort). A run on another server of the database (the detail's `elsewhere`, or its
+ *  stream's 409 task_running_elsewhere) is watched by `elsewhere`. */
 function taskView(ctx) {
   const { id, el, detail, signal, fail, online, stops } = ctx;
   const info = infoTable(detail);
@@ -167,12 +168,19 @@ function taskView(ctx) {
     }
     stopButton.disabled = st.status === 3;
     if (run.streaming || ends !== run.ends) return; // streaming, or this answer predates the stream's end
-    if (st.output_start !== run.start || run.lost || st.generated_buf < run.pos) await newOutput();
-    else if (st.status === 3 && st.generated_buf === run.pos) return; // nothing new
+    const fresh = st.output_start !== run.start || run.lost || st.generated_buf < run.pos;
+    if (!fresh && st.status === 3 && st.generated_buf === run.pos) return; // nothing new
+    if (fresh || cutShort(output)) await newOutput();
     attach();
   };
   stops.push(every(POLL_MS, () => pollOnce().catch(fail))); // a 404: the task was deleted (gone stops it)
 }
+
+/** The text shown ends with U+FFFD: the first bytes of a character that the last run's end cut.
+ *  A continue without a prompt takes that U+FFFD back and writes the whole character in its
+ *  place (docs/task-api.md, continue), so the page streams that output anew, not from `pos`,
+ *  where the U+FFFD would stay shown before the character. */
+const cutShort = (pre) => (pre.lastElementChild?.textContent ?? "").endsWith("\ufffd");
 
 /** The task runs on another server of the database: this one cannot stream it, nor stop,
  *  continue, fork, make a template of or delete it (each a 409). `enter` shows the 409's message
