@@ -191,3 +191,17 @@ async def test_a_stream_from_a_position_starts_there():
     assert '"data":" w\\u00f6rld"' in body or '"data":" wörld"' in body
     assert "Hello" not in body and '"pos":3' in body
     p.close()
+
+
+@pytest.mark.parametrize("path", ["loop", "direct"])
+async def test_a_last_flush_reaches_a_reader_that_read_the_last_token(path):
+    """A run that ends with text and no token (a stop's flush: a cut character's U+FFFD, text
+    held back for a stop string) credits that text to its last token; a reader that had already
+    read that token still gets it (it lacked it by characters, not by tokens)."""
+    steps = [*STEPS[:2], []]  # the reader catches up after step 2; the end brings only the flush
+    if path == "loop":
+        body = await _loop_bytes(steps, tail="\ufffd")
+    else:
+        body, p = await _direct_bytes(steps, tail="\ufffd")
+        p.close()
+    assert _text(body) == "Hello w\u00f6rld\ufffd"
