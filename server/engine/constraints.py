@@ -21,7 +21,10 @@ class Constraint:
     """One request's constraint: the grammar matcher (from the first token, or once the trigger
     appeared), the trigger state before that, and the output tokens not fed yet."""
 
-    def __init__(self, compiled: Compiled):
+    def __init__(self, compiled: Compiled, prefix: Sequence[int] = (), table: Sequence[bytes] = ()):
+        """prefix: the output this request continues (SamplingParams.grammar_prefix), fed here
+        through the trigger and the grammar as if it had been generated (table: the vocabulary's
+        bytes); ValueError when it does not fit, so the request is refused before it starts."""
         self.compiled = compiled
         self.matcher: Any = None
         self.k = 0  # trigger bytes matched (free phase)
@@ -29,6 +32,20 @@ class Constraint:
         self.error: str | None = None
         if compiled.guard is None:
             self._start(b"")
+        if prefix:
+            self._resume(prefix, table)
+
+    def _resume(self, prefix: Sequence[int], table: Sequence[bytes]) -> None:
+        """Feed prefix token by token (to name the first that does not fit)."""
+        for i, t in enumerate(prefix):
+            self.pending.append(t)
+            self.feed(table)
+            if self.error is not None:
+                raise ValueError(
+                    f"the output so far does not fit the grammar: its token {i + 1} of {len(prefix)} "
+                    f"({t}, {table[t]!r}) is not allowed there (a continue without a prompt extends "
+                    "the output under the task's grammar; a new prompt starts a new output)"
+                )
 
     def _start(self, tail: bytes) -> None:
         import xgrammar as xgr

@@ -200,7 +200,9 @@ class Engine:
             raise EngineDeadError("the engine is not running")
         params = params or SamplingParams(max_tokens=self.settings.default_max_tokens)
         ids = self._prompt_ids(prompt, params, history)
-        constraint = Constraint(self.grammars.compile(params.grammar)) if params.grammar is not None else None
+        constraint = None
+        if params.grammar is not None:  # (a grammar_prefix that does not fit: ValueError, nothing queued)
+            constraint = Constraint(self.grammars.compile(params.grammar), params.grammar_prefix, self.grammars.table)
         if init_state is not None and self._runner is not None:
             self._runner.check_state(init_state)
         rid = request_id or uuid.uuid4().hex

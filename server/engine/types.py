@@ -221,6 +221,11 @@ class SamplingParams:
     one token per step (each position's logits come from the decode), so it prefills slower."""
     lead: TextLead | None = None
     """The output this request's text continues (None: its text starts afresh)."""
+    grammar_prefix: tuple[int, ...] = ()
+    """With `grammar`: the tokens of the output this request continues (a task's continue without
+    a new prompt), which the grammar reads before the request's first token, so the whole output
+    fits it (an output that already fits it whole can only end: EOS). A prefix that does not fit
+    is refused by submit (ValueError). Internal, like `lead`: not a request field."""
     hidden_lead: bool = False
     """The output's leading whitespace is not shown to its client (a chat reply after
     "Assistant:": the OpenAI chat route strips that gap): stop strings are matched from its

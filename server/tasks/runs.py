@@ -201,7 +201,7 @@ class Runs:
     def _run_params(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> tuple[SamplingParams, int]:
         """(the run's sampling parameters, the characters of the output's text it takes back):
         t's stored parameters with this call's max_tokens (else the server's cap), the hidden
-        lead where asked, and a continue's lead (lead.continued)."""
+        lead where asked, and a continue's lead (lead.continued) and grammar prefix."""
         sp = sampling_params(t.params, self.default_max_tokens)
         if max_tokens is not None:
             sp = replace(sp, max_tokens=max_tokens)
@@ -214,6 +214,12 @@ class Runs:
             lead, back = continued(t, sp.stop, self.token_bytes)
             if lead is not None:
                 sp = replace(sp, lead=lead)
+        if prompt_ids is None and sp.grammar is not None and sp.max_tokens > 0:
+            # the run extends the same output: its grammar goes on from the output's tokens so far
+            # (all its runs', also those restored from the database), less any EOS (no text: the
+            # separator a stop token left, _covered)
+            out = t.tokens[t.out_start :]
+            sp = replace(sp, grammar_prefix=tuple(x for x in out if x != EOS_TOKEN))
         return sp, back
 
     def _begin(self, t: Task, run: Run, prompt_ids: list[int] | None, rebuilt: int, back: int) -> None:
