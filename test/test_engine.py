@@ -396,3 +396,13 @@ def test_ids_first_fast_path_equals_the_plain_path(model, tok):
         finally:
             cont.shutdown()
         assert all(torch.allclose(s, t, atol=1e-5) for s, t in zip(alone.state.tensors(), ra.state.tensors()))
+
+
+def test_result_timeout_counts_time_not_wake_ups(engine):
+    """result(timeout) waits `timeout` seconds of real time: each event delivered wakes the
+    waiter, and a wake-up must not count as a whole poll interval (30 events once made
+    result(20) time out after a fraction of a second)."""
+    h = engine.submit("Hello there", SamplingParams(max_tokens=60, **GREEDY))
+    t0 = time.monotonic()
+    res = h.result(20)
+    assert res.completion_tokens == 60 and time.monotonic() - t0 < 20

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -113,17 +114,16 @@ class RequestHandle:
 
     def result(self, timeout: float | None = None) -> Result:
         """Block until the request finished; its Result (raises EngineDeadError if the loop died)."""
+        deadline = None if timeout is None else time.monotonic() + timeout  # (a wake-up is no full poll)
         with self._cond:
-            waited = 0.0
             self._sync_waiters += 1  # registered before checking (see _push)
             try:
                 while not self.done:
-                    step = _POLL_S if timeout is None else min(_POLL_S, timeout - waited)
+                    step = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
                     if step <= 0:
                         raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
                     if not self._cond.wait(step):
                         self._check_engine()
-                    waited += step
             finally:
                 self._sync_waiters -= 1
             if self._error is not None:
