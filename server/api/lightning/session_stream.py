@@ -13,8 +13,8 @@ it sent), never as if the answer were whole."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Literal, cast
 
 from fastapi import Request
 
@@ -83,7 +83,7 @@ class SessionStream:
         text, flushed = "", 0  # text not yet sent; output tokens at the last flush
         async for batch in streaming.batches(self.t, 0, ping=None, out=self.out):
             chunks = []
-            for ev in batch:
+            for ev in cast(Sequence[streaming.Event], batch):  # (ping=None: no KEEPALIVE)
                 if streaming.is_last(ev):
                     if text:
                         chunks.append(self._chunk(text))

@@ -14,15 +14,15 @@ stops before the end (`abort_on_close`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import cast
 
 from server.api.streaming.source import DONE, event
 from server.tasks import streaming
 from server.tasks.records import Task
 
 
-def _bytes(batch: list[Any]) -> tuple[bytes, bool]:
+def _bytes(batch: Sequence[streaming.Event]) -> tuple[bytes, bool]:
     """One write's bytes for a batch of events; True when it ends the stream ([DONE] added)."""
     data = event(batch[0]) if len(batch) == 1 else b"".join(map(event, batch))
     if batch and streaming.is_last(batch[-1]):
@@ -55,7 +55,7 @@ class TaskStream:
     def take(self) -> tuple[bytes, bool] | None:
         """What streaming.batches yields at a wake-up now, as bytes (None: nothing new)."""
         out, n = self.out, len(self.out)
-        batch: list[Any] = []
+        batch: list[streaming.Event] = []
         if n > self.pos:
             batch, self.pos, self.sent = streaming.new_text(self.t, out, self.pos, n), n, out.char_at(n)
         if out.finished:
@@ -69,8 +69,8 @@ class TaskStream:
     async def rest(self) -> AsyncGenerator[bytes, None]:
         """The events from self.pos on the event loop, one write per wake-up (the end: final
         event + [DONE]). SSEResponse pings idle streams, so no timer per wait here."""
-        async for batch in streaming.batches(self.t, self.pos, ping=None, out=self.out, sent=self.sent):
-            data, last = _bytes(batch)
+        async for items in streaming.batches(self.t, self.pos, ping=None, out=self.out, sent=self.sent):
+            data, last = _bytes(cast(Sequence[streaming.Event], items))  # (ping=None: no KEEPALIVE)
             self._ended = self._ended or last
             yield data
         if not self._ended:
