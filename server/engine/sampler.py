@@ -35,13 +35,11 @@ Grammar masks (server.engine.grammar): a constrained row's disallowed tokens hav
 to -inf before `sample` (apply_token_bitmask, on the device); they get p = 0 and weight 0, so
 no path above (greedy, top-p, top-k, the inverse CDF, the fused kernel) can pick one.
 
-Penalties count only this request's generated tokens (not the prompt), like ChatRWKV/RWKV-Runner.
-(ChatRWKV subtracts `presence + count * frequency` with a decayed count, so its presence part
-never decays; here, as the engine issue specifies, the whole penalty decays: one (V,) tensor per slot.)
-The random stream depends only on (seed, pos), so a request gives the same tokens alone or in any
-batch. Defaults (types.SamplingParams) are the ChatRWKV RWKV-7 chat demo's (API_DEMO_CHAT):
-T=1.0, top_p=0.3, top_k=0, presence 0.5, repetition (frequency) 0.5, decay 0.996
-(RWKV-Runner's: T=1, top_p=0.3, presence 0, frequency 1, decay 0.996).
+Penalties count only this request's generated tokens (not the prompt), like ChatRWKV/RWKV-Runner,
+but the whole penalty decays (one (V,) tensor per slot; ChatRWKV's presence part never decays).
+The random stream depends only on (seed, pos): a request gives the same tokens alone or in any
+batch. Defaults (types.SamplingParams): the ChatRWKV RWKV-7 chat demo's (API_DEMO_CHAT), T=1.0,
+top_p=0.3, top_k=0, presence 0.5, repetition (frequency) 0.5, decay 0.996.
 
 Where it runs: on CUDA, `SamplerSlots.sample` is one kernel (kernels/sampler.cu via
 server.model.cuda_sampler.fused_sample): exact (a stable full sort's result up to fp32 near ties,
@@ -90,8 +88,8 @@ def uniform(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 FPARAMS = ("temperature", "top_p", "presence_penalty", "repetition_penalty", "penalty_decay")
-"""The per-slot float32 parameters' columns: SamplingParams' names in the fused kernel's order
-(cuda_sampler.KERNEL_FPARAMS; check_kernel_layout). Columns are indexed by name (_F)."""
+"""The per-slot float32 columns, by SamplingParams' names in the kernel's order (KERNEL_FPARAMS,
+checked once per CUDA SamplerSlots: check_kernel_layout); indexed by name (_F)."""
 IPARAMS = ("top_k", "seed")
 """The int64 ones, likewise (KERNEL_IPARAMS); `seed`: SamplingParams.seed or the engine's draw."""
 _F = {name: i for i, name in enumerate(FPARAMS)}
@@ -99,8 +97,7 @@ _I = {name: i for i, name in enumerate(IPARAMS)}
 
 
 def check_kernel_layout(kernel_f: Sequence[str], kernel_i: Sequence[str]) -> None:
-    """ValueError naming both layouts when FPARAMS / IPARAMS are not the CUDA sampler's columns:
-    a programming error (the kernel would read the wrong parameter), never a silent fallback."""
+    """ValueError naming both layouts when FPARAMS / IPARAMS are not the CUDA kernel's columns."""
     for what, ours, kernel in (("FPARAMS", FPARAMS, kernel_f), ("IPARAMS", IPARAMS, kernel_i)):
         if tuple(ours) != tuple(kernel):
             raise ValueError(f"sampler.{what} {ours} is not kernels/sampler.cu's {tuple(kernel)} (KERNEL_{what})")
@@ -123,6 +120,10 @@ class SamplerSlots:
         self.fparams = torch.zeros(slots, len(FPARAMS), dtype=torch.float32, device=device)  # (S, 5) FPARAMS
         self.iparams = torch.zeros(slots, len(IPARAMS), dtype=torch.long, device=device)  # (S, 2) IPARAMS
         self.device = torch.device(device)
+        if self.device.type == "cuda":  # (once: the columns are constants)
+            from server.model import cuda_sampler
+
+            check_kernel_layout(cuda_sampler.KERNEL_FPARAMS, cuda_sampler.KERNEL_IPARAMS)
 
     def reset(self, slots: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int]) -> None:
         idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
@@ -156,7 +157,6 @@ class SamplerSlots:
         if logits.is_cuda:
             from server.model import cuda_sampler  # deferred: no kernel build at import
 
-            check_kernel_layout(cuda_sampler.KERNEL_FPARAMS, cuda_sampler.KERNEL_IPARAMS)
             tok = cuda_sampler.fused_sample(logits, *args, positions, commit, greedy_only)
             if tok is not None:
                 return tok

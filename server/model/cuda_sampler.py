@@ -13,7 +13,7 @@ SAMPLER_UNSUPPORTED = -2  # sampler_step's return code for a vocabulary it does 
 KERNEL_FPARAMS = ("temperature", "top_p", "presence_penalty", "repetition_penalty", "penalty_decay")
 """The fparams columns kernels/sampler.cu reads (a.fparams[row * 5 + k]: 0 T, 1 top_p, 2 presence,
 3 repetition, 4 decay): a hand-kept mirror of the kernel, changed only with it. The sampler's
-layout (server.engine.sampler.FPARAMS) must equal it: SamplerSlots.sample raises otherwise
+layout (server.engine.sampler.FPARAMS) must equal it: a CUDA SamplerSlots raises otherwise
 (sampler.check_kernel_layout), and test_sampler checks both against the kernel's source."""
 KERNEL_IPARAMS = ("top_k", "seed")
 """The iparams columns kernels/sampler.cu reads (a.iparams[row * 2 + k]: 0 top_k, 1 seed), likewise."""
