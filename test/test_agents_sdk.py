@@ -13,7 +13,7 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
-from util_server import running_server
+from util_server import async_sdk, server_fixture
 
 agents = pytest.importorskip("agents", reason="needs the openai-agents package (the test extra)")
 from agents import (  # noqa: E402
@@ -26,7 +26,6 @@ from agents import (  # noqa: E402
     function_tool,
     set_tracing_disabled,
 )
-from openai import AsyncOpenAI  # noqa: E402
 
 set_tracing_disabled(True)  # the SDK would send traces to OpenAI
 FORCED = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64)
@@ -37,21 +36,14 @@ class Pick(BaseModel):
     answer: Literal["yes", "no"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("agents")) as srv:
-        yield srv
-
-
-def client(server) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+server = server_fixture()
 
 
 @pytest.fixture(params=["chat", "responses"])
 def model(server, request):
     if request.param == "chat":
-        return OpenAIChatCompletionsModel(model="rwkv", openai_client=client(server))
-    return OpenAIResponsesModel(model="rwkv", openai_client=client(server))
+        return OpenAIChatCompletionsModel(model="rwkv", openai_client=async_sdk(server, timeout=120))
+    return OpenAIResponsesModel(model="rwkv", openai_client=async_sdk(server, timeout=120))
 
 
 def weather_tool(calls: list[str]):
@@ -98,7 +90,7 @@ async def test_the_tool_loop_hands_the_result_back(server):
     on a random model, and the SDK's Responses model refuses an `incomplete` response, as it
     would OpenAI's.)"""
     calls: list[str] = []
-    model = OpenAIChatCompletionsModel(model="rwkv", openai_client=client(server))
+    model = OpenAIChatCompletionsModel(model="rwkv", openai_client=async_sdk(server, timeout=120))
     agent = Agent(name="w", instructions="Use the tool, then answer.", tools=[weather_tool(calls)], model=model,
                   model_settings=FORCED)  # fmt: skip
     result = await Runner.run(agent, "What is the weather in Rome?", max_turns=6)
@@ -126,7 +118,7 @@ async def test_a_typed_final_output(model):
 async def test_prompt_cache_retention_is_accepted(server):
     """The SDK sends ModelSettings' prompt_cache_retention (and context_management) to the
     Responses API: a caching hint, accepted as it is (every response's state is kept anyway)."""
-    model = OpenAIResponsesModel(model="rwkv", openai_client=client(server))
+    model = OpenAIResponsesModel(model="rwkv", openai_client=async_sdk(server, timeout=120))
     settings = ModelSettings(temperature=0, max_tokens=64, prompt_cache_retention="24h")
     agent = Agent(name="s", instructions="Answer.", model=model, output_type=Pick, model_settings=settings)
     result = await Runner.run(agent, "Pick a digit, and say yes or no.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from task_fakes import FakeEngine, FakeShape, FakeTokenizer
 
+from server.api.generation.jobs import Job
 from server.api.lightning import chat_prompt
 from server.api.lightning.errors import LightningError
 from server.api.lightning.render import Flushes, native_chunk, native_renderer
@@ -29,7 +30,6 @@ from server.api.lightning.sessions import (
     name_of,
     name_problem,
 )
-from server.api.openai.jobs import Job
 from server.api.streaming.source import DONE, SHUTDOWN, event
 from server.config import Settings
 from server.engine.types import Event

@@ -14,8 +14,8 @@ from openai import OpenAI
 from util_server import inprocess_server, server_fixture
 
 from server.api.errors import ApiError
+from server.api.generation.jobs import submit_all
 from server.api.metrics import parse_metrics
-from server.api.openai.jobs import submit_all
 from server.api.openai.tools import MARKER, split
 from server.engine.types import EngineStats, SamplingParams
 from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, sampling_params

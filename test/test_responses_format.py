@@ -13,8 +13,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
-from util_server import running_server, task_result, wait_committed
+from util_server import sdk, server_fixture, task_result, wait_committed
 
 from server.api.openai import tools
 from server.api.openai.agents import GAP
@@ -31,14 +30,7 @@ ASK = {"model": "m", "input": "Pick a number.", "text": {"format": FORMAT}, "max
 FMT = GrammarSpec.json_schema(json.dumps(SCHEMA))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("resp-format")) as srv:
-        yield srv
-
-
-def sdk(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+server = server_fixture()
 
 
 def task_id(rid: str) -> str:

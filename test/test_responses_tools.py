@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from util_server import running_server, task_result
+from util_server import sdk, server_fixture, task_result
 
 from server.api.metrics import parse_metrics
 from server.tokenizer import get_tokenizer
@@ -31,14 +31,7 @@ FORCED = {"model": "m", "tools": TOOLS, "tool_choice": "required", "parallel_too
           "max_output_tokens": 60}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("resp_tools")) as srv:
-        yield srv
-
-
-def sdk(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+server = server_fixture()
 
 
 def created(server) -> tuple[list[str], float]:

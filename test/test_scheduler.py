@@ -31,8 +31,8 @@ from server.engine.plan import (
     bucket_sizes,
 )
 from server.engine.scheduler import Scheduler
-from server.engine.sequence import Sequence
-from server.engine.text import StopMatcher, StopStream, open_stream
+from server.engine.sequence import EngineSeq
+from server.engine.text import StopMatcher, StopRequestText, open_text
 from server.engine.types import (
     ABORT,
     ERROR,
@@ -174,7 +174,7 @@ def submit(engine, rid, prompt, max_tokens=5, **kw):
 
 def make_seq(rid, prompt, max_tokens=5, **kw):
     ret = kw.pop("return_state", False)
-    return Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **kw), return_state=ret)
+    return EngineSeq(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **kw), return_state=ret)
 
 
 def ended(sched):
@@ -443,10 +443,10 @@ class _Pieces:
 
 
 @pytest.mark.parametrize("hidden,expect", [(True, "\n\nHi there"), (False, "")])
-def test_open_stream_reads_hidden_lead(hidden, expect):
-    """The engine's stream of a request with hidden_lead matches past the gap."""
-    st = open_stream("r", None, _Pieces(), SamplingParams(stop=("\n",), hidden_lead=hidden))
-    assert isinstance(st, StopStream)
+def test_open_text_reads_hidden_lead(hidden, expect):
+    """The RequestText of a request with hidden_lead matches past the gap."""
+    st = open_text("r", None, _Pieces(), SamplingParams(stop=("\n",), hidden_lead=hidden))
+    assert isinstance(st, StopRequestText)
     out = []
     for t in (1, 2, 3, 4, 5):
         if st.match(t):
@@ -462,9 +462,9 @@ def test_a_lead_primes_the_decoder_with_an_unfinished_character():
 
     ids = list(get_tokenizer().encode("🦜"))
     assert len(ids) == 3  # the world vocabulary splits this emoji over three tokens
-    st = open_stream("r", None, IncrementalDecoder(), SamplingParams(lead=TextLead(tuple(ids[:2]), "")))
+    st = open_text("r", None, IncrementalDecoder(), SamplingParams(lead=TextLead(tuple(ids[:2]), "")))
     assert st.emit(ids[2]).text == "🦜"
-    fresh = open_stream("r", None, IncrementalDecoder(), SamplingParams())
+    fresh = open_text("r", None, IncrementalDecoder(), SamplingParams())
     assert fresh.emit(ids[2]).text == "\ufffd"
 
 
@@ -478,12 +478,12 @@ class _Dec:
 
 @pytest.mark.parametrize("stops", [(), ("lo\n",), ("zz",)])
 @pytest.mark.parametrize("how", ["length", "abort", "stop_id"])
-def test_stream_events_add_up_to_the_text(stops, how):
-    """A stream's events (and its last event's tail) add up to its text; a stop string's match
+def test_request_text_events_add_up_to_the_text(stops, how):
+    """A RequestText's events (and its last event's tail) add up to its text; a stop string's match
     ends the text where the stop string starts."""
     from server.engine.plan import Finished
 
-    st = open_stream("r", None, _Dec(), SamplingParams(stop=stops))
+    st = open_text("r", None, _Dec(), SamplingParams(stop=stops))
     evs, ids = [], [1, 2, 3, 7, 8]
     for t in ids[:-1]:
         if stops and st.match(t):

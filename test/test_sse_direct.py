@@ -1,8 +1,8 @@
 """server.api.streaming.direct.DirectWriter on a real socket pair, writing an OpenAI stream
-(server.api.openai.stream.ChoiceStream) from a delivering thread: the bytes equal the event-loop
-path's, framed as HTTP/1.1 chunks, in order; a full socket hands the rest to the loop without
-losing or reordering a byte; a closed socket aborts the sequence; stop() ends the writes. (The
-whole path through uvicorn is in test_http_ops.)"""
+(server.api.generation.stream.ChoiceStream) from a delivering thread: the bytes equal the
+event-loop path's, framed as HTTP/1.1 chunks, in order; a full socket hands the rest to the loop
+without losing or reordering a byte; a closed socket aborts the sequence; stop() ends the
+writes. (The whole path through uvicorn is in test_http_ops.)"""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import threading
 
 import orjson
 
+from server.api.generation.jobs import Job
+from server.api.generation.stream import ChoiceStream
 from server.api.metrics import Recorder
-from server.api.openai.jobs import Job
 from server.api.openai.render import Meta, chat_renderer, completion_renderer
-from server.api.openai.stream import ChoiceStream
 from server.api.streaming.direct import DirectWriter
 from server.engine.handle import Deliveries, RequestHandle
 from server.engine.types import Event, Result
-
 
 _aborted: list[str] = []  # the request ids whose abort() a handle asked the engine for
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from test_task_api_http import sse, wait_done
+from test_task_api_raw_http import sse, wait_done
 from util_server import server_fixture
 
 server = server_fixture(env={"RWKV_MAX_BATCH": "2", "RWKV_MAX_QUEUE": "4"})

@@ -3,7 +3,7 @@ a real socket pair, from the task's Output notifications: the bytes equal the lo
 as HTTP/1.1 chunks, in order) for any step pattern, a full socket hands the rest to the loop
 without losing or repeating an event, an error ends with the error event, and a stream stopped
 before its end says so (its own TMP_ task is aborted). The whole path through uvicorn is in
-test_task_api_http (metrics: task_direct_ended)."""
+test_task_api_raw_http (metrics: task_direct_ended)."""
 
 from __future__ import annotations
 

@@ -27,9 +27,12 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI, OpenAI
 
 ROOT = Path(__file__).resolve().parents[1]
 _Self = TypeVar("_Self", bound="ServerProcess")
@@ -167,6 +170,20 @@ def server_fixture(scope: str = "module", **kwargs):
             yield srv
 
     return _server
+
+
+def sdk(server: ServerProcess, *, key: str = "unused", timeout: float = 60) -> OpenAI:
+    """The official OpenAI SDK on a server's /v1, without retries (a test sees every answer)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def async_sdk(server: ServerProcess, *, key: str = "unused", timeout: float = 60) -> AsyncOpenAI:
+    """sdk()'s AsyncOpenAI twin."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from server.config import Settings
@@ -59,9 +59,9 @@ from .output import OutputProcessor
 from .plan import StepPlan, StepRunner
 from .protocol import StateLike
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import EngineSeq
 from .stats import StatsTracker
-from .text import Stream
+from .text import RequestText
 from .types import (
     MAX_LOGPROBS,
     EngineDeadError,
@@ -110,7 +110,7 @@ class Engine:
         launch is asynchronous: CUDA; on the CPU it would only add a step of latency)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: deque[tuple[Sequence, Stream, Constraint | None] | str] = deque()  # new requests; aborts
+        self._inbox: deque[tuple[EngineSeq, RequestText, Constraint | None] | str] = deque()  # new requests; aborts
         self._compiler: GrammarCompiler | None = None
         self.constraints: Constraints | None = None
         """The constrained requests (grammar.Constraints), once the first grammar was compiled."""
@@ -181,7 +181,7 @@ class Engine:
 
     def submit(
         self,
-        prompt: str | Seq[int],
+        prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         *,
         init_state: StateLike | None = None,
@@ -214,8 +214,8 @@ class Engine:
         handle = RequestHandle(
             rid, loop, alive=self._alive, abort=self.abort, end_before_state=end_before_state and return_state
         )
-        seq = Sequence(rid, ids, params, seed=seed, init_state=init_state, return_state=return_state)
-        stream = self.output.new_stream(rid, handle, params)
+        seq = EngineSeq(rid, ids, params, seed=seed, init_state=init_state, return_state=return_state)
+        text = self.output.new_text(rid, handle, params)
         with self._lock:
             if self._closed:
                 raise EngineDeadError("the engine is not running")
@@ -225,7 +225,7 @@ class Engine:
             if self.settings.max_queue and waiting >= self.settings.max_queue:
                 raise QueueFullError(f"{waiting} requests are waiting (max_queue={self.settings.max_queue})")
             self._live[rid] = handle
-            self._inbox.append((seq, stream, constraint))
+            self._inbox.append((seq, text, constraint))
             self._inbox_adds += 1
         self._wake.set()
         return handle
@@ -239,7 +239,8 @@ class Engine:
         self._wake.set()
         return True
 
-    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  timeout: float | None = None) -> list[Result]:  # fmt: skip
         """Submit all prompts, wait for all results (in order)."""
         plist: list[SamplingParams | None] = (
@@ -252,7 +253,7 @@ class Engine:
         return self._stats.snapshot(self.scheduler.num_running, self.scheduler.num_waiting + self._inbox_adds,
                                     self.max_batch)  # fmt: skip
 
-    def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams, history: int = 0) -> list[int]:
+    def _prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams, history: int = 0) -> list[int]:
         if params.max_tokens < 0 or params.temperature < 0 or not 0 <= params.top_p <= 1 or params.top_k < 0:
             raise ValueError("invalid sampling parameters (max_tokens, temperature, top_k >= 0; 0 <= top_p <= 1)")
         for name in ("logprobs", "prompt_logprobs"):
@@ -344,8 +345,8 @@ class Engine:
             if isinstance(item, str):
                 self.scheduler.abort(item)
             else:
-                seq, stream, constraint = item
-                self.output.open(stream)
+                seq, text, constraint = item
+                self.output.open(text)
                 if constraint is not None:
                     self.constraints.open(seq.request_id, constraint)  # type: ignore[union-attr]
                 self.scheduler.add(seq)

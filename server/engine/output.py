@@ -1,5 +1,5 @@
 """The output processor: text, stop strings, events, results and their delivery to handles.
-Pure Python (no torch); runs on the engine thread (`new_stream` may run on any thread).
+Pure Python (no torch); runs on the engine thread (`new_text` may run on any thread).
 
 It follows the scheduler's plain data: the plan (to know which request decodes in which row,
 the way the runner knows the device's slots), each step's output (which rows produced a token)
@@ -20,7 +20,7 @@ from typing import Any
 
 from .handle import Deliveries, RequestHandle
 from .plan import SAMPLED, STATE_SLOT, STATE_START, Finished, MoveOp, StepOutput, StepPlan
-from .text import Stream, TextDecoder, open_stream
+from .text import RequestText, TextDecoder, open_text
 from .types import ERROR, Event, Result, SamplingParams, TokenLogprob
 
 log = logging.getLogger("server.engine")
@@ -35,25 +35,25 @@ class OutputProcessor:
         self.new_decoder = new_decoder
         self._detached_state = detached_state
         self._on_done = on_done
-        self._streams: dict[str, Stream] = {}
-        self._rows: list[Stream] = []
-        """Row i = the stream of the request in slot i as of the last plan (replaced, never
+        self._texts: dict[str, RequestText] = {}
+        self._rows: list[RequestText] = []
+        """Row i = the RequestText of the request in slot i as of the last plan (replaced, never
         changed in place: a staged step keeps the list it was made with)."""
-        self._emits: list[tuple[list[Stream], list[int], list[int] | None, list | None]] = []
+        self._emits: list[tuple[list[RequestText], list[int], list[int] | None, list | None]] = []
         self._ends: list[Finished] = []
         self._awaiting: dict[str, tuple[RequestHandle, Event | None, Result]] = {}  # results waiting for their state
         self._early: dict[str, Any] = {}  # states that came before their request's record was flushed
         self._out = Deliveries()
-        self._n_lp = 0  # open streams with logprobs (0: the per-token loop skips them)
+        self._n_lp = 0  # open requests with logprobs (0: the per-token loop skips them)
 
     # --- requests in ----------------------------------------------------------------------
-    def new_stream(self, request_id: str, handle: RequestHandle, params: SamplingParams) -> Stream:
+    def new_text(self, request_id: str, handle: RequestHandle, params: SamplingParams) -> RequestText:
         """The output side of a new request (any thread); `open` it on the engine thread."""
-        return open_stream(request_id, handle, self.new_decoder(), params)
+        return open_text(request_id, handle, self.new_decoder(), params)
 
-    def open(self, stream: Stream) -> None:
-        self._streams[stream.request_id] = stream
-        if stream.lp is not None:
+    def open(self, text: RequestText) -> None:
+        self._texts[text.request_id] = text
+        if text.lp is not None:
             self._n_lp += 1
 
     @property
@@ -73,7 +73,7 @@ class OutputProcessor:
                 for dst, src in op.pairs:
                     rows[dst] = rows[src]
         for a in plan.admits:
-            rows[a.slot] = self._streams[a.request_id]
+            rows[a.slot] = self._texts[a.request_id]
         del rows[plan.n_active :]
         self._rows = rows
 
@@ -82,10 +82,10 @@ class OutputProcessor:
         stop strings); {row: None} where a stop string was reached, {row: message} where the
         text failed."""
         out: dict[int, str | None] = {}
-        streams = self._rows
+        texts = self._rows
         for i in rows:
             try:
-                if streams[i].match(tokens[i]):  # type: ignore[attr-defined]
+                if texts[i].match(tokens[i]):  # type: ignore[attr-defined]
                     out[i] = None
             except Exception as exc:
                 out[i] = _message(exc)
@@ -139,7 +139,7 @@ class OutputProcessor:
 
     # --- ending requests ------------------------------------------------------------------
     def _close(self, end: Finished) -> None:
-        st = self._streams.pop(end.request_id)
+        st = self._texts.pop(end.request_id)
         try:
             ev = st.close(end)
         except Exception as exc:
@@ -173,9 +173,9 @@ class OutputProcessor:
         self._on_done(res.request_id)
 
 
-def _set_logprobs(rows: list[Stream], lps: list) -> None:
-    """Hand a step's logprob values to their streams: a generated token's for its event, a
-    prompt token's to the prompt list."""
+def _set_logprobs(rows: list[RequestText], lps: list) -> None:
+    """Hand a step's logprob values to their rows' RequestTexts: a generated token's for its
+    event, a prompt token's to the prompt list."""
     for (row, _k, target), value in lps:
         log = rows[row].lp
         if log is None:

@@ -52,7 +52,7 @@ from .plan import (
     StepPlan,
     bucket_for,
 )
-from .sequence import FINISHED, RUNNING, WAITING, Sequence
+from .sequence import FINISHED, RUNNING, WAITING, EngineSeq
 from .types import ABORT, ERROR, LENGTH, STOP, QueueFullError
 
 __all__ = ["MatchStops", "Scheduler"]
@@ -73,21 +73,21 @@ class Scheduler:
         self.max_queue = max_queue
         self.continuation = continuation
         """Return continuation plans when nothing changed (off: every plan is a full one)."""
-        self.waiting: deque[Sequence] = deque()
-        self.slots: list[Sequence] = []  # active prefix; slots[i].slot == i
-        self._by_id: dict[str, Sequence] = {}  # waiting and running
+        self.waiting: deque[EngineSeq] = deque()
+        self.slots: list[EngineSeq] = []  # active prefix; slots[i].slot == i
+        self._by_id: dict[str, EngineSeq] = {}  # waiting and running
         self._ops: list[MoveOp | CopyOutOp] = []
         self._finished: list[Finished] = []
         self._n_sampling = 0  # running sequences with temperature > 0
         self._gen = 0  # bumped whenever the active slot set changes (admission, release)
         self._last: StepPlan | None = None
-        self._rows: list[Sequence] = []  # the last plan's rows (row i = slot i when planned)
+        self._rows: list[EngineSeq] = []  # the last plan's rows (row i = slot i when planned)
         # the O(1) apply (see apply): facts about the current row set, valid while _fast_gen == _gen
         self._fast_gen = -1
         self._stop_union: frozenset[int] = frozenset()  # every row's stop token ids
         self._min_left = 0  # min over rows of max_tokens - tokens generated before the next apply
         self._text_rows: list[int] = []  # rows with stop strings
-        self._lazy: tuple[list[Sequence], list[int]] | None = None
+        self._lazy: tuple[list[EngineSeq], list[int]] | None = None
 
     # --- queries --------------------------------------------------------------------------
     @property
@@ -112,7 +112,7 @@ class Scheduler:
         return out
 
     # --- inputs ---------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: EngineSeq) -> None:
         if self.max_queue and len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queue={self.max_queue})")
         seq.status = WAITING
@@ -157,7 +157,7 @@ class Scheduler:
             return plan
         self.materialize()
         plan = StepPlan(ops=self._ops)
-        rows: list[Sequence] = []
+        rows: list[EngineSeq] = []
         self._ops = []
         budget = self.budget - len(self.slots)
         for seq in self.slots:
@@ -188,20 +188,20 @@ class Scheduler:
             self._text_rows = [i for i, s in enumerate(rows) if s.has_stops]
         return plan
 
-    def _admit(self, plan: StepPlan, seq: Sequence) -> None:
+    def _admit(self, plan: StepPlan, seq: EngineSeq) -> None:
         seq.status, seq.slot = RUNNING, len(self.slots)
         self.slots.append(seq)
         plan.admits.append(Admission(seq.slot, seq.request_id, seq.params, seq.seed, seq.init_state))
         seq.init_state = None  # the runner's now
         self._n_sampling += seq.params.temperature > 0
 
-    def _chunk(self, seq: Sequence, allowed: int) -> int:
+    def _chunk(self, seq: EngineSeq, allowed: int) -> int:
         if seq.params.prompt_logprobs is not None:  # each prompt position's logits: one per step
             return 1
         return max(1, min(len(seq.prompt) - seq.n_fed, self.prefill_chunk, allowed))
 
     @staticmethod
-    def _add_row(plan: StepPlan, rows: list[Sequence], seq: Sequence, take: int) -> None:
+    def _add_row(plan: StepPlan, rows: list[EngineSeq], seq: EngineSeq, take: int) -> None:
         row = len(rows)
         rows.append(seq)
         plan.request_ids.append(seq.request_id)
@@ -243,11 +243,11 @@ class Scheduler:
                 return StepOutput(tokens, [i for i, s in enumerate(rows) if s.status == RUNNING], len(rows))
         return self._apply_rows(plan, rows, tokens, match_stops)
 
-    def _apply_rows(self, plan: StepPlan, rows: list[Sequence], tokens: list[int],
+    def _apply_rows(self, plan: StepPlan, rows: list[EngineSeq], tokens: list[int],
                     match_stops: MatchStops | None) -> StepOutput:  # fmt: skip
         emitted: list[int] = []
         text_rows: list[int] = []
-        done: list[Sequence] = []
+        done: list[EngineSeq] = []
         n_dec = 0
         now = time.monotonic()
         for i, seq in enumerate(rows):
@@ -285,8 +285,8 @@ class Scheduler:
         self._release(done)
         return StepOutput(tokens, emitted, n_dec)
 
-    def _settle(self, rows: list[Sequence], tokens: list[int], text_rows: list[int],
-                hits: dict[int, str | None]) -> list[Sequence]:  # fmt: skip
+    def _settle(self, rows: list[EngineSeq], tokens: list[int], text_rows: list[int],
+                hits: dict[int, str | None]) -> list[EngineSeq]:  # fmt: skip
         """End the rows with stop strings whose text hit one (or failed: an error message) or
         that reached max_tokens (their ids are recorded); return those sequences."""
         ended = []
@@ -311,7 +311,7 @@ class Scheduler:
                 seq.output_ids.append(token)
 
     # --- ending sequences -----------------------------------------------------------------
-    def _end(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None) -> None:
+    def _end(self, seq: EngineSeq, reason: str, token: int | None = None, error: str | None = None) -> None:
         """Finish a sequence (its slot, if any, is freed by the caller's _release)."""
         now = time.monotonic()
         seq.status, seq.finish_reason = FINISHED, reason
@@ -327,7 +327,7 @@ class Scheduler:
         ))  # fmt: skip
         seq.init_state = None
 
-    def _release(self, done: Iterable[Sequence]) -> None:
+    def _release(self, done: Iterable[EngineSeq]) -> None:
         """Free the slots of finished sequences; keep the active slots a contiguous prefix."""
         freed = sorted(s.slot for s in done if 0 <= s.slot < len(self.slots) and self.slots[s.slot] is s)
         if not freed:

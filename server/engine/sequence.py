@@ -1,4 +1,5 @@
-"""One request as the scheduler sees it: token ids and progress, no text. Pure Python (no torch).
+"""`EngineSeq`: one request as the scheduler sees it: token ids and progress, no text (the text
+is its `text.RequestText`'s, the output processor's). Pure Python (no torch).
 
 Token accounting (the invariant the engine's returned state relies on):
 
@@ -19,7 +20,7 @@ from .types import EOS_TOKEN, SamplingParams
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
-class Sequence:
+class EngineSeq:
     """Created by the engine at submission, driven by the scheduler."""
 
     def __init__(

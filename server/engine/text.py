@@ -1,14 +1,15 @@
 """The text of one request: its incremental detokenizer, its stop strings, the events it gets.
 Pure Python (no torch). Owned by the output processor (output.py), engine thread only.
 
-`Stream` turns the request's output token ids into `Event`s; `StopStream` (a request with stop
-strings) holds back any tail of text that could still become a stop string, and is told each
-token BEFORE the next step is planned (`match`), because a stop string ends the request.
+`RequestText` turns the request's output token ids into `Event`s; `StopRequestText` (a request
+with stop strings) holds back any tail of text that could still become a stop string, and is
+told each token BEFORE the next step is planned (`match`), because a stop string ends the request.
+(The SSE streams that send those events to clients are server.api.streaming's.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from .plan import Finished
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class TextDecoder(Protocol):
-    """What a stream needs from a detokenizer (`server.tokenizer.IncrementalDecoder`)."""
+    """What a RequestText needs from a detokenizer (`server.tokenizer.IncrementalDecoder`)."""
 
     def push_one(self, token: int) -> str: ...
 
@@ -40,7 +41,7 @@ class StopMatcher:
     ignored: nothing before that character can begin a stop string).
     """
 
-    def __init__(self, stops: Seq[str], shown: str = "", hidden_lead: bool = False):
+    def __init__(self, stops: Sequence[str], shown: str = "", hidden_lead: bool = False):
         self.stops = tuple(s for s in stops if s)
         self.held = ""
         self.skip = 0  # leading characters of `held` that were shown before (from `shown`)
@@ -113,7 +114,7 @@ class LogprobLog:
         return ev
 
 
-class Stream:
+class RequestText:
     """The output side of one request without stop strings."""
 
     lp: LogprobLog | None = None
@@ -134,7 +135,7 @@ class Stream:
 
     def emit(self, token: int) -> Event:
         """The event of one more output token of a request that goes on (the per-token path:
-        the push is inlined, StopStream overrides it)."""
+        the push is inlined, StopRequestText overrides it)."""
         text = self._push(token)
         self.parts.append(text)
         self.n += 1
@@ -160,7 +161,7 @@ class Stream:
         return self.decoder.flush()
 
 
-class StopStream(Stream):
+class StopRequestText(RequestText):
     """A request with stop strings: `match(token)` runs before the next plan (the scheduler's
     apply asks), the event of that token comes from what it found."""
 
@@ -169,7 +170,7 @@ class StopStream(Stream):
         request_id: str,
         handle: RequestHandle,
         decoder: TextDecoder,
-        stops: Seq[str],
+        stops: Sequence[str],
         shown: str = "",
         hidden_lead: bool = False,
     ):
@@ -200,16 +201,16 @@ class StopStream(Stream):
         return text if hit else text + self.matcher.flush()
 
 
-def open_stream(request_id: str, handle: RequestHandle, decoder: TextDecoder, params: SamplingParams) -> Stream:
+def open_text(request_id: str, handle: RequestHandle, decoder: TextDecoder, params: SamplingParams) -> RequestText:
     lead = params.lead
     if lead is not None:
         for t in lead.token_ids:  # the decoder goes on after them: their text was shown before
             decoder.push_one(t)
     if has_stop_strings(params):
         shown = lead.text if lead is not None else ""
-        st: Stream = StopStream(request_id, handle, decoder, params.stop, shown, params.hidden_lead)
+        st: RequestText = StopRequestText(request_id, handle, decoder, params.stop, shown, params.hidden_lead)
     else:
-        st = Stream(request_id, handle, decoder)
+        st = RequestText(request_id, handle, decoder)
     if params.logprobs is not None or params.prompt_logprobs is not None:
         st.lp = LogprobLog(params.logprobs is not None, params.prompt_logprobs is not None)
     return st

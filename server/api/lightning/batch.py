@@ -18,13 +18,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, prompt_too_long
+from server.api.generation.jobs import ClientGone, Job, Prompt, collect, submit_all
+from server.api.generation.stream import ChoiceStream
 from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError, bsz_overflow
 from server.api.lightning.render import FlushingRenderer, native_renderer, native_response
 from server.api.lightning.schemas import LightningV1Body, limits
 from server.api.metrics import CLIENT_GONE, Recorder
-from server.api.openai.jobs import ClientGone, Job, Prompt, collect, submit_all
-from server.api.openai.stream import ChoiceStream
 from server.api.services import Services, get_services, json_response
 from server.api.streaming.sse import SSEResponse
 from server.engine.protocol import StateLike
@@ -75,8 +75,8 @@ async def submit(
 
 
 def sse(sv: Services, jobs: list[Job], t0: float, renderer: FlushingRenderer) -> SSEResponse:
-    """The jobs' stream: the renderer's bytes (server.api.openai.stream.ChoiceStream); when it
-    ends early (the server shuts down), the text the renderer holds goes out before the error."""
+    """The jobs' stream: the renderer's bytes (server.api.generation.stream.ChoiceStream); when
+    it ends early (the server shuts down), the text the renderer holds goes out before the error."""
     source = ChoiceStream(jobs, renderer, Recorder(sv.metrics, t0))
     return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream, error_end=renderer.error_end)
 

@@ -1,6 +1,7 @@
 """rwkv_lightning's answers: the native JSON and SSE shapes of its batch routes, and the shapes
-of its OpenAI-style chat route, as renderers of engine jobs (server.api.openai.stream.ChoiceStream
-sends them, on the engine thread for one-prompt streams).
+of its OpenAI-style chat route, as renderers of engine jobs
+(server.api.generation.stream.ChoiceStream sends them, on the engine thread for one-prompt
+streams).
 
 Native JSON: {"id", "object", "model": <request label>, "choices": [{"index", "message":
 {"role": "assistant", "content"}, "finish_reason"}]}, one choice per prompt, in prompt order.
@@ -18,8 +19,9 @@ from typing import Any, Literal
 
 import orjson
 
-from server.api.openai.jobs import Job
-from server.api.openai.render import FINISH, Meta, Renderer, usage
+from server.api.generation.jobs import Job
+from server.api.generation.stream import Renderer
+from server.api.openai.render import FINISH, Meta, usage
 from server.api.streaming.source import DONE, event
 from server.api.streaming.sse import chat_error_end
 from server.engine.types import Event

@@ -10,6 +10,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from server.api.generation.jobs import submit_all
 from server.api.lightning import batch, chat_prompt, docs, state_routes
 from server.api.lightning.auth import CredentialFirst, authorize
 from server.api.lightning.errors import LightningError
@@ -25,7 +26,6 @@ from server.api.lightning.schemas import (
 )
 from server.api.openai import routes as openai_routes
 from server.api.openai import start as openai_start
-from server.api.openai.jobs import submit_all
 from server.api.openai.render import Meta
 from server.api.services import get_services
 from server.tasks.params import fim_prompt

@@ -11,8 +11,9 @@ conversation.py   the conversation cache: states at the end of earlier requests,
 settling.py       a request tracked until its states are kept; the repair slots
 agents.py         tools, tool_choice, response_format and logprobs checked and compiled first
 tools.py          tool calls on the RWKV chat format: plan, grammar, parsing of the output
-jobs.py           the engine sequences of a request: submit (check_room first), events, abort
 render.py         response bodies and pre-encoded SSE chunk bytes (the plain requests)
 agent_render.py   response bodies and chunks of requests with tools or logprobs
-stream.py         ChoiceStream: a renderer's bytes as a StreamSource, direct writes included
+
+The engine jobs and their stream (ChoiceStream) are server.api.generation's, shared with
+lightning's batch routes.
 """

@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from server.api.openai.jobs import Job
-from server.api.openai.render import Meta, Renderer, _chunker, _echo, _ender, _finish, _raise_failed, head, response
+from server.api.generation.jobs import Job
+from server.api.generation.stream import Renderer
+from server.api.openai.render import Meta, _chunker, _echo, _ender, _finish, _raise_failed, head, response
 from server.api.openai.tools import ToolPlan, content_end, split
 from server.engine.types import Event, TokenLogprob
 

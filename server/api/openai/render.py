@@ -8,8 +8,9 @@ from typing import Any
 
 import orjson
 
-from server.api.errors import ApiError, error_body
-from server.api.openai.jobs import Job
+from server.api.errors import ApiError
+from server.api.generation.jobs import Job
+from server.api.generation.stream import Renderer
 from server.api.streaming.source import DONE, event
 from server.engine.types import Event
 
@@ -32,17 +33,6 @@ class Meta:
         """A chat reply's text from its start: without the whitespace the model writes after
         "Assistant:", but as written when it continues a message (the client joins the two)."""
         return text if self.continues else text.lstrip()
-
-
-@dataclass
-class Renderer:
-    """A stream's bytes, by piece: the chunks before any event (one per job, or none),
-    render(job, batch) -> (bytes, whether the job's finish chunk is in them), end() -> the usage
-    chunk (when asked for) + [DONE]."""
-
-    preamble: list[bytes]
-    render: Callable[[Job, list[Event]], tuple[bytes, bool]]
-    end: Callable[[], bytes]
 
 
 def usage(jobs: list[Job], meta: Meta) -> dict[str, Any]:
@@ -69,13 +59,6 @@ def _raise_failed(jobs: list[Job]) -> None:
     for j in jobs:
         if j.finish_reason == "error":
             raise ApiError(500, f"generation failed: {j.error or 'unknown error'}", code="generation_failed")
-
-
-def error_event(job: Job) -> bytes:
-    """The event that ends a stream whose job the engine failed."""
-    return event(
-        error_body(f"generation failed: {job.error or 'unknown error'}", "server_error", None, "generation_failed")
-    )
 
 
 _MARK = "\x00text\x00"

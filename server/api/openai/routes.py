@@ -14,6 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, prompt_too_long
+from server.api.generation.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
+from server.api.generation.stream import ChoiceStream, Renderer
 from server.api.lightning import batch as lightning_batch
 from server.api.lightning.auth import CredentialFirst, require_header_key
 from server.api.lightning.schemas import ChatOrContents
@@ -21,10 +23,8 @@ from server.api.metrics import Recorder
 from server.api.openai import agent_render, render, start, tools
 from server.api.openai.agents import Agent, chat_agent, chat_ready, completion_agent
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
-from server.api.openai.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
 from server.api.openai.messages import turns
 from server.api.openai.schemas import ChatRequest, CompletionRequest, OpenAIFields
-from server.api.openai.stream import ChoiceStream
 from server.api.openapi import answers
 from server.api.services import Services, get_owner, get_services, json_response
 from server.api.streaming.sse import SSEResponse
@@ -269,7 +269,7 @@ async def _respond(
     jobs: list[Job],
     meta: render.Meta,
     t0: float,
-    renderer: Callable[[list[Job], render.Meta, bool], render.Renderer],
+    renderer: Callable[[list[Job], render.Meta, bool], Renderer],
     full: Callable[[list[Job], render.Meta], dict[str, Any]],
 ) -> Response:
     """The SSE stream or, once every job is done, the whole JSON response. When the answer

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.api.errors import ApiError, engine_error
+from server.api.generation.jobs import Job
 from server.api.openai.chat_format import TURN_SEP, normalize
 from server.api.openai.conversation import SPLIT_MIN_TOKENS, Expect
-from server.api.openai.jobs import Job
 from server.api.openai.tools import MARKER
 from server.api.services import Services
 from server.engine.protocol import StateLike

@@ -1,8 +1,9 @@
 """The one interface between a protocol's stream and the SSE response that sends it.
 
-A route builds a `StreamSource` (server.api.openai.stream.ChoiceStream for the OpenAI routes,
-server.api.tasks.stream.TaskStream for the task routes) and returns `SSEResponse(source)`
-(server.api.streaming.sse). The response sends the source's bytes one of two ways:
+A route builds a `StreamSource` (server.api.generation.stream.ChoiceStream for the OpenAI
+routes and lightning's batch routes, server.api.tasks.stream.TaskStream for the task routes) and
+returns `SSEResponse(source)` (server.api.streaming.sse). The response sends the source's bytes
+one of two ways:
 
 - on the event loop: `preamble`, then every chunk of `rest()` (one write per wake-up);
 - written straight to the socket by the source's notifications (server.api.streaming.direct,

@@ -1,6 +1,6 @@
 """Task routes over raw HTTP on a real server with API keys: the SSE format of docs/task-api.md,
 resuming with ?pos=, nothing lost, max_tokens=0 streams, disconnects, error codes and shapes,
-owners."""
+owners. (Through the `rwkv-api` SDK: test_task_api_sdk.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The engine sequences of an OpenAI request (one per choice): submitting them, their events
-merged in arrival order with per-request metrics, and waiting for a whole answer (a client that
-leaves aborts them). Shared by chat and completions, streaming or not."""
+"""The engine sequences of a request (one per OpenAI choice or lightning prompt): submitting
+them, their events merged in arrival order with per-request metrics, and waiting for a whole
+answer (a client that leaves aborts them). Shared by the OpenAI routes (chat and completions)
+and lightning's batch routes, streaming or not."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class ClientGone(Exception):
 
 @dataclass
 class Job:
-    """One engine sequence of an OpenAI request (one choice)."""
+    """One engine sequence of a request (an OpenAI choice, a lightning prompt)."""
 
     index: int
     handle: Handle

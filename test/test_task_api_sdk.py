@@ -1,5 +1,6 @@
 """The public `rwkv-api` SDK (0.1.2) against a real server (uvicorn subprocess, tiny model):
-its whole surface, sync and async, including its typed exceptions for 404 and 422.
+its whole surface, sync and async, including its typed exceptions for 404 and 422. (The same
+routes over raw HTTP, the bytes the SDK never shows: test_task_api_raw_http.)
 
 SDK note: `AsyncClient.create(stream=True)` / `fim(stream=True)` raise TypeError inside the SDK
 itself (it awaits an async generator); its `create_stream` / `fim_stream` are the working forms.

@@ -1,17 +1,38 @@
-"""The SSE stream of an OpenAI request as a StreamSource (server.api.streaming.source): the
-renderer's bytes for the jobs' events, on the event loop (`rest`) or taken by the engine thread
-right after a delivery (`take`, one-choice streams only: server.api.streaming.direct)."""
+"""The SSE stream of a request's engine jobs as a StreamSource (server.api.streaming.source):
+the renderer's bytes for the jobs' events, on the event loop (`rest`) or taken by the engine
+thread right after a delivery (`take`, one-choice streams only: server.api.streaming.direct).
+The renderers are the protocols': server.api.openai.render and agent_render, and
+server.api.lightning.render."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
+from server.api.errors import error_body
+from server.api.generation.jobs import Job, abort_all, events, failed_batch, record
 from server.api.metrics import Recorder
-from server.api.openai.jobs import Job, abort_all, events, failed_batch, record
-from server.api.openai.render import Renderer, error_event
-from server.api.streaming.source import DONE
+from server.api.streaming.source import DONE, event
 from server.engine.types import Event
+
+
+@dataclass
+class Renderer:
+    """A stream's bytes, by piece: the chunks before any event (one per job, or none),
+    render(job, batch) -> (bytes, whether the job's finish chunk is in them), end() -> the usage
+    chunk (when asked for) + [DONE]."""
+
+    preamble: list[bytes]
+    render: Callable[[Job, list[Event]], tuple[bytes, bool]]
+    end: Callable[[], bytes]
+
+
+def error_event(job: Job) -> bytes:
+    """The event that ends a stream whose job the engine failed."""
+    return event(
+        error_body(f"generation failed: {job.error or 'unknown error'}", "server_error", None, "generation_failed")
+    )
 
 
 class ChoiceStream:
