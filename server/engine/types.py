@@ -6,7 +6,7 @@ No torch import here: the scheduler, the task layer and the API all use these ty
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_type_hints
 
@@ -61,7 +61,9 @@ FIELDS = (
 """The names of SamplingParams' fields as requests and stored task parameters spell them. A new
 sampling field: its name here, its type and default on SamplingParams (the one type table:
 FIELD_KINDS is derived from it), its bounds in LIMITS, its line in SamplingParams.from_fields and
-in server.api.sampling.SamplingFields (test_tasks_parts checks that one agrees)."""
+in server.api.sampling.SamplingFields (test_tasks_parts checks that one agrees), its key on
+server.tasks.params.TaskParams (checked at import). docs/architecture.md: "Adding a sampling
+parameter"."""
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf", "structural_tag", "any_of")
@@ -233,7 +235,7 @@ class SamplingParams:
     (Event.text) and dropped by the route."""
 
     @classmethod
-    def from_fields(cls, fields: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+    def from_fields(cls, fields: Mapping[str, Any], default_max_tokens: int) -> SamplingParams:
         """The one mapping from request / stored fields (FIELDS names; absent or None = default)
         to SamplingParams. Values are assumed checked against LIMITS (`check_fields`)."""
         d = cls()

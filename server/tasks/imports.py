@@ -25,7 +25,7 @@ import asyncio
 import re
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from server.tasks.codec import encode_state
 from server.tasks.errors import TaskConflict, TaskInvalid
@@ -36,6 +36,7 @@ from server.tasks.store import state_row
 if TYPE_CHECKING:
     from server.model.state import State
     from server.tasks.manager import TaskManager
+    from server.tasks.params import TaskParams
 
 STATE_OPERATOR = STATE_ORIGIN + "operator"
 """parent_id of a template loaded by the operator at start (`--state`): public, replaced at each start."""
@@ -66,7 +67,7 @@ async def template_from_state(
     pending: Sequence[int] = (),
     owner: str | None = None,
     operator: bool = False,
-    params: dict[str, Any] | None = None,
+    params: TaskParams | None = None,
 ) -> Task:
     """Make the read-only template `_<name>` holding `state` (batch 1, CPU; kept as given: the
     caller hands it over) and `pending` (tokens fed before a fork's prompt).
@@ -87,7 +88,7 @@ async def template_from_state(
         owner=oid,
         public=oid is None,
         parent_id=STATE_OPERATOR if operator else STATE_UPLOAD,
-        params=dict(params or {}),
+        params=params.copy() if params else {},
         tokens=array("i", [int(t) for t in pending]),
         out_start=len(pending),
         finish_reason="stop",

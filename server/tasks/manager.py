@@ -47,7 +47,7 @@ from server.tasks.errors import TaskConflict, TaskElsewhere, TaskInvalid, TaskSt
 from server.tasks.inventory import Inventory
 from server.tasks.lease import Lease
 from server.tasks.lineage import base_of
-from server.tasks.params import clean_params, fim_prompt
+from server.tasks.params import GivenParams, TaskParams, clean_params, fim_prompt
 from server.tasks.persist import Persistence
 from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, display_id, new_id
 from server.tasks.runs import Runs
@@ -260,7 +260,7 @@ class TaskManager:
     async def create(
         self,
         prompt: Prompt,
-        params: dict[str, Any] | None = None,
+        params: GivenParams | None = None,
         *,
         persistent: bool = False,
         owner: str | None = None,
@@ -285,7 +285,7 @@ class TaskManager:
         self,
         prefix: str,
         suffix: str = "",
-        params: dict[str, Any] | None = None,
+        params: GivenParams | None = None,
         *,
         persistent: bool = False,
         owner: str | None = None,
@@ -295,7 +295,7 @@ class TaskManager:
     async def fork(
         self,
         task_id: str,
-        params: dict[str, Any] | None = None,
+        params: GivenParams | None = None,
         prompt: Prompt | None = None,
         *,
         tmp: bool = False,
@@ -311,7 +311,7 @@ class TaskManager:
         over = self._params(params)
         src = await _settled_if_stopping(await self.get(task_id, owner))
         self.access.finished(src, "fork")
-        merged = {**src.params, **over} if inherit else over
+        merged: TaskParams = {**src.params, **over} if inherit else over
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
             merged.pop("max_tokens")  # a prefill-only source forks into generating tasks
         kind = TMP if tmp else TASK
@@ -338,7 +338,7 @@ class TaskManager:
     async def continue_(
         self,
         task_id: str,
-        params: dict[str, Any] | None = None,
+        params: GivenParams | None = None,
         prompt: Prompt | None = None,
         *,
         owner: str | None = None,
@@ -350,7 +350,8 @@ class TaskManager:
         over = self._params(params)
         for attempt in range(2):
             t = await _settled_if_stopping(await self.get(task_id, owner, write=True, force=force))
-            update: dict[str, Any] = {"params": {**t.params, **over}}
+            merged: TaskParams = {**t.params, **over}
+            update: dict[str, Any] = {"params": merged}
             if ids is not None:
                 update["prompt"] = prompt if isinstance(prompt, str) else ""
             try:
@@ -500,7 +501,7 @@ class TaskManager:
         return out
 
     # --- helpers ---------------------------------------------------------------------------------
-    def _params(self, params: dict[str, Any] | None) -> dict[str, Any]:
+    def _params(self, params: GivenParams | None) -> TaskParams:
         return clean_params(params or {}, self.vocab_size)
 
     async def _encode(self, prompt: Prompt) -> TokenIds:

@@ -1,6 +1,7 @@
-"""Generation parameters of tasks: stored as a plain JSON dict (the names of
-`server.engine.types.FIELDS`, `response_format`, `grammar`, `hidden_lead` and `meta`), checked
-when a caller gives them, turned into SamplingParams per run by the one mapping, `SamplingParams.from_fields`,
+"""Generation parameters of tasks: `TaskParams`, stored as a plain JSON dict (the names of
+`server.engine.types.FIELDS`, `response_format`, `grammar`, `hidden_lead` and `meta`), made from
+what a caller gives (`GivenParams`) by `clean_params`, the one check, and turned into
+SamplingParams per run by the one mapping, `SamplingParams.from_fields`,
 plus the grammar of the response format (`format_grammar`: the one mapping of OpenAI's
 response_format onto the engine's GrammarSpec, shared by the OpenAI and task routes) or the
 task's own grammar (`grammar`: a GrammarSpec as {"kind", "source", "trigger"}, the tool-call
@@ -15,14 +16,43 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple, TypedDict, cast, get_type_hints
 
 from server.engine.types import FIELD_KINDS, FIELDS, GrammarSpec, SamplingParams, check_fields
 from server.tasks.errors import TaskInvalid
 
+
+class TaskParams(TypedDict, total=False):
+    """A task's parameters as stored (its params column, key for key) and read: those given, in
+    their stored form (clean_params). The sampling fields are FIELDS' names, each of the stored
+    type of its kind in types.FIELD_KINDS (`_KINDS`): `check_task_params` holds them to that at
+    import, so a FIELDS name missing here, or typed otherwise, fails the import naming it."""
+
+    max_tokens: int
+    temperature: float  # (an integer as given: a float field stores the caller's number)
+    top_k: int
+    top_p: float
+    presence_penalty: float
+    repetition_penalty: float
+    penalty_decay: float
+    seed: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    response_format: dict[str, Any]  # OpenAI's, as given ({"type": "text"}: none, over a fork source's)
+    grammar: dict[str, str]  # {"kind", "source", "trigger"} (stored_grammar); {}: none, over a source's
+    hidden_lead: bool
+    meta: dict[str, Any]  # a JSON object of the route that made the task; runs never read it
+
+
+GivenParams = Mapping[str, object]
+"""Parameters as a caller gives them to the task layer (TaskManager.create / fim / fork /
+continue_): by TaskParams' names, None or absent = not given, other names dropped; unchecked
+(the in-process API bypasses the HTTP schema) until clean_params makes them TaskParams."""
 PARAM_KEYS = (*FIELDS, "response_format", "grammar", "hidden_lead", "meta")
+"""TaskParams' keys (check_task_params)."""
 MAX_SCHEMA_DEPTH = 32
 """Deepest nesting of schemas in a response_format schema: the root is level 1, each schema
 inside another (an object's property, an array's items, an anyOf branch, ...) one level more.
@@ -50,12 +80,13 @@ _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 _FIELD_IN_MESSAGE = re.compile(r"'(\w+)'")
 
 
-def clean_params(raw: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def clean_params(raw: GivenParams, vocab_size: int) -> TaskParams:
     """The known, explicitly given (non-None) parameters, JSON-ready; TaskInvalid (naming the
     field) for a value of the wrong type (types.FIELD_KINDS: SamplingParams' field types) or
     outside the bounds (types.LIMITS, check_fields).
     The HTTP schema checks the same bounds; this guards the callers that bypass it (the
-    in-process API), so bad parameters never reach the engine or the store."""
+    in-process API), so bad parameters never reach the engine or the store. The one place a
+    value becomes TaskParams: each is of its key's type once checked (check_task_params)."""
     out: dict[str, Any] = {}
     for k in FIELD_KINDS:  # FIELDS' names
         v = raw.get(k)
@@ -75,10 +106,10 @@ def clean_params(raw: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     except ValueError as exc:
         m = _FIELD_IN_MESSAGE.search(str(exc))
         raise TaskInvalid(str(exc), param=m.group(1) if m else None) from None
-    return out
+    return cast(TaskParams, out)
 
 
-def _grammar_and_meta(raw: dict[str, Any], out: dict[str, Any]) -> None:
+def _grammar_and_meta(raw: GivenParams, out: dict[str, Any]) -> None:
     """out's `grammar`, `hidden_lead` and `meta` from raw. A task has one grammar: a
     response_format given lifts a stored grammar (a fork of a tool-call response with a format
     runs the format), a grammar given lifts a stored format; both (a format other than text) is
@@ -89,7 +120,7 @@ def _grammar_and_meta(raw: dict[str, Any], out: dict[str, Any]) -> None:
             stored_grammar(spec)
         except ValueError as exc:
             raise TaskInvalid(f"invalid 'grammar': {exc}", param="grammar") from None
-        out["grammar"] = dict(spec)
+        out["grammar"] = dict(cast("dict[str, str]", spec))  # (stored_grammar refuses any other)
     if spec and "response_format" not in out:
         out["response_format"] = {"type": "text"}
     elif "response_format" in out and spec is None:
@@ -139,7 +170,7 @@ def _typed(k: str, v: Any) -> Any:
         raise LookupError(f"{k!r} is not a sampling field (server.engine.types.FIELD_KINDS)")
     if kind not in _KINDS:
         raise LookupError(f"sampling field {k!r}: its JSON kind {kind!r} has no check in params._KINDS")
-    form, ok = _KINDS[kind]
+    _, form, ok = _KINDS[kind]
     v = form(v)
     if not ok(v):
         raise TaskInvalid(f"invalid '{k}': {v!r} has the wrong type", param=k)
@@ -160,18 +191,39 @@ def _as_texts(v: Any) -> Any:
     return [v] if isinstance(v, str) else _as_list(v)
 
 
-_KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool]]] = {
-    "int": (lambda v: v, _is_int),
-    "float": (lambda v: v, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    "bool": (lambda v: v, lambda v: isinstance(v, bool)),
-    "texts": (_as_texts, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v)),
-    "token_ids": (_as_list, lambda v: isinstance(v, list) and all(_is_int(x) for x in v)),
+class _Kind(NamedTuple):
+    stored: Any  # the type of a stored value (its TaskParams key's type)
+    form: Callable[[Any], Any]  # the stored form of a given value
+    ok: Callable[[Any], bool]  # whether that form is of the kind
+
+
+_KINDS: dict[str, _Kind] = {
+    "int": _Kind(int, lambda v: v, _is_int),
+    "float": _Kind(float, lambda v: v, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "bool": _Kind(bool, lambda v: v, lambda v: isinstance(v, bool)),
+    "texts": _Kind(list[str], _as_texts, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v)),
+    "token_ids": _Kind(list[int], _as_list, lambda v: isinstance(v, list) and all(_is_int(x) for x in v)),
 }
-"""Each JSON kind of types._JSON_KINDS: (the stored form of a given value, whether that form is
-of the kind)."""
+"""Each JSON kind of types._JSON_KINDS."""
 
 
-def sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+def check_task_params(td: type = TaskParams, kinds: Mapping[str, str] = FIELD_KINDS) -> None:
+    """TypeError unless td's keys are kinds' names (FIELDS) and the rest of PARAM_KEYS, each
+    sampling field's of its kind's stored type: run at import, it holds TaskParams to the one
+    field list (FIELDS, and FIELD_KINDS from SamplingParams' field types)."""
+    hints, keys = get_type_hints(td), (*kinds, *PARAM_KEYS[len(FIELDS) :])
+    missing, extra = [k for k in keys if k not in hints], [k for k in hints if k not in keys]
+    if missing or extra:
+        raise TypeError(f"TaskParams' keys are FIELDS' and {keys[len(kinds) :]}: missing {missing}, extra {extra}")
+    for name, kind in kinds.items():
+        if hints[name] != _KINDS[kind].stored:
+            raise TypeError(f"TaskParams[{name!r}] is {hints[name]}, not its kind's ({kind}) {_KINDS[kind].stored}")
+
+
+check_task_params()
+
+
+def sampling_params(params: TaskParams, default_max_tokens: int) -> SamplingParams:
     """The SamplingParams of a run of a task with these stored parameters."""
     sp = SamplingParams.from_fields(params, default_max_tokens)
     spec = stored_grammar(params["grammar"]) if params.get("grammar") else None

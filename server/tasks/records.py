@@ -35,6 +35,7 @@ from server.engine.protocol import Handle
 from server.engine.types import SamplingParams
 from server.tasks.config import LatencyRecorder
 from server.tasks.output import Output
+from server.tasks.params import TaskParams
 from server.tasks.schema import DbRow
 
 PREFILL, READY, RUNNING, FINISHED = 0, 1, 2, 3
@@ -125,7 +126,7 @@ class Task:
     kind: str
     owner: str | None = None
     parent_id: str | None = None
-    params: dict[str, Any] = field(default_factory=dict)
+    params: TaskParams = field(default_factory=TaskParams)
     prompt: str = ""
     prompt_len: int = 0
     tokens: array[int] = field(default_factory=lambda: array("i"))

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
     """A new template `tid` with the finished task's history, text and parameters (less a
     `max_tokens` of 0: forks of it generate), running until fill_template gives it its state."""
-    params = {k: v for k, v in src.params.items() if not (k == "max_tokens" and v == 0)}
+    params = src.params.copy()
+    if params.get("max_tokens") == 0:
+        del params["max_tokens"]
     tpl = Task(
         id=tid,
         kind=TEMPLATE,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from server.api.openai.chat_format import TURN_SEP
@@ -76,7 +77,7 @@ def continues(t: Task) -> bool:
     return continues_prompt(t.prompt, t.params)
 
 
-def continues_prompt(prompt: str, params: dict[str, Any]) -> bool:
+def continues_prompt(prompt: str, params: Mapping[str, Any]) -> bool:
     """A response of this prompt and these task parameters continues the assistant message its
     input ended with: its prompt does not end with a fresh "Assistant:" turn (always after a
     blank line: a message's text has none; a forced call's prompt ends with the marker after it).
@@ -97,7 +98,7 @@ def tool_mode(t: Task) -> Mode | None:
     return params_mode(t.params)
 
 
-def params_mode(params: dict[str, Any]) -> Mode | None:
+def params_mode(params: Mapping[str, Any]) -> Mode | None:
     """The tool mode of a response task with these parameters. None: the response could call no
     tool; "forced": its output is the call list from the first token; "auto": the model could
     write text first (the grammar's trigger); "formatted": the output is the envelope from its

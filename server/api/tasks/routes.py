@@ -10,7 +10,7 @@ when that client disconnects; a TASK_ keeps running (resume with /stream?pos=N).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -24,13 +24,14 @@ from server.api.tasks.schemas import CreateBody, EmptyBody, FimBody, GenParams, 
 from server.api.tasks.stream import TaskStream
 
 if TYPE_CHECKING:
+    from server.tasks.params import GivenParams
     from server.tasks.records import Task
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 PROMPT_SEARCH_MAX = 256  # characters of GET /list's prompt_contains
 
 
-async def _params(sv: Services, body: GenParams) -> dict[str, Any]:
+async def _params(sv: Services, body: GenParams) -> GivenParams:
     """The request's sampling fields and response_format, checked (422 naming a bad one; the
     engine compiles the format's grammar) before anything starts."""
     fields = body.checked_fields(sv.shape.vocab_size, sv.settings.max_tokens_limit)
