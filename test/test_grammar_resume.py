@@ -8,12 +8,13 @@ a real server on the tiny random-weight model (only the grammar can make its out
 from __future__ import annotations
 
 import json
+from array import array
 
 import httpx
 import jsonschema
 import pytest
 from test_task_continue_text import GREEDY, PARROT, parrot_checkpoint
-from util_server import running_server, server_fixture, task_result
+from util_server import committed_row, running_server, server_fixture, task_result
 
 from server.config import Settings
 from server.engine import Engine, SamplingParams
@@ -132,6 +133,15 @@ def go_on(c: httpx.Client, tid: str, **body) -> dict:
     return task_result(c, tid)
 
 
+def history(server, tid: str) -> tuple[list[int], str, int]:
+    """(tokens, state id, state_pos) of the task's committed row, once its state is stored."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        task_result(c, tid, until=lambda r: r["finished"] and r["state"] == "stored")
+    row = committed_row(server.db, tid)
+    assert row is not None
+    return array("i", row["tokens"]).tolist(), row["state_id"], row["state_pos"]
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_cut_json_schema_output_continues_into_valid_json(http, seed):
     a = create(http, response_format=FORMAT, max_tokens=5, seed=seed)
@@ -171,11 +181,19 @@ def test_a_continue_whose_grammar_the_output_does_not_fit_is_refused(http):
     )  # no grammar: nothing to fit
 
 
-def test_a_complete_output_continued_ends_at_once(http):
+def test_a_complete_output_continued_ends_at_once(server, http):
     a = create(http, response_format=FORMAT, max_tokens=300, seed=4)
     assert a["finish_reason"] == "stop", a
+    kept = history(server, a["task_id"])
+    tokens, _, pos = kept
+    assert tokens[-2:] != [0, 0] and tokens[-1] == 0 and pos == len(tokens) - 1  # the EOS is pending
     b = go_on(http, a["task_id"], max_tokens=50)
     assert (b["result"], b["finish_reason"], b["completion_tokens"]) == (a["result"], "stop", a["completion_tokens"])
+    # the task is as it was: its run read the pending EOS and stopped, but no second EOS follows
+    # it, and its state is the one from before that EOS (which stays pending)
+    assert history(server, a["task_id"]) == kept
+    c = go_on(http, a["task_id"], response_format={"type": "text"}, max_tokens=2)
+    assert (c["prompt_tokens"], c["completion_tokens"]) == (1, a["completion_tokens"] + 2), c  # (no rebuild)
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},

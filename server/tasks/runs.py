@@ -4,10 +4,12 @@ State accounting (the engine's contract, server/engine/engine.py): a finished se
 has consumed `input + token_ids - pending_tokens`; normally the last generated token is pending.
 A run therefore leaves `state_pos = len(tokens) - 1` and the next run feeds the last token first
 (which yields the logits to continue from). A stop token is neither emitted nor fed; we append
-EOS to the history so the same rule holds. A prefill-only run (max_tokens=0) holds the prompt's
-last token back for the same reason. Without a usable result state (error) the old state is
-kept and the next run re-feeds `tokens[state_pos:]`. A run that feeds more of the history than
-the pending token rebuilds a state that is missing (counters `rebuilds`, `rebuild_tokens`).
+EOS to the history so the same rule holds (a continue that fed that EOS and stopped at once
+keeps the old state, EOS still pending: no second EOS). A prefill-only run (max_tokens=0) holds
+the prompt's last token back for the same reason. Without a usable result state (error) the old
+state is kept and the next run re-feeds `tokens[state_pos:]`. A run that feeds more of the
+history than the pending token rebuilds a state that is missing (counters `rebuilds`,
+`rebuild_tokens`).
 
 A persistent run is acknowledged only once its row is committed (a new task's row inserted, an
 existing task claimed in the database, server.tasks.persist); its pump runs meanwhile, and its
@@ -26,7 +28,6 @@ import asyncio
 import logging
 import time
 import uuid
-from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -37,7 +38,7 @@ from server.engine.protocol import EngineAPI
 from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Event, Result, SamplingParams
 from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory
-from server.tasks.lead import continued
+from server.tasks.lead import continued, grammar_prefix
 from server.tasks.params import sampling_params
 from server.tasks.persist import Outcome, SettleJob
 from server.tasks.records import (
@@ -128,8 +129,7 @@ class Runs:
         try:
             run = await self._launch(t, prompt_ids, max_tokens, display_id(t.parent_id) if new else None)
         except BaseException:
-            before.restore(t)
-            self.table.unclaim(t, new)
+            self._unstart(t, before, new)
             raise
         run.undo = partial(self._discard, t, run, before, new)
         pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
@@ -158,23 +158,34 @@ class Runs:
         if run.handle is not None:
             run.handle.abort()
         self.persistence.release(run.key)
+        self._unstart(t, before, new)
+
+    def _unstart(self, t: Task, before: Snapshot, new: bool) -> None:
+        """Put t back as it was before the start (_show changed it first). A reader of the
+        output the start showed sees that output end: the output that goes on (restored), or a
+        new prompt's, which never ran ("stopped")."""
+        shown = t.out
         before.restore(t)
+        if shown is not t.out:
+            shown.finished, shown.finish_reason = True, "stopped"
+        shown.notify()
         self.table.unclaim(t, new)
 
     async def _launch(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None, holder: str | None) -> Run:
         """Submit t's run (its starting state resolved, its input cut from its history) and make
-        it the task's (_begin). On failure the resolved state is released (start restores t)."""
+        it the task's (_show, _begin). On failure the resolved state is released (start restores t)."""
         sp, back = self._run_params(t, prompt_ids, max_tokens)
+        n_hist = len(t.tokens)  # the history before this run's prompt
+        self._show(t, prompt_ids, back)  # (the prompt joins t.tokens)
         state, pos, key = await self.persistence.resolve_state(t, holder)
         try:
-            hist = t.tokens + array("i", prompt_ids or ())
-            inp = hist[pos:].tolist()
-            rebuilt = len(t.tokens) - 1 - pos  # history beyond the pending token: no state had it
+            inp = t.tokens[pos:].tolist()
+            rebuilt = n_hist - 1 - pos  # history beyond the pending token: no state had it
             if sp.max_tokens == 0:
                 inp = inp[:-1]  # hold the last token back: a fork can then generate at once
             elif not inp:  # cannot happen by the invariant; recompute rather than fail
                 self.persistence.release(key)
-                state, pos, key, inp = None, 0, None, hist.tolist()
+                state, pos, key, inp = None, 0, None, t.tokens.tolist()
             recorder = self.latency() if self.latency is not None else None
             t_submit, handle = time.monotonic(), None
             if inp:
@@ -182,7 +193,7 @@ class Runs:
                 queued = self._engine_full()  # before submitting: it counts itself as waiting
                 # the task's own history (re-fed where its state was rebuilt) is not the request's
                 # prompt: only the new prompt counts against max_prompt_tokens
-                history = min(len(inp), max(0, len(t.tokens) - pos))
+                history = min(len(inp), max(0, n_hist - pos))
                 handle = self.engine.submit(
                     inp, sp, init_state=state, return_state=True, request_id=f"{t.id}.{self._seq}", history=history
                 )
@@ -195,7 +206,7 @@ class Runs:
         except BaseException:
             self.persistence.release(key)
             raise
-        self._begin(t, run, prompt_ids, rebuilt, back)
+        self._begin(t, run, rebuilt)
         return run
 
     def _run_params(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> tuple[SamplingParams, int]:
@@ -216,31 +227,35 @@ class Runs:
                 sp = replace(sp, lead=lead)
         if prompt_ids is None and sp.grammar is not None and sp.max_tokens > 0:
             # the run extends the same output: its grammar goes on from the output's tokens so far
-            # (all its runs', also those restored from the database), less any EOS (no text: the
-            # separator a stop token left, _covered)
-            out = t.tokens[t.out_start :]
-            sp = replace(sp, grammar_prefix=tuple(x for x in out if x != EOS_TOKEN))
+            # (all its runs', also those restored from the database) whose text is shown
+            sp = replace(sp, grammar_prefix=grammar_prefix(t, self.token_bytes))
         return sp, back
 
-    def _begin(self, t: Task, run: Run, prompt_ids: list[int] | None, rebuilt: int, back: int) -> None:
-        """After the submit: count the run, and make it t's (a new prompt starts a new output; a
-        continue's output takes `back` characters back and grows)."""
-        self.counters["runs"] += 1
-        self.counters["prefill_tokens"] += run.n_input
-        if rebuilt > 0:
-            self.counters["rebuilds"] += 1
-            self.counters["rebuild_tokens"] += rebuilt
-        if prompt_ids is not None:  # a new prompt: the output starts over
+    def _show(self, t: Task, prompt_ids: list[int] | None, back: int) -> None:
+        """Make t show the run it starts before its state is read (a read may take a while, and
+        t is running meanwhile: it must not show its last output as this run's): a new prompt
+        starts a new, empty output (its tokens join the history); a continue's output takes
+        `back` characters back and goes on."""
+        if prompt_ids is not None:
             t.tokens.extend(prompt_ids)
             t.out_start, t.prompt_len = len(t.tokens), len(prompt_ids)
             t.out, t.gen_time = Output(finished=False), 0.0
         else:
             t.out.finished, t.out.finish_reason, t.out.error = False, None, None
             t.out.take_back(back)
-            run.gen_base = t.gen_time
         if not len(t.out):  # its first token is still to come (a new prompt, or none came yet)
             t.prefill_time = 0.0
-        t.finish_reason, t.stop_requested, t.interrupted, t.run = None, False, False, run
+        t.finish_reason, t.prompt_tokens, t.completion_tokens = None, 0, len(t.out)  # (nothing fed yet)
+
+    def _begin(self, t: Task, run: Run, rebuilt: int) -> None:
+        """After the submit: count the run, and make it t's."""
+        self.counters["runs"] += 1
+        self.counters["prefill_tokens"] += run.n_input
+        if rebuilt > 0:
+            self.counters["rebuilds"] += 1
+            self.counters["rebuild_tokens"] += rebuilt
+        run.gen_base = t.gen_time  # (0 for a new output)
+        t.stop_requested, t.interrupted, t.run = False, False, run
         t.instance = self.instance
         t.prompt_tokens, t.completion_tokens = run.n_input, len(t.out)
         t.updated_at = time.time()
@@ -353,7 +368,7 @@ class Runs:
 
     def _covered(self, t: Task, run: Run, res: Result | None) -> int | None:
         """Tokens of the run (input + output) the returned state has consumed, by the engine's
-        contract: state + res.pending_tokens == input + res.token_ids."""
+        contract: state + res.pending_tokens == input + res.token_ids (None: no state to keep)."""
         if res is None:
             return 0 if run.handle is None else None
         if res.state is None:
@@ -365,6 +380,12 @@ class Runs:
             return None
         covered = run.n_input + len(res.token_ids) - len(res.pending_tokens)
         if not res.pending_tokens and res.finish_reason == STOP and run.params.max_tokens > 0:
+            if not res.token_ids and len(t.tokens) > t.out_start and t.tokens[-1] == EOS_TOKEN:
+                # a continue without a prompt of an output a stop token had ended (its EOS lies
+                # in the output; a new prompt's output has no token yet) stopped at once: the
+                # task stays as it was, its state before that EOS, which stays pending (the new
+                # state read it, and a second EOS would have to follow it)
+                return None
             # a stop token ended it (not emitted, not fed): EOS becomes the history's last,
             # pending token, so a continuation has something to feed (RWKV's separator)
             t.tokens.append(EOS_TOKEN)
