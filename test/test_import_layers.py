@@ -5,7 +5,11 @@
 - the layers the protocol packages share import no protocol package: server.api.generation (the
   engine jobs and ChoiceStream of the OpenAI routes and lightning's batch routes) and
   server.api.streaming. So openai and lightning both import the shared layer, and neither
-  imports the other for it.
+  imports the other for it;
+- the protocol packages depend on each other one way only, as DEPENDS says, counting every
+  import (one inside a function too): lightning and responses build on openai (lightning's
+  POST /v1/chat/completions hands an OpenAI body to openai's chat handler, its OpenAI-style route
+  re-serves openai's shapes; responses share the tool-call format), and openai imports neither.
 """
 
 from __future__ import annotations
@@ -18,6 +22,14 @@ SERVER = ROOT / "server"
 SHARED = ("server.api.generation", "server.api.streaming")
 PROTOCOLS = ("server.api.openai", "server.api.lightning", "server.api.responses", "server.api.tasks",
              "server.api.states")  # fmt: skip
+DEPENDS = {
+    "server.api.openai": (),
+    "server.api.lightning": ("server.api.openai",),
+    "server.api.responses": ("server.api.openai",),
+    "server.api.tasks": (),
+    "server.api.states": (),
+}
+"""The protocol packages each protocol package may import (any other is refused)."""
 
 
 def module_name(path: Path) -> str:
@@ -44,12 +56,14 @@ def _load_time_nodes(body: list[ast.stmt]) -> list[ast.AST]:
     return out
 
 
-def load_time_imports(path: Path, modules: set[str]) -> set[str]:
-    """The modules of `modules` that `path` imports as it loads."""
+def load_time_imports(path: Path, modules: set[str], *, lazy: bool = False) -> set[str]:
+    """The modules of `modules` that `path` imports as it loads (lazy: those it imports anywhere,
+    in a function or under `if TYPE_CHECKING:` too)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _load_time_nodes(ast.parse(path.read_text(encoding="utf-8")).body):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree) if lazy else _load_time_nodes(tree.body):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in modules}
         elif isinstance(node, ast.ImportFrom):
@@ -66,10 +80,10 @@ def load_time_imports(path: Path, modules: set[str]) -> set[str]:
     return found - {name}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
     paths = sorted(SERVER.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    return {module_name(p): load_time_imports(p, modules) for p in paths}
+    return {module_name(p): load_time_imports(p, modules, lazy=lazy) for p in paths}
 
 
 def test_the_graph_reader_sees_imports() -> None:
@@ -77,6 +91,8 @@ def test_the_graph_reader_sees_imports() -> None:
     assert "server.api.generation.jobs" in graph["server.api.generation.stream"]
     assert "server.engine.types" in graph["server.engine.scheduler"]  # a relative import
     assert "server.api.generation.jobs" in graph["server.api.lightning.batch"]
+    assert "server.api.services" not in graph["server.api.lightning.schemas"]  # under TYPE_CHECKING
+    assert "server.api.services" in import_graph(lazy=True)["server.api.lightning.schemas"]
 
 
 def test_no_import_cycle_in_server() -> None:
@@ -99,3 +115,21 @@ def test_the_shared_api_layers_import_no_protocol() -> None:
     bad = sorted(f"{m} -> {d}" for m, deps in import_graph().items() if m.startswith(SHARED)
                  for d in deps if d.startswith(PROTOCOLS))  # fmt: skip
     assert not bad, f"a shared layer imports a protocol package: {bad}"
+
+
+def _package(module: str) -> str | None:
+    return next((p for p in PROTOCOLS if module == p or module.startswith(p + ".")), None)
+
+
+def test_the_protocol_packages_depend_one_way() -> None:
+    """openai imports nothing of lightning (nor of any other protocol): the path lightning's V1
+    batch shares with the OpenAI chat is routed by lightning (server.api.lightning.v1_chat)."""
+    assert set(DEPENDS) == set(PROTOCOLS)
+    bad = sorted(
+        f"{m} -> {d}"
+        for m, deps in import_graph(lazy=True).items()
+        if (mine := _package(m)) is not None
+        for d in deps
+        if (theirs := _package(d)) not in (None, mine) and theirs not in DEPENDS[mine]
+    )
+    assert not bad, f"a protocol package imports one it may not (DEPENDS): {bad}"

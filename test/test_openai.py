@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from openai import OpenAI
-from util_server import server_fixture
+from util_server import sdk, server_fixture
 
 from server.api.metrics import parse_metrics
 from server.api.openai.chat_format import build_prompt, default_few_shot_path, load_few_shot
@@ -19,7 +19,7 @@ server = server_fixture(env={"RWKV_CONVERSATION_CACHE_BYTES": "0"})
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return sdk(server)
 
 
 def chat(client: OpenAI, content: str = "Hello", **kw):

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from openai import OpenAI
-from util_server import running_server, task_result
+from util_server import running_server, sdk, task_result
 
 from server.api.metrics import parse_metrics
 from server.model.synthetic import save_synthetic
@@ -57,7 +57,7 @@ def server(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return sdk(server, timeout=120)
 
 
 def prompt_tokens_total(server) -> float:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
-from util_server import inprocess_server, server_fixture
+from util_server import inprocess_server, sdk, server_fixture
 
 from server.api.errors import ApiError
 from server.api.generation.jobs import submit_all
@@ -26,7 +26,7 @@ USER = [{"role": "user", "content": "x"}]
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return sdk(server)
 
 
 def _object(levels: int) -> dict:

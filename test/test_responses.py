@@ -9,8 +9,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
-from util_server import running_server
+from util_server import running_server, sdk
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["n"], "additionalProperties": False}
@@ -25,10 +24,6 @@ def server(tmp_path_factory):
         yield srv
 
 
-def sdk(server, key: str = "k1") -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
 def tasks(server, key: str = "k1") -> list[str]:
     """The ids of the key's tasks (not the rows: their state changes as it is written behind)."""
     r = httpx.get(server.url + "/v1/tasks/list", headers={"Authorization": f"Bearer {key}"})
@@ -36,14 +31,14 @@ def tasks(server, key: str = "k1") -> list[str]:
 
 
 def test_a_chain_of_five_continues_from_state_across_a_restart(server):
-    client = sdk(server)
+    client = sdk(server, key="k1")
     prev = client.responses.create(model="m", input="Pick a number.", instructions="Answer in JSON.", text=TEXT,
                                    max_output_tokens=30)
     chain = [prev]
     for step in range(4):
         if step == 2:
             server.restart()  # the chain lives in the database
-            client = sdk(server)
+            client = sdk(server, key="k1")
         r = client.responses.create(model="m", input=f"Another one ({step}).", previous_response_id=prev.id,
                                     text=TEXT, max_output_tokens=30)
         assert r.status == "completed" and r.previous_response_id == prev.id
@@ -60,7 +55,7 @@ def test_a_chain_of_five_continues_from_state_across_a_restart(server):
 
 
 def test_streamed_response_events(server):
-    client = sdk(server)
+    client = sdk(server, key="k1")
     events = list(client.responses.create(model="m", input="Hello", max_output_tokens=8, temperature=1.0,
                                           stream=True))  # (the SDK's stream helper wants response.completed)
     final = events[-1].response
@@ -75,7 +70,7 @@ def test_streamed_response_events(server):
 
 
 def test_delete_and_store_false(server):
-    client = sdk(server)
+    client = sdk(server, key="k1")
     r = client.responses.create(model="m", input="x", max_output_tokens=2)
     client.responses.delete(r.id)
     with pytest.raises(Exception) as ei:
@@ -121,7 +116,7 @@ def test_bad_input_creates_nothing(server, body, status, param):
 
 
 def test_another_keys_response_is_not_found(server):
-    mine = sdk(server, "k1").responses.create(model="m", input="x", max_output_tokens=2)
+    mine = sdk(server, key="k1").responses.create(model="m", input="x", max_output_tokens=2)
     before = tasks(server, "k2")
     r = httpx.post(server.url + "/v1/responses", json={"input": "y", "previous_response_id": mine.id},
                    headers={"Authorization": "Bearer k2"})
@@ -132,7 +127,7 @@ def test_another_keys_response_is_not_found(server):
 
 def test_a_too_long_input_is_a_413_naming_input(server):
     before = tasks(server)
-    prev = sdk(server).responses.create(model="m", input="x", max_output_tokens=2)
+    prev = sdk(server, key="k1").responses.create(model="m", input="x", max_output_tokens=2)
     for extra in ({}, {"previous_response_id": prev.id}):  # a new response, and one continuing another
         r = httpx.post(server.url + "/v1/responses", json={"input": "hello " * 70_000, "max_output_tokens": 2, **extra},
                        headers={"Authorization": "Bearer k1"}, timeout=60)
@@ -153,7 +148,7 @@ def test_post_with_a_trailing_slash_creates(server):
     r = httpx.post(server.url + "/v1/responses/", json={"input": "x", "max_output_tokens": 2},
                    headers={"Authorization": "Bearer k1"})
     assert r.status_code == 200 and r.json()["object"] == "response", r.text
-    assert sdk(server).responses.retrieve(r.json()["id"]).id == r.json()["id"]
+    assert sdk(server, key="k1").responses.retrieve(r.json()["id"]).id == r.json()["id"]
 
 
 def other_tasks(server) -> list[str]:
@@ -174,7 +169,7 @@ def other_tasks(server) -> list[str]:
 def test_only_responses_are_responses(server):
     """A /v1/tasks task or a lightning session is no resp_<hex> of its id: not read, continued
     nor deleted through /v1/responses."""
-    client, auth = sdk(server, "k2"), {"Authorization": "Bearer k2"}
+    client, auth = sdk(server, key="k2"), {"Authorization": "Bearer k2"}
     for tid in other_tasks(server):
         rid = "resp_" + tid.split("_", 1)[1]
         for method in ("GET", "DELETE"):
@@ -219,10 +214,10 @@ def test_a_continued_assistant_message_keeps_the_replys_leading_space(server):
     inp = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure, here"}]
     sample = {"temperature": 1.0, "top_p": 0.3, "extra_body": {"seed": 1}}  # (seed: our extra)
     prompt = build_prompt([(m["role"], m["content"]) for m in inp]).text
-    completion = sdk(server).completions.create(model="m", prompt=prompt, stop=["\n\n"], max_tokens=5, **sample)
+    client = sdk(server, key="k1")
+    completion = client.completions.create(model="m", prompt=prompt, stop=["\n\n"], max_tokens=5, **sample)
     text = completion.choices[0].text
     assert text[:1].isspace(), text  # (this seed's continuation starts with a space: what is tested)
-    client = sdk(server)
     r = client.responses.create(model="m", input=inp, max_output_tokens=5, **sample)
     assert r.output_text == text == client.responses.retrieve(r.id).output_text
     events = list(client.responses.create(model="m", input=inp, max_output_tokens=5, stream=True, **sample))
@@ -234,7 +229,7 @@ def test_a_continued_assistant_message_keeps_the_replys_leading_space(server):
 
 
 def test_the_message_item_of_an_incomplete_response_is_incomplete(server):
-    client = sdk(server)
+    client = sdk(server, key="k1")
     r = client.responses.create(model="m", input="x", max_output_tokens=2, extra_body={"seed": 1})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].status == client.responses.retrieve(r.id).output[0].status == "incomplete"
@@ -290,7 +285,7 @@ def test_a_set_field_this_server_cannot_honour_is_refused_naming_it(server, fiel
 
 
 def test_text_verbosity_is_echoed(server):
-    client = sdk(server)
+    client = sdk(server, key="k1")
     r = client.responses.create(model="m", input="x", max_output_tokens=2, text={"verbosity": "low"})
     assert r.text.verbosity == "low" == client.responses.retrieve(r.id).text.verbosity
     events = list(client.responses.create(model="m", input="x", max_output_tokens=2, stream=True,
@@ -303,14 +298,14 @@ def test_text_verbosity_is_echoed(server):
 def test_a_prefill_only_response_has_nothing_cached(server):
     """max_output_tokens 0 holds the input's last token back (fed by the next response): it is
     not a cached token."""
-    client = sdk(server)
+    client = sdk(server, key="k1")
     r = client.responses.create(model="m", input="hello there", max_output_tokens=0)
     assert r.usage.input_tokens > 1 and r.usage.input_tokens_details.cached_tokens == 0, r.usage
 
 
 def test_metadata_is_kept_with_the_response(server):
     """As OpenAI does: shown in the answer and when read back (SDKs tag their runs with it)."""
-    client = sdk(server)
+    client = sdk(server, key="k1")
     r = client.responses.create(model="m", input="x", max_output_tokens=2, metadata={"session": "abc", "n": "1"})
     assert r.metadata == {"session": "abc", "n": "1"} == client.responses.retrieve(r.id).metadata
 

@@ -10,8 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from openai import OpenAI
-from util_server import running_server
+from util_server import running_server, sdk
 
 LONG = 200_000  # max_output_tokens no test waits for: only an abort ends such a run
 # greedy, and an input whose greedy answer on the test model has no "\n\n" (the chat stop) in its
@@ -23,10 +22,6 @@ ASK = {"model": "m", "input": "y", "temperature": 0, "max_output_tokens": LONG}
 def server(tmp_path_factory):
     with running_server(tmp_path_factory.mktemp("resp-disc")) as srv:
         yield srv
-
-
-def sdk(server, timeout: float = 60) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
 
 
 def running(server) -> int:

@@ -16,10 +16,9 @@ import json
 
 import httpx
 import pytest
-from openai import OpenAI
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
-from util_server import running_server
+from util_server import async_sdk, running_server, sdk
 
 # greedy, and an input whose greedy answer on the test model has no "\n\n" (the chat stop) in its
 # first 2,000 tokens (test_responses_disconnect.py): the run cannot end by itself during a test
@@ -31,10 +30,6 @@ ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "req
         "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_time", "description": "The time", "parameters": ZONE, "strict": True}]
 EVENTS = TypeAdapter(ResponseStreamEvent)
-
-
-def sdk(srv) -> OpenAI:
-    return OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def read_events(lines, on_event=None) -> list[dict]:
@@ -119,11 +114,10 @@ def test_the_sdks_stream_helper_sees_the_failed_response(tmp_path):
 
 async def test_the_agents_sdk_raises_a_clear_error(tmp_path):
     agents = pytest.importorskip("agents", reason="needs the openai-agents package (the test extra)")
-    from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
     with running_server(tmp_path) as srv:
-        client = AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        client = async_sdk(srv)
         model = agents.OpenAIResponsesModel(model="rwkv", openai_client=client)
         agent = agents.Agent(name="a", model=model,
                              model_settings=agents.ModelSettings(temperature=0, max_tokens=200_000))

@@ -13,8 +13,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
-from util_server import server_fixture, task_result
+from util_server import sdk, server_fixture, task_result
 
 from server.api.openai import tools
 from server.engine.types import GrammarSpec
@@ -35,10 +34,6 @@ on both routes) hold both kinds: seed 19 calls, the others answer in the format 
 running; the tests assert both kinds occur)."""
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "parallel_tool_calls": False}
 USER = [{"role": "user", "content": "Weather?"}]
-
-
-def sdk(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def chat_body(seed: int, **extra) -> dict:
@@ -75,7 +70,7 @@ def test_chat_answers_are_calls_or_the_formatted_reply(server, stream):
                 ch = r.json()["choices"][0]
                 kinds.append(check_chat(ch["message"]["content"], ch["message"].get("tool_calls"), ch["finish_reason"]))
                 continue
-            chunks = sdk(server).chat.completions.create(**chat_body(seed), stream=True)
+            chunks = sdk(server, timeout=120).chat.completions.create(**chat_body(seed), stream=True)
             content, calls, finish = "", {}, None
             for ch in chunks:
                 d = ch.choices[0].delta
@@ -140,7 +135,7 @@ def test_responses_are_calls_or_the_formatted_reply(server, stream):
 
 def test_the_sdk_parses_the_formatted_reply(server):
     """output_text is the reply the SDK's typed helpers read (a seed that answers in the format)."""
-    r = sdk(server).responses.create(**{k: v for k, v in response_body(8).items() if k != "seed"},
+    r = sdk(server, timeout=120).responses.create(**{k: v for k, v in response_body(8).items() if k != "seed"},
                                      extra_body={"seed": 8})  # fmt: skip
     jsonschema.validate(json.loads(r.output_text), ANSWER)
 

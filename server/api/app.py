@@ -114,6 +114,7 @@ def _include_routes(app: FastAPI) -> None:
     import server.webui
     from server.api import ops
     from server.api.lightning import routes as lightning_routes
+    from server.api.lightning import v1_chat
     from server.api.openai import routes as openai_routes
     from server.api.responses import routes as responses_routes
     from server.api.states import routes as states_routes
@@ -121,6 +122,7 @@ def _include_routes(app: FastAPI) -> None:
 
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
+    app.include_router(v1_chat.router)  # POST /v1/chat/completions: OpenAI's chat or lightning's V1 batch
     app.include_router(responses_routes.router)
     app.include_router(tasks_routes.router)
     app.include_router(lightning_routes.router)

@@ -9,7 +9,7 @@ API keys (server.api.lightning.auth); every other path needs the header as befor
 from __future__ import annotations
 
 SHARED_PATH = "/v1/chat/completions"
-"""Shared with the OpenAI route (server.api.openai.routes): a `messages` body still needs the header."""
+"""Shared with the OpenAI chat (one route: server.api.lightning.v1_chat): a `messages` body still needs the header."""
 
 BODY_KEY_PATHS = frozenset(
     {

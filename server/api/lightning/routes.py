@@ -1,5 +1,5 @@
 """rwkv_lightning's routes (docs/lightning.md): batch completion (V2; V1 shares POST
-/v1/chat/completions with the OpenAI route, server.api.openai.routes), translate, FIM, big
+/v1/chat/completions with the OpenAI chat, whose route is v1_chat's), translate, FIM, big
 batch, its OpenAI-style chat and models, and the state sessions (state_routes)."""
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The OpenAI protocol: /v1/chat/completions, /v1/completions, /v1/models.
 
-routes.py         the routes (a chat body with `contents` goes to server.api.lightning)
+routes.py         /v1/completions, /v1/models and the chat handler; the route of
+                  /v1/chat/completions is server.api.lightning.v1_chat's (the path is shared with
+                  lightning's V1 batch), which hands an OpenAI body to that handler
 schemas.py        request bodies on server.api.sampling.SamplingFields: fields honoured, ignored
                   or refused
 messages.py       chat messages -> (role, text) turns (tool calls and results included)
@@ -15,5 +17,7 @@ render.py         response bodies and pre-encoded SSE chunk bytes (the plain req
 agent_render.py   response bodies and chunks of requests with tools or logprobs
 
 The engine jobs and their stream (ChoiceStream) are server.api.generation's, shared with
-lightning's batch routes.
+lightning's batch routes. Nothing here imports server.api.lightning: lightning depends on this
+package (its V1 route and OpenAI-style route re-serve OpenAI's handler and shapes), never the
+reverse (test/test_import_layers.py).
 """

@@ -1,4 +1,7 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/models, and the chat handler of
+/v1/chat/completions (`chat_completions`). That path is shared with rwkv_lightning's V1 batch (a
+body with `contents`), so its route is the one that shares it, server.api.lightning.v1_chat, which
+hands an OpenAI body here: this package imports nothing of lightning."""
 
 from __future__ import annotations
 
@@ -16,9 +19,6 @@ from fastapi.responses import Response
 from server.api.errors import ApiError, prompt_too_long
 from server.api.generation.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
 from server.api.generation.stream import ChoiceStream, Renderer
-from server.api.lightning import batch as lightning_batch
-from server.api.lightning.auth import CredentialFirst, require_header_key
-from server.api.lightning.schemas import ChatOrContents
 from server.api.metrics import Recorder
 from server.api.openai import agent_render, render, start, tools
 from server.api.openai.agents import Agent, chat_agent, chat_ready, completion_agent
@@ -31,7 +31,7 @@ from server.api.streaming.sse import SSEResponse
 from server.engine.types import SamplingParams
 from server.tasks.params import fim_prompt
 
-router = APIRouter(prefix="/v1", tags=["openai"], route_class=CredentialFirst)  # a lightning body: key first
+router = APIRouter(prefix="/v1", tags=["openai"])
 _STARTED = int(time.time())
 ENCODE_INLINE_CHARS = 16_384
 
@@ -43,9 +43,10 @@ async def encode(sv: Services, text: str) -> list[int]:
     return await asyncio.to_thread(sv.tokenizer.encode, text)
 
 
-# A trailing slash (`/v1/models/`, `/v1/chat/completions/`, `/v1/completions/`) answers as the
-# plain path: without these routes the router answers a 307 redirect with an empty body, which
-# most clients show as a bare error (as /v1/responses/: server.api.responses.routes).
+# A trailing slash (`/v1/models/`, `/v1/completions/`; `/v1/chat/completions/` in
+# server.api.lightning.v1_chat) answers as the plain path: without these routes the router answers
+# a 307 redirect with an empty body, which most clients show as a bare error (as /v1/responses/:
+# server.api.responses.routes).
 @router.get("/models/", include_in_schema=False)  # (before /models/{model_id}: its id would be "")
 @router.get("/models", responses=answers(401, 503))
 async def list_models(request: Request) -> Response:
@@ -105,13 +106,9 @@ def _check_length(sv: Services, n_tokens: int, param: str = "messages") -> None:
 _GENERATES = answers(400, 401, 404, 409, 413, 429, 503, stream=True)  # 404 / 409: an unknown `state`, one not ready
 
 
-@router.post("/chat/completions", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True, lightning=True))
-async def chat_completions(body: ChatOrContents, request: Request) -> Response:
-    """An OpenAI chat request; a body with `contents` (and no `messages`) is rwkv_lightning's
-    batch completion (server.api.lightning), whose credential may be the body's `password`."""
-    if not isinstance(body, ChatRequest):
-        return await lightning_batch.contents(body, request, answer_id="rwkv7-batch")
-    require_header_key(request)
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    """An OpenAI chat request (its route checked the header's key): the handler of POST
+    /v1/chat/completions, whose route is server.api.lightning.v1_chat's (see the module's doc)."""
     t0 = time.perf_counter()
     sv = get_services(request)
     params = _checked(body, sv, CHAT_STOP)
@@ -166,9 +163,6 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
             request, sv, body, jobs, meta, t0, agent_render.chat_renderer(ex), agent_render.chat_response(ex)
         )
     return await _respond(request, sv, body, jobs, meta, t0, render.chat_renderer, render.chat_response)
-
-
-router.add_api_route("/chat/completions/", chat_completions, methods=["POST"], include_in_schema=False)
 
 
 async def _completion_prompts(body: CompletionRequest, sv: Services) -> list[tuple[list[int], str]]:
