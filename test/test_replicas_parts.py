@@ -154,6 +154,7 @@ async def test_after_its_lease_expired_an_instance_stops_only_the_tasks_taken_fr
     try:
         old = await a.create("taken over", persistent=True)
         a.lease._task.cancel()
+        b.lease._task.cancel()  # b beats only when told: its loop (every 0.2 s) could take old first
         async with a.store.write() as conn:
             await conn.execute(sa.update(instances).where(instances.c.id == a.instance).values(heartbeat_at=0))
         assert old.id in await b.lease.beat()
