@@ -3,7 +3,9 @@
 The HTTP side records what only it sees (requests, time to first token, inter-token latency:
 `Recorder`, one per request or task run); engine and cache figures are read from
 `engine.stats()` and the caches' stats when /metrics is scraped (server.api.ops). Histograms are
-cumulative-bucket counters as the text format expects.
+cumulative-bucket counters as the text format expects. `openmetrics` rewrites the text as
+OpenMetrics for a scraper that asks for it. No two families share a name once a counter's
+`_total` goes (OpenMetrics names a counter without it): test_metrics_expositions parses both.
 """
 
 from __future__ import annotations
@@ -204,11 +206,13 @@ ENGINE_FIGURES: dict[str, tuple[str, str, float]] = {
     "window_steps": ("rwkv_engine_window_steps", "Steps the recent means are taken over.", 1),
     "bucket": ("rwkv_engine_graph_rows", "Rows of the batch size bucket (CUDA graph) the last step ran.", 1),
     "finished_total": ("rwkv_engine_finished_total", "Sequences finished.", 1),
-    "step_s_total": ("rwkv_engine_step_seconds_total", "Seconds spent in engine steps.", 1),
-    "model_s_total": ("rwkv_engine_model_seconds_total", "Seconds spent in the model forward.", 1),
-    "sample_s_total": ("rwkv_engine_sample_seconds_total", "Seconds spent sampling.", 1),
+    "step_s_total": ("rwkv_engine_step_time_seconds_total", "Seconds spent in engine steps.", 1),
+    "model_s_total": ("rwkv_engine_model_time_seconds_total", "Seconds spent in the model forward.", 1),
+    "sample_s_total": ("rwkv_engine_sample_time_seconds_total", "Seconds spent sampling.", 1),
 }
-"""The engine's extra figures as Prometheus families (another key: rwkv_engine_<key>, as it is)."""
+"""The engine's extra figures as Prometheus families (another key: rwkv_engine_<key>, as it is).
+The running sums are `*_time_seconds_total`: `rwkv_engine_step_seconds_total` was the counter
+`rwkv_engine_step_seconds` to OpenMetrics, the name of the recent-mean gauge."""
 
 DEVICE_FAMILIES = (  # (name, kind, help, the EngineStats field; "alive": the engine's is_alive)
     ("rwkv_device_engine_alive", "gauge", "1 while this device's engine loop runs.", "alive"),
@@ -271,6 +275,28 @@ def _name(key: str) -> str:
 
 def _esc(s: str) -> str:
     return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+OPENMETRICS = "application/openmetrics-text"
+OPENMETRICS_TYPE = f"{OPENMETRICS}; version=1.0.0; charset=utf-8"
+
+
+def openmetrics(text: str) -> str:
+    """The text format (render's) as OpenMetrics 1.0: a counter's family is named without its
+    samples' `_total`, a quote in a HELP is escaped, no blank line, "# EOF" at the end."""
+    lines = [ln for ln in text.splitlines() if ln]
+    counters = {ln.split()[2] for ln in lines if ln.startswith("# TYPE ") and ln.endswith(" counter")}
+    out = []
+    for ln in lines:
+        if ln.startswith(("# HELP ", "# TYPE ")):
+            _, kind, name, rest = ln.split(" ", 3)
+            if name in counters and name.endswith("_total"):
+                name = name[: -len("_total")]
+            if kind == "HELP":
+                rest = rest.replace('"', '\\"')
+            ln = f"# {kind} {name} {rest}"
+        out.append(ln)
+    return "\n".join([*out, "# EOF"]) + "\n"
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Operations: /health (503 until ready), /metrics (Prometheus text) and the Swagger page /docs
+"""Operations: /health (503 until ready), /metrics (Prometheus text, or OpenMetrics for a scraper
+that accepts it) and the Swagger page /docs
 (its script from a CDN, with a pointer to /openapi.json where that cannot load)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 
 from server.api.errors import error_body
-from server.api.metrics import Metrics
+from server.api.metrics import OPENMETRICS, OPENMETRICS_TYPE, Metrics, openmetrics
 from server.api.services import Services
 from server.api.streaming.sse import draining
 
@@ -43,7 +44,12 @@ _HEALTH: dict[int | str, dict[str, Any]] = {
     },
 }
 _TEXT = {"text/plain": {"schema": {"type": "string"}}}
-_METRICS: dict[int | str, dict[str, Any]] = {200: {"description": "Prometheus text format 0.0.4", "content": _TEXT}}
+_METRICS: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text format 0.0.4, or OpenMetrics 1.0 where the Accept header names it",
+        "content": {**_TEXT, OPENMETRICS: {"schema": {"type": "string"}}},
+    }
+}
 
 
 @router.get("/health", responses=_HEALTH, tags=["operations"])
@@ -74,6 +80,9 @@ async def metrics(request: Request) -> Response:
     text = m.render() if services is None else m.render(services.engine, _tiers(services))
     if services is not None and services.tasks is not None:
         text += _task_counters(services)
+    accepted = (part.split(";")[0].strip() for part in request.headers.get("accept", "").split(","))
+    if OPENMETRICS in accepted:  # Prometheus asks for it first
+        return Response(openmetrics(text), media_type=OPENMETRICS_TYPE)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -1,8 +1,9 @@
 """Exact patterns for JSON-schema string `format`s: schema_checks.exact_formats compiles a format
-of EXACT_FORMATS as its pattern. Each is a format whose xgrammar pattern lets through strings
-the format refuses, or that xgrammar ignores (any string); its pattern accepts exactly the
-format's strings or a documented subset of them that every validator takes (Python's ipaddress
-and datetime, pydantic, jsonschema's format checker with its optional libraries, jsonschema_rs).
+of EXACT_FORMATS as its pattern (bounded by the string's minLength / maxLength: format_pattern).
+Each is a format whose xgrammar pattern lets through strings the format refuses, or that
+xgrammar ignores (any string); its pattern accepts exactly the format's strings or a documented
+subset of them that every validator takes (Python's ipaddress and datetime, pydantic,
+jsonschema's format checker with its optional libraries, jsonschema_rs).
 docs/agents.md ("String formats") has what xgrammar does with each format and why.
 
 Two rules for these patterns, from xgrammar (0.2.9):
@@ -136,3 +137,88 @@ idn-hostname, idn-email, iri and iri-reference it does not check at all: their p
 ASCII format they extend. These patterns take neither a leap second nor a lower-case "t" / "z",
 upper-case host names, punycode ("xn--") labels, a trailing dot, quoted or IP-literal e-mail
 parts, non-ASCII names, nor the longest names (see each): all valid, none needed."""
+
+# --- length bounds (minLength / maxLength beside a format) --------------------------------------
+FORMAT_WIDTHS: dict[str, tuple[int, int | None]] = {
+    "date": (10, 10), "time": (9, None), "date-time": (20, None), "duration": (3, 44), "ipv4": (7, 15),
+    "ipv6": (2, 45), "hostname": (1, 253), "idn-hostname": (1, 253), "email": (6, 243), "idn-email": (6, 243),
+    "uri": (2, None), "iri": (2, None), "uri-reference": (0, None), "iri-reference": (0, None),
+    "uri-template": (0, None), "relative-json-pointer": (1, None),
+    "uuid": (36, 36), "json-pointer": (0, None),  # the library's own (exact) grammars
+}  # fmt: skip
+"""The shortest and the longest string (None: no bound) each format's grammar writes, in
+characters (test_format_lengths reads them off the patterns). xgrammar drops minLength / maxLength
+beside any of these formats (other formats are annotations to it: it enforces the lengths)."""
+
+
+def format_pattern(fmt: str, least: int, most: int | None) -> str | None:
+    """The pattern of the `fmt` strings (FORMAT_WIDTHS) of `least` to `most` characters (None
+    for uuid and json-pointer, whose library grammars write only such strings); ValueError
+    saying what is not supported. Bounds that hold for every string of the format are dropped;
+    below the longest uri / iri, _bounded_uri writes the pattern."""
+    lo, hi = FORMAT_WIDTHS[fmt]
+    if least > lo:
+        raise ValueError(f'minLength {least} beside format "{fmt}" is not enforced: its shortest strings are {lo} '
+                         "characters, and a format's pattern is bounded from above only (drop minLength, or make it "
+                         f"at most {lo})")  # fmt: skip
+    if most is None or (hi is not None and most >= hi):
+        return EXACT_FORMATS.get(fmt)
+    if most < lo:
+        raise ValueError(f'maxLength {most} beside format "{fmt}": no such string is shorter than {lo} characters')
+    if fmt in ("uri", "iri"):
+        return f"^{_bounded_uri(most)}$"
+    longest = f"up to {hi} characters" if hi else "any length"
+    fix = f"drop maxLength, or make it at least {hi}" if hi else "drop maxLength"
+    raise ValueError(f'maxLength {most} beside format "{fmt}" is not enforced: its strings run {longest}, and only '
+                     f'"uri" and "iri" have a pattern bounded by a maxLength ({fix})')  # fmt: skip
+
+
+_COUNTED = 129
+"""The smallest upper bound xgrammar (0.2.9) compiles as a counter; it writes out a repetition of
+up to 128 state by state, each state with its token masks (milliseconds apiece)."""
+_SHORT = 32
+"""The most a bounded part takes when it cannot take _COUNTED (written out; path and query: twice)."""
+_LONG = 160
+"""The most any bounded part takes: xgrammar's conversion of a schema costs the square of a bound
+(0.25 s for 1,000 repetitions of a group, 8 s for 5,000)."""
+_US = "A-Za-z0-9._~!$&'()*+,;="  # unreserved and sub-delims, as a class's inside ("-" goes last)
+
+
+def _bounded_part(extra: str, chars: int, encoded: bool = True, short: int = _SHORT) -> tuple[str, int]:
+    """(regex, its longest match) of up to `chars` characters of _US + `extra` (at most `short`
+    below _COUNTED, at most _LONG repetitions), with percent-encodings (3 characters each) where
+    `encoded` and there is room for _COUNTED of them."""
+    cls = f"[{_US}{extra}-]"
+    if encoded and chars // 3 >= _COUNTED:
+        k = min(chars // 3, _LONG)
+        return f"({cls}|{_PCT}){{0,{k}}}", k * 3
+    k = min(chars, _LONG) if chars >= _COUNTED else min(chars, short)
+    return (f"{cls}{{0,{k}}}" if k > 0 else ""), max(k, 0)
+
+
+def _bounded_uri(n: int) -> str:
+    """uri strings of at most n (>= 2) characters, a subset: a scheme of up to 16 characters (n/8
+    under 128); "//", a host (a name of unreserved and sub-delims characters, up to a third of
+    the rest, or an IPv6 literal), a port (n >= 128), or no authority; path and query; a fragment
+    of up to an eighth. Each part is one bounded repetition (_bounded_part: counted by xgrammar
+    or short, at most _LONG); path, query and fragment take percent-encodings where there is room
+    for 129 of them. No user info, no IPvFuture host. Under 16 characters: a one-letter scheme
+    and a path. test_format_lengths checks the widths and walks the grammars."""
+    pchar, rest_cls = f"[{_US}:@-]", ":@/?"
+    if n < 16:
+        return "[A-Za-z]:" + (f"({pchar}{_bounded_part(rest_cls, n - 3, encoded=False)[0]}){{0,1}}" if n > 2 else "")
+    s, port = min(15, n // 8), "(:[0-9]{0,5}){0,1}" if n >= 128 else ""
+    budget = n - (s + 6) - (6 if port else 0)  # scheme and ":", "//", port, the path's first "/" or "?", "#"
+    host_c, frag_c = min(253, budget // 3), budget // 8
+    if budget - host_c - frag_c < _COUNTED <= budget:  # path and query first: as many as a counter takes
+        host_c = min(host_c, (budget - _COUNTED) * 3 // 4)
+        frag_c = min(frag_c, budget - _COUNTED - host_c)
+    host, host_w = _bounded_part("", host_c, encoded=False)
+    if host_w >= 47:  # room for "[" + the longest IPv6 address + "]"
+        host = rf"(\[({_IPV6})\]|{host})"
+    frag, frag_w = _bounded_part(rest_cls, frag_c)
+    rest, _ = _bounded_part(rest_cls, budget - host_w - frag_w, short=2 * _SHORT)
+    # one repetition for path and query, after any of their first characters (each copy of a
+    # written-out repetition costs its compile time again)
+    hier = rf"(//{host}{port}[/?]|/({pchar}|\?)|{pchar}|\?){rest}|//{host}{port}|/"
+    return rf"[A-Za-z][A-Za-z0-9+.-]{{0,{s}}}:({hier}){{0,1}}(#{frag}){{0,1}}"

@@ -30,6 +30,11 @@ from .types import EOS_TOKEN, GrammarSpec
 
 CACHE_SIZE = 128
 """Compiled grammars kept (LRU by spec)."""
+LIBRARY_CACHE_BYTES = 256 << 20
+"""The library's own cache (LRU, bytes): its compiled grammars and, what this is for, the token
+masks of each rule, reused by every later grammar with the same rule. A format's pattern is one
+rule: the masks of `hostname` (~1 s of CPU on first compile) or `email` (~0.6 s) are built once
+per process, not once per schema that has such a field (docs/agents.md, "String formats")."""
 
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 
@@ -73,7 +78,8 @@ class GrammarCompiler:
 
                 info = xgr.TokenizerInfo(self.table, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=[EOS_TOKEN])  # fmt: skip
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=True,
+                                                     cache_limit_bytes=LIBRARY_CACHE_BYTES)  # fmt: skip
             return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Compiled:

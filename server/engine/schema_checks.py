@@ -3,7 +3,8 @@ schema that contains itself (the output would have no bound on its nesting) and 
 constrained decoder would silently ignore (an output could then fail the schema). Each is a
 ValueError "invalid json_schema grammar: ...", which the routes answer as a 400 invalid_schema.
 A format the library matches too loosely, or not at all, is compiled as its exact pattern
-instead (formats.EXACT_FORMATS)."""
+instead (formats.EXACT_FORMATS), bounded by the string's minLength / maxLength where it has them
+(formats.format_pattern)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from .formats import EXACT_FORMATS
+from .formats import EXACT_FORMATS, FORMAT_WIDTHS, format_pattern
 
 __all__ = ["DATA_KEYWORDS", "check_schema"]
 
@@ -88,8 +89,9 @@ def _schema_nodes(schema: Any) -> Iterator[tuple[dict[str, Any], str]]:
 def _check_enforced(schema: Any) -> None:
     """ValueError naming the first keyword (with its JSON pointer) that the constrained decoder
     would silently ignore, so that an output could fail the schema: `uniqueItems` (xgrammar
-    does not track the items), minLength / maxLength beside a `pattern` or `format` (it keeps
-    the pattern and drops the lengths), format "regex" (any string: a regex's syntax, with its
+    does not track the items), minLength / maxLength beside a `pattern` (it keeps the pattern and
+    drops the lengths) or beside a format whose strings they do not bound and whose pattern
+    cannot carry them (_length_issue), format "regex" (any string: a regex's syntax, with its
     nested groups, is no regular language, so no pattern writes just them), and a pattern that
     writes a quote or backslash itself (_raw_json_char). Refused rather than ignored: a client
     relies on outputs that validate."""
@@ -97,8 +99,8 @@ def _check_enforced(schema: Any) -> None:
         why = None
         if node.get("uniqueItems") is True:
             why = "uniqueItems is not enforced (use an array without it: a list, not a set)"
-        elif ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-            why = "minLength / maxLength beside a pattern or format are not enforced (bound it in the pattern)"
+        elif ("minLength" in node or "maxLength" in node) and (issue := _length_issue(node)):
+            why = issue
         elif node.get("format") == "regex":
             why = 'format "regex" is not enforced (any string would pass: drop it, or give a pattern instead)'
         elif isinstance(node.get("pattern"), str) and (raw := _raw_json_char(node["pattern"])):
@@ -143,14 +145,53 @@ def _raw_json_char(pattern: str) -> str | None:
     return None
 
 
+def _lengths(node: dict[str, Any]) -> tuple[int, int | None] | None:
+    """(minLength, maxLength or None) of a string schema, or None where one is no count."""
+    least, most = node.get("minLength", 0), node.get("maxLength")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    return (least, most) if count(least) and (most is None or count(most)) else None
+
+
+def _length_issue(node: dict[str, Any]) -> str | None:
+    """Why the minLength / maxLength of `node` would go unenforced, or None: beside a pattern
+    always; beside a format of FORMAT_WIDTHS (the library drops them there) unless every string
+    of the format has such a length, or formats.format_pattern bounds its pattern by them.
+    Beside another format (an annotation to the library) they are enforced."""
+    if "pattern" in node:
+        return "minLength / maxLength beside a pattern are not enforced (bound the length in the pattern)"
+    fmt = node.get("format")
+    if not isinstance(fmt, str) or fmt not in FORMAT_WIDTHS:
+        return None
+    bounds = _lengths(node)
+    if bounds is None:
+        return f'minLength / maxLength beside format "{fmt}" must be counts (non-negative integers)'
+    try:
+        format_pattern(fmt, *bounds)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def exact_formats(schema: Any) -> bool:
     """Replace, in place, each `format` of EXACT_FORMATS (in a schema without its own pattern) by
-    its exact pattern (formats.py); True when one was."""
+    its exact pattern (formats.py), bounded by the schema's minLength / maxLength (which go: the
+    pattern carries them, or every string of the format has such a length; _check_enforced
+    refused the others); True when a schema changed."""
     changed = False
     for node, _ in _schema_nodes(schema):
-        fmt = node.get("format")
-        if isinstance(fmt, str) and fmt in EXACT_FORMATS and "pattern" not in node:
-            del node["format"]
-            node["pattern"] = EXACT_FORMATS[fmt]
+        fmt, bounds = node.get("format"), _lengths(node)
+        if not isinstance(fmt, str) or fmt not in FORMAT_WIDTHS or "pattern" in node or bounds is None:
+            continue
+        lengths = "minLength" in node or "maxLength" in node
+        if fmt in EXACT_FORMATS or lengths:
+            pattern = format_pattern(fmt, *bounds)
+            node.pop("minLength", None)
+            node.pop("maxLength", None)
+            if pattern is not None:
+                del node["format"]
+                node["pattern"] = pattern
             changed = True
     return changed
