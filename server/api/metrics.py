@@ -211,8 +211,8 @@ ENGINE_FIGURES: dict[str, tuple[str, str, float]] = {
     "sample_s_total": ("rwkv_engine_sample_time_seconds_total", "Seconds spent sampling.", 1),
 }
 """The engine's extra figures as Prometheus families (another key: rwkv_engine_<key>, as it is).
-The running sums are `*_time_seconds_total`: `rwkv_engine_step_seconds_total` was the counter
-`rwkv_engine_step_seconds` to OpenMetrics, the name of the recent-mean gauge."""
+The running sums are `*_time_seconds_total`, not `*_seconds_total`: OpenMetrics names a counter's
+family without `_total`, which would clash with the recent-mean gauges `rwkv_engine_*_seconds`."""
 
 DEVICE_FAMILIES = (  # (name, kind, help, the EngineStats field; "alive": the engine's is_alive)
     ("rwkv_device_engine_alive", "gauge", "1 while this device's engine loop runs.", "alive"),
