@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from server.tasks.schema import states, tasks
+from server.tasks.schema import INSERT_STATE, tasks
 
 log = logging.getLogger("server.tasks")
 FINISHED = 3
@@ -55,7 +55,7 @@ async def settle_claim(store: Writes, row: dict[str, Any], state: dict[str, Any]
         if (await conn.execute(q.with_for_update())).first() is None:
             return False
         if state is not None:
-            await conn.execute(sa.insert(states).values(**state))
+            await conn.execute(INSERT_STATE, state)
         values = {k: v for k, v in row.items() if k != "id"}
         await conn.execute(sa.update(tasks).where(tasks.c.id == row["id"]).values(**values))
         return True

@@ -28,6 +28,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -131,7 +132,7 @@ class Runs:
         except BaseException:
             self._unstart(t, before, new)
             raise
-        run.undo = partial(self._discard, t, run, before, new)
+        run.undo = partial(self._discard, t, weakref.ref(run), before, new)  # weak: see _discard
         pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
@@ -150,9 +151,13 @@ class Runs:
                 raise
         return t
 
-    def _discard(self, t: Task, run: Run, before: Snapshot, new: bool) -> None:
-        """Undo a start whose row could not be committed: abort the sequence, restore the task."""
-        if run.discarded:
+    def _discard(self, t: Task, ref: weakref.ref[Run], before: Snapshot, new: bool) -> None:
+        """Undo a start whose row could not be committed: abort the sequence, restore the task.
+        The run is held weakly (start and the pump, which may call this, hold it meanwhile):
+        `run.undo` refers to this call, and a cycle through the run kept its handle and final
+        state (MBs) in memory, outside the caches' budgets, until the cyclic GC ran."""
+        run = ref()
+        if run is None or run.discarded:
             return
         run.discarded = True
         if run.handle is not None:

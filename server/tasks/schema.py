@@ -117,6 +117,11 @@ states = sa.Table(
     sa.Index("ix_states_task", "task_id"),
     sa.Index("ix_states_evict", "is_template", "last_used"),  # v2
 )
+INSERT_STATE = states.insert()
+"""The insert of a states row, its values passed as parameters (`conn.execute(INSERT_STATE, row)`),
+never written into the statement (`.values(**row)`): SQLAlchemy's compiled cache keeps the first
+statement of each shape it compiles, values included, so the blob of the first state written
+(21 MB on a 2.9B model) stayed in memory for the life of the process, outside every budget."""
 
 instances = sa.Table(  # v3: one row per running server on this database (replicas)
     "instances",

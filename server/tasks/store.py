@@ -25,7 +25,7 @@ from server.tasks.codec import EncodedState
 from server.tasks.database import Database, database_url, unavailable
 from server.tasks.errors import TaskConflict
 from server.tasks.records import OWNER_TAG, qualified
-from server.tasks.schema import DbRow, states, tasks
+from server.tasks.schema import INSERT_STATE, DbRow, states, tasks
 
 __all__ = [
     "ClaimMiss",
@@ -136,7 +136,7 @@ class Store(Database):
                     return False
                 await _name_free(conn, task_row)
                 if state is not None and not await _has_state(conn, state["id"], state["checksum"]):
-                    await conn.execute(sa.insert(states).values(**state))
+                    await conn.execute(INSERT_STATE, state)
                 await conn.execute(sa.insert(tasks), [task_row])
         except sa.exc.IntegrityError:  # inserted by another server since the check
             return False
@@ -325,7 +325,7 @@ class Store(Database):
             cur = (await conn.execute(q)).first()
             if cur is None or (cur.state_id is not None and cur.state_pos > pos):
                 return False, 0
-            await conn.execute(sa.insert(states).values(**state))
+            await conn.execute(INSERT_STATE, state)
             await conn.execute(
                 sa.update(tasks).where(tasks.c.id == task_id).values(state_id=state["id"], state_pos=pos)
             )
@@ -495,7 +495,7 @@ async def _save_one(
     conn: AsyncConnection, task_row: dict[str, Any] | None, state: dict[str, Any] | None, drop_states: Iterable[str]
 ) -> int:
     if state is not None:
-        await conn.execute(sa.insert(states).values(**state))
+        await conn.execute(INSERT_STATE, state)
     if task_row is not None:
         await _upsert_rows(conn, [task_row])
     dropped = 0
