@@ -18,7 +18,7 @@ from server.api.streaming.sse import draining_event, wait_disconnect
 from server.engine.protocol import EngineAPI, Handle, StateLike
 from server.engine.types import Event, QueueFullError, SamplingParams, TokenLogprob
 
-log = logging.getLogger("server.openai")
+log = logging.getLogger("server.generation")
 
 
 class ClientGone(Exception):
