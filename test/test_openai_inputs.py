@@ -18,7 +18,8 @@ from server.api.generation.jobs import submit_all
 from server.api.metrics import parse_metrics
 from server.api.openai.tools import MARKER, split
 from server.engine.types import EngineStats, SamplingParams
-from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, sampling_params
+from server.tasks.params import sampling_params
+from server.tasks.response_format import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH
 
 server = server_fixture()
 USER = [{"role": "user", "content": "x"}]

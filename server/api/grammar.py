@@ -1,6 +1,6 @@
 """Checking a request's grammar before anything starts: the response_format mapping
-(server.tasks.params.format_grammar) and the engine's compile, in a worker thread (the first
-compile builds the vocabulary tables and imports the library: seconds, once), so a schema the
+(server.tasks.response_format.format_grammar) and the engine's compile, in a worker thread (the
+first compile builds the vocabulary tables and imports the library: seconds, once), so a schema the
 engine refuses is the request's error (400 on the OpenAI routes, 422 on the task routes) and
 never reaches a submission. docs/agents.md."""
 
@@ -12,7 +12,7 @@ from typing import Any
 from server.api.errors import ApiError
 from server.api.services import Services
 from server.engine.types import GrammarSpec
-from server.tasks.params import format_grammar
+from server.tasks.response_format import format_grammar
 
 
 async def compiled(sv: Services, spec: GrammarSpec, *, param: str, status: int = 400) -> GrammarSpec:

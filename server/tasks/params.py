@@ -1,8 +1,8 @@
 """Generation parameters of tasks: `TaskParams`, stored as a plain JSON dict (the names of
 `server.engine.types.FIELDS`, `response_format`, `grammar`, `hidden_lead` and `meta`), made from
 what a caller gives (`GivenParams`) by `clean_params`, the one check, and turned into
-SamplingParams per run by the one mapping, `SamplingParams.from_fields`,
-plus the grammar of the response format (`format_grammar`: the one mapping of OpenAI's
+SamplingParams per run by the one mapping, `SamplingParams.from_fields`, plus the grammar of the
+response format (`format_grammar`, server.tasks.response_format: the one mapping of OpenAI's
 response_format onto the engine's GrammarSpec, shared by the OpenAI and task routes) or the
 task's own grammar (`grammar`: a GrammarSpec as {"kind", "source", "trigger"}, the tool-call
 grammar of a /v1/responses task). `meta`: a JSON object the route that made the task keeps with
@@ -14,14 +14,14 @@ All of it lives in the params JSON column: no schema change, older rows read as 
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple, TypedDict, cast, get_type_hints
 
 from server.engine.types import FIELD_KINDS, FIELDS, GrammarSpec, SamplingParams, check_fields
 from server.tasks.errors import TaskInvalid
+from server.tasks.response_format import format_grammar
 
 
 class TaskParams(TypedDict, total=False):
@@ -53,30 +53,6 @@ continue_): by TaskParams' names, None or absent = not given, other names droppe
 (the in-process API bypasses the HTTP schema) until clean_params makes them TaskParams."""
 PARAM_KEYS = (*FIELDS, "response_format", "grammar", "hidden_lead", "meta")
 """TaskParams' keys (check_task_params)."""
-MAX_SCHEMA_DEPTH = 32
-"""Deepest nesting of schemas in a response_format schema: the root is level 1, each schema
-inside another (an object's property, an array's items, an anyOf branch, ...) one level more.
-The grammar's compile time grows faster than linearly with it (measured with xgrammar: 32
-object levels ~20 ms, 200 ~0.75 s, 500 ~18 s), so this bound is what keeps a compile short."""
-MAX_JSON_DEPTH = 200
-"""Deepest nesting of the schema's JSON document (a 32-level schema needs about 65, plus its
-const / enum / default values): a backstop for the recursive code after this check (json.dumps,
-the engine's json.loads and the library's parser), which Python's recursion limit (~1000)
-would end with a RecursionError, not a ValueError, for an in-process caller's dict; and below
-what a task stores (orjson writes at most 255 levels, the task's params around the schema
-included). A tool's parameters and a call's arguments are held to it too (server.api.openai.tools)."""
-_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "dependencies")
-"""Keywords whose value maps names to schemas one level down."""
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-"""Keywords whose value is a list of schemas one level down (items: the draft-4 tuple form)."""
-_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties",
-               "unevaluatedItems", "contains", "propertyNames", "not", "if", "then", "else")  # fmt: skip
-"""Keywords whose value is one schema one level down."""
-_DEFINITIONS = ("$defs", "definitions")
-"""Keywords whose value maps names to schemas used where referenced: counted from level 1."""
-_FORMAT_KEYS = {"type"}
-_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
-"""OpenAI's json_schema object (also the flat form's keys beside "type")."""
 _FIELD_IN_MESSAGE = re.compile(r"'(\w+)'")
 
 
@@ -232,107 +208,6 @@ def sampling_params(params: TaskParams, default_max_tokens: int) -> SamplingPara
     fmt = params.get("response_format")
     # stored before unknown keys were refused: such a format still runs as it did
     return sp if fmt is None else replace(sp, grammar=format_grammar(fmt, known_keys=False))
-
-
-def format_grammar(fmt: Any, *, known_keys: bool = True) -> GrammarSpec | None:
-    """The grammar of an OpenAI response_format (None for {"type": "text"}); ValueError saying
-    what is wrong with its shape. Whether the schema compiles is the engine's word
-    (Engine.compile_grammar), asked by the routes before anything starts.
-
-    {"type": "json_object"}                                  -> GrammarSpec("json_object")
-    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}  -> json_schema
-    (the Responses API's flat form {"type": "json_schema", "name", "schema"} is accepted too)
-    known_keys: a key outside these shapes is refused, naming it (the routes' unknown-field
-    policy: never silently ignored)."""
-    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise ValueError("invalid 'response_format': an object with a 'type' (text, json_object, json_schema)")
-    kind = fmt["type"]
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError(f"invalid 'response_format': type {kind!r} is not one of text, json_object, json_schema")
-    if known_keys:
-        _check_keys(fmt)
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GrammarSpec("json_object")
-    inner = fmt.get("json_schema", fmt)
-    schema = inner.get("schema") if isinstance(inner, dict) else None
-    if not isinstance(schema, dict):
-        raise ValueError("invalid 'response_format': json_schema needs a 'schema' object")
-    if json_depth(schema) > MAX_JSON_DEPTH:
-        raise ValueError(f"invalid 'response_format': the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
-    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"invalid 'response_format': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    return GrammarSpec.json_schema(json.dumps(schema))  # (key order kept: the output follows the properties' order)
-
-
-def _check_keys(fmt: dict[str, Any]) -> None:
-    """ValueError naming the first key of fmt outside OpenAI's shape of its type: "type" alone
-    (text, json_object), "type" + "json_schema" {name, description, schema, strict}, or the flat
-    form ("type" + the json_schema keys)."""
-    inner = fmt.get("json_schema")
-    allowed, unknown = _FORMAT_KEYS, []
-    if fmt["type"] == "json_schema" and "json_schema" in fmt:
-        allowed = _FORMAT_KEYS | {"json_schema"}
-        if isinstance(inner, dict):  # not an object: format_grammar says what it needs
-            unknown = [f"json_schema.{k}" for k in inner if k not in _JSON_SCHEMA_KEYS]
-    elif fmt["type"] == "json_schema":
-        allowed = _FORMAT_KEYS | _JSON_SCHEMA_KEYS
-    unknown = [k for k in fmt if k not in allowed] + unknown
-    if unknown:
-        raise ValueError(f"invalid 'response_format': unknown field {unknown[0]!r} (for type {fmt['type']!r})")
-
-
-def _depth(root: Any, bound: int, children: Callable[[Any, int], Iterable[tuple[Any, int]]]) -> int:
-    """The deepest level of a walk from `root` (level 1), where children(node, level) gives a
-    node's (child, its level); counted up to bound + 1. Iterative: a hostile value cannot
-    exhaust the stack."""
-    deepest, todo = 0, [(root, 1)]
-    while todo:
-        node, level = todo.pop()
-        deepest = max(deepest, level)
-        if level > bound:
-            break
-        todo.extend(children(node, level))
-    return deepest
-
-
-def schema_depth(schema: dict[str, Any]) -> int:
-    """How deep schemas nest in a JSON schema (MAX_SCHEMA_DEPTH's levels), counted up to
-    MAX_SCHEMA_DEPTH + 1 (a tool's parameters are held to the same bound: tools.py)."""
-    return _depth(schema, MAX_SCHEMA_DEPTH, _schema_children)
-
-
-def json_depth(value: Any, bound: int = MAX_JSON_DEPTH) -> int:
-    """How deep lists and objects nest in a parsed JSON value (the root: level 1), counted up to
-    bound + 1 (iterative: a hostile value cannot exhaust the stack)."""
-    return _depth(value, bound, _json_children)
-
-
-def _json_children(n: Any, d: int) -> Iterable[tuple[Any, int]]:
-    children = n.values() if isinstance(n, dict) else n if isinstance(n, list) else ()
-    return ((c, d + 1) for c in children if isinstance(c, (dict, list)))
-
-
-def _schema_children(node: dict[str, Any], level: int) -> Iterable[tuple[Any, int]]:
-    """A schema under a subschema keyword of a level-L schema is at L + 1 (a property's schema,
-    not the `properties` map, is the next level); values that are data (const, enum, default)
-    are none; definitions count from level 1."""
-    yield from ((c, level + 1) for c in _subschemas(node, _SCHEMA_MAPS, _SCHEMA_LISTS, _SCHEMA_ONE))
-    yield from ((c, 1) for c in _subschemas(node, _DEFINITIONS, (), ()))
-
-
-def _subschemas(node: dict[str, Any], maps: tuple[str, ...], lists: tuple[str, ...], one: tuple[str, ...]) -> list:
-    """The schemas (JSON objects) under node's keywords of each kind."""
-    out: list[Any] = []
-    for key, value in node.items():
-        if key in maps and isinstance(value, dict):
-            out.extend(value.values())
-        elif key in lists and isinstance(value, list):
-            out.extend(value)
-        elif key in one:
-            out.append(value)
-    return [c for c in out if isinstance(c, dict)]
 
 
 def fim_prompt(prefix: str, suffix: str) -> str:

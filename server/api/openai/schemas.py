@@ -137,7 +137,7 @@ class ChatRequest(OpenAIFields):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-    """text, json_object or json_schema (server.tasks.params.format_grammar)."""
+    """text, json_object or json_schema (server.tasks.response_format.format_grammar)."""
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     web_search_options: dict[str, Any] | None = None

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from server.engine.schema_checks import DATA_KEYWORDS
 from server.engine.types import GrammarSpec
-from server.tasks.params import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_depth, schema_depth
+from server.tasks.response_format import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_depth, schema_depth
 
 MARKER = "<tool_call>"
 MAX_TOOLS = 128
