@@ -18,6 +18,8 @@
 //                                                     out[k] = round(xn + d * mix[k])  (k < K)
 // relu_square: h = round(max(h, 0)^2) in place.
 // lora_act: a = tanh(a), g = sigmoid(g) in place (two buffers, one launch).
+#include <cuda_fp8.h>
+
 #include "pdl.cuh"
 #include "wkv7_common.cuh"
 
@@ -33,6 +35,12 @@ struct LnArgs {
     float eps;
     const float *dx_rs, *dx_cs;  // null, or dx's per-row (B,) and per-column (C,) scales
     float dx_mul;                // with them: a power of two folded into the row scale
+    // fused_add_ln_mix_q only: the last NQ planes as e4m3 codes (plane j at q + j * q_plane, rows
+    // q_bs bytes apart) with fp32 scales (q_scale[j * q_sp + b]); planes k < q_keep also in F
+    void *q;
+    float *q_scale;
+    long long q_bs, q_plane, q_sp;
+    int q_keep;
 };
 
 // dx's scale for row b (only when dx carries scales: p.dx_rs set)
@@ -180,6 +188,53 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
     }
 }
 
+// A quantized plane's 8 values of this thread: rounded to F (the bits an F plane would hold),
+// packed into h, their absolute maximum into amax.
+template <typename F>
+__device__ __forceinline__ void hold_plane(const float *o, uint4 &h, float &amax) {
+    h = make_uint4(pack2<F>(o[0], o[1]), pack2<F>(o[2], o[3]), pack2<F>(o[4], o[5]), pack2<F>(o[6], o[7]));
+    float r[LN_VW];
+    cvt4(make_uint2(h.x, h.y), (const F *)nullptr, r);
+    cvt4(make_uint2(h.z, h.w), (const F *)nullptr, r + 4);
+#pragma unroll
+    for (int e = 0; e < LN_VW; e++) amax = fmaxf(amax, fabsf(r[e]));
+}
+
+// The NQ quantized planes of row b as quant.cu's quant_rows_fp8 would make them from the F planes:
+// the row's absolute maximum m (a block reduction per plane), scale m / 448 (1 for a zero row),
+// codes sat_e4m3(value * (448 / m)) rounded to nearest even. Every thread of the block calls it.
+template <typename F, int NQ>
+__device__ __forceinline__ void store_e4m3(const LnArgs &p, int b, int c, bool act, const uint4 (&qv)[NQ],
+                                           float (&qmax)[NQ]) {
+    constexpr float FP8_MAX = 448.f;
+    __shared__ float qred[NQ][32];
+    const int wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int j = 0; j < NQ; j++) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) qmax[j] = fmaxf(qmax[j], __shfl_xor_sync(0xffffffffu, qmax[j], o));
+        if ((threadIdx.x & 31) == 0) qred[j][wid] = qmax[j];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < NQ; j++) {
+        float m = qred[j][0];
+        for (int i = 1; i < nw; i++) m = fmaxf(m, qred[j][i]);
+        const float inv = m > 0.f ? FP8_MAX / m : 1.f;
+        if (threadIdx.x == 0) p.q_scale[j * p.q_sp + b] = m > 0.f ? m / FP8_MAX : 1.f;
+        if (!act) continue;
+        float r[LN_VW];
+        cvt4(make_uint2(qv[j].x, qv[j].y), (const F *)nullptr, r);
+        cvt4(make_uint2(qv[j].z, qv[j].w), (const F *)nullptr, r + 4);
+        uint16_t cd[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            cd[i] = __nv_cvt_float2_to_fp8x2(make_float2(r[2 * i] * inv, r[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+        uint8_t *dst = (uint8_t *)p.q + j * p.q_plane + b * p.q_bs + c;
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(cd[0] | (uint32_t)cd[1] << 16, cd[2] | (uint32_t)cd[3] << 16);
+    }
+}
+
 // Launch bound of 1 block per SM: ptxas uses 76-80 registers (no spills), and 2 blocks of 320
 // threads (C = 2560) still fit per SM. A bound of 2 would cap it at 64 registers with spills (a
 // slower decode step: docs/performance.md).
@@ -188,10 +243,15 @@ __device__ __forceinline__ void chan_combine(float &n, float &mean, float &m2, f
 // registers, 3 blocks of 320 threads per SM instead of 2, more rows in flight for a kernel that
 // waits on memory latency. The launcher takes it only where that means fewer waves of blocks
 // (2.9B: B=1,024 runs 3 waves instead of 4; at B=512 both run 2, and the held rows win).
-template <typename F, bool HOLD>
+// KC, NQ (fused_add_ln_mix_q, 16-bit F only): K = KC planes, of which the last NQ come out as
+// e4m3 codes (store_e4m3) and only planes k < q_keep in F; KC = 0: p.K planes, all in F.
+template <typename F, bool HOLD, int KC = 0, int NQ = 0>
 __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs p) {
+    static_assert(NQ == 0 || (KC > 0 && NQ <= KC && sizeof(F) == 2), "quantized planes: 16-bit F, KC planes");
+    constexpr int QF = KC - NQ;  // the first quantized plane
     __shared__ float red[3][32];
     const int b = blockIdx.x, tid = threadIdx.x;
+    const int K = KC ? KC : p.K;
     const int c = LN_VW * tid;
     const bool act = c < p.C;
     const bool has_dx = p.dx != nullptr, has_shift = p.shift != nullptr;
@@ -209,7 +269,7 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs 
         if constexpr (EARLY) {
 #pragma unroll
             for (int k = 0; k < LN_KMAX; k++)
-                if (k < p.K) mraw[k] = *reinterpret_cast<const uint4 *>((const F *)p.mix + (long long)k * p.C + c);
+                if (k < K) mraw[k] = *reinterpret_cast<const uint4 *>((const F *)p.mix + (long long)k * p.C + c);
         }
     };
     if (act) load_weights();
@@ -254,41 +314,50 @@ __global__ void __launch_bounds__(LN_V2_THREADS, 1) add_ln_mix_v2_kernel(LnArgs 
     __syncthreads();
     n = red[0][0], mean = red[1][0], m2 = red[2][0];
     for (int i = 1; i < nw; i++) chan_combine(n, mean, m2, red[0][i], red[1][i], red[2][i]);
-    if (!act) return;
+    if (!act && NQ == 0) return;  // (with quantized planes every thread takes store_e4m3's barrier)
     const float rstd = rsqrtf(m2 / p.C + p.eps);
-
-    if (has_dx) store8<F>((F *)p.x_out + b * p.xo_bs + c, v);
-    float xn[LN_VW];
+    uint4 qv[NQ ? NQ : 1];     // the quantized planes' values, rounded to F and packed
+    float qmax[NQ ? NQ : 1] = {};  // and their absolute maxima over this thread's columns
+    if (act) {
+        if (has_dx) store8<F>((F *)p.x_out + b * p.xo_bs + c, v);
+        float xn[LN_VW];
 #pragma unroll
-    for (int e = 0; e < LN_VW; e++) xn[e] = rnd<F>((v[e] - mean) * rstd * w[e] + bb[e]);
-    if (has_shift) {
-        store8<F>((F *)p.shift + b * p.shift_bs + c, xn);
+        for (int e = 0; e < LN_VW; e++) xn[e] = rnd<F>((v[e] - mean) * rstd * w[e] + bb[e]);
+        if (has_shift) {
+            store8<F>((F *)p.shift + b * p.shift_bs + c, xn);
 #pragma unroll
-        for (int e = 0; e < LN_VW; e++) d[e] = rnd<F>(prev[e] - xn[e]);
-    } else {
+            for (int e = 0; e < LN_VW; e++) d[e] = rnd<F>(prev[e] - xn[e]);
+        } else {
 #pragma unroll
-        for (int e = 0; e < LN_VW; e++) d[e] = 0.f;
-    }
-    F *out = (F *)p.out + b * p.out_bs + c;
-    if (p.K == 0) {
-        store8<F>(out, xn);
-    } else {
+            for (int e = 0; e < LN_VW; e++) d[e] = 0.f;
+        }
+        F *out = (F *)p.out + b * p.out_bs + c;
+        if (K == 0) {
+            store8<F>(out, xn);
+        } else {
 #pragma unroll
-        for (int k = 0; k < LN_KMAX; k++) {
-            if (k < p.K) {
-                float o[LN_VW];
-                if constexpr (EARLY) {
-                    cvt4(make_uint2(mraw[k].x, mraw[k].y), (const F *)nullptr, o);
-                    cvt4(make_uint2(mraw[k].z, mraw[k].w), (const F *)nullptr, o + 4);
-                } else {
-                    load8<F>((const F *)p.mix + (long long)k * p.C + c, o);
+            for (int k = 0; k < LN_KMAX; k++) {
+                if (k < K) {
+                    float o[LN_VW];
+                    if constexpr (EARLY) {
+                        cvt4(make_uint2(mraw[k].x, mraw[k].y), (const F *)nullptr, o);
+                        cvt4(make_uint2(mraw[k].z, mraw[k].w), (const F *)nullptr, o + 4);
+                    } else {
+                        load8<F>((const F *)p.mix + (long long)k * p.C + c, o);
+                    }
+#pragma unroll
+                    for (int e = 0; e < LN_VW; e++) o[e] = xn[e] + d[e] * o[e];
+                    if constexpr (NQ > 0) {
+                        if (k >= QF && k - QF < NQ) hold_plane<F>(o, qv[k - QF], qmax[k - QF]);
+                        if (k < p.q_keep) store8<F>(out + k * p.out_plane, o);
+                    } else {
+                        store8<F>(out + k * p.out_plane, o);
+                    }
                 }
-#pragma unroll
-                for (int e = 0; e < LN_VW; e++) o[e] = xn[e] + d[e] * o[e];
-                store8<F>(out + k * p.out_plane, o);
             }
         }
     }
+    if constexpr (NQ > 0) store_e4m3<F, NQ>(p, b, c, act, qv, qmax);
 }
 
 template <typename F>
@@ -328,7 +397,7 @@ __global__ void lora_act_kernel(F *__restrict__ a, long long na, F *__restrict__
 // Blocks of add_ln_mix_v2_kernel<F, HOLD> (threads each) resident on the current device at once;
 // cached per instantiation, device and block size. A failed query answers "any number" (the
 // launcher keeps HOLD).
-template <typename F, bool HOLD>
+template <typename F, bool HOLD, int KC = 0, int NQ = 0>
 inline int ln_resident(int threads) {
     constexpr int DEVS = 16, SIZES = LN_V2_THREADS / 32 + 1;
     static int cache[DEVS][SIZES] = {};
@@ -338,12 +407,36 @@ inline int ln_resident(int threads) {
     if (n == 0) {
         int per = 0;
         const int sms = num_sms();
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, add_ln_mix_v2_kernel<F, HOLD>, threads, 0) != cudaSuccess ||
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, add_ln_mix_v2_kernel<F, HOLD, KC, NQ>, threads, 0) != cudaSuccess ||
             per * sms <= 0)
             return 1 << 30;
         n = per * sms;
     }
     return n;
+}
+
+// The fast path's conditions: 16-byte aligned rows of whole 8-column groups, one group per thread.
+inline bool ln_fast(const LnArgs &p, int B, const void *x, const void *dx, const void *ln_w, const void *ln_b,
+                    const void *mix, const void *shift, const void *x_out, const void *out, const void *dx_cs) {
+    auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
+    const int C = p.C, K = p.K;
+    bool fast = C % LN_VW == 0 && C / LN_VW <= LN_V2_THREADS && K <= LN_KMAX;
+    fast = fast && al16(x) && al16(dx) && al16(ln_w) && al16(ln_b) && al16(mix) && al16(shift) && al16(x_out) &&
+           al16(out) && al16(dx_cs);
+    fast = fast && (B == 1 || (p.x_bs % LN_VW == 0 && p.dx_bs % LN_VW == 0 && p.shift_bs % LN_VW == 0 &&
+                               p.xo_bs % LN_VW == 0 && p.out_bs % LN_VW == 0));
+    return fast && (K <= 1 || p.out_plane % LN_VW == 0);
+}
+
+// One block of C / 8 threads per row; HOLD unless the lean kernel's extra resident blocks take a
+// wave of rows off.
+template <typename F, int KC = 0, int NQ = 0>
+inline int launch_ln_v2(const LnArgs &p, int B, void *stream) {
+    const int t2 = ((p.C / LN_VW) + 31) / 32 * 32;
+    const int rh = ln_resident<F, true, KC, NQ>(t2), rl = ln_resident<F, false, KC, NQ>(t2);
+    const bool hold = (B + rh - 1) / rh <= (B + rl - 1) / rl;
+    return (int)rwkv_pdl::launch_pdl(hold ? add_ln_mix_v2_kernel<F, true, KC, NQ> : add_ln_mix_v2_kernel<F, false, KC, NQ>,
+                                     dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
 }
 
 }  // namespace wkv7
@@ -366,28 +459,39 @@ extern "C" int fused_add_ln_mix(int f_dt, int B, int C, const void *x, long long
     if ((dx_rs == nullptr) != (dx_cs == nullptr) || (dx_rs && !dx)) return -1;
     wkv7::LnArgs p{x, dx, ln_w, ln_b, mix, shift, x_out, out, x_bs, dx_bs, shift_bs, xo_bs, out_bs, out_plane,
                    C, K, eps, (const float *)dx_rs, (const float *)dx_cs, dx_mul};
-    // fast path: 16-byte aligned rows of whole 8-column groups, one group per thread
-    auto al16 = [](const void *q) { return ((uintptr_t)q & 15) == 0; };
-    const int VW = wkv7::LN_VW;
-    bool fast = C % VW == 0 && C / VW <= wkv7::LN_V2_THREADS && K <= wkv7::LN_KMAX;
-    fast = fast && al16(x) && al16(dx) && al16(ln_w) && al16(ln_b) && al16(mix) && al16(shift) && al16(x_out) &&
-           al16(out) && al16(dx_cs);
-    fast = fast && (B == 1 || (x_bs % VW == 0 && dx_bs % VW == 0 && shift_bs % VW == 0 && xo_bs % VW == 0 &&
-                               out_bs % VW == 0));
-    fast = fast && (K <= 1 || out_plane % VW == 0);
-    if (fast) {
-        const int t2 = ((C / VW) + 31) / 32 * 32;
-        return WKV7_F_DISPATCH(f_dt, {
-            // HOLD unless the lean kernel's extra resident blocks take a wave of rows off
-            const int rh = wkv7::ln_resident<F, true>(t2), rl = wkv7::ln_resident<F, false>(t2);
-            const bool hold = (B + rh - 1) / rh <= (B + rl - 1) / rl;
-            return (int)rwkv_pdl::launch_pdl(hold ? add_ln_mix_v2_kernel<F, true> : add_ln_mix_v2_kernel<F, false>,
-                                             dim3(B), dim3(t2), 0, (cudaStream_t)stream, p);
-        });
-    }
+    if (wkv7::ln_fast(p, B, x, dx, ln_w, ln_b, mix, shift, x_out, out, dx_cs))
+        return WKV7_F_DISPATCH(f_dt, { return wkv7::launch_ln_v2<F>(p, B, stream); });
     return WKV7_F_DISPATCH(f_dt, {
         return (int)rwkv_pdl::launch_pdl(add_ln_mix_kernel<F>, dim3(B), dim3(threads), 0, (cudaStream_t)stream, p);
     });
+}
+
+// fused_add_ln_mix with its last nq planes also as per-row e4m3 codes (those that feed an fp8
+// product): (K, nq) = (6, 3) or (1, 1), fp16 / bf16, the fast path's layouts. Planes k < keep are
+// written to out as by fused_add_ln_mix (out has keep planes; keep <= K), the quantized ones to q
+// (nq planes of q_plane bytes, rows q_bs bytes apart, 8-byte aligned) with fp32 scales q_scale[j *
+// B + b]: the codes and scales quant_rows_fp8 makes from those planes in F. Returns -2 (nothing
+// launched) for what it does not cover, else a cudaError_t value.
+extern "C" int fused_add_ln_mix_q(int f_dt, int B, int C, const void *x, long long x_bs, const void *dx,
+                                  long long dx_bs, const void *ln_w, const void *ln_b, float eps, void *shift,
+                                  long long shift_bs, const void *mix, int K, int nq, int keep, void *x_out,
+                                  long long xo_bs, void *out, long long out_bs, long long out_plane, void *q,
+                                  long long q_bs, long long q_plane, void *q_scale, const void *dx_rs,
+                                  const void *dx_cs, float dx_mul, void *stream) {
+    if (B <= 0) return 0;
+    const bool shape = (K == 6 && nq == 3) || (K == 1 && nq == 1);
+    if (!shape || keep < 0 || keep > K || !shift || !mix || (f_dt != wkv7::DT_F16 && f_dt != wkv7::DT_BF16)) return -2;
+    if ((dx_rs == nullptr) != (dx_cs == nullptr) || (dx_rs && !dx)) return -2;
+    if (((uintptr_t)q & 15) || q_bs % 8 || q_plane % 8 || ((uintptr_t)q_scale & 3)) return -2;
+    wkv7::LnArgs p{x, dx, ln_w, ln_b, mix, shift, x_out, keep ? out : nullptr, x_bs, dx_bs, shift_bs, xo_bs,
+                   out_bs, out_plane, C, K, eps, (const float *)dx_rs, (const float *)dx_cs, dx_mul,
+                   q, (float *)q_scale, q_bs, q_plane, (long long)B, keep};
+    if (!wkv7::ln_fast(p, B, x, dx, ln_w, ln_b, mix, shift, x_out, keep ? out : nullptr, dx_cs)) return -2;
+    auto go = [&](auto f) -> int {
+        using F = decltype(f);
+        return K == 6 ? wkv7::launch_ln_v2<F, 6, 3>(p, B, stream) : wkv7::launch_ln_v2<F, 1, 1>(p, B, stream);
+    };
+    return f_dt == wkv7::DT_F16 ? go(__half()) : go(__nv_bfloat16());
 }
 
 // h: n contiguous elements (8-byte aligned for 16-bit, 16-byte for fp32), in place.

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from server.model import cuda_quant, ops
-from server.model.qlinear import RAW_UNIT, QWeight, ScaledProduct, SparseCodes, Weight
+from server.model.qlinear import RAW_UNIT, QRows, QWeight, ScaledProduct, SparseCodes, Weight
+from server.model.quant import FP8_DTYPE
 
 IDENTITY_W = ops.IDENTITY_W
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -227,27 +228,78 @@ def add_ln_mix(x, dx: torch.Tensor | ScaledProduct | None, ln_w, ln_b, mix, shif
     ops.add_ln_mix, the pure-torch twin); a ScaledProduct dx is scaled in the kernel."""
     B, C = x.shape
     lib = _lib(x.device) if x.is_cuda else None
+    scales = _ln_scales(lib, x, dx, ln_w, ln_b, mix, shift)
+    if lib is None or scales is None:
+        return ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)
+    raw = dx.raw if isinstance(dx, ScaledProduct) else dx
+    K = 0 if mix is None else mix.shape[0]
+    out = torch.empty(*((K,) if K else ()), B, C, device=x.device, dtype=x.dtype)  # (K, B, C) or (B, C)
+    x_out = torch.empty(B, C, device=x.device, dtype=x.dtype) if raw is not None else x  # (B, C)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _check(lib.fused_add_ln_mix(
+        _DT[x.dtype], B, C, x.data_ptr(), x.stride(0), raw.data_ptr() if raw is not None else 0,
+        raw.stride(0) if raw is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
+        shift.data_ptr() if shift is not None else 0, shift.stride(0) if shift is not None else 0,
+        mix.data_ptr() if mix is not None else 0, K, x_out.data_ptr(), C, out.data_ptr(), C, B * C, *scales, stream,
+    ), "fused_add_ln_mix")  # fmt: skip
+    return x_out, out
+
+
+def add_ln_mix_q(x, dx: torch.Tensor | ScaledProduct | None, ln_w, ln_b, mix, shift, nq: int, keep: int,
+                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor, QRows]:  # fmt: skip
+    """ops.add_ln_mix_q in one launch (kernels/fused_elementwise.cu, fused_add_ln_mix_q: the codes
+    and scales quant_rows makes from those planes, bit for bit) where the kernel covers it: 16-bit
+    x, (K, nq) = (6, 3) or (1, 1); else add_ln_mix, then quant_rows."""
+    B, C = x.shape
+    lib = _lib(x.device) if x.is_cuda else None
+    scales = _ln_scales(lib, x, dx, ln_w, ln_b, mix, shift)
+    if lib is not None and scales is not None and mix is not None and shift is not None and x.dtype in _DT:
+        K = mix.shape[0]
+        raw = dx.raw if isinstance(dx, ScaledProduct) else dx
+        out = torch.empty(keep, B, C, device=x.device, dtype=x.dtype)  # (keep, B, C)
+        x_out = torch.empty(B, C, device=x.device, dtype=x.dtype) if raw is not None else x  # (B, C)
+        q = torch.empty(nq, B, C, device=x.device, dtype=FP8_DTYPE)  # (nq, B, C)
+        sq = torch.empty(nq, B, 1, device=x.device, dtype=torch.float32)  # (nq, B, 1)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        rc = lib.fused_add_ln_mix_q(
+            _DT[x.dtype], B, C, x.data_ptr(), x.stride(0), raw.data_ptr() if raw is not None else 0,
+            raw.stride(0) if raw is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
+            shift.data_ptr(), shift.stride(0), mix.data_ptr(), K, nq, keep, x_out.data_ptr(), C,
+            out.data_ptr(), C, B * C, q.data_ptr(), C, B * C, sq.data_ptr(), *scales, stream,
+        )  # fmt: skip
+        if rc != GEMV_UNSUPPORTED:
+            _check(rc, "fused_add_ln_mix_q")
+            return x_out, out, QRows(q, sq)
+    x, out = add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)  # (K, B, C)
+    q, sq = cuda_quant.quant_rows(out[out.shape[0] - nq :].reshape(-1, C))  # (nq * B, C), (nq * B, 1)
+    return x, out[:keep], QRows(q.view(nq, B, C), sq.view(nq, B, 1))
+
+
+def _ln_scales(lib, x, dx, ln_w, ln_b, mix, shift) -> tuple[int, int, float] | None:
+    """The kernel's (dx_rs, dx_cs, dx_mul) when add_ln_mix's kernel takes these tensors (dtype,
+    layouts, sizes), else None: the pure-torch twin runs."""
+    B, C = x.shape
     dt = x.dtype
     raw = dx.raw if isinstance(dx, ScaledProduct) else dx
     ok = lib is not None and dt in _DT and C % 4 == 0 and C <= LN_MAX_C and _rows_ok(x, dt, C)
     ok = ok and (raw is None or _rows_ok(raw, dt, C)) and (shift is None or _rows_ok(shift, dt, C))
     ok = ok and all(t.dtype == dt and t.is_contiguous() and t.numel() == C for t in (ln_w, ln_b))
     ok = ok and (mix is None or (mix.dtype == dt and mix.is_contiguous() and mix.dim() == 2 and mix.shape[1] == C))
-    ok = ok and (mix is None or shift is not None)
-    scales = _dx_scales(dx, B, C) if isinstance(dx, ScaledProduct) else (0, 0, 0.0)
-    if lib is None or not ok or scales is None:
-        return ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)
-    K = 0 if mix is None else mix.shape[0]
-    out = torch.empty(*((K,) if K else ()), B, C, device=x.device, dtype=dt)  # (K, B, C) or (B, C)
-    x_out = torch.empty(B, C, device=x.device, dtype=dt) if raw is not None else x  # (B, C)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    _check(lib.fused_add_ln_mix(
-        _DT[dt], B, C, x.data_ptr(), x.stride(0), raw.data_ptr() if raw is not None else 0,
-        raw.stride(0) if raw is not None else 0, ln_w.data_ptr(), ln_b.data_ptr(), float(eps),
-        shift.data_ptr() if shift is not None else 0, shift.stride(0) if shift is not None else 0,
-        mix.data_ptr() if mix is not None else 0, K, x_out.data_ptr(), C, out.data_ptr(), C, B * C, *scales, stream,
-    ), "fused_add_ln_mix")  # fmt: skip
-    return x_out, out
+    if not ok or (mix is not None and shift is None):
+        return None
+    return _dx_scales(dx, B, C) if isinstance(dx, ScaledProduct) else (0, 0, 0.0)
+
+
+def quantizes_rows(w: Weight, rows: int) -> bool:
+    """ops.quantizes_rows: true where linear() of `rows` 16-bit rows with w would quantize them
+    to e4m3 itself (an fp8 w past the gemv's and the weight-only tiles' rows)."""
+    return rows > GEMV_MAX_M and cuda_quant.takes_rows(w, rows, w.dtype)
+
+
+def linear_q(x: QRows, w: QWeight) -> torch.Tensor:
+    """ops.linear_q on the fp8 tensor cores (cuda_quant.large_q); x's rows as linear() would
+    have quantized them."""
+    return cuda_quant.large_q(x.q, x.scale, w)
 
 
 def _dx_scales(dx: ScaledProduct, B: int, C: int) -> tuple[int, int, float] | None:

@@ -83,10 +83,27 @@ def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
         if y is not None:
             return y
     if fp8_mm and x.dtype in _DT:
-        xq, sx = quant_like(x, act)
-        y = w8_gemm.run(xq, w, xs=sx)  # e4m3 x e4m3 tiles, where its TABLE has them
-        return y if y is not None else _scaled(xq, sx, w)
+        return large_q(*quant_like(x, act), w)
     return ops.linear(ops.relu_square(x) if act else x, w8_gemm.dequantize(w))
+
+
+def large_q(xq: torch.Tensor, sx: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """large()'s fp8 x fp8 product of rows already quantized: codes xq (M, K) / (P, M, K) with
+    scales sx (M, 1) / (P, M, 1): w8_gemm's e4m3 tiles where its TABLE has them, else _scaled."""
+    y = w8_gemm.run(xq, w, xs=sx)
+    return y if y is not None else _scaled(xq, sx, w)
+
+
+def takes_rows(w: Weight, M: int, dtype: torch.dtype) -> bool:
+    """Whether large() quantizes M rows of x (dtype) to e4m3 for w itself: an fp8 w on fp8 tensor
+    cores at rows past the weight-only tiles' (w8_gemm's TABLE). There a caller may hand it the
+    rows quantized already (large_q)."""
+    if not isinstance(w, QWeight) or w.mode != "fp8" or dtype not in _DT or not w.q.is_cuda:
+        return False
+    N, K = w.shape[-2], w.shape[-1]
+    if K % 16 or N % 16 or not fp8_gemm_ok(w.q.device):
+        return False
+    return w8_gemm.pick("fp8", M, N, K, w.q.shape[0] if w.q.dim() == 3 else 1) is None
 
 
 SCALED_MIN_ROWS = 32

@@ -25,7 +25,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model.qlinear import QWeight, ScaledProduct, SparseCodes, Weight, dense_native
+from server.model.qlinear import (
+    QRows,
+    QWeight,
+    ScaledProduct,
+    SparseCodes,
+    Weight,
+    dense_native,
+    quant_rows_native,
+    rows_fp8_native,
+)
 
 IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
 
@@ -147,6 +156,30 @@ def add_ln_mix(x, dx: torch.Tensor | ScaledProduct | None, ln_w, ln_b, mix, shif
     out = torch.addcmul(xn, prev, mix.view(mix.shape[0], 1, -1))  # (K, B, C)
     shift.copy_(xn)
     return x, out
+
+
+def add_ln_mix_q(x, dx: torch.Tensor | ScaledProduct | None, ln_w, ln_b, mix, shift, nq: int, keep: int,
+                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor, QRows]:  # fmt: skip
+    """add_ln_mix whose last nq planes also come back as e4m3 rows (QRows (nq, B, C) codes, (nq, B,
+    1) scales: quant_rows_native of those planes), for the fp8 products that read them
+    (linear_q); out holds only the planes k < keep: (keep, B, C). The CUDA twin writes the codes
+    from the same pass (no plane it quantizes is stored in 16 bits unless k < keep)."""
+    x, out = add_ln_mix(x, dx, ln_w, ln_b, mix, shift, eps)  # (K, B, C)
+    K, B, C = out.shape
+    q, s = quant_rows_native(out[K - nq :].reshape(-1, C))  # (nq * B, C), (nq * B, 1)
+    return x, out[:keep], QRows(q.view(nq, B, C), s.view(nq, B, 1))
+
+
+def quantizes_rows(w: Weight, rows: int) -> bool:
+    """Whether w's product of `rows` rows reads them quantized to e4m3 (so that add_ln_mix_q and
+    linear_q may serve it). Here never: the pure-torch products use the rows as they are."""
+    return False
+
+
+def linear_q(x: QRows, w: QWeight) -> torch.Tensor:
+    """linear() of rows already quantized (x (M, K) or planes (P, M, K), w fp8 (N, K) / (P, N, K))
+    -> (M, N) / (P, M, N): the fp8 x fp8 product of the codes, scaled (qlinear.rows_fp8_native)."""
+    return rows_fp8_native(x, w)
 
 
 def relu_square(h: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,19 @@ class ScaledProduct:
         return self.raw.float() * (self.row * (1.0 / RAW_UNIT)) * self.col
 
 
+@dataclass(frozen=True)
+class QRows:
+    """Activation rows already quantized to e4m3, each with its own scale, as quant_rows_native
+    makes them: the form an fp8 product reads its input in. server.model.cuda_ops.add_ln_mix_q
+    hands its planes over this way, so that the product does not quantize them again."""
+
+    q: torch.Tensor  # (M, K) or planes (P, M, K) e4m3 codes
+    scale: torch.Tensor  # (M, 1) / (P, M, 1) fp32
+
+    def plane(self, p: int) -> QRows:
+        return QRows(self.q[p], self.scale[p])
+
+
 Weight = torch.Tensor | QWeight
 """A large linear's weight: the model dtype's tensor, or its 8-bit form."""
 
@@ -143,5 +156,11 @@ def quant_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dense_fp8_native(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """The fp8 x fp8 product's twin: (quantized rows of x) @ (q * scale)^T in fp32, cast to the
     model dtype. x (M, K), w (N, K) fp8 -> (M, N)."""
-    xq, sx = quant_rows_native(x)
-    return ((xq.float() @ w.q.float().t()) * sx * w.scale.float()).to(w.dtype)
+    return rows_fp8_native(QRows(*quant_rows_native(x)), w)
+
+
+def rows_fp8_native(x: QRows, w: QWeight) -> torch.Tensor:
+    """dense_fp8_native of rows already quantized: x (M, K) with w (N, K), or planes (P, M, K)
+    with (P, N, K) -> (M, N) / (P, M, N) in the model dtype."""
+    y = x.q.float() @ w.q.float().transpose(-1, -2)  # (..., M, N)
+    return (y * x.scale * w.scale.float().unsqueeze(-2)).to(w.dtype)

@@ -38,6 +38,9 @@ OP_NAMES = (
     "wkv_chunk",
     "tmix_decode",
     "add_ln_mix",
+    "add_ln_mix_q",
+    "quantizes_rows",
+    "linear_q",
     "relu_square",
     "lora_act",
     "linear",
@@ -160,12 +163,13 @@ class RWKV7:
         lin, C = self.ops.linear, self.shape.n_embd
         dx, v_first = None, x
         for i, (lw, pk) in enumerate(zip(self.w.layers, self._decode_packs())):
-            # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift
-            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i])  # (6, B, C) g w a v k r
+            # x <- x + dx (the previous layer's FFN output); the six mixes from ln1(x), att_shift:
+            # (6, B, C) g w a v k r, or the LoRAs' planes and v k r as e4m3 rows for an fp8 product
+            x, xs, xq = self._ln_mix(x, dx, lw.ln1_w, lw.ln1_b, pk.mix, state.att_shift[i], pk.vkr, pk.lora1.shape[0])
             side = self._fork()  # the LoRAs run beside the big projection (CUDA: a side stream)
             with side:
                 z, gz = self._decode_loras(xs, pk)  # (P, B, C) wz, az[, vz]; (B, C) gate
-            v, k, r = lin(xs[3:6], pk.vkr).unbind(0)  # each (B, C)
+            v, k, r = (lin(xs[3:6], pk.vkr) if xq is None else self.ops.linear_q(xq, pk.vkr)).unbind(0)  # (B, C)
             side.join()
             if i == 0:
                 v_first = v
@@ -175,11 +179,20 @@ class RWKV7:
             )
             # the two products that only feed a residual add: residual_linear (an fp8 one may leave
             # its scales to add_ln_mix)
-            x, xk = self.ops.add_ln_mix(x, self.ops.residual_linear(y, lw.wo), lw.ln2_w, lw.ln2_b,
-                                        lw.ffn_xk.view(1, C), state.ffn_shift[i])  # fmt: skip
-            dx = self.ops.residual_linear(lin(xk[0], lw.ffn_key), lw.ffn_value, lw.ffn_value_t, act=True)
+            x, xk, kq = self._ln_mix(x, self.ops.residual_linear(y, lw.wo), lw.ln2_w, lw.ln2_b,
+                                     lw.ffn_xk.view(1, C), state.ffn_shift[i], lw.ffn_key, 0)  # fmt: skip
+            h = lin(xk[0], lw.ffn_key) if kq is None else self.ops.linear_q(kq.plane(0), lw.ffn_key)  # (B, 4C)
+            dx = self.ops.residual_linear(h, lw.ffn_value, lw.ffn_value_t, act=True)
         _, xn = self.ops.add_ln_mix(x, dx, self.w.ln_out_w, self.w.ln_out_b, None, None)
         return lin(xn, self._head_weight(xn.shape[0]))  # (B, V) model dtype
+
+    def _ln_mix(self, x, dx, ln_w, ln_b, mix, shift, w: Weight, keep: int):
+        """ops.add_ln_mix -> (x', planes (K, B, C), None); or, where w's product reads its rows as
+        e4m3 codes (ops.quantizes_rows), (x', planes k < keep, the last planes that w multiplies
+        (one per plane of w) as QRows) from one add_ln_mix_q, which quantizes them as it goes."""
+        if self.ops.quantizes_rows(w, x.shape[0]):
+            return self.ops.add_ln_mix_q(x, dx, ln_w, ln_b, mix, shift, w.shape[0] if len(w.shape) == 3 else 1, keep)
+        return (*self.ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift), None)
 
     def _decode_loras(self, xs: torch.Tensor, pk: DecodePack) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
