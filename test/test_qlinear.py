@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from server.checks import settings_problem
 from server.cli import build_parser
 from server.config import Settings
-from server.model import load_model, qlinear
+from server.model import load_model, ops, qlinear
 from server.model.quant import FP8_DTYPE, fake_quantize, round_trip
 from server.model.qlinear import QWeight
 
@@ -146,3 +146,39 @@ def test_fp8_gemm_falls_back_to_a_bf16_output_where_cublas_refuses_fp16(monkeypa
     dst = torch.zeros(16, 32, dtype=torch.float16)
     assert cuda_quant._mm(xq, sx, w, dst) is dst and bool((dst == 1).all())
     assert calls[2:] == [(torch.bfloat16, True)]  # the device is remembered: no fp16 attempt
+
+
+def test_the_decode_reads_its_fp8_rows_from_add_ln_mix_q_where_the_ops_ask(monkeypatch):
+    """Where ops.quantizes_rows says an fp8 product reads e4m3 rows (the CUDA ops: past the
+    weight-only tiles), the fused decode takes the r/k/v and FFN key rows from add_ln_mix_q
+    (the last 3 of its 6 planes, the one FFN plane) and keeps the planes the LoRAs read in 16
+    bits: the same logits as a decode whose products quantize those rows themselves."""
+    model = load_model("synthetic:tiny:3", quant="fp8")
+    model.fused_decode = True
+    n_layers = len(model.w.layers)
+    tok = torch.arange(5, 10)
+
+    def decode():
+        return model.decode(tok, model.zero_state(len(tok)))
+
+    plain = decode()
+    linear = model.ops.linear
+
+    def quantizing_linear(x, w, rows=None, cols=None):  # linear() that quantizes fp8 products' rows first
+        if not (isinstance(w, QWeight) and w.mode == "fp8"):  # (not the int8 head of small batches)
+            return linear(x, w, rows, cols)
+        xq, sx = qlinear.quant_rows_native(x.reshape(-1, x.shape[-1]))
+        return ops.linear_q(qlinear.QRows(xq.view(x.shape), sx.view(*x.shape[:-1], 1)), w)
+
+    monkeypatch.setattr(model.ops, "linear", quantizing_linear)
+    ref = decode()
+    assert not torch.equal(ref, plain)  # else quantized rows would prove nothing
+    monkeypatch.setattr(model.ops, "linear", linear)
+    calls = []
+    real = model.ops.add_ln_mix_q
+    monkeypatch.setattr(model.ops, "add_ln_mix_q", lambda *a: calls.append(a[6:]) or real(*a))
+    monkeypatch.setattr(model.ops, "quantizes_rows", lambda w, rows: isinstance(w, QWeight) and w.mode == "fp8")
+    assert torch.equal(decode(), ref)
+    keeps = [pk.lora1.shape[0] for pk in model._decode_packs()]
+    assert keeps[0] == 3 and 4 in keeps  # layer 0 has no value-mix LoRA
+    assert calls == [c for k in keeps for c in ((3, k), (1, 0))] and len(calls) == 2 * n_layers
