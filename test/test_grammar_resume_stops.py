@@ -3,19 +3,24 @@ tokens are in the history (the state read them) but not in the text, so the gram
 the tokens whose text is the output shown (server.tasks.lead.grammar_prefix), after the run the
 stop string ended and between the runs of one output; where the stop string began inside the
 token that holds the output's last characters, no tokens spell the text: a 422, the task
-unchanged. lead.grammar_prefix on its own, then a real server on the tiny random-weight model
-(only the grammar can make its output valid)."""
+unchanged. The text is read as the detokenizers show it: free text before a tool call's trigger
+may hold bytes that are not UTF-8, shown as U+FFFD, which the tokens that hold them spell.
+lead.grammar_prefix on its own, then a real server on the tiny random-weight model (only the
+grammar can make its output valid), and one whose greedy output is a fixed walk of tokens."""
 
 from __future__ import annotations
 
 import json
+import time
 from array import array
 
 import httpx
 import jsonschema
 import pytest
 from test_grammar_resume import FORMAT, SCHEMA, create, go_on, history, without_state
-from util_server import server_fixture, task_result
+from test_task_continue_text import GREEDY
+from util_models import walk_checkpoint
+from util_server import running_server, server_fixture, task_result
 
 from server.tasks.lead import grammar_prefix
 from server.tasks.output import Output
@@ -68,6 +73,32 @@ def test_a_stop_string_that_began_inside_the_last_token_is_a_value_error(tok):
         grammar_prefix(task(out, '{"n'), tok.decode_bytes)
 
 
+def test_bytes_that_are_not_utf8_are_read_as_the_tokens_that_hold_them(tok):
+    # free text may hold any token: a lone continuation byte shows as U+FFFD, and so does a
+    # character's first byte that the next token does not go on; run 1 stopped on "hi" with
+    # "a<U+FFFD>b" shown, run 2 wrote "c"
+    for bad in (b"\x80", b"\xe2"):
+        out = ids(tok, b"a", bad, b"b", b"hi", b"c")
+        assert spelled(tok, grammar_prefix(task(out, "a\ufffdbc"), tok.decode_bytes)) == b"a" + bad + b"bc"
+    # a character's first byte, then the stop string's token: its run showed it as U+FFFD
+    out = ids(tok, b"a", b"\xe2", b"hi")
+    assert spelled(tok, grammar_prefix(task(out, "a\ufffd"), tok.decode_bytes)) == b"a\xe2"
+    # a U+FFFD written as such (its three bytes are one token) is read too
+    out = ids(tok, "\ufffd".encode(), b"hi")
+    assert spelled(tok, grammar_prefix(task(out, "\ufffd"), tok.decode_bytes)) == "\ufffd".encode()
+
+
+def test_a_long_output_no_tokens_spell_is_refused_at_once(tok):
+    # the stop string "am" began inside the last token ("name"): the search that finds no
+    # spelling only tries leaving out as many bytes as the tokens hold beyond the text's (it
+    # took seconds, quadratic in the tokens, on the event loop)
+    body = tok.encode("".join(f"item {i}, " for i in range(700)))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="a stop string began inside the token"):
+        grammar_prefix(task([*body, *ids(tok, b"name")], tok.decode(body) + "n"), tok.decode_bytes)
+    assert time.perf_counter() - t0 < 1.0, (len(body), time.perf_counter() - t0)
+
+
 # --- tasks on a real server -----------------------------------------------------------------------
 server = server_fixture()
 
@@ -105,3 +136,35 @@ def test_a_stop_string_begun_inside_a_token_is_a_422_and_changes_nothing(server,
     assert d["result"].startswith('{"n') and d["completion_tokens"] == 5, d
     e2 = go_on(http, tid, prompt="\nData:", response_format=FORMAT, max_tokens=300)
     jsonschema.validate(json.loads(e2["result"]), SCHEMA)
+
+
+# --- a tool call after free text that is not UTF-8 --------------------------------------------------
+TOOLS = [{"type": "function", "name": "f", "strict": True,
+          "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def walker(tmp_path_factory, tok):
+    """A server whose greedy output is a byte that is not UTF-8, " <tool", "hi", "_call>", "[",
+    EOS (util_models.walk_checkpoint; the grammar writes the call list after the trigger)."""
+    walk = [*ids(tok, b"\x80", b" <", b"tool", b"hi", b"_", b"call", b">", b"["), 0]
+    tmp = tmp_path_factory.mktemp("walker")
+    with running_server(tmp, model=walk_checkpoint(tmp / "walk.pth", walk)) as srv:
+        yield srv
+
+
+def test_a_tool_call_grammar_resumes_after_free_text_that_is_not_utf8_and_a_stop_string(walker):
+    with httpx.Client(base_url=walker.url, timeout=60) as c:
+        body = {"model": "m", "input": "Go", "tools": TOOLS, "max_output_tokens": 1, "temperature": 0}
+        first = c.post("/v1/responses", json=body).json()
+        tid = "TASK_" + first["id"].split("_", 1)[1]
+        assert task_result(c, tid)["result"] == "\ufffd", first  # the byte 0x80
+        a = go_on(c, tid, stop=["hi"], max_tokens=10, **GREEDY)
+        assert (a["result"], a["finish_reason"]) == ("\ufffd <tool", "stop"), a
+        # the grammar reads 0x80, " <", "tool" (not "hi"), so "_call>" completes the trigger
+        b = go_on(c, tid, stop=[], max_tokens=300)
+        assert b["finish_reason"] == "stop" and b["result"].startswith("\ufffd <tool_call>["), b
+        done = c.get(f"/v1/responses/{first['id']}").json()
+    calls = [o for o in done["output"] if o["type"] == "function_call"]
+    assert done["status"] == "completed" and calls, done
+    assert all((x["name"], json.loads(x["arguments"])) == ("f", {}) for x in calls), calls

@@ -14,13 +14,17 @@ characters before it and after it do not meet.
 The same continue's grammar (a constrained output) reads the output's tokens first
 (`grammar_prefix`): those whose text is the output's text as shown. A stop string's tokens are in
 the history (the state read them) but not in the text, so the grammar reads none of them either,
-or it would go on from an output the client never sees.
+or it would go on from an output the client never sees. Their text is read as the runs'
+detokenizers read it: bytes that are not UTF-8 (free text before a tool call's trigger may hold
+any token) show as U+FFFD, and are spelled by the tokens that hold them.
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import Any
 
 from server.engine.types import EOS_TOKEN, TextLead
 from server.tasks.records import Task
@@ -66,14 +70,7 @@ def grammar_prefix(t: Task, token_bytes: TokenBytes | None) -> tuple[int, ...]:
     text = t.out.text
     if token_bytes is None or token_bytes(out).decode("utf-8", "replace") == text:
         return tuple(out)  # every token shows (the usual case: no stop string cut the output)
-    parts = [token_bytes((x,)) for x in out]
-    target = text.encode()
-    if text.endswith(REPLACEMENT):  # the first bytes of a character the output's end cut
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        utf8.decode(b"".join(parts[-TAIL_TOKENS:]))
-        if utf8.getstate()[0]:
-            target = text[: -len(REPLACEMENT)].encode() + utf8.getstate()[0]
-    taken = _spell(parts, target)
+    taken = _spell([token_bytes((x,)) for x in out], text)
     if taken is None:
         raise ValueError(
             "the output so far cannot be continued under its grammar: no run of its tokens spells "
@@ -84,25 +81,73 @@ def grammar_prefix(t: Task, token_bytes: TokenBytes | None) -> tuple[int, ...]:
     return tuple(out[i] for i in taken)
 
 
-def _spell(parts: Sequence[bytes], target: bytes) -> list[int] | None:
-    """The indices of `parts`, in order, whose concatenation is `target`, the others left out
-    (None: there are none). Depth first, a part that fits taken before it is left out; a
-    (part, position) that led nowhere is not tried again, so this is linear when the left-out
-    parts are only where the parts stop fitting (a stop string's tokens)."""
-    dead: set[tuple[int, int]] = set()
-    stack = [[0, 0, 0]]  # [part, bytes of target spelled, next branch: 0 take, 1 leave out, 2 none]
+def _spell(parts: Sequence[bytes], text: str) -> list[int] | None:
+    """The indices of `parts`, in order, whose bytes decode (UTF-8, each invalid sequence as one
+    U+FFFD, as the runs' detokenizers show them) to `text`, the others left out (None: there are
+    none). Decoded, not compared as bytes: a U+FFFD of the text is either its own three bytes or
+    bytes that are not UTF-8 (free text before a tool call's trigger may hold any token). The
+    first bytes of a character held where a part is left out show as one U+FFFD (the stop
+    string's bytes that came next are not its rest: its run showed them so), and so do those
+    held at the end (a run cut it: the output's last U+FFFD).
+
+    Depth first, a part that fits taken before it is left out; a (part, position, held bytes)
+    that led nowhere is not tried again, and none is tried whose parts left have fewer bytes than
+    its text left needs: the parts may leave out only their bytes beyond the text's (a stop
+    string's), so even a search that fails (a 422) tries about the parts times those bytes, not
+    the parts squared (seconds on the event loop for an output of 2,000 tokens)."""
+    utf8 = _Utf8(parts)
+    need = _fewest_bytes(text)
+    have = list(accumulate((len(b) for b in reversed(parts)), initial=0))[::-1]  # [i]: bytes of parts[i:]
+    dead: set[tuple[int, int, bytes]] = set()
+    # [part, characters of text spelled, bytes held, next branch: 0 take, 1 leave out, 2 none]
+    # (the text ends after the last part: a stop string's tokens at the end are left out too)
+    stack: list[list[Any]] = [[0, 0, b"", 0]]
     while stack:
         frame = stack[-1]
-        i, p, branch = frame
-        if p == len(target):
-            return [f[0] for f in stack[:-1] if f[2] == 1]  # (those after i left out)
-        if i == len(parts) or (i, p) in dead or branch == 2:
-            dead.add((i, p))
+        i, p, held, branch = frame
+        end = utf8.end(held)
+        if i == len(parts) and p + len(end) == len(text) and text.startswith(end, p):
+            return [f[0] for f in stack[:-1] if f[3] == 1]
+        if i == len(parts) or branch == 2 or (i, p, held) in dead or need[p] > len(held) + have[i]:
+            dead.add((i, p, held))
             stack.pop()
             continue
-        frame[2] = branch + 1
-        if branch == 0 and target.startswith(parts[i], p):
-            stack.append([i + 1, p + len(parts[i]), 0])
-        elif branch == 1:
-            stack.append([i + 1, p, 0])
+        frame[3] = branch + 1
+        # take part i (its bytes go on after those held), or leave it out (the held bytes end
+        # where its run's text ended)
+        shown, rest = utf8.part(i, held) if branch == 0 else (end, b"")
+        if text.startswith(shown, p):
+            stack.append([i + 1, p + len(shown), rest, 0])
     return None
+
+
+def _fewest_bytes(text: str) -> list[int]:
+    """[p]: the fewest bytes whose text is text[p:] (a U+FFFD may stand for one byte)."""
+    sizes = (1 if c == REPLACEMENT else len(c.encode()) for c in reversed(text))
+    return list(accumulate(sizes, initial=0))[::-1]
+
+
+class _Utf8:
+    """The text of parts after given held bytes, as an incremental UTF-8 decoder with
+    errors="replace" (the runs' detokenizers) reads them; a part after none held is read once."""
+
+    def __init__(self, parts: Sequence[bytes]) -> None:
+        self.parts = parts
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.fresh: dict[int, tuple[str, bytes]] = {}
+
+    def part(self, i: int, held: bytes) -> tuple[str, bytes]:
+        """(the text parts[i] completes after `held`, the bytes then held)."""
+        if held:
+            return self._read(held, self.parts[i])
+        if i not in self.fresh:
+            self.fresh[i] = self._read(b"", self.parts[i])
+        return self.fresh[i]
+
+    def end(self, held: bytes) -> str:
+        """The text of bytes held where a run ended: one U+FFFD (none held: none)."""
+        return self._read(held, b"", True)[0] if held else ""
+
+    def _read(self, held: bytes, data: bytes, final: bool = False) -> tuple[str, bytes]:
+        self.decoder.setstate((held, 0))
+        return self.decoder.decode(data, final), self.decoder.getstate()[0]

@@ -4,12 +4,12 @@ State accounting (the engine's contract, server/engine/engine.py): a finished se
 has consumed `input + token_ids - pending_tokens`; normally the last generated token is pending.
 A run therefore leaves `state_pos = len(tokens) - 1` and the next run feeds the last token first
 (which yields the logits to continue from). A stop token is neither emitted nor fed; we append
-EOS to the history so the same rule holds (a continue that fed that EOS and stopped at once
-keeps the old state, EOS still pending: no second EOS). A prefill-only run (max_tokens=0) holds
-the prompt's last token back for the same reason. Without a usable result state (error) the old
-state is kept and the next run re-feeds `tokens[state_pos:]`. A run that feeds more of the
-history than the pending token rebuilds a state that is missing (counters `rebuilds`,
-`rebuild_tokens`).
+EOS to the history so the same rule holds (a run without a prompt, a continue or a fork, that
+fed that EOS and stopped at once keeps the old state, EOS still pending: no second EOS). A
+prefill-only run (max_tokens=0) holds the prompt's last token back for the same reason. Without
+a usable result state (error) the old state is kept and the next run re-feeds
+`tokens[state_pos:]`. A run that feeds more of the history than the pending token rebuilds a
+state that is missing (counters `rebuilds`, `rebuild_tokens`).
 
 A persistent run is acknowledged only once its row is committed (a new task's row inserted, an
 existing task claimed in the database, server.tasks.persist); its pump runs meanwhile, and its
@@ -205,8 +205,16 @@ class Runs:
                 t.status = READY if queued else PREFILL
             # (nothing to feed: a prefill-only run whose state is current; it stays PREFILL, as
             # TaskTable.claim left it, until it settles: it waits for no slot)
+            after_eos = prompt_ids is None and n_hist > 0 and t.tokens[-1] == EOS_TOKEN
             run = Run(
-                pos=pos, n_input=len(inp), params=sp, key=key, handle=handle, t_submit=t_submit, recorder=recorder
+                pos=pos,
+                n_input=len(inp),
+                params=sp,
+                key=key,
+                handle=handle,
+                t_submit=t_submit,
+                recorder=recorder,
+                after_eos=after_eos,
             )
         except BaseException:
             self.persistence.release(key)
@@ -385,11 +393,11 @@ class Runs:
             return None
         covered = run.n_input + len(res.token_ids) - len(res.pending_tokens)
         if not res.pending_tokens and res.finish_reason == STOP and run.params.max_tokens > 0:
-            if not res.token_ids and len(t.tokens) > t.out_start and t.tokens[-1] == EOS_TOKEN:
-                # a continue without a prompt of an output a stop token had ended (its EOS lies
-                # in the output; a new prompt's output has no token yet) stopped at once: the
-                # task stays as it was, its state before that EOS, which stays pending (the new
-                # state read it, and a second EOS would have to follow it)
+            if not res.token_ids and run.after_eos:
+                # a run without a prompt of an output a stop token had ended (a continue of it,
+                # or a fork: its EOS is the history's last token, not a prompt's) stopped at once:
+                # the task stays as it was, its state before that EOS, which stays pending (the
+                # new state read it, and a second EOS would have to follow it)
                 return None
             # a stop token ended it (not emitted, not fed): EOS becomes the history's last,
             # pending token, so a continuation has something to feed (RWKV's separator)
