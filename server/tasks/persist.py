@@ -82,7 +82,8 @@ class SettleJob:
     pos: int
     """Tokens of the history the new state has consumed."""
     old_key: str | None
-    """The state it replaces in memory (dropped from the cache)."""
+    """The state the new one replaces in memory (dropped from the cache when it is the task's
+    own). None where there is no new state: the task's state stays current, and cached."""
     outcome: Outcome | None
     """Shown on the task after the commit (None: nothing to show)."""
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -374,7 +375,7 @@ class Persistence:
             if t.kind != TEMPLATE:
                 self.cache.unpin(key)
             key = None
-        if job.old_key and job.old_key != job.key and job.old_key.startswith(t.id + ":"):
+        if job.key is not None and job.old_key and job.old_key != job.key and job.old_key.startswith(t.id + ":"):
             self.cache.discard(job.old_key)
         if lost and not t.deleted:
             t.finish("interrupted", None)

@@ -356,8 +356,12 @@ class Runs:
         if covered is not None and res is not None and res.state is not None:
             state, new_key = res.state, f"{t.id}:{uuid.uuid4().hex[:12]}"  # else nothing was fed
         self.persistence.release(run.key)
-        old_key = t.state_id
+        # the state the new one replaces, to leave memory; None where the run made none (an
+        # error, a run that stopped at once, a prefill-only run with nothing to feed): t's
+        # state stays current and stays cached (the release above returned it to its LRU)
+        old_key: str | None = None
         if new_key is not None and state is not None and covered is not None:
+            old_key = t.state_id
             t.state_id, t.state_pos = new_key, run.pos + covered
             self._cache_new_state(t, new_key, state)
         else:
@@ -367,7 +371,7 @@ class Runs:
         t.gen_time = run.gen_base + res.gen_time if res is not None else t.generating()
         t.run, t.completion_tokens, t.updated_at = None, len(t.out), time.time()
         if t.kind == TMP:
-            if old_key and new_key and old_key != new_key and old_key.startswith(t.id + ":"):
+            if old_key and old_key != new_key and old_key.startswith(t.id + ":"):
                 self.cache.discard(old_key)
             t.instance = None
             t.finish(reason, error)
