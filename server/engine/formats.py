@@ -1,4 +1,4 @@
-"""Exact patterns for JSON-schema string `format`s: schema_checks.exact_formats compiles a format
+"""Exact patterns for JSON-schema string `format`s: schema_checks.rewrite_strings compiles a format
 of EXACT_FORMATS as its pattern (bounded by the string's minLength / maxLength: format_pattern).
 Each is a format whose xgrammar pattern lets through strings the format refuses, or that
 xgrammar ignores (any string); its pattern accepts exactly the format's strings or a documented
@@ -16,7 +16,10 @@ Two rules for these patterns, from xgrammar (0.2.9):
 
 from __future__ import annotations
 
-__all__ = ["EXACT_FORMATS"]
+import json
+import re
+
+__all__ = ["EXACT_FORMATS", "FORMAT_RULES", "FORMAT_WIDTHS", "SHARED_RULES", "format_pattern", "share_format_rules"]
 
 # --- dates and times (RFC 3339) ---------------------------------------------------------------
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
@@ -51,8 +54,9 @@ def _label(most: int) -> str:
     return rf"{c}({h}{{0,2}}{c}|{h}({c}{h}|-{c}){h}{{0,{most - 5}}}{c}){{0,1}}"
 
 
+_L63, _L61, _L30 = _label(63), _label(61), _label(30)
 # at most 253 characters: 1 to 4 labels of up to 63 (the fourth up to 61), or 5 to 8 of up to 30
-_HOSTNAME = rf"{_label(63)}(\.{_label(63)}){{0,2}}(\.{_label(61)}){{0,1}}|{_label(30)}(\.{_label(30)}){{4,7}}"
+_HOSTNAME = rf"{_L63}(\.{_L63}){{0,2}}(\.{_L61}){{0,1}}|{_L30}(\.{_L30}){{4,7}}"
 
 
 def _none_of(words: list[str], least: int, most: int) -> str:
@@ -76,8 +80,64 @@ _SPECIAL_USE = ["arpa", "invalid", "local", "localhost", "onion", "test"]  # RFC
 # 2 to 3 lower-case labels of up to 63 or 4 to 6 of up to 30, the last (the top-level domain) 2 to
 # 24 letters and no special-use name (pydantic's EmailStr, by email-validator, refuses those, a
 # domain without a dot and one whose last character is no letter): 243 characters at most (254)
-_DOMAIN = rf"(({_label(63)}\.){{1,2}}|({_label(30)}\.){{3,5}})({_none_of(_SPECIAL_USE, 2, 24)})"
-_EMAIL = rf"{_ATEXT}(\.?{_ATEXT}){{0,31}}@{_DOMAIN}"
+_LOCAL, _TLD = rf"{_ATEXT}(\.?{_ATEXT}){{0,31}}", _none_of(_SPECIAL_USE, 2, 24)
+_EMAIL = rf"{_LOCAL}@(({_L63}\.){{1,2}}|({_L30}\.){{3,5}})({_TLD})"
+
+
+# --- host names and e-mail addresses as shared rules (xgrammar's EBNF) ------------------------
+def _regex_rule(pattern: str, before: str) -> str:
+    """An EBNF rule body: `pattern` as the JSON-schema converter writes a `pattern` (over the
+    string's JSON text), which ends only before one of the characters `before` (a lookahead: the
+    library then settles at compile time the tokens that run past the rule's end; without it
+    each such token is checked at every step, ~250 us a step instead of ~6)."""
+    return f"Regex({json.dumps(f'^({pattern})$')}, json_string=true) (=[{before}])"
+
+
+SHARED_RULES = {
+    "fmt_label63": _regex_rule(_L63, '.\\"'),
+    "fmt_label61": _regex_rule(_L61, '\\"'),  # a host name's last label only
+    "fmt_label30": _regex_rule(_L30, '.\\"'),
+    "fmt_local": _regex_rule(_LOCAL, "@"),
+    "fmt_tld": _regex_rule(_TLD, '\\"'),
+    "fmt_hostname": 'fmt_label63 ("." fmt_label63){0,2} ("." fmt_label61)? | fmt_label30 ("." fmt_label30){4,7}',
+    "fmt_email": 'fmt_local "@" ((fmt_label63 "."){1,2} | (fmt_label30 "."){3,5}) fmt_tld',
+}
+"""_HOSTNAME and _EMAIL as EBNF rules whose labels are rules of their own, written once: the
+library builds the token masks of each state of a rule, and a regex writes out every copy of a
+label (_HOSTNAME: four of up to 63 characters, eight of up to 30), the rules each label once,
+shared by both formats (a third of the first compile: docs/agents.md, "String formats").
+Each lookahead holds wherever the JSON-schema converter puts the pattern (a JSON string's
+content: the closing quote follows), so the language is _HOSTNAME's and _EMAIL's, and so are the
+token masks (test_format_rules compares both, strings in and out at every bound)."""
+FORMAT_RULES = {"hostname": "fmt_hostname", "idn-hostname": "fmt_hostname", "email": "fmt_email",
+                "idn-email": "fmt_email"}  # fmt: skip
+"""The formats whose EXACT_FORMATS pattern is compiled as a rule of SHARED_RULES."""
+
+
+def share_format_rules(text: str, patterns: dict[str, str]) -> str | None:
+    """The JSON-schema converter's EBNF `text` with each rule whose body is one of `patterns`
+    (the converter's EBNF of each FORMAT_RULES pattern: the name of its rule) replaced by that
+    shared rule, the shared rules it needs added; None where nothing is replaced. A rule is
+    replaced only where every use of it is a JSON string's content ("\\"" name "\\"": the
+    closing quote follows, as the lookaheads assume), and none where a name of ours is taken."""
+    lines = text.splitlines()
+    if any(line.partition(" ::= ")[0] in SHARED_RULES for line in lines):
+        return None
+    todo = []
+    for i, line in enumerate(lines):
+        name, _, body = line.partition(" ::= ")
+        if body not in patterns:
+            continue
+        if len(re.findall(rf"(?<!\w){re.escape(name)}(?!\w)", text)) - 1 == text.count(f'"\\"" {name} "\\""'):
+            lines[i] = f"{name} ::= {patterns[body]}"
+            todo.append(patterns[body])
+    added: dict[str, str] = {}
+    while todo:  # the rules used and those they refer to
+        name = todo.pop()
+        added.setdefault(name, f"{name} ::= {SHARED_RULES[name]}")
+        todo += [n for n in SHARED_RULES if n not in added and re.search(rf"\b{n}\b", SHARED_RULES[name])]
+    return "\n".join(lines + sorted(added.values())) if added else None
+
 
 # --- URIs (RFC 3986) ---------------------------------------------------------------------------
 _PCT = "%[0-9A-Fa-f]{2}"

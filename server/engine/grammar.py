@@ -16,6 +16,7 @@ Module imports are light: xgrammar (which imports torch) loads on the first comp
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
+from .formats import EXACT_FORMATS, FORMAT_RULES, share_format_rules
 from .schema_checks import check_schema
 from .types import EOS_TOKEN, GrammarSpec
 
@@ -33,8 +35,9 @@ CACHE_SIZE = 128
 LIBRARY_CACHE_BYTES = 256 << 20
 """The library's own cache (LRU, bytes): its compiled grammars and, what this is for, the token
 masks of each rule, reused by every later grammar with the same rule. A format's pattern is one
-rule: the masks of `hostname` (~1 s of CPU on first compile) or `email` (~0.6 s) are built once
-per process, not once per schema that has such a field (docs/agents.md, "String formats")."""
+rule, or a few shared ones (json_schema_grammar): the masks of `hostname` (~0.3 s of CPU on first
+compile) or `email` (~0.3 s; 0.16 s after `hostname`, whose labels it shares) are built once per
+process, not once per schema that has such a field (docs/agents.md, "String formats")."""
 
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 
@@ -105,6 +108,8 @@ class GrammarCompiler:
         if kind == "any_of":
             return comp.compile_grammar(self._union(spec))
         try:
+            if kind == "json_schema" and _has_format_rules(src):
+                return comp.compile_grammar(json_schema_grammar(src))
             if kind == "json_schema":
                 return comp.compile_json_schema(src, any_whitespace=False, strict_mode=True)
             if kind == "json_object":
@@ -161,8 +166,7 @@ def _grammar(xgr: Any, spec: GrammarSpec) -> Any:
     GrammarCompiler._compile compiles the same kind."""
     kind, src = spec.kind, spec.source
     if kind in JSON_KINDS:
-        schema = src if kind == "json_schema" else '{"type": "object"}'
-        return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        return json_schema_grammar(src if kind == "json_schema" else '{"type": "object"}')
     if kind == "regex":
         return xgr.Grammar.from_regex(src)
     if kind == "lark":
@@ -170,6 +174,39 @@ def _grammar(xgr: Any, spec: GrammarSpec) -> Any:
     if kind == "ebnf":
         return xgr.Grammar.from_ebnf(src)
     return xgr.Grammar.from_structural_tag(src)
+
+
+def json_schema_grammar(source: str) -> Any:
+    """The library's Grammar of a checked JSON schema (check_schema), as compile_json_schema
+    writes it, with each host-name / e-mail pattern as its format's shared rules (formats.py,
+    SHARED_RULES: the same strings, a third of the first compile). That goes through the
+    converter's EBNF text; where the text does not read back as the same grammar, it stays."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False, strict_mode=True)
+    text = str(grammar) if _has_format_rules(source) else ""
+    shared = text and share_format_rules(text, _pattern_rules())
+    if not shared or str(xgr.Grammar.from_ebnf(text)) != text:
+        return grammar
+    return xgr.Grammar.from_ebnf(shared)
+
+
+def _has_format_rules(source: str) -> bool:
+    """Whether a checked schema's text has a pattern of formats.FORMAT_RULES."""
+    return any(json.dumps(EXACT_FORMATS[fmt]) in source for fmt in FORMAT_RULES)
+
+
+@functools.cache
+def _pattern_rules() -> dict[str, str]:
+    """{the converter's EBNF body of a FORMAT_RULES pattern: the name of the format's rule}."""
+    import xgrammar as xgr
+
+    out = {}
+    for fmt, rule in FORMAT_RULES.items():
+        schema = json.dumps({"type": "string", "pattern": EXACT_FORMATS[fmt]})
+        text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+        out.update({ln.partition(" ::= ")[2]: rule for ln in text.splitlines() if " ::= Regex(" in ln})
+    return out
 
 
 def _literal(text: str) -> str:

@@ -4,15 +4,16 @@ constrained decoder would silently ignore (an output could then fail the schema)
 ValueError "invalid json_schema grammar: ...", which the routes answer as a 400 invalid_schema.
 A format the library matches too loosely, or not at all, is compiled as its exact pattern
 instead (formats.EXACT_FORMATS), bounded by the string's minLength / maxLength where it has them
-(formats.format_pattern)."""
+(formats.format_pattern); so is a pattern beside them (pattern_lengths.bounded_pattern)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 from .formats import EXACT_FORMATS, FORMAT_WIDTHS, format_pattern
+from .pattern_lengths import bounded_pattern
 
 __all__ = ["DATA_KEYWORDS", "check_schema"]
 
@@ -57,7 +58,7 @@ def check_schema(source: str) -> str:
             on_path.add(r)
             stack.append((r, iter(refs(resolve(r)))))
     _check_enforced(schema)
-    return json.dumps(schema) if exact_formats(schema) else source
+    return json.dumps(schema) if rewrite_strings(schema) else source
 
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
@@ -89,12 +90,11 @@ def _schema_nodes(schema: Any) -> Iterator[tuple[dict[str, Any], str]]:
 def _check_enforced(schema: Any) -> None:
     """ValueError naming the first keyword (with its JSON pointer) that the constrained decoder
     would silently ignore, so that an output could fail the schema: `uniqueItems` (xgrammar
-    does not track the items), minLength / maxLength beside a `pattern` (it keeps the pattern and
-    drops the lengths) or beside a format whose strings they do not bound and whose pattern
-    cannot carry them (_length_issue), format "regex" (any string: a regex's syntax, with its
-    nested groups, is no regular language, so no pattern writes just them), and a pattern that
-    writes a quote or backslash itself (_raw_json_char). Refused rather than ignored: a client
-    relies on outputs that validate."""
+    does not track the items), minLength / maxLength beside a `pattern` or a format (it drops
+    them) where no pattern bounded by them is written (_length_issue), format "regex" (any
+    string: a regex's syntax, with its nested groups, is no regular language, so no pattern
+    writes just them), and a pattern that writes a quote or backslash itself (_raw_json_char).
+    Refused rather than ignored: a client relies on outputs that validate."""
     for node, at in _schema_nodes(schema):
         why = None
         if node.get("uniqueItems") is True:
@@ -156,36 +156,49 @@ def _lengths(node: dict[str, Any]) -> tuple[int, int | None] | None:
 
 
 def _length_issue(node: dict[str, Any]) -> str | None:
-    """Why the minLength / maxLength of `node` would go unenforced, or None: beside a pattern
-    always; beside a format of FORMAT_WIDTHS (the library drops them there) unless every string
-    of the format has such a length, or formats.format_pattern bounds its pattern by them.
-    Beside another format (an annotation to the library) they are enforced."""
-    if "pattern" in node:
-        return "minLength / maxLength beside a pattern are not enforced (bound the length in the pattern)"
-    fmt = node.get("format")
-    if not isinstance(fmt, str) or fmt not in FORMAT_WIDTHS:
+    """Why the minLength / maxLength of `node` would go unenforced, or None. The library drops
+    them beside a pattern and beside a format of FORMAT_WIDTHS; they are enforced there where
+    every string has such a length, or where the pattern (pattern_lengths.bounded_pattern) or
+    the format's pattern (formats.format_pattern) is bounded by them. Beside another format (an
+    annotation to the library) they are enforced as they are."""
+    fmt, pattern, bounds = node.get("format"), node.get("pattern"), _lengths(node)
+    if "pattern" in node and not isinstance(pattern, str):
+        return "a pattern must be a string"
+    if "pattern" in node and _known(fmt):
+        return f'minLength / maxLength beside a pattern and format "{fmt}" are not enforced (drop the format)'
+    if "pattern" not in node and not _known(fmt):
         return None
-    bounds = _lengths(node)
     if bounds is None:
-        return f'minLength / maxLength beside format "{fmt}" must be counts (non-negative integers)'
+        what = "a pattern" if "pattern" in node else f'format "{fmt}"'
+        return f"minLength / maxLength beside {what} must be counts (non-negative integers)"
     try:
-        format_pattern(fmt, *bounds)
+        bounded_pattern(pattern, *bounds) if isinstance(pattern, str) else format_pattern(str(fmt), *bounds)
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def exact_formats(schema: Any) -> bool:
+def _known(fmt: Any) -> TypeGuard[str]:
+    """Whether `fmt` is a format the library has a grammar of (FORMAT_WIDTHS)."""
+    return isinstance(fmt, str) and fmt in FORMAT_WIDTHS
+
+
+def rewrite_strings(schema: Any) -> bool:
     """Replace, in place, each `format` of EXACT_FORMATS (in a schema without its own pattern) by
-    its exact pattern (formats.py), bounded by the schema's minLength / maxLength (which go: the
-    pattern carries them, or every string of the format has such a length; _check_enforced
-    refused the others); True when a schema changed."""
+    its exact pattern (formats.py), bounded by the schema's minLength / maxLength, and bound a
+    pattern beside them (pattern_lengths.py). The lengths go: the pattern carries them, or every
+    string has such a length (_check_enforced refused the others). True when a schema changed."""
     changed = False
     for node, _ in _schema_nodes(schema):
         fmt, bounds = node.get("format"), _lengths(node)
-        if not isinstance(fmt, str) or fmt not in FORMAT_WIDTHS or "pattern" in node or bounds is None:
-            continue
         lengths = "minLength" in node or "maxLength" in node
+        if isinstance(node.get("pattern"), str) and lengths and bounds is not None and not _known(fmt):
+            node["pattern"] = bounded_pattern(node["pattern"], *bounds)
+            node.pop("minLength", None)
+            node.pop("maxLength", None)
+            changed = True
+        if not _known(fmt) or "pattern" in node or bounds is None:
+            continue
         if fmt in EXACT_FORMATS or lengths:
             pattern = format_pattern(fmt, *bounds)
             node.pop("minLength", None)
