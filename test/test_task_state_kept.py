@@ -1,18 +1,26 @@
 """A run that leaves its task's state current keeps that state in memory: a continue without a
 prompt of an output EOS ended (it reads the pending EOS and stops at once), a run that fails, a
-prefill-only run with nothing to feed. None of them makes a new state, so the next run starts from
-the cached one, with no database read (counter `db_state_loads`). A state a run truly replaced
-still leaves memory (nothing kept beyond the task's current state: the cache's bytes are its)."""
+prefill-only run with nothing to feed, a run stopped while it waits for a slot (the engine hands
+back a copy of its starting state: it fed nothing). None of them makes a new state, so the next
+run starts from the cached one, with no database read (counter `db_state_loads`). A state a run
+truly replaced still leaves memory (nothing kept beyond the task's current state: the cache's
+bytes are its)."""
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
-from task_fakes import FakeEngine, FakeShape, FakeTokenizer, consumed, counted_state
+from task_fakes import FakeEngine, FakeHandle, FakeShape, FakeTokenizer, consumed, counted_state
 from util_models import walk_checkpoint
 
 from server.config import Settings
+from server.engine.types import SamplingParams
 from server.tasks import TaskConfig, TaskManager
+from server.tasks.records import READY
 from server.tokenizer import get_tokenizer
 
 GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
@@ -155,5 +163,163 @@ async def test_a_tmp_task_that_fails_keeps_its_state_and_a_replaced_one_goes(tmp
         assert eng.submissions[-1].init_state is not None and t.state_id != kept
         only_current(tm, t)
         assert tm.stats()["tiers"]["tmp"]["bytes"] == ONE
+    finally:
+        await tm.close()
+
+
+# --- a run that feeds nothing (stopped while it waits for a slot) ------------------------------
+# The engine's contract: a sequence aborted before it was fed returns a copy of its starting
+# state (all its input pending): covered == 0, the same state. The task keeps the one it has:
+# no new key, no write of that copy, its state_pos as it was, and that state stays in memory.
+class Full:
+    """Every slot of the engine taken by a sequence that runs until it is aborted."""
+
+    def __init__(self, eng) -> None:
+        self.eng, self.handles = eng, []
+
+    async def __aenter__(self) -> Full:
+        sp = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+        self.handles = [self.eng.submit([1, 2], sp) for _ in range(self.eng.max_batch)]
+        for _ in range(6000):
+            if self.eng.stats().running == self.eng.max_batch:
+                return self
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"the engine runs {self.eng.stats().running} sequences")
+
+    async def __aexit__(self, *exc) -> None:
+        for h in self.handles:
+            h.abort()
+        for h in self.handles:
+            await h.wait()
+
+
+async def stopped_waiting(tm: TaskManager, eng, start) -> Any:
+    """The task `start()` starts, stopped while it waits for a slot (status READY)."""
+    async with Full(eng):
+        t = await start()
+        assert t.status == READY  # it waits for a slot: the engine fed it nothing
+        await tm.stop(t.id)
+        await tm.wait(t.id, timeout=60)
+    assert (t.finish_reason, t.prompt_tokens > 0, t.completion_tokens) == ("stopped", True, 0)
+    await tm.flush()
+    return t
+
+
+async def test_a_run_stopped_while_it_waits_for_a_slot_keeps_the_state(tm_walk, walk):
+    tm, eng = tm_walk, walk[2]
+    t = await tm.wait((await tm.create("x", GREEDY, persistent=True)).id, timeout=60)
+    await tm.flush()
+    kept, writes, n = (t.state_id, t.state_pos), tm.counters["state_writes"], len(t.tokens)
+    await stopped_waiting(tm, eng, lambda: tm.continue_(t.id, {"max_tokens": 4}, "x"))
+    assert tm.counters["state_writes"] == writes  # no copy of the same state written
+    assert (t.state_id, t.state_pos) == kept and len(t.tokens) == n + 1  # the prompt joined the history
+    assert t.stored_id == kept[0]  # the row names it still
+    only_current(tm, t)
+    loads = tm.counters["db_state_loads"]
+    await tm.wait((await tm.continue_(t.id, {"max_tokens": 1}, "x")).id, timeout=60)
+    # from the kept state, in memory: the pending EOS, the stopped run's "x" and this one's
+    assert (t.out.text, t.prompt_tokens, tm.counters["db_state_loads"]) == ("hi", 3, loads)
+    await tm.flush()
+    only_current(tm, t)
+
+
+async def test_a_fork_stopped_while_it_waits_for_a_slot_names_its_sources_state(tm_walk, walk):
+    tm, eng = tm_walk, walk[2]
+    src = await tm.wait((await tm.create("x", GREEDY, persistent=True)).id, timeout=60)
+    await tm.flush()
+    writes = tm.counters["state_writes"]
+    f = await stopped_waiting(tm, eng, lambda: tm.fork(src.id, {"max_tokens": 4}, "x"))
+    # as a fork that stops at once: its state is its source's (shared, and stored)
+    assert (f.state_id, f.state_pos, f.stored_id) == (src.state_id, src.state_pos, src.stored_id)
+    assert tm.counters["state_writes"] == writes
+    only_current(tm, src)
+    loads = tm.counters["db_state_loads"]
+    await tm.wait((await tm.continue_(f.id, {"max_tokens": 1}, "x")).id, timeout=60)
+    assert (f.out.text, f.prompt_tokens, tm.counters["db_state_loads"]) == ("hi", 3, loads)
+    await tm.flush()
+    only_current(tm, src, f)
+
+
+async def test_a_new_task_stopped_while_it_waits_for_a_slot_has_no_state(tm_walk, walk):
+    tm, eng = tm_walk, walk[2]
+    writes = tm.counters["state_writes"]
+    t = await stopped_waiting(tm, eng, lambda: tm.create("x", {**GREEDY, "max_tokens": 4}, persistent=True))
+    # nothing fed: no state to keep (not a copy of the zero state, written under a key)
+    assert (t.state_id, t.state_pos, t.stored_id) == (None, 0, None)
+    assert tm.counters["state_writes"] == writes
+    only_current(tm)
+    await tm.wait((await tm.continue_(t.id, {"max_tokens": 1})).id, timeout=60)
+    assert (t.out.text, t.prompt_tokens) == ("hi", 1)  # fed from zero
+    await tm.flush()
+    only_current(tm, t)
+
+
+# --- the scripted engine: a run aborted while it waits feeds `fed` of its tokens ---------------
+class QueuedHandle(FakeHandle):
+    def _finish(self) -> None:
+        super()._finish()
+        res = self._result
+        if self.aborted and not self.tokens and res is not None:  # aborted before its first token
+            fed = min(self.engine.fed, len(self.sub.prompt))
+            base = consumed(self.sub.init_state) if self.sub.init_state is not None else 0
+            res.pending_tokens, res.state = self.sub.prompt[fed:], counted_state(base + fed)
+
+
+@dataclass
+class QueuedEngine(FakeEngine):
+    fed: int = 0
+    """Tokens of its input a run aborted before its first token had fed (the engine's contract:
+    the rest are pending; 0: it waited for a slot, its state is a copy of its starting one)."""
+
+    def submit(self, prompt, params=None, **kw) -> FakeHandle:
+        super().submit(prompt, params, **kw)
+        self.handles[-1] = QueuedHandle(self, self.submissions[-1])
+        return self.handles[-1]
+
+
+async def stopped_before_its_first_token(tm: TaskManager, eng: QueuedEngine, t, fed: int) -> None:
+    eng.gate, eng.fed = asyncio.Event(), fed  # runs wait until stopped
+    await tm.continue_(t.id, {"max_tokens": 3}, "ab")
+    await tm.stop(t.id)
+    await tm.wait(t.id, timeout=10)
+    eng.gate, eng.fed = None, 0
+    await tm.flush()
+    assert t.finish_reason == "stopped" and t.completion_tokens == 0
+
+
+@pytest.mark.parametrize("tmp", [False, True])
+async def test_a_run_that_fed_nothing_keeps_the_state(tmp_path, tmp):
+    eng = QueuedEngine()
+    tm = await manager(eng, tmp_path / "q.db")
+    try:
+        t = await tm.wait((await tm.create("p", persistent=not tmp)).id, timeout=10)
+        await tm.flush()
+        kept, writes = (t.state_id, t.state_pos), tm.counters["state_writes"]
+        await stopped_before_its_first_token(tm, eng, t, 0)
+        assert (t.state_id, t.state_pos) == kept and tm.counters["state_writes"] == writes
+        only_current(tm, t)
+        await tm.wait((await tm.continue_(t.id)).id, timeout=10)
+        sub = eng.submissions[-1]
+        assert sub.init_state is not None and consumed(sub.init_state) == kept[1] and len(sub.prompt) == 3
+        assert tm.counters["db_state_loads"] == 0
+        await tm.flush()
+        only_current(tm, t)
+    finally:
+        await tm.close()
+
+
+@pytest.mark.parametrize("tmp", [False, True])
+async def test_a_run_that_fed_one_token_saves_its_state(tmp_path, tmp):
+    eng = QueuedEngine()
+    tm = await manager(eng, tmp_path / "q1.db")
+    try:
+        t = await tm.wait((await tm.create("p", persistent=not tmp)).id, timeout=10)
+        await tm.flush()
+        old, pos, writes = t.state_id, t.state_pos, tm.counters["state_writes"]
+        await stopped_before_its_first_token(tm, eng, t, 1)
+        assert t.state_id != old and t.state_pos == pos + 1
+        assert consumed(tm.cache.get(t.state_id)) == t.state_pos
+        assert tm.counters["state_writes"] == writes + (0 if tmp else 1)
+        only_current(tm, t)
     finally:
         await tm.close()

@@ -7,9 +7,13 @@ A run therefore leaves `state_pos = len(tokens) - 1` and the next run feeds the 
 EOS to the history so the same rule holds (a run without a prompt, a continue or a fork, that
 fed that EOS and stopped at once keeps the old state, EOS still pending: no second EOS). A
 prefill-only run (max_tokens=0) holds the prompt's last token back for the same reason. Without
-a usable result state (error) the old state is kept and the next run re-feeds
-`tokens[state_pos:]`. A run that feeds more of the history than the pending token rebuilds a
-state that is missing (counters `rebuilds`, `rebuild_tokens`).
+a usable result state (error), or when the run fed nothing (stopped while it waited for a slot:
+the engine returns a copy of the starting state, its whole input pending), the old state is kept
+(no new key, no write) and the next run re-feeds `tokens[state_pos:]`. A run that feeds more
+of the history than the pending token rebuilds a state that is missing (counters `rebuilds`,
+`rebuild_tokens`). A run that settles after its task was deleted (the delete waits for it at
+most STOPPING_WAIT_S) leaves no state, cached or written (a TMP task's: _settle; a persistent
+one's: Persistence._settled, as the delete may still fail and leave the task as it was).
 
 A persistent run is acknowledged only once its row is committed (a new task's row inserted, an
 existing task claimed in the database, server.tasks.persist); its pump runs meanwhile, and its
@@ -353,14 +357,19 @@ class Runs:
         covered = None if error else self._covered(t, run, res)
         new_key: str | None = None
         state: State | None = None
-        if covered is not None and res is not None and res.state is not None:
-            state, new_key = res.state, f"{t.id}:{uuid.uuid4().hex[:12]}"  # else nothing was fed
+        # a new state only where the run fed something. One that fed nothing (stopped while it
+        # waited for a slot: all its input pending) returns a copy of the state it started from,
+        # which t's pointer already leads to (its own state, a fork's source's, else the base or
+        # zero state its next run resolves again): not cached, not written again. Nor for a
+        # deleted TMP task (a delete that stopped waiting for this settle has forgotten t's states)
+        if covered and res is not None and res.state is not None and not (t.kind == TMP and t.deleted):
+            state, new_key = res.state, f"{t.id}:{uuid.uuid4().hex[:12]}"
         self.persistence.release(run.key)
         # the state the new one replaces, to leave memory; None where the run made none (an
-        # error, a run that stopped at once, a prefill-only run with nothing to feed): t's
-        # state stays current and stays cached (the release above returned it to its LRU)
+        # error, a run that stopped at once or fed nothing, a prefill-only run with nothing to
+        # feed): t's state stays current and stays cached (the release above returned it to its LRU)
         old_key: str | None = None
-        if new_key is not None and state is not None and covered is not None:
+        if new_key is not None and state is not None and covered:
             old_key = t.state_id
             t.state_id, t.state_pos = new_key, run.pos + covered
             self._cache_new_state(t, new_key, state)
