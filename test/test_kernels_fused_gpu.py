@@ -281,7 +281,8 @@ def test_add_ln_mix_scales_a_scaled_product_as_its_twin(B, Cn, dtype, K):
 def test_add_ln_mix_reads_the_mix_rows_late_only_where_that_saves_a_wave():
     """2.9B's rows (C = 2,560, fp16): two blocks per SM fit with the mix rows held in registers,
     three without. At 4 * SMs - 8 rows both kernels take two waves (the held rows win); at 6 * SMs
-    the held kernel takes three and the lean one two. The kernel's name says which ran."""
+    the held kernel takes three and the lean one two. The kernel's name says which ran (its last
+    template arguments 0, 0: no planes quantized, fused_add_ln_mix_q's variants)."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = torch.device("cuda")
@@ -298,7 +299,7 @@ def test_add_ln_mix_reads_the_mix_rows_late_only_where_that_saves_a_wave():
             cuda_ops.add_ln_mix(x, dx, ln_w, ln_b, mix, shift)
             torch.cuda.synchronize(dev)
         names = {e.name for e in prof.events() if "add_ln_mix" in e.name}
-        assert names == {f"void wkv7::add_ln_mix_v2_kernel<__half, {hold}>(wkv7::LnArgs)"}, (B, names)
+        assert names == {f"void wkv7::add_ln_mix_v2_kernel<__half, {hold}, 0, 0>(wkv7::LnArgs)"}, (B, names)
 
 
 @pytest.mark.gpu
