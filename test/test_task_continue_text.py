@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from util_models import silence_blocks
 from util_server import running_server, task_result
 
 from server.model.synthetic import synthetic_state_dict
@@ -30,13 +31,7 @@ def parrot_checkpoint(path) -> str:
         emb[t] = 0.0
         emb[t, d] = 1.0
     sd["emb.weight"] = emb
-    for k in sd:
-        if k.endswith(("att.output.weight", "ffn.value.weight")):
-            sd[k] = torch.zeros_like(sd[k])
-        elif k.endswith(("ln0.weight", "ln_out.weight")):
-            sd[k] = torch.ones_like(sd[k])
-        elif k.endswith(("ln0.bias", "ln_out.bias")):
-            sd[k] = torch.zeros_like(sd[k])
+    silence_blocks(sd)
     head = torch.zeros_like(sd["head.weight"])
     head[b, 0], head[c, 1], head[a, 2], head[a, 3] = 10.0, 10.0, 10.0, 10.0
     sd["head.weight"] = head

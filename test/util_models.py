@@ -30,6 +30,15 @@ def walk_checkpoint(path, walk: Sequence[int]) -> str:
         emb[t, d] = 1.0
         head[walk[min(d, len(walk) - 1)], d] = 10.0
     sd["emb.weight"], sd["head.weight"] = emb, head
+    silence_blocks(sd)
+    torch.save(sd, path)
+    return str(path)
+
+
+def silence_blocks(sd: dict[str, torch.Tensor]) -> None:
+    """The blocks of a state dict add nothing to the residual (zero output projections), and ln0
+    and ln_out have weight 1 and bias 0: the head reads the normalized embedding of the last
+    token alone."""
     for k in sd:
         if k.endswith(("att.output.weight", "ffn.value.weight")):
             sd[k] = torch.zeros_like(sd[k])
@@ -37,5 +46,3 @@ def walk_checkpoint(path, walk: Sequence[int]) -> str:
             sd[k] = torch.ones_like(sd[k])
         elif k.endswith(("ln0.bias", "ln_out.bias")):
             sd[k] = torch.zeros_like(sd[k])
-    torch.save(sd, path)
-    return str(path)
