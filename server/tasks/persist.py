@@ -367,15 +367,17 @@ class Persistence:
     def _settled(self, job: SettleJob, *, lost: bool, stored: bool = True) -> None:
         """After a settle commit (or a failure that ends it): show the task finished, hand its
         new state to the lane. `lost`: the row was gone or taken over by another instance
-        (this instance's lease had expired): the task shows interrupted and is read again. A
-        deleted task's new state is forgotten: neither written nor left in the cache."""
+        (this instance's lease had expired): the task shows interrupted and is read again. The
+        new state of a deleted or lost task is forgotten: neither written nor left in the cache."""
         t, key = job.task, job.key
         t.pending_writes -= 1
         t.instance = None
         if key is not None and (lost or t.deleted or job.state is None):
-            if t.deleted:
-                self.cache.discard(key)  # not back to an LRU: no task names it (the delete may
-                # have forgotten t's states before this run settled: STOPPING_WAIT_S)
+            if lost or t.deleted:
+                # not back to an LRU: no task names it (a lost task is forgotten here and read
+                # again from its row; a delete may have forgotten t's states before this run
+                # settled: STOPPING_WAIT_S)
+                self.cache.discard(key)
             if t.kind != TEMPLATE:
                 self.cache.unpin(key)
             key = None
