@@ -1,6 +1,6 @@
 """A fork without a prompt of an output a stop token ended reads the source's pending EOS first; a
 fork whose run then meets a stop token at once adds no second EOS: its history and state are
-its source's (EOS still pending), as a continue's are (server.tasks.runs.Runs._covered). A real
+its source's (EOS still pending), as a continue's are (server.tasks.settle._covered). A real
 server on a model whose greedy output is "hi", then EOS, and EOS after every EOS
 (util_models.walk_checkpoint)."""
 

@@ -7,8 +7,8 @@ A facade composed of collaborators, each given what it needs at construction:
     Writer       the background database writer (group commits)
     Persistence  state loading and rebuilds, writer jobs, states written behind, the database
                  budget  (store, writer, cache, table)
-    Runs         engine submissions: claim, start, pump, settle, abort  (engine, table,
-                 persistence, cache)
+    Runs         engine submissions: claim, start, pump, abort; the settle by its Settler
+                 (settle.py)  (engine, table, persistence, cache)
     Inventory    list, stats, the TMP_ janitor  (table, store, cache)
     Lease        this server's instance row and heartbeat among replicas  (store)
     Access       which tasks a caller may see, and under which id  (below)

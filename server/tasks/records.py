@@ -112,7 +112,7 @@ class Run:
     """gen_time of earlier runs of the same output."""
     after_eos: bool = False
     """No prompt, and the history's last token is EOS (a continue or a fork of an output a stop
-    token ended): the run's input ends with that EOS (Runs._covered)."""
+    token ended): the run's input ends with that EOS (settle._covered)."""
     n_out: int = 0
     saved_out: int = 0
     """n_out in the last progress row written."""

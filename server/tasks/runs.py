@@ -1,29 +1,21 @@
-"""Runs: one engine submission of a task, from claim to settle.
+"""Runs: one engine submission of a task, from claim to the end of its events; the finished
+run is settled by server.tasks.settle (the state the task keeps, its final row).
 
-State accounting (the engine's contract, server/engine/engine.py): a finished sequence's state
-has consumed `input + token_ids - pending_tokens`; normally the last generated token is pending.
-A run therefore leaves `state_pos = len(tokens) - 1` and the next run feeds the last token first
-(which yields the logits to continue from). A stop token is neither emitted nor fed; we append
-EOS to the history so the same rule holds (a run without a prompt, a continue or a fork, that
-fed that EOS and stopped at once keeps the old state, EOS still pending: no second EOS). A
-prefill-only run (max_tokens=0) holds the prompt's last token back for the same reason. Without
-a usable result state (error), or when the run fed nothing (stopped while it waited for a slot:
-the engine returns a copy of the starting state, its whole input pending), the old state is kept
-(no new key, no write) and the next run re-feeds `tokens[state_pos:]`. A run that feeds more
-of the history than the pending token rebuilds a state that is missing (counters `rebuilds`,
-`rebuild_tokens`). A run that settles after its task was deleted (the delete waits for it at
-most STOPPING_WAIT_S) leaves no state, cached or written (a TMP task's: _settle; a persistent
-one's: Persistence._settled, as the delete may still fail and leave the task as it was).
+What a run feeds (the engine's contract, server/engine/engine.py): a finished sequence's state
+has consumed `input + token_ids - pending_tokens`, normally all but the last token of the
+history (settle.py), so a run feeds `tokens[state_pos:]`, the pending token first (which yields
+the logits to continue from). A prefill-only run (max_tokens=0) holds the prompt's last token
+back for the same reason. A run that feeds more of the history than the pending token rebuilds
+a state that is missing (counters `rebuilds`, `rebuild_tokens`).
 
 A persistent run is acknowledged only once its row is committed (a new task's row inserted, an
 existing task claimed in the database, server.tasks.persist); its pump runs meanwhile, and its
 settle waits for that commit. If the commit fails, the sequence is aborted and the task is left
 exactly as it was (the output the pump took meanwhile removed).
 
-A run's whole life (start, pump, settle, abort) is kept in this one module. The pump's per-batch
-work (`_on_batch`) runs on the event loop once per engine step per task: it appends, counts and
-wakes the stream readers, nothing more. A stopped run's engine finish reason "abort" shows as
-"stopped" (`_reason`; "interrupted" when a shutdown ended it).
+A run's life (start, pump, abort) is kept in this one module, its settle in settle.py. The
+pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task: it
+appends, counts and wakes the stream readers, nothing more.
 """
 
 from __future__ import annotations
@@ -31,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -40,25 +31,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from server.engine.protocol import EngineAPI
-from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Event, Result, SamplingParams
+from server.engine.types import EOS_TOKEN, Event, Result, SamplingParams
 from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory
 from server.tasks.lead import continued, grammar_prefix
 from server.tasks.params import sampling_params
-from server.tasks.persist import Outcome, SettleJob
-from server.tasks.records import (
-    FINISHED,
-    PREFILL,
-    READY,
-    RUNNING,
-    TEMPLATE,
-    TMP,
-    Output,
-    Run,
-    Task,
-    display_id,
-    update_row,
-)
+from server.tasks.records import PREFILL, READY, RUNNING, TMP, Output, Run, Task, display_id
+from server.tasks.settle import SettlePersistence, Settler
 from server.tasks.table import Snapshot, TaskTable
 
 if TYPE_CHECKING:
@@ -70,16 +49,13 @@ log = logging.getLogger("server.tasks")
 PROGRESS_INTERVAL = 1.0  # seconds between the progress writes of the running persistent tasks
 
 
-class RunPersistence(Protocol):
-    """What runs need of the persistence (server.tasks.persist.Persistence)."""
+class RunPersistence(SettlePersistence, Protocol):
+    """What runs need of the persistence (server.tasks.persist.Persistence): these, and what
+    their settles need (SettlePersistence: release, queue_settled)."""
 
     async def resolve_state(self, t: Task, holder: str | None = None) -> tuple[State | None, int, str | None]: ...
 
-    def release(self, key: str | None) -> None: ...
-
     async def save_started(self, t: Task, new: bool) -> asyncio.Future[Any]: ...
-
-    async def queue_settled(self, job: SettleJob) -> asyncio.Future[None]: ...
 
     def offer_progress(self) -> None: ...
 
@@ -99,7 +75,8 @@ class Runs:
         instance: str | None = None,
         token_bytes: Callable[[Sequence[int]], bytes] | None = None,
     ) -> None:
-        self.engine, self.table, self.persistence, self.cache = engine, table, persistence, cache
+        self.engine, self.table, self.persistence = engine, table, persistence
+        self.settler = Settler(persistence, cache)  # (the cache: where a run's new state goes)
         self.token_bytes = token_bytes
         """The tokenizer's bytes of ids, for where a continue picks up its output's text (lead.py;
         None: every run's text starts afresh)."""
@@ -316,7 +293,7 @@ class Runs:
                 if run.undo is not None:
                     run.undo()
         if not run.discarded:
-            await self._settle(t, run, res, error)
+            await self.settler.settle(t, run, res, error)
 
     def _on_batch(self, t: Task, run: Run, batch: list[Event]) -> None:
         if run.discarded:
@@ -346,85 +323,6 @@ class Runs:
         if n and not ev.finished and t.status in (PREFILL, READY):
             t.status = RUNNING
 
-    # --- settle --------------------------------------------------------------------------------
-    async def _settle(self, t: Task, run: Run, res: Result | None, error: str | None) -> None:
-        """Record the run's outcome. A persistent task shows as finished only once its final
-        row is committed (a client that saw `finished` can rely on it); its new state is
-        written behind (server.tasks.persist)."""
-        if res is not None and res.finish_reason == ERROR:
-            error = res.error or "generation failed"
-        reason = _reason(t, res, error)
-        covered = None if error else self._covered(t, run, res)
-        new_key: str | None = None
-        state: State | None = None
-        # a new state only where the run fed something. One that fed nothing (stopped while it
-        # waited for a slot: all its input pending) returns a copy of the state it started from,
-        # which t's pointer already leads to (its own state, a fork's source's, else the base or
-        # zero state its next run resolves again): not cached, not written again. Nor for a
-        # deleted TMP task (a delete that stopped waiting for this settle has forgotten t's states)
-        if covered and res is not None and res.state is not None and not (t.kind == TMP and t.deleted):
-            state, new_key = res.state, f"{t.id}:{uuid.uuid4().hex[:12]}"
-        self.persistence.release(run.key)
-        # the state the new one replaces, to leave memory; None where the run made none (an
-        # error, a run that stopped at once or fed nothing, a prefill-only run with nothing to
-        # feed): t's state stays current and stays cached (the release above returned it to its LRU)
-        old_key: str | None = None
-        if new_key is not None and state is not None and covered:
-            old_key = t.state_id
-            t.state_id, t.state_pos = new_key, run.pos + covered
-            self._cache_new_state(t, new_key, state)
-        else:
-            new_key = state = None
-        # (prefill_time was set by the output's first token, if any: _on_event); without a result
-        # (an error, an interruption) the time it generated until then
-        t.gen_time = run.gen_base + res.gen_time if res is not None else t.generating()
-        t.run, t.completion_tokens, t.updated_at = None, len(t.out), time.time()
-        if t.kind == TMP:
-            if old_key and old_key != new_key and old_key.startswith(t.id + ":"):
-                self.cache.discard(old_key)
-            t.instance = None
-            t.finish(reason, error)
-            return
-        row = update_row(t)
-        row.update(status=FINISHED, finish_reason=reason, instance=None)
-        t.pending_writes += 1
-        t.saved = await self.persistence.queue_settled(
-            SettleJob(t, row, new_key, state, t.state_pos, old_key, Outcome(reason, error))
-        )
-
-    def _covered(self, t: Task, run: Run, res: Result | None) -> int | None:
-        """Tokens of the run (input + output) the returned state has consumed, by the engine's
-        contract: state + res.pending_tokens == input + res.token_ids (None: no state to keep)."""
-        if res is None:
-            return 0 if run.handle is None else None
-        if res.state is None:
-            return None
-        if run.n_out != len(res.token_ids):
-            log.warning(
-                "task %s: %d tokens streamed but the result has %d; state dropped", t.id, run.n_out, len(res.token_ids)
-            )
-            return None
-        covered = run.n_input + len(res.token_ids) - len(res.pending_tokens)
-        if not res.pending_tokens and res.finish_reason == STOP and run.params.max_tokens > 0:
-            if not res.token_ids and run.after_eos:
-                # a run without a prompt of an output a stop token had ended (a continue of it,
-                # or a fork: its EOS is the history's last token, not a prompt's) stopped at once:
-                # the task stays as it was, its state before that EOS, which stays pending (the
-                # new state read it, and a second EOS would have to follow it)
-                return None
-            # a stop token ended it (not emitted, not fed): EOS becomes the history's last,
-            # pending token, so a continuation has something to feed (RWKV's separator)
-            t.tokens.append(EOS_TOKEN)
-        return covered
-
-    def _cache_new_state(self, t: Task, key: str, state: State) -> None:
-        if t.kind == TEMPLATE:
-            self.cache.put(key, state, template=True)
-        elif t.kind == TMP:
-            self.cache.put(key, state, tmp=True)
-        else:
-            self.cache.pin(key, state)  # until written behind (or dropped: Persistence unpins)
-
     # --- stop ----------------------------------------------------------------------------------
     def abort(self, t: Task) -> None:
         """Abort t's engine run (it settles with finish_reason "stopped", or "interrupted")."""
@@ -447,18 +345,3 @@ class Runs:
             for p in late:
                 p.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-
-
-def _reason(t: Task, res: Result | None, error: str | None) -> str:
-    """The finish reason a run's outcome shows as."""
-    if error == "interrupted":
-        reason = "interrupted"
-    elif error is not None:
-        reason = "error"
-    elif res is None:
-        reason = LENGTH  # prefill-only run with nothing to feed
-    else:
-        reason = "stopped" if res.finish_reason == ABORT else res.finish_reason
-    if t.interrupted and reason in ("stopped", "error"):
-        reason, t.interrupted = "interrupted", False
-    return reason
