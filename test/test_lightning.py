@@ -109,6 +109,18 @@ def test_translate_answers_in_text_list_order(c):
     assert r.json()["translations"][0]["detected_source_lang"] == "ja"
 
 
+def test_translate_names_the_languages_lightning_names(c):
+    # lightning names eight codes in its prompt (zh-CN, zh-TW, en, ja, fr, de, es, ru) and writes any
+    # other code as given: the same request makes the same prompt, so the same greedy answer
+    plain = {"max_tokens": 4, "alpha_presence": 0, "alpha_frequency": 0, **GREEDY}
+    for src, tgt, prompt in (("it", "ko", "it: Hello\n\nko:"), ("pt", "ar", "pt: Hello\n\nar:"),
+                             ("vi", "th", "vi: Hello\n\nth:"), ("ru", "fr", "Russian: Hello\n\nFrench:")):
+        r = c.post("/translate/v1/batch-translate", json={"source_lang": src, "target_lang": tgt,
+                                                          "text_list": ["Hello"], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["translations"][0]["text"] == one(c, prompt, **plain).strip(), (src, tgt)
+
+
 def test_big_batch_always_streams(c):
     prompts = [f"Item {i}:" for i in range(20)]
     events = sse(c.post("/big_batch/completions", json={"contents": prompts, "max_tokens": 4, "stream": False,
@@ -167,7 +179,10 @@ def test_use_prefix_cache_takes_the_system_block_from_the_chat_prefix_cache(c):
 
 
 def test_openai_style_models_and_empty_prompt(c):
-    assert c.get("/openai/v1/models").json() == c.get("/v1/models").json()
+    # lightning's card (its document: owned_by is always "rwkv_lightning"), our model's id
+    model_id = c.get("/v1/models").json()["data"][0]["id"]
+    assert c.get("/openai/v1/models").json() == {
+        "object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "rwkv_lightning"}]}
     r = c.post("/openai/v1/chat/completions", json={"messages": [{"role": "user", "content": "  \n "}]})
     assert r.status_code == 400 and r.json() == {"error": "Empty prompt"}
 

@@ -56,6 +56,20 @@ def test_flushes_send_every_chunk_size_tokens_and_at_the_end():
     assert f.text == ["", ""]
 
 
+def test_a_flush_waits_for_text_as_on_lightning():
+    # lightning flushes a prompt once chunk_size tokens came since its last flush AND it holds text:
+    # tokens whose text is held back (a split UTF-8 character, a possible stop string) flush nothing
+    # and do not restart the count (its `chunk_token_counts[i] >= chunk_size and text_buffers[i]`)
+    f = Flushes(1, chunk_size=2)
+    job = Job(index=0, handle=None, prompt_tokens=1)  # type: ignore[arg-type]
+    sent = []
+    for n, text in enumerate(["", "", "a", "b", "c"], start=1):
+        job.completion_tokens = n
+        job.finish_reason = "length" if n == 5 else None
+        sent.append(f.add(job, [Event(text=text, token_ids=[n], n_tokens=n)]))
+    assert sent == [None, None, "a", None, "bc"]
+
+
 async def test_a_stream_ended_early_sends_the_text_it_held_first():
     jobs = [Job(index=i, handle=None, prompt_tokens=1) for i in range(3)]  # type: ignore[arg-type]
     r = native_renderer(jobs, chunk_size=10**9)

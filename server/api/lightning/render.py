@@ -54,7 +54,9 @@ def native_chunk(index: int, text: str) -> bytes:
 
 class Flushes:
     """Each choice's text not yet sent, sent once `chunk_size` tokens came since its last flush
-    (or at its end)."""
+    (or at its end) and there is text to send: lightning's rule. Tokens whose text is held back
+    (a split UTF-8 character, a possible stop string) send nothing and do not restart the count,
+    so the text they held goes out with the next token that brings text."""
 
     def __init__(self, n: int, chunk_size: int) -> None:
         self.chunk_size = chunk_size
@@ -65,7 +67,8 @@ class Flushes:
         """The text to send now for this batch of the job's events (recorded already), or None."""
         i = job.index
         self.text[i] += batch[0].text if len(batch) == 1 else "".join(ev.text for ev in batch)
-        if job.finish_reason is None and job.completion_tokens - self.sent_at[i] < self.chunk_size:
+        due = job.finish_reason is not None or job.completion_tokens - self.sent_at[i] >= self.chunk_size
+        if not (due and self.text[i]):
             return None
         out, self.text[i], self.sent_at[i] = self.text[i], "", job.completion_tokens
         return out

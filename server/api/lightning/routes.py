@@ -24,10 +24,9 @@ from server.api.lightning.schemas import (
     limits,
     sampling_params,
 )
-from server.api.openai import routes as openai_routes
 from server.api.openai import start as openai_start
 from server.api.openai.render import Meta
-from server.api.services import get_services
+from server.api.services import get_services, json_response
 from server.tasks.params import fim_prompt
 
 router = APIRouter(tags=["rwkv_lightning"], route_class=CredentialFirst)  # the key before the body
@@ -38,18 +37,13 @@ LANGUAGES = {
     "zh-TW": "Chinese",
     "en": "English",
     "ja": "Japanese",
-    "ko": "Korean",
     "fr": "French",
     "de": "German",
     "es": "Spanish",
-    "it": "Italian",
-    "pt": "Portuguese",
     "ru": "Russian",
-    "ar": "Arabic",
-    "vi": "Vietnamese",
-    "th": "Thai",
 }
-"""Language codes named in translation prompts (any other code is written as given)."""
+"""The language codes lightning names in its translation prompts, exactly (any other code is
+written as given, `ko` as `ko`): the same request makes the same prompt, so the same answer."""
 
 
 @router.post("/v2/chat/completions", responses=docs.BATCH)
@@ -127,8 +121,10 @@ async def batch_translate(body: TranslateBody, request: Request) -> Response:
 # --- its OpenAI-style routes -----------------------------------------------------------------------
 @router.get("/openai/v1/models", responses=docs.responses(401, 503, ok=("json",)))
 async def chat_style_models(request: Request) -> Response:
-    """Our model list (the same as GET /v1/models)."""
-    return await openai_routes.list_models(request)
+    """Lightning's model list: our model's id on lightning's card (`owned_by` is always
+    "rwkv_lightning" there; our GET /v1/models keeps our own card)."""
+    card = {"id": get_services(request).model_id, "object": "model", "owned_by": "rwkv_lightning"}
+    return json_response({"object": "list", "data": [card]})
 
 
 @router.post("/openai/v1/chat/completions", responses=docs.BATCH)
