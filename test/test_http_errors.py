@@ -72,6 +72,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "<any>") ->
     ({"messages": MSG, "logprobs": "true"}, "logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
+    # nested objects are strict too (stream_options' bools were coerced: "yes" read as true)
+    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    # metadata is OpenAI's: at most 16 pairs of text (any JSON value was taken)
+    ({"messages": MSG, "metadata": {"k": {"nested": 1}}}, "metadata.k"),
+    ({"messages": MSG, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"messages": MSG, "metadata": {"k" * 65: "v"}}, "metadata"),
 ])
 def test_chat_bad_fields_400_naming_the_field(http, body, param):
     assert_error(http.post(CHAT, json=body), 400, param)

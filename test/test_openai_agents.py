@@ -292,6 +292,10 @@ def tool(name, params=None):
         {"id": "call_1", "type": "custom", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[1].tool_calls[0]"),  # only function calls
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    # a tool's fields are OpenAI's (unknown ones and wrong types were taken and ignored)
+    ({"tools": [{**tool("f"), "cache_control": {"type": "ephemeral"}}]}, "tools[0].cache_control"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "examples": []}}]}, "tools[0].function.examples"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_agent_input_is_a_400_and_starts_nothing(server, body, param):
     before = prompt_tokens_total(server)
@@ -386,3 +390,49 @@ def test_a_tool_with_null_parameters_takes_an_object_on_both_routes(server):
                                                               "parallel_tool_calls": False, "max_tokens": 40, "seed": 5})
     assert r.status_code == 200 and isinstance(json.loads(
         r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]), dict), r.text
+
+
+def test_a_message_always_has_its_refusal_field(server):
+    """OpenAI's schema requires `refusal` in every chat message (null: no refusal); clients
+    generated from that schema refuse an answer without it. Plain and agent answers both."""
+    plain = {"messages": USER, "max_tokens": 2}
+    forced = {**plain, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 40}
+    for body in (plain, {**plain, "logprobs": True}, forced):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["refusal"] is None, r.text
+
+
+def test_the_sdk_helpers_messages_go_back_as_history(client):
+    """`messages.append(completion.choices[0].message)` with the message of the SDK's `parse()`
+    or `stream()` helper: the SDK sends it back as it is, with its own fields (`parsed`,
+    `annotations`, a call's `index` and `function.parsed_arguments`); they were unknown fields
+    (a 400), as OpenAI's API takes them."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+
+    class GetTime(BaseModel):
+        zone: Literal["UTC", "CET"]
+
+    parsed = client.chat.completions.parse(model="m", messages=USER, response_format=Answer, max_tokens=30, seed=1)
+    msg = parsed.choices[0].message
+    assert msg.parsed is not None
+    history = [*USER, msg, {"role": "user", "content": "And tomorrow?"}]
+    again = client.chat.completions.create(model="m", messages=history, max_tokens=2)
+    assert again.choices[0].message.content is not None
+
+    tool = openai.pydantic_function_tool(GetTime)
+    with client.chat.completions.stream(model="m", messages=USER, tools=[tool], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=40, seed=1) as stream:
+        for _ in stream:
+            pass
+        msg = stream.get_final_completion().choices[0].message
+    (call,) = msg.tool_calls
+    assert call.function.parsed_arguments is not None and call.index == 0
+    history = [*USER, msg, {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    again = client.chat.completions.create(model="m", messages=history, tools=[tool], max_tokens=2)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")

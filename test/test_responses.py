@@ -100,11 +100,21 @@ def test_delete_and_store_false(server):
     ({"conversation": "conv_1"}, 400, "conversation"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
     ({"metadata": {"k": "v" * 513}}, 400, "metadata.k"),
+    ({"metadata": {"k" * 65: "v"}}, 400, "metadata"),  # (was named "metadata.kkk....[key]")
     ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, 400, "input[0].type"),  # (was a 500)
     ({"input": [{"type": {}, "role": "user", "content": "x"}]}, 400, "input[0].type"),
     ({"prompt_cache_retention": "1h"}, 400, "prompt_cache_retention"),
     ({"prompt_cache_options": {"ttl": "5m"}}, 400, "prompt_cache_options.ttl"),
     ({"text": {"verbosity": "loud"}}, 400, "text.verbosity"),
+    # nested objects are strict and closed too (text.format.strict "yes" was read as true)
+    ({"text": {"format": {**TEXT["format"], "strict": "yes"}}}, 400, "text.format.strict"),
+    ({"stream_options": {"include_obfuscation": "no"}}, 400, "stream_options.include_obfuscation"),
+    ({"stream_options": {"bogus": 1}}, 400, "stream_options.bogus"),
+    # a content part is named by its place (was "input[0].content: Input should be a valid string")
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "bogus": 1}]}]}, 400,
+     "input[0].content[0].bogus"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_creates_nothing(server, body, status, param):
     before = tasks(server)

@@ -284,6 +284,8 @@ def bad_bodies():
     user = {"role": "user", "content": "x"}
     yield {"tools": [{**TOOLS[0], "name": "bad name"}]}, "tools[0].name", "invalid_request"
     yield {"tools": [{"type": "web_search"}]}, "tools[0]", "invalid_request"
+    yield {"tools": [{**TOOLS[0], "bogus": 1}]}, "tools[0].bogus", "invalid_request"  # (was taken, ignored)
+    yield {"tools": [{**TOOLS[0], "defer_loading": True}]}, "tools[0].defer_loading", "unsupported_field"
     yield {"tools": [TOOLS[0], {**TOOLS[1], "parameters": "x"}]}, "tools[1].parameters", "invalid_request"
     yield {"tools": [{**TOOLS[0], "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}]}, \
         "tools", "invalid_schema"
@@ -308,7 +310,7 @@ def bad_bodies():
     yield {"input": [{**user, "id": "msg_1"}, {**user, "id": "msg_1"}]}, "input[1].id", "invalid_request"
     image = [{"type": "input_image", "image_url": "x"}]
     yield {"input": [call, {"type": "function_call_output", "call_id": "call_1", "output": image}]}, \
-        "input[1].output", "invalid_request"
+        "input[1].output[0].type", "invalid_request"  # (the part named by its place)
 
 
 @pytest.mark.parametrize("body,param,code", list(bad_bodies()),

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from server.api.generation.jobs import Job
 from server.api.generation.stream import Renderer
-from server.api.openai.render import Meta, _chunker, _echo, _ender, _finish, _raise_failed, head, response
+from server.api.openai.render import Meta, _chunker, _echo, _ender, _finish, _raise_failed, head, message, response
 from server.api.openai.tools import ToolPlan, content_end, split
 from server.engine.types import Event, TokenLogprob
 
@@ -51,7 +51,7 @@ def _message(job: Job, ex: Extras, meta: Meta) -> tuple[dict[str, Any], str | No
     raw = "".join(job.text)
     plan = ex.tool_plan
     content, calls = split(raw, plan.mode) if plan is not None else (raw, None)
-    msg: dict[str, Any] = {"role": "assistant", "content": meta.lead(content)}
+    msg = message(meta.lead(content))
     if calls is None:
         return msg, _finish(job)
     msg.update(content=(content.strip() and meta.lead(content)) or None, tool_calls=calls)

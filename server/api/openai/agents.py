@@ -49,7 +49,7 @@ def chat_agent(body: ChatRequest) -> Agent:
     try:
         plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     except tools.ToolError as exc:
-        raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
+        raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
     fmt = format_spec(body.response_format)  # (a format that is no grammar names response_format)
     grammar = fmt
     if plan is not None:  # with a format: a call or the formatted reply (auto), the calls (forced)

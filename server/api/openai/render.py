@@ -108,12 +108,18 @@ def _finish(job: Job) -> str | None:
 # --- chat ----------------------------------------------------------------------------------------
 
 
+def message(content: str | None) -> dict[str, Any]:
+    """A chat answer's message; `refusal` is null (no refusals here) but always there: OpenAI's
+    schema requires it, and clients generated from that schema refuse a message without it."""
+    return {"role": "assistant", "content": content, "refusal": None}
+
+
 def chat_response(jobs: list[Job], meta: Meta) -> dict[str, Any]:
     _raise_failed(jobs)
     choices = [
         {
             "index": j.index,
-            "message": {"role": "assistant", "content": meta.lead("".join(j.text))},
+            "message": message(meta.lead("".join(j.text))),
             "logprobs": None,
             "finish_reason": _finish(j),
         }

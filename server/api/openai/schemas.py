@@ -11,9 +11,9 @@ stop_token_ids, ignore_eos (server.api.sampling), state, and few_shot (chat).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from server.api.sampling import MaxTokens, Penalty, SamplingFields, TokenId
 from server.engine.types import MAX_LOGPROBS
@@ -24,8 +24,27 @@ MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's bound on the legacy completions' logprobs."""
 
 
+def _short_keys(pairs: dict[str, str]) -> dict[str, str]:
+    """A metadata key over 64 characters is an error of `metadata` (a key's own error would name
+    the key's text as the field)."""
+    long = next((k for k in pairs if len(k) > 64), None)
+    if long is not None:
+        raise ValueError(f"a key has at most 64 characters ({long[:16]!r}... has {len(long)})")
+    return pairs
+
+
+Metadata = (
+    Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16), AfterValidator(_short_keys)]
+    | None
+)
+"""OpenAI's `metadata`: at most 16 pairs of text, keys of at most 64 characters, values of at most
+512 (chat ignores it; /v1/responses stores it with the response)."""
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict as the body (SamplingFields): a nested model does not inherit it, and "yes" or 1 would
+    # be read as true
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # ignored: our chunks carry no obfuscation padding
 
@@ -54,6 +73,10 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     """A tool message: the id of the call it answers (an earlier assistant message's)."""
     function_call: dict[str, Any] | None = None
+    # ignored: fields of the SDK's own answer message, which a client sends back as history as it
+    # is (`messages.append(completion.choices[0].message)` after `parse()` or `stream()`)
+    annotations: list[Any] | None = None
+    parsed: Any = None  # (the content, parsed by the SDK: the content is what is rendered)
 
     def text(self) -> str:
         """The message's text (ValueError when it has a part or a field that is not text)."""
@@ -143,7 +166,7 @@ class ChatRequest(OpenAIFields):
     web_search_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
     # ignored: they cannot change the answer
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     store: bool | None = None
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None  # a latency hint: the answer is the same without it

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -38,11 +38,32 @@ _EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 class ToolError(ValueError):
-    """A bad tools / tool_choice / tool message: (param, message) for a 400."""
+    """A bad tools / tool_choice / tool message: (param, message, code) for a 400."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str = "invalid_request") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
+
+
+_CHAT_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+"""OpenAI's function definition: chat's `function` object, and the Responses API's tool beside its
+"type". Any other key is refused naming it (the routes' unknown-field policy; OpenAI refuses them
+too), never ignored."""
+_FLAT_OPTIONS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "output_schema": (lambda v: v is None or isinstance(v, dict), "output_schema is a JSON schema object",
+                      "invalid_request"),  # (ignored: it describes the result the client sends back)
+    "defer_loading": (lambda v: v is None or v is False, "defer_loading (tool search) is not supported: "
+                      "every tool is loaded", "unsupported_field"),
+    "async": (lambda v: v is None or v is False, "async tools are not supported", "unsupported_field"),
+    "allowed_callers": (lambda v: v is None or (isinstance(v, list) and "direct" in v),
+                        "allowed_callers without \"direct\" is not supported: the model calls tools directly",
+                        "unsupported_field"),
+}  # fmt: skip
+"""The Responses API's further tool options (the SDK's FunctionToolParam): key -> (whether its
+value is one this server honours, why not, the error code)."""
+_FLAT_KEYS = frozenset({"type", *_FUNCTION_KEYS, *_FLAT_OPTIONS})
+"""The keys of a Responses API tool."""
 
 
 @dataclass(frozen=True)
@@ -231,9 +252,30 @@ def _tool(i: int, raw: Any, flat: bool) -> Tool:
     desc = fn.get("description") or ""
     if not isinstance(desc, str):
         raise ToolError(f"{where}.description", "description is text")
-    if flat and not isinstance(fn.get("strict", True), (bool, type(None))):
+    if not isinstance(fn.get("strict", True), (bool, type(None))):
         raise ToolError(f"{where}.strict", "strict is true or false")
+    _check_keys(i, raw, fn, flat)
     return Tool(name, desc, params)
+
+
+def _check_keys(i: int, raw: dict[str, Any], fn: dict[str, Any], flat: bool) -> None:
+    """ToolError naming the first key of tool i outside OpenAI's shape (chat: {"type",
+    "function": {...}}; flat: the function's keys beside "type", and _FLAT_OPTIONS)."""
+    if flat:
+        _check_options(i, fn)
+        unknown = [f"tools[{i}].{k}" for k in fn if k not in _FLAT_KEYS]
+    else:
+        unknown = [f"tools[{i}].{k}" for k in raw if k not in _CHAT_TOOL_KEYS]
+        unknown += [f"tools[{i}].function.{k}" for k in fn if k not in _FUNCTION_KEYS]
+    if unknown:
+        raise ToolError(unknown[0], f"unknown field {unknown[0]!r}")
+
+
+def _check_options(i: int, fn: dict[str, Any]) -> None:
+    """ToolError for a Responses tool option (_FLAT_OPTIONS) whose value this server cannot honour."""
+    for key, (accepts, why, code) in _FLAT_OPTIONS.items():
+        if key in fn and not accepts(fn[key]):
+            raise ToolError(f"tools[{i}].{key}", why, code)
 
 
 # --- the model's output ---------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def response_tools(body: ResponseRequest) -> ResponseTools:
         plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, flat=True)
         described = plan or tools.shown(body.tools, body.tool_choice, flat=True)
     except tools.ToolError as exc:
-        raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
+        raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
     fmt = format_spec(response_format(body), param="text.format")  # (a format that is no grammar names it)
     if plan is None:  # (tool_choice "none" too: the format's grammar alone runs)
         return ResponseTools(None, described, fmt, fmt)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
+from server.api.openai.schemas import Metadata
 from server.api.sampling import MaxTokens
 from server.engine.types import LIMITS
 
@@ -21,13 +22,26 @@ class ContentPart(BaseModel):
     logprobs: list[Any] | None = None  # ignored (output_text parts sent back)
 
 
+def _str_or_parts(v: Any) -> str | None:
+    """The branch of a text-or-parts field by the value's JSON type (None: neither): a bad part
+    is then named by its place (`input[0].content[0].type`), not reported as "Input should be a
+    valid string" for the whole field. (Tags in type form: param_of drops them.)"""
+    return "str" if isinstance(v, str) else "list[part]" if isinstance(v, list) else None
+
+
+_TEXT_OR_PARTS = Discriminator(
+    _str_or_parts, custom_error_type="text_or_parts", custom_error_message="Input should be text or a list of parts"
+)
+MessageContent = Annotated[Annotated[str, Tag("str")] | Annotated[list[ContentPart], Tag("list[part]")], _TEXT_OR_PARTS]
+
+
 class InputMessage(BaseModel):
     """A message item ({"role", "content"}, optionally "type": "message")."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+    content: MessageContent
     id: str | None = None  # ignored (an output item sent back)
     status: str | None = None  # ignored
 
@@ -54,6 +68,9 @@ class OutputText(BaseModel):
     text: str
 
 
+ToolOutput = Annotated[Annotated[str, Tag("str")] | Annotated[list[OutputText], Tag("list[part]")], _TEXT_OR_PARTS]
+
+
 class FunctionCallOutput(BaseModel):
     """A tool's result for an earlier call ({"type": "function_call_output", "call_id", "output"}):
     a Tool turn naming the call's function. Its call_id must be an earlier call's (this input's
@@ -62,7 +79,7 @@ class FunctionCallOutput(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=200)
-    output: str | list[OutputText]
+    output: ToolOutput
     id: str | None = Field(None, max_length=200)  # kept (the input items listing shows it)
     status: Literal["in_progress", "completed", "incomplete"] | None = None  # ignored
 
@@ -89,7 +106,7 @@ InputItem = Annotated[
 class TextFormat(BaseModel):
     """text.format: {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # (a nested model does not inherit strict)
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -118,6 +135,13 @@ class Reasoning(BaseModel):
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None  # (the older name of summary)
+
+
+class StreamOptions(BaseModel):
+    """stream_options: {"include_obfuscation"} (ignored: the events carry no obfuscation padding)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_obfuscation: bool | None = None
 
 
 class PromptCacheOptions(BaseModel):
@@ -167,9 +191,7 @@ class ResponseRequest(BaseModel):
     """Extra output data to include: none is available here (a non-empty list is refused)."""
     reasoning: Reasoning | None = None
     """Ignored, as chat's reasoning_effort: the model does not reason in hidden tokens."""
-    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
-        None, max_length=16
-    )
+    metadata: Metadata = None
     """Stored with the response and shown with it (OpenAI's bounds: 16 pairs, keys of at most 64
     characters, values of at most 512)."""
     background: bool | None = None
@@ -191,7 +213,7 @@ class ResponseRequest(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
     # ignored: they cannot change the answer
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
