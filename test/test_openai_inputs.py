@@ -413,3 +413,23 @@ def test_a_responses_reply_hides_its_leading_whitespace_from_stops_and_inherits_
     assert all(p.stop == ("\n\n",) for p in seen)
     # nothing is inherited from the previous response: a request without a seed samples afresh
     assert [p.seed for p in seen] == [1, 1, 1, None]
+
+
+@pytest.mark.parametrize(
+    "field,value,says",
+    [("name", 5, "'name' must be"), ("name", "has space", "'name' must be"), ("name", "n" * 65, "'name' must be"),
+     ("strict", "yes", "'strict' must be"), ("description", 5, "'description' must be")],
+)  # fmt: skip
+def test_a_json_schema_formats_fields_are_typed_as_openai_types_them(client, field, value, says):
+    """response_format.json_schema's name (1 to 64 of [A-Za-z0-9_-]), strict (a boolean) and
+    description (text): anything else is a 400 naming response_format, with nothing started; the
+    valid forms (and no name at all) answer."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "ok-name_1", "schema": {"type": "object"}}}
+    bad = {"type": "json_schema", "json_schema": {**fmt["json_schema"], field: value}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=USER, max_tokens=2, response_format=bad)
+    assert e.value.body["param"] == "response_format" and says in e.value.body["message"]
+    good = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "strict": True, "description": "d"}}
+    for f in (fmt, good):
+        r = client.chat.completions.create(model="any", messages=USER, max_tokens=2, response_format=f)
+        assert r.choices[0].finish_reason in ("length", "stop")

@@ -10,6 +10,7 @@ own: the schema rules are read as one contract, apart from how a task stores its
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -66,11 +67,29 @@ def format_grammar(fmt: Any, *, known_keys: bool = True) -> GrammarSpec | None:
     schema = inner.get("schema") if isinstance(inner, dict) else None
     if not isinstance(schema, dict):
         raise ValueError("invalid 'response_format': json_schema needs a 'schema' object")
+    if known_keys:
+        _check_named(inner)
     if json_depth(schema) > MAX_JSON_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
     if schema_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"invalid 'response_format': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     return GrammarSpec.json_schema(json.dumps(schema))  # (key order kept: the output follows the properties' order)
+
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _check_named(inner: dict[str, Any]) -> None:
+    """The json_schema object's other fields as OpenAI types them: `name` 1 to 64 letters, digits,
+    '_' or '-' (optional here), `strict` a boolean, `description` text. (Rows stored before this
+    check are read without it: known_keys=False.)"""
+    name = inner.get("name")
+    if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise ValueError("invalid 'response_format': json_schema's 'name' must be 1 to 64 letters, digits, '_' or '-'")
+    if inner.get("strict") is not None and not isinstance(inner["strict"], bool):
+        raise ValueError("invalid 'response_format': json_schema's 'strict' must be true or false")
+    if inner.get("description") is not None and not isinstance(inner["description"], str):
+        raise ValueError("invalid 'response_format': json_schema's 'description' must be a string")
 
 
 def _check_keys(fmt: dict[str, Any]) -> None:
