@@ -44,15 +44,20 @@ def test_native_chunk_is_the_event_of_lightnings_chunk(text):
         assert native_chunk(i, text) == want
 
 
+def _flushed(f: Flushes, index: int, texts: list[str]) -> list[str | None]:
+    """What f sends for one token of each text in turn for choice `index`, the last one ending it."""
+    job = Job(index=index, handle=None, prompt_tokens=1)  # type: ignore[arg-type]
+    sent = []
+    for n, text in enumerate(texts, start=1):
+        job.completion_tokens = n
+        job.finish_reason = "length" if n == len(texts) else None
+        sent.append(f.add(job, [Event(text=text, token_ids=[n], n_tokens=n)]))
+    return sent
+
+
 def test_flushes_send_every_chunk_size_tokens_and_at_the_end():
     f = Flushes(2, chunk_size=3)
-    job = Job(index=1, handle=None, prompt_tokens=1)  # type: ignore[arg-type]
-    sent = []
-    for n, text in enumerate(["a", "b", "c", "d", "e"], start=1):
-        job.completion_tokens = n
-        job.finish_reason = "length" if n == 5 else None
-        sent.append(f.add(job, [Event(text=text, token_ids=[n], n_tokens=n)]))
-    assert sent == [None, None, "abc", None, "de"]
+    assert _flushed(f, 1, ["a", "b", "c", "d", "e"]) == [None, None, "abc", None, "de"]
     assert f.text == ["", ""]
 
 
@@ -60,14 +65,7 @@ def test_a_flush_waits_for_text_as_on_lightning():
     # lightning flushes a prompt once chunk_size tokens came since its last flush AND it holds text:
     # tokens whose text is held back (a split UTF-8 character, a possible stop string) flush nothing
     # and do not restart the count (its `chunk_token_counts[i] >= chunk_size and text_buffers[i]`)
-    f = Flushes(1, chunk_size=2)
-    job = Job(index=0, handle=None, prompt_tokens=1)  # type: ignore[arg-type]
-    sent = []
-    for n, text in enumerate(["", "", "a", "b", "c"], start=1):
-        job.completion_tokens = n
-        job.finish_reason = "length" if n == 5 else None
-        sent.append(f.add(job, [Event(text=text, token_ids=[n], n_tokens=n)]))
-    assert sent == [None, None, "a", None, "bc"]
+    assert _flushed(Flushes(1, chunk_size=2), 0, ["", "", "a", "b", "c"]) == [None, None, "a", None, "bc"]
 
 
 async def test_a_stream_ended_early_sends_the_text_it_held_first():
