@@ -76,8 +76,7 @@ def quant_rows(x: torch.Tensor, act: bool = False) -> tuple[torch.Tensor, torch.
 def large(x: torch.Tensor, w: QWeight, act: bool = False) -> torch.Tensor:
     """act(x) @ w^T for x (M, K) and w (N, K), or planes x (P, M, K) and w (P, N, K) -> (M, N) /
     (P, M, N) in x's dtype. act: relu^2 on x first (x is left as it is)."""
-    K, N = x.shape[-1], w.shape[-2]
-    fp8_mm = w.mode == "fp8" and K % 16 == 0 and N % 16 == 0 and fp8_gemm_ok(x.device)
+    fp8_mm = _fp8_mm(w, x.device)
     if x.is_cuda and x.dtype in _DT and (w.mode == "int8" or fp8_mm):
         y = w8_gemm.run(x, w, act)  # weight-only, where its TABLE says it is the fastest
         if y is not None:
@@ -98,12 +97,15 @@ def takes_rows(w: Weight, M: int, dtype: torch.dtype) -> bool:
     """Whether large() quantizes M rows of x (dtype) to e4m3 for w itself: an fp8 w on fp8 tensor
     cores at rows past the weight-only tiles' (w8_gemm's TABLE). There a caller may hand it the
     rows quantized already (large_q)."""
-    if not isinstance(w, QWeight) or w.mode != "fp8" or dtype not in _DT or not w.q.is_cuda:
+    if not isinstance(w, QWeight) or dtype not in _DT or not w.q.is_cuda or not _fp8_mm(w, w.q.device):
         return False
-    N, K = w.shape[-2], w.shape[-1]
-    if K % 16 or N % 16 or not fp8_gemm_ok(w.q.device):
-        return False
-    return w8_gemm.pick("fp8", M, N, K, w.q.shape[0] if w.q.dim() == 3 else 1) is None
+    return w8_gemm.pick("fp8", M, w.shape[-2], w.shape[-1], w.q.shape[0] if w.q.dim() == 3 else 1) is None
+
+
+def _fp8_mm(w: QWeight, device: torch.device) -> bool:
+    """Whether w's products run e4m3 x e4m3 on the fp8 tensor cores: fp8 codes, both dimensions
+    multiples of 16, a GPU with fp8 GEMMs (large() and takes_rows() decide by this one rule)."""
+    return w.mode == "fp8" and w.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0 and fp8_gemm_ok(device)
 
 
 SCALED_MIN_ROWS = 32
