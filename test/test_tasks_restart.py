@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from server.config import Settings
-from server.tasks import TaskConflict, TaskManager, runs
+from server.tasks import TaskConflict, TaskManager, pump
 from server.tasks.codec import encode_state
 from server.tasks.records import Task, to_row
 from server.tasks.store import state_row
@@ -54,7 +54,7 @@ def crash_image(src, dst) -> None:
 
 
 async def test_running_tasks_become_interrupted_and_continuable(parts, tmp_path, monkeypatch):
-    monkeypatch.setattr(runs, "PROGRESS_INTERVAL", 0.02)
+    monkeypatch.setattr(pump, "PROGRESS_INTERVAL", 0.02)
     db = tmp_path / "live.db"
     tm = await manager(parts, db)
     done = await tm.wait((await tm.create("finished one", {"max_tokens": 4}, persistent=True)).id)
@@ -204,7 +204,7 @@ async def test_tasks_finishing_together_commit_in_one_transaction(parts, tmp_pat
     transaction; they finish while it is busy again: their six settle rows are one update
     transaction, each task shown finished at that commit; their six states follow, written
     behind, one transaction each."""
-    monkeypatch.setattr(runs, "PROGRESS_INTERVAL", 1e12)  # no progress job among them
+    monkeypatch.setattr(pump, "PROGRESS_INTERVAL", 1e12)  # no progress job among them
     tm = await manager(parts, tmp_path / "g.db")
     calls: dict[str, list[int]] = {"rows": [], "owned": [], "states": []}
     real_rows, real_owned, real_state = tm.store.save_rows, tm.store.update_owned, tm.store.store_state

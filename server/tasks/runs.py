@@ -1,5 +1,6 @@
-"""Runs: one engine submission of a task, from claim to the end of its events; the finished
-run is settled by server.tasks.settle (the state the task keeps, its final row).
+"""Runs: one engine submission of a task, from claim to the end of its events; its events are
+pumped into the task's output by server.tasks.pump, and the finished run is settled by
+server.tasks.settle (the state the task keeps, its final row).
 
 What a run feeds (the engine's contract, server/engine/engine.py): a finished sequence's state
 has consumed `input + token_ids - pending_tokens`, normally all but the last token of the
@@ -13,9 +14,7 @@ existing task claimed in the database, server.tasks.persist); its pump runs mean
 settle waits for that commit. If the commit fails, the sequence is aborted and the task is left
 exactly as it was (the output the pump took meanwhile removed).
 
-A run's life (start, pump, abort) is kept in this one module, its settle in settle.py. The
-pump's per-batch work (`_on_batch`) runs on the event loop once per engine step per task: it
-appends, counts and wakes the stream readers, nothing more.
+A run's start and abort are kept in this module, its pump in pump.py, its settle in settle.py.
 """
 
 from __future__ import annotations
@@ -31,33 +30,32 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from server.engine.protocol import EngineAPI
-from server.engine.types import EOS_TOKEN, Event, Result, SamplingParams
+from server.engine.types import EOS_TOKEN, SamplingParams
 from server.tasks.cache import StateCache
 from server.tasks.config import LatencyFactory
 from server.tasks.lead import continued, grammar_prefix
 from server.tasks.params import sampling_params
-from server.tasks.records import PREFILL, READY, RUNNING, TMP, Output, Run, Task, display_id
+from server.tasks.pump import Pump, PumpPersistence
+from server.tasks.records import PREFILL, READY, TMP, Output, Run, Task, display_id
 from server.tasks.settle import SettlePersistence, Settler
 from server.tasks.table import Snapshot, TaskTable
 
 if TYPE_CHECKING:
     from server.model.state import State
 
-__all__ = ["PROGRESS_INTERVAL", "Run", "RunPersistence", "Runs"]
+__all__ = ["Run", "RunPersistence", "Runs"]
 
 log = logging.getLogger("server.tasks")
-PROGRESS_INTERVAL = 1.0  # seconds between the progress writes of the running persistent tasks
 
 
-class RunPersistence(SettlePersistence, Protocol):
+class RunPersistence(SettlePersistence, PumpPersistence, Protocol):
     """What runs need of the persistence (server.tasks.persist.Persistence): these, and what
-    their settles need (SettlePersistence: release, queue_settled)."""
+    their settles and pumps need (SettlePersistence: release, queue_settled; PumpPersistence:
+    offer_progress)."""
 
     async def resolve_state(self, t: Task, holder: str | None = None) -> tuple[State | None, int, str | None]: ...
 
     async def save_started(self, t: Task, new: bool) -> asyncio.Future[Any]: ...
-
-    def offer_progress(self) -> None: ...
 
 
 class Runs:
@@ -77,6 +75,7 @@ class Runs:
     ) -> None:
         self.engine, self.table, self.persistence = engine, table, persistence
         self.settler = Settler(persistence, cache)  # (the cache: where a run's new state goes)
+        self.pump = Pump(persistence, self.settler, self.abort)  # (a cancelled pump aborts its run)
         self.token_bytes = token_bytes
         """The tokenizer's bytes of ids, for where a continue picks up its output's text (lead.py;
         None: every run's text starts afresh)."""
@@ -89,7 +88,6 @@ class Runs:
         self.latency = latency
         """Optional factory of a latency recorder per run (the HTTP layer's Recorder)."""
         self._pumps: set[asyncio.Task[None]] = set()
-        self._progress_at = 0.0  # monotonic time of the last progress job offered
         self._seq = 0
 
     # --- start ---------------------------------------------------------------------------------
@@ -114,7 +112,7 @@ class Runs:
             self._unstart(t, before, new)
             raise
         run.undo = partial(self._discard, t, weakref.ref(run), before, new)  # weak: see _discard
-        pump = asyncio.create_task(self._pump(t, run), name=f"pump-{t.id}")
+        pump = asyncio.create_task(self.pump.follow(t, run), name=f"pump-{t.id}")
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
         if t.kind != TMP:
@@ -263,65 +261,6 @@ class Runs:
             return st.slots > 0 and st.running + st.waiting >= st.slots
         except Exception:
             return False
-
-    # --- events --------------------------------------------------------------------------------
-    async def _pump(self, t: Task, run: Run) -> None:
-        res: Result | None = None
-        error: str | None = None
-        try:
-            if run.handle is not None:
-                async for batch in run.handle.batches():  # all the events of a wake-up at once
-                    self._on_batch(t, run, batch)
-                res = await run.handle.wait()
-        except asyncio.CancelledError:
-            self.abort(t)
-            error = "interrupted"
-        except Exception as exc:
-            log.warning("task %s failed: %s", t.id, exc)
-            error = f"{type(exc).__name__}: {exc}"
-        if run.recorder is not None:
-            run.recorder.finish()
-        if run.started is not None:  # a persistent run: its start row first
-            try:
-                await asyncio.shield(run.started)
-            except asyncio.CancelledError:
-                if not run.started.cancelled():
-                    raise  # the pump itself was cancelled
-                if run.undo is not None:
-                    run.undo()
-            except Exception:
-                if run.undo is not None:
-                    run.undo()
-        if not run.discarded:
-            await self.settler.settle(t, run, res, error)
-
-    def _on_batch(self, t: Task, run: Run, batch: list[Event]) -> None:
-        if run.discarded:
-            return
-        for ev in batch:
-            self._on_event(t, run, ev)
-        if run.recorder is not None:
-            run.recorder.on_batch(run, batch)
-        t.completion_tokens = len(t.out)
-        t.out.notify()  # the stream readers wake once per batch
-        if t.kind != TMP and not batch[-1].finished:
-            now = time.monotonic()
-            if now - self._progress_at >= PROGRESS_INTERVAL:  # one write for all running tasks
-                self._progress_at = now
-                self.persistence.offer_progress()
-
-    def _on_event(self, t: Task, run: Run, ev: Event) -> None:
-        n = len(ev.token_ids)
-        if n and run.t_first is None:
-            run.t_first = time.monotonic()
-            if not len(t.out):  # the output's first token: its prefill_time, fixed from now on
-                t.prefill_time = run.t_first - run.t_submit
-        if n or ev.text:
-            t.tokens.extend(ev.token_ids)
-            t.out.append(ev.text, n)
-            run.n_out += n
-        if n and not ev.finished and t.status in (PREFILL, READY):
-            t.status = RUNNING
 
     # --- stop ----------------------------------------------------------------------------------
     def abort(self, t: Task) -> None:

@@ -82,7 +82,7 @@ class Settler:
             self._cache_new_state(t, new_key, state)
         else:
             new_key = state = None
-        # (prefill_time was set by the output's first token, if any: Runs._on_event); without a
+        # (prefill_time was set by the output's first token, if any: Pump._on_event); without a
         # result (an error, an interruption) the time it generated until then
         t.gen_time = run.gen_base + res.gen_time if res is not None else t.generating()
         t.run, t.completion_tokens, t.updated_at = None, len(t.out), time.time()
