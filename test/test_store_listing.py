@@ -1,4 +1,4 @@
-"""Store.list_tasks with API keys, on SQLite and PostgreSQL (test/pg_util.py; PostgreSQL skipped
+"""Listing.list_tasks with API keys, on SQLite and PostgreSQL (test/pg_util.py; PostgreSQL skipped
 without it): a key's private template shadows a public one of the same name, so the key's
 listing leaves the public one out, with counts and pages to match."""
 
@@ -8,6 +8,7 @@ from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
 from test_store import open_store
 
 from server.tasks.inventory import PREVIEW_CHARS, preview
+from server.tasks.listing import Listing
 from server.tasks.records import Task, new_id, to_row
 
 K1, K2 = "1" * 64, "2" * 64  # owner hashes
@@ -22,6 +23,7 @@ def template(name: str | None, owner: str, public: bool, age: int) -> Task:
 
 async def test_a_private_template_shadows_a_public_one_of_its_name(db_url):  # noqa: F811 - the fixture
     store = await open_store(db_url)
+    listing = Listing(store)
     made = [
         template("pubt", K1, True, 1),  # shadowed for K2 by K2's own "pubt"
         template("pubt", K2, False, 2),
@@ -32,18 +34,18 @@ async def test_a_private_template_shadows_a_public_one_of_its_name(db_url):  # n
     for t in made:
         await store.save(to_row(t))
     try:
-        rows, total = await store.list_tasks(K2, False, "template", 100, 0)
+        rows, total = await listing.list_tasks(K2, False, "template", 100, 0)
         assert [r.id for r in rows] == ["_pubt@" + K2[:12], "_other"] and total == 2
-        rows, total = await store.list_tasks(K2, False, None, 100, 0)
+        rows, total = await listing.list_tasks(K2, False, None, 100, 0)
         assert [r.id for r in rows] == ["_pubt@" + K2[:12], "_other", "TASK_k2"] and total == 3
-        pages = [(await store.list_tasks(K2, False, None, 1, i))[0] for i in range(4)]
+        pages = [(await listing.list_tasks(K2, False, None, 1, i))[0] for i in range(4)]
         assert [[r.id for r in p] for p in pages] == [["_pubt@" + K2[:12]], ["_other"], ["TASK_k2"], []]
-        rows, total = await store.list_tasks(K1, False, "template", 100, 0)
+        rows, total = await listing.list_tasks(K1, False, "template", 100, 0)
         assert [r.id for r in rows] == ["_other", "_pubt@" + K1[:12]] and total == 2  # K1's own public _pubt too
-        rows, total = await store.list_tasks(None, True, "template", 100, 0)
+        rows, total = await listing.list_tasks(None, True, "template", 100, 0)
         assert total == 4  # all owners (no keys): every row
-        assert await store.shadowed(K2, ["_pubt", "_other"]) == {"_pubt"}
-        assert await store.shadowed("3" * 64, ["_pubt", "_other"]) == set()
+        assert await listing.shadowed(K2, ["_pubt", "_other"]) == {"_pubt"}
+        assert await listing.shadowed("3" * 64, ["_pubt", "_other"]) == set()
     finally:
         await store.close()
 
@@ -59,6 +61,7 @@ async def test_prompt_search_and_prompt_heads(db_url):  # noqa: F811 - the fixtu
     NUL or starting with U+FFFF (escaped on PostgreSQL) are found by what they hold, no more; each
     row's prompt_head gives the prompt's preview (the Inventory's), escapes and NULs as they were."""
     store = await open_store(db_url)
+    listing = Listing(store)
     long = "Ünïcode start – " + "x" * 300
     made = [
         task("TASK_pct", "100% sure", 1, K1),
@@ -79,7 +82,7 @@ async def test_prompt_search_and_prompt_heads(db_url):  # noqa: F811 - the fixtu
         await store.save(to_row(t))
 
     async def ids(owner=K1, search=None, kind=None, limit=100, offset=0, all_owners=False):
-        rows, total = await store.list_tasks(owner, all_owners, kind, limit, offset, search)
+        rows, total = await listing.list_tasks(owner, all_owners, kind, limit, offset, search)
         return [r.id for r in rows], total
 
     try:
@@ -108,7 +111,7 @@ async def test_prompt_search_and_prompt_heads(db_url):  # noqa: F811 - the fixtu
 
         nul_long = task("TASK_nul_long", "\x00é" * 100, 20, K1)  # escaped on PostgreSQL: 301 characters
         await store.save(to_row(nul_long))
-        rows, _ = await store.list_tasks(K1, False, None, 100, 0, head=PREVIEW_CHARS + 1)
+        rows, _ = await listing.list_tasks(K1, False, None, 100, 0, head=PREVIEW_CHARS + 1)
         previews = {r.id: preview(r.prompt_head) for r in rows}
         assert previews["TASK_long"] == long[:80] + "…"
         assert previews["TASK_nul"] == "before\x00after 0b" and previews["TASK_mark"] == "\uffff1x lead"

@@ -16,6 +16,7 @@ import torch
 from server.model.state import ModelShape, State
 from server.tasks import migrate
 from server.tasks.codec import decode_state, encode_state
+from server.tasks.listing import Listing
 from server.tasks.records import Task, from_row, to_row
 from server.tasks.store import _CHUNK, Store, _upsert_rows, state_row
 
@@ -155,17 +156,18 @@ async def test_task_rows_create_read_update_list_delete(db_url):
     assert not await store.task_exists("TASK_gone")
 
     # list: owner / all owners / kind filters, newest first, limit + offset, total
-    rows, total = await store.list_tasks("alice", False, None, 100, 0)
+    listing = Listing(store)
+    rows, total = await listing.list_tasks("alice", False, None, 100, 0)
     alice = [t for t in made if t.owner == "alice"]
     assert total == len(alice) + 1
     assert [r.id for r in rows] == [t.id for t in sorted(alice, key=lambda t: -t.created_at)] + ["_greeting"]
-    rows, total = await store.list_tasks(None, False, None, 100, 0)
+    rows, total = await listing.list_tasks(None, False, None, 100, 0)
     assert total == 4 and {r.id for r in rows} == {t.id for t in made if t.owner is None}
-    rows, total = await store.list_tasks(None, True, "task", 5, 3)
+    rows, total = await listing.list_tasks(None, True, "task", 5, 3)
     newest = sorted(made, key=lambda t: -t.created_at)
     assert total == 12 and [r.id for r in rows] == [t.id for t in newest[3:8]]
     assert rows[0].completion_tokens == newest[3].completion_tokens and rows[0].parent_id == newest[3].parent_id
-    rows, total = await store.list_tasks("alice", False, "template", 10, 0)
+    rows, total = await listing.list_tasks("alice", False, "template", 10, 0)
     assert total == 1 and [r.id for r in rows] == ["_greeting"]
 
     # delete: the task's state goes with it unless another task still uses it
@@ -200,7 +202,7 @@ async def test_text_with_nul_characters_round_trips(db_url):
     assert from_row(await store.get_task("TASK_100")).prompt == "\x00 upserted"
     assert await store.get_task("TASK_\x00") is None and not await store.task_exists("TASK_\x00")
     assert not (await store.delete_task("TASK_0\x00"))[0] and await store.task_exists("TASK_0")
-    rows, total = await store.list_tasks(None, True, "task\x00", 10, 0)
+    rows, total = await Listing(store).list_tasks(None, True, "task\x00", 10, 0)
     assert (rows, total) == ([], 0)
     long_id = "TASK_" + "x" * 155  # the column's 160 characters: a longer id is another id, not cut
     await store.save(to_row(task("", id=long_id)))
@@ -297,7 +299,7 @@ async def test_concurrent_writers_and_readers_on_one_store(db_url):
                 await store.touch_states([f"S{w}_{i}"])
                 got = from_row(await store.get_task(tid))
                 assert (got.prompt, got.out.text) == (f"{w}/{i}", f"text {w}/{i}")
-                await store.list_tasks(None, True, None, 10, 0)
+                await Listing(store).list_tasks(None, True, None, 10, 0)
                 if i == 4:
                     assert (await store.delete_task(f"TASK_w{w}_0"))[0]
         except BaseException as exc:  # noqa: BLE001 - collected, asserted below

@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from server.tasks.cache import StateCache
+from server.tasks.listing import Listing, ascii_lower
 from server.tasks.records import REBUILD, STORED, TEMPLATE, TMP, Task, display_id
 from server.tasks.schema import DbRow
-from server.tasks.store import Store, ascii_lower
+from server.tasks.store import Store
 from server.tasks.table import TaskTable
 from server.tasks.templates import being_made
 
@@ -36,7 +37,8 @@ class Inventory:
         writer_backlog: Callable[[], int],
         lane: Callable[[], dict[str, Any]] = dict,
     ) -> None:
-        self.table, self.store, self.cache, self.counters = table, store, cache, counters
+        self.table, self.cache, self.counters = table, cache, counters
+        self.listing = Listing(store)  # the stored rows' page (the store's reads)
         self.tmp_task_ttl = float(tmp_task_ttl)
         self._db_state_bytes = db_state_bytes  # Persistence.db_state_bytes, read when asked
         self._db_state_entries = db_state_entries  # Persistence.db_state_entries (no query)
@@ -65,7 +67,7 @@ class Inventory:
         TMP tasks in memory and the stored tasks; its own and the public templates, less those
         a private template of its own shadows, and less the templates whose as_template has
         not answered yet (being_made). `prompt_contains`: only the tasks whose last prompt's
-        text contains it, ASCII letters of either case alike (Store.list_tasks). Each summary
+        text contains it, ASCII letters of either case alike (Listing.list_tasks). Each summary
         has its `prompt_preview`."""
         needle = None if prompt_contains is None else ascii_lower(prompt_contains)
 
@@ -81,7 +83,7 @@ class Inventory:
         rows: list[DbRow] = []
         db_total = 0
         if kind != TMP:
-            rows, db_total = await self.store.list_tasks(
+            rows, db_total = await self.listing.list_tasks(
                 owner_id, all_owners, kind, offset + limit, 0, prompt_contains, head=PREVIEW_CHARS + 1
             )
         items = {t.id: _summary(t, self.cache) for t in mem_only}
@@ -104,9 +106,9 @@ class Inventory:
     async def _unshadowed(self, owner_id: str, held: Sequence[Task]) -> Sequence[Task]:
         """`held` less the public templates a private template of owner_id's of the same name
         shadows (the name reaches that one: Access.lookup); the database says, as it does for
-        the stored rows listed (Store.listable)."""
+        the stored rows listed (listing.listable)."""
         public = [t.id for t in held if t.kind == TEMPLATE and t.public]
-        hidden = await self.store.shadowed(owner_id, public) if public else set()
+        hidden = await self.listing.shadowed(owner_id, public) if public else set()
         return [t for t in held if t.id not in hidden]
 
     async def _sweep_loop(self) -> None:
@@ -183,7 +185,7 @@ def seen_by(viewer: str | None, all_owners: bool, owner: str | None, summary: di
 
 def preview(prompt: str | bytes | None) -> str:
     """A prompt's first PREVIEW_CHARS characters, and "…" when it is longer. bytes: the start of
-    one in UTF-8, maybe cut inside its last character (Store.list_tasks on SQLite, where the
+    one in UTF-8, maybe cut inside its last character (Listing.list_tasks on SQLite, where the
     start of "" is NULL)."""
     if not prompt:
         return ""

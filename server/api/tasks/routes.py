@@ -114,7 +114,7 @@ async def list_tasks(
 ) -> Response:
     if prompt_contains is not None and ("\x00" in prompt_contains or "\uffff" in prompt_contains):
         # PostgreSQL text holds no NUL: a prompt with one is stored escaped with U+FFFF, and searched
-        # with each escape read as one U+FFFF (Store.list_tasks), so neither can be looked for
+        # with each escape read as one U+FFFF (Listing.list_tasks), so neither can be looked for
         raise ApiError(
             422,
             "invalid 'prompt_contains': NUL (U+0000) and U+FFFF cannot be searched for",
