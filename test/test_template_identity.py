@@ -24,6 +24,7 @@ from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
 from test_state_files import PROMPT, _bytes, _save, random_state_dict
 from util_server import ServerProcess, running_server
 
+from server.tasks.listing import Listing
 from server.tasks.records import Task, to_row
 from server.tasks.store import Store
 
@@ -219,7 +220,7 @@ async def test_claims_are_reaped_with_their_instance_and_settled_or_dropped_only
             assert await store.insert_new(claim(tid, instance))
         await store.save(claim("_continued", "x", version=1))  # a template continued with force
         await store.save({**to_row(Task(id="TASK_1", kind="task")), "status": 2, "instance": "x"})
-        rows, total = await store.list_tasks(None, True, None, 10, 0)
+        rows, total = await Listing(store).list_tasks(None, True, None, 10, 0)
         assert {r.id for r in rows} == {"_continued", "TASK_1"} and total == 2  # claims: never listed
         assert sorted(await store.mark_interrupted(["a"])) == ["TASK_1", "_continued", "_dead"]
         assert await store.get_task("_dead") is None  # deleted, not a half-made template

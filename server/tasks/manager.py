@@ -2,16 +2,20 @@
 
 A facade composed of collaborators, each given what it needs at construction:
 
-    TaskTable    the tasks in memory (live, recently read)
-    StateCache   task, TMP and template states in memory (byte budgets, pins)
-    Writer       the background database writer (group commits)
-    Persistence  state loading and rebuilds, writer jobs, states written behind, the database
-                 budget  (store, writer, cache, table)
-    Runs         engine submissions: claim, start, pump, abort; the settle by its Settler
-                 (settle.py)  (engine, table, persistence, cache)
-    Inventory    list, stats, the TMP_ janitor  (table, store, cache)
-    Lease        this server's instance row and heartbeat among replicas  (store)
-    Access       which tasks a caller may see, and under which id  (below)
+    TaskTable      the tasks in memory (live, recently read)
+    StateCache     task, TMP and template states in memory (byte budgets, pins)
+    Writer         the background database writer (group commits)
+    Persistence    state loading and rebuilds, writer jobs, states written behind, the database
+                   budget  (store, writer, cache, table)
+    Runs           engine submissions: claim, start, abort; the pump by its Pump (pump.py),
+                   the settle by its Settler (settle.py)  (engine, table, persistence, cache)
+    Inventory      list, stats, the TMP_ janitor  (table, store, cache)
+    Lease          this server's instance row and heartbeat among replicas  (store)
+    Access         which tasks a caller may see, and under which id  (table, store, persistence, lease)
+    TemplateMaker  as_template: the name checks, the claim, the fill (templates.py)
+                   (access, table, cache, persistence, engine)
+    Inputs         a caller's prompt as token ids and its parameters, checked (inputs.py)
+                   (tokenizer, vocabulary size)
 
 Over 300 lines (docs/architecture.md says why): one short method per operation of the API,
 kept in one facade.
@@ -25,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 from array import array
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -33,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 from server.engine.protocol import EngineAPI
 from server.tasks.access import Access
 from server.tasks.cache import StateCache
-from server.tasks.claims import drop_claim
 from server.tasks.config import (
     STORE_DTYPES,
     LatencyFactory,
@@ -43,18 +45,19 @@ from server.tasks.config import (
     TokenizerLike,
     server_name,
 )
-from server.tasks.errors import TaskConflict, TaskElsewhere, TaskInvalid, TaskStale
+from server.tasks.errors import TaskElsewhere, TaskInvalid, TaskStale
+from server.tasks.inputs import Inputs, Prompt
 from server.tasks.inventory import Inventory
 from server.tasks.lease import Lease
 from server.tasks.lineage import base_of
-from server.tasks.params import GivenParams, TaskParams, clean_params, fim_prompt
+from server.tasks.params import GivenParams, TaskParams, fim_prompt
 from server.tasks.persist import Persistence
-from server.tasks.records import TASK, TEMPLATE, TMP, Output, Task, display_id, new_id
+from server.tasks.records import TASK, TMP, Output, Task, new_id
 from server.tasks.runs import Runs
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
-from server.tasks.templates import fill_template, template_of
+from server.tasks.templates import TemplateMaker, check_name
 from server.tasks.writer import Writer
 
 if TYPE_CHECKING:
@@ -68,10 +71,6 @@ TASK_EVENTS = (
 )  # fmt: skip
 """The events the task layer counts (TaskManager.counters, rwkv_task_events_total): each starts at
 0, so an alert on `state_corrupt` has its series before the first corruption."""
-TokenIds = list[int]
-Prompt = str | TokenIds
-"""Text, or token ids."""
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
 STOPPING_WAIT_S = 5.0
@@ -114,6 +113,8 @@ class TaskManager:
         self.runs = self._runs(latency)
         self.inventory = self._inventory()
         self.access = Access(self.table, self.store, self.persistence, self.lease)
+        self.templates = TemplateMaker(self.access, self.table, self.cache, self.persistence, engine)
+        self.inputs = Inputs(tokenizer, self.vocab_size)
         self.interrupted: list[str] = []
 
     # the layers __init__ wires, each from the fields set before it
@@ -267,7 +268,7 @@ class TaskManager:
         tag: str | None = None,
     ) -> Task:
         """A new task from the zero state. `tag`: what it is to the route making it (Task.tag)."""
-        ids = await self._encode(prompt)
+        ids = await self.inputs.encode(prompt)
         if not ids:
             raise TaskInvalid("prompt must not be empty", param="prompt")
         kind = TASK if persistent else TMP
@@ -275,7 +276,7 @@ class TaskManager:
             id=new_id(kind),
             kind=kind,
             owner=self.owner_id(owner),
-            params=self._params(params),
+            params=self.inputs.params(params),
             prompt=prompt if isinstance(prompt, str) else "",
             tag=tag,
         )
@@ -307,8 +308,8 @@ class TaskManager:
         (max_tokens included), then the prompt. The source is untouched. `tag`: the new task's
         (Task.tag; never the source's). `inherit=False`: the new task's parameters are `params`
         alone (a field left out is the default, not the source's: a response's seed)."""
-        ids = await self._encode(prompt) if prompt else None
-        over = self._params(params)
+        ids = await self.inputs.encode(prompt) if prompt else None
+        over = self.inputs.params(params)
         src = await _settled_if_stopping(await self.get(task_id, owner))
         self.access.finished(src, "fork")
         merged: TaskParams = {**src.params, **over} if inherit else over
@@ -346,8 +347,8 @@ class TaskManager:
     ) -> Task:
         """The same task goes on: with a prompt, prefill it then generate (new output);
         without, keep generating (the output grows)."""
-        ids = await self._encode(prompt) if prompt else None
-        over = self._params(params)
+        ids = await self.inputs.encode(prompt) if prompt else None
+        over = self.inputs.params(params)
         for attempt in range(2):
             t = await _settled_if_stopping(await self.get(task_id, owner, write=True, force=force))
             merged: TaskParams = {**t.params, **over}
@@ -412,52 +413,16 @@ class TaskManager:
         t.out.notify()
         return t
 
-    async def _own_template(self, tid: str, oid: str | None) -> bool:
-        """True when the template tid (being made here included) is oid's own."""
-        t = await self.access.find(tid)  # (memory first: the live set holds one being made)
-        return t is not None and not t.deleted and t.owner == oid
-
     async def as_template(
         self, task_id: str, owner: str | None = None, name: str | None = None, *, public: bool = False
     ) -> Task:
         """A read-only, persisted template `_TMPL_<hex>` (or `_<name>`) with the task's state,
         answered once its state is stored. Private to `owner`'s key unless `public` (every key
         may read and fork it); a template made without keys (owner None) is public. Names are
-        per key: the private `_<name>` of two keys are two templates."""
-        if name is not None and not _NAME.match(name):  # bad input first, whatever the task's state
-            raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
+        per key: the private `_<name>` of two keys are two templates (TemplateMaker.make)."""
+        check_name(name)  # bad input first, whatever the task's state
         src = await _settled_if_stopping(await self.get(task_id, owner))
-        self.access.finished(src, "make a template of")
-        oid = self.owner_id(owner)
-        public = public or oid is None
-        tid = new_id(TEMPLATE, name, None if public else oid)
-        # the name is taken by this key's own template of it, private or public: a private one
-        # shadows the public one (Access.lookup), from this key too (docs/task-api.md, 409)
-        other = None if name is None or oid is None else new_id(TEMPLATE, name, oid if public else None)
-        taken = f"template {display_id(tid)!r} already exists"
-        if other is not None and await self._own_template(other, oid):
-            raise TaskConflict(f"{taken} ({'private' if public else 'public'})", param="name")
-        if tid in self.live or await self.access.find(tid) is not None or tid in self.live:
-            raise TaskConflict(taken, param="name")
-        if other is not None and (made := self.live.get(other)) is not None and made.owner == oid:
-            raise TaskConflict(f"{taken} ({'private' if public else 'public'})", param="name")  # made meanwhile
-        tpl = template_of(src, tid, oid, public)
-        self.live[tid] = tpl  # reserves the id here (no await since the check above)
-        claimed = False
-        try:
-            await self.persistence.claim_id(tpl)  # and in the database (another server may race)
-            claimed = True
-            await fill_template(tpl, src, self.persistence, self.engine)
-        except BaseException:
-            self.table.forget(tid)
-            tpl.deleted = True
-            if tpl.state_id and tpl.state_id.startswith(tid + ":"):
-                self.cache.discard(tpl.state_id)
-            if claimed:
-                await _drop_claim(self.persistence, tpl)
-            raise
-        self.table.retire(tpl)  # its truth is its row now (another server may delete it)
-        return tpl
+        return await self.templates.make(src, self.owner_id(owner), name, public)
 
     async def wait(self, task_id: str, owner: str | None = None, timeout: float | None = None) -> Task:
         t = await self.get(task_id, owner)
@@ -500,27 +465,6 @@ class TaskManager:
         out.update(instance=self.instance, peers=sorted(self.lease.peers))
         return out
 
-    # --- helpers ---------------------------------------------------------------------------------
-    def _params(self, params: GivenParams | None) -> TaskParams:
-        return clean_params(params or {}, self.vocab_size)
-
-    async def _encode(self, prompt: Prompt) -> TokenIds:
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")  # the stored prompt and its text must be valid UTF-8
-            except UnicodeEncodeError as exc:
-                raise TaskInvalid(
-                    f"prompt is not valid text at character {exc.start} (a lone surrogate?)", param="prompt"
-                ) from None
-            if len(prompt) > 20000:
-                return list(await asyncio.to_thread(self.tokenizer.encode, prompt))
-            return list(self.tokenizer.encode(prompt))
-        ids = [int(x) for x in prompt]
-        bad = next((x for x in ids if not 0 <= x < self.vocab_size), None)
-        if bad is not None:
-            raise TaskInvalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
-        return ids
-
 
 async def _settled_if_stopping(t: Task) -> Task:
     """t, once its run has settled if that run's stop was asked for (`stop`, or its streaming
@@ -529,15 +473,6 @@ async def _settled_if_stopping(t: Task) -> Task:
     if t.running and t.stop_requested:
         await _wait_done(t, STOPPING_WAIT_S)
     return t
-
-
-async def _drop_claim(persistence: Persistence, t: Task) -> None:
-    """Delete the row claim_id inserted for a template that could not be made (best effort:
-    a claim left behind is deleted once this instance is gone: server.tasks.claims)."""
-    try:
-        await persistence.writer.call(drop_claim, persistence.store, t.id, persistence.instance)
-    except Exception as exc:
-        log.warning("template %s: could not delete its unfinished row: %s", t.id, exc)
 
 
 async def _wait_done(t: Task, timeout: float | None) -> None:

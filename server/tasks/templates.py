@@ -1,5 +1,7 @@
-"""Filling a new template (TaskManager.as_template): give it a stored state that has consumed
-all but the last token of its history, before the template is answered.
+"""Making a new template (TaskManager.as_template, by a `TemplateMaker`): its name checked (a
+key's public `_<name>` and private `_<name>@<owner>` are one name, never both), its id reserved
+here and claimed in the database, then filled: given a stored state that has consumed all but
+the last token of its history, before the template is answered.
 
 The template's row and its state are committed in ONE transaction, the row finished, so a
 template is either whole or not there (an unanswered as_template leaves nothing usable): until
@@ -12,23 +14,111 @@ behind, and a crash between the two would leave a template without a state).
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import uuid
 from array import array
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from server.engine.prefill import prefill_state
 from server.engine.protocol import EngineAPI
-from server.tasks.claims import settle_claim
+from server.tasks.cache import StateCache
+from server.tasks.claims import drop_claim, settle_claim
 from server.tasks.codec import encode_state
-from server.tasks.errors import TaskConflict
+from server.tasks.errors import TaskConflict, TaskInvalid
 from server.tasks.lineage import base_of
 from server.tasks.output import Output
 from server.tasks.persist import Persistence
-from server.tasks.records import FINISHED, PREFILL, TEMPLATE, Task, to_row
+from server.tasks.records import FINISHED, PREFILL, TEMPLATE, Task, display_id, new_id, to_row
 from server.tasks.store import state_row
+from server.tasks.table import TaskTable
 
 if TYPE_CHECKING:
     from server.model.state import State
+
+__all__ = ["TemplateAccess", "TemplateMaker", "being_made", "check_name", "fill_template", "template_of"]
+
+log = logging.getLogger("server.tasks")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def check_name(name: str | None) -> None:
+    """TaskInvalid unless `name` (None: none given) may name a template."""
+    if name is not None and not _NAME.match(name):
+        raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
+
+
+class TemplateAccess(Protocol):
+    """What making a template needs of the access rules (server.tasks.access.Access)."""
+
+    async def find(self, task_id: str) -> Task | None: ...
+
+    def finished(self, src: Task, what: str) -> None: ...
+
+
+class TemplateMaker:
+    """Makes the template of a finished task: the name checks, the id reserved in the table and
+    claimed in the database, the fill, and the clean-up of a template that could not be made."""
+
+    def __init__(
+        self,
+        access: TemplateAccess,
+        table: TaskTable,
+        cache: StateCache[State],
+        persistence: Persistence,
+        engine: EngineAPI,
+    ) -> None:
+        self.access, self.table, self.cache = access, table, cache
+        self.persistence, self.engine = persistence, engine
+
+    async def make(self, src: Task, oid: str | None, name: str | None, public: bool) -> Task:
+        """TaskManager.as_template of the caller's task `src` (its name checked: check_name; its
+        stopping run settled), for the owner hash `oid`; answered once its state is stored."""
+        self.access.finished(src, "make a template of")
+        live = self.table.live
+        public = public or oid is None
+        tid = new_id(TEMPLATE, name, None if public else oid)
+        # the name is taken by this key's own template of it, private or public: a private one
+        # shadows the public one (Access.lookup), from this key too (docs/task-api.md, 409)
+        other = None if name is None or oid is None else new_id(TEMPLATE, name, oid if public else None)
+        taken = f"template {display_id(tid)!r} already exists"
+        if other is not None and await self._own_template(other, oid):
+            raise TaskConflict(f"{taken} ({'private' if public else 'public'})", param="name")
+        if tid in live or await self.access.find(tid) is not None or tid in live:
+            raise TaskConflict(taken, param="name")
+        if other is not None and (made := live.get(other)) is not None and made.owner == oid:
+            raise TaskConflict(f"{taken} ({'private' if public else 'public'})", param="name")  # made meanwhile
+        tpl = template_of(src, tid, oid, public)
+        live[tid] = tpl  # reserves the id here (no await since the check above)
+        claimed = False
+        try:
+            await self.persistence.claim_id(tpl)  # and in the database (another server may race)
+            claimed = True
+            await fill_template(tpl, src, self.persistence, self.engine)
+        except BaseException:
+            self.table.forget(tid)
+            tpl.deleted = True
+            if tpl.state_id and tpl.state_id.startswith(tid + ":"):
+                self.cache.discard(tpl.state_id)
+            if claimed:
+                await self._drop_claim(tpl)
+            raise
+        self.table.retire(tpl)  # its truth is its row now (another server may delete it)
+        return tpl
+
+    async def _own_template(self, tid: str, oid: str | None) -> bool:
+        """True when the template tid (being made here included) is oid's own."""
+        t = await self.access.find(tid)  # (memory first: the live set holds one being made)
+        return t is not None and not t.deleted and t.owner == oid
+
+    async def _drop_claim(self, t: Task) -> None:
+        """Delete the row claim_id inserted for a template that could not be made (best effort:
+        a claim left behind is deleted once this instance is gone: server.tasks.claims)."""
+        p = self.persistence
+        try:
+            await p.writer.call(drop_claim, p.store, t.id, p.instance)
+        except Exception as exc:
+            log.warning("template %s: could not delete its unfinished row: %s", t.id, exc)
 
 
 def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
