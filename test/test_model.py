@@ -247,6 +247,35 @@ def test_fused_decode_path_equals_unfused():
     assert lw.g1.untyped_storage().data_ptr() == pk[1].lora1.untyped_storage().data_ptr()
 
 
+def test_decode_loras_with_the_gate_apart_equal_the_stacked_launch(monkeypatch):
+    """From LORA_APART_MIN_ROWS rows the gate's LoRA runs apart and the others stack at their own
+    widest width (views of the padded stacks): the same LoRA outputs as the one stacked launch a
+    stage, in every layer (layer 0 without the value mix), and the same decode."""
+    from server.model import decode_pack
+
+    model = load_model("synthetic:L2-C256-V512:4")  # LoRA widths g 64, w / a / v 32
+    model.fused_decode = True
+    packs = model._decode_packs()
+    assert [pk.widths for pk in packs] == [(64, 32, 32), (64, 32, 32, 32)]
+    B = 5
+    xs = torch.randn(6, B, model.shape.n_embd)
+    states = [model.zero_state(B) for _ in range(2)]
+    tok = torch.tensor([4, 40, 400, 7, 0])
+    logits = []
+    for min_rows, state in zip((B + 1, B), states):
+        monkeypatch.setattr(decode_pack, "LORA_APART_MIN_ROWS", min_rows)
+        assert [pk.gate_apart(B) for pk in packs] == ([0, 0] if min_rows > B else [32, 32])
+        outs = [model._decode_loras(xs, pk) for pk in packs]
+        if min_rows > B:
+            stacked = outs
+        else:
+            for (z, gz), (z0, gz0) in zip(outs, stacked):
+                assert z.shape == z0.shape and gz.shape == gz0.shape
+                assert rel_err(z, z0) < 1e-5 and rel_err(gz, gz0) < 1e-5
+        logits.append(model.decode(tok, state))
+    assert rel_err(logits[1], logits[0]) < 1e-5
+
+
 def test_capture_graph_is_thread_local_and_pauses_the_collector(monkeypatch):
     """graphs.capture_graph: a thread-local capture with no automatic collection inside it (it
     could destroy a dead object's CUDA resources mid-capture), the collector's state restored

@@ -66,6 +66,46 @@ def test_cuda_graph_decode_equals_eager(pair):
     assert all(torch.equal(a, b) for a, b in zip(pool.tensors(), ref.tensors()))
 
 
+def test_decode_with_the_gate_lora_apart(pair, monkeypatch):
+    """From decode_pack.LORA_APART_MIN_ROWS rows the gate's LoRA runs on a stream of its own (in a
+    graph: a parallel branch) and the others stack at their own width: the stacked launch's decode
+    to fp16 rounding, and its graph replays equal its eager decodes."""
+    from server.model import decode_pack
+
+    _, gpu = pair
+    B = 16  # past the gemv's rows: the products are cuBLAS's
+    assert gpu._decode_packs()[1].widths == (96, 32, 32, 32)
+    pool = gpu.zero_state(B)
+    gpu.forward([[i + 1, i + 2] for i in range(B)], pool)
+    tok = torch.arange(B, device="cuda") + 10
+    stacked = pool.clone()
+    want = [gpu.decode(tok + step, stacked) for step in range(3)]
+    monkeypatch.setattr(decode_pack, "LORA_APART_MIN_ROWS", B)
+    assert gpu._decode_packs()[1].gate_apart(B) == 32
+    eager = pool.clone()
+    got = [gpu.decode(tok + step, eager) for step in range(3)]
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-2
+    assert rel_err(eager.wkv, stacked.wkv) < 1e-2
+    static_tok = tok.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up on a side stream (required before capture)
+        gpu.decode(static_tok, pool.clone())
+    torch.cuda.current_stream().wait_stream(s)
+    replayed = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = gpu.decode(static_tok, replayed)
+    for a, b in zip(replayed.tensors(), pool.tensors()):  # the capture ran no kernels; to be sure
+        a.copy_(b)
+    for step in range(3):
+        static_tok.copy_(tok + step)
+        graph.replay()
+        assert torch.equal(static_out, got[step])
+    assert all(torch.equal(a, b) for a, b in zip(replayed.tensors(), eager.tensors()))
+
+
 def test_long_chunks_slots_and_lengths_on_cuda(pair):
     """Default CUDA chunking (one long chunk, lengths=/slots= handed to the kernel, no gather)
     equals the CPU fp32 reference for a ragged batch on non-contiguous slots."""

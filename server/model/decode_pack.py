@@ -15,7 +15,8 @@ them as stacked (P, N, K) weights against (P, B, K) planes of the token-shift ou
 D = the largest width stacked (smaller ones are zero-padded: zero rows/columns add nothing to
 the real outputs, and the small-batch gemv does not read them: ops.linear's rows / cols hints
 from DecodePack.widths); no value mix in layer 0 (Q = 3). So the four LoRAs are 2 launches, for
-more (padded) FLOPs than 4 separate ones (docs/performance.md has the measurements). The layer's
+more (padded) FLOPs than 4 separate ones (docs/performance.md has the measurements); from
+LORA_APART_MIN_ROWS rows, 4 launches on two streams (the gate's, and the others' at their width). The layer's
 own fields (wr, wk, wv, w1, ...) become views into these tensors, so prefill is unchanged; the
 padding is the only extra memory (~7 MB per layer at 2.9B).
 """
@@ -30,6 +31,12 @@ from server.model import qlinear
 from server.model.checkpoint import LayerWeights
 from server.model.qlinear import QWeight, Weight
 
+LORA_APART_MIN_ROWS = 1024
+"""From this many rows (batch) the decode runs the gate's LoRA apart from the others, on a stream
+of its own, and stacks the others at their own widest width instead of the gate's
+(DecodePack.gate_apart): there each stage's products fill few SMs, so two side by side take less
+than one padded launch (docs/performance.md, "The decode LoRAs with the gate apart")."""
+
 PLANE_ORDER = (5, 1, 4, 3, 2, 0)
 """Rows of LayerWeights.mix (x_r, x_w, x_k, x_v, x_a, x_g) in decode plane order g, w, a, v, k, r."""
 
@@ -41,6 +48,14 @@ class DecodePack:
     lora1: torch.Tensor  # (Q, D, C) gate, decay, a[, v-mix]
     lora2: torch.Tensor  # (Q, C, D)
     widths: tuple[int, ...] = ()  # each plane's own LoRA width (<= D; the rest is zero padding)
+
+    def gate_apart(self, rows: int) -> int:
+        """The width d at which the LoRAs after the gate stack when the gate's runs apart (the
+        views lora1[1:, :d] and lora2[1:, :, :d]), or 0: one stacked launch a stage. Apart from
+        LORA_APART_MIN_ROWS rows, where the gate is the widest LoRA (its planes are then whole)."""
+        if rows < LORA_APART_MIN_ROWS or len(self.widths) < 2 or self.widths[0] != self.lora1.shape[1]:
+            return 0
+        return max(self.widths[1:])
 
 
 def pack_layer(lw: LayerWeights) -> DecodePack:

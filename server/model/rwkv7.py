@@ -198,10 +198,28 @@ class RWKV7:
         """The decode LoRAs from the token-shift planes xs (6, B, C): (wz, az[, vz]) stacked
         (P, B, C) without their biases, and the gate (B, C); one launch per stage."""
         lin, Q = self.ops.linear, pk.lora1.shape[0]
+        d = pk.gate_apart(xs.shape[1])
+        if d:
+            return self._decode_loras_apart(xs, pk, d)
         mid = lin(xs[:Q], pk.lora1, rows=pk.widths)  # (Q, B, D) gate, decay, a[, v-mix] hidden
         self.ops.lora_act(mid[1], mid[0])  # tanh on the decay plane, sigmoid on the gate's; in place
         out = lin(mid, pk.lora2, cols=pk.widths)  # (Q, B, C) gate, wz, az[, vz]
         return out[1:], out[0]
+
+    def _decode_loras_apart(self, xs: torch.Tensor, pk: DecodePack, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """_decode_loras at a large batch: the gate's LoRA (width D) on a stream of its own beside
+        the others, which stack at their widest width d (DecodePack.gate_apart)."""
+        lin, Q = self.ops.linear, pk.lora1.shape[0]
+        gate = self._fork()
+        with gate:
+            hg = lin(xs[0], pk.lora1[0])  # (B, D) gate hidden
+            self.ops.lora_act(hg[:0], hg)  # sigmoid, in place
+            gz = lin(hg, pk.lora2[0])  # (B, C)
+        hw = lin(xs[1:Q], pk.lora1[1:, :d])  # (Q-1, B, d) decay, a[, v-mix] hidden
+        self.ops.lora_act(hw[0], hw[0, :0])  # tanh on the decay plane, in place
+        z = lin(hw, pk.lora2[1:, :, :d])  # (Q-1, B, C) wz, az[, vz]
+        gate.join()
+        return z, gz
 
     def _fork(self) -> SideStream:
         """A context that runs its body on a side stream forked from the current one (join()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import json
 import os
 import statistics
@@ -225,6 +226,9 @@ def main() -> None:
     p.add_argument("--tmix-per-sm", default="",
                    help="decode runs at each of these cuda_ops.TMIX_PIPE_PER_SM values (the pipelined time-mix's "
                         "resident blocks per SM, 0 = as many as fit), alternating")  # fmt: skip
+    p.add_argument("--lora-apart-min-rows", default="",
+                   help="decode runs at each of these decode_pack.LORA_APART_MIN_ROWS values (the rows from which "
+                        "the gate's LoRA runs apart from the others), alternating")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -265,25 +269,25 @@ def main() -> None:
     print_table(lines)
 
 
-SWITCHES = {"fp8_fast_accum": "FP8_FAST_ACCUM", "sparse_value": "SPARSE_VALUE", "scaled_min_rows": "SCALED_MIN_ROWS",
-            "tmix_per_sm": "TMIX_PIPE_PER_SM"}  # fmt: skip
-"""bench arguments that set a server.model.cuda_quant (or, TMIX_*, cuda_ops) switch per decode run:
-argument -> attribute (flags 0/1, but SCALED_MIN_ROWS and TMIX_PIPE_PER_SM, counts)"""
-COUNTS = ("scaled_min_rows", "tmix_per_sm")
+SWITCHES = {"fp8_fast_accum": "cuda_quant.FP8_FAST_ACCUM", "sparse_value": "cuda_quant.SPARSE_VALUE",
+            "scaled_min_rows": "cuda_quant.SCALED_MIN_ROWS", "tmix_per_sm": "cuda_ops.TMIX_PIPE_PER_SM",
+            "lora_apart_min_rows": "decode_pack.LORA_APART_MIN_ROWS"}  # fmt: skip
+"""bench arguments that set a switch of a server.model module per decode run: argument -> module.attribute
+(flags 0/1, but the COUNTS)"""
+COUNTS = ("scaled_min_rows", "tmix_per_sm", "lora_apart_min_rows")
 
 
 def _switches(a: argparse.Namespace):
-    """Each decode run's switch settings, set in cuda_quant before it runs, yielded as the tag that
+    """Each decode run's switch settings, set in their modules before it runs, yielded as the tag that
     its result lines carry ({} once when no switch is given)."""
     conv = lambda k, v: int(v) if k in COUNTS else bool(int(v))  # noqa: E731
     runs = [(k, conv(k, v)) for k in SWITCHES for v in getattr(a, k).split(",") if v]
     if not runs:
         yield {}
         return
-    from server.model import cuda_ops, cuda_quant
-
     for key, on in runs:
-        setattr(cuda_ops if key.startswith("tmix") else cuda_quant, SWITCHES[key], on)
+        module, attr = SWITCHES[key].split(".")
+        setattr(importlib.import_module(f"server.model.{module}"), attr, on)
         yield {key: on}
 
 
