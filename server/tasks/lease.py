@@ -70,7 +70,8 @@ class Lease:
 
     def run(self, on_reaped: Callable[[list[str]], None], on_lost: Callable[[], None]) -> None:
         """Heartbeat in the background; `on_reaped(ids)` after tasks were marked interrupted,
-        `on_lost()` when this instance's lease had expired."""
+        `on_lost()` when this instance's lease had expired (the task manager's: its Takeover,
+        server.tasks.takeover)."""
         self._task = asyncio.create_task(self._loop(on_reaped, on_lost), name="task-lease")
 
     async def close(self) -> None:

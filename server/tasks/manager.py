@@ -11,6 +11,8 @@ A facade composed of collaborators, each given what it needs at construction:
                    the settle by its Settler (settle.py)  (engine, table, persistence, cache)
     Inventory      list, stats, the TMP_ janitor  (table, store, cache)
     Lease          this server's instance row and heartbeat among replicas  (store)
+    Takeover       the lease's reactions: stale copies of a dead instance's tasks forgotten, the
+                   runs taken from this one stopped (takeover.py)  (table, store, runs' abort)
     Access         which tasks a caller may see, and under which id  (table, store, persistence, lease)
     TemplateMaker  as_template: the name checks, the claim, the fill (templates.py)
                    (access, table, cache, persistence, engine)
@@ -57,6 +59,7 @@ from server.tasks.runs import Runs
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
+from server.tasks.takeover import Takeover
 from server.tasks.templates import TemplateMaker, check_name
 from server.tasks.writer import Writer
 
@@ -101,7 +104,6 @@ class TaskManager:
         self.store = store or Store(cfg.db, busy_timeout=cfg.db_busy_timeout)
         self.lease = Lease(self.store, server_name(cfg.instance_name), cfg.public_url, cfg.lease_timeout)
         self.instance = self.lease.instance
-        self._background: set[asyncio.Task[None]] = set()  # (_lease_lost's check)
         self.table = TaskTable()
         self.live = self.table.live  # TMP tasks, running tasks, tasks with writes pending
         self.cache: StateCache[State] = StateCache(
@@ -111,6 +113,7 @@ class TaskManager:
         self.counters: Counter[str] = Counter(dict.fromkeys(TASK_EVENTS, 0))  # /metrics shows each from 0
         self.persistence = self._persistence()
         self.runs = self._runs(latency)
+        self.takeover = Takeover(self.table, self.store, self.instance, self.runs.abort)
         self.inventory = self._inventory()
         self.access = Access(self.table, self.store, self.persistence, self.lease)
         self.templates = TemplateMaker(self.access, self.table, self.cache, self.persistence, engine)
@@ -179,7 +182,7 @@ class TaskManager:
         await self.persistence.start()
         self.writer.start()
         self.inventory.start()
-        self.lease.run(self._reaped, self._lease_lost)
+        self.lease.run(self.takeover.reaped, self.takeover.lost)
 
     async def close(self) -> None:
         self.inventory.close()
@@ -204,33 +207,6 @@ class TaskManager:
         """Until every queued row and every finished task's state are in the database (or the
         state was dropped by the write-behind budget)."""
         await self.persistence.flush()
-
-    def _reaped(self, ids: list[str]) -> None:
-        """Another instance died: the copies of its tasks held here are out of date."""
-        for task_id in ids:
-            if task_id not in self.live:
-                self.table.forget(task_id)
-
-    def _lease_lost(self) -> None:
-        """This instance's lease had expired: the others marked the tasks it was running then
-        interrupted (and may run them now). Stop those here (their final writes are refused
-        anyway); a task started since, whose row is still this instance's, runs on."""
-        running = [t for t in self.table.running() if t.kind != TMP]
-        if running:
-            task = asyncio.create_task(self._stop_taken(running), name="lease-lost")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _stop_taken(self, running: list[Task]) -> None:
-        try:
-            held = await self.store.held_by([t.id for t in running], self.instance)
-        except Exception as exc:  # the database is away: stop them all, as is safe
-            log.warning("after the lease expired, could not read which tasks are still ours (%s)", exc)
-            held = set()
-        for t in running:
-            if t.id not in held and t.running:
-                t.interrupted = True
-                self.runs.abort(t)
 
     def _state_evicted(self, key: str) -> None:
         """A cache LRU dropped `key` (`<task id>:<hex>`): if it was its task's newest state and
