@@ -87,7 +87,7 @@ def test_database_tier_counts_the_stored_states(tmp_path):
 
 
 def evict_elsewhere(path: str) -> None:
-    """What another replica's budget check does to every non-template state (Store.enforce_budget)."""
+    """What another replica's budget check does to every non-template state (StateStore.enforce_budget)."""
     with sqlite3.connect(path, timeout=30) as db:
         gone = [r[0] for r in db.execute("SELECT id FROM states WHERE is_template = 0")]
         for sid in gone:

@@ -48,7 +48,7 @@ async def test_a_rebuilt_state_continues_like_the_lost_one(parts, tmp_path):
             lost = tm.cache.get(t.state_id).clone()  # the state decoding left (now "lost")
             pos = t.state_pos
             assert t.state == "stored" and pos == len(t.tokens) - 1
-            await tm.store.drop_state(t.stored_id)  # gone from the database and from memory
+            await tm.store.states.drop_state(t.stored_id)  # gone from the database and from memory
             tm.cache.discard(t.state_id)
             rebuilds = tm.counters["rebuilds"]
             await tm.wait((await tm.continue_(t.id, {"max_tokens": 0})).id)  # the server rebuilds it
@@ -91,7 +91,7 @@ async def test_the_server_continues_a_rebuilt_task_token_for_token(parts, tmp_pa
             lost = await tm.wait((await tm.create(prompt, {"max_tokens": 8, **GREEDY}, persistent=True)).id)
             await tm.flush()
             assert list(kept.tokens) == list(lost.tokens)
-            await tm.store.drop_state(lost.stored_id)
+            await tm.store.states.drop_state(lost.stored_id)
             tm.cache.discard(lost.state_id)
             a = await tm.wait((await tm.continue_(kept.id, {"max_tokens": 16})).id)
             b = await tm.wait((await tm.continue_(lost.id, {"max_tokens": 16})).id)
@@ -117,7 +117,7 @@ async def test_a_rebuilt_history_does_not_count_as_the_request_s_prompt(parts, t
         t = await tm.wait((await tm.create(list(range(10, 24)), {"max_tokens": 12, **GREEDY}, persistent=True)).id)
         await tm.flush()
         assert len(t.tokens) == 26  # past the bound: 14 prompt + 12 generated
-        await tm.store.drop_state(t.stored_id)
+        await tm.store.states.drop_state(t.stored_id)
         tm.cache.discard(t.state_id)
         await tm.wait((await tm.continue_(t.id, {"max_tokens": 2}, list(range(30, 40)))).id)  # rebuilt: fine
         assert t.finish_reason == "length" and tm.counters["rebuilds"] == 1

@@ -27,7 +27,8 @@ from server.tasks import TaskConflict, TaskConfig, TaskManager, TaskUnavailable
 from server.tasks.codec import encode_state
 from server.tasks.database import DatabaseDamaged
 from server.tasks.records import FINISHED, RUNNING, Task, complete_interrupted, to_row
-from server.tasks.store import Store, state_row
+from server.tasks.statestore import state_row
+from server.tasks.store import Store
 from server.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,8 +114,8 @@ async def test_a_broken_state_is_rebuilt_from_the_tokens_not_refused(tmp_path, d
         assert tm.counters["rebuild_tokens"] == len(t.tokens) - 1
         assert c.finish_reason == "length" and c.out.text == t.out.text + "<100><101>"
         await tm.flush()
-        assert await tm.store.get_state(sid) is None  # the broken one is gone
-        assert c.state == "stored" and await tm.store.get_state(c.state_id) is not None
+        assert await tm.store.states.get_state(sid) is None  # the broken one is gone
+        assert c.state == "stored" and await tm.store.states.get_state(c.state_id) is not None
     finally:
         await tm.close()
 
@@ -266,7 +267,7 @@ async def test_a_full_disk_refuses_new_tasks_and_never_shows_an_uncommitted_fini
     await tm.wait(t.id, timeout=10)
     assert not t.running and (await tm.store.get_task(t.id)).status == FINISHED
     await tm.flush()
-    assert t.state == "stored" and await tm.store.get_state(t.state_id) is not None
+    assert t.state == "stored" and await tm.store.states.get_state(t.state_id) is not None
     await tm.close()
 
 
@@ -329,7 +330,7 @@ async def test_a_delete_that_cannot_commit_leaves_the_task_as_it_was(tmp_path, m
 async def test_a_state_write_on_a_full_disk_is_retried_and_the_task_stays_usable(tmp_path, monkeypatch):
     eng = FakeEngine()
     tm = await manager(eng, tmp_path / "s.db")
-    real = tm.store.store_state
+    real = tm.store.states.store_state
     fails = {"n": 3}
 
     async def store_state(*a):
@@ -338,11 +339,11 @@ async def test_a_state_write_on_a_full_disk_is_retried_and_the_task_stays_usable
             await disk_full(tm.store)
         return await real(*a)
 
-    monkeypatch.setattr(tm.store, "store_state", store_state)
+    monkeypatch.setattr(tm.store.states, "store_state", store_state)
     t = await tm.wait((await tm.create("abc", persistent=True)).id, timeout=10)
     assert t.finish_reason == "length" and t.state in ("cached", "stored")  # shown: its row is in
     await tm.flush()
-    assert fails["n"] == 0 and t.state == "stored" and await tm.store.get_state(t.state_id) is not None
+    assert fails["n"] == 0 and t.state == "stored" and await tm.store.states.get_state(t.state_id) is not None
     await tm.close()
 
 
@@ -351,20 +352,21 @@ _KILLED_WRITER = """
 import asyncio, sys, torch
 sys.path.insert(0, "test")
 from task_fakes import counted_state
-from server.tasks import store as store_mod
+from server.tasks import statestore
 from server.tasks.codec import encode_state
+from server.tasks.store import Store
 
 async def stuck(conn, state_id):
     print("IN THE MIDDLE", flush=True)
     await asyncio.sleep(600)
 
 async def main():
-    s = store_mod.Store(sys.argv[1])
+    s = Store(sys.argv[1])
     await s.open()
-    store_mod._drop_state_if_unused = stuck  # after the insert and the row update, before the commit
+    statestore.drop_state_if_unused = stuck  # after the insert and the row update, before the commit
     big = counted_state(5)
     enc = encode_state(big, "fake-L1-C4-H1-N4")
-    await s.store_state("TASK_x", store_mod.state_row("S_new", "TASK_x", enc, False), 5)
+    await s.states.store_state("TASK_x", statestore.state_row("S_new", "TASK_x", enc, False), 5)
 
 asyncio.run(main())
 """
@@ -387,11 +389,11 @@ async def test_a_writer_killed_mid_state_write_leaves_the_database_as_it_was(tmp
         proc.wait(30)
     row = await store.get_task("TASK_x")
     assert (row.state_id, row.state_pos) == ("S_old", 2)  # the killed transaction left nothing
-    assert await store.get_state("S_new") is None and await store.get_state("S_old") is not None
+    assert await store.states.get_state("S_new") is None and await store.states.get_state("S_old") is not None
     stored, _ = await asyncio.wait_for(  # and holds no lock: the next writer goes through
-        store.store_state("TASK_x", state_row("S_new", "TASK_x", encode_state(counted_state(5), "fake-L1-C4-H1-N4"), False), 5), 10)
+        store.states.store_state("TASK_x", state_row("S_new", "TASK_x", encode_state(counted_state(5), "fake-L1-C4-H1-N4"), False), 5), 10)
     assert stored and (await store.get_task("TASK_x")).state_id == "S_new"
-    assert await store.get_state("S_old") is None
+    assert await store.states.get_state("S_old") is None
     await store.close()
 
 

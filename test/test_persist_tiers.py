@@ -64,7 +64,7 @@ async def test_the_database_tier_drops_at_delete(tmp_path):
         assert tm.stats()["tiers"]["database"]["bytes"] == 2 * ONE
         await tm.delete(f.id)
         await tm.delete(ts[2].id)
-        assert tm.stats()["tiers"]["database"]["bytes"] == 0 == await tm.store.states_bytes()
+        assert tm.stats()["tiers"]["database"]["bytes"] == 0 == await tm.store.states.states_bytes()
     finally:
         await tm.close()
 
@@ -112,7 +112,7 @@ async def test_fp16_storage_halves_an_fp32_wkv_state(tmp_path):
     try:
         t = await tm.wait((await tm.create("abc", persistent=True)).id, timeout=10)
         await tm.flush()
-        row = await tm.store.get_state(t.state_id)
+        row = await tm.store.states.get_state(t.state_id)
         assert row.nbytes < ONE and '"as":"float32"' in row.meta
         tm.cache.discard(t.state_id)
         await tm.wait((await tm.continue_(t.id, {"max_tokens": 1})).id, timeout=10)

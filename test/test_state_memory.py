@@ -20,7 +20,8 @@ from server.tasks import TaskConfig, TaskManager
 from server.tasks.claims import settle_claim
 from server.tasks.codec import encode_state
 from server.tasks.records import Task, to_row
-from server.tasks.store import Store, state_row
+from server.tasks.statestore import state_row
+from server.tasks.store import Store
 
 SHAPE = ModelShape(n_layer=2, n_embd=128, n_head=2, head_size=64, vocab_size=65536, ffn_dim=512,
                    d_decay=32, d_aaa=32, d_mv=32, d_gate=32)
@@ -58,7 +59,7 @@ async def _insert_new(store: Store, row: dict[str, Any]) -> None:
 
 async def _store_state(store: Store, row: dict[str, Any]) -> None:
     await store.save(task_row("TASK_x"))
-    assert (await store.store_state("TASK_x", row, 5))[0]
+    assert (await store.states.store_state("TASK_x", row, 5))[0]
 
 
 async def _settle_claim(store: Store, row: dict[str, Any]) -> None:
@@ -88,7 +89,7 @@ async def test_a_written_state_blob_is_not_kept_by_the_statement_cache(
             del blob, row, enc
             kept = [type(r).__qualname__ for r in gc.get_referrers(ref())] if ref() is not None else None
             assert kept is None, f"the blob is still referred to by {kept}"
-        got = await store.get_state("s1")
+        got = await store.states.get_state("s1")
         assert got is not None and len(got.data) == st.nbytes()  # written all the same
     finally:
         await store.close()

@@ -21,7 +21,8 @@ from server.tasks.codec import StateCodecError, decode_state, encode_state
 from server.tasks.errors import TaskUnavailable
 from server.tasks.records import Task, from_row, to_row
 from server.tasks.schema import metadata
-from server.tasks.store import RowHeld, Store, TagTaken, database_url, state_row
+from server.tasks.statestore import state_row
+from server.tasks.store import RowHeld, Store, TagTaken, database_url
 from server.tasks.writer import Writer
 
 from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
@@ -91,7 +92,7 @@ async def test_state_round_trip_through_the_database_is_bit_exact(db_url, shift,
     await store.save(state=state_row("s1", "TASK_x", enc, False))
     await store.close()
     store = await open_store(db_url)  # a fresh process would see the same bytes
-    row = await store.get_state("s1")
+    row = await store.states.get_state("s1")
     back = decode_state(orjson.loads(row.meta), row.data, SIG, row.checksum)
     assert bits(back) == bits(st)
     assert [t.dtype for t in back.tensors()] == [shift, shift, wkv]
@@ -203,7 +204,7 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     # templates made without keys were readable by every key: public; those of a key: private
     assert from_row(await store.get_task("_old_public")).public
     assert not from_row(await store.get_task("_old_private")).public
-    row = await store.get_state("S1")
+    row = await store.states.get_state("S1")
     assert decode_state(orjson.loads(row.meta), row.data, SIG, row.checksum).checksum() == rand_state(7).checksum()
     await store.close()
     assert await run_sql(db_url, "select last_used from states where id='S1'") == [(123.0,)]  # backfilled
@@ -243,13 +244,13 @@ async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(db_url)
         row = state_row(f"S{i}", t.id, enc, is_template=(i == 0))
         row["last_used"] = 1000.0 + i
         await store.save(to_row(t), row)
-    victims, left = await store.enforce_budget(2 * n, keep={"S2"})
+    victims, left = await store.states.enforce_budget(2 * n, keep={"S2"})
     assert victims == ["S1", "S3", "S4"] and left == 2 * n  # S0 is a template, S2 is in use
     for i in range(6):
         t = from_row(await store.get_task(f"TASK_{i}"))
         assert t.out.text == f"text {i}"
         assert (t.stored_id is None) == (f"S{i}" in victims) and (t.stored_pos == 0) == (f"S{i}" in victims)
-    assert await store.states_bytes(templates=True) == n
+    assert await store.states.states_bytes(templates=True) == n
     await store.close()
 
 
@@ -299,9 +300,9 @@ async def test_db_budget_drops_preferred_states_last(db_url):
         row = state_row(f"S{i}", f"TASK_{i}", enc, is_template=False)
         row["last_used"] = 1000.0 + i
         await store.save(to_row(Task(id=f"TASK_{i}", kind="task", stored_id=f"S{i}", stored_pos=3)), row)
-    victims, left = await store.enforce_budget(3 * n, keep=set(), prefer={"S0", "S1"})
+    victims, left = await store.states.enforce_budget(3 * n, keep=set(), prefer={"S0", "S1"})
     assert victims == ["S2", "S3"] and left == 3 * n  # the oldest two are cached: kept
-    victims, left = await store.enforce_budget(1 * n, keep={"S4"}, prefer={"S0", "S1"})
+    victims, left = await store.states.enforce_budget(1 * n, keep={"S4"}, prefer={"S0", "S1"})
     assert victims == ["S0", "S1"] and left == n  # nothing else left: the cached ones go, oldest first
     await store.close()
 

@@ -18,7 +18,8 @@ from server.tasks import migrate
 from server.tasks.codec import decode_state, encode_state
 from server.tasks.listing import Listing
 from server.tasks.records import Task, from_row, to_row
-from server.tasks.store import _CHUNK, Store, _upsert_rows, state_row
+from server.tasks.statestore import state_row
+from server.tasks.store import _CHUNK, Store, _upsert_rows
 
 from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
 from test_store import SIG, bits, inspect_schema, open_store, rand_state, run_sql
@@ -112,8 +113,8 @@ async def test_two_stores_write_the_same_database_concurrently(pg_url):
         for i in range(20):
             t = from_row(await c.get_task(f"TASK_{tag}_{i}_0"))
             assert (t.prompt, t.out.text) == (f"{tag} {i} 0", f"progress {tag} {i}")
-            assert (await c.get_state(f"S{tag}{i}")).data == enc.data
-    assert await c.states_bytes() == 40 * enc.nbytes
+            assert (await c.states.get_state(f"S{tag}{i}")).data == enc.data
+    assert await c.states.states_bytes() == 40 * enc.nbytes
     await c.close()
 
 
@@ -175,8 +176,8 @@ async def test_task_rows_create_read_update_list_delete(db_url):
     await store.save(to_row(task("a", state_id="SH", state_pos=2)), state_row("SH", "TASK_a", enc, False))
     await store.save(to_row(task("b", state_id="SH", state_pos=2)))  # a fork sharing the state
     n = enc.nbytes
-    assert await store.delete_task("TASK_a") == (True, 0) and (await store.get_state("SH")) is not None
-    assert await store.delete_task("TASK_b") == (True, n) and (await store.get_state("SH")) is None
+    assert await store.delete_task("TASK_a") == (True, 0) and (await store.states.get_state("SH")) is not None
+    assert await store.delete_task("TASK_b") == (True, n) and (await store.states.get_state("SH")) is None
     assert await store.delete_task("TASK_b") == (False, 0)
     assert await store.counts() == {"tasks": 13, "states": 0}
     await store.close()
@@ -232,16 +233,16 @@ async def test_states_of_realistic_size_round_trip_byte_exact(db_url):
     await store.close()
     store = await open_store(db_url)
     for i, enc in enumerate(encs):
-        row = await store.get_state(f"S{i}")
+        row = await store.states.get_state(f"S{i}")
         assert bytes(row.data) == bytes(enc.data) and row.nbytes == enc.nbytes == len(row.data)
         assert row.checksum == hashlib.sha256(row.data).hexdigest() == enc.checksum
         assert bool(row.is_template) == (i == 3) and row.signature == (big_sig if i == 3 else mid_sig)
         back = decode_state(orjson.loads(row.meta), row.data, row.signature, row.checksum)
         assert bits(back) == bits(mids[i] if i < 3 else big)
     total = sum(e.nbytes for e in encs[:3])
-    assert await store.states_bytes() == total and await store.states_bytes(True) == encs[3].nbytes
-    assert await store.states_bytes(None) == total + encs[3].nbytes
-    assert isinstance(await store.states_bytes(), int)
+    assert await store.states.states_bytes() == total and await store.states.states_bytes(True) == encs[3].nbytes
+    assert await store.states.states_bytes(None) == total + encs[3].nbytes
+    assert isinstance(await store.states.states_bytes(), int)
     await store.close()
 
 
@@ -270,15 +271,15 @@ async def test_upserts_in_chunks_and_many_evictions(db_url):
             yield dict(rows[i], state_id=f"S{i}", state_pos=1), srow, []
 
     await store.save_each(items())
-    await store.touch_states(["S5"], when=5000.0)  # most recently used now: the last to go
-    victims, left = await store.enforce_budget(3 * enc.nbytes, keep={"S0", "S1"})
+    await store.states.touch_states(["S5"], when=5000.0)  # most recently used now: the last to go
+    victims, left = await store.states.enforce_budget(3 * enc.nbytes, keep={"S0", "S1"})
     survivors = {"S0", "S1", "S5"}
     assert len(victims) == n - 3 and set(victims) == {f"S{i}" for i in range(n)} - survivors
     assert victims[:3] == ["S2", "S3", "S4"] and left == 3 * enc.nbytes
     assert await store.counts() == {"tasks": n, "states": 3}
     nulls = await run_sql(db_url, "select count(*) from tasks where state_id is null and state_pos = 0")
     assert nulls == [(n - 3,)]
-    assert (await store.enforce_budget(3 * enc.nbytes, keep=set())) == ([], 3 * enc.nbytes)
+    assert (await store.states.enforce_budget(3 * enc.nbytes, keep=set())) == ([], 3 * enc.nbytes)
     await store.close()
 
 
@@ -296,7 +297,7 @@ async def test_concurrent_writers_and_readers_on_one_store(db_url):
                 await store.save(to_row(task(tid, id=tid, prompt=f"{w}/{i}", state_id=f"S{w}_{i}", state_pos=1)),
                                  state_row(f"S{w}_{i}", tid, enc, False))
                 await store.save_progress([{"id": tid, "text": f"text {w}/{i}"}])
-                await store.touch_states([f"S{w}_{i}"])
+                await store.states.touch_states([f"S{w}_{i}"])
                 got = from_row(await store.get_task(tid))
                 assert (got.prompt, got.out.text) == (f"{w}/{i}", f"text {w}/{i}")
                 await Listing(store).list_tasks(None, True, None, 10, 0)
@@ -305,11 +306,11 @@ async def test_concurrent_writers_and_readers_on_one_store(db_url):
         except BaseException as exc:  # noqa: BLE001 - collected, asserted below
             errors.append(exc)
 
-    await asyncio.gather(*(worker(w) for w in range(16)), store.enforce_budget(1 << 40, set()))
+    await asyncio.gather(*(worker(w) for w in range(16)), store.states.enforce_budget(1 << 40, set()))
     assert errors == []
     assert await store.counts() == {"tasks": 16 * 4, "states": 16 * 4}
-    assert await store.states_bytes() == 16 * 4 * enc.nbytes
-    assert await store.get_task("TASK_w3_0") is None and await store.get_state("S3_0") is None
+    assert await store.states.states_bytes() == 16 * 4 * enc.nbytes
+    assert await store.get_task("TASK_w3_0") is None and await store.states.get_state("S3_0") is None
     await store.close()
 
 
@@ -331,7 +332,7 @@ async def test_reopen_keeps_everything(db_url):
     assert to_row(from_row(await again.get_task(t.id))) == to_row(t)
     t2 = from_row(await again.get_task("TASK_2"))
     assert (t2.status, t2.finish_reason) == (3, "interrupted")
-    assert (await again.get_state("S1")).data == enc.data
+    assert (await again.states.get_state("S1")).data == enc.data
     assert await again.counts() == {"tasks": 2, "states": 1} and await again.mark_interrupted() == []
     await again.close()
     assert set(await inspect_schema(db_url)) == {"tasks", "states", "instances", "alembic_version"}

@@ -51,7 +51,7 @@ async def test_a_run_that_settles_after_its_task_was_deleted_leaves_no_state(tmp
         assert tm.stats()["tiers"]["tmp"]["bytes"] == tm.stats()["tiers"]["tasks_lru"]["bytes"] == 0
         assert tm.counters["state_writes"] == writes
         assert not await tm.store.task_exists(t.id)
-        assert await tm.store.get_state(t.state_id) is None
+        assert await tm.store.states.get_state(t.state_id) is None
     finally:
         await tm.close()
 
@@ -91,6 +91,6 @@ async def test_a_task_deleted_while_its_run_is_being_stored_leaves_no_state(tmp_
         await settled(tm)
         assert not t.running and tm.cache.keys() == set() and tm.cache.pinned_keys() == set()
         assert tm.counters["state_writes"] == writes
-        assert not await tm.store.task_exists(t.id) and await tm.store.get_state(new) is None
+        assert not await tm.store.task_exists(t.id) and await tm.store.states.get_state(new) is None
     finally:
         await tm.close()

@@ -52,7 +52,7 @@ async def test_a_run_whose_task_was_taken_over_leaves_no_state(tmp_path, how):
         assert tm.cache.keys() == set() and tm.cache.pinned_keys() == set()
         assert tm.stats()["tiers"]["tasks_lru"]["bytes"] == 0
         assert tm.counters["state_writes"] == writes  # nor written
-        assert await tm.store.get_state(new) is None
+        assert await tm.store.states.get_state(new) is None
         if how == "interrupted":  # read again from its row: the state it names is the stored one
             again = await tm.get(t.id)
             assert again is not t and again.finish_reason == "interrupted" and again.state_id == stored

@@ -214,7 +214,7 @@ async def test_a_task_shows_finished_once_its_row_is_committed_and_its_state_fol
         await parts.p.flush()
         row = await parts.store.get_task(t.id)
         assert (row.state_id, row.state_pos) == (t.state_id, 4) == (t.stored_id, t.stored_pos)
-        assert t.state == STORED and await parts.store.get_state(t.state_id) is not None
+        assert t.state == STORED and await parts.store.states.get_state(t.state_id) is not None
         assert parts.cache.pinned_keys() == set() and t.state_id in parts.cache  # unpinned, still cached
         assert t.id not in parts.table.live and parts.table.recent[t.id] is t  # retired
         assert parts.p.db_state_bytes == counted_state(0).nbytes() and parts.counters["state_writes"] == 1
@@ -237,7 +237,7 @@ async def test_a_newer_state_supersedes_one_not_yet_written_and_replaces_the_sto
         await parts.p.flush()
         row = await parts.store.get_task(t.id)
         assert (row.state_id, row.state_pos) == (f"{t.id}:s6", 6)
-        assert await parts.store.get_state(first) is None  # the old stored state went with it
+        assert await parts.store.states.get_state(first) is None  # the old stored state went with it
         assert parts.counters["state_writes"] == 2 and parts.p.db_state_bytes == counted_state(0).nbytes()
         assert parts.cache.pinned_keys() == set()
 
@@ -280,8 +280,8 @@ async def test_the_database_budget_drops_the_oldest_states(tmp_path):
         for i, t in enumerate(tasks):
             await (await settle(parts, t, i + 1))
             await parts.p.flush()
-            await parts.store.touch_states([t.state_id], when=1000.0 + i)  # a strict age order
-        assert await parts.store.states_bytes(templates=False) <= 2.5 * one
+            await parts.store.states.touch_states([t.state_id], when=1000.0 + i)  # a strict age order
+        assert await parts.store.states.states_bytes(templates=False) <= 2.5 * one
         assert parts.counters["db_evictions"] == 2 and parts.p.db_state_bytes == 2 * one
         assert [t.stored_id is None for t in tasks] == [True, True, False, False]
         assert [t.state_id is None for t in tasks] == [True, True, False, False]

@@ -15,7 +15,7 @@ from server.config import Settings
 from server.tasks import TaskConflict, TaskManager, pump
 from server.tasks.codec import encode_state
 from server.tasks.records import Task, to_row
-from server.tasks.store import state_row
+from server.tasks.statestore import state_row
 
 GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
 
@@ -99,13 +99,13 @@ async def test_byte_budgets_hold_under_churn_and_templates_survive(parts, tmp_pa
         peak = max(peak, tm.cache.stats()["lru_bytes"])
     await tm.flush()
     assert peak <= 4 * one and tm.cache.stats()["pinned_count"] == 0
-    assert await tm.store.states_bytes(templates=False) <= 6 * one and tm.counters["db_evictions"] >= 50
+    assert await tm.store.states.states_bytes(templates=False) <= 6 * one and tm.counters["db_evictions"] >= 50
     size = os.path.getsize(db)
     assert size < 60 * one // 2, f"database file of {size} bytes for a {6 * one}-byte budget"
     assert len(tm.live) <= 2  # finished stored tasks leave the live set
     f = await tm.wait((await tm.fork("_tpl", {"max_tokens": 2}, " hi")).id)
     assert f.prompt_tokens == len(tm.tokenizer.encode(" hi")) + 1  # template state still there
-    assert await tm.store.get_state(tpl.state_id) is not None
+    assert await tm.store.states.get_state(tpl.state_id) is not None
     evicted = await tm.get(first.id)  # its state is gone, its text stays; continuing recomputes
     assert evicted.out.text == first.out.text
     # gone everywhere, and the task says so: the budget drops only states no cache holds
@@ -127,17 +127,17 @@ async def test_no_task_names_a_state_the_database_dropped(parts, tmp_path):
     ids = [(await tm.wait((await tm.create(f"task {i}", {"max_tokens": 2}, persistent=True)).id)).id
            for i in range(6)]
     await tm.flush()
-    assert await tm.store.states_bytes(templates=False) <= 2 * one and tm.counters["db_evictions"] >= 4
+    assert await tm.store.states.states_bytes(templates=False) <= 2 * one and tm.counters["db_evictions"] >= 4
     named = []
     for i in ids:
         t = await tm.get(i)
         if t.state_id is not None:
             named.append(t.state_id)
-            assert await tm.store.get_state(t.state_id) is not None, f"{i} names a dropped state"
+            assert await tm.store.states.get_state(t.state_id) is not None, f"{i} names a dropped state"
         assert (t.state_id is None) == ((await tm.store.get_task(i)).state_id is None)
     assert len(named) == 2  # the two newest fit the budget
     for sid in tm.cache.keys():
-        assert await tm.store.get_state(sid) is not None, f"cache holds {sid}, gone from the database"
+        assert await tm.store.states.get_state(sid) is not None, f"cache holds {sid}, gone from the database"
     await tm.close()
 
 
@@ -181,13 +181,13 @@ async def test_budget_query_runs_only_when_the_budget_may_be_exceeded(parts, tmp
     one = parts[0].shape.state_bytes(torch.float32, torch.float32)
     tm = await manager(parts, tmp_path / "q.db", db_budget_bytes=3 * one)
     calls = []
-    real = tm.store.enforce_budget
+    real = tm.store.states.enforce_budget
 
     async def counted(budget, keep, prefer=()):
         calls.append(budget)
         return await real(budget, keep, prefer)
 
-    monkeypatch.setattr(tm.store, "enforce_budget", counted)
+    monkeypatch.setattr(tm.store.states, "enforce_budget", counted)
     for i in range(3):  # three states fit: no query
         await tm.wait((await tm.create(f"fits {i}", {"max_tokens": 2, **GREEDY}, persistent=True)).id)
     await tm.flush()
@@ -195,7 +195,7 @@ async def test_budget_query_runs_only_when_the_budget_may_be_exceeded(parts, tmp
     await tm.wait((await tm.create("one more", {"max_tokens": 2, **GREEDY}, persistent=True)).id)
     await tm.flush()
     assert calls == [3 * one]  # the fourth may exceed the budget: checked, the oldest dropped
-    assert tm.db_state_bytes == await tm.store.states_bytes(templates=False) <= 3 * one
+    assert tm.db_state_bytes == await tm.store.states.states_bytes(templates=False) <= 3 * one
     await tm.close()
 
 
@@ -207,7 +207,7 @@ async def test_tasks_finishing_together_commit_in_one_transaction(parts, tmp_pat
     monkeypatch.setattr(pump, "PROGRESS_INTERVAL", 1e12)  # no progress job among them
     tm = await manager(parts, tmp_path / "g.db")
     calls: dict[str, list[int]] = {"rows": [], "owned": [], "states": []}
-    real_rows, real_owned, real_state = tm.store.save_rows, tm.store.update_owned, tm.store.store_state
+    real_rows, real_owned, real_state = tm.store.save_rows, tm.store.update_owned, tm.store.states.store_state
 
     async def save_rows(batch):
         calls["rows"].append(len(batch))
@@ -223,7 +223,7 @@ async def test_tasks_finishing_together_commit_in_one_transaction(parts, tmp_pat
 
     monkeypatch.setattr(tm.store, "save_rows", save_rows)
     monkeypatch.setattr(tm.store, "update_owned", update_owned)
-    monkeypatch.setattr(tm.store, "store_state", store_state)
+    monkeypatch.setattr(tm.store.states, "store_state", store_state)
     gate, gate2 = asyncio.Event(), asyncio.Event()
     await tm.writer.put(gate.wait)
     creates = [asyncio.create_task(tm.create(f"burst {i}", {"max_tokens": 2, **GREEDY}, persistent=True))
@@ -242,7 +242,7 @@ async def test_tasks_finishing_together_commit_in_one_transaction(parts, tmp_pat
     assert calls == {"rows": [6], "owned": [6], "states": [1] * 6}
     for t in done:
         assert t.finish_reason == "length" and len(out_ids(t)) == 2 and t.state == "stored"
-        assert await tm.store.get_state(t.state_id) is not None
+        assert await tm.store.states.get_state(t.state_id) is not None
     await tm.close()
 
 

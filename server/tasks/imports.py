@@ -31,7 +31,7 @@ from server.tasks.codec import encode_state
 from server.tasks.errors import TaskConflict, TaskInvalid
 from server.tasks.lineage import STATE_ORIGIN, is_state_only
 from server.tasks.records import TEMPLATE, Task, new_id, to_row
-from server.tasks.store import state_row
+from server.tasks.statestore import state_row
 
 if TYPE_CHECKING:
     from server.model.state import State

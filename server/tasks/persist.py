@@ -220,7 +220,7 @@ class Persistence:
         if sid.startswith("TMP_"):
             return None  # TMP states are never stored
         try:
-            row = await self.store.get_state(sid)
+            row = await self.store.states.get_state(sid)
         except Exception as exc:
             if not damaged(exc):
                 raise
@@ -239,13 +239,13 @@ class Persistence:
             self.writer.offer(self._drop_corrupt, sid)
             return None
         self.counters["db_state_loads"] += 1
-        self.writer.offer(self.store.touch_states, [sid])  # budget eviction is least recently used
+        self.writer.offer(self.store.states.touch_states, [sid])  # budget eviction is least recently used
         if row.is_template and sid not in self.cache:
             self.cache.put(sid, st, template=True)
         return st
 
     async def _drop_corrupt(self, sid: str) -> None:
-        self.states.dropped(await self.store.drop_state(sid))
+        self.states.dropped(await self.store.states.drop_state(sid))
         for x in self.table.held():
             if x.stored_id == sid:
                 x.stored_id, x.stored_pos = None, 0

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from server.tasks.behind import Pending, StateLane
 from server.tasks.cache import StateCache
 from server.tasks.codec import encode_state
-from server.tasks.store import Store, state_row
+from server.tasks.statestore import state_row
+from server.tasks.store import Store
 from server.tasks.table import TaskTable
 from server.tasks.writer import Writer
 
@@ -65,8 +66,8 @@ class StateWrites:
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="task-state-encode", initializer=_background)
 
     async def start(self) -> None:
-        self.db_state_bytes = await self.store.states_bytes(templates=False)
-        self.db_state_entries = await self.store.states_count(templates=False)
+        self.db_state_bytes = await self.store.states.states_bytes(templates=False)
+        self.db_state_entries = await self.store.states.states_count(templates=False)
         self.lane.start()
 
     async def close(self, timeout: float) -> None:
@@ -99,7 +100,7 @@ class StateWrites:
         try:
             if t.deleted:
                 return
-            stored, dropped = await self.store.store_state(t.id, srow, p.pos)
+            stored, dropped = await self.store.states.store_state(t.id, srow, p.pos)
             self.dropped(dropped)
             if not stored:
                 return
@@ -152,11 +153,11 @@ class StateWrites:
         running task's, pinned) is kept. A dropped state leaves memory too, and the tasks that
         named it say so, as the database now does: no task keeps an id that is gone."""
         keep = self.cache.pinned_keys() | {x.state_id for x in self.table.running() if x.state_id}
-        victims, total = await self.store.enforce_budget(self.db_budget_bytes, keep, prefer=self.cache.keys())
+        victims, total = await self.store.states.enforce_budget(self.db_budget_bytes, keep, prefer=self.cache.keys())
         self.db_state_bytes = total
         # one more read where the budget check already read every state's size (on the writer,
         # so no write of this server's comes between): the count, other replicas' states included
-        self.db_state_entries = await self.store.states_count(templates=False)
+        self.db_state_entries = await self.store.states.states_count(templates=False)
         if victims:
             gone = set(victims)
             for sid in gone:

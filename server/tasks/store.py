@@ -2,8 +2,9 @@
 
 The connection (WAL + synchronous=FULL on SQLite, so an acknowledged task survives a power
 loss; IMMEDIATE write transactions; transient errors as TaskUnavailable, HTTP 503): database.py.
-The list's page, filters and prompt search: listing.py. All SQL here is plain SQLAlchemy Core that
-PostgreSQL runs too.
+The list's page, filters and prompt search: listing.py. The state queries (the stored states, a
+state written behind its row, the byte budget): statestore.py, owned here as `Store.states`. All
+SQL here is plain SQLAlchemy Core that PostgreSQL runs too.
 
 Run writes of existing rows are fenced: a claim (`claim`) moves a finished row to this instance
 only if nobody else runs it and it is the version this server read; later writes of the run
@@ -17,16 +18,15 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, NamedTuple
 
-import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from server.tasks.claims import drop_unmade, unmade
-from server.tasks.codec import EncodedState
 from server.tasks.database import Database, database_url, unavailable
 from server.tasks.errors import TaskConflict
 from server.tasks.records import qualified
 from server.tasks.schema import INSERT_STATE, DbRow, states, tasks
+from server.tasks.statestore import StateStore, drop_state_if_unused, has_state
 
 __all__ = [
     "ClaimMiss",
@@ -35,7 +35,6 @@ __all__ = [
     "Store",
     "TagTaken",
     "database_url",
-    "state_row",
     "unavailable",
 ]
 
@@ -64,7 +63,12 @@ class ClaimMiss(NamedTuple):
 
 
 class Store(Database):
-    """Task and state queries (the connection, locking and errors: Database; the list: listing.Listing)."""
+    """Task queries (the connection, locking and errors: Database; the list: listing.Listing; the
+    state queries: `states`, a statestore.StateStore over this store's transactions)."""
+
+    def __init__(self, db: str, *, busy_timeout: float = 30.0) -> None:
+        super().__init__(db, busy_timeout=busy_timeout)
+        self.states = StateStore(self)
 
     # --- tasks ---------------------------------------------------------------------------------
     async def save(
@@ -105,7 +109,7 @@ class Store(Database):
                 if (await conn.execute(q)).first() is not None:
                     return False
                 await _name_free(conn, task_row)
-                if state is not None and not await _has_state(conn, state["id"], state["checksum"]):
+                if state is not None and not await has_state(conn, state["id"], state["checksum"]):
                     await conn.execute(INSERT_STATE, state)
                 await conn.execute(sa.insert(tasks), [task_row])
         except sa.exc.IntegrityError:  # inserted by another server since the check
@@ -221,7 +225,7 @@ class Store(Database):
                 if holder is None:
                     return False, 0  # deleted meanwhile by another server
                 raise RowHeld(holder.instance)
-            return True, (await _drop_state_if_unused(conn, row.state_id) if row.state_id else 0)
+            return True, (await drop_state_if_unused(conn, row.state_id) if row.state_id else 0)
 
     async def mark_interrupted(self, live: Iterable[str] = ()) -> list[str]:
         """Tasks running (PREFILL/READY/RUNNING) on no instance in `live` -> FINISHED with
@@ -229,127 +233,11 @@ class Store(Database):
         async with self.write() as conn:
             return await interrupt_orphans(conn, set(live))
 
-    # --- states --------------------------------------------------------------------------------
-    async def get_state(self, state_id: str) -> DbRow | None:
-        async with self.read() as conn:
-            q = sa.select(
-                states.c.meta,
-                states.c.data,
-                states.c.checksum,
-                states.c.signature,
-                states.c.nbytes,
-                states.c.is_template,
-            ).where(states.c.id == state_id)
-            return (await conn.execute(q)).first()
-
-    async def store_state(self, task_id: str, state: dict[str, Any], pos: int) -> tuple[bool, int]:
-        """Write a state behind its task's row: insert it and point the row at it (state_pos =
-        pos), dropping the state the row named before if no task names it any more. Skipped
-        when the row is gone or already names a state of a longer history (histories only
-        grow). Returns (stored, non-template state bytes dropped)."""
-        async with self.write() as conn:
-            q = sa.select(tasks.c.state_id, tasks.c.state_pos).where(tasks.c.id == task_id).with_for_update()
-            cur = (await conn.execute(q)).first()
-            if cur is None or (cur.state_id is not None and cur.state_pos > pos):
-                return False, 0
-            await conn.execute(INSERT_STATE, state)
-            await conn.execute(
-                sa.update(tasks).where(tasks.c.id == task_id).values(state_id=state["id"], state_pos=pos)
-            )
-            dropped = await _drop_state_if_unused(conn, cur.state_id) if cur.state_id else 0
-            return True, dropped
-
-    async def drop_state(self, state_id: str) -> int:
-        """Delete a state (a corrupt one) and clear the rows that name it (state_pos 0: their
-        next run rebuilds from zero). Returns the non-template bytes dropped."""
-        async with self.write() as conn:
-            row = (
-                await conn.execute(sa.select(states.c.nbytes, states.c.is_template).where(states.c.id == state_id))
-            ).first()
-            await conn.execute(sa.update(tasks).where(tasks.c.state_id == state_id).values(state_id=None, state_pos=0))
-            await conn.execute(sa.delete(states).where(states.c.id == state_id))
-            return 0 if row is None or row.is_template else int(row.nbytes)
-
-    async def touch_states(self, state_ids: Iterable[str], when: float | None = None) -> None:
-        ids = list(state_ids)
-        if not ids:
-            return
-        async with self.write() as conn:
-            for i in range(0, len(ids), _CHUNK):
-                await conn.execute(
-                    sa.update(states).where(states.c.id.in_(ids[i : i + _CHUNK])).values(last_used=when or time.time())
-                )
-
-    async def states_bytes(self, templates: bool | None = False) -> int:
-        q = sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0))
-        if templates is not None:
-            q = q.where(states.c.is_template == templates)
-        async with self.read() as conn:
-            return int((await conn.execute(q)).scalar_one())
-
-    async def states_count(self, templates: bool | None = False) -> int:
-        """The number of stored states (non-template ones by default; None: all). Counted on
-        the (is_template, last_used) index, so SQLite never reads the state blobs' pages."""
-        q = sa.select(sa.func.count()).select_from(states)
-        if templates is not None:
-            q = q.where(states.c.is_template == templates)
-        async with self.read() as conn:
-            return int((await conn.execute(q)).scalar_one())
-
-    async def enforce_budget(self, budget: int, keep: set[str], prefer: Iterable[str] = ()) -> tuple[list[str], int]:
-        """Drop least recently used non-template states until they fit in `budget` bytes, never
-        one in `keep`, one in `prefer` only when the others do not suffice; tasks that pointed
-        at them keep their text (state_id NULL, state_pos 0).
-        Returns (dropped state ids, non-template state bytes left)."""
-        async with self.write() as conn:
-            nt = states.c.is_template == sa.false()
-            q = sa.select(sa.func.coalesce(sa.func.sum(states.c.nbytes), 0)).where(nt)
-            total = int((await conn.execute(q)).scalar_one())
-            if total <= budget:
-                return [], total
-            victims: list[str] = []
-            prefer = set(prefer)
-            rows = (
-                await conn.execute(
-                    sa.select(states.c.id, states.c.nbytes).where(nt).order_by(states.c.last_used, states.c.created_at)
-                )
-            ).all()
-            for r in [r for r in rows if r.id not in prefer] + [r for r in rows if r.id in prefer]:
-                if total <= budget:
-                    break
-                if r.id in keep:
-                    continue
-                victims.append(r.id)
-                total -= int(r.nbytes)
-            for i in range(0, len(victims), _CHUNK):
-                part = victims[i : i + _CHUNK]
-                await conn.execute(sa.delete(states).where(states.c.id.in_(part)))
-                await conn.execute(
-                    sa.update(tasks).where(tasks.c.state_id.in_(part)).values(state_id=None, state_pos=0)
-                )
-            return victims, total
-
     async def counts(self) -> dict[str, int]:
         async with self.read() as conn:
             n_tasks = (await conn.execute(sa.select(sa.func.count()).select_from(tasks))).scalar_one()
             n_states = (await conn.execute(sa.select(sa.func.count()).select_from(states))).scalar_one()
         return {"tasks": int(n_tasks), "states": int(n_states)}
-
-
-def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool) -> dict[str, Any]:
-    now = time.time()
-    return {
-        "id": state_id,
-        "task_id": task_id,
-        "is_template": is_template,
-        "signature": enc.signature,
-        "meta": orjson.dumps(enc.meta).decode(),
-        "nbytes": enc.nbytes,
-        "checksum": enc.checksum,
-        "data": enc.data,
-        "created_at": now,
-        "last_used": now,
-    }
 
 
 async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
@@ -377,7 +265,7 @@ async def _save_one(
         await _upsert_rows(conn, [task_row])
     dropped = 0
     for sid in drop_states:
-        dropped += await _drop_state_if_unused(conn, sid)
+        dropped += await drop_state_if_unused(conn, sid)
     return dropped
 
 
@@ -402,23 +290,6 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
     new = [r for r in last if r["id"] not in have]
     if new:
         await conn.execute(sa.insert(tasks), new)
-
-
-async def _has_state(conn: AsyncConnection, state_id: str, checksum: str) -> bool:
-    q = sa.select(states.c.id).where(states.c.id == state_id, states.c.checksum == checksum)
-    return (await conn.execute(q)).first() is not None
-
-
-async def _drop_state_if_unused(conn: AsyncConnection, state_id: str) -> int:
-    """Delete a state no task names; returns its bytes if it was a non-template one, else 0."""
-    used = sa.select(tasks.c.id).where(tasks.c.state_id == state_id).exists()
-    row = (
-        await conn.execute(sa.select(states.c.nbytes, states.c.is_template).where(states.c.id == state_id).where(~used))
-    ).first()
-    if row is None:
-        return 0
-    await conn.execute(sa.delete(states).where(states.c.id == state_id))
-    return 0 if row.is_template else int(row.nbytes)
 
 
 # --- template names: one per key ---------------------------------------------------------------

@@ -30,7 +30,7 @@ from server.tasks.lineage import base_of
 from server.tasks.output import Output
 from server.tasks.persist import Persistence
 from server.tasks.records import FINISHED, PREFILL, TEMPLATE, Task, display_id, new_id, to_row
-from server.tasks.store import state_row
+from server.tasks.statestore import state_row
 from server.tasks.table import TaskTable
 
 if TYPE_CHECKING:

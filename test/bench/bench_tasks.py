@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from server.config import Settings  # noqa: E402
 from server.model.state import State  # noqa: E402
 from server.tasks.codec import decode_state, encode_state  # noqa: E402
-from server.tasks.store import Store, state_row  # noqa: E402
+from server.tasks.statestore import state_row  # noqa: E402
+from server.tasks.store import Store  # noqa: E402
 
 GREEDY = {"temperature": 0, "presence_penalty": 0, "repetition_penalty": 0}
 
@@ -96,7 +97,7 @@ async def state_io(args) -> None:
         t_w = time.perf_counter() - t0
         t0 = time.perf_counter()
         for i in range(n):
-            row = await store.get_state(f"s{i}")
+            row = await store.states.get_state(f"s{i}")
             back = await asyncio.to_thread(decode_state, orjson.loads(row.meta), row.data, sig, row.checksum)
         t_r = time.perf_counter() - t0
         assert torch.equal(back.wkv, st.wkv)
