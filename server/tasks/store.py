@@ -13,7 +13,6 @@ only if nobody else runs it and it is the version this server read; later writes
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, NamedTuple
@@ -23,8 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from server.tasks.claims import drop_unmade, unmade
 from server.tasks.database import Database, database_url, unavailable
-from server.tasks.errors import TaskConflict
-from server.tasks.records import qualified
+from server.tasks.names import lock_name, name_free
 from server.tasks.schema import INSERT_STATE, DbRow, states, tasks
 from server.tasks.statestore import StateStore, drop_state_if_unused, has_state
 
@@ -99,16 +97,16 @@ class Store(Database):
         exists: False then, and nothing is written. For ids that are names (templates), which
         two servers of one database may pick at once: the first commit wins. A key's template
         whose name the key's other template has (public `_name`, private `_name@<owner>`):
-        TaskConflict, nothing written (_name_free). A state whose id names its content
+        TaskConflict, nothing written (names.name_free). A state whose id names its content
         (imports.state_id_of) may be stored already, with the same checksum: it is kept (the
         forks of a deleted template of the same file still name it)."""
         try:
             async with self.write() as conn:
-                await _lock_name(conn, task_row)
+                await lock_name(conn, task_row)
                 q = sa.select(tasks.c.id).where(tasks.c.id == task_row["id"])
                 if (await conn.execute(q)).first() is not None:
                     return False
-                await _name_free(conn, task_row)
+                await name_free(conn, task_row)
                 if state is not None and not await has_state(conn, state["id"], state["checksum"]):
                     await conn.execute(INSERT_STATE, state)
                 await conn.execute(sa.insert(tasks), [task_row])
@@ -293,38 +291,3 @@ async def _upsert_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> Non
 
 
 # --- template names: one per key ---------------------------------------------------------------
-def _keyed_name(row: dict[str, Any]) -> tuple[str, str] | None:
-    """(owner, name: `_<name>`) of a new template row of an API key (None: not one; a template
-    made without keys is public, its id is its name and the primary key keeps it unique)."""
-    if row.get("kind") != "template" or row.get("owner") is None:
-        return None
-    return row["owner"], row["id"].split("@", 1)[0]
-
-
-async def _lock_name(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    """In a write transaction, first: lock the key's template name till the commit, so that two
-    servers inserting a public `_name` and a private `_name@<owner>` of one key at once run one
-    after the other, and the later one's _name_free sees the first's row. SQLite: its write
-    transactions already are (BEGIN IMMEDIATE). PostgreSQL: a transaction-scoped advisory lock
-    on (owner, name); READ COMMITTED, each later statement reads what committed meanwhile."""
-    keyed = _keyed_name(row)
-    if keyed is None or conn.dialect.name != "postgresql":
-        return
-    digest = hashlib.sha256("\0".join(("template name", *keyed)).encode()).digest()
-    key = int.from_bytes(digest[:8], "big", signed=True)  # pg_advisory_xact_lock takes a bigint
-    await conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.bindparam("k", key, type_=sa.BigInteger))))
-
-
-async def _name_free(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    """After _lock_name: TaskConflict (TaskManager.as_template's 409, the same message) when the
-    owner of the new template `row` has the other template of its name, made or being made (its
-    claim): a private one would shadow the public one from that key (docs/task-api.md)."""
-    keyed = _keyed_name(row)
-    if keyed is None:
-        return
-    owner, name = keyed
-    other = qualified(name, owner) if row["id"] == name else name
-    q = sa.select(tasks.c.id).where(tasks.c.id == other, tasks.c.owner == owner)
-    if (await conn.execute(q)).first() is not None:
-        kind = "private" if row["public"] else "public"
-        raise TaskConflict(f"template {name!r} already exists ({kind})", param="name")
