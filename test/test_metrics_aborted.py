@@ -82,7 +82,8 @@ def test_inter_token_latency_counts_every_token_after_the_first():
     gaps of 0: the histogram holds tokens - 1 observations per run, however they were batched."""
     from types import SimpleNamespace
 
-    from server.api.metrics import Metrics, Recorder
+    from server.api.latency import Recorder
+    from server.api.metrics import Metrics
     from server.engine.types import Event
 
     for batches in ([3, 1, 2], [1, 1, 1, 1, 1, 1], [6]):

@@ -15,7 +15,7 @@ import orjson
 
 from server.api.generation.jobs import Job
 from server.api.generation.stream import ChoiceStream
-from server.api.metrics import Recorder
+from server.api.latency import Recorder
 from server.api.openai.render import Meta, chat_renderer, completion_renderer
 from server.api.streaming.direct import DirectWriter
 from server.engine.handle import Deliveries, RequestHandle

@@ -11,7 +11,8 @@ openapi.py      /openapi.json: every status a route answers, the error model, SS
 sampling.py     SamplingFields: the sampling fields of the OpenAI and task bodies (bounds,
                 defaults, the unknown-fields policy)
 grammar.py      a request's response_format or tool grammar, compiled before anything starts
-metrics.py      Prometheus metrics and the per-request latency Recorder
+metrics.py      Prometheus metrics: the text format and every family it holds
+latency.py      Recorder: a request's latency histograms fed per batch of tokens
 ops.py          /health, /metrics and /docs
 
 openai/         /v1/chat/completions, /v1/completions, /v1/models

@@ -16,8 +16,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api import handlers, openapi
+from server.api.latency import Recorder
 from server.api.loading import Loaded, facts, load_services, prefix_budget
-from server.api.metrics import Metrics, Recorder
+from server.api.metrics import Metrics
 from server.api.middleware import ServerMiddleware
 from server.api.openai.conversation import ConversationCache
 from server.api.openai.conversation import metric_lines as conversation_metric_lines

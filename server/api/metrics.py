@@ -1,11 +1,12 @@
 """Prometheus text-format metrics, without a client library.
 
 The HTTP side records what only it sees (requests, time to first token, inter-token latency:
-`Recorder`, one per request or task run); engine and cache figures are read from
-`engine.stats()` and the caches' stats when /metrics is scraped (server.api.ops). Histograms are
-cumulative-bucket counters as the text format expects. `openmetrics` rewrites the text as
-OpenMetrics for a scraper that asks for it. No two families share a name once a counter's
-`_total` goes (OpenMetrics names a counter without it): test_metrics_expositions parses both.
+the latency histograms here, fed by server.api.latency's `Recorder`, one per request or task
+run); engine and cache figures are read from `engine.stats()` and the caches' stats when /metrics
+is scraped (server.api.ops). Histograms are cumulative-bucket counters as the text format
+expects. `openmetrics` rewrites the text as OpenMetrics for a scraper that asks for it. No two
+families share a name once a counter's `_total` goes (OpenMetrics names a counter without it):
+test_metrics_expositions parses both.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import bisect
 import gc
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from server.engine.protocol import EngineAPI
 from server.engine.router import EngineRouter
-from server.engine.types import Event
 
 log = logging.getLogger("server.metrics")
 
@@ -311,38 +310,3 @@ def parse_metrics(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return values
-
-
-class Timed(Protocol):
-    """What a Recorder keeps on each sequence it times (an OpenAI job, a task run)."""
-
-    t_last: float | None
-
-
-class Recorder:
-    """TTFT / inter-token latency / duration metrics of one request (or task run)."""
-
-    def __init__(self, metrics: Metrics | None, t_arrival: float) -> None:
-        self.metrics, self.t0, self.first = metrics, t_arrival, True
-        self._finished = False
-
-    def on_batch(self, seq: Timed, batch: Sequence[Event]) -> None:
-        """A sequence's events taken at one wake-up (their tokens arrived together)."""
-        now = time.perf_counter()
-        n_new = len(batch[0].token_ids) if len(batch) == 1 else sum(len(ev.token_ids) for ev in batch)
-        if n_new and self.metrics is not None:
-            if self.first:
-                self.metrics.ttft.observe(now - self.t0)
-                self.first = False
-                if n_new > 1:  # they reached the client with the first: no gap between them
-                    self.metrics.itl.observe(0.0, n_new - 1)
-            elif seq.t_last:
-                self.metrics.itl.observe((now - seq.t_last) / n_new, n_new)
-        if n_new:
-            seq.t_last = now
-
-    def finish(self) -> None:
-        """The request is over: its duration, recorded once however many paths end it."""
-        if self.metrics is not None and not self._finished:
-            self.metrics.e2e.observe(time.perf_counter() - self.t0)
-        self._finished = True

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from server.api.errors import ApiError, engine_error
-from server.api.metrics import Recorder
+from server.api.latency import Recorder
 from server.api.streaming.sse import draining_event, wait_disconnect
 from server.engine.protocol import EngineAPI, Handle, StateLike
 from server.engine.types import Event, QueueFullError, SamplingParams, TokenLogprob

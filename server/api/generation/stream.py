@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from server.api.errors import error_body
 from server.api.generation.jobs import Job, abort_all, events, failed_batch, record
-from server.api.metrics import Recorder
+from server.api.latency import Recorder
 from server.api.streaming.source import DONE, event
 from server.engine.types import Event
 

@@ -20,11 +20,12 @@ from fastapi.responses import Response
 from server.api.errors import ApiError, prompt_too_long
 from server.api.generation.jobs import ClientGone, Job, Prompt, collect, submit_all
 from server.api.generation.stream import ChoiceStream
+from server.api.latency import Recorder
 from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError, bsz_overflow
 from server.api.lightning.render import FlushingRenderer, native_renderer, native_response
 from server.api.lightning.schemas import LightningV1Body, limits
-from server.api.metrics import CLIENT_GONE, Recorder
+from server.api.metrics import CLIENT_GONE
 from server.api.services import Services, get_services, json_response
 from server.api.streaming.sse import SSEResponse
 from server.engine.protocol import StateLike

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from server.api.errors import ApiError, prompt_too_long
 from server.api.generation.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
 from server.api.generation.stream import ChoiceStream, Renderer
-from server.api.metrics import Recorder
+from server.api.latency import Recorder
 from server.api.openai import agent_render, render, start, tools
 from server.api.openai.agents import Agent, chat_agent, chat_ready, completion_agent
 from server.api.openai.chat_format import CHAT_STOP, build_prompt
