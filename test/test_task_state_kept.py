@@ -277,6 +277,13 @@ class QueuedEngine(FakeEngine):
         return self.handles[-1]
 
 
+async def finished_task(tm: TaskManager, tmp: bool):
+    """A finished task (TMP or persistent) made from the prompt "p", its state written."""
+    t = await tm.wait((await tm.create("p", persistent=not tmp)).id, timeout=10)
+    await tm.flush()
+    return t
+
+
 async def stopped_before_its_first_token(tm: TaskManager, eng: QueuedEngine, t, fed: int) -> None:
     eng.gate, eng.fed = asyncio.Event(), fed  # runs wait until stopped
     await tm.continue_(t.id, {"max_tokens": 3}, "ab")
@@ -292,8 +299,7 @@ async def test_a_run_that_fed_nothing_keeps_the_state(tmp_path, tmp):
     eng = QueuedEngine()
     tm = await manager(eng, tmp_path / "q.db")
     try:
-        t = await tm.wait((await tm.create("p", persistent=not tmp)).id, timeout=10)
-        await tm.flush()
+        t = await finished_task(tm, tmp)
         kept, writes = (t.state_id, t.state_pos), tm.counters["state_writes"]
         await stopped_before_its_first_token(tm, eng, t, 0)
         assert (t.state_id, t.state_pos) == kept and tm.counters["state_writes"] == writes
@@ -313,8 +319,7 @@ async def test_a_run_that_fed_one_token_saves_its_state(tmp_path, tmp):
     eng = QueuedEngine()
     tm = await manager(eng, tmp_path / "q1.db")
     try:
-        t = await tm.wait((await tm.create("p", persistent=not tmp)).id, timeout=10)
-        await tm.flush()
+        t = await finished_task(tm, tmp)
         old, pos, writes = t.state_id, t.state_pos, tm.counters["state_writes"]
         await stopped_before_its_first_token(tm, eng, t, 1)
         assert t.state_id != old and t.state_pos == pos + 1
