@@ -294,37 +294,36 @@ async def stopped_before_its_first_token(tm: TaskManager, eng: QueuedEngine, t, 
     assert t.finish_reason == "stopped" and t.completion_tokens == 0
 
 
-@pytest.mark.parametrize("tmp", [False, True])
-async def test_a_run_that_fed_nothing_keeps_the_state(tmp_path, tmp):
+@pytest.fixture(params=[False, True], ids=["persistent", "tmp"])
+async def queued(tmp_path, request):
+    """(engine, manager, a finished task, whether it is TMP) on a QueuedEngine, closed after."""
     eng = QueuedEngine()
     tm = await manager(eng, tmp_path / "q.db")
     try:
-        t = await finished_task(tm, tmp)
-        kept, writes = (t.state_id, t.state_pos), tm.counters["state_writes"]
-        await stopped_before_its_first_token(tm, eng, t, 0)
-        assert (t.state_id, t.state_pos) == kept and tm.counters["state_writes"] == writes
-        only_current(tm, t)
-        await tm.wait((await tm.continue_(t.id)).id, timeout=10)
-        sub = eng.submissions[-1]
-        assert sub.init_state is not None and consumed(sub.init_state) == kept[1] and len(sub.prompt) == 3
-        assert tm.counters["db_state_loads"] == 0
-        await tm.flush()
-        only_current(tm, t)
+        yield eng, tm, await finished_task(tm, request.param), request.param
     finally:
         await tm.close()
 
 
-@pytest.mark.parametrize("tmp", [False, True])
-async def test_a_run_that_fed_one_token_saves_its_state(tmp_path, tmp):
-    eng = QueuedEngine()
-    tm = await manager(eng, tmp_path / "q1.db")
-    try:
-        t = await finished_task(tm, tmp)
-        old, pos, writes = t.state_id, t.state_pos, tm.counters["state_writes"]
-        await stopped_before_its_first_token(tm, eng, t, 1)
-        assert t.state_id != old and t.state_pos == pos + 1
-        assert consumed(tm.cache.get(t.state_id)) == t.state_pos
-        assert tm.counters["state_writes"] == writes + (0 if tmp else 1)
-        only_current(tm, t)
-    finally:
-        await tm.close()
+async def test_a_run_that_fed_nothing_keeps_the_state(queued):
+    eng, tm, t, _ = queued
+    kept, writes = (t.state_id, t.state_pos), tm.counters["state_writes"]
+    await stopped_before_its_first_token(tm, eng, t, 0)
+    assert (t.state_id, t.state_pos) == kept and tm.counters["state_writes"] == writes
+    only_current(tm, t)
+    await tm.wait((await tm.continue_(t.id)).id, timeout=10)
+    sub = eng.submissions[-1]
+    assert sub.init_state is not None and consumed(sub.init_state) == kept[1] and len(sub.prompt) == 3
+    assert tm.counters["db_state_loads"] == 0
+    await tm.flush()
+    only_current(tm, t)
+
+
+async def test_a_run_that_fed_one_token_saves_its_state(queued):
+    eng, tm, t, tmp = queued
+    old, pos, writes = t.state_id, t.state_pos, tm.counters["state_writes"]
+    await stopped_before_its_first_token(tm, eng, t, 1)
+    assert t.state_id != old and t.state_pos == pos + 1
+    assert consumed(tm.cache.get(t.state_id)) == t.state_pos
+    assert tm.counters["state_writes"] == writes + (0 if tmp else 1)
+    only_current(tm, t)
