@@ -279,13 +279,14 @@ def test_decode_loras_with_the_gate_apart_equal_the_stacked_launch(monkeypatch):
 def test_capture_graph_is_thread_local_and_pauses_the_collector(monkeypatch):
     """graphs.capture_graph: a thread-local capture with no automatic collection inside it (it
     could destroy a dead object's CUDA resources mid-capture), the collector's state restored
-    after, also when the capture raises, and left off when it was off."""
+    after, also when the capture raises, and left off when it was off; a kept graph is edited and
+    instantiated after a capture that ended, not after one that raised."""
     import contextlib
     import gc
 
     from server.model import graphs
 
-    seen = []
+    seen, done = [], []
 
     @contextlib.contextmanager
     def fake_graph(g, pool=None, capture_error_mode="global"):
@@ -294,18 +295,45 @@ def test_capture_graph_is_thread_local_and_pauses_the_collector(monkeypatch):
         yield
 
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(graphs, "_new_graph", lambda: ("g", True))
+    monkeypatch.setattr(graphs, "_edit_and_instantiate", done.append)
     was = gc.isenabled()
     try:
         gc.enable()
-        with graphs.capture_graph("g", "pool"):
-            assert not gc.isenabled()
-        assert gc.isenabled() and seen == [("g", "pool", False)]
-        with pytest.raises(ValueError), graphs.capture_graph("g", None):
+        with graphs.capture_graph("pool") as g:
+            assert g == "g" and not gc.isenabled()
+        assert gc.isenabled() and seen == [("g", "pool", False)] and done == ["g"]
+        with pytest.raises(ValueError), graphs.capture_graph(None):
             raise ValueError("capture failed")
-        assert gc.isenabled()
+        assert gc.isenabled() and done == ["g"]
         gc.disable()
-        with graphs.capture_graph("g", None):
+        with graphs.capture_graph(None):
             pass
         assert not gc.isenabled() and [s[2] for s in seen] == [False, False, False]
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_a_graph_the_driver_cannot_edit_is_instantiated_as_captured(monkeypatch, caplog):
+    """graphs._edit_and_instantiate: a DriverError from the edit (an old driver) is a warning,
+    and the graph is instantiated all the same."""
+    from server.model import graph_edit, graphs
+
+    calls = []
+
+    class Graph:
+        def raw_cuda_graph(self):
+            return 1234
+
+        def instantiate(self):
+            calls.append("instantiate")
+
+    def no_driver(raw):
+        calls.append(raw)
+        raise graph_edit.DriverError("the CUDA driver has no cuGraphAddDependencies_v2")
+
+    monkeypatch.setattr(graph_edit, "hoist_memsets", no_driver)
+    with caplog.at_level("WARNING", logger="server.model.graphs"):
+        graphs._edit_and_instantiate(Graph())
+    assert calls == [1234, "instantiate"]
+    assert "cuGraphAddDependencies_v2" in caplog.text

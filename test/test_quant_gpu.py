@@ -422,3 +422,32 @@ def _captured(fn, dev) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.gpu
+def test_hoisted_cublaslt_memset_leaves_the_fp8_product_as_eager(dev, monkeypatch):
+    """graphs.capture_graph with HOIST_MEMSETS on a captured FFN key product at 1,024 rows
+    (quant_rows, then torch._scaled_mm with per-row scales; cuBLASLt puts a memset between the
+    two): graph_edit moves the memset, and replays on new inputs give the eager product's bits."""
+    from server.model import graph_edit, graphs
+
+    assert cuda_quant.fp8_gemm_ok(dev), "the H100 / H200 run fp8 GEMMs"
+    x, w = _data((1024, 2560), dev, 30), _qweight((10240, 2560), "fp8", dev, 31)
+    moved = []
+    real = graph_edit.hoist_memsets
+    monkeypatch.setattr(graph_edit, "hoist_memsets", lambda raw: moved.append(real(raw)) or moved[-1])
+    monkeypatch.setattr(graphs, "HOIST_MEMSETS", True)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # cuBLASLt's handle and workspace outside the capture
+        cuda_quant.fp8_scaled(x, w)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    with graphs.capture_graph(torch.cuda.graph_pool_handle()) as g:
+        out = cuda_quant.fp8_scaled(x, w)  # (1024, 10240)
+    assert moved == [1], "the one memset before the product moved"
+    for seed in (32, 33):
+        x.copy_(_data((1024, 2560), dev, seed))
+        g.replay()
+        torch.cuda.synchronize(dev)
+        assert torch.equal(out, cuda_quant.fp8_scaled(x, w))

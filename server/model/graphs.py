@@ -39,14 +39,42 @@ from typing import Any
 
 import torch
 
+from server.model import graph_edit
 from server.model.state import State
 
 log = logging.getLogger(__name__)
 
 
+HOIST_MEMSETS = True
+"""Captured graphs get graph_edit.hoist_memsets before they are instantiated (cuBLAS's workspace
+memsets off the step's critical path); bench_engine's --hoist-memsets switches it for A/Bs."""
+
+
+def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
+    """A graph to capture into, and whether it keeps its cudaGraph_t for edits (HOIST_MEMSETS
+    and a torch with keep_graph, 2.7 or newer)."""
+    if HOIST_MEMSETS:
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True), True
+        except TypeError:
+            pass
+    return torch.cuda.CUDAGraph(), False
+
+
+def _edit_and_instantiate(graph: torch.cuda.CUDAGraph) -> None:
+    try:
+        moved = graph_edit.hoist_memsets(graph.raw_cuda_graph())
+        log.debug("graph edit: %d memsets moved", moved)
+    except graph_edit.DriverError as e:  # the graph is as captured (or only gained orderings)
+        log.warning("captured graph left as it is: %s", e)
+    graph.instantiate()
+
+
 @contextlib.contextmanager
-def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
-    """torch.cuda.graph(graph, pool=pool), guarded against what other code may do meanwhile:
+def capture_graph(pool: Any) -> Iterator[torch.cuda.CUDAGraph]:
+    """A new CUDA graph captured by the block (torch.cuda.graph with pool=pool), edited
+    (HOIST_MEMSETS) and instantiated when the block ends; guarded against what other code may do
+    meanwhile:
     - Python's cyclic garbage collector is paused. A collection inside a capture (the captured
       Python code allocates) can destroy a dead object's CUDA graphs, events or pinned buffers,
       and such a call while the stream captures invalidates the capture: the GPU tests saw an
@@ -59,14 +87,17 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
       on first use while the server runs, beside the copy-out threads' pinned allocations and
       stream waits; under torch's default global mode such a call from another thread
       invalidated the capture (test_model_gpu). This thread's own unsafe calls still fail it."""
+    graph, kept = _new_graph()
     was = gc.isenabled()
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            yield
+            yield graph
     finally:
         if was:
             gc.enable()
+    if kept:
+        _edit_and_instantiate(graph)
 
 
 class DecodeGraphs:
@@ -131,10 +162,9 @@ class DecodeGraphs:
 
     def _capture(self, b: int) -> None:
         t0 = time.perf_counter()
-        g = torch.cuda.CUDAGraph()
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        with capture_graph(g, self.mempool):
+        with capture_graph(self.mempool) as g:
             out = self._body(b)
             # feed the next replay: ids (an overflow row's -1 as token 0) and positions + 1
             torch.clamp(out[1], min=0, out=self.tokens[:b])
@@ -144,10 +174,9 @@ class DecodeGraphs:
 
     def _capture_forward(self, b: int) -> None:
         t0 = time.perf_counter()
-        g = torch.cuda.CUDAGraph()
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        with capture_graph(g, self.mempool):
+        with capture_graph(self.mempool) as g:
             logits = self.model.decode(self.tokens[:b], self.pool.view(0, b), raw_logits=True)  # (b, V)
         self.fwd_graphs[b], self.fwd_logits[b] = g, logits
         log.info("captured forward graph for bucket %d in %.2fs", b, time.perf_counter() - t0)

@@ -124,8 +124,7 @@ class PrefillGraphs:
             call(scratch)
         torch.cuda.current_stream(dev).wait_stream(side)
         del scratch
-        graph = torch.cuda.CUDAGraph()
-        with capture_graph(graph, self._mempool):
+        with capture_graph(self._mempool) as graph:
             logits = call(self.pool)  # (B, V) static output
         self.graphs[(B, T)] = (graph, buf, logits)
         log.info("prefill graph for %d x %d tokens captured in %.2f s", B, T, time.perf_counter() - t0)

@@ -229,6 +229,9 @@ def main() -> None:
     p.add_argument("--lora-apart-min-rows", default="",
                    help="decode runs at each of these decode_pack.LORA_APART_MIN_ROWS values (the rows from which "
                         "the gate's LoRA runs apart from the others), alternating")  # fmt: skip
+    p.add_argument("--hoist-memsets", default="",
+                   help="decode runs at each of these graphs.HOIST_MEMSETS values (0/1: cuBLAS's workspace memsets "
+                        "moved off the critical path of the captured graphs), alternating")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -271,7 +274,7 @@ def main() -> None:
 
 SWITCHES = {"fp8_fast_accum": "cuda_quant.FP8_FAST_ACCUM", "sparse_value": "cuda_quant.SPARSE_VALUE",
             "scaled_min_rows": "cuda_quant.SCALED_MIN_ROWS", "tmix_per_sm": "cuda_ops.TMIX_PIPE_PER_SM",
-            "lora_apart_min_rows": "decode_pack.LORA_APART_MIN_ROWS"}  # fmt: skip
+            "lora_apart_min_rows": "decode_pack.LORA_APART_MIN_ROWS", "hoist_memsets": "graphs.HOIST_MEMSETS"}  # fmt: skip
 """bench arguments that set a switch of a server.model module per decode run: argument -> module.attribute
 (flags 0/1, but the COUNTS)"""
 COUNTS = ("scaled_min_rows", "tmix_per_sm", "lora_apart_min_rows")

@@ -1,0 +1,137 @@
+"""server.model.graph_edit's plan over a fake graph (the CPU half; the driver half and the GPU
+results: test_model_gpu.py's hoisted-memset tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.model.graph_edit import Hoist, apply_hoists, plan_hoists
+
+
+class FakeGraph:
+    """GraphView and GraphEditor over named nodes: (kind, kernel name or memset bytes)."""
+
+    def __init__(self, nodes: dict[str, tuple[str, str | int]], edges: list[tuple[str, str]]):
+        self.info = nodes
+        self.ids = {name: i + 1 for i, name in enumerate(nodes)}
+        self.names = {i: name for name, i in self.ids.items()}
+        self.edges = {(self.ids[a], self.ids[b]) for a, b in edges}
+        self.log: list[tuple[str, str, str]] = []
+
+    def nodes(self):
+        return list(self.names)
+
+    def kind(self, node):
+        return self.info[self.names[node]][0]
+
+    def name(self, node):
+        kind, what = self.info[self.names[node]]
+        return what if kind == "kernel" else ""
+
+    def memset_bytes(self, node):
+        return self.info[self.names[node]][1]
+
+    def deps(self, node):
+        return sorted(a for a, b in self.edges if b == node)
+
+    def users(self, node):
+        return sorted(b for a, b in self.edges if a == node)
+
+    def remove_edge(self, src, dst):
+        self.log.append(("-", self.names[src], self.names[dst]))
+        self.edges.remove((src, dst))
+
+    def add_edge(self, src, dst):
+        self.log.append(("+", self.names[src], self.names[dst]))
+        self.edges.add((src, dst))
+
+    def named_edges(self):
+        return {(self.names[a], self.names[b]) for a, b in self.edges}
+
+    def ancestors(self, name):
+        out, todo = set(), [self.ids[name]]
+        while todo:
+            for d in self.deps(todo.pop()):
+                if d not in out:
+                    out.add(d)
+                    todo.append(d)
+        return {self.names[a] for a in out}
+
+
+KEY_GEMM = "nvjet_sm90_tst_320x64_64x4_2x1_v_bz_coopA_TNN"
+
+
+def ffn_layer(memset_bytes=4, before_memset="add_ln_mix_kernel", user=KEY_GEMM):
+    """One FFN as the fp8 decode graph captures it at 1,024 rows: the output projection's GEMM,
+    add_ln_mix, cuBLASLt's memset, the FFN key GEMM, quant_rows, the FFN value GEMM; a LoRA
+    branch joins before add_ln_mix."""
+    nodes = {
+        "o_gemm": ("kernel", "nvjet_sm90_ootst_128x128_128x4_1x2_h_bz_coopA_TNT"),
+        "lora": ("kernel", "lora_act_kernel"),
+        "k": ("kernel", before_memset),
+        "memset": ("memset", memset_bytes),
+        "key_gemm": ("kernel", user),
+        "quant": ("kernel", "quant_rows_kernel"),
+        "value_gemm": ("kernel", "nvjet_sm90_ootst_128x128_128x4_1x2_h_bz_coopA_TNT"),
+    }
+    edges = [("o_gemm", "k"), ("lora", "k"), ("k", "memset"), ("memset", "key_gemm"), ("key_gemm", "quant"),
+             ("quant", "value_gemm")]  # fmt: skip
+    return FakeGraph(nodes, edges)
+
+
+def test_the_ffn_key_memset_runs_beside_the_kernel_before_it():
+    g = ffn_layer()
+    before = {n: g.ancestors(n) for n in ("key_gemm", "value_gemm", "quant")}
+    plan = plan_hoists(g)
+    assert plan == [Hoist(g.ids["memset"], g.ids["k"], (g.ids["o_gemm"], g.ids["lora"]), (g.ids["key_gemm"],))]
+    apply_hoists(g, g, plan)
+    assert g.named_edges() == {("o_gemm", "k"), ("lora", "k"), ("o_gemm", "memset"), ("lora", "memset"),
+                               ("memset", "key_gemm"), ("k", "key_gemm"), ("key_gemm", "quant"),
+                               ("quant", "value_gemm")}  # fmt: skip
+    # the memset no longer waits for add_ln_mix; everything after it waits for what it did
+    assert g.ancestors("memset") == {"o_gemm", "lora"}
+    assert {n: g.ancestors(n) for n in before} == before
+    # edges come first, the removal last: a failure midway only leaves extra orderings
+    assert g.log[-1] == ("-", "k", "memset") and all(op == "+" for op, _, _ in g.log[:-1])
+
+
+def test_an_edit_keeps_an_edge_that_is_already_there():
+    g = ffn_layer()
+    g.add_edge(g.ids["k"], g.ids["key_gemm"])
+    g.log.clear()
+    apply_hoists(g, g, plan_hoists(g))
+    assert ("+", "k", "key_gemm") not in g.log
+    assert ("k", "key_gemm") in g.named_edges()
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        # after a cuBLAS kernel: it may be the one that reads the workspace
+        dict(before_memset="nvjet_sm90_tst_128x128_128x4_1x2_h_bz_coopA_TNT"),
+        dict(before_memset="sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64"),
+        # a tensor's memset before one of our kernels (not cuBLAS's workspace)
+        dict(user="add_ln_mix_kernel"),
+        # too large to be cuBLAS's counter
+        dict(memset_bytes=4096),
+    ],
+)
+def test_memsets_that_are_not_moved(layer):
+    g = ffn_layer(**layer)
+    assert plan_hoists(g) == []
+
+
+def test_a_memset_with_no_or_two_predecessors_is_not_moved():
+    g = ffn_layer()
+    g.remove_edge(g.ids["k"], g.ids["memset"])  # a root memset
+    assert plan_hoists(g) == []
+    g.add_edge(g.ids["k"], g.ids["memset"])
+    g.add_edge(g.ids["lora"], g.ids["memset"])  # two predecessors
+    assert plan_hoists(g) == []
+
+
+def test_a_memset_after_a_root_kernel_becomes_a_root():
+    g = FakeGraph({"k": ("kernel", "add_ln_mix_kernel"), "m": ("memset", 4), "gemm": ("kernel", KEY_GEMM)},
+                  [("k", "m"), ("m", "gemm")])  # fmt: skip
+    apply_hoists(g, g, plan_hoists(g))
+    assert g.named_edges() == {("k", "gemm"), ("m", "gemm")}
