@@ -222,6 +222,44 @@ def test_submit_errors(model, tok):
         e.submit([1], SamplingParams(max_tokens=1))
 
 
+def test_a_refused_submit_queues_nothing(model, tok):
+    """Engine.submit through its Inbox: a request id in use, a full queue (the scheduler's waiting
+    requests count), an unknown abort and a closed inbox are refused, and a refusal leaves
+    nothing queued and nothing live."""
+    e = Engine(model, tok, Settings(max_batch=2, max_queue=3, stats_interval=0.0))
+    e.submit([1], SamplingParams(max_tokens=1), request_id="a")
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        e.submit([2], SamplingParams(max_tokens=1), request_id="a")
+    assert e._inbox.pending == 1 and e.stats().waiting == 1
+    e._drain_inbox()  # the loop takes it: it now waits in the scheduler
+    e.submit([1], SamplingParams(max_tokens=1), request_id="b")
+    e.submit([1], SamplingParams(max_tokens=1), request_id="c")
+    with pytest.raises(QueueFullError, match="3 requests are waiting"):
+        e.submit([1], SamplingParams(max_tokens=1), request_id="d")
+    assert not e.abort("d") and e.abort("b") and e._inbox.has_items()
+    items = e._inbox.take()
+    assert [i if isinstance(i, str) else i[0].request_id for i in items] == ["b", "c", "b"]
+    handles = e._inbox.close()
+    assert sorted(h.request_id for h in handles) == ["a", "b", "c"]
+    with pytest.raises(EngineDeadError):
+        e._inbox.put(items[0], handles[0], 0)
+    assert e._inbox.take() == [] and e._inbox.pending == 0 and not e._inbox.has_items()
+
+
+def test_an_idle_engine_runs_no_steps(model, tok):
+    """With nothing queued and nothing running the loop sleeps: no steps are counted (an inbox
+    that always looked non-empty once made the loop step without work)."""
+    e = make_engine(model, tok)
+    try:
+        e.submit([1, 2], SamplingParams(max_tokens=2, **GREEDY)).result(10)
+        time.sleep(0.2)
+        steps = e.stats().steps
+        time.sleep(0.3)
+        assert e.stats().steps == steps
+    finally:
+        e.shutdown()
+
+
 def test_dead_loop_is_reported_not_hung(model, tok, monkeypatch):
     e = make_engine(model, tok)
     try:

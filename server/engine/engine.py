@@ -45,7 +45,6 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,20 +54,17 @@ from server.tokenizer import IncrementalDecoder, Tokenizer
 from .constraints import Constraint, Constraints
 from .grammar import GrammarCompiler
 from .handle import RequestHandle, fail_handles
+from .inbox import Inbox, prompt_ids
 from .output import OutputProcessor
 from .plan import StepPlan, StepRunner
 from .protocol import StateLike
 from .scheduler import Scheduler
 from .sequence import EngineSeq
 from .stats import StatsTracker
-from .text import RequestText
 from .types import (
-    MAX_LOGPROBS,
     EngineDeadError,
     EngineStats,
     GrammarSpec,
-    PromptTooLongError,
-    QueueFullError,
     Result,
     SamplingParams,
 )
@@ -108,17 +104,14 @@ class Engine:
         self.defer_delivery = on_cuda
         """Flush a step's text and deliveries after the next step's launch (only worth it when the
         launch is asynchronous: CUDA; on the CPU it would only add a step of latency)."""
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the grammar compiler's creation
         self._wake = threading.Event()
-        self._inbox: deque[tuple[EngineSeq, RequestText, Constraint | None] | str] = deque()  # new requests; aborts
+        self._inbox = Inbox(s.max_queue)  # new requests and aborts from any thread; live handles
         self._compiler: GrammarCompiler | None = None
         self.constraints: Constraints | None = None
         """The constrained requests (grammar.Constraints), once the first grammar was compiled."""
-        self._inbox_adds = 0
-        self._live: dict[str, RequestHandle] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._closed = False  # every live handle was failed: nothing may be submitted
         self._dead: BaseException | None = None
         self._step_failures = 0
         self._stats = StatsTracker(s.stats_interval)
@@ -199,7 +192,8 @@ class Engine:
         if self._dead is not None or self._stopping:
             raise EngineDeadError("the engine is not running")
         params = params or SamplingParams(max_tokens=self.settings.default_max_tokens)
-        ids = self._prompt_ids(prompt, params, history)
+        ids = prompt_ids(self.tokenizer, prompt, params, vocab_size=self.model.shape.vocab_size,
+                         max_prompt_tokens=self.settings.max_prompt_tokens, history=history)  # fmt: skip
         constraint = None
         if params.grammar is not None:  # (a grammar_prefix that does not fit: ValueError, nothing queued)
             constraint = Constraint(self.grammars.compile(params.grammar), params.grammar_prefix, self.grammars.table)
@@ -216,26 +210,14 @@ class Engine:
         )
         seq = EngineSeq(rid, ids, params, seed=seed, init_state=init_state, return_state=return_state)
         text = self.output.new_text(rid, handle, params)
-        with self._lock:
-            if self._closed:
-                raise EngineDeadError("the engine is not running")
-            if rid in self._live:
-                raise ValueError(f"request id {rid!r} is already in use")
-            waiting = self._inbox_adds + self.scheduler.num_waiting
-            if self.settings.max_queue and waiting >= self.settings.max_queue:
-                raise QueueFullError(f"{waiting} requests are waiting (max_queue={self.settings.max_queue})")
-            self._live[rid] = handle
-            self._inbox.append((seq, text, constraint))
-            self._inbox_adds += 1
+        self._inbox.put((seq, text, constraint), handle, self.scheduler.num_waiting)
         self._wake.set()
         return handle
 
     def abort(self, request_id: str) -> bool:
         """Abort a request by identity; False if it is unknown or already finished."""
-        with self._lock:
-            if request_id not in self._live:
-                return False
-            self._inbox.append(request_id)
+        if not self._inbox.abort(request_id):
+            return False
         self._wake.set()
         return True
 
@@ -250,26 +232,8 @@ class Engine:
         return [h.result(timeout) for h in handles]
 
     def stats(self) -> EngineStats:
-        return self._stats.snapshot(self.scheduler.num_running, self.scheduler.num_waiting + self._inbox_adds,
+        return self._stats.snapshot(self.scheduler.num_running, self.scheduler.num_waiting + self._inbox.pending,
                                     self.max_batch)  # fmt: skip
-
-    def _prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams, history: int = 0) -> list[int]:
-        if params.max_tokens < 0 or params.temperature < 0 or not 0 <= params.top_p <= 1 or params.top_k < 0:
-            raise ValueError("invalid sampling parameters (max_tokens, temperature, top_k >= 0; 0 <= top_p <= 1)")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                raise ValueError(f"invalid '{name}': {k!r} is outside [0, {MAX_LOGPROBS}]")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        n = len(ids) - max(0, history)  # the request's own prompt: re-fed history does not count
-        if n > self.settings.max_prompt_tokens:
-            raise PromptTooLongError(n, self.settings.max_prompt_tokens)
-        V = self.model.shape.vocab_size
-        if ids and (min(ids) < 0 or max(ids) >= V):
-            raise ValueError(f"token ids must be in [0, {V})")
-        if not ids and params.max_tokens > 0:
-            raise ValueError("empty prompt: nothing to generate from (feed at least one token)")
-        return ids
 
     # --- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -326,7 +290,7 @@ class Engine:
     def run_once(self) -> bool:
         """One turn of the loop: a step when there is work, else what is left to deliver (staged
         events, final states still being copied); False when there was nothing to do."""
-        if self._inbox or self.scheduler.has_work():
+        if self._inbox.has_items() or self.scheduler.has_work():
             self.step()
         elif self.output.pending or self.scheduler.has_finished():
             self._flush()
@@ -337,11 +301,7 @@ class Engine:
         return True
 
     def _drain_inbox(self) -> None:
-        with self._lock:
-            items = list(self._inbox)
-            self._inbox.clear()
-            self._inbox_adds = 0
-        for item in items:
+        for item in self._inbox.take():
             if isinstance(item, str):
                 self.scheduler.abort(item)
             else:
@@ -407,15 +367,8 @@ class Engine:
         return self.runner.detached_state(init_state)
 
     def _done(self, request_id: str) -> None:
-        with self._lock:
-            self._live.pop(request_id, None)
+        self._inbox.done(request_id)
         self._stats.finished_total += 1
 
     def _fail_all(self, exc: EngineDeadError) -> None:
-        with self._lock:
-            self._closed = True
-            handles = list(self._live.values())
-            self._live.clear()
-            self._inbox.clear()
-            self._inbox_adds = 0
-        fail_handles(handles, exc)
+        fail_handles(self._inbox.close(), exc)
