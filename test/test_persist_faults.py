@@ -127,7 +127,7 @@ async def test_a_state_of_another_model_is_still_refused(tmp_path):
     tm = await manager(eng, tmp_path / "m.db")
     t = await stored_task(tm)
     tm.cache.discard(t.state_id)
-    tm.persistence.signature = "another-model"
+    tm.persistence.reads.signature = "another-model"
     with pytest.raises(TaskConflict, match="model shape"):
         await tm.continue_(t.id, {"max_tokens": 1})
     assert not (await tm.get(t.id)).running

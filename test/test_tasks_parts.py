@@ -266,7 +266,7 @@ async def test_a_state_of_another_model_shape_is_refused(tmp_path):
         await (await settle(parts, t, 4))
         await parts.p.flush()
     async with Parts(tmp_path / "s.db") as parts:
-        parts.p.signature = "another-shape"
+        parts.p.reads.signature = "another-shape"
         loaded = await parts.p.load_task(t.id)
         with pytest.raises(TaskConflict, match="model shape"):
             await parts.p.resolve_state(loaded)

@@ -1,14 +1,13 @@
-"""Persistence of tasks and states: state loading (and the rebuild of a missing state), the
-writer's jobs (started rows, claims, progress rows, settle rows, deletes); states written behind
-and the database byte budget: server.tasks.statewrites.
+"""Persistence of tasks and states: the writer's jobs (started rows, claims, progress rows,
+settle rows, deletes); task rows and states read back, with the rebuild of a missing state:
+server.tasks.statereads (`Persistence.reads`); states written behind and the database byte
+budget: server.tasks.statewrites.
 
 A task's token history is its truth, its state a cache of it. A finished task is shown finished
 once its row (text, tokens, status; its state pointer still naming the last STORED state) is
 committed; its new state then goes to the write-behind lane, which stores it and points the
-row at it. A state that is missing when a run starts (not written yet
-at a crash, dropped by a budget, failing its checksum, undecodable) is rebuilt: the run feeds
-the history from the last stored state, or from zero. Only a state of another model shape is
-refused (the task was made with another model).
+row at it. A state that is missing when a run starts is rebuilt from the history
+(StateReads.resolve_state).
 
 Every database write of a task goes through the one background writer, so writes of one task
 land in order; a deleted task's queued writes are skipped. Needs no engine.
@@ -20,39 +19,26 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import orjson
-
 from server.tasks.behind import Pending
-from server.tasks.codec import (
-    StateCodecError,
-    StateShapeError,
-    decode_state,
-)
-from server.tasks.database import damaged
 from server.tasks.errors import (
     TaskConflict,
     TaskElsewhere,
     TaskNotFound,
     TaskStale,
-    TaskStateLost,
     TaskTagTaken,
     TaskUnavailable,
 )
-from server.tasks.lineage import base_state, state_base
 from server.tasks.records import (
     RUNNING,
     TEMPLATE,
     TMP,
     Task,
-    complete_interrupted,
-    display_id,
-    from_row,
     to_row,
     update_row,
 )
+from server.tasks.statereads import StateReads
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import RowHeld, TagTaken
 
@@ -105,12 +91,12 @@ class Persistence:
         self.states = states
         self.store, self.writer, self.cache, self.table = states.store, states.writer, states.cache, states.table
         self.counters = states.counters
-        self.signature = states.signature
         self.store_dtype = states.store_dtype
         self.instance = instance
         self.url_of = url_of
         self.decode = decode
         self.lane = self.states.lane
+        self.reads = StateReads(states, url_of=url_of, decode=decode)
         self._progress_queued = False  # a progress job is in the writer queue
         self._retries: dict[int, asyncio.TimerHandle] = {}  # id(job) -> its retry timer
 
@@ -141,114 +127,19 @@ class Persistence:
         """Stored non-template states, exact for this server's own writes and deletes."""
         return self.states.db_state_entries
 
-    # --- reads ---------------------------------------------------------------------------------
+    # --- reads (StateReads) ---------------------------------------------------------------------
     async def load_task(self, task_id: str) -> Task | None:
-        """The stored task (kept as recently read when finished), or the copy loaded meanwhile.
-        A row still running elsewhere is not kept: its progress changes under it; its output is
-        closed here with an error naming the instance, so a stream of it ends at once (its
-        instance streams it)."""
-        ticket = self.table.read_ticket()
-        row = await self.store.get_task(task_id)
-        if self.table.stale(task_id, ticket):
-            return None  # deleted meanwhile: the row read is gone (TaskTable's fence)
-        if row is None:
-            return self.table.find(task_id)
-        t = from_row(row)
-        if not t.running:
-            if t.finish_reason == "interrupted" and self.decode is not None:
-                complete_interrupted(t, self.decode)
-            return self.table.remember(t)
-        t.out.finished = True
-        where = f"instance {t.instance!r}" + (f" ({self.url_of(t.instance)})" if self.url_of(t.instance) else "")
-        t.out.error = f"task {t.display_id} is running on {where}; stream it there"
-        return t
+        """StateReads.load_task."""
+        return await self.reads.load_task(task_id)
 
     async def resolve_state(self, t: Task, holder: str | None = None) -> tuple[State | None, int, str | None]:
-        """(state, state_pos, pinned key) to start t's next run from: its newest state, else
-        its last stored one, else (None, 0, None): the run rebuilds from zero. holder: the task
-        a TaskStateLost names (default t; a new fork names its source, whose state it copied)."""
-        tried: set[str] = set()
-        while t.state_id and t.state_id not in tried:
-            sid, pos = t.state_id, t.state_pos
-            tried.add(sid)
-            st = await self.cache.get_or_load(sid, partial(self._load_state, sid))
-            if t.state_id != sid:
-                continue  # it changed while loading
-            if st is not None:
-                self.cache.pin(sid, st)
-                return st, pos, sid
-            self.counters["state_misses"] += 1
-            if t.stored_id == sid:
-                t.stored_id, t.stored_pos = None, 0  # gone from the database too
-            t.state_id, t.state_pos = t.stored_id, t.stored_pos
-        return await self._resolve_base(t, tried, holder or t.display_id)
-
-    async def _resolve_base(self, t: Task, tried: set[str], holder: str) -> tuple[State | None, int, str | None]:
-        """t has no usable state of its own: (None, 0, None) rebuilds it from the zero state,
-        unless its history starts at a state template's state (server.tasks.lineage): then from
-        that very state, and TaskStateLost when it is gone (the template deleted, its state lost
-        or corrupt, or its name now another state's)."""
-        base = await state_base(t, self._lookup)
-        if not base.from_template:
-            return None, 0, None
-        found = base_state(base)
-        why = found if isinstance(found, str) else "is lost or corrupt"
-        if not isinstance(found, str) and found[0] not in tried:
-            sid, pos = found
-            st = await self.cache.get_or_load(sid, partial(self._load_state, sid))
-            if st is not None:
-                self.cache.pin(sid, st)
-                return st, pos, sid
-        raise TaskStateLost(
-            f"task {holder} starts from the state of template {display_id(base.template_id)}, which "
-            f"{why} (and its own state is lost): it cannot be rebuilt from its tokens. Load that state file "
-            "again (under its old name this task is rebuilt from it; under a new one, fork that)",
-            param="task_id",
-        )
-
-    async def _lookup(self, task_id: str) -> Task | None:
-        return self.table.find(task_id) or await self.load_task(task_id)
+        """StateReads.resolve_state."""
+        return await self.reads.resolve_state(t, holder)
 
     def release(self, key: str | None) -> None:
         """Unpin a state resolve_state pinned."""
         if key is not None:
             self.cache.unpin(key)
-
-    async def _load_state(self, sid: str) -> State | None:
-        """A stored state, decoded; None when there is none or it is unusable (corrupt,
-        undecodable: it is dropped, and the task rebuilt). Another model's state: 409."""
-        if sid.startswith("TMP_"):
-            return None  # TMP states are never stored
-        try:
-            row = await self.store.states.get_state(sid)
-        except Exception as exc:
-            if not damaged(exc):
-                raise
-            log.error("stored state %s is on a damaged database page (%s); its task is rebuilt", sid, exc)
-            self.counters["state_corrupt"] += 1
-            return None
-        if row is None:
-            return None
-        try:
-            st = await asyncio.to_thread(_decode, row.meta, row.data, self.signature, row.checksum)
-        except StateShapeError as exc:
-            raise TaskConflict(str(exc)) from exc
-        except StateCodecError as exc:
-            log.warning("stored state %s is unusable (%s); its task is rebuilt from its tokens", sid, exc)
-            self.counters["state_corrupt"] += 1
-            self.writer.offer(self._drop_corrupt, sid)
-            return None
-        self.counters["db_state_loads"] += 1
-        self.writer.offer(self.store.states.touch_states, [sid])  # budget eviction is least recently used
-        if row.is_template and sid not in self.cache:
-            self.cache.put(sid, st, template=True)
-        return st
-
-    async def _drop_corrupt(self, sid: str) -> None:
-        self.states.dropped(await self.store.states.drop_state(sid))
-        for x in self.table.held():
-            if x.stored_id == sid:
-                x.stored_id, x.stored_pos = None, 0
 
     # --- rows ----------------------------------------------------------------------------------
     async def claim_id(self, t: Task) -> None:
@@ -406,11 +297,3 @@ class Persistence:
         except RowHeld as held:  # a replica runs it (this copy was stale): delete it there
             raise TaskElsewhere(t.display_id, held.instance, self.url_of(held.instance), "delete") from None
         self.states.dropped(dropped)
-
-
-def _decode(meta: str, data: bytes, signature: str, checksum: str) -> State:
-    try:
-        parsed = orjson.loads(meta)
-    except orjson.JSONDecodeError as exc:
-        raise StateCodecError(f"stored state metadata is not JSON: {exc}") from None
-    return decode_state(parsed, data, signature, checksum)

@@ -202,7 +202,8 @@ async def _store(tpl: Task, state: State | None, pos: int, persistence: Persiste
         sid = f"{tpl.id}:{uuid.uuid4().hex[:12]}"
         tpl.state_id, tpl.state_pos = sid, pos
         persistence.cache.put(sid, state, template=True)
-        enc = await asyncio.to_thread(encode_state, state, persistence.signature, wkv_dtype=persistence.store_dtype)
+        states = persistence.states
+        enc = await asyncio.to_thread(encode_state, state, states.signature, wkv_dtype=states.store_dtype)
         tpl.stored_id, tpl.stored_pos = sid, pos
         srow = state_row(sid, tpl.id, enc, True)
     row = {**to_row(tpl), "status": FINISHED, "instance": None}
