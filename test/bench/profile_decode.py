@@ -1,7 +1,9 @@
 """Where the decode step's GPU time goes: kernel time per category (torch.profiler, eager steps;
-kernel durations are the same inside a CUDA graph, only the launch gaps differ).
+kernel durations are the same inside a CUDA graph, only the launch gaps differ), or with --idle
+the gaps between them inside the captured decode graph.
 
     PYTHONPATH=. python test/bench/profile_decode.py --batches 1,256,1024 [--no-fused]
+    PYTHONPATH=. python test/bench/profile_decode.py --quant fp8 --state-dtype fp16 --batches 1024 --idle
 """
 
 from __future__ import annotations
@@ -62,6 +64,42 @@ def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
     del g, pool, smp
 
 
+def idle(model, B: int, state_dtype, replays: int = 3, top: int = 14) -> None:
+    """The bucket's decode graph (as the engine captures it, graph edits included) replayed under
+    the profiler: the time with no kernel or memset running, a replay, and the largest gaps summed
+    by the pair of nodes around them (the one that ended last before the gap, the next to start)."""
+    dev, V = model.device, model.shape.vocab_size
+    pool = State.zeros(model.shape, B, dev, model.dtype, state_dtype)
+    smp = SamplerSlots(B, V, dev)
+    smp.reset(range(B), [SamplingParams()] * B, list(range(B)))
+    g = DecodeGraphs(model, pool, smp, buckets=[B])
+    g.tokens[:B] = torch.randint(1, V, (B,), device=dev)
+    g.commit[:B] = True
+    g.capture([B])
+    g.step(B, g.tokens[:B].clone(), torch.zeros(B, dtype=torch.long, device=dev), g.commit[:B].clone())
+    g.step_cont(B)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.step_cont(B)
+        torch.cuda.synchronize()
+    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)  # fmt: skip
+    busy, end, last, gaps = 0.0, ev[0][0], ev[0][2], collections.Counter()
+    for start, stop, name in ev:
+        if start > end:
+            gaps[(last[:44], name[:44])] += start - end
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    wall = end - ev[0][0]
+    print(f"B={B}: {len(ev) / replays:.0f} kernels and memsets a replay, {wall / replays / 1e3:.2f} ms a replay, "
+          f"idle {(wall - busy) / replays:.0f} us", flush=True)
+    for (before, after), us in gaps.most_common(top):
+        print(f"    {us / replays:7.1f} us  {before}  ->  {after}")
+    del g, pool, smp
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="synthetic:2.9b")
@@ -70,6 +108,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14, help="kernel names listed per batch")
     p.add_argument("--no-fused", action="store_true", help="decode without the fused time-mix")
     p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights")
+    p.add_argument("--idle", action="store_true", help="the idle gaps inside the captured decode graph instead")
     a = p.parse_args()
     model = load_model(a.model, device="cuda", dtype=torch.float16, quant=a.quant)
     if a.no_fused:
@@ -77,7 +116,7 @@ def main() -> None:
     sd = {"fp32": torch.float32, "fp16": torch.float16}[a.state_dtype]
     print(f"profile {a.model} state {a.state_dtype} quant {a.quant} fused={model._fused()}")
     for B in (int(b) for b in a.batches.split(",")):
-        profile(model, B, sd, top=a.top)
+        (idle if a.idle else profile)(model, B, sd, top=a.top)
 
 
 if __name__ == "__main__":
