@@ -33,7 +33,8 @@ def category(name: str) -> str:
     return next((c for c, keys in CATS if any(k in low for k in keys)), "other")
 
 
-def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
+def decode_graphs(model, B: int, state_dtype) -> DecodeGraphs:
+    """A pool of B rows with default sampling, random tokens and every row committing."""
     dev, V = model.device, model.shape.vocab_size
     pool = State.zeros(model.shape, B, dev, model.dtype, state_dtype)
     smp = SamplerSlots(B, V, dev)
@@ -41,17 +42,25 @@ def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
     g = DecodeGraphs(model, pool, smp, buckets=[B])
     g.tokens[:B] = torch.randint(1, V, (B,), device=dev)
     g.commit[:B] = True
-    for _ in range(2):
-        g._body(B)
+    return g
+
+
+def device_events(step, warm: int, n: int) -> list:
+    """The profiler's device events (kernels, memsets) of n calls of step, after `warm` unprofiled ones."""
+    for _ in range(warm):
+        step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            g._body(B)
+        for _ in range(n):
+            step()
         torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
+    g = decode_graphs(model, B, state_dtype)
     per_cat, per_name, count = collections.Counter(), collections.Counter(), 0
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
-            continue
+    for e in device_events(lambda: g._body(B), 2, steps):
         us = e.time_range.elapsed_us() / steps
         per_cat[category(e.name)] += us
         per_name[e.name[:90]] += us
@@ -61,30 +70,17 @@ def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
           + ", ".join(f"{c} {t / 1e3:.2f}" for c, t in per_cat.most_common()), flush=True)
     for name, us in per_name.most_common(top):
         print(f"    {us / 1e3:7.3f} ms  {name}")
-    del g, pool, smp
 
 
 def idle(model, B: int, state_dtype, replays: int = 3, top: int = 14) -> None:
     """The bucket's decode graph (as the engine captures it, graph edits included) replayed under
     the profiler: the time with no kernel or memset running, a replay, and the largest gaps summed
     by the pair of nodes around them (the one that ended last before the gap, the next to start)."""
-    dev, V = model.device, model.shape.vocab_size
-    pool = State.zeros(model.shape, B, dev, model.dtype, state_dtype)
-    smp = SamplerSlots(B, V, dev)
-    smp.reset(range(B), [SamplingParams()] * B, list(range(B)))
-    g = DecodeGraphs(model, pool, smp, buckets=[B])
-    g.tokens[:B] = torch.randint(1, V, (B,), device=dev)
-    g.commit[:B] = True
+    g = decode_graphs(model, B, state_dtype)
     g.capture([B])
-    g.step(B, g.tokens[:B].clone(), torch.zeros(B, dtype=torch.long, device=dev), g.commit[:B].clone())
-    g.step_cont(B)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            g.step_cont(B)
-        torch.cuda.synchronize()
-    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)  # fmt: skip
+    g.step(B, g.tokens[:B].clone(), torch.zeros(B, dtype=torch.long, device=model.device), g.commit[:B].clone())
+    events = device_events(lambda: g.step_cont(B), 1, replays)
+    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.time_range.end > e.time_range.start)
     busy, end, last, gaps = 0.0, ev[0][0], ev[0][2], collections.Counter()
     for start, stop, name in ev:
         if start > end:
@@ -97,7 +93,6 @@ def idle(model, B: int, state_dtype, replays: int = 3, top: int = 14) -> None:
           f"idle {(wall - busy) / replays:.0f} us", flush=True)
     for (before, after), us in gaps.most_common(top):
         print(f"    {us / replays:7.1f} us  {before}  ->  {after}")
-    del g, pool, smp
 
 
 def main() -> None:
