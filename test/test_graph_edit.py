@@ -1,11 +1,11 @@
-"""server.model.graph_edit's plan over a fake graph (the CPU half; the driver half and the GPU
-results: test_model_gpu.py's hoisted-memset tests)."""
+"""server.model.graph_edit's plan and edits over a fake graph (the CPU half; the driver half and
+the GPU results: test_quant_gpu.py's hoisted-memset tests)."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.model.graph_edit import Hoist, apply_hoists, plan_hoists
+from server.model.graph_edit import Hoist, Store32, apply_hoists, plan_hoists, store32
 
 
 class FakeGraph:
@@ -30,6 +30,24 @@ class FakeGraph:
 
     def memset_bytes(self, node):
         return self.info[self.names[node]][1]
+
+    def memset_store(self, node):
+        return store32(0x1000 + 16 * node, 7, 4, self.memset_bytes(node) // 4, 1)
+
+    def add_store_kernel(self, deps, store):
+        name = f"store@{store.dst:#x}"
+        self.info[name] = ("kernel", "rwkv_store_u32")
+        self.ids[name] = node = max(self.names) + 1
+        self.names[node] = name
+        self.stores = getattr(self, "stores", []) + [(name, store)]
+        self.log.append(("k", ",".join(self.names[d] for d in deps), name))
+        self.edges |= {(d, node) for d in deps}
+        return node
+
+    def destroy(self, node):
+        self.log.append(("x", self.names[node], ""))
+        self.edges = {(a, b) for a, b in self.edges if node not in (a, b)}
+        del self.info[self.names.pop(node)]
 
     def deps(self, node):
         return sorted(a for a, b in self.edges if b == node)
@@ -135,3 +153,56 @@ def test_a_memset_after_a_root_kernel_becomes_a_root():
                   [("k", "m"), ("m", "gemm")])  # fmt: skip
     apply_hoists(g, g, plan_hoists(g))
     assert g.named_edges() == {("k", "gemm"), ("m", "gemm")}
+
+
+def test_as_kernels_a_memset_becomes_a_store_kernel_beside_the_kernel_before_it():
+    g = ffn_layer()
+    m = g.ids["memset"]
+    before = {n: g.ancestors(n) - {"memset"} for n in ("key_gemm", "value_gemm")}
+    assert apply_hoists(g, g, plan_hoists(g), as_kernels=True) == 1
+    (store_name, store), = g.stores
+    assert store == Store32(0x1000 + 16 * m, 7)  # the memset's address and word
+    assert "memset" not in g.names.values()
+    assert g.ancestors(store_name) == {"o_gemm", "lora"}
+    assert {n: g.ancestors(n) - {store_name} for n in before} == before
+    assert (store_name, "key_gemm") in g.named_edges() and ("k", "key_gemm") in g.named_edges()
+    assert g.log[-1] == ("x", "memset", "")  # the memset goes last
+
+
+def test_as_kernels_other_sizes_are_only_moved():
+    g = ffn_layer(memset_bytes=8)
+    assert apply_hoists(g, g, plan_hoists(g), as_kernels=True) == 0
+    assert ("o_gemm", "memset") in g.named_edges() and ("k", "memset") not in g.named_edges()
+
+
+def test_a_store_kernel_that_cannot_be_tied_to_its_users_is_destroyed_again():
+    g = ffn_layer()
+
+    def refuse(src, dst):
+        if g.names[src].startswith("store@"):
+            raise RuntimeError("cuGraphAddDependencies_v2: CUresult 1")
+        FakeGraph.add_edge(g, src, dst)
+
+    g.add_edge = refuse
+    with pytest.raises(RuntimeError):
+        apply_hoists(g, g, plan_hoists(g), as_kernels=True)
+    assert [op for op, _, _ in g.log][-2:] == ["k", "x"]
+    assert not any(name.startswith("store@") for name in g.names.values())
+    assert ("k", "memset") in g.named_edges() and ("memset", "key_gemm") in g.named_edges()
+
+
+@pytest.mark.parametrize(
+    "args, store",
+    [
+        ((0x100, 0, 4, 1, 1), Store32(0x100, 0)),
+        ((0x100, 0xAB, 1, 4, 1), Store32(0x100, 0xABABABAB)),
+        ((0x100, 0x1234, 2, 2, 1), Store32(0x100, 0x12341234)),
+        ((0x100, 0x1FF, 1, 4, 1), Store32(0x100, 0xFFFFFFFF)),  # cuMemsetD8 keeps the low byte
+        ((0x102, 0, 4, 1, 1), None),  # not 4-byte aligned
+        ((0x100, 0, 4, 2, 1), None),  # 8 bytes
+        ((0x100, 0, 4, 1, 2), None),  # two rows
+        ((0x100, 0, 8, 0, 1), None),
+    ],
+)
+def test_store32_is_what_the_memset_writes(args, store):
+    assert store32(*args) == store

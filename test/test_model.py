@@ -317,7 +317,7 @@ def test_capture_graph_is_thread_local_and_pauses_the_collector(monkeypatch):
 def test_a_graph_the_driver_cannot_edit_is_instantiated_as_captured(monkeypatch, caplog):
     """graphs._edit_and_instantiate: a DriverError from the edit (an old driver) is a warning,
     and the graph is instantiated all the same."""
-    from server.model import graph_edit, graphs
+    from server.model import graph_driver, graphs
 
     calls = []
 
@@ -328,11 +328,11 @@ def test_a_graph_the_driver_cannot_edit_is_instantiated_as_captured(monkeypatch,
         def instantiate(self):
             calls.append("instantiate")
 
-    def no_driver(raw):
+    def no_driver(raw, as_kernels):
         calls.append(raw)
-        raise graph_edit.DriverError("the CUDA driver has no cuGraphAddDependencies_v2")
+        raise graph_driver.DriverError("the CUDA driver has no cuGraphAddDependencies_v2")
 
-    monkeypatch.setattr(graph_edit, "hoist_memsets", no_driver)
+    monkeypatch.setattr(graph_driver, "hoist_memsets", no_driver)
     with caplog.at_level("WARNING", logger="server.model.graphs"):
         graphs._edit_and_instantiate(Graph())
     assert calls == [1234, "instantiate"]

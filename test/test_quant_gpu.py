@@ -425,18 +425,28 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-def test_hoisted_cublaslt_memset_leaves_the_fp8_product_as_eager(dev, monkeypatch):
+@pytest.mark.parametrize("as_kernels", [False, True])
+def test_hoisted_cublaslt_memset_leaves_the_fp8_product_as_eager(dev, monkeypatch, as_kernels):
     """graphs.capture_graph with HOIST_MEMSETS on a captured FFN key product at 1,024 rows
     (quant_rows, then torch._scaled_mm with per-row scales; cuBLASLt puts a memset between the
-    two): graph_edit moves the memset, and replays on new inputs give the eager product's bits."""
-    from server.model import graph_edit, graphs
+    two): graph_driver moves the memset (as_kernels: replaces it by a store kernel, and no memset
+    node is left), and replays on new inputs give the eager product's bits."""
+    from server.model import graph_driver, graphs
 
     assert cuda_quant.fp8_gemm_ok(dev), "the H100 / H200 run fp8 GEMMs"
     x, w = _data((1024, 2560), dev, 30), _qweight((10240, 2560), "fp8", dev, 31)
-    moved = []
-    real = graph_edit.hoist_memsets
-    monkeypatch.setattr(graph_edit, "hoist_memsets", lambda raw: moved.append(real(raw)) or moved[-1])
+    edits, kinds = [], []
+    real = graph_driver.hoist_memsets
+
+    def hoist(raw, kernels):
+        edits.append(real(raw, kernels))
+        g = graph_driver.DriverGraph(raw)
+        kinds.extend(g.kind(n) for n in g.nodes())
+        return edits[-1]
+
+    monkeypatch.setattr(graph_driver, "hoist_memsets", hoist)
     monkeypatch.setattr(graphs, "HOIST_MEMSETS", True)
+    monkeypatch.setattr(graphs, "MEMSET_KERNELS", as_kernels)
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # cuBLASLt's handle and workspace outside the capture
@@ -445,7 +455,8 @@ def test_hoisted_cublaslt_memset_leaves_the_fp8_product_as_eager(dev, monkeypatc
     torch.cuda.synchronize(dev)
     with graphs.capture_graph(torch.cuda.graph_pool_handle()) as g:
         out = cuda_quant.fp8_scaled(x, w)  # (1024, 10240)
-    assert moved == [1], "the one memset before the product moved"
+    assert edits == [(1, 1 if as_kernels else 0)], "the one memset before the product moved"
+    assert ("memset" in kinds) is not as_kernels
     for seed in (32, 33):
         x.copy_(_data((1024, 2560), dev, seed))
         g.replay()

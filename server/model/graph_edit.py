@@ -14,15 +14,18 @@ a cuBLAS kernel. Only cuBLAS kernels touch cuBLAS's workspace, and every earlier
 the stream is still an ancestor of the memset (through the predecessor's dependencies), so the
 workspace is zeroed after its last reader and before the next, as captured.
 
+Moved, a memset node still costs a few microseconds on the GEMM's path (docs/performance.md: the
+executor's memset-to-kernel hand-off). With `as_kernels`, a moved memset that fills 4 aligned bytes
+becomes a one-thread kernel node storing the same word (`STORE_PTX`, compiled by the driver), and
+the memset node goes: kernel-to-kernel hand-offs are the cheap ones.
+
 `plan_hoists` decides over a small graph protocol (plain Python: the CPU tests run it on a fake
-graph); `DriverGraph` is that protocol over a raw `cudaGraph_t` through the CUDA driver API
-(ctypes on libcuda, which every CUDA process has loaded: no extra package).
+graph); `server.model.graph_driver` applies them to a raw `cudaGraph_t` through the CUDA driver
+API (`hoist_memsets`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -39,6 +42,26 @@ CUBLAS_KERNEL = re.compile(r"nvjet|xmma|cutlass|cublas|gemmk|gemm_|splitkreduce"
 families, split-K reductions). A kernel of ours that matched would only make a move not happen."""
 
 
+@dataclass(frozen=True)
+class Store32:
+    """What a 4-byte memset writes, as one 32-bit store: its address and word."""
+
+    dst: int
+    word: int
+
+
+def store32(dst: int, value: int, element_size: int, width: int, height: int) -> Store32 | None:
+    """The memset (cuMemsetD8/D16/D32-style: `width` elements of `element_size` bytes, each
+    `value`) as a 32-bit store, when it fills exactly 4 aligned bytes; else None."""
+    if element_size * width != 4 or height > 1 or dst % 4:
+        return None
+    mask = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}.get(element_size)
+    if mask is None:
+        return None
+    v = value & mask
+    return Store32(dst, v * {1: 0x01010101, 2: 0x00010001, 4: 1}[element_size])
+
+
 class GraphView(Protocol):
     """What `plan_hoists` reads of a graph. Nodes are opaque handles (ints)."""
 
@@ -46,6 +69,7 @@ class GraphView(Protocol):
     def kind(self, node: int) -> str: ...  # "kernel", "memset", or another node type's name
     def name(self, node: int) -> str: ...  # a kernel's name ("" for other nodes)
     def memset_bytes(self, node: int) -> int: ...
+    def memset_store(self, node: int) -> Store32 | None: ...  # store32 of a memset node
     def deps(self, node: int) -> Sequence[int]: ...
     def users(self, node: int) -> Sequence[int]: ...
 
@@ -84,142 +108,36 @@ def plan_hoists(g: GraphView) -> list[Hoist]:
 class GraphEditor(Protocol):
     def remove_edge(self, src: int, dst: int) -> None: ...
     def add_edge(self, src: int, dst: int) -> None: ...
+    def add_store_kernel(self, deps: Sequence[int], store: Store32) -> int: ...  # the new node
+    def destroy(self, node: int) -> None: ...  # the node and its edges
 
 
-def apply_hoists(g: GraphView, ed: GraphEditor, plan: Sequence[Hoist]) -> None:
-    """Rewire the edges of each move: `dep -> memset` for each of after's dependencies and
-    `after -> user` for each user of the memset come (unless there), then `after -> memset`
-    goes. Edges are added before the one is removed, so a call that fails midway leaves a graph
-    with no fewer orderings than the captured one."""
+def apply_hoists(g: GraphView, ed: GraphEditor, plan: Sequence[Hoist], as_kernels: bool = False) -> int:
+    """Carry out each move; returns how many memsets became store kernels (as_kernels).
+    A move: `dep -> memset` for each of after's dependencies and `after -> user` for each user of
+    the memset come (unless there), then `after -> memset` goes. A store kernel: the kernel node
+    after the new dependencies, `kernel -> user` and `after -> user` for each user, then the
+    memset node goes. Whatever is added comes before what is removed, so a call that fails midway
+    leaves a graph with no fewer orderings than the captured one (a store kernel that could not
+    be tied to its users is destroyed again: left loose it could run beside them)."""
+    kernels = 0
     for h in plan:
-        for d in h.new_deps:
-            ed.add_edge(d, h.memset)
         for u in h.users:
             if h.after not in g.deps(u):
                 ed.add_edge(h.after, u)
-        ed.remove_edge(h.after, h.memset)
-
-
-# --- the driver API (libcuda through ctypes) ------------------------------------------------------
-
-_KINDS = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
-          7: "event_record", 10: "mem_alloc", 11: "mem_free", 12: "batch_mem_op", 13: "conditional"}  # fmt: skip
-_P, _SZ = ctypes.c_void_p, ctypes.c_size_t
-
-
-class _MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
-    _fields_ = [("dst", ctypes.c_uint64), ("pitch", _SZ), ("value", ctypes.c_uint),
-                ("element_size", ctypes.c_uint), ("width", _SZ), ("height", _SZ)]  # fmt: skip
-
-
-class _KernelParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
-    _fields_ = [("func", _P), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_bytes", ctypes.c_uint), ("params", _P), ("extra", _P), ("kern", _P), ("ctx", _P)]  # fmt: skip
-
-
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-class DriverError(RuntimeError):
-    pass
-
-
-def _ck(err: int, what: str) -> None:
-    if err != 0:
-        raise DriverError(f"{what}: CUresult {err}")
-
-
-class DriverGraph:
-    """GraphView and GraphEditor over a raw CUgraph (= cudaGraph_t, e.g. torch's
-    `CUDAGraph.raw_cuda_graph()` of a graph captured with keep_graph=True). The _v2 edge calls
-    (CUDA >= 12.3 drivers) read edges that carry data (programmatic launches) without failing;
-    the edges this module adds are plain full dependencies."""
-
-    CALLS = (
-        "cuGraphGetNodes",
-        "cuGraphNodeGetType",
-        "cuGraphKernelNodeGetParams_v2",
-        "cuFuncGetName",
-        "cuKernelGetName",
-        "cuGraphMemsetNodeGetParams",
-        "cuGraphNodeGetDependencies_v2",
-        "cuGraphNodeGetDependentNodes_v2",
-        "cuGraphAddDependencies_v2",
-        "cuGraphRemoveDependencies_v2",
-    )
-
-    def __init__(self, graph: int):
-        """Raises DriverError when the driver lacks one of CALLS (before anything is read)."""
+        store = g.memset_store(h.memset) if as_kernels else None
+        if store is None:
+            for d in h.new_deps:
+                ed.add_edge(d, h.memset)
+            ed.remove_edge(h.after, h.memset)
+            continue
+        node = ed.add_store_kernel(h.new_deps, store)
         try:
-            self.graph, self.cu = graph, _libcuda()
-        except OSError as e:
-            raise DriverError(f"no CUDA driver library: {e}") from e
-        missing = [c for c in self.CALLS if not hasattr(self.cu, c)]
-        if missing:
-            raise DriverError(f"the CUDA driver has no {', '.join(missing)}")
-
-    def nodes(self) -> list[int]:
-        n = _SZ(0)
-        _ck(self.cu.cuGraphGetNodes(_P(self.graph), None, ctypes.byref(n)), "cuGraphGetNodes")
-        arr = (_P * n.value)()
-        _ck(self.cu.cuGraphGetNodes(_P(self.graph), arr, ctypes.byref(n)), "cuGraphGetNodes")
-        return [int(arr[i] or 0) for i in range(n.value)]
-
-    def kind(self, node: int) -> str:
-        t = ctypes.c_int(-1)
-        _ck(self.cu.cuGraphNodeGetType(_P(node), ctypes.byref(t)), "cuGraphNodeGetType")
-        return _KINDS.get(t.value, f"type{t.value}")
-
-    def name(self, node: int) -> str:
-        if self.kind(node) != "kernel":
-            return ""
-        p = _KernelParams()
-        _ck(self.cu.cuGraphKernelNodeGetParams_v2(_P(node), ctypes.byref(p)), "cuGraphKernelNodeGetParams")
-        s = ctypes.c_char_p()
-        if p.func and self.cu.cuFuncGetName(ctypes.byref(s), _P(p.func)) == 0 and s.value:
-            return s.value.decode(errors="replace")
-        if p.kern and self.cu.cuKernelGetName(ctypes.byref(s), _P(p.kern)) == 0 and s.value:
-            return s.value.decode(errors="replace")
-        return ""
-
-    def memset_bytes(self, node: int) -> int:
-        p = _MemsetParams()
-        _ck(self.cu.cuGraphMemsetNodeGetParams(_P(node), ctypes.byref(p)), "cuGraphMemsetNodeGetParams")
-        return int(p.width) * int(p.element_size) * max(1, int(p.height))
-
-    def _edges(self, fn, node: int) -> list[int]:
-        n = _SZ(0)
-        _ck(fn(_P(node), None, None, ctypes.byref(n)), fn.__name__)
-        if n.value == 0:
-            return []
-        arr, data = (_P * n.value)(), (ctypes.c_uint64 * n.value)()  # CUgraphEdgeData: 8 bytes
-        _ck(fn(_P(node), arr, data, ctypes.byref(n)), fn.__name__)
-        return [int(arr[i] or 0) for i in range(n.value)]
-
-    def deps(self, node: int) -> list[int]:
-        return self._edges(self.cu.cuGraphNodeGetDependencies_v2, node)
-
-    def users(self, node: int) -> list[int]:
-        return self._edges(self.cu.cuGraphNodeGetDependentNodes_v2, node)
-
-    def _edge(self, fn, src: int, dst: int) -> None:
-        _ck(fn(_P(self.graph), (_P * 1)(src), (_P * 1)(dst), None, _SZ(1)), fn.__name__)
-
-    def remove_edge(self, src: int, dst: int) -> None:
-        self._edge(self.cu.cuGraphRemoveDependencies_v2, src, dst)
-
-    def add_edge(self, src: int, dst: int) -> None:
-        self._edge(self.cu.cuGraphAddDependencies_v2, src, dst)
-
-
-def hoist_memsets(graph: int) -> int:
-    """Apply `plan_hoists` to a raw captured graph (before it is instantiated); the number of
-    memsets moved. DriverError: a driver without these calls (before any change), or a call that
-    failed (apply_hoists' order keeps the graph's orderings): either way the graph can be
-    instantiated as it is."""
-    g = DriverGraph(graph)
-    plan = plan_hoists(g)
-    apply_hoists(g, g, plan)
-    return len(plan)
+            for u in h.users:
+                ed.add_edge(node, u)
+        except BaseException:
+            ed.destroy(node)
+            raise
+        ed.destroy(h.memset)
+        kernels += 1
+    return kernels

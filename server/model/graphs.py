@@ -39,15 +39,21 @@ from typing import Any
 
 import torch
 
-from server.model import graph_edit
+from server.model import graph_driver
 from server.model.state import State
 
 log = logging.getLogger(__name__)
 
 
 HOIST_MEMSETS = True
-"""Captured graphs get graph_edit.hoist_memsets before they are instantiated (cuBLAS's workspace
+"""Captured graphs get graph_driver.hoist_memsets before they are instantiated (cuBLAS's workspace
 memsets off the step's critical path); bench_engine's --hoist-memsets switches it for A/Bs."""
+
+MEMSET_KERNELS = False
+"""With HOIST_MEMSETS: each moved 4-byte memset becomes a one-thread store kernel (graph_edit's
+as_kernels). Off until its GPU test and an engine A/B have run (docs/performance.md: a probe of
+the same edit took the fp8 B=1,024 replay's idle from 230 to 92 us); bench_engine's
+--memset-kernels switches it."""
 
 
 def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
@@ -63,9 +69,9 @@ def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
 
 def _edit_and_instantiate(graph: torch.cuda.CUDAGraph) -> None:
     try:
-        moved = graph_edit.hoist_memsets(graph.raw_cuda_graph())
-        log.debug("graph edit: %d memsets moved", moved)
-    except graph_edit.DriverError as e:  # the graph is as captured (or only gained orderings)
+        moved, kernels = graph_driver.hoist_memsets(graph.raw_cuda_graph(), MEMSET_KERNELS)
+        log.debug("graph edit: %d memsets moved, %d of them as store kernels", moved, kernels)
+    except graph_driver.DriverError as e:  # the graph is as captured (or only gained orderings)
         log.warning("captured graph left as it is: %s", e)
     graph.instantiate()
 

@@ -232,6 +232,9 @@ def main() -> None:
     p.add_argument("--hoist-memsets", default="",
                    help="decode runs at each of these graphs.HOIST_MEMSETS values (0/1: cuBLAS's workspace memsets "
                         "moved off the critical path of the captured graphs), alternating")  # fmt: skip
+    p.add_argument("--memset-kernels", default="",
+                   help="decode runs at each of these graphs.MEMSET_KERNELS values (0/1: the moved memsets as "
+                        "one-thread store kernels), alternating")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -274,7 +277,8 @@ def main() -> None:
 
 SWITCHES = {"fp8_fast_accum": "cuda_quant.FP8_FAST_ACCUM", "sparse_value": "cuda_quant.SPARSE_VALUE",
             "scaled_min_rows": "cuda_quant.SCALED_MIN_ROWS", "tmix_per_sm": "cuda_ops.TMIX_PIPE_PER_SM",
-            "lora_apart_min_rows": "decode_pack.LORA_APART_MIN_ROWS", "hoist_memsets": "graphs.HOIST_MEMSETS"}  # fmt: skip
+            "lora_apart_min_rows": "decode_pack.LORA_APART_MIN_ROWS", "hoist_memsets": "graphs.HOIST_MEMSETS",
+            "memset_kernels": "graphs.MEMSET_KERNELS"}  # fmt: skip
 """bench arguments that set a switch of a server.model module per decode run: argument -> module.attribute
 (flags 0/1, but the COUNTS)"""
 COUNTS = ("scaled_min_rows", "tmix_per_sm", "lora_apart_min_rows")
