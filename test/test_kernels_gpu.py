@@ -279,8 +279,10 @@ def test_cpu_fallback_matches_torch(monkeypatch):
     sub = ref[[0]].clone()
     ops.wkv_chunk(sub, *(t[1:2, :3] for t in acts))
     ref[0] = sub[0]
-    assert torch.allclose(y[:1], y0, atol=1e-6)
-    assert torch.allclose(got, ref, atol=1e-6)
+    # fp32 in both, but the chunked form divides by cumulative decays, which magnifies a change of
+    # summation order (a CPU BLAS picks its kernels by batch and load: CI once saw 4e-5 at 0.63)
+    assert torch.allclose(y[:1], y0, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_import_builds_nothing():
