@@ -316,7 +316,7 @@ def test_capture_graph_is_thread_local_and_pauses_the_collector(monkeypatch):
 
 def test_a_graph_the_driver_cannot_edit_is_instantiated_as_captured(monkeypatch, caplog):
     """graphs._edit_and_instantiate: a DriverError from the edit (an old driver) is a warning,
-    and the graph is instantiated all the same."""
+    any other error an error with its traceback, and the graph is instantiated all the same."""
     from server.model import graph_driver, graphs
 
     calls = []
@@ -337,3 +337,11 @@ def test_a_graph_the_driver_cannot_edit_is_instantiated_as_captured(monkeypatch,
         graphs._edit_and_instantiate(Graph())
     assert calls == [1234, "instantiate"]
     assert "cuGraphAddDependencies_v2" in caplog.text
+
+    def bug(raw, as_kernels):  # a bug in the edit is logged, and the server still starts
+        raise TypeError("wrong type")
+
+    monkeypatch.setattr(graph_driver, "hoist_memsets", bug)
+    with caplog.at_level("WARNING", logger="server.model.graphs"):
+        graphs._edit_and_instantiate(Graph())
+    assert calls[-1] == "instantiate" and "its edit failed" in caplog.text and "TypeError" in caplog.text

@@ -68,11 +68,16 @@ def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
 
 
 def _edit_and_instantiate(graph: torch.cuda.CUDAGraph) -> None:
+    """The edits are an optimization: any failure (an old driver: DriverError; anything else is
+    a bug, logged with its traceback) leaves the graph as captured, or with orderings added
+    (graph_edit.apply_hoists' order), and it is instantiated all the same."""
     try:
         moved, kernels = graph_driver.hoist_memsets(graph.raw_cuda_graph(), MEMSET_KERNELS)
         log.debug("graph edit: %d memsets moved, %d of them as store kernels", moved, kernels)
-    except graph_driver.DriverError as e:  # the graph is as captured (or only gained orderings)
+    except graph_driver.DriverError as e:
         log.warning("captured graph left as it is: %s", e)
+    except Exception:
+        log.exception("captured graph left as it is: its edit failed")
     graph.instantiate()
 
 
