@@ -214,27 +214,10 @@ def main() -> None:
     p.add_argument("--variant", default="", help="free-text tag stored with each line")
     p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights (load_model quant)")
     p.add_argument("--sparse-ffn", default="auto", choices=SPARSE_FFN, help="load_model sparse_ffn")
-    p.add_argument("--fp8-fast-accum", default="",
-                   help="decode runs at each of these cuda_quant.FP8_FAST_ACCUM values (0/1), alternating: an A/B in "
-                        "one process ('' = the module's value)")  # fmt: skip
-    p.add_argument("--sparse-value", default="",
-                   help="decode runs at each of these cuda_quant.SPARSE_VALUE values (0/1: B=1's FFN value skips "
-                        "relu^2's zeros), alternating ('' = the module's value)")  # fmt: skip
-    p.add_argument("--scaled-min-rows", default="",
-                   help="decode runs at each of these cuda_quant.SCALED_MIN_ROWS values (fp8: the rows from which "
-                        "the output / FFN value products leave their scales to add_ln_mix), alternating")  # fmt: skip
-    p.add_argument("--tmix-per-sm", default="",
-                   help="decode runs at each of these cuda_ops.TMIX_PIPE_PER_SM values (the pipelined time-mix's "
-                        "resident blocks per SM, 0 = as many as fit), alternating")  # fmt: skip
-    p.add_argument("--lora-apart-min-rows", default="",
-                   help="decode runs at each of these decode_pack.LORA_APART_MIN_ROWS values (the rows from which "
-                        "the gate's LoRA runs apart from the others), alternating")  # fmt: skip
-    p.add_argument("--hoist-memsets", default="",
-                   help="decode runs at each of these graphs.HOIST_MEMSETS values (0/1: cuBLAS's workspace memsets "
-                        "moved off the critical path of the captured graphs), alternating")  # fmt: skip
-    p.add_argument("--memset-kernels", default="",
-                   help="decode runs at each of these graphs.MEMSET_KERNELS values (0/1: the moved memsets as "
-                        "one-thread store kernels), alternating")  # fmt: skip
+    for key, what in SWITCH_HELP.items():
+        p.add_argument("--" + key.replace("_", "-"), default="",
+                       help=f"decode runs at each of these {SWITCHES[key]} values ({what}), alternating: an A/B in "
+                            "one process ('' = the module's value)")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
     a = p.parse_args()
@@ -282,6 +265,16 @@ SWITCHES = {"fp8_fast_accum": "cuda_quant.FP8_FAST_ACCUM", "sparse_value": "cuda
 """bench arguments that set a switch of a server.model module per decode run: argument -> module.attribute
 (flags 0/1, but the COUNTS)"""
 COUNTS = ("scaled_min_rows", "tmix_per_sm", "lora_apart_min_rows")
+SWITCH_HELP = {
+    "fp8_fast_accum": "0/1",
+    "sparse_value": "0/1: B=1's FFN value skips relu^2's zeros",
+    "scaled_min_rows": "fp8: the rows from which the output / FFN value products leave their scales to add_ln_mix",
+    "tmix_per_sm": "the pipelined time-mix's resident blocks per SM, 0 = as many as fit",
+    "lora_apart_min_rows": "the rows from which the gate's LoRA runs apart from the others",
+    "hoist_memsets": "0/1: cuBLAS's workspace memsets moved off the critical path of the captured graphs",
+    "memset_kernels": "0/1: the moved memsets as one-thread store kernels",
+}
+"""What each switch's values mean (its --argument's help)."""
 
 
 def _switches(a: argparse.Namespace):
