@@ -206,3 +206,33 @@ def test_a_store_kernel_that_cannot_be_tied_to_its_users_is_destroyed_again():
 )
 def test_store32_is_what_the_memset_writes(args, store):
     assert store32(*args) == store
+
+
+def _our_kernel_names() -> set[str]:
+    """The names of this project's device kernels: the CUDA sources' __global__ functions and the
+    Triton kernels (@triton.jit) of server/."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = set()
+    for f in (root / "kernels").glob("*.cu*"):
+        for head in re.findall(r"__global__\s+void\s+([^{;]*)", f.read_text()):
+            names.update([n for n in re.findall(r"\b([A-Za-z_]\w*)\s*\(", head) if not n.startswith("__")][:1])
+    for f in (root / "server").rglob("*.py"):
+        names.update(re.findall(r"@triton\.jit[^\n]*\n\s*def (\w+)", f.read_text()))
+    return names
+
+
+def test_none_of_our_kernels_passes_for_cublas():
+    """CUBLAS_KERNEL tells cuBLAS's kernels from ours: one of ours taken for cuBLAS's after a
+    small memset of ours would let that memset move beside the kernel before it."""
+    from server.model.graph_edit import CUBLAS_KERNEL
+
+    ours = _our_kernel_names()
+    assert {"add_ln_mix_v2_kernel", "tmix_pipe_kernel", "quant_rows_kernel", "sampler_kernel", "w8_mm"} <= ours
+    assert not [n for n in ours if CUBLAS_KERNEL.search(n)]
+    seen = ["nvjet_sm90_qqhsh_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT", "nvjet_sm90_hsh_168x128_64x5_1x2_h_bz_TNN",
+            "sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64", "cutlass_80_tensorop_h16816gemm_256x128",
+            "void splitKreduce_kernel<32, 16, int, float>"]  # fmt: skip
+    assert all(CUBLAS_KERNEL.search(n) for n in seen)
