@@ -26,13 +26,10 @@ API (`hoist_memsets`).
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-log = logging.getLogger(__name__)
 
 MAX_BYTES = 64
 """The largest memset that `plan_hoists` moves (cuBLASLt's are 4 bytes)."""
