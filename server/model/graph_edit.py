@@ -5,7 +5,7 @@ cuBLASLt puts a small memset node before some of its GEMM kernels (a few bytes o
 zeroed for the kernel; the fp8 FFN key product at 1,024 rows has one in every layer). Captured
 in stream order, the memset depends on the kernel before it, so the GEMM starts only after that
 kernel, then the memset, each with its launch latency (docs/performance.md, "Idle time inside
-the B=1,024 decode graph"). `hoist_memsets` gives each such memset its predecessor's own
+the B=1,024 decode graph"). The edit gives each such memset its predecessor's own
 dependencies instead (it then runs beside that kernel) and makes the GEMM depend on both.
 
 When a move is safe: the memset is small (at most MAX_BYTES), every node that waits for it is a
