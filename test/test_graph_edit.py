@@ -236,3 +236,48 @@ def test_none_of_our_kernels_passes_for_cublas():
             "sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64", "cutlass_80_tensorop_h16816gemm_256x128",
             "void splitKreduce_kernel<32, 16, int, float>"]  # fmt: skip
     assert all(CUBLAS_KERNEL.search(n) for n in seen)
+
+
+LAYOUT_C = r"""
+#include <cuda.h>
+#include <stddef.h>
+#include <stdio.h>
+int main(void) {
+    printf("%zu %zu %zu %zu\n", sizeof(CUDA_KERNEL_NODE_PARAMS_v1), offsetof(CUDA_KERNEL_NODE_PARAMS_v1, sharedMemBytes),
+           offsetof(CUDA_KERNEL_NODE_PARAMS_v1, kernelParams), offsetof(CUDA_KERNEL_NODE_PARAMS_v1, extra));
+    printf("%zu %zu %zu\n", sizeof(CUDA_KERNEL_NODE_PARAMS_v2), offsetof(CUDA_KERNEL_NODE_PARAMS_v2, kern),
+           offsetof(CUDA_KERNEL_NODE_PARAMS_v2, ctx));
+    printf("%zu %zu %zu\n", sizeof(CUDA_MEMSET_NODE_PARAMS), offsetof(CUDA_MEMSET_NODE_PARAMS, elementSize),
+           offsetof(CUDA_MEMSET_NODE_PARAMS, height));
+    return 0;
+}
+"""
+
+
+def test_the_driver_structs_are_laid_out_as_cuda_h_says(tmp_path):
+    """graph_driver's ctypes structures against the CUDA toolkit's cuda.h, compiled by the C
+    compiler (the store kernel's node parameters have not run on a GPU yet: a wrong offset there
+    would hand the driver garbage)."""
+    import ctypes
+    import glob
+    import os
+    import shutil
+    import subprocess
+
+    from server.model import graph_driver as d
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    homes = [os.environ.get("CUDA_HOME", ""), *sorted(glob.glob("/usr/local/cuda*"))]
+    inc = next((f"{h}/include" for h in homes if h and os.path.exists(f"{h}/include/cuda.h")), None)
+    if cc is None or inc is None:
+        pytest.skip("needs a C compiler and the CUDA toolkit's cuda.h")
+    (tmp_path / "layout.c").write_text(LAYOUT_C)
+    subprocess.run([cc, f"-I{inc}", str(tmp_path / "layout.c"), "-o", str(tmp_path / "layout")], check=True)
+    out = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout.split("\n")
+
+    def ours(struct, *fields):
+        return " ".join(str(v) for v in (ctypes.sizeof(struct), *(getattr(struct, f).offset for f in fields)))
+
+    assert out[0] == ours(d._KernelParamsV1, "shared_bytes", "params", "extra")
+    assert out[1] == ours(d._KernelParams, "kern", "ctx")
+    assert out[2] == ours(d._MemsetParams, "element_size", "height")
