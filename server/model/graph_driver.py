@@ -125,14 +125,17 @@ class DriverGraph:
             return s.value.decode(errors="replace")
         return ""
 
-    def memset_bytes(self, node: int) -> int:
+    def _memset(self, node: int) -> _MemsetParams:
         p = _MemsetParams()
         _ck(self.cu.cuGraphMemsetNodeGetParams(_P(node), ctypes.byref(p)), "cuGraphMemsetNodeGetParams")
+        return p
+
+    def memset_bytes(self, node: int) -> int:
+        p = self._memset(node)
         return int(p.width) * int(p.element_size) * max(1, int(p.height))
 
     def memset_store(self, node: int) -> Store32 | None:
-        p = _MemsetParams()
-        _ck(self.cu.cuGraphMemsetNodeGetParams(_P(node), ctypes.byref(p)), "cuGraphMemsetNodeGetParams")
+        p = self._memset(node)
         return store32(int(p.dst), int(p.value), int(p.element_size), int(p.width), int(p.height))
 
     def _edges(self, fn, node: int) -> list[int]:

@@ -51,13 +51,10 @@ class Store32:
 def store32(dst: int, value: int, element_size: int, width: int, height: int) -> Store32 | None:
     """The memset (cuMemsetD8/D16/D32-style: `width` elements of `element_size` bytes, each
     `value`) as a 32-bit store, when it fills exactly 4 aligned bytes; else None."""
-    if element_size * width != 4 or height > 1 or dst % 4:
+    if element_size not in (1, 2, 4) or element_size * width != 4 or height > 1 or dst % 4:
         return None
-    mask = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}.get(element_size)
-    if mask is None:
-        return None
-    v = value & mask
-    return Store32(dst, v * {1: 0x01010101, 2: 0x00010001, 4: 1}[element_size])
+    mask = (1 << 8 * element_size) - 1  # the element's bits of value, repeated over the word
+    return Store32(dst, (value & mask) * (0xFFFFFFFF // mask))
 
 
 class GraphView(Protocol):

@@ -86,15 +86,13 @@ class Persistence:
         decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         """`states` writes the final states behind; this object shares its store, writer, cache,
-        table, counters and model signature, and commits the task rows. `decode`: the
-        tokenizer's, to complete the text of a task a crash interrupted (complete_interrupted)."""
+        table and counters, and commits the task rows. `url_of` and `decode` (the tokenizer's, to
+        complete the text of a task a crash interrupted) also go to its StateReads."""
         self.states = states
         self.store, self.writer, self.cache, self.table = states.store, states.writer, states.cache, states.table
         self.counters = states.counters
-        self.store_dtype = states.store_dtype
         self.instance = instance
         self.url_of = url_of
-        self.decode = decode
         self.lane = self.states.lane
         self.reads = StateReads(states, url_of=url_of, decode=decode)
         self._progress_queued = False  # a progress job is in the writer queue
