@@ -120,6 +120,16 @@ class ServerProcess:
             self.proc.wait(timeout=30)
         return self.proc.returncode
 
+    def pause(self) -> None:
+        """SIGSTOP: the process is frozen (no step, no write) until `resume()`; a test reads what
+        it committed and what its clients hold at one moment, then kills or resumes it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def restart(self, wait: bool = True, hard: bool = False) -> ServerProcess:
         (self.kill if hard else self.stop)()
         return self.start(wait=wait)
