@@ -47,7 +47,7 @@ from server.tasks.config import (
     TokenizerLike,
     server_name,
 )
-from server.tasks.errors import TaskElsewhere, TaskInvalid, TaskStale
+from server.tasks.errors import TaskElsewhere, TaskInvalid, TaskNotFound, TaskStale
 from server.tasks.inputs import Inputs, Prompt
 from server.tasks.inventory import Inventory
 from server.tasks.lease import Lease
@@ -364,8 +364,12 @@ class TaskManager:
     async def delete(self, task_id: str, owner: str | None = None, *, force: bool = False) -> Task:
         t = await self.get(task_id, owner, write=True, force=force)
         if t.running:
+            t.deleting = True
             self.runs.abort(t)
-            await _wait_done(t, STOPPING_WAIT_S)
+            try:
+                await _wait_done(t, STOPPING_WAIT_S)
+            finally:
+                t.deleting = False
         t.deleted = True
         if t.kind == TMP:
             self.table.forget(t.id)
@@ -445,9 +449,12 @@ class TaskManager:
 async def _settled_if_stopping(t: Task) -> Task:
     """t, once its run has settled if that run's stop was asked for (`stop`, or its streaming
     client left): continue, fork and as_template then go on instead of answering 409. A run
-    that still runs is left alone (the caller refuses it)."""
+    that still runs is left alone (the caller refuses it). A stop that a delete asked for ends
+    in TaskNotFound, as the call would have answered after the delete."""
     if t.running and t.stop_requested:
         await _wait_done(t, STOPPING_WAIT_S)
+    if t.deleted or t.deleting:
+        raise TaskNotFound(f"task {t.display_id!r} not found", param="task_id")
     return t
 
 

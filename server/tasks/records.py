@@ -170,6 +170,7 @@ class Task:
     stop_requested: bool = False
     interrupted: bool = False  # aborted by a shutdown (finish_reason "interrupted")
     deleted: bool = False
+    deleting: bool = False  # a delete stops its run: what waited for that settle answers 404
 
     @property
     def running(self) -> bool:

@@ -106,6 +106,7 @@ class Runs:
         before = Snapshot.of(t, update or {})
         for k, v in (update or {}).items():
             setattr(t, k, v)
+        t.stop_requested = t.interrupted = False  # (the last run's): a stop from here on is this run's
         try:
             run = await self._launch(t, prompt_ids, max_tokens, display_id(t.parent_id) if new else None)
         except BaseException:
@@ -198,7 +199,11 @@ class Runs:
         except BaseException:
             self.persistence.release(key)
             raise
+        stop, interrupted = t.stop_requested, t.interrupted  # asked while the state was read
         self._begin(t, run, rebuilt)
+        if stop:  # abort found no handle then: the run ends now, as it would have had it run
+            t.interrupted = interrupted
+            self.abort(t)
         return run
 
     def _run_params(self, t: Task, prompt_ids: list[int] | None, max_tokens: int | None) -> tuple[SamplingParams, int]:
@@ -264,10 +269,14 @@ class Runs:
 
     # --- stop ----------------------------------------------------------------------------------
     def abort(self, t: Task) -> None:
-        """Abort t's engine run (it settles with finish_reason "stopped", or "interrupted")."""
+        """Abort t's engine run (it settles with finish_reason "stopped", or "interrupted"). A
+        run still reading its state (claimed, not yet submitted: no handle) is marked, and
+        _launch aborts it once submitted: a stop or delete in that window is not lost."""
+        if not t.running:
+            return
+        t.stop_requested = True
         run = t.run
         if run is not None and run.handle is not None:
-            t.stop_requested = True
             try:
                 run.handle.abort()
             except Exception:
