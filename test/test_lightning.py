@@ -109,6 +109,11 @@ def test_translate_answers_in_text_list_order(c):
     assert r.json()["translations"][0]["detected_source_lang"] == "ja"
 
 
+def test_translate_of_no_text_is_an_empty_list_as_on_lightning(c):
+    r = c.post("/translate/v1/batch-translate", json={"target_lang": "en", "text_list": []})
+    assert (r.status_code, r.json()) == (200, {"translations": []}), r.text
+
+
 def test_translate_names_the_languages_lightning_names(c):
     # lightning names eight codes in its prompt (zh-CN, zh-TW, en, ja, fr, de, es, ru) and writes any
     # other code as given: the same request makes the same prompt, so the same greedy answer

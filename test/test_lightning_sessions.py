@@ -106,6 +106,8 @@ def test_status_and_delete(c):
     assert r.status_code == 200 and r.json()["status"] == "success"
     r = c.post("/state/delete", json={"session_id": "del-me"})
     assert r.status_code == 404 and r.json()["status"] == "not_found"
+    r = c.post("/state/delete", json={"session_id": "del-me", "delete_prefix": None})  # null: false, as there
+    assert r.status_code == 404 and r.json()["status"] == "not_found", r.text
     r = c.post("/state/delete", json={"session_id": "del-tree", "delete_prefix": True})
     assert r.status_code == 200
     names = {s["session_id"] for s in status(c)["sessions"]}

@@ -300,6 +300,20 @@ def test_deeply_nested_history_arguments_are_a_400(server, depth, kind):
     assert prompt_tokens_total(server) == before
 
 
+@pytest.mark.parametrize("raw", ["not json", "{\"a\": NaN}", "{\"a\": 1"])
+def test_history_arguments_that_are_not_json_say_so(server, raw):
+    """Not JSON (the message said they nested too deep): a 400 naming them, nothing runs."""
+    before = prompt_tokens_total(server)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": raw}}
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": [*USER, {"role": "assistant", "tool_calls": [call]}], "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[1].tool_calls[0].function.arguments"
+    assert "is not JSON text" in err["message"] and "nest" not in err["message"], err
+    assert prompt_tokens_total(server) == before
+
+
 def test_history_arguments_at_the_depth_bound_are_accepted(client):
     answered = [*_call_history(_nested(MAX_JSON_DEPTH, "list")), {"role": "tool", "tool_call_id": "c1", "content": "1"}]
     r = client.chat.completions.create(model="m", messages=answered, max_tokens=1)

@@ -92,6 +92,8 @@ async def batch_translate(body: TranslateBody, request: Request) -> Response:
     t0 = time.perf_counter()
     authorize(request, body.password)
     sv = get_services(request)
+    if not body.text_list:  # nothing to translate: lightning answers an empty list too
+        return json_response({"translations": []})
     src, tgt = (LANGUAGES.get(c, c) for c in (body.source_lang, body.target_lang))
     prompts = [f"{src}: {text}\n\n{tgt}:" for text in body.text_list]
     params = sampling_params(

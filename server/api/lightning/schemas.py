@@ -240,7 +240,7 @@ class MultiStateBody(StateBody):
 
 class DeleteBody(Credential):
     session_id: str | None = None
-    delete_prefix: bool = False
+    delete_prefix: bool | None = False  # null: false (lightning reads `body.get("delete_prefix", False)`)
 
 
 class ChatMessage(BaseModel):

@@ -194,8 +194,9 @@ async def state_delete(body: DeleteBody, request: Request) -> Response:
     if not body.session_id:
         raise LightningError(400, "Missing session_id parameter")
     tm = task_manager(get_services(request))
-    found = await _tasks(Sessions.of(tm).delete(owner, body.session_id, body.delete_prefix))
-    if found or body.delete_prefix:
+    prefix = bool(body.delete_prefix)
+    found = await _tasks(Sessions.of(tm).delete(owner, body.session_id, prefix))
+    if found or prefix:
         return json_response({"status": "success", "message": f"Session {body.session_id} deleted successfully"})
     request.state.error = f"session {body.session_id!r} not found"
     return json_response({"status": "not_found", "message": f"Session {body.session_id} not found"}, 404)

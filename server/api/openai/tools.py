@@ -405,13 +405,15 @@ def arguments(raw: Any, param: str) -> Any:
     """A history call's arguments, parsed; ToolError (naming `param`) unless they are JSON text
     nesting at most MAX_JSON_DEPTH levels (deeper ones end the parser, or _dumps after it, in a
     RecursionError: a 500, not a 400)."""
-    bad = ToolError(param, f"arguments is JSON text nesting at most {MAX_JSON_DEPTH} levels")
+    deep = ToolError(param, f"arguments nest more than {MAX_JSON_DEPTH} levels")
     try:
         args = json.loads(raw or "{}", parse_constant=_not_json)  # NaN / Infinity are not JSON
-    except (TypeError, ValueError, RecursionError):
-        raise bad from None
+    except RecursionError:
+        raise deep from None
+    except (TypeError, ValueError) as exc:
+        raise ToolError(param, f"arguments is not JSON text ({exc})") from None
     if json_depth(args) > MAX_JSON_DEPTH:
-        raise bad
+        raise deep
     return args
 
 

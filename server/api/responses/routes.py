@@ -128,7 +128,7 @@ def _check_supported(body: ResponseRequest) -> None:
         "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
         "background": body.background and "background mode: a response is tied to its request",
         "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
-        "top_logprobs": body.top_logprobs and "top_logprobs: no logprobs on /v1/responses (chat has them)",
+        "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
         "access_programs": body.access_programs is not None and "access_programs",
         "background_options": body.background_options is not None and "background_options (no background mode)",
         "context_management": body.context_management
