@@ -227,6 +227,8 @@ def test_a_trailing_slash_answers_as_the_plain_path(server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
     r = httpx.get(server.url + "/v1/models/")
     assert r.status_code == 200 and r.json() == httpx.get(server.url + "/v1/models").json()
+    r = httpx.get(server.url + "/v1/models/synthetic:tiny/")
+    assert r.status_code == 200 and r.json() == httpx.get(server.url + "/v1/models/synthetic:tiny").json()
 
 
 LEAD = {"max_tokens": 16, "seed": 725, "temperature": 5.0, "top_p": 1.0}

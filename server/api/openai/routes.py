@@ -57,7 +57,7 @@ async def list_models(request: Request) -> Response:
 @router.get("/models/{model_id:path}", responses=answers(401, 404, 503))
 async def get_model(model_id: str, request: Request) -> Response:
     sv = get_services(request)
-    if model_id != sv.model_id:
+    if model_id not in (sv.model_id, sv.model_id + "/"):  # (a trailing slash answers as the plain path)
         raise ApiError(
             404,
             f"model {model_id!r} not found; this server serves {sv.model_id!r}",
