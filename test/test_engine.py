@@ -206,8 +206,8 @@ def test_max_tokens_zero_with_empty_prompt_and_abort_while_waiting(model, tok):
 
 def test_submit_errors(model, tok):
     e = Engine(model, tok, Settings(max_batch=2, max_queue=2, max_prompt_tokens=5, stats_interval=0.0))
-    e.submit([1], SamplingParams(max_tokens=1))
-    e.submit([1], SamplingParams(max_tokens=1), request_id="x")
+    for i in range(4):  # 2 take the free slots, 2 wait
+        e.submit([1], SamplingParams(max_tokens=1), request_id=f"x{i}")
     with pytest.raises(QueueFullError):
         e.submit([1], SamplingParams(max_tokens=1))
     with pytest.raises(PromptTooLongError):
@@ -223,27 +223,29 @@ def test_submit_errors(model, tok):
 
 
 def test_a_refused_submit_queues_nothing(model, tok):
-    """Engine.submit through its Inbox: a request id in use, a full queue (the scheduler's waiting
-    requests count), an unknown abort and a closed inbox are refused, and a refusal leaves
-    nothing queued and nothing live."""
-    e = Engine(model, tok, Settings(max_batch=2, max_queue=3, stats_interval=0.0))
+    """Engine.submit through its Inbox: a request id in use, a full queue (the requests the
+    loop holds count, and those it took but has not published yet), an unknown abort and a closed
+    inbox are refused, and a refusal leaves nothing queued and nothing live."""
+    e = Engine(model, tok, Settings(max_batch=1, max_queue=2, stats_interval=0.0))
     e.submit([1], SamplingParams(max_tokens=1), request_id="a")
     with pytest.raises(ValueError, match="'a' is already in use"):
         e.submit([2], SamplingParams(max_tokens=1), request_id="a")
-    assert e._inbox.pending == 1 and e.stats().waiting == 1
+    assert (e.stats().running, e.stats().waiting) == (1, 0)  # the free slot will take it
     e._drain_inbox()  # the loop takes it: it now waits in the scheduler
     e.submit([1], SamplingParams(max_tokens=1), request_id="b")
+    assert (e.stats().running, e.stats().waiting) == (1, 1)
+    e._inbox.take()  # taken, not published yet: still counted
     e.submit([1], SamplingParams(max_tokens=1), request_id="c")
-    with pytest.raises(QueueFullError, match="3 requests are waiting"):
+    with pytest.raises(QueueFullError, match="2 requests are waiting"):
         e.submit([1], SamplingParams(max_tokens=1), request_id="d")
     assert not e.abort("d") and e.abort("b") and e._inbox.has_items()
     items = e._inbox.take()
-    assert [i if isinstance(i, str) else i[0].request_id for i in items] == ["b", "c", "b"]
+    assert [i if isinstance(i, str) else i[0].request_id for i in items] == ["c", "b"]
     handles = e._inbox.close()
     assert sorted(h.request_id for h in handles) == ["a", "b", "c"]
     with pytest.raises(EngineDeadError):
-        e._inbox.put(items[0], handles[0], 0)
-    assert e._inbox.take() == [] and e._inbox.pending == 0 and not e._inbox.has_items()
+        e._inbox.put(items[0], handles[0])
+    assert e._inbox.take() == [] and e._inbox.load() == (0, 0) and not e._inbox.has_items()
 
 
 def test_an_idle_engine_runs_no_steps(model, tok):

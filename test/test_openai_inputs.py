@@ -134,18 +134,20 @@ def held(engine):
 
 
 def test_refused_batch_leaves_the_queue_as_it_was(inproc):
-    """A: n=4 waits. B: n=8 does not fit (4 places left): 429, and nothing of it stays queued,
-    so a request of 4 is taken at once; the bound still holds after it."""
+    """4 slots, 8 waiting at most. A: n=6 takes the slots and 2 places. B: n=7 does not fit (6
+    places left): 429, and nothing of it stays queued, so a request of 6 is taken at once; the
+    bound still holds after it."""
     url, engine = inproc
     sdk = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     kw = {"model": "any", "messages": USER, "max_tokens": 4, "stream": True}
     with held(engine):
-        a = sdk.chat.completions.create(n=4, **kw)
+        a = sdk.chat.completions.create(n=6, **kw)
         with pytest.raises(openai.RateLimitError) as e:
-            sdk.chat.completions.create(n=8, **kw)
+            sdk.chat.completions.create(n=7, **kw)
         assert e.value.body["code"] == "queue_full" and e.value.response.headers["retry-after"] == "1"
-        assert httpx.get(url + "/health").json()["waiting"] == 4  # not 8: B left nothing behind
-        fits = sdk.chat.completions.create(n=4, **kw)
+        health = httpx.get(url + "/health").json()
+        assert (health["running"], health["waiting"]) == (4, 2)  # not 9 waiting: B left nothing behind
+        fits = sdk.chat.completions.create(n=6, **kw)
         with pytest.raises(openai.RateLimitError):
             sdk.completions.create(model="any", prompt="x", max_tokens=1)
     for stream in (a, fits):

@@ -176,8 +176,8 @@ def _engine_lines(out: list[str], engine: EngineAPI) -> None:
         st = engine.stats()
     except Exception:
         return
-    _sample(out, "rwkv_requests_running", "gauge", "Sequences holding a slot.", st.running)
-    _sample(out, "rwkv_requests_waiting", "gauge", "Sequences waiting for a slot.", st.waiting)
+    _sample(out, "rwkv_requests_running", "gauge", "Sequences holding a slot, or queued for a free one.", st.running)
+    _sample(out, "rwkv_requests_waiting", "gauge", "Sequences queued beyond the free slots.", st.waiting)
     _sample(out, "rwkv_slots", "gauge", "Slots in the state pool.", st.slots)
     _sample(out, "rwkv_prompt_tokens_total", "counter", "Prompt tokens prefilled.", st.prompt_tokens_total)
     _sample(out, "rwkv_generation_tokens_total", "counter", "Tokens generated.", st.generation_tokens_total)
@@ -215,8 +215,8 @@ family without `_total`, which would clash with the recent-mean gauges `rwkv_eng
 
 DEVICE_FAMILIES = (  # (name, kind, help, the EngineStats field; "alive": the engine's is_alive)
     ("rwkv_device_engine_alive", "gauge", "1 while this device's engine loop runs.", "alive"),
-    ("rwkv_device_requests_running", "gauge", "Sequences holding a slot on this device.", "running"),
-    ("rwkv_device_requests_waiting", "gauge", "Sequences waiting for a slot on this device.", "waiting"),
+    ("rwkv_device_requests_running", "gauge", "Sequences holding or queued for a free slot on this device.", "running"),
+    ("rwkv_device_requests_waiting", "gauge", "Sequences queued beyond this device's free slots.", "waiting"),
     ("rwkv_device_slots", "gauge", "Slots in this device's state pool.", "slots"),
     ("rwkv_device_prompt_tokens_total", "counter", "Prompt tokens prefilled on this device.", "prompt_tokens_total"),
     ("rwkv_device_generation_tokens_total", "counter", "Tokens generated on this device.", "generation_tokens_total"),

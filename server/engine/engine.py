@@ -106,7 +106,7 @@ class Engine:
         launch is asynchronous: CUDA; on the CPU it would only add a step of latency)."""
         self._lock = threading.Lock()  # the grammar compiler's creation
         self._wake = threading.Event()
-        self._inbox = Inbox(s.max_queue)  # new requests and aborts from any thread; live handles
+        self._inbox = Inbox(s.max_queue, self.max_batch)  # new requests, aborts from any thread; live handles
         self._compiler: GrammarCompiler | None = None
         self.constraints: Constraints | None = None
         """The constrained requests (grammar.Constraints), once the first grammar was compiled."""
@@ -210,7 +210,7 @@ class Engine:
         )
         seq = EngineSeq(rid, ids, params, seed=seed, init_state=init_state, return_state=return_state)
         text = self.output.new_text(rid, handle, params)
-        self._inbox.put((seq, text, constraint), handle, self.scheduler.num_waiting)
+        self._inbox.put((seq, text, constraint), handle)
         self._wake.set()
         return handle
 
@@ -232,8 +232,10 @@ class Engine:
         return [h.result(timeout) for h in handles]
 
     def stats(self) -> EngineStats:
-        return self._stats.snapshot(self.scheduler.num_running, self.scheduler.num_waiting + self._inbox.pending,
-                                    self.max_batch)  # fmt: skip
+        """running: the requests that hold a slot or that a free slot will take (not taken by the
+        loop yet included); waiting: those beyond the free slots (what max_queue bounds)."""
+        running, waiting = self._inbox.load()
+        return self._stats.snapshot(running, waiting, self.max_batch)
 
     # --- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -285,6 +287,7 @@ class Engine:
         if not self.defer_delivery:
             self._flush()  # the CPU: at once (no launch to hide it behind)
         self._stats.add_time(time.perf_counter() - t0, runner.model_time - m0, runner.sample_time - s0)
+        self._publish()  # the slots this step freed
         self._stats.roll(sched.num_running, sched.num_waiting)
 
     def run_once(self) -> bool:
@@ -310,10 +313,16 @@ class Engine:
                 if constraint is not None:
                     self.constraints.open(seq.request_id, constraint)  # type: ignore[union-attr]
                 self.scheduler.add(seq)
+        self._publish()  # what it took is the scheduler's now (aborts freed their slots)
+
+    def _publish(self) -> None:
+        """Tell the inbox how many requests the loop holds (its queue bound counts them)."""
+        self._inbox.publish(self.scheduler.num_running + self.scheduler.num_waiting)
 
     def _flush(self) -> None:
         """Hand the requests that ended to the output processor; build and deliver all it staged."""
         ends = self.scheduler.take_finished()
+        self._publish()  # before any delivery: a caller that has its result finds its slot free
         if ends and self.constraints:
             self.constraints.close([e.request_id for e in ends])
         self.output.finish(ends)

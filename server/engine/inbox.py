@@ -6,6 +6,17 @@ at the start of a step (`take`), and the handles of the requests that have not e
 kept here (`live`), so that a loop that dies fails every one of them instead of leaving a caller
 waiting (`close`). Nothing here waits for the loop.
 
+The queue bound. max_queue bounds the requests that wait for a SLOT, not those the loop has not
+taken yet: a request that a free slot will take does not wait. So `put` counts every request the
+engine holds (those the loop holds, running or in the scheduler's queue, as the loop last
+`publish`ed them, plus those put since) and refuses a new one only when more than `slots` +
+max_queue would then be held: a burst on an idle engine gets the free slots first, then
+max_queue more, then QueueFullError. Callers read only what is under this lock (never the
+scheduler's lists, which the loop changes between two reads); the loop publishes after taking
+(before it, the requests it took still count here) and whenever slots may have been freed, so the
+count is never below the truth and at most a step behind a release (a place freed mid-step shows
+at the step's next publish).
+
 `prompt_ids` is submit's check of a request before anything is queued: its sampling parameters,
 its prompt as token ids within the vocabulary, and the prompt length limit.
 """
@@ -29,40 +40,52 @@ Admission = tuple[EngineSeq, RequestText, Constraint | None]
 
 
 class Inbox:
-    def __init__(self, max_queue: int):
-        """max_queue: how many requests may wait (here and in the scheduler's queue); 0 = no bound."""
+    def __init__(self, max_queue: int, slots: int):
+        """max_queue: how many requests may wait for one of the `slots` (0 = no bound)."""
         self.max_queue = max_queue
+        self.slots = slots
         self._lock = threading.Lock()
         self._items: deque[Admission | str] = deque()  # new requests; aborts (request ids)
         self._adds = 0  # new requests in _items
+        self._taken = 0  # new requests taken by the loop and not in its published count yet
+        self._held = 0  # requests the loop holds (running + in the scheduler's queue): its last publish
         self._live: dict[str, RequestHandle] = {}
         self._closed = False  # every live handle was failed: nothing may be put
 
-    @property
-    def pending(self) -> int:
-        """New requests the loop has not taken yet (they count as waiting)."""
-        return self._adds
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): the requests the engine holds, those that hold or will take a free
+        slot first (requests not taken by the loop yet included), then those that wait for one."""
+        with self._lock:
+            held = self._held + self._taken + self._adds
+        running = min(held, self.slots)
+        return running, held - running
 
     def has_items(self) -> bool:
         """Something (a request or an abort) waits for the loop to take it."""
         return bool(self._items)
 
-    def put(self, item: Admission, handle: RequestHandle, waiting: int) -> None:
-        """Queue a new request (the loop's `waiting` requests and this inbox's count against
-        max_queue); EngineDeadError once closed, ValueError for a request id in use,
-        QueueFullError when the queue is full. Nothing is queued when it raises."""
+    def put(self, item: Admission, handle: RequestHandle) -> None:
+        """Queue a new request; EngineDeadError once closed, ValueError for a request id in use,
+        QueueFullError when it would be one more than max_queue waiting for a slot. Nothing is
+        queued when it raises."""
         rid = item[0].request_id
         with self._lock:
             if self._closed:
                 raise EngineDeadError("the engine is not running")
             if rid in self._live:
                 raise ValueError(f"request id {rid!r} is already in use")
-            queued = self._adds + waiting
-            if self.max_queue and queued >= self.max_queue:
-                raise QueueFullError(f"{queued} requests are waiting (max_queue={self.max_queue})")
+            waiting = self._held + self._taken + self._adds - self.slots  # before this one
+            if self.max_queue and waiting >= self.max_queue:
+                raise QueueFullError(f"{waiting} requests are waiting (max_queue={self.max_queue})")
             self._live[rid] = handle
             self._items.append(item)
             self._adds += 1
+
+    def publish(self, held: int) -> None:
+        """The loop thread: it holds `held` requests now (running + in the scheduler's queue),
+        every request it took included."""
+        with self._lock:
+            self._held, self._taken = held, 0
 
     def abort(self, request_id: str) -> bool:
         """Queue an abort; False if the request is unknown or already ended."""
@@ -77,6 +100,7 @@ class Inbox:
         with self._lock:
             items = list(self._items)
             self._items.clear()
+            self._taken += self._adds  # still counted until the loop publishes them as its own
             self._adds = 0
         return items
 
@@ -93,7 +117,7 @@ class Inbox:
             handles = list(self._live.values())
             self._live.clear()
             self._items.clear()
-            self._adds = 0
+            self._adds = self._taken = self._held = 0
         return handles
 
 

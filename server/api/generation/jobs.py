@@ -89,15 +89,16 @@ def check_room(engine: EngineAPI, n: int, max_queue: int) -> None:
     """A 429 (as the engine's QueueFullError) when n sequences would not all fit in the waiting
     queue now. Checked before submitting, because a sequence aborted after a partial submission
     still counts as waiting until the engine's next step, so a refused request would refuse the
-    requests after it too. The engine takes at most max_queue waiting sequences per engine (one
-    engine per device behind a router: stats() sums the waiting of the live ones). One sequence
+    requests after it too. The engine takes the free slots, then at most max_queue waiting
+    sequences per engine (one engine per device behind a router: stats() sums the slots, running
+    and waiting of the live ones). One sequence
     needs no check (the engine's own refusal leaves nothing behind). Submissions from the event
     loop cannot interleave with this check; one from another thread still can (then the engine
     refuses, as before: a partial submission, aborted)."""
     if not max_queue or n <= 1:
         return
     st = engine.stats()
-    room = max_queue * st.engines_alive - st.waiting
+    room = max_queue * st.engines_alive + max(0, st.slots - st.running) - st.waiting
     if n > room:
         msg = f"{st.waiting} requests are waiting and this one needs {n} more (max_queue={max_queue})"
         raise engine_error(QueueFullError(msg))
