@@ -48,3 +48,18 @@ def parts():
     eng.start()
     yield model, tok, eng
     eng.shutdown()
+
+
+BYTES = 256
+"""byte_compiler's vocabulary: the 256 bytes; token 256 is the end."""
+
+
+@pytest.fixture(scope="module")
+def byte_compiler():
+    """An xgrammar compiler over a vocabulary of the 256 bytes (token 256 ends), for random
+    walks of compiled grammars (test_formats.py, test_schema_keywords.py)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(BYTES)] + [b""], xgr.VocabType.RAW,
+                             vocab_size=BYTES + 1, stop_token_ids=[BYTES])  # fmt: skip
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -157,16 +157,7 @@ def test_formats_take_their_valid_edge_cases_and_refuse_the_rest(compiler, fmt):
 
 
 # --- random walks of the compiled grammars ----------------------------------------------------
-BYTES = 256  # a vocabulary of the 256 bytes; token 256 is the end
-
-
-@pytest.fixture(scope="module")
-def byte_compiler():
-    import xgrammar as xgr
-
-    info = xgr.TokenizerInfo([bytes([b]) for b in range(BYTES)] + [b""], xgr.VocabType.RAW,
-                             vocab_size=BYTES + 1, stop_token_ids=[BYTES])  # fmt: skip
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+BYTES = 256  # the vocabulary of conftest.byte_compiler: the 256 bytes; token 256 is the end
 
 
 def walks(grammar, n: int, rng: random.Random):
