@@ -7,6 +7,7 @@ marked interrupted only after A dies, within the lease timeout; no "database is 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -78,6 +79,7 @@ def two_servers_one_database(tmp_path, db: str) -> None:
                 err = r.json()["error"]
                 assert err["code"] == "task_running_elsewhere" and a_instance in err["message"] and a.url in err["message"]
             assert cb.post(f"/{t}/fork", json={"max_tokens": 1}).status_code == 409
+        response_streams_where_it_runs(a, b, a_instance)
         listed = {x["task_id"] for x in cb.get("/list", params={"limit": 1000}).json()["tasks"]}
         assert set(done + running) <= listed
         # B continues A's finished task from the stored state; A continues its twin: the same
@@ -114,6 +116,20 @@ def two_servers_one_database(tmp_path, db: str) -> None:
         a.stop()
         if b is not None:
             b.stop()
+
+
+def response_streams_where_it_runs(a: ServerProcess, b: ServerProcess, a_instance: str) -> None:
+    """A response running on A: B's stream of it is a 409 naming A, as a task's stream is (B
+    replayed A's last committed progress and ended it "incomplete", a cut answer with a 200)."""
+    body = {"input": "long", "max_output_tokens": 6000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as h, h.stream("POST", a.url + "/v1/responses", json=body) as s:
+        first = next(ln for ln in s.iter_lines() if ln.startswith("data:"))  # acknowledged: its row committed
+        rid = json.loads(first[5:])["response"]["id"]
+        r = h.get(b.url + f"/v1/responses/{rid}", params={"stream": "true"})
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]
+        assert err["code"] == "task_running_elsewhere" and a_instance in err["message"], err
+        assert h.get(b.url + f"/v1/responses/{rid}").status_code == 200  # reading it stays open
 
 
 def test_two_servers_on_one_sqlite_file(tmp_path):

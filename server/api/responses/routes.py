@@ -233,8 +233,10 @@ async def get_response(
     one's replayed; `starting_after` sends those after that sequence number (a client that lost
     its stream resumes it). Reading it stops nothing: the run is its creating request's."""
     sv = get_services(request)
-    t = await _stored(task_manager(sv), response_id, get_owner(request), "response_id")
-    if stream:
+    tm, owner = task_manager(sv), get_owner(request)
+    t = await _stored(tm, response_id, owner, "response_id")
+    if stream:  # a response another server runs streams there (409 naming it), as a task's does
+        t = await _call(tm.get(t.id, owner, stream=True))
         source = ResponseStream(t, sv.model_id, on_abort=None, starting_after=starting_after)
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     return json_response(render.response(t, sv.model_id))
