@@ -85,6 +85,12 @@ def _bad_files(tmp_path):
     nan = random_state_dict(dtype=torch.float32)
     nan["blocks.1.att.time_state"][0, 0, 0] = float("nan")
     other = State.zeros(PRESETS["0.1b"], 1)
+    huge = random_state_dict(dtype=torch.float64)  # finite in float64, infinite in the state's float32
+    huge["blocks.0.att.time_state"][0, 0, 0] = 1e300
+    export = torch.load(io.BytesIO(write_state_file(State.zeros(SHAPE, 1))), weights_only=True)
+    huge_shift = {**export, "rwkv_server.att_shift": export["rwkv_server.att_shift"].double()}
+    huge_shift["rwkv_server.att_shift"][0, 0] = -1e300
+    no_meta = {k: v for k, v in export.items() if k != "rwkv_server.meta"}
     return {
         "checkpoint": (ckpt.read_bytes(), "model checkpoint (it has the key 'emb.weight')"),
         "truncated": (good[: len(good) // 2], "cannot be read as a torch state file"),
@@ -96,6 +102,9 @@ def _bad_files(tmp_path):
         "unknown key": (_bytes({**random_state_dict(), "blocks.0.att.x": torch.zeros(1)}), "unexpected key"),
         "int dtype": (_bytes({k: v.to(torch.int32) for k, v in random_state_dict().items()}), "dtype torch.int32"),
         "nan": (_bytes(nan), "NaN or infinite"),
+        "past float32": (_bytes(huge), "'blocks.*.att.time_state' holds values too large for the state's"),
+        "shift past float32": (_bytes(huge_shift), "'rwkv_server.att_shift' holds values too large"),
+        "export without its meta": (_bytes(no_meta), "but not 'rwkv_server.meta' (a damaged export)"),
         "a list": (_bytes([torch.zeros(2)]), "not a state file"),
         "other model export": (write_state_file(other, meta={"signature": PRESETS["0.1b"].signature()}),
                                "has layers up to 11"),

@@ -101,13 +101,16 @@ def state_from_dict(
     """Validate a loaded state dict against the model and build its State (see read_state_file)."""
     layers = check_state_dict(sd, shape, source)
     wkv = torch.stack([layers[i] for i in range(shape.n_layer)]).unsqueeze(1)  # (L, 1, H, N, N)
-    wkv = wkv.to(wkv_dtype).contiguous()
+    wkv = _cast(wkv, wkv_dtype, "blocks.*.att.time_state", source).contiguous()
     L, C = shape.n_layer, shape.n_embd
     full = META in sd
+    if not full and (part := next((k for k in (ATT_SHIFT, FFN_SHIFT, PENDING) if k in sd), None)):
+        raise StateFileError(f"{source}: has {part!r} but not {META!r} (a damaged export)")
     if full:
         meta = _meta(sd[META], shape, source)
-        att = _shift(sd, ATT_SHIFT, (L, C), source).to(shift_dtype).reshape(L, 1, C).contiguous()
-        ffn = _shift(sd, FFN_SHIFT, (L, C), source).to(shift_dtype).reshape(L, 1, C).contiguous()
+        att = _cast(_shift(sd, ATT_SHIFT, (L, C), source), shift_dtype, ATT_SHIFT, source).reshape(L, 1, C)
+        ffn = _cast(_shift(sd, FFN_SHIFT, (L, C), source), shift_dtype, FFN_SHIFT, source).reshape(L, 1, C)
+        att, ffn = att.contiguous(), ffn.contiguous()
         pending = _pending(sd.get(PENDING), shape, source)
     else:
         meta, pending = {}, []
@@ -205,6 +208,15 @@ def _shift(sd: Mapping[str, Any], key: str, want: tuple[int, int], source: str) 
     if not torch.isfinite(t).all():
         raise StateFileError(f"{source}: key {key!r} holds NaN or infinite values")
     return t
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, key: str, source: str) -> torch.Tensor:
+    """t in the state's dtype; StateFileError where a finite value of a wider dtype (float64)
+    does not fit it (it would become infinite)."""
+    out = t.to(dtype)
+    if not torch.isfinite(out).all():
+        raise StateFileError(f"{source}: key {key!r} holds values too large for the state's {dtype} (past its range)")
+    return out
 
 
 def _pending(value: Any, shape: ModelShape, source: str) -> list[int]:
