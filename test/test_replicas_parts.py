@@ -249,3 +249,31 @@ async def test_a_template_deleted_on_another_replica_is_gone_on_its_maker(tmp_pa
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_copy_read_before_its_state_was_written_is_read_again(tmp_path):
+    """b reads a's finished task before a's write-behind stores its state: the row changes only
+    its state_id then. b's copy named no stored state for good (every fork of it on b fed the
+    whole history again, QA saw it minutes later); now b reads the row again and forks from the
+    stored state."""
+    ea, eb = FakeEngine(), FakeEngine()
+    a, b = await replica(ea, tmp_path / "w.db", "a"), await replica(eb, tmp_path / "w.db", "b")
+    try:
+        await a.lease.beat()
+        await b.lease.beat()
+        assert a.lease.shared and b.lease.shared
+        t = await a.create("written behind", persistent=True)
+        await a.wait(t.id, timeout=10)
+        await until(lambda: _finished_on(b, t.id))
+        early = await b.get(t.id)
+        assert early.stored_id is None or early.stored_id == t.stored_id
+        await a.flush()  # a's state lands in the database
+        assert t.stored_id is not None
+        fresh = await b.get(t.id)
+        assert fresh.stored_id == t.stored_id and fresh.state == "stored"
+        f = await b.wait((await b.fork(t.id, {"max_tokens": 1})).id, timeout=10)
+        assert eb.submissions[-1].init_state is not None and len(eb.submissions[-1].prompt) == 1  # the pending token
+        assert f.finish_reason == "length"
+    finally:
+        await a.close()
+        await b.close()

@@ -66,8 +66,9 @@ class Access:
             if task_id in self.table.live or not self.lease.shared:
                 return t
             head = await self.store.task_head(task_id)
-            if head is not None and (head.version, head.status, head.updated_at) == (t.version, t.status, t.updated_at):
-                return t
+            mine = (t.version, t.status, t.updated_at, t.stored_id)
+            if head is not None and (head.version, head.status, head.updated_at, head.state_id) == mine:
+                return t  # (a state written behind the row since this copy was read: read again)
             self.table.forget(task_id)
             if head is None:
                 return None

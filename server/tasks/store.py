@@ -186,9 +186,10 @@ class Store(Database):
             return (await conn.execute(sa.select(tasks).where(tasks.c.id == task_id))).first()
 
     async def task_head(self, task_id: str) -> DbRow | None:
-        """(version, status, updated_at, instance) of a row: is a copy held in memory current?"""
+        """(version, status, updated_at, instance, state_id) of a row: is a copy held in memory
+        current? (state_id: a state written behind the row changes only it.)"""
         async with self.read() as conn:
-            q = sa.select(tasks.c.version, tasks.c.status, tasks.c.updated_at, tasks.c.instance)
+            q = sa.select(tasks.c.version, tasks.c.status, tasks.c.updated_at, tasks.c.instance, tasks.c.state_id)
             return (await conn.execute(q.where(tasks.c.id == task_id))).first()
 
     async def task_exists(self, task_id: str) -> bool:
