@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 import torch
-from util_server import running_server
+from util_server import ServerProcess, committed_row, running_server
 
 from server.model.state import State
 from server.model.state_file import StateFileError, read_state_file, write_state_file
@@ -338,10 +338,31 @@ def test_the_operator_states_follow_the_command_line_across_restarts(files, tmp_
 
 
 def test_a_bad_state_file_stops_the_start_naming_it(files, tmp_path):
-    ckpt, _ = files
+    """...and the start changes no template: the good file named before it made none (it was
+    left in the database, for the replicas to see)."""
+    ckpt, state_path = files
     bad = _save(random_state_dict(heads=4), tmp_path / "wrong.pth")
-    srv = running_server(tmp_path, model=str(ckpt), args=("--state", f"wrong={bad}"), wait=False)
+    args = ("--state", f"good={state_path}", "--state", f"wrong={bad}")
+    srv = running_server(tmp_path, model=str(ckpt), args=args, wait=False)
     with srv as proc:
         assert proc.proc.wait(timeout=120) != 0
-        log = proc.log_tail(30)
+        log, db = proc.log_tail(30), proc.db
     assert f"--state wrong={bad}" in log and "'blocks.0.att.time_state' has shape (4, 64, 64)" in log
+    assert committed_row(db, "_good") is None
+
+
+def test_a_replica_started_without_the_states_keeps_the_others(files, tmp_path):
+    """Two servers on one database: the one started without --state keeps the operator
+    templates the other serves (it deleted them as 'no longer named')."""
+    ckpt, state_path = files
+    db = str(tmp_path / "shared.db")
+    a = ServerProcess(tmp_path / "a", model=str(ckpt), db=db, args=("--state", f"op={state_path}"))
+    b = ServerProcess(tmp_path / "b", model=str(ckpt), db=db)
+    try:
+        a.start()
+        b.start()
+        assert _states(a) == _states(b) == ["op"]
+        assert "not named here are kept" in b.log_tail(200)
+    finally:
+        b.cleanup()
+        a.cleanup()

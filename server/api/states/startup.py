@@ -27,11 +27,14 @@ async def load_state_files(tm: TaskManager, settings: Settings, shape: ModelShap
 
     specs = settings.state_files()
     names = {name for name, _ in specs}
-    await _drop_unnamed(tm, names)
     shift, wkv = torch_dtype(settings.resolved_dtype()), torch_dtype(settings.resolved_state_dtype())
+    files = []  # every file read and checked before any template changes: a refused start leaves them all
     for name, path in specs:
         source = f"--state {name}={path}"
         sf = await asyncio.to_thread(read_state_file, path, shape, source=source, shift_dtype=shift, wkv_dtype=wkv)
+        files.append((name, path, source, sf))
+    await _drop_unnamed(tm, names)
+    for name, path, source, sf in files:
         try:
             await template_from_state(tm, name, sf.state, pending=sf.pending, operator=True)
         except TaskError as exc:
@@ -48,6 +51,13 @@ async def load_state_files(tm: TaskManager, settings: Settings, shape: ModelShap
 
 
 async def _drop_unnamed(tm: TaskManager, names: set[str]) -> None:
+    """Delete the operator templates of names this start does not name, unless another server
+    shares the database: its --state may name them (a replica started without --state deleted
+    the templates the others serve); they go at a start with no replica alive."""
+    if tm.lease.peers:
+        log.info("state files: %d other server(s) share the database; operator templates not named "
+                 "here are kept (they may name them)", len(tm.lease.peers))  # fmt: skip
+        return
     listed = await tm.list(None, kind="template", limit=MAX_TEMPLATES)
     for item in listed["tasks"]:
         if item.get("parent_id") == STATE_OPERATOR and item["task_id"][1:] not in names:
