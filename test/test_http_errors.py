@@ -225,6 +225,18 @@ def test_prompt_too_long_413(http):
     assert_error(http.post(CHAT, json={"messages": [{"role": "user", "content": "word " * 200}]}), 413)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_a_task_prompt_past_the_limit_is_a_413_also_prefill_only(http, max_tokens):
+    """64 tokens at most: 64 ids are taken, 65 refused naming 65, whether the run generates or
+    only prefills (its last token held back: it was not counted, so 65 passed)."""
+    for route in ("/v1/tasks/tmp", "/v1/tasks/create"):
+        ok = http.post(route, json={"prompt": [261] * 64, "max_tokens": max_tokens})
+        assert ok.status_code == 200, ok.text
+        _wait_finished(http, ok.json()["task_id"])  # (2 slots, 1 waiting: the next test's room)
+        err = assert_error(http.post(route, json={"prompt": [261] * 65, "max_tokens": max_tokens}), 413)
+        assert err["code"] == "prompt_too_long" and "65" in err["message"], err
+
+
 def test_queue_full_429_with_retry_after(http):
     """2 slots + a queue of 1: once two long runs hold the slots and a third waits, a request that
     an idle server would take is refused for now (429, Retry-After). One that could never fit is

@@ -126,7 +126,7 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sampli
     """The prompt as token ids, after the checks submit makes before queueing: ValueError for bad
     sampling parameters, ids outside the vocabulary or an empty prompt that should generate;
     PromptTooLongError past max_prompt_tokens (`history` leading ids, a task's re-fed history,
-    do not count)."""
+    do not count; a negative one counts that many ids held back from `prompt`: EngineAPI.submit)."""
     if params.max_tokens < 0 or params.temperature < 0 or not 0 <= params.top_p <= 1 or params.top_k < 0:
         raise ValueError("invalid sampling parameters (max_tokens, temperature, top_k >= 0; 0 <= top_p <= 1)")
     for name in ("logprobs", "prompt_logprobs"):
@@ -134,7 +134,7 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sampli
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             raise ValueError(f"invalid '{name}': {k!r} is outside [0, {MAX_LOGPROBS}]")
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    n = len(ids) - max(0, history)  # the request's own prompt: re-fed history does not count
+    n = len(ids) - min(history, len(ids))  # the request's own prompt: re-fed history does not count
     if n > max_prompt_tokens:
         raise PromptTooLongError(n, max_prompt_tokens)
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):

@@ -84,7 +84,8 @@ class EngineAPI(Protocol):
     ) -> Handle:
         """history: how many leading prompt tokens re-feed a task's own history (its state was
         rebuilt): fed like any other, but not counted against `max_prompt_tokens`, which bounds
-        what a request brings."""
+        what a request brings. Negative: that many tokens of the request's prompt were held back
+        from `prompt` (a prefill-only run keeps its last one) and still count."""
         ...
 
     def abort(self, request_id: str) -> bool: ...

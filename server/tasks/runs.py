@@ -166,8 +166,10 @@ class Runs:
         try:
             inp = t.tokens[pos:].tolist()
             rebuilt = n_hist - 1 - pos  # history beyond the pending token: no state had it
+            held = 0  # a new prompt's token held back (it still counts against max_prompt_tokens)
             if sp.max_tokens == 0:
                 inp = inp[:-1]  # hold the last token back: a fork can then generate at once
+                held = 1 if prompt_ids else 0
             elif not inp:  # cannot happen by the invariant; recompute rather than fail
                 self.persistence.release(key)
                 state, pos, key, inp = None, 0, None, t.tokens.tolist()
@@ -178,7 +180,7 @@ class Runs:
                 queued = self._engine_full()  # before submitting: it counts itself as waiting
                 # the task's own history (re-fed where its state was rebuilt) is not the request's
                 # prompt: only the new prompt counts against max_prompt_tokens
-                history = min(len(inp), max(0, n_hist - pos))
+                history = min(len(inp), max(0, n_hist - pos)) - held
                 handle = self.engine.submit(
                     inp, sp, init_state=state, return_state=True, request_id=f"{t.id}.{self._seq}", history=history
                 )
