@@ -280,9 +280,11 @@ def test_cpu_fallback_matches_torch(monkeypatch):
     ops.wkv_chunk(sub, *(t[1:2, :3] for t in acts))
     ref[0] = sub[0]
     # fp32 in both, but the chunked form divides by cumulative decays, which magnifies a change of
-    # summation order (a CPU BLAS picks its kernels by batch and load: CI once saw 4e-5 at 0.63)
-    assert torch.allclose(y[:1], y0, rtol=1e-4, atol=1e-5)
-    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+    # summation order (a CPU BLAS picks its kernels by batch and load: CI saw 4e-5 at 0.63, twice,
+    # beside values of 5): so the bound is relative to the tensor's scale. A wrong slot or length
+    # is off by the scale itself.
+    for a, b in ((y[:1], y0), (got, ref)):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
 
 
 def test_import_builds_nothing():
