@@ -49,11 +49,10 @@ HOIST_MEMSETS = True
 """Captured graphs get graph_driver.hoist_memsets before they are instantiated (cuBLAS's workspace
 memsets off the step's critical path); bench_engine's --hoist-memsets switches it for A/Bs."""
 
-MEMSET_KERNELS = False
+MEMSET_KERNELS = True
 """With HOIST_MEMSETS: each moved 4-byte memset becomes a one-thread store kernel (graph_edit's
-as_kernels). Off until its GPU test and an engine A/B have run (docs/performance.md: a probe of
-the same edit took the fp8 B=1,024 replay's idle from 230 to 92 us); bench_engine's
---memset-kernels switches it."""
+as_kernels): the kernel that waits for it starts sooner than after a memset node
+(docs/performance.md, "cuBLASLt's memsets moved"); bench_engine's --memset-kernels switches it."""
 
 
 def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
