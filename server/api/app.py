@@ -87,7 +87,11 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
 
 class RawSendLayer:
     """The outermost ASGI layer: keeps the server's own `send` in the scope, so a streaming
-    response can send its body messages without the middleware hops (server.api.streaming.sse)."""
+    response can send its body messages without the middleware hops (server.api.streaming.sse),
+    and answers a path with trailing slashes (`/v1/tasks/create/`) as the plain path. Without
+    that, the router answers such a path with a 307 redirect and an empty body, which most
+    clients show as a bare error or do not follow for a POST. No route of this server ends in
+    a slash but the root."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -95,6 +99,12 @@ class RawSendLayer:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope[RAW_SEND] = send
+            path: str = scope["path"]
+            if len(path) > 1 and path.endswith("/"):
+                scope["path"] = path.rstrip("/") or "/"
+                raw = scope.get("raw_path")
+                if raw:
+                    scope["raw_path"] = raw.rstrip(b"/") or b"/"
         await self.app(scope, receive, send)
 
 

@@ -32,7 +32,3 @@ async def chat_completions(body: ChatOrContents, request: Request) -> Response:
         return await batch.contents(body, request, answer_id="rwkv7-batch")
     require_header_key(request)
     return await openai_routes.chat_completions(body, request)
-
-
-# the trailing slash answers as the plain path (server.api.openai.routes says why)
-router.add_api_route("/chat/completions/", chat_completions, methods=["POST"], include_in_schema=False)

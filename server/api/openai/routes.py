@@ -43,11 +43,7 @@ async def encode(sv: Services, text: str) -> list[int]:
     return await asyncio.to_thread(sv.tokenizer.encode, text)
 
 
-# A trailing slash (`/v1/models/`, `/v1/completions/`; `/v1/chat/completions/` in
-# server.api.lightning.v1_chat) answers as the plain path: without these routes the router answers
-# a 307 redirect with an empty body, which most clients show as a bare error (as /v1/responses/:
-# server.api.responses.routes).
-@router.get("/models/", include_in_schema=False)  # (before /models/{model_id}: its id would be "")
+# (A trailing slash, `/v1/models/`, answers as the plain path: server.api.app.RawSendLayer.)
 @router.get("/models", responses=answers(401, 503))
 async def list_models(request: Request) -> Response:
     sv = get_services(request)
@@ -57,7 +53,7 @@ async def list_models(request: Request) -> Response:
 @router.get("/models/{model_id:path}", responses=answers(401, 404, 503))
 async def get_model(model_id: str, request: Request) -> Response:
     sv = get_services(request)
-    if model_id not in (sv.model_id, sv.model_id + "/"):  # (a trailing slash answers as the plain path)
+    if model_id != sv.model_id:
         raise ApiError(
             404,
             f"model {model_id!r} not found; this server serves {sv.model_id!r}",
@@ -240,9 +236,6 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             agent_render.completion_response(ex),
         )
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer, render.completion_response)
-
-
-router.add_api_route("/completions/", completions, methods=["POST"], include_in_schema=False)
 
 
 async def _begin(

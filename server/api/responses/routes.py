@@ -204,13 +204,9 @@ async def _settle(request: Request, t: Task) -> bool:
     return await done_or_gone(request, t.done.wait())
 
 
-# `/v1/responses/` (an empty id): without these the router answers a 307 redirect to /v1/responses
-# (POST only), with an empty body most clients show as a bare error. POST there creates, as POST
-# /v1/responses; GET and DELETE are a 404 in the OpenAI shape.
-router.add_api_route("/responses/", create_response, methods=["POST"], include_in_schema=False)
-
-
-@router.api_route("/responses/", methods=["GET", "DELETE"], include_in_schema=False)
+# GET or DELETE `/v1/responses` (or `/v1/responses/`, which server.api.app.RawSendLayer answers as
+# the plain path): the id is missing, a 404 in the OpenAI shape rather than the router's 405.
+@router.api_route("/responses", methods=["GET", "DELETE"], include_in_schema=False)
 async def no_response_id(request: Request) -> Response:
     raise ApiError(
         404,
