@@ -186,6 +186,15 @@ def test_completions_empty_prompt_has_a_code(client):
     assert err["param"] == "prompt" and err["code"] == "invalid_request" and "empty" in err["message"]
 
 
+@pytest.mark.parametrize(("path", "status"), [("/v1/completions", 400), ("/v1/tasks/create", 422)])
+def test_a_null_where_a_value_is_needed_says_null(server, path, status):
+    """`{"prompt": null}` names the null, not only the type pydantic wanted ("a valid string")."""
+    r = httpx.post(server.url + path, json={"prompt": None, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == status and err["param"] == "prompt", r.text
+    assert "null is not allowed" in err["message"] and "valid string" in err["message"], err
+
+
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_temperature(server, value):
     """Python's JSON parser reads NaN: it is not a number in the bounds, it is not finite."""

@@ -81,6 +81,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         msg = f"'{param}' is required" if param else "a JSON body is required"
     elif first.get("type") == "extra_forbidden":
         msg = f"unknown field '{param}'"
+    elif param and "input" in first and first["input"] is None and str(first.get("type")).endswith("_type"):
+        msg = f"invalid '{param}': null is not allowed here ({msg[:1].lower()}{msg[1:]})"
     elif param:
         msg = f"invalid '{param}': {msg}"
     more = len({param_of(e.get("loc", ())) for e in errors}) - 1
