@@ -121,6 +121,16 @@ def test_bad_files_are_refused_naming_the_file_and_key(tmp_path):
         assert "weights_only" not in str(info.value), (what, str(info.value))  # not torch's advice
 
 
+def test_pending_tokens_past_the_limit_are_refused():
+    """A run feeds a state's pending tokens first, as history that --max-prompt-tokens does not
+    count: a file may not bring more of them than that bound."""
+    st = State.zeros(SHAPE, 1)
+    full = write_state_file(st, pending=[5] * 10, meta={"signature": SHAPE.signature()})
+    assert read_state_file(full, SHAPE, max_pending=10).pending == [5] * 10
+    with pytest.raises(StateFileError, match=r"holds 10 pending tokens, more than .*--max-prompt-tokens \(9\)"):
+        read_state_file(full, SHAPE, max_pending=9)
+
+
 def test_state_settings_and_their_checks_before_start(tmp_path):
     from server.checks import state_files_problem
     from server.config import Settings
@@ -284,6 +294,8 @@ def test_bad_uploads_are_refused_and_nothing_is_stored(server, tmp_path):
     _error(httpx.post(server.url + "/v1/states/.hidden", content=b"x"), 422, "state name")
     _error(httpx.post(server.url + "/v1/states/empty", content=b""), 422, "empty body")
     _error(httpx.post(server.url + "/v1/states/form", files={"file": ("s.pth", b"abc")}), 415, "raw request body")
+    long = write_state_file(State.zeros(SHAPE, 1), pending=[5] * 65_537, meta={"signature": SHAPE.signature()})
+    _error(httpx.post(server.url + "/v1/states/long", content=long), 422, "65537 pending tokens, more than")
     assert _states(server) == before
     assert httpx.get(server.url + "/health").status_code == 200
 

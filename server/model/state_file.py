@@ -71,9 +71,12 @@ def read_state_file(
     source: str | None = None,
     shift_dtype: torch.dtype = torch.float32,
     wkv_dtype: torch.dtype = torch.float32,
+    max_pending: int | None = None,
 ) -> StateFile:
     """Read and validate a state file (bytes, or a path) for a model of `shape`. `source` names
-    it in errors (default: the path, or "the upload"). Raises StateFileError."""
+    it in errors (default: the path, or "the upload"). More than `max_pending` pending tokens are
+    refused (the server's --max-prompt-tokens: a run feeds them first, uncounted as history).
+    Raises StateFileError."""
     src = source or (str(data) if isinstance(data, (str, Path)) else "the upload")
     try:
         if isinstance(data, (str, Path)):
@@ -87,7 +90,7 @@ def read_state_file(
             f"{src}: cannot be read as a torch state file (truncated, or not a "
             f".pth written by torch.save?): {_short(exc)}"
         ) from None
-    return state_from_dict(sd, shape, source=src, shift_dtype=shift_dtype, wkv_dtype=wkv_dtype)
+    return state_from_dict(sd, shape, source=src, shift_dtype=shift_dtype, wkv_dtype=wkv_dtype, max_pending=max_pending)
 
 
 def state_from_dict(
@@ -97,6 +100,7 @@ def state_from_dict(
     source: str,
     shift_dtype: torch.dtype = torch.float32,
     wkv_dtype: torch.dtype = torch.float32,
+    max_pending: int | None = None,
 ) -> StateFile:
     """Validate a loaded state dict against the model and build its State (see read_state_file)."""
     layers = check_state_dict(sd, shape, source)
@@ -111,7 +115,7 @@ def state_from_dict(
         att = _cast(_shift(sd, ATT_SHIFT, (L, C), source), shift_dtype, ATT_SHIFT, source).reshape(L, 1, C)
         ffn = _cast(_shift(sd, FFN_SHIFT, (L, C), source), shift_dtype, FFN_SHIFT, source).reshape(L, 1, C)
         att, ffn = att.contiguous(), ffn.contiguous()
-        pending = _pending(sd.get(PENDING), shape, source)
+        pending = _pending(sd.get(PENDING), shape, source, max_pending)
     else:
         meta, pending = {}, []
         att = torch.zeros(L, 1, C, dtype=shift_dtype)
@@ -219,11 +223,16 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, key: str, source: str) -> torch.T
     return out
 
 
-def _pending(value: Any, shape: ModelShape, source: str) -> list[int]:
+def _pending(value: Any, shape: ModelShape, source: str, limit: int | None) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point:
         raise StateFileError(f"{source}: key {PENDING!r} must be a 1-D integer tensor of token ids")
+    if limit is not None and value.numel() > limit:
+        raise StateFileError(
+            f"{source}: key {PENDING!r} holds {value.numel()} pending tokens, more than this server's "
+            f"--max-prompt-tokens ({limit}): a run would feed them all first"
+        )
     ids = [int(x) for x in value.tolist()]
     bad = next((x for x in ids if not 0 <= x < shape.vocab_size), None)
     if bad is not None:

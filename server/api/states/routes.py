@@ -139,6 +139,7 @@ async def upload_state(name: str, request: Request) -> Response:
             source=f"state file {name!r}",
             shift_dtype=torch_dtype(sv.settings.resolved_dtype()),
             wkv_dtype=torch_dtype(sv.settings.resolved_state_dtype()),
+            max_pending=sv.settings.max_prompt_tokens,
         )
     except StateFileError as exc:
         raise ApiError(422, str(exc), param="file", code="invalid_state_file") from None

@@ -31,7 +31,15 @@ async def load_state_files(tm: TaskManager, settings: Settings, shape: ModelShap
     files = []  # every file read and checked before any template changes: a refused start leaves them all
     for name, path in specs:
         source = f"--state {name}={path}"
-        sf = await asyncio.to_thread(read_state_file, path, shape, source=source, shift_dtype=shift, wkv_dtype=wkv)
+        sf = await asyncio.to_thread(
+            read_state_file,
+            path,
+            shape,
+            source=source,
+            shift_dtype=shift,
+            wkv_dtype=wkv,
+            max_pending=settings.max_prompt_tokens,
+        )
         files.append((name, path, source, sf))
     await _drop_unnamed(tm, names)
     for name, path, source, sf in files:
