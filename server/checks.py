@@ -126,7 +126,7 @@ def state_files_problem(settings: Settings) -> str | None:
     for name, path in specs:
         if names.count(name) > 1:
             return f"--state {name}: given more than once"
-        if not NAME.match(name):
+        if not NAME.fullmatch(name):
             return (f"--state {name}={path}: the name must be 1-64 letters, digits, '_', '-', '.', starting "
                     "with a letter or digit (no path separators)")  # fmt: skip
         if not os.path.isfile(path):

@@ -31,7 +31,7 @@ from server.api.metrics import PROBE_ROUTES, Metrics
 log = logging.getLogger("server.http")
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-_RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_RID_OK = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 OPEN_PATHS = PROBE_ROUTES  # no API key needed, no access log line when healthy
 JSON = b"application/json"
 KEY_DEFERRED = "key_deferred"
@@ -126,7 +126,7 @@ class ServerMiddleware:
             return
         headers = _headers(scope)
         client_rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = client_rid if client_rid and _RID_OK.match(client_rid) else uuid.uuid4().hex
+        rid = client_rid if client_rid and _RID_OK.fullmatch(client_rid) else uuid.uuid4().hex
         token = request_id_var.set(rid)
         state = scope.setdefault("state", {})
         state["request_id"] = rid

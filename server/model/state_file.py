@@ -40,7 +40,7 @@ PREFIX = "rwkv_server."
 ATT_SHIFT, FFN_SHIFT, PENDING, META = (PREFIX + k for k in ("att_shift", "ffn_shift", "pending", "meta"))
 FORMAT = "rwkv_server.state.v1"
 """The `format` of our metadata (the FULL format's version)."""
-_LAYER_KEY = re.compile(r"^blocks\.(\d+)\.att\.time_state$")
+_LAYER_KEY = re.compile(r"blocks\.(\d+)\.att\.time_state")
 _CHECKPOINT_KEYS = ("emb.weight", "head.weight", "blocks.0.att.r_k", "blocks.0.att.receptance.weight")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -137,7 +137,7 @@ def check_state_dict(sd: Any, shape: ModelShape, source: str) -> dict[int, torch
     H, N, L = shape.n_head, shape.head_size, shape.n_layer
     layers: dict[int, torch.Tensor] = {}
     for key, value in sd.items():
-        m = _LAYER_KEY.match(str(key))
+        m = _LAYER_KEY.fullmatch(str(key))
         if m is None:
             if key in (ATT_SHIFT, FFN_SHIFT, PENDING, META):
                 continue

@@ -43,14 +43,14 @@ STATE_OPERATOR = STATE_ORIGIN + "operator"
 STATE_UPLOAD = STATE_ORIGIN + "upload"
 """parent_id of a template made from an uploaded state file (owned by the uploading API key)."""
 __all__ = ["STATE_OPERATOR", "STATE_UPLOAD", "check_name", "is_state_only", "template_from_state"]
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 """Template names (the same rule as `as_template`'s): no path separators, no leading dot."""
 
 
 def check_name(name: str) -> str:
     """The template id `_<name>`; TaskInvalid for a name that is not 1-64 of letters, digits, '_',
     '-', '.' (starting with a letter or digit)."""
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         raise TaskInvalid(
             f"state name {name!r}: use 1-64 letters, digits, '_', '-', '.' (starting with a "
             "letter or digit; no path separators)",

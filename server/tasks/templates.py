@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
 from array import array
 from typing import TYPE_CHECKING, Protocol, cast
@@ -26,6 +25,7 @@ from server.tasks.cache import StateCache
 from server.tasks.claims import drop_claim, settle_claim
 from server.tasks.codec import encode_state
 from server.tasks.errors import TaskConflict, TaskInvalid
+from server.tasks.imports import NAME
 from server.tasks.lineage import base_of
 from server.tasks.output import Output
 from server.tasks.persist import Persistence
@@ -39,12 +39,11 @@ if TYPE_CHECKING:
 __all__ = ["TemplateAccess", "TemplateMaker", "being_made", "check_name", "fill_template", "template_of"]
 
 log = logging.getLogger("server.tasks")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
 def check_name(name: str | None) -> None:
     """TaskInvalid unless `name` (None: none given) may name a template."""
-    if name is not None and not _NAME.match(name):
+    if name is not None and not NAME.fullmatch(name):
         raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
 
 

@@ -33,7 +33,7 @@ from server.tasks.response_format import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_
 MARKER = "<tool_call>"
 MAX_TOOLS = 128
 MAX_PARALLEL = 8
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -232,7 +232,7 @@ def _tool(i: int, raw: Any, flat: bool) -> Tool:
         shape = '"name", "parameters"' if flat else '"function": {"name", "parameters"}'
         raise ToolError(f"tools[{i}]", f'a tool is {{"type": "function", {shape}}}')
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ToolError(f"{where}.name", "a tool name is 1-64 letters, digits, '_' or '-'")
     params = fn.get("parameters")
     if params is None:  # left out, or null: no parameters

@@ -23,7 +23,7 @@ from server.api.openai.chat_format import TURN_SEP
 from server.api.openai.tools import MARKER, Mode, parse_calls
 from server.tasks.records import TASK, Task
 
-_ID = re.compile(r"^resp_([0-9a-f]{32})$")
+_ID = re.compile(r"resp_([0-9a-f]{32})")
 STATUS = {
     "stop": "completed",
     "length": "incomplete",
@@ -60,7 +60,7 @@ def is_response(t: Task) -> bool:
 
 def task_id(response_id: str) -> str | None:
     """The stored task of a response id (None: not a response id)."""
-    m = _ID.match(response_id)
+    m = _ID.fullmatch(response_id)
     return f"TASK_{m.group(1)}" if m else None
 
 
