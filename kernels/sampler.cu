@@ -39,6 +39,8 @@
 //      uniform(seed, pos), bit-exact splitmix64 stream); the token = the first kept token in id
 //      order whose cumulative weight > t (the inverse CDF of the kept set in id order, as
 //      torch.multinomial walks a row: the same distribution as any order, and no select).
+//   A row with a NaN or +inf z gets NONFINITE_TOKEN (-3) and no penalty update (its decay is
+//   written by the load pass all the same: the scheduler fails that request).
 //   6. commit rows: penalty *= decay (written in the load pass, z is kept in shared memory),
 //      penalty[t] += seen[t] ? repetition : presence, seen[t] = 1.
 // Where this can differ from the reference (all near ties, see test_sampler_kernel_gpu.py):
@@ -46,7 +48,7 @@
 //   * cum: the reference's fp32 top-p cumsum carries rounding (~1e-7 * sqrt(n) relative); the
 //     kernel's masses are exact, so a top-p boundary within that error can flip (the inverse
 //     CDF's sums are the same fixed-point integers in both);
-//   * top_p >= 1 (above); NaN logits (unspecified here); w clamped to <= 1.9 (only reachable
+//   * top_p >= 1 (above); w clamped to <= 1.9 (only reachable
 //     with z_top < z_max by an expf tie and a tiny T).
 // Deterministic: every sum is an integer sum, so the result does not depend on the launch,
 // the batch, or the cluster split (a row gives the same token alone or in any batch).
@@ -97,7 +99,12 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
             prefetch_l2(a.penalty + nr * a.pen_s + base, cnt * 4ll, threadIdx.x);
         }
         mx = cl_reduce<CL>(cl, sh, xs, mx, OpMaxArg());
-        if (mx.i == 0x7fffffff) mx.i = 0;  // all NaN / -inf: token 0
+        if (!(mx.v < INFINITY)) {  // a NaN or +inf z (the same m in every CTA): no token, no penalty update
+            if (rank == 0 && threadIdx.x == 0) a.out[row] = NONFINITE_TOKEN;
+            cl.sync();  // as at the row's end: no CTA moves on while another may read its shared memory
+            continue;
+        }
+        if (mx.i == 0x7fffffff) mx.i = 0;  // every z -inf (a grammar that allows nothing): token 0
         const float m = mx.v;
         int tok = mx.i;
         // dbg (rank 0, thread 0): each value is written where it is known (short live ranges: the

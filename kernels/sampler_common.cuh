@@ -19,6 +19,7 @@ constexpr int NW = THREADS / 32;
 static_assert(NW == 32, "one warp reduces the warp partials; 32 chunks of bins");
 constexpr int MAX_LOCAL = 16384;  // tokens per CTA of a 4- or 8-CTA cluster (z + key: 128 KiB)
 constexpr int UNSUPPORTED = -2;
+constexpr int NONFINITE_TOKEN = -3;  // a row with a NaN or +inf z (server.engine.types.NONFINITE_TOKEN)
 constexpr float FIX46 = 70368744177664.0f;   // 2^46: p and w fixed-point unit
 constexpr float FIX47 = 140737488355328.0f;  // 2^47: exp(z - m) fixed-point unit (S)
 
@@ -90,8 +91,9 @@ __device__ __forceinline__ float4 load_logit4(const void *lg, int dt, long long 
     }
     return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
+// A NaN z wins and stays (z != z), as +inf does by value: the row is then non-finite (below).
 __device__ __forceinline__ void max_at(MaxArg &mx, float z, int i) {
-    if (z > mx.v || (z == mx.v && i < mx.i)) mx = {z, i};  // first index of the max
+    if (z > mx.v || (z == mx.v && i < mx.i) || z != z) mx = {z, i};  // first index of the max
 }
 
 __device__ __forceinline__ void load_one(const Args &a, long long lg0, float *pen, float *zs, int base, int i,
@@ -142,9 +144,9 @@ __device__ __forceinline__ u64 shfl_x(u64 v, int o) { return __shfl_xor_sync(0xf
 __device__ __forceinline__ MaxArg shfl_x(MaxArg v, int o) { return {shfl_x(v.v, o), shfl_x(v.i, o)}; }
 __device__ __forceinline__ MinTok shfl_x(MinTok v, int o) { return {shfl_x(v.i, o), shfl_x(v.z, o), shfl_x(v.kmin, o)}; }
 
-struct OpMaxArg {  // larger value; equal values: smaller index (first index of the max)
+struct OpMaxArg {  // larger value; equal values: smaller index (first index of the max); NaN wins
     __device__ MaxArg operator()(MaxArg a, MaxArg b) const {
-        return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+        return (b.v > a.v || (b.v == a.v && b.i < a.i) || b.v != b.v) ? b : a;
     }
 };
 struct OpMinTok {

@@ -97,6 +97,32 @@ def test_states_copied_out_and_continued(model):
         e.shutdown()
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_state_that_overflows_fails_its_request_alone(model, graphs):
+    """A start state with extreme values makes that row's logits NaN: the fused sampler gives it
+    NONFINITE_TOKEN, its request ends with the error, and the requests beside it (greedy and
+    seeded, in the same steps) give the tokens they give without it."""
+    e = Engine(model, get_tokenizer(), Settings(max_batch=8, cuda_graphs=graphs, stats_interval=0.0)).start()
+    try:
+        st = e.submit(list(range(10, 40)), SamplingParams(max_tokens=0), return_state=True).result(60).state
+        for t in st.tensors():
+            t.mul_(1e30)
+        seeded = dict(seed=1, ignore_eos=True)
+        reqs = [(list(range(100 + i, 120 + i)), SamplingParams(max_tokens=12, **(seeded if i % 2 else GREEDY)))
+                for i in range(5)]  # fmt: skip
+        want = [h.result(60) for h in [e.submit(p, q) for p, q in reqs]]
+        for _ in range(2):  # the engine lives on: a second round the same
+            handles = [e.submit(p, q) for p, q in reqs[:2]]
+            bad = e.submit([5, 6, 7], SamplingParams(max_tokens=12, **GREEDY), init_state=st)
+            handles += [e.submit(p, q) for p, q in reqs[2:]]
+            got = [h.result(60) for h in handles]
+            r = bad.result(60)
+            assert r.finish_reason == "error" and "NaN or infinite" in (r.error or ""), r
+            assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    finally:
+        e.shutdown()
+
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},

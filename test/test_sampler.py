@@ -225,6 +225,33 @@ def test_penalty_formula_and_commit_mask():
     assert s.sample(lg, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)).tolist() == [0, 3]
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "one nan"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_row_with_nan_or_inf_logits_gets_the_nonfinite_token_alone(bad, greedy):
+    """A model that overflowed on one row (an extreme state, NaN weights): that row's token is
+    NONFINITE_TOKEN and only its decay touches its penalties; the other rows sample as they
+    would without it (the torch sampler used to fail the whole step on an index of -1)."""
+    V = 2000
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, V, generator=g) * 3
+    params = [SamplingParams(seed=5 + i, temperature=0.0 if greedy else 1.0, penalty_decay=0.5) for i in range(4)]
+    commit = torch.ones(4, dtype=torch.bool)
+    clean = slots_for(params, V)
+    clean.penalty[:] = 1.0
+    want = clean.sample(logits, torch.arange(4), commit)
+    spoiled = logits.clone()
+    spoiled[2] = {"nan": float("nan"), "inf": float("inf"), "one nan": spoiled[2]}[bad]
+    if bad == "one nan":
+        spoiled[2, 17] = float("nan")
+    s = slots_for(params, V)
+    s.penalty[:] = 1.0
+    got = s.sample(spoiled, torch.arange(4), commit)
+    assert got[2].item() == S.NONFINITE_TOKEN
+    assert got[[0, 1, 3]].tolist() == want[[0, 1, 3]].tolist()
+    assert torch.equal(s.penalty[[0, 1, 3]], clean.penalty[[0, 1, 3]])
+    assert torch.equal(s.penalty[2], torch.full((V,), 0.5)) and not s.seen[2].any()  # decayed, nothing counted
+
+
 def test_move_and_reset_rows():
     V = 6
     s = slots_for([SamplingParams(temperature=0.3 * i, seed=i) for i in range(4)], V)

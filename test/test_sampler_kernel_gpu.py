@@ -412,6 +412,37 @@ def test_vector_load_pass_equals_scalar(dev, dtype, cl):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cl", [3, 4])
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_nonfinite_rows_get_the_nonfinite_token_alone(dev, dtype, cl, greedy_only):
+    """A row with a NaN (all of it, or one token) or a +inf logit gets NONFINITE_TOKEN, as the
+    torch twin gives it, with its penalties decayed and nothing counted; every other row gets
+    the token and penalties it gets without the spoiled rows."""
+    B = 24
+    clean = make_logits("peaked", B, V, seed=8, dev=dev).to(dtype)  # (B, V)
+    spoiled = clean.clone()
+    spoiled[3] = float("nan")
+    spoiled[5, 777] = float("nan")
+    spoiled[9, 12345] = float("inf")
+    bad = torch.zeros(B, dtype=torch.bool, device=dev)
+    bad[[3, 5, 9]] = True
+    s = make_slots(make_params(B, 0.3, True, True), V, dev, True, seed=2)
+    pos = torch.arange(B, device=dev) + 1
+    commit = torch.arange(B, device=dev) % 4 != 3
+    s_clean, s_bad, s_ref = clone_slots(s), clone_slots(s), clone_slots(s)
+    t_clean, _ = kernel(clean, s_clean, pos, commit, greedy_only, cl=cl)
+    t_bad, _ = kernel(spoiled, s_bad, pos, commit, greedy_only, cl=cl)
+    ref = reference(spoiled, s_ref, pos, commit, greedy_only)
+    assert (t_bad[bad] == S.NONFINITE_TOKEN).all() and (ref[bad] == S.NONFINITE_TOKEN).all()
+    assert torch.equal(t_bad[~bad], t_clean[~bad])
+    assert torch.equal(s_bad.penalty[:B][~bad], s_clean.penalty[:B][~bad])
+    assert torch.equal(s_bad.seen[:B][~bad], s_clean.seen[:B][~bad])
+    assert torch.equal(s_bad.penalty[:B][bad], s_ref.penalty[:B][bad])  # decayed where committed
+    assert torch.equal(s_bad.seen[:B][bad], s.seen[:B][bad])  # nothing counted
+
+
+@pytest.mark.gpu
 def test_sampler_slots_switch(dev, monkeypatch):
     B = 8
     logits = make_logits("peaked", B, V, seed=2, dev=dev)

@@ -37,6 +37,8 @@ from server.engine.types import (
     ABORT,
     ERROR,
     LENGTH,
+    NONFINITE_MESSAGE,
+    NONFINITE_TOKEN,
     STOP,
     QueueFullError,
     SamplingParams,
@@ -264,6 +266,23 @@ def test_eos_and_stop_token_ids_and_ignore_eos():
     assert (fin["a"].reason, fin["a"].token, fin["a"].token_ids, fin["a"].pending_tokens) == (STOP, None, [], [])
     assert (fin["b"].reason, fin["b"].token_ids) == (STOP, []) and "c" not in fin
     assert c.output_ids == [0] and out.emitted == [2] and out.decode_tokens == 3
+
+
+@pytest.mark.parametrize("at_step", [0, 2])  # the first step's row path, a later step's O(1) path
+def test_a_nonfinite_row_fails_alone(at_step):
+    """The sampler's NONFINITE_TOKEN (the model overflowed on that row) ends that request with
+    an error and its message; the other rows go on, and its slot is freed."""
+    s = Scheduler(max_batch=4, step_token_budget=16, prefill_chunk=16)
+    for rid in "abc":
+        s.add(make_seq(rid, [1], max_tokens=6))
+    for step in range(at_step + 1):
+        plan = s.plan()
+        toks = [5, 6, 7] if step < at_step else [5, NONFINITE_TOKEN, 7]
+        out = s.apply(plan, toks)
+    fin = ended(s)
+    assert list(fin) == ["b"] and fin["b"].reason == ERROR and fin["b"].error == NONFINITE_MESSAGE
+    assert fin["b"].token_ids == [6] * at_step and NONFINITE_TOKEN not in fin["b"].token_ids
+    assert out.emitted == [0, 2] and s.plan().request_ids == ["a", "c"]
 
 
 def test_max_tokens_ends_with_the_token_and_its_pending():

@@ -39,7 +39,7 @@ from .copyout import HostCopies
 from .logprobs import LogprobRows, Pending
 from .plan import CopyOutOp, MaskFill, MoveOp, StepPlan, bucket_sizes
 from .sampler import SamplerSlots, apply_token_bitmask
-from .types import TokenLogprob
+from .types import OVERFLOW_TOKEN, TokenLogprob
 
 
 @dataclass
@@ -244,19 +244,20 @@ class Runner:
             out = self._d2h[: job.n].tolist()
         else:
             out = job.tok.tolist()
-        if out and min(out) < 0:  # rows whose kept set did not fit the sampler's candidates
-            logits = job.logits
-            if logits is None:
-                assert self.graphs is not None  # logits are kept by the eager path only
-                logits = self.graphs.logits(job.n)
-            out = self._resolve(out, logits, self._positions(job), job.commit)
-            job.host_ids = list(out)
+        if out and min(out) < 0:  # overflow rows (resampled here) or non-finite rows (the scheduler fails them)
+            if OVERFLOW_TOKEN in out:
+                logits = job.logits
+                if logits is None:
+                    assert self.graphs is not None  # logits are kept by the eager path only
+                    logits = self.graphs.logits(job.n)
+                out = self._resolve(out, logits, self._positions(job), job.commit)
+            job.host_ids = [max(t, 0) for t in out]  # what a continuation feeds (a failed row: any id)
         self.sample_time += time.perf_counter() - job.t_launch
         return out
 
     def _resolve(self, out: list[int], logits, pos, commit) -> list[int]:
         """Sample the overflow rows (-1) exactly, eagerly (rare: top_p near 1, flat logits)."""
-        rows = [i for i, t in enumerate(out) if t < 0]
+        rows = [i for i, t in enumerate(out) if t == OVERFLOW_TOKEN]
         for i, t in zip(rows, self.sampler.resolve(logits, rows, pos, commit).tolist()):
             out[i] = t
         return out

@@ -31,6 +31,11 @@ from a stable full sort of that row only. On the CPU this happens inside `sample
 `sample` runs inside a CUDA graph) `sample` returns -1 for those rows and leaves their penalties
 untouched, and the caller runs `resolve(...)` afterwards (eager, only when a -1 came back).
 
+Non-finite rows: a row whose z holds a NaN or +inf (the model overflowed: an extreme state, NaN
+weights) samples nothing: its token is NONFINITE_TOKEN (-3), its penalties are decayed (a commit
+row's, as every row's) but count no token (the kernel does the same); the scheduler fails that
+request alone.
+
 Grammar masks (server.engine.grammar): a constrained row's disallowed tokens have their logits set
 to -inf before `sample` (apply_token_bitmask, on the device); they get p = 0 and weight 0, so
 no path above (greedy, top-p, top-k, the inverse CDF, the fused kernel) can pick one.
@@ -54,7 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .types import SamplingParams
+from .types import NONFINITE_TOKEN, OVERFLOW_TOKEN, SamplingParams
 
 _U64 = 1 << 64
 
@@ -162,7 +167,7 @@ class SamplerSlots:
                 return tok
         tok = sample(logits, *args, positions, commit, greedy_only)
         if resolve:
-            rows = (tok < 0).nonzero().flatten()  # (R,) host sync
+            rows = (tok == OVERFLOW_TOKEN).nonzero().flatten()  # (R,) host sync
             if len(rows):
                 tok[rows] = self.resolve(logits, rows, positions, commit)
         return tok
@@ -190,16 +195,21 @@ def sample(
     commit: torch.Tensor,  # (B,) bool: rows whose token is real (penalties update)
     greedy_only: bool = False,
 ) -> torch.Tensor:
-    """One token per row, -1 for overflow rows (their penalties are not updated). No host sync."""
+    """One token per row, OVERFLOW_TOKEN (-1) for overflow rows and NONFINITE_TOKEN (-3) for rows
+    with a NaN or +inf z (the penalties of both are not updated). No host sync."""
     z = logits.float() - penalty  # (B, V)
+    bad = (z.isnan() | (z == float("inf"))).any(-1)  # (B,)
+    z = torch.where(bad[:, None], 0.0, z)  # (B, V) a row the sort and cumsum can walk
     if greedy_only:
         tok = z.argmax(-1)  # (B,)
     else:
         K = min(CANDIDATES[0], z.shape[1]) if CANDIDATES else z.shape[1]
         tok, overflow = _sample_top(z, fparams, iparams, positions, K)
-        tok = torch.where(overflow, -1, tok)  # (B,)
+        overflow = overflow & ~bad
+        tok = torch.where(overflow, OVERFLOW_TOKEN, tok)  # (B,)
         commit = commit & ~overflow
-    _update_penalty(penalty, seen, tok.clamp(min=0), fparams, commit)
+    tok = torch.where(bad, NONFINITE_TOKEN, tok)  # (B,)
+    _update_penalty(penalty, seen, tok.clamp(min=0), fparams, commit, counted=commit & ~bad)
     return tok
 
 
@@ -288,13 +298,21 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 
 
 def _update_penalty(
-    penalty: torch.Tensor, seen: torch.Tensor, tok: torch.Tensor, fparams: torch.Tensor, commit: torch.Tensor
+    penalty: torch.Tensor,
+    seen: torch.Tensor,
+    tok: torch.Tensor,
+    fparams: torch.Tensor,
+    commit: torch.Tensor,
+    counted: torch.Tensor | None = None,
 ) -> None:
+    """Commit rows decay their penalties; `counted` rows (default: commit; a non-finite row is
+    decayed, as the kernel's load pass does, but has no token to count) add their token's."""
+    counted = commit if counted is None else counted  # (B,)
     presence, repetition = fparams[:, _F["presence_penalty"]], fparams[:, _F["repetition_penalty"]]  # (B,)
     decay = fparams[:, _F["penalty_decay"]]  # (B,)
     penalty.mul_(torch.where(commit, decay, torch.ones_like(decay))[:, None])  # (B, V)
     t = tok[:, None]  # (B, 1)
     was_seen = seen.gather(1, t).squeeze(1)  # (B,)
-    add = torch.where(was_seen, repetition, presence) * commit  # (B,)
+    add = torch.where(was_seen, repetition, presence) * counted  # (B,)
     penalty.scatter_add_(1, t, add[:, None])
-    seen.scatter_(1, t, (was_seen | commit)[:, None])
+    seen.scatter_(1, t, (was_seen | counted)[:, None])

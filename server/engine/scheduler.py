@@ -53,7 +53,7 @@ from .plan import (
     bucket_for,
 )
 from .sequence import FINISHED, RUNNING, WAITING, EngineSeq
-from .types import ABORT, ERROR, LENGTH, STOP, QueueFullError
+from .types import ABORT, ERROR, LENGTH, NONFINITE_MESSAGE, NONFINITE_TOKEN, STOP, QueueFullError
 
 __all__ = ["MatchStops", "Scheduler"]
 
@@ -183,7 +183,7 @@ class Scheduler:
         self._fast_gen = -1
         if rows and not any(plan.takes):  # every row decodes: the fast path's facts
             self._fast_gen = self._gen
-            self._stop_union = frozenset().union(*(s.stop_ids for s in rows))
+            self._stop_union = frozenset().union(*(s.stop_ids for s in rows), (NONFINITE_TOKEN,))
             self._min_left = min(s.params.max_tokens - p for s, p in zip(rows, plan.positions))
             self._text_rows = [i for i, s in enumerate(rows) if s.has_stops]
         return plan
@@ -267,6 +267,10 @@ class Scheduler:
             tok = tokens[i]
             if seq.t_first is None:
                 seq.t_first = now
+            if tok == NONFINITE_TOKEN:  # the model overflowed on this row: it fails alone
+                self._end(seq, ERROR, error=NONFINITE_MESSAGE)
+                done.append(seq)
+                continue
             if tok in seq.stop_ids:  # not output, not fed
                 self._end(seq, STOP)
                 done.append(seq)

@@ -19,6 +19,18 @@ LENGTH = "length"  # max_tokens reached
 ABORT = "abort"  # aborted by request identity (client left, /stop)
 ERROR = "error"  # the request failed (the engine survives)
 
+OVERFLOW_TOKEN = -1
+"""A sampler's token for a row whose kept set may reach past its candidates (resampled exactly:
+server.engine.sampler)."""
+NONFINITE_TOKEN = -3
+"""A sampler's token for a row whose logits hold a NaN or +inf (the model's activations left the
+dtype's range: an extreme state or NaN weights). That request fails alone (Scheduler.apply)."""
+NONFINITE_MESSAGE = (
+    "the model's logits became NaN or infinite for this request: its starting state or its input "
+    "drove the activations out of range (a state file with extreme values, or a checkpoint with "
+    "NaN weights, does this)"
+)
+
 EOS_TOKEN = 0
 
 MAX_LOGPROBS = 20
