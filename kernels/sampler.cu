@@ -39,8 +39,10 @@
 //      uniform(seed, pos), bit-exact splitmix64 stream); the token = the first kept token in id
 //      order whose cumulative weight > t (the inverse CDF of the kept set in id order, as
 //      torch.multinomial walks a row: the same distribution as any order, and no select).
-//   A row with a NaN or +inf z gets NONFINITE_TOKEN (-3) and no penalty update (its decay is
-//   written by the load pass all the same: the scheduler fails that request).
+//   A row with no finite z (all NaN: the model overflowed, as a state of extreme values makes it)
+//   gets NONFINITE_TOKEN (-3) and no penalty count (its decay is written by the load pass all the
+//   same); the scheduler fails that request. A row with only some NaN or +inf z is sampled
+//   as the phases below make of it (a token, unspecified); the torch twin fails such a row too.
 //   6. commit rows: penalty *= decay (written in the load pass, z is kept in shared memory),
 //      penalty[t] += seen[t] ? repetition : presence, seen[t] = 1.
 // Where this can differ from the reference (all near ties, see test_sampler_kernel_gpu.py):
@@ -48,8 +50,8 @@
 //   * cum: the reference's fp32 top-p cumsum carries rounding (~1e-7 * sqrt(n) relative); the
 //     kernel's masses are exact, so a top-p boundary within that error can flip (the inverse
 //     CDF's sums are the same fixed-point integers in both);
-//   * top_p >= 1 (above); w clamped to <= 1.9 (only reachable
-//     with z_top < z_max by an expf tie and a tiny T).
+//   * top_p >= 1 (above); w clamped to <= 1.9 (only reachable with z_top < z_max by an expf
+//     tie and a tiny T); rows with some NaN or +inf z (above).
 // Deterministic: every sum is an integer sum, so the result does not depend on the launch,
 // the batch, or the cluster split (a row gives the same token alone or in any batch).
 // Files: sampler_common.cuh (Args, Cfg, shared memory, the load pass, shuffles, cl_reduce, Row, fixed point),
@@ -99,21 +101,18 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1) sampler
             prefetch_l2(a.penalty + nr * a.pen_s + base, cnt * 4ll, threadIdx.x);
         }
         mx = cl_reduce<CL>(cl, sh, xs, mx, OpMaxArg());
-        if (!(mx.v < INFINITY)) {  // a NaN or +inf z (the same m in every CTA): no token, no penalty update
-            if (rank == 0 && threadIdx.x == 0) a.out[row] = NONFINITE_TOKEN;
-            cl.sync();  // as at the row's end: no CTA moves on while another may read its shared memory
-            continue;
-        }
-        if (mx.i == 0x7fffffff) mx.i = 0;  // every z -inf (a grammar that allows nothing): token 0
+        // no z won the max: every z NaN (a model that overflowed) or -inf: no token (the same in
+        // every CTA: a uniform branch past the sampling phases)
+        const bool none = mx.i == 0x7fffffff || mx.v == -INFINITY;  // (-inf ties win by index)
         const float m = mx.v;
-        int tok = mx.i;
+        int tok = none ? NONFINITE_TOKEN : mx.i;
         // dbg (rank 0, thread 0): each value is written where it is known (short live ranges: the
         // kernel runs at the 64-register limit); greedy rows keep the defaults
         float *const d = a.dbg && rank == 0 && threadIdx.x == 0 ? a.dbg + row * 8 : nullptr;
         if (d) d[0] = m, d[1] = 0.f, d[2] = 0.f, d[3] = (float)a.V, d[4] = 0.f, d[5] = 0.f, d[6] = 0.f, d[7] = 0.f;
 
         Pick pk{0ull, 0ull, 0x7fffffff};  // a sampled row's draw (W = 0: none, the argmax stands)
-        if (!greedy) {
+        if (!greedy && !none) {
             // 2. S (exact fixed-point sum of exp(z - m)), then the keys
             u64 es = 0;
             for (int i = threadIdx.x; i < cnt; i += THREADS) {

@@ -19,7 +19,7 @@ constexpr int NW = THREADS / 32;
 static_assert(NW == 32, "one warp reduces the warp partials; 32 chunks of bins");
 constexpr int MAX_LOCAL = 16384;  // tokens per CTA of a 4- or 8-CTA cluster (z + key: 128 KiB)
 constexpr int UNSUPPORTED = -2;
-constexpr int NONFINITE_TOKEN = -3;  // a row with a NaN or +inf z (server.engine.types.NONFINITE_TOKEN)
+constexpr int NONFINITE_TOKEN = -3;  // a row with no finite z (server.engine.types.NONFINITE_TOKEN)
 constexpr float FIX46 = 70368744177664.0f;   // 2^46: p and w fixed-point unit
 constexpr float FIX47 = 140737488355328.0f;  // 2^47: exp(z - m) fixed-point unit (S)
 
@@ -95,28 +95,23 @@ __device__ __forceinline__ void max_at(MaxArg &mx, float z, int i) {
     if (z > mx.v || (z == mx.v && i < mx.i)) mx = {z, i};  // first index of the max
 }
 
-// nf: set once a z is NaN or +inf (-inf is a grammar's mask); a flag beside the max, not a NaN
-// inside its compare chain, which cost the greedy pass 12% at B = 1,024.
 __device__ __forceinline__ void load_one(const Args &a, long long lg0, float *pen, float *zs, int base, int i,
-                                         bool decayed, float decay, MaxArg &mx, bool &nf) {
+                                         bool decayed, float decay, MaxArg &mx) {
     const float p = pen[i];
     const float z = load_logit(a.logits, a.lg_dt, lg0 + i) - p;
     zs[i] = z;
     if (decayed && p != 0.f) pen[i] = p * decay;
     max_at(mx, z, base + i);
-    nf |= !(z < INFINITY);
 }
 
 // The load pass of one CTA's slice [base, base + cnt) of a row: z = logit - penalty (exact
 // widening, as logits.float()) into zs; the penalty decayed in place (decayed: commit rows whose
 // decay is not 1; a zero penalty stays zero, so it is not rewritten: most of the row is zero);
-// returns this thread's (max z, first index), the max NaN when a z is NaN or +inf. a.vec: 4
-// tokens per load (one 16-byte penalty load, one 8- or 16-byte logit load), the last cnt % 4 one
-// at a time.
+// returns this thread's (max z, first index). a.vec: 4 tokens per load (one 16-byte penalty load,
+// one 8- or 16-byte logit load), the last cnt % 4 one at a time.
 __device__ __forceinline__ MaxArg load_row(const Args &a, long long lg0, float *pen, float *zs, int base, int cnt,
                                            bool decayed, float decay) {
     MaxArg mx{-INFINITY, 0x7fffffff};
-    bool nf = false;  // a z is NaN or +inf (load_one)
     if (a.vec) {
         const int n4 = cnt & ~3;
 #pragma unroll 2
@@ -129,14 +124,12 @@ __device__ __forceinline__ MaxArg load_row(const Args &a, long long lg0, float *
                 *reinterpret_cast<float4 *>(pen + i) = make_float4(p.x * decay, p.y * decay, p.z * decay, p.w * decay);
             max_at(mx, z.x, base + i), max_at(mx, z.y, base + i + 1);
             max_at(mx, z.z, base + i + 2), max_at(mx, z.w, base + i + 3);
-            nf |= !(z.x < INFINITY && z.y < INFINITY && z.z < INFINITY && z.w < INFINITY);
         }
-        if ((int)threadIdx.x < cnt - n4) load_one(a, lg0, pen, zs, base, n4 + threadIdx.x, decayed, decay, mx, nf);
-    } else {
-#pragma unroll 4
-        for (int i = threadIdx.x; i < cnt; i += THREADS) load_one(a, lg0, pen, zs, base, i, decayed, decay, mx, nf);
+        if ((int)threadIdx.x < cnt - n4) load_one(a, lg0, pen, zs, base, n4 + threadIdx.x, decayed, decay, mx);
+        return mx;
     }
-    if (nf) mx.v = __int_as_float(0x7fc00000);  // NaN: it wins the reduction (OpMaxArg)
+#pragma unroll 4
+    for (int i = threadIdx.x; i < cnt; i += THREADS) load_one(a, lg0, pen, zs, base, i, decayed, decay, mx);
     return mx;
 }
 
@@ -150,9 +143,9 @@ __device__ __forceinline__ u64 shfl_x(u64 v, int o) { return __shfl_xor_sync(0xf
 __device__ __forceinline__ MaxArg shfl_x(MaxArg v, int o) { return {shfl_x(v.v, o), shfl_x(v.i, o)}; }
 __device__ __forceinline__ MinTok shfl_x(MinTok v, int o) { return {shfl_x(v.i, o), shfl_x(v.z, o), shfl_x(v.kmin, o)}; }
 
-struct OpMaxArg {  // larger value; equal values: smaller index (first index of the max); NaN wins
+struct OpMaxArg {  // larger value; equal values: smaller index (first index of the max)
     __device__ MaxArg operator()(MaxArg a, MaxArg b) const {
-        return (b.v > a.v || (b.v == a.v && b.i < a.i) || b.v != b.v) ? b : a;
+        return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
     }
 };
 struct OpMinTok {

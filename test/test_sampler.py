@@ -225,7 +225,7 @@ def test_penalty_formula_and_commit_mask():
     assert s.sample(lg, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)).tolist() == [0, 3]
 
 
-@pytest.mark.parametrize("bad", ["nan", "inf", "one nan"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "one nan", "all -inf"])
 @pytest.mark.parametrize("greedy", [False, True])
 def test_a_row_with_nan_or_inf_logits_gets_the_nonfinite_token_alone(bad, greedy):
     """A model that overflowed on one row (an extreme state, NaN weights): that row's token is
@@ -240,7 +240,7 @@ def test_a_row_with_nan_or_inf_logits_gets_the_nonfinite_token_alone(bad, greedy
     clean.penalty[:] = 1.0
     want = clean.sample(logits, torch.arange(4), commit)
     spoiled = logits.clone()
-    spoiled[2] = {"nan": float("nan"), "inf": float("inf"), "one nan": spoiled[2]}[bad]
+    spoiled[2] = {"nan": float("nan"), "inf": float("inf"), "one nan": spoiled[2], "all -inf": float("-inf")}[bad]
     if bad == "one nan":
         spoiled[2, 17] = float("nan")
     s = slots_for(params, V)

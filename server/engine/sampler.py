@@ -31,10 +31,12 @@ from a stable full sort of that row only. On the CPU this happens inside `sample
 `sample` runs inside a CUDA graph) `sample` returns -1 for those rows and leaves their penalties
 untouched, and the caller runs `resolve(...)` afterwards (eager, only when a -1 came back).
 
-Non-finite rows: a row whose z holds a NaN or +inf (the model overflowed: an extreme state, NaN
-weights) samples nothing: its token is NONFINITE_TOKEN (-3), its penalties are decayed (a commit
-row's, as every row's) but count no token (the kernel does the same); the scheduler fails that
-request alone.
+Non-finite rows: a row whose z holds a NaN or +inf, or no finite value (the model overflowed: an
+extreme state, NaN weights) samples nothing: its token is NONFINITE_TOKEN (-3), its penalties are
+decayed (a commit row's, as every row's) but count no token; the scheduler fails that request
+alone. The kernel does the same for rows with no finite z (all NaN: what an overflow gives, as
+NaN spreads through the layer norms to every logit) and samples a row with only some NaN or
++inf z as its phases make of it.
 
 Grammar masks (server.engine.grammar): a constrained row's disallowed tokens have their logits set
 to -inf before `sample` (apply_token_bitmask, on the device); they get p = 0 and weight 0, so
@@ -198,7 +200,7 @@ def sample(
     """One token per row, OVERFLOW_TOKEN (-1) for overflow rows and NONFINITE_TOKEN (-3) for rows
     with a NaN or +inf z (the penalties of both are not updated). No host sync."""
     z = logits.float() - penalty  # (B, V)
-    bad = (z.isnan() | (z == float("inf"))).any(-1)  # (B,)
+    bad = ~(z < float("inf")).all(-1) | ~(z > float("-inf")).any(-1)  # (B,) a NaN or +inf; no finite z
     z = torch.where(bad[:, None], 0.0, z)  # (B, V) a row the sort and cumsum can walk
     if greedy_only:
         tok = z.argmax(-1)  # (B,)
