@@ -9,6 +9,7 @@ test_webui_keys.py.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -70,6 +71,29 @@ def test_served_files_and_redirect(server, finished_task):
     assert made["tag"] == "response"  # what the route made it as, shown as "made as"
     missing = httpx.get(server.url + "/v1/ui/tasks/TASK_" + "0" * 32)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "task_not_found"
+
+
+def test_static_files_answer_304_and_head(server):
+    """The page and its files are served no-cache with an ETag, so the browser asks again each
+    time: If-None-Match with that ETag is a 304 without a body (it was a whole 200 each time).
+    HEAD answers as GET does, without a body (it was a 405)."""
+    for path in ("/ui", "/ui/static/js/app.js", "/ui/static/style.css"):
+        full = httpx.get(server.url + path)
+        etag = full.headers["etag"]
+        assert full.status_code == 200 and full.headers["cache-control"] == "no-cache" and full.content, path
+        for tags in (etag, f"W/{etag}", f'"other", {etag}', "*"):
+            r = httpx.get(server.url + path, headers={"If-None-Match": tags})
+            assert r.status_code == 304 and r.content == b"", (path, tags, r.status_code)
+            assert r.headers["etag"] == etag and r.headers["cache-control"] == "no-cache"
+        r = httpx.get(server.url + path, headers={"If-None-Match": '"not-this-one"'})
+        assert r.status_code == 200 and r.content == full.content, path
+        head = httpx.head(server.url + path)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == full.headers["content-type"] and head.headers["etag"] == etag
+        assert int(head.headers["content-length"]) == len(full.content)
+    r = httpx.head(server.url + "/")
+    assert r.status_code == 307 and r.headers["location"] == "/ui"
+    assert httpx.head(server.url + "/ui/static/nope.js").status_code == 404
 
 
 def test_pages_load_without_console_errors(server, browser, finished_task, template):
@@ -224,8 +248,9 @@ def test_batch_of_four_prompts_and_its_jsonl(server, browser, tmp_path):
     upload.write_text(json.dumps({"prompt": prompts[0]}) + "\n" + json.dumps({"prompt": prompts[1]}) + "\n\n"
                       + "\n".join(prompts[2:]) + "\n")
     browser.find_element("css selector", "#batch-file").send_keys(str(upload))
-    box = browser.find_element("css selector", "#batch-prompts")
-    wait_for(browser, lambda d: box.get_property("value") == "\n".join(prompts), 5)
+    source = browser.find_element("css selector", "#batch-source")
+    wait_for(browser, lambda d: source.get_attribute("data-source") == "file", 5)
+    assert source.get_attribute("data-count") == "4" and "prompts.jsonl" in source.text
     _set(browser, "#batch-form", "max_tokens", 40)
     browser.find_element("css selector", "#batch-run").click()
     wait_for(browser, lambda d: d.find_element("css selector", "#batch-summary").text == "4 of 4 done", 60)
@@ -395,9 +420,13 @@ def test_phone_width_needs_no_sideways_scrolling(server, browser, finished_task,
     """At 390 px (a phone), no page is wider than the screen: the header wraps (its key button
     on screen), the charts fit, a wide table scrolls in its own box."""
     post(server, "/v1/tasks/create", {"prompt": "a row with every column", "max_tokens": 4})
+    src = post(server, "/v1/tasks/create", {"prompt": "a template the server names", "max_tokens": 0})["task_id"]
+    wait_finished(server, src)
+    named = post(server, f"/v1/tasks/{src}/as_template")["task_id"]  # _TMPL_<32 hex>: a wide option
+    assert named.startswith("_TMPL_") and len(named) > 30, named
     pages = {"tasks": ("#/tasks", "#task-rows tr"), "task": (f"#/tasks/{finished_task}", "#task-output[data-done]"),
              "template": (f"#/tasks/{template}", "#fork-form"),
-             "playground": ("#/playground", "#chat-template[data-loaded]"),
+             "playground": ("#/playground", f'#chat-template option[value="{named}"]'),
              "batch": ("#/batch", "#batch-form"), "server": ("#/server", "#server-cards .stat")}
     browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", PHONE)
     try:
@@ -421,3 +450,229 @@ def test_phone_width_needs_no_sideways_scrolling(server, browser, finished_task,
     finally:
         browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
     assert console_errors(browser) == []
+
+
+def _rows(browser) -> list[dict]:
+    """The batch table's rows, read at once: task id, done / error, status and text."""
+    return browser.execute_script("""return [...document.querySelectorAll('#batch-rows tr')].map((tr) => ({
+        id: tr.dataset.taskId || null, done: tr.dataset.done === '1', error: tr.dataset.error === '1',
+        status: tr.children[2].textContent, text: tr.children[4].textContent}))""")
+
+
+def _summary(browser) -> str:
+    return browser.find_element("css selector", "#batch-summary").text
+
+
+def test_batch_file_prompts_are_sent_as_written(server, browser, tmp_path):
+    """A .jsonl prompt with line ends is one task, and a file's prompts keep their spaces (the
+    file was put in the text box, one line a prompt, each trimmed); the page says which source
+    Run uses. The text box: one prompt a line as typed, blank lines skipped."""
+    open_page(browser, server, "#/batch", "#batch-form")
+    written = ["User: hi\n\nAssistant:", "  spaces on both sides  ", "\ta plain line, tab first"]
+    upload = tmp_path / "multiline.jsonl"
+    upload.write_text(json.dumps({"prompt": written[0]}) + "\n" + json.dumps({"text": written[1]}) + "\n\n"
+                      + written[2] + "\n")
+    browser.find_element("css selector", "#batch-file").send_keys(str(upload))
+    box = browser.find_element("css selector", "#batch-prompts")
+    loaded = "return document.querySelector('#batch-source')?.dataset.source === 'file' || !!arguments[0].value"
+    wait_for(browser, lambda d: d.execute_script(loaded, box), 5)  # (the page put a file in the box before)
+    _set(browser, "#batch-form", "max_tokens", 2)
+    browser.find_element("css selector", "#batch-run").click()
+    wait_for(browser, lambda d: re.fullmatch(r"(\d+) of \1 done", _summary(d)), 30)
+    sent = [get(server, f"/v1/ui/tasks/{r['id']}")["prompt"] for r in _rows(browser)]
+    assert sent == written
+    source = browser.find_element("css selector", "#batch-source")
+    assert source.get_attribute("data-count") == "3" and "multiline.jsonl" in source.text
+    assert source.get_attribute("data-source") == "file" and not box.is_enabled()  # the file runs, not the box
+
+    browser.find_element("css selector", "#batch-use-text").click()
+    wait_for(browser, lambda d: source.get_attribute("data-source") == "text", 5)
+    box.send_keys("  lead space\n\n   \ntrail space  ")
+    wait_for(browser, lambda d: source.get_attribute("data-count") == "2", 5)
+    browser.find_element("css selector", "#batch-run").click()
+    wait_for(browser, lambda d: _summary(d) == "2 of 2 done", 30)
+    sent = [get(server, f"/v1/ui/tasks/{r['id']}")["prompt"] for r in _rows(browser)]
+    assert sent == ["  lead space", "trail space  "]
+
+    bad = tmp_path / "bad.jsonl"  # a line that starts as JSON but is none: said so, not sent as a prompt
+    bad.write_text(json.dumps({"prompt": "fine"}) + '\n{"prompt": "no end\n{"other": 1}\n')
+    browser.find_element("css selector", "#batch-file").send_keys(str(bad))
+    said = lambda d: d.find_element("css selector", "#batch-message").text  # noqa: E731
+    wait_for(browser, lambda d: "lines 2, 3 are no JSON object" in said(d), 5)
+    assert source.get_attribute("data-source") == "text"  # nothing was loaded
+    assert console_errors(browser) == []
+
+
+def test_batch_goes_on_past_a_failed_row(server, browser):
+    """A row whose task is deleted meanwhile ends as an error and the others go on (one 404 froze
+    the batch: every row "running", no download, Run doing nothing); a call that got no answer
+    (a network error) is tried again; the batch ends and runs again."""
+    open_page(browser, server, "#/batch", "#batch-form")
+    browser.execute_script("""window.__failed = 0; const fetch0 = window.fetch;
+        window.fetch = (input, init) => String(input).includes('/get_result') && window.__failed < 2
+          ? (window.__failed++, Promise.reject(new TypeError('Failed to fetch'))) : fetch0(input, init);""")
+    browser.find_element("css selector", "#batch-prompts").send_keys("row one\nrow two\nrow three")
+    _set(browser, "#batch-form", "max_tokens", LONG)
+    browser.find_element("css selector", "#batch-run").click()
+    wait_for(browser, lambda d: all(r["id"] for r in _rows(d)) and len(_rows(d)) == 3, 15)
+    ids = [r["id"] for r in _rows(browser)]
+    post(server, f"/v1/tasks/{ids[0]}/delete")
+    wait_for(browser, lambda d: _rows(d)[0]["error"], 10)
+    assert "gone" in _rows(browser)[0]["status"], _rows(browser)[0]
+    assert not browser.find_element("css selector", "#batch-run").is_enabled()  # while it runs
+    assert get(server, f"/v1/tasks/{ids[1]}/status")["status"] != 3  # the others still run
+    for tid in ids[1:]:
+        post(server, f"/v1/tasks/{tid}/stop")
+    wait_for(browser, lambda d: _summary(d) == "3 of 3 done (1 failed)", 15)
+    rows = _rows(browser)
+    assert browser.execute_script("return window.__failed") == 2  # both failed reads were tried again
+    for r in rows[1:]:
+        assert r["done"] and r["text"] == get(server, f"/v1/tasks/{r['id']}/get_result")["result"], r
+    assert browser.find_element("css selector", "#batch-download").is_enabled()
+    assert not browser.find_element("css selector", "#batch-stop").is_enabled()
+    shot(browser, "batch-failed-row")
+
+    box = browser.find_element("css selector", "#batch-prompts")  # and it runs again
+    box.clear()
+    box.send_keys("one more")
+    _set(browser, "#batch-form", "max_tokens", 4)
+    browser.find_element("css selector", "#batch-run").click()
+    wait_for(browser, lambda d: _summary(d) == "1 of 1 done", 30)
+    assert console_errors(browser, allow=("status of 404",)) == []
+
+
+def test_a_server_that_does_not_answer(server, browser):
+    """A server that takes connections but does not answer (SIGSTOP) showed as healthy for good:
+    no call had a time limit. A poll without an answer in time says "server not answering",
+    the page keeps asking, and it follows the task again once the server answers."""
+    tid = post(server, "/v1/tasks/create", {"prompt": "while the server is stopped", "max_tokens": LONG})["task_id"]
+    open_page(browser, server, f"#/tasks/{tid}", "#task-output")
+    wait_for(browser, lambda d: d.find_element("css selector", "#task-output").text, 15)
+    browser.execute_async_script("""const done = arguments[arguments.length - 1];
+        import("/ui/static/js/api.js").then((m) => {  // 1.5 s for a poll (10 s), 3 s for a stream (45 s)
+          Object.assign(m.timeouts || {}, { get: 1500, stall: 3000 });
+          done(); });""")
+    message = browser.find_element("css selector", "#task-message")
+    server.pause()
+    try:
+        wait_for(browser, lambda d: "server not answering" in message.text, 10)
+        assert message.get_attribute("data-offline") == "1"
+        shot(browser, "task-not-answering")
+    finally:
+        server.resume()
+    wait_for(browser, lambda d: not message.text, 10)
+    post(server, f"/v1/tasks/{tid}/stop")
+    wait_finished(server, tid)
+    result = get(server, f"/v1/tasks/{tid}/get_result")["result"]
+    wait_for(browser, lambda d: d.find_elements("css selector", "#task-output[data-done]")
+             and d.find_element("css selector", "#task-output").get_attribute("textContent") == result, 15)
+    assert console_errors(browser) == []
+
+
+def test_playground_leaves_a_refused_turn_out(server, browser):
+    """A turn the server refused (a 400) stayed in the chat's history, sent again with every later
+    turn; it is left out now (its bubbles say so). A turn cut by Stop keeps what came."""
+    open_page(browser, server, "#/playground", "#chat-template[data-loaded]")
+    browser.execute_script("""window.__chats = []; const fetch0 = window.fetch;
+        window.fetch = (input, init) => {
+          if (String(input).includes('/v1/chat/completions')) window.__chats.push(JSON.parse(init.body).messages);
+          return fetch0(input, init); };""")
+    _set(browser, "#chat-settings", "max_tokens", 40)
+    _set(browser, "#chat-settings", "temperature", 9)  # above the server's bound: a 400
+    facts = _chat(browser, "a refused turn")
+    assert "temperature" in browser.find_element("css selector", "#view p.error").text
+    _set(browser, "#chat-settings", "temperature", 1)
+    _chat(browser, "the first turn")
+    chats = browser.execute_script("return window.__chats")
+    assert chats[-1] == [{"role": "user", "content": "the first turn"}], chats
+    assert "failed" in facts and len(browser.find_elements("css selector", "#chat-log .msg.failed")) == 2
+
+    _set(browser, "#chat-settings", "max_tokens", 2000)
+    browser.find_element("css selector", "#chat-input").send_keys("a turn to stop")
+    browser.find_element("css selector", "#chat-send").click()
+    last = "#chat-log .msg.assistant:last-child .text"
+    wait_for(browser, lambda d: d.find_element("css selector", last).get_attribute("textContent"), 15)
+    browser.find_element("css selector", "#chat-stop").click()
+    wait_for(browser, lambda d: d.find_element("css selector", "#chat-send").is_enabled(), 10)
+    stopped = browser.find_element("css selector", last).get_attribute("textContent")
+    _set(browser, "#chat-settings", "max_tokens", 4)
+    _chat(browser, "after the stop")
+    sent = browser.execute_script("return window.__chats")[-1]
+    assert [m["content"] for m in sent[-3:]] == ["a turn to stop", stopped, "after the stop"], sent
+    assert console_errors(browser, allow=("status of 400",)) == []
+
+
+def test_seeds_beyond_2_53_are_sent_and_shown_exactly(server, browser):
+    """A seed above 2^53 changed on its way (Number(): 9007199254740993 sent as ...992) and on the
+    task page (JSON.parse): the form sends the digits typed, the page shows those stored."""
+    open_page(browser, server, "#/tasks", "#new-task")
+    form = browser.find_element("css selector", "#new-task")
+    browser.find_element("css selector", "details > summary").click()
+    form.find_element("css selector", "[name=prompt]").send_keys("a big seed")
+    _set(browser, "#new-task", "max_tokens", 2)
+    _set(browser, "#new-task", "seed", 9007199254740993)
+    form.find_element("css selector", "button[type=submit]").click()
+    wait_for(browser, lambda d: "#/tasks/TASK_" in d.current_url, 10)
+    tid = browser.current_url.rsplit("/", 1)[1]
+    assert get(server, f"/v1/ui/tasks/{tid}")["params"]["seed"] == 9007199254740993
+    params = browser.find_element("css selector", "#task-params")
+    wait_for(browser, lambda d: '"seed":9007199254740993' in params.text, 10)
+
+    top = post(server, "/v1/tasks/create", {"prompt": "the largest seed", "max_tokens": 2, "seed": 2**63 - 1})
+    open_page(browser, server, f"#/tasks/{top['task_id']}", "#task-params")
+    assert '"seed":9223372036854775807' in browser.find_element("css selector", "#task-params").text
+    assert console_errors(browser) == []
+
+
+def test_a_malformed_task_address(server, browser):
+    """#/tasks/%ZZ threw an uncaught URIError: the view stayed blank or on the page before. It
+    says the task id is malformed, on the Tasks page."""
+    open_page(browser, server, "#/server", "#server-cards .stat")
+    browser.execute_script("location.hash = '#/tasks/%ZZ'")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#bad-address"), 5)
+    view = browser.find_element("css selector", "#view")
+    assert view.get_attribute("data-page") == "tasks" and "Bad task id" in view.text and "%ZZ" in view.text
+    assert [a.text for a in browser.find_elements("css selector", "nav a.active")] == ["Tasks"]
+    assert console_errors(browser) == []
+    browser.execute_script("location.hash = '#/tasks'")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#task-count"), 5)
+
+
+def test_a_gone_tmp_task_may_have_expired(server, browser):
+    """A TMP_ task's page once it is gone: the API's 404 is the same for deleted and expired
+    (--tmp-task-ttl), so the page names both (it said "deleted by another client")."""
+    tid = post(server, "/v1/tasks/tmp", {"prompt": "a short-lived one", "max_tokens": 2})["task_id"]
+    wait_finished(server, tid)
+    open_page(browser, server, f"#/tasks/{tid}", "#task-output[data-done]")
+    post(server, f"/v1/tasks/{tid}/delete")
+    message = browser.find_element("css selector", "#task-message")
+    wait_for(browser, lambda d: "no longer exists" in message.text, 5)
+    assert "expired" in message.text and "--tmp-task-ttl" in message.text, message.text
+    assert browser.find_element("css selector", "#task-status").text == "deleted or expired"
+    open_page(browser, server, f"#/tasks/{tid}", "#task-message .error")  # opened once it is gone
+    text = browser.find_element("css selector", "#task-message").text
+    assert "not found" in text and "expired" in text, text
+    assert console_errors(browser, allow=("status of 404",)) == []
+
+
+REFUSED_WHILE_RUNNING = ("#continue-form [type=submit]", "#fork-form [type=submit]", "#template-form [type=submit]")
+
+
+def test_task_page_buttons_and_errors_follow_the_status(server, browser):
+    """Continue, fork and make template, which the server refuses (409) while the task runs, are
+    disabled meanwhile (they were enabled); an action's error goes once the task's status changes
+    (a 409 stayed after the task had finished)."""
+    tid = post(server, "/v1/tasks/create", {"prompt": "running for a while", "max_tokens": LONG})["task_id"]
+    open_page(browser, server, f"#/tasks/{tid}", "#task-output")
+    enabled = lambda d: [d.find_element("css selector", c).is_enabled() for c in REFUSED_WHILE_RUNNING]  # noqa: E731
+    wait_for(browser, lambda d: d.find_element("css selector", "#task-output").text, 15)
+    assert enabled(browser) == [False, False, False]
+    assert browser.find_element("css selector", "#task-stop").is_enabled()
+    browser.execute_script("document.getElementById('continue-form').requestSubmit()")  # (a click that raced)
+    errors = lambda d: [e.text for e in d.find_elements("css selector", "#task-message .error")]  # noqa: E731
+    wait_for(browser, lambda d: any("is running" in e for e in errors(d)), 10)
+    post(server, f"/v1/tasks/{tid}/stop")
+    wait_finished(server, tid)
+    wait_for(browser, lambda d: not errors(d) and enabled(d) == [True, True, True], 10)
+    assert not browser.find_element("css selector", "#task-stop").is_enabled()
+    assert console_errors(browser, allow=("status of 409",)) == []

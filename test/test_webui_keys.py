@@ -78,3 +78,33 @@ def test_another_keys_task_and_template_stay_hidden(server, browser, k1_things):
     options = [o.get_attribute("value") for o in browser.find_elements("css selector", "#chat-template option")]
     assert k1_things["template"] not in options and not browser.find_elements("css selector", "#key-dialog[open]")
     assert console_errors(browser, allow=("status of 404",)) == []  # the page asked for k1's task
+
+
+def test_a_key_an_http_header_cannot_carry(server, browser, k1_things):
+    """A key with a character an HTTP header cannot carry (a pasted curly quote, another script)
+    made every fetch throw a TypeError, shown as "server unreachable" everywhere, and the key
+    dialog never came back. A kept one opens the dialog, saying why; the dialog refuses one
+    typed, saying what is wrong, and keeps the key as it was."""
+    keep_key(browser, server, "k2\u2019")  # k2’: a curly quote pasted with it
+    browser.get(f"{server.url}/ui#/tasks")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#key-dialog[open]"), 15)
+    reason = browser.find_element("css selector", "#key-reason").text
+    assert "cannot be sent" in reason and "U+2019" in reason, reason
+    key = browser.find_element("css selector", "#key-input")
+    key.clear()
+    key.send_keys("ключ-A")
+    browser.find_element("css selector", "#key-save").click()
+    problem = browser.find_element("css selector", "#key-error")
+    wait_for(browser, lambda d: problem.is_displayed(), 5)
+    assert "U+043A" in problem.text and "ASCII" in problem.text, problem.text
+    assert browser.find_elements("css selector", "#key-dialog[open]")  # it stays open
+    assert browser.execute_script("return localStorage.getItem('rwkv.apiKey')") == "k2\u2019"
+    shot(browser, "api-key-refused")
+    key.clear()
+    key.send_keys("k2")
+    browser.find_element("css selector", "#key-save").click()
+    k2 = post(server, "/v1/tasks/create", K2, {"prompt": "after a bad key", "max_tokens": 2})["task_id"]
+    wait_for(browser, lambda d: d.find_elements("css selector", f'#task-rows tr[data-id="{k2}"]'), 15)
+    assert browser.execute_script("return localStorage.getItem('rwkv.apiKey')") == "k2"
+    assert "unreachable" not in browser.find_element("css selector", "body").text
+    assert console_errors(browser, allow=("status of 401",)) == []

@@ -4,6 +4,9 @@
 - GET /ui/static/{name}: the page's CSS and JavaScript, from this package (no build step, nothing
   fetched from elsewhere at run time).
 - GET /: redirects to /ui, so a browser pointed at the server lands on the dashboard.
+- The page and its files are served no-cache with an ETag: the browser asks again each time
+  with If-None-Match, answered 304 (no body) while the file is the same, so an upgraded
+  server's files load at once. HEAD works on /, /ui and /ui/static/* as GET does.
 - GET /v1/ui/tasks/{task_id}: what the task API does not return and the task and template pages
   show: the task's last prompt (`prompt`: its text, "" for token ids or none; `prompt_len`: its
   tokens, 0 for none) and its stored parameters, and `output_start` (where in the token
@@ -26,6 +29,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
+from starlette.staticfiles import NotModifiedResponse
 
 from server.api.errors import ApiError, task_error
 from server.api.openapi import answers
@@ -47,25 +51,46 @@ def _assets() -> dict[str, Path]:
 ASSETS = _assets()
 
 
-@router.get("/", include_in_schema=False)
+_GET_HEAD = ["GET", "HEAD"]
+
+
+def _file(request: Request, path: Path, media: str) -> Response:
+    """The file, or a 304 when the request's If-None-Match names its ETag (FileResponse itself
+    never answers 304). HEAD: the same headers, no body (FileResponse sends none)."""
+    response = FileResponse(path, media_type=media, headers=_NO_CACHE, stat_result=path.stat())
+    if _matches(request.headers.get("if-none-match"), response.headers["etag"]):
+        return NotModifiedResponse(response.headers)
+    return response
+
+
+def _matches(if_none_match: str | None, etag: str) -> bool:
+    """If-None-Match against a strong ETag, by weak comparison (RFC 9110 13.1.2): "*", or a
+    listed tag equal to it less a W/ prefix."""
+    if not if_none_match:
+        return False
+    tags = [t.strip() for t in if_none_match.split(",")]
+    return "*" in tags or etag.removeprefix("W/") in (t.removeprefix("W/") for t in tags)
+
+
+@router.api_route("/", methods=_GET_HEAD, include_in_schema=False)
 async def root() -> Response:
     return RedirectResponse("/ui", status_code=307)
 
 
-@router.get("/ui", include_in_schema=False)
-async def index() -> Response:
-    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
+@router.api_route("/ui", methods=_GET_HEAD, include_in_schema=False)
+async def index(request: Request) -> Response:
+    return _file(request, STATIC / "index.html", "text/html; charset=utf-8")
 
 
-@router.get("/ui/static/{name:path}", include_in_schema=False)
-async def asset(name: str) -> Response:
+@router.api_route("/ui/static/{name:path}", methods=_GET_HEAD, include_in_schema=False)
+async def asset(name: str, request: Request) -> Response:
     path = ASSETS.get(name)
     if path is None:
         raise ApiError(404, f"no dashboard file {name!r}", code="not_found")
     media = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     if media.startswith("text/") or media.endswith("javascript"):
         media += "; charset=utf-8"
-    return FileResponse(path, media_type=media, headers=_NO_CACHE)
+    return _file(request, path, media)
 
 
 @router.get("/v1/ui/tasks/{task_id}", tags=["dashboard"], responses=answers(401, 404, 422, 503))

@@ -3,6 +3,7 @@
 
 import { OfflineError, api, apiKey, askKey } from "./api.js";
 import * as batch from "./batch.js";
+import { h } from "./dom.js";
 import * as playground from "./playground.js";
 import * as serverPage from "./server.js";
 import * as task from "./task.js";
@@ -21,14 +22,29 @@ let cleanup = null;
 
 function route() {
   const [page = "tasks", ...rest] = location.hash.replace(/^#\/?/, "").split("/");
-  const name = ROUTES[page] ? page : "tasks";
-  const arg = rest.length ? decodeURIComponent(rest.join("/")) : "";
+  const name = Object.hasOwn(ROUTES, page) ? page : "tasks";
+  const raw = rest.join("/");
+  let arg = "", bad = false;
+  try {
+    arg = decodeURIComponent(raw);
+  } catch { // a malformed escape (#/tasks/%ZZ): URIError
+    bad = true;
+  }
   if (cleanup) cleanup();
+  cleanup = null;
   const view = document.getElementById("view");
   view.replaceChildren();
   view.dataset.page = name;
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.page === name);
+  if (bad && name === "tasks") return badAddress(view, raw); // (the other pages take no argument)
   cleanup = ROUTES[name](arg)(view, arg) || null;
+}
+
+/** An address whose task id is no valid percent-encoding: said so, nothing asked of the server. */
+function badAddress(view, raw) {
+  view.append(h("h1", {}, "Bad task id"), h("p", { id: "bad-address", class: "error", role: "alert" },
+    `The address holds a malformed task id: "${raw}" is not valid percent-encoding (a "%" must be`
+    + " followed by two hex digits). ", h("a", { href: "#/tasks" }, "Back to the tasks")));
 }
 
 function showKey() {
@@ -49,7 +65,7 @@ async function showModel() {
     el.textContent = health.model || "";
     ok = true;
   } catch (err) { // 503: loading, shutting_down, load_failed, engine_dead; or no answer
-    el.textContent = `(${err instanceof OfflineError ? "unreachable" : (err.code || "error").replace(/_/g, " ")})`;
+    el.textContent = `(${err instanceof OfflineError ? err.short : (err.code || "error").replace(/_/g, " ")})`;
   }
   setTimeout(showModel, ok ? HEALTH_OK_MS : HEALTH_RETRY_MS);
 }

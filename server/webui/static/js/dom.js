@@ -64,15 +64,21 @@ export function taskLink(id) {
   return h("a", { href: `#/tasks/${encodeURIComponent(id)}`, class: "mono" }, id);
 }
 
-/** The numeric and text fields of a form that are filled in, as a request body. */
+/** The numeric and text fields of a form that are filled in, as a request body. An integer
+ *  beyond Number.MAX_SAFE_INTEGER (a seed up to 2^63-1) is a BigInt, sent as typed (json.js). */
 export function formFields(form, names) {
   const out = {};
   for (const name of names) {
     const el = form.elements.namedItem(name);
     if (!el || el.value.trim() === "") continue;
-    out[name] = el.type === "number" ? Number(el.value) : el.value;
+    out[name] = el.type === "number" ? numberOf(el.value) : el.value;
   }
   return out;
+}
+
+function numberOf(text) {
+  const n = Number(text);
+  return /^-?\d+$/.test(text) && !Number.isSafeInteger(n) ? BigInt(text) : n;
 }
 
 /** Runs fn every `ms` (after the previous run ended) until the returned stop() is called. */

@@ -1,7 +1,9 @@
 // Playground: a chat with the model. Plain chat streams through /v1/chat/completions (the whole
 // history each turn, with stream_options.include_usage for the cached-token count). Started
 // from a template, the first turn forks the template through the task API and later turns
-// continue that task: its state carries the conversation, nothing is prefilled twice.
+// continue that task: its state carries the conversation, nothing is prefilled twice. A turn
+// joins the chat's history once it has ended (or was stopped: what came is kept); one that
+// failed (refused by the server, cut by an error) stays out of it, and its bubbles say so.
 
 import { aborted, api, sse } from "./api.js";
 import { errorBox, field, h } from "./dom.js";
@@ -87,9 +89,10 @@ function bubble(log, role, text) {
   return { el, body, meta };
 }
 
-/** One turn: stream the reply into a new bubble, then show its tokens/s and cached tokens. */
+/** One turn: stream the reply into a new bubble, then show its tokens/s and cached tokens. A
+ *  turn that ended, or that Stop cut (what came is kept), joins the history; a failed one not. */
 async function turn(chat, text, log, { template, state, settings }) {
-  bubble(log, "user", text);
+  const asked = bubble(log, "user", text);
   const reply = bubble(log, "assistant", "");
   reply.el.classList.add("streaming");
   const params = samplingBody(settings, OPENAI_FIELDS);
@@ -100,6 +103,7 @@ async function turn(chat, text, log, { template, state, settings }) {
     : chatTurn(chat, text, params, settings.elements.system.value.trim(), state, signal);
   const history = chat.messages; // a "New chat" meanwhile starts another list: this turn stays out of it
   const stats = { t0: performance.now(), first: null, last: null, chunks: 0, usage: null, reply: "" };
+  let kept = false;
   try {
     for await (const piece of events) {
       if (piece.usage) stats.usage = piece.usage;
@@ -111,10 +115,18 @@ async function turn(chat, text, log, { template, state, settings }) {
       reply.body.append(piece.text);
       log.scrollTop = log.scrollHeight;
     }
+    kept = true;
+  } catch (err) {
+    kept = aborted(err); // Stop (or New chat): the turn keeps what came
+    throw err;
   } finally {
     reply.el.classList.remove("streaming");
     reply.meta.textContent = turnFacts(stats);
-    if (!template) history.push({ role: "user", content: text }, { role: "assistant", content: stats.reply });
+    if (kept && !template) history.push({ role: "user", content: text }, { role: "assistant", content: stats.reply });
+    if (!kept) {
+      for (const b of [asked, reply]) b.el.classList.add("failed");
+      reply.meta.textContent += template ? " · failed" : " · failed: not part of the chat (the next message goes without it)";
+    }
   }
 }
 

@@ -77,7 +77,7 @@ export function mount(el) {
   let health = null;
   const stopHealth = every(2000, async () => {
     try { health = await api("/health", { signal: ctl.signal }); } catch (err) {
-      if (!aborted(err)) health = { status: err instanceof OfflineError ? "unreachable" : err.code || err.message };
+      if (!aborted(err)) health = { status: err instanceof OfflineError ? err.short : err.code || err.message };
     }
   });
   history.listeners.add(render);
@@ -95,7 +95,7 @@ function showCards(el, t, health, stale) {
   const rates = Object.entries(t.hitRates).map(([tier, r]) => `${tier} ${r === null ? "–" : `${r.toFixed(0)}%`}`);
   const last = (!stale && history.samples[history.samples.length - 1]) || {};
   el.replaceChildren(
-    card("status", history.error instanceof OfflineError ? "unreachable"
+    card("status", history.error instanceof OfflineError ? history.error.short
       : health ? `${health.status}${health.model ? ` · ${health.model}` : ""}` : "…"),
     card("slots", t.slots ?? "–"),
     card("running / waiting", `${last.requests ? last.requests.running : "–"} / ${last.requests ? last.requests.waiting : "–"}`),
