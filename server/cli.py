@@ -13,10 +13,13 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
+import re
+import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from server.checks import (
     database_open_problem,
@@ -71,16 +74,34 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["serve", *argv]
     defaults, bad_env = Settings.from_env_lenient()  # a bad variable: refused by the command that uses it
     args = build_parser(defaults, bad_env).parse_args(argv)
-    if args.command == "synth":
-        return cmd_synth(args)
-    if args.command == "quantize":
-        return cmd_quantize(args)
-    if args.command == "generate":
-        if bad_env:  # generate runs the engine with the other settings as they are
-            print(f"rwkv-server generate: bad environment: {next(iter(bad_env.values()))}", file=sys.stderr)
-            return 2
-        return cmd_generate(args, defaults)
-    return cmd_serve(args)
+    try:
+        if args.command == "synth":
+            return cmd_synth(args)
+        if args.command == "quantize":
+            return cmd_quantize(args)
+        if args.command == "generate":
+            if bad_env:  # generate runs the engine with the other settings as they are
+                print(f"rwkv-server generate: bad environment: {next(iter(bad_env.values()))}", file=sys.stderr)
+                return 2
+            return cmd_generate(args, defaults)
+        return cmd_serve(args)
+    except KeyboardInterrupt:  # Ctrl-C: serve's graceful stop is over (uvicorn raised SIGINT again)
+        end_by_sigint()
+
+
+def end_by_sigint() -> NoReturn:
+    """End the process as one Ctrl-C stopped: by SIGINT, its default action restored (a shell
+    shows 130; a parent sees the signal, as after serve's SIGTERM), without the traceback Python
+    prints for an uncaught KeyboardInterrupt. The command cleaned up on its way out (serve's
+    graceful stop; generate's engine)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(128 + signal.SIGINT)  # (only if the signal is blocked)
 
 
 def load_failure(app: FastAPI) -> str:
@@ -128,12 +149,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def make_server(app: FastAPI, settings: Settings) -> uvicorn.Server:
-    """The uvicorn server of `app`: drains the app at shutdown, logs the port bound for --port 0,
-    and stops when loading fails (app.state.on_fatal)."""
+    """The uvicorn server of `app`: drains the app at shutdown (requests still waiting for their
+    body too: BodyReads), logs the port bound for --port 0, and stops when loading fails
+    (app.state.on_fatal)."""
     import uvicorn
 
     from server.api.app import begin_drain
+    from server.api.body_reads import BodyReads
     from server.api.http_limits import protocol_with_deadlines
+
+    body_reads = BodyReads(app)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -145,11 +170,12 @@ def make_server(app: FastAPI, settings: Settings) -> uvicorn.Server:
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             begin_drain(app)  # streams end now instead of holding the graceful shutdown
+            body_reads.drain()  # and so do requests still waiting for their body
             await asyncio.sleep(0.2)
             await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(
-        app,
+        body_reads,
         host=settings.host,
         port=settings.port,
         log_config=None,
@@ -164,6 +190,36 @@ def make_server(app: FastAPI, settings: Settings) -> uvicorn.Server:
     return server
 
 
+def stdout_problem(out: str) -> str | None:
+    """synth and quantize write a checkpoint file: `-` is not taken for standard output (nor made
+    a file of that name by mistake)."""
+    if out == "-":
+        return (
+            "-: the checkpoint is written to a file, not to standard output; give the output file's path "
+            "(./- names a file '-')"
+        )
+    return None
+
+
+_TORCH_CHECK = re.compile(r"^\[enforce fail at [^\]]*\][^.]*\.\s*")
+"""The C++ check that torch's RuntimeErrors begin with ("[enforce fail at alloc_cpu.cpp:127] err == 0. ")."""
+
+
+def torch_message(exc: BaseException) -> str:
+    """An error's text on one line, without torch's C++ check: what failed."""
+    return " ".join(_TORCH_CHECK.sub("", str(exc)).split()) or type(exc).__name__
+
+
+def write_failure(command: str, out: str, exc: BaseException) -> str:
+    """The line for a RuntimeError or MemoryError of synth or quantize: torch.save's file writer
+    raises RuntimeError, not OSError, when it cannot open or write `out`; the rest (memory ran out
+    while the weights were drawn or quantized) is what failed."""
+    text = str(exc)
+    if any(s in text for s in ("PytorchStreamWriter", "inline_container", "open file failed", "cannot be opened")):
+        return f"cannot write {out}: {torch_message(exc)}"
+    return f"{command} failed: {type(exc).__name__}: {torch_message(exc)}"
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     from server.api.loading import torch_dtype
     from server.model.synthetic import parse_spec, save_synthetic
@@ -173,7 +229,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rwkv-server: {exc}", file=sys.stderr)
         return 2
-    if problem := output_problem(args.out):
+    if problem := stdout_problem(args.out) or output_problem(args.out):
         print(f"rwkv-server: {problem}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -182,6 +238,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
         shape = save_synthetic(args.preset, args.out, dtype=dtype)
     except OSError as exc:  # the disk filled, the folder went away
         print(f"rwkv-server: cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
+    except (RuntimeError, MemoryError) as exc:  # torch.save's writer failed, or memory ran out
+        print(f"rwkv-server: {write_failure('synth', args.out, exc)}", file=sys.stderr)
         return 1
     print(
         f"wrote {args.out}: {shape.signature()} V={shape.vocab_size} ({args.dtype}, "
@@ -198,7 +257,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from server.model.qfile import save_quantized
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if problem := quantize_problem(args.model, args.out) or device_problem(device):
+    if problem := stdout_problem(args.out) or quantize_problem(args.model, args.out) or device_problem(device):
         print(f"rwkv-server: {problem}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -210,6 +269,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return 2
     except OSError as exc:  # writing: the disk filled, the folder went away
         print(f"rwkv-server: cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
+    except (RuntimeError, MemoryError) as exc:  # torch.save's writer failed, or memory ran out
+        print(f"rwkv-server: {write_failure('quantize', args.out, exc)}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {shape.signature()}, {args.quant} linears, {nbytes / 1e9:.2f} GB of tensors "
           f"({time.perf_counter() - t0:.1f}s on {device}). Serve it with --model {args.out}.")  # fmt: skip
@@ -268,15 +330,21 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
     if problem is not None:
         print(f"rwkv-server generate: {problem}", file=sys.stderr)
         return 2
-    setup_logging("warning")
+    debug = settings.log_level.lower() == "debug"
+    setup_logging("debug" if debug else "warning")
+    if not debug:  # an engine error's log line without its traceback (RWKV_LOG_LEVEL=debug shows it)
+        logging.getLogger().handlers[0].addFilter(drop_traceback)
     from server.api.loading import load_services
-    from server.engine.types import SamplingParams
+    from server.engine.types import ERROR, EngineError, SamplingParams
     from server.model.checkpoint import CheckpointError
 
     try:
         sv = load_services(settings)
-    except (CheckpointError, OSError, ValueError, KeyError) as exc:  # what serve reports in one line too
-        print(f"rwkv-server generate: could not load the model: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (CheckpointError, OSError, ValueError, KeyError, MemoryError, RuntimeError) as exc:
+        # what serve reports in one line too; RuntimeError: torch's, out of memory among them
+        logging.getLogger("server.cli").debug("loading failed", exc_info=True)
+        print(f"rwkv-server generate: could not load the model: {type(exc).__name__}: {torch_message(exc)}",
+              file=sys.stderr)  # fmt: skip
         return 1
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -293,19 +361,32 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
             print(f"rwkv-server generate: {exc}", file=sys.stderr)
             return 2
         sys.stdout.write(prompt)
-        for ev in h:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-        res = h.result()
+        try:
+            for ev in h:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            res = h.result()
+        except EngineError as exc:  # the engine stopped
+            print(f"\nrwkv-server generate: generation failed: {exc}", file=sys.stderr)
+            return 1
         dt = time.perf_counter() - t0
         print(
             f"\n[{res.completion_tokens} tokens, finish {res.finish_reason}, {dt:.2f}s, "
             f"prompt {res.prompt_tokens} tokens]",
             file=sys.stderr,
         )
+        if res.finish_reason == ERROR:
+            print(f"rwkv-server generate: generation failed: {res.error or 'no reason given'}", file=sys.stderr)
+            return 1
     finally:
         sv.engine.shutdown()
     return 0
+
+
+def drop_traceback(record: logging.LogRecord) -> bool:
+    """A log filter: the record's message line only, without its traceback."""
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
 
 
 if __name__ == "__main__":

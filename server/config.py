@@ -138,9 +138,10 @@ class Settings:
 
     # --- replicas ----------------------------------------------------------------------------
     instance_name: str = ""
-    """This server's name among the servers sharing one database; empty: `<host>:<port>`, the
-    same across restarts, so a restarted server takes its own running tasks back (with `--port 0`
-    a name of its own each start; docs/deployment.md)."""
+    """This server's name among the servers sharing one database; empty: `<hostname>:<port>`
+    (`<hostname>/<host>:<port>` when --host is one address, not 0.0.0.0), the same across
+    restarts, so a restarted server takes its own running tasks back (with `--port 0` a name of
+    its own each start; docs/deployment.md)."""
     public_url: str = ""
     """The URL clients reach this server at (behind a load balancer: its own address); named in
     the 409 that another replica answers for a task running here."""

@@ -56,6 +56,9 @@ class TaskSettings(Protocol):
     def instance_name(self) -> str: ...
 
     @property
+    def host(self) -> str: ...
+
+    @property
     def port(self) -> int: ...
 
     @property
@@ -100,7 +103,8 @@ class TaskConfig:
     down-cast: half the bytes, not exact)."""
     instance_name: str = ""
     """This server's stable name among the servers of one database (server.tasks.lease); ""
-    here: a name of its own (host-pid-random). `of(settings)` fills in `<host>:<port>`."""
+    here: a name of its own (host-pid-random). `of(settings)` fills in the default (server_name:
+    `<hostname>:<port>`, or `<hostname>/<address>:<port>` for a server bound to one address)."""
     public_url: str = ""
     """The URL clients reach this server at, named to them when a task runs here (replicas)."""
     lease_timeout: float = 30.0
@@ -130,7 +134,7 @@ class TaskConfig:
             tmp_state_bytes=int(settings.tmp_state_bytes),
             write_behind_bytes=int(settings.write_behind_bytes),
             state_store_dtype=settings.state_store_dtype,
-            instance_name=server_name(settings.instance_name, int(settings.port)),
+            instance_name=server_name(settings.instance_name, int(settings.port), settings.host),
             public_url=settings.public_url,
             lease_timeout=float(settings.lease_timeout),
             db_busy_timeout=float(settings.db_busy_timeout),
@@ -180,12 +184,27 @@ LatencyFactory = Callable[[], LatencyRecorder]
 """Makes the recorder of each new run."""
 
 
-def server_name(name: str = "", port: int | None = None) -> str:
-    """This server's stable name: `name`, else `<host>:<port>`, else (no port, or port 0: any
-    free port, which two servers of one host share) `<host>-<pid>-<random>`, a name of its own:
-    a start under a name takes the earlier instances of that name for dead."""
+WILDCARD_HOSTS = ("", "0.0.0.0")
+"""--host values (every IPv4 address) the default name leaves out, as it did before it named the
+address: two servers at 0.0.0.0 cannot share a port, so `<hostname>:<port>` stays one server's.
+`::` is named: with net.ipv6.bindv6only set, a server at `::` and one at 0.0.0.0 share a port."""
+
+
+def server_name(name: str = "", port: int | None = None, host: str = "") -> str:
+    """This server's stable name: `name`; else, on a port, `<hostname>:<port>` for a server
+    listening on every IPv4 address (`--host 0.0.0.0`) and `<hostname>/<host>:<port>` for one
+    bound to an address (`127.0.0.1`; `::1` as `[::1]`, `::` too); else (no port, or port 0: any free
+    port, which two servers of one host share) `<hostname>-<pid>-<random>`, a name of its own.
+
+    A start under a name takes the earlier instances of that name for dead (server.tasks.lease):
+    the name is what two live servers can never share, the address they listen on: one machine
+    can run servers on one port at 127.0.0.1 and 127.0.0.2 (or at 127.0.0.1 and ::1), not two at
+    one address. A server restarted with the same --host and --port keeps its name, and so takes
+    back the tasks its earlier instance was running. The machine's hostname is shortened, never
+    the address and port, to fit the 72 characters."""
     if name:
         return name[:72]
     if port:
-        return f"{socket.gethostname()}:{port}"[:72]
+        where = f":{port}" if host in WILDCARD_HOSTS else f"/[{host}]:{port}" if ":" in host else f"/{host}:{port}"
+        return f"{socket.gethostname()[: max(8, 72 - len(where))]}{where}"[:72]
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"[:72]
