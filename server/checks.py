@@ -246,8 +246,9 @@ def database_open_problem(settings: Settings) -> str | None:
     """Opens the task database as the server will (connecting, migrating its schema to head) and
     closes it, before the model loads: a PostgreSQL server that refuses or does not answer, bad
     credentials, a damaged SQLite file end the start here, as a database problem. One line, or
-    None."""
-    from server.tasks.database import Database
+    None. A SQLite file's tables and indexes are read through (database.read_every_tree: a
+    damaged page of the tasks or their index is found here, not once the model has loaded)."""
+    from server.tasks.database import Database, DatabaseDamaged
 
     async def open_close() -> None:
         db = Database(settings.db, busy_timeout=settings.db_busy_timeout)
@@ -256,6 +257,8 @@ def database_open_problem(settings: Settings) -> str | None:
 
     try:
         asyncio.run(open_close())
+    except DatabaseDamaged as exc:  # its line names the file and how to salvage it
+        return f"--db {settings.db}: {exc}"
     except Exception as exc:
         cause = getattr(exc, "orig", None) or exc  # SQLAlchemy's wrapper: the driver's error
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""

@@ -2,9 +2,10 @@
 task's tokens (never refused, never used); a truncated database file is refused with a clear
 error; a lock held beyond the busy timeout, or a full disk, answers a retryable 503 with nothing
 stored, nothing running and nothing listed, and a task whose final row could not be committed is
-not shown finished until it is; a writer killed in the middle of a state write leaves the
-database as it was. Scripted engine (test/task_fakes.py), real SQLite files (and PostgreSQL for
-the killed writer)."""
+not shown finished until it is; a continue whose claim waited for the lock (or failed on it) is
+not taken for a takeover by another instance; a writer killed in the middle of a state write
+leaves the database as it was. Scripted engine (test/task_fakes.py), real SQLite files (and
+PostgreSQL for the killed writer); one real server holding its lock against another connection."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from array import array
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from task_fakes import FakeEngine, FakeShape, FakeTokenizer, counted_state
 
 from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
-from server.tasks import TaskConflict, TaskConfig, TaskManager, TaskUnavailable
+from server.tasks import TaskConflict, TaskConfig, TaskManager, TaskUnavailable, pump
 from server.tasks.codec import encode_state
 from server.tasks.database import DatabaseDamaged
 from server.tasks.records import FINISHED, RUNNING, Task, complete_interrupted, to_row
@@ -217,6 +221,70 @@ async def test_a_lock_beyond_the_busy_timeout_is_a_503_that_leaves_nothing(tmp_p
     t = await tm.wait((await tm.create("after", persistent=True)).id, timeout=10)  # the lock is gone: fine
     assert t.finish_reason == "length"
     await tm.close()
+
+
+async def test_a_continue_refused_by_a_lock_is_not_logged_as_a_takeover(tmp_path, monkeypatch, caplog):
+    """The continue's claim fails on the lock (503); the progress job queued behind it ran before
+    the start was undone, with the continued task's row in it, and, the lock gone, committed: the
+    row (never claimed) was refused and logged as "taken over by another instance" on a server
+    that has no other instance. Progress rows are now only those of runs whose start row is
+    committed."""
+    monkeypatch.setattr(pump, "PROGRESS_INTERVAL", 0.0)  # a progress job at each batch
+    tm = await manager(FakeEngine(), tmp_path / "c.db", db_busy_timeout=1.0)
+    done = await stored_task(tm)
+    other = sqlite3.connect(tmp_path / "c.db", isolation_level=None)  # another process's writer
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(TaskUnavailable):
+            await tm.continue_(done.id, {"max_tokens": 3})
+    finally:
+        other.execute("ROLLBACK")  # at once: the job behind the claim gets the lock
+        other.close()
+    await tm.flush()
+    assert "taken over" not in caplog.text, caplog.text
+    assert not done.running and done.out.text == "<100><101><102>" and done.instance is None
+    row = await tm.store.get_task(done.id)
+    assert row.status == FINISHED and row.instance is None and row.completion_tokens == 3
+    c = await tm.wait((await tm.continue_(done.id, {"max_tokens": 2})).id, timeout=10)  # the lock gone: fine
+    assert c.out.text == "<100><101><102><100><101>" and "taken over" not in caplog.text
+    await tm.close()
+
+
+def test_a_continue_claimed_during_a_lock_is_not_logged_as_a_takeover(tmp_path):
+    """QA's repro on a real server: another connection holds the SQLite write lock (3.5 s, under
+    --db-busy-timeout 5) while a long task runs, and a finished task is continued. A progress job
+    of the long task waits for the lock, the next one is queued behind it, then the continue's
+    claim. Once the lock was gone, that progress job held the continued task's row, not yet
+    claimed: refused, and logged "1 running task(s) were taken over by another instance" on a
+    server alone on its database. Now the continue answers 200 once its claim commits, the task
+    ends with its 3 new tokens, committed, and the log has no takeover."""
+    from util_server import running_server, task_result, wait_committed
+
+    with (running_server(tmp_path, args=("--db-busy-timeout", "5")) as srv,
+          httpx.Client(base_url=srv.url, timeout=60) as c):  # fmt: skip
+        fin = c.post("/v1/tasks/create", json={"prompt": "fin", "max_tokens": 5}).json()["task_id"]
+        before = task_result(c, fin)
+        long = c.post("/v1/tasks/create", json={"prompt": "long", "max_tokens": 100000}).json()["task_id"]
+        wait_committed(srv.db, long)  # its progress rows are flowing
+        other = sqlite3.connect(srv.db, isolation_level=None, timeout=30, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")
+        release = threading.Thread(target=lambda: (time.sleep(3.5), other.execute("ROLLBACK")))
+        release.start()
+        try:
+            time.sleep(2.5)  # a progress job waits for the lock (from within 1 s), the next is queued (1 s on)
+            r = c.post(f"/v1/tasks/{fin}/continue", json={"max_tokens": 3})
+        finally:
+            release.join()
+            other.close()
+        assert r.status_code == 200, r.text
+        after = task_result(c, fin)
+        assert after["finish_reason"] == "length" and after["completion_tokens"] == before["completion_tokens"] + 3
+        row = wait_committed(srv.db, fin, lambda row: row["status"] == FINISHED and row["instance"] is None)
+        assert row["completion_tokens"] == after["completion_tokens"] and row["text"] == after["result"]
+        assert c.post(f"/v1/tasks/{long}/stop", json={}).status_code == 200
+        assert task_result(c, long)["finish_reason"] == "stopped"
+        log = srv.log_path.read_text(errors="replace")
+        assert "taken over" not in log, srv.log_tail()
 
 
 # --- a full disk -------------------------------------------------------------------------------------

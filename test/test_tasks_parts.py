@@ -291,9 +291,14 @@ async def test_the_database_budget_drops_the_oldest_states(tmp_path):
 async def test_progress_rows_are_written_for_new_output_only(tmp_path):
     async with Parts(tmp_path / "g.db") as parts:
         t = await started(parts)
-        t.run = Run(pos=0, n_input=5, params=SamplingParams(), key=None)
+        committed = asyncio.get_running_loop().create_future()  # the run's start row (Runs: save_started)
+        t.run = Run(pos=0, n_input=5, params=SamplingParams(), key=None, started=committed)
         t.out.append("hello", 1)
         t.run.n_out = 1
+        parts.p.offer_progress()  # its start row is not committed yet (a claim waiting for a lock): left for later
+        await parts.writer.flush()
+        assert (await parts.store.get_task(t.id)).text != "hello" and parts.counters["progress_writes"] == 0
+        committed.set_result(None)
         parts.p.offer_progress()
         parts.p.offer_progress()  # one job queued serves both
         await parts.writer.flush()

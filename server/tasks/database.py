@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -114,37 +115,68 @@ def unavailable(exc: BaseException) -> TaskUnavailable | None:
     return None
 
 
-@asynccontextmanager
-async def _transient_as_unavailable() -> AsyncIterator[None]:
-    """Re-raise a transient database error of the block as TaskUnavailable (unavailable())."""
-    try:
-        yield
-    except Exception as exc:
-        err = unavailable(exc)
-        if err is None:
-            raise
-        raise err from exc
-
-
 _DAMAGED = ("malformed", "file is not a database", "database corrupt")
 
 
 def damaged(exc: BaseException) -> bool:
-    """A database file that is not a valid database (truncated, overwritten)."""
+    """A file that is not a valid database (truncated, overwritten), or a page found damaged (DamagedPage)."""
+    if isinstance(exc, DamagedPage):
+        return True
     return isinstance(exc, sa.exc.DatabaseError) and any(m in str(exc.orig).lower() for m in _DAMAGED)
+
+
+def _why(exc: BaseException) -> str:
+    """The driver's first line for a database error (not SQLAlchemy's dump of the SQL)."""
+    return (str(getattr(exc, "orig", None) or exc).strip() or type(exc).__name__).splitlines()[0]
+
+
+def _said(url: str, exc: BaseException, then: str) -> str:
+    """The line saying that the task database is damaged, `then`, and how to salvage it."""
+    path = url.split(":///", 1)[-1]
+    return (
+        f"the task database {path} is damaged ({_why(exc)}){then}restore it from a backup, or salvage what is "
+        f"readable with `sqlite3 {path} .recover | sqlite3 recovered.db` and start on recovered.db (tasks missing "
+        "there are lost; states missing there are rebuilt from their tasks' tokens)"
+    )
 
 
 class DatabaseDamaged(RuntimeError):
     """The task database file is damaged; the server does not start on it."""
 
     def __init__(self, url: str, exc: BaseException) -> None:
-        path = url.split(":///", 1)[-1]
-        super().__init__(
-            f"the task database {path} is damaged ({getattr(exc, 'orig', exc)}): nothing was changed. "
-            f"Restore it from a backup, or salvage what is readable with `sqlite3 {path} .recover | "
-            f"sqlite3 recovered.db` and start on recovered.db (tasks missing there are lost; states "
-            f"missing there are rebuilt from their tasks' tokens)"
-        )
+        super().__init__(_said(url, exc, ": nothing was changed; "))
+
+
+class DamagedPage(TaskError):
+    """A page of the task database found damaged while serving: not transient (not retried as a
+    TaskUnavailable is), 503 without Retry-After; the log names the file, once (Database._task_errors)."""
+
+    status, code = 503, "database_unavailable"
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"the task database is damaged ({_why(exc)}); nothing was stored (the server's log says more)")
+
+
+def read_every_tree(conn: sa.Connection, url: str) -> None:
+    """Read every page of each SQLite table's and index's b-tree in one read transaction, not the
+    overflow pages of large values (a damaged state blob is rebuilt when read): a table by
+    SQLite's count, an index by a scan of it alone. A damaged page raises "database disk image
+    is malformed"; an index with more or fewer entries than its table has rows, DatabaseDamaged."""
+    q = "SELECT type, name, tbl_name, sql FROM sqlite_master WHERE type IN ('table', 'index') AND rootpage > 0"
+    rows: dict[str, int] = {}
+    for kind, name, table, sql in sorted(conn.exec_driver_sql(q).all(), key=lambda r: r[0] != "table"):
+        where = re.search(r"\bWHERE\b(.*)\Z", sql or "", re.IGNORECASE | re.DOTALL)  # a partial index's
+        scan = "NOT INDEXED" if kind == "table" else f'INDEXED BY "{name}" WHERE {where[1] if where else 1}'
+        try:
+            n = int(conn.exec_driver_sql(f'SELECT count(*) FROM "{table}" {scan}').scalar_one())
+        except sa.exc.DBAPIError as exc:
+            if damaged(exc) or _locked(exc) or kind == "table":
+                raise
+            continue  # an index SQLite will not scan alone ("no query solution"): not judged here
+        if kind == "table":
+            rows[name] = n
+        elif where is None and n != rows.get(table, n):
+            raise DatabaseDamaged(url, RuntimeError(f"index {name} has {n} entries for {rows[table]} rows of {table}"))
 
 
 class Database:
@@ -158,9 +190,12 @@ class Database:
         self.revision_before: str | None = None
         self.revision: str = ""
         self._wlock = asyncio.Lock()
+        self._damage_said = False  # (_task_errors)
 
     # --- life cycle ----------------------------------------------------------------------------
     async def open(self) -> None:
+        """Connect, read the trees (SQLite: read_every_tree), migrate. A damaged SQLite file:
+        DatabaseDamaged (one line naming the file and how to salvage it), nothing changed."""
         kw: dict[str, Any] = {} if self.is_sqlite else {"pool_pre_ping": True}  # survives a server restart
         if self.url == "sqlite+aiosqlite://":
             kw = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
@@ -180,7 +215,7 @@ class Database:
             await self.engine.dispose()
             self.engine = None
             if damaged(exc):
-                raise DatabaseDamaged(self.url, exc) from exc
+                raise DatabaseDamaged(self.url, exc) from None
             raise
         if self.revision_before != self.revision:
             log.info("task database %s: schema %s -> %s", self.url, self.revision_before or "empty", self.revision)
@@ -190,11 +225,17 @@ class Database:
         (SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock in migrate.upgrade), so servers
         opening one new database together run them one after the other instead of failing on
         each other. SQLite can still answer "locked" without waiting (a new file switching to
-        WAL while another process opens it): such an attempt is retried until busy_timeout."""
+        WAL while another process opens it): such an attempt is retried until busy_timeout. A
+        file's trees are read first (read_every_tree): a damaged file is refused unchanged."""
         assert self.engine is not None
         deadline = time.monotonic() + self.busy_timeout
+        read = not self.is_sqlite or self.url == "sqlite+aiosqlite://"  # (in memory: new)
         while True:
             try:
+                if not read:
+                    async with self.engine.connect() as conn:
+                        await conn.run_sync(read_every_tree, self.url)
+                    read = True
                 async with self.engine.connect() as conn:
                     conn = await conn.execution_options(sqlite_immediate=True)
                     async with conn.begin():
@@ -219,17 +260,35 @@ class Database:
     @asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncConnection]:
         """`async with store.write() as conn`: the write lock + one committed transaction
-        (SQLite: BEGIN IMMEDIATE). A transient database error becomes TaskUnavailable."""
-        async with self._wlock, _transient_as_unavailable(), self._db().connect() as conn:
+        (SQLite: BEGIN IMMEDIATE). Errors: _task_errors (TaskUnavailable, DamagedPage)."""
+        async with self._wlock, self._task_errors(), self._db().connect() as conn:
             conn = await conn.execution_options(sqlite_immediate=True)
             async with conn.begin():
                 yield conn
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
-        """`async with store.read() as conn`: a pooled connection for queries."""
-        async with _transient_as_unavailable(), self._db().connect() as conn:
+        """`async with store.read() as conn`: a pooled connection for queries (errors: write's)."""
+        async with self._task_errors(), self._db().connect() as conn:
             yield conn
+
+    @asynccontextmanager
+    async def _task_errors(self) -> AsyncIterator[None]:
+        """A transient database error of the block as TaskUnavailable (unavailable()); a damaged
+        page (one damaged while serving: a damaged file is refused at open) as DamagedPage, said
+        once in the log with the file and how to salvage it, not as SQLAlchemy's SQL per write."""
+        try:
+            yield
+        except Exception as exc:
+            if damaged(exc) and not isinstance(exc, DamagedPage):
+                then = ", found while serving: what needs those pages fails (503, nothing stored). Stop the server, "
+                log.log(logging.DEBUG if self._damage_said else logging.ERROR, "%s", _said(self.url, exc, then))
+                self._damage_said = True
+                raise DamagedPage(exc) from None
+            err = unavailable(exc)
+            if err is None:
+                raise
+            raise err from exc
 
     async def db_now(self, conn: AsyncConnection) -> float:
         """The database's clock in epoch seconds (leases compare times of several hosts)."""

@@ -8,9 +8,10 @@ longer listed: a crashed replica's tasks are interrupted by the others within ab
 `timeout * 4 / 3` seconds, while a live replica's tasks are never touched.
 
 A server has a stable name (Settings.instance_name; by default `<hostname>:<port>`, or
-`<hostname>/<host>:<port>` for one bound address: no two live servers share it); each start of it is a new instance of that name. A start takes the rows of
-its earlier instances for dead at once (it holds their port, so they are gone), so a server
-restarted after a crash finds its interrupted tasks at once, not a lease timeout later.
+`<hostname>/<host>:<port>` for one bound address: no two live servers share it); each start of
+it is a new instance of that name. A start takes the rows of its earlier instances for dead at
+once (it holds their port, so they are gone), so a server restarted after a crash finds its
+interrupted tasks at once, not a lease timeout later.
 
 An instance that finds its own row gone (it was silent too long: a stalled process, a database
 outage) registers again; the tasks it was running were interrupted by the others, and its writes

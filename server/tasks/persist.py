@@ -22,22 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from server.tasks.behind import Pending
-from server.tasks.errors import (
-    TaskConflict,
-    TaskElsewhere,
-    TaskNotFound,
-    TaskStale,
-    TaskTagTaken,
-    TaskUnavailable,
-)
-from server.tasks.records import (
-    RUNNING,
-    TEMPLATE,
-    TMP,
-    Task,
-    to_row,
-    update_row,
-)
+from server.tasks.database import DamagedPage
+from server.tasks.errors import TaskConflict, TaskElsewhere, TaskNotFound, TaskStale, TaskTagTaken, TaskUnavailable
+from server.tasks.records import RUNNING, TEMPLATE, TMP, Task, to_row, update_row
 from server.tasks.statereads import StateReads
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import RowHeld, TagTaken
@@ -193,17 +180,26 @@ class Persistence:
     async def _persist_progress(self) -> None:
         """The rows of the running persistent tasks with new output since their last progress
         row, in one transaction (one commit per progress interval, however many tasks run).
-        A settled task is skipped: its settle write (queued after this job) covers it."""
+        A settled task is skipped: its settle write (queued after this job) covers it. So is a
+        run whose start row (save_started: an insert, a claim) is not committed, or failed: the
+        row is not this instance's, and update_owned would refuse it as taken over; the next
+        progress job, or its settle row (written only after that commit), takes its output."""
         self._progress_queued = False
         rows = []
         for t in list(self.table.live.values()):
             run = t.run
             if run is None or t.kind == TMP or t.deleted or not t.running or run.n_out == run.saved_out:
                 continue
+            started = run.started
+            if run.discarded or started is None or not started.done() or started.cancelled() or started.exception():
+                continue
             run.saved_out = run.n_out
             rows.append(update_row(t))
         if rows:
-            lost = await self.store.update_owned(rows, self.instance)
+            try:
+                lost = await self.store.update_owned(rows, self.instance)
+            except DamagedPage:  # not retried: the page stays damaged (the store said so, once)
+                return
             if lost:
                 log.warning("%d running task(s) were taken over by another instance: %s", len(lost), sorted(lost))
             self.counters["progress_writes"] += 1

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from server.tasks.behind import Pending, StateLane
 from server.tasks.cache import StateCache
 from server.tasks.codec import encode_state
+from server.tasks.database import DamagedPage, damaged
 from server.tasks.statestore import state_row
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
@@ -100,7 +101,12 @@ class StateWrites:
         try:
             if t.deleted:
                 return
-            stored, dropped = await self.store.states.store_state(t.id, srow, p.pos)
+            try:
+                stored, dropped = await self.store.states.store_state(t.id, srow, p.pos)
+            except DamagedPage:  # not retried: the page stays damaged (the store said so, once)
+                self.counters["state_writes_dropped"] += 1
+                log.debug("state write of %s dropped: the task database is damaged", t.id)
+                return
             self.dropped(dropped)
             if not stored:
                 return
@@ -110,8 +116,9 @@ class StateWrites:
             self.counters["state_write_bytes"] += srow["nbytes"]
             try:  # committed: a failing budget check must not count as a failed write
                 await self._account_state(srow["nbytes"], p.template)
-            except Exception:
-                log.exception("database budget check failed")
+            except Exception as exc:
+                if not damaged(exc):  # (a damaged page: the store said so, once)
+                    log.exception("database budget check failed")
         finally:
             self._release(p)
 
