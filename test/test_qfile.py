@@ -94,3 +94,22 @@ def test_a_write_that_fails_leaves_no_partial_file(src, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         qfile.save_quantized(str(src), str(out), "int8", torch.float32)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_synthetic_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """`synth` writes through a partial file too (it wrote straight to its output: a full disk
+    left a truncated checkpoint under the name asked for)."""
+    out = tmp_path / "s.pth"
+
+    def full_disk(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        save_synthetic("tiny", str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    save_synthetic("tiny", str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.pth"] and load_model(str(out)).shape.n_layer > 0

@@ -10,6 +10,7 @@ transposed copies); the low-rank w1/a1/v1/g1 (C, d) and w2/a2/v2/g2 (d, C) keep 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import zipfile
@@ -30,6 +31,19 @@ SYNTHETIC_MARK = "_synthetic_seed"
 """A one-element tensor that `save_synthetic` adds to the files it writes (the seed of their
 random weights), so a synthetic file is recognised wherever it is loaded from. Other readers
 (the `rwkv` package) ignore it."""
+
+
+def save_whole(sd: Mapping[str, torch.Tensor], path: str) -> None:
+    """torch.save to `path` through `<path>.partial`, then a rename: a crash, a full disk or an
+    interrupt leaves no half-written checkpoint under `path` (nor the partial file)."""
+    tmp = f"{path}.partial"
+    try:
+        torch.save(dict(sd), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 class CheckpointError(ValueError):

@@ -12,7 +12,6 @@ loading). The `rwkv` package cannot read it; keep the 16-bit file for other tool
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -52,14 +51,7 @@ def save_quantized(src: str, out: str, mode: str, dtype: torch.dtype, device: st
         qw = qlinear.quantize(w, mode)
         sd[key + CODES], sd[key + SCALES] = qw.q.cpu(), qw.scale.cpu()
     sd[QUANT_MARK] = torch.tensor([qlinear.WEIGHT_MODES.index(mode)], dtype=torch.int64)
-    tmp = f"{out}.partial"
-    try:
-        torch.save(sd, tmp)  # then renamed: a crash leaves no half-written checkpoint under `out`
-        os.replace(tmp, out)
-    except BaseException:  # a full disk, an interrupt: no half-written file left behind either
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    checkpoint.save_whole(sd, out)
     return shape, sum(t.numel() * t.element_size() for t in sd.values())
 
 

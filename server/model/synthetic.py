@@ -16,7 +16,7 @@ import zlib
 
 import torch
 
-from server.model.checkpoint import SYNTHETIC_MARK
+from server.model.checkpoint import SYNTHETIC_MARK, save_whole
 from server.model.state import ModelShape
 
 VOCAB = 65536
@@ -143,5 +143,5 @@ def save_synthetic(preset_spec: str, path: str, dtype: torch.dtype = torch.bfloa
     shape, seed = parse_spec(spec)
     sd = synthetic_state_dict((shape, seed), device="cpu", dtype=dtype)
     sd[SYNTHETIC_MARK] = torch.tensor([seed], dtype=torch.int64)  # loaders warn: random weights
-    torch.save(sd, path)
+    save_whole(sd, path)
     return shape
