@@ -197,8 +197,9 @@ def sample(
     commit: torch.Tensor,  # (B,) bool: rows whose token is real (penalties update)
     greedy_only: bool = False,
 ) -> torch.Tensor:
-    """One token per row, OVERFLOW_TOKEN (-1) for overflow rows and NONFINITE_TOKEN (-3) for rows
-    with a NaN or +inf z (the penalties of both are not updated). No host sync."""
+    """One token per row, OVERFLOW_TOKEN (-1) for overflow rows (penalties untouched) and
+    NONFINITE_TOKEN (-3) for rows with a NaN or +inf z, or no finite one (penalties decayed, no
+    token counted). No host sync."""
     z = logits.float() - penalty  # (B, V)
     bad = ~(z < float("inf")).all(-1) | ~(z > float("-inf")).any(-1)  # (B,) a NaN or +inf; no finite z
     z = torch.where(bad[:, None], 0.0, z)  # (B, V) a row the sort and cumsum can walk

@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
-from starlette.staticfiles import NotModifiedResponse
+from starlette.staticfiles import NotModifiedResponse, StaticFiles
 
 from server.api.errors import ApiError, task_error
 from server.api.openapi import answers
@@ -54,22 +54,18 @@ ASSETS = _assets()
 _GET_HEAD = ["GET", "HEAD"]
 
 
+_REVALIDATE = StaticFiles(directory=STATIC, check_dir=False)
+"""Starlette's conditional-request rule (If-None-Match, If-Modified-Since), for the files below."""
+
+
 def _file(request: Request, path: Path, media: str) -> Response:
-    """The file, or a 304 when the request's If-None-Match names its ETag (FileResponse itself
-    never answers 304). HEAD: the same headers, no body (FileResponse sends none)."""
+    """The file, or a 304 when the request's If-None-Match or If-Modified-Since says the client
+    has it (FileResponse itself never answers 304). HEAD: the same headers, no body (FileResponse
+    sends none)."""
     response = FileResponse(path, media_type=media, headers=_NO_CACHE, stat_result=path.stat())
-    if _matches(request.headers.get("if-none-match"), response.headers["etag"]):
+    if _REVALIDATE.is_not_modified(response.headers, request.headers):
         return NotModifiedResponse(response.headers)
     return response
-
-
-def _matches(if_none_match: str | None, etag: str) -> bool:
-    """If-None-Match against a strong ETag, by weak comparison (RFC 9110 13.1.2): "*", or a
-    listed tag equal to it less a W/ prefix."""
-    if not if_none_match:
-        return False
-    tags = [t.strip() for t in if_none_match.split(",")]
-    return "*" in tags or etag.removeprefix("W/") in (t.removeprefix("W/") for t in tags)
 
 
 @router.api_route("/", methods=_GET_HEAD, include_in_schema=False)
