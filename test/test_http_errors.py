@@ -12,7 +12,8 @@ import pytest
 from util_server import running_server, server_fixture
 
 KEY = "test-key-1"
-server = server_fixture(env={"RWKV_API_KEYS": f"{KEY},other-key", "RWKV_MAX_BODY_BYTES": "65536",
+LATIN_KEY, WIDE_KEY = "clé-3", "密钥-4"  # non-ASCII keys: one Latin-1 can carry, one it cannot
+server = server_fixture(env={"RWKV_API_KEYS": f"{KEY},other-key,{LATIN_KEY},{WIDE_KEY}", "RWKV_MAX_BODY_BYTES": "65536",
                              "RWKV_MAX_PROMPT_TOKENS": "64", "RWKV_MAX_BATCH": "2", "RWKV_MAX_QUEUE": "1"})
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
@@ -277,6 +278,65 @@ def test_api_keys(server):
     assert httpx.get(url + "/metrics").status_code == 200
 
 
+def test_non_ascii_keys_are_matched_as_bytes_and_never_fail_the_request(server):
+    """A key with non-ASCII characters works as a browser sends it (Latin-1 bytes) and as other
+    clients do (UTF-8); a wrong non-ASCII key is a 401 like any wrong key (it used to be a 500:
+    hmac.compare_digest refuses non-ASCII str), with its request id."""
+    url = server.url + "/v1/models"
+    for key in (LATIN_KEY.encode("latin-1"), LATIN_KEY.encode(), WIDE_KEY.encode()):
+        assert httpx.get(url, headers={"Authorization": b"Bearer " + key}).status_code == 200, key
+    for wrong in ("sécret".encode("latin-1"), "sécret".encode(), "wrong".encode(), "密钥-5".encode()):
+        r = httpx.get(url, headers={"Authorization": b"Bearer " + wrong})
+        assert_error(r, 401)
+        assert r.headers["x-request-id"]
+    # the lightning body's password: a JSON string, compared as its UTF-8
+    body = {"contents": ["hi"], "max_tokens": 1, "temperature": 0}
+    r = httpx.post(server.url + "/v2/chat/completions", json={**body, "password": "sécret"})
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized: invalid or missing password"}, r.text
+    r = httpx.post(server.url + "/v2/chat/completions", json={**body, "password": WIDE_KEY})
+    assert r.status_code == 200, r.text
+
+
+def _requests_counted(http, route: str, code: int) -> int:
+    text = http.get("/metrics").text
+    line = f'rwkv_http_requests_total{{method="POST",route="{route}",code="{code}"}} '
+    return sum(int(float(x[len(line):])) for x in text.splitlines() if x.startswith(line))
+
+
+def test_refusals_before_routing_are_counted_under_their_route(http):
+    """A wrong key or a body over the limit by its Content-Length is refused before the router
+    runs; its metrics line still names the route ("other" is for paths without one)."""
+    before = _requests_counted(http, "/v1/completions", 401)
+    r = http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"})
+    assert r.status_code == 401
+    assert _requests_counted(http, "/v1/completions", 401) == before + 1
+    before = _requests_counted(http, CHAT, 413)
+    assert http.post(CHAT, content=b" " * 70_000, headers={"content-type": "application/json"}).status_code == 413
+    assert _requests_counted(http, CHAT, 413) == before + 1
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_json_in_another_unicode_encoding_is_refused(http, encoding):
+    """JSON bodies are UTF-8 (RFC 8259); json.loads alone would read UTF-16 and UTF-32 too."""
+    for path, status in (("/v1/completions", 400), ("/v1/tasks/tmp", 422)):
+        body = orjson.dumps({"prompt": "x", "max_tokens": 1}).decode().encode(encoding)
+        err = assert_error(http.post(path, content=body, headers={"content-type": "application/json"}), status, None)
+        assert "not UTF-8" in err["message"], err
+
+
+def test_a_utf8_bom_is_read_past(http):
+    body = b"\xef\xbb\xbf" + orjson.dumps({"prompt": "x", "max_tokens": 1})
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_compressed_bodies_are_refused_naming_the_encoding(http):
+    body = orjson.dumps({"prompt": "x", "max_tokens": 1})
+    err = assert_error(http.post("/v1/completions", content=body, headers={"content-encoding": "gzip"}), 415, None)
+    assert "gzip" in err["message"]
+    assert http.post("/v1/completions", content=body, headers={"content-encoding": "identity"}).status_code == 200
+
+
 def test_request_id_header(http):
     r = http.get("/v1/models", headers={"X-Request-Id": "my-req-42"})
     assert r.headers["x-request-id"] == "my-req-42"
@@ -311,7 +371,7 @@ def test_the_log_says_why_requests_were_refused_and_stays_quiet_about_answers(ht
     for _ in range(3):
         assert http.get("/v1/models").status_code == 200
     log = server.log_tail(100000)
-    assert "API keys   on (2 keys)" in log
+    assert "API keys   on (4 keys)" in log
     lines = [ln for ln in log.splitlines() if '"POST /v1/chat/completions" 400' in ln]
     assert any("invalid 'temperature'" in ln for ln in lines), lines[-5:]
     assert any('"GET /v1/models" 401' in ln and "missing API key" in ln for ln in log.splitlines())

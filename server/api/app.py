@@ -7,12 +7,13 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api import handlers, openapi
@@ -62,6 +63,7 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
     app.state.services = services  # None until loaded (routes answer 503 "loading")
     app.state.metrics = metrics
     app.state.load_error = None
+    routes: list[BaseRoute] = []  # every route, flat: _include_routes fills it
     handlers.install(app)
     app.add_middleware(
         ServerMiddleware,
@@ -70,6 +72,7 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
         metrics=metrics,
         raw_bodies=(("/v1/states/", settings.state_upload_bytes),),  # state file uploads
         access_log=settings.access_log,
+        routes=lambda: routes,
     )
     origins = settings.cors_origin_list()
     if origins:  # outside the key check: a browser's preflight (OPTIONS) carries no key
@@ -80,7 +83,7 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
             allow_headers=["*"],
             expose_headers=["X-Request-Id", "Retry-After"],
         )
-    _include_routes(app)
+    routes.extend(_include_routes(app))
     openapi.install(app)
     return app
 
@@ -121,7 +124,9 @@ def begin_drain(app: FastAPI) -> None:
         loop.call_soon_threadsafe(ev.set)
 
 
-def _include_routes(app: FastAPI) -> None:
+def _include_routes(app: FastAPI) -> list[BaseRoute]:
+    """Include every router; returns their routes, flat (FastAPI's own list holds the included
+    routers as a whole, which name no path)."""
     import server.webui
     from server.api import ops
     from server.api.lightning import routes as lightning_routes
@@ -131,14 +136,27 @@ def _include_routes(app: FastAPI) -> None:
     from server.api.states import routes as states_routes
     from server.api.tasks import routes as tasks_routes
 
-    app.include_router(ops.router)
-    app.include_router(openai_routes.router)
-    app.include_router(v1_chat.router)  # POST /v1/chat/completions: OpenAI's chat or lightning's V1 batch
-    app.include_router(responses_routes.router)
-    app.include_router(tasks_routes.router)
-    app.include_router(lightning_routes.router)
-    app.include_router(states_routes.router)
-    app.include_router(server.webui.router)
+    routers = (
+        ops.router,
+        openai_routes.router,
+        v1_chat.router,  # POST /v1/chat/completions: OpenAI's chat or lightning's V1 batch
+        responses_routes.router,
+        tasks_routes.router,
+        lightning_routes.router,
+        states_routes.router,
+        server.webui.router,
+    )
+    for router in routers:
+        app.include_router(router)
+    return list(_flat([route for router in routers for route in router.routes]))
+
+
+def _flat(routes: list[BaseRoute]) -> Iterator[BaseRoute]:
+    """routes with the routes of the routers included in them (no include here has a prefix);
+    FastAPI >= 0.16x keeps an included router whole, as one route that names no path."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        yield from _flat(inner.routes) if inner is not None else (route,)
 
 
 async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_error: bool) -> None:

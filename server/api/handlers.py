@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.errors import ERROR_TYPES, HTTP_CODES, ApiError, dumps_error, error_body
+from server.api.middleware import NotUtf8
 
 log = logging.getLogger("server.http")
 
@@ -116,6 +117,8 @@ def unparseable_body(exc: StarletteHTTPException) -> str | None:
         return None
     if isinstance(cause, UnicodeDecodeError):
         return f"the request body is not valid UTF-8 (byte {cause.start})"
+    if isinstance(cause, NotUtf8):
+        return str(cause)
     if isinstance(cause, RecursionError):
         return "the request body is not valid JSON: it is nested too deeply"
     if isinstance(cause, ValueError) and "integer string conversion" in str(cause):

@@ -12,17 +12,19 @@ with the reason (the error message a handler left in the request state).
 from __future__ import annotations
 
 import contextvars
-import hmac
 import logging
 import re
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.api_keys import bearer_token, match_key
 from server.api.errors import ERROR_TYPES, HTTP_CODES, error_body
 from server.api.lightning.errors import UNAUTHORIZED
 from server.api.lightning.paths import BODY_KEY_PATHS, KEY_PATHS, SHARED_PATH
@@ -41,11 +43,6 @@ sent; `API_KEYS` then holds the keys to check against (server.api.lightning.auth
 API_KEYS = "api_keys"
 
 
-def match_key(keys: frozenset[str], key: str | None) -> str | None:
-    """The configured key equal to `key` (constant-time comparisons), or None."""
-    return next((k for k in keys if key is not None and hmac.compare_digest(k, key)), None)
-
-
 class RequestIdFilter(logging.Filter):
     """Adds `request_id` to every log record (the formatter prints it)."""
 
@@ -55,12 +52,15 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+_READ_HEADERS = (b"x-request-id", b"content-length", b"authorization", b"content-type", b"content-encoding")
+
+
 def _headers(scope: Scope) -> dict[bytes, bytes]:
     """The request headers this middleware reads (lower-case names; the first of repeated ones)."""
     out: dict[bytes, bytes] = {}
     for k, v in scope.get("headers") or ():
         k = k.lower()
-        if k in (b"x-request-id", b"content-length", b"authorization", b"content-type") and k not in out:
+        if k in _READ_HEADERS and k not in out:
             out[k] = v
     return out
 
@@ -109,16 +109,19 @@ class ServerMiddleware:
         metrics: Metrics | None = None,
         raw_bodies: tuple[tuple[str, int], ...] = (),
         access_log: bool = False,
+        routes: Callable[[], Sequence[BaseRoute]] | None = None,
     ) -> None:
         """raw_bodies: (path prefix, byte limit) of routes whose bodies are files, not JSON: their
         content type is kept and their limit replaces max_body_bytes (e.g. state file uploads).
-        access_log: successes are logged at info (else at debug)."""
+        access_log: successes are logged at info (else at debug). routes: the app's routes, which
+        name the route of a request refused here before routing (its metrics label)."""
         self.app = app
         self.success_level = logging.INFO if access_log else logging.DEBUG
         self.max_body = max_body_bytes
         self.keys = api_keys
         self.metrics = metrics
         self.raw_bodies = raw_bodies
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -152,7 +155,7 @@ class ServerMiddleware:
                 return
             if raw is None:
                 _as_json(scope, headers.get(b"content-type"))
-            await self._call(scope, receive, send_wrapper, status_box, rid, limit)
+            await self._call(scope, receive, send_wrapper, status_box, rid, limit, raw is None)
         finally:
             self._log(scope, status_box[0], time.perf_counter() - t0, state.get("error"))
             request_id_var.reset(token)
@@ -160,15 +163,19 @@ class ServerMiddleware:
     def _refuse(
         self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any], rid: str, limit: int
     ) -> tuple[Message, Message] | None:
-        """Checks made before the app runs: body size by Content-Length, then the API key."""
+        """Checks made before the app runs: body size by Content-Length, its encoding, then the API key."""
         length = headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > limit:
             state["error"] = f"request body of {length} bytes exceeds the limit of {limit} bytes"
             return _json_error(413, state["error"], "request_too_large", "body_too_large", rid)
+        coding = headers.get(b"content-encoding", b"").decode("latin-1").strip()
+        if coding and coding.lower() != "identity":  # a compressed body would be read as garbage
+            state["error"] = f"Content-Encoding {coding!r} is not supported: send the body uncompressed"
+            return _json_error(415, state["error"], "invalid_request_error", "unsupported_encoding", rid)
         path = scope.get("path", "")
         if self.keys and (path.startswith("/v1") or path in KEY_PATHS) and path not in OPEN_PATHS:
-            key = _bearer(headers.get(b"authorization", b"").decode("latin-1"))
-            owner = match_key(self.keys, key)
+            key = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+            owner = match_key(self.keys, None if key is None else key.encode("latin-1"))  # the raw bytes
             if owner is None:
                 msg = "missing API key: send 'Authorization: Bearer <key>'" if key is None else "invalid API key"
                 if path in BODY_KEY_PATHS and scope.get("method") == "POST":
@@ -183,14 +190,19 @@ class ServerMiddleware:
         return None
 
     async def _call(
-        self, scope: Scope, receive: Receive, send: Send, status_box: list[int], rid: str, limit: int
+        self, scope: Scope, receive: Receive, send: Send, status_box: list[int], rid: str, limit: int, json: bool
     ) -> None:
+        """json: the body is read as JSON, which must be UTF-8 (json.loads would take UTF-16 and
+        UTF-32 too: NotUtf8 from the first bytes, which the app's handler reports)."""
         seen = [0]
 
         async def limited_receive() -> Message:
             message = await receive()
             if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
+                body = message.get("body", b"")
+                if json and seen[0] == 0 and body:
+                    _check_utf8_start(body)
+                seen[0] += len(body)
                 if seen[0] > limit:
                     raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
             return message
@@ -209,9 +221,17 @@ class ServerMiddleware:
             for msg_ in _json_error(status, msg, ERROR_TYPES.get(status, "server_error"), code, rid):
                 await send(msg_)
 
-    def _log(self, scope: Scope, status: int, seconds: float, error: str | None) -> None:
+    def _route_path(self, scope: Scope) -> str:
+        """The path of the route that answered, or would have answered a request refused here;
+        "other" where no route has this path."""
         route = scope.get("route")
-        route_path = getattr(route, "path", None) or "other"
+        if route is None and self.routes is not None:
+            found = [(m, r) for r in self.routes() for m in (r.matches(scope)[0],) if m != Match.NONE]
+            route = min(found, key=lambda mr: mr[0] != Match.FULL, default=(None, None))[1]
+        return getattr(route, "path", None) or "other"
+
+    def _log(self, scope: Scope, status: int, seconds: float, error: str | None) -> None:
+        route_path = self._route_path(scope)
         if self.metrics is not None:
             self.metrics.count_request(scope.get("method", ""), route_path, status)
         path = scope.get("path", "")
@@ -242,6 +262,19 @@ class ServerMiddleware:
         )
 
 
+class NotUtf8(ValueError):
+    """A JSON body in another Unicode encoding (the message says which); FastAPI's body read
+    turns it into its 400, whose cause the app's handler reports (handlers.unparseable_body)."""
+
+
+def _check_utf8_start(body: bytes) -> None:
+    """NotUtf8 for a body whose first bytes are UTF-16 or UTF-32 (a BOM, or a zero byte: JSON
+    text in UTF-8 has none, as RFC 8259 requires UTF-8 where it has no BOM)."""
+    head = body[:4]
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in head:
+        raise NotUtf8("the request body is not UTF-8 (it looks like UTF-16 or UTF-32): send JSON as UTF-8")
+
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -254,12 +287,3 @@ def printable(text: str) -> str:
 def _client(scope: Scope) -> str:
     client = scope.get("client") or ("-", 0)
     return str(client[0])
-
-
-def _bearer(value: str | None) -> str | None:
-    if not value:
-        return None
-    scheme, _, token = value.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()

@@ -13,11 +13,12 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from server.api.api_keys import match_key
 from server.api.errors import ApiError
 from server.api.lightning.errors import UNAUTHORIZED, LightningError
 from server.api.lightning.paths import SHARED_PATH
 from server.api.lightning.schemas import chat_kind
-from server.api.middleware import API_KEYS, KEY_DEFERRED, match_key
+from server.api.middleware import API_KEYS, KEY_DEFERRED
 from server.api.services import get_owner
 
 
