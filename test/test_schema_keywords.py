@@ -120,6 +120,13 @@ REFUSED = [
     (obj(a={"$ref": "https://example.com/a.json"}), "#/properties/a", "is not followed"),
     ({"$defs": DEFS, "x-defs": {"A": {"$ref": "#/$defs/i", "minimum": 3}}, **obj(a={"$ref": "#/x-defs/A"})},
      "#/x-defs/A", "minimum beside $ref"),  # an annotation's value a $ref leads to is read
+    # names not declared may repeat: a minProperties only they reach is not enforced (QA wrote {"x": 3, "x": 3})
+    ({"type": "object", "patternProperties": {"^x$": INT}, "additionalProperties": False, "minProperties": 2},
+     "#", "minProperties 2 is not enforced past 1"),
+    ({"type": "object", "propertyNames": {"enum": ["a", "b"]}, "minProperties": 2}, "#", "minProperties 2"),
+    ({"type": "object", "properties": {"a": INT}, "required": ["a"], "additionalProperties": INT,
+      "minProperties": 3}, "#", "lower minProperties to 2"),
+    (obj(a={"type": "object", "unevaluatedProperties": STR, "minProperties": 2}), "#/properties/a", "past 1"),
 ]  # fmt: skip
 
 
@@ -170,6 +177,10 @@ def test_rewritten_schemas_write_only_outputs_the_original_takes(byte_compiler, 
     {"$defs": DEFS, **obj(a={"$ref": "#/$defs/i", "type": "number", "description": "x", "x-extra": {"minimum": 1}})},
     obj(a={"type": "string", "const": "x", "title": "t"}),
     {**obj(**{"not": INT, "if": STR, "contains": {"const": {"not": 1, "if": [2]}}}), "x-meta": {"not": {}, "if": {}}},
+    # minProperties within the required properties and one more name: one extra name is apart from them
+    {"type": "object", "properties": {"a": INT}, "required": ["a"], "additionalProperties": INT, "minProperties": 2},
+    {"type": "object", "additionalProperties": INT, "minProperties": 1},
+    {"type": "object", "properties": {"a": INT, "b": INT, "c": INT}, "minProperties": 3, "additionalProperties": False},
 ])  # fmt: skip
 def test_what_the_decoder_reads_passes_as_it_is(byte_compiler, schema):
     """Disjoint oneOf branches (types, values), integer multipleOf (no bound or both), a type

@@ -97,11 +97,31 @@ def _issue(node: dict[str, Any], head: str | None, root: Any) -> str | None:
         return "allOf with more than one member is not enforced (one is read): merge them into one schema"
     if head is not None:
         return _beside_head(node, head, root)
+    if (why := _repeats_issue(node)) is not None:
+        return why
     read = [k for k in node if k in VALIDATION and (k != "format" or str(node[k]) in FORMAT_WIDTHS)]
     if "type" in node or any(k in node for k in _READS) or not read:
         return None
     return (f"{' / '.join(read)} without a type is not enforced (the decoder reads a schema with no type, const, "
             "enum, $ref, anyOf, oneOf, allOf, properties or items as any value): add a type")  # fmt: skip
+
+
+def _repeats_issue(node: dict[str, Any]) -> str | None:
+    """A minProperties that only names not declared can reach: the library keeps such names apart
+    from the declared ones but not from each other (one may repeat, and a parser keeps one of the
+    repeats), so it is enforced up to the required properties and one more name."""
+    least, required = node.get("minProperties"), node.get("required")
+    if not is_number(least):
+        return None
+    opened = any(k in node and node[k] is not False for k in ("additionalProperties", "unevaluatedProperties"))
+    if not (opened or node.get("patternProperties") or "propertyNames" in node):
+        return None
+    reach = len(set(map(str, required if isinstance(required, list) else ()))) + 1
+    if least <= reach:
+        return None
+    return (f"minProperties {least} is not enforced past {reach} (the required properties and one more): the names "
+            "of properties not declared may repeat in the output, and a parser keeps one; declare the properties "
+            f"(properties + required), or lower minProperties to {reach}")  # fmt: skip
 
 
 def _beside_head(node: dict[str, Any], head: str, root: Any) -> str | None:
