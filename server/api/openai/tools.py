@@ -231,6 +231,13 @@ def _tool(i: int, raw: Any, flat: bool) -> Tool:
     if not isinstance(fn, dict):
         shape = '"name", "parameters"' if flat else '"function": {"name", "parameters"}'
         raise ToolError(f"tools[{i}]", f'a tool is {{"type": "function", {shape}}}')
+    if flat and "function" in fn:  # chat's shape on /v1/responses: named, not its missing "name"
+        shape = '{"type": "function", "name", "description", "parameters"}'
+        raise ToolError(
+            f"tools[{i}].function",
+            f"unknown field 'tools[{i}].function': a /v1/responses tool is {shape}, the function's fields at "
+            'the tool\'s top level ({"type": "function", "function": {...}} is /v1/chat/completions\' shape)',
+        )
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ToolError(f"{where}.name", "a tool name is 1-64 letters, digits, '_' or '-'")

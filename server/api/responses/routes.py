@@ -129,6 +129,11 @@ def _check_supported(body: ResponseRequest) -> None:
         "background": body.background and "background mode: a response is tied to its request",
         "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
         "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
+        "prompt": body.prompt is not None
+        and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
+        "conversation": body.conversation is not None
+        and "conversation (no conversation objects: chain responses with previous_response_id, or send the "
+        "history as input)",
         "access_programs": body.access_programs is not None and "access_programs",
         "background_options": body.background_options is not None and "background_options (no background mode)",
         "context_management": body.context_management

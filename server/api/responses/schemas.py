@@ -200,10 +200,13 @@ class ResponseRequest(BaseModel):
     """Only null: no bound on the calls but `parallel_tool_calls`."""
     top_logprobs: int | None = None
     """Only null or 0: no logprobs on responses."""
-    # null only: no stored prompts, no conversations
-    prompt: None = None
-    conversation: None = None
-    # null only (the route refuses a value: unsupported_field); context_management [] asks nothing
+    # null only (the route refuses a value: unsupported_field, naming it and why; typed as the
+    # SDK sends them, so a value is refused as unsupported, not as malformed); context_management
+    # [] asks nothing
+    prompt: dict[str, Any] | None = None
+    """A stored prompt ({"id", "version", "variables"}): no prompt templates here."""
+    conversation: str | dict[str, Any] | None = None
+    """A conversation's id, or {"id"}: no conversation objects here (previous_response_id chains)."""
     access_programs: dict[str, Any] | None = None
     background_options: dict[str, Any] | None = None
     context_management: list[Any] | None = None
