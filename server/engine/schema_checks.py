@@ -15,6 +15,7 @@ from typing import Any, TypeGuard
 from .formats import EXACT_FORMATS, FORMAT_WIDTHS, format_pattern
 from .pattern_lengths import bounded_pattern
 from .schema_keywords import check_keywords, is_number, read_schemas, types_of
+from .schema_patterns import ignored_issue, pattern_issue
 
 __all__ = ["DATA_KEYWORDS", "check_schema"]
 
@@ -97,11 +98,16 @@ def _check_enforced(schema: Any) -> None:
     them) where no pattern bounded by them is written (_length_issue), format "regex" (any
     string: a regex's syntax, with its nested groups, is no regular language, so no pattern
     writes just them), a pattern that writes a quote, a backslash or a control character itself
-    (_unwritable), a multipleOf the library drops (_multiple_issue). The keywords it reads another
+    or a construct the library ignores or misreads (schema_patterns; a patternProperties key's
+    too), a multipleOf the library drops (_multiple_issue). The keywords it reads another
     way, or not at all: schema_keywords. Refused rather than ignored: a client relies on outputs
     that validate."""
     for node, at in read_schemas(schema, _schema_nodes):
-        why = None
+        why, keys = None, (p if isinstance(p := node.get("patternProperties"), dict) else {})
+        bad = next(((f"{at}/patternProperties/{k.replace('~', '~0').replace('/', '~1')}", b) for k in keys
+                    if isinstance(k, str) and (b := ignored_issue(k))), None)  # fmt: skip
+        if isinstance(node.get("pattern"), str) and (b := pattern_issue(node["pattern"])):
+            bad = at, b
         if node.get("uniqueItems") is True:
             why = "uniqueItems is not enforced (use an array without it: a list, not a set)"
         elif issue := (_length_issue(node) if "minLength" in node or "maxLength" in node else None) or (
@@ -110,8 +116,8 @@ def _check_enforced(schema: Any) -> None:
             why = issue
         elif node.get("format") == "regex":
             why = 'format "regex" is not enforced (any string would pass: drop it, or give a pattern instead)'
-        elif isinstance(node.get("pattern"), str) and (bad := _unwritable(node["pattern"])):
-            why = _UNWRITABLE[bad[1]].format(repr(bad[0]) if len(bad[0]) == 1 else bad[0])
+        elif bad:
+            at, why = bad
         if why:
             raise ValueError(f"invalid json_schema grammar: at {at}: {why}")
 
@@ -131,103 +137,6 @@ def _multiple_issue(node: dict[str, Any]) -> str | None:
     if m > 1 and (bool(low) != bool(high) or (low and high and min(high) - max(low) + 1 > 10_000)):  # 1: any
         return ("multipleOf beside one bound, or bounds over 10,000 integers apart, is not enforced: give both "
                 "bounds, at most 10,000 integers apart, or none")  # fmt: skip
-    return None
-
-
-_CODES = {"t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "0": 0}
-"""Regex escapes of control characters (and \\b inside a class: a word boundary outside)."""
-Spans = list[tuple[int, int]]
-_DIGITS, _WORD = [(0x30, 0x39)], [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
-_SPACES = [(9, 13), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
-           (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]  # fmt: skip
-
-
-def _others(spans: Spans) -> Spans:
-    """The code points outside sorted `spans` (ranges lo..hi), as sorted disjoint ranges."""
-    out, at = [], 0
-    for lo, hi in spans:
-        out += [(at, lo - 1)] if lo > at else []
-        at = max(at, hi + 1)
-    return out + ([(at, 0x10FFFF)] if at <= 0x10FFFF else [])
-
-
-_CATEGORIES = {"d": _DIGITS, "w": _WORD, "s": _SPACES}
-_CATEGORIES |= {k.upper(): _others(v) for k, v in _CATEGORIES.items()}
-
-
-def _atom(pattern: str, i: int, in_class: bool) -> tuple[Spans | None, int]:
-    """The code points the character or escape at pattern[i] stands for (None: an assertion or
-    a back-reference, or a category outside a class: nothing to check), and the index after it."""
-    nxt = pattern[i + 1 : i + 2]
-    if pattern[i] != "\\" or not nxt:
-        return [(ord(pattern[i]), ord(pattern[i]))], i + 1
-    width = {"x": 2, "u": 4}.get(nxt, 0)
-    digits = pattern[i + 2 : i + 2 + width]
-    if width and len(digits) == width and all(c in "0123456789abcdefABCDEF" for c in digits):
-        return [(int(digits, 16), int(digits, 16))], i + 2 + width
-    if nxt == "c" and pattern[i + 2 : i + 3].isalpha():
-        return [(ord(pattern[i + 2]) % 32, ord(pattern[i + 2]) % 32)], i + 3
-    if nxt in _CODES or (nxt == "b" and in_class):
-        return [(_CODES.get(nxt, 8), _CODES.get(nxt, 8))], i + 2
-    if nxt in _CATEGORIES:
-        return (_CATEGORIES[nxt] if in_class else None), i + 2
-    return (None if nxt in "bB" or nxt.isdigit() else [(ord(nxt), ord(nxt))]), i + 2
-
-
-def _single(spans: Spans | None) -> int | None:
-    """The one code point of `spans`, or None."""
-    return spans[0][0] if spans and len(spans) == 1 and spans[0][0] == spans[0][1] else None
-
-
-def _class(pattern: str, i: int) -> tuple[Spans, int]:
-    """The code points of the character class at pattern[i] ("["), sorted disjoint ranges, and
-    the index after it. ECMA-262: the first `]` closes it ("[]" is empty, "[^]" any character)."""
-    negated = pattern.startswith("^", i + 1)
-    i += 2 if negated else 1
-    spans: Spans = []
-    while i < len(pattern) and pattern[i] != "]":
-        one, i = _atom(pattern, i, True)
-        if _single(one) is not None and pattern[i : i + 1] == "-" and pattern[i + 1 : i + 2] not in ("]", ""):
-            last, i = _atom(pattern, i + 1, True)
-            end = _single(last)
-            one = [(_single(one) or 0, end)] if end is not None else (one or []) + [(0x2D, 0x2D)] + (last or [])
-        spans += one or []
-    spans = _others(sorted(spans))
-    return (spans if negated else _others(spans)), i + 1
-
-
-_UNWRITABLE = {
-    "raw": ("the pattern writes a quote or backslash itself ({}: outside a character class, or a class of nothing "
-            "else); the decoder matches a pattern against the string's JSON text, so it would go out unescaped "
-            "(invalid JSON, or another string: a backslash starts an escape): not supported"),
-    "control": ("the pattern writes a control character ({}: outside a character class, or a class of nothing "
-                "else); the decoder writes no control character inside a JSON string (they are written escaped, "
-                "and the library matches the pattern against the raw text), so this part of the pattern can never "
-                "be written: not supported (a class with other members, as [^\\n] or [\\s\\S], is fine)"),
-}  # fmt: skip
-"""Why a pattern is refused (_unwritable), by what it writes."""
-
-
-def _unwritable(pattern: str) -> tuple[str, str] | None:
-    """(part, why) of the first part of `pattern` the decoder cannot write as it should, or None.
-    xgrammar matches a pattern against the JSON text of the string, not its value: a quote or a
-    backslash outside a character class goes out unescaped (why "raw"; a class leaves both out,
-    but for a class of nothing else); a control character outside a class, or a class of nothing
-    else, is never written (why "control"; the decoder masks raw control bytes inside JSON). A
-    class with other members is fine: the library, or the mask, leaves those out."""
-    i = 0
-    while i < len(pattern):
-        start = i
-        if pattern[i] == "[":
-            members, i = _class(pattern, i)
-            if members and not any(hi >= 0x20 and {max(lo, 0x20), hi} - {0x22, 0x5C} for lo, hi in members):
-                raw = any(lo <= c <= hi for lo, hi in members for c in (0x22, 0x5C))
-                return pattern[start:i], "raw" if raw else "control"
-            continue
-        one, i = _atom(pattern, i, False)
-        code = _single(one)
-        if code is not None and (code in (0x22, 0x5C) or code < 0x20):
-            return chr(code), "raw" if code >= 0x20 else "control"
     return None
 
 
