@@ -1,6 +1,7 @@
-"""The start-up checks: what `serve` (and `synth`, `quantize`, `generate`) find wrong before
-anything loads, each as one line naming the flag (the CLI prints `rwkv-server: <line>` and exits
-with status 2). Each `*_problem` returns that line, or None. Split from server/cli.py for size.
+"""The start-up checks: what `serve` (and `generate`) find wrong before anything loads, each as
+one line naming the flag (the CLI prints `rwkv-server: <line>` and exits with status 2). Each
+`*_problem` returns that line, or None. Split from server/cli.py for size; synth's and
+quantize's argument checks are server/checks_args.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import socket
 import sys
 from typing import get_type_hints
 
-from server.config import ABOVE_ZERO, CHOICES, Settings, redact_url
+from server.checks_args import unreadable
+from server.config import ABOVE_ZERO, CHOICES, UPPER_BOUNDS, Settings, redact_url
 
 DB_SCHEMES = ("sqlite", "sqlite+aiosqlite", "postgresql", "postgres", "postgresql+asyncpg")
 """The database URL schemes the task store runs on (its migrations know SQLite and PostgreSQL)."""
@@ -48,15 +50,23 @@ def settings_problem(settings: Settings) -> str | None:
     --devices is empty (the engines' devices are then --devices')."""
     device = None if settings.devices.strip() else device_problem(settings.device)
     return (numbers_problem(settings) or choices_problem(settings) or model_problem(settings.resolved_model())
-            or state_files_problem(settings) or device or devices_problem(settings))  # fmt: skip
+            or state_files_problem(settings) or device or devices_problem(settings)
+            or kernels_problem(settings))  # fmt: skip
+
+
+def kernels_problem(settings: Settings) -> str | None:
+    """--kernels cuda (the CUDA kernels or a start-up error) on a run with no CUDA device, or None."""
+    if settings.kernels == "cuda" and not any(d.startswith("cuda") for d in settings.resolved_devices()):
+        return "--kernels cuda: needs a CUDA device, and this run is on cpu (use --kernels auto or torch)"
+    return None
 
 
 def model_problem(model: str) -> str | None:
-    """A --model that is no file, or a synthetic spec its parser refuses (an unknown preset, a
-    bad seed), or None."""
+    """A --model that is no file or one this process cannot read, or a synthetic spec its parser
+    refuses (an unknown preset, a bad seed), or None."""
     if not model.startswith("synthetic:"):
         if os.path.isfile(model):
-            return None
+            return None if (why := unreadable(model)) is None else f"--model {model!r}: cannot read it ({why})"
         what = "is a folder" if os.path.isdir(model) else "no such file"
         return f"--model {model!r}: {what} (give an RWKV-7 .pth file or synthetic:<preset>)"
     from server.model.synthetic import parse_spec
@@ -88,6 +98,8 @@ def number_problem(name: str, value: float) -> str | None:
         return f"{flag}: must be a finite number"
     if name in ABOVE_ZERO and value <= 0:
         return f"{flag}: must be more than 0"
+    if value > UPPER_BOUNDS.get(name, math.inf):  # (config.UPPER_BOUNDS says why)
+        return f"{flag}: must be at most {UPPER_BOUNDS[name]:,} (it sizes memory allocated at start)"
     if value < 0:
         return f"{flag}: must be 0 or more"
     return None
@@ -131,6 +143,8 @@ def state_files_problem(settings: Settings) -> str | None:
                     "with a letter or digit (no path separators)")  # fmt: skip
         if not os.path.isfile(path):
             return f"--state {name}={path}: {'is a folder' if os.path.isdir(path) else 'no such file'}"
+        if why := unreadable(path):
+            return f"--state {name}={path}: cannot read it ({why})"
     return None
 
 
@@ -203,12 +217,14 @@ _BIND_HINTS = {
 
 def database_problem(db: str) -> str | None:
     """Why the task database `db` cannot be opened, as far as it can be told without opening it
-    (one line naming --db with its password hidden), or None: an unsupported URL scheme, the
-    asyncpg driver missing for PostgreSQL, a SQLite path that names a folder or cannot be
-    created (database_open_problem opens it)."""
+    (one line naming --db with its password hidden), or None: an empty value, an unsupported URL
+    scheme, the asyncpg driver missing for PostgreSQL, a SQLite path that names a folder or cannot
+    be created (database_open_problem opens it)."""
     shown = redact_url(db)
+    if not db.strip():  # (SQLite would take it for a database in memory, lost at exit)
+        return "--db '': empty; give a SQLite file path or a database URL (sqlite:// for one in memory, not kept)"
     if "://" not in db:  # a plain path: its missing folders are made at start (server.tasks.database)
-        return None if db in ("", ":memory:") else sqlite_path_problem(db, shown, make_folders=True)
+        return None if db == ":memory:" else sqlite_path_problem(db, shown, make_folders=True)
     scheme, rest = db.split("://", 1)
     if scheme not in DB_SCHEMES:
         return (f"--db {shown}: unsupported database {scheme}://; use a SQLite file path, sqlite:///PATH, "
@@ -264,27 +280,3 @@ def database_open_problem(settings: Settings) -> str | None:
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         return redact_url(f"--db {settings.db}: cannot open the task database: {type(cause).__name__}: {text}")
     return None
-
-
-def output_problem(path: str) -> str | None:
-    """Why a file cannot be written at `path` (a folder, no folder, no permission), or None."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{path}: is a folder; give the output file's path"
-    if not os.path.isdir(folder):
-        return f"{path}: no folder {folder}"
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"{path}: cannot write it (permission denied)"
-    return None
-
-
-def quantize_problem(model: str, out: str) -> str | None:
-    """Why `quantize MODEL OUT` cannot run (one line), or None: it reads a checkpoint file (a
-    synthetic model is written to one first) and writes OUT."""
-    if model.startswith("synthetic:"):
-        preset = model.removeprefix("synthetic:")
-        return (f"quantize reads a checkpoint file, not {model!r}: write one first with "
-                f"`rwkv-server synth {preset} {preset.replace(':', '-')}.pth`, then quantize that file")  # fmt: skip
-    if not os.path.isfile(model):
-        return f"{model}: no such checkpoint file"
-    return output_problem(out)

@@ -1,5 +1,6 @@
 """Command line: `rwkv-server [serve] [flags]`, `rwkv-server synth`, `rwkv-server quantize`,
-`rwkv-server generate`. The checks made before anything loads: server/checks.py.
+`rwkv-server generate`. The checks made before anything loads: server/checks.py (synth's and
+quantize's arguments: server/checks_args.py).
 
 Every Settings field is a `serve` flag (`--max-batch`, ...) whose default comes from the
 environment (`RWKV_MAX_BATCH`, ...) and then from server/config.py; `--help` prints each field's
@@ -21,16 +22,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-from server.checks import (
-    database_open_problem,
-    device_problem,
-    output_problem,
-    quantize_problem,
-    serve_problem,
-    settings_problem,
-)
-from server.cli_parser import bad_environment, build_parser
-from server.config import Settings, redact_url
+from server.checks import database_open_problem, device_problem, serve_problem, settings_problem
+from server.checks_args import output_problem, quantize_problem, stdout_problem, synth_problem
+from server.cli_parser import GENERATE_MAX_TOKENS, bad_environment, build_parser
+from server.config import Settings, redact_url, warn_unknown_variables
 
 if TYPE_CHECKING:  # the app and the server are imported by `serve` only
     import uvicorn
@@ -138,9 +133,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from server.api.app import create_app
 
+    log = logging.getLogger("server.cli")
+    warn_unknown_variables()
+    if settings.db_in_memory():
+        log.warning("--db %s: the task database is in memory: tasks and templates are lost when the server stops "
+                    "(not persisted)", settings.db_shown())  # fmt: skip
     app = create_app(settings, exit_on_load_error=True)
-    where = f"http://{settings.host}:{settings.port}" if settings.port else f"{settings.host}, a free port (--port 0)"
-    logging.getLogger("server.cli").info("starting on %s (model %s)", where, settings.resolved_model())
+    where = settings.listen_url() if settings.port else f"{settings.host}, a free port (--port 0)"
+    log.info("starting on %s (model %s)", where, settings.resolved_model())
     make_server(app, settings).run()
     if app.state.load_error:
         print(f"rwkv-server: {load_failure(app)}", file=sys.stderr)
@@ -190,17 +190,6 @@ def make_server(app: FastAPI, settings: Settings) -> uvicorn.Server:
     return server
 
 
-def stdout_problem(out: str) -> str | None:
-    """synth and quantize write a checkpoint file: `-` is not taken for standard output (nor made
-    a file of that name by mistake)."""
-    if out == "-":
-        return (
-            "-: the checkpoint is written to a file, not to standard output; give the output file's path "
-            "(./- names a file '-')"
-        )
-    return None
-
-
 _TORCH_CHECK = re.compile(r"^\[enforce fail at [^\]]*\][^.]*\.\s*")
 """The C++ check that torch's RuntimeErrors begin with ("[enforce fail at alloc_cpu.cpp:127] err == 0. ")."""
 
@@ -222,14 +211,11 @@ def write_failure(command: str, out: str, exc: BaseException) -> str:
 
 def cmd_synth(args: argparse.Namespace) -> int:
     from server.api.loading import torch_dtype
-    from server.model.synthetic import parse_spec, save_synthetic
+    from server.model.synthetic import save_synthetic
 
-    try:  # the preset first: a bad one ends here, before any weights are drawn
-        parse_spec(args.preset if args.preset.startswith("synthetic:") else f"synthetic:{args.preset}")
-    except ValueError as exc:
-        print(f"rwkv-server: {exc}", file=sys.stderr)
-        return 2
-    if problem := stdout_problem(args.out) or output_problem(args.out):
+    # the preset first: a bad one, or one too large for memory, ends here before any weights are drawn
+    problem = synth_problem(args.preset, 4 if args.dtype == "fp32" else 2)
+    if problem := problem or stdout_problem(args.out) or output_problem(args.out):
         print(f"rwkv-server: {problem}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -282,14 +268,17 @@ GENERATE_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
 """generate's sampling flags, checked against the API's bounds (server.engine.types.LIMITS)."""
 
 
-def sampling_problem(args: argparse.Namespace) -> str | None:
+def sampling_problem(args: argparse.Namespace, max_tokens_limit: int = 0) -> str | None:
     """generate's sampling flags outside the bounds the API holds requests to (the same LIMITS,
-    and check_fields for the stop strings), or None."""
+    max_tokens_limit when set, and check_fields for the stop strings), or None."""
     from server.engine.types import LIMITS, check_fields
+
+    if max_tokens_limit and (args.max_tokens or 0) > max_tokens_limit:  # as the API refuses it
+        return f"--max-tokens {args.max_tokens}: above the limit of {max_tokens_limit} tokens (RWKV_MAX_TOKENS_LIMIT)"
 
     for name in GENERATE_FIELDS:
         value = getattr(args, name)
-        if value is None:  # --seed not given: a random one
+        if value is None:  # --seed not given: a random one; --max-tokens: its default
             continue
         flag, (lo, hi) = f"--{name.replace('_', '-')} {value}", LIMITS[name]
         if not math.isfinite(value):
@@ -300,6 +289,15 @@ def sampling_problem(args: argparse.Namespace) -> str | None:
         check_fields({"stop": list(args.stop)}, vocab_size=1)
     except ValueError as exc:
         return "--stop: " + str(exc).removeprefix("invalid 'stop': ")
+    return None
+
+
+def prompt_problem(prompt: str, max_prompt_tokens: int) -> str | None:
+    """A prompt longer than max_prompt_tokens, as the engine counts it (found before the model loads)."""
+    from server.tokenizer import get_tokenizer
+
+    if (n := len(get_tokenizer().encode(prompt))) > max_prompt_tokens:
+        return f"the prompt has {n} tokens (max {max_prompt_tokens}; RWKV_MAX_PROMPT_TOKENS)"
     return None
 
 
@@ -326,7 +324,8 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
         print(f"rwkv-server generate: {exc}", file=sys.stderr)
         return 2
     empty = "the prompt is empty: nothing to generate from" if not prompt else None
-    problem = empty or sampling_problem(args) or settings_problem(settings)
+    problem = empty or sampling_problem(args, settings.max_tokens_limit) or settings_problem(settings)
+    problem = problem or prompt_problem(prompt, settings.max_prompt_tokens)
     if problem is not None:
         print(f"rwkv-server generate: {problem}", file=sys.stderr)
         return 2
@@ -334,8 +333,9 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
     setup_logging("debug" if debug else "warning")
     if not debug:  # an engine error's log line without its traceback (RWKV_LOG_LEVEL=debug shows it)
         logging.getLogger().handlers[0].addFilter(drop_traceback)
+    warn_unknown_variables()
     from server.api.loading import load_services
-    from server.engine.types import ERROR, EngineError, SamplingParams
+    from server.engine.types import ERROR, EngineError, PromptTooLongError, SamplingParams
     from server.model.checkpoint import CheckpointError
 
     try:
@@ -346,8 +346,9 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
         print(f"rwkv-server generate: could not load the model: {type(exc).__name__}: {torch_message(exc)}",
               file=sys.stderr)  # fmt: skip
         return 1
+    default = min(GENERATE_MAX_TOKENS, settings.max_tokens_limit or GENERATE_MAX_TOKENS)  # as the API's default
     params = SamplingParams(
-        max_tokens=args.max_tokens,
+        max_tokens=default if args.max_tokens is None else args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
@@ -357,9 +358,12 @@ def cmd_generate(args: argparse.Namespace, defaults: Settings) -> int:
         t0 = time.perf_counter()
         try:
             h = sv.engine.submit(prompt, params)
-        except ValueError as exc:  # parameters the engine refuses (a prompt too long, ...)
+        except (ValueError, PromptTooLongError) as exc:  # what the engine refuses: a prompt too long, ...
             print(f"rwkv-server generate: {exc}", file=sys.stderr)
             return 2
+        except EngineError as exc:  # (the engine stopped)
+            print(f"rwkv-server generate: generation failed: {exc}", file=sys.stderr)
+            return 1
         sys.stdout.write(prompt)
         try:
             for ev in h:

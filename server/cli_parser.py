@@ -13,6 +13,9 @@ from typing import Any, NoReturn, get_type_hints
 
 from server.config import CHOICES, Settings, field_docs, redact_url, whole_number
 
+GENERATE_MAX_TOKENS = 32
+"""generate's --max-tokens when none is given (at most RWKV_MAX_TOKENS_LIMIT, when that is set)."""
+
 _SIZE = re.compile(r"^\s*([+-]?[0-9.eE+-]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -114,7 +117,12 @@ def _shown(name: str, value: Any) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, whose errors are one line (serve's usage alone is some 60 lines)."""
+    """argparse's parser, whose errors are one line (serve's usage alone is some 60 lines), and
+    which takes no abbreviation of a flag (`--max-tokens` is no `--max-tokens-limit`: a flag of
+    another command, or a typo, is refused rather than taken for the flag it begins)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -142,9 +150,19 @@ def build_parser(defaults: Settings, bad_env: dict[str, str] | None = None) -> a
         help="load an RWKV-7 state file at start as the public template _NAME (repeatable; added to --states)",
     )
     synth = sub.add_parser("synth", help="write a synthetic checkpoint (random weights) as an official .pth")
-    synth.add_argument("preset", help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, optionally :seed (e.g. tiny:3)")
+    synth.add_argument(
+        "preset",
+        help="tiny, 0.1b, 0.4b, 1.5b, 2.9b or 7.2b, or a shape L<layers>-C<embd>[-V<vocab>] (C a multiple of "
+        "64; V default 65536; e.g. L3-C256-V1024), optionally :seed (e.g. tiny:3; 0 to 2**63-1). A checkpoint "
+        "larger than this machine's memory is refused",
+    )
     synth.add_argument("out", help="output path, e.g. tiny.pth")
-    synth.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="tensor dtype in the file")
+    synth.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=("bf16", "fp16", "fp32"),
+        help="tensor dtype in the file (default: %(default)s)",
+    )
     qz = sub.add_parser(
         "quantize",
         help="write an 8-bit copy of a checkpoint (later loads skip the quantization; ~60%% of a large model)",
@@ -170,12 +188,16 @@ def build_parser(defaults: Settings, bad_env: dict[str, str] | None = None) -> a
         help="prompt text; backslash escapes (\\n, \\t, \\\\, \\u00e9, ...) are interpreted; "
         "'-' reads the prompt from stdin as it is (default: %(default)s)",
     )
-    gen.add_argument("--model", default=defaults.model, help="checkpoint .pth or synthetic:<preset>[:seed]")
-    gen.add_argument("--device", default=defaults.device)
-    gen.add_argument("--dtype", default=defaults.dtype)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=0.3)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--model", default=defaults.model, help="checkpoint .pth or synthetic:<preset>[:seed] "
+                     "(default: %(default)r; env RWKV_MODEL; empty: synthetic:tiny)")  # fmt: skip
+    gen.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:N or auto "
+                     "(cuda when available) (default: %(default)s; env RWKV_DEVICE)")  # fmt: skip
+    gen.add_argument("--dtype", default=defaults.dtype, choices=CHOICES["dtype"], help="compute dtype; auto: "
+                     "fp16 on cuda, fp32 on cpu (default: %(default)s; env RWKV_DTYPE)")  # fmt: skip
+    gen.add_argument("--max-tokens", type=int, default=None, metavar="N", help=f"tokens to generate (default: "
+                     f"{GENERATE_MAX_TOKENS}, or RWKV_MAX_TOKENS_LIMIT when lower; more is refused)")  # fmt: skip
+    gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=0.3, help="nucleus sampling's mass (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="the sampling seed (default: a random one)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     return parser

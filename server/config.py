@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import itertools
+import logging
 import math
 import os
 import re
@@ -33,6 +35,15 @@ values from the environment; the model loader's and the task store's arguments o
 ABOVE_ZERO = frozenset({"prefill_chunk", "lease_timeout", "max_body_bytes", "max_prompt_tokens"})
 """The number settings that must be above 0; every other int or float setting must be 0 or more,
 and no float setting may be NaN or infinite (server.checks.numbers_problem)."""
+
+UPPER_BOUNDS: dict[str, int] = {"max_batch": 65_536}
+"""The settings that size memory up front, with their largest value, refused before anything loads:
+the slot pool's, allocated as the engine starts (a slot holds a state and 5 bytes a vocabulary token
+of sampler rows: 20 GiB of rows alone at 65,536, 64x the batches measured). A state's bytes are
+the model's: server.api.loading checks the pool against the device's memory before allocating it."""
+
+FOREIGN_VARIABLES = frozenset({"RWKV_JIT_ON", "RWKV_CUDA_ON", "RWKV_V7_ON", "RWKV_FUZZ_EXAMPLES"})
+"""RWKV_* variables not warned about: the `rwkv` package's switches, the fuzz tests' count."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ class Settings:
 
     # --- engine --------------------------------------------------------------------------------
     max_batch: int = 0
-    """Slots in the state pool = most sequences decoding at once. 0: 256 on cuda, 32 on cpu."""
+    """Slots in the state pool = most sequences decoding at once (at most 65,536). 0: 256 on cuda, 32 on cpu."""
     step_token_budget: int = 2048
     """Most tokens (decode + prefill chunks) one engine step processes; bounds decode latency
     while long prompts prefill."""
@@ -111,7 +122,8 @@ class Settings:
     db: str = "rwkv_tasks.db"
     """Task database: a SQLite file path, or a database URL (sqlite:///..., postgresql://user@host/db;
     the async drivers aiosqlite / asyncpg are implied, or name one: postgresql+asyncpg://...). No
-    other database is supported. Logs and messages show a URL's password as ***."""
+    other database is supported. Not empty: `sqlite://` is one in memory, whose tasks are lost at exit
+    (a warning says so). Logs and messages show a URL's password as ***."""
     state_cache_bytes: int = 2 * 1024**3
     """Budget in bytes of the in-memory LRU cache of task states."""
     db_budget_bytes: int = 20 * 1024**3
@@ -338,6 +350,37 @@ class Settings:
     def db_shown(self) -> str:
         """`db` as logs and messages show it: a URL's password replaced by ***."""
         return redact_url(self.db)
+
+    def db_in_memory(self) -> bool:
+        """`db` names an in-memory SQLite database (`:memory:`, `sqlite://`): its tasks are lost at exit."""
+        scheme, sep, path = self.db.partition("?")[0].partition("://")
+        return self.db == ":memory:" or (scheme.startswith("sqlite") and sep > "" and path in ("", "/:memory:"))
+
+    def listen_url(self, port: int | None = None) -> str:
+        """http://HOST:PORT (an IPv6 address in brackets), `port` or the setting's."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port if port is None else port}"
+
+
+_warned: set[str] = set()
+
+
+def warn_unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """Log a warning, once a process, for each RWKV_* variable of `env` (default the process
+    environment) that is no setting (a misspelt RWKV_API_KEY would leave the routes open
+    silently), naming the closest setting's variable; FOREIGN_VARIABLES aside. The lines logged."""
+    env = os.environ if env is None else env
+    names = ["RWKV_" + f.name.upper() for f in fields(Settings)]
+    lines = []
+    for key in sorted(k for k in env if k.upper().startswith("RWKV_") and k not in names and k not in _warned):
+        if key.upper() in FOREIGN_VARIABLES:
+            continue
+        close = difflib.get_close_matches(key.upper()[5:], [n[5:] for n in names], n=1)  # (past the common RWKV_)
+        hint = f" (did you mean RWKV_{close[0]}?)" if close else ""
+        lines.append(f"{key} is no setting of this server: ignored{hint}")
+        _warned.add(key)
+        logging.getLogger("server.config").warning("%s", lines[-1])
+    return lines
 
 
 def _key_file(path: str) -> set[str]:

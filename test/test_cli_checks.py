@@ -108,7 +108,7 @@ def test_generate_with_int8_weights_quantizes_at_load():
     r = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--max-tokens", "4", "--seed", "1", "Hi"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "--quant int8 on cpu" in r.stderr and "[4 tokens, finish length" in r.stderr
+    assert "int8 weights on cpu: " in r.stderr and "[4 tokens, finish length" in r.stderr
 
 
 def readme_settings_rows() -> dict[str, str]:

@@ -307,7 +307,7 @@ def test_database_problem(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert database_problem(str(tmp_path / "new" / "deeper" / "t.db")) is None  # plain paths: folders made
-    assert database_problem("") is None and database_problem("sqlite://") is None
+    assert "--db '': empty" in (database_problem("") or "") and database_problem("sqlite://") is None
     assert "is a folder" in (database_problem(str(tmp_path)) or "")
     assert f"{afile} is a file, not a folder" in (database_problem(str(afile / "x.db")) or "")
     assert "no folder" in (database_problem(f"sqlite:///{tmp_path}/missing/t.db") or "")

@@ -178,7 +178,7 @@ async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_erro
     app.state.services = services
     for line in facts(services):
         log.info("%s", line)
-    log.info("ready: listening on http://%s:%s", settings.host, getattr(app.state, "bound_port", settings.port))
+    log.info("ready: listening on %s", settings.listen_url(getattr(app.state, "bound_port", None)))
 
 
 async def _start(app: FastAPI, loaded: Loaded, settings: Settings, metrics: Metrics) -> Services:

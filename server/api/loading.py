@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.api.services import LoadFacts, Services
+from server.checks_args import size_text
 from server.config import Settings
 from server.engine.protocol import EngineAPI
 from server.tokenizer import Tokenizer
@@ -151,12 +152,38 @@ def _load_model(spec: str, device: str, settings: Settings, kernel_log: _Collect
 def _start_engine(model: RWKV7, tokenizer: Tokenizer, settings: Settings, device: str) -> EngineAPI:
     from server.engine import Engine
 
+    pool_check(model, settings, device)
     t0 = time.perf_counter()
     with _device_scope(device):
         engine = Engine(model, tokenizer, settings)
         engine.start()
     log.info("engine on %s started in %.2fs", device, time.perf_counter() - t0)
     return engine
+
+
+def pool_check(model: RWKV7, settings: Settings, device: str) -> None:
+    """ValueError (one line) when the engine's slot pool cannot fit in the memory left: a state
+    and the sampler's vocabulary-wide rows (penalties, tokens seen) a slot, allocated as the
+    engine starts. Here, not among the start-up checks: a slot's bytes depend on the model's
+    shape, known once it is loaded (--max-batch's fixed bound, config.UPPER_BOUNDS, is theirs)."""
+    from server.checks_args import physical_memory  # (looked up at each call: a test replaces it)
+
+    slots = settings.max_batch or (256 if device.startswith("cuda") else 32)  # as the Engine takes it
+    shape = model.shape
+    each = shape.state_bytes(model.dtype, model.state_dtype) + 5 * shape.vocab_size
+    memory: int | None = physical_memory()
+    where = "this machine has"
+    if device.startswith("cuda"):
+        import torch
+
+        dev = torch.device(device)  # free: the device's, and what torch's allocator holds unused
+        memory = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        where = f"free on {device}"
+    if memory is not None and (pool := slots * each) > memory:
+        raise ValueError(
+            f"--max-batch: a slot pool of {slots:,} slots would take {size_text(pool)} ({each:,} bytes a slot: "
+            f"a state and the sampler's rows), more than the {size_text(memory)} {where}"
+        )
 
 
 class _Collect(logging.Handler):
@@ -203,7 +230,8 @@ def facts(services: Services) -> list[str]:
         f"write-behind {_mib(s.write_behind_bytes)}, DB states {_mib(s.db_budget_bytes)}, "
         f"chat prefix {_mib(prefix_budget(s))}, conversations {talks}"
     )
-    lines.append(f"database   {s.db_shown()}")  # a URL's password never reaches the log
+    memory = f"in memory (not persisted; {s.db_shown()})" if s.db_in_memory() else s.db_shown()
+    lines.append(f"database   {memory}")  # a URL's password never reaches the log
     if load.kernel_modules:
         lines.append(f"kernels    WKV ops from {', '.join(load.kernel_modules)}")
     lines += [f"kernels    {msg}" for msg in load.kernel_log]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,9 +64,18 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"checkpoint not found: {path!r}")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{path!r} is empty (an interrupted download or copy?)")
+    try:  # (is_zipfile says False for a file it cannot open, and torch.load's error would read as damage)
+        open(path, "rb").close()
+    except OSError as exc:
+        why = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or type(exc).__name__
+        raise CheckpointError(f"cannot read {path!r}: {why}") from exc
     zipped = zipfile.is_zipfile(path)  # torch.save's format since 1.6; mmap needs it
     try:
-        sd = torch.load(path, map_location="cpu", mmap=zipped, weights_only=True)
+        with warnings.catch_warnings():  # torch's warnings about a pickle it refuses: the error says it
+            warnings.simplefilter("ignore")
+            sd = torch.load(path, map_location="cpu", mmap=zipped, weights_only=True)
+    except OSError as exc:  # reading failed (an I/O error): not the file's content
+        raise CheckpointError(f"cannot read {path!r}: {exc.strerror or exc}") from exc
     except Exception as exc:  # pickle errors, zip errors, ...
         # (torch's own message runs over many lines, and for a file that is no checkpoint at all
         # it suggests loading it with weights_only=False: never for an untrusted file)

@@ -120,7 +120,7 @@ def _after_load(
         quantizer.log(model.name)
     if quant != "none" and device.type != "cuda":
         log.warning(
-            "--quant %s on %s: the weights are smaller, but each product dequantizes its matrix "
+            "%s weights on %s: the weights are smaller, but each product dequantizes its matrix "
             "first (slower than 16-bit); the 8-bit kernels are CUDA only",
             quant,
             device,

@@ -74,14 +74,28 @@ def take_quantized(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[str
     if mode is None:
         return None, {}
     del sd[QUANT_MARK]
-    pre: dict[str, QWeight] = {}
-    for key in [k[: -len(CODES)] for k in sd if k.endswith(CODES)]:
-        q, scale = sd.pop(key + CODES), sd.pop(key + SCALES, None)
+    codes = {k[: -len(CODES)]: sd.pop(k) for k in [k for k in sd if k.endswith(CODES)]}
+    for key, q in codes.items():
         if q.dtype != qlinear.CODE_DTYPES[mode] or q.dim() != 2:
             raise CheckpointError(f"key {key + CODES!r}: {q.dtype} {tuple(q.shape)}, expected 2-D {mode} codes")
+        sd[key] = torch.empty(q.shape, dtype=dtype, device="meta")  # validated, never read
+    want = _linear_shapes(sd)
+    pre: dict[str, QWeight] = {}
+    for key, q in codes.items():
+        if key in want and tuple(q.shape) != want[key]:  # the codes first: a scale's length follows them
+            raise CheckpointError(f"misshapen key {key + CODES!r}: shape {tuple(q.shape)}, expected {want[key]}")
+        scale = sd.pop(key + SCALES, None)
         if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != q.shape[:1]:
             got = "missing" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
             raise CheckpointError(f"key {key + SCALES!r}: {got}, expected float32 ({q.shape[0]},)")
         pre[key] = QWeight(q, scale, dtype)
-        sd[key] = torch.empty(q.shape, dtype=dtype, device="meta")  # validated, never read
     return mode, pre
+
+
+def _linear_shapes(sd: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The shapes the linears must have by the rest of the file's keys (checkpoint.infer_shape,
+    over their placeholders), or {} where those keys cannot tell (checkpoint.validate's to say)."""
+    try:
+        return checkpoint.expected_shapes(checkpoint.infer_shape(sd))
+    except (CheckpointError, ValueError, IndexError):
+        return {}

@@ -10,16 +10,19 @@ bounded through 32 layers, far from fp16 overflow).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import zlib
 
 import torch
 
-from server.model.checkpoint import SYNTHETIC_MARK, save_whole
+from server.model.checkpoint import SYNTHETIC_MARK, expected_shapes, save_whole
 from server.model.state import ModelShape
 
 VOCAB = 65536
+MAX_SEED = 2**63 - 1
+"""The largest seed: a file's SYNTHETIC_MARK holds it as an int64 (the API's seed bound too)."""
 
 
 def _lora(C: int, k: float, p: float) -> int:
@@ -63,12 +66,21 @@ def parse_spec(spec: str) -> tuple[ModelShape, int]:
             seed = int(parts[2])
         except ValueError:
             raise ValueError(f"bad seed {parts[2]!r} in {spec!r}: expected an integer") from None
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"bad seed {parts[2]!r} in {spec!r}: a seed is 0 to {MAX_SEED:,}")
     if name in PRESETS:
         return PRESETS[name], seed
     m = re.fullmatch(r"l(\d+)-c(\d+)(?:-v(\d+))?", name)
     if m:
         return make_shape(int(m[1]), int(m[2]), int(m[3] or VOCAB)), seed
     raise ValueError(f"unknown synthetic preset {parts[1]!r}: use one of {', '.join(PRESETS)} or L<n>-C<n>[-V<n>]")
+
+
+def parameters(shape: ModelShape) -> int:
+    """The number of values in a checkpoint of `shape` (counted per layer: L may be huge)."""
+    count = lambda s: sum(math.prod(t) for t in expected_shapes(s).values())
+    one = count(dataclasses.replace(shape, n_layer=1))
+    return one + (shape.n_layer - 1) * (count(dataclasses.replace(shape, n_layer=2)) - one)
 
 
 class _Gen:
