@@ -234,6 +234,57 @@ async def test_a_continuation_never_waits_behind_other_requests_repairs(parts, m
     await _settled(conv)
     assert conv._repair_slots.free == conversation.REPAIR_CONCURRENCY and conv.counters["repairs"] == 0
 
+async def test_a_queued_repair_holds_no_state_and_leaves_the_queue_in_time(parts, monkeypatch):
+    """A busy engine keeps repairs waiting: one queued behind the slots must not keep its request's
+    final state alive (QA: the queue grew with the mismatches, a state each, outside every budget),
+    and it leaves the queue after REPAIR_IDLE_S."""
+    import gc
+    import weakref
+
+    from server.api.openai import conversation, settling
+
+    async def busy(engine, s):  # the engine never goes idle
+        while not s.awaited:
+            await asyncio.sleep(0.01)
+        return False
+
+    monkeypatch.setattr(conversation, "engine_idle", busy)
+    monkeypatch.setattr(settling, "REPAIR_IDLE_S", 1.0)
+    _, tok, eng = parts
+    conv = ConversationCache(1 << 30, wait_s=5.0)
+    part = conv.partition(None)
+    t1 = tok.encode("User: Name a colour.\n\nAssistant:")
+    refs = []
+
+    async def mismatched(i):
+        stream = t1 + tok.encode(f" {i}")
+        expected = stream + tok.encode(f" colour number {i}\n\n")
+
+        async def expect(_res):
+            return expected
+
+        res, _ = await _run(eng, conv, part, stream, expect, params=SamplingParams(max_tokens=2))
+        refs.append(weakref.ref(res.state.wkv))
+
+    for i in range(conversation.REPAIR_CONCURRENCY + 1):  # the slots' holders, then one queued
+        await mismatched(i)
+    for _ in range(200):
+        if conv.counters["mismatches"] == conversation.REPAIR_CONCURRENCY + 1:
+            break
+        await asyncio.sleep(0.01)
+    queued = conv._repair_slots._queue
+    assert len(queued) == 1 and conv._repair_slots.free == 0
+    gc.collect()
+    assert all(r() is None for r in refs), "a waiting or queued repair keeps its request's state"
+    await asyncio.sleep(1.3)  # past REPAIR_IDLE_S: the queued one gave up
+    assert len(queued) == 0
+    for ss in conv._settling.get(part, []):  # let the held repairs go
+        ss.awaited = True
+        ss.kick.set()
+    await _settled(conv)
+    assert conv._repair_slots.free == conversation.REPAIR_CONCURRENCY and conv.counters["repairs"] == 0
+
+
 class LateResult:
     """A finished request's handle whose last event went out but whose Result, with its state,
     is still on its way (its copy to the host queued behind others) until release()."""

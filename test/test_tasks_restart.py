@@ -141,6 +141,24 @@ async def test_no_task_names_a_state_the_database_dropped(parts, tmp_path):
     await tm.close()
 
 
+async def test_a_lower_database_budget_after_a_restart_holds_at_start(parts, tmp_path):
+    """A restart with a lower --db-budget-bytes drops the states past it as it starts (QA: an idle
+    server stayed at 4x its budget until its next state write); the tasks that named them say so."""
+    one = parts[0].shape.state_bytes(torch.float32, torch.float32)
+    db = tmp_path / "r.db"
+    tm = await manager(parts, db, db_budget_bytes=10 * one)
+    ids = [(await tm.wait((await tm.create(f"task {i}", {"max_tokens": 2}, persistent=True)).id)).id
+           for i in range(5)]
+    await tm.flush()
+    await tm.close()
+    tm = await manager(parts, db, db_budget_bytes=2 * one)
+    assert await tm.store.states.states_bytes(templates=False) <= 2 * one
+    assert tm.db_state_bytes <= 2 * one  # the figure /metrics shows, as the database holds
+    named = [t.state_id for t in [await tm.get(i) for i in ids] if t.state_id is not None]
+    assert len(named) == 2 and all([await tm.store.states.get_state(sid) is not None for sid in named])
+    await tm.close()
+
+
 async def test_state_of_another_model_shape_is_refused(parts, tmp_path):
     from server.model.synthetic import parse_spec
     from server.model.state import State

@@ -69,6 +69,8 @@ class StateWrites:
     async def start(self) -> None:
         self.db_state_bytes = await self.store.states.states_bytes(templates=False)
         self.db_state_entries = await self.store.states.states_count(templates=False)
+        if self.db_state_bytes > self.db_budget_bytes:  # a restart with a lower budget: not at the next write
+            await self._enforce_db_budget()
         self.lane.start()
 
     async def close(self, timeout: float) -> None:

@@ -211,23 +211,16 @@ class ConversationCache:
     async def _settle(self, engine: EngineAPI, part: str, s: Settling, expect: Expect | None) -> None:
         try:
             await until_generated(s)
-            for i, h in enumerate(s.handles):
-                res = h.peek_result()
-                if res is None or res.state is None or res.finish_reason not in (STOP, LENGTH):
-                    continue  # failed, aborted (the client did not see it all), or no state
-                fed = _fed(s.tokens, res)
-                target = None if s.awaited or expect is None else await expect(res)
-                if target is None or _is_prefix(fed, target):
-                    self.put(part, fed, res.state)
-                    self.counters["kept"] += 1
-                    continue
-                self.counters["mismatches"] += 1
-                if i == 0 and self.repairs and await self._repair_slots.take(s):  # a burst queues here
-                    try:
-                        if await engine_idle(engine, s):
-                            await self._repair(engine, part, target, s)
-                    finally:
-                        self._repair_slots.give()
+            repair = await self._keep(part, s, expect)
+            # the handles go before a repair queues: their results hold the final states, which a
+            # repair does not need, and a busy engine may keep it queued (QA: ~10 MB/s of states)
+            s.handles = []
+            if repair is not None and await self._repair_slots.take(s):  # a burst queues here
+                try:
+                    if await engine_idle(engine, s):
+                        await self._repair(engine, part, repair, s)
+                finally:
+                    self._repair_slots.give()
         except Exception:
             log.exception("conversation cache: settling a request failed")
         finally:
@@ -237,6 +230,25 @@ class ConversationCache:
                 self._settling[part] = rest
             else:
                 self._settling.pop(part, None)
+
+    async def _keep(self, part: str, s: Settling, expect: Expect | None) -> list[int] | None:
+        """Keep each finished choice's end state whose tokens are a prefix of what the client is
+        expected to send; the tokens to repair the first choice with where they are not, or None."""
+        repair = None
+        for i, h in enumerate(s.handles):
+            res = h.peek_result()
+            if res is None or res.state is None or res.finish_reason not in (STOP, LENGTH):
+                continue  # failed, aborted (the client did not see it all), or no state
+            fed = _fed(s.tokens, res)
+            target = None if s.awaited or expect is None else await expect(res)
+            if target is None or _is_prefix(fed, target):
+                self.put(part, fed, res.state)
+                self.counters["kept"] += 1
+                continue
+            self.counters["mismatches"] += 1
+            if i == 0 and self.repairs:
+                repair = target
+        return repair
 
     async def _repair(self, engine: EngineAPI, part: str, target: list[int], s: Settling) -> None:
         """Prefill `target` from its longest kept prefix and keep the state (unless a request

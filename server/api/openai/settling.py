@@ -40,18 +40,20 @@ class Settling:
 class RepairSlots:
     """At most `n` repairs waiting for an idle engine or running at once, taken in arrival order.
     A request gives up its place as soon as a later request waits for it (that request prefills
-    the reply itself): a continuation never waits behind other requests' repairs."""
+    the reply itself): a continuation never waits behind other requests' repairs; and after
+    REPAIR_IDLE_S in the queue (a busy engine would let it grow with the mismatches' rate)."""
 
     def __init__(self, n: int) -> None:
         self.free = n
         self._queue: deque[Settling] = deque()
 
     async def take(self, s: Settling) -> bool:
-        """True with a slot (give() it back), False once a request waits for `s`."""
+        """True with a slot (give() it back), False once a request waits for `s` or after
+        REPAIR_IDLE_S in the queue."""
         self._queue.append(s)
         try:
-            delay = POLL_FIRST_S
-            while not s.awaited:
+            delay, deadline = POLL_FIRST_S, asyncio.get_running_loop().time() + REPAIR_IDLE_S
+            while not s.awaited and asyncio.get_running_loop().time() < deadline:
                 if self.free > 0 and self._queue[0] is s:
                     self.free -= 1
                     return True
