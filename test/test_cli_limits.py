@@ -12,21 +12,18 @@ generate's and synth's help, a synthetic checkpoint larger than memory."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import queue
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from util_server import serve_until
 
 from server.cli import main
 
@@ -65,31 +62,6 @@ def in_process(capsys, *argv: str, status: int = 2) -> str:
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rwkv-server"), lines
     return lines[0]
-
-
-def serve_log(args: list[str], until: str, env: dict[str, str] | None = None, timeout: float = 60) -> str:
-    """Start `serve ARGS`, read its log until a line matches `until` (or it exits, or the time is
-    up), stop it; the log read."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "RWKV_DEVICE": "cpu", "RWKV_STATS_INTERVAL": "0", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *args], cwd=ROOT, env=full_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr or ()], daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and (proc.poll() is None or not lines.empty()):
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=0.2))
-                if re.search(until, seen[-1]):
-                    break
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        proc.kill()
-        proc.wait()
-    return "".join(seen)
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +138,8 @@ def test_database_problem_refuses_empty():
 
 
 def test_an_in_memory_database_and_unknown_variables_are_warned_at_start():
-    log = serve_log(["--port", "0", "--db", "sqlite://"], r"ready: listening",
-                    env={"RWKV_API_KEY": "secret", "RWKV_V7_ON": "1"})  # fmt: skip
+    _, log = serve_until(["--port", "0", "--db", "sqlite://"], r"ready: listening",
+                         env={"RWKV_API_KEY": "secret", "RWKV_V7_ON": "1"})  # fmt: skip
     assert "ready: listening" in log, log[-3000:]
     assert re.search(r"WARNING .*--db sqlite://: the task database is in memory: .*\(not persisted\)", log), log
     assert "database   in memory (not persisted; sqlite://)" in log, log
@@ -327,7 +299,7 @@ def test_an_ipv6_host_is_in_brackets_in_the_url(tmp_path):
             port = s.getsockname()[1]
     except OSError:
         pytest.skip("no IPv6 loopback here")
-    log = serve_log(["--host", "::1", "--port", str(port), "--db", str(tmp_path / "t.db")], r"ready: listening")
+    _, log = serve_until(["--host", "::1", "--port", str(port), "--db", str(tmp_path / "t.db")], r"ready: listening")
     assert f"starting on http://[::1]:{port} " in log, log[-3000:]
     assert f"ready: listening on http://[::1]:{port}" in log, log[-3000:]
 

@@ -6,21 +6,19 @@ generate arguments); a database URL's password never reaches the log or an error
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import queue
 import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from pg_util import pg_cluster, pg_url  # noqa: F401 - fixtures
+from util_server import serve_until
 
 from server.checks import database_problem, numbers_problem, port_problem
 from server.cli import RedactingFormatter, load_failure, main
@@ -45,37 +43,6 @@ def one_line(r: subprocess.CompletedProcess, *expect: str) -> str:
     for text in expect:
         assert text in lines[0], lines[0]
     return lines[0]
-
-
-def serve_until(args: list[str], pattern: str, timeout: float = 90) -> tuple[re.Match | None, str]:
-    """Start `serve ARGS`, read its log until `pattern` matches a line (or it exits, or the time
-    is up), stop it; (the match, the log read)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RWKV_DEVICE": "cpu", "RWKV_STATS_INTERVAL": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()  # read by a thread: a quiet server blocks no test
-
-    def pump() -> None:
-        for line in proc.stderr or ():
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    seen, match, deadline = [], None, time.monotonic() + timeout
-    try:
-        while match is None and time.monotonic() < deadline and (proc.poll() is None or not lines.empty()):
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=0.2))
-                match = re.search(pattern, seen[-1])
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        proc.kill()
-        proc.wait()
-    time.sleep(0.2)
-    while not lines.empty():
-        seen.append(lines.get())
-    return match, "".join(seen)
 
 
 # --- 1. API keys ----------------------------------------------------------------------------------

@@ -118,6 +118,15 @@ def test_recursive_schemas_are_refused_others_pass():
     shared = {"$defs": {"pt": {"type": "integer"}},
               "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}}  # fmt: skip
     check_schema(json.dumps(shared))  # the same definition twice is not recursion
+    # a pointer through an array's index (QA: the check stepped through objects only, so these passed)
+    loop = {"type": "object", "properties": {"n": {"$ref": "#/properties/v/anyOf/0"}}}
+    with pytest.raises(ValueError, match="recursive"):
+        check_schema(json.dumps({"type": "object", "properties": {"v": {"anyOf": [loop, {"type": "null"}]}}}))
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/items/anyOf/0"}}}}
+    with pytest.raises(ValueError, match="recursive"):  # where the tools' grammar puts each tool's schema
+        check_schema(json.dumps({"type": "array", "items": {"anyOf": [tree, {"type": "null"}]}}))
+    ok = {"type": "array", "prefixItems": [{"type": "integer"}, {"$ref": "#/prefixItems/0"}], "items": False}
+    check_schema(json.dumps(ok))  # a pointer into an array that is no cycle
 
 
 @pytest.mark.parametrize("schema, at", [

@@ -187,6 +187,61 @@ def test_a_bad_format_with_tools_is_a_400_naming_the_format(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
+def test_a_call_list_cut_beside_a_format_has_no_content(server):
+    """Seed 19 calls; max_tokens cuts its list: no call, finish length, and content null streamed
+    or not (the raw envelope as content broke the SDK's stream helper, which reads a formatted
+    reply's content as JSON as it streams: QA saw a bare ValueError instead of its
+    LengthFinishReasonError)."""
+    import openai
+    from openai.lib._parsing._completions import type_to_response_format_param as as_sdk_sends
+
+    body = chat_body(19, max_tokens=8)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        ch = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert ch["finish_reason"] == "length" and ch["message"]["content"] is None, ch
+        assert not ch["message"].get("tool_calls"), ch
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [x["choices"][0] for x in chunks if x["choices"]]
+    assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["length"]
+    assert not any(d["delta"].get("content") for d in deltas), deltas
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):  # ANSWER, as the SDK's helpers take it
+        n: int = Field(ge=0, le=9)
+        ok: bool
+
+    kw = {k: v for k, v in body.items() if k not in ("response_format", "seed")}
+    for seed in range(16, 40):  # a seed whose answer calls under the SDK's form of the schema
+        ch = sdk(server, timeout=120).chat.completions.create(**kw, seed=seed, response_format=as_sdk_sends(Answer))
+        if ch.choices[0].finish_reason == "length" and ch.choices[0].message.content is None:
+            break  # (a JSON reply max_tokens cut has its text as content: JSON as far as it went)
+    assert ch.choices[0].finish_reason == "length" and ch.choices[0].message.content is None, ch
+    with pytest.raises(openai.LengthFinishReasonError):  # as parse() raises, not a JSON error mid-stream
+        with sdk(server, timeout=120).chat.completions.stream(**kw, seed=seed, response_format=Answer) as stream:
+            for _ in stream:
+                pass
+
+
+def test_a_recursive_tool_is_refused(server):
+    """A tool whose parameters recurse (pydantic's `kids: list["Node"]`, as openai.pydantic_function_tool
+    writes it): each tool's $defs move under the tools' grammar (#/items/anyOf/i/...), a pointer
+    through array indices, which the recursion check did not follow (QA: accepted, nesting to length)."""
+    import openai
+    from pydantic import BaseModel
+
+    class Node(BaseModel):
+        name: str
+        kids: list["Node"]
+
+    tool = openai.pydantic_function_tool(Node)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        for choice in ("auto", "required"):
+            r = c.post("/v1/chat/completions", json={**chat_body(0), "tools": [tool], "tool_choice": choice})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_schema", r.text
+            assert "recursive" in r.json()["error"]["message"], r.text
+
+
 def test_the_task_keeps_the_one_grammar(server):
     """A Responses task has one grammar: the any_of of the calls and the format, stored as its
     `grammar` (its format as text: the response shows the request's text.format from its meta),

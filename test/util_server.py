@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +26,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -201,8 +204,6 @@ def inprocess_server(settings, timeout: float = 120) -> Iterator[tuple[str, obje
     """A REAL uvicorn server in THIS process on a free loopback port, for tests that reach into the
     running app (`app.state.services`: make a step fail, stop one engine). Yields (url, app);
     stops the server on leaving."""
-    import threading
-
     import uvicorn
 
     from server.api.app import create_app
@@ -265,3 +266,35 @@ def wait_committed(db: str | Path, task_id: str, until: Callable[[dict], bool] |
         if time.monotonic() > end:
             raise AssertionError(f"{task_id}: the committed row never got there in {timeout}s: {row}")
         time.sleep(0.05)
+
+
+def serve_until(args: list[str], pattern: str, timeout: float = 90, env: dict[str, str] | None = None,
+                ) -> tuple[re.Match | None, str]:
+    """Start `serve ARGS`, read its log until `pattern` matches a line (or it exits, or the time
+    is up), stop it; (the match, the log read). `env`: variables beside the process's own."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "RWKV_DEVICE": "cpu", "RWKV_STATS_INTERVAL": "0", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *args], cwd=ROOT, env=full,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()  # read by a thread: a quiet server blocks no test
+
+    def pump() -> None:
+        for line in proc.stderr or ():
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen, match, deadline = [], None, time.monotonic() + timeout
+    try:
+        while match is None and time.monotonic() < deadline and (proc.poll() is None or not lines.empty()):
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=0.2))
+                match = re.search(pattern, seen[-1])
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        proc.kill()
+        proc.wait()
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get())
+    return match, "".join(seen)

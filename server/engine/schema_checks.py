@@ -35,11 +35,14 @@ def check_schema(source: str) -> str:
     def refs(node) -> list[str]:  # the local $refs of the schemas in node (not in its data)
         return [r for n, _ in _schema_nodes(node) if isinstance(r := n.get("$ref"), str) and r.startswith("#")]
 
-    def resolve(ptr: str) -> Any:
+    def resolve(ptr: str) -> Any:  # through objects' keys and arrays' indices (anyOf/0, prefixItems/1)
         node: Any = schema
         for part in [p for p in ptr[1:].split("/") if p]:
             part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, list):
+                node = node[int(part)] if part.isdigit() and int(part) < len(node) else None
+            else:
+                node = node.get(part) if isinstance(node, dict) else None
         return node
 
     # depth-first over the $ref graph, iterative and visiting each pointer once (a chain of

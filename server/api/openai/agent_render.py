@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from server.api.generation.jobs import Job
 from server.api.generation.stream import Renderer
 from server.api.openai.render import Meta, _chunker, _echo, _ender, _finish, _raise_failed, head, message, response
-from server.api.openai.tools import ToolPlan, content_end, split
+from server.api.openai.tools import MARKER, ToolPlan, content_end, split
 from server.engine.types import Event, TokenLogprob
 
 
@@ -52,6 +52,9 @@ def _message(job: Job, ex: Extras, meta: Meta) -> tuple[dict[str, Any], str | No
     plan = ex.tool_plan
     content, calls = split(raw, plan.mode) if plan is not None else (raw, None)
     msg = message(meta.lead(content))
+    if calls is None and plan is not None and plan.mode == "formatted" and raw.lstrip().startswith(MARKER):
+        msg["content"] = None  # a call list max_tokens cut, beside a JSON format: its text is no JSON,
+        return msg, _finish(job)  # and the SDKs read a formatted reply's content as JSON as it streams
     if calls is None:
         return msg, _finish(job)
     msg.update(content=(content.strip() and meta.lead(content)) or None, tool_calls=calls)
