@@ -23,13 +23,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_partition import timed  # noqa: E402  (work launched together, ms per iteration)
+
 CFG = {0: (4, 2), 1: (6, 4), 2: (8, 6), 3: (12, 8)}  # ring slots S, loads ahead LA (ring_copy.cu)
 C, H, N = 2560, 40, 64  # 2.9B
 
@@ -56,22 +59,6 @@ def ev_time(fn, stream, iters: int = 20, warm: int = 3) -> float:
         b.record(stream)
     b.synchronize()
     return a.elapsed_time(b) / iters * 1e3
-
-
-def wall(work, iters: int = 10) -> float:
-    """work: (fn, stream, repeats), all launched together; us per iteration until all are done."""
-    for fn, s, _ in work:
-        with torch.cuda.stream(s):
-            fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        for fn, s, n in work:
-            with torch.cuda.stream(s):
-                for _ in range(n):
-                    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
 
 
 def layer_products(rows: int, dev):
@@ -166,7 +153,7 @@ def split(args, sms: int, ring, rate, products) -> None:
             for cv in (0, n) if carve else (0,):
                 if carve:
                     carve(cv or None)
-                tg, both = ev_time(g, sg), wall([(r, sr, 2), (g, sg, 2)]) / 2
+                tg, both = ev_time(g, sg), timed([(r, sr, 2), (g, sg, 2)], 10) * 1e3 / 2
                 cells.append(f"{name}{' carved' if cv else ''} alone on {sms - n} {tg:.1f}, both {both:.1f} us")
             if carve:
                 carve(None)
