@@ -281,9 +281,9 @@ def serve_until(args: list[str], pattern: str, timeout: float = 90, env: dict[st
         for line in proc.stderr or ():
             lines.put(line)
 
-    threading.Thread(target=pump, daemon=True).start()
     seen, match, deadline = [], None, time.monotonic() + timeout
-    try:
+    try:  # (from here on: whatever fails, the server is stopped)
+        threading.Thread(target=pump, daemon=True).start()
         while match is None and time.monotonic() < deadline and (proc.poll() is None or not lines.empty()):
             with contextlib.suppress(queue.Empty):
                 seen.append(lines.get(timeout=0.2))
