@@ -310,10 +310,11 @@ class Settings:
             return self.state_dtype
         return "fp16" if self.resolved_device().startswith("cuda") else "fp32"
 
-    def resolved_max_batch(self) -> int:
+    def resolved_max_batch(self, device: str | None = None) -> int:
+        """The slots of an engine on `device` (default: the resolved device)."""
         if self.max_batch > 0:
             return self.max_batch
-        return 256 if self.resolved_device().startswith("cuda") else 32
+        return 256 if (device or self.resolved_device()).startswith("cuda") else 32
 
     def resolved_model(self) -> str:
         return self.model or "synthetic:tiny"

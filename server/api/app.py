@@ -72,7 +72,7 @@ def create_app(settings: Settings, services: Services | None = None, *, exit_on_
         metrics=metrics,
         raw_bodies=(("/v1/states/", settings.state_upload_bytes),),  # state file uploads
         access_log=settings.access_log,
-        routes=lambda: routes,
+        routes=routes,  # (filled below, once the routers are included)
     )
     origins = settings.cors_origin_list()
     if origins:  # outside the key check: a browser's preflight (OPTIONS) carries no key

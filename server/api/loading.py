@@ -168,7 +168,7 @@ def pool_check(model: RWKV7, settings: Settings, device: str) -> None:
     shape, known once it is loaded (--max-batch's fixed bound, config.UPPER_BOUNDS, is theirs)."""
     from server.checks_args import physical_memory  # (looked up at each call: a test replaces it)
 
-    slots = settings.max_batch or (256 if device.startswith("cuda") else 32)  # as the Engine takes it
+    slots = settings.resolved_max_batch(device)  # as the Engine takes it
     shape = model.shape
     each = shape.state_bytes(model.dtype, model.state_dtype) + 5 * shape.vocab_size
     memory: int | None = physical_memory()

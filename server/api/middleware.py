@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -109,7 +109,7 @@ class ServerMiddleware:
         metrics: Metrics | None = None,
         raw_bodies: tuple[tuple[str, int], ...] = (),
         access_log: bool = False,
-        routes: Callable[[], Sequence[BaseRoute]] | None = None,
+        routes: Sequence[BaseRoute] = (),
     ) -> None:
         """raw_bodies: (path prefix, byte limit) of routes whose bodies are files, not JSON: their
         content type is kept and their limit replaces max_body_bytes (e.g. state file uploads).
@@ -225,8 +225,8 @@ class ServerMiddleware:
         """The path of the route that answered, or would have answered a request refused here;
         "other" where no route has this path."""
         route = scope.get("route")
-        if route is None and self.routes is not None:
-            found = [(m, r) for r in self.routes() for m in (r.matches(scope)[0],) if m != Match.NONE]
+        if route is None:
+            found = [(m, r) for r in self.routes for m in (r.matches(scope)[0],) if m != Match.NONE]
             route = min(found, key=lambda mr: mr[0] != Match.FULL, default=(None, None))[1]
         return getattr(route, "path", None) or "other"
 

@@ -96,7 +96,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.settings = s = settings or Settings()
         on_cuda = str(model.device).startswith("cuda")
-        self.max_batch = s.max_batch if s.max_batch > 0 else (256 if on_cuda else 32)
+        self.max_batch = s.resolved_max_batch(str(model.device))
         self.scheduler = Scheduler(self.max_batch, s.step_token_budget, s.prefill_chunk)  # queue bound: submit()
         self._runner = runner
         self.output = OutputProcessor(new_decoder=lambda: IncrementalDecoder(tokenizer),

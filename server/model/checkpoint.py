@@ -64,11 +64,10 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"checkpoint not found: {path!r}")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{path!r} is empty (an interrupted download or copy?)")
-    try:  # (is_zipfile says False for a file it cannot open, and torch.load's error would read as damage)
-        open(path, "rb").close()
-    except OSError as exc:
-        why = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or type(exc).__name__
-        raise CheckpointError(f"cannot read {path!r}: {why}") from exc
+    from server.checks_args import unreadable  # (a light module: os only)
+
+    if why := unreadable(path):  # (is_zipfile says False for a file it cannot open; torch.load's error reads as damage)
+        raise CheckpointError(f"cannot read {path!r}: {why}")
     zipped = zipfile.is_zipfile(path)  # torch.save's format since 1.6; mmap needs it
     try:
         with warnings.catch_warnings():  # torch's warnings about a pickle it refuses: the error says it
