@@ -1,8 +1,8 @@
-"""/openapi.json lists the statuses the layers below the routes give (server.api.openapi.HTTP_LAYER)
-on the operations that can get them, with the error model: 408 (the read deadlines of
-server.api.http_limits) on every operation, 413 (the middleware's body limit) on every operation
-with a body. Checked against a real server, whose actual 408 and 413 answers are then matched
-with what its document says for those operations."""
+"""/openapi.json lists the statuses the layers below the routes give (server.api.openapi.HTTP_LAYER) on
+the operations that can get them, with the error model: 408 (the read deadlines of
+server.api.http_limits) on every operation, 413 (the middleware's body limit) and 415 (a Content-
+Encoding) on every operation with a body. Checked against a real server, whose actual 408 and 413
+answers are then matched with what its document says for those operations."""
 
 from __future__ import annotations
 
@@ -36,14 +36,14 @@ def error_model(doc: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]
     return doc["components"]["schemas"]["ErrorResponse"]
 
 
-def test_every_operation_lists_408_and_every_body_413(doc):
+def test_every_operation_lists_408_and_every_body_413_and_415(doc):
     ops = operations(doc)
     assert len(ops) > 30 and any("requestBody" in op for _, _, op in ops)
     for method, path, op in ops:
         responses = op["responses"]
         assert "408" in responses, (method, path, sorted(responses))
         if "requestBody" in op:
-            assert "413" in responses, (method, path, sorted(responses))
+            assert "413" in responses and "415" in responses, (method, path, sorted(responses))
             assert "--body-timeout" in responses["408"]["description"], (method, path)
         else:
             assert "--body-timeout" not in responses["408"]["description"], (method, path)
@@ -114,3 +114,13 @@ def test_a_body_over_the_limit_is_a_documented_413(server, doc, path):
     r = httpx.post(server.url + path, content=b'{"x": "' + b"y" * 5000 + b'"}', timeout=30)
     assert r.status_code == 413, r.text
     _documented(doc, "POST", path, r.status_code, r.content)
+
+
+@pytest.mark.parametrize("path", ["/state/status", "/v1/tasks/create", "/v1/chat/completions"])
+def test_a_compressed_body_is_a_documented_415_and_a_get_is_answered(server, doc, path):
+    r = httpx.post(server.url + path, content=b"\x1f\x8b", headers={"content-encoding": "gzip"}, timeout=30)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_encoding", r.text
+    _documented(doc, "POST", path, r.status_code, r.content)
+    # a GET's body is never read: its Content-Encoding changes nothing
+    r = httpx.get(server.url + "/v1/tasks/list", headers={"content-encoding": "gzip"}, timeout=30)
+    assert r.status_code == 200, r.text

@@ -261,3 +261,39 @@ def test_query_values_are_parsed_as_the_doc_says_and_get_bodies_are_ignored(http
     for path in ("status", "get_result", "stream"):
         r = http.request("GET", f"/{src}/{path}", content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 200, (path, r.text)
+
+
+def test_a_continue_streams_the_new_text_and_null_is_absent(http):
+    tid = http.post("/create", json={"prompt": "Grow", "max_tokens": 4, "ignore_eos": True, **G}).json()["task_id"]
+    first = wait_done(http, tid)["result"]
+    ev = sse(http.post(f"/{tid}/continue", json={"max_tokens": 3, "stream": True}))
+    texts, final = [e for e in ev if isinstance(e, dict) and "data" in e], ev[-2]
+    assert texts and all(e["pos"] > 4 for e in texts), "only this run's tokens are streamed"
+    assert final["pos"] == 7 and final["usage"]["completion_tokens"] == 7
+    whole = wait_done(http, tid)["result"]
+    assert whole.endswith(text_of(ev)) and whole.startswith(first.rstrip("\ufffd"))
+    assert text_of(sse(http.get(f"/{tid}/stream"))) == whole, "stream?pos=0 still replays the whole output"
+    # a JSON null is an absent field: stream (JSON answer) and fim's suffix (none)
+    r = http.post(f"/{tid}/continue", json={"max_tokens": 1, "stream": None})
+    assert r.status_code == 200 and r.json()["task_id"] == tid
+    r = http.post("/fim", json={"prefix": "a", "suffix": None, "max_tokens": 1, "stream": None})
+    assert r.status_code == 200 and r.json()["task_id"].startswith("TMP_")
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_overlapping_deletes_delete_a_task_once(http, server, running):
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 100000 if running else 1
+    tid = http.post("/create", json={"prompt": "Long", "max_tokens": n, "ignore_eos": True}).json()["task_id"]
+    if not running:
+        wait_done(http, tid)
+
+    def delete(_):
+        with httpx.Client(base_url=server.url + "/v1/tasks", headers={"Authorization": "Bearer k1"}, timeout=30) as c:
+            return c.post(f"/{tid}/delete").status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        codes = sorted(pool.map(delete, range(6)))
+    assert codes == [200] + [404] * 5, codes
+    assert http.get(f"/{tid}/status").status_code == 404

@@ -132,3 +132,12 @@ def test_search_text_is_a_parameter_not_sql(c1):
         assert found["total_count"] == len(found["tasks"]) <= 1, (text, found)
     assert ids(c1, prompt_contains=f"{mark} it's '); DROP TABLE tasks; --") == [quoted]
     assert listed(c1)["total_count"] == before  # the table is still there, every row in it
+
+
+@pytest.mark.parametrize("raw", ["%FF", "a%ED%A0%80", "%C3"])
+def test_a_search_whose_bytes_are_not_utf8_is_a_422_and_a_real_u_fffd_is_searched(c1, raw):
+    r = c1.get(f"/v1/tasks/list?prompt_contains={raw}")
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt_contains", r.text
+    assert "not UTF-8" in r.json()["error"]["message"]
+    r = c1.get("/v1/tasks/list?prompt_contains=%EF%BF%BD")  # U+FFFD itself, sent as UTF-8
+    assert r.status_code == 200, r.text

@@ -52,6 +52,8 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+BODY_METHODS = ("POST", "PUT", "PATCH")
+"""The methods whose bodies the routes read (a GET's body is ignored, never parsed)."""
 _READ_HEADERS = (b"x-request-id", b"content-length", b"authorization", b"content-type", b"content-encoding")
 
 
@@ -169,7 +171,8 @@ class ServerMiddleware:
             state["error"] = f"request body of {length} bytes exceeds the limit of {limit} bytes"
             return _json_error(413, state["error"], "request_too_large", "body_too_large", rid)
         coding = headers.get(b"content-encoding", b"").decode("latin-1").strip()
-        if coding and coding.lower() != "identity":  # a compressed body would be read as garbage
+        if coding and coding.lower() != "identity" and scope.get("method") in BODY_METHODS:
+            # a compressed body would be read as garbage (a GET's body is never read)
             state["error"] = f"Content-Encoding {coding!r} is not supported: send the body uncompressed"
             return _json_error(415, state["error"], "invalid_request_error", "unsupported_encoding", rid)
         path = scope.get("path", "")

@@ -1,16 +1,17 @@
-"""The OpenAPI document tells the truth: every status a route can answer, each error with the one
-error model, and `text/event-stream` beside `application/json` where a route can stream.
+"""The OpenAPI document tells the truth: every status a route can answer, each error with the one error
+model, and `text/event-stream` beside `application/json` where a route can stream.
 
 Routes declare their answers with `responses=answers(...)` (the error statuses they can give, and
 whether they stream); `install(app)` adds the error model to the document's components and drops
 FastAPI's default 422 (a `{"detail": [...]}` body this server never sends: every route that can
 answer 422 declares it with the error model). It also adds, to every operation, the statuses the
 layers below the routes give whatever the route (HTTP_LAYER): 408 from the read deadlines
-(server.api.http_limits: every request has headers, and an operation with a body a body too), and
-413 from the middleware's body limit (every operation with a body; a route with a limit of its
-own declares its 413 itself). Their bodies are always the error model, on the rwkv_lightning
-routes too (neither comes from a route). Statuses every route can give only through a bug or an
-overloaded host (500, the 503 of the connection bound) are not listed per route.
+(server.api.http_limits: every request has headers, and an operation with a body a body too), 413
+from the middleware's body limit and 415 from its Content-Encoding check (every operation with a
+body; a route with a limit or media type of its own declares its 413 / 415 itself). Their bodies are
+always the error model, on the rwkv_lightning routes too (neither comes from a route). Statuses
+every route can give only through a bug or an overloaded host (500, the 503 of the connection bound)
+are not listed per route.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ HTTP_LAYER: dict[int, tuple[str | None, str]] = {
         "--body-timeout seconds of them: the connection is closed",
     ),
     413: (None, "The body is over --max-body-bytes (the middleware's limit, before the route reads it)"),
+    415: (None, "The body has a Content-Encoding other than identity (`unsupported_encoding`): send it uncompressed"),
 }
 """The statuses `install` adds to the operations that do not declare them (see the module's doc)."""
 

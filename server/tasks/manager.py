@@ -370,6 +370,8 @@ class TaskManager:
                 await _wait_done(t, STOPPING_WAIT_S)
             finally:
                 t.deleting = False
+        if t.deleted:  # another delete came first while this one waited: it answers as after that one
+            raise TaskNotFound(f"task {t.display_id!r} not found", param="task_id")
         t.deleted = True
         if t.kind == TMP:
             self.table.forget(t.id)

@@ -164,6 +164,9 @@ class Task:
     None (/v1/tasks and the rest; a fork does not inherit it)."""
     # runtime only
     run: Run | None = None  # the current run while running
+    run_from: int = 0
+    """Output token index where the latest run's text begins: a continue without a prompt starts
+    at the output's length then (its stream shows the new text), any other run at 0."""
     saved: asyncio.Future[None] | None = None  # the last queued settle write of this task
     done: asyncio.Event | None = None  # set when the current run settled
     pending_writes: int = 0  # settle writes queued and not yet done

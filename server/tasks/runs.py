@@ -242,6 +242,7 @@ class Runs:
         else:
             t.out.finished, t.out.finish_reason, t.out.error = False, None, None
             t.out.take_back(back)
+        t.run_from = len(t.out)  # (0 for a new output)
         if not len(t.out):  # its first token is still to come (a new prompt, or none came yet)
             t.prefill_time = 0.0
         t.finish_reason, t.prompt_tokens, t.completion_tokens = None, 0, len(t.out)  # (nothing fed yet)

@@ -11,6 +11,7 @@ when that client disconnects; a TASK_ keeps running (resume with /stream?pos=N).
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -41,14 +42,14 @@ async def _params(sv: Services, body: GenParams) -> GivenParams:
     return fields
 
 
-def _answer(sv: Services, t: Task, stream: bool, *, own: bool = False) -> Response:
-    """The answer to a request that started a run of t. When it cannot be made, the run is
-    stopped (and the task settles) before the error goes out: nothing runs for a request that
-    failed."""
+def _answer(sv: Services, t: Task, stream: bool, *, own: bool = False, pos: int = 0) -> Response:
+    """The answer to a request that started a run of t (a stream: from output token `pos`). When
+    it cannot be made, the run is stopped (and the task settles) before the error goes out:
+    nothing runs for a request that failed."""
     try:
         if not stream:
             return json_response(t.response(sv.tasks.cache if sv.tasks is not None else None))
-        return _sse(sv, t, 0, abort_on_close=own and t.kind == "tmp")
+        return _sse(sv, t, pos, abort_on_close=own and t.kind == "tmp")
     except BaseException:
         if sv.tasks is not None:
             sv.tasks.abort(t)
@@ -74,7 +75,7 @@ async def _create(body: CreateBody, request: Request, *, persistent: bool) -> Re
     t = await task_call(
         task_manager(sv).create(body.prompt, await _params(sv, body), persistent=persistent, owner=get_owner(request))
     )
-    return _answer(sv, t, body.stream, own=True)
+    return _answer(sv, t, bool(body.stream), own=True)
 
 
 _STARTS = answers(401, 413, 422, 429, 503, stream=True)
@@ -94,8 +95,8 @@ async def create_task(body: CreateBody, request: Request) -> Response:
 async def fim(body: FimBody, request: Request) -> Response:
     sv = get_services(request)
     tm = task_manager(sv)
-    t = await task_call(tm.fim(body.prefix, body.suffix, await _params(sv, body), owner=get_owner(request)))
-    return _answer(sv, t, body.stream, own=True)
+    t = await task_call(tm.fim(body.prefix, body.suffix or "", await _params(sv, body), owner=get_owner(request)))
+    return _answer(sv, t, bool(body.stream), own=True)
 
 
 # --- read --------------------------------------------------------------------------------------
@@ -121,9 +122,22 @@ async def list_tasks(
             param="prompt_contains",
             code="invalid_request",
         )
+    if prompt_contains is not None and "\ufffd" in prompt_contains and not _utf8_query(request):
+        # the query's bytes are not UTF-8 (read as U+FFFD): such a search would match prompts with U+FFFD
+        raise ApiError(422, "invalid 'prompt_contains': not UTF-8 once percent-decoded", param="prompt_contains",
+                       code="invalid_request")  # fmt: skip
     tm = task_manager(get_services(request))
     listed = tm.list(get_owner(request), limit=limit, offset=offset, kind=kind, prompt_contains=prompt_contains)
     return json_response(await task_call(listed))
+
+
+def _utf8_query(request: Request) -> bool:
+    """Whether the query string's percent-decoded bytes are UTF-8 (Starlette reads others as U+FFFD)."""
+    try:
+        parse_qsl(request.scope.get("query_string", b"").decode("latin-1"), encoding="utf-8", errors="strict")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 _READS = answers(401, 404, 422, 503)
@@ -155,7 +169,7 @@ async def fork(task_id: str, request: Request, body: UpdateBody | None = None, t
     sv, body = get_services(request), body or UpdateBody()
     tm = task_manager(sv)
     t = await task_call(tm.fork(task_id, await _params(sv, body), body.prompt, tmp=tmp, owner=get_owner(request)))
-    return _answer(sv, t, body.stream, own=True)
+    return _answer(sv, t, bool(body.stream), own=True)
 
 
 @router.post("/{task_id}/continue", responses=answers(401, 403, 404, 409, 413, 422, 429, 503, stream=True))
@@ -167,7 +181,8 @@ async def continue_task(
     t = await task_call(
         tm.continue_(task_id, await _params(sv, body), body.prompt, owner=get_owner(request), force=force)
     )
-    return _answer(sv, t, body.stream)
+    # a continue without a prompt extends the output: its stream starts where the output stood
+    return _answer(sv, t, bool(body.stream), pos=t.run_from)
 
 
 @router.post("/{task_id}/stop", responses=answers(401, 403, 404, 409, 413, 422, 503))

@@ -13,7 +13,8 @@ from server.api.sampling import SamplingFields, Text, TokenId, TokenIds
 class GenParams(SamplingFields):
     """Generation parameters (all optional; absent = the task's / the server's defaults)."""
 
-    stream: bool = False
+    stream: bool | None = None
+    """true: answer as SSE (null or absent: JSON)."""
     response_format: Annotated[
         dict[str, Any] | None,
         Field(
@@ -29,7 +30,8 @@ class CreateBody(GenParams):
 
 class FimBody(GenParams):
     prefix: str
-    suffix: str = ""
+    suffix: str | None = None
+    """null or absent: no suffix."""
 
 
 class UpdateBody(GenParams):
