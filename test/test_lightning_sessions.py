@@ -152,8 +152,10 @@ def test_bad_session_requests_change_nothing(c):
     assert status(c)["sessions"] == before["sessions"]
 
 
-def test_one_session_is_written_by_one_call_at_a_time(c, server):
-    body = {"session_id": "busy", "contents": [ASK], "max_tokens": 100_000, "stream": True, "chunk_size": 1, **GREEDY}
+def _while_running(server, session_id: str, check) -> None:
+    """check() while a streaming /state call on `session_id` generates; then that client leaves."""
+    body = {"session_id": session_id, "contents": [ASK], "max_tokens": 100_000, "stream": True, "chunk_size": 1,
+            **GREEDY}  # fmt: skip
     started, leave = threading.Event(), threading.Event()
 
     def read(r: httpx.Response) -> None:  # keeps reading (a client that stopped reading is gone)
@@ -168,21 +170,47 @@ def test_one_session_is_written_by_one_call_at_a_time(c, server):
         reader = threading.Thread(target=read, args=(r,), daemon=True)
         reader.start()
         assert started.wait(60)
+        try:
+            check()
+        finally:
+            leave.set()
+            reader.join(60)
+    for _ in range(100):  # the client left: its run stops
+        if _running(server) == 0:
+            break
+        threading.Event().wait(0.1)
+
+
+def _running(server) -> int:
+    return httpx.get(server.url + "/health").json()["running"]
+
+
+def test_one_session_is_written_by_one_call_at_a_time(c, server):
+    def second_call() -> None:
         second = c.post("/state/chat/completions", json={"session_id": "busy", "contents": ["more"]})
         assert second.status_code == 409, second.text
         err = second.json()["error"]  # named by the session, not by the task under it
         assert err["param"] == "session_id" and "session 'busy' is busy" in err["message"], err
         assert "TASK_" not in err["message"]
-        leave.set()
-        reader.join(60)
+
+    _while_running(server, "busy", second_call)
     # the streaming client left: its run stopped, and the session goes on from what it generated
-    # (a call while that run still settles waits for it)
-    for _ in range(100):
-        if c.get("/health").json()["running"] == 0:
-            break
-        threading.Event().wait(0.1)
     assert state(c, "busy", "User: ok\n\nAssistant:")["choices"]
     idle(c)
+
+
+def test_a_branch_from_a_generating_node_names_the_node(c, server):
+    node = state(c, "gen", ASK, path="/multi_state/chat/completions", dialogue_idx=0)["dialogue_idx"]
+
+    def branch() -> None:
+        r = c.post("/multi_state/chat/completions", json={"session_id": "gen", "dialogue_idx": node, "contents": ["b"]})
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]  # the branch only reads that node: the session is not what is busy
+        assert err["param"] == "session_id" and f"node gen:{node} is generating" in err["message"], err
+
+    _while_running(server, f"gen:{node}", branch)
+    idle(c)
+    assert state(c, "gen", "User: b\n\nAssistant:", path="/multi_state/chat/completions", dialogue_idx=node)
 
 
 def test_sessions_survive_a_restart(tmp_path):

@@ -25,11 +25,6 @@ class LightningError(ApiError):
 
 
 def bsz_overflow(requested: int, bound: int) -> LightningError:
-    """lightning's answer to a batch larger than it can hold (its message, then why)."""
-    return LightningError(
-        400,
-        f"bsz overflow, Max bsz={bound} (a request's prompts all wait in the engine's queue, which "
-        f"holds at most {bound} sequences: the server's max_queue)",
-        request_bsz=requested,
-        max_bsz=bound,
-    )
+    """lightning's answer to a batch larger than it can hold, in its words exactly (clients match
+    the text); the bound is the server's max_queue: a request's prompts all wait in that queue."""
+    return LightningError(400, f"bsz overflow, Max bsz={bound}", request_bsz=requested, max_bsz=bound)

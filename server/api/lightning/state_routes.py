@@ -42,18 +42,20 @@ LIGHTNING_NAMES = {"prompt": "contents", **OUR_NAMES}
 T = TypeVar("T")
 
 
-async def _tasks(aw: Awaitable[T], session: str | None = None) -> T:
+async def _tasks(aw: Awaitable[T], session: str | None = None, busy: str | None = None) -> T:
     """A session operation of the task layer, its errors as docs/lightning.md promises: a bad
     value is a 400 naming lightning's field (the task API answers 422 `invalid_task_request`,
     lightning's routes 400 `invalid_request`, as for any bad field); the rest keep their status
     and code (404, 409, 413, 429, 503), a 413 worded as the batch routes' and a running session
-    (409) named by its `session_id`, not by the task under it."""
+    (409) named by its `session_id` (or `busy`, the message of a call that only reads the running
+    task), not by the task under it."""
     try:
         return await task_call(_contents_named(aw))
     except ApiError as exc:
         exc.param = LIGHTNING_NAMES.get(exc.param or "", exc.param)
         if exc.status == 409 and exc.code == "task_conflict" and session is not None:
-            exc.message = f"session {session!r} is busy: one call at a time writes to a session; retry once it ends"
+            one_writer = f"session {session!r} is busy: one call at a time writes to a session; retry once it ends"
+            exc.message = busy or one_writer
             exc.param = "session_id"
         if exc.status != 422:
             raise
@@ -145,7 +147,9 @@ async def multi_state_chat(body: MultiStateBody, request: Request) -> Response:
     if idx < 0:  # never a node's number (lightning looks it up, and finds nothing)
         raise LightningError(404, f"State not found for dialogue_idx={idx}")
     try:
-        t, new = await _tasks(Sessions.of(task_manager(sv)).branch(owner, sid, idx, prompt, fields), session=sid)
+        busy = f"node {sid}:{idx} is generating: a branch starts from its state once that call ends; retry then"
+        branch = Sessions.of(task_manager(sv)).branch(owner, sid, idx, prompt, fields)
+        t, new = await _tasks(branch, session=sid, busy=busy)
     except SessionNotFound as exc:
         raise LightningError(404, str(exc)) from None
     except NameTooLong as exc:
