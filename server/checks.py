@@ -128,7 +128,7 @@ def choices_problem(settings: Settings) -> str | None:
 
 def state_files_problem(settings: Settings) -> str | None:
     """Why a --state / RWKV_STATES entry cannot be loaded, found before loading (one line), or None."""
-    from server.tasks.imports import NAME
+    from server.tasks.imports import name_issue
 
     try:
         specs = settings.state_files()
@@ -138,9 +138,8 @@ def state_files_problem(settings: Settings) -> str | None:
     for name, path in specs:
         if names.count(name) > 1:
             return f"--state {name}: given more than once"
-        if not NAME.fullmatch(name):
-            return (f"--state {name}={path}: the name must be 1-64 letters, digits, '_', '-', '.', starting "
-                    "with a letter or digit (no path separators)")  # fmt: skip
+        if issue := name_issue(name, new=True):
+            return f"--state {name}={path}: the name: {issue}"
         if not os.path.isfile(path):
             return f"--state {name}={path}: {'is a folder' if os.path.isdir(path) else 'no such file'}"
         if why := unreadable(path):

@@ -141,6 +141,7 @@ def test_state_settings_and_their_checks_before_start(tmp_path):
     assert "given more than once" in state_files_problem(Settings(states=f"a={f},a={f}"))
     assert "no path separators" in state_files_problem(Settings(states=f"x/y={f}"))
     assert "no such file" in state_files_problem(Settings(states="a=/nonexistent.pth"))
+    assert "unnamed template" in state_files_problem(Settings(states=f"TMPL_{'ab' * 16}={f}"))
     assert "not NAME=PATH" in state_files_problem(Settings(states="justapath.pth"))
 
 
@@ -321,6 +322,7 @@ def test_bad_uploads_are_refused_and_nothing_is_stored(server, tmp_path):
     _error(httpx.post(server.url + "/v1/states/tuned", content=_bytes(random_state_dict())), 409, "already exists")
     _error(httpx.post(server.url + "/v1/states/a%2Fb", content=b"x"), 422, "no path separators")
     _error(httpx.post(server.url + "/v1/states/.hidden", content=b"x"), 422, "state name")
+    _error(httpx.post(server.url + "/v1/states/TMPL_" + "0" * 32, content=b"x"), 422, "unnamed template")
     _error(httpx.post(server.url + "/v1/states/empty", content=b""), 422, "empty body")
     _error(httpx.post(server.url + "/v1/states/form", files={"file": ("s.pth", b"abc")}), 415, "raw request body")
     long = write_state_file(State.zeros(SHAPE, 1), pending=[5] * 65_537, meta={"signature": SHAPE.signature()})

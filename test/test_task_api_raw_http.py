@@ -158,6 +158,8 @@ def test_status_codes_and_error_shapes(http):
     tpl = http.post(f"/{tid}/as_template", params={"name": "named-1"}, json={}).json()["task_id"]
     assert tpl == "_named-1" and http.post(f"/{tid}/as_template", params={"name": "named-1"}).status_code == 409
     assert http.post(f"/{tid}/as_template", params={"name": "bad name!"}).status_code == 422
+    auto = http.post(f"/{tid}/as_template", params={"name": "TMPL_" + "0a" * 16})  # an unnamed template's form
+    assert auto.status_code == 422 and "unnamed template" in auto.json()["error"]["message"], auto.text
     r = http.post(f"/{tpl}/continue", json={"max_tokens": 1})
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
     assert http.post(f"/{tpl}/delete", params={"force": "true"}, json={}).json()["task_id"] == tpl

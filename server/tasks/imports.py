@@ -42,20 +42,28 @@ STATE_OPERATOR = STATE_ORIGIN + "operator"
 """parent_id of a template loaded by the operator at start (`--state`): public, replaced at each start."""
 STATE_UPLOAD = STATE_ORIGIN + "upload"
 """parent_id of a template made from an uploaded state file (owned by the uploading API key)."""
-__all__ = ["STATE_OPERATOR", "STATE_UPLOAD", "check_name", "is_state_only", "template_from_state"]
+__all__ = ["STATE_OPERATOR", "STATE_UPLOAD", "check_name", "is_state_only", "name_issue", "template_from_state"]
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 """Template names (the same rule as `as_template`'s): no path separators, no leading dot."""
+AUTO_NAME = re.compile(r"TMPL_[0-9a-f]{32}")
+"""The form of an unnamed template's id (`_TMPL_<32 hex>`): no name may take it."""
 
 
-def check_name(name: str) -> str:
-    """The template id `_<name>`; TaskInvalid for a name that is not 1-64 of letters, digits, '_',
-    '-', '.' (starting with a letter or digit)."""
+def name_issue(name: str, new: bool = False) -> str | None:
+    """Why `name` cannot name a template (None: it can); `new`: a template to be made, which may
+    not take an unnamed template's form (a lookup may: `"state": "TMPL_<hex>"` finds that one)."""
     if not NAME.fullmatch(name):
-        raise TaskInvalid(
-            f"state name {name!r}: use 1-64 letters, digits, '_', '-', '.' (starting with a "
-            "letter or digit; no path separators)",
-            param="name",
-        )
+        return "use 1-64 letters, digits, '_', '-', '.' (starting with a letter or digit; no path separators)"
+    if new and AUTO_NAME.fullmatch(name):
+        return "TMPL_ and 32 hex digits is the form of an unnamed template's id"
+    return None
+
+
+def check_name(name: str, new: bool = False) -> str:
+    """The template id `_<name>`; TaskInvalid for a name name_issue refuses."""
+    issue = name_issue(name, new)
+    if issue is not None:
+        raise TaskInvalid(f"state name {name!r}: {issue}", param="name")
     return new_id(TEMPLATE, name)
 
 
@@ -75,7 +83,7 @@ async def template_from_state(
     operator=True: a start-up template (public, owner None); one of the same name made by an
     earlier start is replaced. Otherwise it belongs to `owner`. TaskConflict when the name is
     taken (by any other template), TaskInvalid for a bad name or token id."""
-    check_name(name)
+    check_name(name, new=True)
     oid = None if operator else tm.owner_id(owner)
     tid = new_id(TEMPLATE, name, oid)  # public when made by the operator or without keys; else `_name@key`
     bad = next((t for t in pending if not 0 <= int(t) < tm.vocab_size), None)

@@ -25,7 +25,7 @@ from server.tasks.cache import StateCache
 from server.tasks.claims import drop_claim, settle_claim
 from server.tasks.codec import encode_state
 from server.tasks.errors import TaskConflict, TaskInvalid
-from server.tasks.imports import NAME
+from server.tasks.imports import name_issue
 from server.tasks.lineage import base_of
 from server.tasks.output import Output
 from server.tasks.persist import Persistence
@@ -43,8 +43,9 @@ log = logging.getLogger("server.tasks")
 
 def check_name(name: str | None) -> None:
     """TaskInvalid unless `name` (None: none given) may name a template."""
-    if name is not None and not NAME.fullmatch(name):
-        raise TaskInvalid("template name: 1-64 of letters, digits, '_', '-', '.'", param="name")
+    issue = None if name is None else name_issue(name, new=True)
+    if issue is not None:
+        raise TaskInvalid(f"template name: {issue}", param="name")
 
 
 class TemplateAccess(Protocol):

@@ -66,9 +66,9 @@ MAX_PENDING_HEADER = 1024
 """Pending token ids listed in the export's X-RWKV-Pending-Tokens header (beyond: count only)."""
 
 
-def _template_id(name: str) -> str:
+def _template_id(name: str, new: bool = False) -> str:
     try:
-        return check_name(name)
+        return check_name(name, new)
     except TaskError as exc:
         raise ApiError(422, exc.message, param="name", code="invalid_state_name") from None
 
@@ -112,7 +112,7 @@ async def upload_state(name: str, request: Request) -> Response:
     `curl --data-binary @state.pth`): a tuned state, or an export of this or another server."""
     sv = get_services(request)
     tm = task_manager(sv)
-    tid = _template_id(name)
+    tid = _template_id(name, new=True)
     if (request.headers.get("content-type") or "").lower().startswith("multipart/"):
         raise ApiError(
             415,
