@@ -217,8 +217,8 @@ _BIND_HINTS = {
 def database_problem(db: str) -> str | None:
     """Why the task database `db` cannot be opened, as far as it can be told without opening it
     (one line naming --db with its password hidden), or None: an empty value, an unsupported URL
-    scheme, the asyncpg driver missing for PostgreSQL, a SQLite path that names a folder or cannot
-    be created (database_open_problem opens it)."""
+    scheme, the asyncpg driver missing for PostgreSQL, a URL query option asyncpg has no use for,
+    a SQLite path that names a folder or cannot be created (database_open_problem opens it)."""
     shown = redact_url(db)
     if not db.strip():  # (SQLite would take it for a database in memory, lost at exit)
         return "--db '': empty; give a SQLite file path or a database URL (sqlite:// for one in memory, not kept)"
@@ -231,7 +231,9 @@ def database_problem(db: str) -> str | None:
     if scheme.startswith("postgres"):
         if importlib.util.find_spec("asyncpg") is None:
             return f"--db {shown}: PostgreSQL needs the asyncpg driver: pip install asyncpg"
-        return None
+        from server.tasks.pgconnect import query_problem  # libpq's options (sslmode=...) as asyncpg's
+
+        return None if (why := query_problem(db)) is None else f"--db {shown}: {why}"
     path = rest.split("?", 1)[0][1:]  # sqlite:///rel/path, sqlite:////abs/path; sqlite:// is in memory
     return None if path in ("", ":memory:") else sqlite_path_problem(path, shown, make_folders=False)
 

@@ -1,16 +1,17 @@
-"""The database connection of the task store: URLs, SQLite set-up, the write lock, and the
-mapping of transient database errors to TaskUnavailable (HTTP 503, retryable).
+"""The database connection of the task store: URLs, SQLite set-up, the write lock; the mapping of
+transient database errors to TaskUnavailable (HTTP 503, retryable): server/tasks/dbfaults.py.
 
 SQLite runs in WAL mode with synchronous=FULL: a commit that returned is on disk even after a
 power loss. Every write transaction begins IMMEDIATE: it takes the write lock first, waiting up
 to the busy timeout for another process (a replica on the same file), instead of failing at its
 first write. Writes in one process are serialized by one lock; reads run concurrently.
+PostgreSQL's waits are bounded by the same busy timeout (server/tasks/pgconnect.py says which
+bound applies where); a wait beyond it is TaskUnavailable too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import random
@@ -25,8 +26,10 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
-from server.tasks import migrate
-from server.tasks.errors import TaskError, TaskUnavailable
+from server.tasks import migrate, pgconnect
+from server.tasks.dbfaults import DamagedPage, DatabaseDamaged, _locked, _said, damaged, unavailable
+
+__all__ = ["DamagedPage", "Database", "DatabaseDamaged", "damaged", "database_url", "read_every_tree", "unavailable"]
 
 log = logging.getLogger("server.tasks.store")
 
@@ -74,89 +77,6 @@ def _sqlite_setup(engine: AsyncEngine, busy_ms: int) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-_BUSY = ("database is locked", "database table is locked", "database is busy")
-_FULL = ("database or disk is full", "no space left")
-_IO = ("disk i/o error", "readonly database", "unable to open database file")
-"""SQLite's words for a file it cannot write now (a failing or remounted disk, permissions taken
-away); PostgreSQL's: SQLSTATE class 58 (system errors: I/O) and 25006 (a read-only transaction:
-a standby after a failover)."""
-_PG_BUSY = {"55P03", "40P01", "40001"}  # lock not available, deadlock, serialization failure
-_PG_FULL = {"53100"}
-
-
-def _locked(exc: BaseException) -> bool:
-    return isinstance(exc, sa.exc.DBAPIError) and any(m in str(exc.orig).lower() for m in _BUSY)
-
-
-def unavailable(exc: BaseException) -> TaskUnavailable | None:
-    """The retryable TaskUnavailable a database error means (None: not a transient one): locked
-    beyond the busy timeout, a full disk, unreachable, or a file it cannot write now."""
-    if isinstance(exc, TaskError):
-        return None
-    if isinstance(exc, OSError):
-        if exc.errno == errno.ENOSPC:
-            return TaskUnavailable("the task database's disk is full; nothing was stored, retry later")
-        return TaskUnavailable(f"the task database is unreachable ({exc}); retry later")
-    if not isinstance(exc, sa.exc.DBAPIError):
-        return None
-    orig = exc.orig
-    msg, state = str(orig).lower(), getattr(orig, "sqlstate", None) or ""
-    if any(m in msg for m in _BUSY) or state in _PG_BUSY:
-        return TaskUnavailable(
-            "the task database is locked by another writer beyond the busy timeout; nothing was stored, retry shortly"
-        )
-    if any(m in msg for m in _FULL) or state in _PG_FULL:
-        return TaskUnavailable("the task database's disk is full; nothing was stored, retry later")
-    if exc.connection_invalidated or state[:2] in ("08", "57", "53"):
-        return TaskUnavailable("the task database is unreachable; retry later")
-    if any(m in msg for m in _IO) or state[:2] == "58" or state == "25006":
-        why = msg.splitlines()[0] if msg else state
-        return TaskUnavailable(f"the task database cannot be written now ({why}); nothing was stored, retry later")
-    return None
-
-
-_DAMAGED = ("malformed", "file is not a database", "database corrupt")
-
-
-def damaged(exc: BaseException) -> bool:
-    """A file that is not a valid database (truncated, overwritten), or a page found damaged (DamagedPage)."""
-    if isinstance(exc, DamagedPage):
-        return True
-    return isinstance(exc, sa.exc.DatabaseError) and any(m in str(exc.orig).lower() for m in _DAMAGED)
-
-
-def _why(exc: BaseException) -> str:
-    """The driver's first line for a database error (not SQLAlchemy's dump of the SQL)."""
-    return (str(getattr(exc, "orig", None) or exc).strip() or type(exc).__name__).splitlines()[0]
-
-
-def _said(url: str, exc: BaseException, then: str) -> str:
-    """The line saying that the task database is damaged, `then`, and how to salvage it."""
-    path = url.split(":///", 1)[-1]
-    return (
-        f"the task database {path} is damaged ({_why(exc)}){then}restore it from a backup, or salvage what is "
-        f"readable with `sqlite3 {path} .recover | sqlite3 recovered.db` and start on recovered.db (tasks missing "
-        "there are lost; states missing there are rebuilt from their tasks' tokens)"
-    )
-
-
-class DatabaseDamaged(RuntimeError):
-    """The task database file is damaged; the server does not start on it."""
-
-    def __init__(self, url: str, exc: BaseException) -> None:
-        super().__init__(_said(url, exc, ": nothing was changed; "))
-
-
-class DamagedPage(TaskError):
-    """A page of the task database found damaged while serving: not transient (not retried as a
-    TaskUnavailable is), 503 without Retry-After; the log names the file, once (Database._task_errors)."""
-
-    status, code = 503, "database_unavailable"
-
-    def __init__(self, exc: BaseException) -> None:
-        super().__init__(f"the task database is damaged ({_why(exc)}); nothing was stored (the server's log says more)")
-
-
 def read_every_tree(conn: sa.Connection, url: str) -> None:
     """Read every page of each SQLite table's and index's b-tree in one read transaction, not the
     overflow pages of large values (a damaged state blob is rebuilt when read): a table by
@@ -191,16 +111,21 @@ class Database:
         self.revision: str = ""
         self._wlock = asyncio.Lock()
         self._damage_said = False  # (_task_errors)
+        self._lifted: dict[int, Any] = {}  # id(conn) -> its asyncpg connection, while allow() lifts its bound
 
     # --- life cycle ----------------------------------------------------------------------------
     async def open(self) -> None:
         """Connect, read the trees (SQLite: read_every_tree), migrate. A damaged SQLite file:
         DatabaseDamaged (one line naming the file and how to salvage it), nothing changed."""
-        kw: dict[str, Any] = {} if self.is_sqlite else {"pool_pre_ping": True}  # survives a server restart
+        url: Any = self.url
+        kw: dict[str, Any] = {}
+        if not self.is_sqlite:  # pre-ping: survives a server restart; the bounds: pgconnect
+            url, args = pgconnect.connect_args(self.url, self.busy_timeout)
+            kw = {"pool_pre_ping": True, "pool_timeout": self.busy_timeout, "connect_args": args}
         if self.url == "sqlite+aiosqlite://":
             kw = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
         try:
-            self.engine = create_async_engine(self.url, **kw)
+            self.engine = create_async_engine(url, **kw)
         except ModuleNotFoundError as exc:  # e.g. postgresql:// without asyncpg installed
             raise RuntimeError(
                 f"the task database {self.url.split('://')[0]}:// needs the {exc.name} "
@@ -236,8 +161,9 @@ class Database:
                     async with self.engine.connect() as conn:
                         await conn.run_sync(read_every_tree, self.url)
                     read = True
-                async with self.engine.connect() as conn:
+                async with self._connect_at_open() as conn:
                     conn = await conn.execution_options(sqlite_immediate=True)
+                    await self.allow(conn, seconds=pgconnect.MIGRATION_STATEMENT_S)
                     async with conn.begin():
                         self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
                 return
@@ -247,10 +173,35 @@ class Database:
                 log.info("task database %s is locked by another process opening it; retrying", self.url)
                 await asyncio.sleep(0.05 + random.random() * 0.2)
 
+    @asynccontextmanager
+    async def _connect_at_open(self) -> AsyncIterator[AsyncConnection]:
+        """The first connection; a PostgreSQL server that does not answer in time: TimeoutError
+        saying where and for how long (asyncpg's own names neither)."""
+        assert self.engine is not None
+        conn = self.engine.connect()
+        try:
+            await conn.start()
+        except (TimeoutError, asyncio.TimeoutError):
+            if self.is_sqlite:
+                raise
+            raise pgconnect.connect_timed_out(self.url, self.busy_timeout) from None
+        try:
+            yield conn
+        finally:
+            self._restore(conn)
+            await conn.close()
+
     async def close(self) -> None:
-        if self.engine is not None:
-            await self.engine.dispose()
-            self.engine = None
+        """Dispose of the connections; a PostgreSQL server that does not answer (frozen) is
+        given busy_timeout in all, then its connections are dropped unclosed (nothing is lost:
+        a transaction not committed is rolled back by the server)."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        try:
+            await asyncio.wait_for(engine.dispose(), None if self.is_sqlite else self.busy_timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            log.warning("the task database did not answer while its connections closed; dropped them")
 
     def _db(self) -> AsyncEngine:
         if self.engine is None:
@@ -263,14 +214,34 @@ class Database:
         (SQLite: BEGIN IMMEDIATE). Errors: _task_errors (TaskUnavailable, DamagedPage)."""
         async with self._wlock, self._task_errors(), self._db().connect() as conn:
             conn = await conn.execution_options(sqlite_immediate=True)
-            async with conn.begin():
-                yield conn
+            try:
+                async with conn.begin():
+                    yield conn
+            finally:
+                self._restore(conn)
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """`async with store.read() as conn`: a pooled connection for queries (errors: write's)."""
         async with self._task_errors(), self._db().connect() as conn:
-            yield conn
+            try:
+                yield conn
+            finally:
+                self._restore(conn)
+
+    async def allow(self, conn: AsyncConnection, *, written: int = 0, dropped: int = 0, seconds: float = 0) -> None:
+        """Lift the time bound of the next statements of `conn` (in a block of write or read)
+        for `written` bytes sent, `dropped` bytes of states deleted, or to `seconds` at least,
+        until the block ends (pgconnect's doc says why). SQLite: nothing (no such bound)."""
+        if not self.is_sqlite:
+            bound = pgconnect.statement_bound(self.busy_timeout, written=written, dropped=dropped)
+            raw = await pgconnect.set_bound(conn, max(seconds, bound))
+            if raw is not None:
+                self._lifted[id(conn)] = raw
+
+    def _restore(self, conn: AsyncConnection) -> None:
+        if (raw := self._lifted.pop(id(conn), None)) is not None:
+            pgconnect.reset_bound(raw, pgconnect.statement_bound(self.busy_timeout))
 
     @asynccontextmanager
     async def _task_errors(self) -> AsyncIterator[None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,6 +29,7 @@ from server.tasks.records import RUNNING, TEMPLATE, TMP, Task, to_row, update_ro
 from server.tasks.statereads import StateReads
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import RowHeld, TagTaken
+from server.tasks.writer import UNAVAILABLE_LOG_S
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -61,6 +63,7 @@ class SettleJob:
     """Shown on the task after the commit (None: nothing to show)."""
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     attempts: int = 0
+    said: float | None = None  # time.monotonic() of the last line saying it could not be committed
 
 
 class Persistence:
@@ -230,11 +233,11 @@ class Persistence:
         job.attempts += 1
         t = job.task
         if isinstance(exc, TaskUnavailable):
-            log.warning(
-                "task %s: its final row could not be committed (%s); retrying, the task shows as running until then",
-                t.id,
-                exc.message,
-            )
+            now = time.monotonic()  # said the first time, then at most every UNAVAILABLE_LOG_S
+            if job.said is None or now - job.said >= UNAVAILABLE_LOG_S:
+                job.said = now
+                log.warning("task %s: its final row could not be committed (%s; attempt %d); retrying, the task "
+                            "shows as running until then", t.id, exc.message, job.attempts)  # fmt: skip
             self._retries[id(job)] = asyncio.get_running_loop().call_later(
                 min(RETRY_MAX_S, 0.05 * 2**job.attempts), self._retry_settle, job
             )

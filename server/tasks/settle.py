@@ -34,7 +34,7 @@ from server.tasks.records import FINISHED, TEMPLATE, TMP, Run, Task, update_row
 if TYPE_CHECKING:
     from server.model.state import State
 
-__all__ = ["SettlePersistence", "Settler"]
+__all__ = ["SettlePersistence", "Settler", "say_shutdown"]
 
 log = logging.getLogger("server.tasks")
 
@@ -106,6 +106,30 @@ class Settler:
             self.cache.put(key, state, tmp=True)
         else:
             self.cache.pin(key, state)  # until written behind (or dropped: Persistence unpins)
+
+
+def say_shutdown(ended: list[Task]) -> None:
+    """The shutdown's lines on the runs it ended, once their final rows were written (or not: a
+    persistent task still running here has a final row that could not be committed, the database
+    being unavailable; it is named, never counted as kept)."""
+    lost = sorted(t.id for t in ended if t.kind != TMP and t.running)
+    kept = sum(1 for t in ended if t.kind != TMP) - len(lost)
+    log.info(
+        "shutting down: %d running task(s) end as interrupted (%d stored: text and state kept, POST "
+        "/v1/tasks/{id}/continue goes on after a restart; %d not stored; %d temporary: gone)",
+        len(ended),
+        kept,
+        len(lost),
+        sum(1 for t in ended if t.kind == TMP),
+    )
+    if lost:
+        log.warning(
+            "shutting down: the final rows of %d task(s) could not be committed (the task database is unavailable); "
+            "their stored rows read running, with the text of their last progress row, until a server of this "
+            "database marks them interrupted at its start: %s",
+            len(lost),
+            ", ".join(lost[:50]) + (f" and {len(lost) - 50} more" if len(lost) > 50 else ""),
+        )
 
 
 def _covered(t: Task, run: Run, res: Result | None) -> int | None:

@@ -54,6 +54,7 @@ class StateStore:
             cur = (await conn.execute(q)).first()
             if cur is None or (cur.state_id is not None and cur.state_pos > pos):
                 return False, 0
+            await self.db.allow(conn, written=len(state["data"]))  # a blob of megabytes: more time (pgconnect)
             await conn.execute(INSERT_STATE, state)
             await conn.execute(
                 sa.update(tasks).where(tasks.c.id == task_id).values(state_id=state["id"], state_pos=pos)
@@ -110,6 +111,7 @@ class StateStore:
             if total <= budget:
                 return [], total
             victims: list[str] = []
+            before = total
             prefer = set(prefer)
             rows = (
                 await conn.execute(
@@ -123,6 +125,7 @@ class StateStore:
                     continue
                 victims.append(r.id)
                 total -= int(r.nbytes)
+            await self.db.allow(conn, dropped=before - total)  # their blobs' pages deleted: more time (pgconnect)
             for i in range(0, len(victims), _CHUNK):
                 part = victims[i : i + _CHUNK]
                 await conn.execute(sa.delete(states).where(states.c.id.in_(part)))

@@ -79,7 +79,7 @@ class Store(Database):
         states in `drop_states` that no task references any more. Returns the non-template
         state bytes dropped."""
         async with self.write() as conn:
-            return await _save_one(conn, task_row, state, drop_states)
+            return await _save_one(self, conn, task_row, state, drop_states)
 
     async def save_each(
         self, items: AsyncIterator[tuple[dict[str, Any] | None, dict[str, Any] | None, Iterable[str]]]
@@ -89,7 +89,7 @@ class Store(Database):
         dropped = 0
         async with self.write() as conn:
             async for task_row, state, drop_states in items:
-                dropped += await _save_one(conn, task_row, state, drop_states)
+                dropped += await _save_one(self, conn, task_row, state, drop_states)
         return dropped
 
     async def insert_new(self, task_row: dict[str, Any], state: dict[str, Any] | None = None) -> bool:
@@ -108,6 +108,7 @@ class Store(Database):
                     return False
                 await name_free(conn, task_row)
                 if state is not None and not await has_state(conn, state["id"], state["checksum"]):
+                    await self.allow(conn, written=len(state["data"]))  # (a state file's blob)
                     await conn.execute(INSERT_STATE, state)
                 await conn.execute(sa.insert(tasks), [task_row])
         except sa.exc.IntegrityError:  # inserted by another server since the check
@@ -256,9 +257,14 @@ async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
 
 
 async def _save_one(
-    conn: AsyncConnection, task_row: dict[str, Any] | None, state: dict[str, Any] | None, drop_states: Iterable[str]
+    db: Database,
+    conn: AsyncConnection,
+    task_row: dict[str, Any] | None,
+    state: dict[str, Any] | None,
+    drop_states: Iterable[str],
 ) -> int:
     if state is not None:
+        await db.allow(conn, written=len(state["data"]))  # a blob of megabytes: more time (pgconnect)
         await conn.execute(INSERT_STATE, state)
     if task_row is not None:
         await _upsert_rows(conn, [task_row])

@@ -121,7 +121,7 @@ async def upload_state(name: str, request: Request) -> Response:
             code="unsupported_media_type",
             type="invalid_request_error",
         )
-    if await _exists(tm, tid, get_owner(request)):  # before reading a large body
+    if await task_call(_exists(tm, tid, get_owner(request))):  # before reading a large body (503: the database's)
         raise ApiError(
             409,
             f"template {tid!r} already exists; delete it first or pick another name",

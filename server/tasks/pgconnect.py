@@ -1,0 +1,128 @@
+"""PostgreSQL connection options of the task store (split from server/tasks/database.py for size):
+the libpq query options of a URL translated for asyncpg, and the time bounds of every wait on
+the database, all from one setting, db_busy_timeout (B, 30 s by default).
+
+Which bound applies where:
+  - connecting (asyncpg `timeout`; a listener that accepts and never answers): B, or the URL's
+    libpq `connect_timeout`;
+  - a pooled connection, when all are in use (SQLAlchemy `pool_timeout`): B;
+  - a statement waiting for another transaction's lock (PostgreSQL's `lock_timeout`, server
+    side: a `LOCK TABLE`, a row another server writes): B, as SQLite's busy timeout. It fails
+    with SQLSTATE 55P03 and leaves the connection usable;
+  - a statement the server does not answer at all (asyncpg `command_timeout`, client side: a
+    frozen or cut-off server): B + a slack (B, at most STATEMENT_SLACK_S), so that a lock wait
+    ends by the server's own lock_timeout first. This bound counts a statement's whole time,
+    not its waits only, so a statement that moves much data is given more (Database.allow): a
+    state blob written (B + slack + its bytes at WRITE_BYTES_PER_S: 21 MB, +5 s), the states
+    the byte budget drops (their bytes at DROP_BYTES_PER_S), a schema migration at start
+    (MIGRATION_STATEMENT_S). (PostgreSQL's statement_timeout is not set: it would cut those.)
+A timed-out statement or connection is TaskUnavailable (503 with Retry-After), as SQLite's busy
+timeout is. A request thus waits about B + slack for one statement (a pooled connection is
+pinged first, and one found dead replaced: up to about twice that), or behind a write ahead of
+it in the writer's queue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+STATEMENT_SLACK_S = 5.0
+WRITE_BYTES_PER_S = 4 * 2**20  # the slowest link a state blob is expected to cross
+DROP_BYTES_PER_S = 256 * 2**20  # a deleted state's TOAST chunks, marked dead by the server
+MIGRATION_STATEMENT_S = 600.0  # a migration may rewrite a table of states
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+_KWARGS = {"host", "port", "user", "password", "passfile", "database", "target_session_attrs", "krbsrvname", "gsslib",
+           "prepared_statement_cache_size"}  # fmt: skip
+"""Query options SQLAlchemy hands asyncpg.connect as they are (its own keyword arguments)."""
+_DSN = {"sslrootcert", "sslcert", "sslkey", "sslcrl", "sslpassword", "ssl_min_protocol_version",
+        "ssl_max_protocol_version"}  # fmt: skip
+"""libpq's TLS file options, which asyncpg reads from a DSN's query (only there)."""
+SUPPORTED = sorted(_KWARGS | _DSN | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout"})
+
+
+def query_problem(url: str) -> str | None:
+    """Why a PostgreSQL URL's query cannot be used (one line, naming the option), or None."""
+    try:
+        connect_args(url, 1.0)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
+    """(the URL without the options moved, asyncpg's connect arguments): the time bounds (the
+    module's doc) and the URL's libpq options: `sslmode` (or asyncpg's `ssl`, same values) as
+    asyncpg's `ssl`, `dbname` as `database`, `application_name` as a server setting,
+    `connect_timeout` (seconds) as the connect timeout, the TLS file options through a DSN.
+    ValueError (one line) for any other option, or a value out of range."""
+    u = make_url(url)
+    connect_s = busy_timeout
+    settings = {"lock_timeout": str(max(1, round(busy_timeout * 1000)))}  # (ms)
+    args: dict[str, Any] = {}
+    dsn: dict[str, str] = {}
+    moved = []
+    for name, raw in u.query.items():
+        value = raw[-1] if isinstance(raw, tuple) else raw
+        if name in _KWARGS:
+            continue
+        moved.append(name)
+        if name in ("sslmode", "ssl"):
+            if value not in SSL_MODES:
+                raise ValueError(f"?{name}={value}: use one of {', '.join(SSL_MODES)}")
+            args["ssl"] = value
+        elif name in _DSN:
+            dsn[name] = value
+        elif name == "dbname":
+            u = u.set(database=value)
+        elif name == "application_name":
+            settings["application_name"] = value
+        elif name == "connect_timeout":
+            try:
+                connect_s = float(value)
+            except ValueError:
+                connect_s = 0.0
+            if not 0 < connect_s < float("inf"):
+                raise ValueError(f"?connect_timeout={value}: must be a number of seconds above 0")
+        else:
+            raise ValueError(f"unsupported option {name!r} in the URL's query (supported: {', '.join(SUPPORTED)})")
+    if dsn:
+        args["dsn"] = "postgresql://?" + urlencode(dsn)
+    args.update(timeout=connect_s, command_timeout=statement_bound(busy_timeout), server_settings=settings)
+    return u.difference_update_query(moved), args
+
+
+def statement_bound(busy_timeout: float, *, written: int = 0, dropped: int = 0) -> float:
+    """Seconds a statement may take before it is abandoned (the module's doc)."""
+    slack = min(STATEMENT_SLACK_S, busy_timeout)
+    return busy_timeout + slack + written / WRITE_BYTES_PER_S + dropped / DROP_BYTES_PER_S
+
+
+async def set_bound(conn: AsyncConnection, seconds: float) -> Any:
+    """Set the time bound of the statements of `conn` (its asyncpg connection's default: SQLAlchemy
+    passes asyncpg no per-statement timeout); returns that connection, or None where this asyncpg
+    keeps its defaults elsewhere (the usual bound then stays)."""
+    raw = (await conn.get_raw_connection()).driver_connection
+    return raw if reset_bound(raw, seconds) else None
+
+
+def reset_bound(raw: Any, seconds: float) -> bool:
+    cfg = getattr(raw, "_config", None)  # asyncpg's ConnectionConfiguration, a named tuple
+    if cfg is None or not hasattr(cfg, "_replace") or not hasattr(cfg, "command_timeout"):
+        return False
+    raw._config = cfg._replace(command_timeout=seconds)
+    return True
+
+
+def connect_timed_out(url: str, busy_timeout: float) -> TimeoutError:
+    """The error of a connection attempt that timed out (asyncpg's says nothing): where to, and
+    after how long."""
+    u, args = connect_args(url, busy_timeout)
+    return TimeoutError(
+        f"connecting to {u.host or 'localhost'}:{u.port or 5432} timed out after {args['timeout']:g} s (the "
+        "server accepts no connection or does not answer; --db-busy-timeout bounds the wait)"
+    )
