@@ -131,6 +131,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"rwkv-server: {problem}", file=sys.stderr)
         return 2
+    from server.tasks.lease import name_problem
+
+    problem = name_problem(settings)  # a live server under this --instance-name: refused
+    if problem is not None:
+        print(f"rwkv-server: {problem}", file=sys.stderr)
+        return 2
     from server.api.app import create_app
 
     log = logging.getLogger("server.cli")

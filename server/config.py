@@ -51,7 +51,8 @@ class Settings:
     # --- model -------------------------------------------------------------------------------
     model: str = ""
     """Checkpoint: a path to an RWKV-7 .pth file or `synthetic:<preset>[:seed]` (presets tiny,
-    0.1b, 0.4b, 1.5b, 2.9b, 7.2b). Empty: `synthetic:tiny` (random weights, random outputs)."""
+    0.1b, 0.4b, 1.5b, 2.9b, 7.2b; or a shape, `L<layers>-C<width>[-V<vocab>]`). Empty:
+    `synthetic:tiny` (random weights, random outputs)."""
     device: str = "auto"
     """Torch device: `cpu`, `cuda`, `cuda:1`, or `auto` (cuda when available, else cpu)."""
     devices: str = ""
@@ -145,15 +146,19 @@ class Settings:
     `fp16` (an fp32 WKV state down-cast: half the bytes, but a continuation from it is not exactly
     the one the model computed; docs/deployment.md)."""
     db_busy_timeout: float = 30.0
-    """Seconds a SQLite write waits for another process's lock (a replica on the same file)
-    before the request answers 503 with Retry-After."""
+    """Seconds a request waits on the task database before it answers 503 with Retry-After:
+    SQLite, for another process's write lock (a replica on the same file); PostgreSQL, to
+    connect, for another transaction's lock, or for a statement's answer (plus a slack of up to
+    5 s, more for a state written: docs/deployment.md)."""
 
     # --- replicas ----------------------------------------------------------------------------
     instance_name: str = ""
     """This server's name among the servers sharing one database; empty: `<hostname>:<port>`
-    (`<hostname>/<host>:<port>` when --host is one address, not 0.0.0.0), the same across
-    restarts, so a restarted server takes its own running tasks back (with `--port 0` a name of
-    its own each start; docs/deployment.md)."""
+    (`<hostname>/<host>:<port>` when --host is one address, not 0.0.0.0; with `--port 0` a name
+    of its own each start), the same across restarts. A restart marks interrupted the tasks its
+    earlier run left running (clients continue them). A start under a given name that a live
+    server uses is refused (status 2); one a crashed server left is taken once its lease
+    expires, up to --lease-timeout later (docs/deployment.md)."""
     public_url: str = ""
     """The URL clients reach this server at (behind a load balancer: its own address); named in
     the 409 that another replica answers for a task running here."""

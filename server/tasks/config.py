@@ -199,9 +199,9 @@ def server_name(name: str = "", port: int | None = None, host: str = "") -> str:
     A start under a name takes the earlier instances of that name for dead (server.tasks.lease):
     the name is what two live servers can never share, the address they listen on: one machine
     can run servers on one port at 127.0.0.1 and 127.0.0.2 (or at 127.0.0.1 and ::1), not two at
-    one address. A server restarted with the same --host and --port keeps its name, and so takes
-    back the tasks its earlier instance was running. The machine's hostname is shortened, never
-    the address and port, to fit the 72 characters."""
+    one address. A server restarted with the same --host and --port keeps its name, and so marks
+    interrupted, at once, the tasks its earlier instance left running (clients continue them).
+    The machine's hostname is shortened, never the address and port, to fit the 72 characters."""
     if name:
         return name[:72]
     if port:

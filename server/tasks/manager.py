@@ -56,6 +56,7 @@ from server.tasks.params import GivenParams, TaskParams, fim_prompt
 from server.tasks.persist import Persistence
 from server.tasks.records import TASK, TMP, Output, Task, new_id
 from server.tasks.runs import Runs
+from server.tasks.settle import say_shutdown
 from server.tasks.statewrites import StateWrites
 from server.tasks.store import Store
 from server.tasks.table import TaskTable
@@ -102,7 +103,9 @@ class TaskManager:
         self.signature = model_shape.signature()
         self.vocab_size = int(model_shape.vocab_size)
         self.store = store or Store(cfg.db, busy_timeout=cfg.db_busy_timeout)
-        self.lease = Lease(self.store, server_name(cfg.instance_name), cfg.public_url, cfg.lease_timeout)
+        # a given name is watched at start (a live server may use it); a default one is held by the port
+        self.lease = Lease(self.store, server_name(cfg.instance_name), cfg.public_url, cfg.lease_timeout,
+                           watch=bool(settings.instance_name))  # fmt: skip
         self.instance = self.lease.instance
         self.table = TaskTable()
         self.live = self.table.live  # TMP tasks, running tasks, tasks with writes pending
@@ -187,17 +190,10 @@ class TaskManager:
     async def close(self) -> None:
         self.inventory.close()
         running = list(self.table.running())
-        if running:
-            stored = sum(1 for t in running if t.kind != TMP)
-            log.info(
-                "shutting down: %d running task(s) end as interrupted (%d stored: text and state kept, "
-                "POST /v1/tasks/{id}/continue goes on after a restart; %d temporary: gone)",
-                len(running),
-                stored,
-                len(running) - stored,
-            )
         await self.runs.close()  # runs end as "interrupted", their state kept
         await self.writer.flush()  # their rows first, then their states (within a deadline)
+        if running:
+            say_shutdown(running)  # which final rows were committed
         await self.persistence.close()
         await self.writer.close()
         await self.lease.close()
