@@ -218,3 +218,46 @@ def test_a_crashed_holders_name_is_taken_once_its_lease_expired_a_clean_one_at_o
     finally:
         a.stop()
         b.stop()
+
+
+# --- 3. a stalled server's row lock holds no other server's lease -----------------------------------
+
+
+def test_a_row_a_stalled_server_holds_leaves_the_others_leases_and_tasks_alone(tmp_path, pg_url):
+    """X is paused while a transaction of its own holds its running task's row (here: the test's
+    connection, as X frozen inside a progress write would). Z's and W's heartbeats must still
+    renew their leases (they used to wait on that row with the renewal uncommitted, so the first
+    to run after the lock went took the other for dead and interrupted its task), and X's task is
+    reaped once its row is free."""
+    import asyncpg
+
+    srv = {n: server(tmp_path, n.lower(), pg_url, n) for n in ("X", "Z", "W")}
+    for s in srv.values():
+        s.env["RWKV_DB_BUSY_TIMEOUT"] = "1"
+    try:
+        for s in srv.values():
+            s.start()
+        tid = {n: httpx.post(s.url + "/v1/tasks/create", json={"prompt": n, **LONG}, timeout=30).json()["task_id"]
+               for n, s in srv.items()}  # fmt: skip
+        until(lambda: all(result(srv[n], tid[n])["completion_tokens"] > 0 for n in srv), 30, "a task never ran")
+
+        async def hold_x_row(seconds: float) -> None:
+            conn = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+            try:
+                async with conn.transaction():
+                    await conn.execute("SELECT 1 FROM tasks WHERE id = $1 FOR UPDATE", tid["X"])
+                    srv["X"].pause()
+                    await asyncio.sleep(seconds)
+            finally:
+                await conn.close()
+
+        asyncio.run(hold_x_row(LEASE * 6))
+        until(lambda: result(srv["Z"], tid["X"])["finish_reason"] == "interrupted", LEASE * 4 + 5, "X never reaped")
+        for n in ("Z", "W"):
+            r = result(srv[n], tid[n])
+            assert not r["finished"], (n, r)  # still running: never taken for dead
+            assert "lease had expired" not in srv[n].log_tail(400), srv[n].log_tail(40)
+    finally:
+        srv["X"].resume()
+        for s in srv.values():
+            s.kill()

@@ -106,22 +106,14 @@ class Lease:
             log.warning("could not remove this instance's lease row: %s", exc)
 
     async def beat(self, first: bool = False) -> list[str]:
-        """One heartbeat: renew (or register), drop expired instances, interrupt their tasks."""
+        """One heartbeat: renew (or register) this instance's lease, then, in a transaction of
+        its own, drop expired instances and interrupt their tasks. Apart, so that the renewal
+        never waits on a task row another server's stalled transaction holds."""
         async with self.store.write() as conn:
-            now = await self.store.db_now(conn)
-            renewed = await self._renew(conn, now)
-            # each row is judged by its holder's own timeout (an older server's row: by ours)
-            timeout = sa.func.coalesce(instances.c.lease_timeout, self.timeout)
-            dead = instances.c.heartbeat_at < now - timeout
-            if first:
-                dead = sa.or_(dead, instances.c.name == self.name)
-            await conn.execute(sa.delete(instances).where(dead).where(instances.c.id != self.instance))
-            rows = (await conn.execute(sa.select(instances.c.id, instances.c.url, instances.c.name))).all()
-            live = {r.id: r.url for r in rows}
-            reaped = await interrupt_orphans(conn, set(live))
+            renewed = await self._renew(conn, await self.store.db_now(conn))
+            twins = [] if renewed else await self._twins(conn)
         if not renewed and self.renewals:
             self.lost += 1
-            twins = sorted(r.id for r in rows if r.name == self.name and r.id != self.instance)
             log.error(
                 "instance %s: its lease had expired (no heartbeat for over its --lease-timeout, "
                 "%g s); the tasks it was running were marked interrupted; registered again%s",
@@ -134,11 +126,26 @@ class Lease:
                 else "",
             )
         self.renewals += 1
+        async with self.store.write() as conn:
+            now = await self.store.db_now(conn)
+            # each row is judged by its holder's own timeout (an older server's row: by ours)
+            timeout = sa.func.coalesce(instances.c.lease_timeout, self.timeout)
+            dead = instances.c.heartbeat_at < now - timeout
+            if first:
+                dead = sa.or_(dead, instances.c.name == self.name)
+            await conn.execute(sa.delete(instances).where(dead).where(instances.c.id != self.instance))
+            live = {r.id: r.url for r in await conn.execute(sa.select(instances.c.id, instances.c.url))}
+            reaped = await interrupt_orphans(conn, set(live))
         live.pop(self.instance, None)
         self.peers = live
         if reaped and not first:  # (at start the task manager says it, once)
             log.warning("%d task(s) of stopped or silent instances marked interrupted", len(reaped))
         return reaped
+
+    async def _twins(self, conn: AsyncConnection) -> list[str]:
+        """The other instances of this server's name (another server started under it)."""
+        q = sa.select(instances.c.id).where(instances.c.name == self.name, instances.c.id != self.instance)
+        return sorted(r.id for r in await conn.execute(q))
 
     async def _renew(self, conn: AsyncConnection, now: float) -> bool:
         """Renew this instance's row; insert it when missing. True when it was there."""
@@ -167,9 +174,9 @@ class Lease:
             lost = self.lost
             try:
                 reaped = await self.beat()
-            except Exception as exc:
+            except Exception as exc:  # (a lost lease found by its renewal is still acted on)
                 log.warning("instance %s: heartbeat failed: %s", self.instance, exc)
-                continue
+                reaped = []
             if self.lost != lost:
                 on_lost()
             if reaped:

@@ -34,6 +34,9 @@ class StateStore:
 
     async def get_state(self, state_id: str) -> DbRow | None:
         async with self.db.read() as conn:
+            if not self.db.is_sqlite:  # its blob's bytes given the time a write of them has (pgconnect)
+                size = (await conn.execute(sa.select(states.c.nbytes).where(states.c.id == state_id))).scalar()
+                await self.db.allow(conn, written=int(size or 0))
             q = sa.select(
                 states.c.meta,
                 states.c.data,

@@ -38,6 +38,7 @@ __all__ = [
 
 _CHUNK = 500  # ids per IN (...) list
 FINISHED = 3
+Row = dict[str, Any]  # a row's values by column name
 
 
 class TagTaken(Exception):
@@ -69,12 +70,7 @@ class Store(Database):
         self.states = StateStore(self)
 
     # --- tasks ---------------------------------------------------------------------------------
-    async def save(
-        self,
-        task_row: dict[str, Any] | None = None,
-        state: dict[str, Any] | None = None,
-        drop_states: Iterable[str] = (),
-    ) -> int:
+    async def save(self, task_row: Row | None = None, state: Row | None = None, drop_states: Iterable[str] = ()) -> int:
         """One transaction: insert `state` (a states row), upsert `task_row`, then drop the
         states in `drop_states` that no task references any more. Returns the non-template
         state bytes dropped."""
@@ -241,10 +237,12 @@ class Store(Database):
 
 
 async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
-    """In a write transaction: mark the running tasks of no instance in `live` interrupted,
-    and delete the claims of templates among them (claims.drop_unmade). Returns their ids."""
-    q = sa.select(tasks.c.id, tasks.c.instance, unmade().label("unmade")).where(tasks.c.status != FINISHED)
-    orphans = [r for r in await conn.execute(q) if r.instance is None or r.instance not in live]
+    """In a write transaction: mark the running tasks of no instance in `live` interrupted, and
+    delete the claims of templates among them (claims.drop_unmade); their ids. A row a stalled
+    server's transaction holds is left for a later heartbeat (PostgreSQL: skip locked)."""
+    gone = sa.and_(tasks.c.status != FINISHED, sa.or_(tasks.c.instance.is_(None), tasks.c.instance.not_in(live)))
+    q = sa.select(tasks.c.id, unmade().label("unmade")).where(gone)
+    orphans = list(await conn.execute(q.with_for_update(skip_locked=True)))
     await drop_unmade(conn, [r.id for r in orphans if r.unmade])
     ids = [r.id for r in orphans if not r.unmade]
     for i in range(0, len(ids), _CHUNK):
@@ -257,11 +255,7 @@ async def interrupt_orphans(conn: AsyncConnection, live: set[str]) -> list[str]:
 
 
 async def _save_one(
-    db: Database,
-    conn: AsyncConnection,
-    task_row: dict[str, Any] | None,
-    state: dict[str, Any] | None,
-    drop_states: Iterable[str],
+    db: Database, conn: AsyncConnection, task_row: Row | None, state: Row | None, drop_states: Iterable[str]
 ) -> int:
     if state is not None:
         await db.allow(conn, written=len(state["data"]))  # a blob of megabytes: more time (pgconnect)
