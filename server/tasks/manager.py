@@ -33,6 +33,7 @@ import hashlib
 import logging
 from array import array
 from collections import Counter
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from server.engine.protocol import EngineAPI
@@ -79,6 +80,11 @@ TASK_EVENTS = (
 
 STOPPING_WAIT_S = 5.0
 """How long a stop, a delete, or a call on a task whose run is being stopped waits for that run to settle."""
+
+
+GONE_CLOSE_S = 1.0
+"""At shutdown, once the task database was found away (Writer.gone): how long removing the lease
+row and closing the connections are given (each would wait out its own bound on a stalled server)."""
 
 
 TagRows = list[tuple[str, str]]
@@ -188,16 +194,22 @@ class TaskManager:
         self.lease.run(self.takeover.reaped, self.takeover.lost)
 
     async def close(self) -> None:
+        """End the runs, write their final rows, then their states, leave the lease, close the
+        database. A database found away meanwhile (Writer.closing: the first write that waits
+        out its bound) ends the writes at once, and the rest gets GONE_CLOSE_S: the shutdown
+        takes about one bound, however many tasks it ends; say_shutdown names what was lost."""
         self.inventory.close()
         running = list(self.table.running())
+        self.writer.closing()
         await self.runs.close()  # runs end as "interrupted", their state kept
         await self.writer.flush()  # their rows first, then their states (within a deadline)
         if running:
             say_shutdown(running)  # which final rows were committed
         await self.persistence.close()
         await self.writer.close()
-        await self.lease.close()
-        await self.store.close()
+        gone = self.writer.gone is not None  # (lease.close: a delete; store.close: B to close)
+        await _bounded(self.lease.close(), GONE_CLOSE_S if gone else None, "removing this instance's lease row")
+        await _bounded(self.store.close(), GONE_CLOSE_S if gone else None, "closing its connections")
 
     async def flush(self) -> None:
         """Until every queued row and every finished task's state are in the database (or the
@@ -454,6 +466,14 @@ async def _settled_if_stopping(t: Task) -> Task:
     if t.deleted or t.deleting:
         raise TaskNotFound(f"task {t.display_id!r} not found", param="task_id")
     return t
+
+
+async def _bounded(aw: Awaitable[None], timeout: float | None, what: str) -> None:
+    """Await `aw` for up to `timeout` seconds (None: no bound); beyond it, cancelled and said."""
+    try:
+        await asyncio.wait_for(aw, timeout)
+    except asyncio.TimeoutError:
+        log.warning("shutting down: the task database is unavailable; %s was given up after %g s", what, timeout)
 
 
 async def _wait_done(t: Task, timeout: float | None) -> None:

@@ -99,11 +99,13 @@ class Persistence:
         await self.writer.flush()
 
     async def close(self, timeout: float = 30.0) -> None:
-        """Write the pending states (within `timeout`), stop retrying settles."""
+        """Write the pending states (within `timeout`; no more once the writer has found the
+        database away during the shutdown: Writer.gone), stop retrying settles."""
         for h in self._retries.values():
             h.cancel()
         self._retries.clear()
-        await self.states.close(timeout)
+        written = await self.writer.unless_gone(self.lane.idle(), timeout) or not len(self.lane)
+        await self.states.close(timeout if written else 0)  # (0: what is left is dropped, and said)
 
     @property
     def db_state_bytes(self) -> int:
@@ -233,6 +235,7 @@ class Persistence:
         job.attempts += 1
         t = job.task
         if isinstance(exc, TaskUnavailable):
+            self.writer.unavailable(exc)  # (a shutdown gives up on the writes still queued)
             now = time.monotonic()  # said the first time, then at most every UNAVAILABLE_LOG_S
             if job.said is None or now - job.said >= UNAVAILABLE_LOG_S:
                 job.said = now

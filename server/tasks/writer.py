@@ -6,7 +6,12 @@ supersedes). `put_many` queues one item of a list job: consecutive such entries 
 run as one call, i.e. one transaction (group commit: a burst of 256 new tasks is one commit, not
 256, each acknowledged only once it is committed). Items may weigh bytes (a settled task's state:
 21 MB at 2.9B in fp32): a group closes at GROUP_BYTES, so that the first items of a burst are
-acknowledged after one bounded commit, not after the whole burst's."""
+acknowledged after one bounded commit, not after the whole burst's.
+
+At shutdown (`closing`), the first job that finds the database away (TaskUnavailable) ends the
+writer's tries: the jobs still queued, and those queued later, fail at once with its error
+instead of each waiting out its own bound (a failed group is not retried item by item either),
+so a shutdown on a stalled database takes about one bound, however many tasks it settles."""
 
 from __future__ import annotations
 
@@ -54,6 +59,11 @@ class Writer:
         the busy timeout again: requests queued behind a failed write get their 503 together, not
         one timeout after another. Background jobs (progress, settle rows, states) always run:
         each handles its own failure (a retry later, a flag reset), which skipping would bypass."""
+        self._closing = False  # (closing)
+        self.gone: TaskUnavailable | None = None
+        """Why the database was found away during the shutdown (closing); None until then. Every
+        job from then on fails at once with it, background ones included (nothing retries them)."""
+        self._gone_event = asyncio.Event()
 
     def start(self) -> None:
         if self._task is None:
@@ -91,12 +101,44 @@ class Writer:
             self.dropped += 1
             return False
 
+    def closing(self) -> None:
+        """The shutdown has begun: from the first job that finds the database away
+        (TaskUnavailable) on, every queued job fails at once (`gone`). Until then, jobs run as
+        always (a database that answers gets every write)."""
+        self._closing = True
+
+    def unavailable(self, exc: TaskUnavailable) -> None:
+        """A job that handles its own failure (a settle row, retried later) found the database
+        away: during the shutdown, the writer gives up as if the job had raised it (`gone`)."""
+        if self._closing:
+            self._note(exc)
+
+    async def wait_gone(self) -> None:
+        """Until the database is found away during the shutdown (`gone`)."""
+        await self._gone_event.wait()
+
+    async def unless_gone(self, aw: Awaitable[Any], timeout: float) -> bool:
+        """Await `aw` for up to `timeout` seconds, or until the shutdown finds the database away
+        (wait_gone); whether `aw` finished (else it is cancelled)."""
+        work, gone = asyncio.ensure_future(aw), asyncio.ensure_future(self.wait_gone())
+        try:
+            await asyncio.wait((work, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            return work.done() and not work.cancelled()
+        finally:
+            for f in (work, gone):
+                f.cancel()
+
     async def flush(self) -> None:
+        """Until every job queued before this call has run (or failed)."""
+
         async def _noop() -> None:
             return None
 
         if self._task is not None and not self._task.done():
-            await self.call(_noop)
+            try:
+                await self.call(_noop)
+            except TaskUnavailable:  # failed at once (gone): the jobs before it are over too
+                pass
 
     async def close(self) -> None:
         try:
@@ -131,14 +173,22 @@ class Writer:
                     await self._run(entry.fn, entry.args, entry.fut)
                 elif len(run) == 1 or not await self._run_group(entry.fn, run):
                     for e in self._skip_while_away(run):  # alone, or isolating the failing item(s), in order
-                        await self._run(e.fn, ([e.args[0]],), e.fut)
+                        if self.gone is not None:  # found away at shutdown: not tried one by one
+                            self._give_up(e, self.gone)
+                        else:
+                            await self._run(e.fn, ([e.args[0]],), e.fut)
             finally:
                 for _ in group:
                     self.queue.task_done()
 
     def _skip_while_away(self, group: list[_Entry]) -> list[_Entry]:
         """The entries of `group` to run; requests' entries (fail_fast) queued before a job found
-        the database away (self._away) fail at once with its error (counted as failed)."""
+        the database away (self._away) fail at once with its error (counted as failed). Once the
+        database was found away during the shutdown (`gone`), every entry does (_give_up)."""
+        if self.gone is not None:
+            for e in group:
+                self._give_up(e, self.gone)
+            return []
         if self._away is None:
             return group
         since, why = self._away
@@ -152,12 +202,29 @@ class Writer:
                 e.fut.set_exception(TaskUnavailable(why.message))
         return run
 
+    def _give_up(self, e: _Entry, why: TaskUnavailable) -> None:
+        """Fail e at once, not tried: the database was found away during the shutdown. Its future
+        (if any) gets the error, marked as read: nobody waits for a background job's."""
+        self.failed += 1
+        if e.fut is not None and not e.fut.done():
+            e.fut.set_exception(TaskUnavailable(why.message))
+            e.fut.exception()  # read here: no "never retrieved" line for a background job's
+
     def _note(self, exc: Exception | None) -> None:
-        """A job's outcome: the database found away (a TaskUnavailable), or back (None)."""
+        """A job's outcome: the database found away (a TaskUnavailable), or back (None). Away
+        during the shutdown (closing): the writer gives up (`gone`)."""
         if exc is None:
             self._away = None
         elif isinstance(exc, TaskUnavailable):
             self._away = (time.monotonic(), exc)
+            if self._closing and self.gone is None:
+                self.gone = exc
+                self._gone_event.set()
+                log.warning(
+                    "shutting down: the task database is unavailable (%s); the writes still queued are not "
+                    "tried (the tasks whose final rows could not be committed are named below)",
+                    exc.message,
+                )
 
     async def _run(self, fn: Job, args: tuple[Any, ...], fut: asyncio.Future[Any] | None) -> None:
         try:
