@@ -148,6 +148,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     where = settings.listen_url() if settings.port else f"{settings.host}, a free port (--port 0)"
     log.info("starting on %s (model %s)", where, settings.resolved_model())
     make_server(app, settings).run()
+    if refusal := getattr(app.state, "load_refusal", None):
+        print(f"rwkv-server: {refusal}", file=sys.stderr)
+        return 2
     if app.state.load_error:
         print(f"rwkv-server: {load_failure(app)}", file=sys.stderr)
         return 1

@@ -198,6 +198,27 @@ def test_a_start_under_the_name_of_a_live_server_is_refused(tmp_path, db):
         b.stop()
 
 
+def test_a_name_taken_while_the_model_loads_is_refused_in_one_line(tmp_path):
+    """b passes the CLI's check, then a starts under the same name while b loads its model: b's
+    task store finds a live a and refuses as the check would (status 2, one line), not as a
+    failed load (status 1, a traceback)."""
+    db = str(tmp_path / "one.db")
+    a, b = server(tmp_path, "a", db, "rA", lease=3), server(tmp_path, "b", db, "rA", lease=3)
+    b.env["RWKV_DEBUG_LOAD_DELAY"] = "4"  # (a test hook: sleep before loading the model)
+    try:
+        b.start(wait=False)
+        time.sleep(1.5)  # b is past its check, asleep in its load
+        a.start()
+        assert started_or_exited(b) == 2, b.log_tail()
+        last = b.log_tail(1)
+        assert last.startswith("rwkv-server: --instance-name rA: another live server uses this name"), last
+        assert "Traceback" not in b.log_tail(200), b.log_tail()
+        assert httpx.get(a.url + "/health", timeout=10).status_code == 200
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_crashed_holders_name_is_taken_once_its_lease_expired_a_clean_one_at_once(tmp_path):
     db, lease = str(tmp_path / "one.db"), 10.0  # longer than b's start takes to look
     a, b = server(tmp_path, "a", db, "rA", lease=lease), server(tmp_path, "b", db, "rA", lease=lease)

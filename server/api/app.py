@@ -171,6 +171,8 @@ async def _load(app: FastAPI, settings: Settings, metrics: Metrics, exit_on_erro
         expected = isinstance(exc, (OSError, ValueError, KeyError)) or type(exc).__name__ == "CheckpointError"
         log.error("loading failed: %s: %s", type(exc).__name__, exc, exc_info=not expected)
         app.state.load_error = redact_url(f"{type(exc).__name__}: {exc}")  # shown by /health
+        # a start refused as the CLI's checks refuse one (found only now: e.g. a name in use)
+        app.state.load_refusal = str(exc) if getattr(exc, "refusal", False) else None
         if exit_on_error:  # the CLI sets on_fatal (a clean uvicorn exit, status 1); else SIGTERM
             on_fatal = getattr(app.state, "on_fatal", None)
             on_fatal() if on_fatal else os.kill(os.getpid(), signal.SIGTERM)

@@ -44,8 +44,11 @@ from server.tasks.store import Store, interrupt_orphans
 log = logging.getLogger("server.tasks")
 
 
-class NameInUse(Exception):
-    """Another live server runs under this instance name: this start is refused (watch_name)."""
+class NameInUse(ValueError):
+    """Another live server runs under this instance name: this start is refused (watch_name).
+    `refusal`: the CLI says it in one line and exits with status 2, as its start-up checks do."""
+
+    refusal = True
 
 
 def instance_id(name: str) -> str:
