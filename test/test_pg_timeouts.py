@@ -137,7 +137,8 @@ def test_a_listener_that_never_answers_fails_the_start_within_the_bound_naming_i
 
 
 @pytest.mark.parametrize("query, says", [
-    ("?sslmode=require", None), ("?sslmode=verify-full&sslrootcert=/ca.pem&application_name=a", None),
+    ("?sslmode=require", None), (f"?sslmode=verify-full&sslrootcert={__file__}&application_name=a", None),
+    ("?sslmode=require&sslrootcert=/nonexistent/ca.pem", "?sslrootcert=/nonexistent/ca.pem: no such file"),
     ("?ssl=prefer&connect_timeout=5&dbname=x", None),
     ("?sslmode=sometimes", "?sslmode=sometimes: use one of disable, allow, prefer, require, verify-ca, verify-full"),
     ("?sslmode=require&foo=1", "unsupported option 'foo' in the URL's query"),

@@ -24,6 +24,7 @@ it in the writer's queue.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import urlencode
 
@@ -42,6 +43,7 @@ _KWARGS = {"host", "port", "user", "password", "passfile", "database", "target_s
 _DSN = {"sslrootcert", "sslcert", "sslkey", "sslcrl", "sslpassword", "ssl_min_protocol_version",
         "ssl_max_protocol_version"}  # fmt: skip
 """libpq's TLS file options, which asyncpg reads from a DSN's query (only there)."""
+_FILES = {"sslrootcert", "sslcert", "sslkey", "sslcrl"}
 SUPPORTED = sorted(_KWARGS | _DSN | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout"})
 
 
@@ -76,6 +78,8 @@ def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
                 raise ValueError(f"?{name}={value}: use one of {', '.join(SSL_MODES)}")
             args["ssl"] = value
         elif name in _DSN:
+            if name in _FILES and not os.path.exists(value):  # (asyncpg's error would not name it)
+                raise ValueError(f"?{name}={value}: no such file")
             dsn[name] = value
         elif name == "dbname":
             u = u.set(database=value)
