@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import StaticPool
 
 from server.tasks import migrate, pgconnect
-from server.tasks.dbfaults import DamagedPage, DatabaseDamaged, _locked, _said, damaged, unavailable
+from server.tasks.dbfaults import DamagedPage, DatabaseDamaged, damage_line, damaged, locked, unavailable
 
 __all__ = ["DamagedPage", "Database", "DatabaseDamaged", "damaged", "database_url", "read_every_tree", "unavailable"]
 
@@ -90,7 +90,7 @@ def read_every_tree(conn: sa.Connection, url: str) -> None:
         try:
             n = int(conn.exec_driver_sql(f'SELECT count(*) FROM "{table}" {scan}').scalar_one())
         except sa.exc.DBAPIError as exc:
-            if damaged(exc) or _locked(exc) or kind == "table":
+            if damaged(exc) or locked(exc) or kind == "table":
                 raise
             continue  # an index SQLite will not scan alone ("no query solution"): not judged here
         if kind == "table":
@@ -168,7 +168,7 @@ class Database:
                         self.revision_before, self.revision = await conn.run_sync(migrate.upgrade)
                 return
             except Exception as exc:
-                if not (self.is_sqlite and _locked(exc)) or time.monotonic() > deadline:
+                if not (self.is_sqlite and locked(exc)) or time.monotonic() > deadline:
                     raise
                 log.info("task database %s is locked by another process opening it; retrying", self.url)
                 await asyncio.sleep(0.05 + random.random() * 0.2)
@@ -253,7 +253,7 @@ class Database:
         except Exception as exc:
             if damaged(exc) and not isinstance(exc, DamagedPage):
                 then = ", found while serving: what needs those pages fails (503, nothing stored). Stop the server, "
-                log.log(logging.DEBUG if self._damage_said else logging.ERROR, "%s", _said(self.url, exc, then))
+                log.log(logging.DEBUG if self._damage_said else logging.ERROR, "%s", damage_line(self.url, exc, then))
                 self._damage_said = True
                 raise DamagedPage(exc) from None
             err = unavailable(exc)

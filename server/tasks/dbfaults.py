@@ -21,7 +21,7 @@ _PG_BUSY = {"55P03", "40P01", "40001"}  # lock not available, deadlock, serializ
 _PG_FULL = {"53100"}
 
 
-def _locked(exc: BaseException) -> bool:
+def locked(exc: BaseException) -> bool:
     return isinstance(exc, sa.exc.DBAPIError) and any(m in str(exc.orig).lower() for m in _BUSY)
 
 
@@ -69,7 +69,7 @@ def _why(exc: BaseException) -> str:
     return (str(getattr(exc, "orig", None) or exc).strip() or type(exc).__name__).splitlines()[0]
 
 
-def _said(url: str, exc: BaseException, then: str) -> str:
+def damage_line(url: str, exc: BaseException, then: str) -> str:
     """The line saying that the task database is damaged, `then`, and how to salvage it."""
     path = url.split(":///", 1)[-1]
     return (
@@ -83,7 +83,7 @@ class DatabaseDamaged(RuntimeError):
     """The task database file is damaged; the server does not start on it."""
 
     def __init__(self, url: str, exc: BaseException) -> None:
-        super().__init__(_said(url, exc, ": nothing was changed; "))
+        super().__init__(damage_line(url, exc, ": nothing was changed; "))
 
 
 class DamagedPage(TaskError):
