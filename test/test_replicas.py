@@ -123,13 +123,17 @@ def response_streams_where_it_runs(a: ServerProcess, b: ServerProcess, a_instanc
     replayed A's last committed progress and ended it "incomplete", a cut answer with a 200)."""
     body = {"input": "long", "max_output_tokens": 6000, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as h, h.stream("POST", a.url + "/v1/responses", json=body) as s:
-        first = next(ln for ln in s.iter_lines() if ln.startswith("data:"))  # acknowledged: its row committed
+        # the lines held: a discarded iter_lines() generator is closed, and closing it closes the
+        # connection, which stops the run ("cancelled"; a CI run's B read that before the 409)
+        lines = s.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data:"))  # acknowledged: its row committed
         rid = json.loads(first[5:])["response"]["id"]
         r = h.get(b.url + f"/v1/responses/{rid}", params={"stream": "true"})
-        assert r.status_code == 409, r.text
+        assert r.status_code == 409, (r.text, a.log_tail(80), b.log_tail(40))
         err = r.json()["error"]
         assert err["code"] == "task_running_elsewhere" and a_instance in err["message"], err
         assert h.get(b.url + f"/v1/responses/{rid}").status_code == 200  # reading it stays open
+        assert h.get(a.url + f"/v1/responses/{rid}").json()["status"] == "in_progress"  # still A's run
 
 
 def test_two_servers_on_one_sqlite_file(tmp_path):
