@@ -45,7 +45,11 @@ def test_requests_on_a_frozen_database_answer_503_within_the_bound(server, pg_cl
                 r = c.request(method, path, **kw)
                 assert time.monotonic() - t0 < 8, (path, time.monotonic() - t0)
                 assert_unavailable(r)
+            h = c.get("/health")  # still 200 (completions need no database), and says it
+            assert h.status_code == 200 and h.json()["database"] == "unavailable", h.text
+            assert h.json()["database_unavailable_since"] and "task database" in h.json()["database_error"], h.text
         assert c.get("/v1/tasks/list").status_code == 200  # thawed: back
+        assert c.get("/health").json()["database"] == "ok"
     assert "Traceback" not in server.log_path.read_text(), server.log_tail()
 
 

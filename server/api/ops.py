@@ -17,6 +17,7 @@ from server.api.errors import error_body
 from server.api.metrics import OPENMETRICS, OPENMETRICS_TYPE, Metrics, openmetrics
 from server.api.services import Services
 from server.api.streaming.sse import draining
+from server.tasks.dbfaults import Availability
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ def _unavailable(status: str, message: str, code: str, headers: dict[str, str] |
 _STATUS = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
 _HEALTH: dict[int | str, dict[str, Any]] = {
     200: {
-        "description": "Ready: `status` ok, the model id, the engine's running / waiting / slots",
+        "description": "Ready: `status` ok, the model id, the engine's running / waiting / slots, and "
+        "`database` (ok, or unavailable with `database_error` and `database_unavailable_since`: the task "
+        "database failed its last use)",
         "content": {"application/json": {"schema": _STATUS}},
     },
     503: {
@@ -70,7 +73,18 @@ async def health(request: Request) -> Response:
         body.update(running=st.running, waiting=st.waiting, slots=st.slots)
         if st.engines > 1:  # one engine per device (--devices)
             body.update(engines=st.engines, engines_alive=st.engines_alive)
+    if services.tasks is not None:
+        body.update(_database(services.tasks.store.outages.now))
     return _json(200, body)
+
+
+def _database(now: Availability) -> dict[str, Any]:
+    """/health's database fields. An unavailable database is no 503 here: what needs none
+    (completions, chat, TMP tasks) still answers, and the task routes answer 503
+    `database_unavailable` themselves; replicas on one database would all fail the probe at once."""
+    if now.ok:
+        return {"database": "ok"}
+    return {"database": "unavailable", "database_error": now.error, "database_unavailable_since": now.since}
 
 
 @router.get("/metrics", responses=_METRICS, tags=["operations"])
@@ -79,7 +93,7 @@ async def metrics(request: Request) -> Response:
     m: Metrics = request.app.state.metrics
     text = m.render() if services is None else m.render(services.engine, _tiers(services))
     if services is not None and services.tasks is not None:
-        text += _task_counters(services)
+        text += _task_counters(services) + _database_gauge(services)
     accepted = (part.split(";")[0].strip() for part in request.headers.get("accept", "").split(","))
     if OPENMETRICS in accepted:  # Prometheus asks for it first
         return Response(openmetrics(text), media_type=OPENMETRICS_TYPE)
@@ -108,6 +122,18 @@ def _task_counters(services: Services) -> str:
         f'rwkv_task_events_total{{event="{k}"}} {v}' for k, v in sorted(counters.items()) if isinstance(v, (int, float))
     ]
     return "\n".join(lines) + "\n"
+
+
+def _database_gauge(services: Services) -> str:
+    """rwkv_database_available: the task database answered this server's last use of it."""
+    if services.tasks is None:
+        return ""
+    return (
+        "# HELP rwkv_database_available Whether the task database answered this server's last use of it "
+        "(1) or failed it (0: requests that need it answer 503 database_unavailable)\n"
+        "# TYPE rwkv_database_available gauge\n"
+        f"rwkv_database_available {int(services.tasks.store.outages.now.ok)}\n"
+    )
 
 
 def _tiers(services: Services) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import StaticPool
 
 from server.tasks import migrate, pgconnect
-from server.tasks.dbfaults import DamagedPage, DatabaseDamaged, damage_line, damaged, locked, unavailable
+from server.tasks.dbfaults import DamagedPage, DatabaseDamaged, Outages, damage_line, damaged, locked, unavailable
 
 __all__ = ["DamagedPage", "Database", "DatabaseDamaged", "damaged", "database_url", "read_every_tree", "unavailable"]
 
@@ -111,6 +111,8 @@ class Database:
         self.revision: str = ""
         self._wlock = asyncio.Lock()
         self._damage_said = False  # (_task_errors)
+        self.outages = Outages()
+        """Whether the database answered the last block of write() or read() (dbfaults.Outages)."""
         self._lifted: dict[int, Any] = {}  # id(conn) -> its asyncpg connection, while allow() lifts its bound
 
     # --- life cycle ----------------------------------------------------------------------------
@@ -255,11 +257,15 @@ class Database:
                 then = ", found while serving: what needs those pages fails (503, nothing stored). Stop the server, "
                 log.log(logging.DEBUG if self._damage_said else logging.ERROR, "%s", damage_line(self.url, exc, then))
                 self._damage_said = True
-                raise DamagedPage(exc) from None
+                page = DamagedPage(exc)
+                self.outages.failed(page)
+                raise page from None
             err = unavailable(exc)
             if err is None:
                 raise
+            self.outages.failed(err)
             raise err from exc
+        self.outages.answered()
 
     async def db_now(self, conn: AsyncConnection) -> float:
         """The database's clock in epoch seconds (leases compare times of several hosts)."""

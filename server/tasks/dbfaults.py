@@ -1,15 +1,21 @@
 """The task database's errors (split from server/tasks/database.py for size): the transient ones
-as TaskUnavailable (HTTP 503, retryable), a damaged file or page (DatabaseDamaged, DamagedPage).
+as TaskUnavailable (HTTP 503, retryable), a damaged file or page (DatabaseDamaged, DamagedPage),
+and whether the database answered its last use (Outages, for /health and /metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import logging
+import time
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 
 from server.tasks.errors import TaskError, TaskUnavailable
+
+log = logging.getLogger("server.tasks.store")
 
 _BUSY = ("database is locked", "database table is locked", "database is busy")
 _FULL = ("database or disk is full", "no space left")
@@ -94,3 +100,31 @@ class DamagedPage(TaskError):
 
     def __init__(self, exc: BaseException) -> None:
         super().__init__(f"the task database is damaged ({_why(exc)}); nothing was stored (the server's log says more)")
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether the task database answered this server's last use of it (a request's, a write's,
+    a heartbeat's: server.tasks.lease beats every lease_timeout / 3 seconds, so an outage shows
+    within that and one busy timeout without traffic). Not a probe of its own: /health reads it."""
+
+    ok: bool = True
+    error: str | None = None  # the failure's message (a 503 database_unavailable's)
+    since: float | None = None  # when the failures began (epoch seconds)
+
+
+class Outages:
+    """Availability over time: each database block's outcome (Database._task_errors), and one log
+    line when the database answers again."""
+
+    def __init__(self) -> None:
+        self.now = Availability()
+
+    def failed(self, err: TaskError) -> None:
+        since = self.now.since if not self.now.ok else time.time()
+        self.now = Availability(ok=False, error=err.message, since=since)
+
+    def answered(self) -> None:
+        if not self.now.ok:
+            log.warning("the task database answers again (unavailable for %.1f s)", time.time() - (self.now.since or 0))
+            self.now = Availability()
