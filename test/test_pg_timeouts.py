@@ -142,7 +142,10 @@ def test_a_listener_that_never_answers_fails_the_start_within_the_bound_naming_i
     ("?ssl=prefer&connect_timeout=5&dbname=x", None),
     ("?sslmode=sometimes", "?sslmode=sometimes: use one of disable, allow, prefer, require, verify-ca, verify-full"),
     ("?sslmode=require&foo=1", "unsupported option 'foo' in the URL's query"),
-    ("?options=-c%20x%3D1", "unsupported option 'options'"),
+    ("?options=-c%20search_path%3Dtenant_a%20--work-mem%3D64MB", None),
+    ("?options=-c%20lock_timeout%3D0", "?options: lock_timeout is set by the server: --db-busy-timeout"),
+    ("?options=-x", "?options: '-x' is not a server setting (use -c name=value)"),
+    ("?keepalives=1", "unsupported option 'keepalives'"),
 ])
 def test_libpq_url_options_are_taken_or_refused_in_one_line(query, says):
     pytest.importorskip("asyncpg")
@@ -164,6 +167,35 @@ async def test_sslmode_reaches_asyncpg_as_its_ssl_argument(pg_cluster, pg_url):
     settings = Settings(db=pg_url + "?sslmode=require", db_busy_timeout=BUSY)
     line = await asyncio.to_thread(database_open_problem, settings)
     assert line and "cannot open the task database" in line and "SSL" in line and "TypeError" not in line, line
+
+
+async def test_options_give_each_store_a_schema_of_its_own(pg_cluster, pg_url):
+    """libpq's `options=-c search_path=...`: two stores on one database in two schemas (tables,
+    migrations and tasks each its own), the lock bound still the server's."""
+    dbname = pg_url.rsplit("/", 1)[1]
+    admin = await asyncpg.connect(host="127.0.0.1", port=pg_cluster.port, user="postgres", database=dbname)
+    await admin.execute("CREATE SCHEMA tenant_a; CREATE SCHEMA tenant_b")
+    try:
+        managers = {}
+        for schema in ("tenant_a", "tenant_b"):
+            cfg = TaskConfig(db=f"{pg_url}?options=-c%20search_path%3D{schema}", db_busy_timeout=BUSY,
+                             default_max_tokens=3)
+            managers[schema] = tm = TaskManager(FakeEngine(), FakeTokenizer(), cfg, FakeShape())
+            await tm.start()
+            await tm.wait((await tm.create(f"in {schema}", persistent=True)).id, timeout=10)
+            async with tm.store.read() as conn:
+                got = (await conn.exec_driver_sql("select current_setting('search_path'), "
+                                                  "current_setting('lock_timeout')")).one()
+            assert tuple(got) == (schema, "1s")
+        for schema, tm in managers.items():
+            listed = (await tm.list())["tasks"]
+            assert len(listed) == 1 and listed[0]["prompt_preview"] == f"in {schema}", listed
+            await tm.close()
+        tables = await admin.fetch("select table_schema, table_name from information_schema.tables "
+                                   "where table_name = 'tasks'")
+        assert sorted(r["table_schema"] for r in tables) == ["tenant_a", "tenant_b"]  # none in public
+    finally:
+        await admin.close()
 
 
 def test_an_unknown_url_option_refuses_the_start_with_status_2(tmp_path):

@@ -44,7 +44,9 @@ _DSN = {"sslrootcert", "sslcert", "sslkey", "sslcrl", "sslpassword", "ssl_min_pr
         "ssl_max_protocol_version"}  # fmt: skip
 """libpq's TLS file options, which asyncpg reads from a DSN's query (only there)."""
 _FILES = {"sslrootcert", "sslcert", "sslkey", "sslcrl"}
-SUPPORTED = sorted(_KWARGS | _DSN | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout"})
+SUPPORTED = sorted(_KWARGS | _DSN | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout", "options"})
+_OURS = {"lock_timeout": "--db-busy-timeout bounds every lock wait"}
+"""Server settings a URL's `options` may not change: the store's bounds rest on them."""
 
 
 def query_problem(url: str) -> str | None:
@@ -59,8 +61,9 @@ def query_problem(url: str) -> str | None:
 def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
     """(the URL without the options moved, asyncpg's connect arguments): the time bounds (the
     module's doc) and the URL's libpq options: `sslmode` (or asyncpg's `ssl`, same values) as
-    asyncpg's `ssl`, `dbname` as `database`, `application_name` as a server setting,
-    `connect_timeout` (seconds) as the connect timeout, the TLS file options through a DSN.
+    asyncpg's `ssl`, `dbname` as `database`, `application_name` and `options`' settings
+    (server_options) as server settings, `connect_timeout` (seconds) as the connect timeout, the
+    TLS file options through a DSN.
     ValueError (one line) for any other option, or a value out of range."""
     u = make_url(url)
     connect_s = busy_timeout
@@ -85,6 +88,8 @@ def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
             u = u.set(database=value)
         elif name == "application_name":
             settings["application_name"] = value
+        elif name == "options":
+            settings.update(server_options(value))
         elif name == "connect_timeout":
             try:
                 connect_s = float(value)
@@ -98,6 +103,40 @@ def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
         args["dsn"] = "postgresql://?" + urlencode(dsn)
     args.update(timeout=connect_s, command_timeout=statement_bound(busy_timeout), server_settings=settings)
     return u.difference_update_query(moved), args
+
+
+def server_options(options: str) -> dict[str, str]:
+    """libpq's `options` (command-line options sent at connection start) as server settings:
+    `-c name=value`, `-cname=value` or `--name=value`, separated by spaces (a backslash keeps
+    the next character, a space included), e.g. `-c search_path=tenant_a` for a schema of its own.
+    ValueError (one line) for any other option, or a setting the store's bounds rest on."""
+    words, word, escaped, started = [], "", False, False
+    for ch in options:
+        if escaped:
+            word, escaped, started = word + ch, False, True
+        elif ch == "\\":
+            escaped = True
+        elif ch.isspace():
+            if started:
+                words.append(word)
+            word, started = "", False
+        else:
+            word, started = word + ch, True
+    if started or escaped:
+        words.append(word + ("\\" if escaped else ""))
+    out: dict[str, str] = {}
+    it = iter(words)
+    for w in it:
+        shown = f"-c {next(it, '')}" if w == "-c" else w
+        pair = shown[2:].lstrip() if shown.startswith(("--", "-c")) else ""
+        key, eq, value = pair.partition("=")
+        if not key or not eq:
+            raise ValueError(f"?options: {shown!r} is not a server setting (use -c name=value)")
+        key = key.replace("-", "_")
+        if key in _OURS:
+            raise ValueError(f"?options: {key} is set by the server: {_OURS[key]}")
+        out[key] = value
+    return out
 
 
 def statement_bound(busy_timeout: float, *, written: int = 0, dropped: int = 0) -> float:
