@@ -287,6 +287,25 @@ def test_server_page_charts_update(server, browser):
     assert console_errors(browser) == []
 
 
+def test_server_page_says_whether_the_database_answers(server, browser):
+    """The database card: /health's `database` (ok here); an unavailable one with since when, and
+    the error as the card's tooltip (server.js's databaseCard, fed /health's unavailable shape)."""
+    open_page(browser, server, "#/server", "#server-cards .stat")
+    cards = lambda d: {c.find_element("css selector", ".muted").text: c.find_element("css selector", ".value").text  # noqa: E731
+                       for c in d.find_elements("css selector", "#server-cards .stat")}
+    wait_for(browser, lambda d: cards(d).get("database") == "ok", 10)
+    out = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import("/ui/static/js/server.js").then(({ databaseCard }) => done([
+          databaseCard({ status: "ok", database: "unavailable", database_error: "the task database is unreachable",
+                         database_unavailable_since: 1796582200 }),
+          databaseCard({ status: "loading" })]));
+    """)
+    assert out[0][0].startswith("unavailable since ") and out[0][1] == "the task database is unreachable", out
+    assert out[1] == ["–", None], out
+    assert console_errors(browser) == []
+
+
 def test_cache_chart_counts_the_conversation_cache(server, browser):
     """metrics.js: the conversation cache (rwkv_conversation_cache_*, unlabelled) is a tier of the
     cache chart and of the hit rates, beside the state cache's tiers."""

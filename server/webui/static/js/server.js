@@ -86,8 +86,18 @@ export function mount(el) {
   return () => { history.listeners.delete(render); stopHealth(); ctl.abort(); };
 }
 
-function card(label, value) {
-  return h("div", { class: "card stat" }, h("div", { class: "muted" }, label), h("div", { class: "value" }, value));
+function card(label, value, title) {
+  return h("div", { class: "card stat", title: title || null },
+    h("div", { class: "muted" }, label), h("div", { class: "value" }, value));
+}
+
+/** The database card from /health: [its text, the error as its tooltip]. The task database failed
+ *  this server's last use of it: task routes answer 503 until it answers again (/health says since when). */
+export function databaseCard(health) {
+  if (!health || !health.database) return ["–", null];
+  if (health.database === "ok") return ["ok", null];
+  const since = health.database_unavailable_since ? new Date(health.database_unavailable_since * 1000) : null;
+  return [`${health.database}${since ? ` since ${since.toLocaleTimeString()}` : ""}`, health.database_error || null];
 }
 
 /** The cards; `stale`: the server does not answer, the figures of the moment are blanked. */
@@ -97,6 +107,7 @@ function showCards(el, t, health, stale) {
   el.replaceChildren(
     card("status", history.error instanceof OfflineError ? history.error.short
       : health ? `${health.status}${health.model ? ` · ${health.model}` : ""}` : "…"),
+    card("database", ...databaseCard(health)),
     card("slots", t.slots ?? "–"),
     card("running / waiting", `${last.requests ? last.requests.running : "–"} / ${last.requests ? last.requests.waiting : "–"}`),
     card("generated tok/s", last.throughput && last.throughput.generated !== null ? last.throughput.generated.toFixed(1) : "–"),
