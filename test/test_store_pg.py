@@ -348,3 +348,29 @@ async def test_pg_cluster_listens_on_loopback_only(pg_cluster, pg_url):
     assert show == {"listen_addresses": "127.0.0.1", "port": str(pg_cluster.port),
                     "unix_socket_directories": pg_cluster.dir, "data_directory": pg_cluster.data}
     assert os.path.exists(os.path.join(pg_cluster.dir, f".s.PGSQL.{pg_cluster.port}"))
+
+
+async def test_a_budget_check_counts_only_the_states_it_dropped(pg_url):
+    """Two replicas' budget checks at once (PostgreSQL, read committed): B has deleted S0 and not
+    committed when A chooses its victims, S0 among them. A's drop waits for B's commit, then
+    drops (and reports, for db_evictions) only the states still there: S0 was B's."""
+    a, b = await open_store(pg_url), await open_store(pg_url)
+    enc = encode_state(State.zeros(ModelShape(1, 4, 1, 4, 16, 8, 4, 4, 4, 4), 1), "tiny")
+
+    async def items():
+        for i in range(4):
+            srow = state_row(f"S{i}", f"TASK_{i}", enc, False)
+            srow["last_used"] = 1000.0 + i
+            yield dict(to_row(task(i)), state_id=f"S{i}", state_pos=1), srow, []
+
+    await a.save_each(items())
+    async with b.write() as conn:  # B's own budget check, caught between its delete and its commit
+        await conn.execute(sa.text("delete from states where id = 'S0'"))
+        racing = asyncio.create_task(a.states.enforce_budget(2 * enc.nbytes, keep=set()))
+        await asyncio.sleep(0.5)
+        assert not racing.done()  # A waits for B's row lock
+    victims, _ = await racing
+    assert victims == ["S1"], victims  # S0 is gone by B's hand, S1 by A's; S2 and S3 fit
+    assert await a.counts() == {"tasks": 4, "states": 2}
+    await a.close()
+    await b.close()

@@ -129,13 +129,20 @@ class StateStore:
                 victims.append(r.id)
                 total -= int(r.nbytes)
             await self.db.allow(conn, dropped=before - total)  # their blobs' pages deleted: more time (pgconnect)
+            dropped: list[str] = []
             for i in range(0, len(victims), _CHUNK):
-                part = victims[i : i + _CHUNK]
+                # locked first (PostgreSQL; SQLite's write lock is the file's): a row another
+                # replica's budget check dropped meanwhile is not there any more, nor counted here
+                chunk = victims[i : i + _CHUNK]
+                lock = sa.select(states.c.id).where(states.c.id.in_(chunk)).with_for_update()
+                there = {r.id for r in await conn.execute(lock)}
+                part = [v for v in chunk if v in there]  # (least recently used first, as chosen)
                 await conn.execute(sa.delete(states).where(states.c.id.in_(part)))
                 await conn.execute(
                     sa.update(tasks).where(tasks.c.state_id.in_(part)).values(state_id=None, state_pos=0)
                 )
-            return victims, total
+                dropped += part
+            return dropped, total
 
 
 def state_row(state_id: str, task_id: str, enc: EncodedState, is_template: bool) -> dict[str, Any]:
