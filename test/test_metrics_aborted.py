@@ -10,6 +10,7 @@ import pytest
 from util_server import server_fixture
 
 from server.api.metrics import parse_metrics
+from server.tokenizer import get_tokenizer
 
 server = server_fixture()
 
@@ -75,6 +76,55 @@ def test_an_answered_request_is_no_abort(server):
         r = httpx.post(server.url + path, json={**body, "max_tokens": 3}, timeout=30)
         assert r.status_code == 200, r.text
     assert metrics(server.url)[ABORTED] == before
+
+
+def test_leaving_a_stream_that_only_watches_a_run_is_no_abort(server):
+    """A task's stream (GET /stream, or a TASK_ create's) and a stored response's stream only
+    watch their run: leaving them stops nothing, so it is no abort (QA: each counted one, and the
+    log said "aborting its generation" while the run went on)."""
+    c = httpx.Client(base_url=server.url, timeout=30)
+    tid = c.post("/v1/tasks/create", json={"prompt": "x", **LONG}).json()["task_id"]
+    before = metrics(server.url)[ABORTED]
+    for _ in range(2):
+        with c.stream("GET", f"/v1/tasks/{tid}/stream") as r:
+            assert r.status_code == 200
+            next(r.iter_bytes())
+    with c.stream("POST", "/v1/tasks/create", json={"prompt": "y", "stream": True, **LONG}) as r:
+        next(r.iter_lines())
+    time.sleep(0.5)  # an abort counted would show by now
+    assert metrics(server.url)[ABORTED] == before, server.log_tail()
+    assert c.get(f"/v1/tasks/{tid}/status").json()["status"] == 2  # still running
+    assert "the run it watched goes on" in server.log_tail(200)
+    for t in c.get("/v1/tasks/list", params={"limit": 1000}).json()["tasks"]:
+        if t["status"] == 2:
+            c.post(f"/v1/tasks/{t['task_id']}/stop", json={})
+
+
+def fed(url: str) -> float:
+    return metrics(url)["rwkv_prompt_tokens_total"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_client_that_leaves_while_its_long_prompt_is_prefilled_aborts_the_prefill(server, stream):
+    """With the conversation cache on, a long prompt's rest is prefilled (and kept) before the
+    answer begins; a client that left meanwhile went unnoticed until that prefill ended (QA: a
+    ~35k-token prompt prefilled 10 s more after its client had gone). Now the prefill is aborted:
+    the engine is idle soon after, well short of the prompt, and the request is one abort (499)."""
+    tag = f"{time.monotonic_ns() % 10**8:x}"  # uncached: a prompt no earlier request sent
+    prompt = " ".join(f"{tag}{i}" for i in range(6000))
+    n = len(get_tokenizer().encode(prompt))
+    f0, a0 = fed(server.url), metrics(server.url)[ABORTED]
+    try:
+        httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 50, "stream": stream},
+                   timeout=httpx.Timeout(30, read=1.0))
+        pytest.fail("answered within 1 s: no prefill to leave")
+    except httpx.ReadTimeout:
+        pass  # gone while it prefills
+    m = settled(server.url, a0)
+    assert m["rwkv_requests_running"] == 0 and m[ABORTED] == a0 + 1, server.log_tail()
+    time.sleep(0.5)
+    assert fed(server.url) - f0 < n / 2, (fed(server.url) - f0, n)  # the prefill stopped early
+    assert "aborting the prefill" in server.log_tail(200)
 
 
 def test_inter_token_latency_counts_every_token_after_the_first():

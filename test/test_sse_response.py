@@ -6,9 +6,12 @@ aborted), on the loop path and on the direct path; one that leaves before the en
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
+
+import pytest
 
 from test_sse_direct import _dechunk, _read_all
 
@@ -23,6 +26,7 @@ class _Source:
 
     path = "direct"
     foreign_thread = False
+    stops_work = True
 
     def __init__(self, chunks: list[bytes], on_last: Callable[[], None] = lambda: None) -> None:
         self.preamble = [b"data: {\"pre\":1}\n\n"]
@@ -102,9 +106,13 @@ async def test_a_hang_up_after_done_on_the_loop_is_no_abort():
     assert metrics.aborted == 0 and source.aborted == 0 and metrics.stream_paths == {"loop": 1}
 
 
-async def test_a_hang_up_before_the_end_is_an_abort():
+@pytest.mark.parametrize("stops_work", [True, False], ids=["its-own-run", "watching"])
+async def test_a_hang_up_before_the_end_is_an_abort(stops_work, caplog):
+    """... of a stream whose leaving stops work; one that only watches a run (a task's stream)
+    left it: no abort counted, and the log says the run goes on (QA: counted and said aborting)."""
     hang_up, metrics = asyncio.Event(), Metrics()
     source = _Source(LONGER)
+    source.stops_work = stops_work
     body, send = _loop_sender()
 
     async def sending(message: dict) -> None:
@@ -112,9 +120,12 @@ async def test_a_hang_up_before_the_end_is_an_abort():
         if b"\"t\":1" in message.get("body", b""):
             hang_up.set()  # gone after the first chunk
 
+    caplog.set_level(logging.INFO, logger="server.sse")
     await _run(SSEResponse(source, metrics=metrics), _client(hang_up), sending)
     assert not source.ended and not b"".join(body).endswith(DONE)
-    assert metrics.aborted == 1 and source.aborted == 1 and metrics.streams_open == 0
+    assert metrics.aborted == int(stops_work) and source.aborted == 1 and metrics.streams_open == 0
+    said = "aborting its generation" if stops_work else "the run it watched goes on"
+    assert said in caplog.text, caplog.text
 
 
 async def test_the_drain_ends_an_open_stream_with_shutting_down():

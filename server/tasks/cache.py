@@ -68,6 +68,7 @@ class StateCache(Generic[V]):
         self._pinned: dict[str, _Pin[V]] = {}
         self._templates: dict[str, V] = {}
         self._loading: dict[str, asyncio.Future[V | None]] = {}
+        self._waiting: dict[asyncio.Future[V | None], int] = {}  # a load's callers still waiting (abandon)
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -158,13 +159,17 @@ class StateCache(Generic[V]):
         if key in self._pinned:
             self._pinned[key].drop = True
 
-    async def get_or_load(self, key: str, load: Callable[[], Awaitable[V | None]]) -> V | None:
+    async def get_or_load(
+        self, key: str, load: Callable[[], Awaitable[V | None]], *, abandon: bool = False
+    ) -> V | None:
         """The value of `key` from memory, else from `load()` (None: there is none). Concurrent
         callers for one key share a single load, whose exception each of them gets; a caller
-        that is cancelled does not cancel the load the others wait for. The loaded value goes to
-        the LRU tier, unless load() put it in the cache itself (e.g. as a template) or a value
-        arrived meanwhile (that one is returned). Counts a miss when this call starts a load, a
-        hit otherwise (in memory, or joining a load in flight)."""
+        that is cancelled does not cancel the load the others wait for. With `abandon`, the
+        load is cancelled once every caller waiting for it was (a prefill whose clients all
+        left: its engine request is aborted). The loaded value goes to the LRU tier, unless
+        load() put it in the cache itself (e.g. as a template) or a value arrived meanwhile
+        (that one is returned). Counts a miss when this call starts a load, a hit otherwise
+        (in memory, or joining a load in flight)."""
         v = self._peek(key, count=True)
         if v is not None:
             self.hits += 1
@@ -178,7 +183,15 @@ class StateCache(Generic[V]):
         else:
             self.hits += 1
             self.tier_hits["loading"] += 1
-        return await asyncio.shield(fut)
+        self._waiting[fut] = self._waiting.get(fut, 0) + 1
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            self._waiting[fut] -= 1
+            if not self._waiting[fut]:
+                del self._waiting[fut]
+                if abandon and not fut.done():
+                    fut.cancel()
 
     async def _load(self, key: str, load: Callable[[], Awaitable[V | None]]) -> V | None:
         v = await load()

@@ -7,22 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 
 from server.api.errors import ApiError, engine_error
 from server.api.latency import Recorder
-from server.api.streaming.sse import draining_event, wait_disconnect
+from server.api.streaming.sse import done_or_gone, draining_event, wait_disconnect
 from server.engine.protocol import EngineAPI, Handle, StateLike
 from server.engine.types import Event, QueueFullError, SamplingParams, TokenLogprob
 
 log = logging.getLogger("server.generation")
 
 
+T = TypeVar("T")
+
+
 class ClientGone(Exception):
-    """The client disconnected while we waited for a non-streaming answer."""
+    """The client disconnected while we waited for a non-streaming answer (or a prefill)."""
 
 
 @dataclass
@@ -226,6 +230,17 @@ async def _error_of(job: Job) -> str:
         return res.error or "generation failed"
     except Exception as exc:
         return str(exc) or "generation failed"
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s value, the client watched meanwhile (done_or_gone): a client that leaves first
+    cancels it (a conversation prefill no other request waits for is aborted with it) and
+    raises ClientGone; ApiError 503 `shutting_down` when the server begins to drain."""
+    fut = asyncio.ensure_future(work)
+    if not await done_or_gone(request, fut):
+        log.info("client left while its prompt was prefilled; aborting the prefill")
+        raise ClientGone()
+    return fut.result()
 
 
 async def collect(request: Request, jobs: list[Job], recorder: Recorder) -> list[Job]:

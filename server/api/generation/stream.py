@@ -40,6 +40,7 @@ class ChoiceStream:
 
     def __init__(self, jobs: list[Job], renderer: Renderer, recorder: Recorder) -> None:
         self.jobs, self.renderer, self.recorder = jobs, renderer, recorder
+        self.stops_work = True  # its jobs are the request's own
         self.path: str | None = "direct" if len(jobs) == 1 else None  # n > 1: merged on the loop
         self._ended = False
 

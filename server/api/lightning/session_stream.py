@@ -64,6 +64,7 @@ class SessionStream:
         self.t, self.out = t, t.out  # this run's output, whatever the task does later
         self.chunk_size, self.tail = chunk_size, tail
         self.on_abort: Callable[[], None] | None = on_abort
+        self.stops_work = True
         self.name, self.deleted = name, deleted
         self._ended = False
         self._sent = 0  # characters of out.text sent (the text events are its pieces, in order)

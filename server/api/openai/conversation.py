@@ -268,13 +268,14 @@ class ConversationCache:
         self, engine: EngineAPI, part: str, tokens: list[int], state: StateLike | None, n: int
     ) -> StateLike:
         """The state after `tokens` (fed from `state`, which consumed tokens[:n]), kept. Concurrent
-        calls for the same tokens share one prefill. Raises the engine's errors."""
+        calls for the same tokens share one prefill, aborted once every caller has left (was
+        cancelled). Raises the engine's errors."""
         key = self._keys(part, tokens, [len(tokens)])[len(tokens)]
 
         async def load() -> StateLike:
             return await prefill_state(engine, tokens[n:], init_state=state, request_id=f"conv-{uuid.uuid4().hex[:16]}")
 
-        kept = await self.cache.get_or_load(key, load)
+        kept = await self.cache.get_or_load(key, load, abandon=True)
         assert kept is not None  # load() returns a state or raises
         self._index(part, len(tokens), key)
         return kept

@@ -123,15 +123,19 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     base = await start.resolve_base(sv, body.state, owner)
     reply = max(p.max_tokens for p in params)
     ongoing = any(m.role == "assistant" for m in body.messages)
-    begun = await start.begin(
-        sv,
-        owner,
-        base,
-        prefix_tokens + rest,
-        (prompt.prefix, prefix_tokens),
-        reply_tokens=reply,
-        ongoing=ongoing,
-    )
+    try:
+        begun = await start.begin(
+            sv,
+            owner,
+            base,
+            prefix_tokens + rest,
+            (prompt.prefix, prefix_tokens),
+            reply_tokens=reply,
+            ongoing=ongoing,
+            request=request,
+        )
+    except ClientGone:
+        return _gone(request)
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(
@@ -201,7 +205,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     params: list[SamplingParams] = []
     echoes: list[str] = []
     reply = max(p.max_tokens for p in per_choice)
-    starts = await asyncio.gather(*(_begin(sv, owner, base, tokens, agent, reply) for tokens, _ in prompts))
+    try:
+        starts = await asyncio.gather(
+            *(_begin(sv, owner, base, tokens, agent, reply, request) for tokens, _ in prompts)
+        )
+    except ClientGone:
+        return _gone(request)
     for begun, (tokens, text) in zip(starts, prompts, strict=True):
         for p in per_choice:
             seqs.append((begun.submit, begun.state, len(tokens)))
@@ -239,12 +248,18 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 async def _begin(
-    sv: Services, owner: str | None, base: start.Base, tokens: list[int], agent: Agent, reply_tokens: int
+    sv: Services,
+    owner: str | None,
+    base: start.Base,
+    tokens: list[int],
+    agent: Agent,
+    reply_tokens: int,
+    request: Request,
 ) -> start.Start:
     """A prompt's start. Scoring the prompt (echo + logprobs) needs its every token fed, so
     it starts from the base, not from a kept conversation state."""
     if agent.prompt_logprobs is None:
-        return await start.begin(sv, owner, base, tokens, reply_tokens=reply_tokens)
+        return await start.begin(sv, owner, base, tokens, reply_tokens=reply_tokens, request=request)
     stream = base.tokens + list(tokens)
     return start.Start(stream=stream, submit=stream, state=base.state, cached=0, part=None)
 
@@ -270,12 +285,17 @@ async def _respond(
         try:
             await collect(request, jobs, recorder)
         except ClientGone:
-            request.state.error = "the client left before the answer"
-            return Response(status_code=499)
+            return _gone(request)
         return json_response(full(jobs, meta))
     except BaseException:
         abort_all(jobs)
         raise
+
+
+def _gone(request: Request) -> Response:
+    """The client left before the answer (499: logged and counted, never sent)."""
+    request.state.error = "the client left before the answer"
+    return Response(status_code=499)
 
 
 __all__ = ["router"]

@@ -13,8 +13,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from fastapi import Request
+
 from server.api.errors import ApiError, engine_error
-from server.api.generation.jobs import Job
+from server.api.generation.jobs import ClientGone, Job, unless_gone
 from server.api.openai.chat_format import TURN_SEP, normalize
 from server.api.openai.conversation import SPLIT_MIN_TOKENS, Expect
 from server.api.openai.tools import MARKER
@@ -104,13 +106,15 @@ async def begin(
     *,
     reply_tokens: int = 0,
     ongoing: bool = False,
+    request: Request | None = None,
 ) -> Start:
     """The start of one prompt's sequences. `prefix`: (text, tokens) of a chat prompt's shared
     prefix, the first tokens of `tokens` (used when the conversation cache has nothing longer).
     reply_tokens: the most tokens a sequence may generate; ongoing: the prompt holds an earlier
     reply (a chat with an assistant turn), so the client is likely to send the next turn. With
     the cache on, the states of an exchange worth keeping are kept, and its long uncached rest
-    is prefilled (and kept) first, but its last token."""
+    is prefilled (and kept) first, but its last token: `request`'s client is watched meanwhile
+    (one that leaves aborts the prefill no other request shares: ClientGone)."""
     stream = base.tokens + list(tokens)
     state, n, part, keep = base.state, 0, None, False
     conv = sv.conversations
@@ -127,8 +131,11 @@ async def begin(
         state, n = await prefix_state(sv, text, ptokens, owner), len(ptokens)
         cached = n if hit else 0
     if keep and conv is not None and part is not None and len(stream) - 1 - n >= SPLIT_MIN_TOKENS:
+        fill = conv.prefill(sv.engine, part, stream[:-1], state, n)
         try:
-            state, n = await conv.prefill(sv.engine, part, stream[:-1], state, n), len(stream) - 1
+            state, n = await (fill if request is None else unless_gone(request, fill)), len(stream) - 1
+        except (ApiError, ClientGone):
+            raise
         except Exception as exc:
             raise engine_error(exc) from exc
     return Start(stream, stream[n:], state, max(0, cached - len(base.tokens)), part, keep)

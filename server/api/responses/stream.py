@@ -70,6 +70,7 @@ class ResponseStream:
         events numbered after it."""
         self.t, self.model = t, model
         self.on_abort = on_abort
+        self.stops_work = on_abort is not None
         self._ended = False
         self._ev = _Events(starting_after)
         self._yielded = 0  # events numbered before this were handed to the response

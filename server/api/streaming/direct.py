@@ -200,7 +200,11 @@ class DirectWriter:
         except BlockingIOError:
             n = 0
         except OSError as exc:
-            log.info("client gone while streaming (%s); aborting its generation", type(exc).__name__)
+            log.info(
+                "client gone while streaming (%s); %s",
+                type(exc).__name__,
+                "aborting its generation" if self.source.stops_work else "the run it watched goes on",
+            )
             self._leave("gone")
             return False
         self.sent += 1

@@ -78,6 +78,12 @@ class StreamSource(Protocol):
         when `foreign_thread`, else on the event loop; it must not block."""
         ...
 
+    @property
+    def stops_work(self) -> bool:
+        """Whether the client leaving stops work (a run only this stream wanted): False for a
+        stream that only watches a run (a task's, a stored response's); its leaving is no abort."""
+        ...
+
     def abort(self) -> None:
         """The client is gone: stop the work only this stream wanted (any thread)."""
         ...

@@ -7,7 +7,8 @@ the server at hundreds of streams). Three idle helpers per stream:
 - a watcher task waits on `receive()` for `http.disconnect`; when it comes before the stream's
   end, the streaming task is cancelled at its current await, the source closed and its work
   aborted at once (the next engine step frees the slots). A disconnect after the end (a client
-  that hangs up once it read [DONE]) is a completed stream, not an abort;
+  that hangs up once it read [DONE]) is a completed stream, not an abort; nor is leaving a
+  stream that only watches a run (StreamSource.stops_work: a task's, a stored response's);
 - the app's "draining" event (server shutdown) does the same, then `shutting_down` + [DONE] is sent
   (a source's own ending instead where the route gives one: `error_end`);
 - a pinger sends `: ping` when nothing was sent for `ping_interval` seconds.
@@ -127,7 +128,7 @@ class SSEResponse(Response):
         self.metrics = metrics
         self.ping_interval = ping_interval
         self.extra_headers = headers or {}
-        self.aborted = False  # the client left before the stream's end
+        self.aborted = False  # the client left before the stream's end, which stopped its work
         self._stop: str | None = None  # why the streaming task was cancelled: "disconnect" | "drain"
         self._live = False  # the streaming task may be cancelled (it is sending)
         self._sent = 0  # body messages sent by the loop (the pinger's "was anything sent lately")
@@ -156,7 +157,7 @@ class SSEResponse(Response):
             if end is not None:
                 await send({"type": "http.response.body", "body": end, "more_body": False})
         except OSError:
-            self.aborted = not self.source.ended
+            self.aborted = self._left()
         finally:
             self._live = False
             for t in helpers:
@@ -242,10 +243,15 @@ class SSEResponse(Response):
             self._failed = True
             return b"", None
         if why == "gone":  # the socket refused a write: make sure the connection ends
-            self.aborted = not self.source.ended
+            self.aborted = self._left()
             writer.transport.close()
             return None, None
         return b"", None
+
+    def _left(self) -> bool:
+        """The client left (a write failed): whether that is an abort (the stream had not ended,
+        and its leaving stops work: StreamSource.stops_work)."""
+        return not self.source.ended and self.source.stops_work
 
     def _our_cancel(self) -> bool:
         """Whether the cancel came from our watchers (then it only ends the sending: the task
@@ -263,8 +269,11 @@ class SSEResponse(Response):
         shutting_down ending) or the source failed (the internal_error ending)."""
         if self._stop is not None and not self.source.ended:
             if self._stop == "disconnect":
-                self.aborted = True
-                log.info("client disconnected before the end of its stream; aborting its generation")
+                self.aborted = self.source.stops_work
+                log.info(
+                    "client disconnected before the end of its stream; %s",
+                    "aborting its generation" if self.aborted else "the run it watched goes on",
+                )
                 return None
             log.info("server shutting down; ending the stream")
             return await self._error_end("shutdown")

@@ -40,6 +40,7 @@ class TaskStream:
         self.pos = max(0, min(int(pos), len(self.out)))
         self.sent = self.out.char_at(self.pos)  # characters of the text sent (streaming.closing_events)
         self.on_abort = on_abort
+        self.stops_work = on_abort is not None
         self._ended = False
         self._fn: Callable[[], None] | None = None  # the listener (direct writes)
         self._preamble = [event(streaming.header(t))]
