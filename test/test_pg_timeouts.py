@@ -143,7 +143,9 @@ def test_a_listener_that_never_answers_fails_the_start_within_the_bound_naming_i
     ("?sslmode=sometimes", "?sslmode=sometimes: use one of disable, allow, prefer, require, verify-ca, verify-full"),
     ("?sslmode=require&foo=1", "unsupported option 'foo' in the URL's query"),
     ("?options=-c%20search_path%3Dtenant_a%20--work-mem%3D64MB", None),
-    ("?options=-c%20lock_timeout%3D0", "?options: lock_timeout is set by the server: --db-busy-timeout"),
+    ("?options=-c%20lock_timeout%3D0", "?options: lock_timeout may not be set here: --db-busy-timeout"),
+    ("?options=-c%20LOCK_TIMEOUT%3D0", "?options: lock_timeout may not be set here"),  # (names ignore case)
+    ("?options=--statement-timeout%3D5s", "?options: statement_timeout may not be set here"),
     ("?options=-x", "?options: '-x' is not a server setting (use -c name=value)"),
     ("?keepalives=1", "unsupported option 'keepalives'"),
 ])
@@ -195,6 +197,39 @@ async def test_options_give_each_store_a_schema_of_its_own(pg_cluster, pg_url):
                                    "where table_name = 'tasks'")
         assert sorted(r["table_schema"] for r in tables) == ["tenant_a", "tenant_b"]  # none in public
     finally:
+        await admin.close()
+
+
+async def test_a_migration_lock_holds_its_own_schema_only_and_is_waited_for_past_the_busy_timeout(
+    pg_cluster, pg_url, caplog
+):
+    """Another server migrating schema tenant_a (its advisory lock held 3 s, thrice the busy
+    timeout): a start in tenant_a waits for it, saying so, instead of failing after the busy
+    timeout; a start in tenant_b does not wait at all (QA: one lock for every schema, given up
+    after the busy timeout)."""
+    from server.tasks.migrate import MIGRATION_LOCK
+
+    dbname = pg_url.rsplit("/", 1)[1]
+    admin = await asyncpg.connect(host="127.0.0.1", port=pg_cluster.port, user="postgres", database=dbname)
+    await admin.execute("CREATE SCHEMA tenant_a; CREATE SCHEMA tenant_b")
+    holder = await asyncpg.connect(host="127.0.0.1", port=pg_cluster.port, user="postgres", database=dbname)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK}, hashtext('tenant_a'))")
+        t0 = time.monotonic()
+        b = Store(f"{pg_url}?options=-c%20search_path%3Dtenant_b", busy_timeout=BUSY)
+        await b.open()  # another schema: not held up
+        assert time.monotonic() - t0 < 2
+        await b.close()
+        asyncio.get_running_loop().call_later(3.0, lambda: asyncio.ensure_future(tx.commit()))
+        a = Store(f"{pg_url}?options=-c%20search_path%3Dtenant_a", busy_timeout=BUSY)
+        await a.open()  # waits for the other migration (3 s > the busy timeout), then opens
+        assert time.monotonic() - t0 >= 2.9 and a.revision
+        assert "another server is migrating schema 'tenant_a'" in caplog.text
+        await a.close()
+    finally:
+        await holder.close()
         await admin.close()
 
 

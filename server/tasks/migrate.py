@@ -8,6 +8,7 @@ refused with `SchemaTooNewError` and left untouched.
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 
 from alembic import command
@@ -16,6 +17,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy.engine import Connection
+
+log = logging.getLogger("server.tasks.store")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -51,15 +54,18 @@ def current_revision(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
-MIGRATION_LOCK = 0x52574B56_07  # PostgreSQL advisory lock key of the migrations ("RWKV", 7)
+MIGRATION_LOCK = 0x52574B56  # PostgreSQL advisory lock class of the migrations ("RWKV"); the key: the schema's hash
+MIGRATION_WAIT_S = 600  # how long a start waits for another server's migration of its schema
 
 
 def upgrade(connection: Connection, target: str = "head") -> tuple[str | None, str]:
     """Upgrade the database on `connection` to `target`; returns (revision before, after).
-    On PostgreSQL it first takes a transaction-scoped advisory lock, so a second server
-    migrating the same database waits for the first and then finds nothing to do."""
+    On PostgreSQL it first takes a transaction-scoped advisory lock of its schema (servers in
+    other schemas of the database, `options=-c search_path=...`, do not wait for it), so a
+    second server migrating the same schema waits for the first (up to MIGRATION_WAIT_S, not
+    the busy timeout: a migration may rewrite a table of states) and then finds nothing to do."""
     if connection.dialect.name == "postgresql":
-        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
+        _lock_schema(connection)
     cfg = alembic_config(connection)
     script = ScriptDirectory.from_config(cfg)
     before = current_revision(connection)
@@ -85,3 +91,15 @@ def render_sql(dialect: str = "postgresql", target: str = "head") -> str:
     cfg.attributes.update(dialect_name=dialect, output_buffer=buf)
     command.upgrade(cfg, target, sql=True)
     return buf.getvalue()
+
+
+def _lock_schema(connection: Connection) -> None:
+    """Take the migration lock of the connection's schema, saying so when another server holds it."""
+    key = f"{MIGRATION_LOCK}, hashtext(coalesce(current_schema(), ''))"
+    if connection.exec_driver_sql(f"SELECT pg_try_advisory_xact_lock({key})").scalar():
+        return
+    schema = connection.exec_driver_sql("SELECT current_schema()").scalar()
+    log.warning("another server is migrating schema %r of the task database; waiting for it (up to %d s)",
+                schema, MIGRATION_WAIT_S)  # fmt: skip
+    connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{MIGRATION_WAIT_S}s'")
+    connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key})")

@@ -45,7 +45,10 @@ _DSN = {"sslrootcert", "sslcert", "sslkey", "sslcrl", "sslpassword", "ssl_min_pr
 """libpq's TLS file options, which asyncpg reads from a DSN's query (only there)."""
 _FILES = {"sslrootcert", "sslcert", "sslkey", "sslcrl"}
 SUPPORTED = sorted(_KWARGS | _DSN | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout", "options"})
-_OURS = {"lock_timeout": "--db-busy-timeout bounds every lock wait"}
+_OURS = {
+    "lock_timeout": "--db-busy-timeout bounds every lock wait",
+    "statement_timeout": "it would cut a large state's write or a migration; the server bounds each statement itself",
+}
 """Server settings a URL's `options` may not change: the store's bounds rest on them."""
 
 
@@ -109,6 +112,7 @@ def server_options(options: str) -> dict[str, str]:
     """libpq's `options` (command-line options sent at connection start) as server settings:
     `-c name=value`, `-cname=value` or `--name=value`, separated by spaces (a backslash keeps
     the next character, a space included), e.g. `-c search_path=tenant_a` for a schema of its own.
+    (In a URL a `+` reads as a space, as in any query string: write a plus sign as %2B.)
     ValueError (one line) for any other option, or a setting the store's bounds rest on."""
     words, word, escaped, started = [], "", False, False
     for ch in options:
@@ -132,9 +136,9 @@ def server_options(options: str) -> dict[str, str]:
         key, eq, value = pair.partition("=")
         if not key or not eq:
             raise ValueError(f"?options: {shown!r} is not a server setting (use -c name=value)")
-        key = key.replace("-", "_")
+        key = key.replace("-", "_").lower()  # (PostgreSQL's names ignore case)
         if key in _OURS:
-            raise ValueError(f"?options: {key} is set by the server: {_OURS[key]}")
+            raise ValueError(f"?options: {key} may not be set here: {_OURS[key]}")
         out[key] = value
     return out
 
