@@ -40,6 +40,8 @@ def test_health_says_the_database_failed_its_last_use_and_when_it_answers_again(
                 assert gauge(c) == 0
                 done = c.post("/v1/completions", json={"prompt": "no database", "max_tokens": 3})
                 assert done.status_code == 200, done.text
+                assert c.get("/v1/tasks/list").status_code == 200  # reads go on (WAL) ...
+                assert c.get("/health").json()["database"] == "unavailable"  # ... and prove no write works
             finally:
                 other.execute("ROLLBACK")
                 other.close()
@@ -49,3 +51,13 @@ def test_health_says_the_database_failed_its_last_use_and_when_it_answers_again(
         assert "the task database answers again (unavailable for" in srv.log_tail(200)
     finally:
         srv.stop()
+
+
+def test_with_api_keys_health_leaves_the_error_text_to_the_log():
+    """/health needs no key; the driver's text may name the database's address."""
+    from server.api.ops import _database
+    from server.tasks.dbfaults import Availability
+
+    down = Availability(ok=False, error="the task database is unreachable ([Errno 111] ('10.0.0.5', 5432))", since=1.0)
+    assert _database(down, keyed=False)["database_error"] == down.error
+    assert _database(down, keyed=True) == {"database": "unavailable", "database_unavailable_since": 1.0}

@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, Response
 from server.api.errors import error_body
 from server.api.metrics import OPENMETRICS, OPENMETRICS_TYPE, Metrics, openmetrics
 from server.api.services import Services
-from server.api.streaming.sse import draining
+from server.api.streaming.watch import draining
 from server.tasks.dbfaults import Availability
 
 log = logging.getLogger(__name__)
@@ -74,17 +74,21 @@ async def health(request: Request) -> Response:
         if st.engines > 1:  # one engine per device (--devices)
             body.update(engines=st.engines, engines_alive=st.engines_alive)
     if services.tasks is not None:
-        body.update(_database(services.tasks.store.outages.now))
+        keyed = bool(services.settings.api_keys or services.settings.api_key_file)
+        body.update(_database(services.tasks.store.outages.now, keyed))
     return _json(200, body)
 
 
-def _database(now: Availability) -> dict[str, Any]:
+def _database(now: Availability, keyed: bool) -> dict[str, Any]:
     """/health's database fields. An unavailable database is no 503 here: what needs none
     (completions, chat, TMP tasks) still answers, and the task routes answer 503
-    `database_unavailable` themselves; replicas on one database would all fail the probe at once."""
+    `database_unavailable` themselves; replicas on one database would all fail the probe at once.
+    With API keys on, the error's text (which may name the database's address) is left to the
+    log: /health needs no key."""
     if now.ok:
         return {"database": "ok"}
-    return {"database": "unavailable", "database_error": now.error, "database_unavailable_since": now.since}
+    error = {} if keyed else {"database_error": now.error}
+    return {"database": "unavailable", **error, "database_unavailable_since": now.since}
 
 
 @router.get("/metrics", responses=_METRICS, tags=["operations"])

@@ -20,7 +20,7 @@ from server.api.metrics import Metrics
 from server.api.openai.chat_format import FewShotUnreadable, default_few_shot_path, load_few_shot
 from server.api.openai.conversation import ConversationCache
 from server.api.openai.prefix_cache import PrefixCache
-from server.api.streaming.sse import draining
+from server.api.streaming.watch import draining
 from server.config import Settings
 from server.engine.protocol import EngineAPI
 from server.tokenizer import Tokenizer

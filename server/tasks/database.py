@@ -12,6 +12,7 @@ bound applies where); a wait beyond it is TaskUnavailable too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -27,7 +28,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import StaticPool
 
 from server.tasks import migrate, pgconnect
-from server.tasks.dbfaults import DamagedPage, DatabaseDamaged, Outages, damage_line, damaged, locked, unavailable
+from server.tasks.dbfaults import (
+    DamagedPage,
+    DatabaseDamaged,
+    Outages,
+    contention,
+    damage_line,
+    damaged,
+    file_unwritable,
+    locked,
+    unavailable,
+)
 
 __all__ = ["DamagedPage", "Database", "DatabaseDamaged", "damaged", "database_url", "read_every_tree", "unavailable"]
 
@@ -68,6 +79,18 @@ def _sqlite_setup(engine: AsyncEngine, busy_ms: int) -> None:
         ):
             cur.execute(f"PRAGMA {pragma}")
         cur.close()
+
+    @event.listens_for(engine.sync_engine, "handle_error")
+    def _on_error(ctx: Any) -> None:
+        # a connection that cannot write stays so (SQLite opened the file read-only because it
+        # was not writable then, or met an I/O error): dropped with the pool as a lost one is,
+        # so that the next connections open the file again once it is writable
+        if file_unwritable(ctx.original_exception):
+            cursor = getattr(ctx.execution_context, "cursor", None)
+            if cursor is not None:  # (a cursor left open keeps the closed connection, and its lock)
+                with contextlib.suppress(Exception):
+                    cursor.close()
+            ctx.is_disconnect = True
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
@@ -214,7 +237,7 @@ class Database:
     async def write(self) -> AsyncIterator[AsyncConnection]:
         """`async with store.write() as conn`: the write lock + one committed transaction
         (SQLite: BEGIN IMMEDIATE). Errors: _task_errors (TaskUnavailable, DamagedPage)."""
-        async with self._wlock, self._task_errors(), self._db().connect() as conn:
+        async with self._wlock, self._task_errors(write=True), self._db().connect() as conn:
             conn = await conn.execution_options(sqlite_immediate=True)
             try:
                 async with conn.begin():
@@ -225,7 +248,7 @@ class Database:
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """`async with store.read() as conn`: a pooled connection for queries (errors: write's)."""
-        async with self._task_errors(), self._db().connect() as conn:
+        async with self._task_errors(write=False), self._db().connect() as conn:
             try:
                 yield conn
             finally:
@@ -246,7 +269,7 @@ class Database:
             pgconnect.reset_bound(raw, pgconnect.statement_bound(self.busy_timeout))
 
     @asynccontextmanager
-    async def _task_errors(self) -> AsyncIterator[None]:
+    async def _task_errors(self, *, write: bool) -> AsyncIterator[None]:
         """A transient database error of the block as TaskUnavailable (unavailable()); a damaged
         page (one damaged while serving: a damaged file is refused at open) as DamagedPage, said
         once in the log with the file and how to salvage it, not as SQLAlchemy's SQL per write."""
@@ -258,14 +281,15 @@ class Database:
                 log.log(logging.DEBUG if self._damage_said else logging.ERROR, "%s", damage_line(self.url, exc, then))
                 self._damage_said = True
                 page = DamagedPage(exc)
-                self.outages.failed(page)
+                self.outages.failed(page, write=write)
                 raise page from None
             err = unavailable(exc)
             if err is None:
                 raise
-            self.outages.failed(err)
+            if not contention(exc):  # (rows another server holds: not the database's outage)
+                self.outages.failed(err, write=write)
             raise err from exc
-        self.outages.answered()
+        self.outages.answered(write=write)
 
     async def db_now(self, conn: AsyncConnection) -> float:
         """The database's clock in epoch seconds (leases compare times of several hosts)."""

@@ -52,12 +52,24 @@ def unavailable(exc: BaseException) -> TaskUnavailable | None:
         )
     if any(m in msg for m in _FULL) or state in _PG_FULL:
         return TaskUnavailable("the task database's disk is full; nothing was stored, retry later")
-    if exc.connection_invalidated or state[:2] in ("08", "57", "53"):
-        return TaskUnavailable("the task database is unreachable; retry later")
     if any(m in msg for m in _IO) or state[:2] == "58" or state == "25006":
         why = msg.splitlines()[0] if msg else state
         return TaskUnavailable(f"the task database cannot be written now ({why}); nothing was stored, retry later")
+    if exc.connection_invalidated or state[:2] in ("08", "57", "53"):
+        return TaskUnavailable("the task database is unreachable; retry later")
     return None
+
+
+def file_unwritable(exc: BaseException) -> bool:
+    """SQLite cannot write through this connection (it opened the file read-only, which it does
+    silently when the file was not writable then, or met an I/O error): the connection stays so."""
+    return any(m in str(getattr(exc, "orig", None) or exc).lower() for m in _IO)
+
+
+def contention(exc: BaseException) -> bool:
+    """PostgreSQL: a lock on rows another transaction holds (or a deadlock): one row's trouble,
+    not the database's."""
+    return isinstance(exc, sa.exc.DBAPIError) and (getattr(exc.orig, "sqlstate", None) or "") in _PG_BUSY
 
 
 _DAMAGED = ("malformed", "file is not a database", "database corrupt")
@@ -114,17 +126,22 @@ class Availability:
 
 
 class Outages:
-    """Availability over time: each database block's outcome (Database._task_errors), and one log
-    line when the database answers again."""
+    """Availability over time from each database block's outcome (Database._task_errors): a
+    failed block makes it unavailable; only a write that succeeds (a heartbeat's, a request's)
+    makes it available again, or a read when reads were what failed (reads may go on while
+    every write fails: a read-only file, a standby). One log line when it is available again."""
 
     def __init__(self) -> None:
         self.now = Availability()
+        self._failed_write = False
 
-    def failed(self, err: TaskError) -> None:
+    def failed(self, err: TaskError, *, write: bool) -> None:
         since = self.now.since if not self.now.ok else time.time()
+        self._failed_write = write or (self._failed_write and not self.now.ok)
         self.now = Availability(ok=False, error=err.message, since=since)
 
-    def answered(self) -> None:
-        if not self.now.ok:
-            log.warning("the task database answers again (unavailable for %.1f s)", time.time() - (self.now.since or 0))
-            self.now = Availability()
+    def answered(self, *, write: bool) -> None:
+        if self.now.ok or (self._failed_write and not write):
+            return
+        log.warning("the task database answers again (unavailable for %.1f s)", time.time() - (self.now.since or 0))
+        self.now, self._failed_write = Availability(), False

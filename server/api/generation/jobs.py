@@ -15,7 +15,7 @@ from fastapi import Request
 
 from server.api.errors import ApiError, engine_error
 from server.api.latency import Recorder
-from server.api.streaming.sse import done_or_gone, draining_event, wait_disconnect
+from server.api.streaming.watch import done_or_gone, draining_event, wait_disconnect
 from server.engine.protocol import EngineAPI, Handle, StateLike
 from server.engine.types import Event, QueueFullError, SamplingParams, TokenLogprob
 

@@ -22,7 +22,8 @@ from server.api.errors import ApiError, task_error
 from server.api.lightning.render import native_chunk
 from server.api.services import end_run
 from server.api.streaming.source import DONE, event
-from server.api.streaming.sse import chat_error_end, done_or_gone
+from server.api.streaming.sse import chat_error_end
+from server.api.streaming.watch import done_or_gone
 from server.tasks import streaming
 from server.tasks.errors import TaskError
 

@@ -206,9 +206,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echoes: list[str] = []
     reply = max(p.max_tokens for p in per_choice)
     try:
-        starts = await asyncio.gather(
-            *(_begin(sv, owner, base, tokens, agent, reply, request) for tokens, _ in prompts)
-        )
+        starts = await asyncio.gather(*(_begin(request, base, tokens, agent, reply) for tokens, _ in prompts))
     except ClientGone:
         return _gone(request)
     for begun, (tokens, text) in zip(starts, prompts, strict=True):
@@ -247,19 +245,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, sv, body, jobs, meta, t0, render.completion_renderer, render.completion_response)
 
 
-async def _begin(
-    sv: Services,
-    owner: str | None,
-    base: start.Base,
-    tokens: list[int],
-    agent: Agent,
-    reply_tokens: int,
-    request: Request,
-) -> start.Start:
+async def _begin(request: Request, base: start.Base, tokens: list[int], agent: Agent, reply: int) -> start.Start:
     """A prompt's start. Scoring the prompt (echo + logprobs) needs its every token fed, so
     it starts from the base, not from a kept conversation state."""
     if agent.prompt_logprobs is None:
-        return await start.begin(sv, owner, base, tokens, reply_tokens=reply_tokens, request=request)
+        sv, owner = get_services(request), get_owner(request)
+        return await start.begin(sv, owner, base, tokens, reply_tokens=reply, request=request)
     stream = base.tokens + list(tokens)
     return start.Start(stream=stream, submit=stream, state=base.state, cached=0, part=None)
 

@@ -30,7 +30,8 @@ from server.api.responses.schemas import ResponseRequest
 from server.api.responses.stream import ResponseStream
 from server.api.sampling import bad_text
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
-from server.api.streaming.sse import SSEResponse, done_or_gone
+from server.api.streaming.sse import SSEResponse
+from server.api.streaming.watch import done_or_gone
 from server.engine.types import EOS_TOKEN, EngineError, PromptTooLongError, SamplingParams
 from server.tasks.errors import TaskError, TaskNotFound
 

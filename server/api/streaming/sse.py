@@ -34,15 +34,13 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Literal
 
-from starlette.applications import Starlette
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from server.api.errors import ApiError
 from server.api.metrics import Metrics
 from server.api.streaming.direct import DirectWriter
 from server.api.streaming.source import DONE, INTERNAL_ERROR, PING, SHUTDOWN, StreamSource
+from server.api.streaming.watch import draining_event, wait_disconnect
 
 log = logging.getLogger("server.sse")
 
@@ -54,55 +52,10 @@ RAW_SEND = "rwkv.raw_send"
 """Scope key of the ASGI server's send (set by server.api.app.RawSendLayer)."""
 
 
-def draining_event(app: Starlette | None) -> asyncio.Event | None:
-    """The app's "server is shutting down" event (set by server.api.app.begin_drain)."""
-    state = getattr(app, "state", None)
-    return getattr(state, "draining", None) if state is not None else None
-
-
-def draining(app: Starlette | None) -> bool:
-    """Whether the server has begun to shut down."""
-    ev = draining_event(app)
-    return ev is not None and ev.is_set()
-
-
 def chat_error_end(why: Literal["shutdown", "internal"]) -> bytes:
     """The OpenAI chat streams' ending when the server ends a stream (ErrorEnd's default): the
     error chunk (`shutting_down` or `internal_error`), then [DONE]."""
     return (SHUTDOWN if why == "shutdown" else INTERNAL_ERROR) + DONE
-
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Returns when the client has gone (the request body must already be read)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def done_or_gone(request: Request, done: Awaitable[Any]) -> bool:
-    """Wait for `done` (a run's end) while watching the client: True once it completed (its
-    exception raised), False when the client left first; ApiError 503 `shutting_down` when the
-    server begins to drain meanwhile. The caller stops the run when it is not True."""
-    waits: dict[str, asyncio.Future[Any]] = {
-        "done": asyncio.ensure_future(done),
-        "gone": asyncio.ensure_future(wait_disconnect(request.receive)),
-    }
-    draining = draining_event(request.app)
-    if draining is not None:
-        waits["drain"] = asyncio.ensure_future(draining.wait())
-    try:
-        await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
-        if waits["done"].done():
-            waits["done"].result()
-            return True
-        if waits["gone"].done():
-            return False
-        raise ApiError(503, "the server is shutting down", code="shutting_down")
-    finally:
-        for f in waits.values():
-            f.cancel()
-        await asyncio.gather(*waits.values(), return_exceptions=True)
 
 
 class SSEResponse(Response):
