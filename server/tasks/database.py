@@ -1,5 +1,6 @@
-"""The database connection of the task store: URLs, SQLite set-up, the write lock; the mapping of
-transient database errors to TaskUnavailable (HTTP 503, retryable): server/tasks/dbfaults.py.
+"""The database connection of the task store: URLs, the write lock, whether the database answers;
+SQLite's set-up: server/tasks/sqlitefile.py; the mapping of transient database errors to
+TaskUnavailable (HTTP 503, retryable): server/tasks/dbfaults.py.
 
 SQLite runs in WAL mode with synchronous=FULL: a commit that returned is on disk even after a
 power loss. Every write transaction begins IMMEDIATE: it takes the write lock first, waiting up
@@ -12,18 +13,14 @@ bound applies where); a wait beyond it is TaskUnavailable too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
@@ -35,10 +32,11 @@ from server.tasks.dbfaults import (
     contention,
     damage_line,
     damaged,
-    file_unwritable,
     locked,
     unavailable,
 )
+from server.tasks.errors import TaskUnavailable
+from server.tasks.sqlitefile import file_id, read_every_tree, sqlite_setup
 
 __all__ = ["DamagedPage", "Database", "DatabaseDamaged", "damaged", "database_url", "read_every_tree", "unavailable"]
 
@@ -59,69 +57,6 @@ def database_url(db: str) -> str:
     return f"sqlite+aiosqlite:///{path}"
 
 
-def _sqlite_setup(engine: AsyncEngine, busy_ms: int) -> None:
-    @event.listens_for(engine.sync_engine, "connect")
-    def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
-        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (transactional DDL)
-        cur = dbapi_conn.cursor()
-        # page_size first: it only applies to a database not yet written (a new file). States
-        # are blobs of megabytes (21 MB for 2.9B in fp32), stored as chains of overflow pages:
-        # 64 KiB pages commit them several times faster than 4 KiB ones; one-row updates are
-        # no slower. busy_timeout before journal_mode: switching a new file to WAL takes a lock
-        # that another process opening the same file at the same time may hold.
-        for pragma in (
-            f"busy_timeout={busy_ms}",
-            "page_size=65536",
-            "journal_mode=WAL",
-            "synchronous=FULL",
-            "journal_size_limit=67108864",
-            "temp_store=MEMORY",
-        ):
-            cur.execute(f"PRAGMA {pragma}")
-        cur.close()
-
-    @event.listens_for(engine.sync_engine, "handle_error")
-    def _on_error(ctx: Any) -> None:
-        # a connection that cannot write stays so (SQLite opened the file read-only because it
-        # was not writable then, or met an I/O error): dropped with the pool as a lost one is,
-        # so that the next connections open the file again once it is writable
-        if file_unwritable(ctx.original_exception):
-            cursor = getattr(ctx.execution_context, "cursor", None)
-            if cursor is not None:  # (a cursor left open keeps the closed connection, and its lock)
-                with contextlib.suppress(Exception):
-                    cursor.close()
-            ctx.is_disconnect = True
-
-    @event.listens_for(engine.sync_engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        # IMMEDIATE takes the write lock up front (waiting up to busy_timeout for it); a deferred
-        # transaction that read first and then writes fails at once if another process wrote.
-        immediate = conn.get_execution_options().get("sqlite_immediate", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-
-def read_every_tree(conn: sa.Connection, url: str) -> None:
-    """Read every page of each SQLite table's and index's b-tree in one read transaction, not the
-    overflow pages of large values (a damaged state blob is rebuilt when read): a table by
-    SQLite's count, an index by a scan of it alone. A damaged page raises "database disk image
-    is malformed"; an index with more or fewer entries than its table has rows, DatabaseDamaged."""
-    q = "SELECT type, name, tbl_name, sql FROM sqlite_master WHERE type IN ('table', 'index') AND rootpage > 0"
-    rows: dict[str, int] = {}
-    for kind, name, table, sql in sorted(conn.exec_driver_sql(q).all(), key=lambda r: r[0] != "table"):
-        where = re.search(r"\bWHERE\b(.*)\Z", sql or "", re.IGNORECASE | re.DOTALL)  # a partial index's
-        scan = "NOT INDEXED" if kind == "table" else f'INDEXED BY "{name}" WHERE {where[1] if where else 1}'
-        try:
-            n = int(conn.exec_driver_sql(f'SELECT count(*) FROM "{table}" {scan}').scalar_one())
-        except sa.exc.DBAPIError as exc:
-            if damaged(exc) or locked(exc) or kind == "table":
-                raise
-            continue  # an index SQLite will not scan alone ("no query solution"): not judged here
-        if kind == "table":
-            rows[name] = n
-        elif where is None and n != rows.get(table, n):
-            raise DatabaseDamaged(url, RuntimeError(f"index {name} has {n} entries for {rows[table]} rows of {table}"))
-
-
 class Database:
     """An async SQLAlchemy engine on the task database, migrated to the head schema at open."""
 
@@ -134,6 +69,8 @@ class Database:
         self.revision: str = ""
         self._wlock = asyncio.Lock()
         self._damage_said = False  # (_task_errors)
+        self._moved_said = False
+        self._file_id: tuple[int, int] | None = None  # SQLite: (st_dev, st_ino) of the file opened (_check_file)
         self.outages = Outages()
         """Whether the database answered the last block of write() or read() (dbfaults.Outages)."""
         self._lifted: dict[int, Any] = {}  # id(conn) -> its asyncpg connection, while allow() lifts its bound
@@ -158,7 +95,7 @@ class Database:
                 f"pip install -e '.[postgres]')"
             ) from exc
         if self.is_sqlite:
-            _sqlite_setup(self.engine, int(self.busy_timeout * 1000))
+            sqlite_setup(self.engine, int(self.busy_timeout * 1000))
         try:
             await self._migrate()
         except BaseException as exc:
@@ -167,6 +104,8 @@ class Database:
             if damaged(exc):
                 raise DatabaseDamaged(self.url, exc) from None
             raise
+        if self.is_sqlite and self.url != "sqlite+aiosqlite://":
+            self._file_id = file_id(self._path)
         if self.revision_before != self.revision:
             log.info("task database %s: schema %s -> %s", self.url, self.revision_before or "empty", self.revision)
 
@@ -238,6 +177,7 @@ class Database:
         """`async with store.write() as conn`: the write lock + one committed transaction
         (SQLite: BEGIN IMMEDIATE). Errors: _task_errors (TaskUnavailable, DamagedPage)."""
         async with self._wlock, self._task_errors(write=True), self._db().connect() as conn:
+            self._check_file()
             conn = await conn.execution_options(sqlite_immediate=True)
             try:
                 async with conn.begin():
@@ -253,6 +193,25 @@ class Database:
                 yield conn
             finally:
                 self._restore(conn)
+
+    @property
+    def _path(self) -> str:
+        return self.url.split(":///", 1)[-1]
+
+    def _check_file(self) -> None:
+        """SQLite: the file at the path is still the one opened. One removed or replaced while
+        the server runs would take every write into the old file, which is gone at the next
+        start (acknowledged tasks lost): TaskUnavailable instead, said once in the log."""
+        if self._file_id is None or file_id(self._path) == self._file_id:
+            return
+        msg = (f"the task database file {self._path} was removed or replaced while the server runs; nothing is "
+               "stored until the server restarts (it then opens the file at that path)")  # fmt: skip
+        if not self._moved_said:
+            log.error("%s; what this server stored since its start is in the file it opened, if it still exists", msg)
+            self._moved_said = True
+        err = TaskUnavailable(msg)
+        self.outages.failed(err, write=True)
+        raise err
 
     async def allow(self, conn: AsyncConnection, *, written: int = 0, dropped: int = 0, seconds: float = 0) -> None:
         """Lift the time bound of the next statements of `conn` (in a block of write or read)
