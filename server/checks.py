@@ -267,17 +267,26 @@ def database_open_problem(settings: Settings) -> str | None:
     damaged page of the tasks or their index is found here, not once the model has loaded)."""
     from server.tasks.database import Database, DatabaseDamaged
 
-    async def open_close() -> None:
+    async def open_close() -> str | None:
         db = Database(settings.db, busy_timeout=settings.db_busy_timeout)
         await db.open()
-        await db.close()
+        try:
+            return await db.read_only()
+        finally:
+            await db.close()
 
     try:
-        asyncio.run(open_close())
+        read_only = asyncio.run(open_close())
     except DatabaseDamaged as exc:  # its line names the file and how to salvage it
         return f"--db {settings.db}: {exc}"
     except Exception as exc:
         cause = getattr(exc, "orig", None) or exc  # SQLAlchemy's wrapper: the driver's error
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        if "no schema has been selected" in text:
+            text += " (the schema that options=-c search_path=... names must exist: CREATE SCHEMA it first)"
         return redact_url(f"--db {settings.db}: cannot open the task database: {type(cause).__name__}: {text}")
+    if read_only:
+        return redact_url(
+            f"--db {settings.db}: the task database takes no writes ({read_only}); the server stores its tasks there"
+        )
     return None

@@ -233,6 +233,22 @@ async def test_a_migration_lock_holds_its_own_schema_only_and_is_waited_for_past
         await admin.close()
 
 
+async def test_a_database_that_takes_no_writes_or_a_missing_schema_is_refused_before_the_model_loads(pg_url):
+    """A read-only database (a standby; here default_transaction_read_only) passed the start-up
+    check when its schema was already at head, and failed after the model had loaded with a
+    traceback and status 1 (QA). A schema that options names and that does not exist says so."""
+    store = Store(pg_url, busy_timeout=BUSY)
+    await store.open()  # migrated: a later open writes nothing
+    await store.close()
+    settings = Settings(db=f"{pg_url}?options=-c%20default_transaction_read_only%3Don", db_busy_timeout=BUSY)
+    line = await asyncio.to_thread(database_open_problem, settings)
+    assert line and "takes no writes (transaction_read_only is on)" in line and "\n" not in line, line
+    assert await asyncio.to_thread(database_open_problem, Settings(db=pg_url, db_busy_timeout=BUSY)) is None
+    settings = Settings(db=f"{pg_url}?options=-c%20search_path%3Dnosuch", db_busy_timeout=BUSY)
+    line = await asyncio.to_thread(database_open_problem, settings)
+    assert line and "search_path=... names must exist: CREATE SCHEMA it first" in line, line
+
+
 def test_an_unknown_url_option_refuses_the_start_with_status_2(tmp_path):
     pytest.importorskip("asyncpg")
     r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--model", "synthetic:tiny",

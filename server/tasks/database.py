@@ -106,6 +106,10 @@ class Database:
             raise
         if self.is_sqlite and self.url != "sqlite+aiosqlite://":
             self._file_id = file_id(self._path)
+        if not self.is_sqlite:
+            async with self.read() as conn:
+                schema = (await conn.exec_driver_sql("SELECT current_schema()")).scalar()
+            log.info("task database %s: its tables in PostgreSQL schema %r", self.url, schema)
         if self.revision_before != self.revision:
             log.info("task database %s: schema %s -> %s", self.url, self.revision_before or "empty", self.revision)
 
@@ -193,6 +197,17 @@ class Database:
                 yield conn
             finally:
                 self._restore(conn)
+
+    async def read_only(self) -> str | None:
+        """PostgreSQL: why its transactions cannot write (a standby, default_transaction_read_only),
+        or None; the start-up check refuses such a database (SQLite's read-only file fails its
+        migration's write already)."""
+        if self.is_sqlite:
+            return None
+        async with self.read() as conn:
+            standby = (await conn.exec_driver_sql("SELECT pg_is_in_recovery()")).scalar()
+            ro = (await conn.exec_driver_sql("SHOW transaction_read_only")).scalar()
+        return "a standby in recovery" if standby else "transaction_read_only is on" if ro == "on" else None
 
     @property
     def _path(self) -> str:
