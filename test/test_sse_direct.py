@@ -7,6 +7,7 @@ writes. (The whole path through uvicorn is in test_http_ops.)"""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -279,6 +280,31 @@ def test_direct_writes_apply_only_to_plain_http11_chunked_uvicorn_responses():
         pass
 
     assert "httptools" in transport_of(other_server_send, plain)[1]
+
+
+def test_a_client_gone_before_the_headers_says_no_reason_for_the_loop_path(caplog, monkeypatch):
+    """uvicorn drops the response start of a client already gone, so the response is not chunked:
+    no configuration reason to log (QA: that used up the reason's one log line, and misled)."""
+    from server.api.streaming import direct
+
+    class _Cycle:
+        transport, chunked_encoding, response_complete = object(), None, False
+
+        def __init__(self, disconnected):
+            self.disconnected = disconnected
+
+        async def send(self, message):
+            pass
+
+    class _Src:
+        path, foreign_thread = "direct", False
+
+    monkeypatch.setattr(direct, "_said", set())
+    caplog.set_level(logging.INFO, logger=direct.log.name)
+    assert direct.DirectWriter.attach(_Src(), _Cycle(True).send, {"http_version": "1.1"}) is None
+    assert "not chunked" not in caplog.text
+    assert direct.DirectWriter.attach(_Src(), _Cycle(False).send, {"http_version": "1.1"}) is None
+    assert "the response is not chunked (logged once)" in caplog.text
 
 
 def test_a_stream_ended_by_two_paths_records_its_duration_once():

@@ -127,7 +127,9 @@ class DirectWriter:
             return None
         transport, why = transport_of(send, scope)
         if transport is None:
-            _say_once(why)
+            cycle = getattr(send, "__self__", None)
+            if not getattr(cycle, "disconnected", False):  # (a client gone before the headers: no reason to say)
+                _say_once(why)
             return None
         if transport.get_write_buffer_size() or transport.is_closing():
             return None
