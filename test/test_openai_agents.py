@@ -255,6 +255,25 @@ def test_logprobs_equal_log_softmax_of_the_reference_logits(client, oracle):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_echo_from_a_template_scores_the_prompt_s_first_token_too(server, client, oracle):
+    """With `state`, the prompt's first token follows the template's pending token: it has a
+    logprob (QA: null, as if it were the first token fed)."""
+    head, p = [5, 300, 65000, 17], [9, 1234, 77]
+    t = httpx.post(server.url + "/v1/tasks/create", json={"prompt": head, "max_tokens": 0}, timeout=30).json()
+    for _ in range(200):
+        if httpx.get(server.url + f"/v1/tasks/{t['task_id']}/get_result").json()["finished"]:
+            break
+        time.sleep(0.05)
+    r = httpx.post(server.url + f"/v1/tasks/{t['task_id']}/as_template", params={"name": "lp_head"}, json={})
+    assert r.status_code == 200, r.text
+    lp = client.completions.create(model="m", prompt=p, max_tokens=1, logprobs=1, echo=True,
+                                   extra_body={"state": "lp_head", "ignore_eos": True}).choices[0].logprobs
+    ref = ref_logprobs(oracle, head + p)
+    assert [x is not None for x in lp.token_logprobs[: len(p)]] == [True] * len(p), lp.token_logprobs
+    for j, tok in enumerate(p):
+        assert abs(lp.token_logprobs[j] - ref[len(head) - 1 + j][tok].item()) < TOL
+
+
 def test_streamed_logprobs_cover_every_token(client):
     chunks = list(client.chat.completions.create(model="m", messages=USER, max_tokens=8, seed=2, stream=True,
                                                  logprobs=True, top_logprobs=1, stream_options={"include_usage": True},

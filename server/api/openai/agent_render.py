@@ -150,12 +150,15 @@ def _legacy(ex: Extras, values: Sequence[TokenLogprob | None], tokens: Sequence[
 
 
 def _echoed(ex: Extras, job: Job) -> tuple[list[TokenLogprob | None], list[int]]:
-    """The scored prompt of an echo: its logprobs (the first token's None) and ids."""
+    """The scored prompt of an echo: its logprobs and ids. The engine scores every fed token but
+    the first; the prompt's first token is scored too where a `state`'s pending tokens came
+    before it (its logprob None only when it is the first token fed)."""
     if job.index >= len(ex.prompts):
         return [], []
     ids = list(ex.prompts[job.index])
-    scored = list(job.prompt_logprobs or [])[-(len(ids) - 1) :] if len(ids) > 1 else []
-    return [None, *scored][: len(ids)], ids
+    fed = list(job.prompt_logprobs or [])  # (the base's pending tokens', then the prompt's)
+    k = min(len(ids), len(fed))
+    return [None] * (len(ids) - k) + fed[len(fed) - k :], ids
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
