@@ -52,6 +52,10 @@ async def test_longest_kept_prefix_within_its_partition():
     shared = ConversationCache(1 << 20, shared=True)
     assert shared.partition("key-a") == shared.partition("key-b")
     assert c.counters["hits"] == 3 and c.counters["tokens_saved"] == 11
+    # a state shorter than what the request would use (a chat's shared prefix state goes further):
+    # none returned, and no hit counted (QA: counted, then dropped for the prefix's state)
+    assert await c.lookup(a, [1, 2, 3, 4, 5, 6, 7], at_least=6) == (None, 0)
+    assert c.counters["hits"] == 3 and c.counters["tokens_saved"] == 11 and c.counters["misses"] == 4
 
 
 async def test_byte_budget_evicts_least_recently_used():

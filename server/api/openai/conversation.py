@@ -111,11 +111,15 @@ class ConversationCache:
         return f"{who}|{base}"
 
     # --- lookup --------------------------------------------------------------------------------
-    async def lookup(self, part: str, tokens: Sequence[int]) -> tuple[StateLike | None, int]:
+    async def lookup(self, part: str, tokens: Sequence[int], at_least: int = 1) -> tuple[StateLike | None, int]:
         """(state, n): the longest kept state of `part` that consumed exactly tokens[:n], n <= len - 1;
-        (None, 0) when there is none. Waits for the entries of a finished request this one extends."""
+        (None, 0) when there is none, or none of `at_least` tokens (a shorter one would not be
+        used: a chat's shared prefix state starts further on). Waits for the entries of a
+        finished request this one extends. Counted as a hit only when one is returned."""
         await self._wait_settling(part, tokens)
         state, n = self.best(part, tokens, len(tokens) - 1)
+        if n < at_least:
+            state, n = None, 0
         self.counters["hits" if n else "misses"] += 1
         self.counters["tokens_saved"] += n
         return state, n

@@ -117,15 +117,16 @@ async def begin(
     (one that leaves aborts the prefill no other request shares: ClientGone)."""
     stream = base.tokens + list(tokens)
     state, n, part, keep = base.state, 0, None, False
+    shared = prefix is not None and bool(prefix[0]) and not base.key and not base.tokens  # a chat's prefix
     conv = sv.conversations
     if conv is not None:
         part = conv.partition(owner, base.key)
-        kept, m = await conv.lookup(part, stream)
+        kept, m = await conv.lookup(part, stream, at_least=len(prefix[1]) if shared and prefix else 1)
         if kept is not None:
             state, n = kept, m
         keep = conv.worth_keeping(len(stream), reply_tokens, ongoing=ongoing or kept is not None)
     cached = n
-    if prefix is not None and prefix[0] and not base.key and not base.tokens and n < len(prefix[1]):
+    if shared and prefix is not None and n < len(prefix[1]):
         text, ptokens = prefix
         hit = sv.prefix_cache.key(text, prefix_part(sv, owner)) in sv.prefix_cache.cache
         state, n = await prefix_state(sv, text, ptokens, owner), len(ptokens)
