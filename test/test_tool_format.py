@@ -205,6 +205,10 @@ def test_a_call_list_cut_beside_a_format_has_no_content(server):
     deltas = [x["choices"][0] for x in chunks if x["choices"]]
     assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["length"]
     assert not any(d["delta"].get("content") for d in deltas), deltas
+    with httpx.Client(base_url=server.url, timeout=120) as c:  # a cut inside the marker itself: no
+        for n in range(1, 8):  # content either (QA: '<tool_', the fragment, as the JSON reply)
+            ch = c.post("/v1/chat/completions", json=chat_body(19, max_tokens=n)).json()["choices"][0]
+            assert ch["finish_reason"] == "length" and ch["message"]["content"] in (None, ""), (n, ch)
     from pydantic import BaseModel, Field
 
     class Answer(BaseModel):  # ANSWER, as the SDK's helpers take it

@@ -52,13 +52,19 @@ def _message(job: Job, ex: Extras, meta: Meta) -> tuple[dict[str, Any], str | No
     plan = ex.tool_plan
     content, calls = split(raw, plan.mode) if plan is not None else (raw, None)
     msg = message(meta.lead(content))
-    if calls is None and plan is not None and plan.mode == "formatted" and raw.lstrip().startswith(MARKER):
+    if calls is None and plan is not None and plan.mode == "formatted" and _calls_begun(raw):
         msg["content"] = None  # a call list max_tokens cut, beside a JSON format: its text is no JSON,
         return msg, _finish(job)  # and the SDKs read a formatted reply's content as JSON as it streams
     if calls is None:
         return msg, _finish(job)
     msg.update(content=(content.strip() and meta.lead(content)) or None, tool_calls=calls)
     return msg, "tool_calls"
+
+
+def _calls_begun(raw: str) -> bool:
+    """The text began the call marker (the cut may fall inside the marker itself: `<tool_`)."""
+    text = raw.lstrip()
+    return text.startswith(MARKER) or (bool(text) and MARKER.startswith(text))
 
 
 def chat_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any]]:
