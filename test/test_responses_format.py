@@ -105,6 +105,19 @@ def test_a_fork_of_the_task_runs_the_gapped_grammar(server):
     jsonschema.validate(json.loads(res["result"]), SCHEMA)
 
 
+def test_the_response_shows_the_request_s_format_as_sent(server):
+    """description and strict as sent (QA: description dropped, strict false shown true); strict
+    absent shows true (the output follows the schema either way)."""
+    for extra, shown in (({"description": "an answer", "strict": False}, {"description": "an answer", "strict": False}),
+                         ({}, {"strict": True})):  # fmt: skip
+        fmt = {**{k: v for k, v in FORMAT.items() if k != "strict"}, **extra}
+        r = httpx.post(server.url + "/v1/responses", json={**ASK, "text": {"format": fmt}, "max_output_tokens": 4},
+                       timeout=60).json()  # fmt: skip
+        want = {"type": "json_schema", "name": FORMAT["name"], "schema": FORMAT["schema"], **shown}
+        assert r["text"]["format"] == want, r["text"]
+        assert httpx.get(f"{server.url}/v1/responses/{r['id']}").json()["text"]["format"] == want
+
+
 def test_a_follow_up_after_a_formatted_reply_goes_on_from_it(server):
     """previous_response_id after a formatted reply: the history holds the reply as written (the
     gap too), the next reply (free text, then formatted again) starts from its state."""

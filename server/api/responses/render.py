@@ -216,7 +216,14 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
     fmt = m.get("format") or p.get("response_format") or {"type": "text"}  # (meta: with tools, agent.task_params)
     if fmt.get("type") == "json_schema":
         inner = fmt.get("json_schema", {})
-        fmt = {"type": "json_schema", "name": inner.get("name"), "schema": inner.get("schema"), "strict": True}
+        described = {"description": inner["description"]} if inner.get("description") is not None else {}
+        fmt = {
+            "type": "json_schema",
+            "name": inner.get("name"),
+            **described,
+            "schema": inner.get("schema"),
+            "strict": inner.get("strict", True),
+        }  # fmt: skip  (the output follows the schema either way)
     status = _status(t)
     parent = t.parent_id
     return {

@@ -117,7 +117,9 @@ class TextFormat(BaseModel):
         """OpenAI chat's response_format of this format (what tasks store)."""
         if self.type != "json_schema":
             return {"type": self.type}
-        return {"type": "json_schema", "json_schema": {"name": self.name or "output", "schema": self.schema_}}
+        inner = {"name": self.name or "output", "schema": self.schema_}
+        given = {"description": self.description, "strict": self.strict}  # (echoed as sent: render.response)
+        return {"type": "json_schema", "json_schema": {**inner, **{k: v for k, v in given.items() if v is not None}}}
 
 
 class TextOptions(BaseModel):
