@@ -373,6 +373,21 @@ def test_a_text_part_without_text_says_so(client):
     assert "not supported" not in err["message"]
 
 
+def test_an_assistant_refusal_part_is_left_out_as_its_refusal_field_is(client):
+    """OpenAI's assistant content may hold {"type": "refusal"} parts (an SDK's earlier answer sent
+    back): left out of the prompt, as the message's `refusal` field is (QA: a 400); a user's
+    refusal part is no part OpenAI has: still refused."""
+    def ask(parts, role="assistant"):
+        msgs = [{"role": "user", "content": "a"}, {"role": role, "content": parts}, {"role": "user", "content": "b"}]
+        return client.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0, seed=1)
+
+    with_refusal = ask([{"type": "text", "text": "ok"}, {"type": "refusal", "refusal": "no"}])
+    assert with_refusal.usage.prompt_tokens == ask([{"type": "text", "text": "ok"}]).usage.prompt_tokens
+    assert ask([{"type": "refusal", "refusal": "no"}]).choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="refusal"):
+        ask([{"type": "refusal", "refusal": "no"}], role="user")
+
+
 def _calls(*ids: str) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [
         {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]}

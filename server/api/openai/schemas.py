@@ -90,6 +90,8 @@ class ChatMessage(BaseModel):
             return self.content
         parts = []
         for p in self.content:
+            if p.type == "refusal" and self.role == "assistant":
+                continue  # (as the refusal field: an earlier answer's refusal is not part of the prompt)
             if p.type != "text":
                 raise ValueError(f"content part of type {p.type!r} is not supported (text only)")
             if p.text is None:
