@@ -417,6 +417,17 @@ def test_every_tool_call_is_answered_by_the_tool_messages_after_it(server, messa
     assert prompt_tokens_total(server) == before
 
 
+def test_two_calls_of_one_message_may_not_share_an_id(server):
+    """Their tool message could not say which it answers (QA: accepted, the second call's name
+    shown for both)."""
+    before = prompt_tokens_total(server)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": [*USER, _calls("a", "a"), _result("a")], "max_tokens": 1})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[1].id", r.text
+    assert "two calls of this message have the id 'a'" in r.json()["error"]["message"]
+    assert prompt_tokens_total(server) == before
+
+
 def test_tool_messages_may_answer_calls_in_any_order(client):
     messages = [*USER, _calls("c1", "c2"), _result("c2"), _result("c1"), *USER, _calls("c3"), _result("c3")]
     assert client.chat.completions.create(model="m", messages=messages, max_tokens=1).choices

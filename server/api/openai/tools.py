@@ -397,6 +397,8 @@ def assistant_text(content: str, calls: Sequence[Any], index: int) -> tuple[str,
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
             raise ToolError(where, 'a tool call is {"id", "type": "function", "function": {"name", "arguments"}}')
         out.append({"name": fn["name"], "arguments": arguments(fn.get("arguments"), f"{where}.function.arguments")})
+        if c["id"] in ids:  # (its tool message could not say which call it answers)
+            raise ToolError(f"{where}.id", f"two calls of this message have the id {c['id']!r}")
         ids[c["id"]] = fn["name"]
     return envelope(content, out), ids
 
