@@ -165,11 +165,12 @@ def _listed_templates(srv: ServerProcess) -> list[str]:
     return [t["task_id"] for t in body["tasks"]] + body["cpu_tasks"]
 
 
-def _template_can_be_made(srv: ServerProcess, x: str) -> None:
+def _template_can_be_made(srv: ServerProcess) -> None:
     c = tasks(srv)
     assert "_tpl" not in _listed_templates(srv)
     assert c.get("/_tpl/get_result").status_code == 404
-    r = c.post(f"/{x}/as_template", params={"name": "tpl"}, json={})  # the name is free
+    y = run(c, "/create", {"prompt": [7, 8, 9], "max_tokens": 2, **G}, stored=True)["task_id"]  # (short: no
+    r = c.post(f"/{y}/as_template", params={"name": "tpl"}, json={})  # second long prefill) the name is free
     assert r.status_code == 200, r.text
     f = run(c, "/_tpl/fork", {"prompt": [7], "max_tokens": 1})
     assert f["prompt_tokens"] == 2  # from the template's stored state, not a prefill of its history
@@ -185,7 +186,7 @@ def test_an_as_template_killed_while_it_prefills_leaves_nothing_after_a_restart(
         assert "r" not in answer, answer
         srv.start()
         assert rows(srv.db, "_tpl") == []
-        _template_can_be_made(srv, x)
+        _template_can_be_made(srv)
 
 
 def test_a_replica_reaps_a_half_made_template_only_once_its_maker_is_dead(tmp_path):
@@ -203,7 +204,7 @@ def test_a_replica_reaps_a_half_made_template_only_once_its_maker_is_dead(tmp_pa
         assert "_tpl" not in _listed_templates(b)
         a.kill()
         until(lambda: rows(db, "_tpl") == [], 15, "b did not reap the dead instance's half-made template")
-        _template_can_be_made(b, x)
+        _template_can_be_made(b)
 
 
 # --- the claim's SQL, on SQLite and PostgreSQL ----------------------------------------------------
