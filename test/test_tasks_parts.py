@@ -57,6 +57,35 @@ async def test_get_or_load_shares_one_load_among_concurrent_callers():
     assert await cache.get_or_load("k", load) is got[0] and len(calls) == 1  # now from memory
 
 
+async def test_an_abandoned_load_is_cancelled_once_its_last_caller_leaves():
+    """abandon=True (a conversation prefill): the load goes on while one caller waits, is
+    cancelled when the last leaves (its engine request aborted), and a caller after that starts
+    a load of its own rather than joining the cancelled one."""
+    cache: StateCache = StateCache(10**6)
+    started, cancelled, gate = [], [], asyncio.Event()
+
+    async def load():
+        started.append(1)
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+        return counted_state(3)
+
+    a, b = (asyncio.create_task(cache.get_or_load("k", load, abandon=True)) for _ in range(2))
+    await asyncio.sleep(0.01)
+    a.cancel()
+    await asyncio.sleep(0.01)
+    assert started == [1] and not cancelled  # b still waits: the load goes on
+    b.cancel()
+    c = asyncio.create_task(cache.get_or_load("k", load, abandon=True))  # at once: not the cancelled one
+    await asyncio.sleep(0.01)
+    assert cancelled == [1] and len(started) == 2
+    gate.set()
+    assert consumed(await c) == 3 and cache.get("k") is not None
+
+
 async def test_get_or_load_failure_reaches_every_caller_and_caches_nothing():
     cache: StateCache = StateCache(10**6)
 

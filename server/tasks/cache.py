@@ -191,6 +191,8 @@ class StateCache(Generic[V]):
             if not self._waiting[fut]:
                 del self._waiting[fut]
                 if abandon and not fut.done():
+                    if self._loading.get(key) is fut:  # a caller from now on starts a load of its own
+                        del self._loading[key]
                     fut.cancel()
 
     async def _load(self, key: str, load: Callable[[], Awaitable[V | None]]) -> V | None:
