@@ -49,6 +49,9 @@ def test_requests_on_a_frozen_database_answer_503_within_the_bound(server, pg_cl
             assert h.status_code == 200 and h.json()["database"] == "unavailable", h.text
             assert h.json()["database_unavailable_since"] and "task database" in h.json()["database_error"], h.text
         assert c.get("/v1/tasks/list").status_code == 200  # thawed: back
+        # a write failed in the freeze: a write that succeeds says the database is back (a read
+        # alone does not, and the heartbeat's write may still be 10 s away)
+        assert c.post("/v1/tasks/create", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
         assert c.get("/health").json()["database"] == "ok"
     assert "Traceback" not in server.log_path.read_text(), server.log_tail()
 
