@@ -257,7 +257,9 @@ async def test_a_copy_read_before_its_state_was_written_is_read_again(tmp_path):
     whole history again, QA saw it minutes later); now b reads the row again and forks from the
     stored state."""
     ea, eb = FakeEngine(), FakeEngine()
-    a, b = await replica(ea, tmp_path / "w.db", "a"), await replica(eb, tmp_path / "w.db", "b")
+    # a lease of 5 s: nothing here waits for one to expire, and a CI run's loaded loop let the
+    # 0.6 s one of `a` lapse (b took its task over, so its state was never stored)
+    a, b = await replica(ea, tmp_path / "w.db", "a", 5.0), await replica(eb, tmp_path / "w.db", "b", 5.0)
     try:
         await a.lease.beat()
         await b.lease.beat()
