@@ -18,7 +18,7 @@ from server.api.openai.agents import ready_grammar
 from server.api.openai.chat_format import build_prompt
 from server.api.responses import render
 from server.api.responses.items import Rendered, render_input
-from server.api.responses.schemas import ResponseRequest, TextFormat
+from server.api.responses.schemas import ResponseInput, ResponseRequest, TextFormat
 from server.api.services import Services
 from server.engine.types import GrammarSpec
 from server.tasks.params import grammar_fields
@@ -39,7 +39,7 @@ class ResponseTools:
     """text.format's grammar (None: text)."""
 
 
-def response_tools(body: ResponseRequest) -> ResponseTools:
+def response_tools(body: ResponseInput) -> ResponseTools:
     """The request's tools and text.format checked and planned (a 400 naming the field
     otherwise); the grammar is compiled by `ready`, once the prompt says whether the reply opens a
     new assistant turn."""
@@ -63,7 +63,7 @@ async def ready(sv: Services, rt: ResponseTools, prompt: str) -> ResponseTools:
     return replace(rt, grammar=grammar)
 
 
-def response_format(body: ResponseRequest) -> dict[str, Any]:
+def response_format(body: ResponseInput) -> dict[str, Any]:
     """The request's text.format as chat's response_format (what tasks store)."""
     return (body.text.format if body.text is not None else TextFormat()).response_format()
 
@@ -73,13 +73,21 @@ def _digest(text: str) -> str:
 
 
 def prompt_and_meta(body: ResponseRequest, rt: ResponseTools, src: Task | None) -> tuple[str, dict[str, Any]]:
-    """The prompt's text (what follows the previous response's history, if any) and the task's
-    `meta`. The tools' system turn comes first, unless the previous responses described the same
-    tools (their description is in the history already: a tool loop does not repeat it)."""
+    """The prompt's text (what follows the previous response's history, if any: `prompt`) and
+    the task's `meta`."""
+    text, rendered, described = prompt(body, rt, src)
+    return text, _meta(body, rendered, described)
+
+
+def prompt(body: ResponseInput, rt: ResponseTools, src: Task | None) -> tuple[str, Rendered, str | None]:
+    """The prompt's text, the input rendered, and the digest of the tools described. The tools'
+    system turn comes first, unless the previous responses described the same tools (their
+    description is in the history already: a tool loop does not repeat it)."""
     before = render.meta(src) if src is not None else {}
     made = render.calls(src) if src is not None else []  # (its output parsed once)
     owed = [c["call_id"] for c in made]  # the input must answer them
-    rendered = render_input(body.input, render.known_calls(src, made) if src is not None else {}, owed)
+    inp = body.input if body.input is not None else []
+    rendered = render_input(inp, render.known_calls(src, made) if src is not None else {}, owed)
     turns: list[tuple[str, str]] = []
     described = before.get("described")
     if rt.described is not None:
@@ -89,10 +97,10 @@ def prompt_and_meta(body: ResponseRequest, rt: ResponseTools, src: Task | None) 
         described = _digest(text)
     if body.instructions:
         turns.append(("system", body.instructions))
-    prompt = build_prompt(turns + rendered.turns).text
+    text = build_prompt(turns + rendered.turns).text
     if rt.plan is not None:
-        prompt += rt.plan.prompt_suffix()
-    return prompt, _meta(body, rendered, described)
+        text += rt.plan.prompt_suffix()
+    return text, rendered, described
 
 
 def _meta(body: ResponseRequest, rendered: Rendered, described: str | None) -> dict[str, Any]:

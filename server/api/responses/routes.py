@@ -26,7 +26,7 @@ from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import RESPONSES_EVENTS, answers
 from server.api.responses import agent, render
 from server.api.responses.items import page
-from server.api.responses.schemas import ResponseRequest
+from server.api.responses.schemas import ResponseInput, ResponseRequest
 from server.api.responses.stream import ResponseStream
 from server.api.sampling import bad_text
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
@@ -123,8 +123,20 @@ def _separator(sv: Services, src: Task) -> str:
     return "\n\n"
 
 
+def _check_input(body: ResponseInput) -> None:
+    """A 400 for text that is no valid Unicode, or a conversation (the prompt's fields)."""
+    bad = bad_text(body)
+    if bad is not None:
+        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+    if body.conversation is not None:
+        raise ApiError(400, "conversation (no conversation objects: chain responses with previous_response_id, or "
+                       "send the history as input) is not supported on /v1/responses", param="conversation",
+                       code="unsupported_field")  # fmt: skip
+
+
 def _check_supported(body: ResponseRequest) -> None:
     """A 400 unsupported_field naming a given field this route cannot honour."""
+    _check_input(body)
     refused = {  # field -> why, where its value asks for what this route does not do
         "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
         "background": body.background and "background mode: a response is tied to its request",
@@ -132,9 +144,6 @@ def _check_supported(body: ResponseRequest) -> None:
         "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
         "prompt": body.prompt is not None
         and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
-        "conversation": body.conversation is not None
-        and "conversation (no conversation objects: chain responses with previous_response_id, or send the "
-        "history as input)",
         "access_programs": body.access_programs is not None and "access_programs",
         "background_options": body.background_options is not None and "background_options (no background mode)",
         "context_management": body.context_management
@@ -154,9 +163,6 @@ def _check_supported(body: ResponseRequest) -> None:
 async def create_response(body: ResponseRequest, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
     tm = task_manager(sv)
-    bad = bad_text(body)
-    if bad is not None:
-        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
     _check_supported(body)
     rt = agent.response_tools(body)
     fmt = agent.response_format(body)
@@ -177,6 +183,25 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on
         end_run(request, tm, t)
         raise
+
+
+@router.post("/responses/input_tokens", responses=answers(400, 401, 404, 409, 503))
+async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
+    """The tokens a response with these fields would take in, its `usage.input_tokens`: the
+    previous responses' history, the tools' description, the instructions and the input, in the
+    chat format. Nothing is created or run; a bad field is refused as on create."""
+    sv, owner = get_services(request), get_owner(request)
+    tm = task_manager(sv)
+    _check_input(body)
+    rt = agent.response_tools(body)
+    src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
+    prompt, _, _ = agent.prompt(body, rt, src)
+    await agent.ready(sv, rt, prompt)  # (a format the decoder cannot compile: refused as on create)
+    history = 0
+    if src is not None:
+        prompt, history = _separator(sv, src) + prompt, len(src.tokens)
+    ids = await _call(tm.inputs.encode(prompt))
+    return json_response({"object": "response.input_tokens", "input_tokens": history + len(ids)})
 
 
 async def _previous(tm: TaskManager, rid: str, owner: str | None) -> Task:

@@ -1,5 +1,6 @@
-"""Request body of POST /v1/responses (the fields of the official API this server honours or
-can ignore; an unknown field is a 400 naming it, server.api.sampling's policy)."""
+"""Request bodies of POST /v1/responses and /v1/responses/input_tokens (the fields of the official
+API this server honours or can ignore; an unknown field is a 400 naming it, server.api.sampling's
+policy)."""
 
 from __future__ import annotations
 
@@ -162,26 +163,27 @@ def _bounds(name: str) -> Any:
     return Field(None, ge=lo, le=hi)
 
 
-class ResponseRequest(BaseModel):
+_INPUT = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS), Tag("list[InputItem]")],
+    Discriminator(lambda v: "str" if isinstance(v, str) else "list[InputItem]"),  # (errors: the list's only)
+]
+
+
+class ResponseInput(BaseModel):
+    """The fields that make a response's prompt: the body of POST /v1/responses/input_tokens (which
+    counts that prompt's tokens), and the first fields of ResponseRequest's."""
+
     # as SamplingFields: no coercion of types, no NaN or infinities
     model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
     error_status: ClassVar[int] = 400
 
     model: str | None = None  # any name: this server serves one model
-    input: Annotated[
-        Annotated[str, Tag("str")]
-        | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS), Tag("list[InputItem]")],
-        Discriminator(lambda v: "str" if isinstance(v, str) else "list[InputItem]"),  # (errors: the list's only)
-    ]
+    input: _INPUT | None = None
+    """Required on create; the count of none is that of the instructions and the history."""
     instructions: str | None = None
     """A system turn before the input (not carried to a later response, as OpenAI does)."""
-    max_output_tokens: MaxTokens = None
-    temperature: Annotated[float | None, _bounds("temperature")] = None
-    top_p: Annotated[float | None, _bounds("top_p")] = None
-    seed: Annotated[int | None, _bounds("seed")] = None  # RWKV extra
-    store: bool = True
     previous_response_id: str | None = Field(None, min_length=1, max_length=80)
-    stream: bool = False
     text: TextOptions | None = None
     tools: list[Any] | None = None
     """Function tools, {"type": "function", "name", "description", "parameters", "strict"}
@@ -189,10 +191,24 @@ class ResponseRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     """"none", "auto" (the default), "required" or {"type": "function", "name"}."""
     parallel_tool_calls: bool | None = None
-    include: list[str] | None = None
-    """Extra output data to include: none is available here (a non-empty list is refused)."""
     reasoning: Reasoning | None = None
     """Ignored, as chat's reasoning_effort: the model does not reason in hidden tokens."""
+    conversation: str | dict[str, Any] | None = None
+    """A conversation's id, or {"id"}: no conversation objects here (previous_response_id chains;
+    the routes refuse a value, naming it)."""
+    truncation: Literal["auto", "disabled"] | None = None  # ignored: a history is never cut
+
+
+class ResponseRequest(ResponseInput):
+    input: _INPUT  # (required here)
+    max_output_tokens: MaxTokens = None
+    temperature: Annotated[float | None, _bounds("temperature")] = None
+    top_p: Annotated[float | None, _bounds("top_p")] = None
+    seed: Annotated[int | None, _bounds("seed")] = None  # RWKV extra
+    store: bool = True
+    stream: bool = False
+    include: list[str] | None = None
+    """Extra output data to include: none is available here (a non-empty list is refused)."""
     metadata: Metadata = None
     """Stored with the response and shown with it (OpenAI's bounds: 16 pairs, keys of at most 64
     characters, values of at most 512)."""
@@ -207,8 +223,6 @@ class ResponseRequest(BaseModel):
     # [] asks nothing
     prompt: dict[str, Any] | None = None
     """A stored prompt ({"id", "version", "variables"}): no prompt templates here."""
-    conversation: str | dict[str, Any] | None = None
-    """A conversation's id, or {"id"}: no conversation objects here (previous_response_id chains)."""
     access_programs: dict[str, Any] | None = None
     background_options: dict[str, Any] | None = None
     context_management: list[Any] | None = None
@@ -220,7 +234,6 @@ class ResponseRequest(BaseModel):
     # ignored: they cannot change the answer
     stream_options: StreamOptions | None = None
     user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
