@@ -253,3 +253,26 @@ def test_compiled_encoder_agrees_with_the_regex_on_every_token_and_on_text(tok, 
     for text in [*corpus.values(), "lone \ud800 surrogate", "✿prefix✿✿suffix✿x✿middle✿y"]:
         fixed = "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)  # what encode() does
         assert tok.encode(text) == tok.encode_bytes(fixed.encode("utf-8"))
+
+
+def test_literals_read_without_literal_eval_are_its_values(tmp_path):
+    """load_vocab reads a literal with no backslash from between its quotes: every form must give
+    what ast.literal_eval gives (the file's 840 escaped literals and the rest go through it)."""
+    import ast
+
+    extra = ["'plain'", '"it\'s"', "'say \"hi\"'", "b'ascii'", "b\"q'\"", "u'uni'", "'日本'", "'\\t\\n'",
+             "b'\\xfe\\xff'", "'a' 'b'", "r'raw'", "B'up'"]
+    values = [ast.literal_eval(lit) for lit in extra]
+    lines = [f"{i + 1} {bytes([i])!r} 1" for i in range(256)]
+    for n, (lit, v) in enumerate(zip(extra, values)):
+        size = len(v.encode("utf-8") if isinstance(v, str) else v)
+        lines.append(f"{300 + n} {lit} {size}")
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    table = load_vocab(path)
+    assert [table[300 + n] for n in range(len(extra))] == [v.encode("utf-8") if isinstance(v, str) else v
+                                                          for v in values]
+    for bad in ("b'é'", "'open", "f'x'"):  # not a plain literal: refused as before
+        path.write_text("\n".join([*lines[:256], f"400 {bad} 2"]) + "\n", encoding="utf-8")
+        with pytest.raises((ValueError, SyntaxError)):
+            load_vocab(path)

