@@ -106,3 +106,32 @@ def test_another_keys_response_is_not_counted(server):
                    headers={"Authorization": "Bearer k2"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
     assert httpx.post(server.url + "/v1/responses/input_tokens", json={"input": "x"}).status_code == 401
+
+
+def test_a_response_its_client_left_is_counted_once_settled(server):
+    """A stream the client closed stops its response; a count that comes at once waits for the
+    run to settle, as create's fork does (it read the history mid-stop: one token short)."""
+    headers = {"Authorization": "Bearer k1"}
+    for _ in range(2):
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", server.url + "/v1/responses", headers=headers,
+                          json={"input": "long", "max_output_tokens": 3000, "stream": True}) as r:
+                lines = r.iter_lines()  # (held: dropping it would close the stream early)
+                rid = next(json.loads(x[5:])["response"]["id"] for x in lines if x.startswith("data:"))
+                for n, _line in enumerate(lines):  # a few tokens in
+                    if n > 20:
+                        break
+            body = {"input": "z", "previous_response_id": rid}
+            count = c.post(server.url + "/v1/responses/input_tokens", json=body, headers=headers)
+            while count.status_code == 409:  # (not yet seen as stopping)
+                count = c.post(server.url + "/v1/responses/input_tokens", json=body, headers=headers)
+            assert count.status_code == 200, count.text
+            made = c.post(server.url + "/v1/responses", json={**body, "max_output_tokens": 1}, headers=headers)
+            assert made.json()["usage"]["input_tokens"] == count.json()["input_tokens"]
+
+
+def test_the_counts_path_is_no_response_id(server):
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, server.url + "/v1/responses/input_tokens", headers={"Authorization": "Bearer k1"})
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+        assert r.headers["allow"] == "POST"

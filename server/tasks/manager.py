@@ -277,6 +277,11 @@ class TaskManager:
     ) -> Task:
         return await self.create(fim_prompt(prefix, suffix), params, persistent=persistent, owner=owner)
 
+    async def settled(self, t: Task) -> Task:
+        """t once a run whose stop was asked for has settled (fork and continue wait for it the
+        same way): its history is then the one they start from. TaskNotFound once deleted."""
+        return await _settled_if_stopping(t)
+
     async def fork(
         self,
         task_id: str,

@@ -25,10 +25,10 @@ from server.api.errors import ApiError, engine_error, prompt_too_long, task_erro
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import RESPONSES_EVENTS, answers
 from server.api.responses import agent, render
+from server.api.responses.checks import check_input, check_supported
 from server.api.responses.items import page
 from server.api.responses.schemas import ResponseInput, ResponseRequest
 from server.api.responses.stream import ResponseStream
-from server.api.sampling import bad_text
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
 from server.api.streaming.sse import SSEResponse
 from server.api.streaming.watch import done_or_gone
@@ -83,12 +83,16 @@ async def _stored(tm: TaskManager, rid: str, owner: str | None, param: str | Non
     except TaskError as exc:
         if not isinstance(exc, TaskNotFound):
             raise _task_error(exc) from None
-        raise ApiError(
-            404,
-            f"response {rid!r} not found (unknown, not stored, or another API key's)",
-            param=param,
-            code="response_not_found",
-        ) from None
+        raise _not_found(rid, param) from None
+
+
+def _not_found(rid: str, param: str | None) -> ApiError:
+    return ApiError(
+        404,
+        f"response {rid!r} not found (unknown, not stored, or another API key's)",
+        param=param,
+        code="response_not_found",
+    )
 
 
 def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[str, Any]:
@@ -123,47 +127,11 @@ def _separator(sv: Services, src: Task) -> str:
     return "\n\n"
 
 
-def _check_input(body: ResponseInput) -> None:
-    """A 400 for text that is no valid Unicode, or a conversation (the prompt's fields)."""
-    bad = bad_text(body)
-    if bad is not None:
-        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
-    if body.conversation is not None:
-        raise ApiError(400, "conversation (no conversation objects: chain responses with previous_response_id, or "
-                       "send the history as input) is not supported on /v1/responses", param="conversation",
-                       code="unsupported_field")  # fmt: skip
-
-
-def _check_supported(body: ResponseRequest) -> None:
-    """A 400 unsupported_field naming a given field this route cannot honour."""
-    _check_input(body)
-    refused = {  # field -> why, where its value asks for what this route does not do
-        "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
-        "background": body.background and "background mode: a response is tied to its request",
-        "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
-        "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
-        "prompt": body.prompt is not None
-        and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
-        "access_programs": body.access_programs is not None and "access_programs",
-        "background_options": body.background_options is not None and "background_options (no background mode)",
-        "context_management": body.context_management
-        and "context_management (a response's history is its state, never compacted)",
-        "image": body.image is not None and "image (no image input here)",
-        "moderation": body.moderation is not None and "moderation (no moderation policies)",
-        "prompt_cache_options.prewarm": body.prompt_cache_options is not None
-        and body.prompt_cache_options.prewarm
-        and "prompt_cache_options.prewarm (for a response with no output, send max_output_tokens: 0)",
-    }
-    for param, why in refused.items():
-        if why:
-            raise ApiError(400, f"{why} is not supported on /v1/responses", param=param, code="unsupported_field")
-
-
 @router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True, events=RESPONSES_EVENTS))
 async def create_response(body: ResponseRequest, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
     tm = task_manager(sv)
-    _check_supported(body)
+    check_supported(body)
     rt = agent.response_tools(body)
     fmt = agent.response_format(body)
     src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
@@ -192,9 +160,14 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
     chat format. Nothing is created or run; a bad field is refused as on create."""
     sv, owner = get_services(request), get_owner(request)
     tm = task_manager(sv)
-    _check_input(body)
+    check_input(body)
     rt = agent.response_tools(body)
-    src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
+    src = None
+    if body.previous_response_id:  # one being stopped: counted once settled (create's fork waits too)
+        try:
+            src = await tm.settled(await _previous(tm, body.previous_response_id, owner))
+        except TaskNotFound:  # deleted meanwhile
+            raise _not_found(body.previous_response_id, "previous_response_id") from None
     prompt, _, _ = agent.prompt(body, rt, src)
     await agent.ready(sv, rt, prompt)  # (a format the decoder cannot compile: refused as on create)
     history = 0
@@ -202,6 +175,13 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
         prompt, history = _separator(sv, src) + prompt, len(src.tokens)
     ids = await _call(tm.inputs.encode(prompt))
     return json_response({"object": "response.input_tokens", "input_tokens": history + len(ids)})
+
+
+# GET or DELETE of the count's path: not a response id (a 405, not a 404 naming "input_tokens")
+@router.api_route("/responses/input_tokens", methods=["GET", "DELETE"], include_in_schema=False)
+async def count_input_tokens_method(request: Request) -> Response:
+    raise ApiError(405, f"method {request.method} is not allowed on {request.url.path} (POST counts a request's "
+                   "input tokens)", code="method_not_allowed", headers={"Allow": "POST"})  # fmt: skip
 
 
 async def _previous(tm: TaskManager, rid: str, owner: str | None) -> Task:

@@ -1,0 +1,44 @@
+"""The checks of a /v1/responses body that no schema expresses: text that is no valid Unicode,
+and fields the server knows but cannot honour (a 400 `unsupported_field` naming the field)."""
+
+from __future__ import annotations
+
+from server.api.errors import ApiError
+from server.api.responses.schemas import ResponseInput, ResponseRequest
+from server.api.sampling import bad_text
+
+
+def check_input(body: ResponseInput) -> None:
+    """A 400 for text that is no valid Unicode, or a conversation (the prompt's fields)."""
+    bad = bad_text(body)
+    if bad is not None:
+        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+    if body.conversation is not None:
+        raise ApiError(400, "conversation (no conversation objects: chain responses with previous_response_id, or "
+                       "send the history as input) is not supported on /v1/responses", param="conversation",
+                       code="unsupported_field")  # fmt: skip
+
+
+def check_supported(body: ResponseRequest) -> None:
+    """A 400 unsupported_field naming a given field this route cannot honour."""
+    check_input(body)
+    refused = {  # field -> why, where its value asks for what this route does not do
+        "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
+        "background": body.background and "background mode: a response is tied to its request",
+        "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
+        "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
+        "prompt": body.prompt is not None
+        and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
+        "access_programs": body.access_programs is not None and "access_programs",
+        "background_options": body.background_options is not None and "background_options (no background mode)",
+        "context_management": body.context_management
+        and "context_management (a response's history is its state, never compacted)",
+        "image": body.image is not None and "image (no image input here)",
+        "moderation": body.moderation is not None and "moderation (no moderation policies)",
+        "prompt_cache_options.prewarm": body.prompt_cache_options is not None
+        and body.prompt_cache_options.prewarm
+        and "prompt_cache_options.prewarm (for a response with no output, send max_output_tokens: 0)",
+    }
+    for param, why in refused.items():
+        if why:
+            raise ApiError(400, f"{why} is not supported on /v1/responses", param=param, code="unsupported_field")
