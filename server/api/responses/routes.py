@@ -11,6 +11,8 @@ A response is tied to its request (as OpenAI's non-background responses are): a 
 leaves before the answer's end, streamed or not, stops the run; a stored one keeps what was
 generated (status "cancelled"). Only tasks made here are responses (their tag: render.RESPONSE).
 Tools (function calls) as on chat: server.api.responses.agent; input items: items.py.
+`POST /v1/responses/input_tokens` counts the tokens a create with the same prompt fields would
+take in (its usage.input_tokens), running nothing.
 """
 
 from __future__ import annotations
