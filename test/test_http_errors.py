@@ -76,6 +76,9 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "<any>") ->
     # nested objects are strict too (stream_options' bools were coerced: "yes" read as true)
     ({"messages": MSG, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    # stream_options asks for nothing without a stream (OpenAI refuses it; it was ignored)
+    ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": MSG, "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
     # metadata is OpenAI's: at most 16 pairs of text (any JSON value was taken)
     ({"messages": MSG, "metadata": {"k": {"nested": 1}}}, "metadata.k"),
     ({"messages": MSG, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
@@ -91,6 +94,7 @@ def test_chat_bad_fields_400_naming_the_field(http, body, param):
     ({"prompt": "x", "logprobs": 6}, "logprobs"),  # OpenAI's legacy bound: 0..5
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_completions_bad_fields_400(http, body, param):
     assert_error(http.post("/v1/completions", json=body), 400, param)

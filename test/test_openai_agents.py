@@ -249,7 +249,7 @@ def test_logprobs_equal_log_softmax_of_the_reference_logits(client, oracle):
     ref = ref_logprobs(oracle, p + [max(g, 0) for g in gen])  # character shows as U+FFFD: skipped
     for j in range(1, len(p)):
         assert abs(lp.token_logprobs[j] - ref[j - 1][p[j]].item()) < TOL
-        assert len(lp.top_logprobs[j]) <= 2
+        assert len(lp.top_logprobs[j]) <= 3 and lp.top_logprobs[j][lp.tokens[j]] == lp.token_logprobs[j]  # N + 1
     for i, g in enumerate(gen[: next((k for k, x in enumerate(gen) if x < 0), len(gen))]):
         assert abs(lp.token_logprobs[len(p) + i] - ref[len(p) - 1 + i][g].item()) < TOL
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)

@@ -267,6 +267,46 @@ def test_text_offsets_count_characters_not_token_texts(client, stream):
         assert text[o:o + len(t)] == t, (t, o, text)
 
 
+def _completion_logprobs(client, stream: bool, **kw) -> tuple[str, list[str], list[int], list, list]:
+    """text, tokens, text_offset, token_logprobs, top_logprobs of one completion (streamed: joined)."""
+    if stream:
+        parts = list(client.completions.create(**kw, stream=True))
+        lps = [p.choices[0].logprobs for p in parts if p.choices and p.choices[0].logprobs]
+        text = "".join(p.choices[0].text for p in parts if p.choices)
+    else:
+        c = client.completions.create(**kw).choices[0]
+        lps, text = [c.logprobs], c.text
+    return (text, [t for lp in lps for t in lp.tokens], [o for lp in lps for o in lp.text_offset],
+            [x for lp in lps for x in lp.token_logprobs], [x for lp in lps for x in lp.top_logprobs])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kw", [
+    # token 200 is the lone byte 0xC7: " A" after it stood on its U+FFFD (offset 1, not 2)
+    dict(prompt=[100, 200, 300, 400], max_tokens=2, logprobs=1, echo=True),
+    # the synthetic model writes a lone lead byte, then a token that does not go on with it
+    dict(prompt="Once upon a time", max_tokens=8, seed=3, logprobs=0),
+], ids=["echoed-ids", "generated"])
+def test_a_token_after_a_broken_character_stands_after_its_replacement(client, stream, kw):
+    text, tokens, offsets, _, _ = _completion_logprobs(client, stream, model="m", **kw)
+    assert any("\ufffd" in t for t in tokens)  # (the case this test is about)
+    for t, o in zip(tokens, offsets):
+        if "\ufffd" not in t:
+            assert text[o:o + len(t)] == t, (t, o, text, offsets)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [0, 3])
+def test_completion_top_logprobs_hold_the_chosen_token(client, stream, n):
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be up
+    to logprobs+1 elements" (it was missing in most positions, and logprobs 0 gave {})."""
+    _, tokens, _, chosen, tops = _completion_logprobs(client, stream, model="m", prompt="Once upon a time",
+                                                      max_tokens=8, seed=5, logprobs=n, temperature=1.0)
+    assert len(tokens) == 8
+    for t, lp, top in zip(tokens, chosen, tops):
+        assert top[t] == lp and n <= len(top) <= n + 1, (t, lp, top)
+
+
 def test_a_flat_token_id_prompt_is_one_prompt_whatever_its_length(client):
     # "at most 64 prompts" counted the ids of a flat list, so echo scoring of any context over
     # 64 tokens failed for clients that send one

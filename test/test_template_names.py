@@ -137,3 +137,15 @@ async def test_an_upload_never_shadows_its_keys_own_public_template(tmp_path):
         assert (await template_from_state(a, "st", counted_state(3), owner="k2")).owner == a.owner_id("k2")
     finally:
         await a.close()
+
+
+@pytest.mark.parametrize("hexes", ["abcdef0123456789abcdef0123456789", "ABCDEF0123456789ABCDEF0123456789",
+                                   "A" * 32, "aBcD" * 8])
+def test_a_new_name_of_an_unnamed_templates_form_is_refused_in_either_case(hexes):
+    """`TMPL_` and 32 hex digits is refused for a new template (upper-case hex was let through);
+    a lookup of that form is a name like any other, and a near miss is no such form."""
+    from server.tasks.imports import name_issue
+
+    assert "unnamed template" in (name_issue("TMPL_" + hexes, new=True) or "")
+    assert name_issue("TMPL_" + hexes) is None
+    assert name_issue("TMPL_" + hexes[:31], new=True) is None and name_issue("TMPL_" + hexes + "0", new=True) is None

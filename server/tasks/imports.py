@@ -45,7 +45,7 @@ STATE_UPLOAD = STATE_ORIGIN + "upload"
 __all__ = ["STATE_OPERATOR", "STATE_UPLOAD", "check_name", "is_state_only", "name_issue", "template_from_state"]
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 """Template names (the same rule as `as_template`'s): no path separators, no leading dot."""
-AUTO_NAME = re.compile(r"TMPL_[0-9a-f]{32}")
+AUTO_NAME = re.compile(r"TMPL_[0-9a-fA-F]{32}")
 """The form of an unnamed template's id (`_TMPL_<32 hex>`): no name may take it."""
 
 

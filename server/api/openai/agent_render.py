@@ -140,19 +140,46 @@ def chat_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Renderer]:
 # --- completions ---------------------------------------------------------------------------------
 
 
-def _legacy(ex: Extras, values: Sequence[TokenLogprob | None], tokens: Sequence[int], offset: int) -> dict[str, Any]:
-    """{tokens, token_logprobs, top_logprobs, text_offset}; a None value: a token without one."""
+def _legacy(ex: Extras, values: Sequence[TokenLogprob | None], tokens: Sequence[int], at: _Offsets) -> dict[str, Any]:
+    """{tokens, token_logprobs, top_logprobs, text_offset}; a None value: a token without one.
+    `top_logprobs` holds the chosen token too (OpenAI's: up to logprobs + 1 entries)."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    # a token's offset counts the characters of the text before it: one character can span
-    # several tokens (each token's own text is then U+FFFD), so decode the bytes as they come
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     for tok, v in zip(tokens, values, strict=True):
-        out["tokens"].append(ex.text(tok))
+        text = ex.text(tok)
+        out["tokens"].append(text)
         out["token_logprobs"].append(None if v is None else v.logprob)
-        out["top_logprobs"].append(None if v is None else {ex.text(t): lp for t, lp in v.top})
-        out["text_offset"].append(offset)
-        offset += len(decoder.decode(ex.tokenizer.token_bytes(tok)))
+        out["top_logprobs"].append(None if v is None else {**{ex.text(t): lp for t, lp in v.top}, text: v.logprob})
+        out["text_offset"].append(at.place(ex.tokenizer.token_bytes(tok)))
     return out
+
+
+@dataclass
+class _Offsets:
+    """Where each token's text begins in a text (`text_offset` counts characters): one character
+    can span several tokens (each token's own text is then U+FFFD), so the bytes are decoded as
+    they come, and bytes a character still waits for are held. Held bytes that the next token
+    does not go on with end as one U+FFFD before it (the decoder's "replace")."""
+
+    count: int = 0
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def place(self, data: bytes) -> int:
+        """The index at which `data`'s text begins; then its characters are counted."""
+        start = self.count
+        held = self.decoder.getstate()[0]
+        if held and data and not _goes_on(held, data[0]):
+            start += 1
+        self.count += len(self.decoder.decode(data))
+        return start
+
+
+def _goes_on(held: bytes, byte: int) -> bool:
+    """Whether `byte` continues the character `held` began (a valid UTF-8 prefix, or whole)."""
+    try:
+        (held + bytes([byte])).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.reason == "unexpected end of data"
+    return True
 
 
 def _echoed(ex: Extras, job: Job) -> tuple[list[TokenLogprob | None], list[int]]:
@@ -179,7 +206,9 @@ def completion_response(ex: Extras) -> Callable[[list[Job], Meta], dict[str, Any
             echo = _echo(meta, j)
             pv, pids = _echoed(ex, j)
             lps = j.logprobs or []
-            lp = _merge(_legacy(ex, pv, pids, 0), _legacy(ex, lps, [v.token for v in lps], len(echo)))
+            lp = _merge(
+                _legacy(ex, pv, pids, _Offsets()), _legacy(ex, lps, [v.token for v in lps], _Offsets(len(echo)))
+            )
             choices.append(
                 {"index": j.index, "text": echo + "".join(j.text), "logprobs": lp, "finish_reason": _finish(j)}
             )
@@ -195,7 +224,7 @@ def completion_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Rendere
     def make(jobs: list[Job], meta: Meta, include_usage: bool) -> Renderer:
         base = head(meta, "text_completion")
         chunk = _chunker(base, include_usage)
-        offsets: dict[int, int] = {}
+        offsets: dict[int, _Offsets] = {}  # each choice's output, across its chunks
 
         def render(job: Job, batch: list[Event]) -> tuple[bytes, bool]:
             text = "".join(ev.text for ev in batch)
@@ -203,11 +232,13 @@ def completion_renderer(ex: Extras) -> Callable[[list[Job], Meta, bool], Rendere
             if job.index not in offsets:
                 echo = _echo(meta, job)
                 pv, pids = _echoed(ex, job)
-                lp = _merge(_legacy(ex, pv, pids, 0), _legacy(ex, lps, [v.token for v in lps], len(echo)))
+                offsets[job.index] = _Offsets(len(echo))
+                lp = _merge(
+                    _legacy(ex, pv, pids, _Offsets()), _legacy(ex, lps, [v.token for v in lps], offsets[job.index])
+                )
                 text = echo + text
             else:
                 lp = _legacy(ex, lps, [v.token for v in lps], offsets[job.index])
-            offsets[job.index] = offsets.get(job.index, 0) + len(text)
             done = job.finish_reason is not None
             finish = _finish(job) if done else None
             choice = {"index": job.index, "text": text, "logprobs": lp, "finish_reason": finish}

@@ -132,6 +132,8 @@ class OpenAIFields(SamplingFields):
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = super().sampling_fields()
+        if self.stream_options is not None and not self.stream:  # (OpenAI refuses it too)
+            raise self.invalid("stream_options is only allowed when stream is true", "stream_options")
         if self.frequency_penalty is not None:
             if self.repetition_penalty is not None:
                 raise self.invalid(
