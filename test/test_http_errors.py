@@ -100,6 +100,12 @@ def test_completions_bad_fields_400(http, body, param):
     assert_error(http.post("/v1/completions", json=body), 400, param)
 
 
+def test_a_validators_message_is_its_own_words(http):
+    # pydantic's "Value error, " prefix was shown: "invalid 'prompt': Value error, prompt must ..."
+    r = http.post("/v1/completions", json={"prompt": []})
+    assert r.json()["error"]["message"] == "invalid 'prompt': prompt must not be an empty list", r.text
+
+
 def test_a_lone_surrogate_stop_string_is_refused_naming_it(http):
     for path, body, status in ((CHAT, {"messages": MSG}, 400), ("/v1/completions", {"prompt": "x"}, 400),
                                ("/v1/tasks/tmp", {"prompt": "x"}, 422)):

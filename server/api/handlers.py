@@ -76,6 +76,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "the request body must be a JSON object", None
     msg = first.get("msg", "invalid value")
+    if first.get("type") == "value_error":  # a validator's own words, without pydantic's prefix
+        msg = msg.removeprefix("Value error, ")
     if first.get("type") == "string_unicode":  # pydantic's word for a lone surrogate in a constrained str
         msg = "not valid UTF-8 text (a lone surrogate)"
     if first.get("type") == "missing":
