@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import httpx
+from util_zygote import ForkedProcess, forkable, zygote
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI, OpenAI
@@ -63,7 +64,7 @@ class ServerProcess:
         self.args = tuple(args)
         self.port = port or free_port()
         self.stop_timeout = stop_timeout
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
         self.log_path = self.tmp_dir / f"server-{self.port}.log"
         self.starts = 0
 
@@ -84,8 +85,11 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             log.write(f"\n===== start #{self.starts}: {' '.join(self.command())}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self.command(), cwd=str(ROOT), env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            if forkable(self.env):  # (the same process, ~2.5 s of imports sooner: util_zygote)
+                self.proc = zygote().spawn(self.command()[2:], env=env, cwd=str(ROOT), log_path=str(self.log_path))
+            else:
+                self.proc = subprocess.Popen(self.command(), cwd=str(ROOT), env=env, stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
             self.wait_ready(timeout)
         return self
