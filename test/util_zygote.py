@@ -31,8 +31,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRELOAD = ("torch", "numpy", "fastapi", "uvicorn", "sqlalchemy", "aiosqlite", "alembic", "orjson", "httpx",
-           "server.cli", "server.api.app", "server.tasks.imports", "server.tasks.migrate", "server.model.synthetic")
+PRELOAD = (  # what `serve` imports (its route modules, uvicorn's loop and protocols), not what it runs
+    "torch", "numpy", "fastapi", "sqlalchemy", "aiosqlite", "alembic", "orjson", "httpx", "uvicorn",
+    "uvicorn.loops.uvloop", "uvicorn.lifespan.on", "uvicorn.protocols.http.httptools_impl",
+    "uvicorn.protocols.websockets.websockets_sansio_impl", "server.cli", "server.api.app", "server.api.ops",
+    "server.api.tasks.routes", "server.api.openai.routes", "server.api.responses.routes",
+    "server.api.lightning.routes", "server.api.states.routes", "server.webui.routes", "server.engine.runner",
+    "server.tasks.imports", "server.tasks.migrate", "server.model.synthetic",
+)
 
 
 def forkable(env: Mapping[str, str]) -> bool:
