@@ -94,6 +94,13 @@ def test_only_rwkv_settings_are_forked():
     assert not forkable({"OMP_NUM_THREADS": "1"})
 
 
+def test_a_benchmark_starts_its_server_fresh():
+    code = "import sys; sys.path.insert(0, 'test'); from util_zygote import forkable; print(forkable({}))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_a_server_with_an_import_time_variable_is_started_fresh(tmp_path):
     with ServerProcess(tmp_path / "a", env={"RWKV_MAX_BATCH": "4"}) as forked, \
          ServerProcess(tmp_path / "b", env={"OMP_NUM_THREADS": "1"}) as fresh:  # fmt: skip

@@ -13,8 +13,9 @@ terminate, kill, returncode). The zygote is the server's parent: it reaps it and
 status back over its stdout, so the test process reads the same return codes as with Popen (a
 SIGTERM-ed server: -15).
 
-Used by `util_server.ServerProcess` where the start's environment changes nothing that is read at
-import time (only RWKV_ variables: see `forkable`); RWKV_TEST_FORK_SERVERS=0 turns it off for a run.
+Used by `util_server.ServerProcess` under pytest, where the start's environment changes nothing that
+is read at import time (only RWKV_ variables: see `forkable`); RWKV_TEST_FORK_SERVERS=0 turns it off
+for a run. The benchmarks' servers are started fresh, as users start them.
 
 Run as a script, this file is the zygote itself.
 """
@@ -43,8 +44,11 @@ PRELOAD = (  # what `serve` imports (its route modules, uvicorn's loop and proto
 
 def forkable(env: Mapping[str, str]) -> bool:
     """Whether a start with these extra variables may be forked from the zygote: RWKV_ settings are
-    read when the server starts; anything else (PYTHONPATH, OMP_*, ...) may act at import time."""
+    read when the server starts; anything else (PYTHONPATH, OMP_*, ...) may act at import time.
+    Under pytest only: the benchmarks (test/bench/) start their servers as users do."""
     if os.environ.get("RWKV_TEST_FORK_SERVERS", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    if "pytest" not in sys.modules:
         return False
     return all(k.startswith("RWKV_") for k in env)
 
