@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -150,13 +151,14 @@ def zygote() -> Zygote:
 # ---- the zygote process ----
 
 
-def _child(request: dict, wakeup: tuple[int, int]) -> None:
+def _child(request: dict, wakeup: tuple[int, int], filters: list) -> None:
     """In the forked child: become `python -m ARGV` and run it. Never returns: the module's own
     SystemExit (or uncaught exception) ends the interpreter as it would have ended a fresh one."""
     import runpy
 
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    warnings.filters[:] = filters  # a fresh interpreter's
     for fd in wakeup:
         os.close(fd)
     os.setsid()
@@ -183,6 +185,10 @@ def _serve() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     assert threading.active_count() == 1, "the zygote must fork from a single Python thread"
+    # Python 3.12+ warns at each fork of a process with other OS threads: numpy's OpenBLAS pool,
+    # whose own fork handler makes that safe. The children get the filters as they were.
+    filters = warnings.filters[:]
+    warnings.filterwarnings("ignore", message=r"This process .* is multi-threaded", category=DeprecationWarning)
     wakeup = os.pipe()
     for fd in wakeup:
         os.set_blocking(fd, False)
@@ -216,7 +222,7 @@ def _serve() -> None:
                     os.write(1, (json.dumps({"error": str(e)}) + "\n").encode())
                     continue
                 if pid == 0:
-                    _child(request, wakeup)
+                    _child(request, wakeup, filters)
                 os.write(1, (json.dumps({"pid": pid}) + "\n").encode())
 
 
