@@ -198,8 +198,7 @@ def _serve() -> None:
     while True:
         ready, _, _ = select.select([0, wakeup[0]], [], [])
         if wakeup[0] in ready:
-            while os.read(wakeup[0], 512) == 512:
-                pass
+            os.read(wakeup[0], 4096)  # the signals' bytes (any left wake the next select)
         while True:  # reap every child that ended
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
