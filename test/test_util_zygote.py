@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from util_server import ServerProcess
-from util_zygote import ForkedProcess, forkable, zygote
+from util_zygote import LOST, ForkedProcess, forkable, zygote
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
 
@@ -88,6 +88,28 @@ def test_exit_codes_are_popens(tmp_path):
         assert sleeper.returncode == -sig and sleeper.poll() == -sig
 
 
+def test_signals_to_an_ended_child_are_no_error(tmp_path):
+    ended, _ = spawn(tmp_path, "exit", "0")
+    assert ended.wait(timeout=60) == 0
+    ended.terminate()
+    ended.kill()
+    assert ended.returncode == 0
+
+
+def test_children_outlive_a_dead_zygote_and_can_still_be_stopped(tmp_path):
+    sleeper, log = spawn(tmp_path, "sleep")
+    report(log)
+    old = zygote()
+    old.proc.kill()  # as a Ctrl-C of the run or the OOM killer would
+    old.proc.wait(timeout=30)
+    assert sleeper.poll() is None  # still running: known without the zygote
+    sleeper.kill()
+    assert sleeper.wait(timeout=30) == LOST  # ended; its code died with the zygote
+    assert zygote() is not old  # the next start gets a new zygote
+    again, _ = spawn(tmp_path, "exit", "5")
+    assert again.wait(timeout=60) == 5
+
+
 def test_only_rwkv_settings_are_forked():
     assert forkable({"RWKV_MAX_BATCH": "8", "RWKV_API_KEYS": "k"})
     assert not forkable({"PYTHONPATH": "/elsewhere"})
@@ -112,3 +134,4 @@ def test_a_server_with_an_import_time_variable_is_started_fresh(tmp_path):
             srv.stop()
             assert srv.proc is not None and srv.proc.returncode is not None
             assert "Finished server process" in srv.log_tail(), srv.log_tail()
+            assert "RuntimeWarning" not in srv.log_path.read_text()  # (runpy's, for a module imported twice)

@@ -22,12 +22,14 @@ Run as a script, this file is the zygote itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,22 +62,21 @@ class ForkedProcess:
     def __init__(self, zygote: Zygote, pid: int, args: list[str]) -> None:
         self.zygote, self.pid, self.args = zygote, pid, args
         self.returncode: int | None = None
+        """Set by the zygote's reader thread when the zygote reaps the child."""
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, timeout=0)
-        return self.returncode
+        return self.zygote.exit_code(self, timeout=0)
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, timeout=timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        return self.returncode
+        code = self.zygote.exit_code(self, timeout=timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # (the pid is not reused while the zygote has not reaped it)
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # reaped just now, as Popen allows
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -90,27 +91,34 @@ class Zygote:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         self.proc = subprocess.Popen([sys.executable, __file__], cwd=str(ROOT), env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=None)  # fmt: skip
+                                     stdout=subprocess.PIPE, stderr=None, start_new_session=True)  # fmt: skip
+        # (a session of its own: a Ctrl-C of the test run leaves it to reap what the tests stop)
         self.spawn_lock = threading.Lock()
         self.changed = threading.Condition()
-        self.replies: list[dict] = []
-        self.exits: dict[int, int] = {}
+        self.replies: list[ForkedProcess | str] = []  # a child, or why none was forked
+        self.live: dict[int, ForkedProcess] = {}  # children not reaped yet, by pid
         self.gone = False
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
     def _read(self) -> None:
+        """The zygote's messages, in its order: a child's pid always before its exit."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            msg = json.loads(line)
+        try:
+            for line in self.proc.stdout:
+                msg = json.loads(line)
+                with self.changed:
+                    if "exit" in msg:  # (the child's object holds it: a later child may get its pid)
+                        self.live.pop(msg["exit"]).returncode = msg["code"]
+                    elif "pid" in msg:
+                        child = self.live[msg["pid"]] = ForkedProcess(self, msg["pid"], msg["args"])
+                        self.replies.append(child)
+                    else:
+                        self.replies.append(msg["error"])
+                    self.changed.notify_all()
+        finally:
             with self.changed:
-                if "exit" in msg:
-                    self.exits[msg["exit"]] = msg["code"]
-                else:
-                    self.replies.append(msg)
+                self.gone = True
                 self.changed.notify_all()
-        with self.changed:
-            self.gone = True
-            self.changed.notify_all()
 
     def spawn(self, argv: list[str], *, env: Mapping[str, str], cwd: str, log_path: str) -> ForkedProcess:
         """Fork a child running `python -m <argv>` (argv[0] the module) with exactly `env`."""
@@ -121,18 +129,40 @@ class Zygote:
             self.proc.stdin.flush()
             with self.changed:
                 if not self.changed.wait_for(lambda: self.replies or self.gone, timeout=120) or not self.replies:
+                    self.proc.kill()  # (a late answer would be taken for the next start's: a new zygote then)
                     raise RuntimeError("the test servers' zygote did not answer (see the test's stderr)")
                 reply = self.replies.pop(0)
-        if "error" in reply:
-            raise RuntimeError(f"the zygote could not fork: {reply['error']}")
-        return ForkedProcess(self, reply["pid"], ["python", "-m", *argv])
+        if isinstance(reply, str):
+            raise RuntimeError(f"the zygote could not fork: {reply}")
+        return reply
 
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+    def exit_code(self, child: ForkedProcess, timeout: float | None) -> int | None:
+        """The child's exit code once it ended (None: still running after `timeout` seconds)."""
+        end = None if timeout is None else time.monotonic() + timeout
         with self.changed:
-            self.changed.wait_for(lambda: pid in self.exits or self.gone, timeout=timeout)
-            if pid not in self.exits and self.gone:
-                raise RuntimeError(f"the test servers' zygote exited: the exit of {pid} is unknown")
-            return self.exits.get(pid)
+            self.changed.wait_for(lambda: child.returncode is not None or self.gone, timeout=timeout)
+            if child.returncode is not None or not self.gone:
+                return child.returncode
+        # The zygote died (killed with the test run, say): its children went to init, which reaps
+        # them, and their exit codes are lost. Running or not is still known.
+        while _running(child.pid):
+            if end is not None and time.monotonic() >= end:
+                return None
+            time.sleep(0.05)
+        child.returncode = LOST
+        return LOST
+
+
+LOST = -256
+"""The exit code given for a child that ended after its zygote died (its own code is unknown)."""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 _zygote: Zygote | None = None
@@ -174,6 +204,7 @@ def _child(request: dict, wakeup: tuple[int, int], filters: list) -> None:
     os.environ.update(request["env"])
     sys.path[0] = request["cwd"]  # what `python -m` puts first
     sys.argv = [request["argv"][0], *request["argv"][1:]]
+    sys.modules.pop(request["argv"][0], None)  # preloaded; `python -m` runs a module not yet imported
     runpy.run_module(request["argv"][0], run_name="__main__", alter_sys=True)
     raise SystemExit(0)
 
@@ -222,7 +253,7 @@ def _serve() -> None:
                     continue
                 if pid == 0:
                     _child(request, wakeup, filters)
-                os.write(1, (json.dumps({"pid": pid}) + "\n").encode())
+                os.write(1, (json.dumps({"pid": pid, "args": ["python", "-m", *request["argv"]]}) + "\n").encode())
 
 
 if __name__ == "__main__":
