@@ -1,4 +1,4 @@
-"""A fork server for the tests' server processes: `serve` started in ~1.5 s instead of ~4.
+"""A fork server for the tests' server processes: `serve` started in ~1 s instead of ~4.
 
 Every `python -m server.cli serve` spends ~2.5 s of CPU importing torch, FastAPI, SQLAlchemy,
 Alembic and the server's own modules before it does anything, and the suite starts a few hundred
