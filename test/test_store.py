@@ -137,7 +137,7 @@ async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
 
 async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url):
     store = await open_store(db_url)
-    assert store.revision_before is None and store.revision == migrate.head_revision() == "0006"
+    assert store.revision_before is None and store.revision == migrate.head_revision() == "0007"
     await store.close()
     schema = await inspect_schema(db_url)
     assert set(schema) == {t.name for t in metadata.sorted_tables} | {"alembic_version"}
@@ -146,9 +146,9 @@ async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url
         assert cols == {c.name for c in table.columns}, table.name
         assert idx == {i.name for i in table.indexes}, table.name
     store = await open_store(db_url)  # reopening: nothing to migrate
-    assert store.revision_before == store.revision == "0006"
+    assert store.revision_before == store.revision == "0007"
     await store.close()
-    assert await run_sql(db_url, "select version_num from alembic_version") == [("0006",)]
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0007",)]
 
 
 MARKED = {
@@ -197,7 +197,7 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     assert await run_sql(db_url, "select version_num from alembic_version") == [("0001",)]
     assert "last_used" not in (await inspect_schema(db_url))["states"][0]
     store = await open_store(db_url)
-    assert (store.revision_before, store.revision) == ("0001", "0006")
+    assert (store.revision_before, store.revision) == ("0001", "0007")
     t = from_row(await store.get_task("TASK_old"))
     assert t.prompt == "hi" and list(t.tokens) == [1, 2] and t.out.text == "x"
     assert (t.stored_id, t.stored_pos, t.version, t.instance, t.public, t.base_id) == ("S1", 1, 0, None, False, None)

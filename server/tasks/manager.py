@@ -18,6 +18,7 @@ A facade composed of collaborators, each given what it needs at construction:
                    (access, table, cache, persistence, engine)
     Inputs         a caller's prompt as token ids and its parameters, checked (inputs.py)
                    (tokenizer, vocabulary size)
+    Conversations  the conversations' rows: items, runs, head (conversations.py)  (store)
 
 Over 300 lines (docs/architecture.md says why): one short method per operation of the API,
 kept in one facade.
@@ -48,6 +49,7 @@ from server.tasks.config import (
     TokenizerLike,
     server_name,
 )
+from server.tasks.conversations import Conversations
 from server.tasks.errors import TaskElsewhere, TaskInvalid, TaskNotFound, TaskStale
 from server.tasks.inputs import Inputs, Prompt
 from server.tasks.inventory import Inventory
@@ -127,6 +129,7 @@ class TaskManager:
         self.access = Access(self.table, self.store, self.persistence, self.lease)
         self.templates = TemplateMaker(self.access, self.table, self.cache, self.persistence, engine)
         self.inputs = Inputs(tokenizer, self.vocab_size)
+        self.conversations = Conversations(self.store)
         self.interrupted: list[str] = []
 
     # the layers __init__ wires, each from the fields set before it

@@ -133,3 +133,43 @@ instances = sa.Table(  # v3: one row per running server on this database (replic
     sa.Column("heartbeat_at", sa.Float, nullable=False),  # database clock, epoch seconds
     sa.Column("lease_timeout", sa.Float),  # v5: its own --lease-timeout (NULL: an older server's row)
 )
+
+CONV_ID_LEN = 80
+"""conversations.id: `conv_` + 48 hex digits (docs/agents.md, "Conversations")."""
+ITEM_ID_LEN = 200
+"""An item's id: one the server made, or a client's (the Responses input items' bound)."""
+
+conversations = sa.Table(  # v7: OpenAI's conversation objects (server/tasks/conversations.py)
+    "conversations",
+    metadata,
+    sa.Column("id", _str(CONV_ID_LEN), primary_key=True),
+    sa.Column("owner", _str(64)),  # as tasks.owner
+    sa.Column("metadata", _text(), nullable=False),  # JSON object: the client's pairs
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("last_seq", sa.Integer, nullable=False),  # the seq of the last item ever added (0: none)
+    sa.Column("cuts", sa.Integer, nullable=False),  # +1 at each item deleted (a run's state may hold it)
+    sa.Column("head_task", _str(ID_LEN)),  # the response task whose state holds the items up to head_seq
+    sa.Column("head_seq", sa.Integer, nullable=False),
+    sa.Column("head_tokens", sa.Integer, nullable=False),  # the head task's history length then (a continue moves it)
+    sa.Index("ix_conversations_owner_created", "owner", "created_at"),
+)
+
+conversation_items = sa.Table(  # v7: a conversation's items in order
+    "conversation_items",
+    metadata,
+    sa.Column("conversation_id", _str(CONV_ID_LEN), primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),  # 1, 2, ... in the order added (a deleted one leaves a gap)
+    sa.Column("item_id", _str(ITEM_ID_LEN), nullable=False),
+    sa.Column("body", _text(), nullable=False),  # JSON: the item as listed
+    sa.Index("ux_conversation_items_id", "conversation_id", "item_id", unique=True),
+)
+
+conversation_runs = sa.Table(  # v7: responses of a conversation whose items have not joined it yet
+    "conversation_runs",
+    metadata,
+    sa.Column("conversation_id", _str(CONV_ID_LEN), primary_key=True),
+    sa.Column("task_id", _str(ID_LEN), primary_key=True),
+    sa.Column("base_seq", sa.Integer, nullable=False),  # the conversation's last_seq when it started
+    sa.Column("base_cuts", sa.Integer, nullable=False),  # and its cuts
+    sa.Column("created_at", sa.Float, nullable=False),
+)
