@@ -92,14 +92,16 @@ AGENTS_DOC = ROOT / "docs" / "agents.md"
 RESPONSES = "/v1/responses"
 
 
-def test_the_responses_routes_are_documented_in_agents_md() -> None:
-    """Every /v1/responses route of the app is named in docs/agents.md, and only those."""
+@pytest.mark.parametrize("family", [RESPONSES, "/v1/conversations"])
+def test_the_responses_routes_are_documented_in_agents_md(family: str) -> None:
+    """Every /v1/responses and /v1/conversations route of the app is named in docs/agents.md, and
+    only those."""
     app = create_app(Settings())
     found = {(m.upper(), p) for p, ops in app.openapi()["paths"].items() for m in ops if m.upper() in METHODS}
     found |= set(_walk(app.routes))
-    routes = {(m, p) for m, p in found if p == RESPONSES or p.startswith(RESPONSES + "/")}
-    assert ("POST", RESPONSES) in routes
-    pattern = re.compile(r"\b(" + "|".join(METHODS) + r") (" + re.escape(RESPONSES) + r"[^\s`'\"?)|,]*)")
+    routes = {(m, p) for m, p in found if p == family or p.startswith(family + "/")}
+    assert ("POST", family) in routes
+    pattern = re.compile(r"\b(" + "|".join(METHODS) + r") (" + re.escape(family) + r"[^\s`'\"?)|,]*)")
     documented = {(m, p.rstrip(".:;")) for m, p in pattern.findall(AGENTS_DOC.read_text(encoding="utf-8"))}
     assert documented == routes, (sorted(routes - documented), sorted(documented - routes))
 

@@ -97,7 +97,7 @@ def test_delete_and_store_false(server):
     ({"background": True}, 400, "background"),
     ({"max_tool_calls": 3}, 400, "max_tool_calls"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
-    ({"conversation": "conv_1"}, 400, "conversation"),
+    ({"conversation": "conv_1"}, 404, "conversation"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
     ({"metadata": {"k": "v" * 513}}, 400, "metadata.k"),
     ({"metadata": {"k" * 65: "v"}}, 400, "metadata"),  # (was named "metadata.kkk....[key]")

@@ -81,7 +81,7 @@ def test_a_tool_loop_counts_the_call_outputs(server):
 
 @pytest.mark.parametrize("body,status,param,code", [
     ({"previous_response_id": "resp_" + "0" * 32}, 404, "previous_response_id", "response_not_found"),
-    ({"conversation": "conv_1"}, 400, "conversation", "unsupported_field"),
+    ({"conversation": "conv_1"}, 404, "conversation", "conversation_not_found"),
     ({"tools": [{"type": "function", "name": "f g"}]}, 400, "tools[0].name", "invalid_request"),
     ({"max_output_tokens": 5}, 400, "max_output_tokens", "invalid_request"),  # create's only
     ({"personality": "friendly"}, 400, "personality", "invalid_request"),

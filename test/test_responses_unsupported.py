@@ -31,17 +31,30 @@ def post(server, body: dict) -> httpx.Response:
     return httpx.post(server.url + "/v1/responses", json={"input": "x", "max_output_tokens": 2, **body}, timeout=60)
 
 
+@pytest.mark.parametrize("value", ["conv_1", {"id": "conv_1"}], ids=["id", "object"])  # the SDK's: an id, or {"id"}
+@pytest.mark.parametrize("extra", [{}, {"stream": True}], ids=["plain", "stream"])
+def test_an_unknown_conversation_is_not_found(server, value, extra):
+    """(Conversations are supported: test_conversations.py.) One that does not exist is a 404 naming
+    the field, nothing created; store: false in a conversation is a 400 naming store."""
+    before = created(server)
+    r = post(server, {"conversation": value, **extra})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("conversation", "conversation_not_found"), err
+    r = post(server, {"conversation": value, "store": False, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store", r.text
+    assert created(server) == before
+
+
 @pytest.mark.parametrize("field,value", [
-    ("conversation", "conv_1"),  # the SDK's Conversation: an id, or {"id"}
-    ("conversation", {"id": "conv_1"}),
     ("prompt", {"id": "pmpt_1", "version": "2", "variables": {"city": "Paris"}}),  # a stored prompt
     ("prompt", {"id": "pmpt_1"}),
 ], ids=lambda v: v if isinstance(v, str) else None)
 @pytest.mark.parametrize("extra", [{}, {"stream": True}, {"store": False}], ids=["plain", "stream", "not-stored"])
-def test_a_conversation_or_a_stored_prompt_is_unsupported_naming_it(server, field, value, extra):
+def test_a_stored_prompt_is_unsupported_naming_it(server, field, value, extra):
     """As its neighbours in the docs (max_tool_calls, background, ...): 400 unsupported_field
-    naming the field, with why (was 400 invalid_request "invalid 'conversation': Input should be
-    None", which reads as a malformed value)."""
+    naming the field, with why (was 400 invalid_request "invalid 'prompt': Input should be None",
+    which reads as a malformed value)."""
     before = created(server)
     r = post(server, {field: value, **extra})
     assert r.status_code == 400, r.text
@@ -53,13 +66,14 @@ def test_a_conversation_or_a_stored_prompt_is_unsupported_naming_it(server, fiel
     assert created(server) == before
 
 
-@pytest.mark.parametrize("field", ["conversation", "prompt"])
-def test_the_sdk_sees_the_refusal(server, field):
+def test_the_sdk_sees_the_refusal(server):
     before = created(server)
-    value = "conv_1" if field == "conversation" else {"id": "pmpt_1", "version": "1"}
     with pytest.raises(openai.BadRequestError) as ei:
-        sdk(server).responses.create(model="m", input="x", max_output_tokens=2, **{field: value})
-    assert (ei.value.code, ei.value.param) == ("unsupported_field", field)
+        sdk(server).responses.create(model="m", input="x", max_output_tokens=2, prompt={"id": "pmpt_1", "version": "1"})
+    assert (ei.value.code, ei.value.param) == ("unsupported_field", "prompt")
+    with pytest.raises(openai.NotFoundError) as nf:
+        sdk(server).responses.create(model="m", input="x", max_output_tokens=2, conversation="conv_1")
+    assert (nf.value.code, nf.value.param) == ("conversation_not_found", "conversation")
     assert created(server) == before
 
 

@@ -16,7 +16,8 @@ latency.py      Recorder: a request's latency histograms fed per batch of tokens
 ops.py          /health, /metrics and /docs
 
 openai/         /v1/chat/completions, /v1/completions, /v1/models
-responses/      /v1/responses: OpenAI's Responses API on persistent tasks
+responses/      /v1/responses, /v1/conversations: OpenAI's Responses and Conversations APIs on
+                persistent tasks
 tasks/          /v1/tasks/*: the task API
 lightning/      rwkv_lightning's routes (its batch, translate, FIM, state sessions, OpenAI-style)
 states/         state files: upload, list, delete, export; those loaded at start

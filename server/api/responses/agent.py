@@ -8,6 +8,7 @@ a continue or a restart runs the same grammar and a later response knows the cal
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,7 +18,8 @@ from server.api.openai import tools
 from server.api.openai.agents import ready_grammar
 from server.api.openai.chat_format import build_prompt
 from server.api.responses import render
-from server.api.responses.items import Rendered, render_input
+from server.api.responses.conversation import Start, render_after
+from server.api.responses.items import Item, Rendered, render_input
 from server.api.responses.schemas import ResponseInput, ResponseRequest, TextFormat
 from server.api.services import Services
 from server.engine.types import GrammarSpec
@@ -72,22 +74,32 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def prompt_and_meta(body: ResponseRequest, rt: ResponseTools, src: Task | None) -> tuple[str, dict[str, Any]]:
+def prompt_and_meta(
+    body: ResponseRequest, rt: ResponseTools, src: Task | None, conv: Start | None = None
+) -> tuple[str, dict[str, Any]]:
     """The prompt's text (what follows the previous response's history, if any: `prompt`) and
     the task's `meta`."""
-    text, rendered, described = prompt(body, rt, src)
-    return text, _meta(body, rendered, described)
+    text, rendered, described = prompt(body, rt, src, conv.items if conv is not None else ())
+    meta = _meta(body, rendered, described)
+    if conv is not None:
+        meta["conversation"] = conv.conv.id
+    return text, meta
 
 
-def prompt(body: ResponseInput, rt: ResponseTools, src: Task | None) -> tuple[str, Rendered, str | None]:
+def prompt(
+    body: ResponseInput, rt: ResponseTools, src: Task | None, prior: Sequence[Item] = ()
+) -> tuple[str, Rendered, str | None]:
     """The prompt's text, the input rendered, and the digest of the tools described. The tools'
     system turn comes first, unless the previous responses described the same tools (their
-    description is in the history already: a tool loop does not repeat it)."""
+    description is in the history already: a tool loop does not repeat it). `prior`: the items
+    of the conversation rendered before the input (not the input's: `Rendered.items` holds the
+    input's alone)."""
     before = render.meta(src) if src is not None else {}
     made = render.calls(src) if src is not None else []  # (its output parsed once)
     owed = [c["call_id"] for c in made]  # the input must answer them
     inp = body.input if body.input is not None else []
-    rendered = render_input(inp, render.known_calls(src, made) if src is not None else {}, owed)
+    known = render.known_calls(src, made) if src is not None else {}
+    rendered = render_after(prior, inp, known, owed) if prior else render_input(inp, known, owed)
     turns: list[tuple[str, str]] = []
     described = before.get("described")
     if rt.described is not None:

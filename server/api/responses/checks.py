@@ -9,19 +9,22 @@ from server.api.sampling import bad_text
 
 
 def check_input(body: ResponseInput) -> None:
-    """A 400 for text that is no valid Unicode, or a conversation (the prompt's fields)."""
+    """A 400 for text that is no valid Unicode, or both a conversation and a previous response."""
     bad = bad_text(body)
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
-    if body.conversation is not None:
-        raise ApiError(400, "conversation (no conversation objects: chain responses with previous_response_id, or "
-                       "send the history as input) is not supported on /v1/responses", param="conversation",
-                       code="unsupported_field")  # fmt: skip
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise ApiError(400, "conversation and previous_response_id are mutually exclusive: give one of them",
+                       param="conversation", code="invalid_request")  # fmt: skip
 
 
 def check_supported(body: ResponseRequest) -> None:
     """A 400 unsupported_field naming a given field this route cannot honour."""
     check_input(body)
+    if body.conversation is not None and not body.store:
+        raise ApiError(400, "store: false in a conversation (a response's items join the conversation, so it is "
+                       "stored): omit store, or send the history as input without conversation", param="store",
+                       code="invalid_request")  # fmt: skip
     refused = {  # field -> why, where its value asks for what this route does not do
         "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
         "background": body.background and "background mode: a response is tied to its request",

@@ -51,7 +51,7 @@ def render_input(inp: str | Sequence[Item], known: dict[str, str], owed: Sequenc
     (else a 400 naming `input`, in OpenAI's words)."""
     if isinstance(inp, str):
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": inp}]}
-        out = Rendered([("user", inp)], [_stored(item, None)], dict(known))
+        out = Rendered([("user", inp)], [stored_item(item, None)], dict(known))
     else:
         try:
             out = _render(inp, known)
@@ -79,7 +79,7 @@ def _render(inp: Sequence[Item], known: dict[str, str]) -> Rendered:
     for i, it in enumerate(inp):
         if it.id is not None and it.id in ids:
             raise ToolError(f"input[{i}].id", f"the id {it.id!r} is given to two input items")
-        stored = _stored(it.model_dump(exclude_none=True), it.id)
+        stored = stored_item(it.model_dump(exclude_none=True), it.id)
         ids.add(stored["id"])
         out.items.append(stored)
         if isinstance(it, FunctionCall):  # joins the assistant turn before it (one turn, several calls)
@@ -126,7 +126,7 @@ class _AssistantTurn:
         self.content, self.calls = None, []
 
 
-def _stored(item: dict[str, Any], given_id: str | None) -> dict[str, Any]:
+def stored_item(item: dict[str, Any], given_id: str | None) -> dict[str, Any]:
     """An input item as the listing shows it: its id (given, else a new one), status completed,
     a message's text as a list of parts (input_text; an assistant's output_text)."""
     kind = item.get("type", "message")

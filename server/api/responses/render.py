@@ -68,7 +68,8 @@ def response_id(t: Task) -> str:
     return "resp_" + t.id.split("_", 1)[1]
 
 
-def _status(t: Task) -> str:
+def status(t: Task) -> str:
+    """The response's status (in_progress while it runs)."""
     return "in_progress" if t.running else STATUS.get(t.finish_reason or "", "failed")
 
 
@@ -163,8 +164,8 @@ def output(t: Task) -> list[dict[str, Any]]:
 def _item_status(t: Task) -> str:
     """The message item's status: OpenAI's item has no "cancelled" or "failed"; an answer cut
     short (max_output_tokens, stopped, failed) is "incomplete"."""
-    status = _status(t)
-    return status if status in ("in_progress", "completed") else "incomplete"
+    state = status(t)
+    return state if state in ("in_progress", "completed") else "incomplete"
 
 
 def message(t: Task, text: str | None = None, status: str | None = None) -> dict[str, Any]:
@@ -224,18 +225,20 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
             "schema": inner.get("schema"),
             "strict": inner.get("strict", True),
         }  # fmt: skip  (the output follows the schema either way)
-    status = _status(t)
+    state = status(t)
     parent = t.parent_id
+    conv = m.get("conversation")
     return {
         "id": response_id(t),
         "object": "response",
         "created_at": int(t.created_at),
-        "status": status,
+        "status": state,
         "model": model,
         "output": output(t) if with_output else [],
         "previous_response_id": "resp_" + parent.split("_", 1)[1]
-        if parent and parent[:4] in ("TASK", "TMP_")
+        if parent and parent[:4] in ("TASK", "TMP_") and not conv  # (in a conversation: the head it forked)
         else None,
+        "conversation": {"id": conv} if conv else None,
         "instructions": m.get("instructions"),
         "max_output_tokens": p.get("max_tokens"),
         "temperature": p.get("temperature"),
@@ -246,8 +249,8 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "parallel_tool_calls": m.get("parallel_tool_calls", False),
         "store": t.kind != "tmp",
         "metadata": m.get("metadata") or {},
-        "error": _error(t) if status == "failed" else None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "error": _error(t) if state == "failed" else None,
+        "incomplete_details": {"reason": "max_output_tokens"} if state == "incomplete" else None,
         "usage": None if t.running else usage(t),
     }
 

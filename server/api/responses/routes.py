@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from server.api.errors import ApiError, engine_error, prompt_too_long, task_error
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import RESPONSES_EVENTS, answers
-from server.api.responses import agent, render
+from server.api.responses import agent, conversation, render
 from server.api.responses.checks import check_input, check_supported
 from server.api.responses.items import page
 from server.api.responses.schemas import ResponseInput, ResponseRequest
@@ -136,8 +136,10 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     check_supported(body)
     rt = agent.response_tools(body)
     fmt = agent.response_format(body)
+    conv = await conversation.start(tm, body, owner)
     src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
-    prompt, meta = agent.prompt_and_meta(body, rt, src)
+    src = conv.head if conv is not None else src
+    prompt, meta = agent.prompt_and_meta(body, rt, src, conv)
     rt = await agent.ready(sv, rt, prompt)  # its grammar compiled (a new turn's format: behind the gap)
     params = {**_params(sv, body, fmt), **agent.task_params(rt, meta, fmt)}
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
@@ -149,6 +151,9 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     else:
         t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE))
     try:
+        if conv is not None:
+            await _call(tm.conversations.begin_run(conv.conv, t.id))
+            conversation.join_when_done(tm, conv.conv.id, owner, t)
         return await _answer(request, sv, t, body.stream)
     except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on
         end_run(request, tm, t)
@@ -164,13 +169,15 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
     tm = task_manager(sv)
     check_input(body)
     rt = agent.response_tools(body)
-    src = None
-    if body.previous_response_id:  # one being stopped: counted once settled (create's fork waits too)
+    src, conv = None, await conversation.start(tm, body, owner)
+    if conv is not None:
+        src = conv.head
+    elif body.previous_response_id:  # one being stopped: counted once settled (create's fork waits too)
         try:
             src = await tm.settled(await _previous(tm, body.previous_response_id, owner))
         except TaskNotFound:  # deleted meanwhile
             raise _not_found(body.previous_response_id, "previous_response_id") from None
-    prompt, _, _ = agent.prompt(body, rt, src)
+    prompt, _, _ = agent.prompt(body, rt, src, conv.items if conv is not None else ())
     await agent.ready(sv, rt, prompt)  # (a format the decoder cannot compile: refused as on create)
     history = 0
     if src is not None:
@@ -271,5 +278,12 @@ async def delete_response(response_id: str, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
     tm = task_manager(sv)
     t = await _stored(tm, response_id, owner, "response_id")
+    cid = render.meta(t).get("conversation")
+    if cid and not t.running:  # its items join first (a deleted response's would not)
+        try:
+            await conversation.settle(tm, cid, owner)
+        except ApiError as exc:
+            if exc.status != 404:  # (the conversation deleted: nothing to join)
+                raise
     await _call(tm.delete(t.id, owner))
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})

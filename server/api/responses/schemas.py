@@ -194,8 +194,8 @@ class ResponseInput(BaseModel):
     reasoning: Reasoning | None = None
     """Ignored, as chat's reasoning_effort: the model does not reason in hidden tokens."""
     conversation: str | dict[str, Any] | None = None
-    """A conversation's id, or {"id"}: no conversation objects here (previous_response_id chains;
-    the routes refuse a value, naming it)."""
+    """A conversation's id, or {"id"}: its items come before the input, and the response's items
+    join it (server.api.responses.conversation); not with previous_response_id."""
     truncation: Literal["auto", "disabled"] | None = None  # ignored: a history is never cut
 
 
