@@ -224,3 +224,26 @@ def test_listing_pages_and_single_items(server):
     assert client.conversations.delete(conv.id).deleted
     assert _call(server, "GET", f"/v1/conversations/{conv.id}/items").status_code == 404
     assert _call(server, "GET", "/v1/conversations").status_code == 404
+
+
+def test_a_join_cut_by_a_kill_is_done_after_the_restart(server):
+    """The server killed after a response ended but before its items joined (simulated: the
+    join undone in the file while the server is down, its run row put back as it was): the first
+    read after the restart joins them, and the response is the head the next one starts from."""
+    import sqlite3
+
+    client = sdk(server, key="k1")
+    conv = client.conversations.create(items=[user("Hello.")])
+    r1 = client.responses.create(model="m", conversation=conv.id, input="One.", text=TEXT, max_output_tokens=30)
+    joined = texts(items_of(client, conv.id))
+    assert joined == ["Hello.", "One.", r1.output_text]
+    server.kill()
+    with sqlite3.connect(server.db) as db:
+        db.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND seq > 1", (conv.id,))
+        db.execute("UPDATE conversations SET last_seq = 1, head_task = NULL, head_seq = 0 WHERE id = ?", (conv.id,))
+        db.execute("INSERT INTO conversation_runs VALUES (?, ?, 1, 0, 0.0)", (conv.id, "TASK_" + r1.id[5:]))
+    server.start()
+    client = sdk(server, key="k1")
+    assert texts(items_of(client, conv.id)) == joined
+    r2 = client.responses.create(model="m", conversation=conv.id, input="Two.", text=TEXT, max_output_tokens=30)
+    assert r2.usage.input_tokens_details.cached_tokens == held(r1)
