@@ -1,8 +1,9 @@
 """The conversations' rows (server/tasks/conversations.py) on a SQLite file and on a fresh
 PostgreSQL database (pg_util; that half skips without PostgreSQL or asyncpg): items in order,
 pages, owners, the head a finished run becomes (or not, when the conversation moved since its
-base), a deleted item dropping the head, refusals that write nothing, and appends from two
-stores at once (two replicas) numbered without a gap or a repeat."""
+base), a deleted item dropping the head, refusals that write nothing, and two stores writing at
+once (two replicas): appends numbered without a gap or a repeat, runs of one base finishing
+together with one head whose state holds exactly the items up to head_seq."""
 
 from __future__ import annotations
 
@@ -68,16 +69,16 @@ async def test_a_finished_run_joins_and_becomes_the_head_unless_the_base_moved(d
     store, cs = await opened(db_url)
     try:
         c = await cs.create(None, {}, [msg(1)])
-        await cs.begin_run(c, "TASK_a")
+        await cs.begin_run(c, "TASK_a", 0)
         run = (await cs.runs(c.id))[0]
-        assert run == Run("TASK_a", 1, 0)
+        assert run == Run("TASK_a", 1, 0, 0)
         assert await cs.finish_run(c.id, run, [msg("a_in"), msg("a_out")], tokens=40)
         assert not await cs.finish_run(c.id, run, [msg("again")])  # finished once only
         c = await cs.get(c.id, None)
         assert (c.last_seq, c.head_task, c.head_seq, c.head_tokens) == (3, "TASK_a", 3, 40)
         # a run started on this conversation, then an item added before it ended: it joins after
         # that item, and is no head (its state does not hold the item)
-        await cs.begin_run(c, "TASK_b")
+        await cs.begin_run(c, "TASK_b", 0)
         await cs.add(c.id, None, [msg(4)])
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], [msg("b_out")], tokens=50)
         c = await cs.get(c.id, None)
@@ -89,13 +90,13 @@ async def test_a_finished_run_joins_and_becomes_the_head_unless_the_base_moved(d
         c = await cs.delete_item(c.id, None, "msg_a_in")
         assert (c.head_task, c.cuts) == (None, 2)
         # a run whose base saw a deletion since is no head either
-        await cs.begin_run(c, "TASK_c")
+        await cs.begin_run(c, "TASK_c", 0)
         await cs.delete_item(c.id, None, "msg_1")
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], [msg("c_out")])
         assert (await cs.get(c.id, None)).head_task is None
         # a run that adds nothing (cancelled, failed) leaves the conversation as it was
         c = await cs.get(c.id, None)
-        await cs.begin_run(c, "TASK_d")
+        await cs.begin_run(c, "TASK_d", 0)
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], None)
         assert (await cs.get(c.id, None)).last_seq == c.last_seq and await cs.runs(c.id) == []
     finally:
@@ -106,7 +107,7 @@ async def test_a_run_item_whose_id_is_taken_joins_under_a_new_id(db_url):
     store, cs = await opened(db_url)
     try:
         c = await cs.create(None, {}, [msg(1)])
-        await cs.begin_run(c, "TASK_a")
+        await cs.begin_run(c, "TASK_a", 0)
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], [msg(1), msg(2)])
         ids = [p.id for p in (await cs.items(c.id, None))[0]]
         assert ids[0] == "msg_1" and ids[1].startswith("msg_") and ids[1] != "msg_1" and ids[2] == "msg_2"
@@ -126,6 +127,31 @@ async def test_two_stores_appending_at_once_number_every_item_once(db_url):
         for i in range(10):  # each add's items together, in its order
             seqs = [r.seq for r in rows if r.id.startswith(f"msg_{i}_")]
             assert seqs == list(range(seqs[0], seqs[0] + 3))
+    finally:
+        await s1.close()
+        await s2.close()
+
+
+async def test_two_stores_finishing_runs_of_one_base_at_once_leave_a_true_head(db_url):
+    """Two replicas finish runs that started from the same base, at once: the first to commit
+    becomes the head (its items right after the base, head_seq its last), the other joins after
+    it and is no head. (Before the row was locked first, PostgreSQL's second writer compared
+    against a stale read and became a head whose head_seq covered the other run's items.)"""
+    s1, cs1 = await opened(db_url)
+    s2, cs2 = await opened(db_url)
+    try:
+        for _ in range(8):
+            c = await cs1.create(None, {}, [msg("base")])
+            a, b = await cs1.begin_run(c, "TASK_a", 0), await cs1.begin_run(c, "TASK_b", 0)
+            done = await asyncio.gather(cs1.finish_run(c.id, a, [msg(f"{c.id}_a_in"), msg(f"{c.id}_a_out")], 10),
+                                        cs2.finish_run(c.id, b, [msg(f"{c.id}_b_in"), msg(f"{c.id}_b_out")], 20))
+            assert done == [True, True]
+            c = await cs1.get(c.id, None)
+            rows, _ = await cs1.items(c.id, None)
+            assert [r.seq for r in rows] == [1, 2, 3, 4, 5]
+            head = c.head_task[-1]  # "a" or "b"
+            assert [r.id for r in rows[1:3]] == [f"msg_{c.id}_{head}_in", f"msg_{c.id}_{head}_out"]
+            assert (c.head_seq, c.head_tokens) == (3, 10 if head == "a" else 20)
     finally:
         await s1.close()
         await s2.close()

@@ -24,7 +24,7 @@ WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER, "strict": True}]
 H = {"Authorization": "Bearer k1"}
 
-server = server_fixture(env={"RWKV_API_KEYS": "k1,k2"})
+server = server_fixture(env={"RWKV_API_KEYS": "k1,k2", "RWKV_MAX_PROMPT_TOKENS": "700"})
 
 
 def user(text: str, **extra) -> dict:
@@ -162,9 +162,13 @@ def _call(server, method: str, path: str, key: str = "k1", json_body=None) -> ht
     ({"previous_response_id": "resp_" + "0" * 32}, 400, "conversation"),
     ({"store": False}, 400, "store"),
     ({"conversation": "conv_unknown"}, 404, "conversation"),
-    ({"conversation": {"nope": 1}}, 400, "conversation"),
+    ({"conversation": {"nope": 1}}, 400, "conversation.nope"),
+    ({"conversation": {"id": ""}}, 400, "conversation"),
     ({"input": [user("x", id="msg_first")]}, 400, "input[0].id"),  # an item's id of the conversation
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "?"}]}, 400, "input[0].call_id"),
+    ({"conversation": {"id": "conv_x", "bogus": 1}}, 400, "conversation.bogus"),
+    ({"input": [user("x", id="m" * 201)]}, 400, "input[0].id"),
+    ({"input": [user("x", id="msg/1")]}, 400, "input[0].id"),  # (the item's routes take it in their path)
 ])  # fmt: skip
 def test_bad_responses_in_a_conversation_change_nothing(server, body, status, param):
     client = sdk(server, key="k1")
@@ -194,6 +198,8 @@ def test_another_keys_conversation_is_not_found(server):
     ([user("a", id="msg_first")], "items[0].id"),  # taken in the conversation
     ([{"type": "reasoning", "summary": []}], "items[0].type"),
     ([user("\ud800")], "items[0].content"),
+    ([user("a", id="m" * 201)], "items[0].id"),
+    ([user("a", id="a/b")], "items[0].id"),
 ])  # fmt: skip
 def test_bad_items_change_nothing(server, items, param):
     client = sdk(server, key="k1")
@@ -226,10 +232,13 @@ def test_listing_pages_and_single_items(server):
     assert _call(server, "GET", "/v1/conversations").status_code == 404
 
 
-def test_a_join_cut_by_a_kill_is_done_after_the_restart(server):
+@pytest.mark.parametrize("moved", [False, True], ids=["as-ended", "run-again"])
+def test_a_join_cut_by_a_kill_is_done_after_the_restart(server, moved):
     """The server killed after a response ended but before its items joined (simulated: the
     join undone in the file while the server is down, its run row put back as it was): the first
-    read after the restart joins them, and the response is the head the next one starts from."""
+    read after the restart joins them, and the response is the head the next one starts from.
+    A run whose task ran again since (its version moved: a continue) joins nothing: the task no
+    longer shows the response's output."""
     import sqlite3
 
     client = sdk(server, key="k1")
@@ -241,9 +250,47 @@ def test_a_join_cut_by_a_kill_is_done_after_the_restart(server):
     with sqlite3.connect(server.db) as db:
         db.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND seq > 1", (conv.id,))
         db.execute("UPDATE conversations SET last_seq = 1, head_task = NULL, head_seq = 0 WHERE id = ?", (conv.id,))
-        db.execute("INSERT INTO conversation_runs VALUES (?, ?, 1, 0, 0.0)", (conv.id, "TASK_" + r1.id[5:]))
+        db.execute("INSERT INTO conversation_runs (conversation_id, task_id, base_seq, base_cuts, task_version, "
+                   "created_at) VALUES (?, ?, 1, 0, ?, 0.0)", (conv.id, "TASK_" + r1.id[5:], -1 if moved else 0))
     server.start()
     client = sdk(server, key="k1")
-    assert texts(items_of(client, conv.id)) == joined
+    assert texts(items_of(client, conv.id)) == (["Hello."] if moved else joined)
     r2 = client.responses.create(model="m", conversation=conv.id, input="Two.", text=TEXT, max_output_tokens=30)
-    assert r2.usage.input_tokens_details.cached_tokens == held(r1)
+    assert r2.usage.input_tokens_details.cached_tokens == (0 if moved else held(r1))
+
+
+def test_a_response_continued_at_once_joins_as_it_ended(server):
+    """A client that continues a response's task (/v1/tasks) the moment it has the answer: the
+    conversation gets the response's own output, and the next response does not start from that
+    task's state (it holds the continue's turn, which no item has)."""
+    client = sdk(server, key="k1")
+    conv = client.conversations.create(items=[user("Hello.")])
+    r1 = client.responses.create(model="m", conversation=conv.id, input="One.", text=TEXT, max_output_tokens=30)
+    tid = "TASK_" + r1.id[5:]
+    r = _call(server, "POST", f"/v1/tasks/{tid}/continue", json_body={"prompt": "\n\nUser: more\n\nAssistant:",
+                                                                       "max_tokens": 5})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert texts(items_of(client, conv.id)) == ["Hello.", "One.", r1.output_text]
+    r2 = client.responses.create(model="m", conversation=conv.id, input="Two.", text=TEXT, max_output_tokens=30)
+    assert r2.usage.input_tokens_details.cached_tokens == 0  # the whole history prefilled
+    assert texts(items_of(client, conv.id))[3:] == ["Two.", r2.output_text]
+
+
+def test_a_whole_history_over_the_prompt_limit_names_the_conversation(server):
+    """Each response prefills only what came after the last one's state; once a deleted item
+    drops that state, the whole history is prefilled, and past --max-prompt-tokens (700 here)
+    that is a 413 naming the conversation and saying what to do. Nothing is created."""
+    client = sdk(server, key="k1")
+    long = " ".join(["word"] * 340)
+    conv = client.conversations.create(items=[user("Hi.", id="msg_hi"), user(long)])
+    client.responses.create(model="m", conversation=conv.id, input="One.", max_output_tokens=3)
+    client.conversations.items.create(conv.id, items=[user(long)])
+    r2 = client.responses.create(model="m", conversation=conv.id, input="Two.", max_output_tokens=3)
+    assert r2.usage.input_tokens > 700  # (its own prefill was the new part only)
+    client.conversations.items.delete("msg_hi", conversation_id=conv.id)
+    before, tasks = items_of(client, conv.id), _tasks(server)
+    r = _call(server, "POST", "/v1/responses", json_body={"model": "m", "conversation": conv.id, "input": "Three."})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["param"] == "conversation" and "delete items" in err["message"], err
+    assert items_of(client, conv.id) == before and _tasks(server) == tasks

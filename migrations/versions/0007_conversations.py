@@ -48,6 +48,7 @@ def upgrade() -> None:
         sa.Column("task_id", sa.String(160), primary_key=True),
         sa.Column("base_seq", sa.Integer, nullable=False),
         sa.Column("base_cuts", sa.Integer, nullable=False),
+        sa.Column("task_version", sa.Integer, nullable=False),
         sa.Column("created_at", sa.Float, nullable=False),
     )
 

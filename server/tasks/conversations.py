@@ -12,21 +12,31 @@ base (a run whose base moved joins without becoming the head). A run is finished
 reads the conversation next, so a crash between a response's end and its items joining loses
 nothing: the run row is still there, and the response's task in the database.
 
-Every write is one transaction; counters move by UPDATE ... SET x = x + n first, which on
-PostgreSQL holds the conversation's row until commit, so replicas appending at once take turns.
+Every write is one transaction that locks the conversation's row first (`_lock`: SELECT ... FOR
+UPDATE on PostgreSQL; SQLite's write transactions are serial anyway), then reads what it checks
+(the base of a run, the ids taken, the count): replicas writing one conversation at once take
+turns, and none decides on a read another has since changed.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from server.tasks.conversation_data import (
+    Conversation,
+    ConversationFull,
+    ConversationNotFound,
+    ItemIdTaken,
+    ItemNotFound,
+    Run,
+    StoredItem,
+)
 from server.tasks.database import Database
 from server.tasks.schema import DbRow, conversation_items, conversation_runs, conversations
 
@@ -34,63 +44,6 @@ MAX_ITEMS = 100_000
 """Items one conversation may hold (beyond it an add is refused: ConversationFull)."""
 
 _C, _I, _R = conversations.c, conversation_items.c, conversation_runs.c
-
-
-class ConversationError(Exception):
-    """A conversation operation refused; nothing was written."""
-
-
-class ConversationNotFound(ConversationError):
-    """No conversation of that id for this owner (or none at all)."""
-
-
-class ItemNotFound(ConversationError):
-    """No item of that id in the conversation."""
-
-
-class ItemIdTaken(ConversationError):
-    """An item's id is another item's of the conversation (or of the same add)."""
-
-    def __init__(self, index: int, item_id: str) -> None:
-        super().__init__(f"the item id {item_id!r} is taken in this conversation")
-        self.index, self.item_id = index, item_id
-
-
-class ConversationFull(ConversationError):
-    """The add would take the conversation past MAX_ITEMS."""
-
-
-@dataclass(frozen=True)
-class Conversation:
-    id: str
-    owner: str | None
-    metadata: dict[str, str]
-    created_at: float
-    last_seq: int
-    """The seq of the last item added (0: none yet); items are numbered from 1 in the order added."""
-    cuts: int
-    """Items deleted so far."""
-    head_task: str | None
-    head_seq: int
-    head_tokens: int
-    """The head task's history length when it became the head: a head whose history moved since
-    (a continue through /v1/tasks) no longer matches the items."""
-
-
-@dataclass(frozen=True)
-class StoredItem:
-    seq: int
-    id: str
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Run:
-    """A response made in the conversation, its items not joined yet."""
-
-    task_id: str
-    base_seq: int
-    base_cuts: int
 
 
 def new_id() -> str:
@@ -129,14 +82,14 @@ class Conversations:
 
     async def update(self, cid: str, owner: str | None, metadata: dict[str, str]) -> Conversation:
         async with self.db.write() as conn:
-            await self._row(conn, cid, owner)
+            await self._row(conn, cid, owner, lock=True)
             await conn.execute(conversations.update().where(_C.id == cid).values(metadata=_dump(metadata)))
             return await self._row(conn, cid, owner)
 
     async def delete(self, cid: str, owner: str | None) -> None:
         """The conversation, its items and its runs (the responses stay, as stored responses)."""
         async with self.db.write() as conn:
-            await self._row(conn, cid, owner)
+            await self._row(conn, cid, owner, lock=True)
             for table, col in ((conversation_items, _I.conversation_id), (conversation_runs, _R.conversation_id)):
                 await conn.execute(table.delete().where(col == cid))
             await conn.execute(conversations.delete().where(_C.id == cid))
@@ -144,7 +97,7 @@ class Conversations:
     async def add(self, cid: str, owner: str | None, items: list[dict[str, Any]]) -> list[StoredItem]:
         """Append `items` (each with its `id`): ItemIdTaken when one's id is taken."""
         async with self.db.write() as conn:
-            await self._row(conn, cid, owner)
+            await self._row(conn, cid, owner, lock=True)
             return await self._append(conn, cid, items, fresh_ids=False)
 
     async def items(
@@ -181,7 +134,7 @@ class Conversations:
     async def delete_item(self, cid: str, owner: str | None, item_id: str) -> Conversation:
         """Delete one item; the head goes when its state holds the item."""
         async with self.db.write() as conn:
-            await self._row(conn, cid, owner)
+            await self._row(conn, cid, owner, lock=True)
             seq = await self._seq(conn, cid, item_id)
             await conn.execute(conversation_items.delete().where(_I.conversation_id == cid, _I.seq == seq))
             await conn.execute(conversations.update().where(_C.id == cid).values(cuts=_C.cuts + 1))
@@ -191,12 +144,16 @@ class Conversations:
             return await self._row(conn, cid, owner)
 
     # --- runs: the responses made in a conversation ------------------------------------------------
-    async def begin_run(self, c: Conversation, task_id: str) -> None:
-        """Record a response started on `c` as it was read (its base: c.last_seq, c.cuts)."""
+    async def begin_run(self, c: Conversation, task_id: str, task_version: int) -> Run:
+        """Record a response started on `c` as it was read (its base: c.last_seq, c.cuts), its
+        task at `task_version` (a later run of the task, a continue, moves it)."""
         async with self.db.write() as conn:
+            if await self._lock(conn, c.id) is None:  # deleted meanwhile: nothing to join
+                raise ConversationNotFound(c.id)
             await conn.execute(conversation_runs.insert().values(
                 conversation_id=c.id, task_id=task_id, base_seq=c.last_seq, base_cuts=c.cuts,
-                created_at=time.time()))  # fmt: skip
+                task_version=task_version, created_at=time.time()))  # fmt: skip
+        return Run(task_id, c.last_seq, c.cuts, task_version)
 
     async def taken(self, cid: str, ids: list[str]) -> set[str]:
         """Those of `ids` that are ids of the conversation's items."""
@@ -208,9 +165,9 @@ class Conversations:
 
     async def runs(self, cid: str) -> list[Run]:
         async with self.db.read() as conn:
-            q = sa.select(_R.task_id, _R.base_seq, _R.base_cuts).where(_R.conversation_id == cid)
+            q = sa.select(_R.task_id, _R.base_seq, _R.base_cuts, _R.task_version).where(_R.conversation_id == cid)
             rows = (await conn.execute(q.order_by(_R.created_at))).fetchall()
-        return [Run(r.task_id, r.base_seq, r.base_cuts) for r in rows]
+        return [Run(r.task_id, r.base_seq, r.base_cuts, r.task_version) for r in rows]
 
     async def finish_run(self, cid: str, run: Run, items: list[dict[str, Any]] | None, tokens: int = 0) -> bool:
         """The run ended: its `items` join the conversation (None: none do), and it becomes the
@@ -218,14 +175,14 @@ class Conversations:
         False (nothing written): another
         reader finished it first, or the conversation is gone."""
         async with self.db.write() as conn:
+            row = await self._lock(conn, cid)
+            if row is None:
+                return False
             gone = conversation_runs.delete().where(_R.conversation_id == cid, _R.task_id == run.task_id)
             if (await conn.execute(gone)).rowcount != 1:
                 return False
             if items is None:
                 return True
-            row = (await conn.execute(sa.select(_C.last_seq, _C.cuts).where(_C.id == cid))).first()
-            if row is None:
-                return False
             await self._append(conn, cid, items, fresh_ids=True)
             if (row.last_seq, row.cuts) == (run.base_seq, run.base_cuts):
                 last = row.last_seq + len(items)
@@ -240,11 +197,22 @@ class Conversations:
             await conn.execute(q.values(head_task=None, head_seq=0))
 
     # --- helpers -----------------------------------------------------------------------------------
-    async def _row(self, conn: AsyncConnection, cid: str, owner: str | None) -> Conversation:
-        row = (await conn.execute(sa.select(conversations).where(_C.id == cid))).first()
+    async def _row(self, conn: AsyncConnection, cid: str, owner: str | None, *, lock: bool = False) -> Conversation:
+        """The conversation `owner` may see (ConversationNotFound otherwise); `lock`: its row held
+        until the transaction ends (a write's first statement)."""
+        row = (
+            await self._lock(conn, cid)
+            if lock
+            else (await conn.execute(sa.select(conversations).where(_C.id == cid))).first()
+        )
         if row is None or row.owner != owner:
             raise ConversationNotFound(cid)
         return _conversation(row)
+
+    @staticmethod
+    async def _lock(conn: AsyncConnection, cid: str) -> DbRow | None:
+        """The conversation's row, held until the transaction ends (None: no such row)."""
+        return (await conn.execute(sa.select(conversations).where(_C.id == cid).with_for_update())).first()
 
     async def _seq(self, conn: AsyncConnection, cid: str, item_id: str) -> int:
         q = sa.select(_I.seq).where(_I.conversation_id == cid, _I.item_id == item_id)
@@ -256,8 +224,9 @@ class Conversations:
     async def _append(
         self, conn: AsyncConnection, cid: str, items: list[dict[str, Any]], *, fresh_ids: bool
     ) -> list[StoredItem]:
-        """Insert `items` after the last; an id taken (in the conversation or twice here):
-        ItemIdTaken, or with `fresh_ids` a new id for that item (a response's items join whole)."""
+        """Insert `items` after the last (the caller holds the row: `_lock`); an id taken (in the
+        conversation or twice here): ItemIdTaken, or with `fresh_ids` a new id for that item (a
+        response's items join whole)."""
         if not items:
             return []
         ids = [str(it["id"]) for it in items]
@@ -268,14 +237,13 @@ class Conversations:
             if iid in taken:
                 if not fresh_ids:
                     raise ItemIdTaken(i, iid)
-                iid = f"{iid.split('_', 1)[0]}_{uuid.uuid4().hex}"
+                iid = f"{iid.split('_', 1)[0][:16]}_{uuid.uuid4().hex}"  # (fits ITEM_ID_LEN)
                 it = {**it, "id": iid}
             taken.add(iid)
             out.append(it)
-        # the counter first: on PostgreSQL this holds the row, so concurrent appends take turns
-        await conn.execute(conversations.update().where(_C.id == cid).values(last_seq=_C.last_seq + len(out)))
         if not fresh_ids and await self._count(conn, cid) + len(out) > MAX_ITEMS:
             raise ConversationFull(cid)
+        await conn.execute(conversations.update().where(_C.id == cid).values(last_seq=_C.last_seq + len(out)))
         last = (await conn.execute(sa.select(_C.last_seq).where(_C.id == cid))).scalar_one()
         first = last - len(out) + 1
         stored = [StoredItem(first + i, it["id"], it) for i, it in enumerate(out)]

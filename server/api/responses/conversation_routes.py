@@ -4,7 +4,8 @@ SDK's OpenAIConversationsSession and `Runner.run(conversation_id=...)`).
 A conversation is a list of items (messages, function calls and their outputs, in the Responses
 input items' shapes) that a response given `conversation` renders before its input, and that its
 input and output join once it ended (server.api.responses.conversation, which also keeps the
-state of the conversation's last response: the next response starts from it). Rows:
+state of the conversation's last response: the next response starts from it; joins.py: how a
+response's items join). Rows:
 server.tasks.conversations. Every route settles the conversation first (the responses made in
 it that have ended join it), so what it answers includes them.
 """
@@ -21,8 +22,9 @@ from server.api.errors import ApiError
 from server.api.openai.schemas import Metadata
 from server.api.openai.tools import ToolError, arguments
 from server.api.openapi import answers
-from server.api.responses.conversation import db, settle
+from server.api.responses.conversation import SLASH
 from server.api.responses.items import stored_item
+from server.api.responses.joins import db, settle
 from server.api.responses.schemas import FunctionCall, InputItem
 from server.api.sampling import bad_text
 from server.api.services import get_owner, get_services, json_response, task_manager
@@ -74,6 +76,8 @@ def _stored(items: list[Any] | None, body: BaseModel) -> list[dict[str, Any]]:
         except ToolError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
         s = stored_item(it.model_dump(exclude_none=True), it.id)
+        if "/" in s["id"]:
+            raise ApiError(400, SLASH, param=f"items[{i}].id", code="invalid_request")
         if s["id"] in seen:
             raise ApiError(400, f"the id {s['id']!r} is given to two items", param=f"items[{i}].id",
                            code="invalid_request")  # fmt: skip

@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from server.api.errors import ApiError, engine_error, prompt_too_long, task_error
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import RESPONSES_EVENTS, answers
-from server.api.responses import agent, conversation, render
+from server.api.responses import agent, conversation, joins, render
 from server.api.responses.checks import check_input, check_supported
 from server.api.responses.items import page
 from server.api.responses.schemas import ResponseInput, ResponseRequest
@@ -145,15 +145,13 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
     if src is not None:
         prompt = _separator(sv, src) + prompt
-        t = await _call(
-            tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
-        )
+        made = tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
     else:
-        t = await _call(tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE))
+        made = tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE)
+    t = await conversation.too_long(_call(made), conv)  # (a whole history over the limit: says so)
     try:
         if conv is not None:
-            await _call(tm.conversations.begin_run(conv.conv, t.id))
-            conversation.join_when_done(tm, conv.conv.id, owner, t)
+            await conversation.begin(tm, conv, t, owner)
         return await _answer(request, sv, t, body.stream)
     except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on
         end_run(request, tm, t)
@@ -281,7 +279,7 @@ async def delete_response(response_id: str, request: Request) -> Response:
     cid = render.meta(t).get("conversation")
     if cid and not t.running:  # its items join first (a deleted response's would not)
         try:
-            await conversation.settle(tm, cid, owner)
+            await joins.settle(tm, cid, owner)
         except ApiError as exc:
             if exc.status != 404:  # (the conversation deleted: nothing to join)
                 raise

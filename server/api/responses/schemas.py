@@ -43,7 +43,7 @@ class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: MessageContent
-    id: str | None = None  # ignored (an output item sent back)
+    id: str | None = Field(None, max_length=200)  # kept (the input items listing shows it)
     status: str | None = None  # ignored
 
     def text(self) -> str:

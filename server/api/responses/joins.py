@@ -1,0 +1,141 @@
+"""How a response's items join its conversation (server.api.responses.conversation: where a
+response in a conversation starts; the rows: server.tasks.conversations).
+
+A response's input and output items join the conversation once it ended completed or incomplete
+(max_output_tokens): a cancelled or failed one adds nothing, so a client that sends it again
+finds the conversation as it was. Each response made in a conversation has a run row
+(`begin_run`); the join finishes it, in one transaction.
+
+Two ways, one outcome:
+- `join_when_done`, in the background of the request that made the response: once the run has
+  ended, the items and the history length are read from the task at once (no await between the
+  end and the read: a continue through /v1/tasks cannot slip in), then written.
+- `settle`, by every reader of the conversation (each conversation route, each response in it,
+  and the delete of one of its responses), for the runs no join of this process holds: those a
+  restart cut off, or another replica's. It reads the stored task; a task run again since (its
+  version moved: a continue) no longer shows the response's output, so nothing joins. A run
+  whose background join is under way is waited for, so what a reader answers includes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from server.api.errors import ApiError, task_error
+from server.api.responses import render
+from server.tasks.conversations import (
+    MAX_ITEMS,
+    Conversation,
+    ConversationFull,
+    ConversationNotFound,
+    ItemIdTaken,
+    ItemNotFound,
+    Run,
+)
+from server.tasks.errors import TaskError, TaskNotFound
+
+if TYPE_CHECKING:
+    from server.tasks import TaskManager
+    from server.tasks.records import Task
+
+log = logging.getLogger("server.api.responses")
+T = TypeVar("T")
+
+JOINS = ("completed", "incomplete")
+"""The statuses of a response whose items join its conversation."""
+
+
+def not_found(cid: str, param: str | None) -> ApiError:
+    return ApiError(404, f"conversation {cid!r} not found (unknown, deleted, or another API key's)", param=param,
+                    code="conversation_not_found")  # fmt: skip
+
+
+async def db(aw: Awaitable[T], cid: str, param: str | None = "conversation_id", after: bool = False) -> T:
+    """Await a conversation query: its refusals as ApiErrors (a missing item: 404, or with `after`
+    the 400 of a list's cursor), a database outage as the task layer's (503)."""
+    try:
+        return await aw
+    except ConversationNotFound:
+        raise not_found(cid, param) from None
+    except ItemNotFound as exc:
+        if after:
+            raise ApiError(400, f"after {exc.args[0]!r} is not the id of an item of this list", param="after",
+                           code="invalid_request") from None  # fmt: skip
+        raise ApiError(404, f"item {exc.args[0]!r} not found in conversation {cid!r}", param="item_id",
+                       code="item_not_found") from None  # fmt: skip
+    except ItemIdTaken as exc:
+        raise ApiError(400, f"{exc}: give each item a new id, or none", param=f"items[{exc.index}].id",
+                       code="invalid_request") from None  # fmt: skip
+    except ConversationFull:
+        raise ApiError(400, f"conversation {cid!r} would hold more than {MAX_ITEMS} items", param="items",
+                       code="invalid_request") from None  # fmt: skip
+    except TaskError as exc:
+        raise task_error(exc) from None
+
+
+def joined(t: Task) -> tuple[list[dict[str, Any]] | None, int]:
+    """What an ended response adds to its conversation (its input, then its output; None when it
+    adds nothing) and its history's length then."""
+    if render.status(t) not in JOINS:
+        return None, len(t.tokens)
+    return [*(render.meta(t).get("input") or []), *render.output(t)], len(t.tokens)
+
+
+@dataclass
+class _Join:
+    job: asyncio.Task[None] | None = None
+    ended: bool = False
+    """The run ended and its items were read: the job is writing them."""
+
+
+_joins: dict[str, _Join] = {}  # task id -> its background join (also keeps the job referenced)
+
+
+def join_when_done(tm: TaskManager, cid: str, t: Task, run: Run) -> None:
+    """Join t's items to the conversation once its run ended, in the background (its answer is
+    not held for it)."""
+    j = _joins[t.id] = _Join()
+
+    async def join() -> None:
+        try:
+            if t.done is not None:
+                await t.done.wait()
+            items, tokens = joined(t)  # (at once: read as the run left it)
+            j.ended = True
+            await tm.conversations.finish_run(cid, run, items, tokens)
+        except ConversationNotFound:
+            pass  # deleted meanwhile: nothing to join
+        except Exception as exc:  # the database away: the run row stays, the next reader joins it
+            log.warning("response %s: its items did not join conversation %s now (%s)", t.id, cid, exc)
+        finally:
+            _joins.pop(t.id, None)
+
+    j.job = asyncio.create_task(join())
+
+
+async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id") -> Conversation:
+    """The conversation once the responses made in it that have ended joined it (404: not found)."""
+    store, oid = tm.conversations, tm.owner_id(owner)
+    await db(store.get(cid, oid), cid, param)  # (the owner's: runs of another's are not touched)
+    for run in await db(store.runs(cid), cid, param):
+        j = _joins.get(run.task_id)
+        if j is not None:  # this process joins it when its run ends
+            if j.ended and j.job is not None:
+                await asyncio.shield(j.job)
+            continue
+        try:
+            t = await tm.get(run.task_id, owner)
+        except TaskNotFound:  # deleted: nothing joins
+            t = None
+        except TaskError as exc:
+            raise task_error(exc) from None
+        if t is not None and t.running:
+            continue
+        items, tokens = joined(t) if t is not None and t.version == run.task_version else (None, 0)
+        await db(store.finish_run(cid, run, items, tokens), cid, param)
+    # read again either way: a join running beside this one may have committed since the first read
+    return await db(store.get(cid, oid), cid, param)
