@@ -335,7 +335,8 @@ async def test_reopen_keeps_everything(db_url):
     assert (await again.states.get_state("S1")).data == enc.data
     assert await again.counts() == {"tasks": 2, "states": 1} and await again.mark_interrupted() == []
     await again.close()
-    assert set(await inspect_schema(db_url)) == {"tasks", "states", "instances", "alembic_version"}
+    assert set(await inspect_schema(db_url)) == {"tasks", "states", "instances", "alembic_version", "conversations",
+                                                 "conversation_items", "conversation_runs"}
 
 
 async def test_pg_cluster_listens_on_loopback_only(pg_cluster, pg_url):
