@@ -169,3 +169,37 @@ def test_a_session_made_on_one_replica_goes_on_on_another(tmp_path):
     finally:
         a.stop()
         b.stop()
+
+
+def conversation_across_replicas(tmp_path, db: str) -> None:
+    """A conversation's responses made on A and B in turn: each joins the conversation (B finishes
+    the runs A made, from the stored tasks, and the reverse) and each starts from the state of the
+    one before it, made on the other server (cached_tokens)."""
+    from util_server import sdk
+
+    a, b = replica(tmp_path, "a", db).start(), replica(tmp_path, "b", db).start()
+    try:
+        text = {"format": {"type": "json_schema", "name": "n", "strict": True, "schema": {
+            "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}}}
+        conv = sdk(a).conversations.create(items=[{"role": "user", "content": "Hello."}])
+        prev = None
+        for i, srv in enumerate((a, b, a, b)):
+            r = sdk(srv).responses.create(model="m", conversation=conv.id, input=f"Turn {i}.", text=text,
+                                          max_output_tokens=20)  # fmt: skip
+            assert r.status == "completed" and r.conversation.id == conv.id
+            if prev is not None:  # the answer ends with EOS: the state holds all of the previous one
+                assert r.usage.input_tokens_details.cached_tokens == prev.usage.input_tokens + prev.usage.output_tokens
+            prev = r
+            got = [i.content[0].text for i in sdk(b if srv is a else a).conversations.items.list(conv.id, order="asc")]
+            assert got[-2:] == [f"Turn {i}.", r.output_text] and len(got) == 3 + 2 * i
+    finally:
+        b.stop()
+        a.stop()
+
+
+def test_a_conversation_goes_on_across_two_servers_on_one_sqlite_file(tmp_path):
+    conversation_across_replicas(tmp_path, str(tmp_path / "shared.db"))
+
+
+def test_a_conversation_goes_on_across_two_servers_on_one_postgresql_database(tmp_path, pg_url):  # noqa: F811
+    conversation_across_replicas(tmp_path, pg_url)
