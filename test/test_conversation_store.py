@@ -69,16 +69,16 @@ async def test_a_finished_run_joins_and_becomes_the_head_unless_the_base_moved(d
     store, cs = await opened(db_url)
     try:
         c = await cs.create(None, {}, [msg(1)])
-        await cs.begin_run(c, "TASK_a", 0)
+        await cs.begin_run(c, "TASK_a", 0, None)
         run = (await cs.runs(c.id))[0]
-        assert run == Run("TASK_a", 1, 0, 0)
+        assert run == Run("TASK_a", 1, 0, 0, None)
         assert await cs.finish_run(c.id, run, [msg("a_in"), msg("a_out")], tokens=40)
         assert not await cs.finish_run(c.id, run, [msg("again")])  # finished once only
         c = await cs.get(c.id, None)
         assert (c.last_seq, c.head_task, c.head_seq, c.head_tokens) == (3, "TASK_a", 3, 40)
         # a run started on this conversation, then an item added before it ended: it joins after
         # that item, and is no head (its state does not hold the item)
-        await cs.begin_run(c, "TASK_b", 0)
+        await cs.begin_run(c, "TASK_b", 0, None)
         await cs.add(c.id, None, [msg(4)])
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], [msg("b_out")], tokens=50)
         c = await cs.get(c.id, None)
@@ -90,13 +90,13 @@ async def test_a_finished_run_joins_and_becomes_the_head_unless_the_base_moved(d
         c = await cs.delete_item(c.id, None, "msg_a_in")
         assert (c.head_task, c.cuts) == (None, 2)
         # a run whose base saw a deletion since is no head either
-        await cs.begin_run(c, "TASK_c", 0)
+        await cs.begin_run(c, "TASK_c", 0, None)
         await cs.delete_item(c.id, None, "msg_1")
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], [msg("c_out")])
         assert (await cs.get(c.id, None)).head_task is None
         # a run that adds nothing (cancelled, failed) leaves the conversation as it was
         c = await cs.get(c.id, None)
-        await cs.begin_run(c, "TASK_d", 0)
+        await cs.begin_run(c, "TASK_d", 0, None)
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], None)
         assert (await cs.get(c.id, None)).last_seq == c.last_seq and await cs.runs(c.id) == []
     finally:
@@ -107,7 +107,7 @@ async def test_a_run_item_whose_id_is_taken_joins_under_a_new_id(db_url):
     store, cs = await opened(db_url)
     try:
         c = await cs.create(None, {}, [msg(1)])
-        await cs.begin_run(c, "TASK_a", 0)
+        await cs.begin_run(c, "TASK_a", 0, None)
         assert await cs.finish_run(c.id, (await cs.runs(c.id))[0], [msg(1), msg(2)])
         ids = [p.id for p in (await cs.items(c.id, None))[0]]
         assert ids[0] == "msg_1" and ids[1].startswith("msg_") and ids[1] != "msg_1" and ids[2] == "msg_2"
@@ -142,7 +142,7 @@ async def test_two_stores_finishing_runs_of_one_base_at_once_leave_a_true_head(d
     try:
         for _ in range(8):
             c = await cs1.create(None, {}, [msg("base")])
-            a, b = await cs1.begin_run(c, "TASK_a", 0), await cs1.begin_run(c, "TASK_b", 0)
+            a, b = await cs1.begin_run(c, "TASK_a", 0, None), await cs1.begin_run(c, "TASK_b", 0, None)
             done = await asyncio.gather(cs1.finish_run(c.id, a, [msg(f"{c.id}_a_in"), msg(f"{c.id}_a_out")], 10),
                                         cs2.finish_run(c.id, b, [msg(f"{c.id}_b_in"), msg(f"{c.id}_b_out")], 20))
             assert done == [True, True]

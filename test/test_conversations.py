@@ -200,6 +200,10 @@ def test_another_keys_conversation_is_not_found(server):
     ([user("\ud800")], "items[0].content"),
     ([user("a", id="m" * 201)], "items[0].id"),
     ([user("a", id="a/b")], "items[0].id"),
+    ([user("a", id="..")], "items[0].id"),  # (a client resolves it as a path segment)
+    ([user("a", id="")], "items[0].id"),
+    ([user("a", id="a\u0000b")], "items[0].id"),
+    ([user("a", id="\uffffa")], "items[0].id"),
 ])  # fmt: skip
 def test_bad_items_change_nothing(server, items, param):
     client = sdk(server, key="k1")

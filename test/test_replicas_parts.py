@@ -279,3 +279,38 @@ async def test_a_copy_read_before_its_state_was_written_is_read_again(tmp_path):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_conversation_run_continued_elsewhere_is_left_to_its_live_maker(tmp_path):
+    """A response made on A, its task continued on B before A's background join wrote (its
+    version moved): a read on B leaves the run to A, whose join read the output as the run ended,
+    while A lives; once A's lease is gone B drops it, nothing joining (server.api.responses.joins)."""
+    from server.api.responses.joins import settle
+
+    a, b = await replica(FakeEngine(), tmp_path / "c.db", "a"), await replica(FakeEngine(), tmp_path / "c.db", "b")
+    try:
+        conv = await b.conversations.create(None, {}, [])
+        t = await a.wait((await a.create("a response", persistent=True, tag="response")).id, timeout=10)
+        await a.flush()
+        await a.conversations.begin_run(conv, t.id, t.version, a.instance)
+        await until(lambda: _finished_on(b, t.id))
+        await b.wait((await b.continue_(t.id, {"max_tokens": 2})).id, timeout=10)
+        await until(lambda: _sees(b, a.instance))
+        await settle(b, conv.id, None)
+        assert [r.task_id for r in await b.conversations.runs(conv.id)] == [t.id]  # left to A
+    finally:
+        await a.close()
+    try:
+        await until(lambda: _gone(b, a.instance))
+        c = await settle(b, conv.id, None)
+        assert await b.conversations.runs(conv.id) == [] and c.last_seq == 0  # dropped, nothing joined
+    finally:
+        await b.close()
+
+
+async def _sees(tm: TaskManager, instance: str) -> bool:
+    return instance in tm.lease.peers
+
+
+async def _gone(tm: TaskManager, instance: str) -> bool:
+    return instance not in tm.lease.peers

@@ -49,6 +49,7 @@ def upgrade() -> None:
         sa.Column("base_seq", sa.Integer, nullable=False),
         sa.Column("base_cuts", sa.Integer, nullable=False),
         sa.Column("task_version", sa.Integer, nullable=False),
+        sa.Column("instance", sa.String(80)),
         sa.Column("created_at", sa.Float, nullable=False),
     )
 

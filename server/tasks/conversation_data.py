@@ -64,3 +64,5 @@ class Run:
     base_cuts: int
     task_version: int
     """The response task's version when it started (Task.version: +1 at each later run)."""
+    instance: str | None = None
+    """The server instance that made it (whose background join reads its output as it ended)."""

@@ -144,16 +144,16 @@ class Conversations:
             return await self._row(conn, cid, owner)
 
     # --- runs: the responses made in a conversation ------------------------------------------------
-    async def begin_run(self, c: Conversation, task_id: str, task_version: int) -> Run:
+    async def begin_run(self, c: Conversation, task_id: str, task_version: int, instance: str | None) -> Run:
         """Record a response started on `c` as it was read (its base: c.last_seq, c.cuts), its
-        task at `task_version` (a later run of the task, a continue, moves it)."""
+        task at `task_version` (a later run of the task, a continue, moves it), by `instance`."""
         async with self.db.write() as conn:
             if await self._lock(conn, c.id) is None:  # deleted meanwhile: nothing to join
                 raise ConversationNotFound(c.id)
             await conn.execute(conversation_runs.insert().values(
                 conversation_id=c.id, task_id=task_id, base_seq=c.last_seq, base_cuts=c.cuts,
-                task_version=task_version, created_at=time.time()))  # fmt: skip
-        return Run(task_id, c.last_seq, c.cuts, task_version)
+                task_version=task_version, instance=instance, created_at=time.time()))  # fmt: skip
+        return Run(task_id, c.last_seq, c.cuts, task_version, instance)
 
     async def taken(self, cid: str, ids: list[str]) -> set[str]:
         """Those of `ids` that are ids of the conversation's items."""
@@ -165,9 +165,9 @@ class Conversations:
 
     async def runs(self, cid: str) -> list[Run]:
         async with self.db.read() as conn:
-            q = sa.select(_R.task_id, _R.base_seq, _R.base_cuts, _R.task_version).where(_R.conversation_id == cid)
-            rows = (await conn.execute(q.order_by(_R.created_at))).fetchall()
-        return [Run(r.task_id, r.base_seq, r.base_cuts, r.task_version) for r in rows]
+            q = sa.select(_R.task_id, _R.base_seq, _R.base_cuts, _R.task_version, _R.instance)
+            rows = (await conn.execute(q.where(_R.conversation_id == cid).order_by(_R.created_at))).fetchall()
+        return [Run(r.task_id, r.base_seq, r.base_cuts, r.task_version, r.instance) for r in rows]
 
     async def finish_run(self, cid: str, run: Run, items: list[dict[str, Any]] | None, tokens: int = 0) -> bool:
         """The run ended: its `items` join the conversation (None: none do), and it becomes the

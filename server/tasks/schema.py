@@ -172,5 +172,6 @@ conversation_runs = sa.Table(  # v7: responses of a conversation whose items hav
     sa.Column("base_seq", sa.Integer, nullable=False),  # the conversation's last_seq when it started
     sa.Column("base_cuts", sa.Integer, nullable=False),  # and its cuts
     sa.Column("task_version", sa.Integer, nullable=False),  # the task's version then (a continue moves it)
+    sa.Column("instance", _str(80)),  # the server instance that made it (its join: joins.py)
     sa.Column("created_at", sa.Float, nullable=False),
 )

@@ -32,7 +32,21 @@ if TYPE_CHECKING:
     from server.tasks.records import Task
 
 _ITEM: TypeAdapter[Item] = TypeAdapter(InputItem)
-SLASH = "an item id of a conversation may not hold '/' (the item's routes take it in their path)"
+
+
+def bad_id(item_id: str) -> str | None:
+    """Why an item id cannot be a conversation's (None: it can): the item's routes take it in
+    their path (no '/', not empty or dots alone, which clients resolve as path segments), and
+    the database stores it as given (no control character, no U+FFFF)."""
+    if not item_id.strip("."):
+        return "an item id of a conversation must not be empty or dots alone"
+    if "/" in item_id:
+        return "an item id of a conversation must not hold '/' (the item's routes take it in their path)"
+    if any(ord(ch) < 0x20 or ch in "\x7f\uffff" for ch in item_id):
+        return "an item id of a conversation must not hold control characters or U+FFFF"
+    return None
+
+
 _AT = re.compile(r"input\[(\d+)\](.*)")
 
 
@@ -78,8 +92,9 @@ async def start(tm: TaskManager, body: ResponseInput, owner: str | None) -> Star
         ids = [it.id for it in body.input if it.id is not None]
         taken = await db(store.taken(cid, ids), cid, "conversation")
         for i, it in enumerate(body.input):
-            if it.id is not None and "/" in it.id:
-                raise ApiError(400, SLASH, param=f"input[{i}].id", code="invalid_request")
+            why = bad_id(it.id) if it.id is not None else None
+            if why is not None:
+                raise ApiError(400, why, param=f"input[{i}].id", code="invalid_request")
             if it.id in taken:
                 raise ApiError(400, f"the id {it.id!r} is an item's of conversation {cid!r}: give each input "
                                "item a new id, or none", param=f"input[{i}].id", code="invalid_request")  # fmt: skip
@@ -138,7 +153,7 @@ async def too_long(aw: Awaitable[Task], s: Start | None) -> Task:
     try:
         return await aw
     except ApiError as exc:
-        if exc.status != 413 or s is None or s.head is not None:
+        if exc.status != 413 or s is None or s.head is not None or s.conv.last_seq == 0:
             raise
         exc.param = "conversation"
         exc.message = (f"conversation {s.conv.id!r}: its history and the input are over this server's prompt limit "
@@ -153,7 +168,7 @@ async def begin(tm: TaskManager, s: Start, t: Task, owner: str | None) -> None:
     cannot be recorded (the conversation deleted meanwhile: 404, the database away: 503) t is
     stopped and deleted: nothing of the request stays."""
     try:
-        run = await db(tm.conversations.begin_run(s.conv, t.id, t.version), s.conv.id, "conversation")
+        run = await db(tm.conversations.begin_run(s.conv, t.id, t.version, tm.instance), s.conv.id, "conversation")
     except ApiError:
         tm.abort(t)
         with contextlib.suppress(Exception):

@@ -22,7 +22,7 @@ from server.api.errors import ApiError
 from server.api.openai.schemas import Metadata
 from server.api.openai.tools import ToolError, arguments
 from server.api.openapi import answers
-from server.api.responses.conversation import SLASH
+from server.api.responses.conversation import bad_id
 from server.api.responses.items import stored_item
 from server.api.responses.joins import db, settle
 from server.api.responses.schemas import FunctionCall, InputItem
@@ -76,8 +76,9 @@ def _stored(items: list[Any] | None, body: BaseModel) -> list[dict[str, Any]]:
         except ToolError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_request") from None
         s = stored_item(it.model_dump(exclude_none=True), it.id)
-        if "/" in s["id"]:
-            raise ApiError(400, SLASH, param=f"items[{i}].id", code="invalid_request")
+        why = bad_id(s["id"])
+        if why is not None:
+            raise ApiError(400, why, param=f"items[{i}].id", code="invalid_request")
         if s["id"] in seen:
             raise ApiError(400, f"the id {s['id']!r} is given to two items", param=f"items[{i}].id",
                            code="invalid_request")  # fmt: skip

@@ -12,9 +12,11 @@ Two ways, one outcome:
   end and the read: a continue through /v1/tasks cannot slip in), then written.
 - `settle`, by every reader of the conversation (each conversation route, each response in it,
   and the delete of one of its responses), for the runs no join of this process holds: those a
-  restart cut off, or another replica's. It reads the stored task; a task run again since (its
-  version moved: a continue) no longer shows the response's output, so nothing joins. A run
-  whose background join is under way is waited for, so what a reader answers includes it.
+  restart cut off, or another replica's. It reads the stored task. A task run again since (its
+  version moved: a continue) no longer shows the response's output: such a run is left to the
+  live replica that made it (its background join read the output as the run ended), and
+  dropped, nothing joining, once that replica is gone (or was this process). A run whose
+  background join is under way here is waited for, so what a reader answers includes it.
 """
 
 from __future__ import annotations
@@ -133,9 +135,16 @@ async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None
             t = None
         except TaskError as exc:
             raise task_error(exc) from None
-        if t is not None and t.running:
-            continue
-        items, tokens = joined(t) if t is not None and t.version == run.task_version else (None, 0)
-        await db(store.finish_run(cid, run, items, tokens), cid, param)
+        moved = t is not None and t.version != run.task_version
+        if (t is not None and t.running and not moved) or (moved and run.instance in tm.lease.peers):
+            continue  # running; or continued since, and its maker, alive, joins it as it ended
+        items, tokens = joined(t) if t is not None and not moved else (None, 0)
+        try:
+            await db(store.finish_run(cid, run, items, tokens), cid, param)
+        except ApiError:
+            raise
+        except Exception:  # (a bug: the run is dropped rather than failing every read of the conversation)
+            log.exception("response %s: its items could not join conversation %s; dropped", run.task_id, cid)
+            await db(store.finish_run(cid, run, None), cid, param)
     # read again either way: a join running beside this one may have committed since the first read
     return await db(store.get(cid, oid), cid, param)
