@@ -165,8 +165,19 @@ class Conversations:
 
     async def runs(self, cid: str) -> list[Run]:
         async with self.db.read() as conn:
-            q = sa.select(_R.task_id, _R.base_seq, _R.base_cuts, _R.task_version, _R.instance)
-            rows = (await conn.execute(q.where(_R.conversation_id == cid).order_by(_R.created_at))).fetchall()
+            return await self._runs(conn, cid)
+
+    async def with_runs(self, cid: str, owner: str | None) -> tuple[Conversation, list[Run]]:
+        """The conversation and its runs, in one read: the runs first, so a join that finished a
+        run before this read is in the conversation read after it."""
+        async with self.db.read() as conn:
+            runs = await self._runs(conn, cid)
+            return await self._row(conn, cid, owner), runs
+
+    @staticmethod
+    async def _runs(conn: AsyncConnection, cid: str) -> list[Run]:
+        q = sa.select(_R.task_id, _R.base_seq, _R.base_cuts, _R.task_version, _R.instance)
+        rows = (await conn.execute(q.where(_R.conversation_id == cid).order_by(_R.created_at))).fetchall()
         return [Run(r.task_id, r.base_seq, r.base_cuts, r.task_version, r.instance) for r in rows]
 
     async def finish_run(self, cid: str, run: Run, items: list[dict[str, Any]] | None, tokens: int = 0) -> bool:

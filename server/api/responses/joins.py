@@ -122,8 +122,8 @@ def join_when_done(tm: TaskManager, cid: str, t: Task, run: Run) -> None:
 async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id") -> Conversation:
     """The conversation once the responses made in it that have ended joined it (404: not found)."""
     store, oid = tm.conversations, tm.owner_id(owner)
-    await db(store.get(cid, oid), cid, param)  # (the owner's: runs of another's are not touched)
-    for run in await db(store.runs(cid), cid, param):
+    c, runs = await db(store.with_runs(cid, oid), cid, param)  # (the owner's: another's runs are not touched)
+    for run in runs:
         j = _joins.get(run.task_id)
         if j is not None:  # this process joins it when its run ends
             if j.ended and j.job is not None:
@@ -146,5 +146,6 @@ async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None
         except Exception:  # (a bug: the run is dropped rather than failing every read of the conversation)
             log.exception("response %s: its items could not join conversation %s; dropped", run.task_id, cid)
             await db(store.finish_run(cid, run, None), cid, param)
-    # read again either way: a join running beside this one may have committed since the first read
-    return await db(store.get(cid, oid), cid, param)
+    # (runs were read before the conversation, in one transaction: a join that committed before
+    # the first read is in `c`; one that commits after left its run to this loop)
+    return await db(store.get(cid, oid), cid, param) if runs else c
