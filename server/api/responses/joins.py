@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from server.api.errors import ApiError, task_error
 from server.api.responses import render
-from server.tasks.conversations import (
-    MAX_ITEMS,
+from server.tasks.conversation_data import (
     Conversation,
     ConversationFull,
     ConversationNotFound,
@@ -38,6 +37,7 @@ from server.tasks.conversations import (
     ItemNotFound,
     Run,
 )
+from server.tasks.conversations import MAX_ITEMS
 from server.tasks.errors import TaskError, TaskNotFound
 
 if TYPE_CHECKING:
