@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -73,7 +73,7 @@ class Start:
     conv: Conversation
     head: Task | None
     """The task to fork (None: a new task from the zero state)."""
-    items: list[Item] = field(default_factory=list)
+    items: list[Item]
     """The conversation's items the prompt renders before the input (those after the head's)."""
 
 
@@ -83,21 +83,21 @@ async def start(tm: TaskManager, body: ResponseInput, owner: str | None) -> Star
     cid = conversation_id(body)
     if cid is None:
         return None
+    inputs = body.input if isinstance(body.input, list) else []
+    for i, it in enumerate(inputs):
+        why = bad_id(it.id) if it.id is not None else None
+        if why is not None:
+            raise ApiError(400, why, param=f"input[{i}].id", code="invalid_request")
     c = await settle(tm, cid, owner, "conversation")
     head = await _head(tm, c, owner)
     since = c.head_seq if head is not None else 0
     store, oid = tm.conversations, tm.owner_id(owner)
     rows, _ = await db(store.items(cid, oid, since_seq=since, until_seq=c.last_seq), cid, "conversation")
-    if isinstance(body.input, list):
-        ids = [it.id for it in body.input if it.id is not None]
-        taken = await db(store.taken(cid, ids), cid, "conversation")
-        for i, it in enumerate(body.input):
-            why = bad_id(it.id) if it.id is not None else None
-            if why is not None:
-                raise ApiError(400, why, param=f"input[{i}].id", code="invalid_request")
-            if it.id in taken:
-                raise ApiError(400, f"the id {it.id!r} is an item's of conversation {cid!r}: give each input "
-                               "item a new id, or none", param=f"input[{i}].id", code="invalid_request")  # fmt: skip
+    taken = await db(store.taken(cid, [it.id for it in inputs if it.id is not None]), cid, "conversation")
+    for i, it in enumerate(inputs):
+        if it.id in taken:
+            raise ApiError(400, f"the id {it.id!r} is an item's of conversation {cid!r}: give each input "
+                           "item a new id, or none", param=f"input[{i}].id", code="invalid_request")  # fmt: skip
     return Start(c, head, [_item(r.body) for r in rows])
 
 

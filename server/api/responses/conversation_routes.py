@@ -63,12 +63,12 @@ class ItemsCreate(_Body):
 
 def _stored(items: list[Any] | None, body: BaseModel) -> list[dict[str, Any]]:
     """The items to add as stored (each with an id); 400 naming the field for text that is no
-    valid Unicode, arguments that are not JSON text, or one id given twice."""
-    bad = bad_text(body.model_dump(exclude_none=True))
+    valid Unicode, arguments that are not JSON text, or an id no conversation item may have (one
+    given twice, or taken in the conversation: the store's ItemIdTaken)."""
+    bad = bad_text(body)
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
     out: list[dict[str, Any]] = []
-    seen: set[str] = set()
     for i, it in enumerate(items or ()):
         try:
             if isinstance(it, FunctionCall):
@@ -79,10 +79,6 @@ def _stored(items: list[Any] | None, body: BaseModel) -> list[dict[str, Any]]:
         why = bad_id(s["id"])
         if why is not None:
             raise ApiError(400, why, param=f"items[{i}].id", code="invalid_request")
-        if s["id"] in seen:
-            raise ApiError(400, f"the id {s['id']!r} is given to two items", param=f"items[{i}].id",
-                           code="invalid_request")  # fmt: skip
-        seen.add(s["id"])
         out.append(s)
     return out
 

@@ -136,9 +136,11 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     check_supported(body)
     rt = agent.response_tools(body)
     fmt = agent.response_format(body)
-    conv = await conversation.start(tm, body, owner)
-    src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
-    src = conv.head if conv is not None else src
+    conv = await conversation.start(tm, body, owner)  # (check_input refused it beside previous_response_id)
+    if conv is not None:
+        src = conv.head
+    else:
+        src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
     prompt, meta = agent.prompt_and_meta(body, rt, src, conv)
     rt = await agent.ready(sv, rt, prompt)  # its grammar compiled (a new turn's format: behind the gap)
     params = {**_params(sv, body, fmt), **agent.task_params(rt, meta, fmt)}
