@@ -103,6 +103,9 @@ class FakeHandle:
                               error=self.engine.error, pending_tokens=pending)
 
     async def wait(self) -> Result:
+        if self._result is None:  # nobody read its tokens (a prefill-only run): run it here
+            async for _ in self.batches():
+                pass
         assert self._result is not None
         return self._result
 

@@ -16,7 +16,9 @@ from server.tasks import TaskConfig, TaskElsewhere, TaskManager, TaskNotFound
 from server.tasks.schema import instances
 from server.tasks.streaming import events
 
-LEASE = 0.6
+# Long enough that no test here sees a lease expire by accident (a loaded CI loop stalled a
+# 0.6 s one: b reaped a's task mid-test); the tests about expiry set heartbeat_at=0 themselves.
+LEASE = 5.0
 
 
 async def replica(eng: FakeEngine, path, name: str, lease: float = LEASE) -> TaskManager:
@@ -79,7 +81,7 @@ async def test_a_copy_changed_by_another_replica_is_not_used(tmp_path):
         # a continues from its old copy: the database refuses the claim, a reads the task again
         c = await a.wait((await a.continue_(t.id, {"max_tokens": 1})).id, timeout=10)
         assert c is not t and c.out.text == "<100><101><102><100><101><100>" and c.version == 2
-        await b.lease.beat()  # b's row fresh (its loop may lag past the 0.6 s lease on a loaded machine)
+        await b.lease.beat()  # b's row fresh
         await a.lease.beat()  # once a knows b, every read checks its copy against the row
         assert a.lease.shared
         await b.wait((await b.continue_(t.id, {"max_tokens": 1})).id, timeout=10)
@@ -155,7 +157,7 @@ async def test_after_its_lease_expired_an_instance_stops_only_the_tasks_taken_fr
     try:
         old = await a.create("taken over", persistent=True)
         a.lease._task.cancel()
-        b.lease._task.cancel()  # b beats only when told: its loop (every 0.2 s) could take old first
+        b.lease._task.cancel()  # b beats only when told: its loop could take old first
         async with a.store.write() as conn:
             await conn.execute(sa.update(instances).where(instances.c.id == a.instance).values(heartbeat_at=0))
         assert old.id in await b.lease.beat()
