@@ -94,7 +94,7 @@ def test_delete_and_store_false(server):
     ({"store": 1}, 400, "store"),
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"reasoning": {"bogus": 1}}, 400, "reasoning.bogus"),
-    ({"background": True}, 400, "background"),
+    ({"background": True, "store": False}, 400, "background"),  # (background needs store)
     ({"max_tool_calls": 3}, 400, "max_tool_calls"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
     ({"conversation": "conv_1"}, 404, "conversation"),

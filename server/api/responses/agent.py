@@ -127,6 +127,7 @@ def _meta(body: ResponseRequest, rendered: Rendered, described: str | None) -> d
         "described": described,
         "metadata": body.metadata or {},
         "verbosity": body.text.verbosity if body.text is not None else None,
+        "background": bool(body.background),
     }
 
 

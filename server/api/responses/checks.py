@@ -25,15 +25,18 @@ def check_supported(body: ResponseRequest) -> None:
         raise ApiError(400, "store: false in a conversation (a response's items join the conversation, so it is "
                        "stored): omit store, or send the history as input without conversation", param="store",
                        code="invalid_request")  # fmt: skip
+    if body.background and not body.store:
+        raise ApiError(400, "background: true with store: false (a background response is read back by its id, "
+                       "so it is stored): omit store, or leave background out", param="background",
+                       code="invalid_request")  # fmt: skip
     refused = {  # field -> why, where its value asks for what this route does not do
         "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
-        "background": body.background and "background mode: a response is tied to its request",
         "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
         "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
         "prompt": body.prompt is not None
         and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
         "access_programs": body.access_programs is not None and "access_programs",
-        "background_options": body.background_options is not None and "background_options (no background mode)",
+        "background_options": body.background_options is not None and "background_options",
         "context_management": body.context_management
         and "context_management (a response's history is its state, never compacted)",
         "image": body.image is not None and "image (no image input here)",

@@ -248,6 +248,7 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "tool_choice": m.get("tool_choice") or "auto",
         "parallel_tool_calls": m.get("parallel_tool_calls", False),
         "store": t.kind != "tmp",
+        "background": bool(m.get("background")),
         "metadata": m.get("metadata") or {},
         "error": _error(t) if state == "failed" else None,
         "incomplete_details": {"reason": "max_output_tokens"} if state == "incomplete" else None,

@@ -9,7 +9,10 @@ stays readable. The prompt is the RWKV chat format (server.api.openai.chat_forma
 
 A response is tied to its request (as OpenAI's non-background responses are): a client that
 leaves before the answer's end, streamed or not, stops the run; a stored one keeps what was
-generated (status "cancelled"). Only tasks made here are responses (their tag: render.RESPONSE).
+generated (status "cancelled"). With `background: true` it is not: the create answers at once
+(or streams, and a client that leaves stops nothing), and the run is the task layer's alone, read
+by GET and stopped by POST .../cancel (background.py). Only tasks made here are responses (their
+tag: render.RESPONSE).
 Tools (function calls) as on chat: server.api.responses.agent; input items: items.py.
 `POST /v1/responses/input_tokens` counts the tokens a create with the same prompt fields would
 take in (its usage.input_tokens), running nothing.
@@ -45,7 +48,7 @@ router = APIRouter(prefix="/v1", tags=["responses"])
 T = TypeVar("T")
 
 
-async def _call(aw: Awaitable[T]) -> T:
+async def call(aw: Awaitable[T]) -> T:
     """Task-layer and engine errors -> ApiError (a bad value is a 400, as on the OpenAI routes).
     The task's prompt is this route's `input`: an error about it names `input`."""
     try:
@@ -72,7 +75,7 @@ def _param(param: str | None) -> str | None:
     return "input" if param == "prompt" else param
 
 
-async def _stored(tm: TaskManager, rid: str, owner: str | None, param: str | None = None) -> Task:
+async def stored(tm: TaskManager, rid: str, owner: str | None, param: str | None = None) -> Task:
     """The task of a stored response `owner` may see; 404 otherwise (unknown, another key's)."""
     tid = render.task_id(rid)
     try:
@@ -150,11 +153,11 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
         made = tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
     else:
         made = tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE)
-    t = await conversation.too_long(_call(made), conv)  # (a whole history over the limit: says so)
+    t = await conversation.too_long(call(made), conv)  # (a whole history over the limit: says so)
     try:
         if conv is not None:
             await conversation.begin(tm, conv, t, owner)
-        return await _answer(request, sv, t, body.stream)
+        return await _answer(request, sv, t, body.stream, bool(body.background))
     except BaseException:  # no answer (an error, the server cancelled the request): nothing runs on
         end_run(request, tm, t)
         raise
@@ -182,7 +185,7 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
     history = 0
     if src is not None:
         prompt, history = _separator(sv, src) + prompt, len(src.tokens)
-    ids = await _call(tm.inputs.encode(prompt))
+    ids = await call(tm.inputs.encode(prompt))
     return json_response({"object": "response.input_tokens", "input_tokens": history + len(ids)})
 
 
@@ -195,20 +198,24 @@ async def count_input_tokens_method(request: Request) -> Response:
 
 async def _previous(tm: TaskManager, rid: str, owner: str | None) -> Task:
     """The task of previous_response_id: 404 (not found), 409 (still running)."""
-    src = await _stored(tm, rid, owner, "previous_response_id")
+    src = await stored(tm, rid, owner, "previous_response_id")
     if src.running and not src.stop_requested:  # (a stopping one: the fork waits for its settle)
         raise ApiError(409, f"response {rid!r} is still in progress", param="previous_response_id",
                        code="response_in_progress")  # fmt: skip
     return src
 
 
-async def _answer(request: Request, sv: Services, t: Task, stream: bool) -> Response:
+async def _answer(request: Request, sv: Services, t: Task, stream: bool, background: bool) -> Response:
     """The stream of the run, or the response once it ended; either way a client that leaves
-    first stops the run (SSEResponse aborts the source; _settle aborts the wait)."""
+    first stops the run (SSEResponse aborts the source; _settle aborts the wait). In the
+    background: the response at once (in progress), or a stream whose client may leave."""
     tm = task_manager(sv)
     if stream:
-        source = ResponseStream(t, sv.model_id, on_abort=lambda: end_run(request, tm, t))
+        on_abort = None if background else lambda: end_run(request, tm, t)
+        source = ResponseStream(t, sv.model_id, on_abort=on_abort)
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
+    if background:
+        return json_response(render.response(t, sv.model_id))
     if not await _settle(request, t):
         end_run(request, tm, t)
         request.state.error = "the client left before the answer"
@@ -247,12 +254,13 @@ async def get_response(
     """The response; with `stream=true` its events (server.api.responses.stream), numbered as its
     own stream numbered them: a running response's from its start and on to its end, a finished
     one's replayed; `starting_after` sends those after that sequence number (a client that lost
-    its stream resumes it). Reading it stops nothing: the run is its creating request's."""
+    its stream resumes it). Reading it stops nothing: the run is its creating request's (a
+    background response's: its own, background.py stops it)."""
     sv = get_services(request)
     tm, owner = task_manager(sv), get_owner(request)
-    t = await _stored(tm, response_id, owner, "response_id")
+    t = await stored(tm, response_id, owner, "response_id")
     if stream:  # a response another server runs streams there (409 naming it), as a task's does
-        t = await _call(tm.get(t.id, owner, stream=True))
+        t = await call(tm.get(t.id, owner, stream=True))
         source = ResponseStream(t, sv.model_id, on_abort=None, starting_after=starting_after)
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     return json_response(render.response(t, sv.model_id))
@@ -269,7 +277,7 @@ async def list_input_items(
     """The items of the response's `input`, as OpenAI lists them (`include` is ignored: items carry
     no extra data here). A response stored before items were kept lists none."""
     sv = get_services(request)
-    t = await _stored(task_manager(sv), response_id, get_owner(request), "response_id")
+    t = await stored(task_manager(sv), response_id, get_owner(request), "response_id")
     return json_response(page(render.meta(t).get("input") or [], limit, order, after))
 
 
@@ -277,7 +285,7 @@ async def list_input_items(
 async def delete_response(response_id: str, request: Request) -> Response:
     sv, owner = get_services(request), get_owner(request)
     tm = task_manager(sv)
-    t = await _stored(tm, response_id, owner, "response_id")
+    t = await stored(tm, response_id, owner, "response_id")
     cid = render.meta(t).get("conversation")
     if cid and not t.running:  # its items join first (a deleted response's would not)
         try:
@@ -285,5 +293,5 @@ async def delete_response(response_id: str, request: Request) -> Response:
         except ApiError as exc:
             if exc.status != 404:  # (the conversation deleted: nothing to join)
                 raise
-    await _call(tm.delete(t.id, owner))
+    await call(tm.delete(t.id, owner))
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})

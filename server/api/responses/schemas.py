@@ -213,7 +213,8 @@ class ResponseRequest(ResponseInput):
     """Stored with the response and shown with it (OpenAI's bounds: 16 pairs, keys of at most 64
     characters, values of at most 512)."""
     background: bool | None = None
-    """Only false (or null): a response is tied to its request (docs/agents.md)."""
+    """True: the run is not tied to the request (read back by GET, stopped by POST .../cancel:
+    server.api.responses.background); it needs `store`."""
     max_tool_calls: int | None = None
     """Only null: no bound on the calls but `parallel_tool_calls`."""
     top_logprobs: int | None = None

@@ -1,0 +1,159 @@
+"""Background responses (`background: true`) against a real server, with the official SDK: the
+create answers at once while the run goes on; a streamed one's client may leave and resume; only
+a background response can be cancelled (a second cancel, or one after the end, answers it as it
+stands); store: false is refused; in a conversation its items join when it ends; a kill keeps what
+it had generated (docs/agents.md, "Background responses")."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from util_server import running_server, sdk
+
+LONG = 200_000  # max_output_tokens no test waits for: only a cancel (or the server's stop) ends it
+# greedy, on an input whose answer on the test model has no "\n\n" (the chat stop) for long
+ASK = {"model": "m", "input": "y", "temperature": 0, "max_output_tokens": LONG}
+KEY = {"Authorization": "Bearer k1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("resp-bg"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
+        yield srv
+
+
+def running(server) -> int:
+    return httpx.get(server.url + "/health").json()["running"]
+
+
+def until(what, cond, timeout: float = 20.0):
+    """what() once cond(it) holds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not cond(got := what()):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
+def task_ids(server, key: str = "k1") -> list[str]:
+    r = httpx.get(server.url + "/v1/tasks/list", headers={"Authorization": f"Bearer {key}"})
+    return sorted(t["task_id"] for t in r.json()["tasks"])
+
+
+def test_the_create_answers_at_once_and_the_run_goes_on_until_cancelled(server):
+    client = sdk(server, key="k1", timeout=10)  # (a create that waited for LONG tokens would time out)
+    until(lambda: running(server), lambda n: n == 0)
+    r = client.responses.create(**ASK, background=True)
+    assert r.status == "in_progress" and r.background is True and r.usage is None
+    assert running(server) == 1
+    first = until(lambda: client.responses.retrieve(r.id), lambda x: len(x.output_text) > 0)
+    later = until(lambda: client.responses.retrieve(r.id), lambda x: len(x.output_text) > len(first.output_text))
+    assert later.status == "in_progress" and later.output_text.startswith(first.output_text)
+    c = client.responses.cancel(r.id)
+    assert c.status == "cancelled" and c.background is True and c.id == r.id
+    assert c.output_text.startswith(later.output_text) and 0 < c.usage.output_tokens < LONG
+    until(lambda: running(server), lambda n: n == 0, timeout=5)
+    again = client.responses.cancel(r.id)  # ended: answered as it stands
+    assert (again.status, again.output_text, again.usage.output_tokens) == ("cancelled", c.output_text,
+                                                                            c.usage.output_tokens)
+    got = client.responses.retrieve(r.id)
+    assert got.status == "cancelled" and got.output_text == c.output_text and got.background is True
+
+
+def test_one_that_ends_by_itself_is_read_back_and_a_cancel_changes_nothing(server):
+    client = sdk(server, key="k1")
+    r = client.responses.create(model="m", input="y", temperature=0, max_output_tokens=12, background=True)
+    assert r.background is True
+    done = until(lambda: client.responses.retrieve(r.id), lambda x: x.status != "in_progress")
+    assert done.status == "incomplete" and done.usage.output_tokens == 12 and done.output_text
+    c = client.responses.cancel(r.id)
+    assert (c.status, c.output_text, c.usage.output_tokens) == ("incomplete", done.output_text, 12)
+    fg = client.responses.create(model="m", input="y", temperature=0, max_output_tokens=12)
+    assert fg.background is False and fg.output_text == done.output_text  # the same run, only not tied
+
+
+def test_a_streamed_one_runs_on_when_its_client_leaves_and_can_be_resumed(server):
+    client = sdk(server, key="k1")
+    until(lambda: running(server), lambda n: n == 0)
+    read = ""
+    with client.responses.create(**ASK, background=True, stream=True) as s:
+        for ev in s:
+            if ev.type == "response.created":
+                rid = ev.response.id
+                assert ev.response.background is True
+            read += getattr(ev, "delta", "") if ev.type == "response.output_text.delta" else ""
+            last = ev.sequence_number
+            if ev.sequence_number == 20:
+                break
+    time.sleep(0.5)  # the client is gone: a foreground run would be stopped by now
+    assert running(server) == 1
+    on = until(lambda: client.responses.retrieve(rid), lambda x: len(x.output_text) > len(read) + 20)
+    assert on.status == "in_progress" and on.output_text.startswith(read)
+    rest = httpx.Client(headers=KEY, timeout=30)
+    with rest.stream("GET", f"{server.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": last}) as g:
+        data = (json.loads(line[6:]) for line in g.iter_lines() if line.startswith("data: "))
+        assert next(data)["sequence_number"] == last + 1  # the stream goes on after the event read last
+        client.responses.cancel(rid)
+        rest_events = list(data)
+    end = rest_events[-1]
+    assert end["type"] == "response.incomplete" and end["response"]["status"] == "cancelled", end
+    assert [e["sequence_number"] for e in rest_events] == list(range(last + 2, end["sequence_number"] + 1))
+    assert client.responses.retrieve(rid).status == "cancelled"
+
+
+def test_only_a_background_response_can_be_cancelled_and_only_by_its_key(server):
+    client, other = sdk(server, key="k1"), sdk(server, key="k2")
+    fg = client.responses.create(model="m", input="y", max_output_tokens=3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(fg.id)
+    assert (e.value.code, e.value.param) == ("invalid_request", "response_id")
+    assert "background: true" in e.value.message
+    assert client.responses.retrieve(fg.id).status == fg.status  # unchanged
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_" + "0" * 32)
+    bg = client.responses.create(**ASK, background=True)
+    with pytest.raises(openai.NotFoundError):  # another key's: not found, and it runs on
+        other.responses.cancel(bg.id)
+    assert client.responses.retrieve(bg.id).status == "in_progress"
+    assert client.responses.cancel(bg.id).status == "cancelled"
+
+
+def test_background_without_store_is_refused_and_creates_nothing(server):
+    before, prompts = task_ids(server), running(server)
+    r = httpx.post(server.url + "/v1/responses", headers=KEY, json={**ASK, "background": True, "store": False})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("background", "invalid_request") and "store" in err["message"]
+    assert task_ids(server) == before and running(server) == prompts
+    with pytest.raises(openai.BadRequestError):
+        sdk(server, key="k1").responses.create(**ASK, background=True, store=False, stream=True)
+    assert task_ids(server) == before
+
+
+def test_in_a_conversation_its_items_join_when_it_ends(server):
+    client = sdk(server, key="k1")
+    conv = client.conversations.create()
+    r = client.responses.create(model="m", input="Hello there", max_output_tokens=6, conversation=conv.id,
+                                background=True)
+    done = until(lambda: client.responses.retrieve(r.id), lambda x: x.status != "in_progress")
+    items = until(lambda: client.conversations.items.list(conv.id, order="asc").data, lambda d: len(d) == 2)
+    assert items[0].role == "user" and items[1].role == "assistant"
+    assert items[1].content[0].text == done.output_text
+
+
+def test_a_kill_keeps_what_it_generated(server):
+    client = sdk(server, key="k1")
+    until(lambda: running(server), lambda n: n == 0)
+    r = client.responses.create(**ASK, background=True)
+    until(lambda: client.responses.retrieve(r.id), lambda x: len(x.output_text) > 0)
+    time.sleep(1.5)  # past a progress write
+    server.restart(hard=True)
+    client = sdk(server, key="k1")
+    got = until(lambda: client.responses.retrieve(r.id), lambda x: x.status != "in_progress")
+    assert got.status == "failed" and got.background is True and got.usage.output_tokens > 0 and got.output_text
+    assert f"/v1/tasks/TASK_{r.id[5:]}/continue" in got.error.message
+    assert client.responses.cancel(r.id).status == "failed"  # ended: as it stands
