@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
@@ -88,6 +89,9 @@ class Database:
             kw = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
         try:
             self.engine = create_async_engine(url, **kw)
+            if not self.is_sqlite:
+                tcp = pgconnect.tcp_options(self.url)
+                event.listen(self.engine.sync_engine, "connect", lambda conn, _: pgconnect.tcp_setup(conn, tcp))
         except ModuleNotFoundError as exc:  # e.g. postgresql:// without asyncpg installed
             raise RuntimeError(
                 f"the task database {self.url.split('://')[0]}:// needs the {exc.name} "

@@ -20,11 +20,18 @@ A timed-out statement or connection is TaskUnavailable (503 with Retry-After), a
 timeout is. A request thus waits about B + slack for one statement (a pooled connection is
 pinged first, and one found dead replaced: up to about twice that), or behind a write ahead of
 it in the writer's queue.
+
+libpq's TCP options, which asyncpg has no arguments for, are set on each new connection's socket
+(tcp_setup): keepalives on by default, as libpq has them, so that the system finds a pooled
+connection dead whose server or link went away unseen (a NAT or firewall dropping idle flows).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -44,7 +51,13 @@ _DSN = {"sslrootcert", "sslcert", "sslkey", "sslcrl", "sslpassword", "ssl_min_pr
         "ssl_max_protocol_version"}  # fmt: skip
 """libpq's TLS file options, which asyncpg reads from a DSN's query (only there)."""
 _FILES = {"sslrootcert", "sslcert", "sslkey", "sslcrl"}
-SUPPORTED = sorted(_KWARGS | _DSN | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout", "options"})
+_TCP = {"keepalives": "keepalives", "keepalives_idle": "idle", "keepalives_interval": "interval",
+        "keepalives_count": "count", "tcp_user_timeout": "user_timeout"}  # fmt: skip
+"""libpq's TCP options (-> TcpOptions' fields), which asyncpg lacks: set on the socket (tcp_setup)."""
+SUPPORTED = sorted(
+    _KWARGS | _DSN | set(_TCP) | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout", "options"}
+)
+log = logging.getLogger("server.tasks.store")
 _OURS = {
     "lock_timeout": "--db-busy-timeout bounds every lock wait",
     "statement_timeout": "it would cut a large state's write or a migration; the server bounds each statement itself",
@@ -66,8 +79,9 @@ def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
     module's doc) and the URL's libpq options: `sslmode` (or asyncpg's `ssl`, same values) as
     asyncpg's `ssl`, `dbname` as `database`, `application_name` and `options`' settings
     (server_options) as server settings, `connect_timeout` (seconds) as the connect timeout, the
-    TLS file options through a DSN.
+    TLS file options through a DSN; the TCP options are tcp_options'.
     ValueError (one line) for any other option, or a value out of range."""
+    tcp_options(url)  # (checked here too: the start-up check calls this alone)
     u = make_url(url)
     connect_s = busy_timeout
     settings = {"lock_timeout": str(max(1, round(busy_timeout * 1000)))}  # (ms)
@@ -79,6 +93,8 @@ def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
         if name in _KWARGS:
             continue
         moved.append(name)
+        if name in _TCP:
+            continue
         if name in ("sslmode", "ssl"):
             if value not in SSL_MODES:
                 raise ValueError(f"?{name}={value}: use one of {', '.join(SSL_MODES)}")
@@ -106,6 +122,60 @@ def connect_args(url: str, busy_timeout: float) -> tuple[URL, dict[str, Any]]:
         args["dsn"] = "postgresql://?" + urlencode(dsn)
     args.update(timeout=connect_s, command_timeout=statement_bound(busy_timeout), server_settings=settings)
     return u.difference_update_query(moved), args
+
+
+@dataclass(frozen=True)
+class TcpOptions:
+    """libpq's TCP options of a URL, with libpq's defaults (0: the system's value)."""
+
+    keepalives: bool = True
+    idle: int = 0
+    """Seconds of silence before the first keepalive probe (TCP_KEEPIDLE)."""
+    interval: int = 0
+    """Seconds between unanswered probes (TCP_KEEPINTVL)."""
+    count: int = 0
+    """Probes unanswered before the connection is dead (TCP_KEEPCNT)."""
+    user_timeout: int = 0
+    """Milliseconds sent data may stay unacknowledged before the connection is dead (TCP_USER_TIMEOUT)."""
+
+
+def tcp_options(url: str) -> TcpOptions:
+    """The URL's `keepalives` (0 or 1), `keepalives_idle`, `keepalives_interval`,
+    `keepalives_count` and `tcp_user_timeout` (whole numbers, 0 or more) as TcpOptions.
+    ValueError (one line) for a value out of range."""
+    given: dict[str, Any] = {}
+    for name, raw in make_url(url).query.items():
+        if name not in _TCP:
+            continue
+        value = raw[-1] if isinstance(raw, tuple) else raw
+        if name == "keepalives":
+            if value not in ("0", "1"):
+                raise ValueError(f"?keepalives={value}: use 1 (on, the default) or 0 (off)")
+            given["keepalives"] = value == "1"
+        elif value.isdigit() and int(value) < 2**31:
+            given[_TCP[name]] = int(value)
+        else:
+            unit = "milliseconds" if name == "tcp_user_timeout" else "probes" if name.endswith("count") else "seconds"
+            raise ValueError(f"?{name}={value}: must be a whole number of {unit}, 0 or more (0: the system's)")
+    return TcpOptions(**given)
+
+
+def tcp_setup(dbapi_conn: Any, opts: TcpOptions) -> None:
+    """Set `opts` on a new connection's socket (SQLAlchemy's pool "connect" event: `dbapi_conn`
+    is its adapter of the asyncpg connection). A Unix socket has none to set (libpq's rule);
+    where this asyncpg hides its socket, the system's defaults stay (logged)."""
+    transport = getattr(getattr(dbapi_conn, "driver_connection", None), "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        log.warning("PostgreSQL connection: its socket is out of reach; the URL's TCP options are not set")
+        return
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, int(opts.keepalives))
+    timings = (("TCP_KEEPIDLE", opts.idle), ("TCP_KEEPINTVL", opts.interval), ("TCP_KEEPCNT", opts.count))
+    for name, value in (*(timings if opts.keepalives else ()), ("TCP_USER_TIMEOUT", opts.user_timeout)):
+        if value and hasattr(socket, name):  # (Linux names; a system without one keeps its default)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def server_options(options: str) -> dict[str, str]:
