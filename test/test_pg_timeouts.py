@@ -148,6 +148,13 @@ def test_a_listener_that_never_answers_fails_the_start_within_the_bound_naming_i
     ("?options=--statement-timeout%3D5s", "?options: statement_timeout may not be set here"),
     ("?options=-x", "?options: '-x' is not a server setting (use -c name=value)"),
     ("?gssencmode=disable", "unsupported option 'gssencmode'"),  # (libpq's; asyncpg has no such thing)
+    # libpq's TCP options: set on the socket (test_pg_keepalive.py)
+    ("?keepalives=1&keepalives_idle=30&keepalives_interval=10&keepalives_count=5&tcp_user_timeout=0", None),
+    ("?keepalives=yes", "?keepalives=yes: use 1 (on, the default) or 0 (off)"),
+    ("?keepalives_idle=-1", "?keepalives_idle=-1: must be a whole number of seconds, 0 or more"),
+    ("?keepalives_interval=1.5", "?keepalives_interval=1.5: must be a whole number of seconds"),
+    ("?keepalives_count=many", "?keepalives_count=many: must be a whole number of probes"),
+    ("?tcp_user_timeout=99999999999", "?tcp_user_timeout=99999999999: must be a whole number of milliseconds"),
 ])
 def test_libpq_url_options_are_taken_or_refused_in_one_line(query, says):
     pytest.importorskip("asyncpg")
