@@ -92,7 +92,7 @@ def test_delete_and_store_false(server):
     ({"max_output_tokens": "5"}, 400, "max_output_tokens"),  # strict types: never coerced
     ({"stream": "yes"}, 400, "stream"),
     ({"store": 1}, 400, "store"),
-    ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text"]}, 400, "include[1]"),  # (no such value)
     ({"reasoning": {"bogus": 1}}, 400, "reasoning.bogus"),
     ({"background": True, "store": False}, 400, "background"),  # (background needs store)
     ({"max_tool_calls": 3}, 400, "max_tool_calls"),
@@ -281,7 +281,7 @@ def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
     ("moderation", {"model": "omni-moderation-latest"}, "moderation"),
     ("prompt_cache_options", {"prewarm": True}, "prompt_cache_options.prewarm"),
     ("top_logprobs", 2, "top_logprobs"),
-    ("include", ["reasoning.encrypted_content"], "include"),
+    ("include", ["reasoning.encrypted_content", "message.output_text.logprobs"], "include"),
 ])
 def test_a_set_field_this_server_cannot_honour_is_refused_naming_it(server, field, value, param):
     """The SDK's request fields without a meaning here: null is accepted (above), a value is a 400
@@ -323,7 +323,23 @@ def test_metadata_is_kept_with_the_response(server):
     assert r.metadata == {"session": "abc", "n": "1"} == client.responses.retrieve(r.id).metadata
 
 
-def test_a_non_empty_include_is_refused_naming_it(server):
+def test_includes_of_items_never_made_here_are_accepted_and_add_nothing(server):
+    """Some clients send include ["reasoning.encrypted_content"] with every request: there are no
+    reasoning items (nor built-in tools' results, nor images) here, so there is nothing to add."""
+    client = sdk(server, key="k1")
+    ask = {"model": "m", "input": "x", "max_output_tokens": 4, "temperature": 0}
+    plain = client.responses.create(**ask)
+    every = ["reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+             "web_search_call.action.sources", "message.input_image.image_url",
+             "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
+    r = client.responses.create(**ask, include=every, store=False)
+    assert r.status == plain.status and [o.model_dump() for o in r.output] == [
+        {**o.model_dump(), "id": r.output[0].id} for o in plain.output]
+    streamed = list(client.responses.create(**ask, include=["reasoning.encrypted_content"], stream=True))
+    assert streamed[-1].response.output_text == plain.output_text
+
+
+def test_the_logprobs_include_is_refused_naming_it(server):
     before = tasks(server)
     r = httpx.post(server.url + "/v1/responses", headers={"Authorization": "Bearer k1"},
                    json={"input": "x", "max_output_tokens": 2, "include": ["message.output_text.logprobs"]})

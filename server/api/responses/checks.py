@@ -7,6 +7,17 @@ from server.api.errors import ApiError
 from server.api.responses.schemas import ResponseInput, ResponseRequest
 from server.api.sampling import bad_text
 
+NOTHING_TO_INCLUDE = frozenset({
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+})  # fmt: skip
+"""`include` values that ask for data of items this server never makes (no built-in tools, image
+input or reasoning items): accepted, adding nothing (some clients send `reasoning.encrypted_content`
+with every request). The other value OpenAI knows,
+`message.output_text.logprobs`, asks for what is not kept here: refused."""
+LOGPROBS = "message.output_text.logprobs"
+
 
 def check_input(body: ResponseInput) -> None:
     """A 400 for text that is no valid Unicode, or both a conversation and a previous response."""
@@ -29,8 +40,9 @@ def check_supported(body: ResponseRequest) -> None:
         raise ApiError(400, "background: true with store: false (a background response is read back by its id, "
                        "so it is stored): omit store, or leave background out", param="background",
                        code="invalid_request")  # fmt: skip
+    _check_include(body.include or [])
     refused = {  # field -> why, where its value asks for what this route does not do
-        "include": body.include and f"include {body.include!r}: no output data beyond the text (send [] or omit it)",
+        "include": LOGPROBS in (body.include or ()) and f"include {LOGPROBS!r} (logprobs are on /v1/chat/completions)",
         "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
         "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
         "prompt": body.prompt is not None
@@ -48,3 +60,12 @@ def check_supported(body: ResponseRequest) -> None:
     for param, why in refused.items():
         if why:
             raise ApiError(400, f"{why} is not supported on /v1/responses", param=param, code="unsupported_field")
+
+
+def _check_include(include: list[str]) -> None:
+    """A 400 naming `include` for a value OpenAI does not know (a typo would otherwise ask for nothing)."""
+    for i, value in enumerate(include):
+        if value not in NOTHING_TO_INCLUDE and value != LOGPROBS:
+            known = ", ".join(sorted(NOTHING_TO_INCLUDE | {LOGPROBS}))
+            raise ApiError(400, f"invalid 'include[{i}]': {value!r} is none of {known}", param=f"include[{i}]",
+                           code="invalid_request")  # fmt: skip

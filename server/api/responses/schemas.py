@@ -208,7 +208,8 @@ class ResponseRequest(ResponseInput):
     store: bool = True
     stream: bool = False
     include: list[str] | None = None
-    """Extra output data to include: none is available here (a non-empty list is refused)."""
+    """Extra output data to include: none is kept here (checks.NOTHING_TO_INCLUDE: accepted,
+    adding nothing; the logprobs are refused)."""
     metadata: Metadata = None
     """Stored with the response and shown with it (OpenAI's bounds: 16 pairs, keys of at most 64
     characters, values of at most 512)."""
