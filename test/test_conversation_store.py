@@ -2,8 +2,8 @@
 PostgreSQL database (pg_util; that half skips without PostgreSQL or asyncpg): items in order,
 pages, owners, the head a finished run becomes (or not, when the conversation moved since its
 base), a deleted item dropping the head, refusals that write nothing, and two stores writing at
-once (two replicas): appends numbered without a gap or a repeat, runs of one base finishing
-together with one head whose state holds exactly the items up to head_seq."""
+once (two replicas): appends numbered without a gap or a repeat, runs begun together of which
+one is recorded (one response at a time)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from server.tasks.conversations import (
+    ConversationLocked,
     ConversationNotFound,
     Conversations,
     ItemIdTaken,
@@ -132,26 +133,29 @@ async def test_two_stores_appending_at_once_number_every_item_once(db_url):
         await s2.close()
 
 
-async def test_two_stores_finishing_runs_of_one_base_at_once_leave_a_true_head(db_url):
-    """Two replicas finish runs that started from the same base, at once: the first to commit
-    becomes the head (its items right after the base, head_seq its last), the other joins after
-    it and is no head. (Before the row was locked first, PostgreSQL's second writer compared
-    against a stale read and became a head whose head_seq covered the other run's items.)"""
+async def test_one_run_at_a_time_even_when_two_stores_begin_at_once(db_url):
+    """A response at a time on a conversation (OpenAI's conversation_locked): two replicas begin
+    runs at once, the row locked first: one records its run, the other is refused and records
+    nothing; once the run is finished the next may begin. (Two runs of one base used to be
+    recorded, each joining in turn: the second's items after the first's, though its state had
+    never seen them.)"""
     s1, cs1 = await opened(db_url)
     s2, cs2 = await opened(db_url)
     try:
         for _ in range(8):
             c = await cs1.create(None, {}, [msg("base")])
-            a, b = await cs1.begin_run(c, "TASK_a", 0, None), await cs1.begin_run(c, "TASK_b", 0, None)
-            done = await asyncio.gather(cs1.finish_run(c.id, a, [msg(f"{c.id}_a_in"), msg(f"{c.id}_a_out")], 10),
-                                        cs2.finish_run(c.id, b, [msg(f"{c.id}_b_in"), msg(f"{c.id}_b_out")], 20))
-            assert done == [True, True]
+            got = await asyncio.gather(cs1.begin_run(c, "TASK_a", 0, None), cs2.begin_run(c, "TASK_b", 0, None),
+                                       return_exceptions=True)
+            won = [r for r in got if isinstance(r, Run)]
+            lost = [r for r in got if isinstance(r, ConversationLocked)]
+            assert len(won) == 1 and len(lost) == 1, got
+            assert lost[0].task_id == won[0].task_id and await cs1.runs(c.id) == won
+            with pytest.raises(ConversationLocked):
+                await cs2.begin_run(c, "TASK_c", 0, None)
+            assert await cs2.finish_run(c.id, won[0], [msg(f"{c.id}_in"), msg(f"{c.id}_out")], 10)
             c = await cs1.get(c.id, None)
-            rows, _ = await cs1.items(c.id, None)
-            assert [r.seq for r in rows] == [1, 2, 3, 4, 5]
-            head = c.head_task[-1]  # "a" or "b"
-            assert [r.id for r in rows[1:3]] == [f"msg_{c.id}_{head}_in", f"msg_{c.id}_{head}_out"]
-            assert (c.head_seq, c.head_tokens) == (3, 10 if head == "a" else 20)
+            assert (c.last_seq, c.head_task, c.head_seq, c.head_tokens) == (3, won[0].task_id, 3, 10)
+            assert await cs2.begin_run(c, "TASK_c", 0, None) == Run("TASK_c", 3, 0, 0, None)
     finally:
         await s1.close()
         await s2.close()

@@ -7,6 +7,7 @@ it had generated (docs/agents.md, "Background responses")."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -48,7 +49,7 @@ def test_the_create_answers_at_once_and_the_run_goes_on_until_cancelled(server):
     client = sdk(server, key="k1", timeout=10)  # (a create that waited for LONG tokens would time out)
     until(lambda: running(server), lambda n: n == 0)
     r = client.responses.create(**ASK, background=True)
-    assert r.status == "in_progress" and r.background is True and r.usage is None
+    assert r.status == "in_progress" and r.background is True and r.usage is None and r.output == []
     assert running(server) == 1
     first = until(lambda: client.responses.retrieve(r.id), lambda x: len(x.output_text) > 0)
     later = until(lambda: client.responses.retrieve(r.id), lambda x: len(x.output_text) > len(first.output_text))
@@ -145,6 +146,42 @@ def test_in_a_conversation_its_items_join_when_it_ends(server):
     assert items[1].content[0].text == done.output_text
 
 
+def test_one_response_at_a_time_on_a_conversation(server):
+    """While a response runs on a conversation another is a 400 conversation_locked (OpenAI's),
+    naming `conversation`, nothing created; counting its tokens still answers. Two sent at once:
+    one runs, one is refused (the run is recorded with the conversation's row locked)."""
+    client = sdk(server, key="k1")
+    until(lambda: running(server), lambda n: n == 0)
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
+    first = client.responses.create(**ASK, conversation=conv.id, background=True)
+    before, items = task_ids(server), client.conversations.items.list(conv.id).data
+    for extra in ({}, {"background": True}, {"stream": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="m", input="and?", max_output_tokens=3, conversation=conv.id, **extra)
+        assert (e.value.code, e.value.param) == ("conversation_locked", "conversation")
+        assert first.id in e.value.message
+    assert task_ids(server) == before and client.conversations.items.list(conv.id).data == items
+    assert running(server) == 1
+    assert client.responses.input_tokens.count(model="m", conversation=conv.id, input="and?").input_tokens > 0
+    client.responses.cancel(first.id)  # cancelled: joins nothing, and the conversation is free
+    both = []
+
+    def ask() -> None:
+        both.append(httpx.post(server.url + "/v1/responses", headers=KEY, timeout=30,
+                               json={**ASK, "conversation": conv.id, "background": True}))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert sorted(r.status_code for r in both) == [200, 400], [r.text for r in both]
+    refused = next(r for r in both if r.status_code == 400).json()["error"]
+    assert refused["code"] == "conversation_locked"
+    assert len(task_ids(server)) == len(before) + 1 and running(server) == 1
+    client.responses.cancel(next(r for r in both if r.status_code == 200).json()["id"])
+
+
 def test_a_kill_keeps_what_it_generated(server):
     client = sdk(server, key="k1")
     until(lambda: running(server), lambda n: n == 0)
@@ -157,3 +194,28 @@ def test_a_kill_keeps_what_it_generated(server):
     assert got.status == "failed" and got.background is True and got.usage.output_tokens > 0 and got.output_text
     assert f"/v1/tasks/TASK_{r.id[5:]}/continue" in got.error.message
     assert client.responses.cancel(r.id).status == "failed"  # ended: as it stands
+
+
+def test_a_streamed_one_ends_with_the_shutdown_as_a_foreground_stream_does(server):
+    """The shutdown interrupts its run at once, so its stream ends with response.failed (the
+    response as GET then shows it), not after a wait with a shutting_down error event."""
+    until(lambda: running(server), lambda n: n == 0)
+    events: list[dict] = []
+
+    def read() -> None:
+        with httpx.Client(headers=KEY, timeout=60) as c, c.stream(
+            "POST", server.url + "/v1/responses", json={**ASK, "background": True, "stream": True}
+        ) as s:
+            events.extend(json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: "))
+
+    th = threading.Thread(target=read)
+    th.start()
+    until(lambda: len(events), lambda n: n >= 10)
+    server.stop()
+    th.join(10)
+    end = events[-1]
+    assert end["type"] == "response.failed" and end["response"]["status"] == "failed", end
+    assert "/continue" in end["response"]["error"]["message"]
+    server.start()
+    got = sdk(server, key="k1").responses.retrieve(end["response"]["id"])
+    assert got.status == "failed" and got.output_text == end["response"]["output"][0]["content"][0]["text"]

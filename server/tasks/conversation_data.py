@@ -27,6 +27,14 @@ class ItemIdTaken(ConversationError):
         self.index, self.item_id = index, item_id
 
 
+class ConversationLocked(ConversationError):
+    """A response runs on the conversation (its run not joined yet): one at a time, as OpenAI's."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id
+
+
 class ConversationFull(ConversationError):
     """The add would take the conversation past conversations.MAX_ITEMS."""
 

@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from server.tasks.conversation_data import (
     Conversation,
     ConversationFull,
+    ConversationLocked,
     ConversationNotFound,
     ItemIdTaken,
     ItemNotFound,
@@ -146,10 +147,15 @@ class Conversations:
     # --- runs: the responses made in a conversation ------------------------------------------------
     async def begin_run(self, c: Conversation, task_id: str, task_version: int, instance: str | None) -> Run:
         """Record a response started on `c` as it was read (its base: c.last_seq, c.cuts), its
-        task at `task_version` (a later run of the task, a continue, moves it), by `instance`."""
+        task at `task_version` (a later run of the task, a continue, moves it), by `instance`.
+        ConversationLocked while another run is recorded (one response at a time: replicas too,
+        the row locked first)."""
         async with self.db.write() as conn:
             if await self._lock(conn, c.id) is None:  # deleted meanwhile: nothing to join
                 raise ConversationNotFound(c.id)
+            other = (await conn.execute(sa.select(_R.task_id).where(_R.conversation_id == c.id).limit(1))).scalar()
+            if other is not None:
+                raise ConversationLocked(other)
             await conn.execute(conversation_runs.insert().values(
                 conversation_id=c.id, task_id=task_id, base_seq=c.last_seq, base_cuts=c.cuts,
                 task_version=task_version, instance=instance, created_at=time.time()))  # fmt: skip

@@ -22,7 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from server.api.errors import ApiError, task_error
 from server.api.responses.items import Item, Rendered, render_input
-from server.api.responses.joins import db, join_when_done, settle
+from server.api.responses.joins import db, join_when_done, locked, settle
 from server.api.responses.schemas import InputItem, InputMessage, ResponseInput
 from server.tasks.conversations import Conversation
 from server.tasks.errors import TaskError, TaskNotFound
@@ -77,9 +77,11 @@ class Start:
     """The conversation's items the prompt renders before the input (those after the head's)."""
 
 
-async def start(tm: TaskManager, body: ResponseInput, owner: str | None) -> Start | None:
+async def start(tm: TaskManager, body: ResponseInput, owner: str | None, *, counting: bool = False) -> Start | None:
     """The conversation of the request settled, its head and the items to render (None: the
-    request names none). 400 for an input item whose id one of the conversation's has."""
+    request names none). 400 for an input item whose id one of the conversation's has, and
+    (unless `counting`: a count runs nothing) 400 conversation_locked while a response runs on it
+    (begin checks again, in the transaction that records the run)."""
     cid = conversation_id(body)
     if cid is None:
         return None
@@ -89,6 +91,10 @@ async def start(tm: TaskManager, body: ResponseInput, owner: str | None) -> Star
         if why is not None:
             raise ApiError(400, why, param=f"input[{i}].id", code="invalid_request")
     c = await settle(tm, cid, owner, "conversation")
+    if not counting:
+        running = await db(tm.conversations.runs(cid), cid, "conversation")
+        if running:
+            raise locked(cid, running[0].task_id)
     head = await _head(tm, c, owner)
     since = c.head_seq if head is not None else 0
     store, oid = tm.conversations, tm.owner_id(owner)

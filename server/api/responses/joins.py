@@ -32,6 +32,7 @@ from server.api.responses import render
 from server.tasks.conversation_data import (
     Conversation,
     ConversationFull,
+    ConversationLocked,
     ConversationNotFound,
     ItemIdTaken,
     ItemNotFound,
@@ -56,6 +57,13 @@ def not_found(cid: str, param: str | None) -> ApiError:
                     code="conversation_not_found")  # fmt: skip
 
 
+def locked(cid: str, task_id: str) -> ApiError:
+    """OpenAI's answer to a response on a conversation while another one runs there."""
+    return ApiError(400, f"another response is in progress on conversation {cid!r} ({render.response_id_of(task_id)}): "
+                    "retry once it has ended", param="conversation",
+                    code="conversation_locked")  # fmt: skip
+
+
 async def db(aw: Awaitable[T], cid: str, param: str | None = "conversation_id", after: bool = False) -> T:
     """Await a conversation query: its refusals as ApiErrors (a missing item: 404, or with `after`
     the 400 of a list's cursor), a database outage as the task layer's (503)."""
@@ -72,6 +80,8 @@ async def db(aw: Awaitable[T], cid: str, param: str | None = "conversation_id", 
     except ItemIdTaken as exc:
         raise ApiError(400, f"{exc}: give each item a new id, or none", param=f"items[{exc.index}].id",
                        code="invalid_request") from None  # fmt: skip
+    except ConversationLocked as exc:
+        raise locked(cid, exc.task_id) from None
     except ConversationFull:
         raise ApiError(400, f"conversation {cid!r} would hold more than {MAX_ITEMS} items", param="items",
                        code="invalid_request") from None  # fmt: skip
@@ -89,6 +99,7 @@ def joined(t: Task) -> tuple[list[dict[str, Any]] | None, int]:
 
 @dataclass
 class _Join:
+    t: Task
     job: asyncio.Task[None] | None = None
     ended: bool = False
     """The run ended and its items were read: the job is writing them."""
@@ -100,7 +111,7 @@ _joins: dict[str, _Join] = {}  # task id -> its background join (also keeps the 
 def join_when_done(tm: TaskManager, cid: str, t: Task, run: Run) -> None:
     """Join t's items to the conversation once its run ended, in the background (its answer is
     not held for it)."""
-    j = _joins[t.id] = _Join()
+    j = _joins[t.id] = _Join(t)
 
     async def join() -> None:
         try:
@@ -125,8 +136,8 @@ async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None
     c, runs = await db(store.with_runs(cid, oid), cid, param)  # (the owner's: another's runs are not touched)
     for run in runs:
         j = _joins.get(run.task_id)
-        if j is not None:  # this process joins it when its run ends
-            if j.ended and j.job is not None:
+        if j is not None:  # this process joins it when its run ends (or ended: the job may not have woken yet)
+            if j.job is not None and (j.ended or not j.t.running):
                 await asyncio.shield(j.job)
             continue
         try:

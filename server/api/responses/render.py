@@ -65,7 +65,12 @@ def task_id(response_id: str) -> str | None:
 
 
 def response_id(t: Task) -> str:
-    return "resp_" + t.id.split("_", 1)[1]
+    return response_id_of(t.id)
+
+
+def response_id_of(task_id: str) -> str:
+    """The response id of a response's task id."""
+    return "resp_" + task_id.split("_", 1)[1]
 
 
 def status(t: Task) -> str:

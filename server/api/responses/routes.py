@@ -172,7 +172,7 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
     tm = task_manager(sv)
     check_input(body)
     rt = agent.response_tools(body)
-    src, conv = None, await conversation.start(tm, body, owner)
+    src, conv = None, await conversation.start(tm, body, owner, counting=True)
     if conv is not None:
         src = conv.head
     elif body.previous_response_id:  # one being stopped: counted once settled (create's fork waits too)
@@ -212,10 +212,10 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
     tm = task_manager(sv)
     if stream:
         on_abort = None if background else lambda: end_run(request, tm, t)
-        source = ResponseStream(t, sv.model_id, on_abort=on_abort)
+        source = ResponseStream(t, sv.model_id, on_abort=on_abort, on_shutdown=lambda: tm.interrupt(t))
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
-    if background:
-        return json_response(render.response(t, sv.model_id))
+    if background:  # (no output yet, as OpenAI's answer shows it; GET shows it as it grows)
+        return json_response(render.response(t, sv.model_id, with_output=False))
     if not await _settle(request, t):
         end_run(request, tm, t)
         request.state.error = "the client left before the answer"
@@ -261,7 +261,8 @@ async def get_response(
     t = await stored(tm, response_id, owner, "response_id")
     if stream:  # a response another server runs streams there (409 naming it), as a task's does
         t = await call(tm.get(t.id, owner, stream=True))
-        source = ResponseStream(t, sv.model_id, on_abort=None, starting_after=starting_after)
+        source = ResponseStream(t, sv.model_id, on_abort=None, starting_after=starting_after,
+                                on_shutdown=lambda: tm.interrupt(t))  # fmt: skip
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     return json_response(render.response(t, sv.model_id))
 

@@ -63,13 +63,21 @@ class ResponseStream:
     foreign_thread = False
 
     def __init__(
-        self, t: Task, model: str, on_abort: Callable[[], None] | None, starting_after: int | None = None
+        self,
+        t: Task,
+        model: str,
+        on_abort: Callable[[], None] | None,
+        starting_after: int | None = None,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         """on_abort(): stop the run (called once, when the stream stops before its last event;
-        None: the stream does not own the run, e.g. a retrieve). starting_after: send only the
-        events numbered after it."""
+        None: the stream does not own the run, e.g. a retrieve or a background response's).
+        on_shutdown(): interrupt the run when the server shuts down, for a stream that does not
+        own it (the shutdown ends it anyway, later: the stream could not end with it).
+        starting_after: send only the events numbered after it."""
         self.t, self.model = t, model
         self.on_abort = on_abort
+        self.on_shutdown = on_shutdown
         self.stops_work = on_abort is not None
         self._ended = False
         self._ev = _Events(starting_after)
@@ -207,7 +215,7 @@ class ResponseStream:
 
     async def error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
         """The last events of a stream the server ended (SSEResponse's error_end). The server
-        shuts down: the run this stream owns is interrupted; once the run settled (within
+        shuts down: the run this stream shows is interrupted (on_abort, or on_shutdown); once the run settled (within
         SETTLE_S) the stream goes on to its end as any other, which is then response.failed (the
         response as GET shows it: failed, its error saying how to resume it), or the end it
         reached first; else an `error` event (shutting_down). The source failed: the run is
@@ -217,6 +225,8 @@ class ResponseStream:
             self._ev.seq = self._yielded  # (events made but never handed over)
             return self._error("internal_error", "internal error while streaming")
         self.abort()
+        if self.on_shutdown is not None:
+            self.on_shutdown()
         t = self.t
         if t.running and t.done is not None:
             with contextlib.suppress(asyncio.TimeoutError):
