@@ -182,10 +182,11 @@ def test_one_response_at_a_time_on_a_conversation(server):
     client.responses.cancel(next(r for r in both if r.status_code == 200).json()["id"])
 
 
-def test_a_kill_keeps_what_it_generated(server):
+def test_a_kill_keeps_what_it_generated_and_frees_its_conversation(server):
     client = sdk(server, key="k1")
     until(lambda: running(server), lambda n: n == 0)
-    r = client.responses.create(**ASK, background=True)
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
+    r = client.responses.create(**ASK, background=True, conversation=conv.id)
     until(lambda: client.responses.retrieve(r.id), lambda x: len(x.output_text) > 0)
     time.sleep(1.5)  # past a progress write
     server.restart(hard=True)
@@ -194,6 +195,11 @@ def test_a_kill_keeps_what_it_generated(server):
     assert got.status == "failed" and got.background is True and got.usage.output_tokens > 0 and got.output_text
     assert f"/v1/tasks/TASK_{r.id[5:]}/continue" in got.error.message
     assert client.responses.cancel(r.id).status == "failed"  # ended: as it stands
+    # the failed run joined nothing, and holds the conversation no longer
+    after = client.responses.create(model="m", input="again", max_output_tokens=3, conversation=conv.id)
+    assert after.status in ("completed", "incomplete")
+    assert [i.role for i in client.conversations.items.list(conv.id, order="asc").data] == ["user", "user",
+                                                                                            "assistant"]
 
 
 def test_a_streamed_one_ends_with_the_shutdown_as_a_foreground_stream_does(server):
