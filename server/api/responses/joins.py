@@ -16,7 +16,11 @@ Two ways, one outcome:
   version moved: a continue) no longer shows the response's output: such a run is left to the
   live replica that made it (its background join read the output as the run ended), and
   dropped, nothing joining, once that replica is gone (or was this process). A run whose
-  background join is under way here is waited for, so what a reader answers includes it.
+  background join is under way here is waited for, so what a reader answers includes it; so is
+  a run whose stop was asked for here (its client left, a cancel: it settles at the next engine
+  step), so that a client that leaves and sends its next turn at once finds the conversation
+  free (conversation_locked: server.api.responses.conversation). A join whose write failed is
+  done by the next reader, from the stored task.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ class _Join:
     job: asyncio.Task[None] | None = None
     ended: bool = False
     """The run ended and its items were read: the job is writing them."""
+    written: bool = False
+    """The job finished the run (or found the conversation gone): nothing is left to do."""
 
 
 _joins: dict[str, _Join] = {}  # task id -> its background join (also keeps the job referenced)
@@ -120,8 +126,9 @@ def join_when_done(tm: TaskManager, cid: str, t: Task, run: Run) -> None:
             items, tokens = joined(t)  # (at once: read as the run left it)
             j.ended = True
             await tm.conversations.finish_run(cid, run, items, tokens)
+            j.written = True
         except ConversationNotFound:
-            pass  # deleted meanwhile: nothing to join
+            j.written = True  # deleted meanwhile: nothing to join
         except Exception as exc:  # the database away: the run row stays, the next reader joins it
             log.warning("response %s: its items did not join conversation %s now (%s)", t.id, cid, exc)
         finally:
@@ -130,22 +137,36 @@ def join_when_done(tm: TaskManager, cid: str, t: Task, run: Run) -> None:
     j.job = asyncio.create_task(join())
 
 
+async def _stopped(tm: TaskManager, t: Task) -> Task | None:
+    """t once its run, whose stop was asked for, has settled (None: deleted meanwhile)."""
+    try:
+        return await tm.settled(t)
+    except TaskNotFound:
+        return None
+
+
 async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id") -> Conversation:
     """The conversation once the responses made in it that have ended joined it (404: not found)."""
     store, oid = tm.conversations, tm.owner_id(owner)
     c, runs = await db(store.with_runs(cid, oid), cid, param)  # (the owner's: another's runs are not touched)
     for run in runs:
         j = _joins.get(run.task_id)
-        if j is not None:  # this process joins it when its run ends (or ended: the job may not have woken yet)
-            if j.job is not None and (j.ended or not j.t.running):
-                await asyncio.shield(j.job)
-            continue
+        if j is not None:  # this process joins it when its run ends
+            if j.job is None or not (j.ended or not j.t.running or j.t.stop_requested):
+                continue  # running
+            await _stopped(tm, j.t)  # (a stopping run settles at the next engine step)
+            await asyncio.shield(j.job)  # ended: its job may not even have woken yet
+            if j.written:
+                continue
+            # the job's write failed (the database away): joined from the stored task, as any run
         try:
             t = await tm.get(run.task_id, owner)
         except TaskNotFound:  # deleted: nothing joins
             t = None
         except TaskError as exc:
             raise task_error(exc) from None
+        if t is not None and t.stop_requested:  # (its client left, or a cancel: a moment)
+            t = await _stopped(tm, t)
         moved = t is not None and t.version != run.task_version
         if (t is not None and t.running and not moved) or (moved and run.instance in tm.lease.peers):
             continue  # running; or continued since, and its maker, alive, joins it as it ended
