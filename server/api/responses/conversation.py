@@ -22,7 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from server.api.errors import ApiError, task_error
 from server.api.responses.items import Item, Rendered, render_input
-from server.api.responses.joins import db, join_when_done, locked, settle
+from server.api.responses.joins import db, join_when_done, locked, settle_runs
 from server.api.responses.schemas import InputItem, InputMessage, ResponseInput
 from server.tasks.conversations import Conversation
 from server.tasks.errors import TaskError, TaskNotFound
@@ -90,11 +90,9 @@ async def start(tm: TaskManager, body: ResponseInput, owner: str | None, *, coun
         why = bad_id(it.id) if it.id is not None else None
         if why is not None:
             raise ApiError(400, why, param=f"input[{i}].id", code="invalid_request")
-    c = await settle(tm, cid, owner, "conversation")
-    if not counting:
-        running = await db(tm.conversations.runs(cid), cid, "conversation")
-        if running:
-            raise locked(cid, running[0].task_id)
+    c, running = await settle_runs(tm, cid, owner, "conversation")
+    if running and not counting:
+        raise locked(cid, running[0].task_id)
     head = await _head(tm, c, owner)
     since = c.head_seq if head is not None else 0
     store, oid = tm.conversations, tm.owner_id(owner)

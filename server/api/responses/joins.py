@@ -147,12 +147,21 @@ async def _stopped(tm: TaskManager, t: Task) -> Task | None:
 
 async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id") -> Conversation:
     """The conversation once the responses made in it that have ended joined it (404: not found)."""
+    return (await settle_runs(tm, cid, owner, param))[0]
+
+
+async def settle_runs(
+    tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id"
+) -> tuple[Conversation, list[Run]]:
+    """settle's conversation, and the runs it left: those still running (here or elsewhere)."""
     store, oid = tm.conversations, tm.owner_id(owner)
     c, runs = await db(store.with_runs(cid, oid), cid, param)  # (the owner's: another's runs are not touched)
+    left: list[Run] = []
     for run in runs:
         j = _joins.get(run.task_id)
         if j is not None:  # this process joins it when its run ends
             if j.job is None or not (j.ended or not j.t.running or j.t.stop_requested):
+                left.append(run)
                 continue  # running
             await _stopped(tm, j.t)  # (a stopping run settles at the next engine step)
             await asyncio.shield(j.job)  # ended: its job may not even have woken yet
@@ -169,6 +178,7 @@ async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None
             t = await _stopped(tm, t)
         moved = t is not None and t.version != run.task_version
         if (t is not None and t.running and not moved) or (moved and run.instance in tm.lease.peers):
+            left.append(run)
             continue  # running; or continued since, and its maker, alive, joins it as it ended
         items, tokens = joined(t) if t is not None and not moved else (None, 0)
         try:
@@ -180,4 +190,4 @@ async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None
             await db(store.finish_run(cid, run, None), cid, param)
     # (runs were read before the conversation, in one transaction: a join that committed before
     # the first read is in `c`; one that commits after left its run to this loop)
-    return await db(store.get(cid, oid), cid, param) if runs else c
+    return (await db(store.get(cid, oid), cid, param) if runs else c), left
