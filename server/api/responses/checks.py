@@ -13,8 +13,8 @@ NOTHING_TO_INCLUDE = frozenset({
     "reasoning.encrypted_content",
 })  # fmt: skip
 """`include` values that ask for data of items this server never makes (no built-in tools, image
-input or reasoning items): accepted, adding nothing (some clients send `reasoning.encrypted_content`
-with every request). The other value OpenAI knows,
+input or reasoning items): accepted, adding nothing (some clients send
+`reasoning.encrypted_content` with every request). The other value OpenAI knows,
 `message.output_text.logprobs`, asks for what is not kept here: refused."""
 LOGPROBS = "message.output_text.logprobs"
 

@@ -164,6 +164,9 @@ async def settle_runs(
                 left.append(run)
                 continue  # running
             await _stopped(tm, j.t)  # (a stopping run settles at the next engine step)
+            if j.t.running:  # (not within the stop's wait: left, as a running one)
+                left.append(run)
+                continue
             await asyncio.shield(j.job)  # ended: its job may not even have woken yet
             if j.written:
                 continue

@@ -215,11 +215,12 @@ class ResponseStream:
 
     async def error_end(self, why: Literal["shutdown", "internal"]) -> bytes:
         """The last events of a stream the server ended (SSEResponse's error_end). The server
-        shuts down: the run this stream shows is interrupted (on_abort, or on_shutdown); once the run settled (within
-        SETTLE_S) the stream goes on to its end as any other, which is then response.failed (the
-        response as GET shows it: failed, its error saying how to resume it), or the end it
-        reached first; else an `error` event (shutting_down). The source failed: the run is
-        stopped, and an `error` event (internal_error) follows the events sent."""
+        shuts down: the run this stream shows is interrupted (on_abort, or on_shutdown); once
+        the run settled (within SETTLE_S) the stream goes on to its end as any other, which is
+        then response.failed (the response as GET shows it: failed, its error saying how to
+        resume it), or the end it reached first; else an `error` event (shutting_down). The
+        source failed: the run is stopped, and an `error` event (internal_error) follows the
+        events sent."""
         if why == "internal":
             self.abort()
             self._ev.seq = self._yielded  # (events made but never handed over)
