@@ -174,7 +174,9 @@ def test_a_session_made_on_one_replica_goes_on_on_another(tmp_path):
 def conversation_across_replicas(tmp_path, db: str) -> None:
     """A conversation's responses made on A and B in turn: each joins the conversation (B finishes
     the runs A made, from the stored tasks, and the reverse) and each starts from the state of the
-    one before it, made on the other server (cached_tokens)."""
+    one before it, made on the other server (cached_tokens), once that state is stored: it is
+    written behind the answer, and a fork before then rebuilds it from an older state (a CI run's
+    B came within that moment)."""
     from util_server import sdk
 
     a, b = replica(tmp_path, "a", db).start(), replica(tmp_path, "b", db).start()
@@ -190,6 +192,11 @@ def conversation_across_replicas(tmp_path, db: str) -> None:
             if prev is not None:  # the answer ends with EOS: the state holds all of the previous one
                 assert r.usage.input_tokens_details.cached_tokens == prev.usage.input_tokens + prev.usage.output_tokens
             prev = r
+            task = srv.url + "/v1/tasks/TASK_" + r.id.split("_", 1)[1] + "/get_result"
+            deadline = time.monotonic() + 30
+            while httpx.get(task).json()["state"] != "stored":
+                assert time.monotonic() < deadline, httpx.get(task).json()
+                time.sleep(0.05)
             got = [i.content[0].text for i in sdk(b if srv is a else a).conversations.items.list(conv.id, order="asc")]
             assert got[-2:] == [f"Turn {i}.", r.output_text] and len(got) == 3 + 2 * i
     finally:
