@@ -210,3 +210,37 @@ def test_a_conversation_goes_on_across_two_servers_on_one_sqlite_file(tmp_path):
 
 def test_a_conversation_goes_on_across_two_servers_on_one_postgresql_database(tmp_path, pg_url):  # noqa: F811
     conversation_across_replicas(tmp_path, pg_url)
+
+
+def test_a_turn_left_on_one_server_and_sent_again_to_the_other_is_not_locked(tmp_path):
+    """Behind a load balancer a client stops a streamed turn (closes it) and sends its next turn at
+    once, to the other server: that one cannot see the first one stopping the run, and gives it a
+    moment to end (conversation.ELSEWHERE_WAIT_S) instead of answering conversation_locked (QA: 5
+    of 6 such turns were refused). A response that really runs there is still refused."""
+    import openai
+    from util_server import sdk
+
+    db = str(tmp_path / "shared.db")
+    a, b = replica(tmp_path, "a", db).start(), replica(tmp_path, "b", db).start()
+    try:
+        long = {"model": "m", "input": "y", "temperature": 0, "max_output_tokens": 200_000}
+        ca, cb = sdk(a), sdk(b)
+        conv = ca.conversations.create()
+        for i in range(6):
+            left_on, next_on = (ca, cb) if i % 2 == 0 else (cb, ca)
+            with left_on.responses.create(**long, conversation=conv.id, stream=True) as s:
+                deltas = 0
+                for ev in s:
+                    deltas += ev.type == "response.output_text.delta"
+                    if deltas == 3:
+                        break
+            r = next_on.responses.create(model="m", input="next", max_output_tokens=3, conversation=conv.id)
+            assert r.status in ("completed", "incomplete")
+        bg = ca.responses.create(**long, conversation=conv.id, background=True)
+        with pytest.raises(openai.BadRequestError) as e:
+            cb.responses.create(model="m", input="and?", max_output_tokens=3, conversation=conv.id)
+        assert e.value.code == "conversation_locked" and bg.id in e.value.message
+        ca.responses.cancel(bg.id)
+    finally:
+        b.stop()
+        a.stop()

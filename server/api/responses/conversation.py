@@ -77,6 +77,11 @@ class Start:
     """The conversation's items the prompt renders before the input (those after the head's)."""
 
 
+ELSEWHERE_WAIT_S = 1.0
+"""How long a new response waits for a response another server runs on its conversation to end
+(that server may be stopping it: its client left) before it is refused as conversation_locked."""
+
+
 async def start(tm: TaskManager, body: ResponseInput, owner: str | None, *, counting: bool = False) -> Start | None:
     """The conversation of the request settled, its head and the items to render (None: the
     request names none). 400 for an input item whose id one of the conversation's has, and
@@ -90,7 +95,7 @@ async def start(tm: TaskManager, body: ResponseInput, owner: str | None, *, coun
         why = bad_id(it.id) if it.id is not None else None
         if why is not None:
             raise ApiError(400, why, param=f"input[{i}].id", code="invalid_request")
-    c, running = await settle_runs(tm, cid, owner, "conversation")
+    c, running = await settle_runs(tm, cid, owner, "conversation", wait=0 if counting else ELSEWHERE_WAIT_S)
     if running and not counting:
         raise locked(cid, running[0].task_id)
     head = await _head(tm, c, owner)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("server.api.responses")
 T = TypeVar("T")
+
+ELSEWHERE_POLL_S = 0.05
+"""How often a run another server runs is read again while a new response waits for its end."""
 
 JOINS = ("completed", "incomplete")
 """The statuses of a response whose items join its conversation."""
@@ -137,6 +141,16 @@ def join_when_done(tm: TaskManager, cid: str, t: Task, run: Run) -> None:
     j.job = asyncio.create_task(join())
 
 
+async def _read(tm: TaskManager, task_id: str, owner: str | None) -> Task | None:
+    """The run's task as stored now (None: deleted, nothing joins)."""
+    try:
+        return await tm.get(task_id, owner)
+    except TaskNotFound:
+        return None
+    except TaskError as exc:
+        raise task_error(exc) from None
+
+
 async def _stopped(tm: TaskManager, t: Task) -> Task | None:
     """t once its run, whose stop was asked for, has settled (None: deleted meanwhile)."""
     try:
@@ -151,9 +165,13 @@ async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None
 
 
 async def settle_runs(
-    tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id"
+    tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id", *, wait: float = 0.0
 ) -> tuple[Conversation, list[Run]]:
-    """settle's conversation, and the runs it left: those still running (here or elsewhere)."""
+    """settle's conversation, and the runs it left: those still running (here or elsewhere).
+    `wait`: seconds a run another server runs is given to end first (read again meanwhile), as
+    one being stopped here is: that server may be stopping it (its client left), which this one
+    cannot see."""
+    deadline = time.monotonic() + wait
     store, oid = tm.conversations, tm.owner_id(owner)
     c, runs = await db(store.with_runs(cid, oid), cid, param)  # (the owner's: another's runs are not touched)
     left: list[Run] = []
@@ -171,14 +189,12 @@ async def settle_runs(
             if j.written:
                 continue
             # the job's write failed (the database away): joined from the stored task, as any run
-        try:
-            t = await tm.get(run.task_id, owner)
-        except TaskNotFound:  # deleted: nothing joins
-            t = None
-        except TaskError as exc:
-            raise task_error(exc) from None
+        t = await _read(tm, run.task_id, owner)
         if t is not None and t.stop_requested:  # (its client left, or a cancel: a moment)
             t = await _stopped(tm, t)
+        while t is not None and t.running and t.instance != tm.instance and time.monotonic() < deadline:
+            await asyncio.sleep(ELSEWHERE_POLL_S)
+            t = await _read(tm, run.task_id, owner)
         moved = t is not None and t.version != run.task_version
         if (t is not None and t.running and not moved) or (moved and run.instance in tm.lease.peers):
             left.append(run)
