@@ -132,6 +132,7 @@ def response_streams_where_it_runs(a: ServerProcess, b: ServerProcess, a_instanc
         assert r.status_code == 409, (r.text, a.log_tail(80), b.log_tail(40))
         err = r.json()["error"]
         assert err["code"] == "task_running_elsewhere" and a_instance in err["message"], err
+        assert err["param"] == "response_id" and err["message"].startswith(f"response {rid} is running on"), err
         assert h.get(b.url + f"/v1/responses/{rid}").status_code == 200  # reading it stays open
         assert h.get(a.url + f"/v1/responses/{rid}").json()["status"] == "in_progress"  # still A's run
 
@@ -216,7 +217,8 @@ def test_a_turn_left_on_one_server_and_sent_again_to_the_other_is_not_locked(tmp
     """Behind a load balancer a client stops a streamed turn (closes it) and sends its next turn at
     once, to the other server: that one cannot see the first one stopping the run, and gives it a
     moment to end (conversation.ELSEWHERE_WAIT_S) instead of answering conversation_locked (QA: 5
-    of 6 such turns were refused). A response that really runs there is still refused."""
+    of 6 such turns were refused). A response that really runs there is still refused, and its
+    cancel sent to the other server is a 409 naming the response and its server."""
     import openai
     from util_server import sdk
 
@@ -240,6 +242,10 @@ def test_a_turn_left_on_one_server_and_sent_again_to_the_other_is_not_locked(tmp
         with pytest.raises(openai.BadRequestError) as e:
             cb.responses.create(model="m", input="and?", max_output_tokens=3, conversation=conv.id)
         assert e.value.code == "conversation_locked" and bg.id in e.value.message
+        with pytest.raises(openai.ConflictError) as elsewhere:  # a's to cancel, named as the response
+            cb.responses.cancel(bg.id)
+        assert (elsewhere.value.code, elsewhere.value.param) == ("task_running_elsewhere", "response_id")
+        assert bg.id in elsewhere.value.message and a.url in elsewhere.value.message
         ca.responses.cancel(bg.id)
     finally:
         b.stop()

@@ -36,7 +36,7 @@ class TaskElsewhere(TaskConflict):
     def __init__(self, task_id: str, instance: str | None, url: str | None, what: str) -> None:
         where = f"instance {instance!r}" + (f" ({url})" if url else "")
         super().__init__(f"task {task_id} is running on {where}; {what} it there, or once it has finished")
-        self.instance, self.url = instance, url
+        self.task_id, self.instance, self.url, self.where = task_id, instance, url, where
 
 
 class TaskStale(TaskConflict):

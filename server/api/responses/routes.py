@@ -9,10 +9,9 @@ stays readable. The prompt is the RWKV chat format (server.api.openai.chat_forma
 
 A response is tied to its request (as OpenAI's non-background responses are): a client that
 leaves before the answer's end, streamed or not, stops the run; a stored one keeps what was
-generated (status "cancelled"). With `background: true` it is not: the create answers at once
-(or streams, and a client that leaves stops nothing), and the run is the task layer's alone, read
-by GET and stopped by POST .../cancel (background.py). Only tasks made here are responses (their
-tag: render.RESPONSE).
+generated (status "cancelled"). With `background: true` the create answers at once (or streams,
+and a client that leaves stops nothing): GET reads it, POST .../cancel stops it (background.py).
+Only tasks made here are responses (their tag: render.RESPONSE).
 Tools (function calls) as on chat: server.api.responses.agent; input items: items.py.
 `POST /v1/responses/input_tokens` counts the tokens a create with the same prompt fields would
 take in (its usage.input_tokens), running nothing.
@@ -38,7 +37,7 @@ from server.api.services import Services, end_run, get_owner, get_services, json
 from server.api.streaming.sse import SSEResponse
 from server.api.streaming.watch import done_or_gone
 from server.engine.types import EOS_TOKEN, EngineError, PromptTooLongError, SamplingParams
-from server.tasks.errors import TaskError, TaskNotFound
+from server.tasks.errors import TaskElsewhere, TaskError, TaskNotFound
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -64,10 +63,14 @@ async def call(aw: Awaitable[T]) -> T:
 
 
 def _task_error(exc: TaskError) -> ApiError:
-    """errors.task_error, with a bad value as the OpenAI routes' 400 and `prompt` named `input`."""
+    """errors.task_error, with a bad value as the OpenAI routes' 400 and `prompt` named `input`;
+    a response another server runs named as the response."""
     err = task_error(exc, param=_param(exc.param))
     if err.status == 422:
         err.status = 400
+    if isinstance(exc, TaskElsewhere) and exc.task_id.startswith("TASK_"):
+        rid, err.param = render.response_id_of(exc.task_id), "response_id"
+        err.message = f"response {rid} is running on {exc.where}; send this request there"
     return err
 
 
@@ -231,8 +234,7 @@ async def _settle(request: Request, t: Task) -> bool:
     return await done_or_gone(request, t.done.wait())
 
 
-# GET or DELETE `/v1/responses` (or `/v1/responses/`, which server.api.app.RawSendLayer answers as
-# the plain path): the id is missing, a 404 in the OpenAI shape rather than the router's 405.
+# GET or DELETE `/v1/responses` (or `/v1/responses/`: RawSendLayer): a 404, not the router's 405
 @router.api_route("/responses", methods=["GET", "DELETE"], include_in_schema=False)
 async def no_response_id(request: Request) -> Response:
     raise ApiError(
