@@ -151,9 +151,11 @@ def test_a_listener_that_never_answers_fails_the_start_within_the_bound_naming_i
     # libpq's TCP options: set on the socket (test_pg_keepalive.py)
     ("?keepalives=1&keepalives_idle=30&keepalives_interval=10&keepalives_count=5&tcp_user_timeout=0", None),
     ("?keepalives=yes", "?keepalives=yes: use 1 (on, the default) or 0 (off)"),
-    ("?keepalives_idle=-1", "?keepalives_idle=-1: must be a whole number of seconds, 0 or more"),
+    ("?keepalives_idle=-1", "?keepalives_idle=-1: must be a whole number of seconds from 0 (the system's) to 32767"),
+    ("?keepalives_idle=40000", "?keepalives_idle=40000: must be a whole number of seconds"),  # (Linux: EINVAL)
     ("?keepalives_interval=1.5", "?keepalives_interval=1.5: must be a whole number of seconds"),
-    ("?keepalives_count=many", "?keepalives_count=many: must be a whole number of probes"),
+    ("?keepalives_count=many", "?keepalives_count=many: must be a whole number of probes from 0 (the system's) to 127"),
+    ("?keepalives_count=%C2%B2", "?keepalives_count=\u00b2: must be a whole number of probes"),  # (a digit to isdigit)
     ("?tcp_user_timeout=99999999999", "?tcp_user_timeout=99999999999: must be a whole number of milliseconds"),
 ])
 def test_libpq_url_options_are_taken_or_refused_in_one_line(query, says):

@@ -22,8 +22,10 @@ pinged first, and one found dead replaced: up to about twice that), or behind a 
 it in the writer's queue.
 
 libpq's TCP options, which asyncpg has no arguments for, are set on each new connection's socket
-(tcp_setup): keepalives on by default, as libpq has them, so that the system finds a pooled
-connection dead whose server or link went away unseen (a NAT or firewall dropping idle flows).
+(tcp_setup): keepalives on by default, as libpq has them, with the system's timings (Linux: the
+first probe after 2 hours idle) unless the URL sets them: behind a NAT or firewall that drops
+idle flows, set keepalives_idle below its idle timeout. (The pool pings a connection before
+lending it either way: a dead one is replaced, not used.)
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ _FILES = {"sslrootcert", "sslcert", "sslkey", "sslcrl"}
 _TCP = {"keepalives": "keepalives", "keepalives_idle": "idle", "keepalives_interval": "interval",
         "keepalives_count": "count", "tcp_user_timeout": "user_timeout"}  # fmt: skip
 """libpq's TCP options (-> TcpOptions' fields), which asyncpg lacks: set on the socket (tcp_setup)."""
+_TCP_MAX = {"keepalives_idle": 32767, "keepalives_interval": 32767, "keepalives_count": 127,
+            "tcp_user_timeout": 2**31 - 1}  # fmt: skip
+"""The largest values Linux takes (a larger one fails every connection with EINVAL)."""
 SUPPORTED = sorted(
     _KWARGS | _DSN | set(_TCP) | {"sslmode", "ssl", "dbname", "application_name", "connect_timeout", "options"}
 )
@@ -152,30 +157,41 @@ def tcp_options(url: str) -> TcpOptions:
             if value not in ("0", "1"):
                 raise ValueError(f"?keepalives={value}: use 1 (on, the default) or 0 (off)")
             given["keepalives"] = value == "1"
-        elif value.isdigit() and int(value) < 2**31:
+        elif value.isascii() and value.isdecimal() and int(value) <= _TCP_MAX[name]:
             given[_TCP[name]] = int(value)
         else:
             unit = "milliseconds" if name == "tcp_user_timeout" else "probes" if name.endswith("count") else "seconds"
-            raise ValueError(f"?{name}={value}: must be a whole number of {unit}, 0 or more (0: the system's)")
+            raise ValueError(
+                f"?{name}={value}: must be a whole number of {unit} from 0 (the system's) to {_TCP_MAX[name]}"
+            )
     return TcpOptions(**given)
+
+
+_unreachable_said = False
 
 
 def tcp_setup(dbapi_conn: Any, opts: TcpOptions) -> None:
     """Set `opts` on a new connection's socket (SQLAlchemy's pool "connect" event: `dbapi_conn`
     is its adapter of the asyncpg connection). A Unix socket has none to set (libpq's rule);
     where this asyncpg hides its socket, the system's defaults stay (logged)."""
+    global _unreachable_said
     transport = getattr(getattr(dbapi_conn, "driver_connection", None), "_transport", None)
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None:
-        log.warning("PostgreSQL connection: its socket is out of reach; the URL's TCP options are not set")
+        if not _unreachable_said:
+            _unreachable_said = True
+            log.warning("PostgreSQL connections: their sockets are out of reach; the URL's TCP options are not set")
         return
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, int(opts.keepalives))
     timings = (("TCP_KEEPIDLE", opts.idle), ("TCP_KEEPINTVL", opts.interval), ("TCP_KEEPCNT", opts.count))
-    for name, value in (*(timings if opts.keepalives else ()), ("TCP_USER_TIMEOUT", opts.user_timeout)):
-        if value and hasattr(socket, name):  # (Linux names; a system without one keeps its default)
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, int(opts.keepalives))
+        for name, value in (*(timings if opts.keepalives else ()), ("TCP_USER_TIMEOUT", opts.user_timeout)):
+            if value and hasattr(socket, name):  # (Linux names; a system without one keeps its default)
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as exc:  # (values the checks let through that this system refuses: the connection works on)
+        log.warning("PostgreSQL connection: a TCP option of the URL was refused by the system (%s): %s", opts, exc)
 
 
 def server_options(options: str) -> dict[str, str]:
