@@ -216,7 +216,7 @@ def test_a_conversation_goes_on_across_two_servers_on_one_postgresql_database(tm
 def test_a_turn_left_on_one_server_and_sent_again_to_the_other_is_not_locked(tmp_path):
     """Behind a load balancer a client stops a streamed turn (closes it) and sends its next turn at
     once, to the other server: that one cannot see the first one stopping the run, and gives it a
-    moment to end (conversation.ELSEWHERE_WAIT_S) instead of answering conversation_locked (QA: 5
+    moment to end (joins.ELSEWHERE_WAIT_S) instead of answering conversation_locked (QA: 5
     of 6 such turns were refused). A response that really runs there is still refused, and its
     cancel sent to the other server is a 409 naming the response and its server."""
     import openai
@@ -236,9 +236,11 @@ def test_a_turn_left_on_one_server_and_sent_again_to_the_other_is_not_locked(tmp
                     deltas += ev.type == "response.output_text.delta"
                     if deltas == 3:
                         break
-            r = next_on.responses.create(model="m", input="next", max_output_tokens=3, conversation=conv.id)
+            r = next_on.responses.create(model="m", input="next", max_output_tokens=3, temperature=0,
+                                         conversation=conv.id)  # (greedy: the history, and what follows, fixed)
             assert r.status in ("completed", "incomplete")
         bg = ca.responses.create(**long, conversation=conv.id, background=True)
+        assert ca.responses.retrieve(bg.id).status == "in_progress"
         with pytest.raises(openai.BadRequestError) as e:
             cb.responses.create(model="m", input="and?", max_output_tokens=3, conversation=conv.id)
         assert e.value.code == "conversation_locked" and bg.id in e.value.message

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from util_server import running_server, sdk
+from util_server import running_server, sdk, wait_committed
 
 LONG = 200_000  # max_output_tokens no test waits for: only a cancel (or the server's stop) ends it
 # greedy, on an input whose answer on the test model has no "\n\n" (the chat stop) for long
@@ -90,8 +90,7 @@ def test_a_streamed_one_runs_on_when_its_client_leaves_and_can_be_resumed(server
             last = ev.sequence_number
             if ev.sequence_number == 20:
                 break
-    time.sleep(0.5)  # the client is gone: a foreground run would be stopped by now
-    assert running(server) == 1
+    # the client is gone and the output grows past what it read: the run went on without it
     on = until(lambda: client.responses.retrieve(rid), lambda x: len(x.output_text) > len(read) + 20)
     assert on.status == "in_progress" and on.output_text.startswith(read)
     rest = httpx.Client(headers=KEY, timeout=30)
@@ -108,12 +107,16 @@ def test_a_streamed_one_runs_on_when_its_client_leaves_and_can_be_resumed(server
 
 def test_only_a_background_response_can_be_cancelled_and_only_by_its_key(server):
     client, other = sdk(server, key="k1"), sdk(server, key="k2")
-    fg = client.responses.create(model="m", input="y", max_output_tokens=3)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.responses.cancel(fg.id)
-    assert (e.value.code, e.value.param) == ("invalid_request", "response_id")
-    assert "background: true" in e.value.message
-    assert client.responses.retrieve(fg.id).status == fg.status  # unchanged
+    until(lambda: running(server), lambda n: n == 0)
+    with client.responses.create(**ASK, stream=True) as fg:  # a foreground response, running
+        rid = next(iter(fg)).response.id
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.cancel(rid)
+        assert (e.value.code, e.value.param) == ("invalid_request", "response_id")
+        assert "background: true" in e.value.message
+        assert [ev.type for _, ev in zip(range(20), fg)][-1] == "response.output_text.delta"  # it runs on
+        assert client.responses.retrieve(rid).status == "in_progress"
+    until(lambda: running(server), lambda n: n == 0)  # (stopped by its client leaving, as any foreground one)
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_" + "0" * 32)
     bg = client.responses.create(**ASK, background=True)
@@ -187,8 +190,7 @@ def test_a_kill_keeps_what_it_generated_and_frees_its_conversation(server):
     until(lambda: running(server), lambda n: n == 0)
     conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
     r = client.responses.create(**ASK, background=True, conversation=conv.id)
-    until(lambda: client.responses.retrieve(r.id), lambda x: len(x.output_text) > 0)
-    time.sleep(1.5)  # past a progress write
+    wait_committed(server.db, "TASK_" + r.id[5:])  # a progress row with output (about one a second)
     server.restart(hard=True)
     client = sdk(server, key="k1")
     got = until(lambda: client.responses.retrieve(r.id), lambda x: x.status != "in_progress")
@@ -219,6 +221,7 @@ def test_a_streamed_one_ends_with_the_shutdown_as_a_foreground_stream_does(serve
     until(lambda: len(events), lambda n: n >= 10)
     server.stop()
     th.join(10)
+    assert not th.is_alive()
     end = events[-1]
     assert end["type"] == "response.failed" and end["response"]["status"] == "failed", end
     assert "/continue" in end["response"]["error"]["message"]

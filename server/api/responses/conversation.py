@@ -22,7 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from server.api.errors import ApiError, task_error
 from server.api.responses.items import Item, Rendered, render_input
-from server.api.responses.joins import db, join_when_done, locked, settle_runs
+from server.api.responses.joins import ELSEWHERE_WAIT_S, db, join_when_done, locked, settle_runs
 from server.api.responses.schemas import InputItem, InputMessage, ResponseInput
 from server.tasks.conversations import Conversation
 from server.tasks.errors import TaskError, TaskNotFound
@@ -75,11 +75,6 @@ class Start:
     """The task to fork (None: a new task from the zero state)."""
     items: list[Item]
     """The conversation's items the prompt renders before the input (those after the head's)."""
-
-
-ELSEWHERE_WAIT_S = 1.0
-"""How long a new response waits for a response another server runs on its conversation to end
-(that server may be stopping it: its client left) before it is refused as conversation_locked."""
 
 
 async def start(tm: TaskManager, body: ResponseInput, owner: str | None, *, counting: bool = False) -> Start | None:

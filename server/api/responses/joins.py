@@ -53,8 +53,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("server.api.responses")
 T = TypeVar("T")
 
+ELSEWHERE_WAIT_S = 2.0
+"""How long a new response waits for a response another server runs on its conversation to end
+(that server may be stopping it: its client left) before it is refused as conversation_locked."""
 ELSEWHERE_POLL_S = 0.05
-"""How often a run another server runs is read again while a new response waits for its end."""
+"""How often that run is read again meanwhile."""
 
 JOINS = ("completed", "incomplete")
 """The statuses of a response whose items join its conversation."""
@@ -108,10 +111,10 @@ def joined(t: Task) -> tuple[list[dict[str, Any]] | None, int]:
 @dataclass
 class _Join:
     t: Task
-    job: asyncio.Task[None] | None = None
+    job: asyncio.Task[None]
     ended: bool = False
     """The run ended and its items were read: the job is writing them."""
-    written: bool = False
+    finished: bool = False
     """The job finished the run (or found the conversation gone): nothing is left to do."""
 
 
@@ -121,24 +124,23 @@ _joins: dict[str, _Join] = {}  # task id -> its background join (also keeps the 
 def join_when_done(tm: TaskManager, cid: str, t: Task, run: Run) -> None:
     """Join t's items to the conversation once its run ended, in the background (its answer is
     not held for it)."""
-    j = _joins[t.id] = _Join(t)
 
-    async def join() -> None:
+    async def join() -> None:  # (starts at the loop's next turn: j is set by then)
         try:
             if t.done is not None:
                 await t.done.wait()
             items, tokens = joined(t)  # (at once: read as the run left it)
             j.ended = True
             await tm.conversations.finish_run(cid, run, items, tokens)
-            j.written = True
+            j.finished = True
         except ConversationNotFound:
-            j.written = True  # deleted meanwhile: nothing to join
+            j.finished = True  # deleted meanwhile: nothing to join
         except Exception as exc:  # the database away: the run row stays, the next reader joins it
             log.warning("response %s: its items did not join conversation %s now (%s)", t.id, cid, exc)
         finally:
             _joins.pop(t.id, None)
 
-    j.job = asyncio.create_task(join())
+    j = _joins[t.id] = _Join(t, asyncio.create_task(join()))
 
 
 async def _read(tm: TaskManager, task_id: str, owner: str | None) -> Task | None:
@@ -167,46 +169,57 @@ async def settle(tm: TaskManager, cid: str, owner: str | None, param: str | None
 async def settle_runs(
     tm: TaskManager, cid: str, owner: str | None, param: str | None = "conversation_id", *, wait: float = 0.0
 ) -> tuple[Conversation, list[Run]]:
-    """settle's conversation, and the runs it left: those still running (here or elsewhere).
-    `wait`: seconds a run another server runs is given to end first (read again meanwhile), as
-    one being stopped here is: that server may be stopping it (its client left), which this one
-    cannot see."""
+    """settle's conversation, and the runs it left: those still running (here or elsewhere), or
+    left to the live server that made them. `wait`: seconds a run another server runs is given
+    to end first (read again meanwhile), as one being stopped here is: that server may be
+    stopping it (its client left), which this one cannot see."""
     deadline = time.monotonic() + wait
     store, oid = tm.conversations, tm.owner_id(owner)
     c, runs = await db(store.with_runs(cid, oid), cid, param)  # (the owner's: another's runs are not touched)
     left: list[Run] = []
     for run in runs:
         j = _joins.get(run.task_id)
-        if j is not None:  # this process joins it when its run ends
-            if j.job is None or not (j.ended or not j.t.running or j.t.stop_requested):
-                left.append(run)
-                continue  # running
-            await _stopped(tm, j.t)  # (a stopping run settles at the next engine step)
-            if j.t.running:  # (not within the stop's wait: left, as a running one)
-                left.append(run)
-                continue
-            await asyncio.shield(j.job)  # ended: its job may not even have woken yet
-            if j.written:
-                continue
-            # the job's write failed (the database away): joined from the stored task, as any run
-        t = await _read(tm, run.task_id, owner)
-        if t is not None and t.stop_requested:  # (its client left, or a cancel: a moment)
-            t = await _stopped(tm, t)
-        while t is not None and t.running and t.instance != tm.instance and time.monotonic() < deadline:
-            await asyncio.sleep(ELSEWHERE_POLL_S)
-            t = await _read(tm, run.task_id, owner)
-        moved = t is not None and t.version != run.task_version
-        if (t is not None and t.running and not moved) or (moved and run.instance in tm.lease.peers):
-            left.append(run)
-            continue  # running; or continued since, and its maker, alive, joins it as it ended
-        items, tokens = joined(t) if t is not None and not moved else (None, 0)
-        try:
-            await db(store.finish_run(cid, run, items, tokens), cid, param)
-        except ApiError:
-            raise
-        except Exception:  # (a bug: the run is dropped rather than failing every read of the conversation)
-            log.exception("response %s: its items could not join conversation %s; dropped", run.task_id, cid)
-            await db(store.finish_run(cid, run, None), cid, param)
+        if j is not None and not await _joined_here(tm, j):
+            left.append(run)  # running here
+        elif (j is None or not j.finished) and not await _join_stored(tm, cid, run, owner, param, deadline):
+            left.append(run)  # (a job whose write failed, the database away: from the stored task)
     # (runs were read before the conversation, in one transaction: a join that committed before
     # the first read is in `c`; one that commits after left its run to this loop)
     return (await db(store.get(cid, oid), cid, param) if runs else c), left
+
+
+async def _joined_here(tm: TaskManager, j: _Join) -> bool:
+    """False while the run this process joins runs on; else once its join job is done (the run
+    ended, or was being stopped: its client left, a cancel, settled at the next engine step)."""
+    if not j.ended and j.t.stop_requested:
+        await _stopped(tm, j.t)
+    if not j.ended and j.t.running:  # (a stop not settled within its wait: as a running one)
+        return False
+    await asyncio.shield(j.job)  # ended: its job may not even have woken yet
+    return True
+
+
+async def _join_stored(
+    tm: TaskManager, cid: str, run: Run, owner: str | None, param: str | None, deadline: float
+) -> bool:
+    """Finish `run` from its stored task: True once done (joined, or dropped: its task deleted,
+    or run again since by a server that is gone); False while it runs, or its live maker joins it."""
+    t = await _read(tm, run.task_id, owner)
+    if t is not None and t.stop_requested:  # (its client left, or a cancel: a moment)
+        t = await _stopped(tm, t)
+    while t is not None and t.running and t.instance != tm.instance and time.monotonic() < deadline:
+        await asyncio.sleep(ELSEWHERE_POLL_S)
+        t = await _read(tm, run.task_id, owner)
+    moved = t is not None and t.version != run.task_version
+    if (t is not None and t.running and not moved) or (moved and run.instance in tm.lease.peers):
+        return False  # running; or continued since, and its maker, alive, joins it as it ended
+    items, tokens = joined(t) if t is not None and not moved else (None, 0)
+    store = tm.conversations
+    try:
+        await db(store.finish_run(cid, run, items, tokens), cid, param)
+    except ApiError:
+        raise
+    except Exception:  # (a bug: the run is dropped rather than failing every read of the conversation)
+        log.exception("response %s: its items could not join conversation %s; dropped", run.task_id, cid)
+        await db(store.finish_run(cid, run, None), cid, param)
+    return True

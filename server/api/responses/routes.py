@@ -58,24 +58,20 @@ async def call(aw: Awaitable[T]) -> T:
         if isinstance(exc, PromptTooLongError):
             raise prompt_too_long("input", exc.tokens, exc.limit) from None
         err = engine_error(exc)
-        err.param = _param(err.param)
+        err.param = "input" if err.param == "prompt" else err.param
         raise err from None
 
 
 def _task_error(exc: TaskError) -> ApiError:
     """errors.task_error, with a bad value as the OpenAI routes' 400 and `prompt` named `input`;
     a response another server runs named as the response."""
-    err = task_error(exc, param=_param(exc.param))
+    err = task_error(exc, param="input" if exc.param == "prompt" else exc.param)
     if err.status == 422:
         err.status = 400
     if isinstance(exc, TaskElsewhere) and exc.task_id.startswith("TASK_"):
         rid, err.param = render.response_id_of(exc.task_id), "response_id"
         err.message = f"response {rid} is running on {exc.where}; send this request there"
     return err
-
-
-def _param(param: str | None) -> str | None:
-    return "input" if param == "prompt" else param
 
 
 async def stored(tm: TaskManager, rid: str, owner: str | None, param: str | None = None) -> Task:
@@ -214,11 +210,12 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
     background: the response at once (in progress), or a stream whose client may leave."""
     tm = task_manager(sv)
     if stream:
-        on_abort = None if background else lambda: end_run(request, tm, t)
-        source = ResponseStream(t, sv.model_id, on_abort=on_abort, on_shutdown=lambda: tm.interrupt(t))
+        stop, interrupt = (lambda: end_run(request, tm, t)), (lambda: tm.interrupt(t))
+        source = ResponseStream(t, sv.model_id, on_abort=None if background else stop,
+                                on_shutdown=interrupt if background else None)  # fmt: skip
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
-    if background:  # (no output yet, as OpenAI's answer shows it; GET shows it as it grows)
-        return json_response(render.response(t, sv.model_id, with_output=False))
+    if background:  # (as OpenAI's answer: in progress, no output yet; GET then shows it as it is)
+        return json_response(render.head(t, sv.model_id))
     if not await _settle(request, t):
         end_run(request, tm, t)
         request.state.error = "the client left before the answer"
