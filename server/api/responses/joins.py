@@ -181,8 +181,9 @@ async def settle_runs(
         j = _joins.get(run.task_id)
         if j is not None and not await _joined_here(tm, j):
             left.append(run)  # running here
+        # no job here (a restart, another server's run), or one whose write failed: the stored task
         elif (j is None or not j.finished) and not await _join_stored(tm, cid, run, owner, param, deadline):
-            left.append(run)  # (a job whose write failed, the database away: from the stored task)
+            left.append(run)
     # (runs were read before the conversation, in one transaction: a join that committed before
     # the first read is in `c`; one that commits after left its run to this loop)
     return (await db(store.get(cid, oid), cid, param) if runs else c), left
