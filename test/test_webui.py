@@ -608,10 +608,15 @@ def test_playground_leaves_a_refused_turn_out(server, browser):
     assert "failed" in facts and len(browser.find_elements("css selector", "#chat-log .msg.failed")) == 2
 
     _set(browser, "#chat-settings", "max_tokens", 2000)
+    top = "return document.querySelector('#chat-stop').getBoundingClientRect().top"
+    before = browser.execute_script(top)
     browser.find_element("css selector", "#chat-input").send_keys("a turn to stop")
     browser.find_element("css selector", "#chat-send").click()
     last = "#chat-log .msg.assistant:last-child .text"
-    wait_for(browser, lambda d: d.find_element("css selector", last).get_attribute("textContent"), 15)
+    wait_for(browser, lambda d: len(d.find_element("css selector", last).get_attribute("textContent")) > 40, 15)
+    # Stop stays where it was while the reply streams (it moved down with a growing log: a click
+    # aimed at it could land on the form)
+    assert browser.execute_script(top) == before
     browser.find_element("css selector", "#chat-stop").click()
     wait_for(browser, lambda d: d.find_element("css selector", "#chat-send").is_enabled(), 10)
     stopped = browser.find_element("css selector", last).get_attribute("textContent")
