@@ -44,6 +44,7 @@ class _NoSeed(TypedDict, total=False):
     response_format: dict[str, Any]
     grammar: dict[str, str]
     hidden_lead: bool
+    logprobs: int
     meta: dict[str, Any]
 
 

@@ -1,11 +1,16 @@
-"""A task's output since its last prompt: its text, where each token's text ends, and the
-readers waiting for more (stream readers, server.api.streaming.direct's listeners)."""
+"""A task's output since its last prompt: its text, where each token's text ends, each token's
+logprob when its runs compute them, and the readers waiting for more (stream readers,
+server.api.streaming.direct's listeners)."""
 
 from __future__ import annotations
 
 import asyncio
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.engine.types import TokenLogprob
 
 
 class Output:
@@ -20,13 +25,20 @@ class Output:
         self.finished = finished
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.logprobs: list[TokenLogprob] | None = None
+        """One per output token, when every run of this output computed them (the task's
+        `logprobs` parameter); else None. Kept in memory only: an output read back from the
+        database has none."""
         self._waiters: set[asyncio.Future[None]] = set()
         self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.streaming.direct)
 
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def append(self, text: str, n_tokens: int) -> None:
+    def append(self, text: str, n_tokens: int, logprobs: Sequence[TokenLogprob] | None = None) -> None:
+        """Add an engine event's text and tokens (with their logprobs, when its run computes them)."""
+        if n_tokens > 0 and (logprobs is not None or self.logprobs is not None):  # (most outputs: neither)
+            self._add_logprobs(logprobs)
         if n_tokens <= 0:
             if text:  # text with no new token (a final flush): credit it to the last token
                 self.text += text
@@ -37,6 +49,16 @@ class Output:
         self.text += text
         self.offsets.extend([before] * (n_tokens - 1))
         self.offsets.append(len(self.text))
+
+    def _add_logprobs(self, values: Sequence[TokenLogprob] | None) -> None:
+        """Keep one logprob per token, or none at all: tokens that come without them (a run that
+        computes none) end the list, and a list starts with the output's first token only."""
+        if values is None:
+            self.logprobs = None
+        elif self.logprobs is not None:
+            self.logprobs.extend(values)
+        elif not self.offsets:
+            self.logprobs = list(values)
 
     def take_back(self, n: int) -> None:
         """Drop the last n characters of text (a continue completes what they stood for)."""

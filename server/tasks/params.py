@@ -1,5 +1,5 @@
 """Generation parameters of tasks: `TaskParams`, stored as a plain JSON dict (the names of
-`server.engine.types.FIELDS`, `response_format`, `grammar`, `hidden_lead` and `meta`), made from
+`server.engine.types.FIELDS`, `response_format`, `grammar`, `hidden_lead`, `logprobs` and `meta`), made from
 what a caller gives (`GivenParams`) by `clean_params`, the one check, and turned into
 SamplingParams per run by the one mapping, `SamplingParams.from_fields`, plus the grammar of the
 response format (`format_grammar`, server.tasks.response_format: the one mapping of OpenAI's
@@ -10,6 +10,9 @@ it (the Responses API: its request's instructions, input items and tools); runs 
 `hidden_lead` (a bool): the output's leading whitespace is hidden from its reader (a
 /v1/responses reply after "Assistant:"), so stop strings are matched from the output's first other
 character on (SamplingParams.hidden_lead, for a run whose output holds no other character yet).
+`logprobs` (an int k in [0, 20]): its runs compute every generated token's logprob and its k most
+probable alternatives (SamplingParams.logprobs), kept beside the output in memory (Output.logprobs;
+a /v1/responses reply with `include: ["message.output_text.logprobs"]`).
 All of it lives in the params JSON column: no schema change, older rows read as before."""
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple, TypedDict, cast, get_type_hints
 
-from server.engine.types import FIELD_KINDS, FIELDS, GrammarSpec, SamplingParams, check_fields
+from server.engine.types import FIELD_KINDS, FIELDS, MAX_LOGPROBS, GrammarSpec, SamplingParams, check_fields
 from server.tasks.errors import TaskInvalid
 from server.tasks.response_format import format_grammar
 
@@ -44,6 +47,7 @@ class TaskParams(TypedDict, total=False):
     response_format: dict[str, Any]  # OpenAI's, as given ({"type": "text"}: none, over a fork source's)
     grammar: dict[str, str]  # {"kind", "source", "trigger"} (stored_grammar); {}: none, over a source's
     hidden_lead: bool
+    logprobs: int  # k alternatives per generated token (SamplingParams.logprobs)
     meta: dict[str, Any]  # a JSON object of the route that made the task; runs never read it
 
 
@@ -51,7 +55,7 @@ GivenParams = Mapping[str, object]
 """Parameters as a caller gives them to the task layer (TaskManager.create / fim / fork /
 continue_): by TaskParams' names, None or absent = not given, other names dropped; unchecked
 (the in-process API bypasses the HTTP schema) until clean_params makes them TaskParams."""
-PARAM_KEYS = (*FIELDS, "response_format", "grammar", "hidden_lead", "meta")
+PARAM_KEYS = (*FIELDS, "response_format", "grammar", "hidden_lead", "logprobs", "meta")
 """TaskParams' keys (check_task_params)."""
 _FIELD_IN_MESSAGE = re.compile(r"'(\w+)'")
 
@@ -86,7 +90,7 @@ def clean_params(raw: GivenParams, vocab_size: int) -> TaskParams:
 
 
 def _grammar_and_meta(raw: GivenParams, out: dict[str, Any]) -> None:
-    """out's `grammar`, `hidden_lead` and `meta` from raw. A task has one grammar: a
+    """out's `grammar`, `hidden_lead`, `logprobs` and `meta` from raw. A task has one grammar: a
     response_format given lifts a stored grammar (a fork of a tool-call response with a format
     runs the format), a grammar given lifts a stored format; both (a format other than text) is
     TaskInvalid."""
@@ -108,6 +112,11 @@ def _grammar_and_meta(raw: GivenParams, out: dict[str, Any]) -> None:
         if not isinstance(hidden, bool):
             raise TaskInvalid("invalid 'hidden_lead': true or false", param="hidden_lead")
         out["hidden_lead"] = hidden
+    k = raw.get("logprobs")
+    if k is not None:
+        if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):
+            raise TaskInvalid(f"invalid 'logprobs': {k!r} is no integer in [0, {MAX_LOGPROBS}]", param="logprobs")
+        out["logprobs"] = k
     meta = raw.get("meta")
     if meta is not None:
         if not isinstance(meta, dict):
@@ -202,6 +211,8 @@ check_task_params()
 def sampling_params(params: TaskParams, default_max_tokens: int) -> SamplingParams:
     """The SamplingParams of a run of a task with these stored parameters."""
     sp = SamplingParams.from_fields(params, default_max_tokens)
+    if params.get("logprobs") is not None:
+        sp = replace(sp, logprobs=params["logprobs"])
     spec = stored_grammar(params["grammar"]) if params.get("grammar") else None
     if spec is not None:
         return replace(sp, grammar=spec)

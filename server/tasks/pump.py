@@ -102,7 +102,7 @@ class Pump:
                 t.prefill_time = run.t_first - run.t_submit
         if n or ev.text:
             t.tokens.extend(ev.token_ids)
-            t.out.append(ev.text, n)
+            t.out.append(ev.text, n, ev.logprobs)
             run.n_out += n
         if n and not ev.finished and t.status in (PREFILL, READY):
             t.status = RUNNING

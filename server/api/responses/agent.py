@@ -128,6 +128,7 @@ def _meta(body: ResponseRequest, rendered: Rendered, described: str | None) -> d
         "metadata": body.metadata or {},
         "verbosity": body.text.verbosity if body.text is not None else None,
         "background": bool(body.background),
+        "top_logprobs": body.top_logprobs,
     }
 
 

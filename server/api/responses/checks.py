@@ -4,6 +4,7 @@ and fields the server knows but cannot honour (a 400 `unsupported_field` naming 
 from __future__ import annotations
 
 from server.api.errors import ApiError
+from server.api.responses.logprobs import LOGPROBS
 from server.api.responses.schemas import ResponseInput, ResponseRequest
 from server.api.sampling import bad_text
 
@@ -15,8 +16,7 @@ NOTHING_TO_INCLUDE = frozenset({
 """`include` values that ask for data of items this server never makes (no built-in tools, image
 input or reasoning items): accepted, adding nothing (some clients send
 `reasoning.encrypted_content` with every request). The other value OpenAI knows,
-`message.output_text.logprobs`, asks for what is not kept here: refused."""
-LOGPROBS = "message.output_text.logprobs"
+`message.output_text.logprobs` (LOGPROBS), asks for the message's logprobs (logprobs.py)."""
 
 
 def check_input(body: ResponseInput) -> None:
@@ -42,9 +42,7 @@ def check_supported(body: ResponseRequest) -> None:
                        code="invalid_request")  # fmt: skip
     _check_include(body.include or [])
     refused = {  # field -> why, where its value asks for what this route does not do
-        "include": LOGPROBS in (body.include or ()) and f"include {LOGPROBS!r} (logprobs are on /v1/chat/completions)",
         "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
-        "top_logprobs": body.top_logprobs and "top_logprobs (logprobs are on /v1/chat/completions)",
         "prompt": body.prompt is not None
         and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
         "access_programs": body.access_programs is not None and "access_programs",

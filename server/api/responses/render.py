@@ -19,8 +19,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from server.api.openai.agent_render import TokenBytes
 from server.api.openai.chat_format import TURN_SEP
 from server.api.openai.tools import MARKER, Mode, parse_calls
+from server.api.responses.logprobs import of_message
 from server.tasks.records import TASK, Task
 
 _ID = re.compile(r"resp_([0-9a-f]{32})")
@@ -155,15 +157,15 @@ def known_calls(t: Task, made: list[dict[str, Any]]) -> dict[str, str]:
     return known
 
 
-def output(t: Task) -> list[dict[str, Any]]:
+def output(t: Task, words: TokenBytes | None = None) -> list[dict[str, Any]]:
     """The response's output items: the message (its text; left out when the output is calls
-    only), then the function calls."""
+    only), then the function calls. words: the tokenizer, for the message's logprobs (when asked)."""
     made = calls(t)
     if not made:
-        return [message(t)]
+        return [message(t, words=words)]
     content = _parsed(t)[0]
     text = content if continues(t) else content.lstrip()
-    return ([message(t, text)] if text.strip() else []) + made
+    return ([message(t, text, words=words)] if text.strip() else []) + made
 
 
 def _item_status(t: Task) -> str:
@@ -173,15 +175,20 @@ def _item_status(t: Task) -> str:
     return state if state in ("in_progress", "completed") else "incomplete"
 
 
-def message(t: Task, text: str | None = None, status: str | None = None) -> dict[str, Any]:
+def message(
+    t: Task, text: str | None = None, status: str | None = None, *, words: TokenBytes | None = None
+) -> dict[str, Any]:
+    """t's message item; `text`: its text (default: the output's, less the hidden lead); with
+    `words` (the tokenizer), the text's logprobs when the request asked for them (logprobs.py)."""
     if text is None:
         text = t.out.text if continues(t) else t.out.text.lstrip()
+    lps = of_message(t, text, words)
     return {
         "type": "message",
         "id": "msg_" + t.id.split("_", 1)[1],
         "status": status or _item_status(t),
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": lps}],
     }
 
 
@@ -217,7 +224,8 @@ def usage(t: Task) -> dict[str, Any]:
     }
 
 
-def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]:
+def response(t: Task, model: str, *, with_output: bool = True, words: TokenBytes | None = None) -> dict[str, Any]:
+    """The response object; `words`: the tokenizer, for the message's logprobs (when asked)."""
     p, m = t.params, meta(t)
     fmt = m.get("format") or p.get("response_format") or {"type": "text"}  # (meta: with tools, agent.task_params)
     if fmt.get("type") == "json_schema":
@@ -239,7 +247,7 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "created_at": int(t.created_at),
         "status": state,
         "model": model,
-        "output": output(t) if with_output else [],
+        "output": output(t, words) if with_output else [],
         "previous_response_id": "resp_" + parent.split("_", 1)[1]
         if parent and parent[:4] in ("TASK", "TMP_") and not conv  # (in a conversation: the head it forked)
         else None,
@@ -248,6 +256,7 @@ def response(t: Task, model: str, *, with_output: bool = True) -> dict[str, Any]
         "max_output_tokens": p.get("max_tokens"),
         "temperature": p.get("temperature"),
         "top_p": p.get("top_p"),
+        "top_logprobs": m.get("top_logprobs"),
         "text": {"format": fmt, "verbosity": m.get("verbosity") or "medium"},
         "tools": m.get("tools") or [],
         "tool_choice": m.get("tool_choice") or "auto",

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from server.api.openai.schemas import Metadata
 from server.api.sampling import MaxTokens
-from server.engine.types import LIMITS
+from server.engine.types import LIMITS, MAX_LOGPROBS
 
 MAX_INPUT_ITEMS = 1024
 
@@ -208,8 +208,9 @@ class ResponseRequest(ResponseInput):
     store: bool = True
     stream: bool = False
     include: list[str] | None = None
-    """Extra output data to include: none is kept here (checks.NOTHING_TO_INCLUDE: accepted,
-    adding nothing; the logprobs are refused)."""
+    """Extra output data to include: "message.output_text.logprobs" (the message's logprobs:
+    server.api.responses.logprobs); the others ask for items never made here
+    (checks.NOTHING_TO_INCLUDE: accepted, adding nothing)."""
     metadata: Metadata = None
     """Stored with the response and shown with it (OpenAI's bounds: 16 pairs, keys of at most 64
     characters, values of at most 512)."""
@@ -218,8 +219,9 @@ class ResponseRequest(ResponseInput):
     server.api.responses.background); it needs `store`."""
     max_tool_calls: int | None = None
     """Only null: no bound on the calls but `parallel_tool_calls`."""
-    top_logprobs: int | None = None
-    """Only null or 0: no logprobs on responses."""
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """The alternatives per token of the message's logprobs (with include's
+    "message.output_text.logprobs"; without it none are returned, as OpenAI's)."""
     # null only (the route refuses a value: unsupported_field, naming it and why; typed as the
     # SDK sends them, so a value is refused as unsupported, not as malformed); context_management
     # [] asks nothing

@@ -29,7 +29,9 @@ from typing import Any, Literal
 
 import orjson
 
+from server.api.openai.agent_render import TokenBytes
 from server.api.openai.tools import content_end
+from server.api.responses.logprobs import entries, tokens_in, values
 from server.api.responses.render import continues, head, message, response, tool_mode
 from server.tasks.records import Task
 
@@ -69,13 +71,16 @@ class ResponseStream:
         on_abort: Callable[[], None] | None,
         starting_after: int | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        words: TokenBytes | None = None,
     ) -> None:
         """on_abort(): stop the run (called once, when the stream stops before its last event;
         None: the stream does not own the run, e.g. a retrieve or a background response's).
         on_shutdown(): interrupt the run when the server shuts down, for a stream that does not
         own it (the shutdown ends it anyway, later: the stream could not end with it).
-        starting_after: send only the events numbered after it."""
+        starting_after: send only the events numbered after it. words: the tokenizer, for the
+        text's logprobs (when the request asked for them: server.api.responses.logprobs)."""
         self.t, self.model = t, model
+        self._words = words if t.params.get("logprobs") is not None else None
         self.on_abort = on_abort
         self.on_shutdown = on_shutdown
         self.stops_work = on_abort is not None
@@ -88,6 +93,9 @@ class ResponseStream:
         self._pos = 0  # output tokens whose text was made into events
         self._raw = ""  # (with tools: the output so far, where the marker is looked for)
         self._sent = 0  # characters of the message text streamed (a prefix of the final text)
+        self._chars = 0  # characters of the output's text made into pieces
+        self._at: int | None = None  # where the message text starts in the output's text
+        self._lp_next = 0  # the first output token whose logprob was not sent
         self._open = False  # the message item was added
         self._part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._loc = {"item_id": message(t)["id"], "output_index": 0, "content_index": 0}
@@ -146,6 +154,7 @@ class ResponseStream:
         return chunk + (self._piece(tail) if tail else b"") + self._closing()
 
     def _piece(self, data: str) -> bytes:
+        self._chars += len(data)
         if self._mode is None:
             return self._plain(data)
         if self._mode == "forced":
@@ -158,7 +167,20 @@ class ResponseStream:
         "Assistant:": its leading whitespace is dropped, unless it continues a message)."""
         delta = data if self._sent or self._keep else data.lstrip()
         self._sent += len(delta)
-        return self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=[]) if delta else b""
+        return self._delta(delta, self._chars - self._sent) if delta else b""
+
+    def _delta(self, delta: str, at: int) -> bytes:
+        """A text delta, the message text starting at character `at` of the output's text; its
+        logprobs: those of the tokens of the text so far not sent before."""
+        if self._at is None:
+            self._at = at
+        lps: list[dict[str, Any]] = []
+        if self._words is not None:
+            tokens = tokens_in(self.t.out, self._at, self._at + self._sent)
+            new = range(max(tokens.start, self._lp_next), tokens.stop)
+            self._lp_next = max(self._lp_next, tokens.stop)
+            lps = entries(self._words, values(self.t.out, new))
+        return self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=lps)
 
     def _visible(self, raw: str) -> str:
         """With tools: the message text that may be streamed now, which ends before the call
@@ -182,24 +204,26 @@ class ResponseStream:
         out = b"" if self._open else self._open_message()
         delta, self._sent = text[self._sent :], len(text)
         if delta:
-            out += self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=[])
+            lead = 0 if self._keep else len(self._raw) - len(self._raw.lstrip())
+            out += self._delta(delta, lead)
         return out
 
     def _closing(self) -> bytes:
-        final = response(self.t, self.model)
+        final = response(self.t, self.model, words=self._words)
         out = b""
         for index, item in enumerate(final["output"]):
             out += self._message_done(item) if item["type"] == "message" else self._call(index, item)
         return out + self._ev(_LAST.get(final["status"], "response.incomplete"), response=final)
 
     def _message_done(self, item: dict[str, Any]) -> bytes:
-        text = item["content"][0]["text"]
+        part = item["content"][0]
+        text = part["text"]
         out = (b"" if self._open else self._open_message()) + self._text(text)  # (what was held back)
         ev, loc = self._ev, self._loc
         return (
             out
-            + ev("response.output_text.done", **loc, text=text, logprobs=[])
-            + ev("response.content_part.done", **loc, part={**self._part, "text": text})
+            + ev("response.output_text.done", **loc, text=text, logprobs=part["logprobs"])
+            + ev("response.content_part.done", **loc, part=part)
             + ev("response.output_item.done", output_index=0, item=item)
         )
 

@@ -1,0 +1,145 @@
+"""Logprobs on /v1/responses (`include: ["message.output_text.logprobs"]` with `top_logprobs`)
+against a real server, with the official SDK: the values are those /v1/chat/completions reports
+for the same chat (the same prompt, greedy), the stream's deltas carry each token once and add up
+to the final part, a response without the include has none, a follow-up does not inherit them,
+and they are kept in memory only (none after a restart). The token spans (which tokens belong to
+a message's text) and the task parameter's checks are tested without a server."""
+
+from __future__ import annotations
+
+from array import array
+
+import httpx
+import pytest
+from util_server import running_server, sdk
+
+from server.api.responses.logprobs import tokens_in
+from server.engine.types import TokenLogprob
+from server.tasks.errors import TaskInvalid
+from server.tasks.output import Output
+from server.tasks.params import clean_params, sampling_params
+
+LOGPROBS = ["message.output_text.logprobs"]
+ASK = {"model": "m", "input": "Tell me about the sea.", "temperature": 0, "max_output_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("resp-lp")) as srv:
+        yield srv
+
+
+def _bytes(entries) -> bytes:
+    return b"".join(bytes(e.bytes) for e in entries)
+
+
+def test_the_values_are_chat_completions_and_the_top_ones_hold_the_greedy_choice(server):
+    client = sdk(server)
+    r = client.responses.create(**ASK, include=LOGPROBS, top_logprobs=3)
+    part = r.output[0].content[0]
+    assert r.status == "incomplete" and r.top_logprobs == 3  # (cut by max_output_tokens: no stop token)
+    assert part.text and len(part.logprobs) == r.usage.output_tokens
+    assert part.text in _bytes(part.logprobs).decode("utf-8", "replace")  # the tokens' bytes hold the text (and its hidden lead)
+    for e in part.logprobs:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the most probable
+        assert e.top_logprobs[0].logprob == e.logprob and e.top_logprobs[1].logprob <= e.logprob
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ASK["input"]}],
+                                          temperature=0, max_tokens=24, logprobs=True, top_logprobs=3)
+    assert chat.choices[0].message.content.strip() == part.text
+    theirs = chat.choices[0].logprobs.content
+    ours = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in part.logprobs]
+    assert ours == [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in theirs]
+    got = client.responses.retrieve(r.id).output[0].content[0]
+    assert [e.model_dump() for e in got.logprobs] == [e.model_dump() for e in part.logprobs]
+
+
+def test_a_stream_sends_each_token_once_and_its_deltas_add_up_to_the_part(server):
+    client = sdk(server)
+    events = list(client.responses.create(**ASK, include=LOGPROBS, top_logprobs=2, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all(e.logprobs for e in deltas)  # (a delta of text has its tokens' logprobs)
+    streamed = [lp.model_dump() for e in deltas for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    part = next(e for e in events if e.type == "response.content_part.done").part
+    final = events[-1].response.output[0].content[0]
+    assert streamed == [lp.model_dump() for lp in done.logprobs] == [lp.model_dump() for lp in part.logprobs]
+    assert streamed == [lp.model_dump() for lp in final.logprobs] and len(streamed) > 3
+    replay = list(client.responses.retrieve(events[-1].response.id, stream=True))  # (the replay: alike)
+    again = [lp.model_dump() for e in replay if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert again == streamed
+
+
+def test_none_without_the_include_and_a_follow_up_does_not_inherit_them(server):
+    client = sdk(server)
+    plain = client.responses.create(**ASK, top_logprobs=5)  # (as OpenAI's: top_logprobs alone returns none)
+    assert plain.top_logprobs == 5 and plain.output[0].content[0].logprobs == []
+    first = client.responses.create(**ASK, include=LOGPROBS)
+    assert first.top_logprobs is None and first.output[0].content[0].logprobs
+    assert all(e.top_logprobs == [] for e in first.output[0].content[0].logprobs)  # (top_logprobs 0)
+    then = client.responses.create(**{**ASK, "input": "And the sky?"}, previous_response_id=first.id)
+    assert then.output[0].content[0].text and then.output[0].content[0].logprobs == []
+
+
+def test_a_bad_top_logprobs_is_refused_naming_it(server):
+    r = httpx.post(server.url + "/v1/responses", json={**ASK, "include": LOGPROBS, "top_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+def test_they_are_kept_in_memory_only(server):
+    client = sdk(server)
+    r = client.responses.create(**ASK, include=LOGPROBS)
+    assert r.output[0].content[0].logprobs
+    server.restart()  # (a graceful stop: the task's row is written)
+    got = sdk(server).responses.retrieve(r.id)
+    assert got.output_text == r.output_text and got.output[0].content[0].logprobs == []
+
+
+def _out(pieces: list[tuple[str, int]]) -> Output:
+    out = Output(finished=False)
+    for text, n in pieces:
+        out.append(text, n)
+    return out
+
+
+def test_the_tokens_of_a_text_span():
+    # "\n" (the hidden lead), " Hi" "," two tokens of one character (the first shows no text), "!" and
+    # the stop token (no text)
+    out = _out([("\n", 1), (" Hi", 1), (",", 1), ("", 1), ("é", 1), ("!", 1), ("", 1)])
+    assert list(out.offsets) == [1, 4, 5, 5, 6, 7, 7]
+    text = out.text.lstrip()  # " Hi,é!" less its lead: "Hi,é!" (starts at 2)
+    assert out.text.find(text) == 2
+    assert list(tokens_in(out, 2, len(out.text))) == [1, 2, 3, 4, 5]  # the lead's and the stop's left out
+    assert list(tokens_in(out, 0, len(out.text))) == [0, 1, 2, 3, 4, 5]
+    assert list(tokens_in(out, 1, 5)) == [1, 2]  # " Hi,": the character's tokens not yet
+    assert list(tokens_in(out, 1, 6)) == [1, 2, 3, 4]
+    assert list(tokens_in(out, 5, 6)) == [3, 4]  # the character's first token starts where its text is
+    assert list(tokens_in(out, 0, 0)) == [] and list(tokens_in(Output(), 0, 3)) == []
+
+
+def test_an_output_keeps_one_logprob_per_token_or_none():
+    lp = [TokenLogprob(i, -0.5) for i in range(4)]
+    out = Output(finished=False)
+    out.append("ab", 2, lp[:2])
+    out.append("", 0)  # (a final flush: text without a token)
+    assert out.logprobs == lp[:2]
+    out.append("c", 1, lp[2:3])
+    assert out.logprobs == lp[:3] and len(out.logprobs) == len(out)
+    out.append("d", 1)  # a run that computes none: the list ends
+    assert out.logprobs is None
+    out.append("e", 1, lp[3:])
+    assert out.logprobs is None  # (never again for this output: it would not match its tokens)
+    later = Output("xy", array("q", [1, 2]))  # read back from the database: none, and none begin
+    later.append("z", 1, lp[:1])
+    assert later.logprobs is None
+
+
+@pytest.mark.parametrize("bad", [-1, 21, "3", True, 2.0])
+def test_the_logprobs_parameter_is_checked(bad):
+    with pytest.raises(TaskInvalid) as exc:
+        clean_params({"logprobs": bad}, 65536)
+    assert exc.value.param == "logprobs"
+
+
+def test_the_logprobs_parameter_reaches_the_run():
+    assert sampling_params(clean_params({"logprobs": 4}, 65536), 16).logprobs == 4
+    assert sampling_params(clean_params({}, 65536), 16).logprobs is None
