@@ -125,6 +125,20 @@ async def test_prompt_cache_retention_is_accepted(server):
     assert isinstance(result.final_output, Pick)
 
 
+async def test_top_logprobs_give_the_message_its_logprobs(server):
+    """ModelSettings.top_logprobs: the SDK asks the Responses API for the message's logprobs
+    (include message.output_text.logprobs); the typed answer's tokens come with theirs, taken
+    before the JSON grammar's mask (a forced token may be improbable, never impossible)."""
+    model = OpenAIResponsesModel(model="rwkv", openai_client=async_sdk(server, timeout=120))
+    settings = ModelSettings(temperature=0, max_tokens=64, top_logprobs=2)
+    agent = Agent(name="s", instructions="Answer.", model=model, output_type=Pick, model_settings=settings)
+    result = await Runner.run(agent, "Pick a digit, and say yes or no.")
+    assert isinstance(result.final_output, Pick)
+    part = result.raw_responses[-1].output[0].content[0]
+    assert part.logprobs and all(len(e.top_logprobs) == 2 and e.logprob > float("-inf") for e in part.logprobs)
+    assert part.text in b"".join(bytes(e.bytes) for e in part.logprobs).decode("utf-8", "replace")
+
+
 TYPED = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=1.0, top_p=1.0, max_tokens=64,
                       extra_body={"seed": 0})  # fmt: skip
 """The first turn's call forced; then (tool_choice reset to auto) a call or the typed answer:
