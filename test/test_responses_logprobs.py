@@ -80,6 +80,25 @@ def test_none_without_the_include_and_a_follow_up_does_not_inherit_them(server):
     assert then.output[0].content[0].text and then.output[0].content[0].logprobs == []
 
 
+def test_they_validate_with_the_sdks_models(server):
+    """A client that validates (pydantic's model_validate on the SDK's types) takes the entries,
+    in the response and in its events."""
+    import json
+
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {**ASK, "include": LOGPROBS, "top_logprobs": 2}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = Response.model_validate(http.post("/v1/responses", json=body).json())
+        streamed = http.post("/v1/responses", json={**body, "stream": True}).text
+    assert len(r.output[0].content[0].logprobs[0].top_logprobs) == 2
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(json.loads(line[6:])) for line in streamed.split("\n") if line.startswith("data: ")]
+    assert events[-1].type == "response.incomplete"
+    assert sum(len(e.logprobs) for e in events if e.type == "response.output_text.delta") == r.usage.output_tokens
+
+
 def test_a_bad_top_logprobs_is_refused_naming_it(server):
     r = httpx.post(server.url + "/v1/responses", json={**ASK, "include": LOGPROBS, "top_logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
