@@ -95,7 +95,7 @@ def test_delete_and_store_false(server):
     ({"include": ["reasoning.encrypted_content", "message.output_text"]}, 400, "include[1]"),  # (no such value)
     ({"reasoning": {"bogus": 1}}, 400, "reasoning.bogus"),
     ({"background": True, "store": False}, 400, "background"),  # (background needs store)
-    ({"max_tool_calls": 3}, 400, "max_tool_calls"),
+    ({"max_tool_calls": -1}, 400, "max_tool_calls"),
     ({"top_logprobs": 21}, 400, "top_logprobs"),  # (0..20)
     ({"conversation": "conv_1"}, 404, "conversation"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),

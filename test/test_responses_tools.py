@@ -107,6 +107,16 @@ def test_a_stateless_tool_loop_sends_the_items_back_across_a_restart(server):
     assert [i.call_id for i in listed[1::2]] == [i.call_id for i in listed[2::2]]
 
 
+def test_max_tool_calls_bounds_built_in_tools_only(server):
+    """OpenAI's max_tool_calls counts calls to built-in tools, none here: accepted, echoed (on
+    create and on retrieve), the forced function call made as without it."""
+    client = sdk(server)
+    r = client.responses.create(**FORCED, input=QUESTION, max_tool_calls=0)
+    assert r.max_tool_calls == 0 and [o.type for o in r.output] == ["function_call"]
+    assert client.responses.retrieve(r.id).max_tool_calls == 0
+    assert client.responses.create(**FORCED, input=QUESTION).max_tool_calls is None
+
+
 def test_the_prompt_is_chats_rendering_of_the_same_history():
     """Responses items -> the text chat renders for the same messages (one shared renderer)."""
     from server.api.openai.chat_format import build_prompt

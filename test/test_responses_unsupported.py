@@ -52,7 +52,7 @@ def test_an_unknown_conversation_is_not_found(server, value, extra):
 ], ids=lambda v: v if isinstance(v, str) else None)
 @pytest.mark.parametrize("extra", [{}, {"stream": True}, {"store": False}], ids=["plain", "stream", "not-stored"])
 def test_a_stored_prompt_is_unsupported_naming_it(server, field, value, extra):
-    """As its neighbours in the docs (max_tool_calls, background, ...): 400 unsupported_field
+    """As its neighbours in the docs (access_programs, image, ...): 400 unsupported_field
     naming the field, with why (was 400 invalid_request "invalid 'prompt': Input should be None",
     which reads as a malformed value)."""
     before = created(server)

@@ -129,6 +129,7 @@ def _meta(body: ResponseRequest, rendered: Rendered, described: str | None) -> d
         "verbosity": body.text.verbosity if body.text is not None else None,
         "background": bool(body.background),
         "top_logprobs": body.top_logprobs,
+        "max_tool_calls": body.max_tool_calls,
     }
 
 

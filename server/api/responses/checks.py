@@ -42,7 +42,6 @@ def check_supported(body: ResponseRequest) -> None:
                        code="invalid_request")  # fmt: skip
     _check_include(body.include or [])
     refused = {  # field -> why, where its value asks for what this route does not do
-        "max_tool_calls": body.max_tool_calls is not None and "max_tool_calls: use parallel_tool_calls",
         "prompt": body.prompt is not None
         and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
         "access_programs": body.access_programs is not None and "access_programs",

@@ -261,6 +261,7 @@ def response(t: Task, model: str, *, with_output: bool = True, words: TokenBytes
         "tools": m.get("tools") or [],
         "tool_choice": m.get("tool_choice") or "auto",
         "parallel_tool_calls": m.get("parallel_tool_calls", False),
+        "max_tool_calls": m.get("max_tool_calls"),
         "store": t.kind != "tmp",
         "background": bool(m.get("background")),
         "metadata": m.get("metadata") or {},

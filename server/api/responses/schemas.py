@@ -217,8 +217,10 @@ class ResponseRequest(ResponseInput):
     background: bool | None = None
     """True: the run is not tied to the request (read back by GET, stopped by POST .../cancel:
     server.api.responses.background); it needs `store`."""
-    max_tool_calls: int | None = None
-    """Only null: no bound on the calls but `parallel_tool_calls`."""
+    max_tool_calls: int | None = Field(None, ge=0)
+    """A bound on calls to built-in tools (OpenAI's meaning: function calls are not counted):
+    there are none here, so it bounds nothing; echoed. `parallel_tool_calls` bounds a reply's
+    function calls to one."""
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """The alternatives per token of the message's logprobs (with include's
     "message.output_text.logprobs"; without it none are returned, as OpenAI's)."""
