@@ -10,14 +10,16 @@ from __future__ import annotations
 from array import array
 
 import httpx
+import orjson
 import pytest
-from util_server import running_server, sdk
+from util_server import committed_row, running_server, sdk
 
 from server.api.responses.logprobs import tokens_in
 from server.engine.types import TokenLogprob
 from server.tasks.errors import TaskInvalid
 from server.tasks.output import Output
 from server.tasks.params import clean_params, sampling_params
+from server.tasks.token_logprobs import LogprobBudget, TokenLogprobs
 
 LOGPROBS = ["message.output_text.logprobs"]
 ASK = {"model": "m", "input": "Tell me about the sea.", "temperature": 0, "max_output_tokens": 24}
@@ -140,9 +142,9 @@ def test_an_output_keeps_one_logprob_per_token_or_none():
     out = Output(finished=False)
     out.append("ab", 2, lp[:2])
     out.append("", 0)  # (a final flush: text without a token)
-    assert out.logprobs == lp[:2]
+    assert out.logprobs is not None and out.logprobs.slice(0, 9) == lp[:2]
     out.append("c", 1, lp[2:3])
-    assert out.logprobs == lp[:3] and len(out.logprobs) == len(out)
+    assert out.logprobs.slice(0, 3) == lp[:3] and len(out.logprobs) == len(out)
     out.append("d", 1)  # a run that computes none: the list ends
     assert out.logprobs is None
     out.append("e", 1, lp[3:])
@@ -150,6 +152,62 @@ def test_an_output_keeps_one_logprob_per_token_or_none():
     later = Output("xy", array("q", [1, 2]))  # read back from the database: none, and none begin
     later.append("z", 1, lp[:1])
     assert later.logprobs is None
+
+
+def test_packed_logprobs_give_back_what_came():
+    """float32 values come back exactly (they are float32 already); alternatives per token may
+    differ in number (a continue with another top_logprobs)."""
+    import torch
+
+    vals = torch.randn(12).log_softmax(0).tolist()  # (doubles holding float32 values, as the engine's)
+    lps = [TokenLogprob(7, vals[0], ((7, vals[0]), (3, vals[1]))), TokenLogprob(65535, vals[2]),
+           TokenLogprob(0, vals[3], tuple((i, vals[4 + i]) for i in range(8)))]
+    packed = TokenLogprobs(lps[:1])
+    packed.extend(lps[1:])
+    assert len(packed) == 3 and packed.slice(0, 3) == lps and packed.slice(1, 2) == lps[1:2]
+    assert packed.slice(2, 99) == lps[2:] and packed.slice(3, 3) == []
+    assert packed.nbytes == (3 + 1 + 9) * 8 + 3 * 8  # (entries: 8 bytes each; ends: 8 a token)
+
+
+def _ended(budget: LogprobBudget, n: int) -> Output:
+    out = Output(finished=False)
+    out.append("x" * n, n, [TokenLogprob(1, -1.0)] * n)  # 16 bytes a token (k = 0)
+    budget.ended(out)
+    return out
+
+
+def test_the_budget_lets_the_oldest_ended_outputs_logprobs_go():
+    import gc
+
+    budget = LogprobBudget(limit=16 * 100)
+    a, b = _ended(budget, 40), _ended(budget, 40)
+    assert budget.bytes == 16 * 80 and a.logprobs is not None
+    c = _ended(budget, 40)  # over the limit: the oldest (a) lets its logprobs go
+    assert a.logprobs is None and b.logprobs is not None and c.logprobs is not None and budget.bytes == 16 * 80
+    b.append("y" * 10, 10, [TokenLogprob(2, -2.0)] * 10)
+    budget.ended(b)  # (a continue of b ended: counted anew, as the newest)
+    assert budget.bytes == 16 * 90 and b.logprobs is not None and c.logprobs is not None
+    _ended(budget, 20)  # (dropped at once: nothing holds it) c is now the oldest, and goes
+    assert c.logprobs is None and b.logprobs is not None
+    del b
+    gc.collect()
+    assert budget.bytes == 0  # an output let go of (its task left memory) no longer counts
+    big = _ended(budget, 200)  # one output alone above the limit keeps none once ended
+    assert big.logprobs is None and budget.bytes == 0
+
+
+def test_forks_and_templates_through_the_task_api_do_not_compute_them(server):
+    client = sdk(server)
+    r = client.responses.create(**ASK, include=LOGPROBS, top_logprobs=20)
+    tid = "TASK_" + r.id.split("_", 1)[1]
+    fork = httpx.post(f"{server.url}/v1/tasks/{tid}/fork", json={"prompt": " more", "max_tokens": 2}).json()
+    tpl = httpx.post(f"{server.url}/v1/tasks/{tid}/as_template", params={"name": "from_a_response"})
+    assert tpl.status_code == 200, tpl.text
+    server.restart()  # (every row written)
+    params = {t: orjson.loads(committed_row(server.db, t)["params"])
+              for t in (tid, fork["task_id"], tpl.json()["task_id"])}
+    assert params[tid]["logprobs"] == 20
+    assert "logprobs" not in params[fork["task_id"]] and "logprobs" not in params[tpl.json()["task_id"]], params
 
 
 @pytest.mark.parametrize("bad", [-1, 21, "3", True, 2.0])

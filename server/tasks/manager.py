@@ -55,7 +55,7 @@ from server.tasks.inputs import Inputs, Prompt
 from server.tasks.inventory import Inventory
 from server.tasks.lease import Lease
 from server.tasks.lineage import base_of
-from server.tasks.params import GivenParams, TaskParams, fim_prompt
+from server.tasks.params import GivenParams, TaskParams, fim_prompt, inherited
 from server.tasks.persist import Persistence
 from server.tasks.records import TASK, TMP, Output, Task, new_id
 from server.tasks.runs import Runs
@@ -304,7 +304,7 @@ class TaskManager:
         over = self.inputs.params(params)
         src = await _settled_if_stopping(await self.get(task_id, owner))
         self.access.finished(src, "fork")
-        merged: TaskParams = {**src.params, **over} if inherit else over
+        merged: TaskParams = {**inherited(src.params), **over} if inherit else over
         if merged.get("max_tokens") == 0 and "max_tokens" not in over:
             merged.pop("max_tokens")  # a prefill-only source forks into generating tasks
         kind = TMP if tmp else TASK

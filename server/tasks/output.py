@@ -9,6 +9,8 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from server.tasks.token_logprobs import TokenLogprobs
+
 if TYPE_CHECKING:
     from server.engine.types import TokenLogprob
 
@@ -25,10 +27,10 @@ class Output:
         self.finished = finished
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.logprobs: list[TokenLogprob] | None = None
+        self.logprobs: TokenLogprobs | None = None
         """One per output token, when every run of this output computed them (the task's
-        `logprobs` parameter); else None. Kept in memory only: an output read back from the
-        database has none."""
+        `logprobs` parameter); else None. Kept in memory only (an output read back from the
+        database has none), and let go past a bound (token_logprobs.LogprobBudget)."""
         self._waiters: set[asyncio.Future[None]] = set()
         self._listeners: list[Callable[[], None]] = []  # called by notify (server.api.streaming.direct)
 
@@ -58,7 +60,7 @@ class Output:
         elif self.logprobs is not None:
             self.logprobs.extend(values)
         elif not self.offsets:
-            self.logprobs = list(values)
+            self.logprobs = TokenLogprobs(values)
 
     def take_back(self, n: int) -> None:
         """Drop the last n characters of text (a continue completes what they stood for)."""

@@ -221,6 +221,15 @@ def sampling_params(params: TaskParams, default_max_tokens: int) -> SamplingPara
     return sp if fmt is None else replace(sp, grammar=format_grammar(fmt, known_keys=False))
 
 
+def inherited(params: TaskParams) -> TaskParams:
+    """A source's parameters as a fork or a template of it takes them: less `logprobs` (a run's
+    cost that only the route that asked reads: a /v1/tasks fork could neither show them nor turn
+    them off)."""
+    out = params.copy()
+    out.pop("logprobs", None)
+    return out
+
+
 def fim_prompt(prefix: str, suffix: str) -> str:
     """The RWKV-7 fill-in-the-middle prompt (docs/task-api.md)."""
     return f"✿prefix✿✿suffix✿{suffix}✿middle✿{prefix}"

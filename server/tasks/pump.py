@@ -20,6 +20,7 @@ from typing import Protocol
 
 from server.engine.types import Event, Result
 from server.tasks.records import PREFILL, READY, RUNNING, TMP, Run, Task
+from server.tasks.token_logprobs import LogprobBudget
 
 __all__ = ["PROGRESS_INTERVAL", "Pump", "PumpPersistence", "RunSettler"]
 
@@ -41,10 +42,18 @@ class RunSettler(Protocol):
 
 class Pump:
     """Follows runs' events into their tasks' outputs and settles each run at its end. `abort`
-    aborts a task's run (Runs.abort): a cancelled pump ends its run as "interrupted"."""
+    aborts a task's run (Runs.abort): a cancelled pump ends its run as "interrupted". `logprobs`:
+    the bound on the logprobs ended outputs hold (server.tasks.token_logprobs)."""
 
-    def __init__(self, persistence: PumpPersistence, settler: RunSettler, abort: Callable[[Task], None]) -> None:
+    def __init__(
+        self,
+        persistence: PumpPersistence,
+        settler: RunSettler,
+        abort: Callable[[Task], None],
+        logprobs: LogprobBudget | None = None,
+    ) -> None:
         self.persistence, self.settler, self.abort = persistence, settler, abort
+        self.logprobs = logprobs or LogprobBudget()
         self._progress_at = 0.0  # monotonic time of the last progress job offered
 
     async def follow(self, t: Task, run: Run) -> None:
@@ -78,6 +87,8 @@ class Pump:
                     run.undo()
         if not run.discarded:
             await self.settler.settle(t, run, res, error)
+        if t.out.logprobs is not None:
+            self.logprobs.ended(t.out)
 
     def on_batch(self, t: Task, run: Run, batch: list[Event]) -> None:
         if run.discarded:

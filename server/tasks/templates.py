@@ -28,6 +28,7 @@ from server.tasks.errors import TaskConflict, TaskInvalid
 from server.tasks.imports import name_issue
 from server.tasks.lineage import base_of
 from server.tasks.output import Output
+from server.tasks.params import inherited
 from server.tasks.persist import Persistence
 from server.tasks.records import FINISHED, PREFILL, TEMPLATE, Task, display_id, new_id, to_row
 from server.tasks.statestore import state_row
@@ -124,7 +125,7 @@ class TemplateMaker:
 def template_of(src: Task, tid: str, owner: str | None, public: bool) -> Task:
     """A new template `tid` with the finished task's history, text and parameters (less a
     `max_tokens` of 0: forks of it generate), running until fill_template gives it its state."""
-    params = src.params.copy()
+    params = inherited(src.params)
     if params.get("max_tokens") == 0:
         del params["max_tokens"]
     tpl = Task(

@@ -49,7 +49,7 @@ def tokens_in(out: Output, a: int, b: int) -> range:
 def values(out: Output, tokens: range) -> list[TokenLogprob]:
     """The logprobs of these output tokens ([] when the output holds none for them)."""
     lps = out.logprobs
-    return [] if lps is None or len(lps) < tokens.stop else lps[tokens.start : tokens.stop]
+    return [] if lps is None or len(lps) < tokens.stop else lps.slice(tokens.start, tokens.stop)
 
 
 def entries(words: TokenBytes, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:

@@ -203,9 +203,8 @@ class ResponseStream:
             return b""
         out = b"" if self._open else self._open_message()
         delta, self._sent = text[self._sent :], len(text)
-        if delta:
-            lead = 0 if self._keep else len(self._raw) - len(self._raw.lstrip())
-            out += self._delta(delta, lead)
+        if delta:  # (where the text starts, found once: it is the output's text less its lead)
+            out += self._delta(delta, self._at if self._at is not None else self.t.out.text.find(text))
         return out
 
     def _closing(self) -> bytes:

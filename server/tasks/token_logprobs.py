@@ -1,0 +1,105 @@
+"""The logprobs a task's output keeps beside its tokens (Output.logprobs, for a run with the
+task's `logprobs` parameter: server.tasks.params), packed, and the bound on what the outputs of
+ended runs hold of them.
+
+Packed: per token its id and logprob, then its alternatives' ids and logprobs, in flat arrays
+(ids int32, logprobs float32: the values are float32 already, log_softmax of float32 logits, so
+nothing is rounded), with where each token's entries end: 8 (k + 1) + 8 bytes a token with k
+alternatives, where TokenLogprob objects with their tuples took about 2.5 KB at k = 20.
+
+Bounded: the logprobs of outputs whose runs ended are held up to LOGPROBS_BYTES in all; past
+that, those of the outputs that ended longest ago are let go (a response then shows none, as one
+read back from the database). A running output's are never let go while it runs (its max_tokens
+bounds them)."""
+
+from __future__ import annotations
+
+import weakref
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+from functools import partial
+from typing import TYPE_CHECKING
+
+from server.engine.types import TokenLogprob
+
+if TYPE_CHECKING:
+    from server.tasks.output import Output
+
+__all__ = ["LOGPROBS_BYTES", "LogprobBudget", "TokenLogprobs"]
+
+LOGPROBS_BYTES = 256 << 20
+"""What the ended outputs' logprobs may hold in all: ~1.5 M tokens at top_logprobs 20, ~16 M at 0."""
+
+
+class TokenLogprobs:
+    """One output's token logprobs, one entry per token, packed (above)."""
+
+    __slots__ = ("_ends", "_ids", "_values")
+
+    def __init__(self, values: Iterable[TokenLogprob] = ()) -> None:
+        self._ids = array("i")  # per token: its id, then its alternatives'
+        self._values = array("f")  # their logprobs, alike
+        self._ends = array("q")  # where each token's entries end in _ids / _values
+        self.extend(values)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def extend(self, values: Iterable[TokenLogprob]) -> None:
+        ids, vals, ends = self._ids, self._values, self._ends
+        for v in values:
+            ids.append(v.token)
+            vals.append(v.logprob)
+            for token, lp in v.top:
+                ids.append(token)
+                vals.append(lp)
+            ends.append(len(ids))
+
+    def slice(self, start: int, stop: int) -> list[TokenLogprob]:
+        """The entries of tokens start..stop-1, as TokenLogprobs."""
+        ids, vals, ends = self._ids, self._values, self._ends
+        out, a = [], ends[start - 1] if start > 0 else 0
+        for i in range(start, min(stop, len(ends))):
+            b = ends[i]
+            out.append(TokenLogprob(ids[a], vals[a], tuple(zip(ids[a + 1 : b], vals[a + 1 : b], strict=True))))
+            a = b
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(x) * x.itemsize for x in (self._ids, self._values, self._ends))
+
+
+class LogprobBudget:
+    """Holds the ended outputs' logprobs to `limit` bytes in all (the module's docstring)."""
+
+    def __init__(self, limit: int = LOGPROBS_BYTES) -> None:
+        self.limit = limit
+        self.bytes = 0  # what the held outputs' logprobs take
+        self._held: OrderedDict[int, tuple[weakref.ref[Output], int]] = OrderedDict()  # id(out): oldest first
+
+    def ended(self, out: Output) -> None:
+        """out's run ended (again, after a continue: its logprobs are counted anew, as the newest)."""
+        key = id(out)
+        before = self._held.pop(key, None)
+        if before is not None:
+            self.bytes -= before[1]
+        if out.logprobs is None:
+            return
+        size = out.logprobs.nbytes
+        self._held[key] = (weakref.ref(out, partial(self._gone, key)), size)
+        self.bytes += size
+        while self.bytes > self.limit:
+            _, (ref, n) = self._held.popitem(last=False)
+            self.bytes -= n
+            old = ref()
+            if old is not None:
+                old.logprobs = None
+
+    def _gone(self, key: int, ref: weakref.ref[Output]) -> None:
+        """An output let go of (its task left memory): its logprobs no longer count."""
+        held = self._held.get(key)
+        if held is not None and held[0] is ref:
+            del self._held[key]
+            self.bytes -= held[1]
