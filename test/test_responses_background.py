@@ -228,3 +228,27 @@ def test_a_streamed_one_ends_with_the_shutdown_as_a_foreground_stream_does(serve
     server.start()
     got = sdk(server, key="k1").responses.retrieve(end["response"]["id"])
     assert got.status == "failed" and got.output_text == end["response"]["output"][0]["content"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("resp-bg-1"), env={"RWKV_MAX_BATCH": "1"}) as srv:
+        yield srv
+
+
+def test_one_waiting_for_a_slot_is_queued(one_slot):
+    """OpenAI's `queued`: a response whose run waits behind a full engine (here: one slot) reads
+    queued on its create and GET, in_progress once it runs; a queued one can be cancelled."""
+    client = sdk(one_slot, timeout=10)
+    a = client.responses.create(**ASK, background=True)
+    until(lambda: client.responses.retrieve(a.id), lambda x: len(x.output_text) > 0)  # a holds the slot
+    b = client.responses.create(**ASK, background=True)
+    assert b.status == "queued" and b.output == [] and client.responses.retrieve(b.id).status == "queued"
+    c = client.responses.create(**ASK, background=True)
+    cancelled = client.responses.cancel(c.id)  # (never ran)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens == 0
+    assert client.responses.retrieve(a.id).status == "in_progress"
+    client.responses.cancel(a.id)
+    runs = until(lambda: client.responses.retrieve(b.id), lambda x: len(x.output_text) > 0)
+    assert runs.status == "in_progress" and runs.output[0].status == "in_progress"
+    assert client.responses.cancel(b.id).status == "cancelled"

@@ -23,7 +23,7 @@ from server.api.openai.agent_render import TokenBytes
 from server.api.openai.chat_format import TURN_SEP
 from server.api.openai.tools import MARKER, Mode, parse_calls
 from server.api.responses.logprobs import of_message
-from server.tasks.records import TASK, Task
+from server.tasks.records import READY, TASK, Task
 
 _ID = re.compile(r"resp_([0-9a-f]{32})")
 STATUS = {
@@ -76,8 +76,11 @@ def response_id_of(task_id: str) -> str:
 
 
 def status(t: Task) -> str:
-    """The response's status (in_progress while it runs)."""
-    return "in_progress" if t.running else STATUS.get(t.finish_reason or "", "failed")
+    """The response's status: queued while its run waits for a free slot of the engine (the
+    task's READY: the sequences ahead of it fill every slot), in_progress while it runs."""
+    if t.running:
+        return "queued" if t.status == READY else "in_progress"
+    return STATUS.get(t.finish_reason or "", "failed")
 
 
 def continues(t: Task) -> bool:
@@ -172,6 +175,8 @@ def _item_status(t: Task) -> str:
     """The message item's status: OpenAI's item has no "cancelled" or "failed"; an answer cut
     short (max_output_tokens, stopped, failed) is "incomplete"."""
     state = status(t)
+    if state == "queued":
+        return "in_progress"
     return state if state in ("in_progress", "completed") else "incomplete"
 
 
@@ -271,12 +276,13 @@ def response(t: Task, model: str, *, with_output: bool = True, words: TokenBytes
     }
 
 
-def head(t: Task, model: str) -> dict[str, Any]:
+def head(t: Task, model: str, *, waiting: bool = False) -> dict[str, Any]:
     """The response as its stream's first events show it: in progress, no output yet (a replay of
-    a finished response starts as its original stream did)."""
+    a finished response starts as its original stream did). waiting: as a background create
+    answers, queued while its run waits for a slot."""
     return {
         **response(t, model, with_output=False),
-        "status": "in_progress",
+        "status": "queued" if waiting and status(t) == "queued" else "in_progress",
         "error": None,
         "incomplete_details": None,
         "usage": None,

@@ -217,8 +217,8 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
         source = ResponseStream(t, sv.model_id, on_abort=None if background else stop,
                                 on_shutdown=interrupt if background else None, words=sv.tokenizer)  # fmt: skip
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
-    if background:  # (as OpenAI's answer: in progress, no output yet; GET then shows it as it is)
-        return json_response(render.head(t, sv.model_id))
+    if background:  # (as OpenAI's answer: queued or in progress, no output yet; GET then shows it as it is)
+        return json_response(render.head(t, sv.model_id, waiting=True))
     if not await _settle(request, t):
         end_run(request, tm, t)
         request.state.error = "the client left before the answer"
