@@ -224,6 +224,36 @@ def test_playground_streams_a_chat(server, browser):
     assert console_errors(browser) == []
 
 
+def test_playground_shows_token_probabilities(server, browser):
+    """"token probabilities": the reply's tokens under it, one per generated token, each with its
+    probability and the alternatives' in its tooltip, as the chat's logprobs give them."""
+    open_page(browser, server, "#/playground", "#chat-template[data-loaded]")
+    browser.execute_script("""window.__bodies = []; const fetch0 = window.fetch;
+        window.fetch = (input, init) => {
+          if (String(input).includes('/v1/chat/completions')) window.__bodies.push(JSON.parse(init.body));
+          return fetch0(input, init); };""")
+    _set(browser, "#chat-settings", "max_tokens", 12)
+    _set(browser, "#chat-settings", "temperature", 0)
+    browser.find_element("css selector", "#chat-logprobs").click()
+    facts = _chat(browser, "Tell me a story")
+    body = browser.execute_script("return window.__bodies")[-1]
+    assert (body["logprobs"], body["top_logprobs"]) == (True, 5), body
+    toks = browser.find_elements("css selector", "#chat-log .msg.assistant:last-child .tokens .tok")
+    assert f"{len(toks)} tokens" in facts, facts  # one per generated token (the facts count them)
+    again = {k: v for k, v in body.items() if k != "stream_options"}
+    want = httpx.post(server.url + "/v1/chat/completions", json={**again, "stream": False}, timeout=60).json()
+    entries = want["choices"][0]["logprobs"]["content"]  # (greedy: the same tokens again)
+    assert [t.get_attribute("textContent") for t in toks] == [e["token"].replace("\n", "↵") for e in entries]
+    tip = toks[0].get_attribute("title").split("\n")
+    assert len(tip) == 1 + 5 and tip[0].startswith(json.dumps(entries[0]["token"], ensure_ascii=False)) and tip[0].endswith("%"), tip
+    shot(browser, "playground-tokens")
+    browser.find_element("css selector", "#chat-logprobs").click()  # off: the next reply has no strip
+    _chat(browser, "And then?")
+    assert not browser.find_elements("css selector", "#chat-log .msg.assistant:last-child .tokens")
+    assert "logprobs" not in browser.execute_script("return window.__bodies")[-1]
+    assert console_errors(browser) == []
+
+
 def test_playground_from_a_template_forks_it(server, browser, template):
     open_page(browser, server, "#/playground", f'#chat-template option[value="{template}"]')
     browser.find_element("css selector", f'#chat-template option[value="{template}"]').click()

@@ -4,6 +4,8 @@
 // continue that task: its state carries the conversation, nothing is prefilled twice. A turn
 // joins the chat's history once it has ended (or was stopped: what came is kept); one that
 // failed (refused by the server, cut by an error) stays out of it, and its bubbles say so.
+// "Token probabilities" (plain chat) asks for logprobs: each token of the reply is shown under it,
+// shaded by its probability, with the most probable alternatives in its tooltip.
 
 import { aborted, api, sse } from "./api.js";
 import { errorBox, field, h } from "./dom.js";
@@ -24,7 +26,9 @@ export function mount(el) {
     h("label", { class: "field" }, h("span", {}, "start from template"), template), stateField,
     field("system prompt (plain chat)", "system", { tag: "textarea", rows: 2 }),
     samplingFields(OPENAI_FIELDS, { max_tokens: 200 }),
-    h("p", { class: "muted" }, "From a template the chat runs on the task API: frequency penalty does not apply."));
+    h("label", { class: "field check" }, h("input", { type: "checkbox", name: "logprobs", id: "chat-logprobs" }),
+      h("span", {}, "token probabilities (plain chat)")),
+    h("p", { class: "muted" }, "From a template the chat runs on the task API: frequency penalty and token probabilities do not apply."));
   const log = h("div", { id: "chat-log", class: "chat-log" });
   const input = h("textarea", { name: "message", id: "chat-input", rows: 3, placeholder: "Message (Enter sends, Shift+Enter: new line)" });
   const sendButton = h("button", { id: "chat-send", type: "submit" }, "Send");
@@ -96,6 +100,7 @@ async function turn(chat, text, log, { template, state, settings }) {
   const reply = bubble(log, "assistant", "");
   reply.el.classList.add("streaming");
   const params = samplingBody(settings, OPENAI_FIELDS);
+  if (!template && settings.elements.logprobs.checked) Object.assign(params, { logprobs: true, top_logprobs: TOP });
   chat.turn = new AbortController();
   const signal = chat.turn.signal;
   const events = template
@@ -107,6 +112,7 @@ async function turn(chat, text, log, { template, state, settings }) {
   try {
     for await (const piece of events) {
       if (piece.usage) stats.usage = piece.usage;
+      if (piece.logprobs) showTokens(reply, piece.logprobs);
       if (!piece.text) continue;
       stats.last = performance.now();
       stats.first ??= stats.last;
@@ -127,6 +133,28 @@ async function turn(chat, text, log, { template, state, settings }) {
       for (const b of [asked, reply]) b.el.classList.add("failed");
       reply.meta.textContent += template ? " · failed" : " · failed: not part of the chat (the next message goes without it)";
     }
+  }
+}
+
+const TOP = 5; // alternatives per token shown in a token's tooltip
+
+/** Add tokens (chat's logprobs.content entries) to the reply's token strip: each token's text
+ *  (a newline shown as ↵), shaded by its probability; its tooltip: its probability and the
+ *  alternatives'. The strip shows the tokens as generated: the reply's leading whitespace and
+ *  a token that holds part of a character (U+FFFD) too. */
+function showTokens(reply, entries) {
+  if (!reply.tokens) {
+    reply.tokens = h("div", { class: "tokens" });
+    reply.body.after(reply.tokens);
+  }
+  const pct = (lp) => `${(Math.exp(lp) * 100).toFixed(1)}%`;
+  const shown = (s) => s.replace(/\n/g, "↵");
+  for (const e of entries) {
+    const alts = (e.top_logprobs || []).map((a) => `${JSON.stringify(a.token)} ${pct(a.logprob)}`);
+    reply.tokens.append(h("span", {
+      class: "tok", style: `--p: ${Math.exp(e.logprob).toFixed(3)}`,
+      title: [`${JSON.stringify(e.token)} ${pct(e.logprob)}`, ...alts].join("\n"),
+    }, shown(e.token)));
   }
 }
 
@@ -153,7 +181,8 @@ async function* chatTurn(chat, text, params, system, state, signal) {
   for await (const ev of sse("/v1/chat/completions", { method: "POST", body, signal })) {
     const choice = (ev.choices || [])[0];
     const piece = choice && choice.delta && choice.delta.content;
-    if (piece) yield { text: piece };
+    const logprobs = choice && choice.logprobs && choice.logprobs.content;
+    if (piece || logprobs) yield { text: piece || "", logprobs };
     if (ev.usage) yield { usage: ev.usage };
   }
 }
