@@ -198,6 +198,28 @@ def test_the_history_writes_a_reply_as_the_model_wrote_it_and_a_named_choice_hid
     assert '"get_weather"' not in named.grammar().source and '"get_time"' in named.grammar().source
 
 
+def test_allowed_tools_restrict_the_grammar_not_the_system_turn(client):
+    """tool_choice allowed_tools (chat's shape: under "allowed_tools"): required, the reply is a
+    call of the listed tools only; the system turn describes every tool (the cached prefix is the
+    same whichever a turn allows); auto lets the reply be text too."""
+    from server.api.openai.tools import plan
+
+    allow = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    p = plan(TOOLS, allow, None)
+    assert [t.name for t in p.tools] == ["get_time"] and p.forced and p.parallel
+    assert p.system_text() == plan(TOOLS, "required", None).system_text()
+    assert '"get_weather"' not in p.grammar().source and '"get_time"' in p.grammar().source
+    auto = plan(TOOLS, {**allow, "allowed_tools": {**allow["allowed_tools"], "mode": "auto"}}, False)
+    assert not auto.forced and not auto.parallel and [t.name for t in auto.tools] == ["get_time"]
+    for seed in range(3):
+        r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice=allow, seed=seed,
+                                           parallel_tool_calls=False, max_tokens=60)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"]
+    check_calls(r.choices[0].message.tool_calls)
+
+
 def test_auto_tool_choice_answers(client):
     r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, seed=1, max_tokens=40)
     c = r.choices[0]
@@ -306,6 +328,12 @@ def tool(name, params=None):
     ({"tools": [tool("f", {"type": "string"})]}, "tools[0].function.parameters"),  # arguments are an object
     ({"tools": [tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [tool("f")], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "g"}}]}}}, "tool_choice.allowed_tools.tools[0]"),
+    ({"tools": [tool("f")], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}}}, "tool_choice.allowed_tools.mode"),
+    ({"tools": [tool("f")], "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                            "tools": [{"type": "function", "name": "f"}]}}, "tool_choice"),  # (its flat shape)
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "r"}]}, "messages[1].tool_call_id"),
     ({"tools": [tool("f")], "messages": [*USER, {"role": "assistant", "tool_calls": [
         {"id": "call_1", "type": "custom", "function": {"name": "f", "arguments": "{}"}}]}]},

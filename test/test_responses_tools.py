@@ -107,6 +107,26 @@ def test_a_stateless_tool_loop_sends_the_items_back_across_a_restart(server):
     assert [i.call_id for i in listed[1::2]] == [i.call_id for i in listed[2::2]]
 
 
+def test_allowed_tools_restrict_the_calls_not_the_prompt(server):
+    """tool_choice allowed_tools: the output calls only the tools listed (required: one or more of
+    them; auto: those or text), while the system turn describes them all, so the next turn of a
+    tool loop that allows others reuses the state (its prompt's tools are described once)."""
+    client = sdk(server)
+    allow = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    r = client.responses.create(**{**FORCED, "tool_choice": allow}, input=QUESTION)
+    assert [(o.type, o.name) for o in r.output] == [("function_call", "get_time")]
+    jsonschema.validate(json.loads(r.output[0].arguments), ZONE)
+    assert r.tool_choice.type == "allowed_tools" and r.tool_choice.mode == "required"
+    every = client.responses.create(**FORCED, input=QUESTION)  # (required, every tool: the same prompt)
+    assert every.usage.input_tokens == r.usage.input_tokens
+    weather = {**allow, "tools": [{"type": "function", "name": "get_weather"}]}
+    then = client.responses.create(**{**FORCED, "tool_choice": weather}, previous_response_id=r.id,
+                                   input=[result(one_call(r), "12:00")])
+    assert [o.name for o in then.output] == ["get_weather"]
+    cached = then.usage.input_tokens_details.cached_tokens
+    assert cached >= r.usage.input_tokens + r.usage.output_tokens - 1  # from the state: nothing described again
+
+
 def test_max_tool_calls_bounds_built_in_tools_only(server):
     """OpenAI's max_tool_calls counts calls to built-in tools, none here: accepted, echoed (on
     create and on retrieve), the forced function call made as without it."""
@@ -309,6 +329,17 @@ def bad_bodies():
     chat_shape = {"type": "function", "function": {"name": "get_time"}}
     yield {"tools": TOOLS, "tool_choice": chat_shape}, "tool_choice", "invalid_request"
     yield {"tool_choice": "required"}, "tool_choice", "invalid_request"
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    yield {"tools": TOOLS, "tool_choice": {**allowed, "mode": "none"}}, "tool_choice.mode", "invalid_request"
+    yield {"tools": TOOLS, "tool_choice": {**allowed, "tools": []}}, "tool_choice.tools", "invalid_request"
+    yield {"tools": TOOLS, "tool_choice": {**allowed, "tools": [{"type": "function", "name": "get_time"},
+                                                                {"type": "function", "name": "nope"}]}}, \
+        "tool_choice.tools[1]", "invalid_request"
+    yield {"tools": TOOLS, "tool_choice": {**allowed, "tools": [{"type": "mcp", "server_label": "x"}]}}, \
+        "tool_choice.tools[0]", "invalid_request"  # (no built-in or MCP tools here)
+    yield {"tools": TOOLS, "tool_choice": {**allowed, "tools": [chat_shape]}}, "tool_choice.tools[0]", "invalid_request"
+    yield {"tools": TOOLS, "tool_choice": {**allowed, "bogus": 1}}, "tool_choice", "invalid_request"
+    yield {"tool_choice": allowed}, "tool_choice", "invalid_request"  # (no tools)
     bad_format = {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}  # (with tools: still its own)
     yield {"tools": TOOLS, "text": {"format": bad_format}}, "text.format", "invalid_schema"
     yield {"input": [user, {**call, "call_id": "call_2"}, {"type": "function_call_output", "call_id": "call_1",

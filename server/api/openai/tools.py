@@ -205,10 +205,40 @@ def plan(tools: Sequence[Any] | None, choice: Any, parallel: bool | None, *, fla
         return None
     if choice == "required":
         return ToolPlan(tuple(parsed), True, parallel is not False)
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return _allowed(choice, parsed, parallel, flat)
     name = _named(choice, flat)
     if name not in names:
         raise ToolError("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
     return ToolPlan(tuple(t for t in parsed if t.name == name), True, False, tuple(parsed))  # one call of it
+
+
+def _allowed(choice: dict[str, Any], parsed: list[Tool], parallel: bool | None, flat: bool) -> ToolPlan:
+    """tool_choice {"type": "allowed_tools", "mode", "tools"} (chat: under "allowed_tools"): the
+    output may call the tools listed (auto), or must call one or more of them (required); the
+    system turn describes every tool of the request, so the prompt (and the state a tool loop
+    reuses) is the same whichever subset a turn allows, as OpenAI keeps its prompt cache."""
+    where = "tool_choice" if flat else "tool_choice.allowed_tools"
+    inner = choice if flat else choice.get("allowed_tools")
+    if not isinstance(inner, dict) or set(choice) - ({"type", "mode", "tools"} if flat else {"type", "allowed_tools"}):
+        keys = '"mode" and "tools"' if flat else '"allowed_tools": {"mode", "tools"}'
+        raise ToolError("tool_choice", f'tool_choice of type "allowed_tools" has {keys}, nothing else')
+    mode, listed = inner.get("mode"), inner.get("tools")
+    if mode not in ("auto", "required"):
+        raise ToolError(f"{where}.mode", f'{where}.mode: "auto" or "required", not {mode!r}')
+    if not isinstance(listed, list) or not listed:
+        raise ToolError(f"{where}.tools", f"{where}.tools: a list of one or more of the request's tools")
+    known = {t.name for t in parsed}
+    allowed = set()
+    for i, raw in enumerate(listed):
+        fn = _function(raw, flat)
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in known:
+            raise ToolError(f"{where}.tools[{i}]", f"{where}.tools[{i}] names no function of the request's tools "
+                            f"({', '.join(sorted(known))}): {raw!r}")  # fmt: skip
+        allowed.add(name)
+    subset = tuple(t for t in parsed if t.name in allowed)
+    return ToolPlan(subset, mode == "required", parallel is not False, tuple(parsed))
 
 
 def _function(raw: Any, flat: bool) -> Any:
