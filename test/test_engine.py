@@ -111,6 +111,22 @@ def test_abort_frees_the_slot(model, tok):
         e.shutdown()
 
 
+def test_a_handle_says_when_its_sequence_got_a_slot(model, tok):
+    """RequestHandle.admitted: False while the sequence waits for a slot, True once a step gave it
+    one (the task layer shows a waiting run as READY / a response as queued until then)."""
+    e = make_engine(model, tok, max_batch=1)
+    try:
+        h = e.submit([5, 6, 7], SamplingParams(max_tokens=100_000, **GREEDY), request_id="long")
+        waiting = e.submit([8, 9], SamplingParams(max_tokens=3, **GREEDY))
+        next(iter(h))
+        time.sleep(0.2)  # (steps run meanwhile: the one slot stays the first's)
+        assert h.admitted and not waiting.admitted
+        e.abort("long")
+        assert waiting.result(10).completion_tokens == 3 and waiting.admitted
+    finally:
+        e.shutdown()
+
+
 def test_prefill_a_then_b_equals_prefill_a_plus_b(engine):
     a, b = prompts(2, seed=3)
     s_a = engine.submit(a, SamplingParams(max_tokens=0), return_state=True).result(30)

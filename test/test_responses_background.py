@@ -252,3 +252,20 @@ def test_one_waiting_for_a_slot_is_queued(one_slot):
     runs = until(lambda: client.responses.retrieve(b.id), lambda x: len(x.output_text) > 0)
     assert runs.status == "in_progress" and runs.output[0].status == "in_progress"
     assert client.responses.cancel(b.id).status == "cancelled"
+
+
+def test_a_run_given_its_slot_is_no_longer_queued():
+    """READY (its run waits for a slot) shows PREFILL once the engine admitted the run: a response
+    reads in_progress while its prompt is fed (it read queued through a long prefill after a wait,
+    until its first token)."""
+    from types import SimpleNamespace
+
+    from server.api.responses import render
+    from server.engine.types import SamplingParams
+    from server.tasks.records import PREFILL, READY, Run, Task
+
+    t = Task(id="TASK_" + "0" * 32, kind="task", status=READY)
+    t.run = Run(pos=0, n_input=9, params=SamplingParams(), key=None, handle=SimpleNamespace(admitted=False))
+    assert render.status(t) == "queued" and t.info()["status"] == READY
+    t.run.handle.admitted = True
+    assert render.status(t) == "in_progress" and t.info()["status"] == PREFILL == t.status

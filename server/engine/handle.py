@@ -34,6 +34,9 @@ class RequestHandle:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, *, alive: Callable[[], bool],
                  abort: Callable[[str], bool], end_before_state: bool = False):  # fmt: skip
         self.request_id = request_id
+        self.admitted = False
+        """The engine gave the sequence a slot (set on the engine thread when the step that
+        admits it is planned): its prompt is being fed, or it decodes. False: it waits."""
         self.end_before_state = end_before_state
         """The finishing event is delivered at once, the Result when its final state has been
         copied out (else both together)."""

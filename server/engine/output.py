@@ -73,7 +73,8 @@ class OutputProcessor:
                 for dst, src in op.pairs:
                     rows[dst] = rows[src]
         for a in plan.admits:
-            rows[a.slot] = self._texts[a.request_id]
+            st = rows[a.slot] = self._texts[a.request_id]
+            st.handle.admitted = True  # (read by the task layer: a run no longer waiting)
         del rows[plan.n_active :]
         self._rows = rows
 

@@ -27,6 +27,8 @@ class Handle(Protocol):
     """One submitted sequence, seen from its caller."""
 
     request_id: str
+    admitted: bool
+    """The engine gave it a slot (its prompt is fed, or it decodes); False while it waits."""
 
     @property
     def done(self) -> bool: ...

@@ -179,6 +179,14 @@ class Task:
     def running(self) -> bool:
         return self.status != FINISHED
 
+    def phase(self) -> int:
+        """Its status as shown: READY (its run waits for a slot) turns PREFILL once the engine
+        gave the run one (Handle.admitted: its prompt is being fed; its first token makes it
+        RUNNING: the pump)."""
+        if self.status == READY and self.run is not None and getattr(self.run.handle, "admitted", False):
+            self.status = PREFILL
+        return self.status
+
     @property
     def display_id(self) -> str:
         return self.id.split("@", 1)[0]
@@ -246,7 +254,7 @@ class Task:
             "gen_time": self.generating(),
             "speed": self.speed(),
             "finished": not self.running,
-            "status": self.status,
+            "status": self.phase(),
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -258,7 +266,7 @@ class Task:
         return {
             "task_id": self.display_id,
             "generated_buf": self.generated,
-            "status": self.status,
+            "status": self.phase(),
             "finish_reason": self.finish_reason,
         }
 
@@ -267,7 +275,7 @@ class Task:
         return {
             "task_id": self.display_id,
             "kind": self.kind,
-            "status": self.status,
+            "status": self.phase(),
             "finish_reason": self.finish_reason,
             "generated_buf": self.generated,
             "created_at": self.created_at,
@@ -305,7 +313,7 @@ def to_row(t: Task) -> dict[str, Any]:
     return {
         "id": t.id,
         "kind": t.kind,
-        "status": t.status,
+        "status": t.phase(),
         "finish_reason": t.finish_reason,
         "owner": t.owner,
         "parent_id": t.parent_id,

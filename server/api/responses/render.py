@@ -79,7 +79,7 @@ def status(t: Task) -> str:
     """The response's status: queued while its run waits for a free slot of the engine (the
     task's READY: the sequences ahead of it fill every slot), in_progress while it runs."""
     if t.running:
-        return "queued" if t.status == READY else "in_progress"
+        return "queued" if t.phase() == READY else "in_progress"
     return STATUS.get(t.finish_reason or "", "failed")
 
 
