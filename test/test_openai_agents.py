@@ -332,6 +332,11 @@ def tool(name, params=None):
         "mode": "auto", "tools": [{"type": "function", "function": {"name": "g"}}]}}}, "tool_choice.allowed_tools.tools[0]"),
     ({"tools": [tool("f")], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
         "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}}}, "tool_choice.allowed_tools.mode"),
+    ({"tools": [tool("f")], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": {"a": 1}}}]}}},
+     "tool_choice.allowed_tools.tools[0]"),  # (was a 500)
+    ({"tools": [tool("f")], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "bogus": 1, "tools": [{"type": "function", "function": {"name": "f"}}]}}}, "tool_choice"),
     ({"tools": [tool("f")], "tool_choice": {"type": "allowed_tools", "mode": "auto",
                                             "tools": [{"type": "function", "name": "f"}]}}, "tool_choice"),  # (its flat shape)
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "r"}]}, "messages[1].tool_call_id"),

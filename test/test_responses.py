@@ -96,6 +96,7 @@ def test_delete_and_store_false(server):
     ({"reasoning": {"bogus": 1}}, 400, "reasoning.bogus"),
     ({"background": True, "store": False}, 400, "background"),  # (background needs store)
     ({"max_tool_calls": -1}, 400, "max_tool_calls"),
+    ({"max_tool_calls": 2**64}, 400, "max_tool_calls"),  # (was a 500: past what the params' JSON holds)
     ({"top_logprobs": 21}, 400, "top_logprobs"),  # (0..20)
     ({"conversation": "conv_1"}, 404, "conversation"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),

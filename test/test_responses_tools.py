@@ -339,6 +339,8 @@ def bad_bodies():
         "tool_choice.tools[0]", "invalid_request"  # (no built-in or MCP tools here)
     yield {"tools": TOOLS, "tool_choice": {**allowed, "tools": [chat_shape]}}, "tool_choice.tools[0]", "invalid_request"
     yield {"tools": TOOLS, "tool_choice": {**allowed, "bogus": 1}}, "tool_choice", "invalid_request"
+    yield {"tools": TOOLS, "tool_choice": {**allowed, "tools": [{"type": "function", "name": ["get_time"]}]}}, \
+        "tool_choice.tools[0]", "invalid_request"  # (was a 500)
     yield {"tool_choice": allowed}, "tool_choice", "invalid_request"  # (no tools)
     bad_format = {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}  # (with tools: still its own)
     yield {"tools": TOOLS, "text": {"format": bad_format}}, "text.format", "invalid_schema"

@@ -220,7 +220,9 @@ def _allowed(choice: dict[str, Any], parsed: list[Tool], parallel: bool | None, 
     reuses) is the same whichever subset a turn allows, as OpenAI keeps its prompt cache."""
     where = "tool_choice" if flat else "tool_choice.allowed_tools"
     inner = choice if flat else choice.get("allowed_tools")
-    if not isinstance(inner, dict) or set(choice) - ({"type", "mode", "tools"} if flat else {"type", "allowed_tools"}):
+    outer = {"type", "mode", "tools"} if flat else {"type", "allowed_tools"}
+    own = outer if flat else {"mode", "tools"}
+    if not isinstance(inner, dict) or set(choice) - outer or set(inner) - own:
         keys = '"mode" and "tools"' if flat else '"allowed_tools": {"mode", "tools"}'
         raise ToolError("tool_choice", f'tool_choice of type "allowed_tools" has {keys}, nothing else')
     mode, listed = inner.get("mode"), inner.get("tools")
@@ -233,7 +235,7 @@ def _allowed(choice: dict[str, Any], parsed: list[Tool], parallel: bool | None, 
     for i, raw in enumerate(listed):
         fn = _function(raw, flat)
         name = fn.get("name") if isinstance(fn, dict) else None
-        if name not in known:
+        if not isinstance(name, str) or name not in known:
             raise ToolError(f"{where}.tools[{i}]", f"{where}.tools[{i}] names no function of the request's tools "
                             f"({', '.join(sorted(known))}): {raw!r}")  # fmt: skip
         allowed.add(name)

@@ -217,7 +217,7 @@ class ResponseRequest(ResponseInput):
     background: bool | None = None
     """True: the run is not tied to the request (read back by GET, stopped by POST .../cancel:
     server.api.responses.background); it needs `store`."""
-    max_tool_calls: int | None = Field(None, ge=0)
+    max_tool_calls: int | None = Field(None, ge=0, le=2**31 - 1)
     """A bound on calls to built-in tools (OpenAI's meaning: function calls are not counted):
     there are none here, so it bounds nothing; echoed. `parallel_tool_calls` bounds a reply's
     function calls to one."""
