@@ -7,6 +7,7 @@ a message's text) and the task parameter's checks are tested without a server.""
 
 from __future__ import annotations
 
+import time
 from array import array
 
 import httpx
@@ -14,7 +15,7 @@ import orjson
 import pytest
 from util_server import committed_row, running_server, sdk
 
-from server.api.responses.logprobs import tokens_in
+from server.api.responses.logprobs import tokens_in, values
 from server.engine.types import TokenLogprob
 from server.tasks.errors import TaskInvalid
 from server.tasks.output import Output
@@ -99,6 +100,29 @@ def test_they_validate_with_the_sdks_models(server):
     events = [adapter.validate_python(json.loads(line[6:])) for line in streamed.split("\n") if line.startswith("data: ")]
     assert events[-1].type == "response.incomplete"
     assert sum(len(e.logprobs) for e in events if e.type == "response.output_text.delta") == r.usage.output_tokens
+
+
+def test_a_response_continued_after_its_stop_string_leaves_the_stop_out(server):
+    """A response that ended on its stop string ("\n\n", completed), continued through
+    /v1/tasks: the stop string's tokens (never shown) stay out of its entries, which spell its
+    text (they stood inside it, as tokens with no text)."""
+    client = sdk(server)
+    r = client.responses.create(model="m", input="Hello", extra_body={"seed": 17}, max_output_tokens=60,
+                                include=LOGPROBS)
+    assert r.status == "completed", "the seed no longer ends on the stop string: pick another"
+    part = r.output[0].content[0]
+    assert len(part.logprobs) < r.usage.output_tokens  # (the stop's tokens: left out)
+    tid = "TASK_" + r.id.split("_", 1)[1]
+    c = httpx.post(f"{server.url}/v1/tasks/{tid}/continue", json={"max_tokens": 6}, timeout=60)
+    assert c.status_code == 200, c.text
+    deadline = time.monotonic() + 30
+    while (got := client.responses.retrieve(r.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = got.output[0].content[0]
+    assert after.text.startswith(part.text) and len(after.text) > len(part.text)
+    spelled = _bytes(after.logprobs).decode("utf-8", "replace")
+    assert spelled.lstrip() == after.text.lstrip(), (spelled, after.text)
 
 
 def test_a_bad_top_logprobs_is_refused_naming_it(server):
@@ -208,6 +232,19 @@ def test_forks_and_templates_through_the_task_api_do_not_compute_them(server):
               for t in (tid, fork["task_id"], tpl.json()["task_id"])}
     assert params[tid]["logprobs"] == 20
     assert "logprobs" not in params[fork["task_id"]] and "logprobs" not in params[tpl.json()["task_id"]], params
+
+
+def test_a_continue_hides_the_tokens_its_stop_never_showed():
+    lp = [TokenLogprob(i, -0.5 * i) for i in range(6)]  # (float32 values, as the engine gives)
+    out = Output(finished=False)
+    for i, text in enumerate(["Hi", "!", "", ""]):  # (the last two: the stop string's, no text)
+        out.append(text, 1, lp[i : i + 1])
+    out.hide_unshown()
+    out.append(" More", 1, lp[4:5])  # the continue's text comes after them
+    out.append(".", 1, lp[5:6])
+    assert out.logprobs.slice(0, 6) == [lp[0], lp[1], lp[4], lp[5]]
+    assert values(out, tokens_in(out, 0, len(out.text))) == [lp[0], lp[1], lp[4], lp[5]]
+    assert values(out, range(2, 5)) == [lp[4]]  # (a stream's slice alike)
 
 
 @pytest.mark.parametrize("bad", [-1, 21, "3", True, 2.0])

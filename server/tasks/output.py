@@ -62,6 +62,18 @@ class Output:
         elif not self.offsets:
             self.logprobs = TokenLogprobs(values)
 
+    def hide_unshown(self) -> None:
+        """Before a continue of an output its stop ended: the tokens at its end that show no text
+        (the stop string's, EOS) would stand inside the text the continue adds, so their
+        logprobs are hidden (a message's logprobs are those of the tokens of its text)."""
+        if self.logprobs is None:
+            return
+        offs, end = self.offsets, len(self.text)
+        i = len(offs)
+        while i > 0 and offs[i - 1] == end and (offs[i - 2] if i > 1 else 0) == end:
+            i -= 1
+        self.logprobs.hide(range(i, len(offs)))
+
     def take_back(self, n: int) -> None:
         """Drop the last n characters of text (a continue completes what they stood for)."""
         self.text = self.text[: len(self.text) - n]

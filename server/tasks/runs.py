@@ -240,6 +240,8 @@ class Runs:
             t.out_start, t.prompt_len = len(t.tokens), len(prompt_ids)
             t.out, t.gen_time = Output(finished=False), 0.0
         else:
+            if t.finish_reason == "stop":
+                t.out.hide_unshown()  # (before the take-back: what it takes back shows again)
             t.out.finished, t.out.finish_reason, t.out.error = False, None, None
             t.out.take_back(back)
         t.run_from = len(t.out)  # (0 for a new output)

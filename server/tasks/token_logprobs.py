@@ -35,12 +35,13 @@ LOGPROBS_BYTES = 256 << 20
 class TokenLogprobs:
     """One output's token logprobs, one entry per token, packed (above)."""
 
-    __slots__ = ("_ends", "_ids", "_values")
+    __slots__ = ("_ends", "_hidden", "_ids", "_values")
 
     def __init__(self, values: Iterable[TokenLogprob] = ()) -> None:
         self._ids = array("i")  # per token: its id, then its alternatives'
         self._values = array("f")  # their logprobs, alike
         self._ends = array("q")  # where each token's entries end in _ids / _values
+        self._hidden: set[int] = set()  # tokens whose text was never shown (hide)
         self.extend(values)
 
     def __len__(self) -> int:
@@ -56,13 +57,19 @@ class TokenLogprobs:
                 vals.append(lp)
             ends.append(len(ids))
 
+    def hide(self, tokens: Iterable[int]) -> None:
+        """Leave these tokens out of every slice: their text was never shown (a stop string's,
+        EOS), and a continue's text now comes after them (Output.hide_unshown)."""
+        self._hidden.update(tokens)
+
     def slice(self, start: int, stop: int) -> list[TokenLogprob]:
-        """The entries of tokens start..stop-1, as TokenLogprobs."""
-        ids, vals, ends = self._ids, self._values, self._ends
+        """The entries of tokens start..stop-1 (less the hidden ones), as TokenLogprobs."""
+        ids, vals, ends, hidden = self._ids, self._values, self._ends, self._hidden
         out, a = [], ends[start - 1] if start > 0 else 0
         for i in range(start, min(stop, len(ends))):
             b = ends[i]
-            out.append(TokenLogprob(ids[a], vals[a], tuple(zip(ids[a + 1 : b], vals[a + 1 : b], strict=True))))
+            if i not in hidden:
+                out.append(TokenLogprob(ids[a], vals[a], tuple(zip(ids[a + 1 : b], vals[a + 1 : b], strict=True))))
             a = b
         return out
 
