@@ -243,7 +243,8 @@ def test_one_waiting_for_a_slot_is_queued(one_slot):
     a = client.responses.create(**ASK, background=True)
     until(lambda: client.responses.retrieve(a.id), lambda x: len(x.output_text) > 0)  # a holds the slot
     b = client.responses.create(**ASK, background=True)
-    assert b.status == "queued" and b.output == [] and client.responses.retrieve(b.id).status == "queued"
+    got = client.responses.retrieve(b.id)
+    assert b.status == got.status == "queued" and b.output == got.output == []  # (no message yet)
     c = client.responses.create(**ASK, background=True)
     cancelled = client.responses.cancel(c.id)  # (never ran)
     assert cancelled.status == "cancelled" and cancelled.usage.output_tokens == 0

@@ -70,7 +70,8 @@ def not_found(cid: str, param: str | None) -> ApiError:
 
 def locked(cid: str, task_id: str) -> ApiError:
     """OpenAI's answer to a response on a conversation while another one runs there."""
-    return ApiError(400, f"another response is in progress on conversation {cid!r} ({render.response_id_of(task_id)}): "
+    return ApiError(400, f"another response is running on conversation {cid!r} ({render.response_id_of(task_id)}, "
+                    "queued or in progress): "
                     "retry once it has ended", param="conversation",
                     code="conversation_locked")  # fmt: skip
 

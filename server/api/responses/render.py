@@ -162,7 +162,10 @@ def known_calls(t: Task, made: list[dict[str, Any]]) -> dict[str, str]:
 
 def output(t: Task, words: TokenBytes | None = None) -> list[dict[str, Any]]:
     """The response's output items: the message (its text; left out when the output is calls
-    only), then the function calls. words: the tokenizer, for the message's logprobs (when asked)."""
+    only), then the function calls; none while it is queued (as its create answered). words: the
+    tokenizer, for the message's logprobs (when asked)."""
+    if status(t) == "queued":
+        return []
     made = calls(t)
     if not made:
         return [message(t, words=words)]
