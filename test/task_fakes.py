@@ -62,6 +62,7 @@ class Submission:
 class FakeHandle:
     def __init__(self, engine: FakeEngine, sub: Submission) -> None:
         self.engine, self.sub, self.request_id = engine, sub, sub.request_id
+        self.admitted = True  # (the fake engine runs every submission at once)
         self.tokens: list[int] = []
         self.aborted = False
         self._result: Result | None = None

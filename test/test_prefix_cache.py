@@ -23,6 +23,7 @@ class _State:
 class _Handle:
     def __init__(self, eng: _Engine, rid: str) -> None:
         self.eng, self.request_id = eng, rid
+        self.admitted = True
 
     async def wait(self) -> Result:
         await self.eng.release.wait()

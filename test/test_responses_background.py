@@ -269,4 +269,26 @@ def test_a_run_given_its_slot_is_no_longer_queued():
     t.run = Run(pos=0, n_input=9, params=SamplingParams(), key=None, handle=SimpleNamespace(admitted=False))
     assert render.status(t) == "queued" and t.info()["status"] == READY
     t.run.handle.admitted = True
-    assert render.status(t) == "in_progress" and t.info()["status"] == PREFILL == t.status
+    assert render.status(t) == "in_progress" and t.info()["status"] == PREFILL and t.phase() == PREFILL
+
+
+def test_a_response_read_as_its_run_is_admitted_is_consistent():
+    """The engine may admit a run between two reads of its status: a response reads its status
+    once (it showed queued with an in-progress message)."""
+    from server.api.responses import render
+    from server.engine.types import SamplingParams
+    from server.tasks.records import READY, Run, Task
+
+    class AdmittedOnSecondRead:
+        reads = 0
+
+        @property
+        def admitted(self) -> bool:
+            self.reads += 1
+            return self.reads > 1
+
+    t = Task(id="TASK_" + "1" * 32, kind="task", status=READY)
+    t.run = Run(pos=0, n_input=9, params=SamplingParams(), key=None, handle=AdmittedOnSecondRead())
+    body = render.response(t, "m")
+    assert (body["status"], body["output"]) == ("queued", [])
+    assert render.response(t, "m")["status"] == "in_progress"  # (admitted by now)

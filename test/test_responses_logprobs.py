@@ -15,7 +15,7 @@ import orjson
 import pytest
 from util_server import committed_row, running_server, sdk
 
-from server.api.responses.logprobs import tokens_in, values
+from server.api.responses.logprobs import logprobs_of, tokens_in
 from server.engine.types import TokenLogprob
 from server.tasks.errors import TaskInvalid
 from server.tasks.output import Output
@@ -208,16 +208,17 @@ def test_the_budget_lets_the_oldest_ended_outputs_logprobs_go():
     assert budget.bytes == 16 * 80 and a.logprobs is not None
     c = _ended(budget, 40)  # over the limit: the oldest (a) lets its logprobs go
     assert a.logprobs is None and b.logprobs is not None and c.logprobs is not None and budget.bytes == 16 * 80
+    budget.resumed(b)  # a continue of b runs: its logprobs are its run's, never let go meanwhile
     b.append("y" * 10, 10, [TokenLogprob(2, -2.0)] * 10)
-    budget.ended(b)  # (a continue of b ended: counted anew, as the newest)
-    assert budget.bytes == 16 * 90 and b.logprobs is not None and c.logprobs is not None
-    _ended(budget, 20)  # (dropped at once: nothing holds it) c is now the oldest, and goes
-    assert c.logprobs is None and b.logprobs is not None
+    d = _ended(budget, 70)  # over the limit: c goes (b, running, is not held: it would have gone first)
+    assert b.logprobs is not None and len(b.logprobs) == 50 and c.logprobs is None and budget.bytes == 16 * 70
+    budget.ended(b)  # the continue ended: b counted anew, as the newest; d is the oldest, and goes
+    assert b.logprobs is not None and d.logprobs is None and budget.bytes == 16 * 50
+    big = _ended(budget, 200)  # one output alone over the limit keeps none, and takes none from the others
+    assert big.logprobs is None and b.logprobs is not None and budget.bytes == 16 * 50
     del b
     gc.collect()
     assert budget.bytes == 0  # an output let go of (its task left memory) no longer counts
-    big = _ended(budget, 200)  # one output alone above the limit keeps none once ended
-    assert big.logprobs is None and budget.bytes == 0
 
 
 def test_forks_and_templates_through_the_task_api_do_not_compute_them(server):
@@ -243,8 +244,8 @@ def test_a_continue_hides_the_tokens_its_stop_never_showed():
     out.append(" More", 1, lp[4:5])  # the continue's text comes after them
     out.append(".", 1, lp[5:6])
     assert out.logprobs.slice(0, 6) == [lp[0], lp[1], lp[4], lp[5]]
-    assert values(out, tokens_in(out, 0, len(out.text))) == [lp[0], lp[1], lp[4], lp[5]]
-    assert values(out, range(2, 5)) == [lp[4]]  # (a stream's slice alike)
+    assert logprobs_of(out, tokens_in(out, 0, len(out.text))) == [lp[0], lp[1], lp[4], lp[5]]
+    assert logprobs_of(out, range(2, 5)) == [lp[4]]  # (a stream's slice alike)
 
 
 @pytest.mark.parametrize("bad", [-1, 21, "3", True, 2.0])

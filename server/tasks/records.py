@@ -180,12 +180,11 @@ class Task:
         return self.status != FINISHED
 
     def phase(self) -> int:
-        """Its status as shown: READY (its run waits for a slot) turns PREFILL once the engine
-        gave the run one (Handle.admitted: its prompt is being fed; its first token makes it
-        RUNNING: the pump)."""
-        if self.status == READY and self.run is not None and getattr(self.run.handle, "admitted", False):
-            self.status = PREFILL
-        return self.status
+        """Its status as shown (API answers, rows): READY while its run waits for a slot, PREFILL
+        once the engine gave it one (Handle.admitted: its prompt is being fed; `status` turns
+        RUNNING at its first token, in the pump)."""
+        handle = self.run.handle if self.run is not None else None
+        return PREFILL if self.status == READY and handle is not None and handle.admitted else self.status
 
     @property
     def display_id(self) -> str:

@@ -231,10 +231,9 @@ class Runs:
         return sp, back
 
     def _show(self, t: Task, prompt_ids: list[int] | None, back: int) -> None:
-        """Make t show the run it starts before its state is read (a read may take a while, and
-        t is running meanwhile: it must not show its last output as this run's): a new prompt
-        starts a new, empty output (its tokens join the history); a continue's output takes
-        `back` characters back and goes on."""
+        """Make t show the run it starts before its state is read (a read may take a while, and t is running
+        meanwhile: it must not show its last output as this run's): a new prompt starts a new, empty output (its
+        tokens join the history); a continue's output takes `back` characters back and goes on."""
         if prompt_ids is not None:
             t.tokens.extend(prompt_ids)
             t.out_start, t.prompt_len = len(t.tokens), len(prompt_ids)
@@ -242,6 +241,7 @@ class Runs:
         else:
             if t.finish_reason == "stop":
                 t.out.hide_unshown()  # (before the take-back: what it takes back shows again)
+            self.pump.logprobs.resumed(t.out)  # (its logprobs are this run's until it ends)
             t.out.finished, t.out.finish_reason, t.out.error = False, None, None
             t.out.take_back(back)
         t.run_from = len(t.out)  # (0 for a new output)

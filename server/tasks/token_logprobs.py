@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -79,34 +79,58 @@ class TokenLogprobs:
 
 
 class LogprobBudget:
-    """Holds the ended outputs' logprobs to `limit` bytes in all (the module's docstring)."""
+    """Holds the ended outputs' logprobs to `limit` bytes in all (the module's docstring). Used on
+    the event loop (the pump); an output freed elsewhere (a garbage collection may run on any
+    thread) is only noted there, and its bytes are given back at the next use."""
 
     def __init__(self, limit: int = LOGPROBS_BYTES) -> None:
         self.limit = limit
-        self.bytes = 0  # what the held outputs' logprobs take
+        self._bytes = 0  # what the held outputs' logprobs take
         self._held: OrderedDict[int, tuple[weakref.ref[Output], int]] = OrderedDict()  # id(out): oldest first
+        self._freed: deque[tuple[int, weakref.ref[Output]]] = deque()  # (deque.append: thread-safe)
+
+    @property
+    def bytes(self) -> int:
+        self._drain()
+        return self._bytes
+
+    def resumed(self, out: Output) -> None:
+        """A run of out begins (a continue): its logprobs are its run's until it ends again."""
+        self._drain()
+        self._forget(id(out))
 
     def ended(self, out: Output) -> None:
-        """out's run ended (again, after a continue: its logprobs are counted anew, as the newest)."""
+        """out's run ended: its logprobs are held, as the newest; one output over the limit by
+        itself keeps none (the others stay)."""
+        self._drain()
         key = id(out)
-        before = self._held.pop(key, None)
-        if before is not None:
-            self.bytes -= before[1]
+        self._forget(key)
         if out.logprobs is None:
             return
         size = out.logprobs.nbytes
-        self._held[key] = (weakref.ref(out, partial(self._gone, key)), size)
-        self.bytes += size
-        while self.bytes > self.limit:
+        if size > self.limit:
+            out.logprobs = None
+            return
+        self._held[key] = (weakref.ref(out, partial(self._note_freed, key)), size)
+        self._bytes += size
+        while self._bytes > self.limit and self._held:
             _, (ref, n) = self._held.popitem(last=False)
-            self.bytes -= n
+            self._bytes -= n
             old = ref()
             if old is not None:
                 old.logprobs = None
 
-    def _gone(self, key: int, ref: weakref.ref[Output]) -> None:
-        """An output let go of (its task left memory): its logprobs no longer count."""
+    def _forget(self, key: int, ref: weakref.ref[Output] | None = None) -> None:
+        """Stop counting the output held under key (only if held through `ref`, when given)."""
         held = self._held.get(key)
-        if held is not None and held[0] is ref:
+        if held is not None and (ref is None or held[0] is ref):
             del self._held[key]
-            self.bytes -= held[1]
+            self._bytes -= held[1]
+
+    def _note_freed(self, key: int, ref: weakref.ref[Output]) -> None:
+        """An output let go of (its task left memory), on whichever thread freed it."""
+        self._freed.append((key, ref))
+
+    def _drain(self) -> None:
+        while self._freed:
+            self._forget(*self._freed.popleft())

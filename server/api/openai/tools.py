@@ -85,9 +85,10 @@ class ToolPlan:
     """What a request with tools does: which tools may be called, and whether one must be."""
 
     tools: tuple[Tool, ...]
-    """The tools the output may call (a named tool_choice: that one)."""
+    """The tools the output may call (a named tool_choice: that one; allowed_tools: those listed)."""
     forced: bool
-    """required or a named function: the output is the call list from its first token."""
+    """required, a named function or allowed_tools' required: the output is the call list from
+    its first token."""
     parallel: bool
     described: tuple[Tool, ...] = ()
     """The tools the system turn describes: all of the request's (default: `tools`), so a named

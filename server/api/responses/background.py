@@ -41,4 +41,4 @@ async def cancel_response(response_id: str, request: Request) -> Response:
         )
     if t.running:
         t = await call(tm.stop(t.id, owner))
-    return json_response(render.response(t, sv.model_id, words=sv.tokenizer))
+    return json_response(render.response(t, sv.model_id, tokenizer=sv.tokenizer))

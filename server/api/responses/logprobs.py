@@ -30,7 +30,7 @@ LOGPROBS = "message.output_text.logprobs"
 """The `include` value that asks for them."""
 
 
-def asked(include: Sequence[str] | None, top_logprobs: int | None) -> int | None:
+def requested(include: Sequence[str] | None, top_logprobs: int | None) -> int | None:
     """The task's `logprobs` parameter for a request: top_logprobs (0 when not given) when its
     include asks for logprobs, else None (none computed)."""
     return (top_logprobs or 0) if LOGPROBS in (include or ()) else None
@@ -46,22 +46,22 @@ def tokens_in(out: Output, a: int, b: int) -> range:
     return range(lo, max(lo, hi))
 
 
-def values(out: Output, tokens: range) -> list[TokenLogprob]:
+def logprobs_of(out: Output, tokens: range) -> list[TokenLogprob]:
     """The logprobs of these output tokens ([] when the output holds none for them)."""
     lps = out.logprobs
     return [] if lps is None or len(lps) < tokens.stop else lps.slice(tokens.start, tokens.stop)
 
 
-def entries(words: TokenBytes, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+def entries(tokenizer: TokenBytes, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """OpenAI's logprob objects: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}
     (chat's `logprobs.content` entries are of the same shape)."""
-    return chat_logprobs(Extras(words), lps) if lps else []
+    return chat_logprobs(Extras(tokenizer), lps) if lps else []
 
 
-def of_message(t: Task, text: str, words: TokenBytes | None) -> list[dict[str, Any]]:
+def of_message(t: Task, text: str, tokenizer: TokenBytes | None) -> list[dict[str, Any]]:
     """The logprobs of t's message text `text` (a part of its output's text: the text less its
     hidden lead, or the text before the calls) when its request asked for them, else []."""
-    if words is None or t.params.get("logprobs") is None or not text:
+    if tokenizer is None or t.params.get("logprobs") is None or not text:
         return []
     a = t.out.text.find(text)  # (the text less leading whitespace: its first character is no space)
-    return [] if a < 0 else entries(words, values(t.out, tokens_in(t.out, a, a + len(text))))
+    return [] if a < 0 else entries(tokenizer, logprobs_of(t.out, tokens_in(t.out, a, a + len(text))))

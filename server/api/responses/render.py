@@ -160,18 +160,19 @@ def known_calls(t: Task, made: list[dict[str, Any]]) -> dict[str, str]:
     return known
 
 
-def output(t: Task, words: TokenBytes | None = None) -> list[dict[str, Any]]:
+def output(t: Task, tokenizer: TokenBytes | None = None, state: str | None = None) -> list[dict[str, Any]]:
     """The response's output items: the message (its text; left out when the output is calls
-    only), then the function calls; none while it is queued (as its create answered). words: the
-    tokenizer, for the message's logprobs (when asked)."""
-    if status(t) == "queued":
+    only), then the function calls; none while it is queued (as its create answered). tokenizer:
+    for the message's logprobs (when asked); state: its status(t), read once by the caller (the
+    engine may admit the run between two reads)."""
+    if (state or status(t)) == "queued":
         return []
     made = calls(t)
     if not made:
-        return [message(t, words=words)]
+        return [message(t, tokenizer=tokenizer)]
     content = _parsed(t)[0]
     text = content if continues(t) else content.lstrip()
-    return ([message(t, text, words=words)] if text.strip() else []) + made
+    return ([message(t, text, tokenizer=tokenizer)] if text.strip() else []) + made
 
 
 def _item_status(t: Task) -> str:
@@ -184,13 +185,13 @@ def _item_status(t: Task) -> str:
 
 
 def message(
-    t: Task, text: str | None = None, status: str | None = None, *, words: TokenBytes | None = None
+    t: Task, text: str | None = None, status: str | None = None, *, tokenizer: TokenBytes | None = None
 ) -> dict[str, Any]:
     """t's message item; `text`: its text (default: the output's, less the hidden lead); with
-    `words` (the tokenizer), the text's logprobs when the request asked for them (logprobs.py)."""
+    `tokenizer`, the text's logprobs when the request asked for them (logprobs.py)."""
     if text is None:
         text = t.out.text if continues(t) else t.out.text.lstrip()
-    lps = of_message(t, text, words)
+    lps = of_message(t, text, tokenizer)
     return {
         "type": "message",
         "id": "msg_" + t.id.split("_", 1)[1],
@@ -232,8 +233,8 @@ def usage(t: Task) -> dict[str, Any]:
     }
 
 
-def response(t: Task, model: str, *, with_output: bool = True, words: TokenBytes | None = None) -> dict[str, Any]:
-    """The response object; `words`: the tokenizer, for the message's logprobs (when asked)."""
+def response(t: Task, model: str, *, with_output: bool = True, tokenizer: TokenBytes | None = None) -> dict[str, Any]:
+    """The response object; `tokenizer`: for the message's logprobs (when asked)."""
     p, m = t.params, meta(t)
     fmt = m.get("format") or p.get("response_format") or {"type": "text"}  # (meta: with tools, agent.task_params)
     if fmt.get("type") == "json_schema":
@@ -255,7 +256,7 @@ def response(t: Task, model: str, *, with_output: bool = True, words: TokenBytes
         "created_at": int(t.created_at),
         "status": state,
         "model": model,
-        "output": output(t, words) if with_output else [],
+        "output": output(t, tokenizer, state) if with_output else [],
         "previous_response_id": "resp_" + parent.split("_", 1)[1]
         if parent and parent[:4] in ("TASK", "TMP_") and not conv  # (in a conversation: the head it forked)
         else None,

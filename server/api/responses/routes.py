@@ -119,7 +119,7 @@ def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[st
     }
     if body.seed is not None:
         out["seed"] = body.seed
-    k = logprobs.asked(body.include, body.top_logprobs)
+    k = logprobs.requested(body.include, body.top_logprobs)
     if k is not None:
         out["logprobs"] = k
     return out
@@ -215,7 +215,7 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
     if stream:
         stop, interrupt = (lambda: end_run(request, tm, t)), (lambda: tm.interrupt(t))
         source = ResponseStream(t, sv.model_id, on_abort=None if background else stop,
-                                on_shutdown=interrupt if background else None, words=sv.tokenizer)  # fmt: skip
+                                on_shutdown=interrupt if background else None, tokenizer=sv.tokenizer)  # fmt: skip
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     if background:  # (as OpenAI's answer: queued or in progress, no output yet; GET then shows it as it is)
         return json_response(render.head(t, sv.model_id, waiting=True))
@@ -223,7 +223,7 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
         end_run(request, tm, t)
         request.state.error = "the client left before the answer"
         return Response(status_code=499)
-    return json_response(render.response(t, sv.model_id, words=sv.tokenizer))
+    return json_response(render.response(t, sv.model_id, tokenizer=sv.tokenizer))
 
 
 async def _settle(request: Request, t: Task) -> bool:
@@ -264,9 +264,9 @@ async def get_response(
     if stream:  # a response another server runs streams there (409 naming it), as a task's does
         t = await call(tm.get(t.id, owner, stream=True))
         source = ResponseStream(t, sv.model_id, on_abort=None, starting_after=starting_after,
-                                on_shutdown=lambda: tm.interrupt(t), words=sv.tokenizer)  # fmt: skip
+                                on_shutdown=lambda: tm.interrupt(t), tokenizer=sv.tokenizer)  # fmt: skip
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
-    return json_response(render.response(t, sv.model_id, words=sv.tokenizer))
+    return json_response(render.response(t, sv.model_id, tokenizer=sv.tokenizer))
 
 
 @router.get("/responses/{response_id}/input_items", responses=answers(400, 401, 404, 503))

@@ -31,7 +31,7 @@ import orjson
 
 from server.api.openai.agent_render import TokenBytes
 from server.api.openai.tools import content_end
-from server.api.responses.logprobs import entries, tokens_in, values
+from server.api.responses.logprobs import entries, logprobs_of, tokens_in
 from server.api.responses.render import continues, head, message, response, tool_mode
 from server.tasks.records import Task
 
@@ -71,16 +71,16 @@ class ResponseStream:
         on_abort: Callable[[], None] | None,
         starting_after: int | None = None,
         on_shutdown: Callable[[], None] | None = None,
-        words: TokenBytes | None = None,
+        tokenizer: TokenBytes | None = None,
     ) -> None:
         """on_abort(): stop the run (called once, when the stream stops before its last event;
         None: the stream does not own the run, e.g. a retrieve or a background response's).
         on_shutdown(): interrupt the run when the server shuts down, for a stream that does not
         own it (the shutdown ends it anyway, later: the stream could not end with it).
-        starting_after: send only the events numbered after it. words: the tokenizer, for the
+        starting_after: send only the events numbered after it. tokenizer: for the
         text's logprobs (when the request asked for them: server.api.responses.logprobs)."""
         self.t, self.model = t, model
-        self._words = words if t.params.get("logprobs") is not None else None
+        self._tokenizer = tokenizer if t.params.get("logprobs") is not None else None
         self.on_abort = on_abort
         self.on_shutdown = on_shutdown
         self.stops_work = on_abort is not None
@@ -175,11 +175,11 @@ class ResponseStream:
         if self._at is None:
             self._at = at
         lps: list[dict[str, Any]] = []
-        if self._words is not None:
+        if self._tokenizer is not None:
             tokens = tokens_in(self.t.out, self._at, self._at + self._sent)
             new = range(max(tokens.start, self._lp_next), tokens.stop)
             self._lp_next = max(self._lp_next, tokens.stop)
-            lps = entries(self._words, values(self.t.out, new))
+            lps = entries(self._tokenizer, logprobs_of(self.t.out, new))
         return self._ev("response.output_text.delta", **self._loc, delta=delta, logprobs=lps)
 
     def _visible(self, raw: str) -> str:
@@ -208,7 +208,7 @@ class ResponseStream:
         return out
 
     def _closing(self) -> bytes:
-        final = response(self.t, self.model, words=self._words)
+        final = response(self.t, self.model, tokenizer=self._tokenizer)
         out = b""
         for index, item in enumerate(final["output"]):
             out += self._message_done(item) if item["type"] == "message" else self._call(index, item)
