@@ -19,6 +19,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_browser_console(request):
+    """A test with the module's browser starts from an empty console log: what an earlier test
+    left there (a test that failed before reading it) is not this test's error."""
+    if "browser" in request.fixturenames:
+        request.getfixturevalue("browser").get_log("browser")
+
+
 @pytest.fixture(scope="module")
 def dev():
     """The CUDA device for the kernel tests (gpu-marked: skipped without CUDA); fails when CUDA is
