@@ -72,6 +72,20 @@ def test_a_stream_sends_each_token_once_and_its_deltas_add_up_to_the_part(server
     assert again == streamed
 
 
+def test_a_continued_message_lists_every_token_of_its_text(server):
+    """An input that ends with an assistant message is continued: the reply's leading whitespace
+    is its text (no hidden lead), so its entries spell the whole text, streamed alike."""
+    client = sdk(server)
+    ask = {**ASK, "input": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}],
+           "include": LOGPROBS}
+    r = client.responses.create(**ask)
+    part = r.output[0].content[0]
+    assert part.text and _bytes(part.logprobs).decode("utf-8", "replace") == part.text
+    events = list(client.responses.create(**ask, stream=True))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [lp.model_dump() for lp in part.logprobs]
+
+
 def test_none_without_the_include_and_a_follow_up_does_not_inherit_them(server):
     client = sdk(server)
     plain = client.responses.create(**ASK, top_logprobs=5)  # (as OpenAI's: top_logprobs alone returns none)

@@ -58,10 +58,16 @@ def entries(tokenizer: TokenBytes, lps: Sequence[TokenLogprob]) -> list[dict[str
     return chat_logprobs(Extras(tokenizer), lps) if lps else []
 
 
-def of_message(t: Task, text: str, tokenizer: TokenBytes | None) -> list[dict[str, Any]]:
-    """The logprobs of t's message text `text` (a part of its output's text: the text less its
-    hidden lead, or the text before the calls) when its request asked for them, else []."""
+def text_start(output_text: str, keep: bool) -> int:
+    """Where a message's text starts in its output's text: at 0 when it continues a message (`keep`:
+    its leading whitespace is text, render.continues), else after the hidden lead."""
+    return 0 if keep else len(output_text) - len(output_text.lstrip())
+
+
+def of_message(t: Task, text: str, keep: bool, tokenizer: TokenBytes | None) -> list[dict[str, Any]]:
+    """The logprobs of t's message text `text` (a part of its output's text from text_start on:
+    the text, or the text before the calls) when its request asked for them, else []."""
     if tokenizer is None or t.params.get("logprobs") is None or not text:
         return []
-    a = t.out.text.find(text)  # (the text less leading whitespace: its first character is no space)
-    return [] if a < 0 else entries(tokenizer, logprobs_of(t.out, tokens_in(t.out, a, a + len(text))))
+    a = text_start(t.out.text, keep)
+    return entries(tokenizer, logprobs_of(t.out, tokens_in(t.out, a, a + len(text))))

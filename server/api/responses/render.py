@@ -189,9 +189,10 @@ def message(
 ) -> dict[str, Any]:
     """t's message item; `text`: its text (default: the output's, less the hidden lead); with
     `tokenizer`, the text's logprobs when the request asked for them (logprobs.py)."""
+    keep = continues(t)
     if text is None:
-        text = t.out.text if continues(t) else t.out.text.lstrip()
-    lps = of_message(t, text, tokenizer)
+        text = t.out.text if keep else t.out.text.lstrip()
+    lps = of_message(t, text, keep, tokenizer)
     return {
         "type": "message",
         "id": "msg_" + t.id.split("_", 1)[1],

@@ -31,7 +31,7 @@ import orjson
 
 from server.api.openai.agent_render import TokenBytes
 from server.api.openai.tools import content_end
-from server.api.responses.logprobs import entries, logprobs_of, tokens_in
+from server.api.responses.logprobs import entries, logprobs_of, text_start, tokens_in
 from server.api.responses.render import continues, head, message, response, tool_mode
 from server.tasks.records import Task
 
@@ -93,7 +93,6 @@ class ResponseStream:
         self._pos = 0  # output tokens whose text was made into events
         self._raw = ""  # (with tools: the output so far, where the marker is looked for)
         self._sent = 0  # characters of the message text streamed (a prefix of the final text)
-        self._chars = 0  # characters of the output's text made into pieces
         self._at: int | None = None  # where the message text starts in the output's text
         self._lp_next = 0  # the first output token whose logprob was not sent
         self._open = False  # the message item was added
@@ -154,7 +153,6 @@ class ResponseStream:
         return chunk + (self._piece(tail) if tail else b"") + self._closing()
 
     def _piece(self, data: str) -> bytes:
-        self._chars += len(data)
         if self._mode is None:
             return self._plain(data)
         if self._mode == "forced":
@@ -167,15 +165,15 @@ class ResponseStream:
         "Assistant:": its leading whitespace is dropped, unless it continues a message)."""
         delta = data if self._sent or self._keep else data.lstrip()
         self._sent += len(delta)
-        return self._delta(delta, self._chars - self._sent) if delta else b""
+        return self._delta(delta) if delta else b""
 
-    def _delta(self, delta: str, at: int) -> bytes:
-        """A text delta, the message text starting at character `at` of the output's text; its
-        logprobs: those of the tokens of the text so far not sent before."""
-        if self._at is None:
-            self._at = at
+    def _delta(self, delta: str) -> bytes:
+        """A text delta; its logprobs: those of the tokens of the message text so far not sent
+        before."""
         lps: list[dict[str, Any]] = []
         if self._tokenizer is not None:
+            if self._at is None:  # (the output has text past its lead by now: its lead is known)
+                self._at = text_start(self.t.out.text, self._keep)
             tokens = tokens_in(self.t.out, self._at, self._at + self._sent)
             new = range(max(tokens.start, self._lp_next), tokens.stop)
             self._lp_next = max(self._lp_next, tokens.stop)
@@ -203,8 +201,8 @@ class ResponseStream:
             return b""
         out = b"" if self._open else self._open_message()
         delta, self._sent = text[self._sent :], len(text)
-        if delta:  # (where the text starts, found once: it is the output's text less its lead)
-            out += self._delta(delta, self._at if self._at is not None else self.t.out.text.find(text))
+        if delta:
+            out += self._delta(delta)
         return out
 
     def _closing(self) -> bytes:
