@@ -7,11 +7,13 @@ stored fp32 WKV state. Scripted engine, real SQLite files."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import torch
 from task_fakes import FakeEngine, FakeShape, FakeTokenizer, consumed, counted_state
 
 from server.tasks import TaskConfig, TaskManager
+from server.tasks.behind import Pending, StateLane
 from server.tasks.codec import decode_state, encode_state
 
 ONE = counted_state(0).nbytes()
@@ -120,3 +122,23 @@ async def test_fp16_storage_halves_an_fp32_wkv_state(tmp_path):
         assert init is not None and init.wkv.dtype == torch.float32 and consumed(init) == 5
     finally:
         await tm.close()
+
+
+async def test_written_waits_for_a_task_s_pending_state():
+    """StateLane.written (TaskManager.state_written: what a compaction of a response waits for):
+    False while the task's state is pending or being written, True once it is written; a task
+    with nothing pending is written at once."""
+    gate, wrote = asyncio.Event(), []
+
+    async def write(p: Pending, prepared: object) -> None:
+        await gate.wait()
+        wrote.append(p.task.id)
+
+    lane = StateLane(lambda p: asyncio.sleep(0), write, lambda p, why: None, max_bytes=10**9)
+    lane.start()
+    lane.add(Pending(SimpleNamespace(id="T", deleted=False), "T:1", counted_state(0), 3, False, ONE))  # type: ignore[arg-type]
+    assert await lane.written("T", timeout=0.1) is False  # (the write waits on the gate)
+    assert await lane.written("U", timeout=0.1) is True
+    gate.set()
+    assert await lane.written("T", timeout=5) is True and wrote == ["T"]
+    await lane.drain(1)

@@ -132,7 +132,7 @@ def _include_routes(app: FastAPI) -> list[BaseRoute]:
     from server.api.lightning import routes as lightning_routes
     from server.api.lightning import v1_chat
     from server.api.openai import routes as openai_routes
-    from server.api.responses import background, conversation_routes
+    from server.api.responses import background, compact, conversation_routes
     from server.api.responses import routes as responses_routes
     from server.api.states import routes as states_routes
     from server.api.tasks import routes as tasks_routes
@@ -143,6 +143,7 @@ def _include_routes(app: FastAPI) -> list[BaseRoute]:
         v1_chat.router,  # POST /v1/chat/completions: OpenAI's chat or lightning's V1 batch
         responses_routes.router,
         background.router,  # POST /v1/responses/{response_id}/cancel
+        compact.router,  # POST /v1/responses/compact
         conversation_routes.router,
         tasks_routes.router,
         lightning_routes.router,

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("server.tasks")
 RETRY_MAX_S = 5.0
+WRITTEN_POLL_S = 0.01
 
 
 @dataclass(eq=False)
@@ -106,6 +107,16 @@ class StateLane:
     async def idle(self) -> None:
         """Until nothing is pending (everything written or dropped)."""
         await self._idle.wait()
+
+    async def written(self, task_id: str, timeout: float) -> bool:
+        """Until the task's pending state, if any, is written or dropped (polled: a rare wait);
+        False after `timeout` seconds."""
+        end = asyncio.get_running_loop().time() + timeout
+        while task_id in self._items or (self._current is not None and self._current.task.id == task_id):
+            if asyncio.get_running_loop().time() >= end:
+                return False
+            await asyncio.sleep(WRITTEN_POLL_S)
+        return True
 
     async def drain(self, timeout: float) -> None:
         """Write what can be written within `timeout` seconds, drop the rest, stop."""

@@ -83,6 +83,9 @@ TASK_EVENTS = (
 STOPPING_WAIT_S = 5.0
 """How long a stop, a delete, or a call on a task whose run is being stopped waits for that run to settle."""
 
+STATE_WRITE_WAIT_S = 5.0
+"""How long state_written waits for a task's pending state (the lane writes one at a time)."""
+
 
 GONE_CLOSE_S = 1.0
 """At shutdown, once the task database was found away (Writer.gone): how long removing the lease
@@ -279,6 +282,12 @@ class TaskManager:
         owner: str | None = None,
     ) -> Task:
         return await self.create(fim_prompt(prefix, suffix), params, persistent=persistent, owner=owner)
+
+    async def state_written(self, t: Task, timeout: float = STATE_WRITE_WAIT_S) -> bool:
+        """Until t's latest state is written behind its row (False: still pending after
+        `timeout`): a fork without a prompt then names that state, not an older one, as its
+        stored state (forks share it), so the fork outlives a restart or the state cache."""
+        return await self.persistence.lane.written(t.id, timeout)
 
     async def settled(self, t: Task) -> Task:
         """t once a run whose stop was asked for has settled (fork and continue wait for it the

@@ -18,9 +18,10 @@ from server.api.openai import tools
 from server.api.openai.agents import ready_grammar
 from server.api.openai.chat_format import build_prompt
 from server.api.responses import render
+from server.api.responses.compaction import compaction_id, is_compaction
 from server.api.responses.conversation import Start, render_after
-from server.api.responses.items import Item, Rendered, render_input
-from server.api.responses.schemas import ResponseInput, ResponseRequest, TextFormat
+from server.api.responses.items import Item, Rendered, after_compaction, render_input
+from server.api.responses.schemas import HistoryInput, ResponseInput, ResponseRequest, TextFormat
 from server.api.services import Services
 from server.engine.types import GrammarSpec
 from server.tasks.params import grammar_fields
@@ -83,21 +84,24 @@ def prompt_and_meta(
     meta = _meta(body, rendered, described)
     if conv is not None:
         meta["conversation"] = conv.conv.id
+    if src is not None and is_compaction(src):
+        meta["compaction"] = compaction_id(src)  # (what it forked: no previous response)
     return text, meta
 
 
 def prompt(
-    body: ResponseInput, rt: ResponseTools, src: Task | None, prior: Sequence[Item] = ()
+    body: HistoryInput, rt: ResponseTools, src: Task | None, prior: Sequence[Item] = ()
 ) -> tuple[str, Rendered, str | None]:
     """The prompt's text, the input rendered, and the digest of the tools described. The tools'
     system turn comes first, unless the previous responses described the same tools (their
     description is in the history already: a tool loop does not repeat it). `prior`: the items
     of the conversation rendered before the input (not the input's: `Rendered.items` holds the
-    input's alone)."""
+    input's alone). An input with a compaction item renders what follows the last one (`src`:
+    that compaction's task)."""
     before = render.meta(src) if src is not None else {}
     made = render.calls(src) if src is not None else []  # (its output parsed once)
     owed = [c["call_id"] for c in made]  # the input must answer them
-    inp = body.input if body.input is not None else []
+    inp = after_compaction(body.input)
     known = render.known_calls(src, made) if src is not None else {}
     rendered = render_after(prior, inp, known, owed) if prior else render_input(inp, known, owed)
     turns: list[tuple[str, str]] = []

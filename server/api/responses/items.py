@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from server.api.errors import ApiError
 from server.api.openai.tools import ToolError, arguments, envelope, tool_text
-from server.api.responses.schemas import FunctionCall, FunctionCallOutput, InputMessage
+from server.api.responses.schemas import Compaction, FunctionCall, FunctionCallOutput, InputMessage
 
 Item = InputMessage | FunctionCall | FunctionCallOutput
 
@@ -39,6 +39,23 @@ class Rendered:
     def kept_calls(self) -> dict[str, str]:
         """The latest MAX_KNOWN_CALLS of `calls` (what the task stores)."""
         return dict(list(self.calls.items())[-MAX_KNOWN_CALLS:])
+
+
+def last_compaction(inp: str | Sequence[Item | Compaction] | None) -> tuple[int, Compaction] | None:
+    """The input's last compaction item, and its place (None: it has none)."""
+    if isinstance(inp, str) or not inp:
+        return None
+    return next(((i, it) for i, it in reversed(list(enumerate(inp))) if isinstance(it, Compaction)), None)
+
+
+def after_compaction(inp: str | Sequence[Item | Compaction] | None) -> str | list[Item]:
+    """The input's items after its last compaction item (the whole input without one): those
+    before it are in the compaction's state (server.api.responses.compaction)."""
+    if isinstance(inp, str):
+        return inp
+    last = last_compaction(inp)
+    after = list(inp or [])[0 if last is None else last[0] + 1 :]
+    return [it for it in after if not isinstance(it, Compaction)]  # (none is: for the type)
 
 
 def render_input(inp: str | Sequence[Item], known: dict[str, str], owed: Sequence[str] = ()) -> Rendered:

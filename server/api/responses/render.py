@@ -259,7 +259,7 @@ def response(t: Task, model: str, *, with_output: bool = True, tokenizer: TokenB
         "model": model,
         "output": output(t, tokenizer, state) if with_output else [],
         "previous_response_id": "resp_" + parent.split("_", 1)[1]
-        if parent and parent[:4] in ("TASK", "TMP_") and not conv  # (in a conversation: the head it forked)
+        if parent and parent[:4] in ("TASK", "TMP_") and not conv and not m.get("compaction")  # (a head, a compaction)
         else None,
         "conversation": {"id": conv} if conv else None,
         "instructions": m.get("instructions"),

@@ -5,16 +5,16 @@ A response is a task of the task layer (server.tasks.TaskManager): `store: true`
 makes a persistent task (in the database, so a chain survives a restart), `store: false` a TMP
 task (never readable back). `previous_response_id` forks the previous response's task: the new
 one starts from its state (the history is never prefilled again) and the previous response
-stays readable. The prompt is the RWKV chat format (server.api.openai.chat_format).
+stays readable; so does an input's compaction item its compaction's (compaction.py). The prompt
+is the RWKV chat format (server.api.openai.chat_format).
 
 A response is tied to its request (as OpenAI's non-background responses are): a client that
 leaves before the answer's end, streamed or not, stops the run; a stored one keeps what was
 generated (status "cancelled"). With `background: true` the create answers at once (or streams,
 and a client that leaves stops nothing): GET reads it, POST .../cancel stops it (background.py).
-Only tasks made here are responses (their tag: render.RESPONSE).
-Tools (function calls) as on chat: server.api.responses.agent; input items: items.py.
-`POST /v1/responses/input_tokens` counts the tokens a create with the same prompt fields would
-take in (its usage.input_tokens), running nothing.
+Only tasks made here are responses (their tag: render.RESPONSE). Tools (function calls) as on
+chat: agent.py; input items: items.py. `POST /v1/responses/input_tokens` counts the tokens a
+create with the same prompt fields would take in (its usage.input_tokens), running nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fastapi.responses import Response
 from server.api.errors import ApiError, engine_error, prompt_too_long, task_error
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import RESPONSES_EVENTS, answers
-from server.api.responses import agent, conversation, joins, logprobs, render
+from server.api.responses import agent, compaction, conversation, joins, logprobs, render
 from server.api.responses.checks import check_input, check_supported
 from server.api.responses.items import page
 from server.api.responses.schemas import ResponseInput, ResponseRequest
@@ -91,12 +91,8 @@ async def stored(tm: TaskManager, rid: str, owner: str | None, param: str | None
 
 
 def _not_found(rid: str, param: str | None) -> ApiError:
-    return ApiError(
-        404,
-        f"response {rid!r} not found (unknown, not stored, or another API key's)",
-        param=param,
-        code="response_not_found",
-    )
+    return ApiError(404, f"response {rid!r} not found (unknown, not stored, or another API key's)", param=param,
+                    code="response_not_found")  # fmt: skip
 
 
 def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +121,7 @@ def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[st
     return out
 
 
-def _separator(sv: Services, src: Task) -> str:
+def separator(sv: Services, src: Task) -> str:
     """What goes between the previous response's history and the new turns: nothing after EOS
     or a turn break the model wrote, else the turn break."""
     tail = list(src.tokens[-2:])
@@ -141,17 +137,17 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     check_supported(body)
     rt = agent.response_tools(body)
     fmt = agent.response_format(body)
+    src = await compaction.resume(tm, body, owner)  # (input's last compaction item: refused beside the others)
     conv = await conversation.start(tm, body, owner)  # (check_input refused it beside previous_response_id)
-    if conv is not None:
-        src = conv.head
-    else:
-        src = await _previous(tm, body.previous_response_id, owner) if body.previous_response_id else None
+    src = conv.head if conv is not None else src
+    if body.previous_response_id:
+        src = await previous(tm, body.previous_response_id, owner)
     prompt, meta = agent.prompt_and_meta(body, rt, src, conv)
     rt = await agent.ready(sv, rt, prompt)  # its grammar compiled (a new turn's format: behind the gap)
     params = {**_params(sv, body, fmt), **agent.task_params(rt, meta, fmt)}
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
     if src is not None:
-        prompt = _separator(sv, src) + prompt
+        prompt = separator(sv, src) + prompt
         made = tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
     else:
         made = tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE)
@@ -174,31 +170,33 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
     tm = task_manager(sv)
     check_input(body)
     rt = agent.response_tools(body)
-    src, conv = None, await conversation.start(tm, body, owner, counting=True)
+    src = await compaction.resume(tm, body, owner)
+    conv = await conversation.start(tm, body, owner, counting=True)
     if conv is not None:
         src = conv.head
     elif body.previous_response_id:  # one being stopped: counted once settled (create's fork waits too)
         try:
-            src = await tm.settled(await _previous(tm, body.previous_response_id, owner))
+            src = await tm.settled(await previous(tm, body.previous_response_id, owner))
         except TaskNotFound:  # deleted meanwhile
             raise _not_found(body.previous_response_id, "previous_response_id") from None
     prompt, _, _ = agent.prompt(body, rt, src, conv.items if conv is not None else ())
     await agent.ready(sv, rt, prompt)  # (a format the decoder cannot compile: refused as on create)
     history = 0
     if src is not None:
-        prompt, history = _separator(sv, src) + prompt, len(src.tokens)
+        prompt, history = separator(sv, src) + prompt, len(src.tokens)
     ids = await call(tm.inputs.encode(prompt))
     return json_response({"object": "response.input_tokens", "input_tokens": history + len(ids)})
 
 
-# GET or DELETE of the count's path: not a response id (a 405, not a 404 naming "input_tokens")
+# GET or DELETE of the count's or the compaction's path: no response id (a 405, not a 404 naming it)
 @router.api_route("/responses/input_tokens", methods=["GET", "DELETE"], include_in_schema=False)
-async def count_input_tokens_method(request: Request) -> Response:
-    raise ApiError(405, f"method {request.method} is not allowed on {request.url.path} (POST counts a request's "
-                   "input tokens)", code="method_not_allowed", headers={"Allow": "POST"})  # fmt: skip
+@router.api_route("/responses/compact", methods=["GET", "DELETE"], include_in_schema=False)
+async def post_only(request: Request) -> Response:
+    raise ApiError(405, f"method {request.method} is not allowed on {request.url.path} (POST only)",
+                   code="method_not_allowed", headers={"Allow": "POST"})  # fmt: skip
 
 
-async def _previous(tm: TaskManager, rid: str, owner: str | None) -> Task:
+async def previous(tm: TaskManager, rid: str, owner: str | None) -> Task:
     """The task of previous_response_id: 404 (not found), 409 (still running)."""
     src = await stored(tm, rid, owner, "previous_response_id")
     if src.running and not src.stop_requested:  # (a stopping one: the fork waits for its settle)
@@ -219,14 +217,14 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     if background:  # (as OpenAI's answer: queued or in progress, no output yet; GET then shows it as it is)
         return json_response(render.head(t, sv.model_id, waiting=True))
-    if not await _settle(request, t):
+    if not await wait_end(request, t):
         end_run(request, tm, t)
         request.state.error = "the client left before the answer"
         return Response(status_code=499)
     return json_response(render.response(t, sv.model_id, tokenizer=sv.tokenizer))
 
 
-async def _settle(request: Request, t: Task) -> bool:
+async def wait_end(request: Request, t: Task) -> bool:
     """Wait for the end of t's run: True once it ended, False when the client left first. 503
     when the server begins to shut down meanwhile (the caller stops the run)."""
     if not t.running or t.done is None:

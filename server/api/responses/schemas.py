@@ -88,20 +88,43 @@ class FunctionCallOutput(BaseModel):
         return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
 
 
-def _item_kind(v: Any) -> str:
-    """The union branch of an input item (tags in class-name form: param_of drops them)."""
-    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
-    if not isinstance(kind, str):  # a list or an object: the message branch's validation names it
-        return "InputMessage"
-    return {"function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}.get(kind, "InputMessage")
+class Compaction(BaseModel):
+    """A compaction item (POST /v1/responses/compact's output), sent back: the history before it
+    is the compaction's state (server.api.responses.compaction)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["compaction"]
+    encrypted_content: str = Field(min_length=1, max_length=200)
+    """The compaction it names (`cmp_<hex>`: opaque to a client)."""
+    id: str | None = Field(None, max_length=200)  # ignored (encrypted_content names it)
+    created_by: str | None = None  # ignored
 
 
-InputItem = Annotated[
+_KINDS = {"function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}
+
+
+def _kind_of(kinds: dict[str, str]) -> Any:
+    """The union branch of an input item (tags in class-name form: param_of drops them); a type
+    not in `kinds` is the message branch's (its validation names the bad type)."""
+
+    def kind_of(v: Any) -> str:
+        kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
+        return kinds.get(kind, "InputMessage") if isinstance(kind, str) else "InputMessage"
+
+    return kind_of
+
+
+_ITEMS = (
     Annotated[InputMessage, Tag("InputMessage")]
     | Annotated[FunctionCall, Tag("FunctionCall")]
-    | Annotated[FunctionCallOutput, Tag("FunctionCallOutput")],
-    Discriminator(_item_kind),
+    | Annotated[FunctionCallOutput, Tag("FunctionCallOutput")]
+)
+InputItem = Annotated[_ITEMS, Discriminator(_kind_of(_KINDS))]
+"""An item of a conversation, or of a response's input after its last compaction item."""
+ResponseItem = Annotated[
+    _ITEMS | Annotated[Compaction, Tag("Compaction")], Discriminator(_kind_of({**_KINDS, "compaction": "Compaction"}))
 ]
+"""An item of a response's (or a compaction's) input."""
 
 
 class TextFormat(BaseModel):
@@ -165,14 +188,14 @@ def _bounds(name: str) -> Any:
 
 _INPUT = Annotated[
     Annotated[str, Tag("str")]
-    | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS), Tag("list[InputItem]")],
-    Discriminator(lambda v: "str" if isinstance(v, str) else "list[InputItem]"),  # (errors: the list's only)
+    | Annotated[list[ResponseItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS), Tag("list[ResponseItem]")],
+    Discriminator(lambda v: "str" if isinstance(v, str) else "list[ResponseItem]"),  # (errors: the list's only)
 ]
 
 
-class ResponseInput(BaseModel):
-    """The fields that make a response's prompt: the body of POST /v1/responses/input_tokens (which
-    counts that prompt's tokens), and the first fields of ResponseRequest's."""
+class HistoryInput(BaseModel):
+    """The fields that make a history: a compaction's whole body (CompactRequest), a response's
+    first (ResponseInput)."""
 
     # as SamplingFields: no coercion of types, no NaN or infinities
     model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
@@ -184,6 +207,24 @@ class ResponseInput(BaseModel):
     instructions: str | None = None
     """A system turn before the input (not carried to a later response, as OpenAI does)."""
     previous_response_id: str | None = Field(None, min_length=1, max_length=80)
+
+
+class CompactRequest(HistoryInput):
+    """The body of POST /v1/responses/compact: the history to compact (server.api.responses.compaction)."""
+
+    image: dict[str, Any] | None = None  # null only: no image input here (refused by the route)
+    # ignored: they cannot change the compaction
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+
+
+class ResponseInput(HistoryInput):
+    """The fields that make a response's prompt: the body of POST /v1/responses/input_tokens (which
+    counts that prompt's tokens), and the first fields of ResponseRequest's."""
+
     text: TextOptions | None = None
     tools: list[Any] | None = None
     """Function tools, {"type": "function", "name", "description", "parameters", "strict"}

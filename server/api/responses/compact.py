@@ -1,0 +1,81 @@
+"""POST /v1/responses/compact: a history prefilled into a compaction, OpenAI's
+`response.compaction` object answered (what a compaction is here, and how a response resumes
+one: server.api.responses.compaction).
+
+The history is the state of `previous_response_id` (or of the input's last compaction item),
+then `instructions` and the input's items, rendered as a response renders them, without the
+"Assistant:" that would open a reply: the state ends where a response's would after its last
+item. Nothing is generated; the answer comes once the prefill has ended. A client that leaves
+first, or a prefill that fails, leaves no compaction behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.api.errors import ApiError
+from server.api.openai.chat_format import CHAT_STOP
+from server.api.openapi import answers
+from server.api.responses import agent, compaction, render
+from server.api.responses.routes import call, previous, separator, wait_end
+from server.api.responses.schemas import CompactRequest
+from server.api.sampling import bad_text
+from server.api.services import end_run, get_owner, get_services, json_response, task_manager
+
+router = APIRouter(prefix="/v1", tags=["responses"])
+_NO_TOOLS = agent.ResponseTools(None, None, None)
+
+
+@router.post("/responses/compact", responses=answers(400, 401, 404, 409, 413, 429, 503))
+async def compact(body: CompactRequest, request: Request) -> Response:
+    sv, owner = get_services(request), get_owner(request)
+    tm = task_manager(sv)
+    _check(body)
+    src = await compaction.resume(tm, body, owner)
+    if body.previous_response_id is not None:
+        src = await previous(tm, body.previous_response_id, owner)
+    if src is None and not body.input and not body.instructions:
+        raise ApiError(400, "nothing to compact: give input, or previous_response_id", param="input",
+                       code="invalid_request")  # fmt: skip
+    text, rendered, described = agent.prompt(body, _NO_TOOLS, src)
+    text = text if render.continues_prompt(text, {}) else text.removesuffix("Assistant:")
+    users = [*await compaction.users_of(tm, src, owner), *compaction.users(rendered.items)]
+    params: dict[str, Any] = {"max_tokens": 0, "stop": list(CHAT_STOP), "meta": {
+        "input": rendered.items, "calls": rendered.kept_calls(), "described": described,
+        "instructions": body.instructions, "users": users}}  # fmt: skip
+    if src is None:
+        made = tm.create(text, params, persistent=True, owner=owner, tag=compaction.new_tag())
+    else:
+        text = separator(sv, src) + text if text else ""
+        if not text:  # the fork names src's stored state: its latest (else a restart re-feeds the last turn)
+            await tm.state_written(src)
+        made = tm.fork(src.id, params, text or None, owner=owner, tag=compaction.new_tag(), inherit=False)
+    t = await call(made)
+    if not await wait_end(request, t):
+        end_run(request, tm, t)
+        await _drop(sv, t.id, owner)
+        request.state.error = "the client left before the answer"
+        return Response(status_code=499)
+    if t.finish_reason not in ("length", "stop"):
+        await _drop(sv, t.id, owner)
+        raise ApiError(500, f"the compaction's prefill failed: {t.out.error or t.finish_reason}", code="server_error")
+    return json_response(compaction.compacted(t, users))
+
+
+def _check(body: CompactRequest) -> None:
+    bad = bad_text(body)
+    if bad is not None:
+        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+    if body.image is not None:
+        raise ApiError(400, "image (no image input here) is not supported on /v1/responses/compact", param="image",
+                       code="unsupported_field")  # fmt: skip
+
+
+async def _drop(sv: Any, task_id: str, owner: str | None) -> None:
+    """Delete a compaction that will not be answered (its run stopped first)."""
+    with contextlib.suppress(Exception):
+        await task_manager(sv).delete(task_id, owner)
