@@ -7,6 +7,7 @@ Agents SDK's OpenAIResponsesCompactionSession runs on it in both of its modes.""
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import httpx
@@ -150,6 +151,20 @@ def test_a_compaction_is_no_response_and_is_deleted_as_a_task(server):
     assert post(server, f"/v1/tasks/TASK_{hex_}/delete", {}).status_code == 200
     r = post(server, "/v1/responses", {"input": [item, {"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].encrypted_content"
+
+
+def test_a_client_that_leaves_leaves_no_compaction(server):
+    """A compaction of ~12,000 tokens (seconds of prefill here) whose client leaves at 0.5 s: its
+    run is stopped and its task deleted (a stopped one would stay listed, cancelled)."""
+    before = tasks(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/responses/compact", json={"input": "lorem ipsum dolor " * 3000},
+                   headers={"Authorization": "Bearer k1"}, timeout=0.5)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while tasks(server) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tasks(server) == before
+    assert "POST /v1/responses/compact\" 499" in server.log_tail(200)
 
 
 agents = pytest.importorskip("agents", reason="needs the openai-agents package (the test extra)")

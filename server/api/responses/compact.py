@@ -24,7 +24,7 @@ from server.api.responses import agent, compaction, render
 from server.api.responses.routes import call, previous, separator, wait_end
 from server.api.responses.schemas import CompactRequest
 from server.api.sampling import bad_text
-from server.api.services import end_run, get_owner, get_services, json_response, task_manager
+from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
 
 router = APIRouter(prefix="/v1", tags=["responses"])
 _NO_TOOLS = agent.ResponseTools(None, None, None)
@@ -55,7 +55,13 @@ async def compact(body: CompactRequest, request: Request) -> Response:
             await tm.state_written(src)
         made = tm.fork(src.id, params, text or None, owner=owner, tag=compaction.new_tag(), inherit=False)
     t = await call(made)
-    if not await wait_end(request, t):
+    try:
+        ended = await wait_end(request, t)
+    except BaseException:  # (the server began to shut down: 503)
+        end_run(request, tm, t)
+        await _drop(sv, t.id, owner)
+        raise
+    if not ended:
         end_run(request, tm, t)
         await _drop(sv, t.id, owner)
         request.state.error = "the client left before the answer"
@@ -75,7 +81,8 @@ def _check(body: CompactRequest) -> None:
                        code="unsupported_field")  # fmt: skip
 
 
-async def _drop(sv: Any, task_id: str, owner: str | None) -> None:
-    """Delete a compaction that will not be answered (its run stopped first)."""
+async def _drop(sv: Services, task_id: str, owner: str | None) -> None:
+    """Delete a compaction that will not be answered (its run stopped first: the delete waits
+    for it to settle)."""
     with contextlib.suppress(Exception):
         await task_manager(sv).delete(task_id, owner)
