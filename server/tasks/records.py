@@ -160,8 +160,9 @@ class Task:
     state; server.tasks.lineage)."""
     tag: str | None = None
     """What the task is to the route that made it, set at creation and never changed:
-    "response" (/v1/responses), "lightning session <name>" (server.api.lightning.sessions),
-    None (/v1/tasks and the rest; a fork does not inherit it)."""
+    "response" (/v1/responses), "compaction <uuid>" (server.api.responses.compaction),
+    "lightning session <name>" (server.api.lightning.sessions), None (/v1/tasks and the rest; a
+    fork does not inherit it)."""
     # runtime only
     run: Run | None = None  # the current run while running
     run_from: int = 0

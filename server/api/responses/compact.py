@@ -12,7 +12,7 @@ first, or a prefill that fails, leaves no compaction behind.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -25,6 +25,10 @@ from server.api.responses.routes import call, previous, separator, wait_end
 from server.api.responses.schemas import CompactRequest
 from server.api.sampling import bad_text
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
+
+if TYPE_CHECKING:
+    from server.tasks import TaskManager
+    from server.tasks.records import Task
 
 router = APIRouter(prefix="/v1", tags=["responses"])
 _NO_TOOLS = agent.ResponseTools(None, None, None)
@@ -55,21 +59,32 @@ async def compact(body: CompactRequest, request: Request) -> Response:
             await tm.state_written(src)
         made = tm.fork(src.id, params, text or None, owner=owner, tag=compaction.new_tag(), inherit=False)
     t = await call(made)
+    if not await _prefilled(request, sv, t, owner):
+        request.state.error = "the client left before the answer"
+        return Response(status_code=499)
+    return json_response(compaction.compacted(t, users))
+
+
+async def _prefilled(request: Request, sv: Services, t: Task, owner: str | None) -> bool:
+    """Wait for t's prefill: True once it ended; False when the client left first. Unless True,
+    t is stopped and deleted: 503 when the server begins to shut down meanwhile, 500 for a
+    prefill that failed."""
+    tm = task_manager(sv)
     try:
         ended = await wait_end(request, t)
-    except BaseException:  # (the server began to shut down: 503)
+        if ended and t.finish_reason == "interrupted":
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if ended and t.finish_reason not in ("length", "stop"):
+            raise ApiError(500, f"the compaction's prefill failed: {t.out.error or t.finish_reason}",
+                           code="server_error")  # fmt: skip
+    except BaseException:
         end_run(request, tm, t)
-        await _drop(sv, t.id, owner)
+        await _drop(tm, t.id, owner)
         raise
     if not ended:
         end_run(request, tm, t)
-        await _drop(sv, t.id, owner)
-        request.state.error = "the client left before the answer"
-        return Response(status_code=499)
-    if t.finish_reason not in ("length", "stop"):
-        await _drop(sv, t.id, owner)
-        raise ApiError(500, f"the compaction's prefill failed: {t.out.error or t.finish_reason}", code="server_error")
-    return json_response(compaction.compacted(t, users))
+        await _drop(tm, t.id, owner)
+    return ended
 
 
 def _check(body: CompactRequest) -> None:
@@ -81,8 +96,8 @@ def _check(body: CompactRequest) -> None:
                        code="unsupported_field")  # fmt: skip
 
 
-async def _drop(sv: Services, task_id: str, owner: str | None) -> None:
+async def _drop(tm: TaskManager, task_id: str, owner: str | None) -> None:
     """Delete a compaction that will not be answered (its run stopped first: the delete waits
     for it to settle)."""
     with contextlib.suppress(Exception):
-        await task_manager(sv).delete(task_id, owner)
+        await tm.delete(task_id, owner)
