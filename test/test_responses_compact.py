@@ -46,7 +46,7 @@ def user_texts(compacted) -> list[str]:
     return [o.content[0].text for o in compacted.output if o.type == "message" and o.role == "user"]
 
 
-def test_a_compacted_chain_answers_as_the_chain_across_a_restart(server):
+def test_a_compacted_chain_answers_as_the_chain_after_a_restart_and_its_deletion(server):
     client = sdk(server, key="k1")
     r1 = client.responses.create(input="Hello there.", **GREEDY)
     r2 = client.responses.create(input="And again.", previous_response_id=r1.id, **GREEDY)
@@ -57,10 +57,12 @@ def test_a_compacted_chain_answers_as_the_chain_across_a_restart(server):
     assert last.type == "compaction" and last.encrypted_content and len(cp.output) == 3
     held = r2.usage.input_tokens + r2.usage.output_tokens
     assert cp.usage.input_tokens == held and cp.usage.output_tokens == 0
+    b = client.responses.create(input="Third.", previous_response_id=r2.id, **GREEDY)
+    client.responses.delete(r2.id)  # the state the compaction shares with it stays its
+    client.responses.delete(r1.id)
     server.restart()  # a compaction is stored
     client = sdk(server, key="k1")
     a = client.responses.create(input=[*items(cp), {"role": "user", "content": "Third."}], **GREEDY)
-    b = client.responses.create(input="Third.", previous_response_id=r2.id, **GREEDY)
     assert a.output_text == b.output_text and a.usage == b.usage
     assert a.usage.input_tokens_details.cached_tokens >= held - 1  # forked, not prefilled again
     assert a.previous_response_id is None  # (it forked a compaction, no response)

@@ -1,12 +1,15 @@
 """The Conversations API's state reuse: one conversation of --turns turns through /v1/responses,
-three ways a client keeps it, against a real server (uvicorn subprocess; --url to use a running
+four ways a client keeps it, against a real server (uvicorn subprocess; --url to use a running
 one):
 
 - conversation: `conversation` on each response (the server keeps the items and forks the last
   response's state: only the new turn is prefilled);
 - chain: `previous_response_id` (the same state reuse, the client keeping the ids);
 - stateless: the whole history sent back as `input` each turn (what a client without either
-  does; every turn prefills it all).
+  does; every turn prefills it all);
+- compacted: as the Agents SDK's OpenAIResponsesCompactionSession compacting after every turn:
+  each turn's input is the last compaction's output and the new message, then
+  `responses.compact(previous_response_id=...)` (its time counted in the turn's).
 
     PYTHONPATH=. python test/bench/bench_conversations_api.py --model synthetic:tiny --device cpu
     PYTHONPATH=. python test/bench/bench_conversations_api.py --model synthetic:2.9b --turns 20 --turn-tokens 400
@@ -65,6 +68,10 @@ def run(url: str, way: str, args) -> dict:
             r = client.responses.create(conversation=conv.id, input=text, **kw)
         elif way == "chain":
             r = client.responses.create(previous_response_id=prev, input=text, **kw)
+        elif way == "compacted":
+            r = client.responses.create(input=[*history, {"role": "user", "content": text}], **kw)
+            done = client.responses.compact(model="m", previous_response_id=r.id)
+            history = [o.model_dump(exclude_none=True, warnings=False) for o in done.output]
         else:
             history.append({"role": "user", "content": text})
             r = client.responses.create(input=history, **kw)
@@ -100,7 +107,7 @@ def main() -> None:
     url = args.url or srv.url
     try:
         lines = []
-        for way in ("conversation", "chain", "stateless"):
+        for way in ("conversation", "chain", "stateless", "compacted"):
             fig = run(url, way, args)
             print(
                 f"{way:12s} prefilled {fig['prefilled_tokens']:7d} tokens over {args.turns} turns; last turn: "
