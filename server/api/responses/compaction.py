@@ -3,9 +3,9 @@
 
 OpenAI's compaction shortens a long history into an opaque item that later requests send in its
 place. An RWKV model holds a whole history in a state of fixed size, so a compaction here is that
-state, kept: the route prefills the history it is given (the previous response's state, then
-the instructions and the input; nothing is summarized, so nothing is lost) into a stored task
-tagged `compaction`, with no output, and answers OpenAI's `response.compaction` object: the
+state, kept: the route (compact.py) prefills the history it is given (the previous response's
+state, then the instructions and the input; nothing is summarized, so nothing is lost) into a
+stored task tagged `compaction <uuid>`, with no output, and answers OpenAI's `response.compaction` object: the
 history's user messages, then one `compaction` item whose encrypted_content names that task
 (`cmp_<hex>`, the task TASK_<hex>). A response whose input holds the item forks the task and
 renders only the items after it (`resume`), as previous_response_id forks a response; the items
