@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from server.api.errors import ApiError
 from server.api.responses.logprobs import LOGPROBS
-from server.api.responses.schemas import ResponseInput, ResponseRequest
+from server.api.responses.schemas import HistoryInput, ResponseInput, ResponseRequest
 from server.api.sampling import bad_text
 
 NOTHING_TO_INCLUDE = frozenset({
@@ -19,11 +19,16 @@ input or reasoning items): accepted, adding nothing (some clients send
 `message.output_text.logprobs` (LOGPROBS), asks for the message's logprobs (logprobs.py)."""
 
 
-def check_input(body: ResponseInput) -> None:
-    """A 400 for text that is no valid Unicode, or both a conversation and a previous response."""
+def check_text(body: HistoryInput) -> None:
+    """A 400 naming the first text of the body that is no valid Unicode."""
     bad = bad_text(body)
     if bad is not None:
         raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+
+
+def check_input(body: ResponseInput) -> None:
+    """A 400 for text that is no valid Unicode, or both a conversation and a previous response."""
+    check_text(body)
     if body.conversation is not None and body.previous_response_id is not None:
         raise ApiError(400, "conversation and previous_response_id are mutually exclusive: give one of them",
                        param="conversation", code="invalid_request")  # fmt: skip

@@ -21,9 +21,9 @@ from server.api.errors import ApiError
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import answers
 from server.api.responses import agent, compaction, render
+from server.api.responses.checks import check_text
 from server.api.responses.routes import call, previous, separator, wait_end
 from server.api.responses.schemas import CompactRequest
-from server.api.sampling import bad_text
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
 
 if TYPE_CHECKING:
@@ -40,8 +40,8 @@ async def compact(body: CompactRequest, request: Request) -> Response:
     tm = task_manager(sv)
     _check(body)
     src = await compaction.resume(tm, body, owner)
-    if body.previous_response_id is not None:
-        src = await previous(tm, body.previous_response_id, owner)
+    if body.previous_response_id is not None:  # (one being stopped: once settled, as a count waits)
+        src = await call(tm.settled(await previous(tm, body.previous_response_id, owner)))
     if src is None and not body.input and not body.instructions:
         raise ApiError(400, "nothing to compact: give input, or previous_response_id", param="input",
                        code="invalid_request")  # fmt: skip
@@ -88,9 +88,7 @@ async def _prefilled(request: Request, sv: Services, t: Task, owner: str | None)
 
 
 def _check(body: CompactRequest) -> None:
-    bad = bad_text(body)
-    if bad is not None:
-        raise ApiError(400, f"invalid '{bad[0]}': {bad[1]}", param=bad[0], code="invalid_request")
+    check_text(body)
     if body.image is not None:
         raise ApiError(400, "image (no image input here) is not supported on /v1/responses/compact", param="image",
                        code="unsupported_field")  # fmt: skip
