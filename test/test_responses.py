@@ -277,7 +277,6 @@ def test_nulls_and_an_empty_include_are_the_defaults(server, extra):
 @pytest.mark.parametrize("field,value,param", [
     ("access_programs", {"cyber": "standard"}, "access_programs"),
     ("background_options", {"completion_window": "soonest"}, "background_options"),
-    ("context_management", [{"type": "compaction", "compact_threshold": 1000}], "context_management"),
     ("image", {"context_compression": "auto"}, "image"),
     ("moderation", {"model": "omni-moderation-latest"}, "moderation"),
     ("prompt_cache_options", {"prewarm": True}, "prompt_cache_options.prewarm"),

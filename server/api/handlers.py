@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.errors import ERROR_TYPES, HTTP_CODES, ApiError, dumps_error, error_body
+from server.api.generation.jobs import ClientGone
 from server.api.middleware import NotUtf8
 
 log = logging.getLogger("server.http")
@@ -156,7 +157,14 @@ async def unhandled_handler(request: Request, exc: Exception) -> Response:
     )
 
 
+async def client_gone_handler(request: Request, exc: ClientGone) -> Response:
+    """The client left before the answer: 499 (logged and counted, never sent)."""
+    request.state.error = "the client left before the answer"
+    return Response(status_code=499)
+
+
 def install(app: FastAPI) -> None:
+    app.add_exception_handler(ClientGone, client_gone_handler)  # type: ignore[arg-type]
     app.add_exception_handler(ApiError, api_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]

@@ -16,14 +16,14 @@ from server.api.errors import ApiError
 from server.api.grammar import format_spec
 from server.api.openai import tools
 from server.api.openai.agents import ready_grammar
-from server.api.openai.chat_format import build_prompt
-from server.api.responses import render
+from server.api.openai.chat_format import CHAT_STOP, build_prompt
+from server.api.responses import logprobs, render
 from server.api.responses.compaction import compaction_id, is_compaction
 from server.api.responses.conversation import Start, render_after
 from server.api.responses.items import Item, Rendered, after_compaction, render_input
 from server.api.responses.schemas import HistoryInput, ResponseInput, ResponseRequest, TextFormat
 from server.api.services import Services
-from server.engine.types import GrammarSpec
+from server.engine.types import GrammarSpec, SamplingParams
 from server.tasks.params import grammar_fields
 from server.tasks.records import Task
 
@@ -161,4 +161,30 @@ def task_params(rt: ResponseTools, meta: dict[str, Any], fmt: dict[str, Any]) ->
     out = {"grammar": grammar_fields(own), "meta": meta}
     if own is not None and fmt.get("type", "text") != "text":
         out.update(response_format={"type": "text"}, meta={**meta, "format": fmt})
+    return out
+
+
+def sampling_params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[str, Any]:
+    """Every generation field, explicit: a response never inherits its previous one's."""
+    d, limit = SamplingParams(), sv.settings.max_tokens_limit
+    max_tokens = sv.settings.default_max_tokens if body.max_output_tokens is None else body.max_output_tokens
+    if limit and max_tokens > limit:
+        raise ApiError(
+            400,
+            f"invalid 'max_output_tokens': {max_tokens} is above this server's limit of {limit}",
+            param="max_output_tokens",
+            code="invalid_request",
+        )
+    out = {
+        "max_tokens": max_tokens,
+        "temperature": d.temperature if body.temperature is None else body.temperature,
+        "top_p": d.top_p if body.top_p is None else body.top_p,
+        "stop": list(CHAT_STOP),
+        "response_format": fmt,
+    }
+    if body.seed is not None:
+        out["seed"] = body.seed
+    k = logprobs.requested(body.include, body.top_logprobs)
+    if k is not None:
+        out["logprobs"] = k
     return out

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from server.api.errors import ApiError
 from server.api.openapi import answers
 from server.api.responses import render
-from server.api.responses.routes import call, stored
+from server.api.responses.access import call, stored
 from server.api.services import get_owner, get_services, json_response, task_manager
 
 router = APIRouter(prefix="/v1", tags=["responses"])

@@ -51,8 +51,6 @@ def check_supported(body: ResponseRequest) -> None:
         and "prompt (stored prompt templates: send the prompt's text as instructions and input)",
         "access_programs": body.access_programs is not None and "access_programs",
         "background_options": body.background_options is not None and "background_options",
-        "context_management": body.context_management
-        and "context_management (a response's history is its state, never compacted)",
         "image": body.image is not None and "image (no image input here)",
         "moderation": body.moderation is not None and "moderation (no moderation policies)",
         "prompt_cache_options.prewarm": body.prompt_cache_options is not None

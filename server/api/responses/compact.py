@@ -6,7 +6,8 @@ The history is the state of `previous_response_id` (or of the input's last compa
 then `instructions` and the input's items, rendered as a response renders them, without the
 "Assistant:" that would open a reply: the state ends where a response's would after its last
 item. Nothing is generated; the answer comes once the prefill has ended. A client that leaves
-first, or a prefill that fails, leaves no compaction behind.
+first, or a prefill that fails, leaves no compaction behind. A create with context_management
+compacts through `make` too (autocompact.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError
+from server.api.generation.jobs import ClientGone
 from server.api.openai.chat_format import CHAT_STOP
 from server.api.openapi import answers
 from server.api.responses import agent, compaction, render
+from server.api.responses.access import call, previous, separator, wait_end
 from server.api.responses.checks import check_text
-from server.api.responses.routes import call, previous, separator, wait_end
-from server.api.responses.schemas import CompactRequest
+from server.api.responses.schemas import CompactRequest, HistoryInput
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
 
 if TYPE_CHECKING:
@@ -45,7 +47,17 @@ async def compact(body: CompactRequest, request: Request) -> Response:
     if src is None and not body.input and not body.instructions:
         raise ApiError(400, "nothing to compact: give input, or previous_response_id", param="input",
                        code="invalid_request")  # fmt: skip
-    text, rendered, described = agent.prompt(body, _NO_TOOLS, src)
+    return json_response(compaction.compacted(await make(request, sv, body, _NO_TOOLS, src, owner)))
+
+
+async def make(
+    request: Request, sv: Services, body: HistoryInput, rt: agent.ResponseTools, src: Task | None, owner: str | None
+) -> Task:
+    """The compaction of body's history after src's (its instructions and input, rendered with
+    rt's tools described), prefilled and stored. ClientGone when the client left first (the
+    compaction is then deleted, as on any other failure)."""
+    tm = task_manager(sv)
+    text, rendered, described = agent.prompt(body, rt, src)
     text = text if render.continues_prompt(text, {}) else text.removesuffix("Assistant:")
     users = [*await compaction.users_of(tm, src, owner), *compaction.users(rendered.items)]
     params: dict[str, Any] = {"max_tokens": 0, "stop": list(CHAT_STOP), "meta": {
@@ -60,9 +72,8 @@ async def compact(body: CompactRequest, request: Request) -> Response:
         made = tm.fork(src.id, params, text or None, owner=owner, tag=compaction.new_tag(), inherit=False)
     t = await call(made)
     if not await _prefilled(request, sv, t, owner):
-        request.state.error = "the client left before the answer"
-        return Response(status_code=499)
-    return json_response(compaction.compacted(t, users))
+        raise ClientGone()
+    return t
 
 
 async def _prefilled(request: Request, sv: Services, t: Task, owner: str | None) -> bool:
@@ -79,11 +90,11 @@ async def _prefilled(request: Request, sv: Services, t: Task, owner: str | None)
                            code="server_error")  # fmt: skip
     except BaseException:
         end_run(request, tm, t)
-        await _drop(tm, t.id, owner)
+        await drop(tm, t.id, owner)
         raise
     if not ended:
         end_run(request, tm, t)
-        await _drop(tm, t.id, owner)
+        await drop(tm, t.id, owner)
     return ended
 
 
@@ -94,7 +105,7 @@ def _check(body: CompactRequest) -> None:
                        code="unsupported_field")  # fmt: skip
 
 
-async def _drop(tm: TaskManager, task_id: str, owner: str | None) -> None:
+async def drop(tm: TaskManager, task_id: str, owner: str | None) -> None:
     """Delete a compaction that will not be answered (its run stopped first: the delete waits
     for it to settle)."""
     with contextlib.suppress(Exception):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.api.errors import ApiError, task_error
 from server.api.responses import render
-from server.api.responses.items import last_compaction
+from server.api.responses.items import compaction_item, last_compaction
 from server.api.responses.schemas import HistoryInput
 from server.tasks.errors import TaskError, TaskNotFound
 
@@ -109,13 +109,13 @@ async def _parent(tm: TaskManager, t: Task, owner: str | None) -> Task | None:
     return p if render.is_response(p) or is_compaction(p) else None
 
 
-def compacted(t: Task, user_items: list[dict[str, Any]]) -> dict[str, Any]:
+def compacted(t: Task) -> dict[str, Any]:
     """OpenAI's response.compaction object of t: the history's user messages, then its item."""
     cid = compaction_id(t)
     return {
         "id": cid,
         "object": "response.compaction",
         "created_at": int(t.created_at),
-        "output": [*user_items, {"type": "compaction", "id": cid, "encrypted_content": cid}],
+        "output": [*(render.meta(t).get("users") or []), compaction_item(cid)],
         "usage": render.usage(t),
     }

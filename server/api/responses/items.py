@@ -41,6 +41,11 @@ class Rendered:
         return dict(list(self.calls.items())[-MAX_KNOWN_CALLS:])
 
 
+def compaction_item(cid: str) -> dict[str, Any]:
+    """The compaction item naming compaction `cid` (server.api.responses.compaction)."""
+    return {"type": "compaction", "id": cid, "encrypted_content": cid}
+
+
 def last_compaction(inp: str | Sequence[Item | Compaction] | None) -> tuple[int, Compaction] | None:
     """The input's last compaction item, and its place (None: it has none)."""
     if isinstance(inp, str) or not inp:

@@ -22,6 +22,7 @@ from typing import Any
 from server.api.openai.agent_render import TokenBytes
 from server.api.openai.chat_format import TURN_SEP
 from server.api.openai.tools import MARKER, Mode, parse_calls
+from server.api.responses.items import compaction_item
 from server.api.responses.logprobs import of_message
 from server.tasks.records import READY, TASK, Task
 
@@ -167,12 +168,18 @@ def output(t: Task, tokenizer: TokenBytes | None = None, state: str | None = Non
     engine may admit the run between two reads)."""
     if (state or status(t)) == "queued":
         return []
-    made = calls(t)
+    made, cut = calls(t), compacted(t)
     if not made:
-        return [message(t, tokenizer=tokenizer)]
+        return [*cut, message(t, tokenizer=tokenizer)]
     content = _parsed(t)[0]
     text = content if continues(t) else content.lstrip()
-    return ([message(t, text, tokenizer=tokenizer)] if text.strip() else []) + made
+    return cut + ([message(t, text, tokenizer=tokenizer)] if text.strip() else []) + made
+
+
+def compacted(t: Task) -> list[dict[str, Any]]:
+    """[the compaction its create made first (context_management: autocompact.py)], or []."""
+    cid = meta(t).get("compacted")
+    return [compaction_item(cid)] if cid else []
 
 
 def _item_status(t: Task) -> str:
@@ -249,8 +256,9 @@ def response(t: Task, model: str, *, with_output: bool = True, tokenizer: TokenB
             "strict": inner.get("strict", True),
         }  # fmt: skip  (the output follows the schema either way)
     state = status(t)
-    parent = t.parent_id
-    conv = m.get("conversation")
+    parent, conv = t.parent_id, m.get("conversation")  # (a fork of a head, of a compaction: none)
+    forked = parent if parent and parent[:4] in ("TASK", "TMP_") and not conv and not m.get("compaction") else None
+    before = m["previous"] if "compacted" in m else "resp_" + forked.split("_", 1)[1] if forked else None
     return {
         "id": response_id(t),
         "object": "response",
@@ -258,9 +266,7 @@ def response(t: Task, model: str, *, with_output: bool = True, tokenizer: TokenB
         "status": state,
         "model": model,
         "output": output(t, tokenizer, state) if with_output else [],
-        "previous_response_id": "resp_" + parent.split("_", 1)[1]
-        if parent and parent[:4] in ("TASK", "TMP_") and not conv and not m.get("compaction")  # (a head, a compaction)
-        else None,
+        "previous_response_id": before,
         "conversation": {"id": conv} if conv else None,
         "instructions": m.get("instructions"),
         "max_output_tokens": p.get("max_tokens"),

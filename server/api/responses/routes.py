@@ -19,115 +19,27 @@ create with the same prompt fields would take in (its usage.input_tokens), runni
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from server.api.errors import ApiError, engine_error, prompt_too_long, task_error
-from server.api.openai.chat_format import CHAT_STOP
+from server.api.errors import ApiError
 from server.api.openapi import RESPONSES_EVENTS, answers
-from server.api.responses import agent, compaction, conversation, joins, logprobs, render
+from server.api.responses import agent, autocompact, compaction, conversation, joins, render
+from server.api.responses.access import call, not_found, previous, separator, stored, wait_end
 from server.api.responses.checks import check_input, check_supported
 from server.api.responses.items import page
 from server.api.responses.schemas import ResponseInput, ResponseRequest
 from server.api.responses.stream import ResponseStream
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
 from server.api.streaming.sse import SSEResponse
-from server.api.streaming.watch import done_or_gone
-from server.engine.types import EOS_TOKEN, EngineError, PromptTooLongError, SamplingParams
-from server.tasks.errors import TaskElsewhere, TaskError, TaskNotFound
+from server.tasks.errors import TaskNotFound
 
 if TYPE_CHECKING:
-    from server.tasks import TaskManager
     from server.tasks.records import Task
 
 router = APIRouter(prefix="/v1", tags=["responses"])
-T = TypeVar("T")
-
-
-async def call(aw: Awaitable[T]) -> T:
-    """Task-layer and engine errors -> ApiError (a bad value is a 400, as on the OpenAI routes).
-    The task's prompt is this route's `input`: an error about it names `input`."""
-    try:
-        return await aw
-    except TaskError as exc:
-        raise _task_error(exc) from None
-    except (EngineError, ValueError) as exc:
-        if isinstance(exc, PromptTooLongError):
-            raise prompt_too_long("input", exc.tokens, exc.limit) from None
-        err = engine_error(exc)
-        err.param = "input" if err.param == "prompt" else err.param
-        raise err from None
-
-
-def _task_error(exc: TaskError) -> ApiError:
-    """errors.task_error, with a bad value as the OpenAI routes' 400 and `prompt` named `input`;
-    a response another server runs named as the response."""
-    err = task_error(exc, param="input" if exc.param == "prompt" else exc.param)
-    if err.status == 422:
-        err.status = 400
-    if isinstance(exc, TaskElsewhere) and exc.task_id.startswith("TASK_"):
-        rid, err.param = render.response_id_of(exc.task_id), "response_id"
-        err.message = f"response {rid} is running on {exc.where}; send this request there"
-    return err
-
-
-async def stored(tm: TaskManager, rid: str, owner: str | None, param: str | None = None) -> Task:
-    """The task of a stored response `owner` may see; 404 otherwise (unknown, another key's)."""
-    tid = render.task_id(rid)
-    try:
-        if tid is None:
-            raise TaskNotFound(rid)
-        t = await tm.get(tid, owner)
-        if not render.is_response(t):  # a /v1/tasks task or a lightning session: not ours
-            raise TaskNotFound(rid)
-        return t
-    except TaskError as exc:
-        if not isinstance(exc, TaskNotFound):
-            raise _task_error(exc) from None
-        raise _not_found(rid, param) from None
-
-
-def _not_found(rid: str, param: str | None) -> ApiError:
-    return ApiError(404, f"response {rid!r} not found (unknown, not stored, or another API key's)", param=param,
-                    code="response_not_found")  # fmt: skip
-
-
-def _params(sv: Services, body: ResponseRequest, fmt: dict[str, Any]) -> dict[str, Any]:
-    """Every generation field, explicit: a response never inherits its previous one's."""
-    d, limit = SamplingParams(), sv.settings.max_tokens_limit
-    max_tokens = sv.settings.default_max_tokens if body.max_output_tokens is None else body.max_output_tokens
-    if limit and max_tokens > limit:
-        raise ApiError(
-            400,
-            f"invalid 'max_output_tokens': {max_tokens} is above this server's limit of {limit}",
-            param="max_output_tokens",
-            code="invalid_request",
-        )
-    out = {
-        "max_tokens": max_tokens,
-        "temperature": d.temperature if body.temperature is None else body.temperature,
-        "top_p": d.top_p if body.top_p is None else body.top_p,
-        "stop": list(CHAT_STOP),
-        "response_format": fmt,
-    }
-    if body.seed is not None:
-        out["seed"] = body.seed
-    k = logprobs.requested(body.include, body.top_logprobs)
-    if k is not None:
-        out["logprobs"] = k
-    return out
-
-
-def separator(sv: Services, src: Task) -> str:
-    """What goes between the previous response's history and the new turns: nothing after EOS
-    or a turn break the model wrote, else the turn break."""
-    tail = list(src.tokens[-2:])
-    if not tail or tail[-1] == EOS_TOKEN or sv.tokenizer.decode(tail).endswith("\n\n"):
-        return ""
-    return "\n\n"
 
 
 @router.post("/responses", responses=answers(400, 401, 404, 409, 413, 429, 503, stream=True, events=RESPONSES_EVENTS))
@@ -144,14 +56,17 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
         src = await previous(tm, body.previous_response_id, owner)
     prompt, meta = agent.prompt_and_meta(body, rt, src, conv)
     rt = await agent.ready(sv, rt, prompt)  # its grammar compiled (a new turn's format: behind the gap)
-    params = {**_params(sv, body, fmt), **agent.task_params(rt, meta, fmt)}
+    sampling = agent.sampling_params(sv, body, fmt)  # (checked before a compaction is made)
+    cut = await autocompact.cut(request, sv, body, rt, src, conv, prompt, meta)  # (context_management)
+    src, prompt = (cut.task, cut.prompt) if cut is not None else (src, prompt)
+    params = {**sampling, **agent.task_params(rt, meta, fmt)}
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
     if src is not None:
         prompt = separator(sv, src) + prompt
         made = tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
     else:
         made = tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE)
-    t = await conversation.too_long(call(made), conv)  # (a whole history over the limit: says so)
+    t = await conversation.too_long(autocompact.kept(sv, cut, call(made), owner), conv)  # (too long: says so)
     try:
         if conv is not None:
             await conversation.begin(tm, conv, t, owner)
@@ -178,7 +93,7 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
         try:
             src = await tm.settled(await previous(tm, body.previous_response_id, owner))
         except TaskNotFound:  # deleted meanwhile
-            raise _not_found(body.previous_response_id, "previous_response_id") from None
+            raise not_found(body.previous_response_id, "previous_response_id") from None
     prompt, _, _ = agent.prompt(body, rt, src, conv.items if conv is not None else ())
     await agent.ready(sv, rt, prompt)  # (a format the decoder cannot compile: refused as on create)
     history = 0
@@ -194,15 +109,6 @@ async def count_input_tokens(body: ResponseInput, request: Request) -> Response:
 async def post_only(request: Request) -> Response:
     raise ApiError(405, f"method {request.method} is not allowed on {request.url.path} (POST only)",
                    code="method_not_allowed", headers={"Allow": "POST"})  # fmt: skip
-
-
-async def previous(tm: TaskManager, rid: str, owner: str | None) -> Task:
-    """The task of previous_response_id: 404 (not found), 409 (still running)."""
-    src = await stored(tm, rid, owner, "previous_response_id")
-    if src.running and not src.stop_requested:  # (a stopping one: the fork waits for its settle)
-        raise ApiError(409, f"response {rid!r} is still in progress", param="previous_response_id",
-                       code="response_in_progress")  # fmt: skip
-    return src
 
 
 async def _answer(request: Request, sv: Services, t: Task, stream: bool, background: bool) -> Response:
@@ -222,14 +128,6 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
         request.state.error = "the client left before the answer"
         return Response(status_code=499)
     return json_response(render.response(t, sv.model_id, tokenizer=sv.tokenizer))
-
-
-async def wait_end(request: Request, t: Task) -> bool:
-    """Wait for the end of t's run: True once it ended, False when the client left first. 503
-    when the server begins to shut down meanwhile (the caller stops the run)."""
-    if not t.running or t.done is None:
-        return True
-    return await done_or_gone(request, t.done.wait())
 
 
 # GET or DELETE `/v1/responses` (or `/v1/responses/`: RawSendLayer): a 404, not the router's 405

@@ -163,6 +163,15 @@ class Reasoning(BaseModel):
     generate_summary: str | None = None  # (the older name of summary)
 
 
+class ContextManagement(BaseModel):
+    """{"type": "compaction", "compact_threshold"}: a create whose history since its last compaction
+    holds more tokens (default: max_prompt_tokens) compacts it first (responses.autocompact)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["compaction"]
+    compact_threshold: int | None = Field(None, ge=1, le=2**31 - 1)
+
+
 class StreamOptions(BaseModel):
     """stream_options: {"include_obfuscation"} (ignored: the events carry no obfuscation padding)."""
 
@@ -265,14 +274,13 @@ class ResponseRequest(ResponseInput):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """The alternatives per token of the message's logprobs (with include's
     "message.output_text.logprobs"; without it none are returned, as OpenAI's)."""
+    context_management: list[ContextManagement] | None = Field(None, max_length=1)  # [] asks nothing
     # null only (the route refuses a value: unsupported_field, naming it and why; typed as the
-    # SDK sends them, so a value is refused as unsupported, not as malformed); context_management
-    # [] asks nothing
+    # SDK sends them, so a value is refused as unsupported, not as malformed)
     prompt: dict[str, Any] | None = None
     """A stored prompt ({"id", "version", "variables"}): no prompt templates here."""
     access_programs: dict[str, Any] | None = None
     background_options: dict[str, Any] | None = None
-    context_management: list[Any] | None = None
     image: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
     # caching hints: every response's state is kept anyway (docs/agents.md)

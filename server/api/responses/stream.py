@@ -10,7 +10,9 @@ stream of a running response and the replay of a finished one (`GET /v1/response
 number every event alike, and `starting_after` resumes either. While the run goes on, the last
 token's text waits for the next token or the end (the run's final flush adds to it).
 
-Without tools the message item opens at once. With tools it opens when its text does (a forced
+A response whose create compacted its history first (context_management) sends that compaction
+item first (output_index 0: output_item.added, output_item.done). Without tools the message item
+opens at once. With tools it opens when its text does (a forced
 call has none; text that may be the start of the call marker is held back, as chat holds it), and
 the calls come at the end, each as OpenAI sends one: output_item.added (empty arguments),
 function_call_arguments.delta, function_call_arguments.done, output_item.done.
@@ -32,7 +34,7 @@ import orjson
 from server.api.openai.agent_render import TokenBytes
 from server.api.openai.tools import content_end
 from server.api.responses.logprobs import entries, logprobs_of, text_start, tokens_in
-from server.api.responses.render import continues, head, message, response, tool_mode
+from server.api.responses.render import compacted, continues, head, message, response, tool_mode
 from server.tasks.records import Task
 
 _LAST = {"completed": "response.completed", "failed": "response.failed"}
@@ -97,7 +99,8 @@ class ResponseStream:
         self._lp_next = 0  # the first output token whose logprob was not sent
         self._open = False  # the message item was added
         self._part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self._loc = {"item_id": message(t)["id"], "output_index": 0, "content_index": 0}
+        self._cut = compacted(t)  # (the compaction its create made: the first output item)
+        self._loc = {"item_id": message(t)["id"], "output_index": len(self._cut), "content_index": 0}
 
     @property
     def preamble(self) -> list[bytes]:
@@ -132,6 +135,9 @@ class ResponseStream:
         self._started = True
         first = head(self.t, self.model)
         out = self._ev("response.created", response=first) + self._ev("response.in_progress", response=first)
+        for item in self._cut:
+            out += self._ev("response.output_item.added", output_index=0, item=item)
+            out += self._ev("response.output_item.done", output_index=0, item=item)
         return out + (self._open_message() if self._mode is None else b"")
 
     def _advance(self, n: int) -> bytes:
@@ -190,7 +196,7 @@ class ResponseStream:
     def _open_message(self) -> bytes:
         self._open = True
         item = {**message(self.t, "", "in_progress"), "content": []}
-        return self._ev("response.output_item.added", output_index=0, item=item) + self._ev(
+        return self._ev("response.output_item.added", output_index=self._loc["output_index"], item=item) + self._ev(
             "response.content_part.added", **self._loc, part=self._part
         )
 
@@ -209,7 +215,8 @@ class ResponseStream:
         final = response(self.t, self.model, tokenizer=self._tokenizer)
         out = b""
         for index, item in enumerate(final["output"]):
-            out += self._message_done(item) if item["type"] == "message" else self._call(index, item)
+            if item["type"] != "compaction":  # (sent first)
+                out += self._message_done(item) if item["type"] == "message" else self._call(index, item)
         return out + self._ev(_LAST.get(final["status"], "response.incomplete"), response=final)
 
     def _message_done(self, item: dict[str, Any]) -> bytes:
@@ -221,7 +228,7 @@ class ResponseStream:
             out
             + ev("response.output_text.done", **loc, text=text, logprobs=part["logprobs"])
             + ev("response.content_part.done", **loc, part=part)
-            + ev("response.output_item.done", output_index=0, item=item)
+            + ev("response.output_item.done", output_index=loc["output_index"], item=item)
         )
 
     def _call(self, index: int, item: dict[str, Any]) -> bytes:
