@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from util_server import sdk, server_fixture
+from util_server import sdk, server_fixture, wait_committed
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["n"], "additionalProperties": False}
@@ -250,6 +250,8 @@ def test_a_join_cut_by_a_kill_is_done_after_the_restart(server, moved):
     r1 = client.responses.create(model="m", conversation=conv.id, input="One.", text=TEXT, max_output_tokens=30)
     joined = texts(items_of(client, conv.id))
     assert joined == ["Hello.", "One.", r1.output_text]
+    # its state is written behind: the kill comes once it is (else the next response cannot fork it)
+    wait_committed(server.db, "TASK_" + r1.id[5:], lambda row: row["state_id"] is not None)
     server.kill()
     with sqlite3.connect(server.db) as db:
         db.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND seq > 1", (conv.id,))
