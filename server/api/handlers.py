@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.errors import ERROR_TYPES, HTTP_CODES, ApiError, dumps_error, error_body
 from server.api.generation.jobs import ClientGone
+from server.api.metrics import CLIENT_GONE
 from server.api.middleware import NotUtf8
 
 log = logging.getLogger("server.http")
@@ -160,7 +161,7 @@ async def unhandled_handler(request: Request, exc: Exception) -> Response:
 async def client_gone_handler(request: Request, exc: ClientGone) -> Response:
     """The client left before the answer: 499 (logged and counted, never sent)."""
     request.state.error = "the client left before the answer"
-    return Response(status_code=499)
+    return Response(status_code=CLIENT_GONE)  # counted as an abort (Metrics.count_request)
 
 
 def install(app: FastAPI) -> None:

@@ -18,14 +18,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, prompt_too_long
-from server.api.generation.jobs import ClientGone, Job, Prompt, collect, submit_all
+from server.api.generation.jobs import Job, Prompt, collect, submit_all
 from server.api.generation.stream import ChoiceStream
 from server.api.latency import Recorder
 from server.api.lightning.auth import authorize
 from server.api.lightning.errors import LightningError, bsz_overflow
 from server.api.lightning.render import FlushingRenderer, native_renderer, native_response
 from server.api.lightning.schemas import LightningV1Body, limits
-from server.api.metrics import CLIENT_GONE
 from server.api.services import Services, get_services, json_response
 from server.api.streaming.sse import SSEResponse
 from server.engine.protocol import StateLike
@@ -95,11 +94,7 @@ async def respond(
     done; a client that leaves first aborts the jobs (499)."""
     if stream is not None:
         return sse(sv, jobs, t0, stream)
-    try:
-        await collect(request, jobs, Recorder(sv.metrics, t0))
-    except ClientGone:
-        request.state.error = "the client left before the answer"
-        return Response(status_code=CLIENT_GONE)  # counted as an abort (Metrics.count_request)
+    await collect(request, jobs, Recorder(sv.metrics, t0))  # (ClientGone: answered 499, counted as an abort)
     failed = next((j for j in jobs if j.finish_reason == "error"), None)
     if failed is not None:
         raise ApiError(500, f"generation failed: {failed.error or 'unknown error'}", code="generation_failed")

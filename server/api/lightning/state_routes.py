@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, prompt_too_long, task_call
+from server.api.generation.jobs import ClientGone
 from server.api.lightning import docs
 from server.api.lightning.auth import CredentialFirst, authorize
 from server.api.lightning.errors import LightningError
@@ -25,7 +26,6 @@ from server.api.lightning.schemas import (
 )
 from server.api.lightning.session_stream import SessionStream, deleted_error, settle, stopper
 from server.api.lightning.sessions import NameTooLong, SessionNotFound, Sessions, name_problem
-from server.api.metrics import CLIENT_GONE
 from server.api.services import Services, get_services, json_response, task_manager
 from server.api.streaming.source import event
 from server.api.streaming.sse import SSEResponse
@@ -109,8 +109,7 @@ async def _answer(
         return SSEResponse(source, metrics=sv.metrics, error_end=source.error_end)
     out = t.out  # this run's output (bound before the wait: a later call makes a new one)
     if not await settle(request, tm, t, owner):
-        request.state.error = "the client left before the answer"
-        return Response(status_code=CLIENT_GONE)  # counted as an abort (Metrics.count_request)
+        raise ClientGone()  # (answered 499, counted as an abort)
     if out.error or out.finish_reason == "error":
         raise ApiError(500, f"generation failed: {out.error or 'unknown error'}", code="generation_failed")
     if out.finish_reason == "stopped" and sessions.deleted(t):  # cut by /state/delete: not a whole answer

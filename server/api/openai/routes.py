@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError, prompt_too_long
-from server.api.generation.jobs import ClientGone, Job, Prompt, abort_all, collect, submit_all
+from server.api.generation.jobs import Job, Prompt, abort_all, collect, submit_all
 from server.api.generation.stream import ChoiceStream, Renderer
 from server.api.latency import Recorder
 from server.api.openai import agent_render, render, start, tools
@@ -123,19 +123,16 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     base = await start.resolve_base(sv, body.state, owner)
     reply = max(p.max_tokens for p in params)
     ongoing = any(m.role == "assistant" for m in body.messages)
-    try:
-        begun = await start.begin(
-            sv,
-            owner,
-            base,
-            prefix_tokens + rest,
-            (prompt.prefix, prefix_tokens),
-            reply_tokens=reply,
-            ongoing=ongoing,
-            request=request,
-        )
-    except ClientGone:
-        return _gone(request)
+    begun = await start.begin(  # (ClientGone: the client left during a prefill; answered 499)
+        sv,
+        owner,
+        base,
+        prefix_tokens + rest,
+        (prompt.prefix, prefix_tokens),
+        reply_tokens=reply,
+        ongoing=ongoing,
+        request=request,
+    )
     n_prompt = len(prefix_tokens) + len(rest)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = submit_all(
@@ -205,10 +202,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     params: list[SamplingParams] = []
     echoes: list[str] = []
     reply = max(p.max_tokens for p in per_choice)
-    try:
-        starts = await asyncio.gather(*(_begin(request, base, tokens, agent, reply) for tokens, _ in prompts))
-    except ClientGone:
-        return _gone(request)
+    starts = await asyncio.gather(*(_begin(request, base, tokens, agent, reply) for tokens, _ in prompts))
     for begun, (tokens, text) in zip(starts, prompts, strict=True):
         for p in per_choice:
             seqs.append((begun.submit, begun.state, len(tokens)))
@@ -273,20 +267,11 @@ async def _respond(
         if body.stream:
             source = ChoiceStream(jobs, renderer(jobs, meta, body.include_usage()), recorder)
             return SSEResponse(source, metrics=sv.metrics, direct=sv.settings.direct_stream)
-        try:
-            await collect(request, jobs, recorder)
-        except ClientGone:
-            return _gone(request)
+        await collect(request, jobs, recorder)  # (ClientGone: the client left; answered 499)
         return json_response(full(jobs, meta))
     except BaseException:
         abort_all(jobs)
         raise
-
-
-def _gone(request: Request) -> Response:
-    """The client left before the answer (499: logged and counted, never sent)."""
-    request.state.error = "the client left before the answer"
-    return Response(status_code=499)
 
 
 __all__ = ["router"]

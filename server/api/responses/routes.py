@@ -25,6 +25,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError
+from server.api.generation.jobs import ClientGone
 from server.api.openapi import RESPONSES_EVENTS, answers
 from server.api.responses import agent, autocompact, compaction, conversation, joins, render
 from server.api.responses.access import call, not_found, previous, separator, stored, wait_end
@@ -124,9 +125,7 @@ async def _answer(request: Request, sv: Services, t: Task, stream: bool, backgro
     if background:  # (as OpenAI's answer: queued or in progress, no output yet; GET then shows it as it is)
         return json_response(render.head(t, sv.model_id, waiting=True))
     if not await wait_end(request, t):
-        end_run(request, tm, t)
-        request.state.error = "the client left before the answer"
-        return Response(status_code=499)
+        raise ClientGone()  # (answered 499; the create stops the run)
     return json_response(render.response(t, sv.model_id, tokenizer=sv.tokenizer))
 
 
