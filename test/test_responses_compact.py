@@ -158,15 +158,20 @@ def test_a_compaction_is_no_response_and_is_deleted_as_a_task(server):
 def test_a_client_that_leaves_leaves_no_compaction(server):
     """A compaction of ~12,000 tokens (seconds of prefill here) whose client leaves at 0.5 s: its
     run is stopped and its task deleted (a stopped one would stay listed, cancelled)."""
+    leave_during_the_prefill(server, "/v1/responses/compact", {"input": "lorem ipsum dolor " * 3000})
+
+
+def leave_during_the_prefill(server, path: str, body: dict) -> None:
+    """POST `body` and leave after 0.5 s (its prefill takes seconds here): the tasks of key k1 are
+    as before once its run has been stopped, and the log has its 499."""
     before = tasks(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/responses/compact", json={"input": "lorem ipsum dolor " * 3000},
-                   headers={"Authorization": "Bearer k1"}, timeout=0.5)  # fmt: skip
+        httpx.post(server.url + path, json=body, headers={"Authorization": "Bearer k1"}, timeout=0.5)
     deadline = time.monotonic() + 10
     while tasks(server) != before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert tasks(server) == before
-    assert "POST /v1/responses/compact\" 499" in server.log_tail(200)
+    assert f'POST {path}" 499' in server.log_tail(200)
 
 
 agents = pytest.importorskip("agents", reason="needs the openai-agents package (the test extra)")
