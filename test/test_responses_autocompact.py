@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import time
+
 import httpx
 import pytest
 from pydantic import BaseModel
@@ -191,3 +193,17 @@ async def test_the_agents_sdk_model_settings_context_management(server):
     second = await Runner.run(agent, "Again?", session=session)
     assert second.final_output.answer in ("yes", "no")
     assert second.raw_responses[-1].usage.input_tokens_details.cached_tokens > len(LONG.split())
+
+
+@pytest.mark.parametrize("fields", [{"store": False}, {"background": True}], ids=["not-stored", "background"])
+def test_not_stored_and_background_responses_compact_too(server, fields):
+    client = sdk(server, key="k1")
+    r = client.responses.create(input=LONG, context_management=cm(20), **fields, **GREEDY)
+    if fields.get("background"):
+        deadline = time.monotonic() + 30
+        while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            r = client.responses.retrieve(r.id)
+    assert [o.type for o in r.output] == ["compaction", "message"]
+    nxt = client.responses.create(input=[*dumped(r.output), {"role": "user", "content": "Go on."}], **GREEDY)
+    assert nxt.usage.input_tokens_details.cached_tokens > len(LONG.split())
