@@ -77,16 +77,16 @@ async def cut(
     named (the response forks the compaction, not that one). ClientGone when the client left
     during the compaction's prefill (nothing is left behind)."""
     start = window_start(src)
+    if start:
+        meta["window_start"] = start
     limit = threshold(sv, body)
     if limit is None or conv is not None:
-        meta.update(window_start=start) if start else None
         return None
     described = agent.ResponseTools(None, rt.described, None)  # (the call plan's suffix: the reply's)
     text = agent.prompt(body, described, src)[0]
     held = len(src.tokens) - start if src is not None else 0
     tokens = await call(task_manager(sv).inputs.encode((separator(sv, src) if src else "") + prompt))
     if render.continues_prompt(text, {}) or held + len(tokens) <= limit:
-        meta.update(window_start=start) if start else None
         return None
     made = await compact.make(request, sv, body, described, src, get_owner(request))
     after = body.model_copy(update={"input": [], "instructions": None})  # (all of it is in the compaction)
