@@ -1,5 +1,5 @@
 """The Conversations API's state reuse: one conversation of --turns turns through /v1/responses,
-four ways a client keeps it, against a real server (uvicorn subprocess; --url to use a running
+five ways a client keeps it, against a real server (uvicorn subprocess; --url to use a running
 one):
 
 - conversation: `conversation` on each response (the server keeps the items and forks the last
@@ -9,7 +9,9 @@ one):
   does; every turn prefills it all);
 - compacted: as the Agents SDK's OpenAIResponsesCompactionSession compacting after every turn:
   each turn's input is the last compaction's output and the new message, then
-  `responses.compact(previous_response_id=...)` (its time counted in the turn's).
+  `responses.compact(previous_response_id=...)` (its time counted in the turn's);
+- auto-compacted: stateless, with `context_management` (--compact-threshold): the server
+  compacts past the threshold and the client drops the items before the newest compaction item.
 
     PYTHONPATH=. python test/bench/bench_conversations_api.py --model synthetic:tiny --device cpu
     PYTHONPATH=. python test/bench/bench_conversations_api.py --model synthetic:2.9b --turns 20 --turn-tokens 400
@@ -45,6 +47,9 @@ PARAGRAPH = (
 )
 
 
+WAYS = ("conversation", "chain", "stateless", "compacted", "auto-compacted")
+
+
 def message(turn: int, tokens: int) -> str:
     """About `tokens` tokens of text (a paragraph is about 32 tokens)."""
     return f"Turn {turn}. " + PARAGRAPH * max(1, tokens // 32) + "What happens next?"
@@ -74,8 +79,11 @@ def run(url: str, way: str, args) -> dict:
             history = [o.model_dump(exclude_none=True, warnings=False) for o in done.output]
         else:
             history.append({"role": "user", "content": text})
-            r = client.responses.create(input=history, **kw)
-            history.extend(o.model_dump(exclude_none=True) for o in r.output)
+            auto = {"context_management": [{"type": "compaction", "compact_threshold": args.compact_threshold}]}
+            r = client.responses.create(input=history, **kw, **(auto if way == "auto-compacted" else {}))
+            history.extend(o.model_dump(exclude_none=True, warnings=False) for o in r.output)
+            cut = [i for i, it in enumerate(history) if it.get("type") == "compaction"]
+            history = history[cut[-1] :] if cut else history
         times.append(time.perf_counter() - t0)
         prev = r.id
     assert r is not None
@@ -98,6 +106,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--turn-tokens", type=int, default=200, help="about this many tokens per user turn")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--compact-threshold", type=int, default=1000, help="auto-compacted: context_management's")
+    ap.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ", ".join(WAYS))
     ap.add_argument("--out", default=str(ROOT / "test" / "bench" / "results.jsonl"))
     args = ap.parse_args()
     srv = None
@@ -107,7 +117,7 @@ def main() -> None:
     url = args.url or srv.url
     try:
         lines = []
-        for way in ("conversation", "chain", "stateless", "compacted"):
+        for way in args.ways.split(","):
             fig = run(url, way, args)
             print(
                 f"{way:12s} prefilled {fig['prefilled_tokens']:7d} tokens over {args.turns} turns; last turn: "
@@ -118,7 +128,8 @@ def main() -> None:
             gpu = "cpu" if args.device == "cpu" else args.device
             lines.append({"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": args.model,
                           "mode": "conversations_api", "turn_tokens": args.turn_tokens,
-                          "max_tokens": args.max_tokens, **fig})  # fmt: skip
+                          "max_tokens": args.max_tokens, **fig,
+                          **({"compact_threshold": args.compact_threshold} if way == "auto-compacted" else {})})  # fmt: skip
         write_lines(args.out, lines)
     finally:
         if srv is not None:
