@@ -256,9 +256,9 @@ def response(t: Task, model: str, *, with_output: bool = True, tokenizer: TokenB
             "strict": inner.get("strict", True),
         }  # fmt: skip  (the output follows the schema either way)
     state = status(t)
-    parent, conv = t.parent_id, m.get("conversation")  # (a fork of a head, of a compaction: none)
+    parent, conv = t.parent_id, m.get("conversation")  # (a fork of a head, of a compaction: none; "previous": as sent)
     forked = parent if parent and parent[:4] in ("TASK", "TMP_") and not conv and not m.get("compaction") else None
-    before = m["previous"] if "compacted" in m else "resp_" + forked.split("_", 1)[1] if forked else None
+    before = m["previous"] if "previous" in m else "resp_" + forked.split("_", 1)[1] if forked else None
     return {
         "id": response_id(t),
         "object": "response",

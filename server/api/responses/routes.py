@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from server.api.errors import ApiError
 from server.api.generation.jobs import ClientGone
 from server.api.openapi import RESPONSES_EVENTS, answers
-from server.api.responses import agent, autocompact, compaction, conversation, joins, render
+from server.api.responses import agent, autocompact, compaction, conversation, joins, render, reuse
 from server.api.responses.access import call, not_found, previous, separator, stored, wait_end
 from server.api.responses.checks import check_input, check_supported
 from server.api.responses.items import page
@@ -60,14 +60,18 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     sampling = agent.sampling_params(sv, body, fmt)  # (checked before a compaction is made)
     cut = await autocompact.cut(request, sv, body, rt, src, conv, prompt, meta)  # (context_management)
     src, prompt = (cut.task, cut.prompt) if cut is not None else (src, prompt)
+    reused = await reuse.continued(sv, owner, src, conv, prompt, meta)  # (a history sent whole: an earlier one's)
     params = {**sampling, **agent.task_params(rt, meta, fmt)}
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
-    if src is not None:
+    if reused is not None:
+        made = reuse.fork(tm, reused, prompt, params, store=body.store, owner=owner)
+    elif src is not None:
         prompt = separator(sv, src) + prompt
         made = tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
     else:
         made = tm.create(prompt, params, persistent=body.store, owner=owner, tag=render.RESPONSE)
     t = await conversation.too_long(autocompact.kept(sv, cut, call(made), owner), conv)  # (too long: says so)
+    reuse.recent(tm).add(owner, t.id)
     try:
         if conv is not None:
             await conversation.begin(tm, conv, t, owner)

@@ -1,0 +1,85 @@
+"""A stateless client's history reused (server.api.responses.reuse) against a real server with the
+official SDK: a create that sends the whole history as input forks the earlier response whose
+tokens it begins with (only the new turn is prefilled; the answer is the chain's, token for
+token), stored or not; not another API key's, not one deleted, and not when the reply
+re-tokenizes otherwise than it was generated (then the whole history is prefilled, as before).
+
+The test model's greedy replies are random tokens: a reply whose first token has no leading
+space re-renders with one after "Assistant:", so it never matches ("Hi" below); the two other
+first turns re-render as generated."""
+
+from __future__ import annotations
+
+import pytest
+from util_server import running_server, sdk
+
+GREEDY = {"model": "m", "temperature": 0, "max_output_tokens": 8}
+MATCHES = ["Hello there.", "What is the time?"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("reuse"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
+        yield srv
+
+
+def items(output) -> list[dict]:
+    return [o.model_dump(exclude_none=True, warnings=False) for o in output]
+
+
+def second_turn(client, first, text: str = "And then?", **fields):
+    """The first response, then the next turn sent whole (its input, its output, a new message)."""
+    r1 = client.responses.create(input=first, **GREEDY, **fields)
+    history = [{"role": "user", "content": first}, *items(r1.output), {"role": "user", "content": text}]
+    return r1, client.responses.create(input=history, **GREEDY, **fields)
+
+
+@pytest.mark.parametrize("first", MATCHES)
+@pytest.mark.parametrize("store", [True, False], ids=["stored", "not-stored"])
+def test_the_whole_history_forks_the_earlier_response(server, first, store):
+    client = sdk(server, key="k1")
+    r1, r2 = second_turn(client, first, store=store)
+    held = r1.usage.input_tokens + r1.usage.output_tokens  # (its last token is fed by the next run)
+    assert r2.usage.input_tokens_details.cached_tokens == held - 1
+    assert r2.previous_response_id is None  # (none was sent)
+    if store:
+        chain = client.responses.create(input="And then?", previous_response_id=r1.id, **GREEDY)
+        assert r2.output_text == chain.output_text and r2.usage.input_tokens == chain.usage.input_tokens
+        listed = client.responses.input_items.list(r2.id, order="asc").data
+        assert [i.type for i in listed] == ["message", "message", "message"]  # the whole input, as sent
+
+
+def test_a_reply_that_re_tokenizes_otherwise_is_prefilled_whole(server):
+    client = sdk(server, key="k1")
+    r1, r2 = second_turn(client, "Hi")
+    assert r2.usage.input_tokens_details.cached_tokens == 0
+    assert r2.status == "incomplete" and r2.output_text  # (answered, from the zero state)
+
+
+def test_not_another_keys_response_nor_a_deleted_one(tmp_path):
+    with running_server(tmp_path, env={"RWKV_API_KEYS": "k1,k2"}) as srv:  # (no other response of this history)
+        _other_key_and_deleted(srv)
+
+
+def _other_key_and_deleted(server):
+    a, b = sdk(server, key="k1"), sdk(server, key="k2")
+    r1 = a.responses.create(input=MATCHES[0], **GREEDY)
+    history = [{"role": "user", "content": MATCHES[0]}, *items(r1.output), {"role": "user", "content": "Next."}]
+    assert b.responses.create(input=history, **GREEDY).usage.input_tokens_details.cached_tokens == 0
+    a.responses.delete(r1.id)
+    assert a.responses.create(input=history, **GREEDY).usage.input_tokens_details.cached_tokens == 0
+
+
+def test_a_chain_of_stateless_turns_prefills_each_turn_once(server):
+    """Three turns sent whole: each forks the one before (its cached tokens: all of it)."""
+    client = sdk(server, key="k1")
+    history: list[dict] = []
+    prev = None
+    for text in (MATCHES[1], "And then?", "Go on."):
+        history.append({"role": "user", "content": text})
+        r = client.responses.create(input=history, **GREEDY)
+        if prev is not None and r.usage.input_tokens_details.cached_tokens:
+            assert r.usage.input_tokens_details.cached_tokens == prev.usage.input_tokens + prev.usage.output_tokens - 1
+        history.extend(items(r.output))
+        prev = r
+    assert r.usage.input_tokens_details.cached_tokens > 0
