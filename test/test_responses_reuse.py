@@ -15,6 +15,7 @@ from util_server import running_server, sdk
 
 GREEDY = {"model": "m", "temperature": 0, "max_output_tokens": 8}
 MATCHES = ["Hello there.", "What is the time?"]
+AFTER_COMPACTION = "Tell me more."  # (its reply, after the compaction, re-renders as generated)
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +84,17 @@ def test_a_chain_of_stateless_turns_prefills_each_turn_once(server):
         history.extend(items(r.output))
         prev = r
     assert r.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_after_a_compaction_item_the_response_that_resumed_it_is_continued(server):
+    """The items after a compaction item sent whole: the response that resumed the compaction
+    with the same items is forked (the auto-compacting stateless client of context_management)."""
+    client = sdk(server, key="k1")
+    cp = client.responses.compact(model="m", input="Hello there.")
+    history = [*items(cp.output)[1:], {"role": "user", "content": AFTER_COMPACTION}]  # (the compaction item, then)
+    r1 = client.responses.create(input=history, **GREEDY)
+    history += [*items(r1.output), {"role": "user", "content": "And then?"}]
+    r2 = client.responses.create(input=history, **GREEDY)
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens - 1
+    chain = client.responses.create(input="And then?", previous_response_id=r1.id, **GREEDY)
+    assert r2.output_text == chain.output_text and r2.previous_response_id is None

@@ -1,7 +1,8 @@
-"""A stateless client's history, reused: a create from no state (no previous_response_id,
-conversation, compaction item or context_management) whose prompt's tokens begin with the whole
-token history of an earlier response of the same API key forks that response, as
-previous_response_id would, and prefills only the rest (docs/agents.md, "The Responses API").
+"""A stateless client's history, reused: a create from no state (no previous_response_id or
+conversation; or from its input's compaction item) whose prompt's tokens begin with the whole
+token history of an earlier response of the same API key (after that compaction's) forks that
+response, as previous_response_id would, and prefills only the rest (docs/agents.md, "The
+Responses API").
 
 A client that keeps its history itself (the Agents SDK with a local session, any client with
 `store: false`) sends it all as input every turn: the previous turn's input items, its output
@@ -25,6 +26,8 @@ from weakref import WeakKeyDictionary
 
 from cachetools import LRUCache
 
+from server.api.responses import compaction
+from server.api.responses.access import separator
 from server.api.responses.conversation import Start
 from server.api.responses.render import RESPONSE
 from server.api.services import Services, task_manager
@@ -42,10 +45,13 @@ MAX_KEYS = 4096
 
 @dataclass(frozen=True)
 class Reuse:
-    """The earlier response a create continues, and the prompt's text after its history."""
+    """The earlier response a create continues: its task, and the text after its history; `src`
+    and `text`: what the create would have forked (None: nothing) and with what text."""
 
     task: Task
     rest: str
+    src: Task | None
+    text: str
 
 
 class Recent:
@@ -60,58 +66,62 @@ class Recent:
             ids = self._ids[owner or ""] = deque(maxlen=MAX_RECENT)
         ids.append(task_id)
 
-    async def find(self, sv: Services, owner: str | None, prompt: str) -> Reuse | None:
-        """The response whose whole history the prompt's tokens extend (the longest), and the
-        prompt's text after it; None when none does, or the text cannot be cut at that token
-        (its rest would not tokenize as the prompt's tokens do)."""
+    async def find(self, sv: Services, owner: str | None, src: Task | None, text: str) -> Reuse | None:
+        """The response whose whole history is a prefix of src's history (none: empty) then
+        `text`'s tokens, and goes further than src's (the longest such), with the text after it;
+        None when none does, or the text cannot be cut at that token (its rest would not
+        tokenize as the whole does)."""
         ids = self._ids.get(owner or "")
         if not ids:
             return None
         tm = task_manager(sv)
-        tokens = await tm.inputs.encode(prompt)
+        n_base = len(src.tokens) if src is not None else 0
+        tokens = [*(src.tokens if src is not None else ()), *await tm.inputs.encode(text)]
         whole = memoryview(tokens_bytes(tokens))
         best: Task | None = None
         for tid in ids:
             t = tm.table.find(tid)
-            if t is None or t.running or not t.tokens or len(t.tokens) >= len(tokens):
+            if t is None or t.running or not n_base < len(t.tokens) < len(tokens):
                 continue
             mine = t.tokens.tobytes()
             if (best is None or len(t.tokens) > len(best.tokens)) and whole[: len(mine)] == mine:
                 best = t
         if best is None:
             return None
-        head = sv.tokenizer.decode(list(best.tokens))
-        if not prompt.startswith(head):
+        head = sv.tokenizer.decode(tokens[n_base : len(best.tokens)])
+        rest = text[len(head) :]
+        if not text.startswith(head) or await tm.inputs.encode(rest) != tokens[len(best.tokens) :]:
             return None
-        rest = prompt[len(head) :]
-        if tokens_bytes(await tm.inputs.encode(rest)) != whole[len(best.tokens.tobytes()) :]:
-            return None
-        return Reuse(best, rest)
+        return Reuse(best, rest, src, text)
 
 
 async def continued(
     sv: Services, owner: str | None, src: Task | None, conv: Start | None, prompt: str, meta: dict[str, Any]
 ) -> Reuse | None:
-    """For a create from no state (`src` and `conv` None): the earlier response whose history its
-    prompt extends (None: none). Its meta then shows no previous_response_id (none was sent)."""
-    if src is not None or conv is not None:
+    """For a create from no state or from an input's compaction item (not after a
+    previous_response_id, in a conversation, or a compaction of its own: `meta`): the earlier
+    response whose history its prompt extends (None: none). Its meta then shows no
+    previous_response_id (none was sent)."""
+    if conv is not None or (src is not None and not compaction.is_compaction(src)) or "compacted" in meta:
         return None
-    found = await recent(task_manager(sv)).find(sv, owner, prompt)
+    text = separator(sv, src) + prompt if src is not None else prompt
+    found = await recent(task_manager(sv)).find(sv, owner, src, text)
     if found is not None:
         meta["previous"] = None
     return found
 
 
-async def fork(
-    tm: TaskManager, reused: Reuse, prompt: str, params: dict[str, Any], *, store: bool, owner: str | None
-) -> Task:
+async def fork(tm: TaskManager, reused: Reuse, params: dict[str, Any], *, store: bool, owner: str | None) -> Task:
     """The response: a fork of the earlier one with the rest of the prompt, or where that one was
-    deleted meanwhile a create of the whole `prompt`."""
+    deleted meanwhile what the create would have made without it."""
     try:
         return await tm.fork(reused.task.id, params, reused.rest, tmp=not store, owner=owner, tag=RESPONSE,
                              inherit=False)  # fmt: skip
     except TaskNotFound:
-        return await tm.create(prompt, params, persistent=store, owner=owner, tag=RESPONSE)
+        if reused.src is None:
+            return await tm.create(reused.text, params, persistent=store, owner=owner, tag=RESPONSE)
+        return await tm.fork(reused.src.id, params, reused.text, tmp=not store, owner=owner, tag=RESPONSE,
+                             inherit=False)  # fmt: skip
 
 
 _RECENT: WeakKeyDictionary[TaskManager, Recent] = WeakKeyDictionary()

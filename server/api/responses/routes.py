@@ -64,7 +64,7 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     params = {**sampling, **agent.task_params(rt, meta, fmt)}
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
     if reused is not None:
-        made = reuse.fork(tm, reused, prompt, params, store=body.store, owner=owner)
+        made = reuse.fork(tm, reused, params, store=body.store, owner=owner)
     elif src is not None:
         prompt = separator(sv, src) + prompt
         made = tm.fork(src.id, params, prompt, tmp=not body.store, owner=owner, tag=render.RESPONSE, inherit=False)
