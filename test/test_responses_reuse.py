@@ -10,8 +10,11 @@ first turns re-render as generated."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from util_server import running_server, sdk
+
+from server.api.metrics import parse_metrics
 
 GREEDY = {"model": "m", "temperature": 0, "max_output_tokens": 8}
 MATCHES = ["Hello there.", "What is the time?"]
@@ -98,3 +101,25 @@ def test_after_a_compaction_item_the_response_that_resumed_it_is_continued(serve
     assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens - 1
     chain = client.responses.create(input="And then?", previous_response_id=r1.id, **GREEDY)
     assert r2.output_text == chain.output_text and r2.previous_response_id is None
+
+
+def prefilled(server) -> float:
+    return parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)["rwkv_prompt_tokens_total"]
+
+
+def test_a_compaction_of_a_history_sent_whole_forks_the_response_it_extends(server):
+    """context_management past its threshold on a history sent whole: the compaction forks the
+    earlier response the history begins with (only the new turn is prefilled), and the answer is
+    the chain's."""
+    client = sdk(server, key="k1")
+    r1 = client.responses.create(input=MATCHES[1], **GREEDY)
+    history = [{"role": "user", "content": MATCHES[1]}, *items(r1.output), {"role": "user", "content": "More?"}]
+    before = prefilled(server)
+    r2 = client.responses.create(input=history, context_management=[{"type": "compaction", "compact_threshold": 5}],
+                                 **GREEDY)  # fmt: skip
+    fed = prefilled(server) - before
+    assert [o.type for o in r2.output][0] == "compaction"
+    held = r1.usage.input_tokens + r1.usage.output_tokens - 1
+    assert fed <= r2.usage.input_tokens - held + 1  # the new turn (and the pending token), not the history
+    chain = client.responses.create(input="More?", previous_response_id=r1.id, **GREEDY)
+    assert r2.output_text == chain.output_text and r2.usage.input_tokens == chain.usage.input_tokens

@@ -31,6 +31,7 @@ from fastapi import Request
 from server.api.responses import agent, compact, compaction, render
 from server.api.responses.access import call, separator
 from server.api.responses.conversation import Start
+from server.api.responses.reuse import Reuse
 from server.api.responses.schemas import ResponseRequest
 from server.api.services import Services, get_owner, task_manager
 
@@ -70,12 +71,15 @@ async def cut(
     conv: Start | None,
     prompt: str,
     meta: dict[str, Any],
+    reused: Reuse | None = None,
 ) -> Cut | None:
     """The compaction this create makes first (None: none, under the threshold or not asked for).
     `prompt` and `meta`: the response's, as it would run without one; `meta` gains where the
     window starts, and with a compaction the item it made and the previous response the request
-    named (the response forks the compaction, not that one). ClientGone when the client left
-    during the compaction's prefill (nothing is left behind)."""
+    named (the response forks the compaction, not that one). `reused`: the earlier response the
+    create would fork (reuse.py), which holds the start of the history after src: the window is
+    counted, and the compaction forked, from it. ClientGone when the client left during the
+    compaction's prefill (nothing is left behind)."""
     start = window_start(src)
     if start:
         meta["window_start"] = start
@@ -84,11 +88,14 @@ async def cut(
         return None
     described = agent.ResponseTools(None, rt.described, None)  # (the call plan's suffix: the reply's)
     text = agent.prompt(body, described, src)[0]
-    held = len(src.tokens) - start if src is not None else 0
-    tokens = await call(task_manager(sv).inputs.encode((separator(sv, src) if src else "") + prompt))
+    if reused is not None:
+        held, rest = len(reused.task.tokens) - start, reused.rest
+    else:
+        held, rest = (len(src.tokens) - start if src is not None else 0), (separator(sv, src) if src else "") + prompt
+    tokens = await call(task_manager(sv).inputs.encode(rest))
     if render.continues_prompt(text, {}) or held + len(tokens) <= limit:
         return None
-    made = await compact.make(request, sv, body, described, src, get_owner(request))
+    made = await compact.make(request, sv, body, described, src, get_owner(request), reused)
     after = body.model_copy(update={"input": [], "instructions": None})  # (all of it is in the compaction)
     meta.update(window_start=len(made.tokens), compacted=compaction.compaction_id(made),
                 previous=body.previous_response_id)  # fmt: skip

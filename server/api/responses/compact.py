@@ -25,6 +25,7 @@ from server.api.openapi import answers
 from server.api.responses import agent, compaction, render
 from server.api.responses.access import call, previous, separator, wait_end
 from server.api.responses.checks import check_text
+from server.api.responses.reuse import Reuse
 from server.api.responses.schemas import CompactRequest, HistoryInput
 from server.api.services import Services, end_run, get_owner, get_services, json_response, task_manager
 
@@ -51,10 +52,17 @@ async def compact(body: CompactRequest, request: Request) -> Response:
 
 
 async def make(
-    request: Request, sv: Services, body: HistoryInput, rt: agent.ResponseTools, src: Task | None, owner: str | None
+    request: Request,
+    sv: Services,
+    body: HistoryInput,
+    rt: agent.ResponseTools,
+    src: Task | None,
+    owner: str | None,
+    reused: Reuse | None = None,
 ) -> Task:
     """The compaction of body's history after src's (its instructions and input, rendered with
-    rt's tools described), prefilled and stored. ClientGone when the client left first (the
+    rt's tools described), prefilled and stored; `reused`: an earlier response whose history is
+    the start of it (reuse.py): forked, with the rest. ClientGone when the client left first (the
     compaction is then deleted, as on any other failure)."""
     tm = task_manager(sv)
     text, rendered, described = agent.prompt(body, rt, src)
@@ -63,13 +71,15 @@ async def make(
     params: dict[str, Any] = {"max_tokens": 0, "stop": list(CHAT_STOP), "meta": {
         "input": rendered.items, "calls": rendered.kept_calls(), "described": described,
         "instructions": body.instructions, "users": users}}  # fmt: skip
-    if src is None:
+    base, text = src, (separator(sv, src) + text if src is not None and text else text)
+    if reused is not None and len(reused.text) - len(reused.rest) <= len(text):  # (its history: text's start)
+        base, text = reused.task, text[len(reused.text) - len(reused.rest) :]
+    if base is None:
         made = tm.create(text, params, persistent=True, owner=owner, tag=compaction.new_tag())
     else:
-        text = separator(sv, src) + text if text else ""
-        if not text:  # the fork names src's stored state: its latest (else a restart re-feeds the last turn)
-            await tm.state_written(src)
-        made = tm.fork(src.id, params, text or None, owner=owner, tag=compaction.new_tag(), inherit=False)
+        if not text:  # the fork names base's stored state: its latest (else a restart re-feeds the last turn)
+            await tm.state_written(base)
+        made = tm.fork(base.id, params, text or None, owner=owner, tag=compaction.new_tag(), inherit=False)
     t = await call(made)
     if not await _prefilled(request, sv, t, owner):
         raise ClientGone()

@@ -58,9 +58,10 @@ async def create_response(body: ResponseRequest, request: Request) -> Response:
     prompt, meta = agent.prompt_and_meta(body, rt, src, conv)
     rt = await agent.ready(sv, rt, prompt)  # its grammar compiled (a new turn's format: behind the gap)
     sampling = agent.sampling_params(sv, body, fmt)  # (checked before a compaction is made)
-    cut = await autocompact.cut(request, sv, body, rt, src, conv, prompt, meta)  # (context_management)
-    src, prompt = (cut.task, cut.prompt) if cut is not None else (src, prompt)
     reused = await reuse.continued(sv, owner, src, conv, prompt, meta)  # (a history sent whole: an earlier one's)
+    cut = await autocompact.cut(request, sv, body, rt, src, conv, prompt, meta, reused)  # (context_management)
+    if cut is not None:
+        src, prompt, reused = cut.task, cut.prompt, None
     params = {**sampling, **agent.task_params(rt, meta, fmt)}
     params["hidden_lead"] = not render.continues_prompt(prompt, params)
     if reused is not None:
