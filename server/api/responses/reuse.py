@@ -31,7 +31,7 @@ from server.api.responses.access import separator
 from server.api.responses.conversation import Start
 from server.api.responses.render import RESPONSE
 from server.api.services import Services, task_manager
-from server.tasks.errors import TaskNotFound
+from server.tasks.errors import TaskConflict, TaskNotFound
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -113,11 +113,11 @@ async def continued(
 
 async def fork(tm: TaskManager, reused: Reuse, params: dict[str, Any], *, store: bool, owner: str | None) -> Task:
     """The response: a fork of the earlier one with the rest of the prompt, or where that one was
-    deleted meanwhile what the create would have made without it."""
+    deleted or started again meanwhile what the create would have made without it."""
     try:
         return await tm.fork(reused.task.id, params, reused.rest, tmp=not store, owner=owner, tag=RESPONSE,
                              inherit=False)  # fmt: skip
-    except TaskNotFound:
+    except (TaskNotFound, TaskConflict):
         if reused.src is None:
             return await tm.create(reused.text, params, persistent=store, owner=owner, tag=RESPONSE)
         return await tm.fork(reused.src.id, params, reused.text, tmp=not store, owner=owner, tag=RESPONSE,
