@@ -98,6 +98,16 @@ def run(url: str, way: str, args) -> dict:
     }
 
 
+def _gpu_name(device: str) -> str:
+    """The GPU's name (what results.jsonl's other lines say), else the device as given."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    except Exception:
+        return device
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="synthetic:tiny")
@@ -125,7 +135,7 @@ def main() -> None:
                 f"{fig['last_turn_ms']:.0f} ms (mean turn {fig['mean_turn_ms']:.0f} ms)",
                 flush=True,
             )
-            gpu = "cpu" if args.device == "cpu" else args.device
+            gpu = "cpu" if args.device == "cpu" else _gpu_name(args.device)
             lines.append({"date": dt.date.today().isoformat(), "commit": commit(), "gpu": gpu, "model": args.model,
                           "mode": "conversations_api", "turn_tokens": args.turn_tokens,
                           "max_tokens": args.max_tokens, **fig,
