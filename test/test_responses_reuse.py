@@ -10,11 +10,16 @@ first turns re-render as generated."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
+from task_fakes import FakeEngine, FakeShape
 from util_server import running_server, sdk
 
 from server.api.metrics import parse_metrics
+from server.api.responses.reuse import LOAD_NEWEST, Recent
+from server.tasks import TaskConfig, TaskManager
 
 GREEDY = {"model": "m", "temperature": 0, "max_output_tokens": 8}
 MATCHES = ["Hello there.", "What is the time?"]
@@ -123,3 +128,44 @@ def test_a_compaction_of_a_history_sent_whole_forks_the_response_it_extends(serv
     assert fed <= r2.usage.input_tokens - held + 1  # the new turn (and the pending token), not the history
     chain = client.responses.create(input="More?", previous_response_id=r1.id, **GREEDY)
     assert r2.output_text == chain.output_text and r2.usage.input_tokens == chain.usage.input_tokens
+
+
+class ByteTokenizer:
+    """One token a byte (so any cut between bytes is a token boundary)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids) -> str:
+        return bytes(ids).decode("utf-8", "replace")
+
+    def decode_bytes(self, ids) -> bytes:
+        return bytes(ids)
+
+
+async def test_the_newest_responses_are_read_back_once_out_of_memory(tmp_path):
+    """The task table keeps the tasks it touched last: a busy server pushes a client's previous
+    response out before its next turn. The key's newest (reuse.LOAD_NEWEST) are read back from
+    the database; older ones are not looked for."""
+    tok = ByteTokenizer()
+    tm = TaskManager(FakeEngine(), tok, TaskConfig(db=str(tmp_path / "r.db")), FakeShape())
+    await tm.start()
+    try:
+        made = await tm.create("User: hi\n\nAssistant:", {"max_tokens": 0}, persistent=True, tag="response")
+        t = await tm.wait(made.id, timeout=10)
+        for _ in range(100):  # (its writes done, it leaves the live tasks)
+            if t.id not in tm.table.live:
+                break
+            await asyncio.sleep(0.05)
+        tm.table.recent.clear()  # other tasks pushed it out
+        assert tm.table.find(t.id) is None
+        recent, text = Recent(), "User: hi\n\nAssistant: yes\n\nUser: more\n\nAssistant:"
+        recent.add(None, t.id)
+        found = await recent.find(tm, tok, None, None, text)
+        assert found is not None and found.task.id == t.id and found.rest == " yes\n\nUser: more\n\nAssistant:"
+        tm.table.recent.clear()
+        for other in range(LOAD_NEWEST):
+            recent.add(None, f"TASK_{other:032x}")  # (newer responses, gone)
+        assert await recent.find(tm, tok, None, None, text) is None
+    finally:
+        await tm.close()

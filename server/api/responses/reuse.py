@@ -11,8 +11,9 @@ when the model's reply re-tokenizes as it was generated (the usual case for a tr
 reply that does not is prefilled whole, as before, and the turn after it matches again). The
 match is exact, token for token, so the answer is the one the chain would give.
 
-Candidates are each key's last MAX_RECENT responses that ended and are still in memory (a
-stored response the state cache dropped is still forked: its state is read back or rebuilt).
+Candidates are each key's last MAX_RECENT responses that ended (the newest LOAD_NEWEST read back
+from the database when the task table no longer holds them; a response whose state the state
+cache dropped is still forked: its state is read back or rebuilt).
 Looking them up costs one byte comparison of the prompt's tokens per candidate.
 """
 
@@ -31,7 +32,8 @@ from server.api.responses.access import separator
 from server.api.responses.conversation import Start
 from server.api.responses.render import RESPONSE
 from server.api.services import Services, task_manager
-from server.tasks.errors import TaskConflict, TaskNotFound
+from server.tasks.config import TokenizerLike
+from server.tasks.errors import TaskConflict, TaskError, TaskNotFound
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
 
 MAX_RECENT = 32
 """Responses per API key that a stateless create may continue (the newest)."""
+LOAD_NEWEST = 2
+"""A key's newest responses read back from the database when no longer in memory (a busy
+server's task table keeps the last 1,024 tasks it touched)."""
 MAX_KEYS = 4096
 """API keys whose recent responses are remembered (the least recently used are forgotten)."""
 
@@ -66,7 +71,9 @@ class Recent:
             ids = self._ids[owner or ""] = deque(maxlen=MAX_RECENT)
         ids.append(task_id)
 
-    async def find(self, sv: Services, owner: str | None, src: Task | None, text: str) -> Reuse | None:
+    async def find(
+        self, tm: TaskManager, tokenizer: TokenizerLike, owner: str | None, src: Task | None, text: str
+    ) -> Reuse | None:
         """The response whose whole history is a prefix of src's history (none: empty) then
         `text`'s tokens, and goes further than src's (the longest such), with the text after it;
         None when none does, or the text cannot be cut at that token (its rest would not
@@ -74,13 +81,14 @@ class Recent:
         ids = self._ids.get(owner or "")
         if not ids:
             return None
-        tm = task_manager(sv)
         n_base = len(src.tokens) if src is not None else 0
         tokens = [*(src.tokens if src is not None else ()), *await tm.inputs.encode(text)]
         whole = memoryview(tokens_bytes(tokens))
         best: Task | None = None
-        for tid in ids:
+        for i, tid in enumerate(reversed(ids)):
             t = tm.table.find(tid)
+            if t is None and i < LOAD_NEWEST:  # (other tasks pushed it out of memory: read back)
+                t = await _load(tm, tid, owner)
             if t is None or t.running or not n_base < len(t.tokens) < len(tokens):
                 continue
             mine = t.tokens.tobytes()
@@ -88,7 +96,7 @@ class Recent:
                 best = t
         if best is None:
             return None
-        head = sv.tokenizer.decode(tokens[n_base : len(best.tokens)])
+        head = tokenizer.decode(tokens[n_base : len(best.tokens)])
         rest = text[len(head) :]
         if not text.startswith(head) or await tm.inputs.encode(rest) != tokens[len(best.tokens) :]:
             return None
@@ -105,7 +113,8 @@ async def continued(
     if conv is not None or (src is not None and not compaction.is_compaction(src)):
         return None
     text = separator(sv, src) + prompt if src is not None else prompt
-    found = await recent(task_manager(sv)).find(sv, owner, src, text)
+    tm = task_manager(sv)
+    found = await recent(tm).find(tm, sv.tokenizer, owner, src, text)
     if found is not None:
         meta["previous"] = None
     return found
@@ -122,6 +131,13 @@ async def fork(tm: TaskManager, reused: Reuse, params: dict[str, Any], *, store:
             return await tm.create(reused.text, params, persistent=store, owner=owner, tag=RESPONSE)
         return await tm.fork(reused.src.id, params, reused.text, tmp=not store, owner=owner, tag=RESPONSE,
                              inherit=False)  # fmt: skip
+
+
+async def _load(tm: TaskManager, task_id: str, owner: str | None) -> Task | None:
+    try:
+        return await tm.get(task_id, owner)
+    except TaskError:  # (deleted, unavailable: no candidate)
+        return None
 
 
 _RECENT: WeakKeyDictionary[TaskManager, Recent] = WeakKeyDictionary()
