@@ -169,3 +169,12 @@ async def test_the_newest_responses_are_read_back_once_out_of_memory(tmp_path):
         assert await recent.find(tm, tok, None, None, text) is None
     finally:
         await tm.close()
+
+
+def test_after_a_restart_the_newest_response_is_read_back(tmp_path):
+    with running_server(tmp_path) as srv:
+        r1 = sdk(srv).responses.create(input=MATCHES[0], **GREEDY)
+        history = [{"role": "user", "content": MATCHES[0]}, *items(r1.output), {"role": "user", "content": "And?"}]
+        srv.restart()
+        r2 = sdk(srv).responses.create(input=history, **GREEDY)
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens - 1

@@ -12,7 +12,7 @@ reply that does not is prefilled whole, as before, and the turn after it matches
 match is exact, token for token, so the answer is the one the chain would give.
 
 Candidates are each key's last MAX_RECENT responses that ended (the newest LOAD_NEWEST read back
-from the database when the task table no longer holds them; a response whose state the state
+from the database when the task table no longer holds them, or after a restart; a response whose state the state
 cache dropped is still forked: its state is read back or rebuilt).
 Looking them up costs one byte comparison of the prompt's tokens per candidate.
 """
@@ -34,6 +34,7 @@ from server.api.responses.render import RESPONSE
 from server.api.services import Services, task_manager
 from server.tasks.config import TokenizerLike
 from server.tasks.errors import TaskConflict, TaskError, TaskNotFound
+from server.tasks.records import TASK
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -79,6 +80,8 @@ class Recent:
         None when none does, or the text cannot be cut at that token (its rest would not
         tokenize as the whole does)."""
         ids = self._ids.get(owner or "")
+        if ids is None:  # (none since this server started: its newest stored tasks, read back below)
+            ids = await self._seed(tm, owner)
         if not ids:
             return None
         n_base = len(src.tokens) if src is not None else 0
@@ -89,7 +92,7 @@ class Recent:
             t = tm.table.find(tid)
             if t is None and i < LOAD_NEWEST:  # (other tasks pushed it out of memory: read back)
                 t = await _load(tm, tid, owner)
-            if t is None or t.running or not n_base < len(t.tokens) < len(tokens):
+            if t is None or t.running or t.tag != RESPONSE or not n_base < len(t.tokens) < len(tokens):
                 continue
             mine = t.tokens.tobytes()
             if (best is None or len(t.tokens) > len(best.tokens)) and whole[: len(mine)] == mine:
@@ -101,6 +104,17 @@ class Recent:
         if not text.startswith(head) or await tm.inputs.encode(rest) != tokens[len(best.tokens) :]:
             return None
         return Reuse(best, rest, src, text)
+
+    async def _seed(self, tm: TaskManager, owner: str | None) -> deque[str]:
+        """A key's list after a restart: its LOAD_NEWEST newest stored tasks (those that are
+        responses are candidates), so its first turn sent whole is not prefilled whole."""
+        ids = self._ids[owner or ""] = deque(maxlen=MAX_RECENT)
+        try:
+            page = await tm.list(owner, limit=LOAD_NEWEST, kind=TASK)
+        except TaskError:
+            return ids
+        ids.extend(row["task_id"] for row in reversed(page["tasks"]))  # (newest last)
+        return ids
 
 
 async def continued(
