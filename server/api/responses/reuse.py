@@ -121,9 +121,8 @@ async def continued(
     sv: Services, owner: str | None, src: Task | None, conv: Start | None, prompt: str, meta: dict[str, Any]
 ) -> Reuse | None:
     """For a create from no state or from an input's compaction item (not after a
-    previous_response_id or in a conversation): the earlier
-    response whose history its prompt extends (None: none). Its meta then shows no
-    previous_response_id (none was sent)."""
+    previous_response_id or in a conversation): the earlier response whose history its prompt
+    extends (None: none). Its meta then shows no previous_response_id (none was sent)."""
     if conv is not None or (src is not None and not compaction.is_compaction(src)):
         return None
     text = separator(sv, src) + prompt if src is not None else prompt
