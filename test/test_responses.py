@@ -9,7 +9,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from util_server import running_server, sdk
+from util_server import sdk, server_fixture, task_ids
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["n"], "additionalProperties": False}
@@ -18,16 +18,8 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 TEXT = {"format": {"type": "json_schema", "name": "n", "schema": SCHEMA, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("resp"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
-        yield srv
-
-
-def tasks(server, key: str = "k1") -> list[str]:
-    """The ids of the key's tasks (not the rows: their state changes as it is written behind)."""
-    r = httpx.get(server.url + "/v1/tasks/list", headers={"Authorization": f"Bearer {key}"})
-    return sorted(t["task_id"] for t in r.json()["tasks"])
+server = server_fixture(env={"RWKV_API_KEYS": "k1,k2"})
+tasks = task_ids
 
 
 def test_a_chain_of_five_continues_from_state_across_a_restart(server):

@@ -8,16 +8,15 @@ leaves nothing behind, and the Agents SDK's ModelSettings.context_management run
 
 from __future__ import annotations
 
-from typing import Literal
-
 import time
+from typing import Literal
 
 import httpx
 import pytest
 from pydantic import BaseModel
 from test_responses_compact import leave_during_the_prefill
 from test_responses_streams import check_numbered, read_events
-from util_server import async_sdk, running_server, sdk
+from util_server import async_sdk, sdk, server_fixture, task_ids
 
 GREEDY = {"model": "m", "max_output_tokens": 8, "temperature": 0}
 LONG = "lorem ipsum dolor sit amet " * 12  # (~60 tokens: past the thresholds below)
@@ -27,15 +26,8 @@ def cm(threshold: int | None) -> list[dict]:
     return [{"type": "compaction", **({} if threshold is None else {"compact_threshold": threshold})}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("autocompact"), env={"RWKV_API_KEYS": "k1"}) as srv:
-        yield srv
-
-
-def tasks(server) -> list[str]:
-    r = httpx.get(server.url + "/v1/tasks/list", headers={"Authorization": "Bearer k1"})
-    return sorted(t["task_id"] for t in r.json()["tasks"])
+server = server_fixture(env={"RWKV_API_KEYS": "k1"})
+tasks = task_ids
 
 
 def post(server, path: str, body: dict) -> httpx.Response:

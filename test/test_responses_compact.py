@@ -13,20 +13,13 @@ from typing import Literal
 import httpx
 import pytest
 from pydantic import BaseModel
-from util_server import async_sdk, running_server, sdk
+from util_server import async_sdk, sdk, server_fixture, task_ids
 
 GREEDY = {"model": "m", "max_output_tokens": 8, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("compact"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
-        yield srv
-
-
-def tasks(server, key: str = "k1") -> list[str]:
-    r = httpx.get(server.url + "/v1/tasks/list", headers={"Authorization": f"Bearer {key}"})
-    return sorted(t["task_id"] for t in r.json()["tasks"])
+server = server_fixture(env={"RWKV_API_KEYS": "k1,k2"})
+tasks = task_ids
 
 
 def post(server, path: str, body: dict | str, key: str = "k1") -> httpx.Response:

@@ -15,7 +15,7 @@ import asyncio
 import httpx
 import pytest
 from task_fakes import FakeEngine, FakeShape
-from util_server import running_server, sdk
+from util_server import running_server, sdk, server_fixture
 
 from server.api.metrics import parse_metrics
 from server.api.responses.reuse import LOAD_NEWEST, Recent
@@ -26,10 +26,7 @@ MATCHES = ["Hello there.", "What is the time?"]
 AFTER_COMPACTION = "Tell me more."  # (its reply, after the compaction, re-renders as generated)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("reuse"), env={"RWKV_API_KEYS": "k1,k2"}) as srv:
-        yield srv
+server = server_fixture(env={"RWKV_API_KEYS": "k1,k2"})
 
 
 def items(output) -> list[dict]:

@@ -255,6 +255,15 @@ def committed_row(db: str | Path, task_id: str) -> dict | None:
     return None if row is None else dict(row)
 
 
+def task_ids(server: ServerProcess, key: str = "k1") -> list[str]:
+    """The ids of the tasks API key `key` may list (not the rows: their state changes as it is
+    written behind), sorted: what a test compares before and after a refused request."""
+    import httpx
+
+    r = httpx.get(server.url + "/v1/tasks/list", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    return sorted(t["task_id"] for t in r.json()["tasks"])
+
+
 def wait_committed(db: str | Path, task_id: str, until: Callable[[dict], bool] | None = None,
                    timeout: float = 60) -> dict:
     """A task's committed row (committed_row) once `until(row)` holds; by default once a progress

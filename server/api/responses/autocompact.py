@@ -88,12 +88,12 @@ async def cut(
         return None
     described = agent.ResponseTools(None, rt.described, None)  # (the call plan's suffix: the reply's)
     text = agent.prompt(body, described, src)[0]
-    if reused is not None:
-        held, rest = len(reused.task.tokens) - start, reused.rest
+    if reused is not None:  # (its rest was tokenized when it was found)
+        held, new = len(reused.task.tokens) - start, reused.rest_tokens
     else:
-        held, rest = (len(src.tokens) - start if src is not None else 0), (separator(sv, src) if src else "") + prompt
-    tokens = await call(task_manager(sv).inputs.encode(rest))
-    if render.continues_prompt(text, {}) or held + len(tokens) <= limit:
+        held = len(src.tokens) - start if src is not None else 0
+        new = len(await call(task_manager(sv).inputs.encode((separator(sv, src) if src else "") + prompt)))
+    if render.continues_prompt(text, {}) or held + new <= limit:
         return None
     made = await compact.make(request, sv, body, described, src, get_owner(request), reused)
     after = body.model_copy(update={"input": [], "instructions": None})  # (all of it is in the compaction)

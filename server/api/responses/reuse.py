@@ -56,6 +56,8 @@ class Reuse:
 
     task: Task
     rest: str
+    rest_tokens: int
+    """The rest's tokens (what a fork of `task` feeds after its pending token)."""
     src: Task | None
     text: str
 
@@ -101,9 +103,10 @@ class Recent:
             return None
         head = tokenizer.decode(tokens[n_base : len(best.tokens)])
         rest = text[len(head) :]
-        if not text.startswith(head) or await tm.inputs.encode(rest) != tokens[len(best.tokens) :]:
+        after = tokens[len(best.tokens) :]
+        if not text.startswith(head) or await tm.inputs.encode(rest) != after:
             return None
-        return Reuse(best, rest, src, text)
+        return Reuse(best, rest, len(after), src, text)
 
     async def _seed(self, tm: TaskManager, owner: str | None) -> deque[str]:
         """A key's list after a restart: its LOAD_NEWEST newest stored tasks (those that are
