@@ -18,6 +18,7 @@ from task_fakes import FakeEngine, FakeShape
 from util_server import running_server, sdk, server_fixture
 
 from server.api.metrics import parse_metrics
+from server.api.responses import reuse
 from server.api.responses.reuse import LOAD_NEWEST, Recent
 from server.tasks import TaskConfig, TaskManager
 
@@ -140,32 +141,103 @@ class ByteTokenizer:
         return bytes(ids)
 
 
-async def test_the_newest_responses_are_read_back_once_out_of_memory(tmp_path):
-    """The task table keeps the tasks it touched last: a busy server pushes a client's previous
-    response out before its next turn. The key's newest (reuse.LOAD_NEWEST) are read back from
-    the database; older ones are not looked for."""
-    tok = ByteTokenizer()
-    tm = TaskManager(FakeEngine(), tok, TaskConfig(db=str(tmp_path / "r.db")), FakeShape())
+async def _responses(tm: TaskManager, texts: list[str], owner: str | None = None) -> list[str]:
+    """Stored responses that took in `texts` and generated nothing (ended), their ids in order."""
+    ids = []
+    for text in texts:
+        made = await tm.create(text, {"max_tokens": 0}, persistent=True, owner=owner, tag="response")
+        ids.append((await tm.wait(made.id, timeout=10)).id)
+    return ids
+
+
+def _turn(i: int) -> str:
+    return f"User: conversation {i}\n\nAssistant:"
+
+
+@pytest.fixture
+async def tm(tmp_path):
+    tm = TaskManager(FakeEngine(), ByteTokenizer(), TaskConfig(db=str(tmp_path / "r.db")), FakeShape())
     await tm.start()
-    try:
-        made = await tm.create("User: hi\n\nAssistant:", {"max_tokens": 0}, persistent=True, tag="response")
-        t = await tm.wait(made.id, timeout=10)
-        for _ in range(100):  # (its writes done, it leaves the live tasks)
-            if t.id not in tm.table.live:
-                break
-            await asyncio.sleep(0.05)
-        tm.table.recent.clear()  # other tasks pushed it out
-        assert tm.table.find(t.id) is None
-        recent, text = Recent(), "User: hi\n\nAssistant: yes\n\nUser: more\n\nAssistant:"
-        recent.add(None, t.id)
-        found = await recent.find(tm, tok, None, None, text)
-        assert found is not None and found.task.id == t.id and found.rest == " yes\n\nUser: more\n\nAssistant:"
-        tm.table.recent.clear()
-        for other in range(LOAD_NEWEST):
-            recent.add(None, f"TASK_{other:032x}")  # (newer responses, gone)
-        assert await recent.find(tm, tok, None, None, text) is None
-    finally:
-        await tm.close()
+    yield tm
+    await tm.close()
+
+
+async def _out_of_memory(tm: TaskManager, task_id: str) -> None:
+    """As on a busy server: other tasks pushed it out of the task table."""
+    for _ in range(100):  # (its writes done, it leaves the live tasks)
+        if task_id not in tm.table.live:
+            break
+        await asyncio.sleep(0.05)
+    tm.table.recent.clear()
+    assert tm.table.find(task_id) is None
+
+
+NEXT = " yes\n\nUser: more\n\nAssistant:"
+
+
+async def test_a_key_with_many_conversations_finds_each_ones_response(tm):
+    """One API key for all of an application's users: its conversations' turns interleave, and
+    each turn sent whole forks its own conversation's previous response, not the newest ones'."""
+    recent = Recent()
+    ids = await _responses(tm, [_turn(i) for i in range(200)], owner="app")
+    for tid in ids:
+        recent.add("app", tid)
+    for i in (0, 57, 199):
+        found = await recent.find(tm, tm.inputs.tokenizer, "app", None, _turn(i) + NEXT)
+        assert found is not None and found.task.id == ids[i] and found.rest == NEXT
+    assert await recent.find(tm, tm.inputs.tokenizer, "other", None, _turn(3) + NEXT) is None  # (another key's)
+    assert await recent.find(tm, tm.inputs.tokenizer, "app", None, _turn(200) + NEXT) is None
+
+
+async def test_the_longest_history_is_forked_and_bounds_forget_the_oldest(tm, monkeypatch):
+    monkeypatch.setattr(reuse, "MAX_PER_KEY", 3)
+    monkeypatch.setattr(reuse, "MAX_ENTRIES", 5)
+    recent, tok = Recent(), tm.inputs.tokenizer
+    a, ab, c, d = await _responses(tm, [_turn(0), _turn(0) + NEXT, _turn(2), _turn(3)], owner="k1")
+    for tid in (a, ab, c, d):  # (k1: a pushed out by the fourth)
+        recent.add("k1", tid)
+    found = await recent.find(tm, tok, "k1", None, _turn(0) + NEXT + " again\n\nUser: x\n\nAssistant:")
+    assert found is not None and found.task.id == ab  # (not a: the longest)
+    assert await recent.find(tm, tok, "k1", None, _turn(0) + " no\n\nUser: y\n\nAssistant:") is None  # (a: forgotten)
+    others = await _responses(tm, [_turn(4), _turn(5), _turn(6)], owner="k2")
+    for tid in others:  # (5 in all: k1, the least recently used, gives its oldest one)
+        recent.add("k2", tid)
+    assert await recent.find(tm, tok, "k1", None, _turn(0) + NEXT + " b\n\nUser: z\n\nAssistant:") is None
+    found = await recent.find(tm, tok, "k1", None, _turn(3) + NEXT)
+    assert found is not None and found.task.id == d
+
+
+async def test_an_indexed_response_is_read_back_once_out_of_memory(tm):
+    """A busy server's task table pushes a client's previous response out before its next turn:
+    once indexed (the key's first lookup after it ended), it is read back when its digest
+    matches, however many responses came after it."""
+    recent, tok = Recent(), tm.inputs.tokenizer
+    (tid,) = await _responses(tm, [_turn(0)])
+    recent.add(None, tid)
+    assert await recent.find(tm, tok, None, None, _turn(9) + NEXT) is None  # (indexes it)
+    for other in await _responses(tm, [_turn(i) for i in range(1, 6)]):
+        recent.add(None, other)
+    await _out_of_memory(tm, tid)
+    found = await recent.find(tm, tok, None, None, _turn(0) + NEXT)
+    assert found is not None and found.task.id == tid and found.rest == NEXT
+
+
+async def test_the_newest_responses_are_read_back_once_out_of_memory(tm):
+    """One that left memory before any lookup indexed it: the key's newest (reuse.LOAD_NEWEST)
+    are read back from the database; older ones are not looked for."""
+    recent, tok = Recent(), tm.inputs.tokenizer
+    (tid,) = await _responses(tm, ["User: hi\n\nAssistant:"])
+    await _out_of_memory(tm, tid)
+    text = "User: hi\n\nAssistant: yes\n\nUser: more\n\nAssistant:"
+    recent.add(None, tid)
+    found = await recent.find(tm, tok, None, None, text)
+    assert found is not None and found.task.id == tid and found.rest == NEXT
+    await _out_of_memory(tm, tid)  # (the read back put it in the table again)
+    older = Recent()
+    older.add(None, tid)
+    for other in range(LOAD_NEWEST):
+        older.add(None, f"TASK_{other:032x}")  # (newer responses, gone)
+    assert await older.find(tm, tok, None, None, text) is None
 
 
 def test_after_a_restart_the_newest_response_is_read_back(tmp_path):

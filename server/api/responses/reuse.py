@@ -11,21 +11,25 @@ when the model's reply re-tokenizes as it was generated (the usual case for a tr
 reply that does not is prefilled whole, as before, and the turn after it matches again). The
 match is exact, token for token, so the answer is the one the chain would give.
 
-Candidates are each key's last MAX_RECENT responses that ended (the newest LOAD_NEWEST read back
-from the database when the task table no longer holds them, or after a restart; a response whose state the state
-cache dropped is still forked: its state is read back or rebuilt).
-Looking them up costs one byte comparison of the prompt's tokens per candidate.
+Candidates are each key's last MAX_PER_KEY responses (at most MAX_ENTRIES for all keys). Once a
+response has ended, its whole token history is indexed by its length and SHA-256 digest, so a
+lookup hashes the prompt's tokens once, taking the digest at each length some candidate has, and
+compares tokens only with the candidates whose digest matches: a key with many conversations at
+once (one key for all of an application's users) finds each one's previous response. A response
+the task table no longer holds is read back from the database when its digest matches; one not
+indexed yet when it left memory is looked for only among the key's LOAD_NEWEST newest (read
+back; after a restart, the key's newest stored tasks); a response whose state the state cache
+dropped is still forked: its state is read back or rebuilt.
 """
 
 from __future__ import annotations
 
+import hashlib
 from array import array
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
-
-from cachetools import LRUCache
 
 from server.api.responses import compaction
 from server.api.responses.access import separator
@@ -40,13 +44,13 @@ if TYPE_CHECKING:
     from server.tasks import TaskManager
     from server.tasks.records import Task
 
-MAX_RECENT = 32
+MAX_PER_KEY = 1024
 """Responses per API key that a stateless create may continue (the newest)."""
+MAX_ENTRIES = 65536
+"""Responses remembered for all keys together (the least recently used key's oldest go first)."""
 LOAD_NEWEST = 2
-"""A key's newest responses read back from the database when no longer in memory (a busy
-server's task table keeps the last 1,024 tasks it touched)."""
-MAX_KEYS = 4096
-"""API keys whose recent responses are remembered (the least recently used are forgotten)."""
+"""A key's newest responses read back from the database when they left memory before they were
+indexed (a busy server's task table keeps the last 1,024 tasks it touched), or after a restart."""
 
 
 @dataclass(frozen=True)
@@ -62,17 +66,50 @@ class Reuse:
     text: str
 
 
-class Recent:
-    """Each key's last MAX_RECENT responses (their task ids), newest last."""
+class _Key:
+    """One key's responses, newest last: task id -> (tokens, digest) once indexed (None until
+    it has ended), and the index: length -> digest -> task id."""
 
     def __init__(self) -> None:
-        self._ids: LRUCache[str, deque[str]] = LRUCache(maxsize=MAX_KEYS)
+        self.ids: OrderedDict[str, tuple[int, bytes] | None] = OrderedDict()
+        self.index: dict[int, dict[bytes, str]] = {}
+
+    def put(self, tid: str, entry: tuple[int, bytes] | None) -> None:
+        """(Re)place tid's entry (None: not indexed), keeping its place in the order."""
+        old = self.ids.get(tid)
+        if old is not None and self.index.get(old[0], {}).get(old[1]) == tid:
+            del self.index[old[0]][old[1]]
+            if not self.index[old[0]]:
+                del self.index[old[0]]
+        self.ids[tid] = entry
+        if entry is not None:
+            self.index.setdefault(entry[0], {})[entry[1]] = tid
+
+    def drop(self, tid: str) -> None:
+        self.put(tid, None)
+        del self.ids[tid]
+
+
+class Recent:
+    """Each key's last MAX_PER_KEY responses, indexed by their token histories once ended."""
+
+    def __init__(self) -> None:
+        self._keys: OrderedDict[str, _Key] = OrderedDict()  # least recently used first
+        self._n = 0  # entries of all keys
 
     def add(self, owner: str | None, task_id: str) -> None:
-        ids = self._ids.get(owner or "")
-        if ids is None:
-            ids = self._ids[owner or ""] = deque(maxlen=MAX_RECENT)
-        ids.append(task_id)
+        key = self._key(owner)
+        if task_id in key.ids:
+            self._drop(key, task_id)
+        key.ids[task_id] = None
+        self._n += 1
+        if len(key.ids) > MAX_PER_KEY:
+            self._drop(key, next(iter(key.ids)))
+        while self._n > MAX_ENTRIES:
+            name, oldest = next(iter(self._keys.items()))
+            self._drop(oldest, next(iter(oldest.ids)))
+            if not oldest.ids:
+                del self._keys[name]
 
     async def find(
         self, tm: TaskManager, tokenizer: TokenizerLike, owner: str | None, src: Task | None, text: str
@@ -81,24 +118,13 @@ class Recent:
         `text`'s tokens, and goes further than src's (the longest such), with the text after it;
         None when none does, or the text cannot be cut at that token (its rest would not
         tokenize as the whole does)."""
-        ids = self._ids.get(owner or "")
-        if ids is None:  # (none since this server started: its newest stored tasks, read back below)
-            ids = await self._seed(tm, owner)
-        if not ids:
-            return None
+        key = self._keys.get(owner or "")
+        if key is None:  # (none since this server started: its newest stored tasks, read back below)
+            key = await self._seed(tm, owner)
+        await self._index_ended(tm, key, owner)
         n_base = len(src.tokens) if src is not None else 0
         tokens = [*(src.tokens if src is not None else ()), *await tm.inputs.encode(text)]
-        whole = memoryview(tokens_bytes(tokens))
-        best: Task | None = None
-        for i, tid in enumerate(reversed(ids)):
-            t = tm.table.find(tid)
-            if t is None and i < LOAD_NEWEST:  # (other tasks pushed it out of memory: read back)
-                t = await _load(tm, tid, owner)
-            if t is None or t.running or t.tag != RESPONSE or not n_base < len(t.tokens) < len(tokens):
-                continue
-            mine = t.tokens.tobytes()
-            if (best is None or len(t.tokens) > len(best.tokens)) and whole[: len(mine)] == mine:
-                best = t
+        best = await self._longest(tm, key, owner, tokens, n_base)
         if best is None:
             return None
         head = tokenizer.decode(tokens[n_base : len(best.tokens)])
@@ -108,16 +134,67 @@ class Recent:
             return None
         return Reuse(best, rest, len(after), src, text)
 
-    async def _seed(self, tm: TaskManager, owner: str | None) -> deque[str]:
+    def _key(self, owner: str | None) -> _Key:
+        key = self._keys.get(owner or "")
+        if key is None:
+            key = self._keys[owner or ""] = _Key()
+        self._keys.move_to_end(owner or "")
+        return key
+
+    def _drop(self, key: _Key, tid: str) -> None:
+        key.drop(tid)
+        self._n -= 1
+
+    async def _seed(self, tm: TaskManager, owner: str | None) -> _Key:
         """A key's list after a restart: its LOAD_NEWEST newest stored tasks (those that are
         responses are candidates), so its first turn sent whole is not prefilled whole."""
-        ids = self._ids[owner or ""] = deque(maxlen=MAX_RECENT)
+        key = self._key(owner)
         try:
             page = await tm.list(owner, limit=LOAD_NEWEST, kind=TASK)
         except TaskError:
-            return ids
-        ids.extend(row["task_id"] for row in reversed(page["tasks"]))  # (newest last)
-        return ids
+            return key
+        for row in reversed(page["tasks"]):  # (newest last)
+            self.add(owner, row["task_id"])
+        return key
+
+    async def _index_ended(self, tm: TaskManager, key: _Key, owner: str | None) -> None:
+        """Index the key's responses that have ended (those no longer in memory: only its
+        LOAD_NEWEST newest, read back); forget those that are not responses."""
+        self._keys.move_to_end(owner or "")
+        for i, (tid, entry) in enumerate(reversed(list(key.ids.items()))):
+            if entry is not None:
+                continue
+            t = tm.table.find(tid)
+            if t is None and i < LOAD_NEWEST:  # (other tasks pushed it out of memory: read back)
+                t = await _load(tm, tid, owner)
+            if t is None or t.running:
+                continue
+            if t.tag != RESPONSE:
+                self._drop(key, tid)
+            else:
+                key.put(tid, (len(t.tokens), hashlib.sha256(t.tokens.tobytes()).digest()))
+
+    async def _longest(
+        self, tm: TaskManager, key: _Key, owner: str | None, tokens: list[int], n_base: int
+    ) -> Task | None:
+        """The indexed response of the most tokens that `tokens` begin with (more than n_base,
+        fewer than all): the prompt hashed once, its digest taken at each length one has."""
+        whole = memoryview(tokens_bytes(tokens))
+        h, at, hits = hashlib.sha256(), 0, []
+        for n in sorted(n for n in key.index if n_base < n < len(tokens)):
+            h.update(whole[at * 4 : n * 4])
+            at = n
+            if (tid := key.index[n].get(h.digest())) is not None:
+                hits.append((n, tid))
+        for n, tid in reversed(hits):  # (the longest first)
+            t = tm.table.find(tid) or await _load(tm, tid, owner)
+            if t is None:  # (deleted)
+                self._drop(key, tid)
+            elif t.running or len(t.tokens) != n or whole[: n * 4] != t.tokens.tobytes():
+                key.put(tid, None)  # (continued meanwhile: indexed again once it ends)
+            else:
+                return t
+        return None
 
 
 async def continued(
