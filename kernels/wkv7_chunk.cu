@@ -4,7 +4,10 @@
 // grid (N / ROWS, H, B), block THREADS. The block keeps its rows of the state in registers for
 // all T tokens; the per-token vectors (r, w, k, a, b for the head, v for the block's rows) are
 // staged in shared memory CH tokens at a time with cp.async, double-buffered, so the sequential
-// loop over tokens reads only shared memory. Activations: (B, T, H*N) with strides
+// loop over tokens reads only shared memory. Only the state carries from one token to the next:
+// each lane leaves its part of y_t in shared memory, and the block reduces and writes a chunk's
+// y after its last token, so the token-to-token chain holds one row reduction (S a), not two
+// and a global store. Activations: (B, T, H*N) with strides
 // (act_bstride, act_tstride) in elements (w: its own strides; y likewise). lengths (optional):
 // tokens t >= lengths[b] are skipped (state untouched by them, y not written).
 #include <cuda_pipeline.h>
@@ -13,13 +16,16 @@
 
 namespace wkv7 {
 
-constexpr int CH = 16;  // tokens per staged chunk
+// Tokens per staged chunk: 16, or 8 for fp32 activations (whose stages would otherwise pass the
+// 48 KB of static shared memory a block may have).
+template <typename F>
+constexpr int CH = sizeof(F) == 4 ? 8 : 16;
 
 template <typename F>
 struct Stage {
-    F rkab[4][CH][N];  // r, k, a, b
-    F w[CH][N];
-    F v[CH][ROWS];
+    F rkab[4][CH<F>][N];  // r, k, a, b
+    F w[CH<F>][N];
+    F v[CH<F>][ROWS];
 };
 
 struct SeqArgs {
@@ -67,7 +73,9 @@ __global__ void __launch_bounds__(THREADS) chunk_kernel(S *__restrict__ state, l
                                                         const int *__restrict__ lengths, int T, SeqArgs p,
                                                         int raw_w) {
     __shared__ __align__(16) Stage<F> st[2];
-    __shared__ __align__(16) float dec[CH][N];  // decay factors of the current chunk
+    constexpr int CH = wkv7::CH<F>;
+    __shared__ __align__(16) float dec[CH][N];          // decay factors of the current chunk
+    __shared__ __align__(16) float ypart[CH][THREADS];  // each lane's part of y, by token
     const int bi = blockIdx.z, h = blockIdx.y;
     const int row0 = blockIdx.x * ROWS;
     const int lrow = threadIdx.x / TPR, lane = threadIdx.x % TPR;
@@ -76,7 +84,7 @@ __global__ void __launch_bounds__(THREADS) chunk_kernel(S *__restrict__ state, l
     const int nT = lengths ? min(lengths[bi], T) : T;
     if (nT <= 0) return;
     S *srow = state + slot * s_bstride + ((long long)h * N + row) * N;
-    F *y = (F *)p.y + (long long)bi * p.y_bstride + (long long)h * N + row;
+    F *y = (F *)p.y + (long long)bi * p.y_bstride + (long long)h * N + row0;  // the block's rows
 
     float s[EPT];
     load_state<S>(srow, lane, s);
@@ -102,10 +110,14 @@ __global__ void __launch_bounds__(THREADS) chunk_kernel(S *__restrict__ state, l
             load_cols<S, F>(cur.rkab[3][tt], lane, bv);
             load_cols<S, F>(cur.rkab[0][tt], lane, rv);
             const float vi = to_f(cur.v[tt][lrow]);
-            const float yi = step(s, wv, kv, av, bv, rv, vi);
-            if (lane == 0) y[(long long)(t0 + tt) * p.y_tstride] = from_f<F>(yi);
+            ypart[tt][threadIdx.x] = step_lane(s, wv, kv, av, bv, rv, vi);
         }
-        __syncthreads();  // the buffer just read is refilled next iteration
+        __syncthreads();  // ypart complete; the stage just read is refilled next iteration
+        for (int q = threadIdx.x; q < nt * ROWS; q += THREADS) {  // (token, row) pairs
+            const int tt = q / ROWS, r = q % ROWS;
+            const float *yp = ypart[tt] + r * TPR;
+            y[(long long)(t0 + tt) * p.y_tstride + r] = from_f<F>(row_sum_of(yp));
+        }
     }
     store_state<S>(srow, lane, s);
 }

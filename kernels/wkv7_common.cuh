@@ -169,10 +169,18 @@ __device__ __forceinline__ float row_sum(float x) {
     return x;
 }
 
-// One token: update the thread's EPT state values, return the row's y (same in all TPR lanes).
-// w holds the decay factor (already exp(-exp(.))-ed).
-__device__ __forceinline__ float step(float *s, const float *w, const float *k, const float *a,
-                                      const float *b, const float *r, float v) {
+// row_sum's result from the TPR lanes' values in memory, added in row_sum's order (so the same
+// bits as row_sum in any lane).
+__device__ __forceinline__ float row_sum_of(const float *x) {
+    static_assert(TPR == 8, "row_sum_of follows row_sum's butterfly for 8 lanes");
+    return ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+}
+
+// One token: update the thread's EPT state values, return this lane's part of the row's y (the
+// row's y is row_sum of it; a caller that does not need y at once reduces it later, off the
+// token-to-token chain). w holds the decay factor (already exp(-exp(.))-ed).
+__device__ __forceinline__ float step_lane(float *s, const float *w, const float *k, const float *a,
+                                           const float *b, const float *r, float v) {
     float sa0 = 0.f, sa1 = 0.f;  // two chains: half the dependent FMA latency
 #pragma unroll
     for (int e = 0; e < EPT; e += 2) sa0 = fmaf(s[e], a[e], sa0), sa1 = fmaf(s[e + 1], a[e + 1], sa1);
@@ -184,7 +192,13 @@ __device__ __forceinline__ float step(float *s, const float *w, const float *k, 
         s[e + 1] = fmaf(s[e + 1], w[e + 1], fmaf(sa, b[e + 1], v * k[e + 1]));
         y0 = fmaf(s[e], r[e], y0), y1 = fmaf(s[e + 1], r[e + 1], y1);
     }
-    return row_sum(y0 + y1);
+    return y0 + y1;
+}
+
+// One token as step_lane, returning the row's y (the same in all TPR lanes).
+__device__ __forceinline__ float step(float *s, const float *w, const float *k, const float *a,
+                                      const float *b, const float *r, float v) {
+    return row_sum(step_lane(s, w, k, a, b, r, v));
 }
 
 // Decay: raw_w != 0 means w is log(-log(decay)) as in the `rwkv` package's CUDA path.
