@@ -167,7 +167,7 @@ class Recent:
             t = tm.table.find(tid)
             if t is None and i < LOAD_NEWEST:  # (other tasks pushed it out of memory: read back)
                 t = await _load(tm, tid, owner)
-            if t is None or t.running:
+            if t is None or t.running or tid not in key.ids:  # (or forgotten while it was read)
                 continue
             if t.tag != RESPONSE:
                 self._drop(key, tid)
@@ -188,6 +188,8 @@ class Recent:
                 hits.append((n, tid))
         for n, tid in reversed(hits):  # (the longest first)
             t = tm.table.find(tid) or await _load(tm, tid, owner)
+            if tid not in key.ids:  # (forgotten while it was read)
+                continue
             if t is None:  # (deleted)
                 self._drop(key, tid)
             elif t.running or len(t.tokens) != n or whole[: n * 4] != t.tokens.tobytes():
