@@ -205,6 +205,14 @@ async def test_the_longest_history_is_forked_and_bounds_forget_the_oldest(tm, mo
     assert await recent.find(tm, tok, "k1", None, _turn(0) + NEXT + " b\n\nUser: z\n\nAssistant:") is None
     found = await recent.find(tm, tok, "k1", None, _turn(3) + NEXT)
     assert found is not None and found.task.id == d
+    assert await recent.find(tm, tok, "k0", None, _turn(4) + NEXT) is None  # (a key with nothing)
+    recent.add("k2", others[-1])
+    recent.add("k1", d)  # (k0, empty, is now the least recently used key)
+    (e,) = await _responses(tm, [_turn(7)], owner="k1")
+    recent.add("k1", e)  # (past the bound again: k0 goes, then k2's oldest)
+    found = await recent.find(tm, tok, "k1", None, _turn(7) + NEXT)
+    assert found is not None and found.task.id == e
+    assert await recent.find(tm, tok, "k2", None, _turn(4) + NEXT) is None
 
 
 async def test_an_indexed_response_is_read_back_once_out_of_memory(tm):

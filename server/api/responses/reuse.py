@@ -105,9 +105,10 @@ class Recent:
         self._n += 1
         if len(key.ids) > MAX_PER_KEY:
             self._drop(key, next(iter(key.ids)))
-        while self._n > MAX_ENTRIES:
+        while self._n > MAX_ENTRIES:  # (the current key is the newest: another one gives)
             name, oldest = next(iter(self._keys.items()))
-            self._drop(oldest, next(iter(oldest.ids)))
+            if oldest.ids:
+                self._drop(oldest, next(iter(oldest.ids)))
             if not oldest.ids:
                 del self._keys[name]
 
