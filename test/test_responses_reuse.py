@@ -255,3 +255,17 @@ def test_after_a_restart_the_newest_response_is_read_back(tmp_path):
         srv.restart()
         r2 = sdk(srv).responses.create(input=history, **GREEDY)
     assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens - 1
+
+
+def test_prefix_digests_are_each_prefixs_sha256():
+    """One incremental pass gives what hashing each prefix alone gives (seed first)."""
+    import hashlib
+    from array import array
+
+    from server.tasks.token_digest import prefix_digests
+
+    tokens = [5, 70000, 0, 3, 65535, 9]
+    got = prefix_digests(tokens, [4, 1, 6, 0], b"part\0")
+    assert list(got) == [0, 1, 4, 6]
+    for n, d in got.items():
+        assert d == hashlib.sha256(b"part\0" + array("i", tokens[:n]).tobytes()).digest()

@@ -44,7 +44,6 @@ import contextlib
 import hashlib
 import logging
 import uuid
-from array import array
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -58,6 +57,7 @@ from server.engine.types import (
     Result,
 )
 from server.tasks.cache import StateCache
+from server.tasks.token_digest import prefix_digests
 
 log = logging.getLogger("server.conversation")
 
@@ -71,10 +71,6 @@ REPAIR_CONCURRENCY = 4
 would otherwise start as many repair prefills as it had requests the moment the engine went idle,
 and the next wave would queue behind all of them (the H200's single-turn HTTP bench: every reply
 of a synthetic model re-tokenizes differently, 256 repairs after each wave)."""
-
-
-def _bytes(tokens: Sequence[int]) -> bytes:
-    return array("i", tokens).tobytes()
 
 
 def _is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
@@ -141,14 +137,7 @@ class ConversationCache:
 
     def _keys(self, part: str, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
         """The key of tokens[:n] for each n in `lengths`, in one incremental hash pass."""
-        h = hashlib.sha256(part.encode() + b"\0")
-        out: dict[int, str] = {}
-        pos = 0
-        for n in sorted(lengths):
-            h.update(_bytes(tokens[pos:n]))
-            pos = n
-            out[n] = h.copy().hexdigest()
-        return out
+        return {n: d.hex() for n, d in prefix_digests(tokens, lengths, part.encode() + b"\0").items()}
 
     async def _wait_settling(self, part: str, tokens: Sequence[int]) -> None:
         waits = []

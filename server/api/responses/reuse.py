@@ -24,8 +24,6 @@ dropped is still forked: its state is read back or rebuilt.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +37,7 @@ from server.api.services import Services, task_manager
 from server.tasks.config import TokenizerLike
 from server.tasks.errors import TaskConflict, TaskError, TaskNotFound
 from server.tasks.records import TASK
+from server.tasks.token_digest import prefix_digests, tokens_bytes
 
 if TYPE_CHECKING:
     from server.tasks import TaskManager
@@ -173,27 +172,23 @@ class Recent:
             if t.tag != RESPONSE:
                 self._drop(key, tid)
             else:
-                key.put(tid, (len(t.tokens), hashlib.sha256(t.tokens.tobytes()).digest()))
+                n = len(t.tokens)
+                key.put(tid, (n, prefix_digests(t.tokens, [n])[n]))
 
     async def _longest(
         self, tm: TaskManager, key: _Key, owner: str | None, tokens: list[int], n_base: int
     ) -> Task | None:
         """The indexed response of the most tokens that `tokens` begin with (more than n_base,
         fewer than all): the prompt hashed once, its digest taken at each length one has."""
-        whole = memoryview(tokens_bytes(tokens))
-        h, at, hits = hashlib.sha256(), 0, []
-        for n in sorted(n for n in key.index if n_base < n < len(tokens)):
-            h.update(whole[at * 4 : n * 4])
-            at = n
-            if (tid := key.index[n].get(h.digest())) is not None:
-                hits.append((n, tid))
+        digests = prefix_digests(tokens, [n for n in key.index if n_base < n < len(tokens)])
+        hits = [(n, tid) for n, d in digests.items() if (tid := key.index[n].get(d)) is not None]
         for n, tid in reversed(hits):  # (the longest first)
             t = tm.table.find(tid) or await _load(tm, tid, owner)
             if tid not in key.ids:  # (forgotten while it was read)
                 continue
             if t is None:  # (deleted)
                 self._drop(key, tid)
-            elif t.running or len(t.tokens) != n or whole[: n * 4] != t.tokens.tobytes():
+            elif t.running or len(t.tokens) != n or t.tokens.tobytes() != tokens_bytes(tokens[:n]):
                 key.put(tid, None)  # (continued meanwhile: indexed again once it ends)
             else:
                 return t
@@ -245,8 +240,3 @@ def recent(tm: TaskManager) -> Recent:
     if r is None:
         r = _RECENT[tm] = Recent()
     return r
-
-
-def tokens_bytes(ids: list[int]) -> bytes:
-    """Token ids as the bytes of an array('i') (Task.tokens' own layout)."""
-    return array("i", ids).tobytes()
