@@ -16,6 +16,7 @@ SOURCES = (
     "wkv7_tmix_fused.cu",
     "wkv7_tmix_pipe.cu",
     "fused_elementwise.cu",
+    "prefill_elementwise.cu",
     "gemv.cu",
     "gemv_sparse.cu",
     "quant.cu",
@@ -51,6 +52,12 @@ SIGNATURES: dict[str, list[str]] = {
     # out, out_bs, out_plane, q, q_bs, q_plane, q_scale, dx_rs, dx_cs, dx_mul, stream
     "fused_add_ln_mix_q": [I, I, I, P, LL, P, LL, P, P, F, P, LL, P, I, I, I, P, LL, P, LL, LL, P, LL, LL, P, P, P, F, P],
     "fused_relu_square": [I, P, LL, P],  # f_dt, h, n, stream
+    # prefill_elementwise.cu: f_dt, B, T, C, x, shift, shift_bs, mix, K, out, stream
+    "prefill_token_mix": [I, I, I, I, P, P, LL, P, I, P, P],
+    # f_dt, rows, H, k, v, wz, az, vz, v_first, w0, a0, v0, k_k, k_a, k_a1, b, stream
+    "prefill_tmix_prep": [I, LL, I] + [P] * 14,
+    # f_dt, rows, H, y, r, k, v, g, r_k, lnx_w, lnx_b, eps, out, stream
+    "prefill_tmix_post": [I, LL, I] + [P] * 8 + [F, P, P],
     "fused_lora_act": [I, P, LL, P, LL, P],  # f_dt, a, na, g, ng, stream
     # gemv.cu: f_dt, w_dt (0 as f_dt, 1 int8, 2 fp8 e4m3), M, N, K, P, x, x_stride, x_pstride, w,
     # w_pstride, scale (8-bit weights' fp32 per-row scales), s_pstride, out, o_stride, o_pstride,

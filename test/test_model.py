@@ -196,10 +196,10 @@ def test_kernel_path_slots_and_lengths(tiny):
     import types
 
     from server.model import cuda_ops, ops
+    from server.model.rwkv7 import OP_NAMES
 
     k = load_model("synthetic:tiny:1", chunk_len=5)
-    k.ops = types.SimpleNamespace(wkv_decode=ops.wkv_decode, wkv_chunk=cuda_ops.wkv_chunk, tmix_decode=ops.tmix_decode,
-                                  dense=ops.dense)  # fmt: skip
+    k.ops = types.SimpleNamespace(**{**{n: getattr(ops, n) for n in OP_NAMES}, "wkv_chunk": cuda_ops.wkv_chunk})
     assert k.kernel_ops() and not tiny.kernel_ops()
     prompts = _prompts()
     p1, p2 = tiny.zero_state(6), k.zero_state(6)

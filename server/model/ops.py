@@ -132,6 +132,40 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
     return y * g
 
 
+# ---- elementwise ops of the prefill's time-mix (CUDA twins: kernels/prefill_elementwise.cu) -----
+def token_mix(x: torch.Tensor, shift: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """The token-shift mixes of a chunk: x (B, T, C) (layer-normed), shift (B, C) the input
+    before each sequence's first token, mix (K, C) -> (K, B, T, C):
+    out[k] = x + (prev - x) * mix[k], prev = x one token back (shift at t = 0)."""
+    prev = torch.cat((shift.to(x.dtype).unsqueeze(1), x[:, :-1]), dim=1)  # (B, T, C)
+    return torch.addcmul(x, prev - x, mix.view(mix.shape[0], 1, 1, -1))
+
+
+def tmix_prep(k, v, wz, az, vz, v_first, lw, H: int):
+    """The time-mix's inputs to the WKV recurrence from the projections, all (..., C): k, v
+    (r/k/v products), wz, az, vz (the decay, in-context rate and value-mix LoRAs without their
+    biases; vz and v_first None in layer 0); lw: w0, a0, v0, k_k, k_a, k_a1 (C,). Returns (w, k',
+    v', a, b): the log-log decay, the rescaled key, the value (mixed with v_first after layer 0),
+    a = -kk and b = kk * sigmoid(a0 + az), kk the key's unit direction per head. The CUDA twin
+    writes w, k', v', a over wz, k, v, az (the caller does not read those again)."""
+    w = F.logsigmoid(lw.w0 + wz) - 0.5  # == -softplus(-z) - 0.5
+    a = torch.sigmoid(lw.a0 + az)
+    kk = F.normalize((k * lw.k_k).unflatten(-1, (H, -1)), dim=-1).flatten(-2)
+    k = k * torch.addcmul(lw.k_a1, a, lw.k_a)  # k * (1 + (a - 1) * k_a)
+    if vz is not None:
+        v = torch.lerp(v, v_first, torch.sigmoid(lw.v0 + vz))
+    return w, k, v, -kk, kk * a
+
+
+def tmix_post(y, r, k, v, g, lw, H: int, eps: float = 64e-5) -> torch.Tensor:
+    """The time-mix's output before its projection, all (..., C): the WKV output y normalized
+    per head (lw.lnx_w, lnx_b), plus each head's bonus sum(r k' r_k) times v', times the gate."""
+    hd = lambda t: t.unflatten(-1, (H, -1))  # (..., C) -> (..., H, N)
+    y = F.group_norm(y.reshape(-1, y.shape[-1]), H, lw.lnx_w, lw.lnx_b, eps=eps).view_as(y)
+    y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
+    return y * g
+
+
 # ---- fused elementwise ops of the decode step (CUDA twins: kernels/fused_elementwise.cu) ------
 def add_ln_mix(x, dx: torch.Tensor | ScaledProduct | None, ln_w, ln_b, mix, shift,
                eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

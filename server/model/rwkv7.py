@@ -47,6 +47,9 @@ OP_NAMES = (
     "relu2_linear",
     "residual_linear",
     "dense",
+    "token_mix",
+    "tmix_prep",
+    "tmix_post",
 )
 KERNELS = CHOICES["kernels"]
 CUDA_CHUNK_LEN = 4096  # one chunk for a 4k prompt: long chunks keep the chunk kernel's GEMMs large
@@ -69,7 +72,7 @@ def select_ops(device: torch.device, kernels: str = "auto", head_size: int = 64,
     chosen = {n: getattr(torch_ops, n) for n in OP_NAMES}
     if device.type == "cuda" and kernels in ("auto", "cuda"):
         try:
-            from server.model import cuda_ops
+            from server.model import cuda_ops, cuda_prefill
 
             ok = cuda_ops.available(device, head_size, cache_root)
         except ImportError:
@@ -77,7 +80,8 @@ def select_ops(device: torch.device, kernels: str = "auto", head_size: int = 64,
         if not ok and kernels == "cuda":
             raise RuntimeError("kernels='cuda' asked but server.model.cuda_ops is not available")
         if ok:
-            chosen.update({n: getattr(cuda_ops, n) for n in OP_NAMES if hasattr(cuda_ops, n)})
+            for mod in (cuda_ops, cuda_prefill):
+                chosen.update({n: getattr(mod, n) for n in OP_NAMES if hasattr(mod, n)})
     return types.SimpleNamespace(**chosen)
 
 
@@ -142,16 +146,15 @@ class RWKV7:
         if self._fused():
             logits = self._decode_fused(x, state)  # (B, V) model dtype
             return logits if raw_logits else logits.float()
-        v_first = x  # replaced in layer 0
+        v_first, dx = x, None  # v_first: replaced in layer 0
         for i, lw in enumerate(self.w.layers):
-            xa = self._ln(x, lw.ln1_w, lw.ln1_b)  # (B, C)
-            dx, v_first = self._time_mix(i, lw, xa, state.att_shift[i], state.wkv[i], v_first, None)
-            state.att_shift[i].copy_(xa)
-            x = x + dx
-            xf = self._ln(x, lw.ln2_w, lw.ln2_b)
-            dx = self._channel_mix(lw, xf, state.ffn_shift[i])
-            state.ffn_shift[i].copy_(xf)
-            x = x + dx
+            # x += dx (the previous layer's FFN); ln1; the six token-shift mixes (6, B, C)
+            x, xs = self.ops.add_ln_mix(x, dx, lw.ln1_w, lw.ln1_b, lw.mix, state.att_shift[i])
+            dx, v_first = self._time_mix(i, lw, xs, state.wkv[i], v_first, None)
+            x, xk = self.ops.add_ln_mix(x, dx, lw.ln2_w, lw.ln2_b, lw.ffn_xk.view(1, -1), state.ffn_shift[i])
+            dx = self._channel_mix(lw, xk[0])
+        assert dx is not None  # a model has layers
+        x = x + dx
         return self._head(x, raw_logits)
 
     # ---- internals -------------------------------------------------------------------------
@@ -317,60 +320,56 @@ class RWKV7:
         rows = torch.arange(B, device=self.device)
         last = lens - 1  # (B,)
         x = F.embedding(ids, self.w.emb)  # (B, T, C)
-        v_first = x
+        v_first, dx = x, None
         for i, lw in enumerate(self.w.layers):
-            xa = self._ln(x, lw.ln1_w, lw.ln1_b)  # (B, T, C)
-            prev = self._shifted(xa, _rows(state.att_shift[i], sidx))
-            dx, v_first = self._time_mix(i, lw, xa, prev, state.wkv[i], v_first, pad, kw)
+            x, xa = self._add_ln(x, dx, lw.ln1_w, lw.ln1_b)  # x += dx (the previous layer's FFN); ln1
+            xs = self.ops.token_mix(xa, _rows(state.att_shift[i], sidx), lw.mix)  # (6, B, T, C)
             _put_rows(state.att_shift[i], sidx, xa[rows, last])
-            x = x + dx
-            xf = self._ln(x, lw.ln2_w, lw.ln2_b)
-            dx = self._channel_mix(lw, xf, self._shifted(xf, _rows(state.ffn_shift[i], sidx)))
+            dx, v_first = self._time_mix(i, lw, xs, state.wkv[i], v_first, pad, kw)
+            x, xf = self._add_ln(x, dx, lw.ln2_w, lw.ln2_b)
+            xk = self.ops.token_mix(xf, _rows(state.ffn_shift[i], sidx), lw.ffn_xk.view(1, -1))[0]  # (B, T, C)
             _put_rows(state.ffn_shift[i], sidx, xf[rows, last])
-            x = x + dx
-        return x[rows, last]  # (B, C)
+            dx = self._channel_mix(lw, xk)
+        assert dx is not None  # a model has layers
+        return x[rows, last] + dx[rows, last]  # (B, C)
 
-    def _shifted(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) -> the previous token's input at each position (the state's for t = 0)."""
-        return torch.cat((shift.to(x.dtype).unsqueeze(1), x[:, :-1]), dim=1)
+    def _add_ln(self, x: torch.Tensor, dx: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor):
+        """(x + dx, layer_norm(x + dx)) for (B, T, C) x (x itself when dx is None): one
+        ops.add_ln_mix over the B * T rows."""
+        C = self.shape.n_embd
+        xo, xn = self.ops.add_ln_mix(x.reshape(-1, C), None if dx is None else dx.reshape(-1, C), w, b, None, None)
+        return xo.view_as(x), xn.view_as(x)
 
     def _ln(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.shape.n_embd,), w, b)
 
-    def _time_mix(self, i: int, lw: LayerWeights, x, prev, wkv, v_first, pad, wkv_kw=None):
-        """x, prev: (B, C) decode or (B, T, C) prefill; wkv: (B, H, N, N) updated in place
-        (the whole pool when wkv_kw has slots); wkv_kw: extras for the CUDA wkv_chunk."""
-        H, N, C = self.shape.n_head, self.shape.head_size, self.shape.n_embd
-        mix = lw.mix.view(6, *([1] * (x.dim() - 1)), C)  # (6, 1.., C)
-        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev.to(x.dtype) - x, mix).unbind(0)
+    def _time_mix(self, i: int, lw: LayerWeights, xs, wkv, v_first, pad, wkv_kw=None):
+        """xs: the six token-shift mixes r w k v a g, (6, B, C) decode or (6, B, T, C) prefill;
+        wkv: (B, H, N, N) updated in place (the whole pool when wkv_kw has slots); wkv_kw: extras
+        for the CUDA wkv_chunk. Returns (the output projection's product, v_first)."""
+        H, N = self.shape.n_head, self.shape.head_size
+        xr, xw, xk, xv, xa, xg = xs.unbind(0)
         dense = self.ops.dense  # F.linear, or an 8-bit weight's product
-        r = dense(xr, lw.wr)
-        k = dense(xk, lw.wk)
-        v = dense(xv, lw.wv)
-        # log-log decay: -softplus(-z) - 0.5 == logsigmoid(z) - 0.5
-        w = F.logsigmoid(lw.w0 + torch.tanh(xw @ lw.w1) @ lw.w2) - 0.5
-        a = torch.sigmoid(lw.a0 + (xa @ lw.a1) @ lw.a2)
-        g = torch.sigmoid(xg @ lw.g1) @ lw.g2
-        kk = F.normalize((k * lw.k_k).unflatten(-1, (H, N)), dim=-1).flatten(-2)
-        k = k * torch.addcmul(lw.k_a1, a, lw.k_a)  # k * (1 + (a - 1) * k_a)
+        r, k, v = dense(xr, lw.wr), dense(xk, lw.wk), dense(xv, lw.wv)
+        hw, hg = self.ops.lora_act(xw @ lw.w1, xg @ lw.g1)  # tanh, sigmoid: the decay and gate LoRAs' hidden
+        vz = None
+        if i > 0:  # layers after the first carry the value-mix LoRA
+            assert lw.v1 is not None and lw.v2 is not None
+            vz = (xv @ lw.v1) @ lw.v2
+        w, k, v, a, b = self.ops.tmix_prep(k, v, hw @ lw.w2, (xa @ lw.a1) @ lw.a2, vz, v_first if i else None, lw, H)
         if i == 0:
             v_first = v
-        else:  # layers after the first carry the value-mix LoRA
-            assert lw.v0 is not None and lw.v1 is not None and lw.v2 is not None
-            v = torch.lerp(v, v_first, torch.sigmoid(lw.v0 + (xv @ lw.v1) @ lw.v2))
-        b = kk * a
         if pad is not None:  # padded steps become identity steps of the recurrence
             w, k, b = w.masked_fill(pad, torch_ops.IDENTITY_W), k.masked_fill(pad, 0), b.masked_fill(pad, 0)
         hd = lambda t: t.unflatten(-1, (H, N))  # (..., C) -> (..., H, N)
-        wkv_fn = self.ops.wkv_decode if x.dim() == 2 else self.ops.wkv_chunk
-        y = wkv_fn(wkv, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(b), **(wkv_kw or {}))  # (..., H, N)
-        y = F.group_norm(y.reshape(-1, C), H, lw.lnx_w, lw.lnx_b, eps=64e-5).view_as(x)
-        y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
-        return dense(y * g, lw.wo), v_first
+        wkv_fn = self.ops.wkv_decode if r.dim() == 2 else self.ops.wkv_chunk
+        y = wkv_fn(wkv, hd(r), hd(w), hd(k), hd(v), hd(a), hd(b), **(wkv_kw or {}))  # (..., H, N)
+        y = self.ops.tmix_post(y.flatten(-2), r, k, v, hg @ lw.g2, lw, H)  # (..., C)
+        return dense(y, lw.wo), v_first
 
-    def _channel_mix(self, lw: LayerWeights, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        xk = torch.addcmul(x, prev.to(x.dtype) - x, lw.ffn_xk)
-        return self.ops.dense(torch.relu(self.ops.dense(xk, lw.ffn_key)).square(), lw.ffn_value)
+    def _channel_mix(self, lw: LayerWeights, xk: torch.Tensor) -> torch.Tensor:
+        """The FFN of the token-shift mix xk: value(relu(key(xk))^2)."""
+        return self.ops.dense(self.ops.relu_square(self.ops.dense(xk, lw.ffn_key)), lw.ffn_value)
 
     def _head(self, x: torch.Tensor, raw: bool = False) -> torch.Tensor:
         x = self._ln(x, self.w.ln_out_w, self.w.ln_out_b)
