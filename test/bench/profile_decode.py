@@ -4,6 +4,7 @@ the gaps between them inside the captured decode graph.
 
     PYTHONPATH=. python test/bench/profile_decode.py --batches 1,256,1024 [--no-fused]
     PYTHONPATH=. python test/bench/profile_decode.py --quant fp8 --state-dtype fp16 --batches 1024 --idle
+    PYTHONPATH=. python test/bench/profile_decode.py --state-dtype fp16 --prefill 1x4096,16x512  (eager prefills)
 """
 
 from __future__ import annotations
@@ -72,6 +73,22 @@ def profile(model, B: int, state_dtype, steps: int = 2, top: int = 14) -> None:
         print(f"    {us / 1e3:7.3f} ms  {name}")
 
 
+def prefill(model, n: int, T: int, state_dtype, top: int = 14) -> None:
+    """model.forward of n random prompts of T tokens on a pool of n rows, after one unprofiled."""
+    pool = State.zeros(model.shape, n, model.device, model.dtype, state_dtype)
+    prompts = torch.randint(1, model.shape.vocab_size, (n, T)).tolist()
+    per_cat, per_name, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in device_events(lambda: model.forward(prompts, pool), 1, 1):
+        per_cat[category(e.name)] += e.time_range.elapsed_us()
+        per_name[e.name[:90]] += e.time_range.elapsed_us()
+        count[e.name[:90]] += 1
+    total = sum(per_cat.values())
+    print(f"prefill {n}x{T}: {sum(count.values())} kernels, GPU busy {total / 1e3:.2f} ms: "
+          + ", ".join(f"{c} {t / 1e3:.2f}" for c, t in per_cat.most_common()), flush=True)
+    for name, us in per_name.most_common(top):
+        print(f"    {us / 1e3:7.3f} ms {count[name]:5d}x  {name}")
+
+
 def idle(model, B: int, state_dtype, replays: int = 3, top: int = 14) -> None:
     """The bucket's decode graph (as the engine captures it, graph edits included) replayed under
     the profiler: the time with no kernel or memset running, a replay, and the largest gaps summed
@@ -104,13 +121,17 @@ def main() -> None:
     p.add_argument("--no-fused", action="store_true", help="decode without the fused time-mix")
     p.add_argument("--quant", default="none", choices=("none", "int8", "fp8"), help="8-bit weights")
     p.add_argument("--idle", action="store_true", help="the idle gaps inside the captured decode graph instead")
+    p.add_argument("--prefill", default="", help="eager prefills NxT (comma-separated) instead of decode steps")
     a = p.parse_args()
     model = load_model(a.model, device="cuda", dtype=torch.float16, quant=a.quant)
     if a.no_fused:
         model.fused_decode = False
     sd = {"fp32": torch.float32, "fp16": torch.float16}[a.state_dtype]
     print(f"profile {a.model} state {a.state_dtype} quant {a.quant} fused={model._fused()}")
-    for B in (int(b) for b in a.batches.split(",")):
+    for case in filter(None, a.prefill.split(",")):
+        n, T = (int(v) for v in case.split("x"))
+        prefill(model, n, T, sd, top=a.top)
+    for B in (int(b) for b in a.batches.split(",") if not a.prefill):
         (idle if a.idle else profile)(model, B, sd, top=a.top)
 
 
