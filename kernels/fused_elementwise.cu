@@ -46,19 +46,6 @@ struct LnArgs {
 // dx's scale for row b (only when dx carries scales: p.dx_rs set)
 __device__ __forceinline__ float dx_row_scale(const LnArgs &p, int b) { return p.dx_rs[b] * p.dx_mul; }
 
-template <typename F>
-__device__ __forceinline__ float rnd(float x) { return to_f(from_f<F>(x)); }
-
-template <typename F>
-__device__ __forceinline__ void store4(F *p, const float *v) {
-    if constexpr (sizeof(F) == 4) {
-        *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    } else {
-        F q[4] = {from_f<F>(v[0]), from_f<F>(v[1]), from_f<F>(v[2]), from_f<F>(v[3])};
-        *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<uint2 *>(q);
-    }
-}
-
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); red: 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float *red) {
 #pragma unroll

@@ -30,19 +30,6 @@ constexpr int EPL = N / 32;      // channels per lane of a head's warp
 constexpr int WARPS = 8;         // (token, head) pairs per block
 constexpr int MIX_THREADS = 256;
 
-template <typename F>
-__device__ __forceinline__ float rnd(float x) { return to_f(from_f<F>(x)); }
-
-template <typename F>
-__device__ __forceinline__ void store4(F *p, const float *v) {
-    if constexpr (sizeof(F) == 4) {
-        *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    } else {
-        F q[4] = {from_f<F>(v[0]), from_f<F>(v[1]), from_f<F>(v[2]), from_f<F>(v[3])};
-        *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<uint2 *>(q);
-    }
-}
-
 // A lane's EPL consecutive channels of one head of one row, as fp32: one vector access where
 // EPL values make 4, 8 or 16 bytes (the launchers ask for 16-byte aligned rows).
 template <typename F>

@@ -100,6 +100,21 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// x rounded to F and back: torch's rounding of an intermediate it stores in dtype F.
+template <typename F>
+__device__ __forceinline__ float rnd(float x) { return to_f(from_f<F>(x)); }
+
+// Store 4 consecutive values (16-byte aligned for fp32, 8-byte for 16-bit) rounded to F.
+template <typename F>
+__device__ __forceinline__ void store4(F *p, const float *v) {
+    if constexpr (sizeof(F) == 4) {
+        *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+        F q[4] = {from_f<F>(v[0]), from_f<F>(v[1]), from_f<F>(v[2]), from_f<F>(v[3])};
+        *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<uint2 *>(q);
+    }
+}
+
 // Two floats -> one 32-bit word of two 16-bit values (round to nearest), low half first.
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
