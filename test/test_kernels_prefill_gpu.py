@@ -105,9 +105,10 @@ def test_prefill_through_the_kernels_matches_the_twins(state_dtype):
     dev = torch.device("cuda")
     a = load_model("synthetic:tiny", device=dev, dtype=torch.float16, state_dtype=state_dtype)
     b = load_model("synthetic:tiny", device=dev, dtype=torch.float16, state_dtype=state_dtype)
-    assert a.ops.token_mix is cuda_prefill.token_mix and a.ops.tmix_prep is cuda_prefill.tmix_prep
-    b.ops = types.SimpleNamespace(**{**vars(a.ops), "token_mix": ops.token_mix, "tmix_prep": ops.tmix_prep,
-                                     "tmix_post": ops.tmix_post})  # fmt: skip
+    assert a.ops.tmix_decode is cuda_ops.tmix_decode  # the CUDA ops
+    names = ("token_mix", "tmix_prep", "tmix_post")
+    a.ops = types.SimpleNamespace(**{**vars(a.ops), **{n: getattr(cuda_prefill, n) for n in names}})
+    b.ops = types.SimpleNamespace(**{**vars(a.ops), **{n: getattr(ops, n) for n in names}})
     prompts = [list(range(1, 40)), [7], list(range(50, 61))]
     s1, s2 = a.zero_state(5), b.zero_state(5)
     l1 = a.forward(prompts, s1, slots=[4, 0, 2])

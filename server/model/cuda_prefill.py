@@ -10,6 +10,12 @@ import torch
 from server.model import ops
 from server.model.cuda_ops import _DT, _check, _lib
 
+SELECTED = False
+"""Whether server.model.rwkv7.select_ops picks these twins on CUDA. Off: the kernels were written
+in a session that got no GPU, and their parity tests (test/test_kernels_prefill_gpu.py) have not
+run yet; the first session that passes them there switches this on (docs/performance.md, "The
+prefill's elementwise ops")."""
+
 
 def _flat(t: torch.Tensor) -> bool:
     """Contiguous, 16-byte aligned, in an activation dtype the kernels take."""

@@ -80,7 +80,7 @@ def select_ops(device: torch.device, kernels: str = "auto", head_size: int = 64,
         if not ok and kernels == "cuda":
             raise RuntimeError("kernels='cuda' asked but server.model.cuda_ops is not available")
         if ok:
-            for mod in (cuda_ops, cuda_prefill):
+            for mod in (cuda_ops, cuda_prefill) if cuda_prefill.SELECTED else (cuda_ops,):
                 chosen.update({n: getattr(mod, n) for n in OP_NAMES if hasattr(mod, n)})
     return types.SimpleNamespace(**chosen)
 
