@@ -134,3 +134,45 @@ def test_tmix_blocks_per_sm_cap_by_gpu_name(monkeypatch):
         assert cuda_ops.tmix_pipe_per_sm(torch.device("cuda", 0)) == 0
     finally:
         cuda_ops._gpu_per_sm.cache_clear()
+
+
+@pytest.mark.parametrize("layer0", [True, False])
+def test_prefill_time_mix_ops_are_the_decode_time_mix(layer0):
+    """tmix_prep, one WKV step and tmix_post (the prefill's ops, one token) give tmix_decode's
+    output and state (the decode's one-launch core, its biases added inside): the two paths'
+    arithmetic agree up to fp32 rounding."""
+    import types
+
+    H, N, B = 2, 64, 3
+    C = H * N
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    k_a = 1 + 0.1 * rnd(C)
+    lw = types.SimpleNamespace(w0=0.3 * rnd(C) - 1, a0=0.3 * rnd(C), v0=0.3 * rnd(C), k_k=1 + 0.1 * rnd(C),
+                               k_a=k_a, k_a1=1 - k_a, r_k=0.1 * rnd(H, N), lnx_w=1 + 0.1 * rnd(C),
+                               lnx_b=0.1 * rnd(C))  # fmt: skip
+    r, k, v, wz, az, vz, v_first, gate = (rnd(B, C) for _ in range(8))
+    vz, v_first = (None, None) if layer0 else (vz, v_first)
+    s0 = rnd(B, H, N, N) * 0.2
+    s_dec, s_pre = s0.clone(), s0.clone()
+    want = ops.tmix_decode(s_dec, r, k, v, wz, az, vz, v_first, gate, lw, layer0, bias=True)
+    w, k2, v2, a, b = ops.tmix_prep(k, v, wz, az, vz, v_first, lw, H)
+    hd = lambda t: t.view(B, H, N)  # noqa: E731
+    y = ops.wkv_decode(s_pre, hd(r), hd(w), hd(k2), hd(v2), hd(a), hd(b))
+    got = ops.tmix_post(y.view(B, C), r, k2, v2, gate, lw, H)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(s_pre, s_dec, rtol=1e-4, atol=1e-6)
+    if not layer0:  # the value mix is applied: v moved toward v_first
+        assert not torch.allclose(v2, v)
+
+
+def test_token_mix_shifts_by_one_token():
+    """Each position mixes with the one before it, the first with the shift row: position t is
+    token_mix of the one-token chunk x[:, t] with x[:, t - 1] (or the shift) as its shift."""
+    g = torch.Generator().manual_seed(12)
+    x, shift, mix = torch.randn(2, 5, 8, generator=g), torch.randn(2, 8, generator=g), torch.rand(3, 8, generator=g)
+    out = ops.token_mix(x, shift, mix)  # (3, 2, 5, 8)
+    for t in range(5):
+        prev = shift if t == 0 else x[:, t - 1]
+        assert torch.equal(out[:, :, t], ops.token_mix(x[:, t : t + 1], prev, mix)[:, :, 0])
+        assert torch.allclose(out[:, :, t], x[:, t] + (prev - x[:, t]) * mix[:, None])
