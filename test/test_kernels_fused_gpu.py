@@ -32,6 +32,7 @@ def _layer(dtype, dev, seed, h=H):
     )  # fmt: skip
     for n, t in vars(lw).items():
         setattr(lw, n, t.to(device=dev, dtype=dtype))
+    lw.k_a1 = 1 - lw.k_a  # (the twin's form of the key's rescale, as LayerWeights has it)
     return lw
 
 
@@ -94,6 +95,7 @@ def test_tmix_decode_head_size_32(B, dtype, state_dtype, layer0):
                                a0=0.3 * torch.randn(h * n, generator=g), v0=0.3 * torch.randn(h * n, generator=g))  # fmt: skip
     for name, t in vars(lw).items():
         setattr(lw, name, t.to(device=dev, dtype=dtype))
+    lw.k_a1 = 1 - lw.k_a
     xs = [(torch.randn(B, h * n, generator=g) * sc).to(dev, dtype) for sc in (1, 1, 1, 0.5, 0.5, 0.5, 1, 1)]
     xs[3] = xs[3] - 2.0  # wz: realistic decays
     r, k, v, wz, az, vz, v_first, gate = xs

@@ -48,16 +48,17 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def tmix_prep(k, v, wz, az, vz, v_first, lw, H: int):
-    """ops.tmix_prep in one launch; writes w, k', v', a over wz, k, v, az (returned as those)."""
+def tmix_prep(k, v, wz, az, vz, v_first, lw, H: int, bias: bool = True):
+    """ops.tmix_prep in one launch (the biases added inside: bias); writes w, k', v', a over wz,
+    k, v, az (returned as those)."""
     C = k.shape[-1]
     lib = _lib(k.device, C // H) if k.is_cuda and C % H == 0 else None
     acts = [t for t in (k, v, wz, az, vz, v_first) if t is not None]
     consts = (lw.w0, lw.a0, lw.k_k, lw.k_a, lw.k_a1, lw.v0 if vz is not None else None)
     ok = lib is not None and all(_flat(t) and t.dtype == k.dtype and t.shape == k.shape for t in acts)
     ok = ok and (vz is None) == (v_first is None) and _consts(k.dtype, *consts)
-    if lib is None or not ok:
-        return ops.tmix_prep(k, v, wz, az, vz, v_first, lw, H)
+    if lib is None or not ok or not bias:
+        return ops.tmix_prep(k, v, wz, az, vz, v_first, lw, H, bias)
     b = torch.empty_like(k)
     stream = torch.cuda.current_stream(k.device).cuda_stream
     _check(lib.prefill_tmix_prep(

@@ -112,24 +112,14 @@ def tmix_decode(state, r, k, v, wz, az, vz, v_first, g, lw, layer0: bool, gn_eps
     launch in the CUDA twin, kernels/wkv7_tmix_fused.cu). r, k, v, g: (B, C); wz, az, vz: LoRA outputs
     with their biases (w0, a0, v0) added, or without them when bias=True (then lw.w0, lw.a0,
     lw.v0 are added here) (vz, v_first unused when layer0: may be None);
-    lw: k_k, k_a (C,), r_k (H, N), lnx_w, lnx_b (C,). state (B, H, N, N) updated in place;
-    returns (B, C) in r.dtype: the input of the output projection."""
-    B, C = r.shape
-    H, N = state.shape[1], state.shape[-1]
-    hd = lambda t: t.unflatten(-1, (H, N))  # (B, C) -> (B, H, N)
-    if bias:
-        wz, az = wz + lw.w0, az + lw.a0
-        vz = None if layer0 else vz + lw.v0
-    w = F.logsigmoid(wz) - 0.5  # == -softplus(-wz) - 0.5
-    a = torch.sigmoid(az)
-    kk = F.normalize(hd(k * lw.k_k), dim=-1).flatten(-2)  # (B, C)
-    k = k * (1 + (a - 1) * lw.k_a)
-    if not layer0:
-        v = torch.lerp(v, v_first, torch.sigmoid(vz))
-    y = wkv_decode(state, hd(r), hd(w), hd(k), hd(v), hd(-kk), hd(kk * a))  # (B, H, N)
-    y = F.group_norm(y.reshape(B, C), H, lw.lnx_w, lw.lnx_b, eps=gn_eps)
-    y = y + ((hd(r) * hd(k) * lw.r_k).sum(-1, keepdim=True) * hd(v)).flatten(-2)
-    return y * g
+    lw: k_k, k_a, k_a1 (C,), r_k (H, N), lnx_w, lnx_b (C,). state (B, H, N, N) updated in place;
+    returns (B, C) in r.dtype: the input of the output projection. The same arithmetic as the
+    prefill's tmix_prep, one WKV step and tmix_post."""
+    H = state.shape[1]
+    vz, v_first = (None, None) if layer0 else (vz, v_first)
+    w, k, v, a, b = tmix_prep(k, v, wz, az, vz, v_first, lw, H, bias=bias)
+    y = wkv_decode(state, *(t.unflatten(-1, (H, -1)) for t in (r, w, k, v, a, b)))  # (B, H, N)
+    return tmix_post(y.flatten(-2), r, k, v, g, lw, H, gn_eps)
 
 
 # ---- elementwise ops of the prefill's time-mix (CUDA twins: kernels/prefill_elementwise.cu) -----
@@ -141,19 +131,23 @@ def token_mix(x: torch.Tensor, shift: torch.Tensor, mix: torch.Tensor) -> torch.
     return torch.addcmul(x, prev - x, mix.view(mix.shape[0], 1, 1, -1))
 
 
-def tmix_prep(k, v, wz, az, vz, v_first, lw, H: int):
+def tmix_prep(k, v, wz, az, vz, v_first, lw, H: int, bias: bool = True):
     """The time-mix's inputs to the WKV recurrence from the projections, all (..., C): k, v
-    (r/k/v products), wz, az, vz (the decay, in-context rate and value-mix LoRAs without their
-    biases; vz and v_first None in layer 0); lw: w0, a0, v0, k_k, k_a, k_a1 (C,). Returns (w, k',
-    v', a, b): the log-log decay, the rescaled key, the value (mixed with v_first after layer 0),
-    a = -kk and b = kk * sigmoid(a0 + az), kk the key's unit direction per head. The CUDA twin
-    writes w, k', v', a over wz, k, v, az (the caller does not read those again)."""
-    w = F.logsigmoid(lw.w0 + wz) - 0.5  # == -softplus(-z) - 0.5
-    a = torch.sigmoid(lw.a0 + az)
+    (r/k/v products), wz, az, vz (the decay, in-context rate and value-mix LoRAs; vz and v_first
+    None in layer 0), their biases lw.w0, a0, v0 added here (bias) or already (not bias); lw:
+    k_k, k_a, k_a1 (C,). Returns (w, k', v', a, b): the log-log decay, the rescaled key, the value
+    (mixed with v_first after layer 0), a = -kk and b = kk * sigmoid(a0 + az), kk the key's unit
+    direction per head. The CUDA twin writes w, k', v', a over wz, k, v, az (the caller does not
+    read those again)."""
+    if bias:
+        wz, az = lw.w0 + wz, lw.a0 + az
+        vz = None if vz is None else lw.v0 + vz
+    w = F.logsigmoid(wz) - 0.5  # == -softplus(-z) - 0.5
+    a = torch.sigmoid(az)
     kk = F.normalize((k * lw.k_k).unflatten(-1, (H, -1)), dim=-1).flatten(-2)
     k = k * torch.addcmul(lw.k_a1, a, lw.k_a)  # k * (1 + (a - 1) * k_a)
     if vz is not None:
-        v = torch.lerp(v, v_first, torch.sigmoid(lw.v0 + vz))
+        v = torch.lerp(v, v_first, torch.sigmoid(vz))
     return w, k, v, -kk, kk * a
 
 
