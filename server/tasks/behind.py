@@ -189,32 +189,38 @@ class StateLane:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            p = self._current = self._next()
-            outcome = "written"
-            try:
-                await self._write_one(p)
-            except asyncio.CancelledError:
-                self._current = None
-                self._remove(p, "shutdown")
-                raise
-            except TaskUnavailable as exc:
-                p.attempts += 1
-                outcome = "retry"
-                log.warning("state write of %s failed (%s); retrying", p.task.id, exc.message)
-            except Exception:
-                outcome = "failed"
-                log.exception("state write of %s failed; its task will be rebuilt from its tokens", p.task.id)
-            if outcome == "retry":
-                await asyncio.sleep(min(RETRY_MAX_S, 0.05 * 2**p.attempts))  # still _current
-                self._current = None
-                if p.task.id not in self._items and not p.task.deleted:
-                    self._items = {p.task.id: p, **self._items}  # first again: the oldest
-                    continue
-                self._remove(p, "superseded while retrying")
-            elif outcome == "failed":
-                self._current = None
-                self._remove(p, "write failed")
-            else:  # written: write() released it
-                self._current = None
-                p.prepared = None
-                self.bytes -= p.nbytes
+            await self._write_next()
+
+    async def _write_next(self) -> None:
+        """Write (or retry, or drop) the next pending state. A method of its own so that the
+        Pending and its state are let go when it returns: a local of _loop would keep the last
+        one (MBs, outside every budget) while the lane waits for the next."""
+        p = self._current = self._next()
+        outcome = "written"
+        try:
+            await self._write_one(p)
+        except asyncio.CancelledError:
+            self._current = None
+            self._remove(p, "shutdown")
+            raise
+        except TaskUnavailable as exc:
+            p.attempts += 1
+            outcome = "retry"
+            log.warning("state write of %s failed (%s); retrying", p.task.id, exc.message)
+        except Exception:
+            outcome = "failed"
+            log.exception("state write of %s failed; its task will be rebuilt from its tokens", p.task.id)
+        if outcome == "retry":
+            await asyncio.sleep(min(RETRY_MAX_S, 0.05 * 2**p.attempts))  # still _current
+            self._current = None
+            if p.task.id not in self._items and not p.task.deleted:
+                self._items = {p.task.id: p, **self._items}  # first again: the oldest
+                return
+            self._remove(p, "superseded while retrying")
+        elif outcome == "failed":
+            self._current = None
+            self._remove(p, "write failed")
+        else:  # written: write() released it
+            self._current = None
+            p.prepared = None
+            self.bytes -= p.nbytes

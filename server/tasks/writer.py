@@ -153,33 +153,45 @@ class Writer:
     async def _loop(self) -> None:
         ahead: _Entry | None = None  # an entry taken while gathering a group that belongs to the next round
         while True:
-            entry, ahead = (ahead if ahead is not None else await self.queue.get()), None
-            group, weight = [entry], entry.weight
-            while entry.many and len(group) < MAX_GROUP and weight < GROUP_BYTES:
-                try:
-                    nxt = self.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    break
-                if not (nxt.many and nxt.fn == entry.fn) or weight + nxt.weight > GROUP_BYTES:
-                    ahead = nxt  # another job (bound methods compare equal, not identical), or too heavy
-                    break
-                group.append(nxt)
-                weight += nxt.weight
+            ahead = await self._round(ahead if ahead is not None else await self.queue.get())
+
+    async def _round(self, entry: _Entry) -> _Entry | None:
+        """Run `entry`, merged with the put_many entries of the same job queued behind it; returns
+        an entry taken that belongs to the next round. A method of its own so that the entries
+        it ran (and the items they hold: states, MBs each) are let go when it returns: locals
+        of _loop would keep the last ones while the writer waits for the next job."""
+        group, ahead = self._gather(entry)
+        try:
+            run = self._skip_while_away(group)
+            if not run:
+                pass
+            elif not entry.many:
+                await self._run(entry.fn, entry.args, entry.fut)
+            elif len(run) == 1 or not await self._run_group(entry.fn, run):
+                for e in self._skip_while_away(run):  # alone, or isolating the failing item(s), in order
+                    if self.gone is not None:  # found away at shutdown: not tried one by one
+                        self._give_up(e, self.gone)
+                    else:
+                        await self._run(e.fn, ([e.args[0]],), e.fut)
+        finally:
+            for _ in group:
+                self.queue.task_done()
+        return ahead
+
+    def _gather(self, entry: _Entry) -> tuple[list[_Entry], _Entry | None]:
+        """`entry` and the put_many entries of its job queued right behind it (MAX_GROUP,
+        GROUP_BYTES); the first other entry taken meanwhile, if any, is returned to go next."""
+        group, weight = [entry], entry.weight
+        while entry.many and len(group) < MAX_GROUP and weight < GROUP_BYTES:
             try:
-                run = self._skip_while_away(group)
-                if not run:
-                    pass
-                elif not entry.many:
-                    await self._run(entry.fn, entry.args, entry.fut)
-                elif len(run) == 1 or not await self._run_group(entry.fn, run):
-                    for e in self._skip_while_away(run):  # alone, or isolating the failing item(s), in order
-                        if self.gone is not None:  # found away at shutdown: not tried one by one
-                            self._give_up(e, self.gone)
-                        else:
-                            await self._run(e.fn, ([e.args[0]],), e.fut)
-            finally:
-                for _ in group:
-                    self.queue.task_done()
+                nxt = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if not (nxt.many and nxt.fn == entry.fn) or weight + nxt.weight > GROUP_BYTES:
+                return group, nxt  # another job (bound methods compare equal, not identical), or too heavy
+            group.append(nxt)
+            weight += nxt.weight
+        return group, None
 
     def _skip_while_away(self, group: list[_Entry]) -> list[_Entry]:
         """The entries of `group` to run; requests' entries (fail_fast) queued before a job found
