@@ -76,6 +76,7 @@ class HostCopies:
         staging = Staging(stream)
         while (item := self._todo.get()) is not None:
             request_id, device_copy, ready = item
+            del item  # (else it keeps the device copy until the next state comes)
             host: State | None
             try:
                 host = staging.to_host(device_copy, ready)
@@ -85,6 +86,7 @@ class HostCopies:
             del device_copy  # complete: its device memory may be reused
             with self._cond:
                 self._done.append((request_id, host))
+                del host  # the taker's now (before take() can return): not kept while this thread waits
                 self._inflight -= 1
                 self._cond.notify_all()
 
