@@ -176,3 +176,33 @@ async def test_the_state_lane_lets_go_of_the_state_it_wrote():
             assert ref() is None
     finally:
         await lane.drain(1.0)
+
+
+async def test_with_the_real_engine_only_the_caches_and_the_slot_pool_hold_states(tmp_path, parts):
+    """Every State alive once the tasks have settled and their states are written is one a cache
+    accounts for, or the engine's slot pool: none kept by the engine, its output, the pump or the
+    writers (the tiny synthetic model on the CPU engine; creates, forks, continues and a
+    template, with cache budgets that evict)."""
+    model, tok, eng = parts
+    one = model.zero_state(1).nbytes()
+    tm = TaskManager(eng, tok, TaskConfig(db=str(tmp_path / "e.db"), default_max_tokens=3,
+                                          state_cache_bytes=2 * one, tmp_state_bytes=2 * one), model.shape)
+    await tm.start()
+    try:
+        with no_cycle_collector():
+            ids = []
+            for i in range(4):
+                t = await tm.wait((await tm.create(f"turn {i}: " + "words " * 20, persistent=i % 2 == 1)).id, timeout=30)
+                ids.append(t.id)
+            await tm.wait((await tm.fork(ids[1], prompt=" and more")).id, timeout=30)
+            await tm.wait((await tm.continue_(ids[3], prompt=" again")).id, timeout=30)
+            await tm.as_template(ids[1], name="mem")
+            await tm.flush()
+            cached = {id(tm.cache.get(k)) for k in tm.cache.keys()}
+            live = [o for o in gc.get_objects() if type(o) is State]
+            stray = [s.nbytes() for s in live if id(s) not in cached and s is not eng.runner.pool]
+            del live
+            assert stray == []
+            assert len(cached) <= 4 + 1  # (the template's state is kept apart from the budgets)
+    finally:
+        await tm.close()
