@@ -66,7 +66,7 @@ def wkv_blocked(state: torch.Tensor, r, w, k, v, a, b, block: int = BLOCK, acc: 
     eye = torch.eye(L, dtype=acc, device=r.device)
     wu = torch.linalg.solve_triangular(eye - m_ab, torch.cat((aa, m_ak @ v_), -1), upper=False, unitriangular=True)
     wa, uv = wu.split(N, -1)  # (nb, BH, L, N) W, U_v
-    q = torch.baddbmm(ra.flatten(0, 1), m_rb.flatten(0, 1), wa.flatten(0, 1)).view_as(ra)  # (nb, BH, L, N)
+    q = ra + m_rb @ wa  # (nb, BH, L, N)
     y_in = m_rb @ uv + m_rk @ v_  # (nb, BH, L, N)
     p = wa.mT @ bt  # (nb, BH, N, N)
     p.diagonal(dim1=-2, dim2=-1).add_(last.squeeze(2).exp())  # + diag(g_L)
