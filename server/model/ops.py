@@ -40,6 +40,9 @@ from server.model.wkv_chunked import fits, wkv_blocked
 IDENTITY_W = -1.0e4  # exp(-exp(-1e4)) == 1.0 exactly in fp16/bf16/fp32
 BLOCKED_MIN_T = 16
 """wkv_chunk's fewest tokens for the blocked form on CPU (below, the steps cost less)."""
+BLOCKED_MAX_HEADS = 16
+"""wkv_chunk's most sequences x heads for the blocked form on CPU: beyond, each step is already a
+large vectorized op and the blocks' N x N products (twice the FLOPs) measured slower."""
 
 
 def _as_bhnn(state: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -90,11 +93,13 @@ def wkv_chunk(state: torch.Tensor, r, w, k, v, a, b) -> torch.Tensor:
     """T tokens for B sequences (padding encoded as identity steps, see the module doc).
 
     state: (B, H, N, N) updated in place;  r, w, k, v, a, b: (B, T, H, N);
-    returns y: (B, T, H, N) in r.dtype. On CPU, from BLOCKED_MIN_T tokens whose decays allow
-    it, by blocks of tokens (server.model.wkv_chunked: a few batched products per block instead
-    of four per token); else step by step. Not blocked on CUDA: the check of the decays reads
-    them on the host (no capture in a CUDA graph), and the CUDA kernels run the prefill there."""
-    if not r.is_cuda and r.shape[1] >= BLOCKED_MIN_T and fits(w):
+    returns y: (B, T, H, N) in r.dtype. On CPU, from BLOCKED_MIN_T tokens of at most
+    BLOCKED_MAX_HEADS sequences x heads whose decays allow it, by blocks of tokens
+    (server.model.wkv_chunked: a few batched products per block instead of four per token); else
+    step by step. Not blocked on CUDA: the check of the decays reads them on the host (no capture
+    in a CUDA graph), and the CUDA kernels run the prefill there."""
+    B, T, H, _ = r.shape
+    if not r.is_cuda and T >= BLOCKED_MIN_T and B * H <= BLOCKED_MAX_HEADS and fits(w):
         return wkv_blocked(state, r, w, k, v, a, b)
     return wkv_steps(state, r, w, k, v, a, b)
 
