@@ -13,6 +13,7 @@ argument codes here, in order.
 SOURCES = (
     "wkv7_decode.cu",
     "wkv7_chunk.cu",
+    "wkv7_blocks.cu",
     "wkv7_tmix_fused.cu",
     "wkv7_tmix_pipe.cu",
     "fused_elementwise.cu",
@@ -41,6 +42,9 @@ SIGNATURES: dict[str, list[str]] = {
     # f_dt, s_dt, raw_w, state, s_bstride, slots, lengths, B, T, H, r, w, k, v, a, b,
     # act_bstride, act_tstride, w_bstride, w_tstride, y, y_bstride, y_tstride, stream
     "wkv7_chunk": [I, I, I, P, LL, P, P, I, I, I, P, P, P, P, P, P, LL, LL, LL, LL, P, LL, LL, P],
+    # wkv7_blocks.cu: wkv7_chunk's arguments with the fp32 work buffer before the stream
+    "wkv7_blocks": [I, I, I, P, LL, P, P, I, I, I, P, P, P, P, P, P, LL, LL, LL, LL, P, LL, LL, P, P],
+    "wkv7_blocks_record": [I],  # head size -> floats of one block's record (-1: not built for it)
     # f_dt, s_dt, pipe_min_b (the pipelined kernel for a 16-bit state from this batch on),
     # pipe_per_sm (its resident blocks per SM, 0 = as many as fit), state, s_bstride, B, H, r, k, v, wz, az, vz, v_first, g, act_bstride, k_k, k_a, r_k, lnx_w, lnx_b,
     # layer0, gn_eps, out, out_bstride, w0, a0, v0, stream

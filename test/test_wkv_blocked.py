@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.model import ops
-from server.model.wkv_chunked import BLOCK, fits, wkv_blocked
+from server.model.wkv_chunked import BLOCK, block_prep, fits, wkv_blocked
 
 
 def _inputs(B: int, T: int, H: int = 2, N: int = 64, seed: int = 0, strongest: float = 0.61):
@@ -46,6 +46,24 @@ def test_blocks_give_the_recurrence_exactly_in_float64(B: int, T: int):
     assert y.shape == (B, T, 2, 64) and y.dtype == torch.float64
     assert (y - y_ref).abs().max() <= 1e-10 * y_ref.abs().max()
     assert (s - s_ref).abs().max() <= 1e-10 * s_ref.abs().max()
+
+
+def test_the_cuda_scans_form_of_the_records_gives_the_recurrence():
+    """kernels/wkv7_blocks.cu reads the same records but steps the state as U = W S^T, then
+    S diag(g_L) + U^T B~ + E, and writes y = Q S^T + Y_in: in float64, the recurrence."""
+    B, T, H, N = 2, 3 * BLOCK - 5, 2, 64
+    x = [t.double() for t in _inputs(B, T, seed=7)]
+    s0 = torch.randn(B, H, N, N, dtype=torch.float64) * 0.3
+    y_ref, s_ref = _recurrence64(s0, *x)
+    blk = block_prep(*x, acc=torch.float64)
+    s, ys = s0.reshape(B * H, N, N), []
+    for j in range(blk.q.shape[0]):
+        ys.append(blk.q[j] @ s.mT + blk.y_in[j])  # (BH, L, N_v)
+        u = blk.w[j] @ s.mT  # (BH, L, N_v)
+        s = s * blk.g[j] + u.mT @ blk.bt[j] + blk.e[j]
+    y = torch.stack(ys).view(-1, B, H, BLOCK, N).permute(1, 0, 3, 2, 4).reshape(B, -1, H, N)[:, :T]
+    assert (y - y_ref).abs().max() <= 1e-10 * y_ref.abs().max()
+    assert (s.view(B, H, N, N) - s_ref).abs().max() <= 1e-10 * s_ref.abs().max()
 
 
 def test_the_strongest_decay_a_model_gives_stays_in_range():

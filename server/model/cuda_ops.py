@@ -101,6 +101,14 @@ def wkv_decode(state, r, w, k, v, a, b, *, slots=None) -> torch.Tensor:
     return y
 
 
+BLOCKS_MIN_T: int | None = None
+"""Chunk length from which wkv_chunk runs the blocked kernels (kernels/wkv7_blocks.cu: every
+block of 32 tokens prepared at once, then one state step per block) instead of the token-by-token
+kernel (docs/performance.md, "The prefill's WKV by blocks"). None: never. They stay off until
+their GPU tests (test/test_kernels_blocks_gpu.py) have passed on a device, and the measured
+threshold goes here; benchmarks and tests set it."""
+
+
 def wkv_chunk(state, r, w, k, v, a, b, *, slots=None, lengths=None) -> torch.Tensor:
     """T tokens for B sequences; state updated in place; returns y (B, T, H, N) in r.dtype."""
     B, T, H, N = r.shape
@@ -117,13 +125,24 @@ def wkv_chunk(state, r, w, k, v, a, b, *, slots=None, lengths=None) -> torch.Ten
     sp, _keep = _slots_arg(slots, r.device)  # _keep: the int32 copy stays alive until the launch
     lp, _keep_l = _slots_arg(lengths, r.device)
     stream = torch.cuda.current_stream(r.device).cuda_stream
-    rc = lib.wkv7_chunk(
+    args = (
         _DT[r.dtype], _DT[state.dtype], 1, state.data_ptr(), state.stride(0), sp, lp, B, T, H,
         *[t.data_ptr() for t in acts], rr.stride(0), rr.stride(1), ww.stride(0), ww.stride(1),
-        y.data_ptr(), y.stride(0), y.stride(1), stream,
+        y.data_ptr(), y.stride(0), y.stride(1),
     )  # fmt: skip
-    _check(rc, "wkv7_chunk")
+    rec = _block_record(lib, N) if BLOCKS_MIN_T is not None and T >= BLOCKS_MIN_T else -1
+    if rec > 0:
+        work = torch.empty(B * H * -(-T // 32) * rec, device=r.device, dtype=torch.float32)  # the blocks' records
+        _check(lib.wkv7_blocks(*args, work.data_ptr(), stream), "wkv7_blocks")
+    else:
+        _check(lib.wkv7_chunk(*args, stream), "wkv7_chunk")
     return y
+
+
+@functools.cache
+def _block_record(lib, head_size: int) -> int:
+    """Floats of one block's record in the blocked kernels' work buffer; -1: not this head size."""
+    return int(lib.wkv7_blocks_record(head_size))
 
 
 def _fallback(fn, state, acts, slots, lengths=None) -> torch.Tensor:

@@ -19,16 +19,23 @@ matrices A', B', K', R'), the u_t solve a unit lower-triangular system,
 so U = W S_0^T + U_v with W, U_v from one triangular solve that does not need S_0. Then
 
     Y   = (R' + tril(R' B'^T) W) S_0^T + (tril(R' B'^T) U_v + tril(R' K'^T) V)  =  Q S_0^T + Y_in
-    S_L = S_0 (diag(g_L) + W^T B~) + (U_v^T B~ + V^T K~)                       =  S_0 P + E
+    S_L = S_0 diag(g_L) + U^T B~ + (U_v^T B~ + V^T K~)                           =  S_0 diag(g_L) + U^T B~ + E
 
-where B~ = B g_L / g and K~ = K g_L / g. Q, Y_in, P and E are computed for every block at once;
-the loop over blocks does two products each. Only ratios g_t / g_i with i <= t enter the
-result, but 1 / g_i is formed on its own: the block's total decay must stay within fp32's range.
-A model's tokens always do (w <= -0.5 gives d >= exp(-0.61): g_L >= exp(-0.61 L)); other inputs
-whose decay falls below exp(-MAX_LOG_DECAY) within a block go step by step (`fits`).
+where B~ = B g_L / g and K~ = K g_L / g. W, Q, B~, Y_in and E are computed for every block at
+once (`block_prep`: the record kernels/wkv7_blocks.cu writes per block); the loop over blocks
+does two products each here, Y = Q S^T + Y_in and S <- S P + E with P = diag(g_L) + W^T B~
+formed with the rest. The CUDA scan does three smaller ones instead (U = W S^T, then U^T B~):
+the same product, without P's N x N x L per block in its preparation. Only ratios g_t / g_i
+with i <= t enter the result, but 1 / g_i is formed on its own: the block's total decay must
+stay within fp32's range. A model's tokens always do (w <= -0.5 gives d >= exp(-0.61):
+g_L >= exp(-0.61 L)); other inputs whose decay falls below exp(-MAX_LOG_DECAY) within a block
+go step by step (`fits` here; the CUDA kernels check each block on the device and run the
+failing ones token by token).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -45,11 +52,38 @@ def fits(w: torch.Tensor, block: int = BLOCK) -> bool:
     return bool(torch.exp(w.float().max()) * block <= MAX_LOG_DECAY)
 
 
+class Blocks(NamedTuple):
+    """block_prep's result: one entry per block, (nb, BH, ...) in the arithmetic's dtype."""
+
+    w: torch.Tensor  # (nb, BH, L, N) W
+    q: torch.Tensor  # (nb, BH, L, N) Q
+    bt: torch.Tensor  # (nb, BH, L, N) B~
+    y_in: torch.Tensor  # (nb, BH, L, N_v) Y_in (the scan adds Q S^T)
+    e: torch.Tensor  # (nb, BH, N_v, N) E
+    g: torch.Tensor  # (nb, BH, 1, N) g_L
+
+
 def wkv_blocked(state: torch.Tensor, r, w, k, v, a, b, block: int = BLOCK, acc: torch.dtype = torch.float32):
     """ops.wkv_chunk's result by blocks (see the module doc): state (B, H, N, N) updated in
     place; r, w, k, v, a, b (B, T, H, N); returns y (B, T, H, N) in r.dtype. acc: the dtype of
     the arithmetic (float64 in the tests that check the algebra)."""
     B, T, H, N = r.shape
+    blk = block_prep(r, w, k, v, a, b, block, acc)
+    p = blk.w.mT @ blk.bt  # (nb, BH, N, N)
+    p.diagonal(dim1=-2, dim2=-1).add_(blk.g.squeeze(2))  # P = diag(g_L) + W^T B~
+    s = state.reshape(B * H, N, N).to(acc)  # (BH, N, N) a working copy
+    for j in range(p.shape[0]):
+        blk.y_in[j].baddbmm_(blk.q[j], s.mT)  # Y = Q S^T + Y_in
+        s = torch.baddbmm(blk.e[j], s, p[j])  # S <- S P + E
+    state.copy_(s.view(B, H, N, N))
+    nb = p.shape[0]
+    y = blk.y_in.view(nb, B, H, block, N).permute(1, 0, 3, 2, 4).reshape(B, nb * block, H, N)[:, :T]  # (B, T, H, N)
+    return y.to(r.dtype)
+
+
+def block_prep(r, w, k, v, a, b, block: int = BLOCK, acc: torch.dtype = torch.float32) -> Blocks:
+    """Every block's W, Q, B~, Y_in, E and g_L at once from r, w, k, v, a, b (B, T, H, N)."""
+    T, N = r.shape[1], r.shape[-1]
     L, nb = block, -(-T // block)
     seq = lambda t, fill=0.0: _blocks(t, nb, L, fill, acc)  # (nb, BH, L, N): a block's rows contiguous
     r_, k_, v_, a_, b_ = (seq(t) for t in (r, k, v, a, b))
@@ -68,16 +102,8 @@ def wkv_blocked(state: torch.Tensor, r, w, k, v, a, b, block: int = BLOCK, acc: 
     wa, uv = wu.split(N, -1)  # (nb, BH, L, N) W, U_v
     q = ra + m_rb @ wa  # (nb, BH, L, N)
     y_in = m_rb @ uv + m_rk @ v_  # (nb, BH, L, N)
-    p = wa.mT @ bt  # (nb, BH, N, N)
-    p.diagonal(dim1=-2, dim2=-1).add_(last.squeeze(2).exp())  # + diag(g_L)
     e = uv.mT @ bt + v_.mT @ kt  # (nb, BH, N, N)
-    s = state.reshape(B * H, N, N).to(acc)  # (BH, N, N) a working copy
-    for j in range(nb):
-        y_in[j].baddbmm_(q[j], s.mT)  # Y = Q S^T + Y_in
-        s = torch.baddbmm(e[j], s, p[j])  # S <- S P + E
-    state.copy_(s.view(B, H, N, N))
-    y = y_in.view(nb, B, H, L, N).permute(1, 0, 3, 2, 4).reshape(B, nb * L, H, N)[:, :T]  # (B, T, H, N)
-    return y.to(r.dtype)
+    return Blocks(wa, q, bt, y_in, e, last.exp())
 
 
 def _blocks(t: torch.Tensor, nb: int, L: int, fill: float, acc: torch.dtype) -> torch.Tensor:

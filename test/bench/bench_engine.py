@@ -220,6 +220,9 @@ def main() -> None:
                             "one process ('' = the module's value)")  # fmt: skip
     p.add_argument("--prefill-graph-len", default="",
                    help="prefill runs at each of these PrefillGraphs max_len values (0 = eager), alternating")  # fmt: skip
+    p.add_argument("--blocks-min-t", default="",
+                   help="prefill runs at each of these cuda_ops.BLOCKS_MIN_T values (0 = the blocked WKV off), "
+                        "alternating ('' = the module's value)")  # fmt: skip
     a = p.parse_args()
     dev = torch.device(a.device)
     t0 = time.perf_counter()
@@ -248,8 +251,9 @@ def main() -> None:
             for r in bench_decode(model, DTYPES[sd], batches, a.steps, graphs, a.feed) if batches else []:
                 lines.append({**base, "state_dtype": sd, **tag, **r})
         for gl in [int(v) for v in a.prefill_graph_len.split(",") if v] or [0]:
-            for r in bench_prefill(model, DTYPES[sd], cases, a.reps, gl):
-                lines.append({**base, "state_dtype": sd, **r})
+            for tag in _blocks_runs(a.blocks_min_t):
+                for r in bench_prefill(model, DTYPES[sd], cases, a.reps, gl):
+                    lines.append({**base, "state_dtype": sd, **tag, **r})
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if a.accuracy:
@@ -291,6 +295,20 @@ def _switches(a: argparse.Namespace):
         yield {key: on}
 
 
+def _blocks_runs(values: str):
+    """Each prefill run's cuda_ops.BLOCKS_MIN_T (0: None, the blocked WKV off), set before it
+    runs, yielded as its lines' tag ({} once when none is given)."""
+    if not values:
+        yield {}
+        return
+    from server.model import cuda_ops
+
+    for v in (int(x) for x in values.split(",")):
+        cuda_ops.BLOCKS_MIN_T = v or None
+        print(f"  blocks_min_t {v}", flush=True)
+        yield {"blocks_min_t": v}
+
+
 def print_table(lines: list[dict]) -> None:
     print(f"\n{'state':6} {'batch':>6} {'what':10} {'tok/s':>12} {'ms':>9} {'peak GB':>8}")
     for r in lines:
@@ -301,7 +319,7 @@ def print_table(lines: list[dict]) -> None:
             what += f" g{r['prefill_graph_len']}"
         rate = r.get("decode_tok_s") or r.get("prefill_tok_s")
         ms = r.get("step_ms") or r.get("ttft_p50_ms")
-        pf = "".join(f"  {k} {r[k]}" for k in SWITCHES if k in r)
+        pf = "".join(f"  {k} {r[k]}" for k in (*SWITCHES, "blocks_min_t") if k in r)
         peak = r.get("peak_mem_gb") or 0
         print(f"{r['state_dtype']:6} {r['batch']:6d} {what:10} {rate:12.1f} {ms:9.2f} {peak:8.2f}{pf}")
 
