@@ -11,6 +11,7 @@ first turns re-render as generated."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import httpx
 import pytest
@@ -246,6 +247,34 @@ async def test_the_newest_responses_are_read_back_once_out_of_memory(tm):
     for other in range(LOAD_NEWEST):
         older.add(None, f"TASK_{other:032x}")  # (newer responses, gone)
     assert await older.find(tm, tok, None, None, text) is None
+
+
+async def test_after_a_restart_any_recent_response_is_found_by_its_stored_digest(tmp_path):
+    """After a restart a key's responses are indexed from their rows' digests (tasks.digest),
+    not only its LOAD_NEWEST newest read back: the oldest of many is forked, another key's is
+    not, and a row whose digest is not its tokens' (here: another row's) is checked against its
+    tokens before anything forks it."""
+    db = str(tmp_path / "r.db")
+    first = TaskManager(FakeEngine(), ByteTokenizer(), TaskConfig(db=db), FakeShape())
+    await first.start()
+    ids = await _responses(first, [_turn(i) for i in range(LOAD_NEWEST + 6)], owner="app")
+    (other,) = await _responses(first, [_turn(90)], owner="k2")
+    await first.close()
+    with sqlite3.connect(db) as conn:  # (ids[3]'s row claims ids[1]'s history: indexed after it, it wins)
+        conn.execute("UPDATE tasks SET digest = (SELECT digest FROM tasks WHERE id = ?) WHERE id = ?", (ids[1], ids[3]))
+    tm = TaskManager(FakeEngine(), ByteTokenizer(), TaskConfig(db=db), FakeShape())
+    await tm.start()
+    try:
+        assert [row[0] for row in await tm.digests("app", "response", 100)] == ids[::-1]
+        recent, tok = Recent(), tm.inputs.tokenizer
+        found = await recent.find(tm, tok, "app", None, _turn(0) + NEXT)
+        assert found is not None and found.task.id == ids[0] and found.rest == NEXT
+        assert await recent.find(tm, tok, "app", None, _turn(90) + NEXT) is None  # (k2's)
+        found = await Recent().find(tm, tok, "k2", None, _turn(90) + NEXT)
+        assert found is not None and found.task.id == other
+        assert await recent.find(tm, tok, "app", None, _turn(1) + NEXT) is None  # (not ids[3])
+    finally:
+        await tm.close()
 
 
 def test_after_a_restart_the_newest_response_is_read_back(tmp_path):

@@ -23,6 +23,7 @@ from server.tasks.records import Task, from_row, to_row
 from server.tasks.schema import metadata
 from server.tasks.statestore import state_row
 from server.tasks.store import RowHeld, Store, TagTaken, database_url
+from server.tasks.token_digest import history_digest
 from server.tasks.writer import Writer
 
 from pg_util import db_url, pg_cluster, pg_url  # noqa: F401 - fixtures
@@ -137,7 +138,7 @@ async def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
 
 async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url):
     store = await open_store(db_url)
-    assert store.revision_before is None and store.revision == migrate.head_revision() == "0007"
+    assert store.revision_before is None and store.revision == migrate.head_revision() == "0008"
     await store.close()
     schema = await inspect_schema(db_url)
     assert set(schema) == {t.name for t in metadata.sorted_tables} | {"alembic_version"}
@@ -146,9 +147,9 @@ async def test_migrations_from_empty_database_reach_head_and_match_schema(db_url
         assert cols == {c.name for c in table.columns}, table.name
         assert idx == {i.name for i in table.indexes}, table.name
     store = await open_store(db_url)  # reopening: nothing to migrate
-    assert store.revision_before == store.revision == "0007"
+    assert store.revision_before == store.revision == "0008"
     await store.close()
-    assert await run_sql(db_url, "select version_num from alembic_version") == [("0007",)]
+    assert await run_sql(db_url, "select version_num from alembic_version") == [("0008",)]
 
 
 MARKED = {
@@ -179,7 +180,8 @@ def _v1_rows(conn) -> None:
     t = Task(id="TASK_old", kind="task", prompt="hi", stored_id="S1", stored_pos=1)
     t.tokens.extend([1, 2])
     t.out.append("x", 1)
-    row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version", "base_id", "tag")}  # v1's
+    row = {k: v for k, v in to_row(t).items() if k not in ("public", "instance", "version", "base_id", "tag",
+                                                    "digest")}  # v1's
     conn.execute(sa.text(f"INSERT INTO tasks ({', '.join(row)}) VALUES ({', '.join(':' + k for k in row)})"), row)
     for tid, stop in MARKED.items():  # the marks of sessions and responses before v6: stop strings
         parent = "TASK_session" if tid == "TASK_session_fork" else None
@@ -197,7 +199,7 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     assert await run_sql(db_url, "select version_num from alembic_version") == [("0001",)]
     assert "last_used" not in (await inspect_schema(db_url))["states"][0]
     store = await open_store(db_url)
-    assert (store.revision_before, store.revision) == ("0001", "0007")
+    assert (store.revision_before, store.revision) == ("0001", "0008")
     t = from_row(await store.get_task("TASK_old"))
     assert t.prompt == "hi" and list(t.tokens) == [1, 2] and t.out.text == "x"
     assert (t.stored_id, t.stored_pos, t.version, t.instance, t.public, t.base_id) == ("S1", 1, 0, None, False, None)
@@ -222,6 +224,10 @@ async def test_migration_from_previous_version_upgrades_in_place(db_url):
     }
     assert from_row(await (s := await open_store(db_url)).get_task("TASK_old")).tag is None
     await s.close()
+    # v8: the responses that ended have the digest of their token history; others get theirs at their next write
+    digests = dict(await run_sql(db_url, "select id, digest from tasks"))
+    assert digests.pop("TASK_response") == history_digest([1, 2]).hex()
+    assert set(digests.values()) == {None}
 
 
 async def test_newer_schema_is_refused_with_a_clear_message(db_url):
@@ -251,6 +257,23 @@ async def test_db_budget_drops_oldest_non_template_states_and_keeps_text(db_url)
         assert t.out.text == f"text {i}"
         assert (t.stored_id is None) == (f"S{i}" in victims) and (t.stored_pos == 0) == (f"S{i}" in victims)
     assert await store.states.states_bytes(templates=True) == n
+    await store.close()
+
+
+async def test_digests_list_an_owners_ended_responses_newest_first(db_url):
+    """Store.digests: (id, tokens, digest) of one owner's tasks of one tag that ended, newest
+    first, up to a limit; a running task has no digest yet, another owner's or tag's is not listed."""
+    store = await open_store(db_url)
+    for i, (owner, tag, status, n) in enumerate([("k", "response", 3, 5), ("k", "response", 2, 6), ("k", None, 3, 7),
+                                                 ("k2", "response", 3, 8), ("k", "response", 3, 9),
+                                                 (None, "response", 3, 4)]):  # fmt: skip
+        t = Task(id=f"R{i}", kind="task", owner=owner, tag=tag, status=status, created_at=100.0 + i)
+        t.tokens.extend(range(1000, 1000 + n))
+        await store.save(to_row(t))
+    want = [("R4", 9, history_digest(range(1000, 1009))), ("R0", 5, history_digest(range(1000, 1005)))]
+    assert await store.digests("k", "response", 10) == want
+    assert await store.digests("k", "response", 1) == want[:1]
+    assert await store.digests(None, "response", 10) == [("R5", 4, history_digest(range(1000, 1004)))]
     await store.close()
 
 

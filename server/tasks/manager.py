@@ -94,6 +94,8 @@ row and closing the connections are given (each would wait out its own bound on 
 
 TagRows = list[tuple[str, str]]
 """(tag, task id) pairs (TaskManager.tagged; named here: the class's `list` method shadows the builtin)."""
+DigestRows = list[tuple[str, int, bytes]]
+"""(task id, tokens, digest) triples (TaskManager.digests; named here for the same reason)."""
 
 
 class TaskManager:
@@ -461,6 +463,11 @@ class TaskManager:
         """(tag, task id) of `owner`'s stored tasks tagged `tag` (prefix: starting with it),
         oldest first: one database read, the same on every replica."""
         return await self.store.tagged(self.owner_id(owner), tag, prefix=prefix)
+
+    async def digests(self, owner: str | None, tag: str, limit: int) -> DigestRows:
+        """(task id, tokens, SHA-256 of its token history) of `owner`'s `limit` newest stored
+        tasks tagged `tag` that are not running, newest first: one database read."""
+        return await self.store.digests(self.owner_id(owner), tag, limit)
 
     def sweep(self, cutoff: float) -> int:
         """Drop TMP tasks that finished before `cutoff` (epoch seconds)."""

@@ -37,6 +37,7 @@ from server.tasks.config import LatencyRecorder
 from server.tasks.output import Output
 from server.tasks.params import TaskParams
 from server.tasks.schema import DbRow
+from server.tasks.token_digest import history_digest
 
 PREFILL, READY, RUNNING, FINISHED = 0, 1, 2, 3
 TMP, TASK, TEMPLATE = "tmp", "task", "template"
@@ -337,6 +338,7 @@ def to_row(t: Task) -> dict[str, Any]:
         "version": t.version,
         "base_id": t.base_id,
         "tag": t.tag,
+        "digest": None if t.running else history_digest(t.tokens).hex(),  # (the Responses reuse index's key)
     }
 
 
@@ -357,6 +359,7 @@ UPDATE_COLUMNS = (
     "gen_time",
     "updated_at",
     "instance",
+    "digest",
 )
 """What a run changes in an existing row: never its identity, owner or version (claims own
 those) nor its state pointer (only a state write or the database budget moves that)."""

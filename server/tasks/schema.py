@@ -87,6 +87,7 @@ tasks = sa.Table(
     sa.Column("version", sa.Integer, nullable=False),  # v3: +1 at each claim of a run (replicas)
     sa.Column("base_id", _str(ID_LEN)),  # v4: the state-file template its history starts from (lineage.py)
     sa.Column("tag", _str(TAG_LEN)),  # v6: what it is to the route that made it (records.Task.tag)
+    sa.Column("digest", _str(64)),  # v8: hex SHA-256 of tokens (token_digest) once a run ended; NULL while running
     sa.Index("ix_tasks_status", "status"),
     sa.Index("ix_tasks_owner_created", "owner", "created_at"),  # v2
     sa.Index("ix_tasks_owner_tag", "owner", "tag"),  # v6

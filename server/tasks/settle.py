@@ -30,6 +30,7 @@ from server.engine.types import ABORT, EOS_TOKEN, ERROR, LENGTH, STOP, Result
 from server.tasks.cache import StateCache
 from server.tasks.persist import Outcome, SettleJob
 from server.tasks.records import FINISHED, TEMPLATE, TMP, Run, Task, update_row
+from server.tasks.token_digest import history_digest
 
 if TYPE_CHECKING:
     from server.model.state import State
@@ -93,7 +94,7 @@ class Settler:
             t.finish(reason, error)
             return
         row = update_row(t)
-        row.update(status=FINISHED, finish_reason=reason, instance=None)
+        row.update(status=FINISHED, finish_reason=reason, instance=None, digest=history_digest(t.tokens).hex())
         t.pending_writes += 1
         t.saved = await self.persistence.queue_settled(
             SettleJob(t, row, new_key, state, t.state_pos, old_key, Outcome(reason, error))

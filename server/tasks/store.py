@@ -205,6 +205,21 @@ class Store(Database):
             rows = (await conn.execute(q)).all()
         return [(r.tag, r.id) for r in rows if (r.tag.startswith(tag) if prefix else r.tag == tag)]
 
+    async def digests(self, owner: str | None, tag: str, limit: int) -> list[tuple[str, int, bytes]]:
+        """(id, tokens, digest) of `owner`'s `limit` newest tasks tagged `tag` that have a digest
+        (not running), newest first: the (owner, tag) index and each row's blob length, not the
+        tokens themselves."""
+        own = tasks.c.owner == owner if owner is not None else tasks.c.owner.is_(None)
+        q = (
+            sa.select(tasks.c.id, sa.func.length(tasks.c.tokens).label("nbytes"), tasks.c.digest)
+            .where(own, tasks.c.tag == tag, tasks.c.digest.is_not(None))
+            .order_by(tasks.c.created_at.desc(), tasks.c.id.desc())
+            .limit(limit)
+        )
+        async with self.read() as conn:
+            rows = (await conn.execute(q)).all()
+        return [(r.id, r.nbytes // 4, bytes.fromhex(r.digest)) for r in rows]
+
     async def delete_task(self, task_id: str, instance: str | None = None) -> tuple[bool, int]:
         """Delete a row and its state when no other task names it: (found, non-template state
         bytes dropped). With `instance`: not a row running on another instance (RowHeld; the

@@ -14,6 +14,11 @@ def tokens_bytes(ids: Sequence[int]) -> bytes:
     return array("i", ids).tobytes()
 
 
+def history_digest(tokens: Sequence[int]) -> bytes:
+    """The SHA-256 of a whole token history (prefix_digests' at its full length): tasks.digest."""
+    return hashlib.sha256(tokens_bytes(tokens)).digest()
+
+
 def prefix_digests(tokens: Sequence[int], lengths: Iterable[int], seed: bytes = b"") -> dict[int, bytes]:
     """The SHA-256 of `seed` then tokens[:n], for each n in `lengths` (each at most len(tokens)),
     hashing the tokens once."""

@@ -16,10 +16,11 @@ response has ended, its whole token history is indexed by its length and SHA-256
 lookup hashes the prompt's tokens once, taking the digest at each length some candidate has, and
 compares tokens only with the candidates whose digest matches: a key with many conversations at
 once (one key for all of an application's users) finds each one's previous response. A response
-the task table no longer holds is read back from the database when its digest matches; one not
-indexed yet when it left memory is looked for only among the key's LOAD_NEWEST newest (read
-back; after a restart, the key's newest stored tasks); a response whose state the state cache
-dropped is still forked: its state is read back or rebuilt.
+the task table no longer holds is read back from the database when its digest matches; after a
+restart a key's newest responses are indexed by the digests their rows keep (tasks.digest); one
+not indexed yet when it left memory (or one a crash interrupted) is looked for only among the
+key's LOAD_NEWEST newest (read back); a response whose state the state cache dropped is still
+forked: its state is read back or rebuilt.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ MAX_ENTRIES = 65536
 """Responses remembered for all keys together (the least recently used key's oldest go first)."""
 LOAD_NEWEST = 2
 """A key's newest responses read back from the database when they left memory before they were
-indexed (a busy server's task table keeps the last 1,024 tasks it touched), or after a restart."""
+indexed (a busy server's task table keeps the last 1,024 tasks it touched), or after a restart
+when their rows have no digest (a crash interrupted them)."""
 
 
 @dataclass(frozen=True)
@@ -146,15 +148,22 @@ class Recent:
         self._n -= 1
 
     async def _seed(self, tm: TaskManager, owner: str | None) -> _Key:
-        """A key's list after a restart: its LOAD_NEWEST newest stored tasks (those that are
-        responses are candidates), so its first turn sent whole is not prefilled whole."""
+        """A key's list after a restart: its MAX_PER_KEY newest stored responses that ended, indexed
+        by their stored digests (tasks.digest: no tokens read), then its LOAD_NEWEST newest stored
+        tasks not among them (one a crash interrupted has no digest: read back when looked for),
+        so its first turn sent whole is not prefilled whole."""
         key = self._key(owner)
         try:
+            ended = await tm.digests(owner, RESPONSE, MAX_PER_KEY)
             page = await tm.list(owner, limit=LOAD_NEWEST, kind=TASK)
         except TaskError:
             return key
-        for row in reversed(page["tasks"]):  # (newest last)
-            self.add(owner, row["task_id"])
+        for tid, n, digest in reversed(ended):  # (newest last)
+            self.add(owner, tid)
+            key.put(tid, (n, digest))
+        for row in reversed(page["tasks"]):
+            if row["task_id"] not in key.ids:
+                self.add(owner, row["task_id"])
         return key
 
     async def _index_ended(self, tm: TaskManager, key: _Key, owner: str | None) -> None:
