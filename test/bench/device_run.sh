@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU parity tests, kernel micro-bench, engine bench (+ accuracy check).
 # Usage on the GPU machine (repo root):  OUT=/some/dir COMMIT=abc123 bash test/bench/device_run.sh [steps...]
-# steps: info build tests quant_tests quant_gemm quant_sweep w8_gemm engine_quant mem72 kernels e2e_constrained conversation http_contents http_gpus tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes tasks_spy http1024 quality
+# steps: info build tests blocks quant_tests quant_gemm quant_sweep w8_gemm engine_quant mem72 kernels e2e_constrained conversation http_contents http_gpus tmix gemm engine e2e partition sampler ab_sampler quick engine_nofused profile profile_nofused engine72 prefill4096 engine_torch http http_tasks http_routes tasks_spy http1024 quality
 # (default: info tests kernels engine). The fused decode path and long prefill chunks are the
 # model's defaults on CUDA (bench flags --no-fused / --chunk-len N to compare).
 set -u
@@ -29,6 +29,12 @@ for s in $steps; do
     mem72) timeout 200 python3 test/bench/bench_engine.py --model synthetic:7.2b --state-dtypes fp16 --batches 1,64 \
               --prefill '' --quant int8 --out "$OUT/results.jsonl" 2>&1 | tail -6 | tee "$OUT/mem72.log" ;;
     kernels) timeout 200 python3 test/bench/bench_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
+    blocks) timeout 150 python3 -m pytest -q -m gpu test/test_kernels_blocks_gpu.py -p no:cacheprovider -rf 2>&1 \
+              | tee "$OUT/blocks_tests.log" | tail -12  # the blocked WKV prefill: tests, steps vs blocks, engine A/B
+             timeout 90 python3 test/bench/bench_wkv_blocks.py 2>&1 | tee "$OUT/blocks.log"
+             timeout 300 python3 test/bench/bench_engine.py --model synthetic:2.9b --state-dtypes fp16 --batches '' \
+               --prefill 1x4096,16x512,1x512 --prefill-graph-len 512 --blocks-min-t 0,64,0,64 \
+               --out "$OUT/results.jsonl" 2>&1 | tee -a "$OUT/blocks.log" | tail -14 ;;
     tmix) timeout 200 python3 test/bench/bench_kernels.py --tmix 2>&1 | tee "$OUT/tmix.log" ;;
     gemm) timeout 200 python3 test/bench/bench_gemm.py --batches 1,8,64,256 2>&1 | tee "$OUT/gemm.log" ;;
     build) python3 -c "import logging; logging.basicConfig(level=logging.INFO); from kernels import loader; print(loader.load())" 2>&1 | tail -3 ;;
