@@ -356,9 +356,19 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(S *__restrict__ stat
     for (int e = threadIdx.x; e < RS * N; e += SCAN_THREADS) srows[e] = from_f<S>(sm.s[e / N][e % N]);
 }
 
-template <typename K>
-int allow_smem(K kernel, int bytes) {
-    return (int)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+// The opt-in to more than 48 KiB of shared memory for both kernels, once per device (the first
+// call is eager: the model's warm-up runs before any CUDA-graph capture, as for the sampler).
+template <typename F, typename S>
+int prepare() {
+    static bool done[64] = {};  // per device (a static of each prepare<F, S>)
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess || done[dev & 63]) return (int)e;
+    e = cudaFuncSetAttribute(prep_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(PrepSmem));
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(scan_kernel<F, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(ScanSmem));
+    done[dev & 63] = e == cudaSuccess;
+    return (int)e;
 }
 
 }  // namespace blocks
@@ -392,8 +402,7 @@ extern "C" int wkv7_blocks(int f_dt, int s_dt, int raw_w, void *state, long long
     const cudaStream_t s = (cudaStream_t)stream;
     return WKV7_DISPATCH(f_dt, s_dt, {
         constexpr int prep_bytes = sizeof(PrepSmem), scan_bytes = sizeof(ScanSmem);
-        int e = allow_smem(prep_kernel<F>, prep_bytes);
-        if (e == 0) e = allow_smem(scan_kernel<F, S>, scan_bytes);
+        int e = prepare<F, S>();
         if (e != 0) return e;
         prep_kernel<F><<<dim3(nb, H, B), PREP_THREADS, prep_bytes, s>>>(lengths, T, p, raw_w, work);
         if ((e = (int)cudaGetLastError()) != 0) return e;
