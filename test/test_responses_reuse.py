@@ -298,3 +298,7 @@ def test_prefix_digests_are_each_prefixs_sha256():
     assert list(got) == [0, 1, 4, 6]
     for n, d in got.items():
         assert d == hashlib.sha256(b"part\0" + array("i", tokens[:n]).tobytes()).digest()
+    # a whole history's (tasks.digest): a Task's array hashed in place, any sequence alike
+    from server.tasks.token_digest import history_digest
+
+    assert history_digest(array("i", tokens)) == history_digest(tokens) == prefix_digests(tokens, [6])[6]

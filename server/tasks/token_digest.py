@@ -15,7 +15,10 @@ def tokens_bytes(ids: Sequence[int]) -> bytes:
 
 
 def history_digest(tokens: Sequence[int]) -> bytes:
-    """The SHA-256 of a whole token history (prefix_digests' at its full length): tasks.digest."""
+    """The SHA-256 of a whole token history (prefix_digests' at its full length): tasks.digest.
+    A Task's array('i') is hashed in place (no copy: 100k tokens in ~0.3 ms)."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return hashlib.sha256(tokens).digest()
     return hashlib.sha256(tokens_bytes(tokens)).digest()
 
 
