@@ -1,8 +1,9 @@
 """The blocked WKV-7 prefill kernels (kernels/wkv7_blocks.cu, taken by cuda_ops.wkv_chunk from
 BLOCKS_MIN_T tokens) against the token-by-token kernel and the pure-torch step path: any
-remainder after the last block, every dtype pair, slots and lengths inside the pool, strided
-inputs, and blocks whose decay is too strong for the block form (run token by token inside the
-scan) mixed with ordinary blocks in one call."""
+remainder after the last block, every dtype pair, strided inputs, and blocks whose decay is too
+strong for the block form (run token by token inside the scan) mixed with ordinary blocks in one
+call. Slots and lengths inside the pool: test_kernels_gpu.test_chunk_lengths_and_slots, with the
+blocks on and off."""
 
 from __future__ import annotations
 
@@ -35,28 +36,6 @@ def test_blocks_match_steps(dev, monkeypatch, B, T, dtype, state_dtype):
     assert y_blk.shape == (B, T, H, N) and y_blk.dtype == dtype
     assert _rel(y_blk, y_ref) < _tol(dtype), _rel(y_kern, y_ref)
     assert _rel(s_blk, s_ref) < _state_tol(state_dtype), _rel(s_kern, s_ref)
-
-
-@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
-def test_blocks_lengths_and_slots(dev, monkeypatch, state_dtype):
-    T, lens = 100, [100, 1, 64, 0, 33]
-    acts = _inputs((5, T), torch.float16, dev, seed=21)
-    pool = _state(7, state_dtype, dev, seed=21)  # (7, H, N, N)
-    slots = [4, 0, 2, 5, 6]
-    got = pool.clone()
-    y = _run(monkeypatch, True, got, acts, slots=torch.tensor(slots, device=dev, dtype=torch.int32),
-             lengths=torch.tensor(lens, device=dev, dtype=torch.int32))  # fmt: skip
-    ref = pool.clone()
-    for i, (slot, n) in enumerate(zip(slots, lens)):
-        if n == 0:
-            continue
-        sub = ref[slot : slot + 1].clone()
-        y_ref = ops.wkv_steps(sub, *(t[i : i + 1, :n] for t in acts))
-        ref[slot] = sub[0]
-        assert _rel(y[i : i + 1, :n], y_ref) < _tol(torch.float16), i
-        assert not y[i, n:].any(), i  # skipped tokens' y is left at 0
-    assert _rel(got, ref) < _state_tol(state_dtype)
-    assert torch.equal(got[[1, 3]], pool[[1, 3]]) and torch.equal(got[5], pool[5])
 
 
 def test_blocks_strided_inputs(dev, monkeypatch):

@@ -116,8 +116,10 @@ def test_chunk_matches_torch(dev, B, T, dtype, state_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blocks_min_t", [None, 1], ids=["steps", "blocks"])  # kernels/wkv7_blocks.cu too
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
-def test_chunk_lengths_and_slots(dev, state_dtype):
+def test_chunk_lengths_and_slots(dev, monkeypatch, state_dtype, blocks_min_t):
+    monkeypatch.setattr(cuda_ops, "BLOCKS_MIN_T", blocks_min_t)
     T, lens = 40, [40, 1, 23, 0]
     acts = _inputs((4, T), torch.float16, dev, seed=11)
     pool = _state(6, state_dtype, dev, seed=11)  # (6, H, N, N)
@@ -136,6 +138,7 @@ def test_chunk_lengths_and_slots(dev, state_dtype):
         y_ref = ops.wkv_chunk(sub, *(t[i : i + 1, :n] for t in acts))
         ref[slot] = sub[0]
         assert _rel(y[i : i + 1, :n], y_ref) < _tol(torch.float16)
+        assert not y[i, n:].any(), i  # skipped tokens' y is left at 0
     assert _rel(got, ref) < _state_tol(state_dtype)
     assert torch.equal(got[[1, 3]], pool[[1, 3]]) and torch.equal(got[5], pool[5])
 

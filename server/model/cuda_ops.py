@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from server.model import cuda_quant, ops
+from server.model import cuda_quant, ops, wkv_chunked
 from server.model.qlinear import RAW_UNIT, QRows, QWeight, ScaledProduct, SparseCodes, Weight
 from server.model.quant import FP8_DTYPE
 
@@ -132,7 +132,8 @@ def wkv_chunk(state, r, w, k, v, a, b, *, slots=None, lengths=None) -> torch.Ten
     )  # fmt: skip
     rec = _block_record(lib, N) if BLOCKS_MIN_T is not None and T >= BLOCKS_MIN_T else -1
     if rec > 0:
-        work = torch.empty(B * H * -(-T // 32) * rec, device=r.device, dtype=torch.float32)  # the blocks' records
+        nb = -(-T // wkv_chunked.BLOCK)  # the kernels' block length (L in wkv7_blocks.cu)
+        work = torch.empty(B * H * nb * rec, device=r.device, dtype=torch.float32)  # one record per block
         _check(lib.wkv7_blocks(*args, work.data_ptr(), stream), "wkv7_blocks")
     else:
         _check(lib.wkv7_chunk(*args, stream), "wkv7_chunk")
