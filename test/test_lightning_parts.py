@@ -4,6 +4,9 @@ manager over a scripted engine (server.api.lightning)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from task_fakes import FakeEngine, FakeShape, FakeTokenizer
 
@@ -159,6 +162,20 @@ async def tm(tmp_path):
 
 
 FIELDS = {"max_tokens": 2, "stop": ["\nUser:"]}
+
+
+async def test_a_task_manager_with_sessions_is_freed_once_closed(tmp_path):
+    """The registry (a WeakKeyDictionary by task manager) holds its manager weakly: a closed
+    manager, its engine and their states go with the last reference (they stayed for the whole
+    process, one set per test, before)."""
+    m = TaskManager(FakeEngine(), FakeTokenizer(), Settings(db=str(tmp_path / "t.db"), device="cpu"), FakeShape())
+    await m.start()
+    await m.wait((await Sessions.of(m).chat("k1", "a", "hello", FIELDS)).id)
+    await m.close()
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
 
 
 async def test_sessions_are_found_by_their_tag_from_any_registry(tm):

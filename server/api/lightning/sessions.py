@@ -80,10 +80,18 @@ class Sessions:
     _of: ClassVar[weakref.WeakKeyDictionary[TaskManager, Sessions]] = weakref.WeakKeyDictionary()
 
     def __init__(self, tasks: TaskManager) -> None:
-        self.tasks = tasks
+        # weakly: `_of`'s value must not reach its key, or no task manager is ever freed
+        self._tasks = weakref.ref(tasks)
         self._next: dict[tuple[str | None, str], int] = {}  # (owner id, session id) -> next dialogue_idx
         self._locks: weakref.WeakValueDictionary[tuple[Any, ...], asyncio.Lock] = weakref.WeakValueDictionary()
         self._deleted: dict[str, None] = {}  # task ids delete() deleted (or is deleting), oldest first
+
+    @property
+    def tasks(self) -> TaskManager:
+        tasks = self._tasks()
+        if tasks is None:  # (only a Sessions kept past its server's task manager)
+            raise RuntimeError("the task manager of these sessions is gone")
+        return tasks
 
     @classmethod
     def of(cls, tasks: TaskManager) -> Sessions:
